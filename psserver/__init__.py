@@ -1,0 +1,1 @@
+"""psgrpc parameter-server shards: layout, modes, optimizer, gRPC service."""

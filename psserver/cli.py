@@ -1,0 +1,58 @@
+"""`ps-server`: serve one shard."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+
+from psserver.cli_support import EnvArgumentParser, run_cli, setup_logging
+from psserver.server import ServerConfig, ShardServer
+
+log = logging.getLogger("psserver")
+
+
+def build_parser() -> EnvArgumentParser:
+    p = EnvArgumentParser(prog="ps-server", description="Serve one shard of a psgrpc parameter server.")
+    p.add_argument("--shard", type=int, required=True, help="index of the shard this process serves (0-based)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
+    p.add_argument("--port", type=int, default=0, help="port to listen on; 0 picks a free one")
+    p.add_argument("--ready-file", help="write HOST:PORT here (atomically) once serving")
+    p.add_argument("--exit-when-done", action="store_true",
+                   help="exit 0 once every trainer of the job has registered and left")
+    p.add_argument("--max-workers", type=int, default=32, help="concurrent RPCs served")
+    p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="bytes per streamed chunk")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    return p
+
+
+def write_ready_file(path: str, address: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(address + "\n")
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    cfg = ServerConfig(shard=args.shard, host=args.host, port=args.port, max_workers=args.max_workers,
+                       chunk_bytes=args.chunk_bytes)
+    server = ShardServer(cfg).start()
+    if args.ready_file:
+        write_ready_file(args.ready_file, server.address)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    if args.exit_when_done:
+        threading.Thread(target=lambda: (server.shard.wait_job_done(), stop.set()), daemon=True).start()
+    while not stop.wait(0.5):  # a timed wait keeps the main thread responsive to signals
+        pass
+    log.info("shard %d stopping (version %d)", cfg.shard, server.shard.version)
+    server.stop()
+    return 0
+
+
+def entrypoint() -> None:
+    run_cli("ps-server", main)

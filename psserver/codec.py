@@ -1,0 +1,132 @@
+"""Tensors to and from streams of Chunk messages.
+
+A 1-D tensor travels as raw little-endian bytes cut into chunks of at most
+``chunk_bytes`` (no message near gRPC's size limits, bounded memory per
+message).  The first chunk carries the header.  The reader checks everything
+before the caller touches any state: a header on the first chunk only, the
+dtype, the declared length, chunks tiling [0, length) exactly once and in
+order, and (on request) that every value is finite.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Iterable, Iterator
+
+import torch
+
+from psserver.errors import InvalidRequest, TooLarge
+from psserver.job import WIRE_DTYPE_NAMES
+from psserver.proto import ps_pb2 as _pb
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+TORCH_DTYPES = {_pb.FLOAT32: torch.float32, _pb.FLOAT16: torch.float16, _pb.BFLOAT16: torch.bfloat16}
+WIRE_OF_TORCH = {v: k for k, v in TORCH_DTYPES.items()}
+
+# torch.frombuffer warns on read-only buffers (protobuf bytes); we only ever copy out of them.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+def dtype_name(wire: int) -> str:
+    return WIRE_DTYPE_NAMES.get(wire, f"unknown dtype #{wire}")
+
+
+def tensor_bytes(tensor: torch.Tensor, wire: int) -> bytes:
+    """The tensor as wire-dtype little-endian bytes (one copy; a conversion first if needed)."""
+    t = tensor.detach().reshape(-1)
+    if t.dtype != TORCH_DTYPES[wire]:
+        t = t.to(TORCH_DTYPES[wire])
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def encode(payload: bytes, header: _pb.ChunkHeader, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[_pb.Chunk]:
+    """Cut ``payload`` (wire-dtype bytes) into chunks; offsets count elements, not bytes."""
+    itemsize = TORCH_DTYPES[header.dtype].itemsize
+    step = max(itemsize, chunk_bytes - chunk_bytes % itemsize)
+    if not payload:
+        yield _pb.Chunk(header=header, offset=0, data=b"")
+        return
+    view = memoryview(payload)
+    for pos in range(0, len(payload), step):
+        chunk = _pb.Chunk(offset=pos // itemsize, data=bytes(view[pos : pos + step]))
+        if pos == 0:
+            chunk.header.CopyFrom(header)
+        yield chunk
+
+
+class ChunkReader:
+    """Reads one stream: ``header`` first (so callers can refuse early), then ``read``."""
+
+    def __init__(self, chunks: Iterable[_pb.Chunk]):
+        self._it = iter(chunks)
+        try:
+            self._first = next(self._it)
+        except StopIteration:
+            raise InvalidRequest("the stream is empty: the first chunk must carry a header") from None
+        if not self._first.HasField("header"):
+            raise InvalidRequest("the first chunk has no header")
+        self.header = self._first.header
+        self.bytes_read = 0
+
+    def read(self, expected_length: int, wire: int, max_bytes: int, require_finite: bool = True) -> torch.Tensor:
+        """Assemble the stream into a new fp32 tensor of ``expected_length`` elements.
+
+        Raises:
+            InvalidRequest: wrong dtype or length, bad tiling, non-finite values.
+            TooLarge: the declared stream is bigger than ``max_bytes``.
+        """
+        h = self.header
+        if h.dtype != wire:
+            raise InvalidRequest(f"dtype is {dtype_name(h.dtype)} but this job sends {dtype_name(wire)}")
+        dtype = TORCH_DTYPES[wire]
+        if h.length * dtype.itemsize > max_bytes:
+            raise TooLarge(
+                f"the stream declares {h.length * dtype.itemsize} bytes, over this shard's limit of {max_bytes} bytes"
+            )
+        if h.length != expected_length:
+            raise InvalidRequest(f"length is {h.length} elements but this shard's slice has {expected_length}")
+        out = torch.empty(expected_length, dtype=dtype)
+        raw = out.view(torch.uint8)
+        pos = 0  # next element expected
+        chunk = self._first
+        while chunk is not None:
+            if chunk is not self._first and chunk.HasField("header"):
+                raise InvalidRequest(f"the chunk at offset {chunk.offset} repeats the header; only the first may")
+            if chunk.offset != pos:
+                raise InvalidRequest(
+                    f"chunk offset is {chunk.offset} but {pos} was expected: chunks must tile [0, {expected_length}) "
+                    "once, in order"
+                )
+            n_bytes = len(chunk.data)
+            if n_bytes % dtype.itemsize:
+                raise InvalidRequest(
+                    f"the chunk at offset {chunk.offset} has {n_bytes} bytes, not a multiple of {dtype.itemsize} "
+                    f"({dtype_name(wire)})"
+                )
+            n = n_bytes // dtype.itemsize
+            if pos + n > expected_length:
+                raise InvalidRequest(
+                    f"the chunk at offset {chunk.offset} holds {n} elements, past the end of [0, {expected_length})"
+                )
+            if n:
+                raw[pos * dtype.itemsize : (pos + n) * dtype.itemsize] = torch.frombuffer(chunk.data, dtype=torch.uint8)
+            pos += n
+            self.bytes_read += n_bytes
+            chunk = next(self._it, None)
+        if pos != expected_length:
+            raise InvalidRequest(f"the chunks cover [0, {pos}) but the slice is [0, {expected_length})")
+        values = out if dtype == torch.float32 else out.float()
+        if require_finite:
+            check_finite(values)
+        return values
+
+
+def check_finite(values: torch.Tensor) -> None:
+    finite = torch.isfinite(values)
+    if not bool(finite.all()):
+        bad = (~finite).nonzero()
+        raise InvalidRequest(
+            f"{bad.numel()} values are NaN or infinite (first at element {int(bad[0])}: {float(values[bad[0]])})"
+        )

@@ -1,0 +1,66 @@
+"""Errors that map one-to-one to gRPC status codes.
+
+Shard logic raises these; the servicer turns each into ``context.abort(code,
+message)`` in one place.  Messages name the field and both values so a person
+can act on them.  The table is in README.md ("Status codes").
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class PsError(Exception):
+    """Base class: a refusal with a gRPC status code and an actionable message."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidRequest(PsError):
+    """Malformed request: chunk tiling, length, dtype, non-finite values, bad field values."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class JobMismatch(PsError):
+    """The caller's job spec, fingerprint or shard order disagrees with the shard's."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class NotReady(PsError):
+    """The shard has no job or no parameters yet (rank 0 has not registered or initialised)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class FutureVersion(PsError):
+    """A push claims a base version the shard has not reached."""
+
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
+VERSION_METADATA_KEY = "ps-version"  # trailing metadata of a stale refusal: the shard's current version
+
+
+class StaleGradient(PsError):
+    """A gradient too old for the mode's rules; dropped. The trainer should pull and go on."""
+
+    code = grpc.StatusCode.ABORTED
+
+    def __init__(self, message: str, version: int, staleness: int):
+        super().__init__(message)
+        self.version = version
+        self.staleness = staleness
+
+
+class TooLarge(PsError):
+    """A stream or message above the configured size limit."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class WaitTimeout(PsError):
+    """A pull waited for a version (or for the job to start) until its deadline."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED

@@ -1,0 +1,90 @@
+"""How a model's parameters are laid out over shards.
+
+The trainable parameters, in ``named_parameters()`` order, form one flat fp32
+vector of length P.  With M shards, shard i owns ``[floor(P*i/M),
+floor(P*(i+1)/M))`` -- ps-lite's key ranges applied to a flat vector: bytes are
+balanced to within one element, a tensor larger than a shard's share is split
+across shards for free, and every shard's optimizer works on one contiguous
+tensor.  This module is pure (no torch import) so shards, which never see the
+model's code, can use it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """One parameter tensor and where it sits in the flat vector."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The flat-vector layout of a model over ``num_shards`` shards."""
+
+    slots: tuple[TensorSlot, ...]
+    num_shards: int
+
+    @staticmethod
+    def from_shapes(named: Iterable[tuple[str, Sequence[int], str]], num_shards: int) -> "Layout":
+        """Build a layout from (name, shape, dtype) triples in parameter order."""
+        if num_shards < 1:
+            raise ValueError(f"The number of shards ({num_shards}) must be at least 1.")
+        slots, offset = [], 0
+        for name, shape, dtype in named:
+            slot = TensorSlot(name, tuple(int(d) for d in shape), dtype, offset)
+            slots.append(slot)
+            offset += slot.numel
+        return Layout(tuple(slots), num_shards)
+
+    @property
+    def total(self) -> int:
+        """P, the length of the flat vector."""
+        if not self.slots:
+            return 0
+        last = self.slots[-1]
+        return last.offset + last.numel
+
+    def shard_range(self, shard: int) -> tuple[int, int]:
+        """[start, end) of the flat vector owned by ``shard``."""
+        return shard_range(self.total, self.num_shards, shard)
+
+    def fingerprint(self) -> str:
+        """Hash of names, shapes, dtypes, P and M: equal iff two trainers agree on the layout."""
+        h = hashlib.sha256()
+        for s in self.slots:
+            h.update(f"{s.name}|{','.join(map(str, s.shape))}|{s.dtype};".encode())
+        h.update(f"P={self.total};M={self.num_shards}".encode())
+        return h.hexdigest()[:16]
+
+    def tensors_in(self, shard: int) -> list[tuple[str, int, int]]:
+        """(name, first element, last element + 1) of each tensor piece a shard holds, in tensor-local indices."""
+        start, end = self.shard_range(shard)
+        pieces = []
+        for s in self.slots:
+            lo, hi = max(start, s.offset), min(end, s.offset + s.numel)
+            if lo < hi:
+                pieces.append((s.name, lo - s.offset, hi - s.offset))
+        return pieces
+
+
+def shard_range(total: int, num_shards: int, shard: int) -> tuple[int, int]:
+    """[floor(P*i/M), floor(P*(i+1)/M)): contiguous, disjoint, covering, balanced within one element."""
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"Shard {shard} is out of range for {num_shards} shards.")
+    return total * shard // num_shards, total * (shard + 1) // num_shards

@@ -1,0 +1,85 @@
+"""Start and stop a shard's gRPC server (with the standard health service)."""
+
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from psserver.codec import DEFAULT_CHUNK_BYTES
+from psserver.proto import ps_pb2_grpc as _grpc
+from psserver.service import ParameterServerService
+from psserver.shard import Shard
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "psgrpc.v1.ParameterServer"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    shard: int
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 0  # 0: pick a free port
+    max_workers: int = 32  # concurrent RPCs served; pulls that wait for a round hold one each
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    max_message_bytes: int = 16 << 20  # per gRPC message; larger ones get RESOURCE_EXHAUSTED from gRPC
+    max_push_bytes: int = 4 << 30  # whole Init/Push stream
+
+    def __post_init__(self) -> None:
+        if self.shard < 0:
+            raise ValueError(f"The shard index ({self.shard}) must be zero or more.")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"The port ({self.port}) must be between 0 and 65535.")
+        if self.chunk_bytes < 16 or self.chunk_bytes > self.max_message_bytes // 2:
+            raise ValueError(
+                f"The chunk size ({self.chunk_bytes} bytes) must be between 16 and half the message limit "
+                f"({self.max_message_bytes // 2})."
+            )
+
+
+class ShardServer:
+    """A running shard: ``ShardServer(cfg).start()`` then ``.port``, ``.stop()``."""
+
+    def __init__(self, cfg: ServerConfig):
+        self.cfg = cfg
+        self.shard = Shard(cfg.shard)
+        self.health = health.HealthServicer()
+        opts = [
+            ("grpc.max_receive_message_length", cfg.max_message_bytes),
+            ("grpc.max_send_message_length", cfg.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers), options=opts)
+        _grpc.add_ParameterServerServicer_to_server(
+            ParameterServerService(self.shard, cfg.max_push_bytes, cfg.chunk_bytes), self.server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = 0
+
+    def start(self) -> "ShardServer":
+        address = f"{self.cfg.host}:{self.cfg.port}"
+        try:
+            self.port = self.server.add_insecure_port(address)
+        except RuntimeError as e:
+            raise OSError(f"cannot listen on {address}: {e}") from None
+        if self.port == 0:
+            raise OSError(f"cannot listen on {address}: the address is in use or not local")
+        self.server.start()
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("shard %d serving on %s:%d", self.cfg.shard, self.cfg.host, self.port)
+        return self
+
+    @property
+    def address(self) -> str:
+        return f"{self.cfg.host}:{self.port}"
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        """NOT_SERVING first, then stop taking calls and let in-flight ones finish within ``grace``."""
+        self.health.enter_graceful_shutdown()
+        self.shard.stop()
+        self.server.stop(grace).wait()

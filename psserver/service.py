@@ -1,0 +1,110 @@
+"""The gRPC servicer: decode, call the shard, encode, and map errors to status codes.
+
+Kept thin on purpose: every decision lives in ``psserver.shard`` and
+``psserver.modes``.  Every refusal goes through ``_refusals`` -- one place that
+counts it, logs it, and aborts with the error's status code and message, so no
+refusal ever surfaces as UNKNOWN.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import grpc
+
+from psserver.codec import DEFAULT_CHUNK_BYTES, ChunkReader, encode
+from psserver.errors import VERSION_METADATA_KEY, InvalidRequest, PsError, StaleGradient
+from psserver.job import JobSpec
+from psserver.proto import ps_pb2 as _pb
+from psserver.proto import ps_pb2_grpc as _grpc
+from psserver.shard import Shard
+
+log = logging.getLogger(__name__)
+
+_OUTCOMES = {"applied": _pb.APPLIED, "accepted": _pb.ACCEPTED, "duplicate": _pb.DUPLICATE, "scaled": _pb.SCALED}
+
+
+def _refusals(method):
+    """Turn PsError into context.abort with its code; count and log every refusal."""
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except PsError as e:
+            code = e.code
+            self.shard.count(f"refused_{code.name}")
+            if isinstance(e, StaleGradient):
+                context.set_trailing_metadata(((VERSION_METADATA_KEY, str(e.version)),))
+            else:
+                log.warning("shard %d: %s refused with %s: %s", self.shard.shard_id, method.__name__, code.name, e)
+            context.abort(code, str(e))
+
+    return wrapper
+
+
+class ParameterServerService(_grpc.ParameterServerServicer):
+    def __init__(self, shard: Shard, max_push_bytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 max_pull_wait: float = 600.0):
+        self.shard = shard
+        self.max_push_bytes = max_push_bytes
+        self.chunk_bytes = chunk_bytes
+        self.max_pull_wait = max_pull_wait
+
+    @_refusals
+    def Register(self, request, context):
+        try:
+            job = JobSpec.from_proto(request.job)
+        except ValueError as e:
+            raise InvalidRequest(f"job spec: {e}") from None
+        r = self.shard.register(request.rank, request.trainer_id, request.expected_shard, job)
+        return _pb.RegisterReply(**r)
+
+    @_refusals
+    def Init(self, request_iterator, context):
+        reader = ChunkReader(request_iterator)
+        h = reader.header
+        values = reader.read(self.shard.slice_length(), self.shard.wire_dtype(), self.max_push_bytes)
+        accepted, version = self.shard.init(h.rank, h.trainer_id, h.fingerprint, values)
+        self.shard.count("bytes_in", reader.bytes_read)
+        return _pb.InitReply(version=version, accepted=accepted)
+
+    @_refusals
+    def Pull(self, request, context):
+        wire = request.dtype or self.shard.wire_dtype()
+        if wire not in (_pb.FLOAT32, self.shard.wire_dtype()):
+            raise InvalidRequest(f"pull dtype is {wire} but this job sends {self.shard.wire_dtype()} (or FLOAT32)")
+        remaining = context.time_remaining()
+        timeout = self.max_pull_wait if remaining is None else min(remaining, self.max_pull_wait)
+        version, payload = self.shard.pull(
+            request.rank, request.trainer_id, request.fingerprint, request.min_version, wire, timeout
+        )
+        self.shard.count("bytes_out", len(payload))
+        itemsize = 4 if wire == _pb.FLOAT32 else 2
+        header = _pb.ChunkHeader(dtype=wire, length=len(payload) // itemsize, version=version)
+        return encode(payload, header, self.chunk_bytes)
+
+    @_refusals
+    def Push(self, request_iterator, context):
+        reader = ChunkReader(request_iterator)
+        h = reader.header
+        self.shard.check_push_header(h.rank, h.trainer_id, h.fingerprint, h.version, h.num_samples)
+        grad = reader.read(self.shard.slice_length(), self.shard.wire_dtype(), self.max_push_bytes)
+        self.shard.count("bytes_in", reader.bytes_read)
+        r = self.shard.push(h.rank, h.trainer_id, h.fingerprint, h.version, h.num_samples, grad)
+        return _pb.PushReply(outcome=_OUTCOMES[r.outcome], version=r.version, staleness=r.staleness)
+
+    @_refusals
+    def Leave(self, request, context):
+        remaining = self.shard.leave(request.rank, request.trainer_id)
+        return _pb.LeaveReply(remaining=remaining)
+
+    def GetStats(self, request, context):
+        s = self.shard.stats()
+        job = s.pop("job")
+        reply = _pb.StatsReply(**s, state_digest=self.shard.state_digest())
+        if job is not None:
+            reply.job.CopyFrom(job.to_proto())
+        return reply

@@ -1,0 +1,365 @@
+"""One shard's state and the executor of the mode decisions.
+
+A shard owns a contiguous slice of the flat parameter vector, that slice's
+optimizer state, a version counter (optimizer steps applied), the job spec, and
+the membership of trainers.  It knows nothing of the model's code.
+
+Locking: one condition variable, ``_cond``, guards every field below it.
+Gradients are decoded and validated *before* the lock is taken, so a refusal
+never touches state and a slow stream never blocks other trainers.  Waiting
+pulls and the round timer wait on the same condition; every state change
+notifies it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from psserver import modes
+from psserver.codec import tensor_bytes
+from psserver.errors import FutureVersion, InvalidRequest, JobMismatch, NotReady, StaleGradient, WaitTimeout
+from psserver.job import WIRE_DTYPES, JobSpec
+from psserver.layout import shard_range
+from psserver.optim import build_optimizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PushResult:
+    outcome: str  # "applied" | "accepted" | "duplicate" | "scaled"
+    version: int
+    staleness: int
+
+
+class Shard:
+    """State of shard ``shard_id``; all methods are thread-safe."""
+
+    def __init__(self, shard_id: int, clock: Callable[[], float] = time.monotonic):
+        self.shard_id = shard_id
+        self._clock = clock
+        self._cond = threading.Condition()
+        # --- guarded by _cond ---
+        self.job: JobSpec | None = None
+        self.start = self.end = 0
+        self.params: torch.nn.Parameter | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.version = 0
+        self.trainers: dict[int, str] = {}  # rank -> trainer id of its newest registration
+        self.live: set[int] = set()
+        self.ever_registered: set[int] = set()
+        self.counters: Counter[str] = Counter()
+        self._cfg: modes.ModeConfig | None = None
+        self._acc: torch.Tensor | None = None  # weighted sum of the open round's gradients
+        self._acc_weight = 0.0
+        self._contributors: set[int] = set()
+        self._stale_in_round: set[tuple[int, int]] = set()
+        self._opened_at: float | None = None
+        self._last_base: dict[int, int] = {}
+        self._snapshot: tuple[int, int, bytes] | None = None  # (version, wire dtype, bytes)
+        self._stopped = False
+        self._timer: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ membership and job
+    def register(self, rank: int, trainer_id: str, expected_shard: int, job: JobSpec) -> dict:
+        """Join ``rank`` to the job; the first registration fixes the job spec."""
+        if expected_shard != self.shard_id:
+            raise JobMismatch(
+                f"this is shard {self.shard_id} but the trainer listed it as shard {expected_shard}: "
+                "--ps must list the shards in shard order"
+            )
+        if job.num_shards <= self.shard_id:
+            raise JobMismatch(f"this is shard {self.shard_id} but the job has only {job.num_shards} shards")
+        if job.total_params < job.num_shards:
+            # shard_range would give some shard an empty slice; allowed, but say why in logs.
+            log.warning("shard %d: the job has fewer parameters (%d) than shards (%d)", self.shard_id,
+                        job.total_params, job.num_shards)
+        if not 0 <= rank < job.num_trainers:
+            raise InvalidRequest(f"rank is {rank} but the job has {job.num_trainers} trainers (ranks 0..{job.num_trainers - 1})")
+        with self._cond:
+            if self.job is None:
+                self._set_job(job)
+            else:
+                diff = self.job.difference(job)
+                if diff:
+                    raise JobMismatch(f"job spec differs from the one this shard was started with: {diff}")
+            previous = self.trainers.get(rank)
+            self.trainers[rank] = trainer_id
+            self.live.add(rank)
+            self.ever_registered.add(rank)
+            self.counters["registrations"] += 1
+            if previous and previous != trainer_id:
+                self.counters["re_registrations"] += 1
+                log.info("shard %d: rank %d re-registered as %s (was %s)", self.shard_id, rank, trainer_id, previous)
+            else:
+                log.info("shard %d: rank %d registered as %s (%d/%d)", self.shard_id, rank, trainer_id,
+                         len(self.ever_registered), job.num_trainers)
+            self._cond.notify_all()
+            return dict(
+                shard=self.shard_id, start=self.start, end=self.end, initialized=self.params is not None,
+                version=self.version, registered=len(self.ever_registered),
+            )
+
+    def _set_job(self, job: JobSpec) -> None:
+        self.job = job
+        self._cfg = modes.ModeConfig.from_job(job)
+        self.start, self.end = shard_range(job.total_params, job.num_shards, self.shard_id)
+        log.info("shard %d: job fixed: mode %s, %d trainers, slice [%d, %d) of %d, optimizer %s lr %g",
+                 self.shard_id, job.mode, job.num_trainers, self.start, self.end, job.total_params,
+                 job.optimizer.name, job.optimizer.lr)
+        if job.mode == "stale-timeout":
+            self._timer = threading.Thread(target=self._timer_loop, name=f"shard{self.shard_id}-timer", daemon=True)
+            self._timer.start()
+
+    def leave(self, rank: int, trainer_id: str) -> int:
+        """``rank`` is done; rounds stop waiting for it. Returns the live count left."""
+        with self._cond:
+            self._check_member(rank, trainer_id)
+            self.live.discard(rank)
+            self.counters["leaves"] += 1
+            log.info("shard %d: rank %d left; %d live", self.shard_id, rank, len(self.live))
+            self._close_if_due()
+            self._cond.notify_all()
+            return len(self.live)
+
+    @property
+    def job_done(self) -> bool:
+        """Every trainer of the job registered and all have left."""
+        with self._cond:
+            return self.job is not None and self._started() and not self.live
+
+    def wait_job_done(self, timeout: float | None = None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._stopped or (self.job is not None and self._started() and not self.live), timeout)
+
+    # ------------------------------------------------------------------ parameters
+    def init(self, rank: int, trainer_id: str, fingerprint: str, values: torch.Tensor) -> tuple[bool, int]:
+        """Set the initial parameters; the first Init wins, later ones change nothing."""
+        with self._cond:
+            self._check_ready(rank, trainer_id, fingerprint, need_params=False)
+            if values.numel() != self.end - self.start:
+                raise InvalidRequest(f"length is {values.numel()} elements but this shard's slice has {self.end - self.start}")
+            if self.params is not None:
+                return False, self.version
+            self.params = torch.nn.Parameter(values.clone(), requires_grad=False)
+            self.optimizer = build_optimizer(self.job.optimizer, [self.params])
+            self._acc = torch.zeros_like(values)
+            log.info("shard %d: initialised by rank %d with %d parameters", self.shard_id, rank, values.numel())
+            self._cond.notify_all()
+            return True, self.version
+
+    def pull(self, rank: int, trainer_id: str, fingerprint: str, min_version: int, wire: int,
+             timeout: float) -> tuple[int, bytes]:
+        """Parameters at a version >= ``min_version`` as wire bytes, waiting up to ``timeout`` seconds.
+
+        In sync and stale-timeout modes the first pull also waits until every
+        trainer of the job has registered, so round 0 has everybody in it.
+        """
+        with self._cond:
+            self._check_ready(rank, trainer_id, fingerprint, need_params=False)
+            ready = lambda: self._stopped or (
+                self.params is not None and self.version >= min_version
+                and (self.job.mode == "async" or self._started())
+            )
+            if not self._cond.wait_for(ready, timeout):
+                raise WaitTimeout(self._pull_wait_message(min_version, timeout))
+            if self._stopped:
+                raise NotReady(f"shard {self.shard_id} is shutting down")
+            if self._snapshot is None or self._snapshot[:2] != (self.version, wire):
+                self._snapshot = (self.version, wire, tensor_bytes(self.params, wire))
+            self.counters["pulls"] += 1
+            return self.version, self._snapshot[2]
+
+    def _pull_wait_message(self, min_version: int, timeout: float) -> str:
+        if self.params is None:
+            return f"shard {self.shard_id} was not initialised within {timeout:.1f} s: is rank 0 running?"
+        if not self._started():
+            missing = sorted(set(range(self.job.num_trainers)) - self.ever_registered)
+            return f"shard {self.shard_id} still waits for ranks {missing} to register after {timeout:.1f} s"
+        return f"shard {self.shard_id} is at version {self.version}, not {min_version}, after {timeout:.1f} s"
+
+    def check_push_header(self, rank: int, trainer_id: str, fingerprint: str, base: int, num_samples: int) -> None:
+        """Refuse a push on its header alone, before its payload is read."""
+        with self._cond:
+            self._check_ready(rank, trainer_id, fingerprint, need_params=True)
+            if num_samples < 1:
+                raise InvalidRequest(f"num_samples is {num_samples} but a gradient needs at least 1 sample")
+            if base > self.version:
+                raise FutureVersion(f"base version is {base} but shard {self.shard_id} is at version {self.version}")
+
+    def push(self, rank: int, trainer_id: str, fingerprint: str, base: int, num_samples: int,
+             grad: torch.Tensor) -> PushResult:
+        """Hand a validated gradient to the mode logic and carry out its decision."""
+        with self._cond:
+            self.check_push_header(rank, trainer_id, fingerprint, base, num_samples)
+            now = self._clock()
+            d = modes.decide_push(self._cfg, self._view(), rank, base, now)
+            A = modes.Action
+            if d.action is A.REFUSE_FUTURE:  # unreachable after check_push_header; kept for safety
+                raise FutureVersion(f"base version is {base} but shard {self.shard_id} is at version {self.version}")
+            if d.action is A.DROP_STALE:
+                self.counters["stale_dropped"] += 1
+                log.info("shard %d: dropped a stale gradient from rank %d (base %d, version %d, staleness %d)",
+                         self.shard_id, rank, base, self.version, d.staleness)
+                raise StaleGradient(
+                    f"stale gradient: base version {base} is {d.staleness} behind version {self.version} of shard "
+                    f"{self.shard_id}; dropped -- pull version {self.version} and go on",
+                    self.version, d.staleness,
+                )
+            if d.action is A.DUPLICATE:
+                self.counters["duplicates"] += 1
+                log.info("shard %d: duplicate push from rank %d for base %d acknowledged, not applied",
+                         self.shard_id, rank, base)
+                return PushResult("duplicate", self.version, d.staleness)
+            self.counters["pushes_received"] += 1
+            self.counters["samples"] += num_samples
+            if d.action is A.APPLY:
+                self._last_base[rank] = base
+                self.counters["staleness_sum"] += d.staleness
+                self._apply(grad)
+                return PushResult("applied", self.version, d.staleness)
+            # ACCUMULATE
+            w = num_samples * d.weight
+            self._acc.add_(grad, alpha=w)
+            self._acc_weight += w
+            if self._opened_at is None:
+                self._opened_at = now
+            if d.counts_for_round:
+                self._contributors.add(rank)
+            else:
+                self._stale_in_round.add((rank, base))
+                self.counters["stale_scaled"] += 1
+                log.info("shard %d: scaled a stale gradient from rank %d by %.3f (staleness %d)",
+                         self.shard_id, rank, d.weight, d.staleness)
+            outcome = "accepted" if d.counts_for_round else "scaled"
+            if d.close is not None:
+                self._close_round(d.close)
+                outcome = "applied"
+            self._cond.notify_all()
+            return PushResult(outcome, self.version, d.staleness)
+
+    # ------------------------------------------------------------------ rounds
+    def _close_if_due(self) -> None:
+        reason = modes.decide_tick(self._cfg, self._view(), self._clock()) if self._cfg else None
+        if reason is not None:
+            self._close_round(reason)
+
+    def _close_round(self, reason: modes.CloseReason) -> None:
+        """Average the open round (weighted by samples) and take one optimizer step."""
+        grad = self._acc / self._acc_weight
+        n = len(self._contributors)
+        self._apply(grad)
+        self.counters[f"rounds_{reason.value}"] += 1
+        if reason is not modes.CloseReason.ALL_ARRIVED:
+            missing = sorted(self.live - self._contributors)
+            log.info("shard %d: round %d closed by %s with %d gradients; missing ranks %s",
+                     self.shard_id, self.version - 1, reason.value, n, missing)
+        self._acc.zero_()
+        self._acc_weight = 0.0
+        self._contributors.clear()
+        self._stale_in_round.clear()
+        self._opened_at = None
+
+    def _apply(self, grad: torch.Tensor) -> None:
+        self.params.grad = grad
+        self.optimizer.step()
+        self.params.grad = None
+        self.version += 1
+        self.counters["steps"] += 1
+        self._cond.notify_all()
+
+    def _timer_loop(self) -> None:
+        """Closes stale-timeout rounds at their deadline, even if no push arrives."""
+        with self._cond:
+            while not self._stopped:
+                deadline = modes.round_deadline(self._cfg, self._view()) if self.params is not None else None
+                if deadline is None:
+                    self._cond.wait()
+                    continue
+                remaining = deadline - self._clock()
+                if remaining > 0:
+                    self._cond.wait(remaining)
+                self._close_if_due()
+
+    def _view(self) -> modes.RoundView:
+        return modes.RoundView(
+            version=self.version,
+            live=frozenset(self.live),
+            started=self._started(),
+            contributors=frozenset(self._contributors),
+            stale_in_round=frozenset(self._stale_in_round),
+            opened_at=self._opened_at,
+            last_base=dict(self._last_base),
+        )
+
+    def _started(self) -> bool:
+        return len(self.ever_registered) >= self.job.num_trainers
+
+    # ------------------------------------------------------------------ checks and stats
+    def _check_ready(self, rank: int, trainer_id: str, fingerprint: str, need_params: bool) -> None:
+        if self.job is None:
+            raise NotReady(f"shard {self.shard_id} has no job yet: register first")
+        if fingerprint != self.job.fingerprint:
+            raise JobMismatch(
+                f"fingerprint is {fingerprint!r} but the job's is {self.job.fingerprint!r}: a different model or "
+                "shard count"
+            )
+        self._check_member(rank, trainer_id)
+        if need_params and self.params is None:
+            raise NotReady(f"shard {self.shard_id} is not initialised yet: rank 0 sends Init first")
+
+    def _check_member(self, rank: int, trainer_id: str) -> None:
+        current = self.trainers.get(rank)
+        if current is None:
+            raise JobMismatch(f"rank {rank} is not registered with shard {self.shard_id}: register first")
+        if current != trainer_id:
+            raise JobMismatch(
+                f"rank {rank} is registered as {current!r}, not {trainer_id!r}: a newer trainer took this rank"
+            )
+
+    def count(self, name: str, n: float = 1) -> None:
+        with self._cond:
+            self.counters[name] += n
+
+    def wire_dtype(self) -> int:
+        with self._cond:
+            return WIRE_DTYPES[self.job.wire_dtype] if self.job else 0
+
+    def slice_length(self) -> int:
+        with self._cond:
+            return self.end - self.start
+
+    def stats(self) -> dict:
+        with self._cond:
+            return dict(
+                shard=self.shard_id, initialized=self.params is not None, version=self.version,
+                mode=self.job.mode if self.job else "", start=self.start, end=self.end,
+                live_ranks=sorted(self.live), counters=dict(self.counters), job=self.job,
+            )
+
+    def state_digest(self) -> str:
+        """Hash of parameters, optimizer state, version and round buffers (tests assert refusals leave it unchanged)."""
+        import hashlib
+
+        with self._cond:
+            h = hashlib.sha256(f"v={self.version};acc_w={self._acc_weight};c={sorted(self._contributors)}".encode())
+            if self.params is not None:
+                h.update(self.params.detach().numpy().tobytes())
+                h.update(self._acc.numpy().tobytes())
+                for state in self.optimizer.state.values():
+                    for k, t in sorted(state.items()):
+                        h.update(k.encode())
+                        h.update(t.numpy().tobytes() if torch.is_tensor(t) else repr(t).encode())
+            return h.hexdigest()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()

@@ -1,0 +1,233 @@
+"""The Python API: put an existing training loop on the parameter servers.
+
+As with DDP, the change to a single-process loop is a few lines::
+
+    ps = connect("10.0.0.1:7000,10.0.0.2:7000", model, mode="sync",
+                 optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9},
+                 rank=rank, num_trainers=world)
+    for x, y in loader:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        ps.step(num_samples=len(x))   # instead of optimizer.step(); also zeroes the gradients
+    ps.close()
+
+The optimizer runs on the shards; ``step`` pushes each shard its slice of the
+gradient and pulls fresh weights into the model.  The model's parameters and
+gradients are views into one flat buffer each, so a pull writes straight into
+the model and a push reads straight out of ``.grad``.  Buffers that get no
+gradient (BatchNorm running statistics) stay local to each trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from psserver.job import JobSpec, OptimizerConfig
+from psserver.layout import Layout
+from trainer.client import ShardClient, ShardedClient, parse_addresses
+
+log = logging.getLogger(__name__)
+
+
+def model_layout(model: torch.nn.Module, num_shards: int) -> Layout:
+    """The flat layout of ``model``'s trainable parameters over ``num_shards`` shards."""
+    return Layout.from_shapes(
+        ((n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters()
+         if p.requires_grad),
+        num_shards,
+    )
+
+
+def make_job(model: torch.nn.Module, num_shards: int, *, mode: str = "sync", num_trainers: int = 1,
+             optimizer: OptimizerConfig | dict | None = None, max_staleness: int | None = None,
+             sync_timeout: float = 0.0, replicas_to_aggregate: int = 0, stale_policy: str = "drop",
+             wire_dtype: str = "float32") -> JobSpec:
+    """The job spec for training ``model``; raises ValueError naming a bad setting."""
+    layout = model_layout(model, num_shards)
+    if optimizer is None:
+        optimizer = OptimizerConfig()
+    elif isinstance(optimizer, dict):
+        optimizer = OptimizerConfig(**optimizer)
+    return JobSpec(
+        mode=mode, num_trainers=num_trainers, num_shards=num_shards, total_params=layout.total,
+        fingerprint=layout.fingerprint(), optimizer=optimizer, max_staleness=max_staleness,
+        sync_timeout=sync_timeout, replicas_to_aggregate=replicas_to_aggregate, stale_policy=stale_policy,
+        wire_dtype=wire_dtype, tensors=tuple((s.name, s.shape, s.dtype) for s in layout.slots),
+    )
+
+
+class FlatModel:
+    """Rebinds a model's trainable parameters and gradients as views of two flat buffers."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("the model has no trainable parameters")
+        dtypes = {p.dtype for p in self.params}
+        if dtypes != {torch.float32}:
+            raise ValueError(f"psgrpc trains fp32 parameters; the model has {sorted(map(str, dtypes))}")
+        device = self.params[0].device
+        total = sum(p.numel() for p in self.params)
+        self.flat = torch.empty(total, dtype=torch.float32, device=device)
+        self.grad = torch.zeros(total, dtype=torch.float32, device=device)
+        self._views = []
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                n = p.numel()
+                self.flat[offset : offset + n].copy_(p.reshape(-1))
+                p.data = self.flat[offset : offset + n].view_as(p)
+                p.grad = self.grad[offset : offset + n].view_as(p)
+                self._views.append(p.grad)
+                offset += n
+
+    def gather_grads(self) -> torch.Tensor:
+        """The flat gradient; copies in any ``.grad`` a caller replaced (e.g. after zero_grad(set_to_none=True))."""
+        for p, view in zip(self.params, self._views):
+            if p.grad is not view:
+                if p.grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(p.grad)
+                p.grad = view
+        return self.grad
+
+    def zero_grad(self) -> None:
+        self.grad.zero_()
+
+
+@dataclass
+class StepInfo:
+    versions: list[int]
+    outcomes: list[str]
+    push_seconds: float
+    pull_seconds: float
+    stale: int = field(default=0)
+
+
+class ParameterServerTrainer:
+    """A connected trainer; create it with :func:`connect`."""
+
+    def __init__(self, addresses: Sequence[str], model: torch.nn.Module, job: JobSpec, rank: int,
+                 trainer_id: str, connect_timeout: float, round_timeout: float, chunk_bytes: int):
+        self.model, self.job, self.rank = model, job, rank
+        self.round_timeout = round_timeout
+        self.layout = model_layout(model, job.num_shards)
+        self.flat = FlatModel(model)
+        self.client = ShardedClient(addresses, job, rank, trainer_id, chunk_bytes=chunk_bytes)
+        self.ranges = [self.layout.shard_range(i) for i in range(job.num_shards)]
+        self.versions = [0] * job.num_shards
+        self.steps = 0
+        replies = self.client.map(lambda s: s.register(job, connect_timeout))
+        for i, r in enumerate(replies):
+            if (r.start, r.end) != self.ranges[i]:
+                raise ValueError(f"shard {i} owns [{r.start}, {r.end}) but this trainer expected {self.ranges[i]}")
+        if rank == 0:
+            self.client.map(lambda s: s.init(self._slice(self.flat.flat, s.index), self.client.wire)
+                            if not replies[s.index].initialized else None)
+        # The first pull waits until every shard is initialised (and, in sync modes, all trainers registered).
+        self._pull_all([0] * job.num_shards, timeout=connect_timeout)
+        log.info("rank %d connected to %d shards at versions %s", rank, job.num_shards, self.versions)
+
+    def _slice(self, flat: torch.Tensor, shard: int) -> torch.Tensor:
+        start, end = self.ranges[shard]
+        return flat[start:end]
+
+    def _pull_all(self, min_versions: list[int], timeout: float) -> None:
+        def pull(s: ShardClient):
+            v, values = s.pull(min_versions[s.index], self.client.wire, len(range(*self.ranges[s.index])), timeout)
+            with torch.no_grad():
+                self._slice(self.flat.flat, s.index).copy_(values)
+            self.versions[s.index] = v
+
+        self.client.map(pull)
+
+    def step(self, num_samples: int = 1) -> StepInfo:
+        """Push the gradients in ``.grad``, pull fresh weights into the model, zero the gradients."""
+        grad = self.flat.gather_grads()
+        mode = self.job.mode
+        timings = {}
+
+        def exchange(s: ShardClient):
+            i = s.index
+            t0 = time.perf_counter()
+            out = s.push(self._slice(grad, i), self.versions[i], num_samples, self.client.wire)
+            t1 = time.perf_counter()
+            if out.outcome == "stale":
+                wanted = out.version  # catch up with the shard
+            elif mode == "async":
+                wanted = out.version
+            else:
+                wanted = self.versions[i] + 1  # wait for the round this gradient is in to close
+            v, values = s.pull(wanted, self.client.wire, len(range(*self.ranges[i])), self.round_timeout)
+            with torch.no_grad():
+                self._slice(self.flat.flat, i).copy_(values)
+            self.versions[i] = v
+            timings[i] = (t1 - t0, time.perf_counter() - t1)
+            return out.outcome
+
+        outcomes = self.client.map(exchange)
+        self.flat.zero_grad()
+        self.steps += 1
+        return StepInfo(
+            versions=list(self.versions), outcomes=outcomes,
+            push_seconds=max(t[0] for t in timings.values()), pull_seconds=max(t[1] for t in timings.values()),
+            stale=outcomes.count("stale"),
+        )
+
+    def zero_grad(self) -> None:
+        self.flat.zero_grad()
+
+    @property
+    def counters(self) -> dict:
+        return dict(self.client.counters)
+
+    def shard_stats(self) -> list:
+        return self.client.map(lambda s: s.stats())
+
+    def close(self, leave: bool = True) -> None:
+        """Leave the job (so rounds stop waiting for this trainer) and close the channels."""
+        try:
+            if leave:
+                self.client.map(lambda s: s.leave())
+        finally:
+            self.client.close()
+
+    def __enter__(self) -> "ParameterServerTrainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def default_trainer_id(rank: int) -> str:
+    return f"rank{rank}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "sync", rank: int = 0,
+            num_trainers: int = 1, optimizer: OptimizerConfig | dict | None = None,
+            max_staleness: int | None = None, sync_timeout: float = 0.0, replicas_to_aggregate: int = 0,
+            stale_policy: str = "drop", wire_dtype: str = "float32", trainer_id: str | None = None,
+            connect_timeout: float = 120.0, round_timeout: float = 600.0,
+            chunk_bytes: int = 1 << 20) -> ParameterServerTrainer:
+    """Register ``model`` with the shards at ``ps`` and return a handle whose ``step()`` trains it.
+
+    Rank 0 initialises the shards with its model's weights; every trainer then
+    starts from the shards' weights.  Raises ValueError for a bad setting and
+    grpc.RpcError (FAILED_PRECONDITION, with the difference named) when the
+    shards run a different job.
+    """
+    addresses = parse_addresses(ps)
+    job = make_job(model, len(addresses), mode=mode, num_trainers=num_trainers, optimizer=optimizer,
+                   max_staleness=max_staleness, sync_timeout=sync_timeout,
+                   replicas_to_aggregate=replicas_to_aggregate, stale_policy=stale_policy, wire_dtype=wire_dtype)
+    return ParameterServerTrainer(addresses, model, job, rank, trainer_id or default_trainer_id(rank),
+                                  connect_timeout, round_timeout, chunk_bytes)

@@ -1,0 +1,73 @@
+"""`ps-trainer`: one trainer process of a psgrpc job."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from psserver.cli_support import EnvArgumentParser, run_cli, setup_logging
+from psserver.job import MODES, OPTIMIZERS, STALE_POLICIES, WIRE_DTYPES
+from trainer.data import DATASETS
+from trainer.loop import TrainConfig, train
+from trainer.models import MODELS
+
+
+def build_parser() -> EnvArgumentParser:
+    p = EnvArgumentParser(prog="ps-trainer", description="Train as one trainer of a psgrpc job.")
+    p.add_argument("--ps", required=True, help="shard addresses in shard order: HOST:PORT[,HOST:PORT...]")
+    p.add_argument("--rank", type=int, default=0, help="this trainer's rank, 0..num-trainers-1")
+    p.add_argument("--num-trainers", type=int, default=1, help="trainers in the job")
+    p.add_argument("--mode", choices=MODES, default="sync", help="consistency mode")
+    p.add_argument("--max-staleness", type=int, default=None, help="async: refuse gradients older than this")
+    p.add_argument("--sync-timeout", type=float, default=0.0,
+                   help="stale-timeout: seconds a round waits after its first gradient")
+    p.add_argument("--replicas-to-aggregate", type=int, default=0,
+                   help="stale-timeout: close a round after this many gradients (0: all live trainers)")
+    p.add_argument("--stale-policy", choices=STALE_POLICIES, default="drop",
+                   help="stale-timeout: drop late gradients, or scale them by 1/(1+staleness)")
+    p.add_argument("--model", choices=MODELS, default="cnn")
+    p.add_argument("--dataset", choices=DATASETS, default="mnist5k")
+    p.add_argument("--batch-size", type=int, default=32, help="samples per trainer per step")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--steps", type=int, default=0, help="run this many steps instead of --epochs")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--momentum", type=float, default=0.9, help="sgd only")
+    p.add_argument("--nesterov", action="store_true", help="sgd only")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--wire-dtype", choices=list(WIRE_DTYPES), default="float32",
+                   help="dtype of gradients and weights on the wire (shards keep fp32)")
+    p.add_argument("--seed", type=int, default=0, help="model init and data order; the same on every trainer")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--output", default="", help="rank 0 writes the trained state dict here")
+    p.add_argument("--metrics-file", default="", help="append JSON-lines metrics here")
+    p.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step (simulate a straggler)")
+    p.add_argument("--connect-timeout", type=float, default=120.0, help="seconds to wait for the shards at start")
+    p.add_argument("--log-every", type=int, default=20, help="log and record metrics every N steps")
+    p.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    logging.getLogger("trainer.client").setLevel(max(logging.getLogger().level, logging.INFO))
+    cfg = TrainConfig(
+        ps=args.ps, rank=args.rank, num_trainers=args.num_trainers, mode=args.mode, model=args.model,
+        dataset=args.dataset, batch_size=args.batch_size, epochs=args.epochs, steps=args.steps,
+        optimizer=args.optimizer, lr=args.lr, momentum=args.momentum, nesterov=args.nesterov,
+        weight_decay=args.weight_decay, seed=args.seed, device=args.device, output=args.output,
+        metrics_file=args.metrics_file, max_staleness=args.max_staleness, sync_timeout=args.sync_timeout,
+        replicas_to_aggregate=args.replicas_to_aggregate, stale_policy=args.stale_policy,
+        wire_dtype=args.wire_dtype, step_delay=args.step_delay, threads=args.threads, log_every=args.log_every,
+        progress=False if args.no_progress else None, connect_timeout=args.connect_timeout,
+    )
+    summary = train(cfg)
+    print(json.dumps({"event": "done", "rank": cfg.rank, **summary}))
+    return 0
+
+
+def entrypoint() -> None:
+    run_cli("ps-trainer", main)

@@ -1,0 +1,191 @@
+"""The trainer's side of the wire: one channel per shard, fan-out, deadlines, retries.
+
+``ShardClient`` speaks to one shard; ``ShardedClient`` holds one per shard and
+runs their calls in parallel.  Every call has a deadline.  UNAVAILABLE is
+retried with exponential backoff and jitter (safe: Register and Init are
+idempotent, Pull is a read, and a retried Push is recognised by the shard as a
+duplicate of (rank, base version) and acknowledged without being applied).
+Every retry and every stale push is counted in ``counters`` and logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Sequence, TypeVar
+
+import grpc
+import torch
+
+from psserver.codec import DEFAULT_CHUNK_BYTES, ChunkReader, encode, tensor_bytes
+from psserver.job import WIRE_DTYPES, JobSpec
+from psserver.proto import ps_pb2 as _pb
+from psserver.proto import ps_pb2_grpc as _grpc
+from psserver.errors import VERSION_METADATA_KEY
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+
+
+def parse_addresses(ps: str | Sequence[str]) -> list[str]:
+    """'h0:p0,h1:p1' -> ['h0:p0', 'h1:p1'], with a clear error for a malformed entry."""
+    items = [a.strip() for a in (ps.split(",") if isinstance(ps, str) else ps) if a.strip()]
+    if not items:
+        raise ValueError("no parameter-server address given: pass --ps HOST:PORT[,HOST:PORT...]")
+    for a in items:
+        host, _, port = a.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"the address {a!r} is not HOST:PORT with a port between 1 and 65535")
+    return items
+
+
+@dataclass(frozen=True)
+class PushOutcome:
+    outcome: str  # "applied" | "accepted" | "duplicate" | "scaled" | "stale"
+    version: int  # the shard's version after the push
+    staleness: int
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 6
+    initial_backoff: float = 0.1
+    max_backoff: float = 5.0
+
+
+class ShardClient:
+    """Calls to one shard, identified by its position in the --ps list."""
+
+    def __init__(self, address: str, index: int, rank: int, trainer_id: str, fingerprint: str,
+                 counters: Counter, chunk_bytes: int = DEFAULT_CHUNK_BYTES, call_timeout: float = 60.0,
+                 retry: RetryPolicy = RetryPolicy()):
+        self.address, self.index, self.rank, self.trainer_id = address, index, rank, trainer_id
+        self.fingerprint, self.counters, self.chunk_bytes = fingerprint, counters, chunk_bytes
+        self.call_timeout, self.retry = call_timeout, retry
+        self._lock = threading.Lock()
+        self.channel = grpc.insecure_channel(
+            address,
+            options=[
+                ("grpc.max_receive_message_length", 64 << 20),
+                ("grpc.max_send_message_length", 64 << 20),
+                ("grpc.keepalive_time_ms", 30_000),
+            ],
+        )
+        self.stub = _grpc.ParameterServerStub(self.channel)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` with retries on UNAVAILABLE (exponential backoff with full jitter)."""
+        delay = self.retry.initial_backoff
+        for attempt in range(1, self.retry.attempts + 1):
+            try:
+                return fn()
+            except grpc.RpcError as e:
+                if e.code() not in RETRYABLE or attempt == self.retry.attempts:
+                    raise
+                self._count("retries")
+                pause = random.uniform(0, delay)
+                log.warning("%s to shard %d (%s) failed with %s (%s); retry %d in %.2f s", what, self.index,
+                            self.address, e.code().name, e.details(), attempt, pause)
+                time.sleep(pause)  # backoff between attempts, not synchronisation
+                delay = min(delay * 2, self.retry.max_backoff)
+        raise AssertionError("unreachable")
+
+    def register(self, job: JobSpec, connect_timeout: float) -> _pb.RegisterReply:
+        req = _pb.RegisterRequest(rank=self.rank, trainer_id=self.trainer_id, expected_shard=self.index,
+                                  job=job.to_proto())
+        # wait_for_ready: a shard that is still starting is waited for (within the deadline), not an error.
+        return self._call("Register", lambda: self.stub.Register(req, timeout=connect_timeout, wait_for_ready=True))
+
+    def _header(self, wire: int, length: int, version: int = 0, num_samples: int = 0) -> _pb.ChunkHeader:
+        return _pb.ChunkHeader(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.fingerprint,
+                               dtype=wire, length=length, version=version, num_samples=num_samples)
+
+    def init(self, values: torch.Tensor, wire: int) -> _pb.InitReply:
+        payload = tensor_bytes(values, wire)
+        header = self._header(wire, values.numel())
+        reply = self._call("Init", lambda: self.stub.Init(encode(payload, header, self.chunk_bytes),
+                                                          timeout=self.call_timeout))
+        self._count("bytes_out", len(payload))
+        return reply
+
+    def pull(self, min_version: int, wire: int, length: int, timeout: float) -> tuple[int, torch.Tensor]:
+        """Parameters at a version >= min_version, as fp32, waiting up to ``timeout`` for the round."""
+        req = _pb.PullRequest(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.fingerprint,
+                              min_version=min_version, dtype=wire)
+
+        def once():
+            reader = ChunkReader(self.stub.Pull(req, timeout=timeout))
+            values = reader.read(length, wire, max_bytes=1 << 40, require_finite=False)
+            self._count("bytes_in", reader.bytes_read)
+            return reader.header.version, values
+
+        return self._call("Pull", once)
+
+    def push(self, grad: torch.Tensor, base: int, num_samples: int, wire: int) -> PushOutcome:
+        payload = tensor_bytes(grad, wire)
+        header = self._header(wire, grad.numel(), base, num_samples)
+        try:
+            reply = self._call("Push", lambda: self.stub.Push(encode(payload, header, self.chunk_bytes),
+                                                              timeout=self.call_timeout))
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.ABORTED:
+                raise
+            md = dict(e.trailing_metadata() or ())
+            version = int(md.get(VERSION_METADATA_KEY, base))
+            self._count("stale_pushes")
+            log.info("shard %d dropped a stale gradient (base %d, now %d): catching up", self.index, base, version)
+            return PushOutcome("stale", version, version - base)
+        self._count("bytes_out", len(payload))
+        outcome = _pb.PushOutcome.Name(reply.outcome).lower()
+        if outcome == "duplicate":
+            self._count("duplicate_pushes")
+        return PushOutcome(outcome, reply.version, reply.staleness)
+
+    def leave(self) -> None:
+        req = _pb.LeaveRequest(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.fingerprint)
+        self._call("Leave", lambda: self.stub.Leave(req, timeout=self.call_timeout))
+
+    def stats(self) -> _pb.StatsReply:
+        return self._call("GetStats", lambda: self.stub.GetStats(_pb.StatsRequest(), timeout=self.call_timeout))
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class ShardedClient:
+    """One ShardClient per shard, with calls fanned out in parallel."""
+
+    def __init__(self, addresses: Sequence[str], job: JobSpec, rank: int, trainer_id: str,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, call_timeout: float = 60.0):
+        if len(addresses) != job.num_shards:
+            raise ValueError(f"{len(addresses)} shard addresses given but the job has {job.num_shards} shards")
+        self.job, self.rank, self.trainer_id = job, rank, trainer_id
+        self.wire = WIRE_DTYPES[job.wire_dtype]
+        self.counters: Counter = Counter()
+        self.shards = [
+            ShardClient(a, i, rank, trainer_id, job.fingerprint, self.counters, chunk_bytes, call_timeout)
+            for i, a in enumerate(addresses)
+        ]
+        self._pool = ThreadPoolExecutor(max_workers=len(self.shards), thread_name_prefix="ps-io")
+
+    def map(self, fn: Callable[[ShardClient], T]) -> list[T]:
+        """``fn`` on every shard in parallel; results in shard order; the first error is raised."""
+        if len(self.shards) == 1:
+            return [fn(self.shards[0])]
+        return list(self._pool.map(fn, self.shards))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for s in self.shards:
+            s.close()

