@@ -18,7 +18,7 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--shard", type=int, required=True, help="index of the shard this process serves (0-based)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
     p.add_argument("--port", type=int, default=0, help="port to listen on; 0 picks a free one")
-    p.add_argument("--ready-file", help="write HOST:PORT here (atomically) once serving")
+    p.add_argument("--ready-file", help="write HOST:PORT here (atomically) once serving; '-' prints it on stdout")
     p.add_argument("--exit-when-done", action="store_true",
                    help="exit 0 once every trainer of the job has registered and left")
     p.add_argument("--max-workers", type=int, default=32, help="concurrent RPCs served")
@@ -28,6 +28,9 @@ def build_parser() -> EnvArgumentParser:
 
 
 def write_ready_file(path: str, address: str) -> None:
+    if path == "-":
+        print(address, flush=True)
+        return
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(address + "\n")

@@ -35,10 +35,10 @@ def _refusals(method):
             return method(self, request, context)
         except PsError as e:
             code = e.code
-            self.shard.count(f"refused_{code.name}")
-            if isinstance(e, StaleGradient):
+            if isinstance(e, StaleGradient):  # counted and logged by the shard as stale_dropped
                 context.set_trailing_metadata(((VERSION_METADATA_KEY, str(e.version)),))
             else:
+                self.shard.count(f"refused_{code.name}")
                 log.warning("shard %d: %s refused with %s: %s", self.shard.shard_id, method.__name__, code.name, e)
             context.abort(code, str(e))
 

@@ -31,7 +31,8 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--steps", type=int, default=0, help="run this many steps instead of --epochs")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--lr", type=float, default=None,
+                   help="learning rate (default 0.05; 0.05/num-trainers in async mode)")
     p.add_argument("--momentum", type=float, default=0.9, help="sgd only")
     p.add_argument("--nesterov", action="store_true", help="sgd only")
     p.add_argument("--weight-decay", type=float, default=0.0)

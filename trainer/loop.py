@@ -31,7 +31,7 @@ class TrainConfig:
     epochs: int = 1
     steps: int = 0  # when > 0: run this many steps (over as many epochs as needed) instead of --epochs
     optimizer: str = "sgd"
-    lr: float = 0.05
+    lr: float | None = None  # None: 0.05, divided by the number of trainers in async mode (see effective_lr)
     momentum: float = 0.9
     nesterov: bool = False
     weight_decay: float = 0.0
@@ -59,6 +59,18 @@ class TrainConfig:
             raise ValueError(f"Give --epochs >= 1 or --steps >= 1 (got {self.epochs} and {self.steps}).")
         if self.step_delay < 0:
             raise ValueError(f"The step delay ({self.step_delay}) must be zero or more seconds.")
+
+
+def effective_lr(cfg: TrainConfig) -> float:
+    """The learning rate to use: the one given, else 0.05 -- over N in async mode.
+
+    In sync modes one step averages N*b samples; in async mode every push is a
+    step on b samples, N times as many steps, so by the linear scaling rule the
+    learning rate is divided by N (with momentum 0.9, async at the sync rate diverges).
+    """
+    if cfg.lr is not None:
+        return cfg.lr
+    return 0.05 / cfg.num_trainers if cfg.mode == "async" else 0.05
 
 
 def pick_device(name: str) -> torch.device:
@@ -116,7 +128,7 @@ def train(cfg: TrainConfig) -> dict:
             f"{cfg.batch_size}; lower --batch-size"
         )
     total_steps = cfg.steps or cfg.epochs * spe  # --steps, when given, overrides --epochs
-    optimizer = dict(name=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = dict(name=cfg.optimizer, lr=effective_lr(cfg), weight_decay=cfg.weight_decay)
     if cfg.optimizer == "sgd":
         optimizer.update(momentum=cfg.momentum, nesterov=cfg.nesterov)
     ps = connect(cfg.ps, model, mode=cfg.mode, rank=cfg.rank, num_trainers=cfg.num_trainers, optimizer=optimizer,

@@ -1,0 +1,246 @@
+"""`ps-cluster`: the one-command local cluster (the main job).
+
+Starts M ``ps-server`` and N ``ps-trainer`` processes on free loopback ports,
+shows live progress from the trainers' metrics files, prints a summary, and
+leaves a run folder: each process's log, the metrics files, summary.json and
+the trained model.  Everything is torn down on exit or Ctrl-C; the exit code is
+non-zero if any process failed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from psserver.cli_support import EnvArgumentParser, run_cli, setup_logging
+from psserver.job import MODES, OPTIMIZERS, STALE_POLICIES
+from psserver.proto import ps_pb2 as _pb
+from psserver.proto import ps_pb2_grpc as _grpc
+from trainer.data import DATASETS
+from trainer.models import MODELS
+from trainer.procs import Proc, start_shard, start_trainer
+
+log = logging.getLogger("ps-cluster")
+
+
+def build_parser() -> EnvArgumentParser:
+    p = EnvArgumentParser(prog="ps-cluster", description="Run a local psgrpc cluster: shards and trainers as processes.")
+    p.add_argument("--shards", type=int, default=2)
+    p.add_argument("--trainers", type=int, default=2)
+    p.add_argument("--mode", choices=MODES, default="sync")
+    p.add_argument("--model", choices=MODELS, default="cnn")
+    p.add_argument("--dataset", choices=DATASETS, default="mnist5k")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--steps", type=int, default=0, help="run this many steps instead of --epochs")
+    p.add_argument("--batch-size", type=int, default=32, help="per trainer")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
+    p.add_argument("--lr", type=float, default=None,
+                   help="learning rate (default 0.05; 0.05/trainers in async mode)")
+    p.add_argument("--sync-timeout", type=float, default=0.1, help="stale-timeout: seconds a round waits")
+    p.add_argument("--replicas-to-aggregate", type=int, default=0)
+    p.add_argument("--stale-policy", choices=STALE_POLICIES, default="drop")
+    p.add_argument("--max-staleness", type=int, default=None, help="async only")
+    p.add_argument("--straggler-delay", type=float, default=0.0,
+                   help="extra seconds per step for the last trainer, to show what stale-timeout buys")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--host", default="127.0.0.1", help="loopback address for the shards")
+    p.add_argument("--run-dir", default="", help="folder for logs, metrics and the model (default runs/<time>-<mode>)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+@dataclass
+class Progress:
+    """Follows the trainers' JSON-lines metrics files as they grow."""
+
+    paths: list[Path]
+
+    def __post_init__(self):
+        self._offsets = [0] * len(self.paths)
+        self.latest: list[dict] = [{} for _ in self.paths]
+        self.total_steps: list[int] = [0] * len(self.paths)
+
+    def poll(self) -> list[dict]:
+        new = []
+        for i, path in enumerate(self.paths):
+            if not path.exists():
+                continue
+            with open(path) as f:
+                f.seek(self._offsets[i])
+                chunk = f.read()
+            complete = chunk[: chunk.rfind("\n") + 1]
+            self._offsets[i] += len(complete.encode())
+            for line in complete.splitlines():
+                rec = json.loads(line)
+                if rec["event"] == "start":
+                    self.total_steps[i] = rec["total_steps"]
+                if rec["event"] in ("step", "done", "eval"):
+                    self.latest[i] = {**self.latest[i], **rec}
+                new.append(rec)
+        return new
+
+
+def shard_stats(address: str) -> _pb.StatsReply | None:
+    with grpc.insecure_channel(address) as ch:
+        try:
+            return _grpc.ParameterServerStub(ch).GetStats(_pb.StatsRequest(), timeout=10)
+        except grpc.RpcError as e:
+            log.warning("could not read stats from %s: %s", address, e.details())
+            return None
+
+
+def trainer_args(args, rank: int, run: Path) -> list[str]:
+    a = [
+        "--num-trainers", str(args.trainers), "--mode", args.mode, "--model", args.model, "--dataset", args.dataset,
+        "--batch-size", str(args.batch_size), "--epochs", str(args.epochs), "--steps", str(args.steps),
+        "--optimizer", args.optimizer, "--seed", str(args.seed), "--device", args.device,
+        "--metrics-file", str(run / f"trainer{rank}.jsonl"), "--no-progress",
+        "--threads", str(max(1, (os.cpu_count() or 1) // args.trainers)),
+    ]
+    if args.lr is not None:
+        a += ["--lr", str(args.lr)]
+    if args.mode == "stale-timeout":
+        a += ["--sync-timeout", str(args.sync_timeout), "--replicas-to-aggregate", str(args.replicas_to_aggregate),
+              "--stale-policy", args.stale_policy]
+    if args.mode == "async" and args.max_staleness is not None:
+        a += ["--max-staleness", str(args.max_staleness)]
+    if rank == 0:
+        a += ["--output", str(run / "model.pt")]
+    if args.straggler_delay and rank == args.trainers - 1:
+        a += ["--step-delay", str(args.straggler_delay)]
+    return a
+
+
+def summarize(args, run: Path, progress: Progress, stats: list, codes: dict, wall: float) -> dict:
+    done = [p for p in progress.latest if p.get("event") == "done"]
+    counters: dict[str, float] = {}
+    for s in stats:
+        if s is not None:
+            for k, v in s.counters.items():
+                counters[k] = counters.get(k, 0) + v
+    s0 = stats[0].counters if stats and stats[0] is not None else {}
+    return dict(
+        mode=args.mode, model=args.model, dataset=args.dataset, shards=args.shards, trainers=args.trainers,
+        straggler_delay=args.straggler_delay, wall_seconds=wall,
+        test_accuracy=progress.latest[0].get("test_accuracy") if progress.latest else None,
+        samples_per_sec=sum(p.get("samples_per_sec", 0) for p in done),
+        steps=[p.get("steps") for p in progress.latest],
+        rounds=int(stats[0].version) if stats and stats[0] is not None else None,
+        rounds_by_reason={r: int(s0.get(f"rounds_{r}", 0)) for r in ("all_arrived", "quorum", "timeout")},
+        stale_dropped=int(counters.get("stale_dropped", 0)), stale_scaled=int(counters.get("stale_scaled", 0)),
+        duplicates=int(counters.get("duplicates", 0)),
+        refused=int(sum(v for k, v in counters.items() if k.startswith("refused_"))),
+        trainer_stale_pushes=sum(p.get("stale_pushes", 0) for p in done),
+        exit_codes=codes, run_dir=str(run),
+    )
+
+
+def print_summary(s: dict) -> None:
+    acc = s["test_accuracy"]
+    rows = [
+        ("mode", s["mode"]), ("model / data", f"{s['model']} / {s['dataset']}"),
+        ("shards x trainers", f"{s['shards']} x {s['trainers']}"),
+        ("test accuracy (rank 0)", "n/a" if acc is None else f"{acc:.4f}"),
+        ("samples/s (all trainers)", f"{s['samples_per_sec']:.1f}"),
+        ("wall time", f"{s['wall_seconds']:.1f} s"),
+        ("rounds (shard 0 version)", s["rounds"]),
+        ("rounds closed by", ", ".join(f"{k} {v}" for k, v in s["rounds_by_reason"].items())),
+        ("stale dropped / scaled", f"{s['stale_dropped']} / {s['stale_scaled']}"),
+        ("duplicates / refused", f"{s['duplicates']} / {s['refused']}"),
+        ("run folder", s["run_dir"]),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print("\npsgrpc run summary")
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    if args.shards < 1 or args.trainers < 1:
+        raise ValueError(f"--shards ({args.shards}) and --trainers ({args.trainers}) must be at least 1")
+    run = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{args.mode}")
+    run.mkdir(parents=True, exist_ok=True)
+    shards: list[Proc] = []
+    trainers: list[Proc] = []
+    t0 = time.monotonic()
+    try:
+        for i in range(args.shards):
+            shards.append(start_shard(i, run / f"shard{i}.log", host=args.host))
+        ps = ",".join(s.address for s in shards)
+        log.info("%d shards up at %s; starting %d trainers (%s mode); run folder %s", args.shards, ps,
+                 args.trainers, args.mode, run)
+        for r in range(args.trainers):
+            trainers.append(start_trainer(r, ps, run / f"trainer{r}.log", trainer_args(args, r, run)))
+        progress = Progress([run / f"trainer{r}.jsonl" for r in range(args.trainers)])
+        codes = follow(trainers, shards, progress, args.timeout, t0)
+        wall = time.monotonic() - t0
+        stats = [shard_stats(s.address) for s in shards]
+    finally:
+        for p in trainers + shards:
+            p.terminate()
+    for s in shards:
+        codes[s.name] = s.popen.returncode
+    summary = summarize(args, run, progress, stats, codes, wall)
+    (run / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print_summary(summary)
+    failed = {k: v for k, v in codes.items() if v != 0}
+    if failed:
+        for p in trainers + shards:
+            if p.popen.returncode != 0:
+                sys.stderr.write(f"\n{p.name} exited with {p.popen.returncode}; last lines of {p.log_path}:\n"
+                                 f"{p.log_tail()}\n")
+        return 1
+    return 0
+
+
+def follow(trainers: list[Proc], shards: list[Proc], progress: Progress, timeout: float, t0: float) -> dict:
+    """Show progress until every trainer has exited; stop early if a process fails."""
+    bars = None
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bars = [tqdm(total=1, desc=f"trainer {r}", position=r, unit="step", dynamic_ncols=True)
+                for r in range(len(trainers))]
+    try:
+        while any(t.alive() for t in trainers):
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"the run took longer than --timeout {timeout:.0f} s")
+            dead = [p for p in shards if not p.alive()] + [p for p in trainers if not p.alive() and p.popen.returncode]
+            if dead:
+                log.error("%s exited with %s; stopping the cluster", dead[0].name, dead[0].popen.returncode)
+                break
+            for rec in progress.poll():
+                if bars:
+                    b = bars[rec["rank"]]
+                    b.total = progress.total_steps[rec["rank"]] or b.total
+                    if "step" in rec:
+                        b.n = rec["step"]
+                    b.set_postfix(loss=f"{rec.get('loss', 0):.3f}", acc=f"{rec.get('test_accuracy', float('nan')):.3f}")
+                    b.refresh()
+                elif rec["event"] == "eval":
+                    log.info("trainer %d: epoch %d test accuracy %.4f", rec["rank"], rec["epoch"], rec["test_accuracy"])
+                elif rec["event"] == "step":
+                    log.info("trainer %d: step %d loss %.4f %.0f samples/s", rec["rank"], rec["step"], rec["loss"],
+                             rec["samples_per_sec"])
+            time.sleep(0.2)  # refresh rate of the progress display
+        progress.poll()
+    finally:
+        if bars:
+            for b in bars:
+                b.close()
+    return {t.name: (t.popen.poll() if t.popen.poll() is not None else -1) for t in trainers}
+
+
+def entrypoint() -> None:
+    run_cli("ps-cluster", main)

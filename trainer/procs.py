@@ -1,0 +1,106 @@
+"""Starting ps-server and ps-trainer as real processes (used by ps-cluster and the tests).
+
+A shard is started with ``--ready-file -``: it prints its HOST:PORT on stdout
+once it serves, so the launcher learns the free port the shard picked without
+polling.  Everything else a process says goes to its log file.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+# Memory allocator setting that keeps large message buffers from being mapped and unmapped on every call.
+MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824"
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    address: str = ""
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def terminate(self, timeout: float = 10.0) -> int:
+        """SIGTERM, then SIGKILL if it does not exit within ``timeout``."""
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        return self.popen.returncode
+
+    def kill(self) -> None:
+        if self.alive():
+            self.popen.kill()
+            self.popen.wait()
+
+
+def child_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env.setdefault("GLIBC_TUNABLES", MALLOC_TUNABLES)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def cli(module: str) -> list[str]:
+    """The command for a psgrpc CLI, run with this interpreter (no reliance on PATH)."""
+    return [sys.executable, "-c", f"from {module} import entrypoint; entrypoint()"]
+
+
+def start_shard(shard: int, log_path: Path, host: str = "127.0.0.1", port: int = 0,
+                extra_args: list[str] | None = None, timeout: float = 60.0, env: dict | None = None) -> Proc:
+    """Start ``ps-server --shard N`` and return once it serves (its address in ``.address``)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    args = cli("psserver.cli") + ["--shard", str(shard), "--host", host, "--port", str(port), "--ready-file", "-"]
+    with open(log_path, "ab") as log:
+        popen = subprocess.Popen(args + (extra_args or []), stdout=subprocess.PIPE, stderr=log,
+                                 env=child_env(env), start_new_session=True)
+    proc = Proc(f"shard{shard}", popen, log_path)
+    ready, _, _ = select.select([popen.stdout], [], [], timeout)
+    line = popen.stdout.readline().decode().strip() if ready else ""
+    if not line:
+        proc.kill()
+        raise RuntimeError(f"shard {shard} did not start within {timeout:.0f} s; its log says:\n{proc.log_tail()}")
+    proc.address = line
+    return proc
+
+
+def start_trainer(rank: int, ps: str, log_path: Path, args: list[str], env: dict | None = None) -> Proc:
+    """Start ``ps-trainer --ps PS --rank R ARGS`` with its output in ``log_path``."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        popen = subprocess.Popen(cli("trainer.cli") + ["--ps", ps, "--rank", str(rank)] + args,
+                                 stdout=log, stderr=subprocess.STDOUT, env=child_env(env), start_new_session=True)
+    return Proc(f"trainer{rank}", popen, log_path)
+
+
+def wait_all(procs: list[Proc], timeout: float | None = None) -> dict[str, int]:
+    """Wait for every process; return name -> exit code.  Raises TimeoutError naming the laggards."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    codes = {}
+    for p in procs:
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            codes[p.name] = p.popen.wait(remaining)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"{p.name} still running after {timeout:.0f} s; its log says:\n{p.log_tail()}") from None
+    return codes
