@@ -10,9 +10,9 @@ order, and (on request) that every value is finite.
 
 from __future__ import annotations
 
-import warnings
 from typing import Iterable, Iterator
 
+import numpy as np
 import torch
 
 from psserver.errors import InvalidRequest, TooLarge
@@ -22,9 +22,6 @@ from psserver.proto import ps_pb2 as _pb
 DEFAULT_CHUNK_BYTES = 1 << 20
 TORCH_DTYPES = {_pb.FLOAT32: torch.float32, _pb.FLOAT16: torch.float16, _pb.BFLOAT16: torch.bfloat16}
 WIRE_OF_TORCH = {v: k for k, v in TORCH_DTYPES.items()}
-
-# torch.frombuffer warns on read-only buffers (protobuf bytes); we only ever copy out of them.
-warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
 def dtype_name(wire: int) -> str:
@@ -88,7 +85,7 @@ class ChunkReader:
         if h.length != expected_length:
             raise InvalidRequest(f"length is {h.length} elements but this shard's slice has {expected_length}")
         out = torch.empty(expected_length, dtype=dtype)
-        raw = out.view(torch.uint8)
+        raw = out.view(torch.uint8).numpy()  # numpy: copies from read-only protobuf bytes without a warning
         pos = 0  # next element expected
         chunk = self._first
         while chunk is not None:
@@ -111,7 +108,7 @@ class ChunkReader:
                     f"the chunk at offset {chunk.offset} holds {n} elements, past the end of [0, {expected_length})"
                 )
             if n:
-                raw[pos * dtype.itemsize : (pos + n) * dtype.itemsize] = torch.frombuffer(chunk.data, dtype=torch.uint8)
+                raw[pos * dtype.itemsize : (pos + n) * dtype.itemsize] = np.frombuffer(chunk.data, dtype=np.uint8)
             pos += n
             self.bytes_read += n_bytes
             chunk = next(self._it, None)

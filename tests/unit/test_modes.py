@@ -1,0 +1,110 @@
+"""Each mode's decisions, with a clock value and a state: no gRPC, no threads."""
+
+from psserver.modes import Action, CloseReason, ModeConfig, RoundView, decide_push, decide_tick, round_deadline
+
+SYNC = ModeConfig("sync")
+ASYNC = ModeConfig("async")
+ASYNC_S2 = ModeConfig("async", max_staleness=2)
+ST = ModeConfig("stale-timeout", sync_timeout=0.5)
+ST_K = ModeConfig("stale-timeout", sync_timeout=0.5, replicas_to_aggregate=2)
+ST_SCALE = ModeConfig("stale-timeout", sync_timeout=0.5, stale_policy="scale")
+LIVE3 = frozenset({0, 1, 2})
+
+
+def test_sync_waits_for_every_live_trainer_then_closes():
+    view = RoundView(version=4, live=LIVE3)
+    d = decide_push(SYNC, view, rank=0, base=4, now=0.0)
+    assert d.action is Action.ACCUMULATE and d.close is None
+    view = RoundView(version=4, live=LIVE3, contributors=frozenset({0, 1}), opened_at=0.0)
+    assert decide_tick(SYNC, view, now=1e9) is None  # sync never times out
+    d = decide_push(SYNC, view, rank=2, base=4, now=5.0)
+    assert d.action is Action.ACCUMULATE and d.close is CloseReason.ALL_ARRIVED
+
+
+def test_sync_does_not_close_before_every_trainer_of_the_job_registered():
+    view = RoundView(version=0, live=frozenset({0}), started=False)
+    assert decide_push(SYNC, view, rank=0, base=0, now=0.0).close is None
+
+
+def test_sync_round_closes_when_the_missing_trainer_leaves():
+    view = RoundView(version=1, live=frozenset({0, 1}), contributors=frozenset({0, 1}), opened_at=0.0)
+    assert decide_tick(SYNC, view, now=0.0) is CloseReason.ALL_ARRIVED
+    view = RoundView(version=1, live=frozenset({0, 1, 2}), contributors=frozenset({0, 1}), opened_at=0.0)
+    assert decide_tick(SYNC, view, now=0.0) is None
+
+
+def test_sync_refuses_stale_and_future_and_acknowledges_duplicates():
+    view = RoundView(version=4, live=LIVE3, contributors=frozenset({1}), opened_at=0.0)
+    assert decide_push(SYNC, view, rank=0, base=3, now=0).action is Action.DROP_STALE
+    assert decide_push(SYNC, view, rank=0, base=5, now=0).action is Action.REFUSE_FUTURE
+    assert decide_push(SYNC, view, rank=1, base=4, now=0).action is Action.DUPLICATE
+
+
+def test_async_applies_every_push_and_records_staleness():
+    view = RoundView(version=10, live=LIVE3)
+    d = decide_push(ASYNC, view, rank=1, base=7, now=0)
+    assert d.action is Action.APPLY and d.staleness == 3
+
+
+def test_async_max_staleness_bound():
+    view = RoundView(version=10, live=LIVE3)
+    assert decide_push(ASYNC_S2, view, rank=1, base=8, now=0).action is Action.APPLY
+    d = decide_push(ASYNC_S2, view, rank=1, base=7, now=0)
+    assert d.action is Action.DROP_STALE and d.staleness == 3
+
+
+def test_async_duplicate_of_an_applied_push_is_not_applied_twice():
+    view = RoundView(version=10, live=LIVE3, last_base={1: 9})
+    assert decide_push(ASYNC, view, rank=1, base=9, now=0).action is Action.DUPLICATE
+    assert decide_push(ASYNC, view, rank=1, base=10, now=0).action is Action.APPLY
+
+
+def test_stale_timeout_closes_at_the_timeout_not_before():
+    view = RoundView(version=2, live=LIVE3, contributors=frozenset({0}), opened_at=100.0)
+    assert round_deadline(ST, view) == 100.5
+    assert decide_tick(ST, view, now=100.49) is None
+    assert decide_tick(ST, view, now=100.5) is CloseReason.TIMEOUT
+
+
+def test_stale_timeout_deadline_starts_at_the_first_gradient():
+    d = decide_push(ST, RoundView(version=0, live=LIVE3), rank=2, base=0, now=7.0)
+    assert d.action is Action.ACCUMULATE and d.close is None
+    assert round_deadline(ST, RoundView(version=0, live=LIVE3)) is None  # no gradient yet: no deadline
+
+
+def test_stale_timeout_closes_at_k_replicas():
+    view = RoundView(version=2, live=LIVE3, contributors=frozenset({0}), opened_at=0.0)
+    d = decide_push(ST_K, view, rank=1, base=2, now=0.1)
+    assert d.close is CloseReason.QUORUM
+    assert decide_push(ST, view, rank=1, base=2, now=0.1).close is None  # without K: waits for rank 2
+
+
+def test_stale_timeout_closes_early_when_all_arrive():
+    view = RoundView(version=2, live=LIVE3, contributors=frozenset({0, 1}), opened_at=0.0)
+    assert decide_push(ST, view, rank=2, base=2, now=0.1).close is CloseReason.ALL_ARRIVED
+
+
+def test_late_gradient_is_dropped_under_drop_policy():
+    view = RoundView(version=5, live=LIVE3)
+    d = decide_push(ST, view, rank=2, base=4, now=0)
+    assert d.action is Action.DROP_STALE and d.staleness == 1
+
+
+def test_late_gradient_is_scaled_by_one_over_one_plus_staleness_under_scale_policy():
+    view = RoundView(version=5, live=LIVE3)
+    d = decide_push(ST_SCALE, view, rank=2, base=2, now=0)
+    assert d.action is Action.ACCUMULATE and d.weight == 1 / 4 and d.staleness == 3
+    assert not d.counts_for_round and d.close is None
+    again = RoundView(version=5, live=LIVE3, stale_in_round=frozenset({(2, 2)}), opened_at=0.0)
+    assert decide_push(ST_SCALE, again, rank=2, base=2, now=0).action is Action.DUPLICATE
+
+
+def test_round_holding_only_scaled_gradients_closes_only_by_timeout():
+    view = RoundView(version=5, live=frozenset({2}), stale_in_round=frozenset({(2, 2)}), opened_at=0.0)
+    assert decide_tick(ST_SCALE, view, now=0.1) is None
+    assert decide_tick(ST_SCALE, view, now=0.6) is CloseReason.TIMEOUT
+
+
+def test_duplicate_fresh_push_in_stale_timeout_is_not_applied_twice():
+    view = RoundView(version=5, live=LIVE3, contributors=frozenset({0}), opened_at=0.0)
+    assert decide_push(ST, view, rank=0, base=5, now=0.2).action is Action.DUPLICATE
