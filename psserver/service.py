@@ -77,7 +77,8 @@ class ParameterServerService(_grpc.ParameterServerServicer):
         if wire not in (_pb.FLOAT32, self.shard.wire_dtype()):
             raise InvalidRequest(f"pull dtype is {wire} but this job sends {self.shard.wire_dtype()} (or FLOAT32)")
         remaining = context.time_remaining()
-        timeout = self.max_pull_wait if remaining is None else min(remaining, self.max_pull_wait)
+        # Give up a little before the caller's deadline so it gets our reason, not a bare DEADLINE_EXCEEDED.
+        timeout = self.max_pull_wait if remaining is None else min(max(0.0, remaining - 0.25), self.max_pull_wait)
         version, payload = self.shard.pull(
             request.rank, request.trainer_id, request.fingerprint, request.min_version, wire, timeout
         )

@@ -1,0 +1,22 @@
+# One command each: `make demo` (set up, then run the local cluster) and `make test` (set up, then run the tests).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch; installed before the project so pip does not pull a multi-GB CUDA build.
+TORCH ?= torch==2.13.0
+
+.PHONY: setup demo test
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+demo: setup
+	$(VENV)/bin/ps-cluster $(ARGS)
+
+# pytest exits 5 when it collected no tests: treat that as a failure, not a pass.
+test: setup
+	$(PY) -m pytest -q $(ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests were collected" >&2; exit 1; fi; exit $$rc

@@ -1,0 +1,51 @@
+"""Run real ps-server and ps-trainer processes for a test and collect what they report."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from psserver.proto import ps_pb2 as pb
+from psserver.proto import ps_pb2_grpc as pb_grpc
+from trainer.procs import Proc, start_shard, start_trainer, wait_all
+
+
+@dataclass
+class JobRun:
+    shards: list[Proc]
+    trainers: list[Proc]
+    codes: dict
+    run_dir: Path
+
+    def done(self, rank: int) -> dict:
+        lines = (self.run_dir / f"trainer{rank}.jsonl").read_text().splitlines()
+        last = json.loads(lines[-1])
+        assert last["event"] == "done", self.trainers[rank].log_tail()
+        return last
+
+    def stats(self, shard: int) -> pb.StatsReply:
+        with grpc.insecure_channel(self.shards[shard].address) as ch:
+            return pb_grpc.ParameterServerStub(ch).GetStats(pb.StatsRequest(), timeout=10)
+
+
+def run_job(run_dir: Path, num_shards: int, num_trainers: int, args: list[str], per_rank: dict | None = None,
+            timeout: float = 300.0) -> JobRun:
+    """Start the shards, then the trainers with ``args`` (plus per-rank extras); wait for the trainers.
+
+    The shards are left running so the test can read their stats; the caller's
+    fixture (``cluster``) stops them.
+    """
+    shards = [start_shard(i, run_dir / f"shard{i}.log") for i in range(num_shards)]
+    ps = ",".join(s.address for s in shards)
+    trainers = []
+    for r in range(num_trainers):
+        extra = (per_rank or {}).get(r, [])
+        trainers.append(start_trainer(r, ps, run_dir / f"trainer{r}.log",
+                                      ["--num-trainers", str(num_trainers), "--metrics-file",
+                                       str(run_dir / f"trainer{r}.jsonl"), "--no-progress", "--threads", "1"]
+                                      + args + extra))
+    codes = wait_all(trainers, timeout)
+    return JobRun(shards, trainers, codes, run_dir)

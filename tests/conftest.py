@@ -1,0 +1,76 @@
+"""Shared fixtures: in-process shards on loopback and helpers for raw gRPC calls."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from psserver.codec import encode, tensor_bytes
+from psserver.job import JobSpec, OptimizerConfig
+from psserver.proto import ps_pb2 as pb
+from psserver.proto import ps_pb2_grpc as pb_grpc
+from psserver.server import ServerConfig, ShardServer
+
+P = 1000  # parameters in the test job
+
+
+def make_spec(num_shards=1, mode="sync", num_trainers=1, **kw) -> JobSpec:
+    return JobSpec(mode=mode, num_trainers=num_trainers, num_shards=num_shards, total_params=P,
+                   fingerprint="f" * 16, optimizer=OptimizerConfig("sgd", lr=0.5, momentum=0.9),
+                   tensors=(("w", (P,), "float32"),), **kw)
+
+
+class RawShard:
+    """A real shard on 127.0.0.1 and a raw stub to poke it with hand-made messages."""
+
+    def __init__(self, server: ShardServer):
+        self.server = server
+        self.channel = grpc.insecure_channel(server.address)
+        self.stub = pb_grpc.ParameterServerStub(self.channel)
+
+    def register(self, rank=0, spec=None, expected_shard=0, trainer_id=None):
+        spec = spec or make_spec()
+        return self.stub.Register(pb.RegisterRequest(rank=rank, trainer_id=trainer_id or f"t{rank}",
+                                                     expected_shard=expected_shard, job=spec.to_proto()), timeout=10)
+
+    def header(self, rank=0, n=P, version=0, num_samples=4, dtype=pb.FLOAT32, fingerprint="f" * 16, trainer_id=None):
+        return pb.ChunkHeader(rank=rank, trainer_id=trainer_id or f"t{rank}", fingerprint=fingerprint, dtype=dtype,
+                              length=n, version=version, num_samples=num_samples)
+
+    def init(self, values: torch.Tensor, rank=0):
+        h = self.header(rank=rank, n=values.numel())
+        return self.stub.Init(encode(tensor_bytes(values, pb.FLOAT32), h, 1024), timeout=10)
+
+    def push(self, grad: torch.Tensor, chunk_bytes=1024, **header):
+        h = self.header(n=header.pop("n", grad.numel()), **header)
+        return self.stub.Push(encode(tensor_bytes(grad, h.dtype), h, chunk_bytes), timeout=10)
+
+    def push_chunks(self, chunks):
+        return self.stub.Push(iter(chunks), timeout=10)
+
+    def pull(self, rank=0, min_version=0, timeout=10):
+        chunks = list(self.stub.Pull(pb.PullRequest(rank=rank, trainer_id=f"t{rank}", fingerprint="f" * 16,
+                                                    min_version=min_version, dtype=pb.FLOAT32), timeout=timeout))
+        data = b"".join(c.data for c in chunks)
+        return chunks[0].header.version, torch.frombuffer(bytearray(data), dtype=torch.float32)
+
+    def stats(self):
+        return self.stub.GetStats(pb.StatsRequest(), timeout=10)
+
+    def digest(self) -> str:
+        return self.stats().state_digest
+
+
+@pytest.fixture
+def shard_server():
+    servers = []
+
+    def start(shard=0, **cfg) -> RawShard:
+        s = ShardServer(ServerConfig(shard=shard, host="127.0.0.1", port=0, **cfg)).start()
+        servers.append(s)
+        return RawShard(s)
+
+    yield start
+    for s in servers:
+        s.stop(grace=0)

@@ -1,0 +1,145 @@
+"""Bad input over real gRPC on loopback: a precise status, a message naming the values, state unchanged."""
+
+import dataclasses
+
+import grpc
+import pytest
+import torch
+
+from psserver.job import OptimizerConfig
+from psserver.proto import ps_pb2 as pb
+from tests.conftest import P, make_spec
+
+
+@pytest.fixture
+def ready(shard_server):
+    """A sync shard with one trainer, initialised, after one applied round (so optimizer state exists)."""
+    shard = shard_server()
+    shard.register()
+    shard.init(torch.randn(P, generator=torch.Generator().manual_seed(1)))
+    assert shard.push(torch.ones(P)).outcome == pb.APPLIED
+    return shard
+
+
+def refused(call, code, *fragments):
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    assert e.value.code() == code, e.value.details()
+    for f in fragments:
+        assert f in e.value.details()
+    return e.value
+
+
+CASES = {
+    "wrong length": (lambda s: s.push(torch.ones(P - 1)), grpc.StatusCode.INVALID_ARGUMENT,
+                     ["length is 999 elements but this shard's slice has 1000"]),
+    "wrong dtype": (lambda s: s.push(torch.ones(P), dtype=pb.FLOAT16), grpc.StatusCode.INVALID_ARGUMENT,
+                    ["dtype is float16 but this job sends float32"]),
+    "wrong fingerprint": (lambda s: s.push(torch.ones(P), fingerprint="0" * 16), grpc.StatusCode.FAILED_PRECONDITION,
+                          ["fingerprint is '0000000000000000' but the job's is 'ffffffffffffffff'"]),
+    "nan": (lambda s: s.push(torch.full((P,), float("nan"))), grpc.StatusCode.INVALID_ARGUMENT,
+            ["1000 values are NaN or infinite"]),
+    "inf": (lambda s: s.push(torch.ones(P).index_fill_(0, torch.tensor([5]), float("inf"))),
+            grpc.StatusCode.INVALID_ARGUMENT, ["1 values are NaN or infinite (first at element 5"]),
+    "future version": (lambda s: s.push(torch.ones(P), version=7), grpc.StatusCode.OUT_OF_RANGE,
+                       ["base version is 7 but shard 0 is at version 1"]),
+    "stale version": (lambda s: s.push(torch.ones(P), version=0), grpc.StatusCode.ABORTED,
+                      ["stale gradient: base version 0 is 1 behind version 1"]),
+    "unregistered rank": (lambda s: s.push(torch.ones(P), rank=3, version=1), grpc.StatusCode.FAILED_PRECONDITION,
+                          ["rank 3 is not registered with shard 0"]),
+    "zero samples": (lambda s: s.push(torch.ones(P), version=1, num_samples=0), grpc.StatusCode.INVALID_ARGUMENT,
+                     ["num_samples is 0"]),
+    "chunk gap": (lambda s: s.push_chunks([c for i, c in enumerate(_chunks(s)) if i != 1]),
+                  grpc.StatusCode.INVALID_ARGUMENT, ["chunk offset is 512 but 256 was expected"]),
+    "no header": (lambda s: s.push_chunks(_chunks(s)[1:]), grpc.StatusCode.INVALID_ARGUMENT,
+                  ["the first chunk has no header"]),
+}
+
+
+def _chunks(s):
+    from psserver.codec import encode, tensor_bytes
+
+    return list(encode(tensor_bytes(torch.ones(P), pb.FLOAT32), s.header(version=1), 1024))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_refused_push_leaves_state_bit_identical(ready, name):
+    call, code, fragments = CASES[name]
+    before = ready.digest()
+    refused(lambda: call(ready), code, *fragments)
+    assert ready.digest() == before
+    # the shard still works: a good push is applied
+    assert ready.push(torch.ones(P), version=1).outcome == pb.APPLIED
+    assert ready.digest() != before
+
+
+def test_oversized_message_and_stream_get_resource_exhausted(shard_server):
+    small_streams = shard_server(max_push_bytes=2000)
+    small_streams.register()
+    before = small_streams.digest()
+    refused(lambda: small_streams.init(torch.zeros(P)), grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "declares 4000 bytes, over this shard's limit of 2000 bytes")
+    assert small_streams.digest() == before
+    assert small_streams.stats().counters["refused_RESOURCE_EXHAUSTED"] == 1
+
+    small_messages = shard_server(shard=0, max_message_bytes=2048, chunk_bytes=512)
+    small_messages.register()
+    small_messages.init(torch.zeros(P))
+    before = small_messages.digest()
+    refused(lambda: small_messages.push(torch.ones(P), chunk_bytes=4000), grpc.StatusCode.RESOURCE_EXHAUSTED)
+    assert small_messages.digest() == before
+
+
+def test_register_refuses_a_different_job_naming_the_difference(shard_server):
+    shard = shard_server()
+    shard.register(rank=0, spec=make_spec(num_trainers=2))
+    other = dataclasses.replace(make_spec(num_trainers=2), optimizer=OptimizerConfig("adam", lr=0.5))
+    refused(lambda: shard.register(rank=1, spec=other), grpc.StatusCode.FAILED_PRECONDITION,
+            "optimizer.name is 'adam' but the job has 'sgd'")
+    model = dataclasses.replace(make_spec(num_trainers=2), tensors=(("w", (10, 100), "float32"),), fingerprint="x" * 16)
+    refused(lambda: shard.register(rank=1, spec=model), grpc.StatusCode.FAILED_PRECONDITION,
+            "parameter #0 is 'w' [10, 100] float32 but the job has 'w' [1000] float32")
+    assert list(shard.stats().live_ranks) == [0]
+
+
+def test_register_catches_shards_listed_in_the_wrong_order(shard_server):
+    shard = shard_server(shard=1)
+    refused(lambda: shard.register(spec=make_spec(num_shards=2), expected_shard=0), grpc.StatusCode.FAILED_PRECONDITION,
+            "this is shard 1 but the trainer listed it as shard 0")
+
+
+def test_register_refuses_a_malformed_job_spec(shard_server):
+    shard = shard_server()
+    bad = make_spec().to_proto()
+    bad.mode = "bulk"
+    with pytest.raises(grpc.RpcError) as e:
+        shard.stub.Register(pb.RegisterRequest(rank=0, trainer_id="t0", job=bad), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "job spec: The mode ('bulk')" in e.value.details()
+    assert shard.stats().mode == ""
+
+
+def test_pull_before_init_times_out_with_the_reason(shard_server):
+    shard = shard_server()
+    shard.register()
+    with pytest.raises(grpc.RpcError) as e:
+        shard.pull(timeout=0.5)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_second_init_changes_nothing(ready):
+    before = ready.digest()
+    reply = ready.init(torch.zeros(P))
+    assert not reply.accepted and ready.digest() == before
+
+
+def test_duplicate_push_is_acknowledged_not_applied(shard_server):
+    shard = shard_server()
+    shard.register(spec=make_spec(num_trainers=1, mode="async"))
+    shard.init(torch.zeros(P))
+    assert shard.push(torch.ones(P)).outcome == pb.APPLIED
+    after_first = shard.digest()
+    reply = shard.push(torch.ones(P))  # a retry of the same (rank, base version)
+    assert reply.outcome == pb.DUPLICATE and reply.version == 1
+    assert shard.digest() == after_first
+    assert shard.stats().counters["duplicates"] == 1
