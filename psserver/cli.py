@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 
 from psserver.cli_support import EnvArgumentParser, run_cli, setup_logging
@@ -14,13 +15,20 @@ log = logging.getLogger("psserver")
 
 
 def build_parser() -> EnvArgumentParser:
-    p = EnvArgumentParser(prog="ps-server", description="Serve one shard of a psgrpc parameter server.")
+    p = EnvArgumentParser(
+        prog="ps-server",
+        description="Serve one shard of a psgrpc parameter server. "
+        "Also: 'ps-server stats --ps HOST:PORT[,...]' prints shards' state; 'ps-server health --ps HOST:PORT' "
+        "exits 0 iff the shard is SERVING.",
+    )
     p.add_argument("--shard", type=int, required=True, help="index of the shard this process serves (0-based)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
     p.add_argument("--port", type=int, default=0, help="port to listen on; 0 picks a free one")
     p.add_argument("--ready-file", help="write HOST:PORT here (atomically) once serving; '-' prints it on stdout")
     p.add_argument("--exit-when-done", action="store_true",
                    help="exit 0 once every trainer of the job has registered and left")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port (0 picks one; unset: none)")
     p.add_argument("--max-workers", type=int, default=32, help="concurrent RPCs served")
     p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="bytes per streamed chunk")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
@@ -43,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ServerConfig(shard=args.shard, host=args.host, port=args.port, max_workers=args.max_workers,
                        chunk_bytes=args.chunk_bytes)
     server = ShardServer(cfg).start()
+    if args.metrics_port is not None:
+        port = server.shard.metrics.serve(args.metrics_port, args.host)
+        log.info("shard %d: Prometheus metrics on http://%s:%d/metrics", cfg.shard, args.host, port)
     if args.ready_file:
         write_ready_file(args.ready_file, server.address)
     stop = threading.Event()
@@ -57,5 +68,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def dispatch() -> int:
+    """`ps-server [serve flags]`, `ps-server stats --ps ...` or `ps-server health --ps ...`."""
+    from psserver import admin
+
+    argv = sys.argv[1:]
+    if argv[:1] == ["stats"]:
+        return admin.stats_main(argv[1:])
+    if argv[:1] == ["health"]:
+        return admin.health_main(argv[1:])
+    return main(argv)
+
+
 def entrypoint() -> None:
-    run_cli("ps-server", main)
+    run_cli("ps-server", dispatch)

@@ -79,12 +79,12 @@ class ParameterServerService(_grpc.ParameterServerServicer):
         remaining = context.time_remaining()
         # Give up a little before the caller's deadline so it gets our reason, not a bare DEADLINE_EXCEEDED.
         timeout = self.max_pull_wait if remaining is None else min(max(0.0, remaining - 0.25), self.max_pull_wait)
-        version, payload = self.shard.pull(
+        version, payload, waited = self.shard.pull(
             request.rank, request.trainer_id, request.fingerprint, request.min_version, wire, timeout
         )
         self.shard.count("bytes_out", len(payload))
         itemsize = 4 if wire == _pb.FLOAT32 else 2
-        header = _pb.ChunkHeader(dtype=wire, length=len(payload) // itemsize, version=version)
+        header = _pb.ChunkHeader(dtype=wire, length=len(payload) // itemsize, version=version, wait_seconds=waited)
         return encode(payload, header, self.chunk_bytes)
 
     @_refusals

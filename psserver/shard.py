@@ -27,6 +27,7 @@ from psserver.codec import tensor_bytes
 from psserver.errors import FutureVersion, InvalidRequest, JobMismatch, NotReady, StaleGradient, WaitTimeout
 from psserver.job import WIRE_DTYPES, JobSpec
 from psserver.layout import shard_range
+from psserver.metrics import ShardMetrics
 from psserver.optim import build_optimizer
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ class Shard:
         self._snapshot: tuple[int, int, bytes] | None = None  # (version, wire dtype, bytes)
         self._stopped = False
         self._timer: threading.Thread | None = None
+        self.metrics = ShardMetrics()
+        self.metrics.bind(self)
 
     # ------------------------------------------------------------------ membership and job
     def register(self, rank: int, trainer_id: str, expected_shard: int, job: JobSpec) -> dict:
@@ -156,8 +159,8 @@ class Shard:
             return True, self.version
 
     def pull(self, rank: int, trainer_id: str, fingerprint: str, min_version: int, wire: int,
-             timeout: float) -> tuple[int, bytes]:
-        """Parameters at a version >= ``min_version`` as wire bytes, waiting up to ``timeout`` seconds.
+             timeout: float) -> tuple[int, bytes, float]:
+        """(version, wire bytes, seconds waited) at a version >= ``min_version``, waiting up to ``timeout``.
 
         In sync and stale-timeout modes the first pull also waits until every
         trainer of the job has registered, so round 0 has everybody in it.
@@ -168,14 +171,16 @@ class Shard:
                 self.params is not None and self.version >= min_version
                 and (self.job.mode == "async" or self._started())
             )
+            t0 = time.perf_counter()
             if not self._cond.wait_for(ready, timeout):
                 raise WaitTimeout(self._pull_wait_message(min_version, timeout))
+            waited = time.perf_counter() - t0
             if self._stopped:
                 raise NotReady(f"shard {self.shard_id} is shutting down")
             if self._snapshot is None or self._snapshot[:2] != (self.version, wire):
                 self._snapshot = (self.version, wire, tensor_bytes(self.params, wire))
             self.counters["pulls"] += 1
-            return self.version, self._snapshot[2]
+            return self.version, self._snapshot[2], waited
 
     def _pull_wait_message(self, min_version: int, timeout: float) -> str:
         if self.params is None:
@@ -202,6 +207,8 @@ class Shard:
             now = self._clock()
             d = modes.decide_push(self._cfg, self._view(), rank, base, now)
             A = modes.Action
+            if d.action is not A.DUPLICATE:
+                self.metrics.staleness.observe(d.staleness)
             if d.action is A.REFUSE_FUTURE:  # unreachable after check_push_header; kept for safety
                 raise FutureVersion(f"base version is {base} but shard {self.shard_id} is at version {self.version}")
             if d.action is A.DROP_STALE:
@@ -218,7 +225,7 @@ class Shard:
                 log.info("shard %d: duplicate push from rank %d for base %d acknowledged, not applied",
                          self.shard_id, rank, base)
                 return PushResult("duplicate", self.version, d.staleness)
-            self.counters["pushes_received"] += 1
+            self.counters["pushes_applied"] += 1
             self.counters["samples"] += num_samples
             if d.action is A.APPLY:
                 self._last_base[rank] = base
@@ -268,9 +275,11 @@ class Shard:
         self._opened_at = None
 
     def _apply(self, grad: torch.Tensor) -> None:
+        t0 = time.perf_counter()
         self.params.grad = grad
         self.optimizer.step()
         self.params.grad = None
+        self.metrics.apply_seconds.observe(time.perf_counter() - t0)
         self.version += 1
         self.counters["steps"] += 1
         self._cond.notify_all()

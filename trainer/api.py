@@ -108,8 +108,9 @@ class FlatModel:
 class StepInfo:
     versions: list[int]
     outcomes: list[str]
-    push_seconds: float
-    pull_seconds: float
+    push_seconds: float  # slowest shard's push
+    pull_seconds: float  # slowest shard's pull, less the time the shard waited for the round
+    wait_seconds: float  # longest wait for a round to close (sync, stale-timeout)
     stale: int = field(default=0)
 
 
@@ -143,7 +144,7 @@ class ParameterServerTrainer:
 
     def _pull_all(self, min_versions: list[int], timeout: float) -> None:
         def pull(s: ShardClient):
-            v, values = s.pull(min_versions[s.index], self.client.wire, len(range(*self.ranges[s.index])), timeout)
+            v, values, _ = s.pull(min_versions[s.index], self.client.wire, len(range(*self.ranges[s.index])), timeout)
             with torch.no_grad():
                 self._slice(self.flat.flat, s.index).copy_(values)
             self.versions[s.index] = v
@@ -167,11 +168,11 @@ class ParameterServerTrainer:
                 wanted = out.version
             else:
                 wanted = self.versions[i] + 1  # wait for the round this gradient is in to close
-            v, values = s.pull(wanted, self.client.wire, len(range(*self.ranges[i])), self.round_timeout)
+            v, values, waited = s.pull(wanted, self.client.wire, len(range(*self.ranges[i])), self.round_timeout)
             with torch.no_grad():
                 self._slice(self.flat.flat, i).copy_(values)
             self.versions[i] = v
-            timings[i] = (t1 - t0, time.perf_counter() - t1)
+            timings[i] = (t1 - t0, time.perf_counter() - t1 - waited, waited)
             return out.outcome
 
         outcomes = self.client.map(exchange)
@@ -180,7 +181,7 @@ class ParameterServerTrainer:
         return StepInfo(
             versions=list(self.versions), outcomes=outcomes,
             push_seconds=max(t[0] for t in timings.values()), pull_seconds=max(t[1] for t in timings.values()),
-            stale=outcomes.count("stale"),
+            wait_seconds=max(t[2] for t in timings.values()), stale=outcomes.count("stale"),
         )
 
     def zero_grad(self) -> None:

@@ -46,6 +46,7 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step (simulate a straggler)")
     p.add_argument("--connect-timeout", type=float, default=120.0, help="seconds to wait for the shards at start")
     p.add_argument("--log-every", type=int, default=20, help="log and record metrics every N steps")
+    p.add_argument("--eval-every", type=int, default=0, help="also evaluate every N steps (0: each epoch only)")
     p.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
     p.add_argument("--log-level", default="INFO")
     return p
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics_file=args.metrics_file, max_staleness=args.max_staleness, sync_timeout=args.sync_timeout,
         replicas_to_aggregate=args.replicas_to_aggregate, stale_policy=args.stale_policy,
         wire_dtype=args.wire_dtype, step_delay=args.step_delay, threads=args.threads, log_every=args.log_every,
+        eval_every=args.eval_every,
         progress=False if args.no_progress else None, connect_timeout=args.connect_timeout,
     )
     summary = train(cfg)

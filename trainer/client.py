@@ -119,8 +119,12 @@ class ShardClient:
         self._count("bytes_out", len(payload))
         return reply
 
-    def pull(self, min_version: int, wire: int, length: int, timeout: float) -> tuple[int, torch.Tensor]:
-        """Parameters at a version >= min_version, as fp32, waiting up to ``timeout`` for the round."""
+    def pull(self, min_version: int, wire: int, length: int, timeout: float) -> tuple[int, torch.Tensor, float]:
+        """(version, fp32 parameters, seconds the shard waited) at a version >= min_version.
+
+        Waits up to ``timeout`` for the round; the shard reports how much of the
+        call was waiting, so the trainer can split wait from transfer.
+        """
         req = _pb.PullRequest(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.fingerprint,
                               min_version=min_version, dtype=wire)
 
@@ -128,7 +132,7 @@ class ShardClient:
             reader = ChunkReader(self.stub.Pull(req, timeout=timeout))
             values = reader.read(length, wire, max_bytes=1 << 40, require_finite=False)
             self._count("bytes_in", reader.bytes_read)
-            return reader.header.version, values
+            return reader.header.version, values, reader.header.wait_seconds
 
         return self._call("Pull", once)
 

@@ -49,6 +49,7 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--max-staleness", type=int, default=None, help="async only")
     p.add_argument("--straggler-delay", type=float, default=0.0,
                    help="extra seconds per step for the last trainer, to show what stale-timeout buys")
+    p.add_argument("--eval-every", type=int, default=20, help="rank 0 evaluates every N steps (for the plot)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--host", default="127.0.0.1", help="loopback address for the shards")
@@ -103,7 +104,7 @@ def trainer_args(args, rank: int, run: Path) -> list[str]:
         "--num-trainers", str(args.trainers), "--mode", args.mode, "--model", args.model, "--dataset", args.dataset,
         "--batch-size", str(args.batch_size), "--epochs", str(args.epochs), "--steps", str(args.steps),
         "--optimizer", args.optimizer, "--seed", str(args.seed), "--device", args.device,
-        "--metrics-file", str(run / f"trainer{rank}.jsonl"), "--no-progress",
+        "--metrics-file", str(run / f"trainer{rank}.jsonl"), "--no-progress", "--log-every", "5",
         "--threads", str(max(1, (os.cpu_count() or 1) // args.trainers)),
     ]
     if args.lr is not None:
@@ -114,7 +115,7 @@ def trainer_args(args, rank: int, run: Path) -> list[str]:
     if args.mode == "async" and args.max_staleness is not None:
         a += ["--max-staleness", str(args.max_staleness)]
     if rank == 0:
-        a += ["--output", str(run / "model.pt")]
+        a += ["--output", str(run / "model.pt"), "--eval-every", str(args.eval_every)]
     if args.straggler_delay and rank == args.trainers - 1:
         a += ["--step-delay", str(args.straggler_delay)]
     return a
@@ -192,6 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     for s in shards:
         codes[s.name] = s.popen.returncode
     summary = summarize(args, run, progress, stats, codes, wall)
+    (run / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    try:
+        from trainer.plots import plot_runs
+
+        summary["plot"] = str(plot_runs([run], run / "plot.png", f"psgrpc {args.mode}: {args.model} on {args.dataset}"))
+    except (ValueError, OSError) as e:
+        log.warning("could not draw the plot: %s", e)
     (run / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print_summary(summary)
     failed = {k: v for k, v in codes.items() if v != 0}

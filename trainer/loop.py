@@ -47,6 +47,7 @@ class TrainConfig:
     step_delay: float = 0.0  # extra seconds per step: simulates a slow trainer (a straggler)
     threads: int = 0  # torch intra-op threads (0: torch's default)
     log_every: int = 20
+    eval_every: int = 0  # also evaluate every N steps (0: at the end of each epoch only)
     progress: bool | None = None  # None: a bar on a terminal, log lines otherwise
     connect_timeout: float = 120.0
 
@@ -146,7 +147,7 @@ def train(cfg: TrainConfig) -> dict:
 
         bar = tqdm(total=total_steps, desc=f"rank {cfg.rank}", unit="step", dynamic_ncols=True)
     t_start = time.perf_counter()
-    timing = dict(compute=0.0, push=0.0, pull=0.0)
+    timing = dict(compute=0.0, push=0.0, pull=0.0, wait=0.0)
     losses: list[float] = []
     step, acc = 0, float("nan")
     stale = 0
@@ -171,6 +172,7 @@ def train(cfg: TrainConfig) -> dict:
                 info = ps.step(num_samples=len(idx))
                 timing["push"] += info.push_seconds
                 timing["pull"] += info.pull_seconds
+                timing["wait"] += info.wait_seconds
                 stale += info.stale
                 step += 1
                 loss_value = float(loss)
@@ -178,12 +180,18 @@ def train(cfg: TrainConfig) -> dict:
                 epoch_losses.append(loss_value)
                 if bar:
                     bar.update(1)
-                    bar.set_postfix(loss=f"{loss_value:.3f}", v=info.versions[0], stale=stale)
+                    rate = step * cfg.batch_size / (time.perf_counter() - t_start)
+                    bar.set_postfix(loss=f"{loss_value:.3f}", acc=f"{acc:.3f}", samples_s=f"{rate:.0f}", stale=stale)
+                if cfg.eval_every and step % cfg.eval_every == 0 and k != spe - 1:
+                    acc, test_loss = evaluate(model, data.x_test, data.y_test, device)
+                    metrics.write("eval", step=step, epoch=epoch, test_accuracy=acc, test_loss=test_loss,
+                                  elapsed=time.perf_counter() - t_start)
                 if step % cfg.log_every == 0 or step == total_steps:
                     elapsed = time.perf_counter() - t_start
                     rate = step * cfg.batch_size / elapsed
                     metrics.write("step", step=step, epoch=epoch, loss=loss_value, versions=info.versions,
-                                  samples_per_sec=rate, stale_pushes=stale, elapsed=elapsed)
+                                  samples_per_sec=rate, stale_pushes=stale, elapsed=elapsed,
+                                  **{f"{k}_seconds": v for k, v in timing.items()})
                     if not bar:
                         log.info("rank %d: step %d/%d epoch %d loss %.4f versions %s %.1f samples/s stale %d",
                                  cfg.rank, step, total_steps, epoch, loss_value, info.versions, rate, stale)
@@ -207,6 +215,7 @@ def train(cfg: TrainConfig) -> dict:
         test_accuracy=acc, final_loss=sum(tail) / max(1, len(tail)), stale_pushes=stale,
         retries=counters.get("retries", 0), duplicate_pushes=counters.get("duplicate_pushes", 0),
         compute_seconds=timing["compute"], push_seconds=timing["push"], pull_seconds=timing["pull"],
+        wait_seconds=timing["wait"],
         versions=list(ps.versions), bytes_out=counters.get("bytes_out", 0), bytes_in=counters.get("bytes_in", 0),
     )
     metrics.write("done", **summary)

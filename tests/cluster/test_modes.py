@@ -37,7 +37,7 @@ def test_cnn_reaches_90_percent_in_3_epochs(cluster, tmp_path, mode):
     stats = [job.stats(i) for i in (0, 1)]
     pushes = 2 * 3 * 62
     for s in stats:
-        assert s.counters["pushes_received"] == pushes
+        assert s.counters["pushes_applied"] == pushes
         if mode == "async":
             assert s.version == pushes  # one optimizer step per push
         else:

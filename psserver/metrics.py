@@ -1,0 +1,81 @@
+"""Prometheus metrics of a shard.
+
+Counts live in one place, the shard's ``counters`` (also served by GetStats);
+a custom collector turns them into Prometheus families at scrape time, so
+nothing is counted twice.  Distributions (staleness, apply latency) are
+prometheus-client histograms the shard observes directly.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from psserver.shard import Shard
+
+ROUND_REASONS = ("all_arrived", "quorum", "timeout")
+PUSH_OUTCOMES = {"applied": "pushes_applied", "stale_dropped": "stale_dropped", "stale_scaled": "stale_scaled",
+                 "duplicate": "duplicates"}
+
+
+class ShardMetrics:
+    """The registry of one shard: histograms it observes, plus a collector over its counters."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.staleness = Histogram(
+            "psgrpc_push_staleness", "Versions between a gradient's base and the shard's version when it arrived.",
+            buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32, 64), registry=self.registry,
+        )
+        self.apply_seconds = Histogram(
+            "psgrpc_apply_seconds", "Seconds to apply one optimizer step on the shard's slice.",
+            buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+            registry=self.registry,
+        )
+
+    def bind(self, shard: "Shard") -> None:
+        self.registry.register(_CounterCollector(shard))
+
+    def serve(self, port: int, host: str) -> int:
+        """Expose /metrics over HTTP; returns the bound port."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return server.server_port
+
+
+class _CounterCollector:
+    def __init__(self, shard: "Shard"):
+        self.shard = shard
+
+    def collect(self):
+        s = self.shard.stats()
+        c = s["counters"]
+        label = [str(s["shard"])]
+        rounds = CounterMetricFamily("psgrpc_rounds_closed", "Rounds closed, by reason.", labels=["shard", "reason"])
+        for r in ROUND_REASONS:
+            rounds.add_metric(label + [r], c.get(f"rounds_{r}", 0))
+        yield rounds
+        pushes = CounterMetricFamily("psgrpc_pushes", "Gradient pushes handled, by outcome.", labels=["shard", "outcome"])
+        for outcome, key in PUSH_OUTCOMES.items():
+            pushes.add_metric(label + [outcome], c.get(key, 0))
+        yield pushes
+        refused = CounterMetricFamily("psgrpc_refused", "Requests refused, by gRPC status.", labels=["shard", "code"])
+        for key, value in sorted(c.items()):
+            if key.startswith("refused_"):
+                refused.add_metric(label + [key.removeprefix("refused_")], value)
+        yield refused
+        traffic = CounterMetricFamily("psgrpc_bytes", "Tensor bytes received and sent.", labels=["shard", "direction"])
+        traffic.add_metric(label + ["in"], c.get("bytes_in", 0))
+        traffic.add_metric(label + ["out"], c.get("bytes_out", 0))
+        yield traffic
+        steps = CounterMetricFamily("psgrpc_optimizer_steps", "Optimizer steps applied.", labels=["shard"])
+        steps.add_metric(label, c.get("steps", 0))
+        yield steps
+        version = GaugeMetricFamily("psgrpc_version", "Shard version (optimizer steps so far).", labels=["shard"])
+        version.add_metric(label, s["version"])
+        yield version
+        live = GaugeMetricFamily("psgrpc_live_trainers", "Trainers currently live.", labels=["shard"])
+        live.add_metric(label, len(s["live_ranks"]))
+        yield live
