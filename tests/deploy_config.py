@@ -1,0 +1,37 @@
+"""Read deploy/docker-compose.yml the way Compose does (resolved by `docker-compose config`)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import yaml
+
+from psserver.codegen import REPO_ROOT
+
+COMPOSE_FILE = REPO_ROOT / "deploy" / "docker-compose.yml"
+K8S_DIR = REPO_ROOT / "deploy" / "k8s"
+
+
+def compose_cli() -> str | None:
+    return shutil.which("docker-compose")
+
+
+def resolved_compose(env: dict | None = None) -> dict:
+    """The compose file with anchors, merges and ${VAR:-default} resolved, by Debian's docker-compose."""
+    exe = compose_cli()
+    if exe is None:
+        raise FileNotFoundError("docker-compose is not installed (Debian package docker-compose)")
+    out = subprocess.run([exe, "-f", str(COMPOSE_FILE), "config"], capture_output=True, text=True, check=True,
+                         env={**os.environ, **(env or {})})
+    return yaml.safe_load(out.stdout)
+
+
+def k8s_documents() -> list[tuple[str, dict]]:
+    docs = []
+    for path in sorted(K8S_DIR.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                docs.append((path.name, doc))
+    return docs

@@ -1,0 +1,66 @@
+"""deploy/: the compose file and Kubernetes manifests validate and agree with each other."""
+
+import os
+
+import pytest
+
+from tests.deploy_config import compose_cli, k8s_documents, resolved_compose
+
+needs_compose = pytest.mark.skipif(
+    compose_cli() is None and not os.environ.get("CI"),
+    reason="docker-compose is not installed (CI installs Debian's package; see .ci/run)",
+)
+
+
+@needs_compose
+def test_compose_file_validates_and_has_2_shards_and_3_trainers():
+    cfg = resolved_compose()
+    services = cfg["services"]
+    shards = sorted(s for s in services if s.startswith("ps-shard-"))
+    trainers = sorted(s for s in services if s.startswith("ps-trainer-"))
+    assert shards == ["ps-shard-0", "ps-shard-1"] and len(trainers) == 3
+    for name in trainers:
+        env = services[name]["environment"]
+        assert env["PS_PS"] == "ps-shard-0:7000,ps-shard-1:7000"
+        assert int(env["PS_NUM_TRAINERS"]) == len(trainers)
+        assert env["PS_MODE"] == "sync"  # the default mode
+        assert {d: c["condition"] for d, c in services[name]["depends_on"].items()} == {
+            s: "service_healthy" for s in shards}
+    assert sorted(int(services[t]["environment"]["PS_RANK"]) for t in trainers) == [0, 1, 2]
+    for i, name in enumerate(shards):
+        assert int(services[name]["environment"]["PS_SHARD"]) == i
+        assert services[name]["healthcheck"]["test"][:3] == ["CMD", "ps-server", "health"]
+        assert any(v.startswith("checkpoints:") for v in services[name]["volumes"])
+    assert "checkpoints" in cfg["volumes"]
+
+
+@needs_compose
+def test_compose_mode_and_straggler_come_from_one_environment_variable_each():
+    services = resolved_compose({"PS_MODE": "stale-timeout", "PS_STRAGGLER_DELAY": "0.3"})["services"]
+    assert {services[t]["environment"]["PS_MODE"] for t in services if t.startswith("ps-trainer")} == {"stale-timeout"}
+    assert services["ps-trainer-2"]["environment"]["PS_STEP_DELAY"] == "0.3"
+
+
+def test_kubernetes_manifests_validate_against_the_schema():
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    docs = k8s_documents()
+    assert {d["kind"] for _, d in docs} == {"Service", "StatefulSet", "Job"}
+    for name, doc in docs:
+        kubernetes_validate.validate(doc, "1.30.0", strict=True)
+
+
+def test_kubernetes_shards_and_trainers_agree():
+    docs = {d["kind"]: d for _, d in k8s_documents()}
+    sts, job, svc = docs["StatefulSet"], docs["Job"], docs["Service"]
+    assert svc["spec"]["clusterIP"] == "None" and sts["spec"]["serviceName"] == svc["metadata"]["name"]
+    env = {e["name"]: e for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    addresses = env["PS_PS"]["value"].split(",")
+    assert addresses == [f"ps-shard-{i}.ps-shard:7000" for i in range(sts["spec"]["replicas"])]
+    assert int(env["PS_NUM_TRAINERS"]["value"]) == job["spec"]["completions"] == job["spec"]["parallelism"]
+    assert job["spec"]["completionMode"] == "Indexed"
+    assert "job-completion-index" in env["PS_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
+    shard_env = {e["name"]: e for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert "pod-index" in shard_env["PS_SHARD"]["valueFrom"]["fieldRef"]["fieldPath"]
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    assert container["readinessProbe"]["grpc"]["port"] == 7000 and container["livenessProbe"]["grpc"]["port"] == 7000
+    assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "checkpoints"
