@@ -29,6 +29,8 @@ def build_parser() -> EnvArgumentParser:
                    help="exit 0 once every trainer of the job has registered and left")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (0 picks one; unset: none)")
+    p.add_argument("--lease-timeout", type=float, default=5.0,
+                   help="seconds of silence after which a trainer is dropped from the live set (0: never)")
     p.add_argument("--max-workers", type=int, default=32, help="concurrent RPCs served")
     p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="bytes per streamed chunk")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     cfg = ServerConfig(shard=args.shard, host=args.host, port=args.port, max_workers=args.max_workers,
-                       chunk_bytes=args.chunk_bytes)
+                       chunk_bytes=args.chunk_bytes, lease_timeout=args.lease_timeout)
     server = ShardServer(cfg).start()
     if args.metrics_port is not None:
         port = server.shard.metrics.serve(args.metrics_port, args.host)

@@ -149,3 +149,18 @@ def _close_reason(cfg: ModeConfig, view: RoundView, now: float) -> CloseReason |
     if view.opened_at is not None and now >= view.opened_at + cfg.sync_timeout:
         return CloseReason.TIMEOUT
     return None
+
+
+# ---------------------------------------------------------------------------------------------- membership
+def expired_ranks(live: frozenset[int], last_seen: Mapping[int, float], lease: float, now: float) -> frozenset[int]:
+    """Live ranks silent for longer than ``lease`` seconds: they leave the live set, so no round waits on them."""
+    if lease <= 0:
+        return frozenset()
+    return frozenset(r for r in live if now - last_seen.get(r, now) > lease)
+
+
+def next_lease_expiry(live: frozenset[int], last_seen: Mapping[int, float], lease: float) -> float | None:
+    """Clock time at which the next live rank's lease runs out, or None."""
+    if lease <= 0 or not live:
+        return None
+    return min(last_seen.get(r, float("inf")) for r in live) + lease

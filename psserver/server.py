@@ -28,6 +28,7 @@ class ServerConfig:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     max_message_bytes: int = 16 << 20  # per gRPC message; larger ones get RESOURCE_EXHAUSTED from gRPC
     max_push_bytes: int = 4 << 30  # whole Init/Push stream
+    lease_timeout: float = 5.0  # seconds of silence after which a trainer leaves the live set
 
     def __post_init__(self) -> None:
         if self.shard < 0:
@@ -46,7 +47,7 @@ class ShardServer:
 
     def __init__(self, cfg: ServerConfig):
         self.cfg = cfg
-        self.shard = Shard(cfg.shard)
+        self.shard = Shard(cfg.shard, lease_timeout=cfg.lease_timeout)
         self.health = health.HealthServicer()
         opts = [
             ("grpc.max_receive_message_length", cfg.max_message_bytes),

@@ -102,6 +102,11 @@ class ParameterServerService(_grpc.ParameterServerServicer):
         remaining = self.shard.leave(request.rank, request.trainer_id)
         return _pb.LeaveReply(remaining=remaining)
 
+    @_refusals
+    def Heartbeat(self, request, context):
+        version, live = self.shard.heartbeat(request.rank, request.trainer_id, request.fingerprint)
+        return _pb.HeartbeatReply(version=version, live=live)
+
     def GetStats(self, request, context):
         s = self.shard.stats()
         job = s.pop("job")

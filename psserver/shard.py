@@ -43,9 +43,10 @@ class PushResult:
 class Shard:
     """State of shard ``shard_id``; all methods are thread-safe."""
 
-    def __init__(self, shard_id: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, shard_id: int, clock: Callable[[], float] = time.monotonic, lease_timeout: float = 5.0):
         self.shard_id = shard_id
         self._clock = clock
+        self.lease_timeout = lease_timeout
         self._cond = threading.Condition()
         # --- guarded by _cond ---
         self.job: JobSpec | None = None
@@ -56,6 +57,8 @@ class Shard:
         self.trainers: dict[int, str] = {}  # rank -> trainer id of its newest registration
         self.live: set[int] = set()
         self.ever_registered: set[int] = set()
+        self._left: set[int] = set()  # ranks that said goodbye; only a new Register brings them back
+        self._last_seen: dict[int, float] = {}  # rank -> clock time of its last RPC (the lease)
         self.counters: Counter[str] = Counter()
         self._cfg: modes.ModeConfig | None = None
         self._acc: torch.Tensor | None = None  # weighted sum of the open round's gradients
@@ -97,6 +100,8 @@ class Shard:
             self.trainers[rank] = trainer_id
             self.live.add(rank)
             self.ever_registered.add(rank)
+            self._left.discard(rank)
+            self._last_seen[rank] = self._clock()
             self.counters["registrations"] += 1
             if previous and previous != trainer_id:
                 self.counters["re_registrations"] += 1
@@ -107,7 +112,7 @@ class Shard:
             self._cond.notify_all()
             return dict(
                 shard=self.shard_id, start=self.start, end=self.end, initialized=self.params is not None,
-                version=self.version, registered=len(self.ever_registered),
+                version=self.version, registered=len(self.ever_registered), lease_seconds=self.lease_timeout,
             )
 
     def _set_job(self, job: JobSpec) -> None:
@@ -117,30 +122,34 @@ class Shard:
         log.info("shard %d: job fixed: mode %s, %d trainers, slice [%d, %d) of %d, optimizer %s lr %g",
                  self.shard_id, job.mode, job.num_trainers, self.start, self.end, job.total_params,
                  job.optimizer.name, job.optimizer.lr)
-        if job.mode == "stale-timeout":
-            self._timer = threading.Thread(target=self._timer_loop, name=f"shard{self.shard_id}-timer", daemon=True)
-            self._timer.start()
+        self._timer = threading.Thread(target=self._timer_loop, name=f"shard{self.shard_id}-timer", daemon=True)
+        self._timer.start()
 
     def leave(self, rank: int, trainer_id: str) -> int:
         """``rank`` is done; rounds stop waiting for it. Returns the live count left."""
         with self._cond:
             self._check_member(rank, trainer_id)
             self.live.discard(rank)
+            self._left.add(rank)
             self.counters["leaves"] += 1
             log.info("shard %d: rank %d left; %d live", self.shard_id, rank, len(self.live))
             self._close_if_due()
             self._cond.notify_all()
             return len(self.live)
 
-    @property
-    def job_done(self) -> bool:
-        """Every trainer of the job registered and all have left."""
-        with self._cond:
-            return self.job is not None and self._started() and not self.live
+    def _job_done(self) -> bool:
+        """Every trainer of the job registered and all have left (said goodbye, not merely gone silent)."""
+        return self.job is not None and self._started() and not self.live and self.ever_registered <= self._left
 
     def wait_job_done(self, timeout: float | None = None) -> bool:
         with self._cond:
-            return self._cond.wait_for(lambda: self._stopped or (self.job is not None and self._started() and not self.live), timeout)
+            return self._cond.wait_for(lambda: self._stopped or self._job_done(), timeout)
+
+    def heartbeat(self, rank: int, trainer_id: str, fingerprint: str) -> tuple[int, int]:
+        """Renew ``rank``'s lease (every RPC does; this one does nothing else). Returns (version, live count)."""
+        with self._cond:
+            self._check_ready(rank, trainer_id, fingerprint, need_params=False)
+            return self.version, len(self.live)
 
     # ------------------------------------------------------------------ parameters
     def init(self, rank: int, trainer_id: str, fingerprint: str, values: torch.Tensor) -> tuple[bool, int]:
@@ -285,17 +294,32 @@ class Shard:
         self._cond.notify_all()
 
     def _timer_loop(self) -> None:
-        """Closes stale-timeout rounds at their deadline, even if no push arrives."""
+        """Expires silent trainers' leases and closes stale-timeout rounds at their deadline."""
         with self._cond:
             while not self._stopped:
-                deadline = modes.round_deadline(self._cfg, self._view()) if self.params is not None else None
-                if deadline is None:
+                deadlines = [modes.next_lease_expiry(frozenset(self.live), self._last_seen, self.lease_timeout)]
+                if self.params is not None:
+                    deadlines.append(modes.round_deadline(self._cfg, self._view()))
+                deadlines = [d for d in deadlines if d is not None]
+                if not deadlines:
                     self._cond.wait()
                     continue
-                remaining = deadline - self._clock()
+                remaining = min(deadlines) - self._clock()
                 if remaining > 0:
                     self._cond.wait(remaining)
-                self._close_if_due()
+                self._expire_leases()
+                if self.params is not None:
+                    self._close_if_due()
+
+    def _expire_leases(self) -> None:
+        now = self._clock()
+        for rank in sorted(modes.expired_ranks(frozenset(self.live), self._last_seen, self.lease_timeout, now)):
+            self.live.discard(rank)
+            self.counters["lease_expired"] += 1
+            log.warning("shard %d: rank %d silent for %.1f s (lease %.1f s): dropped from the live set; "
+                        "%d live", self.shard_id, rank, now - self._last_seen[rank], self.lease_timeout,
+                        len(self.live))
+        self._cond.notify_all()
 
     def _view(self) -> modes.RoundView:
         return modes.RoundView(
@@ -325,6 +349,7 @@ class Shard:
             raise NotReady(f"shard {self.shard_id} is not initialised yet: rank 0 sends Init first")
 
     def _check_member(self, rank: int, trainer_id: str) -> None:
+        """Refuse strangers; renew the caller's lease (any RPC counts as a heartbeat)."""
         current = self.trainers.get(rank)
         if current is None:
             raise JobMismatch(f"rank {rank} is not registered with shard {self.shard_id}: register first")
@@ -332,6 +357,12 @@ class Shard:
             raise JobMismatch(
                 f"rank {rank} is registered as {current!r}, not {trainer_id!r}: a newer trainer took this rank"
             )
+        self._last_seen[rank] = self._clock()
+        if rank not in self.live and rank not in self._left:
+            self.live.add(rank)
+            self.counters["rejoins"] += 1
+            log.info("shard %d: rank %d is heard from again after its lease expired: live again", self.shard_id, rank)
+            self._cond.notify_all()
 
     def count(self, name: str, n: float = 1) -> None:
         with self._cond:

@@ -23,11 +23,13 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import grpc
 import torch
 
 from psserver.job import JobSpec, OptimizerConfig
@@ -131,12 +133,28 @@ class ParameterServerTrainer:
         for i, r in enumerate(replies):
             if (r.start, r.end) != self.ranges[i]:
                 raise ValueError(f"shard {i} owns [{r.start}, {r.end}) but this trainer expected {self.ranges[i]}")
+        self._stop_heartbeat = threading.Event()
+        leases = [r.lease_seconds for r in replies if r.lease_seconds > 0]
+        if leases:
+            threading.Thread(target=self._heartbeat_loop, args=(min(leases) / 4,), name="ps-heartbeat",
+                             daemon=True).start()
         if rank == 0:
             self.client.map(lambda s: s.init(self._slice(self.flat.flat, s.index), self.client.wire)
                             if not replies[s.index].initialized else None)
         # The first pull waits until every shard is initialised (and, in sync modes, all trainers registered).
         self._pull_all([0] * job.num_shards, timeout=connect_timeout)
         log.info("rank %d connected to %d shards at versions %s", rank, job.num_shards, self.versions)
+
+    def _heartbeat_loop(self, interval: float) -> None:
+        """Keeps this trainer's lease while it computes or waits; a dead process stops sending."""
+        while not self._stop_heartbeat.wait(interval):
+            for s in self.client.shards:
+                try:
+                    s.heartbeat(timeout=interval)
+                except grpc.RpcError as e:
+                    self.client.counters["heartbeat_failures"] += 1
+                    log.warning("heartbeat to shard %d (%s) failed: %s %s", s.index, s.address, e.code().name,
+                                e.details())
 
     def _slice(self, flat: torch.Tensor, shard: int) -> torch.Tensor:
         start, end = self.ranges[shard]
@@ -196,6 +214,7 @@ class ParameterServerTrainer:
 
     def close(self, leave: bool = True) -> None:
         """Leave the job (so rounds stop waiting for this trainer) and close the channels."""
+        self._stop_heartbeat.set()
         try:
             if leave:
                 self.client.map(lambda s: s.leave())

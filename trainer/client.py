@@ -156,6 +156,10 @@ class ShardClient:
             self._count("duplicate_pushes")
         return PushOutcome(outcome, reply.version, reply.staleness)
 
+    def heartbeat(self, timeout: float) -> _pb.HeartbeatReply:
+        req = _pb.HeartbeatRequest(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.fingerprint)
+        return self.stub.Heartbeat(req, timeout=timeout)
+
     def leave(self) -> None:
         req = _pb.LeaveRequest(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.fingerprint)
         self._call("Leave", lambda: self.stub.Leave(req, timeout=self.call_timeout))

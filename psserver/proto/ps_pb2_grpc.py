@@ -59,6 +59,11 @@ class ParameterServerStub:
                 request_serializer=psserver_dot_proto_dot_ps__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=psserver_dot_proto_dot_ps__pb2.LeaveReply.FromString,
                 _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/psgrpc.v1.ParameterServer/Heartbeat',
+                request_serializer=psserver_dot_proto_dot_ps__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=psserver_dot_proto_dot_ps__pb2.HeartbeatReply.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/psgrpc.v1.ParameterServer/GetStats',
                 request_serializer=psserver_dot_proto_dot_ps__pb2.StatsRequest.SerializeToString,
@@ -99,6 +104,13 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Heartbeat(self, request, context):
+        """any RPC renews the lease; this one does nothing else
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -132,6 +144,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=psserver_dot_proto_dot_ps__pb2.LeaveRequest.FromString,
                     response_serializer=psserver_dot_proto_dot_ps__pb2.LeaveReply.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=psserver_dot_proto_dot_ps__pb2.HeartbeatRequest.FromString,
+                    response_serializer=psserver_dot_proto_dot_ps__pb2.HeartbeatReply.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -274,6 +291,33 @@ class ParameterServer:
             '/psgrpc.v1.ParameterServer/Leave',
             psserver_dot_proto_dot_ps__pb2.LeaveRequest.SerializeToString,
             psserver_dot_proto_dot_ps__pb2.LeaveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psgrpc.v1.ParameterServer/Heartbeat',
+            psserver_dot_proto_dot_ps__pb2.HeartbeatRequest.SerializeToString,
+            psserver_dot_proto_dot_ps__pb2.HeartbeatReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -108,3 +108,15 @@ def test_round_holding_only_scaled_gradients_closes_only_by_timeout():
 def test_duplicate_fresh_push_in_stale_timeout_is_not_applied_twice():
     view = RoundView(version=5, live=LIVE3, contributors=frozenset({0}), opened_at=0.0)
     assert decide_push(ST, view, rank=0, base=5, now=0.2).action is Action.DUPLICATE
+
+
+def test_lease_expires_only_after_the_timeout_and_only_for_silent_ranks():
+    from psserver.modes import expired_ranks, next_lease_expiry
+
+    live, seen = frozenset({0, 1}), {0: 10.0, 1: 12.0}
+    assert next_lease_expiry(live, seen, lease=5.0) == 15.0
+    assert expired_ranks(live, seen, lease=5.0, now=15.0) == frozenset()
+    assert expired_ranks(live, seen, lease=5.0, now=15.5) == frozenset({0})
+    assert expired_ranks(live, seen, lease=5.0, now=17.5) == frozenset({0, 1})
+    assert expired_ranks(live, seen, lease=0.0, now=1e9) == frozenset()  # leases off
+    assert next_lease_expiry(frozenset(), seen, lease=5.0) is None
