@@ -31,6 +31,9 @@ def build_parser() -> EnvArgumentParser:
                    help="serve Prometheus metrics on this port (0 picks one; unset: none)")
     p.add_argument("--lease-timeout", type=float, default=5.0,
                    help="seconds of silence after which a trainer is dropped from the live set (0: never)")
+    p.add_argument("--checkpoint-dir", default="", help="write checkpoints here (atomic, checksummed)")
+    p.add_argument("--checkpoint-every", type=int, default=100, help="versions between checkpoints")
+    p.add_argument("--restore", action="store_true", help="resume from the newest valid checkpoint")
     p.add_argument("--max-workers", type=int, default=32, help="concurrent RPCs served")
     p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="bytes per streamed chunk")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
@@ -51,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     cfg = ServerConfig(shard=args.shard, host=args.host, port=args.port, max_workers=args.max_workers,
-                       chunk_bytes=args.chunk_bytes, lease_timeout=args.lease_timeout)
+                       chunk_bytes=args.chunk_bytes, lease_timeout=args.lease_timeout,
+                       checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                       restore=args.restore)
     server = ShardServer(cfg).start()
     if args.metrics_port is not None:
         port = server.shard.metrics.serve(args.metrics_port, args.host)
@@ -65,8 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=lambda: (server.shard.wait_job_done(), stop.set()), daemon=True).start()
     while not stop.wait(0.5):  # a timed wait keeps the main thread responsive to signals
         pass
-    log.info("shard %d stopping (version %d)", cfg.shard, server.shard.version)
+    log.info("shard %d stopping (version %d): NOT_SERVING, draining calls, final checkpoint", cfg.shard,
+             server.shard.version)
     server.stop()
+    log.info("shard %d stopped", cfg.shard)
     return 0
 
 

@@ -28,6 +28,18 @@ class JobMismatch(PsError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class NotRegistered(PsError):
+    """The shard does not know this trainer (any more, e.g. after a restart): register again."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class ShuttingDown(PsError):
+    """The shard is stopping; try again (a restarted shard will answer)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
 class NotReady(PsError):
     """The shard has no job or no parameters yet (rank 0 has not registered or initialised)."""
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from psserver.checkpoint import Checkpointer
 from psserver.codec import DEFAULT_CHUNK_BYTES
 from psserver.proto import ps_pb2_grpc as _grpc
 from psserver.service import ParameterServerService
@@ -29,12 +30,18 @@ class ServerConfig:
     max_message_bytes: int = 16 << 20  # per gRPC message; larger ones get RESOURCE_EXHAUSTED from gRPC
     max_push_bytes: int = 4 << 30  # whole Init/Push stream
     lease_timeout: float = 5.0  # seconds of silence after which a trainer leaves the live set
+    checkpoint_dir: str = ""  # where checkpoints go ("" : none)
+    checkpoint_every: int = 100  # versions between checkpoints
+    restore: bool = False  # resume from the newest valid checkpoint in checkpoint_dir
+    shutdown_grace: float = 5.0  # seconds in-flight calls get to finish on stop
 
     def __post_init__(self) -> None:
         if self.shard < 0:
             raise ValueError(f"The shard index ({self.shard}) must be zero or more.")
         if not 0 <= self.port < 65536:
             raise ValueError(f"The port ({self.port}) must be between 0 and 65535.")
+        if self.restore and not self.checkpoint_dir:
+            raise ValueError("--restore needs --checkpoint-dir: where should the checkpoint come from?")
         if self.chunk_bytes < 16 or self.chunk_bytes > self.max_message_bytes // 2:
             raise ValueError(
                 f"The chunk size ({self.chunk_bytes} bytes) must be between 16 and half the message limit "
@@ -47,14 +54,21 @@ class ShardServer:
 
     def __init__(self, cfg: ServerConfig):
         self.cfg = cfg
-        self.shard = Shard(cfg.shard, lease_timeout=cfg.lease_timeout)
+        checkpointer = (Checkpointer(cfg.checkpoint_dir, cfg.shard, cfg.checkpoint_every)
+                        if cfg.checkpoint_dir else None)
+        self.shard = Shard(cfg.shard, lease_timeout=cfg.lease_timeout, checkpointer=checkpointer)
+        if cfg.restore:
+            self.shard.restore()
         self.health = health.HealthServicer()
         opts = [
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers), options=opts)
+        # Calls beyond max_workers are refused with RESOURCE_EXHAUSTED at once rather than queued behind
+        # pulls that wait for a round.
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers), options=opts,
+                                  maximum_concurrent_rpcs=cfg.max_workers)
         _grpc.add_ParameterServerServicer_to_server(
             ParameterServerService(self.shard, cfg.max_push_bytes, cfg.chunk_bytes), self.server
         )
@@ -79,8 +93,9 @@ class ShardServer:
     def address(self) -> str:
         return f"{self.cfg.host}:{self.port}"
 
-    def stop(self, grace: float | None = 1.0) -> None:
-        """NOT_SERVING first, then stop taking calls and let in-flight ones finish within ``grace``."""
+    def stop(self, grace: float | None = None) -> None:
+        """NOT_SERVING at once, in-flight calls drain within ``grace``, then a final checkpoint."""
         self.health.enter_graceful_shutdown()
-        self.shard.stop()
-        self.server.stop(grace).wait()
+        self.shard.stop()  # pulls waiting for a round return UNAVAILABLE: their trainers retry elsewhere/later
+        self.server.stop(self.cfg.shutdown_grace if grace is None else grace).wait()
+        self.shard.final_checkpoint()

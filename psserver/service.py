@@ -94,7 +94,7 @@ class ParameterServerService(_grpc.ParameterServerServicer):
         self.shard.check_push_header(h.rank, h.trainer_id, h.fingerprint, h.version, h.num_samples)
         grad = reader.read(self.shard.slice_length(), self.shard.wire_dtype(), self.max_push_bytes)
         self.shard.count("bytes_in", reader.bytes_read)
-        r = self.shard.push(h.rank, h.trainer_id, h.fingerprint, h.version, h.num_samples, grad)
+        r = self.shard.push(h.rank, h.trainer_id, h.fingerprint, h.version, h.num_samples, grad, h.sequence)
         return _pb.PushReply(outcome=_OUTCOMES[r.outcome], version=r.version, staleness=r.staleness)
 
     @_refusals

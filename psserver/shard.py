@@ -23,8 +23,18 @@ from typing import Callable
 import torch
 
 from psserver import modes
+from psserver.checkpoint import Checkpointer, ShardState
 from psserver.codec import tensor_bytes
-from psserver.errors import FutureVersion, InvalidRequest, JobMismatch, NotReady, StaleGradient, WaitTimeout
+from psserver.errors import (
+    FutureVersion,
+    InvalidRequest,
+    JobMismatch,
+    NotReady,
+    NotRegistered,
+    ShuttingDown,
+    StaleGradient,
+    WaitTimeout,
+)
 from psserver.job import WIRE_DTYPES, JobSpec
 from psserver.layout import shard_range
 from psserver.metrics import ShardMetrics
@@ -43,10 +53,13 @@ class PushResult:
 class Shard:
     """State of shard ``shard_id``; all methods are thread-safe."""
 
-    def __init__(self, shard_id: int, clock: Callable[[], float] = time.monotonic, lease_timeout: float = 5.0):
+    def __init__(self, shard_id: int, clock: Callable[[], float] = time.monotonic, lease_timeout: float = 5.0,
+                 checkpointer: Checkpointer | None = None):
         self.shard_id = shard_id
         self._clock = clock
         self.lease_timeout = lease_timeout
+        self.checkpointer = checkpointer
+        self._ckpt_pending: ShardState | None = None  # newest state captured for the writer thread
         self._cond = threading.Condition()
         # --- guarded by _cond ---
         self.job: JobSpec | None = None
@@ -67,11 +80,14 @@ class Shard:
         self._stale_in_round: set[tuple[int, int]] = set()
         self._opened_at: float | None = None
         self._last_base: dict[int, int] = {}
+        self._acked: dict[int, tuple[str, int, "PushResult"]] = {}  # rank -> (trainer id, sequence, result)
         self._snapshot: tuple[int, int, bytes] | None = None  # (version, wire dtype, bytes)
         self._stopped = False
         self._timer: threading.Thread | None = None
         self.metrics = ShardMetrics()
         self.metrics.bind(self)
+        if checkpointer is not None:
+            threading.Thread(target=self._checkpoint_loop, name=f"shard{shard_id}-checkpoint", daemon=True).start()
 
     # ------------------------------------------------------------------ membership and job
     def register(self, rank: int, trainer_id: str, expected_shard: int, job: JobSpec) -> dict:
@@ -185,7 +201,7 @@ class Shard:
                 raise WaitTimeout(self._pull_wait_message(min_version, timeout))
             waited = time.perf_counter() - t0
             if self._stopped:
-                raise NotReady(f"shard {self.shard_id} is shutting down")
+                raise ShuttingDown(f"shard {self.shard_id} is shutting down")
             if self._snapshot is None or self._snapshot[:2] != (self.version, wire):
                 self._snapshot = (self.version, wire, tensor_bytes(self.params, wire))
             self.counters["pulls"] += 1
@@ -209,8 +225,28 @@ class Shard:
                 raise FutureVersion(f"base version is {base} but shard {self.shard_id} is at version {self.version}")
 
     def push(self, rank: int, trainer_id: str, fingerprint: str, base: int, num_samples: int,
-             grad: torch.Tensor) -> PushResult:
-        """Hand a validated gradient to the mode logic and carry out its decision."""
+             grad: torch.Tensor, sequence: int = 0) -> PushResult:
+        """Hand a validated gradient to the mode logic and carry out its decision.
+
+        A push whose (trainer id, sequence) was already acknowledged is a retry
+        after a lost reply: it gets DUPLICATE, whatever the version is now
+        (the round it was in may have closed since), and is not applied again.
+        """
+        with self._cond:
+            self._check_ready(rank, trainer_id, fingerprint, need_params=True)
+            acked = self._acked.get(rank)
+            if sequence and acked and acked[0] == trainer_id and sequence <= acked[1]:
+                self.counters["duplicates"] += 1
+                log.info("shard %d: push #%d from rank %d was already acknowledged (%s); not applied again",
+                         self.shard_id, sequence, rank, acked[2].outcome)
+                return PushResult("duplicate", self.version, 0)
+            result = self._push_locked(rank, trainer_id, fingerprint, base, num_samples, grad)
+            if sequence and result.outcome != "duplicate":
+                self._acked[rank] = (trainer_id, sequence, result)
+            return result
+
+    def _push_locked(self, rank: int, trainer_id: str, fingerprint: str, base: int, num_samples: int,
+                     grad: torch.Tensor) -> PushResult:
         with self._cond:
             self.check_push_header(rank, trainer_id, fingerprint, base, num_samples)
             now = self._clock()
@@ -291,7 +327,72 @@ class Shard:
         self.metrics.apply_seconds.observe(time.perf_counter() - t0)
         self.version += 1
         self.counters["steps"] += 1
+        if self.checkpointer is not None and self.checkpointer.due(self.version):
+            if self._ckpt_pending is not None:
+                self.counters["checkpoints_superseded"] += 1
+            self._ckpt_pending = self._capture()
         self._cond.notify_all()
+
+    # ------------------------------------------------------------------ checkpoints
+    def _capture(self) -> ShardState:
+        """A copy of the resumable state (under the lock: a memory copy, no I/O)."""
+        opt = self.optimizer.state_dict()
+        opt_copy = {
+            "state": {k: {n: (t.clone() if torch.is_tensor(t) else t) for n, t in v.items()}
+                      for k, v in opt["state"].items()},
+            "param_groups": [dict(g) for g in opt["param_groups"]],
+        }
+        return ShardState(self.shard_id, self.version, self.job, self.params.detach().clone(), opt_copy,
+                          dict(self.counters))
+
+    def _checkpoint_loop(self) -> None:
+        """Writes captured states outside the shard's lock, so training never waits on the disk."""
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._ckpt_pending is not None or self._stopped)
+                state, self._ckpt_pending = self._ckpt_pending, None
+                if state is None:
+                    return
+            self._write_checkpoint(state)
+
+    def _write_checkpoint(self, state: ShardState) -> None:
+        try:
+            if self.checkpointer.write(state):
+                self.count("checkpoints_written")
+        except OSError as e:
+            self.count("checkpoint_failures")
+            log.error("shard %d: checkpoint at version %d failed: %s", self.shard_id, state.version, e)
+
+    def final_checkpoint(self) -> None:
+        """On shutdown: write the current state (after in-flight calls have drained)."""
+        if self.checkpointer is None:
+            return
+        with self._cond:
+            if self.params is None:
+                return
+            state = self._capture()
+        self._write_checkpoint(state)
+
+    def restore(self) -> int | None:
+        """Resume from the newest valid checkpoint; returns its version, or None if there is none."""
+        state, skipped = self.checkpointer.load_latest()
+        with self._cond:
+            self.counters["checkpoints_skipped_damaged"] += len(skipped)
+            if state is None:
+                log.warning("shard %d: --restore found no valid checkpoint in %s; starting empty",
+                            self.shard_id, self.checkpointer.directory)
+                return None
+            self._set_job(state.job)
+            self.params = torch.nn.Parameter(state.params.clone(), requires_grad=False)
+            self.optimizer = build_optimizer(self.job.optimizer, [self.params])
+            self.optimizer.load_state_dict(state.optimizer)
+            self._acc = torch.zeros_like(self.params.detach())
+            self.version = state.version
+            self.counters.update({k: v for k, v in state.counters.items() if not k.startswith("checkpoints_")})
+            self.counters["restored_version"] = state.version
+            log.warning("shard %d: restored version %d from %s (%d damaged files skipped); trainers re-register",
+                        self.shard_id, state.version, self.checkpointer.directory, len(skipped))
+            return state.version
 
     def _timer_loop(self) -> None:
         """Expires silent trainers' leases and closes stale-timeout rounds at their deadline."""
@@ -352,9 +453,9 @@ class Shard:
         """Refuse strangers; renew the caller's lease (any RPC counts as a heartbeat)."""
         current = self.trainers.get(rank)
         if current is None:
-            raise JobMismatch(f"rank {rank} is not registered with shard {self.shard_id}: register first")
+            raise NotRegistered(f"rank {rank} is not registered with shard {self.shard_id}: register first")
         if current != trainer_id:
-            raise JobMismatch(
+            raise NotRegistered(
                 f"rank {rank} is registered as {current!r}, not {trainer_id!r}: a newer trainer took this rank"
             )
         self._last_seen[rank] = self._clock()

@@ -34,9 +34,10 @@ class RawShard:
         return self.stub.Register(pb.RegisterRequest(rank=rank, trainer_id=trainer_id or f"t{rank}",
                                                      expected_shard=expected_shard, job=spec.to_proto()), timeout=10)
 
-    def header(self, rank=0, n=P, version=0, num_samples=4, dtype=pb.FLOAT32, fingerprint="f" * 16, trainer_id=None):
+    def header(self, rank=0, n=P, version=0, num_samples=4, dtype=pb.FLOAT32, fingerprint="f" * 16, trainer_id=None,
+               sequence=0):
         return pb.ChunkHeader(rank=rank, trainer_id=trainer_id or f"t{rank}", fingerprint=fingerprint, dtype=dtype,
-                              length=n, version=version, num_samples=num_samples)
+                              length=n, version=version, num_samples=num_samples, sequence=sequence)
 
     def init(self, values: torch.Tensor, rank=0):
         h = self.header(rank=rank, n=values.numel())

@@ -38,6 +38,11 @@ from trainer.client import ShardClient, ShardedClient, parse_addresses
 
 log = logging.getLogger(__name__)
 
+# A shard that answers these to a push or pull has restarted: it does not know this trainer any more
+# (NOT_FOUND), came back empty (FAILED_PRECONDITION: not initialised), or from an older checkpoint
+# than our version (OUT_OF_RANGE).  The trainer registers again and resumes from the shard.
+REJOIN_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION)
+
 
 def model_layout(model: torch.nn.Module, num_shards: int) -> Layout:
     """The flat layout of ``model``'s trainable parameters over ``num_shards`` shards."""
@@ -123,6 +128,7 @@ class ParameterServerTrainer:
                  trainer_id: str, connect_timeout: float, round_timeout: float, chunk_bytes: int):
         self.model, self.job, self.rank = model, job, rank
         self.round_timeout = round_timeout
+        self.connect_timeout = connect_timeout
         self.layout = model_layout(model, job.num_shards)
         self.flat = FlatModel(model)
         self.client = ShardedClient(addresses, job, rank, trainer_id, chunk_bytes=chunk_bytes)
@@ -144,6 +150,29 @@ class ParameterServerTrainer:
         # The first pull waits until every shard is initialised (and, in sync modes, all trainers registered).
         self._pull_all([0] * job.num_shards, timeout=connect_timeout)
         log.info("rank %d connected to %d shards at versions %s", rank, job.num_shards, self.versions)
+
+    def _rejoin(self, s: ShardClient, cause: grpc.RpcError) -> None:
+        """The shard restarted (it no longer knows us, or is behind us): register again and resume from it.
+
+        Rank 0 re-initialises a shard that came back empty (no checkpoint) with
+        its current weights.  The steps the shard lost are logged and counted.
+        """
+        i = s.index
+        before = self.versions[i]
+        log.warning("shard %d (%s) answered %s (%s): it restarted; registering again", i, s.address,
+                    cause.code().name, cause.details())
+        reply = s.register(self.job, self.connect_timeout)
+        if not reply.initialized and self.rank == 0:
+            s.init(self._slice(self.flat.flat, i), self.client.wire)
+            log.warning("shard %d came back without parameters: re-initialised it from rank 0's weights", i)
+        v, values, _ = s.pull(0, self.client.wire, len(range(*self.ranges[i])), self.connect_timeout)
+        with torch.no_grad():
+            self._slice(self.flat.flat, i).copy_(values)
+        self.versions[i] = v
+        lost = max(0, before - v)
+        self.client.counters["reconnects"] += 1
+        self.client.counters["steps_lost"] += lost
+        log.warning("rank %d resumed shard %d at version %d (was %d): %d steps lost", self.rank, i, v, before, lost)
 
     def _heartbeat_loop(self, interval: float) -> None:
         """Keeps this trainer's lease while it computes or waits; a dead process stops sending."""
@@ -176,6 +205,16 @@ class ParameterServerTrainer:
         timings = {}
 
         def exchange(s: ShardClient):
+            try:
+                return exchange_once(s)
+            except grpc.RpcError as e:
+                if e.code() not in REJOIN_CODES:
+                    raise
+                self._rejoin(s, e)
+                timings[s.index] = (0.0, 0.0, 0.0)
+                return "lost"
+
+        def exchange_once(s: ShardClient):
             i = s.index
             t0 = time.perf_counter()
             out = s.push(self._slice(grad, i), self.versions[i], num_samples, self.client.wire)

@@ -1,11 +1,13 @@
 """The trainer's side of the wire: one channel per shard, fan-out, deadlines, retries.
 
 ``ShardClient`` speaks to one shard; ``ShardedClient`` holds one per shard and
-runs their calls in parallel.  Every call has a deadline.  UNAVAILABLE is
-retried with exponential backoff and jitter (safe: Register and Init are
-idempotent, Pull is a read, and a retried Push is recognised by the shard as a
-duplicate of (rank, base version) and acknowledged without being applied).
-Every retry and every stale push is counted in ``counters`` and logged.
+runs their calls in parallel.  Every call has a deadline.  UNAVAILABLE (and,
+for pushes, DEADLINE_EXCEEDED) is retried with exponential backoff and full
+jitter for up to ``RetryPolicy.budget_seconds`` -- long enough to ride out a
+shard restart.  Retrying is safe: Register and Init are idempotent, Pull is a
+read, and a retried Push carries the same sequence number, so the shard
+acknowledges it as a duplicate instead of applying it twice.  Every retry and
+every stale push is counted in ``counters`` and logged.
 """
 
 from __future__ import annotations
@@ -55,9 +57,9 @@ class PushOutcome:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    attempts: int = 6
-    initial_backoff: float = 0.1
-    max_backoff: float = 5.0
+    budget_seconds: float = 60.0  # keep retrying one call this long (a restarting shard needs seconds)
+    initial_backoff: float = 0.05
+    max_backoff: float = 2.0
 
 
 class ShardClient:
@@ -69,6 +71,7 @@ class ShardClient:
         self.address, self.index, self.rank, self.trainer_id = address, index, rank, trainer_id
         self.fingerprint, self.counters, self.chunk_bytes = fingerprint, counters, chunk_bytes
         self.call_timeout, self.retry = call_timeout, retry
+        self.sequence = 0  # pushes sent to this shard by this trainer
         self._lock = threading.Lock()
         self.channel = grpc.insecure_channel(
             address,
@@ -84,14 +87,17 @@ class ShardClient:
         with self._lock:
             self.counters[name] += n
 
-    def _call(self, what: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` with retries on UNAVAILABLE (exponential backoff with full jitter)."""
+    def _call(self, what: str, fn: Callable[[], T], retry_on: tuple = RETRYABLE) -> T:
+        """Run ``fn``, retrying ``retry_on`` codes with exponential backoff and full jitter within the budget."""
         delay = self.retry.initial_backoff
-        for attempt in range(1, self.retry.attempts + 1):
+        give_up = time.monotonic() + self.retry.budget_seconds
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 return fn()
             except grpc.RpcError as e:
-                if e.code() not in RETRYABLE or attempt == self.retry.attempts:
+                if e.code() not in retry_on or time.monotonic() >= give_up:
                     raise
                 self._count("retries")
                 pause = random.uniform(0, delay)
@@ -99,7 +105,6 @@ class ShardClient:
                             self.address, e.code().name, e.details(), attempt, pause)
                 time.sleep(pause)  # backoff between attempts, not synchronisation
                 delay = min(delay * 2, self.retry.max_backoff)
-        raise AssertionError("unreachable")
 
     def register(self, job: JobSpec, connect_timeout: float) -> _pb.RegisterReply:
         req = _pb.RegisterRequest(rank=self.rank, trainer_id=self.trainer_id, expected_shard=self.index,
@@ -107,9 +112,11 @@ class ShardClient:
         # wait_for_ready: a shard that is still starting is waited for (within the deadline), not an error.
         return self._call("Register", lambda: self.stub.Register(req, timeout=connect_timeout, wait_for_ready=True))
 
-    def _header(self, wire: int, length: int, version: int = 0, num_samples: int = 0) -> _pb.ChunkHeader:
+    def _header(self, wire: int, length: int, version: int = 0, num_samples: int = 0,
+                sequence: int = 0) -> _pb.ChunkHeader:
         return _pb.ChunkHeader(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.fingerprint,
-                               dtype=wire, length=length, version=version, num_samples=num_samples)
+                               dtype=wire, length=length, version=version, num_samples=num_samples,
+                               sequence=sequence)
 
     def init(self, values: torch.Tensor, wire: int) -> _pb.InitReply:
         payload = tensor_bytes(values, wire)
@@ -138,10 +145,12 @@ class ShardClient:
 
     def push(self, grad: torch.Tensor, base: int, num_samples: int, wire: int) -> PushOutcome:
         payload = tensor_bytes(grad, wire)
-        header = self._header(wire, grad.numel(), base, num_samples)
+        self.sequence += 1
+        header = self._header(wire, grad.numel(), base, num_samples, self.sequence)
         try:
             reply = self._call("Push", lambda: self.stub.Push(encode(payload, header, self.chunk_bytes),
-                                                              timeout=self.call_timeout))
+                                                              timeout=self.call_timeout),
+                               retry_on=(grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED))
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.ABORTED:
                 raise

@@ -214,6 +214,8 @@ def train(cfg: TrainConfig) -> dict:
         steps=step, epochs=epoch, seconds=elapsed, samples_per_sec=step * cfg.batch_size / elapsed,
         test_accuracy=acc, final_loss=sum(tail) / max(1, len(tail)), stale_pushes=stale,
         retries=counters.get("retries", 0), duplicate_pushes=counters.get("duplicate_pushes", 0),
+        reconnects=counters.get("reconnects", 0), steps_lost=counters.get("steps_lost", 0),
+        heartbeat_failures=counters.get("heartbeat_failures", 0),
         compute_seconds=timing["compute"], push_seconds=timing["push"], pull_seconds=timing["pull"],
         wait_seconds=timing["wait"],
         versions=list(ps.versions), bytes_out=counters.get("bytes_out", 0), bytes_in=counters.get("bytes_in", 0),

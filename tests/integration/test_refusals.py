@@ -45,7 +45,7 @@ CASES = {
                        ["base version is 7 but shard 0 is at version 1"]),
     "stale version": (lambda s: s.push(torch.ones(P), version=0), grpc.StatusCode.ABORTED,
                       ["stale gradient: base version 0 is 1 behind version 1"]),
-    "unregistered rank": (lambda s: s.push(torch.ones(P), rank=3, version=1), grpc.StatusCode.FAILED_PRECONDITION,
+    "unregistered rank": (lambda s: s.push(torch.ones(P), rank=3, version=1), grpc.StatusCode.NOT_FOUND,
                           ["rank 3 is not registered with shard 0"]),
     "zero samples": (lambda s: s.push(torch.ones(P), version=1, num_samples=0), grpc.StatusCode.INVALID_ARGUMENT,
                      ["num_samples is 0"]),
@@ -143,3 +143,17 @@ def test_duplicate_push_is_acknowledged_not_applied(shard_server):
     assert reply.outcome == pb.DUPLICATE and reply.version == 1
     assert shard.digest() == after_first
     assert shard.stats().counters["duplicates"] == 1
+
+
+def test_retried_push_after_its_round_closed_is_a_duplicate_not_stale(shard_server):
+    """A reply lost after the push closed a round: the retry (same sequence) is acknowledged, not re-applied."""
+    shard = shard_server()
+    shard.register()
+    shard.init(torch.zeros(P))
+    assert shard.push(torch.ones(P), sequence=1).outcome == pb.APPLIED  # closes round 0: version 1
+    after = shard.digest()
+    retry = shard.push(torch.ones(P), sequence=1)  # same base version 0, now behind
+    assert retry.outcome == pb.DUPLICATE and retry.version == 1
+    assert shard.digest() == after
+    # without the sequence the same bytes are a stale gradient
+    refused(lambda: shard.push(torch.ones(P)), grpc.StatusCode.ABORTED, "stale gradient")

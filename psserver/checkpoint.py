@@ -1,0 +1,162 @@
+"""Atomic, checksummed shard checkpoints.
+
+A checkpoint is one file: a magic line, the SHA-256 of the payload, the
+payload's length, then the payload (``torch.save`` of parameters, optimizer
+state, version, job spec and counters).  It is written to a temporary file in
+the same directory, flushed and fsynced, renamed over its final name (atomic on
+POSIX), and the directory is fsynced, so a crash at any point leaves either
+the previous checkpoints alone or a complete new one.  Loading verifies length
+and checksum and falls back to the previous file when the newest is damaged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import re
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from psserver.job import JobSpec
+from psserver.proto import ps_pb2 as _pb
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"PSGRPC-CHECKPOINT-1\n"
+NAME = re.compile(r"^shard(\d+)-v(\d{12})\.ckpt$")
+
+
+class CorruptCheckpoint(Exception):
+    """A checkpoint file that is truncated, damaged, or not a checkpoint."""
+
+
+@dataclass
+class ShardState:
+    """Everything a shard needs to resume."""
+
+    shard: int
+    version: int
+    job: JobSpec
+    params: torch.Tensor
+    optimizer: dict
+    counters: dict = field(default_factory=dict)
+
+    def to_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        torch.save(
+            dict(shard=self.shard, version=self.version, job=self.job.to_proto().SerializeToString(),
+                 params=self.params, optimizer=self.optimizer, counters=self.counters),
+            buf,
+        )
+        payload = buf.getvalue()
+        return MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + str(len(payload)).encode() + b"\n" + payload
+
+    @staticmethod
+    def from_bytes(data: bytes) -> "ShardState":
+        if not data.startswith(MAGIC):
+            raise CorruptCheckpoint("not a psgrpc checkpoint (bad magic line)")
+        rest = data[len(MAGIC):]
+        try:
+            digest, length, payload = rest.split(b"\n", 2)
+            length = int(length)
+        except ValueError:
+            raise CorruptCheckpoint("truncated header") from None
+        if len(payload) != length:
+            raise CorruptCheckpoint(f"payload is {len(payload)} bytes, the header says {length}: truncated")
+        if hashlib.sha256(payload).hexdigest().encode() != digest:
+            raise CorruptCheckpoint("checksum mismatch: the file is damaged")
+        d = torch.load(io.BytesIO(payload), weights_only=True)
+        job = _pb.JobSpec()
+        job.ParseFromString(d["job"])
+        return ShardState(d["shard"], d["version"], JobSpec.from_proto(job), d["params"], d["optimizer"],
+                          d.get("counters", {}))
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Checkpointer:
+    """Writes and finds one shard's checkpoints in ``directory``; keeps the newest ``keep``."""
+
+    def __init__(self, directory: str | Path, shard: int, every: int, keep: int = 3):
+        if every < 1:
+            raise ValueError(f"The checkpoint interval ({every} versions) must be at least 1.")
+        if keep < 2:
+            raise ValueError(f"Keep at least 2 checkpoints (got {keep}), so a damaged newest one has a fallback.")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.shard, self.every, self.keep = shard, every, keep
+        self._lock = threading.Lock()  # serialises writers; never held while taking the shard's lock
+        self.last_written = -1
+
+    def path_for(self, version: int) -> Path:
+        return self.directory / f"shard{self.shard}-v{version:012d}.ckpt"
+
+    def due(self, version: int) -> bool:
+        return version % self.every == 0
+
+    def write(self, state: ShardState, write_bytes=None) -> Path | None:
+        """Write ``state`` atomically unless a newer one is already on disk; returns the path written.
+
+        ``write_bytes(file, data)`` replaces ``file.write(data)``: tests inject crashes there.
+        """
+        with self._lock:
+            if state.version <= self.last_written:
+                return None
+            data = state.to_bytes()
+            final = self.path_for(state.version)
+            tmp = final.with_name(f".{final.name}.tmp{os.getpid()}")
+            with open(tmp, "wb") as f:
+                if write_bytes is None:
+                    f.write(data)
+                else:
+                    write_bytes(f, data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+            _fsync_dir(self.directory)
+            self.last_written = state.version
+            self._prune()
+            log.info("shard %d: checkpoint at version %d written to %s (%d bytes)", self.shard, state.version,
+                     final, len(data))
+            return final
+
+    def _prune(self) -> None:
+        for old in self.list()[self.keep:]:
+            old.unlink(missing_ok=True)
+
+    def list(self) -> list[Path]:
+        """This shard's checkpoint files, newest first."""
+        found = []
+        for p in self.directory.iterdir():
+            m = NAME.match(p.name)
+            if m and int(m.group(1)) == self.shard:
+                found.append((int(m.group(2)), p))
+        return [p for _, p in sorted(found, reverse=True)]
+
+    def load_latest(self) -> tuple[ShardState | None, list[str]]:
+        """The newest checkpoint that verifies, and a note for every damaged one skipped."""
+        skipped = []
+        for path in self.list():
+            try:
+                state = ShardState.from_bytes(path.read_bytes())
+            except (CorruptCheckpoint, OSError, RuntimeError, ValueError, KeyError) as e:
+                skipped.append(f"{path.name}: {e}")
+                log.warning("shard %d: skipping damaged checkpoint %s: %s", self.shard, path, e)
+                continue
+            if state.shard != self.shard:
+                skipped.append(f"{path.name}: belongs to shard {state.shard}")
+                continue
+            self.last_written = state.version
+            return state, skipped
+        return None, skipped

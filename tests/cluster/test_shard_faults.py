@@ -1,0 +1,74 @@
+"""Shard faults with real processes: kill -9 and --restore, SIGTERM with a final checkpoint."""
+
+import json
+import signal
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from psserver.checkpoint import Checkpointer
+from tests.cluster.test_membership import last_step, stats, wait_until
+from trainer.procs import start_shard, start_trainer, wait_all
+
+EVERY = 10
+
+
+def test_kill_9_shard_restore_and_trainers_carry_on_to_the_accuracy_bar(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shard_args = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", str(EVERY)]
+    shards = [start_shard(i, tmp_path / f"shard{i}.log", extra_args=shard_args) for i in range(2)]
+    procs = list(shards)
+    try:
+        ps = ",".join(s.address for s in shards)
+        metrics = [tmp_path / f"t{r}.jsonl" for r in range(2)]
+        trainers = [start_trainer(r, ps, tmp_path / f"t{r}.log",
+                                  ["--num-trainers", "2", "--mode", "sync", "--model", "cnn", "--dataset", "mnist5k",
+                                   "--epochs", "3", "--metrics-file", str(metrics[r]), "--no-progress",
+                                   "--log-every", "1", "--threads", "1"]) for r in range(2)]
+        procs += trainers
+        wait_until(lambda: last_step(metrics[0]) >= 45, 120, "45 steps before the crash")
+        shards[1].kill()  # SIGKILL: no final checkpoint
+        port = shards[1].address.rsplit(":", 1)[1]
+        restarted = start_shard(1, tmp_path / "shard1-restarted.log", port=int(port),
+                                extra_args=shard_args + ["--restore"])
+        procs.append(restarted)
+        assert restarted.address == shards[1].address
+        assert wait_all(trainers, 300) == {"trainer0": 0, "trainer1": 0}
+        for r in range(2):
+            done = json.loads(metrics[r].read_text().splitlines()[-1])
+            assert done["event"] == "done" and done["steps"] == 3 * 62  # not restarted: every step made
+            assert done["test_accuracy"] > 0.90
+            assert done["reconnects"] >= 1
+            assert 0 <= done["steps_lost"] <= EVERY
+        st = stats(restarted.address)
+        assert 45 - EVERY <= st.counters["restored_version"] <= st.version
+        assert "restored version" in restarted.log_path.read_text()
+        assert "steps lost" in (tmp_path / "t0.log").read_text()
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def test_sigterm_reports_not_serving_writes_a_final_checkpoint_and_exits_0(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shard = start_shard(0, tmp_path / "shard0.log", extra_args=["--checkpoint-dir", str(ckpt),
+                                                                 "--checkpoint-every", "1000"])
+    try:
+        t = start_trainer(0, shard.address, tmp_path / "t.log", ["--model", "mlp", "--dataset", "synthetic",
+                                                                 "--steps", "25", "--no-progress"])
+        assert t.popen.wait(120) == 0, t.log_tail()
+        version = stats(shard.address).version
+        assert version == 25 and Checkpointer(ckpt, 0, 1000).list() == []  # no periodic one was due
+        channel = grpc.insecure_channel(shard.address)
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
+        first = next(watch)
+        assert first.status == health_pb2.HealthCheckResponse.SERVING
+        shard.popen.send_signal(signal.SIGTERM)
+        assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert shard.popen.wait(60) == 0
+        channel.close()
+        loaded, skipped = Checkpointer(ckpt, 0, 1000).load_latest()
+        assert skipped == [] and loaded.version == 25
+        assert "final checkpoint" in shard.log_path.read_text()
+    finally:
+        shard.kill()

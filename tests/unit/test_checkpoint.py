@@ -1,0 +1,84 @@
+"""Checkpoints: round trip, and the newest complete one always loads, whatever a crash or the disk did."""
+
+import pytest
+import torch
+
+from psserver.checkpoint import Checkpointer, CorruptCheckpoint, ShardState
+from tests.conftest import make_spec
+
+
+def state(version: int) -> ShardState:
+    g = torch.Generator().manual_seed(version)
+    return ShardState(shard=0, version=version, job=make_spec(), params=torch.randn(1000, generator=g),
+                      optimizer={"state": {0: {"momentum_buffer": torch.randn(1000, generator=g)}},
+                                 "param_groups": [{"lr": 0.5, "params": [0]}]},
+                      counters={"steps": version})
+
+
+def assert_same(a: ShardState, b: ShardState) -> None:
+    assert (a.shard, a.version, a.job, a.counters) == (b.shard, b.version, b.job, b.counters)
+    assert torch.equal(a.params, b.params)
+    assert torch.equal(a.optimizer["state"][0]["momentum_buffer"], b.optimizer["state"][0]["momentum_buffer"])
+
+
+def test_round_trip_and_newest_first(tmp_path):
+    ck = Checkpointer(tmp_path, shard=0, every=10)
+    for v in (10, 20, 30, 40):
+        ck.write(state(v))
+    assert [p.name for p in ck.list()] == [f"shard0-v{v:012d}.ckpt" for v in (40, 30, 20)]  # keeps 3
+    loaded, skipped = Checkpointer(tmp_path, shard=0, every=10).load_latest()
+    assert skipped == [] and loaded is not None
+    assert_same(loaded, state(40))
+    assert ck.write(state(30)) is None  # never goes back to an older version
+
+
+CRASH_POINTS = [0, 1, 10, 19, 20, 70, 100, 1000, 4000, -100, -1]
+
+
+@pytest.mark.parametrize("cut", CRASH_POINTS)
+def test_crash_during_write_leaves_the_previous_checkpoint_loadable(tmp_path, cut):
+    ck = Checkpointer(tmp_path, shard=0, every=1)
+    ck.write(state(1))
+
+    def crash_after_part(f, data):
+        f.write(data[:cut])
+        raise OSError("simulated crash mid-write")
+
+    with pytest.raises(OSError, match="simulated crash"):
+        ck.write(state(2), write_bytes=crash_after_part)
+    loaded, _ = Checkpointer(tmp_path, shard=0, every=1).load_latest()
+    assert_same(loaded, state(1))
+
+
+@pytest.mark.parametrize("cut", CRASH_POINTS)
+def test_truncated_or_damaged_newest_file_falls_back_to_the_previous(tmp_path, cut):
+    ck = Checkpointer(tmp_path, shard=0, every=1)
+    ck.write(state(1))
+    data = state(2).to_bytes()
+    ck.path_for(2).write_bytes(data[:cut])  # a torn write that bypassed the atomic rename
+    loaded, skipped = Checkpointer(tmp_path, shard=0, every=1).load_latest()
+    assert_same(loaded, state(1))
+    assert len(skipped) == 1 and "shard0-v000000000002.ckpt" in skipped[0]
+
+
+def test_bit_flip_is_caught_by_the_checksum(tmp_path):
+    ck = Checkpointer(tmp_path, shard=0, every=1)
+    ck.write(state(1))
+    data = bytearray(state(2).to_bytes())
+    data[-5] ^= 0x40
+    ck.path_for(2).write_bytes(bytes(data))
+    loaded, skipped = ck.load_latest()
+    assert loaded.version == 1 and "checksum mismatch" in skipped[0]
+    with pytest.raises(CorruptCheckpoint, match="checksum"):
+        ShardState.from_bytes(bytes(data))
+
+
+def test_no_valid_checkpoint_gives_none(tmp_path):
+    ck = Checkpointer(tmp_path, shard=0, every=1)
+    ck.path_for(5).write_bytes(b"garbage")
+    assert ck.load_latest()[0] is None
+
+
+def test_settings_are_validated():
+    with pytest.raises(ValueError, match=r"\(0 versions\)"):
+        Checkpointer("/tmp", 0, every=0)
