@@ -8,6 +8,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from psserver.cli_support import EnvArgumentParser
 from psserver.proto import ps_pb2 as _pb
 from psserver.proto import ps_pb2_grpc as _grpc
+from psserver.security import ClientSecurity, add_client_flags, client_security
 
 STAT_ROWS = [
     ("version", None), ("optimizer steps", "steps"), ("rounds: all arrived", "rounds_all_arrived"),
@@ -17,10 +18,10 @@ STAT_ROWS = [
 ]
 
 
-def fetch_stats(addresses: list[str], timeout: float) -> list[_pb.StatsReply]:
+def fetch_stats(addresses: list[str], timeout: float, security: ClientSecurity = ClientSecurity()) -> list:
     out = []
     for a in addresses:
-        with grpc.insecure_channel(a) as ch:
+        with security.channel(a) as ch:
             out.append(_grpc.ParameterServerStub(ch).GetStats(_pb.StatsRequest(), timeout=timeout))
     return out
 
@@ -49,11 +50,12 @@ def stats_main(argv: list[str]) -> int:
     p = EnvArgumentParser(prog="ps-server stats", description="Print running shards' state as a table.")
     p.add_argument("--ps", required=True, help="shard addresses HOST:PORT[,HOST:PORT...]")
     p.add_argument("--timeout", type=float, default=10.0)
+    add_client_flags(p)
     args = p.parse_args(argv)
     from trainer.client import parse_addresses
 
     addresses = parse_addresses(args.ps)
-    print(format_stats(addresses, fetch_stats(addresses, args.timeout)))
+    print(format_stats(addresses, fetch_stats(addresses, args.timeout, client_security(args))))
     return 0
 
 
@@ -62,8 +64,9 @@ def health_main(argv: list[str]) -> int:
     p = EnvArgumentParser(prog="ps-server health", description="Check a shard's gRPC health service.")
     p.add_argument("--ps", required=True, help="HOST:PORT of one shard")
     p.add_argument("--timeout", type=float, default=3.0)
+    add_client_flags(p)
     args = p.parse_args(argv)
-    with grpc.insecure_channel(args.ps) as ch:
+    with client_security(args).channel(args.ps) as ch:
         try:
             reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=args.timeout)
         except grpc.RpcError as e:

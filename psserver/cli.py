@@ -9,6 +9,7 @@ import sys
 import threading
 
 from psserver.cli_support import EnvArgumentParser, run_cli, setup_logging
+from psserver.security import ServerSecurity, read_token
 from psserver.server import ServerConfig, ShardServer
 
 log = logging.getLogger("psserver")
@@ -34,6 +35,11 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--checkpoint-dir", default="", help="write checkpoints here (atomic, checksummed)")
     p.add_argument("--checkpoint-every", type=int, default=100, help="versions between checkpoints")
     p.add_argument("--restore", action="store_true", help="resume from the newest valid checkpoint")
+    p.add_argument("--tls-cert", default="", help="server certificate (PEM): turns on TLS")
+    p.add_argument("--tls-key", default="", help="server private key (PEM)")
+    p.add_argument("--tls-client-ca", default="", help="require client certificates signed by this CA (mutual TLS)")
+    p.add_argument("--auth-token-file", default="",
+                   help="require this shared token from every caller but the health service (or set $PS_AUTH_TOKEN)")
     p.add_argument("--max-workers", type=int, default=32, help="concurrent RPCs served")
     p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="bytes per streamed chunk")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
@@ -56,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ServerConfig(shard=args.shard, host=args.host, port=args.port, max_workers=args.max_workers,
                        chunk_bytes=args.chunk_bytes, lease_timeout=args.lease_timeout,
                        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                       restore=args.restore)
+                       restore=args.restore,
+                       security=ServerSecurity(args.tls_cert, args.tls_key, args.tls_client_ca,
+                                               read_token(args.auth_token_file)))
     server = ShardServer(cfg).start()
     if args.metrics_port is not None:
         port = server.shard.metrics.serve(args.metrics_port, args.host)

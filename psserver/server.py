@@ -12,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from psserver.checkpoint import Checkpointer
 from psserver.codec import DEFAULT_CHUNK_BYTES
 from psserver.proto import ps_pb2_grpc as _grpc
+from psserver.security import ServerSecurity
 from psserver.service import ParameterServerService
 from psserver.shard import Shard
 
@@ -34,6 +35,7 @@ class ServerConfig:
     checkpoint_every: int = 100  # versions between checkpoints
     restore: bool = False  # resume from the newest valid checkpoint in checkpoint_dir
     shutdown_grace: float = 5.0  # seconds in-flight calls get to finish on stop
+    security: ServerSecurity = ServerSecurity()
 
     def __post_init__(self) -> None:
         if self.shard < 0:
@@ -67,8 +69,11 @@ class ShardServer:
         ]
         # Calls beyond max_workers are refused with RESOURCE_EXHAUSTED at once rather than queued behind
         # pulls that wait for a round.
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers), options=opts,
-                                  maximum_concurrent_rpcs=cfg.max_workers)
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=cfg.max_workers), options=opts,
+            maximum_concurrent_rpcs=cfg.max_workers,
+            interceptors=cfg.security.interceptors(lambda method: self.shard.count("refused_UNAUTHENTICATED")),
+        )
         _grpc.add_ParameterServerServicer_to_server(
             ParameterServerService(self.shard, cfg.max_push_bytes, cfg.chunk_bytes), self.server
         )
@@ -77,8 +82,13 @@ class ShardServer:
 
     def start(self) -> "ShardServer":
         address = f"{self.cfg.host}:{self.cfg.port}"
+        self.cfg.security.warn_if_exposed(self.cfg.host)
+        creds = self.cfg.security.credentials()
         try:
-            self.port = self.server.add_insecure_port(address)
+            if creds is None:
+                self.port = self.server.add_insecure_port(address)
+            else:
+                self.port = self.server.add_secure_port(address, creds)
         except RuntimeError as e:
             raise OSError(f"cannot listen on {address}: {e}") from None
         if self.port == 0:

@@ -34,6 +34,7 @@ import torch
 
 from psserver.job import JobSpec, OptimizerConfig
 from psserver.layout import Layout
+from psserver.security import ClientSecurity
 from trainer.client import ShardClient, ShardedClient, parse_addresses
 
 log = logging.getLogger(__name__)
@@ -125,13 +126,14 @@ class ParameterServerTrainer:
     """A connected trainer; create it with :func:`connect`."""
 
     def __init__(self, addresses: Sequence[str], model: torch.nn.Module, job: JobSpec, rank: int,
-                 trainer_id: str, connect_timeout: float, round_timeout: float, chunk_bytes: int):
+                 trainer_id: str, connect_timeout: float, round_timeout: float, chunk_bytes: int,
+                 security: ClientSecurity = ClientSecurity()):
         self.model, self.job, self.rank = model, job, rank
         self.round_timeout = round_timeout
         self.connect_timeout = connect_timeout
         self.layout = model_layout(model, job.num_shards)
         self.flat = FlatModel(model)
-        self.client = ShardedClient(addresses, job, rank, trainer_id, chunk_bytes=chunk_bytes)
+        self.client = ShardedClient(addresses, job, rank, trainer_id, chunk_bytes=chunk_bytes, security=security)
         self.ranges = [self.layout.shard_range(i) for i in range(job.num_shards)]
         self.versions = [0] * job.num_shards
         self.steps = 0
@@ -276,17 +278,18 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
             max_staleness: int | None = None, sync_timeout: float = 0.0, replicas_to_aggregate: int = 0,
             stale_policy: str = "drop", wire_dtype: str = "float32", trainer_id: str | None = None,
             connect_timeout: float = 120.0, round_timeout: float = 600.0,
-            chunk_bytes: int = 1 << 20) -> ParameterServerTrainer:
+            chunk_bytes: int = 1 << 20, security: ClientSecurity | None = None) -> ParameterServerTrainer:
     """Register ``model`` with the shards at ``ps`` and return a handle whose ``step()`` trains it.
 
     Rank 0 initialises the shards with its model's weights; every trainer then
     starts from the shards' weights.  Raises ValueError for a bad setting and
     grpc.RpcError (FAILED_PRECONDITION, with the difference named) when the
-    shards run a different job.
+    shards run a different job.  ``security`` carries TLS files and the token
+    (see psserver.security).
     """
     addresses = parse_addresses(ps)
     job = make_job(model, len(addresses), mode=mode, num_trainers=num_trainers, optimizer=optimizer,
                    max_staleness=max_staleness, sync_timeout=sync_timeout,
                    replicas_to_aggregate=replicas_to_aggregate, stale_policy=stale_policy, wire_dtype=wire_dtype)
     return ParameterServerTrainer(addresses, model, job, rank, trainer_id or default_trainer_id(rank),
-                                  connect_timeout, round_timeout, chunk_bytes)
+                                  connect_timeout, round_timeout, chunk_bytes, security or ClientSecurity())

@@ -7,6 +7,7 @@ import logging
 
 from psserver.cli_support import EnvArgumentParser, run_cli, setup_logging
 from psserver.job import MODES, OPTIMIZERS, STALE_POLICIES, WIRE_DTYPES
+from psserver.security import add_client_flags, client_security
 from trainer.data import DATASETS
 from trainer.loop import TrainConfig, train
 from trainer.models import MODELS
@@ -48,6 +49,7 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--log-every", type=int, default=20, help="log and record metrics every N steps")
     p.add_argument("--eval-every", type=int, default=0, help="also evaluate every N steps (0: each epoch only)")
     p.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
+    add_client_flags(p)
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -66,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         wire_dtype=args.wire_dtype, step_delay=args.step_delay, threads=args.threads, log_every=args.log_every,
         eval_every=args.eval_every,
         progress=False if args.no_progress else None, connect_timeout=args.connect_timeout,
+        security=client_security(args),
     )
     summary = train(cfg)
     print(json.dumps({"event": "done", "rank": cfg.rank, **summary}))

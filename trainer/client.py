@@ -28,6 +28,7 @@ from psserver.codec import DEFAULT_CHUNK_BYTES, ChunkReader, encode, tensor_byte
 from psserver.job import WIRE_DTYPES, JobSpec
 from psserver.proto import ps_pb2 as _pb
 from psserver.proto import ps_pb2_grpc as _grpc
+from psserver.security import ClientSecurity
 from psserver.errors import VERSION_METADATA_KEY
 
 log = logging.getLogger(__name__)
@@ -67,13 +68,13 @@ class ShardClient:
 
     def __init__(self, address: str, index: int, rank: int, trainer_id: str, fingerprint: str,
                  counters: Counter, chunk_bytes: int = DEFAULT_CHUNK_BYTES, call_timeout: float = 60.0,
-                 retry: RetryPolicy = RetryPolicy()):
+                 retry: RetryPolicy = RetryPolicy(), security: ClientSecurity = ClientSecurity()):
         self.address, self.index, self.rank, self.trainer_id = address, index, rank, trainer_id
         self.fingerprint, self.counters, self.chunk_bytes = fingerprint, counters, chunk_bytes
         self.call_timeout, self.retry = call_timeout, retry
         self.sequence = 0  # pushes sent to this shard by this trainer
         self._lock = threading.Lock()
-        self.channel = grpc.insecure_channel(
+        self.channel = security.channel(
             address,
             options=[
                 ("grpc.max_receive_message_length", 64 << 20),
@@ -184,14 +185,16 @@ class ShardedClient:
     """One ShardClient per shard, with calls fanned out in parallel."""
 
     def __init__(self, addresses: Sequence[str], job: JobSpec, rank: int, trainer_id: str,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, call_timeout: float = 60.0):
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, call_timeout: float = 60.0,
+                 security: ClientSecurity = ClientSecurity()):
         if len(addresses) != job.num_shards:
             raise ValueError(f"{len(addresses)} shard addresses given but the job has {job.num_shards} shards")
         self.job, self.rank, self.trainer_id = job, rank, trainer_id
         self.wire = WIRE_DTYPES[job.wire_dtype]
         self.counters: Counter = Counter()
         self.shards = [
-            ShardClient(a, i, rank, trainer_id, job.fingerprint, self.counters, chunk_bytes, call_timeout)
+            ShardClient(a, i, rank, trainer_id, job.fingerprint, self.counters, chunk_bytes, call_timeout,
+                        security=security)
             for i, a in enumerate(addresses)
         ]
         self._pool = ThreadPoolExecutor(max_workers=len(self.shards), thread_name_prefix="ps-io")

@@ -50,6 +50,7 @@ class TrainConfig:
     eval_every: int = 0  # also evaluate every N steps (0: at the end of each epoch only)
     progress: bool | None = None  # None: a bar on a terminal, log lines otherwise
     connect_timeout: float = 120.0
+    security: object = None  # psserver.security.ClientSecurity; None: plaintext, no token
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.num_trainers:
@@ -135,8 +136,8 @@ def train(cfg: TrainConfig) -> dict:
     ps = connect(cfg.ps, model, mode=cfg.mode, rank=cfg.rank, num_trainers=cfg.num_trainers, optimizer=optimizer,
                  max_staleness=cfg.max_staleness, sync_timeout=cfg.sync_timeout,
                  replicas_to_aggregate=cfg.replicas_to_aggregate, stale_policy=cfg.stale_policy,
-                 wire_dtype=cfg.wire_dtype, connect_timeout=cfg.connect_timeout)
-    metrics.write("start", config=asdict(cfg), device=str(device), steps_per_epoch=spe, total_steps=total_steps,
+                 wire_dtype=cfg.wire_dtype, connect_timeout=cfg.connect_timeout, security=cfg.security)
+    metrics.write("start", config={k: v for k, v in asdict(cfg).items() if k != "security"}, device=str(device), steps_per_epoch=spe, total_steps=total_steps,
                   params=ps.layout.total)
     log.info("rank %d: %s on %s, %d steps (%d per epoch), %d parameters over %d shards, mode %s",
              cfg.rank, cfg.model, device, total_steps, spe, ps.layout.total, ps.job.num_shards, cfg.mode)

@@ -1,0 +1,205 @@
+"""TLS, mutual TLS and a shared token, on both sides of the wire.
+
+* Servers: ``--tls-cert/--tls-key`` turn on TLS; ``--tls-client-ca`` also
+  requires client certificates signed by that CA (mutual TLS).
+* Trainers and tools: ``--tls-ca`` to verify the server; ``--tls-cert/--tls-key``
+  for mutual TLS.
+* A shared token (``--auth-token-file`` or the ``PS_AUTH_TOKEN`` environment
+  variable -- never a command-line value, which would show in process lists)
+  travels as ``authorization: Bearer <token>`` metadata and is checked by a
+  server interceptor with a constant-time compare.  The standard health
+  service answers without a token so probes need no secret; nothing else does.
+  Tokens never appear in logs.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "PS_AUTH_TOKEN"
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+
+def read_token(token_file: str = "") -> str:
+    """The token from ``token_file`` if given, else from $PS_AUTH_TOKEN, else "" (no token)."""
+    if token_file:
+        try:
+            token = Path(token_file).read_text().strip()
+        except OSError as e:
+            raise ValueError(f"cannot read the auth token file {token_file}: {e.strerror}") from None
+        if not token:
+            raise ValueError(f"the auth token file {token_file} is empty")
+        return token
+    return os.environ.get(TOKEN_ENV, "").strip()
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read the {what} {path}: {e.strerror}") from None
+
+
+@dataclass(frozen=True)
+class ServerSecurity:
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""  # set: clients must present a certificate signed by this CA
+    token: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together: give both or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key too")
+
+    def __repr__(self) -> str:  # keep the token out of logs and tracebacks
+        return (f"ServerSecurity(tls={'mutual' if self.tls_client_ca else bool(self.tls_cert)}, "
+                f"token={'set' if self.token else 'none'})")
+
+    def credentials(self) -> grpc.ServerCredentials | None:
+        if not self.tls_cert:
+            return None
+        pair = (_read(self.tls_key, "TLS key"), _read(self.tls_cert, "TLS certificate"))
+        client_ca = _read(self.tls_client_ca, "client CA") if self.tls_client_ca else None
+        return grpc.ssl_server_credentials([pair], root_certificates=client_ca,
+                                           require_client_auth=client_ca is not None)
+
+    def interceptors(self, on_refusal: Callable[[str], None] | None = None) -> list:
+        return [TokenInterceptor(self.token, on_refusal)] if self.token else []
+
+    def warn_if_exposed(self, host: str) -> None:
+        if not is_loopback(host) and not self.tls_cert and not self.token:
+            log.warning("listening on %s beyond loopback with neither TLS nor a token: anyone who can reach "
+                        "this port can push gradients (see README, 'Running securely')", host)
+
+
+@dataclass(frozen=True)
+class ClientSecurity:
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    token: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together: give both or neither")
+        if self.tls_cert and not self.tls_ca:
+            raise ValueError("a client certificate (mutual TLS) needs --tls-ca to verify the server too")
+
+    def __repr__(self) -> str:
+        return f"ClientSecurity(tls={bool(self.tls_ca)}, mutual={bool(self.tls_cert)}, token={'set' if self.token else 'none'})"
+
+    def channel(self, address: str, options: list | None = None) -> grpc.Channel:
+        """A channel to ``address`` with TLS if configured and the token on every call."""
+        options = options or []
+        if self.tls_ca:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=_read(self.tls_ca, "CA certificate"),
+                private_key=_read(self.tls_key, "TLS key") if self.tls_key else None,
+                certificate_chain=_read(self.tls_cert, "TLS certificate") if self.tls_cert else None,
+            )
+            channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            channel = grpc.insecure_channel(address, options=options)
+        if self.token:
+            channel = grpc.intercept_channel(channel, _TokenMetadata(self.token))
+        return channel
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Refuses every call without the right bearer token, except the health service's."""
+
+    def __init__(self, token: str, on_refusal: Callable[[str], None] | None = None):
+        self._expected = f"Bearer {token}".encode()
+        self._on_refusal = on_refusal
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "missing or wrong auth token: send 'authorization: Bearer <token>' metadata "
+                          "(--auth-token-file or $PS_AUTH_TOKEN)")
+
+        self._deny = deny
+
+    def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        if method.startswith(HEALTH_PREFIX):
+            return continuation(handler_call_details)
+        presented = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(presented.encode(), self._expected):
+            return continuation(handler_call_details)
+        if self._on_refusal:
+            self._on_refusal(method)
+        log.warning("refused %s: missing or wrong auth token", method)
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(lambda it, ctx: self._deny(None, ctx))
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(lambda it, ctx: self._deny(None, ctx))
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(self._deny)
+        return grpc.unary_unary_rpc_method_handler(self._deny)
+
+
+class _TokenMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                     grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds the bearer token to every call's metadata."""
+
+    def __init__(self, token: str):
+        self._pair = ("authorization", f"Bearer {token}")
+
+    def _with_token(self, details):
+        metadata = list(details.metadata or []) + [self._pair]
+        return _CallDetails(details.method, details.timeout, metadata, details.credentials,
+                            details.wait_for_ready, details.compression)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._with_token(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._with_token(details), request_iterator)
+
+
+class _CallDetails(grpc.ClientCallDetails):
+    def __init__(self, method, timeout, metadata, credentials, wait_for_ready, compression):
+        self.method, self.timeout, self.metadata = method, timeout, metadata
+        self.credentials, self.wait_for_ready, self.compression = credentials, wait_for_ready, compression
+
+
+def add_client_flags(parser) -> None:
+    """--tls-ca, --tls-cert, --tls-key, --auth-token-file for every CLI that calls shards."""
+    parser.add_argument("--tls-ca", default="", help="CA certificate to verify the shards (turns on TLS)")
+    parser.add_argument("--tls-cert", default="", help="client certificate, for mutual TLS")
+    parser.add_argument("--tls-key", default="", help="client private key, for mutual TLS")
+    parser.add_argument("--auth-token-file", default="", help=f"file holding the shared token (or set ${TOKEN_ENV})")
+
+
+def client_security(args) -> ClientSecurity:
+    return ClientSecurity(args.tls_ca, args.tls_cert, args.tls_key, read_token(args.auth_token_file))
