@@ -118,7 +118,7 @@ class JobSpec:
                 name=o.name, lr=o.lr, momentum=o.momentum, dampening=o.dampening, nesterov=o.nesterov,
                 weight_decay=o.weight_decay, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
             ),
-            max_staleness=None if msg.max_staleness < 0 else msg.max_staleness,
+            max_staleness=None if msg.max_staleness == -1 else msg.max_staleness,  # -1 alone means unbounded
             sync_timeout=msg.sync_timeout,
             replicas_to_aggregate=msg.replicas_to_aggregate,
             stale_policy=msg.stale_policy,

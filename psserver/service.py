@@ -99,7 +99,7 @@ class ParameterServerService(_grpc.ParameterServerServicer):
 
     @_refusals
     def Leave(self, request, context):
-        remaining = self.shard.leave(request.rank, request.trainer_id)
+        remaining = self.shard.leave(request.rank, request.trainer_id, request.fingerprint)
         return _pb.LeaveReply(remaining=remaining)
 
     @_refusals

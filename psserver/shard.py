@@ -141,10 +141,10 @@ class Shard:
         self._timer = threading.Thread(target=self._timer_loop, name=f"shard{self.shard_id}-timer", daemon=True)
         self._timer.start()
 
-    def leave(self, rank: int, trainer_id: str) -> int:
+    def leave(self, rank: int, trainer_id: str, fingerprint: str) -> int:
         """``rank`` is done; rounds stop waiting for it. Returns the live count left."""
         with self._cond:
-            self._check_member(rank, trainer_id)
+            self._check_ready(rank, trainer_id, fingerprint, need_params=False)
             self.live.discard(rank)
             self._left.add(rank)
             self.counters["leaves"] += 1
