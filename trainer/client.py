@@ -80,6 +80,10 @@ class ShardClient:
                 ("grpc.max_receive_message_length", 64 << 20),
                 ("grpc.max_send_message_length", 64 << 20),
                 ("grpc.keepalive_time_ms", 30_000),
+                # Reconnect quickly after a dropped connection or a restarted shard (gRPC's default waits 1 s+).
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 2000),
             ],
         )
         self.stub = _grpc.ParameterServerStub(self.channel)
