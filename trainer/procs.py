@@ -67,10 +67,15 @@ def cli(module: str) -> list[str]:
 
 
 def start_shard(shard: int, log_path: Path, host: str = "127.0.0.1", port: int = 0,
-                extra_args: list[str] | None = None, timeout: float = 60.0, env: dict | None = None) -> Proc:
-    """Start ``ps-server --shard N`` and return once it serves (its address in ``.address``)."""
+                extra_args: list[str] | None = None, timeout: float = 60.0, env: dict | None = None,
+                prefix: list[str] | None = None) -> Proc:
+    """Start ``ps-server --shard N`` and return once it serves (its address in ``.address``).
+
+    ``prefix`` runs it through another command (``ip netns exec NS`` in the tests).
+    """
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    args = cli("psserver.cli") + ["--shard", str(shard), "--host", host, "--port", str(port), "--ready-file", "-"]
+    args = (prefix or []) + cli("psserver.cli") + ["--shard", str(shard), "--host", host, "--port", str(port),
+                                                   "--ready-file", "-"]
     with open(log_path, "ab") as log:
         popen = subprocess.Popen(args + (extra_args or []), stdout=subprocess.PIPE, stderr=log,
                                  env=child_env(env), start_new_session=True)
@@ -84,11 +89,12 @@ def start_shard(shard: int, log_path: Path, host: str = "127.0.0.1", port: int =
     return proc
 
 
-def start_trainer(rank: int, ps: str, log_path: Path, args: list[str], env: dict | None = None) -> Proc:
+def start_trainer(rank: int, ps: str, log_path: Path, args: list[str], env: dict | None = None,
+                  prefix: list[str] | None = None) -> Proc:
     """Start ``ps-trainer --ps PS --rank R ARGS`` with its output in ``log_path``."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
-        popen = subprocess.Popen(cli("trainer.cli") + ["--ps", ps, "--rank", str(rank)] + args,
+        popen = subprocess.Popen((prefix or []) + cli("trainer.cli") + ["--ps", ps, "--rank", str(rank)] + args,
                                  stdout=log, stderr=subprocess.STDOUT, env=child_env(env), start_new_session=True)
     return Proc(f"trainer{rank}", popen, log_path)
 

@@ -66,9 +66,14 @@ class Hosts:
 
     def command(self, service: str, argv: list[str]) -> list[str]:
         """``argv`` as run on the host of ``service``."""
-        if self.fallback:
-            return argv
-        return ["ip", "netns", "exec", self._ns(service), *argv]
+        return self.prefix(service) + argv
+
+    def prefix(self, service: str) -> list[str]:
+        return [] if self.fallback else ["ip", "netns", "exec", self._ns(service)]
+
+    def set_link(self, service: str, up: bool) -> None:
+        """Pull (or plug back) the cable of ``service``: its veth end on the bridge goes down (or up)."""
+        _ip("link", "set", f"{self.tag}h{self.services.index(service)}", "up" if up else "down")
 
     def rewrite(self, value: str) -> str:
         """In the loopback fallback, service names and 0.0.0.0 become each service's 127.0.0.x address."""
