@@ -40,6 +40,8 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--tls-client-ca", default="", help="require client certificates signed by this CA (mutual TLS)")
     p.add_argument("--auth-token-file", default="",
                    help="require this shared token from every caller but the health service (or set $PS_AUTH_TOKEN)")
+    p.add_argument("--nonfinite", choices=("refuse", "skip"), default="refuse",
+                   help="a gradient with NaN/Inf: refuse it (INVALID_ARGUMENT) or skip it (acknowledged, counted)")
     p.add_argument("--max-workers", type=int, default=32, help="concurrent RPCs served")
     p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="bytes per streamed chunk")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ServerConfig(shard=args.shard, host=args.host, port=args.port, max_workers=args.max_workers,
                        chunk_bytes=args.chunk_bytes, lease_timeout=args.lease_timeout,
                        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                       restore=args.restore,
+                       restore=args.restore, nonfinite=args.nonfinite,
                        security=ServerSecurity(args.tls_cert, args.tls_key, args.tls_client_ca,
                                                read_token(args.auth_token_file)))
     server = ShardServer(cfg).start()

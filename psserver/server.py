@@ -36,6 +36,7 @@ class ServerConfig:
     restore: bool = False  # resume from the newest valid checkpoint in checkpoint_dir
     shutdown_grace: float = 5.0  # seconds in-flight calls get to finish on stop
     security: ServerSecurity = ServerSecurity()
+    nonfinite: str = "refuse"  # NaN/Inf in a gradient: "refuse" (INVALID_ARGUMENT) or "skip" (counted, not applied)
 
     def __post_init__(self) -> None:
         if self.shard < 0:
@@ -75,7 +76,8 @@ class ShardServer:
             interceptors=cfg.security.interceptors(lambda method: self.shard.count("refused_UNAUTHENTICATED")),
         )
         _grpc.add_ParameterServerServicer_to_server(
-            ParameterServerService(self.shard, cfg.max_push_bytes, cfg.chunk_bytes), self.server
+            ParameterServerService(self.shard, cfg.max_push_bytes, cfg.chunk_bytes, nonfinite=cfg.nonfinite),
+            self.server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = 0

@@ -13,6 +13,7 @@ import functools
 import logging
 
 import grpc
+import torch
 
 from psserver.codec import DEFAULT_CHUNK_BYTES, ChunkReader, encode
 from psserver.errors import VERSION_METADATA_KEY, InvalidRequest, PsError, StaleGradient
@@ -23,7 +24,8 @@ from psserver.shard import Shard
 
 log = logging.getLogger(__name__)
 
-_OUTCOMES = {"applied": _pb.APPLIED, "accepted": _pb.ACCEPTED, "duplicate": _pb.DUPLICATE, "scaled": _pb.SCALED}
+_OUTCOMES = {"applied": _pb.APPLIED, "accepted": _pb.ACCEPTED, "duplicate": _pb.DUPLICATE, "scaled": _pb.SCALED,
+             "skipped": _pb.SKIPPED}
 
 
 def _refusals(method):
@@ -47,7 +49,10 @@ def _refusals(method):
 
 class ParameterServerService(_grpc.ParameterServerServicer):
     def __init__(self, shard: Shard, max_push_bytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 max_pull_wait: float = 600.0):
+                 max_pull_wait: float = 600.0, nonfinite: str = "refuse"):
+        if nonfinite not in ("refuse", "skip"):
+            raise ValueError(f"The non-finite policy ({nonfinite!r}) must be 'refuse' or 'skip'.")
+        self.nonfinite = nonfinite
         self.shard = shard
         self.max_push_bytes = max_push_bytes
         self.chunk_bytes = chunk_bytes
@@ -92,9 +97,13 @@ class ParameterServerService(_grpc.ParameterServerServicer):
         reader = ChunkReader(request_iterator)
         h = reader.header
         self.shard.check_push_header(h.rank, h.trainer_id, h.fingerprint, h.version, h.num_samples)
-        grad = reader.read(self.shard.slice_length(), self.shard.wire_dtype(), self.max_push_bytes)
+        refuse_nonfinite = self.nonfinite == "refuse"
+        grad = reader.read(self.shard.slice_length(), self.shard.wire_dtype(), self.max_push_bytes,
+                           require_finite=refuse_nonfinite)
         self.shard.count("bytes_in", reader.bytes_read)
-        r = self.shard.push(h.rank, h.trainer_id, h.fingerprint, h.version, h.num_samples, grad, h.sequence)
+        finite = refuse_nonfinite or bool(torch.isfinite(grad).all())
+        r = self.shard.push(h.rank, h.trainer_id, h.fingerprint, h.version, h.num_samples, grad, h.sequence,
+                            finite=finite)
         return _pb.PushReply(outcome=_OUTCOMES[r.outcome], version=r.version, staleness=r.staleness)
 
     @_refusals

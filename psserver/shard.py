@@ -225,7 +225,7 @@ class Shard:
                 raise FutureVersion(f"base version is {base} but shard {self.shard_id} is at version {self.version}")
 
     def push(self, rank: int, trainer_id: str, fingerprint: str, base: int, num_samples: int,
-             grad: torch.Tensor, sequence: int = 0) -> PushResult:
+             grad: torch.Tensor, sequence: int = 0, finite: bool = True) -> PushResult:
         """Hand a validated gradient to the mode logic and carry out its decision.
 
         A push whose (trainer id, sequence) was already acknowledged is a retry
@@ -240,13 +240,13 @@ class Shard:
                 log.info("shard %d: push #%d from rank %d was already acknowledged (%s); not applied again",
                          self.shard_id, sequence, rank, acked[2].outcome)
                 return PushResult("duplicate", self.version, 0)
-            result = self._push_locked(rank, trainer_id, fingerprint, base, num_samples, grad)
+            result = self._push_locked(rank, trainer_id, fingerprint, base, num_samples, grad, finite)
             if sequence and result.outcome != "duplicate":
                 self._acked[rank] = (trainer_id, sequence, result)
             return result
 
     def _push_locked(self, rank: int, trainer_id: str, fingerprint: str, base: int, num_samples: int,
-                     grad: torch.Tensor) -> PushResult:
+                     grad: torch.Tensor, finite: bool = True) -> PushResult:
         with self._cond:
             self.check_push_header(rank, trainer_id, fingerprint, base, num_samples)
             now = self._clock()
@@ -270,6 +270,23 @@ class Shard:
                 log.info("shard %d: duplicate push from rank %d for base %d acknowledged, not applied",
                          self.shard_id, rank, base)
                 return PushResult("duplicate", self.version, d.staleness)
+            if not finite:
+                # --nonfinite skip: the gradient is dropped and counted, but it fills its trainer's slot in the
+                # round, so a sync round does not wait for a gradient that will never be usable.
+                self.counters["nonfinite_skipped"] += 1
+                log.warning("shard %d: skipped a gradient with NaN/Inf values from rank %d (base %d)",
+                            self.shard_id, rank, base)
+                if d.action is A.APPLY:
+                    self._last_base[rank] = base
+                    return PushResult("skipped", self.version, d.staleness)
+                if d.counts_for_round:
+                    self._contributors.add(rank)
+                    if self._opened_at is None:
+                        self._opened_at = now
+                if d.close is not None:
+                    self._close_round(d.close)
+                self._cond.notify_all()
+                return PushResult("skipped", self.version, d.staleness)
             self.counters["pushes_applied"] += 1
             self.counters["samples"] += num_samples
             if d.action is A.APPLY:
@@ -304,10 +321,18 @@ class Shard:
             self._close_round(reason)
 
     def _close_round(self, reason: modes.CloseReason) -> None:
-        """Average the open round (weighted by samples) and take one optimizer step."""
-        grad = self._acc / self._acc_weight
+        """Average the open round (weighted by samples) and take one optimizer step.
+
+        A round whose every gradient was skipped (NaN/Inf under --nonfinite skip)
+        advances the version without a step, so the trainers waiting on it go on.
+        """
         n = len(self._contributors)
-        self._apply(grad)
+        if self._acc_weight > 0:
+            self._apply(self._acc / self._acc_weight)
+        else:
+            self.version += 1
+            self.counters["rounds_without_step"] += 1
+            self._cond.notify_all()
         self.counters[f"rounds_{reason.value}"] += 1
         if reason is not modes.CloseReason.ALL_ARRIVED:
             missing = sorted(self.live - self._contributors)

@@ -166,8 +166,8 @@ class ShardClient:
             return PushOutcome("stale", version, version - base)
         self._count("bytes_out", len(payload))
         outcome = _pb.PushOutcome.Name(reply.outcome).lower()
-        if outcome == "duplicate":
-            self._count("duplicate_pushes")
+        if outcome in ("duplicate", "skipped"):
+            self._count(f"{outcome}_pushes")
         return PushOutcome(outcome, reply.version, reply.staleness)
 
     def heartbeat(self, timeout: float) -> _pb.HeartbeatReply:

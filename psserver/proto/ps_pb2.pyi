@@ -21,6 +21,7 @@ class PushOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ACCEPTED: _ClassVar[PushOutcome]
     DUPLICATE: _ClassVar[PushOutcome]
     SCALED: _ClassVar[PushOutcome]
+    SKIPPED: _ClassVar[PushOutcome]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
@@ -30,6 +31,7 @@ APPLIED: PushOutcome
 ACCEPTED: PushOutcome
 DUPLICATE: PushOutcome
 SCALED: PushOutcome
+SKIPPED: PushOutcome
 
 class TensorInfo(_message.Message):
     __slots__ = ("name", "shape", "dtype")

@@ -157,3 +157,25 @@ def test_retried_push_after_its_round_closed_is_a_duplicate_not_stale(shard_serv
     assert shard.digest() == after
     # without the sequence the same bytes are a stale gradient
     refused(lambda: shard.push(torch.ones(P)), grpc.StatusCode.ABORTED, "stale gradient")
+
+
+def test_nonfinite_skip_policy_counts_and_does_not_apply(shard_server):
+    sync = shard_server(nonfinite="skip")
+    sync.register()
+    sync.init(torch.ones(P))
+    bad = torch.ones(P)
+    bad[3] = float("nan")
+    reply = sync.push(bad)
+    assert reply.outcome == pb.SKIPPED and reply.version == 1  # the round closed without a step
+    version, params = sync.pull(min_version=1)
+    assert version == 1 and torch.equal(params, torch.ones(P))
+    counters = sync.stats().counters
+    assert counters["nonfinite_skipped"] == 1 and counters["rounds_without_step"] == 1
+
+    asynchronous = shard_server(nonfinite="skip")
+    asynchronous.register(spec=make_spec(mode="async"))
+    asynchronous.init(torch.ones(P))
+    before = asynchronous.digest()
+    reply = asynchronous.push(torch.full((P,), float("inf")))
+    assert reply.outcome == pb.SKIPPED and reply.version == 0
+    assert asynchronous.digest() == before
