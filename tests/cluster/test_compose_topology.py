@@ -84,6 +84,8 @@ def test_compose_services_train_to_the_accuracy_bar_on_their_own_hosts(tmp_path)
         for n in shards:
             assert procs[n].wait(timeout=60) == 0, (tmp_path / f"{n}.log").read_text()[-3000:]
         assert (tmp_path / "ps-trainer-0" / "model.pt").exists()
+        for n in shards:  # the final checkpoint, in the volume's checkpoints/ folder
+            assert list((tmp_path / n / "checkpoints").glob("shard*-v*.ckpt")), n
         if not hosts.fallback:
             shard_log = (tmp_path / "ps-shard-0.log").read_text()
             assert f"serving on 0.0.0.0:7000" in shard_log
