@@ -10,6 +10,7 @@ order, and (on request) that every value is finite.
 
 from __future__ import annotations
 
+import math
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -28,25 +29,39 @@ def dtype_name(wire: int) -> str:
     return WIRE_DTYPE_NAMES.get(wire, f"unknown dtype #{wire}")
 
 
-def tensor_bytes(tensor: torch.Tensor, wire: int) -> bytes:
-    """The tensor as wire-dtype little-endian bytes (one copy; a conversion first if needed)."""
+def wire_tensor(tensor: torch.Tensor, wire: int) -> torch.Tensor:
+    """The tensor as a flat, contiguous CPU tensor of the wire dtype -- no copy when it already is one."""
     t = tensor.detach().reshape(-1)
     if t.dtype != TORCH_DTYPES[wire]:
         t = t.to(TORCH_DTYPES[wire])
     if t.device.type != "cpu":
         t = t.cpu()
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
+    return t.contiguous()
 
 
-def encode(payload: bytes, header: _pb.ChunkHeader, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[_pb.Chunk]:
-    """Cut ``payload`` (wire-dtype bytes) into chunks; offsets count elements, not bytes."""
+def tensor_bytes(tensor: torch.Tensor, wire: int) -> bytes:
+    """The tensor as wire-dtype little-endian bytes (a copy; the hot path streams ``wire_tensor`` instead)."""
+    return _raw(wire_tensor(tensor, wire)).tobytes()
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def encode(payload: bytes | torch.Tensor, header: _pb.ChunkHeader,
+           chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[_pb.Chunk]:
+    """Cut ``payload`` (wire-dtype bytes, or a ``wire_tensor``) into chunks; offsets count elements.
+
+    A tensor is read in place, chunk by chunk, as gRPC sends: the caller keeps
+    it unchanged until the call returns.
+    """
     itemsize = TORCH_DTYPES[header.dtype].itemsize
     step = max(itemsize, chunk_bytes - chunk_bytes % itemsize)
-    if not payload:
+    view = _raw(payload) if isinstance(payload, torch.Tensor) else memoryview(payload)
+    if not len(view):
         yield _pb.Chunk(header=header, offset=0, data=b"")
         return
-    view = memoryview(payload)
-    for pos in range(0, len(payload), step):
+    for pos in range(0, len(view), step):
         chunk = _pb.Chunk(offset=pos // itemsize, data=bytes(view[pos : pos + step]))
         if pos == 0:
             chunk.header.CopyFrom(header)
@@ -67,8 +82,13 @@ class ChunkReader:
         self.header = self._first.header
         self.bytes_read = 0
 
-    def read(self, expected_length: int, wire: int, max_bytes: int, require_finite: bool = True) -> torch.Tensor:
-        """Assemble the stream into a new fp32 tensor of ``expected_length`` elements.
+    def read(self, expected_length: int, wire: int, max_bytes: int, require_finite: bool = True,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """Assemble the stream into an fp32 tensor of ``expected_length`` elements.
+
+        With ``out`` (a contiguous fp32 CPU tensor of that length) and an fp32
+        stream, the chunks are copied straight into it: no other buffer.  On a
+        refusal ``out`` may hold part of the stream, so pass scratch memory.
 
         Raises:
             InvalidRequest: wrong dtype or length, bad tiling, non-finite values.
@@ -84,8 +104,9 @@ class ChunkReader:
             )
         if h.length != expected_length:
             raise InvalidRequest(f"length is {h.length} elements but this shard's slice has {expected_length}")
-        out = torch.empty(expected_length, dtype=dtype)
-        raw = out.view(torch.uint8).numpy()  # numpy: copies from read-only protobuf bytes without a warning
+        direct = out is not None and dtype == torch.float32 and out.is_contiguous() and out.device.type == "cpu"
+        target = out if direct else torch.empty(expected_length, dtype=dtype)
+        raw = target.view(torch.uint8).numpy()  # numpy: copies from read-only protobuf bytes without a warning
         pos = 0  # next element expected
         chunk = self._first
         while chunk is not None:
@@ -114,13 +135,19 @@ class ChunkReader:
             chunk = next(self._it, None)
         if pos != expected_length:
             raise InvalidRequest(f"the chunks cover [0, {pos}) but the slice is [0, {expected_length})")
-        values = out if dtype == torch.float32 else out.float()
+        values = target if dtype == torch.float32 else target.float()
         if require_finite:
             check_finite(values)
+        if out is not None and not direct:
+            out.copy_(values)
+            return out
         return values
 
 
 def check_finite(values: torch.Tensor) -> None:
+    """Refuse NaN/Inf.  Fast path: a finite sum means every value is finite (NaN and Inf propagate)."""
+    if values.numel() == 0 or math.isfinite(float(values.sum(dtype=torch.float64))):
+        return
     finite = torch.isfinite(values)
     if not bool(finite.all()):
         bad = (~finite).nonzero()

@@ -24,7 +24,7 @@ import torch
 
 from psserver import modes
 from psserver.checkpoint import Checkpointer, ShardState
-from psserver.codec import tensor_bytes
+from psserver.codec import wire_tensor
 from psserver.errors import (
     FutureVersion,
     InvalidRequest,
@@ -81,7 +81,7 @@ class Shard:
         self._opened_at: float | None = None
         self._last_base: dict[int, int] = {}
         self._acked: dict[int, tuple[str, int, "PushResult"]] = {}  # rank -> (trainer id, sequence, result)
-        self._snapshot: tuple[int, int, bytes] | None = None  # (version, wire dtype, bytes)
+        self._snapshot: tuple[int, int, torch.Tensor] | None = None  # (version, wire dtype, frozen copy)
         self._stopped = False
         self._timer: threading.Thread | None = None
         self.metrics = ShardMetrics()
@@ -177,15 +177,18 @@ class Shard:
             if self.params is not None:
                 return False, self.version
             self.params = torch.nn.Parameter(values.clone(), requires_grad=False)
-            self.optimizer = build_optimizer(self.job.optimizer, [self.params])
+            self.optimizer = build_optimizer(self.job.optimizer, [self.params], fused=True)
             self._acc = torch.zeros_like(values)
             log.info("shard %d: initialised by rank %d with %d parameters", self.shard_id, rank, values.numel())
             self._cond.notify_all()
             return True, self.version
 
     def pull(self, rank: int, trainer_id: str, fingerprint: str, min_version: int, wire: int,
-             timeout: float) -> tuple[int, bytes, float]:
-        """(version, wire bytes, seconds waited) at a version >= ``min_version``, waiting up to ``timeout``.
+             timeout: float) -> tuple[int, torch.Tensor, float]:
+        """(version, wire-dtype snapshot, seconds waited) at a version >= ``min_version``, waiting up to ``timeout``.
+
+        The snapshot is taken once per version and never written again, so any
+        number of pulls can stream it after the lock is released.
 
         In sync and stale-timeout modes the first pull also waits until every
         trainer of the job has registered, so round 0 has everybody in it.
@@ -203,7 +206,8 @@ class Shard:
             if self._stopped:
                 raise ShuttingDown(f"shard {self.shard_id} is shutting down")
             if self._snapshot is None or self._snapshot[:2] != (self.version, wire):
-                self._snapshot = (self.version, wire, tensor_bytes(self.params, wire))
+                frozen = self.params.detach().clone() if wire == WIRE_DTYPES["float32"] else self.params
+                self._snapshot = (self.version, wire, wire_tensor(frozen, wire))
             self.counters["pulls"] += 1
             return self.version, self._snapshot[2], waited
 
@@ -349,7 +353,9 @@ class Shard:
         self.params.grad = grad
         self.optimizer.step()
         self.params.grad = None
-        self.metrics.apply_seconds.observe(time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        self.metrics.apply_seconds.observe(elapsed)
+        self.counters["apply_seconds"] += elapsed
         self.version += 1
         self.counters["steps"] += 1
         if self.checkpointer is not None and self.checkpointer.due(self.version):
@@ -409,7 +415,7 @@ class Shard:
                 return None
             self._set_job(state.job)
             self.params = torch.nn.Parameter(state.params.clone(), requires_grad=False)
-            self.optimizer = build_optimizer(self.job.optimizer, [self.params])
+            self.optimizer = build_optimizer(self.job.optimizer, [self.params], fused=True)
             self.optimizer.load_state_dict(state.optimizer)
             self._acc = torch.zeros_like(self.params.detach())
             self.version = state.version

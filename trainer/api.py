@@ -129,9 +129,12 @@ class ParameterServerTrainer:
                  trainer_id: str, connect_timeout: float, round_timeout: float, chunk_bytes: int,
                  security: ClientSecurity = ClientSecurity()):
         self.model, self.job, self.rank = model, job, rank
+        self.forward_module = model  # what the training loop calls forward on
         self.round_timeout = round_timeout
         self.connect_timeout = connect_timeout
         self.layout = model_layout(model, job.num_shards)
+        self.num_params = self.layout.total
+        self.describe = f"{job.num_shards} shards, mode {job.mode}"
         self.flat = FlatModel(model)
         self.client = ShardedClient(addresses, job, rank, trainer_id, chunk_bytes=chunk_bytes, security=security)
         self.ranges = [self.layout.shard_range(i) for i in range(job.num_shards)]
@@ -167,10 +170,7 @@ class ParameterServerTrainer:
         if not reply.initialized and self.rank == 0:
             s.init(self._slice(self.flat.flat, i), self.client.wire)
             log.warning("shard %d came back without parameters: re-initialised it from rank 0's weights", i)
-        v, values, _ = s.pull(0, self.client.wire, len(range(*self.ranges[i])), self.connect_timeout)
-        with torch.no_grad():
-            self._slice(self.flat.flat, i).copy_(values)
-        self.versions[i] = v
+        v = self.versions[i] = self._pull_into(s, 0, self.connect_timeout)
         lost = max(0, before - v)
         self.client.counters["reconnects"] += 1
         self.client.counters["steps_lost"] += lost
@@ -187,16 +187,24 @@ class ParameterServerTrainer:
                     log.warning("heartbeat to shard %d (%s) failed: %s %s", s.index, s.address, e.code().name,
                                 e.details())
 
+    def _pull_into(self, s: ShardClient, min_version: int, timeout: float, with_wait: bool = False):
+        """Pull shard ``s``'s weights straight into the model (via a copy only when they live on a GPU)."""
+        target = self._slice(self.flat.flat, s.index)
+        on_cpu = target.device.type == "cpu"
+        v, values, waited = s.pull(min_version, self.client.wire, target.numel(), timeout,
+                                   out=target if on_cpu else None)
+        if not on_cpu:
+            with torch.no_grad():
+                target.copy_(values, non_blocking=True)
+        return (v, waited) if with_wait else v
+
     def _slice(self, flat: torch.Tensor, shard: int) -> torch.Tensor:
         start, end = self.ranges[shard]
         return flat[start:end]
 
     def _pull_all(self, min_versions: list[int], timeout: float) -> None:
         def pull(s: ShardClient):
-            v, values, _ = s.pull(min_versions[s.index], self.client.wire, len(range(*self.ranges[s.index])), timeout)
-            with torch.no_grad():
-                self._slice(self.flat.flat, s.index).copy_(values)
-            self.versions[s.index] = v
+            self.versions[s.index] = self._pull_into(s, min_versions[s.index], timeout)
 
         self.client.map(pull)
 
@@ -227,10 +235,7 @@ class ParameterServerTrainer:
                 wanted = out.version
             else:
                 wanted = self.versions[i] + 1  # wait for the round this gradient is in to close
-            v, values, waited = s.pull(wanted, self.client.wire, len(range(*self.ranges[i])), self.round_timeout)
-            with torch.no_grad():
-                self._slice(self.flat.flat, i).copy_(values)
-            self.versions[i] = v
+            self.versions[i], waited = self._pull_into(s, wanted, self.round_timeout, with_wait=True)
             timings[i] = (t1 - t0, time.perf_counter() - t1 - waited, waited)
             return out.outcome
 

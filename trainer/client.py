@@ -24,7 +24,7 @@ from typing import Callable, Sequence, TypeVar
 import grpc
 import torch
 
-from psserver.codec import DEFAULT_CHUNK_BYTES, ChunkReader, encode, tensor_bytes
+from psserver.codec import DEFAULT_CHUNK_BYTES, ChunkReader, encode, wire_tensor
 from psserver.job import WIRE_DTYPES, JobSpec
 from psserver.proto import ps_pb2 as _pb
 from psserver.proto import ps_pb2_grpc as _grpc
@@ -124,32 +124,34 @@ class ShardClient:
                                sequence=sequence)
 
     def init(self, values: torch.Tensor, wire: int) -> _pb.InitReply:
-        payload = tensor_bytes(values, wire)
+        payload = wire_tensor(values, wire)
         header = self._header(wire, values.numel())
         reply = self._call("Init", lambda: self.stub.Init(encode(payload, header, self.chunk_bytes),
                                                           timeout=self.call_timeout))
-        self._count("bytes_out", len(payload))
+        self._count("bytes_out", payload.numel() * payload.element_size())
         return reply
 
-    def pull(self, min_version: int, wire: int, length: int, timeout: float) -> tuple[int, torch.Tensor, float]:
+    def pull(self, min_version: int, wire: int, length: int, timeout: float,
+             out: torch.Tensor | None = None) -> tuple[int, torch.Tensor, float]:
         """(version, fp32 parameters, seconds the shard waited) at a version >= min_version.
 
         Waits up to ``timeout`` for the round; the shard reports how much of the
-        call was waiting, so the trainer can split wait from transfer.
+        call was waiting, so the trainer can split wait from transfer.  With
+        ``out`` (the model's flat CPU parameters) the weights land there directly.
         """
         req = _pb.PullRequest(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.fingerprint,
                               min_version=min_version, dtype=wire)
 
         def once():
             reader = ChunkReader(self.stub.Pull(req, timeout=timeout))
-            values = reader.read(length, wire, max_bytes=1 << 40, require_finite=False)
+            values = reader.read(length, wire, max_bytes=1 << 40, require_finite=False, out=out)
             self._count("bytes_in", reader.bytes_read)
             return reader.header.version, values, reader.header.wait_seconds
 
         return self._call("Pull", once)
 
     def push(self, grad: torch.Tensor, base: int, num_samples: int, wire: int) -> PushOutcome:
-        payload = tensor_bytes(grad, wire)
+        payload = wire_tensor(grad, wire)  # the gradient slice itself when fp32 on the CPU: streamed in place
         self.sequence += 1
         header = self._header(wire, grad.numel(), base, num_samples, self.sequence)
         try:
@@ -164,7 +166,7 @@ class ShardClient:
             self._count("stale_pushes")
             log.info("shard %d dropped a stale gradient (base %d, now %d): catching up", self.index, base, version)
             return PushOutcome("stale", version, version - base)
-        self._count("bytes_out", len(payload))
+        self._count("bytes_out", payload.numel() * payload.element_size())
         outcome = _pb.PushOutcome.Name(reply.outcome).lower()
         if outcome in ("duplicate", "skipped"):
             self._count(f"{outcome}_pushes")

@@ -50,6 +50,7 @@ class TrainConfig:
     eval_every: int = 0  # also evaluate every N steps (0: at the end of each epoch only)
     progress: bool | None = None  # None: a bar on a terminal, log lines otherwise
     connect_timeout: float = 120.0
+    backend: str = "ps"  # "ps"; or the ps-bench baselines "ddp" (--ps is then the gloo master HOST:PORT), "local"
     security: object = None  # psserver.security.ClientSecurity; None: plaintext, no token
 
     def __post_init__(self) -> None:
@@ -130,17 +131,12 @@ def train(cfg: TrainConfig) -> dict:
             f"{cfg.batch_size}; lower --batch-size"
         )
     total_steps = cfg.steps or cfg.epochs * spe  # --steps, when given, overrides --epochs
-    optimizer = dict(name=cfg.optimizer, lr=effective_lr(cfg), weight_decay=cfg.weight_decay)
-    if cfg.optimizer == "sgd":
-        optimizer.update(momentum=cfg.momentum, nesterov=cfg.nesterov)
-    ps = connect(cfg.ps, model, mode=cfg.mode, rank=cfg.rank, num_trainers=cfg.num_trainers, optimizer=optimizer,
-                 max_staleness=cfg.max_staleness, sync_timeout=cfg.sync_timeout,
-                 replicas_to_aggregate=cfg.replicas_to_aggregate, stale_policy=cfg.stale_policy,
-                 wire_dtype=cfg.wire_dtype, connect_timeout=cfg.connect_timeout, security=cfg.security)
-    metrics.write("start", config={k: v for k, v in asdict(cfg).items() if k != "security"}, device=str(device), steps_per_epoch=spe, total_steps=total_steps,
-                  params=ps.layout.total)
-    log.info("rank %d: %s on %s, %d steps (%d per epoch), %d parameters over %d shards, mode %s",
-             cfg.rank, cfg.model, device, total_steps, spe, ps.layout.total, ps.job.num_shards, cfg.mode)
+    ps = make_stepper(cfg, model)
+    forward = ps.forward_module
+    metrics.write("start", config={k: v for k, v in asdict(cfg).items() if k != "security"}, device=str(device),
+                  steps_per_epoch=spe, total_steps=total_steps, params=ps.num_params)
+    log.info("rank %d: %s on %s, %d steps (%d per epoch), %d parameters, %s", cfg.rank, cfg.model, device,
+             total_steps, spe, ps.num_params, ps.describe)
     use_bar = sys.stderr.isatty() if cfg.progress is None else cfg.progress
     bar = None
     if use_bar:
@@ -163,7 +159,7 @@ def train(cfg: TrainConfig) -> dict:
                 idx = local_batch_indices(order, k, cfg.rank, cfg.num_trainers, cfg.batch_size)
                 xb, yb = data.x_train[idx].to(device), data.y_train[idx].to(device)
                 t0 = time.perf_counter()
-                loss = F.cross_entropy(model(xb), yb)
+                loss = F.cross_entropy(forward(xb), yb)
                 loss.backward()
                 if cfg.step_delay:
                     time.sleep(cfg.step_delay)  # simulated slow compute, not synchronisation
@@ -226,6 +222,26 @@ def train(cfg: TrainConfig) -> dict:
     log.info("rank %d: done: %d steps, test accuracy %.4f, %.1f samples/s, %d stale pushes",
              cfg.rank, step, acc, summary["samples_per_sec"], stale)
     return summary
+
+
+def make_stepper(cfg: TrainConfig, model: torch.nn.Module):
+    """What exchanges gradients: the parameter servers, or a ps-bench baseline."""
+    optimizer = dict(name=cfg.optimizer, lr=effective_lr(cfg), weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "sgd":
+        optimizer.update(momentum=cfg.momentum, nesterov=cfg.nesterov)
+    if cfg.backend == "ps":
+        return connect(cfg.ps, model, mode=cfg.mode, rank=cfg.rank, num_trainers=cfg.num_trainers,
+                       optimizer=optimizer, max_staleness=cfg.max_staleness, sync_timeout=cfg.sync_timeout,
+                       replicas_to_aggregate=cfg.replicas_to_aggregate, stale_policy=cfg.stale_policy,
+                       wire_dtype=cfg.wire_dtype, connect_timeout=cfg.connect_timeout, security=cfg.security)
+    from psserver.job import OptimizerConfig
+    from trainer.baselines import DDPStepper, LocalStepper
+
+    if cfg.backend == "ddp":
+        return DDPStepper(model, OptimizerConfig(**optimizer), cfg.ps, cfg.rank, cfg.num_trainers)
+    if cfg.backend == "local":
+        return LocalStepper(model, OptimizerConfig(**optimizer))
+    raise ValueError(f"unknown backend {cfg.backend!r}: choose ps, ddp or local")
 
 
 def save_model(model: torch.nn.Module, path: str) -> None:

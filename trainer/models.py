@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-MODELS = ("mlp", "cnn", "resnet18")
+MODELS = ("mlp", "cnn", "resnet18", "widemlp")
 
 
 class MLP(nn.Module):
@@ -27,6 +27,19 @@ class MLP(nn.Module):
     def forward(self, x):
         x = x.flatten(1)
         return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+class WideMLP(nn.Module):
+    """About 23M parameters and little compute: the communication-bound workload of ps-bench."""
+
+    def __init__(self, in_shape: tuple[int, ...], num_classes: int = 10):
+        super().__init__()
+        self.fc1 = nn.Linear(math.prod(in_shape), 8192)
+        self.fc2 = nn.Linear(8192, 2048)
+        self.fc3 = nn.Linear(2048, num_classes)
+
+    def forward(self, x):
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x.flatten(1))))))
 
 
 class CNN(nn.Module):
@@ -92,4 +105,6 @@ def build_model(name: str, in_shape: tuple[int, ...], num_classes: int = 10, see
         return CNN(in_shape, num_classes)
     if name == "resnet18":
         return ResNet18(in_shape, num_classes)
+    if name == "widemlp":
+        return WideMLP(in_shape, num_classes)
     raise ValueError(f"unknown model {name!r}: choose one of {', '.join(MODELS)}")

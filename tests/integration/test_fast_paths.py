@@ -1,0 +1,60 @@
+"""The fast paths give what the plain path gives: reduced-precision wire, direct reads, empty and tiny slices."""
+
+import pytest
+import torch
+
+from psserver.codec import ChunkReader, encode, wire_tensor
+from psserver.proto import ps_pb2 as pb
+from trainer import connect
+
+
+class Vec(torch.nn.Module):
+    def __init__(self, n: int):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.arange(n, dtype=torch.float32) / 7)
+
+
+@pytest.mark.parametrize("chunk_bytes", [16, 20, 1 << 20])
+def test_direct_read_into_a_buffer_equals_the_plain_read(chunk_bytes):
+    t = torch.randn(1001)
+    h = pb.ChunkHeader(dtype=pb.FLOAT32, length=t.numel())
+    plain = ChunkReader(list(encode(wire_tensor(t, pb.FLOAT32), h, chunk_bytes))).read(1001, pb.FLOAT32, 1 << 30)
+    out = torch.full((1001,), 5.0)
+    direct = ChunkReader(list(encode(wire_tensor(t, pb.FLOAT32), h, chunk_bytes))).read(1001, pb.FLOAT32, 1 << 30,
+                                                                                         out=out)
+    assert direct is out and torch.equal(direct, plain) and torch.equal(plain, t)
+
+
+@pytest.mark.parametrize("n,shards", [(3, 4), (1, 2), (5, 5)])
+def test_more_shards_than_parameters_empty_and_one_element_slices(shard_server, n, shards):
+    servers = [shard_server(shard=i) for i in range(shards)]
+    model, reference = Vec(n), Vec(n)
+    ps = connect(",".join(s.server.address for s in servers), model, optimizer={"name": "sgd", "lr": 0.5})
+    opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for step in range(3):
+        g = torch.arange(n, dtype=torch.float32) + step
+        model.w.grad = g.clone()
+        reference.w.grad = g.clone()
+        ps.step()
+        opt.step()
+    assert torch.equal(model.w.detach(), reference.w.detach())
+    assert [r[1] - r[0] for r in ps.ranges].count(0) == max(0, shards - n)
+    ps.close()
+
+
+@pytest.mark.parametrize("wire", ["float16", "bfloat16"])
+def test_reduced_precision_wire_keeps_fp32_master_weights(shard_server, wire):
+    server = shard_server()
+    model = Vec(1000)
+    init = model.w.detach().clone()
+    dtype = getattr(torch, wire)
+    ps = connect(server.server.address, model, optimizer={"name": "sgd", "lr": 1.0}, wire_dtype=wire)
+    master = init.to(dtype).float()  # Init travels in the wire dtype
+    assert torch.equal(model.w.detach(), master.to(dtype).float())
+    g = torch.randn(1000) / 3
+    for _ in range(2):
+        model.w.grad = g.clone()
+        ps.step()
+        master = master - g.to(dtype).float()  # the shard steps in fp32 on the wire-dtype gradient
+    assert torch.equal(model.w.detach(), master.to(dtype).float())  # pulls are the fp32 master, rounded
+    ps.close()

@@ -1,0 +1,59 @@
+"""Baselines that share the training loop with psgrpc, for `ps-bench`: DDP (gloo) and one process alone.
+
+Each "stepper" offers what the loop needs from a ParameterServerTrainer --
+``forward_module``, ``step(num_samples)``, ``versions``, ``counters``,
+``num_params``, ``describe`` and ``close()`` -- so data order, evaluation and
+metrics are identical and only the gradient exchange differs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from psserver.job import OptimizerConfig
+from psserver.optim import build_optimizer
+from trainer.api import StepInfo
+
+
+class LocalStepper:
+    """One process, torch.optim, no communication."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: OptimizerConfig):
+        self.forward_module = model
+        self.optimizer = build_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
+        self.num_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.describe = "one process, torch.optim"
+        self.versions = [0]
+        self.counters: dict = {}
+
+    def step(self, num_samples: int = 1) -> StepInfo:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
+        self.versions[0] += 1
+        return StepInfo(versions=list(self.versions), outcomes=["applied"], push_seconds=0.0, pull_seconds=0.0,
+                        wait_seconds=0.0)
+
+    def close(self) -> None:
+        pass
+
+
+class DDPStepper(LocalStepper):
+    """torch DistributedDataParallel over gloo; gradients are all-reduced inside backward."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: OptimizerConfig, master: str, rank: int, world: int):
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=world)
+        super().__init__(model, optimizer)
+        self.forward_module = torch.nn.parallel.DistributedDataParallel(model)
+        self.describe = f"DDP gloo, {world} processes"
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        dist.barrier()
+        dist.destroy_process_group()
+        self.counters["close_seconds"] = time.perf_counter() - t0

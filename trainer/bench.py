@@ -1,0 +1,267 @@
+"""`ps-bench`: psgrpc against torch DDP (gloo) and one process alone, in one run, on this machine.
+
+Measures, side by side and with the same models, data and batch sizes:
+
+* the raw loopback TCP floor for the bytes of one PS step (push a gradient, pull the weights);
+* psgrpc's communication for one step (push + apply + pull, one trainer, one shard) and the shard's
+  optimizer apply time (SGD, Adam);
+* training throughput: psgrpc sync / async / stale-timeout with N trainers and M shards, DDP with N
+  processes, one process alone -- samples/s, step time split into compute / push / pull / wait, bytes/s;
+* a straggler scenario: 3 trainers, one slowed to half speed, time to the mnist5k accuracy bar.
+
+Writes bench.json and bench.md to --out and prints the Markdown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from psserver.cli_support import EnvArgumentParser, run_cli, setup_logging
+from trainer.procs import Proc, start_shard, start_trainer, wait_all
+
+ACCURACY_BAR = 0.90
+
+
+# ----------------------------------------------------------------------------------------------- TCP floor
+def tcp_floor(nbytes: int, repeats: int) -> float:
+    """Median seconds to send ``nbytes`` and receive ``nbytes`` back over loopback TCP (buffers reused)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def echo():
+        conn, _ = server.accept()
+        buf = bytearray(nbytes)
+        view = memoryview(buf)
+        with conn:
+            for _ in range(repeats):
+                got = 0
+                while got < nbytes:
+                    got += conn.recv_into(view[got:], nbytes - got)
+                conn.sendall(buf)
+
+    t = threading.Thread(target=echo, daemon=True)
+    t.start()
+    client = socket.create_connection(("127.0.0.1", port))
+    payload = bytearray(os.urandom(1024) * (nbytes // 1024 + 1))[:nbytes]
+    back = bytearray(nbytes)
+    view = memoryview(back)
+    times = []
+    with client:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            client.sendall(payload)
+            got = 0
+            while got < nbytes:
+                got += client.recv_into(view[got:], nbytes - got)
+            times.append(time.perf_counter() - t0)
+    t.join()
+    server.close()
+    return statistics.median(times)
+
+
+# ------------------------------------------------------------------------------------ one PS step, no compute
+def comm_step(model: str, optimizer: str, repeats: int, run_dir: Path, wire_dtype: str = "float32") -> dict:
+    """One trainer (this process) and one shard (a process): median push + apply + pull seconds."""
+    from trainer import connect
+    from trainer.data import load_dataset
+    from trainer.models import build_model
+
+    shard = start_shard(0, run_dir / f"comm-{model}-{optimizer}-{wire_dtype}.log")
+    try:
+        shape = load_dataset("synthetic", model).shape if model == "resnet18" else (1, 28, 28)
+        net = build_model(model, shape)
+        opt = {"name": optimizer, "lr": 1e-3} if optimizer != "sgd" else {"name": "sgd", "lr": 1e-3, "momentum": 0.9}
+        ps = connect(shard.address, net, optimizer=opt, wire_dtype=wire_dtype)
+        grad = torch.randn(ps.num_params) * 1e-3
+        times = []
+        for i in range(repeats + 2):
+            ps.flat.grad.copy_(grad)
+            t0 = time.perf_counter()
+            ps.step()
+            if i >= 2:  # warm-up: first allocations and connection set-up
+                times.append(time.perf_counter() - t0)
+        stats = ps.shard_stats()[0]
+        ps.close()
+        steps = stats.counters["steps"]
+        return dict(model=model, optimizer=optimizer, wire_dtype=wire_dtype, params=ps.num_params,
+                    bytes_per_step=2 * ps.num_params * (4 if wire_dtype == "float32" else 2),
+                    step_seconds=statistics.median(times),
+                    apply_seconds=stats.counters["apply_seconds"] / steps)
+    finally:
+        shard.kill()
+
+
+# -------------------------------------------------------------------------------------------- training runs
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_run(name: str, run_dir: Path, workload: dict, backend: str, mode: str, trainers: int, shards: int,
+              steps: int, extra: list[str] | None = None, per_rank: dict | None = None,
+              eval_every: int = 0) -> dict:
+    """Start shards (for ps) and trainers as processes; return their done lines and timings."""
+    run = run_dir / name
+    run.mkdir(parents=True, exist_ok=True)
+    cores = os.cpu_count() or 1
+    shard_procs: list[Proc] = []
+    try:
+        if backend == "ps":
+            shard_procs = [start_shard(i, run / f"shard{i}.log") for i in range(shards)]
+            address = ",".join(s.address for s in shard_procs)
+        else:
+            address = f"127.0.0.1:{free_port()}"
+        common = ["--model", workload["model"], "--dataset", workload["dataset"], "--batch-size",
+                  str(workload["batch"] * (trainers if backend == "local" else 1)), "--steps", str(steps),
+                  "--num-trainers", str(1 if backend == "local" else trainers), "--backend", backend, "--mode", mode,
+                  "--threads", str(cores if backend == "local" else max(1, cores // trainers)),
+                  "--no-progress", "--log-every", "1000000", "--lr", str(workload["lr"])]
+        if eval_every:
+            common += ["--eval-every", str(eval_every)]
+        n = 1 if backend == "local" else trainers
+        t0 = time.perf_counter()
+        procs = [start_trainer(r, address, run / f"trainer{r}.log",
+                               common + ["--metrics-file", str(run / f"trainer{r}.jsonl")] + (extra or [])
+                               + (per_rank or {}).get(r, [])) for r in range(n)]
+        codes = wait_all(procs, timeout=3600)
+        wall = time.perf_counter() - t0
+        if any(codes.values()):
+            bad = next(p for p in procs if p.popen.returncode)
+            raise RuntimeError(f"{name}: {bad.name} failed:\n{bad.log_tail()}")
+    finally:
+        for s in shard_procs:
+            s.kill()
+    records = [[json.loads(line) for line in (run / f"trainer{r}.jsonl").read_text().splitlines()] for r in range(n)]
+    done = [r[-1] for r in records]
+    evals = [e for e in records[0] if e["event"] == "eval"]
+    s = done[0]["steps"]
+    reached = next((e["elapsed"] for e in evals if e["test_accuracy"] >= ACCURACY_BAR), None)
+    return dict(
+        name=name, backend=backend, mode=mode if backend == "ps" else "", trainers=n, wall_seconds=wall,
+        samples_per_sec=sum(d["samples_per_sec"] for d in done), steps=s,
+        compute_ms=1000 * done[0]["compute_seconds"] / s, push_ms=1000 * done[0]["push_seconds"] / s,
+        pull_ms=1000 * done[0]["pull_seconds"] / s, wait_ms=1000 * done[0]["wait_seconds"] / s,
+        wire_bytes_per_sec=sum(d["bytes_in"] + d["bytes_out"] for d in done) / max(d["seconds"] for d in done),
+        test_accuracy=done[0]["test_accuracy"], seconds_to_accuracy_bar=reached,
+        stale_pushes=sum(d.get("stale_pushes", 0) for d in done),
+    )
+
+
+WORKLOADS = {
+    "cnn-mnist5k": dict(model="cnn", dataset="mnist5k", batch=64, lr=0.05),
+    "resnet18-synthetic": dict(model="resnet18", dataset="synthetic", batch=32, lr=0.05),
+    "widemlp-synthetic": dict(model="widemlp", dataset="synthetic", batch=64, lr=0.01),
+}
+
+
+def run_bench(out: Path, quick: bool, trainers: int, shards: int) -> dict:
+    run_dir = Path(tempfile.mkdtemp(prefix="ps-bench-"))
+    results: dict = dict(machine=dict(cpus=os.cpu_count(), python=platform.python_version(), torch=torch.__version__,
+                                      platform=platform.platform()),
+                         trainers=trainers, shards=shards, quick=quick, run_dir=str(run_dir))
+    # 1. communication of one step against the TCP floor
+    comm = []
+    for model, optimizer, wire in ([("cnn", "sgd", "float32"), ("resnet18", "sgd", "float32")] if quick else
+                                   [("cnn", "sgd", "float32"), ("resnet18", "sgd", "float32"),
+                                    ("resnet18", "adam", "float32"), ("resnet18", "sgd", "bfloat16"),
+                                    ("widemlp", "sgd", "float32")]):
+        r = comm_step(model, optimizer, 3 if quick else 10, run_dir, wire)
+        r["tcp_floor_seconds"] = tcp_floor(r["bytes_per_step"] // 2, 3 if quick else 10)
+        r["ratio_to_tcp_floor"] = r["step_seconds"] / r["tcp_floor_seconds"]
+        comm.append(r)
+    results["comm"] = comm
+    # 2. throughput
+    runs = []
+    workloads = {"cnn-mnist5k": WORKLOADS["cnn-mnist5k"]} if quick else WORKLOADS
+    for wname, w in workloads.items():
+        steps = 15 if quick else {"cnn-mnist5k": 60, "resnet18-synthetic": 8, "widemlp-synthetic": 15}[wname]
+        wruns = []
+        for mode in ("sync", "async", "stale-timeout"):
+            extra = ["--sync-timeout", "0.5"] if mode == "stale-timeout" else []
+            wruns.append(train_run(f"{wname}-ps-{mode}", run_dir, w, "ps", mode, trainers, shards, steps, extra))
+        wruns.append(train_run(f"{wname}-ddp", run_dir, w, "ddp", "sync", trainers, shards, steps))
+        wruns.append(train_run(f"{wname}-local", run_dir, w, "local", "sync", trainers, shards, steps))
+        ddp = next(r for r in wruns if r["backend"] == "ddp")["samples_per_sec"]
+        for r in wruns:
+            r["workload"] = wname
+            r["ratio_to_ddp"] = r["samples_per_sec"] / ddp
+        runs += wruns
+    results["throughput"] = runs
+    # 3. straggler: 3 trainers, the last at half speed, time to the accuracy bar on mnist5k
+    if not quick:
+        w = dict(WORKLOADS["cnn-mnist5k"], batch=32)
+        sync_cnn = next(r for r in runs if r["name"] == "cnn-mnist5k-ps-sync")
+        delay = sync_cnn["compute_ms"] / 1000  # the straggler's steps take twice as long
+        slow = {2: ["--step-delay", f"{delay:.4f}"]}
+        strag = []
+        steps = 4 * (4000 // (3 * 32))
+        for backend, mode, extra in (("ps", "sync", []), ("ps", "stale-timeout", ["--sync-timeout", f"{delay / 2:.4f}"]),
+                                     ("ps", "async", []), ("ddp", "sync", [])):
+            name = f"straggler-{backend}-{mode}"
+            strag.append(train_run(name, run_dir, w, backend, mode, 3, shards, steps, extra, slow, eval_every=10))
+        results["straggler"] = dict(delay_seconds=delay, runs=strag)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "bench.md").write_text(to_markdown(results))
+    return results
+
+
+def to_markdown(r: dict) -> str:
+    m = r["machine"]
+    lines = [f"ps-bench on {m['cpus']} CPUs, Python {m['python']}, torch {m['torch']} "
+             f"({r['trainers']} trainers, {r['shards']} shards{', --quick' if r['quick'] else ''})", ""]
+    lines += ["**One PS step, no compute** (push + apply + pull; one trainer, one shard)", "",
+              "| model | params | optimizer | wire | step ms | apply ms | TCP floor ms | ratio to floor |",
+              "|---|---|---|---|---|---|---|---|"]
+    for c in r["comm"]:
+        lines.append(f"| {c['model']} | {c['params'] / 1e6:.2f}M | {c['optimizer']} | {c['wire_dtype']} | "
+                     f"{1000 * c['step_seconds']:.1f} | {1000 * c['apply_seconds']:.1f} | "
+                     f"{1000 * c['tcp_floor_seconds']:.1f} | {c['ratio_to_tcp_floor']:.2f} |")
+    lines += ["", "**Training throughput**", "",
+              "| workload | system | samples/s | ratio to DDP | compute ms | push ms | pull ms | wait ms | wire MB/s |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for t in r["throughput"]:
+        system = f"psgrpc {t['mode']}" if t["backend"] == "ps" else ("DDP gloo" if t["backend"] == "ddp" else
+                                                                      "one process")
+        lines.append(f"| {t['workload']} | {system} | {t['samples_per_sec']:.0f} | {t['ratio_to_ddp']:.2f} | "
+                     f"{t['compute_ms']:.1f} | {t['push_ms']:.1f} | {t['pull_ms']:.1f} | {t['wait_ms']:.1f} | "
+                     f"{t['wire_bytes_per_sec'] / 1e6:.0f} |")
+    if "straggler" in r:
+        s = r["straggler"]
+        lines += ["", f"**Straggler** (3 trainers, one +{1000 * s['delay_seconds']:.0f} ms per step; "
+                      f"time to {ACCURACY_BAR:.0%} test accuracy on mnist5k, rank 0)", "",
+                  "| system | seconds to bar | final accuracy | stale pushes |", "|---|---|---|---|"]
+        for t in s["runs"]:
+            system = f"psgrpc {t['mode']}" if t["backend"] == "ps" else "DDP gloo"
+            reach = "not reached" if t["seconds_to_accuracy_bar"] is None else f"{t['seconds_to_accuracy_bar']:.1f}"
+            lines.append(f"| {system} | {reach} | {t['test_accuracy']:.3f} | {t['stale_pushes']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = EnvArgumentParser(prog="ps-bench", description="Benchmark psgrpc against DDP and one process, in one run.")
+    p.add_argument("--quick", action="store_true", help="a smoke run of about a minute (CI)")
+    p.add_argument("--trainers", type=int, default=2)
+    p.add_argument("--shards", type=int, default=2)
+    p.add_argument("--out", default="bench-results", help="folder for bench.json and bench.md")
+    p.add_argument("--log-level", default="WARNING")
+    args = p.parse_args(argv)
+    setup_logging(args.log_level)
+    results = run_bench(Path(args.out), args.quick, args.trainers, args.shards)
+    print(to_markdown(results))
+    return 0
+
+
+def entrypoint() -> None:
+    run_cli("ps-bench", main)
