@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from psserver.errors import InvalidRequest, TooLarge
+from psserver.fastwire import RawChunk
 from psserver.job import WIRE_DTYPE_NAMES
 from psserver.proto import ps_pb2 as _pb
 
@@ -50,7 +51,20 @@ def _raw(t: torch.Tensor) -> memoryview:
 
 def encode(payload: bytes | torch.Tensor, header: _pb.ChunkHeader,
            chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[_pb.Chunk]:
-    """Cut ``payload`` (wire-dtype bytes, or a ``wire_tensor``) into chunks; offsets count elements.
+    """Cut ``payload`` (wire-dtype bytes, or a ``wire_tensor``) into generated ``Chunk`` messages.
+
+    For tools and tests that use the generated stubs; the hot path uses ``encode_raw``.
+    """
+    for raw in encode_raw(payload, header, chunk_bytes):
+        chunk = _pb.Chunk(offset=raw.offset, data=bytes(raw.data))
+        if raw.header is not None:
+            chunk.header.CopyFrom(raw.header)
+        yield chunk
+
+
+def encode_raw(payload: bytes | torch.Tensor, header: _pb.ChunkHeader,
+               chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[RawChunk]:
+    """Cut ``payload`` into RawChunks whose data are views into it (see psserver.fastwire); offsets count elements.
 
     A tensor is read in place, chunk by chunk, as gRPC sends: the caller keeps
     it unchanged until the call returns.
@@ -59,13 +73,10 @@ def encode(payload: bytes | torch.Tensor, header: _pb.ChunkHeader,
     step = max(itemsize, chunk_bytes - chunk_bytes % itemsize)
     view = _raw(payload) if isinstance(payload, torch.Tensor) else memoryview(payload)
     if not len(view):
-        yield _pb.Chunk(header=header, offset=0, data=b"")
+        yield RawChunk(header=header, offset=0, data=b"")
         return
     for pos in range(0, len(view), step):
-        chunk = _pb.Chunk(offset=pos // itemsize, data=bytes(view[pos : pos + step]))
-        if pos == 0:
-            chunk.header.CopyFrom(header)
-        yield chunk
+        yield RawChunk(header=header if pos == 0 else None, offset=pos // itemsize, data=view[pos : pos + step])
 
 
 class ChunkReader:
@@ -77,6 +88,7 @@ class ChunkReader:
             self._first = next(self._it)
         except StopIteration:
             raise InvalidRequest("the stream is empty: the first chunk must carry a header") from None
+        _check_wellformed(self._first)
         if not self._first.HasField("header"):
             raise InvalidRequest("the first chunk has no header")
         self.header = self._first.header
@@ -110,6 +122,7 @@ class ChunkReader:
         pos = 0  # next element expected
         chunk = self._first
         while chunk is not None:
+            _check_wellformed(chunk)
             if chunk is not self._first and chunk.HasField("header"):
                 raise InvalidRequest(f"the chunk at offset {chunk.offset} repeats the header; only the first may")
             if chunk.offset != pos:
@@ -144,12 +157,19 @@ class ChunkReader:
         return values
 
 
+def _check_wellformed(chunk) -> None:
+    problem = getattr(chunk, "malformed", "")
+    if problem:
+        raise InvalidRequest(problem)
+
+
 def check_finite(values: torch.Tensor) -> None:
-    """Refuse NaN/Inf.  Fast path: a finite sum means every value is finite (NaN and Inf propagate)."""
-    if values.numel() == 0 or math.isfinite(float(values.sum(dtype=torch.float64))):
+    """Refuse NaN/Inf.  Fast path: a finite sum means every value is finite (NaN and Inf propagate);
+    a sum that overflows to Inf although every value is finite falls through to the exact check."""
+    if values.numel() == 0 or math.isfinite(float(values.sum())):
         return
     finite = torch.isfinite(values)
-    if not bool(finite.all()):
+    if not bool(finite.all()):  # else: finite values whose fp32 sum overflowed
         bad = (~finite).nonzero()
         raise InvalidRequest(
             f"{bad.numel()} values are NaN or infinite (first at element {int(bad[0])}: {float(values[bad[0]])})"

@@ -11,9 +11,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from psserver.checkpoint import Checkpointer
 from psserver.codec import DEFAULT_CHUNK_BYTES
-from psserver.proto import ps_pb2_grpc as _grpc
 from psserver.security import ServerSecurity
-from psserver.service import ParameterServerService
+from psserver.service import ParameterServerService, add_service
 from psserver.shard import Shard
 
 log = logging.getLogger(__name__)
@@ -75,10 +74,8 @@ class ShardServer:
             maximum_concurrent_rpcs=cfg.max_workers,
             interceptors=cfg.security.interceptors(lambda method: self.shard.count("refused_UNAUTHENTICATED")),
         )
-        _grpc.add_ParameterServerServicer_to_server(
-            ParameterServerService(self.shard, cfg.max_push_bytes, cfg.chunk_bytes, nonfinite=cfg.nonfinite),
-            self.server
-        )
+        add_service(ParameterServerService(self.shard, cfg.max_push_bytes, cfg.chunk_bytes, nonfinite=cfg.nonfinite),
+                    self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = 0
 

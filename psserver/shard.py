@@ -332,7 +332,7 @@ class Shard:
         """
         n = len(self._contributors)
         if self._acc_weight > 0:
-            self._apply(self._acc / self._acc_weight)
+            self._apply(self._acc.div_(self._acc_weight))  # in place: no fresh slice-sized allocation per round
         else:
             self.version += 1
             self.counters["rounds_without_step"] += 1

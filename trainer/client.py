@@ -24,7 +24,8 @@ from typing import Callable, Sequence, TypeVar
 import grpc
 import torch
 
-from psserver.codec import DEFAULT_CHUNK_BYTES, ChunkReader, encode, wire_tensor
+from psserver.codec import DEFAULT_CHUNK_BYTES, ChunkReader, encode_raw, wire_tensor
+from psserver.fastwire import parse_chunk, serialize_chunk
 from psserver.job import WIRE_DTYPES, JobSpec
 from psserver.proto import ps_pb2 as _pb
 from psserver.proto import ps_pb2_grpc as _grpc
@@ -87,6 +88,11 @@ class ShardClient:
             ],
         )
         self.stub = _grpc.ParameterServerStub(self.channel)
+        # Chunk streams bypass the generated classes (psserver.fastwire: same bytes, fewer copies).
+        method = "/psgrpc.v1.ParameterServer/"
+        self._init = self.channel.stream_unary(method + "Init", serialize_chunk, _pb.InitReply.FromString)
+        self._push = self.channel.stream_unary(method + "Push", serialize_chunk, _pb.PushReply.FromString)
+        self._pull = self.channel.unary_stream(method + "Pull", _pb.PullRequest.SerializeToString, parse_chunk)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -126,8 +132,8 @@ class ShardClient:
     def init(self, values: torch.Tensor, wire: int) -> _pb.InitReply:
         payload = wire_tensor(values, wire)
         header = self._header(wire, values.numel())
-        reply = self._call("Init", lambda: self.stub.Init(encode(payload, header, self.chunk_bytes),
-                                                          timeout=self.call_timeout))
+        reply = self._call("Init", lambda: self._init(encode_raw(payload, header, self.chunk_bytes),
+                                                      timeout=self.call_timeout))
         self._count("bytes_out", payload.numel() * payload.element_size())
         return reply
 
@@ -143,7 +149,7 @@ class ShardClient:
                               min_version=min_version, dtype=wire)
 
         def once():
-            reader = ChunkReader(self.stub.Pull(req, timeout=timeout))
+            reader = ChunkReader(self._pull(req, timeout=timeout))
             values = reader.read(length, wire, max_bytes=1 << 40, require_finite=False, out=out)
             self._count("bytes_in", reader.bytes_read)
             return reader.header.version, values, reader.header.wait_seconds
@@ -155,8 +161,8 @@ class ShardClient:
         self.sequence += 1
         header = self._header(wire, grad.numel(), base, num_samples, self.sequence)
         try:
-            reply = self._call("Push", lambda: self.stub.Push(encode(payload, header, self.chunk_bytes),
-                                                              timeout=self.call_timeout),
+            reply = self._call("Push", lambda: self._push(encode_raw(payload, header, self.chunk_bytes),
+                                                          timeout=self.call_timeout),
                                retry_on=(grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED))
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.ABORTED:

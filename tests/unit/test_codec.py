@@ -80,3 +80,9 @@ def test_non_finite_values_are_refused_with_position(bad):
 def test_stream_over_the_size_limit_is_refused_before_reading():
     with pytest.raises(TooLarge, match="declares 400 bytes, over this shard's limit of 100 bytes"):
         ChunkReader(chunks_of(torch.zeros(100))).read(100, pb.FLOAT32, 100)
+
+
+def test_finite_values_whose_sum_overflows_are_accepted():
+    t = torch.tensor([3e38, 3e38, -3e38, -3e38, 1.0])
+    out = ChunkReader(chunks_of(t)).read(5, pb.FLOAT32, BIG)
+    assert torch.equal(out, t)

@@ -1,0 +1,117 @@
+"""Chunk messages without the copies: protobuf wire format, hand-serialised on the hot path.
+
+A ``Chunk`` carries up to a few MB of tensor bytes.  Going through the
+generated protobuf classes copies those bytes three times to send (slice,
+field assignment, serialisation) and three to receive (parse, field access,
+copy out).  Here the same wire format is written and read directly:
+
+* ``serialize_chunk`` joins the tag bytes, the small header and a memoryview of
+  the tensor: one copy, into the message gRPC sends.
+* ``parse_chunk`` reads the three fields of a received message and returns the
+  data as a memoryview into it: no copy until the reader copies into its
+  destination tensor.
+
+The bytes on the wire are exactly protobuf's, so clients and servers built from
+the generated code interoperate (tests/unit/test_fastwire.py checks both ways).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from psserver.proto import ps_pb2 as _pb
+
+_TAG_HEADER, _TAG_OFFSET, _TAG_DATA = 0x0A, 0x10, 0x1A
+
+
+@dataclass
+class RawChunk:
+    """Duck-types the generated ``Chunk`` for ChunkReader: header, offset, data, HasField."""
+
+    header: _pb.ChunkHeader | None = None
+    offset: int = 0
+    data: bytes | memoryview = b""
+    malformed: str = ""  # set by parse_chunk instead of raising: the reader refuses with INVALID_ARGUMENT
+
+    def HasField(self, name: str) -> bool:  # noqa: N802 (protobuf's spelling)
+        if name != "header":
+            raise ValueError(f"RawChunk has no optional field {name!r}")
+        return self.header is not None
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise ValueError("truncated or overlong varint")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+
+
+def serialize_chunk(chunk) -> bytes:
+    """A RawChunk (or a generated Chunk) as protobuf wire bytes, with one copy of the data."""
+    if not isinstance(chunk, RawChunk):
+        return chunk.SerializeToString()
+    parts = []
+    if chunk.header is not None:
+        h = chunk.header.SerializeToString()
+        parts += [bytes((_TAG_HEADER,)), _varint(len(h)), h]
+    if chunk.offset:
+        parts += [bytes((_TAG_OFFSET,)), _varint(chunk.offset)]
+    if len(chunk.data):
+        parts += [bytes((_TAG_DATA,)), _varint(len(chunk.data)), chunk.data]
+    return b"".join(parts)
+
+
+def parse_chunk(message: bytes) -> RawChunk:
+    """Protobuf wire bytes of a Chunk -> RawChunk whose data is a view into ``message``.  Never raises."""
+    buf = memoryview(message)
+    chunk = RawChunk()
+    pos = 0
+    try:
+        while pos < len(buf):
+            key, pos = _read_varint(buf, pos)
+            field, wire_type = key >> 3, key & 7
+            if wire_type == 0:
+                value, pos = _read_varint(buf, pos)
+                if field == 2:
+                    chunk.offset = value
+            elif wire_type == 2:
+                size, pos = _read_varint(buf, pos)
+                if pos + size > len(buf):
+                    raise ValueError(f"field {field} runs past the end of the message")
+                body = buf[pos : pos + size]
+                pos += size
+                if field == 1:
+                    header = chunk.header or _pb.ChunkHeader()
+                    header.MergeFromString(bytes(body))  # repeated sub-messages merge, as protobuf does
+                    chunk.header = header
+                elif field == 3:
+                    chunk.data = body
+            elif wire_type == 1:
+                pos += 8
+            elif wire_type == 5:
+                pos += 4
+            else:
+                raise ValueError(f"wire type {wire_type} of field {field} is not allowed here")
+            if pos > len(buf):
+                raise ValueError("the message is truncated")
+    except Exception as e:  # a malformed message becomes a clear refusal, not a gRPC INTERNAL error
+        chunk.malformed = f"malformed Chunk message: {e}"
+    return chunk
