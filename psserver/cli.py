@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 
-from psserver.cli_support import EnvArgumentParser, run_cli, setup_logging
+from psserver.cli_support import EnvArgumentParser, ensure_malloc_tunables, run_cli, setup_logging
 from psserver.security import ServerSecurity, read_token
 from psserver.server import ServerConfig, ShardServer
 
@@ -100,4 +100,5 @@ def dispatch() -> int:
 
 
 def entrypoint() -> None:
+    ensure_malloc_tunables("psserver.cli")
     run_cli("ps-server", dispatch)

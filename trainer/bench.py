@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from psserver.cli_support import EnvArgumentParser, run_cli, setup_logging
+from psserver.cli_support import EnvArgumentParser, ensure_malloc_tunables, run_cli, setup_logging
 from trainer.procs import Proc, start_shard, start_trainer, wait_all
 
 ACCURACY_BAR = 0.90
@@ -77,6 +77,7 @@ def comm_step(model: str, optimizer: str, repeats: int, run_dir: Path, wire_dtyp
     from trainer.models import build_model
 
     shard = start_shard(0, run_dir / f"comm-{model}-{optimizer}-{wire_dtype}.log")
+    baseline_rss = proc_memory(shard.popen.pid)["VmRSS"]  # interpreter, torch and gRPC, before any job
     try:
         shape = load_dataset("synthetic", model).shape if model == "resnet18" else (1, 28, 28)
         net = build_model(model, shape)
@@ -91,14 +92,28 @@ def comm_step(model: str, optimizer: str, repeats: int, run_dir: Path, wire_dtyp
             if i >= 2:  # warm-up: first allocations and connection set-up
                 times.append(time.perf_counter() - t0)
         stats = ps.shard_stats()[0]
+        peak = proc_memory(shard.popen.pid)["VmHWM"]
         ps.close()
         steps = stats.counters["steps"]
+        state_bytes = 4 * ps.num_params * (1 + (2 if optimizer != "sgd" else 1))  # slice + optimizer state
         return dict(model=model, optimizer=optimizer, wire_dtype=wire_dtype, params=ps.num_params,
                     bytes_per_step=2 * ps.num_params * (4 if wire_dtype == "float32" else 2),
                     step_seconds=statistics.median(times),
-                    apply_seconds=stats.counters["apply_seconds"] / steps)
+                    apply_seconds=stats.counters["apply_seconds"] / steps,
+                    shard_peak_extra_bytes=peak - baseline_rss, shard_state_bytes=state_bytes,
+                    shard_memory_ratio=(peak - baseline_rss) / state_bytes)
     finally:
         shard.kill()
+
+
+def proc_memory(pid: int) -> dict:
+    """VmRSS and VmHWM (peak RSS) of a process, in bytes (Linux /proc)."""
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
 
 
 # -------------------------------------------------------------------------------------------- training runs
@@ -222,12 +237,14 @@ def to_markdown(r: dict) -> str:
     lines = [f"ps-bench on {m['cpus']} CPUs, Python {m['python']}, torch {m['torch']} "
              f"({r['trainers']} trainers, {r['shards']} shards{', --quick' if r['quick'] else ''})", ""]
     lines += ["**One PS step, no compute** (push + apply + pull; one trainer, one shard)", "",
-              "| model | params | optimizer | wire | step ms | apply ms | TCP floor ms | ratio to floor |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| model | params | optimizer | wire | step ms | apply ms | TCP floor ms | ratio to floor "
+              "| shard peak MB above idle | / (slice + optimizer state) |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for c in r["comm"]:
         lines.append(f"| {c['model']} | {c['params'] / 1e6:.2f}M | {c['optimizer']} | {c['wire_dtype']} | "
                      f"{1000 * c['step_seconds']:.1f} | {1000 * c['apply_seconds']:.1f} | "
-                     f"{1000 * c['tcp_floor_seconds']:.1f} | {c['ratio_to_tcp_floor']:.2f} |")
+                     f"{1000 * c['tcp_floor_seconds']:.1f} | {c['ratio_to_tcp_floor']:.2f} | "
+                     f"{c['shard_peak_extra_bytes'] / 1e6:.0f} | {c['shard_memory_ratio']:.1f} |")
     lines += ["", "**Training throughput**", "",
               "| workload | system | samples/s | ratio to DDP | compute ms | push ms | pull ms | wait ms | wire MB/s |",
               "|---|---|---|---|---|---|---|---|---|"]
@@ -264,4 +281,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entrypoint() -> None:
+    ensure_malloc_tunables("trainer.bench")
     run_cli("ps-bench", main)

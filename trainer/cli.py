@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 
-from psserver.cli_support import EnvArgumentParser, run_cli, setup_logging
+from psserver.cli_support import EnvArgumentParser, ensure_malloc_tunables, run_cli, setup_logging
 from psserver.job import MODES, OPTIMIZERS, STALE_POLICIES, WIRE_DTYPES
 from psserver.security import add_client_flags, client_security
 from trainer.data import DATASETS
@@ -79,4 +79,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entrypoint() -> None:
+    ensure_malloc_tunables("trainer.cli")
     run_cli("ps-trainer", main)

@@ -16,8 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# Memory allocator setting that keeps large message buffers from being mapped and unmapped on every call.
-MALLOC_TUNABLES = "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824"
+from psserver.cli_support import MALLOC_TUNABLES
 
 
 @dataclass
