@@ -88,7 +88,7 @@ def test_compose_services_train_to_the_accuracy_bar_on_their_own_hosts(tmp_path)
             assert list((tmp_path / n / "checkpoints").glob("shard*-v*.ckpt")), n
         if not hosts.fallback:
             shard_log = (tmp_path / "ps-shard-0.log").read_text()
-            assert f"serving on 0.0.0.0:7000" in shard_log
+            assert "serving on 0.0.0.0:7000" in shard_log
     finally:
         for p in procs.values():
             if p.poll() is None:

@@ -1,7 +1,6 @@
 """The Python API example in README.md runs as written (against two real shards on loopback)."""
 
 import re
-from pathlib import Path
 
 import torch
 
