@@ -244,13 +244,17 @@ class Shard:
                 log.info("shard %d: push #%d from rank %d was already acknowledged (%s); not applied again",
                          self.shard_id, sequence, rank, acked[2].outcome)
                 return PushResult("duplicate", self.version, 0)
-            result = self._push_locked(rank, trainer_id, fingerprint, base, num_samples, grad, finite)
+            result = self._push_locked(rank, trainer_id, fingerprint, base, num_samples, grad, finite,
+                                       sequenced=bool(sequence))
             if sequence and result.outcome != "duplicate":
                 self._acked[rank] = (trainer_id, sequence, result)
             return result
 
     def _push_locked(self, rank: int, trainer_id: str, fingerprint: str, base: int, num_samples: int,
-                     grad: torch.Tensor, finite: bool = True) -> PushResult:
+                     grad: torch.Tensor, finite: bool = True, sequenced: bool = False) -> PushResult:
+        """Decide and act.  Async pushes without a sequence number are deduplicated by (rank, base
+        version); sequenced ones already were, by sequence -- and may legitimately repeat a base
+        version (a trainer that overlaps its pulls pushes twice on the same weights)."""
         with self._cond:
             self.check_push_header(rank, trainer_id, fingerprint, base, num_samples)
             now = self._clock()
@@ -281,7 +285,8 @@ class Shard:
                 log.warning("shard %d: skipped a gradient with NaN/Inf values from rank %d (base %d)",
                             self.shard_id, rank, base)
                 if d.action is A.APPLY:
-                    self._last_base[rank] = base
+                    if not sequenced:
+                        self._last_base[rank] = base
                     return PushResult("skipped", self.version, d.staleness)
                 if d.counts_for_round:
                     self._contributors.add(rank)
@@ -294,7 +299,8 @@ class Shard:
             self.counters["pushes_applied"] += 1
             self.counters["samples"] += num_samples
             if d.action is A.APPLY:
-                self._last_base[rank] = base
+                if not sequenced:
+                    self._last_base[rank] = base
                 self.counters["staleness_sum"] += d.staleness
                 self._apply(grad)
                 return PushResult("applied", self.version, d.staleness)

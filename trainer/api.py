@@ -25,6 +25,7 @@ import os
 import socket
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 import uuid
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -127,7 +128,12 @@ class ParameterServerTrainer:
 
     def __init__(self, addresses: Sequence[str], model: torch.nn.Module, job: JobSpec, rank: int,
                  trainer_id: str, connect_timeout: float, round_timeout: float, chunk_bytes: int,
-                 security: ClientSecurity = ClientSecurity()):
+                 security: ClientSecurity = ClientSecurity(), overlap: bool = False):
+        if overlap and job.mode != "async":
+            raise ValueError(f"overlap (pulling the next weights while computing) needs async mode, not {job.mode}")
+        self.overlap = overlap
+        self._prefetch: dict[int, Future] = {}
+        self._prefetch_pool = ThreadPoolExecutor(max_workers=job.num_shards, thread_name_prefix="ps-prefetch")
         self.model, self.job, self.rank = model, job, rank
         self.forward_module = model  # what the training loop calls forward on
         self.round_timeout = round_timeout
@@ -138,6 +144,7 @@ class ParameterServerTrainer:
         self.flat = FlatModel(model)
         self.client = ShardedClient(addresses, job, rank, trainer_id, chunk_bytes=chunk_bytes, security=security)
         self.ranges = [self.layout.shard_range(i) for i in range(job.num_shards)]
+        self._staging = [torch.empty(end - start) for start, end in self.ranges] if overlap else []
         self.versions = [0] * job.num_shards
         self.steps = 0
         replies = self.client.map(lambda s: s.register(job, connect_timeout))
@@ -163,6 +170,12 @@ class ParameterServerTrainer:
         its current weights.  The steps the shard lost are logged and counted.
         """
         i = s.index
+        pending = self._prefetch.pop(i, None)
+        if pending is not None:  # a background pull from before the restart: its weights are void
+            try:
+                pending.result()
+            except grpc.RpcError:
+                pass
         before = self.versions[i]
         log.warning("shard %d (%s) answered %s (%s): it restarted; registering again", i, s.address,
                     cause.code().name, cause.details())
@@ -229,6 +242,13 @@ class ParameterServerTrainer:
             t0 = time.perf_counter()
             out = s.push(self._slice(grad, i), self.versions[i], num_samples, self.client.wire)
             t1 = time.perf_counter()
+            if self.overlap:
+                # Take the weights pulled while this gradient was computed, then pull the next ones in the
+                # background while the next gradient is computed (on these: one push staler than otherwise).
+                self._collect_prefetch(i)
+                self._prefetch[i] = self._prefetch_pool.submit(self._pull_staged, s, out.version)
+                timings[i] = (t1 - t0, time.perf_counter() - t1, 0.0)
+                return out.outcome
             if out.outcome == "stale":
                 wanted = out.version  # catch up with the shard
             elif mode == "async":
@@ -248,6 +268,28 @@ class ParameterServerTrainer:
             wait_seconds=max(t[2] for t in timings.values()), stale=outcomes.count("stale"),
         )
 
+    # ------------------------------------------------------------------ async overlap
+    def _pull_staged(self, s: ShardClient, min_version: int) -> int:
+        """Background pull of shard ``s`` into its staging buffer (the model is in use meanwhile)."""
+        v, _, _ = s.pull(min_version, self.client.wire, self._staging[s.index].numel(), self.round_timeout,
+                         out=self._staging[s.index])
+        return v
+
+    def _collect_prefetch(self, i: int) -> None:
+        """Wait for shard ``i``'s background pull, if any, and copy its weights into the model."""
+        fut = self._prefetch.pop(i, None)
+        if fut is None:
+            return
+        v = fut.result()
+        with torch.no_grad():
+            self._slice(self.flat.flat, i).copy_(self._staging[i])
+        self.versions[i] = v
+
+    def flush(self) -> None:
+        """Bring in the weights still being pulled in the background (before evaluating or saving)."""
+        for i in list(self._prefetch):
+            self._collect_prefetch(i)
+
     def zero_grad(self) -> None:
         self.flat.zero_grad()
 
@@ -262,9 +304,11 @@ class ParameterServerTrainer:
         """Leave the job (so rounds stop waiting for this trainer) and close the channels."""
         self._stop_heartbeat.set()
         try:
+            self.flush()
             if leave:
                 self.client.map(lambda s: s.leave())
         finally:
+            self._prefetch_pool.shutdown(wait=True)
             self.client.close()
 
     def __enter__(self) -> "ParameterServerTrainer":
@@ -283,18 +327,20 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
             max_staleness: int | None = None, sync_timeout: float = 0.0, replicas_to_aggregate: int = 0,
             stale_policy: str = "drop", wire_dtype: str = "float32", trainer_id: str | None = None,
             connect_timeout: float = 120.0, round_timeout: float = 600.0,
-            chunk_bytes: int = 1 << 20, security: ClientSecurity | None = None) -> ParameterServerTrainer:
+            chunk_bytes: int = 1 << 20, security: ClientSecurity | None = None,
+            overlap: bool = False) -> ParameterServerTrainer:
     """Register ``model`` with the shards at ``ps`` and return a handle whose ``step()`` trains it.
 
     Rank 0 initialises the shards with its model's weights; every trainer then
     starts from the shards' weights.  Raises ValueError for a bad setting and
     grpc.RpcError (FAILED_PRECONDITION, with the difference named) when the
     shards run a different job.  ``security`` carries TLS files and the token
-    (see psserver.security).
+    (see psserver.security).  ``overlap`` (async mode only) pulls the next
+    weights in the background while the next gradient is computed.
     """
     addresses = parse_addresses(ps)
     job = make_job(model, len(addresses), mode=mode, num_trainers=num_trainers, optimizer=optimizer,
                    max_staleness=max_staleness, sync_timeout=sync_timeout,
                    replicas_to_aggregate=replicas_to_aggregate, stale_policy=stale_policy, wire_dtype=wire_dtype)
     return ParameterServerTrainer(addresses, model, job, rank, trainer_id or default_trainer_id(rank),
-                                  connect_timeout, round_timeout, chunk_bytes, security or ClientSecurity())
+                                  connect_timeout, round_timeout, chunk_bytes, security or ClientSecurity(), overlap)

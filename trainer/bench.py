@@ -137,9 +137,11 @@ def train_run(name: str, run_dir: Path, workload: dict, backend: str, mode: str,
             address = ",".join(s.address for s in shard_procs)
         else:
             address = f"127.0.0.1:{free_port()}"
+        cli_mode, overlap = (mode.split("+")[0], ["--overlap"]) if mode.endswith("+overlap") else (mode, [])
         common = ["--model", workload["model"], "--dataset", workload["dataset"], "--batch-size",
                   str(workload["batch"] * (trainers if backend == "local" else 1)), "--steps", str(steps),
-                  "--num-trainers", str(1 if backend == "local" else trainers), "--backend", backend, "--mode", mode,
+                  "--num-trainers", str(1 if backend == "local" else trainers), "--backend", backend,
+                  "--mode", cli_mode, *overlap,
                   "--threads", str(cores if backend == "local" else max(1, cores // trainers)),
                   "--no-progress", "--log-every", "1000000", "--lr", str(workload["lr"])]
         if eval_every:
@@ -202,7 +204,7 @@ def run_bench(out: Path, quick: bool, trainers: int, shards: int) -> dict:
     for wname, w in workloads.items():
         steps = 15 if quick else {"cnn-mnist5k": 60, "resnet18-synthetic": 8, "widemlp-synthetic": 15}[wname]
         wruns = []
-        for mode in ("sync", "async", "stale-timeout"):
+        for mode in ("sync", "async", "async+overlap", "stale-timeout"):
             extra = ["--sync-timeout", "0.5"] if mode == "stale-timeout" else []
             wruns.append(train_run(f"{wname}-ps-{mode}", run_dir, w, "ps", mode, trainers, shards, steps, extra))
         wruns.append(train_run(f"{wname}-ddp", run_dir, w, "ddp", "sync", trainers, shards, steps))
@@ -226,6 +228,13 @@ def run_bench(out: Path, quick: bool, trainers: int, shards: int) -> dict:
             name = f"straggler-{backend}-{mode}"
             strag.append(train_run(name, run_dir, w, backend, mode, 3, shards, steps, extra, slow, eval_every=10))
         results["straggler"] = dict(delay_seconds=delay, runs=strag)
+        # 4. what reduced-precision transfer costs in accuracy: CNN on mnist5k, sync, 3 epochs
+        wire = []
+        for dtype in ("float32", "bfloat16", "float16"):
+            r = train_run(f"wire-{dtype}", run_dir, w, "ps", "sync", trainers, shards, 3 * (4000 // (trainers * 32)),
+                          ["--wire-dtype", dtype])
+            wire.append(dict(wire_dtype=dtype, test_accuracy=r["test_accuracy"], samples_per_sec=r["samples_per_sec"]))
+        results["wire_dtype_accuracy"] = wire
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "bench.md").write_text(to_markdown(results))
@@ -263,6 +272,11 @@ def to_markdown(r: dict) -> str:
             system = f"psgrpc {t['mode']}" if t["backend"] == "ps" else "DDP gloo"
             reach = "not reached" if t["seconds_to_accuracy_bar"] is None else f"{t['seconds_to_accuracy_bar']:.1f}"
             lines.append(f"| {system} | {reach} | {t['test_accuracy']:.3f} | {t['stale_pushes']} |")
+    if "wire_dtype_accuracy" in r:
+        lines += ["", "**Reduced-precision transfer** (CNN on mnist5k, sync, 3 epochs; fp32 master weights on the shards)",
+                  "", "| wire dtype | test accuracy | samples/s |", "|---|---|---|"]
+        for w in r["wire_dtype_accuracy"]:
+            lines.append(f"| {w['wire_dtype']} | {w['test_accuracy']:.3f} | {w['samples_per_sec']:.0f} |")
     return "\n".join(lines) + "\n"
 
 

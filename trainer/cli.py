@@ -49,6 +49,8 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--log-every", type=int, default=20, help="log and record metrics every N steps")
     p.add_argument("--eval-every", type=int, default=0, help="also evaluate every N steps (0: each epoch only)")
     p.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
+    p.add_argument("--overlap", action="store_true",
+                   help="async mode: pull the next weights in the background while computing")
     p.add_argument("--backend", choices=("ps", "ddp", "local"), default="ps",
                    help="ps: the parameter servers; ddp / local: the baselines ps-bench compares against "
                         "(ddp reads --ps as the gloo master HOST:PORT)")
@@ -71,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         wire_dtype=args.wire_dtype, step_delay=args.step_delay, threads=args.threads, log_every=args.log_every,
         eval_every=args.eval_every,
         progress=False if args.no_progress else None, connect_timeout=args.connect_timeout,
-        security=client_security(args), backend=args.backend,
+        security=client_security(args), backend=args.backend, overlap=args.overlap,
     )
     summary = train(cfg)
     print(json.dumps({"event": "done", "rank": cfg.rank, **summary}))

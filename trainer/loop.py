@@ -50,6 +50,7 @@ class TrainConfig:
     eval_every: int = 0  # also evaluate every N steps (0: at the end of each epoch only)
     progress: bool | None = None  # None: a bar on a terminal, log lines otherwise
     connect_timeout: float = 120.0
+    overlap: bool = False  # async: pull the next weights while computing
     backend: str = "ps"  # "ps"; or the ps-bench baselines "ddp" (--ps is then the gloo master HOST:PORT), "local"
     security: object = None  # psserver.security.ClientSecurity; None: plaintext, no token
 
@@ -180,6 +181,7 @@ def train(cfg: TrainConfig) -> dict:
                     rate = step * cfg.batch_size / (time.perf_counter() - t_start)
                     bar.set_postfix(loss=f"{loss_value:.3f}", acc=f"{acc:.3f}", samples_s=f"{rate:.0f}", stale=stale)
                 if cfg.eval_every and step % cfg.eval_every == 0 and k != spe - 1:
+                    ps.flush()
                     acc, test_loss = evaluate(model, data.x_test, data.y_test, device)
                     metrics.write("eval", step=step, epoch=epoch, test_accuracy=acc, test_loss=test_loss,
                                   elapsed=time.perf_counter() - t_start)
@@ -192,6 +194,7 @@ def train(cfg: TrainConfig) -> dict:
                     if not bar:
                         log.info("rank %d: step %d/%d epoch %d loss %.4f versions %s %.1f samples/s stale %d",
                                  cfg.rank, step, total_steps, epoch, loss_value, info.versions, rate, stale)
+            ps.flush()
             acc, test_loss = evaluate(model, data.x_test, data.y_test, device)
             metrics.write("eval", step=step, epoch=epoch, test_accuracy=acc, test_loss=test_loss,
                           train_loss=sum(epoch_losses) / max(1, len(epoch_losses)),
@@ -233,7 +236,8 @@ def make_stepper(cfg: TrainConfig, model: torch.nn.Module):
         return connect(cfg.ps, model, mode=cfg.mode, rank=cfg.rank, num_trainers=cfg.num_trainers,
                        optimizer=optimizer, max_staleness=cfg.max_staleness, sync_timeout=cfg.sync_timeout,
                        replicas_to_aggregate=cfg.replicas_to_aggregate, stale_policy=cfg.stale_policy,
-                       wire_dtype=cfg.wire_dtype, connect_timeout=cfg.connect_timeout, security=cfg.security)
+                       wire_dtype=cfg.wire_dtype, connect_timeout=cfg.connect_timeout, security=cfg.security,
+                       overlap=cfg.overlap)
     from psserver.job import OptimizerConfig
     from trainer.baselines import DDPStepper, LocalStepper
 

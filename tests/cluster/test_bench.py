@@ -12,7 +12,8 @@ def test_ps_bench_quick_writes_json_and_markdown(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "bench.json").read_text())
     systems = {(r["backend"], r["mode"]) for r in results["throughput"]}
-    assert systems == {("ps", "sync"), ("ps", "async"), ("ps", "stale-timeout"), ("ddp", ""), ("local", "")}
+    assert systems == {("ps", "sync"), ("ps", "async"), ("ps", "async+overlap"), ("ps", "stale-timeout"), ("ddp", ""),
+                       ("local", "")}
     for r in results["throughput"]:
         assert r["samples_per_sec"] > 0 and r["steps"] == 15
     for c in results["comm"]:

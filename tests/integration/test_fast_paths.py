@@ -58,3 +58,42 @@ def test_reduced_precision_wire_keeps_fp32_master_weights(shard_server, wire):
         master = master - g.to(dtype).float()  # the shard steps in fp32 on the wire-dtype gradient
     assert torch.equal(model.w.detach(), master.to(dtype).float())  # pulls are the fp32 master, rounded
     ps.close()
+
+
+def test_async_overlap_applies_every_push_exactly_once(shard_server):
+    """Overlapped pulls: gradients are computed on weights one pull behind, but every push lands once."""
+    servers = [shard_server(shard=i) for i in range(2)]
+    n = 1000
+    model = Vec(n)
+    with torch.no_grad():
+        model.w.copy_(torch.arange(n, dtype=torch.float32))  # integers throughout: every update exact in fp32
+    init = model.w.detach().clone()
+    ps = connect(",".join(s.server.address for s in servers), model, mode="async", overlap=True,
+                 optimizer={"name": "sgd", "lr": 1.0})
+    total = torch.zeros(n)
+    bases = []
+    try:
+        for step in range(6):
+            g = torch.arange(n, dtype=torch.float32) % 7 - 3 + step  # integers: exact in fp32
+            model.w.grad = g.clone()
+            bases.append(list(ps.versions))
+            info = ps.step()
+            assert info.outcomes == ["applied", "applied"]
+            total += g
+        # a gradient is computed on the weights pulled in the background during the step before: they hold
+        # at least the push before last (k - 1), and the last push too if the pull ran after it (k)
+        assert bases[0] == bases[1] == [0, 0]
+        for k in range(2, 6):
+            assert all(b in (k - 1, k) for b in bases[k]), (k, bases[k])
+        ps.flush()
+        assert ps.versions == [6, 6]
+        assert torch.equal(model.w.detach(), init - total)
+        for i, s in enumerate(servers):  # the shard recorded exactly that staleness
+            assert s.stats().counters["staleness_sum"] == sum(k - bases[k][i] for k in range(6))
+    finally:
+        ps.close()
+
+
+def test_overlap_outside_async_mode_is_refused():
+    with pytest.raises(ValueError, match="needs async mode, not sync"):
+        connect("127.0.0.1:1", Vec(3), mode="sync", overlap=True)
