@@ -18,12 +18,14 @@ STAT_ROWS = [
 ]
 
 
+def fetch_stat(address: str, timeout: float = 10.0, security: ClientSecurity = ClientSecurity()) -> _pb.StatsReply:
+    """One shard's GetStats over a channel of its own (for tools and tests; trainers use their client)."""
+    with security.channel(address) as ch:
+        return _grpc.ParameterServerStub(ch).GetStats(_pb.StatsRequest(), timeout=timeout)
+
+
 def fetch_stats(addresses: list[str], timeout: float, security: ClientSecurity = ClientSecurity()) -> list:
-    out = []
-    for a in addresses:
-        with security.channel(a) as ch:
-            out.append(_grpc.ParameterServerStub(ch).GetStats(_pb.StatsRequest(), timeout=timeout))
-    return out
+    return [fetch_stat(a, timeout, security) for a in addresses]
 
 
 def format_stats(addresses: list[str], stats: list[_pb.StatsReply]) -> str:

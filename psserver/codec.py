@@ -40,11 +40,6 @@ def wire_tensor(tensor: torch.Tensor, wire: int) -> torch.Tensor:
     return t.contiguous()
 
 
-def tensor_bytes(tensor: torch.Tensor, wire: int) -> bytes:
-    """The tensor as wire-dtype little-endian bytes (a copy; the hot path streams ``wire_tensor`` instead)."""
-    return _raw(wire_tensor(tensor, wire)).tobytes()
-
-
 def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 

@@ -237,92 +237,90 @@ class Shard:
         (the round it was in may have closed since), and is not applied again.
         """
         with self._cond:
-            self._check_ready(rank, trainer_id, fingerprint, need_params=True)
+            self.check_push_header(rank, trainer_id, fingerprint, base, num_samples)
             acked = self._acked.get(rank)
             if sequence and acked and acked[0] == trainer_id and sequence <= acked[1]:
                 self.counters["duplicates"] += 1
                 log.info("shard %d: push #%d from rank %d was already acknowledged (%s); not applied again",
                          self.shard_id, sequence, rank, acked[2].outcome)
                 return PushResult("duplicate", self.version, 0)
-            result = self._push_locked(rank, trainer_id, fingerprint, base, num_samples, grad, finite,
-                                       sequenced=bool(sequence))
+            result = self._push_locked(rank, base, num_samples, grad, finite, sequenced=bool(sequence))
             if sequence and result.outcome != "duplicate":
                 self._acked[rank] = (trainer_id, sequence, result)
             return result
 
-    def _push_locked(self, rank: int, trainer_id: str, fingerprint: str, base: int, num_samples: int,
-                     grad: torch.Tensor, finite: bool = True, sequenced: bool = False) -> PushResult:
+    def _push_locked(self, rank: int, base: int, num_samples: int, grad: torch.Tensor, finite: bool,
+                     sequenced: bool) -> PushResult:
         """Decide and act.  Async pushes without a sequence number are deduplicated by (rank, base
         version); sequenced ones already were, by sequence -- and may legitimately repeat a base
-        version (a trainer that overlaps its pulls pushes twice on the same weights)."""
-        with self._cond:
-            self.check_push_header(rank, trainer_id, fingerprint, base, num_samples)
-            now = self._clock()
-            d = modes.decide_push(self._cfg, self._view(), rank, base, now)
-            A = modes.Action
-            if d.action is not A.DUPLICATE:
-                self.metrics.staleness.observe(d.staleness)
-            if d.action is A.REFUSE_FUTURE:  # unreachable after check_push_header; kept for safety
-                raise FutureVersion(f"base version is {base} but shard {self.shard_id} is at version {self.version}")
-            if d.action is A.DROP_STALE:
-                self.counters["stale_dropped"] += 1
-                log.info("shard %d: dropped a stale gradient from rank %d (base %d, version %d, staleness %d)",
-                         self.shard_id, rank, base, self.version, d.staleness)
-                raise StaleGradient(
-                    f"stale gradient: base version {base} is {d.staleness} behind version {self.version} of shard "
-                    f"{self.shard_id}; dropped -- pull version {self.version} and go on",
-                    self.version, d.staleness,
-                )
-            if d.action is A.DUPLICATE:
-                self.counters["duplicates"] += 1
-                log.info("shard %d: duplicate push from rank %d for base %d acknowledged, not applied",
-                         self.shard_id, rank, base)
-                return PushResult("duplicate", self.version, d.staleness)
-            if not finite:
-                # --nonfinite skip: the gradient is dropped and counted, but it fills its trainer's slot in the
-                # round, so a sync round does not wait for a gradient that will never be usable.
-                self.counters["nonfinite_skipped"] += 1
-                log.warning("shard %d: skipped a gradient with NaN/Inf values from rank %d (base %d)",
-                            self.shard_id, rank, base)
-                if d.action is A.APPLY:
-                    if not sequenced:
-                        self._last_base[rank] = base
-                    return PushResult("skipped", self.version, d.staleness)
-                if d.counts_for_round:
-                    self._contributors.add(rank)
-                    if self._opened_at is None:
-                        self._opened_at = now
-                if d.close is not None:
-                    self._close_round(d.close)
-                self._cond.notify_all()
-                return PushResult("skipped", self.version, d.staleness)
-            self.counters["pushes_applied"] += 1
-            self.counters["samples"] += num_samples
+        version (a trainer that overlaps its pulls pushes twice on the same weights).  Caller holds _cond
+        and has checked the header."""
+        now = self._clock()
+        d = modes.decide_push(self._cfg, self._view(), rank, base, now)
+        A = modes.Action
+        if d.action is not A.DUPLICATE:
+            self.metrics.staleness.observe(d.staleness)
+        if d.action is A.REFUSE_FUTURE:  # unreachable after check_push_header; kept for safety
+            raise FutureVersion(f"base version is {base} but shard {self.shard_id} is at version {self.version}")
+        if d.action is A.DROP_STALE:
+            self.counters["stale_dropped"] += 1
+            log.info("shard %d: dropped a stale gradient from rank %d (base %d, version %d, staleness %d)",
+                     self.shard_id, rank, base, self.version, d.staleness)
+            raise StaleGradient(
+                f"stale gradient: base version {base} is {d.staleness} behind version {self.version} of shard "
+                f"{self.shard_id}; dropped -- pull version {self.version} and go on",
+                self.version, d.staleness,
+            )
+        if d.action is A.DUPLICATE:
+            self.counters["duplicates"] += 1
+            log.info("shard %d: duplicate push from rank %d for base %d acknowledged, not applied",
+                     self.shard_id, rank, base)
+            return PushResult("duplicate", self.version, d.staleness)
+        if not finite:
+            # --nonfinite skip: the gradient is dropped and counted, but it fills its trainer's slot in the
+            # round, so a sync round does not wait for a gradient that will never be usable.
+            self.counters["nonfinite_skipped"] += 1
+            log.warning("shard %d: skipped a gradient with NaN/Inf values from rank %d (base %d)",
+                        self.shard_id, rank, base)
             if d.action is A.APPLY:
                 if not sequenced:
                     self._last_base[rank] = base
-                self.counters["staleness_sum"] += d.staleness
-                self._apply(grad)
-                return PushResult("applied", self.version, d.staleness)
-            # ACCUMULATE
-            w = num_samples * d.weight
-            self._acc.add_(grad, alpha=w)
-            self._acc_weight += w
-            if self._opened_at is None:
-                self._opened_at = now
+                return PushResult("skipped", self.version, d.staleness)
             if d.counts_for_round:
                 self._contributors.add(rank)
-            else:
-                self._stale_in_round.add((rank, base))
-                self.counters["stale_scaled"] += 1
-                log.info("shard %d: scaled a stale gradient from rank %d by %.3f (staleness %d)",
-                         self.shard_id, rank, d.weight, d.staleness)
-            outcome = "accepted" if d.counts_for_round else "scaled"
+                if self._opened_at is None:
+                    self._opened_at = now
             if d.close is not None:
                 self._close_round(d.close)
-                outcome = "applied"
             self._cond.notify_all()
-            return PushResult(outcome, self.version, d.staleness)
+            return PushResult("skipped", self.version, d.staleness)
+        self.counters["pushes_applied"] += 1
+        self.counters["samples"] += num_samples
+        if d.action is A.APPLY:
+            if not sequenced:
+                self._last_base[rank] = base
+            self.counters["staleness_sum"] += d.staleness
+            self._apply(grad)
+            return PushResult("applied", self.version, d.staleness)
+        # ACCUMULATE
+        w = num_samples * d.weight
+        self._acc.add_(grad, alpha=w)
+        self._acc_weight += w
+        if self._opened_at is None:
+            self._opened_at = now
+        if d.counts_for_round:
+            self._contributors.add(rank)
+        else:
+            self._stale_in_round.add((rank, base))
+            self.counters["stale_scaled"] += 1
+            log.info("shard %d: scaled a stale gradient from rank %d by %.3f (staleness %d)",
+                     self.shard_id, rank, d.weight, d.staleness)
+        outcome = "accepted" if d.counts_for_round else "scaled"
+        if d.close is not None:
+            self._close_round(d.close)
+            outcome = "applied"
+        self._cond.notify_all()
+        return PushResult(outcome, self.version, d.staleness)
 
     # ------------------------------------------------------------------ rounds
     def _close_if_due(self) -> None:

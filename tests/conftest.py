@@ -6,7 +6,7 @@ import grpc
 import pytest
 import torch
 
-from psserver.codec import encode, tensor_bytes
+from psserver.codec import encode, wire_tensor
 from psserver.job import JobSpec, OptimizerConfig
 from psserver.proto import ps_pb2 as pb
 from psserver.proto import ps_pb2_grpc as pb_grpc
@@ -41,11 +41,11 @@ class RawShard:
 
     def init(self, values: torch.Tensor, rank=0):
         h = self.header(rank=rank, n=values.numel())
-        return self.stub.Init(encode(tensor_bytes(values, pb.FLOAT32), h, 1024), timeout=10)
+        return self.stub.Init(encode(wire_tensor(values, pb.FLOAT32), h, 1024), timeout=10)
 
     def push(self, grad: torch.Tensor, chunk_bytes=1024, **header):
         h = self.header(n=header.pop("n", grad.numel()), **header)
-        return self.stub.Push(encode(tensor_bytes(grad, h.dtype), h, chunk_bytes), timeout=10)
+        return self.stub.Push(encode(wire_tensor(grad, h.dtype), h, chunk_bytes), timeout=10)
 
     def push_chunks(self, chunks):
         return self.stub.Push(iter(chunks), timeout=10)

@@ -21,8 +21,8 @@ import grpc
 
 from psserver.cli_support import EnvArgumentParser, run_cli, setup_logging
 from psserver.job import MODES, OPTIMIZERS, STALE_POLICIES
+from psserver.admin import fetch_stat
 from psserver.proto import ps_pb2 as _pb
-from psserver.proto import ps_pb2_grpc as _grpc
 from trainer.data import DATASETS
 from trainer.models import MODELS
 from trainer.procs import Proc, start_shard, start_trainer
@@ -91,12 +91,11 @@ class Progress:
 
 
 def shard_stats(address: str) -> _pb.StatsReply | None:
-    with grpc.insecure_channel(address) as ch:
-        try:
-            return _grpc.ParameterServerStub(ch).GetStats(_pb.StatsRequest(), timeout=10)
-        except grpc.RpcError as e:
-            log.warning("could not read stats from %s: %s", address, e.details())
-            return None
+    try:
+        return fetch_stat(address)
+    except grpc.RpcError as e:
+        log.warning("could not read stats from %s: %s", address, e.details())
+        return None
 
 
 def trainer_args(args, rank: int, run: Path) -> list[str]:

@@ -6,10 +6,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-
+from psserver.admin import fetch_stat
 from psserver.proto import ps_pb2 as pb
-from psserver.proto import ps_pb2_grpc as pb_grpc
 from trainer.procs import Proc, start_shard, start_trainer, wait_all
 
 
@@ -27,8 +25,7 @@ class JobRun:
         return last
 
     def stats(self, shard: int) -> pb.StatsReply:
-        with grpc.insecure_channel(self.shards[shard].address) as ch:
-            return pb_grpc.ParameterServerStub(ch).GetStats(pb.StatsRequest(), timeout=10)
+        return fetch_stat(self.shards[shard].address)
 
 
 def run_job(run_dir: Path, num_shards: int, num_trainers: int, args: list[str], per_rank: dict | None = None,

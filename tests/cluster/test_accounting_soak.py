@@ -17,7 +17,7 @@ import torch
 from psserver.proto import ps_pb2 as pb
 from psserver.proto import ps_pb2_grpc as pb_grpc
 from tests.cluster.faultproxy import FaultProxy
-from tests.cluster.test_membership import stats
+from psserver.admin import fetch_stat as stats
 from trainer import connect
 from trainer.procs import start_shard
 

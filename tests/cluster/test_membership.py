@@ -3,10 +3,7 @@
 import json
 import time
 
-import grpc
-
-from psserver.proto import ps_pb2 as pb
-from psserver.proto import ps_pb2_grpc as pb_grpc
+from psserver.admin import fetch_stat as stats
 from trainer.procs import start_shard, start_trainer
 
 LEASE = 2.0
@@ -25,11 +22,6 @@ def wait_until(predicate, timeout: float, what: str) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
-
-
-def stats(address: str) -> pb.StatsReply:
-    with grpc.insecure_channel(address) as ch:
-        return pb_grpc.ParameterServerStub(ch).GetStats(pb.StatsRequest(), timeout=10)
 
 
 def test_killed_trainer_is_dropped_after_its_lease_and_a_restarted_one_rejoins(tmp_path):

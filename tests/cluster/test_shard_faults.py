@@ -7,7 +7,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from psserver.checkpoint import Checkpointer
-from tests.cluster.test_membership import last_step, stats, wait_until
+from psserver.admin import fetch_stat as stats
+from tests.cluster.test_membership import last_step, wait_until
 from trainer.procs import start_shard, start_trainer, wait_all
 
 EVERY = 10

@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from psserver.codec import encode, tensor_bytes
+from psserver.codec import encode, wire_tensor
 from psserver.proto import ps_pb2 as pb
 from psserver.server import ServerConfig, ShardServer
 from tests.conftest import P, RawShard, make_spec
@@ -54,7 +54,7 @@ def good_header(**overrides):
 def chunks_for(header, values=None, chunk_bytes=1024):
     """Chunks of ``values`` as float32, with ``header`` (possibly broken) on the first one."""
     values = torch.ones(P) if values is None else values
-    chunks = list(encode(tensor_bytes(values, pb.FLOAT32), good_header(), chunk_bytes))
+    chunks = list(encode(wire_tensor(values, pb.FLOAT32), good_header(), chunk_bytes))
     chunks[0].header.CopyFrom(header)
     return chunks
 

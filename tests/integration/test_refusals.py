@@ -57,9 +57,9 @@ CASES = {
 
 
 def _chunks(s):
-    from psserver.codec import encode, tensor_bytes
+    from psserver.codec import encode, wire_tensor
 
-    return list(encode(tensor_bytes(torch.ones(P), pb.FLOAT32), s.header(version=1), 1024))
+    return list(encode(wire_tensor(torch.ones(P), pb.FLOAT32), s.header(version=1), 1024))
 
 
 @pytest.mark.parametrize("name", list(CASES))

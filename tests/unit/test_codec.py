@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from psserver.codec import ChunkReader, encode, tensor_bytes
+from psserver.codec import ChunkReader, encode, wire_tensor
 from psserver.errors import InvalidRequest, TooLarge
 from psserver.proto import ps_pb2 as pb
 
@@ -14,7 +14,7 @@ BIG = 1 << 40
 
 def chunks_of(t: torch.Tensor, wire=pb.FLOAT32, chunk_bytes=64, **header):
     h = pb.ChunkHeader(dtype=wire, length=t.numel(), **header)
-    return list(encode(tensor_bytes(t, wire), h, chunk_bytes))
+    return list(encode(wire_tensor(t, wire), h, chunk_bytes))
 
 
 @settings(max_examples=60, deadline=None)
