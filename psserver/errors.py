@@ -34,6 +34,13 @@ class NotRegistered(PsError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class Superseded(PsError):
+    """A newer trainer process registered this rank: this one is fenced off and must stop, not
+    re-register (two processes taking the rank back from each other would never end)."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
 class ShuttingDown(PsError):
     """The shard is stopping; try again (a restarted shard will answer)."""
 

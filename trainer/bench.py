@@ -162,13 +162,13 @@ def train_run(name: str, run_dir: Path, workload: dict, backend: str, mode: str,
     records = [[json.loads(line) for line in (run / f"trainer{r}.jsonl").read_text().splitlines()] for r in range(n)]
     done = [r[-1] for r in records]
     evals = [e for e in records[0] if e["event"] == "eval"]
-    s = done[0]["steps"]
     reached = next((e["elapsed"] for e in evals if e["test_accuracy"] >= ACCURACY_BAR), None)
+    # Steady state (after warm-up, evaluation left out; trainer.loop.SteadyClock), summed over trainers.
     return dict(
         name=name, backend=backend, mode=mode if backend == "ps" else "", trainers=n, wall_seconds=wall,
-        samples_per_sec=sum(d["samples_per_sec"] for d in done), steps=s,
-        compute_ms=1000 * done[0]["compute_seconds"] / s, push_ms=1000 * done[0]["push_seconds"] / s,
-        pull_ms=1000 * done[0]["pull_seconds"] / s, wait_ms=1000 * done[0]["wait_seconds"] / s,
+        samples_per_sec=sum(d["steady_samples_per_sec"] for d in done), steps=done[0]["steps"],
+        steady_steps=done[0]["steady_steps"],
+        **{f"{k}_ms": 1000 * done[0][f"steady_{k}_seconds"] for k in ("compute", "push", "pull", "wait")},
         wire_bytes_per_sec=sum(d["bytes_in"] + d["bytes_out"] for d in done) / max(d["seconds"] for d in done),
         test_accuracy=done[0]["test_accuracy"], seconds_to_accuracy_bar=reached,
         stale_pushes=sum(d.get("stale_pushes", 0) for d in done),
@@ -202,7 +202,7 @@ def run_bench(out: Path, quick: bool, trainers: int, shards: int) -> dict:
     runs = []
     workloads = {"cnn-mnist5k": WORKLOADS["cnn-mnist5k"]} if quick else WORKLOADS
     for wname, w in workloads.items():
-        steps = 15 if quick else {"cnn-mnist5k": 60, "resnet18-synthetic": 8, "widemlp-synthetic": 15}[wname]
+        steps = 15 if quick else {"cnn-mnist5k": 60, "resnet18-synthetic": 10, "widemlp-synthetic": 15}[wname]
         wruns = []
         for mode in ("sync", "async", "async+overlap", "stale-timeout"):
             extra = ["--sync-timeout", "0.5"] if mode == "stale-timeout" else []

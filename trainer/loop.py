@@ -17,6 +17,7 @@ from trainer.data import epoch_order, load_dataset, local_batch_indices, steps_p
 from trainer.models import build_model
 
 log = logging.getLogger(__name__)
+WARMUP_STEPS = 2  # left out of the steady throughput (see SteadyClock)
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,38 @@ class MetricsWriter:
             self.f.close()
 
 
+class SteadyClock:
+    """Throughput over the steady part of a run, the number ps-bench compares across systems.
+
+    The first ``warmup`` steps (lazy initialisation, first allocations, connection set-up) and every
+    evaluation are left out: a short benchmark run would otherwise be dominated by them, and they
+    cost every system about the same, which pulls all ratios towards 1.
+    """
+
+    def __init__(self, warmup: int):
+        self.warmup = warmup
+        self.eval_seconds = 0.0
+        self._start: tuple[float, float, dict] | None = None  # (time, eval seconds, timing) after warm-up
+        self._last: tuple[int, float, float, dict] | None = None  # (step, time, eval seconds, timing)
+
+    def after_step(self, step: int, timing: dict) -> None:
+        now = time.perf_counter()
+        if step == self.warmup:
+            self._start = (now, self.eval_seconds, dict(timing))
+        self._last = (step, now, self.eval_seconds, dict(timing))
+
+    def summary(self, batch_size: int) -> dict:
+        """steady_steps, steady_samples_per_sec and per-step compute/push/pull/wait seconds (empty if too short)."""
+        if self._start is None or self._last[0] <= self.warmup:
+            return {}
+        t0, e0, timing0 = self._start
+        step, t1, e1, timing1 = self._last
+        n = step - self.warmup
+        seconds = (t1 - t0) - (e1 - e0)
+        return dict(steady_steps=n, steady_samples_per_sec=n * batch_size / seconds,
+                    **{f"steady_{k}_seconds": (timing1[k] - timing0[k]) / n for k in timing1})
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> tuple[float, float]:
     """(accuracy, mean loss) on a held-out set."""
@@ -146,6 +179,7 @@ def train(cfg: TrainConfig) -> dict:
         bar = tqdm(total=total_steps, desc=f"rank {cfg.rank}", unit="step", dynamic_ncols=True)
     t_start = time.perf_counter()
     timing = dict(compute=0.0, push=0.0, pull=0.0, wait=0.0)
+    clock = SteadyClock(warmup=min(WARMUP_STEPS, total_steps - 1))
     losses: list[float] = []
     step, acc = 0, float("nan")
     stale = 0
@@ -173,6 +207,7 @@ def train(cfg: TrainConfig) -> dict:
                 timing["wait"] += info.wait_seconds
                 stale += info.stale
                 step += 1
+                clock.after_step(step, timing)
                 loss_value = float(loss)
                 losses.append(loss_value)
                 epoch_losses.append(loss_value)
@@ -181,8 +216,10 @@ def train(cfg: TrainConfig) -> dict:
                     rate = step * cfg.batch_size / (time.perf_counter() - t_start)
                     bar.set_postfix(loss=f"{loss_value:.3f}", acc=f"{acc:.3f}", samples_s=f"{rate:.0f}", stale=stale)
                 if cfg.eval_every and step % cfg.eval_every == 0 and k != spe - 1:
+                    t_eval = time.perf_counter()
                     ps.flush()
                     acc, test_loss = evaluate(model, data.x_test, data.y_test, device)
+                    clock.eval_seconds += time.perf_counter() - t_eval
                     metrics.write("eval", step=step, epoch=epoch, test_accuracy=acc, test_loss=test_loss,
                                   elapsed=time.perf_counter() - t_start)
                 if step % cfg.log_every == 0 or step == total_steps:
@@ -194,8 +231,10 @@ def train(cfg: TrainConfig) -> dict:
                     if not bar:
                         log.info("rank %d: step %d/%d epoch %d loss %.4f versions %s %.1f samples/s stale %d",
                                  cfg.rank, step, total_steps, epoch, loss_value, info.versions, rate, stale)
+            t_eval = time.perf_counter()
             ps.flush()
             acc, test_loss = evaluate(model, data.x_test, data.y_test, device)
+            clock.eval_seconds += time.perf_counter() - t_eval
             metrics.write("eval", step=step, epoch=epoch, test_accuracy=acc, test_loss=test_loss,
                           train_loss=sum(epoch_losses) / max(1, len(epoch_losses)),
                           elapsed=time.perf_counter() - t_start)
@@ -218,6 +257,7 @@ def train(cfg: TrainConfig) -> dict:
         heartbeat_failures=counters.get("heartbeat_failures", 0),
         compute_seconds=timing["compute"], push_seconds=timing["push"], pull_seconds=timing["pull"],
         wait_seconds=timing["wait"],
+        **clock.summary(cfg.batch_size),
         versions=list(ps.versions), bytes_out=counters.get("bytes_out", 0), bytes_in=counters.get("bytes_in", 0),
     )
     metrics.write("done", **summary)

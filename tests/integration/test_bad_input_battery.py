@@ -62,7 +62,7 @@ def chunks_for(header, values=None, chunk_bytes=1024):
 header_faults = st.one_of(
     st.text(max_size=20).filter(lambda t: t != FP).map(lambda t: (dict(fingerprint=t), C.FAILED_PRECONDITION)),
     st.integers(2, 2**32 - 1).map(lambda r: (dict(rank=r, trainer_id=f"t{r}"), C.NOT_FOUND)),
-    st.text(max_size=10).filter(lambda t: t != "t1").map(lambda t: (dict(trainer_id=t), C.NOT_FOUND)),
+    st.text(max_size=10).filter(lambda t: t != "t1").map(lambda t: (dict(trainer_id=t), C.ALREADY_EXISTS)),
     st.integers(1, 2**63).map(lambda v: (dict(version=v), C.OUT_OF_RANGE)),
     st.just((dict(num_samples=0), C.INVALID_ARGUMENT)),
 )
