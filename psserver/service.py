@@ -48,6 +48,35 @@ def _refusals(method):
     return wrapper
 
 
+class _SnapshotStream:
+    """A pull's chunks; hands the snapshot back to the shard once, when the stream ends or is dropped.
+
+    A class rather than a generator with try/finally: gRPC may drop a cancelled
+    call's iterator before ever starting it, and a generator that never started
+    never runs its finally.
+    """
+
+    def __init__(self, chunks, release):
+        self._chunks, self._release = chunks, release
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self._chunks)
+        except BaseException:  # StopIteration included: the stream is over
+            self.close()
+            raise
+
+    def close(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    __del__ = close
+
+
 class ParameterServerService(_grpc.ParameterServerServicer):
     def __init__(self, shard: Shard, max_push_bytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  max_pull_wait: float = 600.0, nonfinite: str = "refuse"):
@@ -74,7 +103,7 @@ class ParameterServerService(_grpc.ParameterServerServicer):
         reader = ChunkReader(request_iterator)
         h = reader.header
         values = reader.read(self.shard.slice_length(), self.shard.wire_dtype(), self.max_push_bytes)
-        accepted, version = self.shard.init(h.rank, h.trainer_id, h.fingerprint, values)
+        accepted, version = self.shard.init(h.rank, h.trainer_id, h.fingerprint, values, take=True)
         self.shard.count("bytes_in", reader.bytes_read)
         return _pb.InitReply(version=version, accepted=accepted)
 
@@ -91,7 +120,8 @@ class ParameterServerService(_grpc.ParameterServerServicer):
         )
         self.shard.count("bytes_out", snapshot.numel() * snapshot.element_size())
         header = _pb.ChunkHeader(dtype=wire, length=snapshot.numel(), version=version, wait_seconds=waited)
-        return encode_raw(snapshot, header, self.chunk_bytes)
+        return _SnapshotStream(encode_raw(snapshot, header, self.chunk_bytes),
+                               lambda: self.shard.release_snapshot(snapshot))
 
     @_refusals
     def Push(self, request_iterator, context):

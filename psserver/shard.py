@@ -24,7 +24,7 @@ import torch
 
 from psserver import modes
 from psserver.checkpoint import Checkpointer, ShardState
-from psserver.codec import wire_tensor
+from psserver.codec import TORCH_DTYPES
 from psserver.errors import (
     FutureVersion,
     InvalidRequest,
@@ -42,6 +42,7 @@ from psserver.metrics import ShardMetrics
 from psserver.optim import build_optimizer
 
 log = logging.getLogger(__name__)
+MAX_SNAPSHOT_BUFFERS = 3  # the current version's, the previous one still streaming, one spare
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class Shard:
         self._last_seen: dict[int, float] = {}  # rank -> clock time of its last RPC (the lease)
         self.counters: Counter[str] = Counter()
         self._cfg: modes.ModeConfig | None = None
-        self._acc: torch.Tensor | None = None  # weighted sum of the open round's gradients
+        self._acc: torch.Tensor | None = None  # weighted sum of the open round's gradients (sync modes only)
         self._acc_weight = 0.0
         self._contributors: set[int] = set()
         self._stale_in_round: set[tuple[int, int]] = set()
@@ -83,6 +84,8 @@ class Shard:
         self._last_base: dict[int, int] = {}
         self._acked: dict[int, tuple[str, int, "PushResult"]] = {}  # rank -> (trainer id, sequence, result)
         self._snapshot: tuple[int, int, torch.Tensor] | None = None  # (version, wire dtype, frozen copy)
+        self._snapshot_buffers: list[torch.Tensor] = []  # recycled frozen copies (see _freeze)
+        self._readers: Counter[int] = Counter()  # id(snapshot) -> pulls streaming it now
         self._stopped = False
         self._timer: threading.Thread | None = None
         self.metrics = ShardMetrics()
@@ -169,17 +172,22 @@ class Shard:
             return self.version, len(self.live)
 
     # ------------------------------------------------------------------ parameters
-    def init(self, rank: int, trainer_id: str, fingerprint: str, values: torch.Tensor) -> tuple[bool, int]:
-        """Set the initial parameters; the first Init wins, later ones change nothing."""
+    def init(self, rank: int, trainer_id: str, fingerprint: str, values: torch.Tensor,
+             take: bool = False) -> tuple[bool, int]:
+        """Set the initial parameters; the first Init wins, later ones change nothing.
+
+        ``take``: the caller hands ``values`` over (a freshly decoded fp32 tensor) and
+        the shard keeps it as its parameters instead of copying it.
+        """
         with self._cond:
             self._check_ready(rank, trainer_id, fingerprint, need_params=False)
             if values.numel() != self.end - self.start:
                 raise InvalidRequest(f"length is {values.numel()} elements but this shard's slice has {self.end - self.start}")
             if self.params is not None:
                 return False, self.version
-            self.params = torch.nn.Parameter(values.clone(), requires_grad=False)
+            owned = take and values.dtype == torch.float32 and values.is_contiguous()
+            self.params = torch.nn.Parameter(values if owned else values.float().clone(), requires_grad=False)
             self.optimizer = build_optimizer(self.job.optimizer, [self.params], fused=True)
-            self._acc = torch.zeros_like(values)
             log.info("shard %d: initialised by rank %d with %d parameters", self.shard_id, rank, values.numel())
             self._cond.notify_all()
             return True, self.version
@@ -188,8 +196,9 @@ class Shard:
              timeout: float) -> tuple[int, torch.Tensor, float]:
         """(version, wire-dtype snapshot, seconds waited) at a version >= ``min_version``, waiting up to ``timeout``.
 
-        The snapshot is taken once per version and never written again, so any
-        number of pulls can stream it after the lock is released.
+        The snapshot is taken once per version and not written while any pull
+        streams it, so pulls stream it after the lock is released.  The caller
+        must hand it back with ``release_snapshot`` when its stream ends.
 
         In sync and stale-timeout modes the first pull also waits until every
         trainer of the job has registered, so round 0 has everybody in it.
@@ -207,10 +216,34 @@ class Shard:
             if self._stopped:
                 raise ShuttingDown(f"shard {self.shard_id} is shutting down")
             if self._snapshot is None or self._snapshot[:2] != (self.version, wire):
-                frozen = self.params.detach().clone() if wire == WIRE_DTYPES["float32"] else self.params
-                self._snapshot = (self.version, wire, wire_tensor(frozen, wire))
+                self._snapshot = (self.version, wire, self._freeze(wire))
+            snapshot = self._snapshot[2]
+            self._readers[id(snapshot)] += 1
             self.counters["pulls"] += 1
-            return self.version, self._snapshot[2], waited
+            return self.version, snapshot, waited
+
+    def _freeze(self, wire: int) -> torch.Tensor:
+        """The parameters copied into a snapshot buffer no pull is streaming (the outgoing one, usually).
+
+        Reusing buffers instead of cloning: a fresh slice-sized allocation is
+        mapped and page-faulted anew each version, which costs twice the copy.
+        """
+        dtype = TORCH_DTYPES[wire]
+        buf = next((b for b in self._snapshot_buffers if b.dtype == dtype
+                    and b.numel() == self.params.numel() and not self._readers[id(b)]), None)
+        if buf is None:
+            buf = torch.empty(self.params.numel(), dtype=dtype)
+            if len(self._snapshot_buffers) < MAX_SNAPSHOT_BUFFERS:
+                self._snapshot_buffers.append(buf)
+        return buf.copy_(self.params.detach())
+
+    def release_snapshot(self, snapshot: torch.Tensor) -> None:
+        """A pull finished (or abandoned) streaming ``snapshot``; its buffer may be reused."""
+        with self._cond:
+            key = id(snapshot)
+            self._readers[key] -= 1
+            if self._readers[key] <= 0:
+                del self._readers[key]
 
     def _pull_wait_message(self, min_version: int, timeout: float) -> str:
         if self.params is None:
@@ -305,7 +338,12 @@ class Shard:
             return PushResult("applied", self.version, d.staleness)
         # ACCUMULATE
         w = num_samples * d.weight
-        self._acc.add_(grad, alpha=w)
+        if self._acc is None:
+            self._acc = torch.empty_like(grad)
+        if self._acc_weight == 0:
+            torch.mul(grad, w, out=self._acc)  # the round's first gradient: no zeroing pass needed
+        else:
+            self._acc.add_(grad, alpha=w)
         self._acc_weight += w
         if self._opened_at is None:
             self._opened_at = now
@@ -347,8 +385,7 @@ class Shard:
             missing = sorted(self.live - self._contributors)
             log.info("shard %d: round %d closed by %s with %d gradients; missing ranks %s",
                      self.shard_id, self.version - 1, reason.value, n, missing)
-        self._acc.zero_()
-        self._acc_weight = 0.0
+        self._acc_weight = 0.0  # the next round's first gradient overwrites _acc
         self._contributors.clear()
         self._stale_in_round.clear()
         self._opened_at = None
@@ -422,7 +459,6 @@ class Shard:
             self.params = torch.nn.Parameter(state.params.clone(), requires_grad=False)
             self.optimizer = build_optimizer(self.job.optimizer, [self.params], fused=True)
             self.optimizer.load_state_dict(state.optimizer)
-            self._acc = torch.zeros_like(self.params.detach())
             self.version = state.version
             self.counters.update({k: v for k, v in state.counters.items() if not k.startswith("checkpoints_")})
             self.counters["restored_version"] = state.version
@@ -529,7 +565,8 @@ class Shard:
             h = hashlib.sha256(f"v={self.version};acc_w={self._acc_weight};c={sorted(self._contributors)}".encode())
             if self.params is not None:
                 h.update(self.params.detach().numpy().tobytes())
-                h.update(self._acc.numpy().tobytes())
+                if self._acc_weight:
+                    h.update(self._acc.numpy().tobytes())
                 for state in self.optimizer.state.values():
                     for k, t in sorted(state.items()):
                         h.update(k.encode())
