@@ -37,6 +37,7 @@ from psserver.job import JobSpec, OptimizerConfig
 from psserver.layout import Layout
 from psserver.security import ClientSecurity
 from trainer.client import ShardClient, ShardedClient, parse_addresses
+from trainer.early_push import EarlyPusher
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ class FlatModel:
         self.flat = torch.empty(total, dtype=torch.float32, device=device)
         self.grad = torch.zeros(total, dtype=torch.float32, device=device)
         self._views = []
+        self.ranges: list[tuple[int, int]] = []  # each parameter's [start, end) in the flat vector
         offset = 0
         with torch.no_grad():
             for p in self.params:
@@ -96,6 +98,7 @@ class FlatModel:
                 p.data = self.flat[offset : offset + n].view_as(p)
                 p.grad = self.grad[offset : offset + n].view_as(p)
                 self._views.append(p.grad)
+                self.ranges.append((offset, offset + n))
                 offset += n
 
     def gather_grads(self) -> torch.Tensor:
@@ -128,7 +131,8 @@ class ParameterServerTrainer:
 
     def __init__(self, addresses: Sequence[str], model: torch.nn.Module, job: JobSpec, rank: int,
                  trainer_id: str, connect_timeout: float, round_timeout: float, chunk_bytes: int,
-                 security: ClientSecurity = ClientSecurity(), overlap: bool = False):
+                 security: ClientSecurity = ClientSecurity(), overlap: bool = False,
+                 push_during_backward: bool = False):
         if overlap and job.mode != "async":
             raise ValueError(f"overlap (pulling the next weights while computing) needs async mode, not {job.mode}")
         self.overlap = overlap
@@ -147,6 +151,8 @@ class ParameterServerTrainer:
         self._staging = [torch.empty(end - start) for start, end in self.ranges] if overlap else []
         self.versions = [0] * job.num_shards
         self.steps = 0
+        self._early = EarlyPusher(self.flat.params, self.flat._views, self.flat.ranges, self.ranges,
+                                  self._push_shard) if push_during_backward else None
         replies = self.client.map(lambda s: s.register(job, connect_timeout))
         for i, r in enumerate(replies):
             if (r.start, r.end) != self.ranges[i]:
@@ -221,10 +227,24 @@ class ParameterServerTrainer:
 
         self.client.map(pull)
 
+    def prepare_step(self, num_samples: int) -> None:
+        """Announce that the next backward is the last before step(), on ``num_samples`` samples.
+
+        With ``push_during_backward`` this lets each shard's push start as soon as
+        backward has produced its slice; without it (or if never called) it does nothing.
+        """
+        if self._early is not None:
+            self._early.prepare(num_samples)
+
+    def _push_shard(self, shard: int, num_samples: int):
+        s = self.client.shards[shard]
+        return s.push(self._slice(self.flat.grad, shard), self.versions[shard], num_samples, self.client.wire)
+
     def step(self, num_samples: int = 1) -> StepInfo:
         """Push the gradients in ``.grad``, pull fresh weights into the model, zero the gradients."""
         grad = self.flat.gather_grads()
         mode = self.job.mode
+        early = self._early
         timings = {}
 
         def exchange(s: ShardClient):
@@ -240,7 +260,9 @@ class ParameterServerTrainer:
         def exchange_once(s: ShardClient):
             i = s.index
             t0 = time.perf_counter()
-            out = s.push(self._slice(grad, i), self.versions[i], num_samples, self.client.wire)
+            started = early.take(i, num_samples) if early is not None else None
+            # push time is what step() waits for: all of it, or what is left of a push begun during backward
+            out = started.result() if started is not None else self._push_shard(i, num_samples)
             t1 = time.perf_counter()
             if self.overlap:
                 # Take the weights pulled while this gradient was computed, then pull the next ones in the
@@ -259,7 +281,11 @@ class ParameterServerTrainer:
             timings[i] = (t1 - t0, time.perf_counter() - t1 - waited, waited)
             return out.outcome
 
-        outcomes = self.client.map(exchange)
+        try:
+            outcomes = self.client.map(exchange)
+        finally:
+            if early is not None:
+                early.finish_step()
         self.flat.zero_grad()
         self.steps += 1
         return StepInfo(
@@ -309,6 +335,8 @@ class ParameterServerTrainer:
                 self.client.map(lambda s: s.leave())
         finally:
             self._prefetch_pool.shutdown(wait=True)
+            if self._early is not None:
+                self._early.close()
             self.client.close()
 
     def __enter__(self) -> "ParameterServerTrainer":
@@ -328,7 +356,7 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
             stale_policy: str = "drop", wire_dtype: str = "float32", trainer_id: str | None = None,
             connect_timeout: float = 120.0, round_timeout: float = 600.0,
             chunk_bytes: int = 1 << 20, security: ClientSecurity | None = None,
-            overlap: bool = False) -> ParameterServerTrainer:
+            overlap: bool = False, push_during_backward: bool = False) -> ParameterServerTrainer:
     """Register ``model`` with the shards at ``ps`` and return a handle whose ``step()`` trains it.
 
     Rank 0 initialises the shards with its model's weights; every trainer then
@@ -337,10 +365,14 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
     shards run a different job.  ``security`` carries TLS files and the token
     (see psserver.security).  ``overlap`` (async mode only) pulls the next
     weights in the background while the next gradient is computed.
+    ``push_during_backward`` (any mode) starts each shard's push as soon as
+    backward has produced its slice; call ``prepare_step(num_samples)`` before
+    ``loss.backward()`` (see trainer.early_push).
     """
     addresses = parse_addresses(ps)
     job = make_job(model, len(addresses), mode=mode, num_trainers=num_trainers, optimizer=optimizer,
                    max_staleness=max_staleness, sync_timeout=sync_timeout,
                    replicas_to_aggregate=replicas_to_aggregate, stale_policy=stale_policy, wire_dtype=wire_dtype)
     return ParameterServerTrainer(addresses, model, job, rank, trainer_id or default_trainer_id(rank),
-                                  connect_timeout, round_timeout, chunk_bytes, security or ClientSecurity(), overlap)
+                                  connect_timeout, round_timeout, chunk_bytes, security or ClientSecurity(), overlap,
+                                  push_during_backward)

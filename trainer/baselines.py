@@ -35,6 +35,9 @@ class LocalStepper:
         return StepInfo(versions=list(self.versions), outcomes=["applied"], push_seconds=0.0, pull_seconds=0.0,
                         wait_seconds=0.0)
 
+    def prepare_step(self, num_samples: int) -> None:
+        pass
+
     def flush(self) -> None:
         pass
 

@@ -51,6 +51,8 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
     p.add_argument("--overlap", action="store_true",
                    help="async mode: pull the next weights in the background while computing")
+    p.add_argument("--push-during-backward", action="store_true",
+                   help="any mode: push each shard its gradient slice as soon as backward has produced it")
     p.add_argument("--backend", choices=("ps", "ddp", "local"), default="ps",
                    help="ps: the parameter servers; ddp / local: the baselines ps-bench compares against "
                         "(ddp reads --ps as the gloo master HOST:PORT)")
@@ -74,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         eval_every=args.eval_every,
         progress=False if args.no_progress else None, connect_timeout=args.connect_timeout,
         security=client_security(args), backend=args.backend, overlap=args.overlap,
+        push_during_backward=args.push_during_backward,
     )
     summary = train(cfg)
     print(json.dumps({"event": "done", "rank": cfg.rank, **summary}))

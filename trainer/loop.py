@@ -52,6 +52,7 @@ class TrainConfig:
     progress: bool | None = None  # None: a bar on a terminal, log lines otherwise
     connect_timeout: float = 120.0
     overlap: bool = False  # async: pull the next weights while computing
+    push_during_backward: bool = False  # push each shard's slice as soon as backward has produced it
     backend: str = "ps"  # "ps"; or the ps-bench baselines "ddp" (--ps is then the gloo master HOST:PORT), "local"
     security: object = None  # psserver.security.ClientSecurity; None: plaintext, no token
 
@@ -194,6 +195,7 @@ def train(cfg: TrainConfig) -> dict:
                 idx = local_batch_indices(order, k, cfg.rank, cfg.num_trainers, cfg.batch_size)
                 xb, yb = data.x_train[idx].to(device), data.y_train[idx].to(device)
                 t0 = time.perf_counter()
+                ps.prepare_step(len(idx))
                 loss = F.cross_entropy(forward(xb), yb)
                 loss.backward()
                 if cfg.step_delay:
@@ -277,7 +279,7 @@ def make_stepper(cfg: TrainConfig, model: torch.nn.Module):
                        optimizer=optimizer, max_staleness=cfg.max_staleness, sync_timeout=cfg.sync_timeout,
                        replicas_to_aggregate=cfg.replicas_to_aggregate, stale_policy=cfg.stale_policy,
                        wire_dtype=cfg.wire_dtype, connect_timeout=cfg.connect_timeout, security=cfg.security,
-                       overlap=cfg.overlap)
+                       overlap=cfg.overlap, push_during_backward=cfg.push_during_backward)
     from psserver.job import OptimizerConfig
     from trainer.baselines import DDPStepper, LocalStepper
 
