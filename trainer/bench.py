@@ -139,11 +139,12 @@ def train_run(name: str, run_dir: Path, workload: dict, backend: str, mode: str,
             address = ",".join(s.address for s in shard_procs)
         else:
             address = f"127.0.0.1:{free_port()}"
-        cli_mode, overlap = (mode.split("+")[0], ["--overlap"]) if mode.endswith("+overlap") else (mode, [])
+        cli_mode, *variants = mode.split("+")  # "async+overlap", "sync+early": the mode and its fast-path flags
+        flags = [VARIANT_FLAGS[v] for v in variants]
         common = ["--model", workload["model"], "--dataset", workload["dataset"], "--batch-size",
                   str(workload["batch"] * (trainers if backend == "local" else 1)), "--steps", str(steps),
                   "--num-trainers", str(1 if backend == "local" else trainers), "--backend", backend,
-                  "--mode", cli_mode, *overlap,
+                  "--mode", cli_mode, *flags,
                   "--threads", str(cores if backend == "local" else max(1, cores // trainers)),
                   "--no-progress", "--log-every", "1000000", "--lr", str(workload["lr"])]
         if eval_every:
@@ -176,6 +177,8 @@ def train_run(name: str, run_dir: Path, workload: dict, backend: str, mode: str,
         stale_pushes=sum(d.get("stale_pushes", 0) for d in done),
     )
 
+
+VARIANT_FLAGS = {"overlap": "--overlap", "early": "--push-during-backward"}
 
 WORKLOADS = {
     "cnn-mnist5k": dict(model="cnn", dataset="mnist5k", batch=64, lr=0.05),
@@ -212,7 +215,7 @@ def run_bench(out: Path, quick: bool, trainers: int, shards: int) -> dict:
     for wname, w in workloads.items():
         steps = 15 if quick else {"cnn-mnist5k": 60, "resnet18-synthetic": 10, "widemlp-synthetic": 15}[wname]
         wruns = []
-        for mode in ("sync", "async", "async+overlap", "stale-timeout"):
+        for mode in ("sync", "sync+early", "async", "async+overlap", "stale-timeout"):
             extra = ["--sync-timeout", "0.5"] if mode == "stale-timeout" else []
             wruns.append(train_run(f"{wname}-ps-{mode}", run_dir, w, "ps", mode, trainers, shards, steps, extra))
         wruns.append(train_run(f"{wname}-ddp", run_dir, w, "ddp", "sync", trainers, shards, steps))
