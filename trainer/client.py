@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
 import grpc
+import grpc.experimental
 import torch
 
 from psserver.codec import DEFAULT_CHUNK_BYTES, ChunkReader, encode_raw, wire_tensor
@@ -85,6 +86,8 @@ class ShardClient:
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.min_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 2000),
+                # Pulls run on the calling thread: no channel-spin thread started per call.
+                (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
             ],
         )
         self.stub = _grpc.ParameterServerStub(self.channel)
@@ -92,6 +95,9 @@ class ShardClient:
         method = "/psgrpc.v1.ParameterServer/"
         self._init = self.channel.stream_unary(method + "Init", serialize_chunk, _pb.InitReply.FromString)
         self._push = self.channel.stream_unary(method + "Push", serialize_chunk, _pb.PushReply.FromString)
+        # A one-chunk push sent as a unary call on the same method: the bytes on the wire are those of a
+        # client stream with one message, but gRPC Python starts no request-consuming thread for it.
+        self._push_one = self.channel.unary_unary(method + "Push", serialize_chunk, _pb.PushReply.FromString)
         self._pull = self.channel.unary_stream(method + "Pull", _pb.PullRequest.SerializeToString, parse_chunk)
 
     def _count(self, name: str, n: int = 1) -> None:
@@ -160,10 +166,11 @@ class ShardClient:
         payload = wire_tensor(grad, wire)  # the gradient slice itself when fp32 on the CPU: streamed in place
         self.sequence += 1
         header = self._header(wire, grad.numel(), base, num_samples, self.sequence)
+        chunks = list(encode_raw(payload, header, self.chunk_bytes))  # views, not copies
+        send = (lambda: self._push_one(chunks[0], timeout=self.call_timeout)) if len(chunks) == 1 else (
+            lambda: self._push(iter(chunks), timeout=self.call_timeout))
         try:
-            reply = self._call("Push", lambda: self._push(encode_raw(payload, header, self.chunk_bytes),
-                                                          timeout=self.call_timeout),
-                               retry_on=(grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED))
+            reply = self._call("Push", send, retry_on=(grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED))
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.ABORTED:
                 raise
