@@ -112,20 +112,42 @@ class ParameterServerService(_grpc.ParameterServerServicer):
         wire = request.dtype or self.shard.wire_dtype()
         if wire not in (_pb.FLOAT32, self.shard.wire_dtype()):
             raise InvalidRequest(f"pull dtype is {wire} but this job sends {self.shard.wire_dtype()} (or FLOAT32)")
+        return self._pull(request.rank, request.trainer_id, request.fingerprint, request.min_version, wire, context)
+
+    def _pull(self, rank: int, trainer_id: str, fingerprint: str, min_version: int, wire: int, context,
+              **reply_fields) -> "_SnapshotStream":
         remaining = context.time_remaining()
         # Give up a little before the caller's deadline so it gets our reason, not a bare DEADLINE_EXCEEDED.
         timeout = self.max_pull_wait if remaining is None else min(max(0.0, remaining - 0.25), self.max_pull_wait)
-        version, snapshot, waited = self.shard.pull(
-            request.rank, request.trainer_id, request.fingerprint, request.min_version, wire, timeout
-        )
+        version, snapshot, waited = self.shard.pull(rank, trainer_id, fingerprint, min_version, wire, timeout)
         self.shard.count("bytes_out", snapshot.numel() * snapshot.element_size())
-        header = _pb.ChunkHeader(dtype=wire, length=snapshot.numel(), version=version, wait_seconds=waited)
+        header = _pb.ChunkHeader(dtype=wire, length=snapshot.numel(), version=version, wait_seconds=waited,
+                                 **reply_fields)
         return _SnapshotStream(encode_raw(snapshot, header, self.chunk_bytes),
                                lambda: self.shard.release_snapshot(snapshot))
 
     @_refusals
     def Push(self, request_iterator, context):
+        r = self._push(ChunkReader(request_iterator))
+        return _pb.PushReply(outcome=_OUTCOMES[r.outcome], version=r.version, staleness=r.staleness)
+
+    @_refusals
+    def PushPull(self, request_iterator, context):
+        """Push, then stream the weights of the version the trainer waits for next (see ps.proto)."""
         reader = ChunkReader(request_iterator)
+        h = reader.header
+        try:
+            r = self._push(reader)
+            outcome, staleness = _OUTCOMES[r.outcome], r.staleness
+            # async: the version after its own step; sync modes: its round closed (also for a retry's duplicate)
+            wanted = r.version if self.shard.mode() == "async" else h.version + 1
+        except StaleGradient as e:  # counted and logged by the shard; the trainer catches up in this call
+            outcome, staleness, wanted = _pb.STALE, e.staleness, e.version
+        return self._pull(h.rank, h.trainer_id, h.fingerprint, wanted, self.shard.wire_dtype(), context,
+                          outcome=outcome, staleness=staleness)
+
+    def _push(self, reader: ChunkReader):
+        """Check, read and hand one pushed gradient to the shard; its PushResult."""
         h = reader.header
         self.shard.check_push_header(h.rank, h.trainer_id, h.fingerprint, h.version, h.num_samples)
         refuse_nonfinite = self.nonfinite == "refuse"
@@ -140,7 +162,7 @@ class ParameterServerService(_grpc.ParameterServerServicer):
                                 finite=finite)
         finally:
             self._scratch.put(scratch)  # the shard copied what it keeps (into its round sum or its parameters)
-        return _pb.PushReply(outcome=_OUTCOMES[r.outcome], version=r.version, staleness=r.staleness)
+        return r
 
     def _scratch_buffer(self, length: int) -> torch.Tensor:
         """A reusable receive buffer: fresh 10-100 MB allocations cost more in page faults than the copy itself."""
@@ -183,6 +205,7 @@ def add_service(servicer: ParameterServerService, server: grpc.Server) -> None:
         "Init": grpc.stream_unary_rpc_method_handler(servicer.Init, parse_chunk, _pb.InitReply.SerializeToString),
         "Pull": grpc.unary_stream_rpc_method_handler(servicer.Pull, _pb.PullRequest.FromString, serialize_chunk),
         "Push": grpc.stream_unary_rpc_method_handler(servicer.Push, parse_chunk, _pb.PushReply.SerializeToString),
+        "PushPull": grpc.stream_stream_rpc_method_handler(servicer.PushPull, parse_chunk, serialize_chunk),
         "Leave": unary(servicer.Leave, _pb.LeaveRequest.FromString, _pb.LeaveReply.SerializeToString),
         "Heartbeat": unary(servicer.Heartbeat, _pb.HeartbeatRequest.FromString, _pb.HeartbeatReply.SerializeToString),
         "GetStats": unary(servicer.GetStats, _pb.StatsRequest.FromString, _pb.StatsReply.SerializeToString),

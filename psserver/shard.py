@@ -541,6 +541,10 @@ class Shard:
         with self._cond:
             self.counters[name] += n
 
+    def mode(self) -> str:
+        with self._cond:
+            return self.job.mode if self.job else ""
+
     def wire_dtype(self) -> int:
         with self._cond:
             return WIRE_DTYPES[self.job.wire_dtype] if self.job else 0

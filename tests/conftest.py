@@ -50,6 +50,13 @@ class RawShard:
     def push_chunks(self, chunks):
         return self.stub.Push(iter(chunks), timeout=10)
 
+    def push_pull(self, grad: torch.Tensor, chunk_bytes=1024, **header):
+        """PushPull: (reply header, weights) -- the header carries outcome, version and staleness."""
+        h = self.header(n=header.pop("n", grad.numel()), **header)
+        chunks = list(self.stub.PushPull(encode(wire_tensor(grad, h.dtype), h, chunk_bytes), timeout=10))
+        data = b"".join(c.data for c in chunks)
+        return chunks[0].header, torch.frombuffer(bytearray(data), dtype=torch.float32)
+
     def pull(self, rank=0, min_version=0, timeout=10):
         chunks = list(self.stub.Pull(pb.PullRequest(rank=rank, trainer_id=f"t{rank}", fingerprint="f" * 16,
                                                     min_version=min_version, dtype=pb.FLOAT32), timeout=timeout))

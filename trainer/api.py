@@ -261,6 +261,8 @@ class ParameterServerTrainer:
             i = s.index
             t0 = time.perf_counter()
             started = early.take(i, num_samples) if early is not None else None
+            if started is None and not self.overlap:
+                return push_pull(s, t0)
             # push time is what step() waits for: all of it, or what is left of a push begun during backward
             out = started.result() if started is not None else self._push_shard(i, num_samples)
             t1 = time.perf_counter()
@@ -279,6 +281,21 @@ class ParameterServerTrainer:
                 wanted = self.versions[i] + 1  # wait for the round this gradient is in to close
             self.versions[i], waited = self._pull_into(s, wanted, self.round_timeout, with_wait=True)
             timings[i] = (t1 - t0, time.perf_counter() - t1 - waited, waited)
+            return out.outcome
+
+        def push_pull(s: ShardClient, t0: float):
+            """The plain path: one PushPull call, whose reply is the weights to go on from."""
+            i = s.index
+            target = self._slice(self.flat.flat, i)
+            on_cpu = target.device.type == "cpu"
+            out, values, pushed, waited = s.push_pull(self._slice(grad, i), self.versions[i], num_samples,
+                                                      self.client.wire, self.round_timeout,
+                                                      out=target if on_cpu else None)
+            if not on_cpu:
+                with torch.no_grad():
+                    target.copy_(values, non_blocking=True)
+            self.versions[i] = out.version
+            timings[i] = (pushed, time.perf_counter() - t0 - pushed - waited, waited)
             return out.outcome
 
         try:

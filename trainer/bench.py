@@ -234,8 +234,9 @@ def run_bench(out: Path, quick: bool, trainers: int, shards: int) -> dict:
         slow = {2: ["--step-delay", f"{delay:.4f}"]}
         strag = []
         steps = 4 * (4000 // (3 * 32))
+        # async at its own default rate (the sync rate over N: linear scaling, see trainer.loop.effective_lr)
         for backend, mode, extra in (("ps", "sync", []), ("ps", "stale-timeout", ["--sync-timeout", f"{delay / 2:.4f}"]),
-                                     ("ps", "async", []), ("ddp", "sync", [])):
+                                     ("ps", "async", ["--lr", str(w["lr"] / 3)]), ("ddp", "sync", [])):
             name = f"straggler-{backend}-{mode}"
             strag.append(train_run(name, run_dir, w, backend, mode, 3, shards, steps, extra, slow, eval_every=10))
         results["straggler"] = dict(delay_seconds=delay, runs=strag)

@@ -99,6 +99,8 @@ class ShardClient:
         # client stream with one message, but gRPC Python starts no request-consuming thread for it.
         self._push_one = self.channel.unary_unary(method + "Push", serialize_chunk, _pb.PushReply.FromString)
         self._pull = self.channel.unary_stream(method + "Pull", _pb.PullRequest.SerializeToString, parse_chunk)
+        self._push_pull = self.channel.stream_stream(method + "PushPull", serialize_chunk, parse_chunk)
+        self._push_pull_one = self.channel.unary_stream(method + "PushPull", serialize_chunk, parse_chunk)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -184,6 +186,42 @@ class ShardClient:
         if outcome in ("duplicate", "skipped"):
             self._count(f"{outcome}_pushes")
         return PushOutcome(outcome, reply.version, reply.staleness)
+
+    def push_pull(self, grad: torch.Tensor, base: int, num_samples: int, wire: int, timeout: float,
+                  out: torch.Tensor | None = None) -> tuple[PushOutcome, torch.Tensor, float, float]:
+        """Push, and receive the weights of the version to go on from, in one call.
+
+        Returns (outcome, fp32 weights, seconds until the reply began less the shard's
+        wait -- push and apply --, seconds the shard waited for the round).  With
+        ``out`` the weights land there directly.  Retried like a push: the sequence
+        number makes a retry after a lost reply a DUPLICATE, which still returns weights.
+        """
+        payload = wire_tensor(grad, wire)
+        self.sequence += 1
+        header = self._header(wire, grad.numel(), base, num_samples, self.sequence)
+        chunks = list(encode_raw(payload, header, self.chunk_bytes))
+
+        def once():
+            t0 = time.perf_counter()
+            replies = (self._push_pull_one(chunks[0], timeout=timeout) if len(chunks) == 1 else
+                       self._push_pull(iter(chunks), timeout=timeout))
+            reader = ChunkReader(replies)  # returns once the first reply chunk is here
+            t_first = time.perf_counter()
+            values = reader.read(grad.numel(), wire, max_bytes=1 << 40, require_finite=False, out=out)
+            self._count("bytes_in", reader.bytes_read)
+            return reader.header, values, t_first - t0
+
+        h, values, until_reply = self._call("PushPull", once,
+                                            retry_on=(grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED))
+        self._count("bytes_out", payload.numel() * payload.element_size())
+        outcome = _pb.PushOutcome.Name(h.outcome).lower()
+        if outcome == "stale":
+            self._count("stale_pushes")
+            log.info("shard %d dropped a stale gradient (base %d, now %d): caught up", self.index, base, h.version)
+        elif outcome in ("duplicate", "skipped"):
+            self._count(f"{outcome}_pushes")
+        return (PushOutcome(outcome, h.version, h.staleness), values, max(0.0, until_reply - h.wait_seconds),
+                h.wait_seconds)
 
     def heartbeat(self, timeout: float) -> _pb.HeartbeatReply:
         req = _pb.HeartbeatRequest(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.fingerprint)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17psserver/proto/ps.proto\x12\tpsgrpc.v1\"8\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\xa1\x01\n\rOptimizerSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\n\n\x02lr\x18\x02 \x01(\x01\x12\x10\n\x08momentum\x18\x03 \x01(\x01\x12\x11\n\tdampening\x18\x04 \x01(\x01\x12\x10\n\x08nesterov\x18\x05 \x01(\x08\x12\x14\n\x0cweight_decay\x18\x06 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x07 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x08 \x01(\x01\x12\x0b\n\x03\x65ps\x18\t \x01(\x01\"\xc9\x02\n\x07JobSpec\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x14\n\x0cnum_trainers\x18\x02 \x01(\r\x12\x12\n\nnum_shards\x18\x03 \x01(\r\x12\x14\n\x0ctotal_params\x18\x04 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x15\n\rmax_staleness\x18\x06 \x01(\x03\x12\x14\n\x0csync_timeout\x18\x07 \x01(\x01\x12\x1d\n\x15replicas_to_aggregate\x18\x08 \x01(\r\x12\x14\n\x0cstale_policy\x18\t \x01(\t\x12+\n\toptimizer\x18\n \x01(\x0b\x32\x18.psgrpc.v1.OptimizerSpec\x12$\n\nwire_dtype\x18\x0b \x01(\x0e\x32\x10.psgrpc.v1.DType\x12&\n\x07tensors\x18\x0c \x03(\x0b\x32\x15.psgrpc.v1.TensorInfo\"l\n\x0fRegisterRequest\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\ntrainer_id\x18\x02 \x01(\t\x12\x16\n\x0e\x65xpected_shard\x18\x03 \x01(\r\x12\x1f\n\x03job\x18\x04 \x01(\x0b\x32\x12.psgrpc.v1.JobSpec\"\x8b\x01\n\rRegisterReply\x12\r\n\x05shard\x18\x01 \x01(\r\x12\r\n\x05start\x18\x02 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x04\x12\x13\n\x0binitialized\x18\x04 \x01(\x08\x12\x0f\n\x07version\x18\x05 \x01(\x04\x12\x12\n\nregistered\x18\x06 \x01(\r\x12\x15\n\rlease_seconds\x18\x07 \x01(\x01\"\xc3\x01\n\x0b\x43hunkHeader\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\ntrainer_id\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x1f\n\x05\x64type\x18\x04 \x01(\x0e\x32\x10.psgrpc.v1.DType\x12\x0e\n\x06length\x18\x05 \x01(\x04\x12\x0f\n\x07version\x18\x06 \x01(\x04\x12\x13\n\x0bnum_samples\x18\x07 \x01(\r\x12\x14\n\x0cwait_seconds\x18\x08 \x01(\x01\x12\x10\n\x08sequence\x18\t \x01(\x04\"M\n\x05\x43hunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x16.psgrpc.v1.ChunkHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\".\n\tInitReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\"z\n\x0bPullRequest\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\ntrainer_id\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x13\n\x0bmin_version\x18\x04 \x01(\x04\x12\x1f\n\x05\x64type\x18\x05 \x01(\x0e\x32\x10.psgrpc.v1.DType\"X\n\tPushReply\x12\'\n\x07outcome\x18\x01 \x01(\x0e\x32\x16.psgrpc.v1.PushOutcome\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x11\n\tstaleness\x18\x03 \x01(\x04\"E\n\x0cLeaveRequest\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\ntrainer_id\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\"\x1f\n\nLeaveReply\x12\x11\n\tremaining\x18\x01 \x01(\r\"I\n\x10HeartbeatRequest\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\ntrainer_id\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\"/\n\x0eHeartbeatReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0c\n\x04live\x18\x02 \x01(\r\"\x0e\n\x0cStatsRequest\"\x9e\x02\n\nStatsReply\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x13\n\x0binitialized\x18\x02 \x01(\x08\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x0c\n\x04mode\x18\x04 \x01(\t\x12\r\n\x05start\x18\x05 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x06 \x01(\x04\x12\x12\n\nlive_ranks\x18\x07 \x03(\r\x12\x35\n\x08\x63ounters\x18\x08 \x03(\x0b\x32#.psgrpc.v1.StatsReply.CountersEntry\x12\x1f\n\x03job\x18\t \x01(\x0b\x32\x12.psgrpc.v1.JobSpec\x12\x14\n\x0cstate_digest\x18\n \x01(\t\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03*n\n\x0bPushOutcome\x12\x1c\n\x18PUSH_OUTCOME_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x41PPLIED\x10\x01\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x02\x12\r\n\tDUPLICATE\x10\x03\x12\n\n\x06SCALED\x10\x04\x12\x0b\n\x07SKIPPED\x10\x05\x32\xa5\x03\n\x0fParameterServer\x12@\n\x08Register\x12\x1a.psgrpc.v1.RegisterRequest\x1a\x18.psgrpc.v1.RegisterReply\x12\x30\n\x04Init\x12\x10.psgrpc.v1.Chunk\x1a\x14.psgrpc.v1.InitReply(\x01\x12\x32\n\x04Pull\x12\x16.psgrpc.v1.PullRequest\x1a\x10.psgrpc.v1.Chunk0\x01\x12\x30\n\x04Push\x12\x10.psgrpc.v1.Chunk\x1a\x14.psgrpc.v1.PushReply(\x01\x12\x37\n\x05Leave\x12\x17.psgrpc.v1.LeaveRequest\x1a\x15.psgrpc.v1.LeaveReply\x12\x43\n\tHeartbeat\x12\x1b.psgrpc.v1.HeartbeatRequest\x1a\x19.psgrpc.v1.HeartbeatReply\x12:\n\x08GetStats\x12\x17.psgrpc.v1.StatsRequest\x1a\x15.psgrpc.v1.StatsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17psserver/proto/ps.proto\x12\tpsgrpc.v1\"8\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\xa1\x01\n\rOptimizerSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\n\n\x02lr\x18\x02 \x01(\x01\x12\x10\n\x08momentum\x18\x03 \x01(\x01\x12\x11\n\tdampening\x18\x04 \x01(\x01\x12\x10\n\x08nesterov\x18\x05 \x01(\x08\x12\x14\n\x0cweight_decay\x18\x06 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x07 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x08 \x01(\x01\x12\x0b\n\x03\x65ps\x18\t \x01(\x01\"\xc9\x02\n\x07JobSpec\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x14\n\x0cnum_trainers\x18\x02 \x01(\r\x12\x12\n\nnum_shards\x18\x03 \x01(\r\x12\x14\n\x0ctotal_params\x18\x04 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x15\n\rmax_staleness\x18\x06 \x01(\x03\x12\x14\n\x0csync_timeout\x18\x07 \x01(\x01\x12\x1d\n\x15replicas_to_aggregate\x18\x08 \x01(\r\x12\x14\n\x0cstale_policy\x18\t \x01(\t\x12+\n\toptimizer\x18\n \x01(\x0b\x32\x18.psgrpc.v1.OptimizerSpec\x12$\n\nwire_dtype\x18\x0b \x01(\x0e\x32\x10.psgrpc.v1.DType\x12&\n\x07tensors\x18\x0c \x03(\x0b\x32\x15.psgrpc.v1.TensorInfo\"l\n\x0fRegisterRequest\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\ntrainer_id\x18\x02 \x01(\t\x12\x16\n\x0e\x65xpected_shard\x18\x03 \x01(\r\x12\x1f\n\x03job\x18\x04 \x01(\x0b\x32\x12.psgrpc.v1.JobSpec\"\x8b\x01\n\rRegisterReply\x12\r\n\x05shard\x18\x01 \x01(\r\x12\r\n\x05start\x18\x02 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x04\x12\x13\n\x0binitialized\x18\x04 \x01(\x08\x12\x0f\n\x07version\x18\x05 \x01(\x04\x12\x12\n\nregistered\x18\x06 \x01(\r\x12\x15\n\rlease_seconds\x18\x07 \x01(\x01\"\xff\x01\n\x0b\x43hunkHeader\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\ntrainer_id\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x1f\n\x05\x64type\x18\x04 \x01(\x0e\x32\x10.psgrpc.v1.DType\x12\x0e\n\x06length\x18\x05 \x01(\x04\x12\x0f\n\x07version\x18\x06 \x01(\x04\x12\x13\n\x0bnum_samples\x18\x07 \x01(\r\x12\x14\n\x0cwait_seconds\x18\x08 \x01(\x01\x12\x10\n\x08sequence\x18\t \x01(\x04\x12\'\n\x07outcome\x18\n \x01(\x0e\x32\x16.psgrpc.v1.PushOutcome\x12\x11\n\tstaleness\x18\x0b \x01(\x04\"M\n\x05\x43hunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x16.psgrpc.v1.ChunkHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\".\n\tInitReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\"z\n\x0bPullRequest\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\ntrainer_id\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x13\n\x0bmin_version\x18\x04 \x01(\x04\x12\x1f\n\x05\x64type\x18\x05 \x01(\x0e\x32\x10.psgrpc.v1.DType\"X\n\tPushReply\x12\'\n\x07outcome\x18\x01 \x01(\x0e\x32\x16.psgrpc.v1.PushOutcome\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x11\n\tstaleness\x18\x03 \x01(\x04\"E\n\x0cLeaveRequest\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\ntrainer_id\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\"\x1f\n\nLeaveReply\x12\x11\n\tremaining\x18\x01 \x01(\r\"I\n\x10HeartbeatRequest\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\ntrainer_id\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\"/\n\x0eHeartbeatReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0c\n\x04live\x18\x02 \x01(\r\"\x0e\n\x0cStatsRequest\"\x9e\x02\n\nStatsReply\x12\r\n\x05shard\x18\x01 \x01(\r\x12\x13\n\x0binitialized\x18\x02 \x01(\x08\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x0c\n\x04mode\x18\x04 \x01(\t\x12\r\n\x05start\x18\x05 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x06 \x01(\x04\x12\x12\n\nlive_ranks\x18\x07 \x03(\r\x12\x35\n\x08\x63ounters\x18\x08 \x03(\x0b\x32#.psgrpc.v1.StatsReply.CountersEntry\x12\x1f\n\x03job\x18\t \x01(\x0b\x32\x12.psgrpc.v1.JobSpec\x12\x14\n\x0cstate_digest\x18\n \x01(\t\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03*y\n\x0bPushOutcome\x12\x1c\n\x18PUSH_OUTCOME_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x41PPLIED\x10\x01\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x02\x12\r\n\tDUPLICATE\x10\x03\x12\n\n\x06SCALED\x10\x04\x12\x0b\n\x07SKIPPED\x10\x05\x12\t\n\x05STALE\x10\x06\x32\xd9\x03\n\x0fParameterServer\x12@\n\x08Register\x12\x1a.psgrpc.v1.RegisterRequest\x1a\x18.psgrpc.v1.RegisterReply\x12\x30\n\x04Init\x12\x10.psgrpc.v1.Chunk\x1a\x14.psgrpc.v1.InitReply(\x01\x12\x32\n\x04Pull\x12\x16.psgrpc.v1.PullRequest\x1a\x10.psgrpc.v1.Chunk0\x01\x12\x30\n\x04Push\x12\x10.psgrpc.v1.Chunk\x1a\x14.psgrpc.v1.PushReply(\x01\x12\x32\n\x08PushPull\x12\x10.psgrpc.v1.Chunk\x1a\x10.psgrpc.v1.Chunk(\x01\x30\x01\x12\x37\n\x05Leave\x12\x17.psgrpc.v1.LeaveRequest\x1a\x15.psgrpc.v1.LeaveReply\x12\x43\n\tHeartbeat\x12\x1b.psgrpc.v1.HeartbeatRequest\x1a\x19.psgrpc.v1.HeartbeatReply\x12:\n\x08GetStats\x12\x17.psgrpc.v1.StatsRequest\x1a\x15.psgrpc.v1.StatsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STATSREPLY_COUNTERSENTRY']._loaded_options = None
   _globals['_STATSREPLY_COUNTERSENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=1916
-  _globals['_DTYPE']._serialized_end=1986
-  _globals['_PUSHOUTCOME']._serialized_start=1988
-  _globals['_PUSHOUTCOME']._serialized_end=2098
+  _globals['_DTYPE']._serialized_start=1976
+  _globals['_DTYPE']._serialized_end=2046
+  _globals['_PUSHOUTCOME']._serialized_start=2048
+  _globals['_PUSHOUTCOME']._serialized_end=2169
   _globals['_TENSORINFO']._serialized_start=38
   _globals['_TENSORINFO']._serialized_end=94
   _globals['_OPTIMIZERSPEC']._serialized_start=97
@@ -48,29 +48,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERREPLY']._serialized_start=703
   _globals['_REGISTERREPLY']._serialized_end=842
   _globals['_CHUNKHEADER']._serialized_start=845
-  _globals['_CHUNKHEADER']._serialized_end=1040
-  _globals['_CHUNK']._serialized_start=1042
-  _globals['_CHUNK']._serialized_end=1119
-  _globals['_INITREPLY']._serialized_start=1121
-  _globals['_INITREPLY']._serialized_end=1167
-  _globals['_PULLREQUEST']._serialized_start=1169
-  _globals['_PULLREQUEST']._serialized_end=1291
-  _globals['_PUSHREPLY']._serialized_start=1293
-  _globals['_PUSHREPLY']._serialized_end=1381
-  _globals['_LEAVEREQUEST']._serialized_start=1383
-  _globals['_LEAVEREQUEST']._serialized_end=1452
-  _globals['_LEAVEREPLY']._serialized_start=1454
-  _globals['_LEAVEREPLY']._serialized_end=1485
-  _globals['_HEARTBEATREQUEST']._serialized_start=1487
-  _globals['_HEARTBEATREQUEST']._serialized_end=1560
-  _globals['_HEARTBEATREPLY']._serialized_start=1562
-  _globals['_HEARTBEATREPLY']._serialized_end=1609
-  _globals['_STATSREQUEST']._serialized_start=1611
-  _globals['_STATSREQUEST']._serialized_end=1625
-  _globals['_STATSREPLY']._serialized_start=1628
-  _globals['_STATSREPLY']._serialized_end=1914
-  _globals['_STATSREPLY_COUNTERSENTRY']._serialized_start=1867
-  _globals['_STATSREPLY_COUNTERSENTRY']._serialized_end=1914
-  _globals['_PARAMETERSERVER']._serialized_start=2101
-  _globals['_PARAMETERSERVER']._serialized_end=2522
+  _globals['_CHUNKHEADER']._serialized_end=1100
+  _globals['_CHUNK']._serialized_start=1102
+  _globals['_CHUNK']._serialized_end=1179
+  _globals['_INITREPLY']._serialized_start=1181
+  _globals['_INITREPLY']._serialized_end=1227
+  _globals['_PULLREQUEST']._serialized_start=1229
+  _globals['_PULLREQUEST']._serialized_end=1351
+  _globals['_PUSHREPLY']._serialized_start=1353
+  _globals['_PUSHREPLY']._serialized_end=1441
+  _globals['_LEAVEREQUEST']._serialized_start=1443
+  _globals['_LEAVEREQUEST']._serialized_end=1512
+  _globals['_LEAVEREPLY']._serialized_start=1514
+  _globals['_LEAVEREPLY']._serialized_end=1545
+  _globals['_HEARTBEATREQUEST']._serialized_start=1547
+  _globals['_HEARTBEATREQUEST']._serialized_end=1620
+  _globals['_HEARTBEATREPLY']._serialized_start=1622
+  _globals['_HEARTBEATREPLY']._serialized_end=1669
+  _globals['_STATSREQUEST']._serialized_start=1671
+  _globals['_STATSREQUEST']._serialized_end=1685
+  _globals['_STATSREPLY']._serialized_start=1688
+  _globals['_STATSREPLY']._serialized_end=1974
+  _globals['_STATSREPLY_COUNTERSENTRY']._serialized_start=1927
+  _globals['_STATSREPLY_COUNTERSENTRY']._serialized_end=1974
+  _globals['_PARAMETERSERVER']._serialized_start=2172
+  _globals['_PARAMETERSERVER']._serialized_end=2645
 # @@protoc_insertion_point(module_scope)

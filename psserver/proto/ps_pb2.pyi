@@ -22,6 +22,7 @@ class PushOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DUPLICATE: _ClassVar[PushOutcome]
     SCALED: _ClassVar[PushOutcome]
     SKIPPED: _ClassVar[PushOutcome]
+    STALE: _ClassVar[PushOutcome]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
@@ -32,6 +33,7 @@ ACCEPTED: PushOutcome
 DUPLICATE: PushOutcome
 SCALED: PushOutcome
 SKIPPED: PushOutcome
+STALE: PushOutcome
 
 class TensorInfo(_message.Message):
     __slots__ = ("name", "shape", "dtype")
@@ -124,7 +126,7 @@ class RegisterReply(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., registered: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
-    __slots__ = ("rank", "trainer_id", "fingerprint", "dtype", "length", "version", "num_samples", "wait_seconds", "sequence")
+    __slots__ = ("rank", "trainer_id", "fingerprint", "dtype", "length", "version", "num_samples", "wait_seconds", "sequence", "outcome", "staleness")
     RANK_FIELD_NUMBER: _ClassVar[int]
     TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +136,8 @@ class ChunkHeader(_message.Message):
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     trainer_id: str
     fingerprint: str
@@ -143,7 +147,9 @@ class ChunkHeader(_message.Message):
     num_samples: int
     wait_seconds: float
     sequence: int
-    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., length: _Optional[int] = ..., version: _Optional[int] = ..., num_samples: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., sequence: _Optional[int] = ...) -> None: ...
+    outcome: PushOutcome
+    staleness: int
+    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., length: _Optional[int] = ..., version: _Optional[int] = ..., num_samples: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., sequence: _Optional[int] = ..., outcome: _Optional[_Union[PushOutcome, str]] = ..., staleness: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("header", "offset", "data")

@@ -54,6 +54,11 @@ class ParameterServerStub:
                 request_serializer=psserver_dot_proto_dot_ps__pb2.Chunk.SerializeToString,
                 response_deserializer=psserver_dot_proto_dot_ps__pb2.PushReply.FromString,
                 _registered_method=True)
+        self.PushPull = channel.stream_stream(
+                '/psgrpc.v1.ParameterServer/PushPull',
+                request_serializer=psserver_dot_proto_dot_ps__pb2.Chunk.SerializeToString,
+                response_deserializer=psserver_dot_proto_dot_ps__pb2.Chunk.FromString,
+                _registered_method=True)
         self.Leave = channel.unary_unary(
                 '/psgrpc.v1.ParameterServer/Leave',
                 request_serializer=psserver_dot_proto_dot_ps__pb2.LeaveRequest.SerializeToString,
@@ -94,6 +99,16 @@ class ParameterServerServicer:
 
     def Push(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushPull(self, request_iterator, context):
+        """Push, then pull in the same call: the reply streams the weights at the
+        version this gradient leads to (sync, stale-timeout: its round closed;
+        async: its own step; stale: the current one).  One round trip per shard
+        and step instead of two.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -139,6 +154,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=psserver_dot_proto_dot_ps__pb2.Chunk.FromString,
                     response_serializer=psserver_dot_proto_dot_ps__pb2.PushReply.SerializeToString,
+            ),
+            'PushPull': grpc.stream_stream_rpc_method_handler(
+                    servicer.PushPull,
+                    request_deserializer=psserver_dot_proto_dot_ps__pb2.Chunk.FromString,
+                    response_serializer=psserver_dot_proto_dot_ps__pb2.Chunk.SerializeToString,
             ),
             'Leave': grpc.unary_unary_rpc_method_handler(
                     servicer.Leave,
@@ -264,6 +284,33 @@ class ParameterServer:
             '/psgrpc.v1.ParameterServer/Push',
             psserver_dot_proto_dot_ps__pb2.Chunk.SerializeToString,
             psserver_dot_proto_dot_ps__pb2.PushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushPull(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/psgrpc.v1.ParameterServer/PushPull',
+            psserver_dot_proto_dot_ps__pb2.Chunk.SerializeToString,
+            psserver_dot_proto_dot_ps__pb2.Chunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -68,11 +68,21 @@ header_faults = st.one_of(
 )
 
 
+PUSH_RPCS = st.sampled_from(["Push", "PushPull"])
+
+
+def send_push(shard, chunks, rpc):
+    """A gradient stream through Push, or through PushPull (same checks; the reply is the weights)."""
+    if rpc == "Push":
+        return shard.push_chunks(chunks)
+    return list(shard.stub.PushPull(iter(chunks), timeout=5))
+
+
 @SETTINGS
-@given(fault=header_faults)
-def test_push_with_a_broken_header_field(shard, fault):
+@given(fault=header_faults, rpc=PUSH_RPCS)
+def test_push_with_a_broken_header_field(shard, fault, rpc):
     overrides, code = fault
-    expect(shard, lambda: shard.push_chunks(chunks_for(good_header(**overrides))), code)
+    expect(shard, lambda: send_push(shard, chunks_for(good_header(**overrides)), rpc), code)
 
 
 @SETTINGS
@@ -86,8 +96,8 @@ def test_push_with_a_wrong_dtype_or_length(shard, dtype, length):
 
 
 @SETTINGS
-@given(data=st.data())
-def test_push_with_broken_chunk_tiling(shard, data):
+@given(data=st.data(), rpc=PUSH_RPCS)
+def test_push_with_broken_chunk_tiling(shard, data, rpc):
     chunks = chunks_for(good_header(), chunk_bytes=data.draw(st.sampled_from([64, 400, 1000])))
     kind = data.draw(st.sampled_from(["drop", "duplicate", "swap", "offset", "odd bytes", "no header", "extra header"]))
     i = data.draw(st.integers(1, len(chunks) - 1))
@@ -109,15 +119,15 @@ def test_push_with_broken_chunk_tiling(shard, data):
         chunks = chunks[1:]
     else:
         chunks[i].header.CopyFrom(chunks[0].header)
-    expect(shard, lambda: shard.push_chunks(chunks), C.INVALID_ARGUMENT)
+    expect(shard, lambda: send_push(shard, chunks, rpc), C.INVALID_ARGUMENT)
 
 
 @SETTINGS
-@given(index=st.integers(0, P - 1), bad=st.sampled_from([float("nan"), float("inf"), float("-inf")]))
-def test_push_with_a_non_finite_value(shard, index, bad):
+@given(index=st.integers(0, P - 1), bad=st.sampled_from([float("nan"), float("inf"), float("-inf")]), rpc=PUSH_RPCS)
+def test_push_with_a_non_finite_value(shard, index, bad, rpc):
     values = torch.ones(P)
     values[index] = bad
-    expect(shard, lambda: shard.push_chunks(chunks_for(good_header(), values)), C.INVALID_ARGUMENT)
+    expect(shard, lambda: send_push(shard, chunks_for(good_header(), values), rpc), C.INVALID_ARGUMENT)
 
 
 @SETTINGS
