@@ -183,6 +183,16 @@ def train(cfg: TrainConfig) -> dict:
     clock = SteadyClock(warmup=min(WARMUP_STEPS, total_steps - 1))
     losses: list[float] = []
     step, acc = 0, float("nan")
+
+    def run_eval(**fields) -> float:
+        """Evaluate the current weights; the event's ``train_elapsed`` is the time to them, evaluations left out."""
+        t_eval = time.perf_counter()
+        ps.flush()
+        accuracy, test_loss = evaluate(model, data.x_test, data.y_test, device)
+        metrics.write("eval", **fields, test_accuracy=accuracy, test_loss=test_loss,
+                      elapsed=time.perf_counter() - t_start, train_elapsed=t_eval - t_start - clock.eval_seconds)
+        clock.eval_seconds += time.perf_counter() - t_eval
+        return accuracy
     stale = 0
     epoch = 0
     try:
@@ -218,12 +228,7 @@ def train(cfg: TrainConfig) -> dict:
                     rate = step * cfg.batch_size / (time.perf_counter() - t_start)
                     bar.set_postfix(loss=f"{loss_value:.3f}", acc=f"{acc:.3f}", samples_s=f"{rate:.0f}", stale=stale)
                 if cfg.eval_every and step % cfg.eval_every == 0 and k != spe - 1:
-                    t_eval = time.perf_counter()
-                    ps.flush()
-                    acc, test_loss = evaluate(model, data.x_test, data.y_test, device)
-                    clock.eval_seconds += time.perf_counter() - t_eval
-                    metrics.write("eval", step=step, epoch=epoch, test_accuracy=acc, test_loss=test_loss,
-                                  elapsed=time.perf_counter() - t_start)
+                    acc = run_eval(step=step, epoch=epoch)
                 if step % cfg.log_every == 0 or step == total_steps:
                     elapsed = time.perf_counter() - t_start
                     rate = step * cfg.batch_size / elapsed
@@ -233,13 +238,7 @@ def train(cfg: TrainConfig) -> dict:
                     if not bar:
                         log.info("rank %d: step %d/%d epoch %d loss %.4f versions %s %.1f samples/s stale %d",
                                  cfg.rank, step, total_steps, epoch, loss_value, info.versions, rate, stale)
-            t_eval = time.perf_counter()
-            ps.flush()
-            acc, test_loss = evaluate(model, data.x_test, data.y_test, device)
-            clock.eval_seconds += time.perf_counter() - t_eval
-            metrics.write("eval", step=step, epoch=epoch, test_accuracy=acc, test_loss=test_loss,
-                          train_loss=sum(epoch_losses) / max(1, len(epoch_losses)),
-                          elapsed=time.perf_counter() - t_start)
+            acc = run_eval(step=step, epoch=epoch, train_loss=sum(epoch_losses) / max(1, len(epoch_losses)))
             log.info("rank %d: epoch %d done at step %d: test accuracy %.4f", cfg.rank, epoch, step, acc)
             epoch += 1
     finally:
