@@ -143,12 +143,13 @@ class ChunkReader:
             chunk = next(self._it, None)
         if pos != expected_length:
             raise InvalidRequest(f"the chunks cover [0, {pos}) but the slice is [0, {expected_length})")
-        values = target if dtype == torch.float32 else target.float()
+        if out is not None and not direct:
+            out.copy_(target)  # converts to fp32 in the same pass: no fp32 temporary
+            values = out
+        else:
+            values = target if dtype == torch.float32 else target.float()
         if require_finite:
             check_finite(values)
-        if out is not None and not direct:
-            out.copy_(values)
-            return out
         return values
 
 

@@ -18,6 +18,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
@@ -260,7 +261,13 @@ class ShardedClient:
         """``fn`` on every shard in parallel; results in shard order; the first error is raised."""
         if len(self.shards) == 1:
             return [fn(self.shards[0])]
-        return list(self._pool.map(fn, self.shards))
+        rest = [self._pool.submit(fn, s) for s in self.shards[1:]]
+        try:
+            first = fn(self.shards[0])  # on this thread: one hand-off between threads fewer per step
+        except BaseException:
+            futures_wait(rest)  # no call left running behind the caller; shard 0's error is the one raised
+            raise
+        return [first, *(f.result() for f in rest)]
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
