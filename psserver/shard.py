@@ -42,7 +42,7 @@ from psserver.metrics import ShardMetrics
 from psserver.optim import build_optimizer
 
 log = logging.getLogger(__name__)
-MAX_SNAPSHOT_BUFFERS = 3  # the current version's, the previous one still streaming, one spare
+MAX_SNAPSHOT_BUFFERS = 3  # spare slice-sized buffers kept for snapshots and moved parameters
 
 
 @dataclass(frozen=True)
@@ -83,9 +83,9 @@ class Shard:
         self._opened_at: float | None = None
         self._last_base: dict[int, int] = {}
         self._acked: dict[int, tuple[str, int, "PushResult"]] = {}  # rank -> (trainer id, sequence, result)
-        self._snapshot: tuple[int, int, torch.Tensor] | None = None  # (version, wire dtype, frozen copy)
-        self._snapshot_buffers: list[torch.Tensor] = []  # recycled frozen copies (see _freeze)
-        self._readers: Counter[int] = Counter()  # id(snapshot) -> pulls streaming it now
+        self._snapshot: tuple[int, int, torch.Tensor] | None = None  # (version, wire dtype, copy): reduced precision
+        self._snapshot_buffers: list[torch.Tensor] = []  # recycled slice-sized buffers (see _spare_buffer)
+        self._readers: Counter[int] = Counter()  # data_ptr -> pulls streaming that memory now
         self._stopped = False
         self._timer: threading.Thread | None = None
         self.metrics = ShardMetrics()
@@ -196,9 +196,13 @@ class Shard:
              timeout: float) -> tuple[int, torch.Tensor, float]:
         """(version, wire-dtype snapshot, seconds waited) at a version >= ``min_version``, waiting up to ``timeout``.
 
-        The snapshot is taken once per version and not written while any pull
-        streams it, so pulls stream it after the lock is released.  The caller
-        must hand it back with ``release_snapshot`` when its stream ends.
+        The snapshot is never written while a pull streams it, so pulls stream it
+        after the lock is released; the caller hands it back with
+        ``release_snapshot`` when its stream ends.  An fp32 pull streams the live
+        parameters themselves (copy on write: a step that finds them being
+        streamed moves them to another buffer first -- in sync mode that is
+        rare, as every pull of a round ends before the next round can close).
+        A reduced-precision pull streams a converted copy made once per version.
 
         In sync and stale-timeout modes the first pull also waits until every
         trainer of the job has registered, so round 0 has everybody in it.
@@ -215,35 +219,50 @@ class Shard:
             waited = time.perf_counter() - t0
             if self._stopped:
                 raise ShuttingDown(f"shard {self.shard_id} is shutting down")
-            if self._snapshot is None or self._snapshot[:2] != (self.version, wire):
-                self._snapshot = (self.version, wire, self._freeze(wire))
-            snapshot = self._snapshot[2]
-            self._readers[id(snapshot)] += 1
+            if TORCH_DTYPES[wire] == torch.float32:
+                snapshot = self.params.detach()
+            else:
+                if self._snapshot is None or self._snapshot[:2] != (self.version, wire):
+                    self._snapshot = (self.version, wire, self._spare_buffer(TORCH_DTYPES[wire]).copy_(self.params))
+                snapshot = self._snapshot[2]
+            self._readers[snapshot.data_ptr()] += 1
             self.counters["pulls"] += 1
             return self.version, snapshot, waited
 
-    def _freeze(self, wire: int) -> torch.Tensor:
-        """The parameters copied into a snapshot buffer no pull is streaming (the outgoing one, usually).
+    def _spare_buffer(self, dtype: torch.dtype) -> torch.Tensor:
+        """A slice-sized buffer that neither a pull streams nor holds the live parameters.
 
-        Reusing buffers instead of cloning: a fresh slice-sized allocation is
-        mapped and page-faulted anew each version, which costs twice the copy.
+        Recycled rather than allocated: a fresh slice-sized allocation is mapped
+        and page-faulted anew each time, which costs twice the copy into it.
         """
-        dtype = TORCH_DTYPES[wire]
-        buf = next((b for b in self._snapshot_buffers if b.dtype == dtype
-                    and b.numel() == self.params.numel() and not self._readers[id(b)]), None)
+        live = self.params.data_ptr()
+        buf = next((b for b in self._snapshot_buffers if b.dtype == dtype and b.numel() == self.params.numel()
+                    and b.data_ptr() != live and not self._readers[b.data_ptr()]), None)
         if buf is None:
             buf = torch.empty(self.params.numel(), dtype=dtype)
-            if len(self._snapshot_buffers) < MAX_SNAPSHOT_BUFFERS:
-                self._snapshot_buffers.append(buf)
-        return buf.copy_(self.params.detach())
+            self._keep_buffer(buf)
+        return buf
+
+    def _keep_buffer(self, buf: torch.Tensor) -> None:
+        if len(self._snapshot_buffers) < MAX_SNAPSHOT_BUFFERS and all(b is not buf for b in self._snapshot_buffers):
+            self._snapshot_buffers.append(buf)
 
     def release_snapshot(self, snapshot: torch.Tensor) -> None:
-        """A pull finished (or abandoned) streaming ``snapshot``; its buffer may be reused."""
+        """A pull finished (or abandoned) streaming ``snapshot``; its memory may be written again."""
         with self._cond:
-            key = id(snapshot)
+            key = snapshot.data_ptr()
             self._readers[key] -= 1
             if self._readers[key] <= 0:
                 del self._readers[key]
+
+    def _move_params_if_streamed(self) -> None:
+        """Copy on write: before a step, move the parameters away from memory a pull still streams."""
+        live = self.params.detach()
+        if self.params.numel() and self._readers[live.data_ptr()]:
+            moved = self._spare_buffer(torch.float32).copy_(live)
+            self._keep_buffer(live)  # reusable once its pulls end
+            self.params.data = moved  # the optimizer's state is keyed by the Parameter, not its memory
+            self.counters["params_moved_for_pulls"] += 1
 
     def _pull_wait_message(self, min_version: int, timeout: float) -> str:
         if self.params is None:
@@ -391,6 +410,7 @@ class Shard:
         self._opened_at = None
 
     def _apply(self, grad: torch.Tensor) -> None:
+        self._move_params_if_streamed()
         t0 = time.perf_counter()
         self.params.grad = grad
         self.optimizer.step()

@@ -28,23 +28,29 @@ def step(shard: Shard, sequence: int) -> None:
     assert shard.push(0, "t0", FP, shard.version, 1, torch.ones(P), sequence).outcome == "applied"
 
 
-def test_a_snapshot_being_streamed_is_never_overwritten_and_released_ones_are_reused():
+def test_a_pull_streams_the_live_parameters_and_a_step_moves_them_aside_only_while_streamed():
     shard = async_shard()
-    v0, held = pull(shard)  # a slow pull keeps streaming this one
+    v0, held = pull(shard)  # a slow pull keeps streaming version 0
     expected = held.clone()
-    step(shard, 1)
+    assert held.data_ptr() == shard.params.data_ptr()  # no copy for the pull
+    step(shard, 1)  # copy on write: the parameters move to another buffer before the step
+    assert torch.equal(held, expected) and shard.params.data_ptr() != held.data_ptr()
+    assert shard.counters["params_moved_for_pulls"] == 1
     v1, second = pull(shard)
-    assert (v0, v1) == (0, 1)
-    assert second.data_ptr() != held.data_ptr()
+    assert (v0, v1) == (0, 1) and torch.equal(second, shard.params.detach())
     shard.release_snapshot(second)
-    step(shard, 2)
-    v2, third = pull(shard)
-    assert third.data_ptr() == second.data_ptr()  # recycled: no fresh slice-sized allocation
-    assert torch.equal(third, shard.params.detach())
-    for k in range(3, 8):  # many versions while the first pull still streams
+    for k in range(2, 8):  # versions whose pulls end before the next step: steps in place, no copies
         step(shard, k)
         shard.release_snapshot(pull(shard)[1])
-    assert torch.equal(held, expected)
+    assert shard.counters["params_moved_for_pulls"] == 1
+    assert torch.equal(held, expected)  # the first pull's memory was never reused while it streamed
+    shard.release_snapshot(held)
+    live = shard.params.data_ptr()
+    _, streamed = pull(shard)
+    before = streamed.clone()
+    step(shard, 8)  # moves again, into recycled memory (the first pull's, now released)
+    assert streamed.data_ptr() == live and shard.params.data_ptr() != live and torch.equal(streamed, before)
+    assert shard.params.data_ptr() == held.data_ptr()
     assert len(shard._snapshot_buffers) <= MAX_SNAPSHOT_BUFFERS
 
 
@@ -52,9 +58,13 @@ def test_pulls_of_one_version_share_its_snapshot_and_reduced_precision_has_its_o
     shard = async_shard()
     _, a = pull(shard)
     _, b = pull(shard)
-    assert a is b
+    assert a.data_ptr() == b.data_ptr() == shard.params.data_ptr()
     _, half = pull(shard, pb.BFLOAT16)
+    _, half_again = pull(shard, pb.BFLOAT16)
+    assert half is half_again  # converted once per version
     assert half.dtype == torch.bfloat16 and torch.equal(half, shard.params.detach().bfloat16())
+    step(shard, 1)  # both fp32 pulls still stream: the parameters move; the bf16 copy is a copy anyway
+    assert torch.equal(half, torch.arange(P, dtype=torch.float32).bfloat16())
 
 
 def test_a_stream_releases_its_snapshot_once_when_done_or_dropped_unstarted():
