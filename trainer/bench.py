@@ -188,7 +188,7 @@ WORKLOADS = {
 }
 
 
-def run_bench(out: Path, quick: bool, trainers: int, shards: int) -> dict:
+def run_bench(out: Path, quick: bool, trainers: int, shards: int, straggler_repeats: int = 3) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="ps-bench-"))
     results: dict = dict(machine=dict(cpus=os.cpu_count(), python=platform.python_version(), torch=torch.__version__,
                                       platform=platform.platform()),
@@ -244,10 +244,19 @@ def run_bench(out: Path, quick: bool, trainers: int, shards: int) -> dict:
                     ["--sync-timeout", f"{delay / 2:.4f}", "--replicas-to-aggregate", "2"]),
                    ("psgrpc async", "ps", "async", ["--lr", str(w["lr"] / 3)]),
                    ("DDP gloo", "ddp", "sync", []))
-        for k, (label, backend, mode, extra) in enumerate(configs):
-            r = train_run(f"straggler-{k}-{backend}-{mode}", run_dir, w, backend, mode, 3, shards, steps, extra, slow,
-                          eval_every=10)
-            strag.append(dict(r, label=label))
+        # Time to accuracy of one short run varies by a few tenths of a second on a shared machine: each
+        # configuration runs `straggler_repeats` times, interleaved, and the run with the median time is reported.
+        attempts: dict[int, list[dict]] = {k: [] for k in range(len(configs))}
+        for rep in range(straggler_repeats):
+            for k, (label, backend, mode, extra) in enumerate(configs):
+                r = train_run(f"straggler-{k}-{backend}-{mode}-{rep}", run_dir, w, backend, mode, 3, shards, steps,
+                              extra, slow, eval_every=10)
+                attempts[k].append(dict(r, label=label))
+        for k in attempts:
+            by_time = sorted(attempts[k], key=lambda r: (r["seconds_to_accuracy_bar"] is None,
+                                                         r["seconds_to_accuracy_bar"] or 0.0))
+            median = by_time[len(by_time) // 2]
+            strag.append(dict(median, all_seconds_to_accuracy_bar=[r["seconds_to_accuracy_bar"] for r in attempts[k]]))
         results["straggler"] = dict(delay_seconds=delay, runs=strag)
         # 4. what reduced-precision transfer costs in accuracy: CNN on mnist5k, sync, 3 epochs
         wire = []
@@ -288,12 +297,14 @@ def to_markdown(r: dict) -> str:
     if "straggler" in r:
         s = r["straggler"]
         lines += ["", f"**Straggler** (3 trainers, one +{1000 * s['delay_seconds']:.0f} ms per step; "
-                      f"time to {ACCURACY_BAR:.0%} test accuracy on mnist5k, rank 0)", "",
-                  "| system | seconds to bar | final accuracy | stale pushes |", "|---|---|---|---|"]
+                      f"time to {ACCURACY_BAR:.0%} test accuracy on mnist5k on rank 0's clock, its evaluations left "
+                      f"out; median of {len(s['runs'][0]['all_seconds_to_accuracy_bar'])} runs)", "",
+                  "| system | seconds to bar | all runs | final accuracy | stale pushes |", "|---|---|---|---|---|"]
         for t in s["runs"]:
             system = t["label"]
             reach = "not reached" if t["seconds_to_accuracy_bar"] is None else f"{t['seconds_to_accuracy_bar']:.1f}"
-            lines.append(f"| {system} | {reach} | {t['test_accuracy']:.3f} | {t['stale_pushes']} |")
+            every = ", ".join("-" if x is None else f"{x:.1f}" for x in t["all_seconds_to_accuracy_bar"])
+            lines.append(f"| {system} | {reach} | {every} | {t['test_accuracy']:.3f} | {t['stale_pushes']} |")
     if "wire_dtype_accuracy" in r:
         lines += ["", "**Reduced-precision transfer** (CNN on mnist5k, sync, 3 epochs; fp32 master weights on the shards)",
                   "", "| wire dtype | test accuracy | samples/s |", "|---|---|---|"]
@@ -308,10 +319,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trainers", type=int, default=2)
     p.add_argument("--shards", type=int, default=2)
     p.add_argument("--out", default="bench-results", help="folder for bench.json and bench.md")
+    p.add_argument("--straggler-repeats", type=int, default=3, help="runs per straggler configuration (median)")
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args(argv)
+    if args.straggler_repeats < 1:
+        raise ValueError(f"--straggler-repeats is {args.straggler_repeats}; it must be at least 1")
     setup_logging(args.log_level)
-    results = run_bench(Path(args.out), args.quick, args.trainers, args.shards)
+    results = run_bench(Path(args.out), args.quick, args.trainers, args.shards, args.straggler_repeats)
     print(to_markdown(results))
     return 0
 
