@@ -548,7 +548,8 @@ class Shard:
             raise NotRegistered(f"rank {rank} is not registered with shard {self.shard_id}: register first")
         if current != trainer_id:
             raise Superseded(
-                f"rank {rank} is registered as {current!r}, not {trainer_id!r}: a newer trainer took this rank; this process is fenced off and should stop"
+                f"rank {rank} is registered as {current!r}, not {trainer_id!r}: a newer trainer took this rank; "
+                "this process is fenced off and should stop"
             )
         self._last_seen[rank] = self._clock()
         if rank not in self.live and rank not in self._left:

@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+# A push is also retried after DEADLINE_EXCEEDED: its reply may have been lost, and the sequence number
+# makes the retry a DUPLICATE rather than a second application.
+PUSH_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def parse_addresses(ps: str | Sequence[str]) -> list[str]:
@@ -165,28 +168,37 @@ class ShardClient:
 
         return self._call("Pull", once)
 
-    def push(self, grad: torch.Tensor, base: int, num_samples: int, wire: int) -> PushOutcome:
-        payload = wire_tensor(grad, wire)  # the gradient slice itself when fp32 on the CPU: streamed in place
+    def _gradient_chunks(self, grad: torch.Tensor, base: int, num_samples: int, wire: int) -> tuple[int, list]:
+        """(bytes, chunks) of a push under the next sequence number; the chunks are views into the gradient
+        (the slice itself when fp32 on the CPU), and a retry resends the same list."""
+        payload = wire_tensor(grad, wire)
         self.sequence += 1
         header = self._header(wire, grad.numel(), base, num_samples, self.sequence)
-        chunks = list(encode_raw(payload, header, self.chunk_bytes))  # views, not copies
+        return payload.numel() * payload.element_size(), list(encode_raw(payload, header, self.chunk_bytes))
+
+    def _acknowledged(self, outcome: str, version: int, staleness: int, base: int, nbytes: int) -> PushOutcome:
+        """Count and log what became of a push (the gradient crossed the wire whatever the outcome)."""
+        self._count("bytes_out", nbytes)
+        if outcome == "stale":
+            self._count("stale_pushes")
+            log.info("shard %d dropped a stale gradient (base %d, now %d): catching up", self.index, base, version)
+        elif outcome in ("duplicate", "skipped"):
+            self._count(f"{outcome}_pushes")
+        return PushOutcome(outcome, version, staleness)
+
+    def push(self, grad: torch.Tensor, base: int, num_samples: int, wire: int) -> PushOutcome:
+        nbytes, chunks = self._gradient_chunks(grad, base, num_samples, wire)
         send = (lambda: self._push_one(chunks[0], timeout=self.call_timeout)) if len(chunks) == 1 else (
             lambda: self._push(iter(chunks), timeout=self.call_timeout))
         try:
-            reply = self._call("Push", send, retry_on=(grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED))
+            reply = self._call("Push", send, retry_on=PUSH_RETRYABLE)
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.ABORTED:
                 raise
-            md = dict(e.trailing_metadata() or ())
-            version = int(md.get(VERSION_METADATA_KEY, base))
-            self._count("stale_pushes")
-            log.info("shard %d dropped a stale gradient (base %d, now %d): catching up", self.index, base, version)
-            return PushOutcome("stale", version, version - base)
-        self._count("bytes_out", payload.numel() * payload.element_size())
-        outcome = _pb.PushOutcome.Name(reply.outcome).lower()
-        if outcome in ("duplicate", "skipped"):
-            self._count(f"{outcome}_pushes")
-        return PushOutcome(outcome, reply.version, reply.staleness)
+            version = int(dict(e.trailing_metadata() or ()).get(VERSION_METADATA_KEY, base))
+            return self._acknowledged("stale", version, version - base, base, nbytes)
+        return self._acknowledged(_pb.PushOutcome.Name(reply.outcome).lower(), reply.version, reply.staleness, base,
+                                  nbytes)
 
     def push_pull(self, grad: torch.Tensor, base: int, num_samples: int, wire: int, timeout: float,
                   out: torch.Tensor | None = None) -> tuple[PushOutcome, torch.Tensor, float, float]:
@@ -197,10 +209,7 @@ class ShardClient:
         ``out`` the weights land there directly.  Retried like a push: the sequence
         number makes a retry after a lost reply a DUPLICATE, which still returns weights.
         """
-        payload = wire_tensor(grad, wire)
-        self.sequence += 1
-        header = self._header(wire, grad.numel(), base, num_samples, self.sequence)
-        chunks = list(encode_raw(payload, header, self.chunk_bytes))
+        nbytes, chunks = self._gradient_chunks(grad, base, num_samples, wire)
 
         def once():
             t0 = time.perf_counter()
@@ -212,17 +221,9 @@ class ShardClient:
             self._count("bytes_in", reader.bytes_read)
             return reader.header, values, t_first - t0
 
-        h, values, until_reply = self._call("PushPull", once,
-                                            retry_on=(grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED))
-        self._count("bytes_out", payload.numel() * payload.element_size())
-        outcome = _pb.PushOutcome.Name(h.outcome).lower()
-        if outcome == "stale":
-            self._count("stale_pushes")
-            log.info("shard %d dropped a stale gradient (base %d, now %d): caught up", self.index, base, h.version)
-        elif outcome in ("duplicate", "skipped"):
-            self._count(f"{outcome}_pushes")
-        return (PushOutcome(outcome, h.version, h.staleness), values, max(0.0, until_reply - h.wait_seconds),
-                h.wait_seconds)
+        h, values, until_reply = self._call("PushPull", once, retry_on=PUSH_RETRYABLE)
+        outcome = self._acknowledged(_pb.PushOutcome.Name(h.outcome).lower(), h.version, h.staleness, base, nbytes)
+        return outcome, values, max(0.0, until_reply - h.wait_seconds), h.wait_seconds
 
     def heartbeat(self, timeout: float) -> _pb.HeartbeatReply:
         req = _pb.HeartbeatRequest(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.fingerprint)
