@@ -64,7 +64,7 @@ class RawShard:
         return chunks[0].header.version, torch.frombuffer(bytearray(data), dtype=torch.float32)
 
     def stats(self):
-        return self.stub.GetStats(pb.StatsRequest(), timeout=10)
+        return self.stub.GetStats(pb.StatsRequest(with_digest=True), timeout=10)
 
     def digest(self) -> str:
         return self.stats().state_digest

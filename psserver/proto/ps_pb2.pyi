@@ -68,7 +68,7 @@ class OptimizerSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., dampening: _Optional[float] = ..., nesterov: _Optional[bool] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("mode", "num_trainers", "num_shards", "total_params", "fingerprint", "max_staleness", "sync_timeout", "replicas_to_aggregate", "stale_policy", "optimizer", "wire_dtype", "tensors")
+    __slots__ = ("mode", "num_trainers", "num_shards", "total_params", "fingerprint", "max_staleness", "sync_timeout", "replicas_to_aggregate", "stale_policy", "optimizer", "wire_dtype", "tensors", "job_id")
     MODE_FIELD_NUMBER: _ClassVar[int]
     NUM_TRAINERS_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class JobSpec(_message.Message):
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
     mode: str
     num_trainers: int
     num_shards: int
@@ -93,7 +94,8 @@ class JobSpec(_message.Message):
     optimizer: OptimizerSpec
     wire_dtype: DType
     tensors: _containers.RepeatedCompositeFieldContainer[TensorInfo]
-    def __init__(self, mode: _Optional[str] = ..., num_trainers: _Optional[int] = ..., num_shards: _Optional[int] = ..., total_params: _Optional[int] = ..., fingerprint: _Optional[str] = ..., max_staleness: _Optional[int] = ..., sync_timeout: _Optional[float] = ..., replicas_to_aggregate: _Optional[int] = ..., stale_policy: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ...) -> None: ...
+    job_id: str
+    def __init__(self, mode: _Optional[str] = ..., num_trainers: _Optional[int] = ..., num_shards: _Optional[int] = ..., total_params: _Optional[int] = ..., fingerprint: _Optional[str] = ..., max_staleness: _Optional[int] = ..., sync_timeout: _Optional[float] = ..., replicas_to_aggregate: _Optional[int] = ..., stale_policy: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., job_id: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("rank", "trainer_id", "expected_shard", "job")
@@ -228,8 +230,10 @@ class HeartbeatReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., live: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("with_digest",)
+    WITH_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    with_digest: bool
+    def __init__(self, with_digest: _Optional[bool] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("shard", "initialized", "version", "mode", "start", "end", "live_ranks", "counters", "job", "state_digest")
