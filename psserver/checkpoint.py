@@ -7,6 +7,12 @@ the same directory, flushed and fsynced, renamed over its final name (atomic on
 POSIX), and the directory is fsynced, so a crash at any point leaves either
 the previous checkpoints alone or a complete new one.  Loading verifies length
 and checksum and falls back to the previous file when the newest is damaged.
+
+Besides parameters and optimizer state a checkpoint holds what was acknowledged
+but not yet applied -- the open sync round's sum and contributors -- and the
+membership and last acknowledged push of every rank, so a push ACCEPTED before
+a SIGTERM is neither lost nor applied twice after ``--restore``.  Temporary
+files a crash left behind are removed when the checkpointer starts.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -45,12 +52,16 @@ class ShardState:
     params: torch.Tensor
     optimizer: dict
     counters: dict = field(default_factory=dict)
+    members: dict = field(default_factory=dict)  # rank -> trainer id
+    acked: dict = field(default_factory=dict)  # rank -> (trainer id, sequence, outcome, version, staleness)
+    open_round: dict | None = None  # sync modes: {"sum", "weight", "contributors", "stale", "last_base"}
 
     def to_bytes(self) -> bytes:
         buf = io.BytesIO()
         torch.save(
             dict(shard=self.shard, version=self.version, job=self.job.to_proto().SerializeToString(),
-                 params=self.params, optimizer=self.optimizer, counters=self.counters),
+                 params=self.params, optimizer=self.optimizer, counters=self.counters, members=self.members,
+                 acked=self.acked, open_round=self.open_round),
             buf,
         )
         payload = buf.getvalue()
@@ -74,7 +85,7 @@ class ShardState:
         job = _pb.JobSpec()
         job.ParseFromString(d["job"])
         return ShardState(d["shard"], d["version"], JobSpec.from_proto(job), d["params"], d["optimizer"],
-                          d.get("counters", {}))
+                          d.get("counters", {}), d.get("members", {}), d.get("acked", {}), d.get("open_round"))
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -98,6 +109,20 @@ class Checkpointer:
         self.shard, self.every, self.keep = shard, every, keep
         self._lock = threading.Lock()  # serialises writers; never held while taking the shard's lock
         self.last_written = -1
+        self.orphans_removed = self._remove_orphans()
+
+    def _remove_orphans(self) -> int:
+        """Delete this shard's temporary files left by a crash mid-write (they are never complete files)."""
+        removed = 0
+        for p in self.directory.glob(f".shard{self.shard}-v*.ckpt.tmp*"):
+            try:
+                p.unlink()
+                removed += 1
+            except OSError as e:
+                log.warning("shard %d: cannot remove the orphaned temporary file %s: %s", self.shard, p, e)
+        if removed:
+            log.warning("shard %d: removed %d temporary checkpoint files left by a crash", self.shard, removed)
+        return removed
 
     def path_for(self, version: int) -> Path:
         return self.directory / f"shard{self.shard}-v{version:012d}.ckpt"
@@ -160,3 +185,53 @@ class Checkpointer:
             self.last_written = state.version
             return state, skipped
         return None, skipped
+
+
+class CheckpointWriter:
+    """Writes captured states on a thread of its own, so training never waits on the disk.
+
+    Only the newest pending state is kept: a capture that arrives while an older
+    one still waits replaces it (counted by the shard as superseded).
+    """
+
+    def __init__(self, checkpointer: Checkpointer, on_written: Callable[[bool], None]):
+        self.checkpointer = checkpointer
+        self._on_written = on_written  # True: written; False: failed
+        self._cond = threading.Condition()
+        self._pending: ShardState | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name=f"shard{checkpointer.shard}-checkpoint", daemon=True)
+        self._thread.start()
+
+    def submit(self, state: ShardState) -> bool:
+        """Queue ``state``; returns True if it replaced a pending one."""
+        with self._cond:
+            superseded = self._pending is not None
+            self._pending = state
+            self._cond.notify()
+            return superseded
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending is not None or self._stopped)
+                state, self._pending = self._pending, None
+            if state is None:
+                return
+            self.write_now(state)
+
+    def write_now(self, state: ShardState) -> None:
+        try:
+            written = self.checkpointer.write(state)
+            if written:
+                self._on_written(True)
+        except OSError as e:
+            self._on_written(False)
+            log.error("shard %d: checkpoint at version %d failed: %s", self.checkpointer.shard, state.version, e)
+
+    def stop(self) -> None:
+        """Finish the pending write, then stop."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join()

@@ -11,6 +11,7 @@ import threading
 from psserver.cli_support import EnvArgumentParser, ensure_malloc_tunables, run_cli, setup_logging
 from psserver.security import ServerSecurity, read_token
 from psserver.server import ServerConfig, ShardServer
+from psserver.service import ServiceLimits
 
 log = logging.getLogger("psserver")
 
@@ -42,7 +43,15 @@ def build_parser() -> EnvArgumentParser:
                    help="require this shared token from every caller but the health service (or set $PS_AUTH_TOKEN)")
     p.add_argument("--nonfinite", choices=("refuse", "skip"), default="refuse",
                    help="a gradient with NaN/Inf: refuse it (INVALID_ARGUMENT) or skip it (acknowledged, counted)")
-    p.add_argument("--max-workers", type=int, default=32, help="concurrent RPCs served")
+    p.add_argument("--stream-idle-timeout", type=float, default=30.0,
+                   help="end a stream that sends nothing for this many seconds")
+    p.add_argument("--max-call-seconds", type=float, default=900.0,
+                   help="no call lives longer than this, whatever deadline its client set")
+    p.add_argument("--max-pull-wait", type=float, default=600.0, help="longest a pull waits for a version")
+    p.add_argument("--max-calls-per-peer", type=int, default=64, help="data calls in flight on one connection")
+    p.add_argument("--max-calls-per-rank", type=int, default=8, help="data calls in flight naming one rank")
+    p.add_argument("--receive-buffers", type=int, default=8,
+                   help="slice-sized receive buffers; pushes beyond this wait their turn (bounds memory)")
     p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="bytes per streamed chunk")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return p
@@ -61,7 +70,10 @@ def write_ready_file(path: str, address: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
-    cfg = ServerConfig(shard=args.shard, host=args.host, port=args.port, max_workers=args.max_workers,
+    limits = ServiceLimits(max_pull_wait=args.max_pull_wait, stream_idle_timeout=args.stream_idle_timeout,
+                           max_call_seconds=args.max_call_seconds, max_calls_per_peer=args.max_calls_per_peer,
+                           max_calls_per_rank=args.max_calls_per_rank, receive_buffers=args.receive_buffers)
+    cfg = ServerConfig(shard=args.shard, host=args.host, port=args.port, limits=limits,
                        chunk_bytes=args.chunk_bytes, lease_timeout=args.lease_timeout,
                        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                        restore=args.restore, nonfinite=args.nonfinite,
@@ -76,10 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
-    if args.exit_when_done:
-        threading.Thread(target=lambda: (server.shard.wait_job_done(), stop.set()), daemon=True).start()
-    while not stop.wait(0.5):  # a timed wait keeps the main thread responsive to signals
-        pass
+    # A timed wait keeps the main thread responsive to signals; it also checks whether the job is done.
+    while not stop.wait(0.5):
+        if args.exit_when_done and server.shard.job_done():
+            break
     log.info("shard %d stopping (version %d): NOT_SERVING, draining calls, final checkpoint", cfg.shard,
              server.shard.version)
     server.stop()

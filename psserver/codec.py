@@ -74,6 +74,89 @@ def encode_raw(payload: bytes | torch.Tensor, header: _pb.ChunkHeader,
         yield RawChunk(header=header if pos == 0 else None, offset=pos // itemsize, data=view[pos : pos + step])
 
 
+def check_stream_header(h: _pb.ChunkHeader, expected_length: int, wire: int, max_bytes: int) -> None:
+    """Refuse a stream on its header's dtype and declared size, before anything is allocated for it."""
+    if h.dtype != wire:
+        raise InvalidRequest(f"dtype is {dtype_name(h.dtype)} but this job sends {dtype_name(wire)}")
+    declared = h.length * TORCH_DTYPES[wire].itemsize
+    if declared > max_bytes:
+        raise TooLarge(f"the stream declares {declared} bytes, over this shard's limit of {max_bytes} bytes")
+    if h.length != expected_length:
+        raise InvalidRequest(f"length is {h.length} elements but this shard's slice has {expected_length}")
+
+
+class ChunkAssembler:
+    """Checks one stream's chunks and copies them into a tensor as they arrive.
+
+    Used by the blocking ``ChunkReader`` (clients) and by the async server, which
+    feeds chunks as its event loop receives them.  Bounds come first: the
+    declared size against ``max_bytes`` before anything is allocated, and with
+    ``min_chunk_bytes`` every chunk but the last must carry at least that many
+    bytes, so a stream cut into tiny or empty pieces is refused at once instead
+    of burning the receiver's CPU.
+    """
+
+    def __init__(self, header: _pb.ChunkHeader, expected_length: int, wire: int, max_bytes: int,
+                 out: torch.Tensor | None = None, min_chunk_bytes: int = 0):
+        check_stream_header(header, expected_length, wire, max_bytes)
+        self.dtype = dtype = TORCH_DTYPES[wire]
+        self.length, self.wire, self.min_chunk_bytes = expected_length, wire, min_chunk_bytes
+        self.out = out
+        self.direct = out is not None and dtype == torch.float32 and out.is_contiguous() and out.device.type == "cpu"
+        self.target = out if self.direct else torch.empty(expected_length, dtype=dtype)
+        self._raw = self.target.view(torch.uint8).numpy()  # numpy: copies from read-only bytes without a warning
+        self.pos = 0  # next element expected
+        self.chunks = 0
+        self.bytes_read = 0
+
+    def add(self, chunk) -> None:
+        _check_wellformed(chunk)
+        if self.chunks and chunk.HasField("header"):
+            raise InvalidRequest(f"the chunk at offset {chunk.offset} repeats the header; only the first may")
+        if self.chunks and self.pos == self.length:
+            raise InvalidRequest(f"a chunk at offset {chunk.offset} arrived after the stream covered [0, {self.length})")
+        if chunk.offset != self.pos:
+            raise InvalidRequest(
+                f"chunk offset is {chunk.offset} but {self.pos} was expected: chunks must tile [0, {self.length}) "
+                "once, in order"
+            )
+        itemsize = self.dtype.itemsize
+        n_bytes = len(chunk.data)
+        if n_bytes % itemsize:
+            raise InvalidRequest(
+                f"the chunk at offset {chunk.offset} has {n_bytes} bytes, not a multiple of {itemsize} "
+                f"({dtype_name(self.wire)})"
+            )
+        n = n_bytes // itemsize
+        if self.pos + n > self.length:
+            raise InvalidRequest(
+                f"the chunk at offset {chunk.offset} holds {n} elements, past the end of [0, {self.length})"
+            )
+        if n_bytes < self.min_chunk_bytes and self.pos + n != self.length:
+            raise InvalidRequest(
+                f"the chunk at offset {chunk.offset} carries {n_bytes} bytes, under the minimum of "
+                f"{self.min_chunk_bytes} for every chunk but the last"
+            )
+        if n:
+            self._raw[self.pos * itemsize : (self.pos + n) * itemsize] = np.frombuffer(chunk.data, dtype=np.uint8)
+        self.pos += n
+        self.chunks += 1
+        self.bytes_read += n_bytes
+
+    def finish(self, require_finite: bool = True) -> torch.Tensor:
+        """The assembled fp32 tensor, once the chunks covered the whole stream."""
+        if self.pos != self.length:
+            raise InvalidRequest(f"the chunks cover [0, {self.pos}) but the slice is [0, {self.length})")
+        if self.out is not None and not self.direct:
+            self.out.copy_(self.target)  # converts to fp32 in the same pass: no fp32 temporary
+            values = self.out
+        else:
+            values = self.target if self.dtype == torch.float32 else self.target.float()
+        if require_finite:
+            check_finite(values)
+        return values
+
+
 class ChunkReader:
     """Reads one stream: ``header`` first (so callers can refuse early), then ``read``."""
 
@@ -83,10 +166,7 @@ class ChunkReader:
             self._first = next(self._it)
         except StopIteration:
             raise InvalidRequest("the stream is empty: the first chunk must carry a header") from None
-        _check_wellformed(self._first)
-        if not self._first.HasField("header"):
-            raise InvalidRequest("the first chunk has no header")
-        self.header = self._first.header
+        self.header = first_header(self._first)
         self.bytes_read = 0
 
     def read(self, expected_length: int, wire: int, max_bytes: int, require_finite: bool = True,
@@ -101,56 +181,21 @@ class ChunkReader:
             InvalidRequest: wrong dtype or length, bad tiling, non-finite values.
             TooLarge: the declared stream is bigger than ``max_bytes``.
         """
-        h = self.header
-        if h.dtype != wire:
-            raise InvalidRequest(f"dtype is {dtype_name(h.dtype)} but this job sends {dtype_name(wire)}")
-        dtype = TORCH_DTYPES[wire]
-        if h.length * dtype.itemsize > max_bytes:
-            raise TooLarge(
-                f"the stream declares {h.length * dtype.itemsize} bytes, over this shard's limit of {max_bytes} bytes"
-            )
-        if h.length != expected_length:
-            raise InvalidRequest(f"length is {h.length} elements but this shard's slice has {expected_length}")
-        direct = out is not None and dtype == torch.float32 and out.is_contiguous() and out.device.type == "cpu"
-        target = out if direct else torch.empty(expected_length, dtype=dtype)
-        raw = target.view(torch.uint8).numpy()  # numpy: copies from read-only protobuf bytes without a warning
-        pos = 0  # next element expected
+        asm = ChunkAssembler(self.header, expected_length, wire, max_bytes, out)
         chunk = self._first
         while chunk is not None:
-            _check_wellformed(chunk)
-            if chunk is not self._first and chunk.HasField("header"):
-                raise InvalidRequest(f"the chunk at offset {chunk.offset} repeats the header; only the first may")
-            if chunk.offset != pos:
-                raise InvalidRequest(
-                    f"chunk offset is {chunk.offset} but {pos} was expected: chunks must tile [0, {expected_length}) "
-                    "once, in order"
-                )
-            n_bytes = len(chunk.data)
-            if n_bytes % dtype.itemsize:
-                raise InvalidRequest(
-                    f"the chunk at offset {chunk.offset} has {n_bytes} bytes, not a multiple of {dtype.itemsize} "
-                    f"({dtype_name(wire)})"
-                )
-            n = n_bytes // dtype.itemsize
-            if pos + n > expected_length:
-                raise InvalidRequest(
-                    f"the chunk at offset {chunk.offset} holds {n} elements, past the end of [0, {expected_length})"
-                )
-            if n:
-                raw[pos * dtype.itemsize : (pos + n) * dtype.itemsize] = np.frombuffer(chunk.data, dtype=np.uint8)
-            pos += n
-            self.bytes_read += n_bytes
+            asm.add(chunk)
             chunk = next(self._it, None)
-        if pos != expected_length:
-            raise InvalidRequest(f"the chunks cover [0, {pos}) but the slice is [0, {expected_length})")
-        if out is not None and not direct:
-            out.copy_(target)  # converts to fp32 in the same pass: no fp32 temporary
-            values = out
-        else:
-            values = target if dtype == torch.float32 else target.float()
-        if require_finite:
-            check_finite(values)
-        return values
+        self.bytes_read = asm.bytes_read
+        return asm.finish(require_finite)
+
+
+def first_header(chunk) -> _pb.ChunkHeader:
+    """The header of a stream's first chunk; refuses a malformed chunk or one without a header."""
+    _check_wellformed(chunk)
+    if not chunk.HasField("header"):
+        raise InvalidRequest("the first chunk has no header")
+    return chunk.header
 
 
 def _check_wellformed(chunk) -> None:

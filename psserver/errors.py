@@ -83,3 +83,15 @@ class WaitTimeout(PsError):
     """A pull waited for a version (or for the job to start) until its deadline."""
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class StreamTimeout(PsError):
+    """A stream sent nothing for the shard's idle deadline, or outlived its total deadline."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class TooBusy(PsError):
+    """One connection or one rank holds more calls in flight than the shard allows it."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -3,13 +3,21 @@
 Settings are a frozen dataclass validated on construction (as in
 torch.distributed.elastic); errors quote the bad value.  A shard stores the spec
 of the first trainer to register and refuses any later trainer whose spec
-differs, naming the first field that differs and both values.
+differs, naming the first field that differs and both values.  Every declared
+size is capped (psserver.limits) and every quoted value goes through
+logsafe.shorten, so a spec cannot make a shard allocate, loop or log without bound.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
+from psserver.limits import (
+    MAX_DIMS, MAX_ID_CHARS, MAX_NAME_CHARS, MAX_SHARDS, MAX_STALENESS, MAX_SYNC_TIMEOUT, MAX_TENSORS,
+    MAX_TOTAL_PARAMS, MAX_TRAINERS, text_problem,
+)
+from psserver.logsafe import shorten
 from psserver.proto import ps_pb2 as _pb
 
 MODES = ("sync", "async", "stale-timeout")
@@ -17,11 +25,32 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 STALE_POLICIES = ("drop", "scale")
 WIRE_DTYPES = {"float32": _pb.FLOAT32, "float16": _pb.FLOAT16, "bfloat16": _pb.BFLOAT16}
 WIRE_DTYPE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
+SHOWN_CHARS = 160  # how much of each value a difference message shows: validated names fit whole
+
+
+def _number(label: str, value) -> float:
+    """``value`` if it is a finite real number; else ValueError naming ``label``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"The {label} ({shorten(value)}) must be a number.")
+    if isinstance(value, float) and not math.isfinite(value):  # an int is finite (and may not fit a float)
+        raise ValueError(f"The {label} ({value}) must be a finite number.")
+    return value
+
+
+def _text(field_name: str, value, limit: int) -> None:
+    problem = text_problem(field_name, value, limit)
+    if problem:
+        raise ValueError(f"{problem}.")
 
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """Server-side optimizer and its hyper-parameters (same meaning as in torch.optim)."""
+    """Server-side optimizer and its hyper-parameters (same meaning as in torch.optim).
+
+    Validated by the rules torch.optim's constructors apply, plus finiteness, so a spec a shard
+    accepts never fails later inside torch.optim (which would leave the shard half set up).  Every
+    field is checked whichever optimizer is named: the unused ones keep their valid defaults.
+    """
 
     name: str = "sgd"
     lr: float = 0.01
@@ -35,9 +64,17 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
-            raise ValueError(f"The optimizer ({self.name!r}) must be one of {', '.join(OPTIMIZERS)}.")
-        if not self.lr > 0:
+            raise ValueError(f"The optimizer ({shorten(self.name)}) must be one of {', '.join(OPTIMIZERS)}.")
+        if not _number("learning rate", self.lr) > 0:
             raise ValueError(f"The learning rate ({self.lr}) must be greater than zero.")
+        for name in ("momentum", "weight_decay", "eps"):
+            if _number(name, getattr(self, name)) < 0:
+                raise ValueError(f"The {name} ({getattr(self, name)}) must be zero or more.")
+        if not 0 <= _number("dampening", self.dampening) <= 1:
+            raise ValueError(f"The dampening ({self.dampening}) must be between 0 and 1.")
+        for name in ("beta1", "beta2"):
+            if not 0 <= _number(name, getattr(self, name)) < 1:
+                raise ValueError(f"The {name} ({getattr(self, name)}) must be at least 0 and less than 1.")
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise ValueError(
                 f"Nesterov momentum needs momentum > 0 and dampening 0 (got momentum {self.momentum}, "
@@ -47,7 +84,11 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class JobSpec:
-    """Mode, its knobs, optimizer, sizes and layout of one job."""
+    """Mode, its knobs, optimizer, sizes and layout of one job.
+
+    Every size is capped (psserver.limits) and the layout must add up (the tensors hold
+    ``total_params`` elements), so a shard can size its state from a spec it accepted.
+    """
 
     mode: str
     num_trainers: int
@@ -61,16 +102,30 @@ class JobSpec:
     stale_policy: str = "drop"  # stale-timeout: what a late gradient gets
     wire_dtype: str = "float32"
     tensors: tuple[tuple[str, tuple[int, ...], str], ...] = ()
+    job_id: str = ""  # names one run of a job ("" for an unnamed one): a trainer of another run is refused
 
     def __post_init__(self) -> None:
+        _text("job_id", self.job_id, MAX_ID_CHARS)
+        _text("fingerprint", self.fingerprint, MAX_ID_CHARS)
         if self.mode not in MODES:
-            raise ValueError(f"The mode ({self.mode!r}) must be one of {', '.join(MODES)}.")
-        if self.num_trainers < 1:
-            raise ValueError(f"The number of trainers ({self.num_trainers}) must be at least 1.")
-        if self.num_shards < 1:
-            raise ValueError(f"The number of shards ({self.num_shards}) must be at least 1.")
-        if self.max_staleness is not None and self.max_staleness < 0:
-            raise ValueError(f"The maximum staleness ({self.max_staleness}) must be zero or more.")
+            raise ValueError(f"The mode ({shorten(self.mode)}) must be one of {', '.join(MODES)}.")
+        if not 1 <= self.num_trainers <= MAX_TRAINERS:
+            raise ValueError(f"The number of trainers ({self.num_trainers}) must be between 1 and {MAX_TRAINERS}.")
+        if not 1 <= self.num_shards <= MAX_SHARDS:
+            raise ValueError(f"The number of shards ({self.num_shards}) must be between 1 and {MAX_SHARDS}.")
+        if not 0 <= self.total_params <= MAX_TOTAL_PARAMS:
+            raise ValueError(
+                f"The total number of parameters ({self.total_params}) must be between 0 and {MAX_TOTAL_PARAMS}."
+            )
+        if self.max_staleness is not None and not 0 <= self.max_staleness <= MAX_STALENESS:
+            raise ValueError(
+                f"The maximum staleness ({self.max_staleness}) must be between 0 and {MAX_STALENESS} "
+                f"(or unset: unbounded)."
+            )
+        if not 0 <= _number("sync timeout", self.sync_timeout) <= MAX_SYNC_TIMEOUT:
+            raise ValueError(
+                f"The sync timeout ({self.sync_timeout} s) must be between 0 and {MAX_SYNC_TIMEOUT} seconds."
+            )
         if self.mode == "stale-timeout" and not self.sync_timeout > 0:
             raise ValueError(f"stale-timeout mode needs a sync timeout > 0 seconds (got {self.sync_timeout}).")
         if not 0 <= self.replicas_to_aggregate <= self.num_trainers:
@@ -79,9 +134,12 @@ class JobSpec:
                 f"of trainers ({self.num_trainers})."
             )
         if self.stale_policy not in STALE_POLICIES:
-            raise ValueError(f"The stale policy ({self.stale_policy!r}) must be one of {', '.join(STALE_POLICIES)}.")
+            raise ValueError(
+                f"The stale policy ({shorten(self.stale_policy)}) must be one of {', '.join(STALE_POLICIES)}."
+            )
         if self.wire_dtype not in WIRE_DTYPES:
-            raise ValueError(f"The wire dtype ({self.wire_dtype!r}) must be one of {', '.join(WIRE_DTYPES)}.")
+            raise ValueError(f"The wire dtype ({shorten(self.wire_dtype)}) must be one of {', '.join(WIRE_DTYPES)}.")
+        _check_tensors(self.tensors, self.total_params)
 
     # -- wire conversion -------------------------------------------------------------------------
     def to_proto(self) -> _pb.JobSpec:
@@ -102,11 +160,13 @@ class JobSpec:
             ),
             wire_dtype=WIRE_DTYPES[self.wire_dtype],
             tensors=[_pb.TensorInfo(name=n, shape=list(s), dtype=d) for n, s, d in self.tensors],
+            job_id=self.job_id,
         )
 
     @staticmethod
     def from_proto(msg: _pb.JobSpec) -> "JobSpec":
         """Decode and validate; raises ValueError naming the bad field."""
+        _check_tensor_count(len(msg.tensors))  # before copying them out
         o = msg.optimizer
         return JobSpec(
             mode=msg.mode,
@@ -124,13 +184,16 @@ class JobSpec:
             stale_policy=msg.stale_policy,
             wire_dtype=WIRE_DTYPE_NAMES.get(msg.wire_dtype, f"dtype#{msg.wire_dtype}"),
             tensors=tuple((t.name, tuple(t.shape), t.dtype) for t in msg.tensors),
+            job_id=msg.job_id,
         )
 
     def difference(self, other: "JobSpec") -> str | None:
         """One sentence naming the first field where ``other`` differs from self, or None."""
+        # The job id comes first: a trainer of another run is told so, not how that run's settings differ.
         # The layout is compared before its hash so the message names a tensor, not two hex strings.
-        order = [f.name for f in fields(self) if f.name not in ("tensors", "total_params", "fingerprint")]
-        for name in order + ["tensors", "total_params", "fingerprint"]:
+        first, last = ["job_id"], ["tensors", "total_params", "fingerprint"]
+        order = first + [f.name for f in fields(self) if f.name not in first + last] + last
+        for name in order:
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine == theirs:
                 continue
@@ -138,21 +201,49 @@ class JobSpec:
                 for g in fields(mine):
                     a, b = getattr(mine, g.name), getattr(theirs, g.name)
                     if a != b:
-                        return f"optimizer.{g.name} is {b!r} but the job has {a!r}"
+                        return f"optimizer.{g.name} is {_show(b)} but the job has {_show(a)}"
             if name == "tensors":
                 return _tensor_difference(mine, theirs)
-            return f"{name} is {theirs!r} but the job has {mine!r}"
+            return f"{name} is {_show(theirs)} but the job has {_show(mine)}"
         return None
+
+
+def _show(value) -> str:
+    return shorten(value, SHOWN_CHARS)
+
+
+def _check_tensor_count(n: int) -> None:
+    if n > MAX_TENSORS:
+        raise ValueError(f"The job lists {n} tensors, over the limit of {MAX_TENSORS}.")
+
+
+def _check_tensors(tensors, total_params: int) -> None:
+    """Each (name, shape, dtype) within the caps, and (when any are given) their elements add up to
+    ``total_params``: the layout and the flat vector a shard slices must be the same thing."""
+    _check_tensor_count(len(tensors))
+    elements = 0
+    for i, (name, shape, dtype) in enumerate(tensors):
+        _text(f"tensor #{i} name", name, MAX_NAME_CHARS)
+        _text(f"tensor #{i} dtype", dtype, MAX_NAME_CHARS)
+        if len(shape) > MAX_DIMS:
+            raise ValueError(
+                f"Tensor #{i} ({_show(name)}) has {len(shape)} dimensions, over the limit of {MAX_DIMS}."
+            )
+        if any(d < 0 for d in shape):
+            raise ValueError(f"Tensor #{i} ({_show(name)}) has a negative dimension in its shape {list(shape)}.")
+        elements += math.prod(shape)
+    if tensors and elements != total_params:
+        raise ValueError(f"The tensors hold {elements} elements but total_params is {total_params}.")
 
 
 def _tensor_difference(mine, theirs) -> str:
     for i, (a, b) in enumerate(zip(mine, theirs)):
         if a != b:
-            return (
-                f"parameter #{i} is {b[0]!r} {list(b[1])} {b[2]} but the job has {a[0]!r} {list(a[1])} {a[2]}"
-            )
+            return (f"parameter #{i} is {_show(b[0])} {list(b[1])} {b[2]} "
+                    f"but the job has {_show(a[0])} {list(a[1])} {a[2]}")
     if len(theirs) > len(mine):
         extra = theirs[len(mine)]
-        return f"the model has an extra parameter {extra[0]!r} {list(extra[1])} beyond the job's {len(mine)}"
+        return f"the model has an extra parameter {_show(extra[0])} {list(extra[1])} beyond the job's {len(mine)}"
     missing = mine[len(theirs)]
-    return f"the model lacks parameter {missing[0]!r} {list(missing[1])} (it has {len(theirs)} of {len(mine)})"
+    return (f"the model lacks parameter {_show(missing[0])} {list(missing[1])} "
+            f"(it has {len(theirs)} of {len(mine)})")

@@ -1,22 +1,22 @@
 """Prometheus metrics of a shard.
 
 Counts live in one place, the shard's ``counters`` (also served by GetStats);
-a custom collector turns them into Prometheus families at scrape time, so
-nothing is counted twice.  Distributions (staleness, apply latency) are
+a custom collector turns a snapshot of them into Prometheus families at scrape
+time, so nothing is counted twice -- and a scrape never takes the shard's lock.  Distributions (staleness, apply latency) are
 prometheus-client histograms the shard observes directly.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
-    from psserver.shard import Shard
+    from psserver.shard import StatsSnapshot
 
-ROUND_REASONS = ("all_arrived", "quorum", "timeout")
+ROUND_REASONS = ("all_arrived", "quorum", "timeout", "membership")
 PUSH_OUTCOMES = {"applied": "pushes_applied", "stale_dropped": "stale_dropped", "stale_scaled": "stale_scaled",
                  "duplicate": "duplicates"}
 
@@ -36,8 +36,8 @@ class ShardMetrics:
             registry=self.registry,
         )
 
-    def bind(self, shard: "Shard") -> None:
-        self.registry.register(_CounterCollector(shard))
+    def bind(self, snapshot: Callable[[], "StatsSnapshot"]) -> None:
+        self.registry.register(_CounterCollector(snapshot))
 
     def serve(self, port: int, host: str) -> int:
         """Expose /metrics over HTTP; returns the bound port."""
@@ -46,13 +46,13 @@ class ShardMetrics:
 
 
 class _CounterCollector:
-    def __init__(self, shard: "Shard"):
-        self.shard = shard
+    def __init__(self, snapshot: Callable[[], "StatsSnapshot"]):
+        self.snapshot = snapshot
 
     def collect(self):
-        s = self.shard.stats()
-        c = s["counters"]
-        label = [str(s["shard"])]
+        s = self.snapshot()
+        c = s.counters
+        label = [str(s.shard)]
         rounds = CounterMetricFamily("psgrpc_rounds_closed", "Rounds closed, by reason.", labels=["shard", "reason"])
         for r in ROUND_REASONS:
             rounds.add_metric(label + [r], c.get(f"rounds_{r}", 0))
@@ -74,8 +74,8 @@ class _CounterCollector:
         steps.add_metric(label, c.get("steps", 0))
         yield steps
         version = GaugeMetricFamily("psgrpc_version", "Shard version (optimizer steps so far).", labels=["shard"])
-        version.add_metric(label, s["version"])
+        version.add_metric(label, s.version)
         yield version
         live = GaugeMetricFamily("psgrpc_live_trainers", "Trainers currently live.", labels=["shard"])
-        live.add_metric(label, len(s["live_ranks"]))
+        live.add_metric(label, len(s.live_ranks))
         yield live

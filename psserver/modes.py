@@ -20,6 +20,13 @@ Semantics (per shard; ``v`` is the number of optimizer steps applied so far):
 
 In every mode a push from a rank that already pushed for the same base version
 is a duplicate (a retry after a lost reply) and is acknowledged, not applied.
+Sequenced pushes are deduplicated by their per-trainer sequence number first
+(``decide_sequence``).
+
+Every decision a push needs is made here and returned as a value: dedupe, the
+NaN/Inf skip, stale handling, whether the round closes and why, whether a
+closing round takes an optimizer step, and which version the PushPull reply
+waits for.  ``psserver.shard`` only carries them out.
 """
 
 from __future__ import annotations
@@ -29,6 +36,11 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from psserver.job import JobSpec
+from psserver.limits import MAX_SEQUENCE
+
+# A sequenced push may skip ahead of the last acknowledged one by at most this much (a trainer whose
+# pushes to this shard failed for good in between); anything further is a corrupt or hostile number.
+MAX_SEQUENCE_GAP = 1 << 20
 
 
 class Action(enum.Enum):
@@ -37,12 +49,15 @@ class Action(enum.Enum):
     DUPLICATE = "duplicate"  # already have it: acknowledge, change nothing
     DROP_STALE = "drop_stale"  # too old: refuse, count, let the trainer catch up
     REFUSE_FUTURE = "refuse_future"  # base version the shard has not reached
+    SKIP = "skip"  # NaN/Inf under --nonfinite skip: acknowledged and counted, not applied (async)
+    SKIP_IN_ROUND = "skip_in_round"  # same in a sync round: fills the trainer's slot, adds nothing
 
 
 class CloseReason(enum.Enum):
     ALL_ARRIVED = "all_arrived"
     QUORUM = "quorum"
     TIMEOUT = "timeout"
+    MEMBERSHIP = "membership"  # the last missing trainer left or its lease expired: the rest were all in
 
 
 @dataclass(frozen=True)
@@ -84,14 +99,37 @@ class PushDecision:
         return self.close.value if self.close else ""
 
 
-def decide_push(cfg: ModeConfig, view: RoundView, rank: int, base: int, now: float) -> PushDecision:
-    """What to do with a gradient from ``rank`` computed on version ``base``."""
+def decide_push(cfg: ModeConfig, view: RoundView, rank: int, base: int, now: float, finite: bool = True,
+                sequenced: bool = False) -> PushDecision:
+    """What to do with a gradient from ``rank`` computed on version ``base``.
+
+    ``finite`` False (a NaN/Inf gradient under --nonfinite skip) turns an APPLY
+    into SKIP and an ACCUMULATE into SKIP_IN_ROUND: the gradient is counted and
+    fills its trainer's slot in a sync round, so the round does not wait for a
+    gradient that will never be usable.  ``sequenced`` async pushes were already
+    deduplicated by sequence number and may repeat a base version (a trainer
+    that overlaps its pulls pushes twice on the same weights).
+    """
+    d = _decide_push(cfg, view, rank, base, now, sequenced)
+    if finite:
+        return d
+    if d.action is Action.APPLY:
+        return PushDecision(Action.SKIP, staleness=d.staleness)
+    if d.action is Action.ACCUMULATE:
+        if not d.counts_for_round:  # a stale gradient that would only have been scaled in: nothing to fill
+            return PushDecision(Action.SKIP, staleness=d.staleness)
+        return PushDecision(Action.SKIP_IN_ROUND, staleness=d.staleness, close=d.close)
+    return d
+
+
+def _decide_push(cfg: ModeConfig, view: RoundView, rank: int, base: int, now: float,
+                 sequenced: bool) -> PushDecision:
     v = view.version
     if base > v:
         return PushDecision(Action.REFUSE_FUTURE)
     staleness = v - base
     if cfg.mode == "async":
-        if view.last_base.get(rank, -1) >= base:
+        if not sequenced and view.last_base.get(rank, -1) >= base:
             return PushDecision(Action.DUPLICATE, staleness=staleness)
         if cfg.max_staleness is not None and staleness > cfg.max_staleness:
             return PushDecision(Action.DROP_STALE, staleness=staleness)
@@ -112,10 +150,49 @@ def decide_push(cfg: ModeConfig, view: RoundView, rank: int, base: int, now: flo
 
 
 def decide_tick(cfg: ModeConfig, view: RoundView, now: float) -> CloseReason | None:
-    """Should the open round close now (time passed, or a trainer left and the rest are in)?"""
+    """Should the open round close now (time passed, or a trainer left and the rest are in)?
+
+    Pushes close rounds as they arrive; a tick only finds a round complete because
+    the membership shrank (a Leave or an expired lease), so that is its reason.
+    """
     if cfg.mode == "async" or view.opened_at is None:
         return None
-    return _close_reason(cfg, view, now)
+    reason = _close_reason(cfg, view, now)
+    return CloseReason.MEMBERSHIP if reason is CloseReason.ALL_ARRIVED else reason
+
+
+def round_takes_step(weight_sum: float) -> bool:
+    """A closing round steps the optimizer only if it holds some gradient weight; a round whose every
+    gradient was skipped (NaN/Inf) advances the version without a step, so its waiters go on."""
+    return weight_sum > 0
+
+
+def reply_version(cfg: ModeConfig, outcome: str, base: int, version_after: int) -> int:
+    """The version whose weights a PushPull reply streams: async -- the one after this push; sync modes --
+    the close of the round this gradient is in (also for a retry's duplicate); stale -- the current one."""
+    if outcome == "stale" or cfg.mode == "async":
+        return version_after
+    return base + 1
+
+
+class SequenceAction(enum.Enum):
+    NEW = "new"  # not seen: decide on it
+    DUPLICATE = "duplicate"  # the acknowledged push, sent again after a lost reply: answer as before
+    REFUSE = "refuse"  # older than the acknowledged one, or implausibly far ahead: refuse, change nothing
+
+
+def decide_sequence(last_acked: int | None, sequence: int) -> SequenceAction:
+    """Exactly-once for sequenced pushes: ``last_acked`` is the rank's newest acknowledged sequence (None
+    before its first).  A trainer sends one push at a time per shard, so only the last one can be retried."""
+    if not 0 < sequence <= MAX_SEQUENCE:
+        return SequenceAction.REFUSE
+    if last_acked is None:
+        return SequenceAction.NEW
+    if sequence == last_acked:
+        return SequenceAction.DUPLICATE
+    if sequence < last_acked or sequence - last_acked > MAX_SEQUENCE_GAP:
+        return SequenceAction.REFUSE
+    return SequenceAction.NEW
 
 
 def round_deadline(cfg: ModeConfig, view: RoundView) -> float | None:

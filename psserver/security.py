@@ -78,6 +78,10 @@ class ServerSecurity:
     def interceptors(self, on_refusal: Callable[[str], None] | None = None) -> list:
         return [TokenInterceptor(self.token, on_refusal)] if self.token else []
 
+    def aio_interceptors(self, on_refusal: Callable[[str], None] | None = None) -> list:
+        """The same check for a grpc.aio server."""
+        return [AioTokenInterceptor(self.token, on_refusal)] if self.token else []
+
     def warn_if_exposed(self, host: str) -> None:
         if not is_loopback(host) and not self.tls_cert and not self.token:
             log.warning("listening on %s beyond loopback with neither TLS nor a token: anyone who can reach "
@@ -160,6 +164,41 @@ class TokenInterceptor(grpc.ServerInterceptor):
         if handler.response_streaming:
             return grpc.unary_stream_rpc_method_handler(self._deny)
         return grpc.unary_unary_rpc_method_handler(self._deny)
+
+
+class AioTokenInterceptor(grpc.aio.ServerInterceptor):
+    """TokenInterceptor for grpc.aio servers: the health service answers without a token, nothing else does."""
+
+    def __init__(self, token: str, on_refusal: Callable[[str], None] | None = None):
+        self._expected = f"Bearer {token}".encode()
+        self._on_refusal = on_refusal
+
+    async def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        if method.startswith(HEALTH_PREFIX):
+            return await continuation(handler_call_details)
+        presented = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
+        if isinstance(presented, str) and hmac.compare_digest(presented.encode(), self._expected):
+            return await continuation(handler_call_details)
+        if self._on_refusal:
+            self._on_refusal(method)
+        log.warning("refused %s: missing or wrong auth token", method)
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "missing or wrong auth token: send 'authorization: Bearer <token>' metadata "
+                                "(--auth-token-file or $PS_AUTH_TOKEN)")
+
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(deny)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(deny)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(deny)
+        return grpc.unary_unary_rpc_method_handler(deny)
 
 
 class _TokenMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,

@@ -1,23 +1,32 @@
-"""Start and stop a shard's gRPC server (with the standard health service)."""
+"""Start and stop a shard's gRPC server (grpc.aio, with the standard health service).
+
+The server runs an asyncio event loop on a thread of its own, so callers (the
+CLI, tests) keep a plain synchronous ``ShardServer(cfg).start()`` / ``.stop()``.
+There is no pool of request threads to exhaust: waiting calls are futures, and
+limits are per connection, per rank and per stream (psserver.service).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from concurrent import futures
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from psserver.checkpoint import Checkpointer
 from psserver.codec import DEFAULT_CHUNK_BYTES
+from psserver.runtime import Runtime
 from psserver.security import ServerSecurity
-from psserver.service import ParameterServerService, add_service
+from psserver.service import ParameterServerService, ServiceLimits, add_service
 from psserver.shard import Shard
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "psgrpc.v1.ParameterServer"
+START_TIMEOUT = 30.0
 
 
 @dataclass(frozen=True)
@@ -25,7 +34,6 @@ class ServerConfig:
     shard: int
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 0  # 0: pick a free port
-    max_workers: int = 32  # concurrent RPCs served; pulls that wait for a round hold one each
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     max_message_bytes: int = 16 << 20  # per gRPC message; larger ones get RESOURCE_EXHAUSTED from gRPC
     max_push_bytes: int = 4 << 30  # whole Init/Push stream
@@ -36,6 +44,7 @@ class ServerConfig:
     shutdown_grace: float = 5.0  # seconds in-flight calls get to finish on stop
     security: ServerSecurity = ServerSecurity()
     nonfinite: str = "refuse"  # NaN/Inf in a gradient: "refuse" (INVALID_ARGUMENT) or "skip" (counted, not applied)
+    limits: ServiceLimits = field(default_factory=ServiceLimits)  # per connection, rank and stream
 
     def __post_init__(self) -> None:
         if self.shard < 0:
@@ -61,50 +70,87 @@ class ShardServer:
         self.shard = Shard(cfg.shard, lease_timeout=cfg.lease_timeout, checkpointer=checkpointer)
         if cfg.restore:
             self.shard.restore()
-        self.health = health.HealthServicer()
-        opts = [
-            ("grpc.max_receive_message_length", cfg.max_message_bytes),
-            ("grpc.max_send_message_length", cfg.max_message_bytes),
-            ("grpc.so_reuseport", 0),
-        ]
-        # Calls beyond max_workers are refused with RESOURCE_EXHAUSTED at once rather than queued behind
-        # pulls that wait for a round.
-        self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=cfg.max_workers), options=opts,
-            maximum_concurrent_rpcs=cfg.max_workers,
-            interceptors=cfg.security.interceptors(lambda method: self.shard.count("refused_UNAUTHENTICATED")),
-        )
-        add_service(ParameterServerService(self.shard, cfg.max_push_bytes, cfg.chunk_bytes, nonfinite=cfg.nonfinite),
-                    self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.limits = ServiceLimits(**{**vars(cfg.limits), "max_push_bytes": cfg.max_push_bytes,
+                                       "chunk_bytes": cfg.chunk_bytes, "nonfinite": cfg.nonfinite})
         self.port = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopped = False
 
     def start(self) -> "ShardServer":
-        address = f"{self.cfg.host}:{self.cfg.port}"
         self.cfg.security.warn_if_exposed(self.cfg.host)
-        creds = self.cfg.security.credentials()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"shard{self.cfg.shard}-loop",
+                                        daemon=True)
+        self._thread.start()
         try:
-            if creds is None:
-                self.port = self.server.add_insecure_port(address)
-            else:
-                self.port = self.server.add_secure_port(address, creds)
-        except RuntimeError as e:
-            raise OSError(f"cannot listen on {address}: {e}") from None
-        if self.port == 0:
-            raise OSError(f"cannot listen on {address}: the address is in use or not local")
-        self.server.start()
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            self.port = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(START_TIMEOUT)
+        except BaseException:
+            self._close_loop()
+            raise
         log.info("shard %d serving on %s:%d", self.cfg.shard, self.cfg.host, self.port)
         return self
+
+    async def _start(self) -> int:
+        opts = [
+            ("grpc.max_receive_message_length", self.cfg.max_message_bytes),
+            ("grpc.max_send_message_length", self.cfg.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+            # Connections that go quiet are probed, so a vanished client's calls end and free what they hold.
+            ("grpc.keepalive_time_ms", 60_000),
+            ("grpc.keepalive_timeout_ms", 20_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ]
+        self.server = grpc.aio.server(
+            options=opts,
+            interceptors=self.cfg.security.aio_interceptors(lambda method: self.shard.count("refused_UNAUTHENTICATED")),
+        )
+        self.runtime = Runtime(self.shard, self.limits.receive_buffers)
+        add_service(ParameterServerService(self.shard, self.runtime, self.limits), self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        address = f"{self.cfg.host}:{self.cfg.port}"
+        creds = self.cfg.security.credentials()
+        try:
+            port = (self.server.add_insecure_port(address) if creds is None
+                    else self.server.add_secure_port(address, creds))
+        except RuntimeError as e:
+            raise OSError(f"cannot listen on {address}: {e}") from None
+        if port == 0:
+            raise OSError(f"cannot listen on {address}: the address is in use or not local")
+        await self.server.start()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._timer = asyncio.ensure_future(self.runtime.round_timer())
+        return port
 
     @property
     def address(self) -> str:
         return f"{self.cfg.host}:{self.port}"
 
     def stop(self, grace: float | None = None) -> None:
-        """NOT_SERVING at once, in-flight calls drain within ``grace``, then a final checkpoint."""
-        self.health.enter_graceful_shutdown()
+        """NOT_SERVING at once, waiting pulls released (UNAVAILABLE), in-flight calls drain within ``grace``,
+        then a final checkpoint that includes the open round."""
+        if self._stopped or self._loop is None:
+            return
+        self._stopped = True
+        grace = self.cfg.shutdown_grace if grace is None else grace
+        try:
+            asyncio.run_coroutine_threadsafe(self._stop(grace), self._loop).result(grace + START_TIMEOUT)
+        finally:
+            self._close_loop()
+            self.runtime.shutdown()
+            self.shard.final_checkpoint()
+
+    async def _stop(self, grace: float) -> None:
+        await self.health.enter_graceful_shutdown()
+        self.runtime.stopping = True
         self.shard.stop()  # pulls waiting for a round return UNAVAILABLE: their trainers retry elsewhere/later
-        self.server.stop(self.cfg.shutdown_grace if grace is None else grace).wait()
-        self.shard.final_checkpoint()
+        self._timer.cancel()
+        await self.server.stop(grace)
+
+    def _close_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()

@@ -2,18 +2,26 @@
 
 A shard owns a contiguous slice of the flat parameter vector, that slice's
 optimizer state, a version counter (optimizer steps applied), the job spec, and
-the membership of trainers.  It knows nothing of the model's code.
+the membership of trainers.  It knows nothing of the model's code, nor of gRPC.
 
-Locking: one condition variable, ``_cond``, guards every field below it.
-Gradients are decoded and validated *before* the lock is taken, so a refusal
-never touches state and a slow stream never blocks other trainers.  Waiting
-pulls and the round timer wait on the same condition; every state change
-notifies it.
+Threads: every method that touches tensors or the round is synchronous and is
+meant to run on the server's one *state worker* thread (psserver.server), so
+they never contend; ``_lock`` still guards them for tests and the checkpoint
+writer.  Nothing here waits: a pull that needs a newer version is waited for by
+the async server, which ``on_change`` wakes.  Membership (leases, heartbeats)
+has its own lock (psserver.membership) so the event loop can renew a lease
+without waiting behind a step.  Lock order: ``_lock`` then the membership's.
+
+Reads that the event loop makes without ``_lock`` (``version``, ``params is
+None``, ``job``, ``snapshot()``) are single attribute reads or C-level dict
+copies, atomic under the GIL; they may be a step behind, never torn.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -23,37 +31,51 @@ from typing import Callable
 import torch
 
 from psserver import modes
-from psserver.checkpoint import Checkpointer, ShardState
+from psserver.checkpoint import Checkpointer, CheckpointWriter, ShardState
 from psserver.codec import TORCH_DTYPES
 from psserver.errors import (
     FutureVersion,
     InvalidRequest,
     JobMismatch,
     NotReady,
-    NotRegistered,
-    ShuttingDown,
     StaleGradient,
-    Superseded,
-    WaitTimeout,
 )
 from psserver.job import WIRE_DTYPES, JobSpec
 from psserver.layout import shard_range
+from psserver.logsafe import shorten
+from psserver.membership import Membership
 from psserver.metrics import ShardMetrics
 from psserver.optim import build_optimizer
+from psserver.snapshots import SnapshotPool
 
 log = logging.getLogger(__name__)
-MAX_SNAPSHOT_BUFFERS = 3  # spare slice-sized buffers kept for snapshots and moved parameters
+MAX_MISSING_LISTED = 10  # ranks named in a "still waiting for" message; the rest are counted
 
 
 @dataclass(frozen=True)
 class PushResult:
-    outcome: str  # "applied" | "accepted" | "duplicate" | "scaled"
+    outcome: str  # "applied" | "accepted" | "duplicate" | "scaled" | "skipped"
     version: int
     staleness: int
 
 
+@dataclass(frozen=True)
+class StatsSnapshot:
+    """What GetStats and the metrics exporter read: a copy, taken without the shard's lock."""
+
+    shard: int
+    initialized: bool
+    version: int
+    mode: str
+    start: int
+    end: int
+    live_ranks: list
+    counters: dict
+    job: JobSpec | None
+
+
 class Shard:
-    """State of shard ``shard_id``; all methods are thread-safe."""
+    """State of shard ``shard_id``."""
 
     def __init__(self, shard_id: int, clock: Callable[[], float] = time.monotonic, lease_timeout: float = 5.0,
                  checkpointer: Checkpointer | None = None):
@@ -61,41 +83,47 @@ class Shard:
         self._clock = clock
         self.lease_timeout = lease_timeout
         self.checkpointer = checkpointer
-        self._ckpt_pending: ShardState | None = None  # newest state captured for the writer thread
-        self._cond = threading.Condition()
-        # --- guarded by _cond ---
+        self.on_change: Callable[[], None] = lambda: None  # the server's wake-up for waiting pulls
+        self._lock = threading.RLock()
+        self.members = Membership(clock, lease_timeout)
+        self.counters: Counter[str] = Counter()
+        self.metrics = ShardMetrics()
+        self.metrics.bind(self.snapshot)
+        self._writer = (CheckpointWriter(checkpointer, self._checkpoint_written) if checkpointer is not None
+                        else None)
+        if checkpointer is not None and checkpointer.orphans_removed:
+            self.counters["checkpoint_orphans_removed"] += checkpointer.orphans_removed
+        self._stopped = False
+        self._restored = False
+        self._clear_job()
+
+    def _clear_job(self) -> None:
+        """No job: the state a shard starts in, and returns to when a job ended."""
         self.job: JobSpec | None = None
+        self._cfg: modes.ModeConfig | None = None
         self.start = self.end = 0
         self.params: torch.nn.Parameter | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.version = 0
-        self.trainers: dict[int, str] = {}  # rank -> trainer id of its newest registration
-        self.live: set[int] = set()
-        self.ever_registered: set[int] = set()
-        self._left: set[int] = set()  # ranks that said goodbye; only a new Register brings them back
-        self._last_seen: dict[int, float] = {}  # rank -> clock time of its last RPC (the lease)
-        self.counters: Counter[str] = Counter()
-        self._cfg: modes.ModeConfig | None = None
+        self.started = False  # every trainer of the job has registered at least once
         self._acc: torch.Tensor | None = None  # weighted sum of the open round's gradients (sync modes only)
         self._acc_weight = 0.0
         self._contributors: set[int] = set()
         self._stale_in_round: set[tuple[int, int]] = set()
         self._opened_at: float | None = None
         self._last_base: dict[int, int] = {}
-        self._acked: dict[int, tuple[str, int, "PushResult"]] = {}  # rank -> (trainer id, sequence, result)
-        self._snapshot: tuple[int, int, torch.Tensor] | None = None  # (version, wire dtype, copy): reduced precision
-        self._snapshot_buffers: list[torch.Tensor] = []  # recycled slice-sized buffers (see _spare_buffer)
-        self._readers: Counter[int] = Counter()  # data_ptr -> pulls streaming that memory now
-        self._stopped = False
-        self._timer: threading.Thread | None = None
-        self.metrics = ShardMetrics()
-        self.metrics.bind(self)
-        if checkpointer is not None:
-            threading.Thread(target=self._checkpoint_loop, name=f"shard{shard_id}-checkpoint", daemon=True).start()
+        self._acked: dict[int, tuple[str, int, PushResult]] = {}  # rank -> (trainer id, sequence, result)
+        self.snapshots = SnapshotPool()
+        self.members.reset()
 
     # ------------------------------------------------------------------ membership and job
     def register(self, rank: int, trainer_id: str, expected_shard: int, job: JobSpec) -> dict:
-        """Join ``rank`` to the job; the first registration fixes the job spec."""
+        """Join ``rank`` to the job; the first registration fixes the job spec.
+
+        A job whose every trainer registered and then left has ended: the next
+        registration starts a new job from scratch (the shard does not carry the
+        old weights into it).  A refused registration changes nothing.
+        """
         if expected_shard != self.shard_id:
             raise JobMismatch(
                 f"this is shard {self.shard_id} but the trainer listed it as shard {expected_shard}: "
@@ -103,213 +131,217 @@ class Shard:
             )
         if job.num_shards <= self.shard_id:
             raise JobMismatch(f"this is shard {self.shard_id} but the job has only {job.num_shards} shards")
-        if job.total_params < job.num_shards:
-            # shard_range would give some shard an empty slice; allowed, but say why in logs.
-            log.warning("shard %d: the job has fewer parameters (%d) than shards (%d)", self.shard_id,
-                        job.total_params, job.num_shards)
         if not 0 <= rank < job.num_trainers:
-            raise InvalidRequest(f"rank is {rank} but the job has {job.num_trainers} trainers (ranks 0..{job.num_trainers - 1})")
-        with self._cond:
+            raise InvalidRequest(
+                f"rank is {rank} but the job has {job.num_trainers} trainers (ranks 0..{job.num_trainers - 1})")
+        with self._lock:
+            if self.job is not None and self._job_done():
+                log.info("shard %d: job %s ended (every trainer left); %s starts a new job from scratch",
+                         self.shard_id, shorten(self.job.job_id or "(unnamed)"), shorten(job.job_id or "(unnamed)"))
+                self.counters["jobs_ended"] += 1
+                self._clear_job()
             if self.job is None:
                 self._set_job(job)
             else:
                 diff = self.job.difference(job)
                 if diff:
-                    raise JobMismatch(f"job spec differs from the one this shard was started with: {diff}")
-            previous = self.trainers.get(rank)
-            self.trainers[rank] = trainer_id
-            self.live.add(rank)
-            self.ever_registered.add(rank)
-            self._left.discard(rank)
-            self._last_seen[rank] = self._clock()
+                    raise JobMismatch(f"job spec differs from the one this shard runs: {diff}")
+            previous = self.members.register(rank, trainer_id)
             self.counters["registrations"] += 1
-            if previous and previous != trainer_id:
+            if previous is not None and previous != trainer_id:
                 self.counters["re_registrations"] += 1
-                log.info("shard %d: rank %d re-registered as %s (was %s)", self.shard_id, rank, trainer_id, previous)
-            else:
-                log.info("shard %d: rank %d registered as %s (%d/%d)", self.shard_id, rank, trainer_id,
-                         len(self.ever_registered), job.num_trainers)
-            self._cond.notify_all()
+                self._acked.pop(rank, None)  # a new process: its sequence numbers start afresh
+                log.info("shard %d: rank %d re-registered as %s (was %s)", self.shard_id, rank,
+                         shorten(trainer_id), shorten(previous))
+            view = self.members.view()
+            if not self.started and len(view.registered) >= job.num_trainers:
+                self.started = True
+            if previous is None:
+                log.info("shard %d: rank %d registered as %s (%d/%d)", self.shard_id, rank, shorten(trainer_id),
+                         len(view.registered), job.num_trainers)
+            self._changed()
             return dict(
                 shard=self.shard_id, start=self.start, end=self.end, initialized=self.params is not None,
-                version=self.version, registered=len(self.ever_registered), lease_seconds=self.lease_timeout,
+                version=self.version, registered=len(view.registered), lease_seconds=self.lease_timeout,
             )
 
     def _set_job(self, job: JobSpec) -> None:
         self.job = job
         self._cfg = modes.ModeConfig.from_job(job)
         self.start, self.end = shard_range(job.total_params, job.num_shards, self.shard_id)
-        log.info("shard %d: job fixed: mode %s, %d trainers, slice [%d, %d) of %d, optimizer %s lr %g",
-                 self.shard_id, job.mode, job.num_trainers, self.start, self.end, job.total_params,
-                 job.optimizer.name, job.optimizer.lr)
-        self._timer = threading.Thread(target=self._timer_loop, name=f"shard{self.shard_id}-timer", daemon=True)
-        self._timer.start()
+        if job.total_params < job.num_shards:
+            log.warning("shard %d: the job has fewer parameters (%d) than shards (%d)", self.shard_id,
+                        job.total_params, job.num_shards)
+        log.info("shard %d: job %s fixed: mode %s, %d trainers, slice [%d, %d) of %d, optimizer %s lr %g",
+                 self.shard_id, shorten(job.job_id or "(unnamed)"), job.mode, job.num_trainers, self.start,
+                 self.end, job.total_params, job.optimizer.name, job.optimizer.lr)
 
     def leave(self, rank: int, trainer_id: str, fingerprint: str) -> int:
-        """``rank`` is done; rounds stop waiting for it. Returns the live count left."""
-        with self._cond:
-            self._check_ready(rank, trainer_id, fingerprint, need_params=False)
-            self.live.discard(rank)
-            self._left.add(rank)
+        """``rank`` is done and forgotten; rounds stop waiting for it. Returns the live count left."""
+        with self._lock:
+            self.check_member(rank, trainer_id, fingerprint)
+            remaining = self.members.leave(rank)
+            self._acked.pop(rank, None)
+            self._last_base.pop(rank, None)
             self.counters["leaves"] += 1
-            log.info("shard %d: rank %d left; %d live", self.shard_id, rank, len(self.live))
+            log.info("shard %d: rank %d left; %d live", self.shard_id, rank, remaining)
             self._close_if_due()
-            self._cond.notify_all()
-            return len(self.live)
+            self._changed()
+            return remaining
 
     def _job_done(self) -> bool:
         """Every trainer of the job registered and all have left (said goodbye, not merely gone silent)."""
-        return self.job is not None and self._started() and not self.live and self.ever_registered <= self._left
+        if self.job is None or not self.started:
+            return False
+        view = self.members.view()
+        return not view.live and view.registered <= view.left
 
-    def wait_job_done(self, timeout: float | None = None) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: self._stopped or self._job_done(), timeout)
+    def job_done(self) -> bool:
+        with self._lock:
+            return self._job_done()
+
+    def check_member(self, rank: int, trainer_id: str, fingerprint: str, need_params: bool = False) -> None:
+        """Refuse strangers and other jobs' trainers; renew the caller's lease.
+
+        Safe on the event loop: only the membership's lock is taken.
+        """
+        job = self.job
+        if job is None:
+            raise NotReady(f"shard {self.shard_id} has no job yet: register first")
+        if fingerprint != job.fingerprint:
+            raise JobMismatch(
+                f"fingerprint is {shorten(fingerprint)} but the job's is {shorten(job.fingerprint)}: a different "
+                "model or shard count"
+            )
+        if self.members.check(rank, trainer_id, self.shard_id):
+            self.count("rejoins")
+            log.info("shard %d: rank %d is heard from again after its lease expired: live again", self.shard_id, rank)
+            self._changed()
+        if need_params and self.params is None:
+            raise NotReady(f"shard {self.shard_id} is not initialised yet: rank 0 sends Init first")
 
     def heartbeat(self, rank: int, trainer_id: str, fingerprint: str) -> tuple[int, int]:
-        """Renew ``rank``'s lease (every RPC does; this one does nothing else). Returns (version, live count)."""
-        with self._cond:
-            self._check_ready(rank, trainer_id, fingerprint, need_params=False)
-            return self.version, len(self.live)
+        """Renew ``rank``'s lease. Returns (version, live count). Safe on the event loop."""
+        self.check_member(rank, trainer_id, fingerprint)
+        return self.version, len(self.members.view().live)
 
     # ------------------------------------------------------------------ parameters
+    def check_init_header(self, rank: int, trainer_id: str, fingerprint: str) -> bool:
+        """Refuse an Init on who sends it, before its payload is read. Returns False if already initialised."""
+        self.check_member(rank, trainer_id, fingerprint)
+        if rank != 0:
+            raise JobMismatch(f"Init came from rank {rank}, but only rank 0 initialises the shards")
+        return self.params is None
+
     def init(self, rank: int, trainer_id: str, fingerprint: str, values: torch.Tensor,
              take: bool = False) -> tuple[bool, int]:
         """Set the initial parameters; the first Init wins, later ones change nothing.
 
-        ``take``: the caller hands ``values`` over (a freshly decoded fp32 tensor) and
-        the shard keeps it as its parameters instead of copying it.
+        ``take``: the caller hands ``values`` over (a freshly decoded fp32 tensor)
+        and the shard keeps it instead of copying it.  The optimizer is built
+        before anything is stored, so a failure leaves the shard uninitialised,
+        not half-initialised.
         """
-        with self._cond:
-            self._check_ready(rank, trainer_id, fingerprint, need_params=False)
+        with self._lock:
+            self.check_init_header(rank, trainer_id, fingerprint)
             if values.numel() != self.end - self.start:
-                raise InvalidRequest(f"length is {values.numel()} elements but this shard's slice has {self.end - self.start}")
+                raise InvalidRequest(f"length is {values.numel()} elements but this shard's slice has "
+                                     f"{self.end - self.start}")
             if self.params is not None:
                 return False, self.version
             owned = take and values.dtype == torch.float32 and values.is_contiguous()
-            self.params = torch.nn.Parameter(values if owned else values.float().clone(), requires_grad=False)
-            self.optimizer = build_optimizer(self.job.optimizer, [self.params], fused=True)
+            params = torch.nn.Parameter(values if owned else values.float().clone(), requires_grad=False)
+            optimizer = build_optimizer(self.job.optimizer, [params], fused=True)
+            self.params, self.optimizer = params, optimizer
             log.info("shard %d: initialised by rank %d with %d parameters", self.shard_id, rank, values.numel())
-            self._cond.notify_all()
+            self._changed()
             return True, self.version
 
-    def pull(self, rank: int, trainer_id: str, fingerprint: str, min_version: int, wire: int,
-             timeout: float) -> tuple[int, torch.Tensor, float]:
-        """(version, wire-dtype snapshot, seconds waited) at a version >= ``min_version``, waiting up to ``timeout``.
+    def pull_ready(self, min_version: int) -> bool:
+        """May a pull for ``min_version`` be answered now? (Lock-free: the server's wait predicate.)"""
+        return self._stopped or (
+            self.params is not None and self.version >= min_version
+            and (self.job.mode == "async" or self.started)
+        )
 
-        The snapshot is never written while a pull streams it, so pulls stream it
-        after the lock is released; the caller hands it back with
-        ``release_snapshot`` when its stream ends.  An fp32 pull streams the live
-        parameters themselves (copy on write: a step that finds them being
-        streamed moves them to another buffer first -- in sync mode that is
-        rare, as every pull of a round ends before the next round can close).
-        A reduced-precision pull streams a converted copy made once per version.
+    def acquire_snapshot(self, rank: int, trainer_id: str, fingerprint: str, wire: int) -> tuple[int, torch.Tensor]:
+        """(version, snapshot in the wire dtype) for a pull; hand it back with ``release_snapshot``.
 
-        In sync and stale-timeout modes the first pull also waits until every
-        trainer of the job has registered, so round 0 has everybody in it.
+        The snapshot is never written while a pull streams it: an fp32 pull streams
+        the live parameters and a step that finds them streamed moves them first
+        (in sync mode that is rare: every pull of a round ends before the next can
+        close); a reduced-precision pull streams a copy converted once per version.
         """
-        with self._cond:
-            self._check_ready(rank, trainer_id, fingerprint, need_params=False)
-            ready = lambda: self._stopped or (
-                self.params is not None and self.version >= min_version
-                and (self.job.mode == "async" or self._started())
-            )
-            t0 = time.perf_counter()
-            if not self._cond.wait_for(ready, timeout):
-                raise WaitTimeout(self._pull_wait_message(min_version, timeout))
-            waited = time.perf_counter() - t0
-            if self._stopped:
-                raise ShuttingDown(f"shard {self.shard_id} is shutting down")
-            if TORCH_DTYPES[wire] == torch.float32:
-                snapshot = self.params.detach()
-            else:
-                if self._snapshot is None or self._snapshot[:2] != (self.version, wire):
-                    self._snapshot = (self.version, wire, self._spare_buffer(TORCH_DTYPES[wire]).copy_(self.params))
-                snapshot = self._snapshot[2]
-            self._readers[snapshot.data_ptr()] += 1
+        with self._lock:
+            self.check_member(rank, trainer_id, fingerprint, need_params=True)
+            snapshot = self.snapshots.acquire(self.params.detach(), self.version, TORCH_DTYPES[wire])
             self.counters["pulls"] += 1
-            return self.version, snapshot, waited
-
-    def _spare_buffer(self, dtype: torch.dtype) -> torch.Tensor:
-        """A slice-sized buffer that neither a pull streams nor holds the live parameters.
-
-        Recycled rather than allocated: a fresh slice-sized allocation is mapped
-        and page-faulted anew each time, which costs twice the copy into it.
-        """
-        live = self.params.data_ptr()
-        buf = next((b for b in self._snapshot_buffers if b.dtype == dtype and b.numel() == self.params.numel()
-                    and b.data_ptr() != live and not self._readers[b.data_ptr()]), None)
-        if buf is None:
-            buf = torch.empty(self.params.numel(), dtype=dtype)
-            self._keep_buffer(buf)
-        return buf
-
-    def _keep_buffer(self, buf: torch.Tensor) -> None:
-        if len(self._snapshot_buffers) < MAX_SNAPSHOT_BUFFERS and all(b is not buf for b in self._snapshot_buffers):
-            self._snapshot_buffers.append(buf)
+            return self.version, snapshot
 
     def release_snapshot(self, snapshot: torch.Tensor) -> None:
         """A pull finished (or abandoned) streaming ``snapshot``; its memory may be written again."""
-        with self._cond:
-            key = snapshot.data_ptr()
-            self._readers[key] -= 1
-            if self._readers[key] <= 0:
-                del self._readers[key]
+        with self._lock:
+            self.snapshots.release(snapshot)
 
-    def _move_params_if_streamed(self) -> None:
-        """Copy on write: before a step, move the parameters away from memory a pull still streams."""
-        live = self.params.detach()
-        if self.params.numel() and self._readers[live.data_ptr()]:
-            moved = self._spare_buffer(torch.float32).copy_(live)
-            self._keep_buffer(live)  # reusable once its pulls end
-            self.params.data = moved  # the optimizer's state is keyed by the Parameter, not its memory
-            self.counters["params_moved_for_pulls"] += 1
-
-    def _pull_wait_message(self, min_version: int, timeout: float) -> str:
+    def pull_wait_message(self, min_version: int, timeout: float) -> str:
         if self.params is None:
             return f"shard {self.shard_id} was not initialised within {timeout:.1f} s: is rank 0 running?"
-        if not self._started():
-            missing = sorted(set(range(self.job.num_trainers)) - self.ever_registered)
-            return f"shard {self.shard_id} still waits for ranks {missing} to register after {timeout:.1f} s"
+        if not self.started:
+            missing = sorted(set(range(self.job.num_trainers)) - self.members.view().registered)
+            named = ", ".join(map(str, missing[:MAX_MISSING_LISTED]))
+            more = f" and {len(missing) - MAX_MISSING_LISTED} more" if len(missing) > MAX_MISSING_LISTED else ""
+            return f"shard {self.shard_id} still waits for ranks [{named}]{more} to register after {timeout:.1f} s"
         return f"shard {self.shard_id} is at version {self.version}, not {min_version}, after {timeout:.1f} s"
 
     def check_push_header(self, rank: int, trainer_id: str, fingerprint: str, base: int, num_samples: int) -> None:
-        """Refuse a push on its header alone, before its payload is read."""
-        with self._cond:
-            self._check_ready(rank, trainer_id, fingerprint, need_params=True)
-            if num_samples < 1:
-                raise InvalidRequest(f"num_samples is {num_samples} but a gradient needs at least 1 sample")
-            if base > self.version:
-                raise FutureVersion(f"base version is {base} but shard {self.shard_id} is at version {self.version}")
+        """Refuse a push on its header alone, before its payload is read (the caller checks dtype and size)."""
+        self.check_member(rank, trainer_id, fingerprint, need_params=True)
+        if num_samples < 1:
+            raise InvalidRequest(f"num_samples is {num_samples} but a gradient needs at least 1 sample")
+        if base > self.version:
+            raise FutureVersion(f"base version is {base} but shard {self.shard_id} is at version {self.version}")
 
     def push(self, rank: int, trainer_id: str, fingerprint: str, base: int, num_samples: int,
-             grad: torch.Tensor, sequence: int = 0, finite: bool = True) -> PushResult:
+             grad: torch.Tensor, sequence: int = 0, finite: bool = True) -> tuple[PushResult, torch.Tensor]:
         """Hand a validated gradient to the mode logic and carry out its decision.
+
+        Returns the result and the buffer the caller may reuse for its next
+        receive: ``grad`` itself, or the round's previous sum when ``grad``'s
+        memory became the new sum (see ``_accumulate``).
 
         A push whose (trainer id, sequence) was already acknowledged is a retry
         after a lost reply: it gets DUPLICATE, whatever the version is now
         (the round it was in may have closed since), and is not applied again.
         """
-        with self._cond:
+        with self._lock:
             self.check_push_header(rank, trainer_id, fingerprint, base, num_samples)
-            acked = self._acked.get(rank)
-            if sequence and acked and acked[0] == trainer_id and sequence <= acked[1]:
-                self.counters["duplicates"] += 1
-                log.info("shard %d: push #%d from rank %d was already acknowledged (%s); not applied again",
-                         self.shard_id, sequence, rank, acked[2].outcome)
-                return PushResult("duplicate", self.version, 0)
-            result = self._push_locked(rank, base, num_samples, grad, finite, sequenced=bool(sequence))
+            if grad.numel() != self.end - self.start:
+                raise InvalidRequest(f"length is {grad.numel()} elements but this shard's slice has "
+                                     f"{self.end - self.start}")
+            if sequence:
+                acked = self._acked.get(rank)
+                last = acked[1] if acked and acked[0] == trainer_id else None
+                action = modes.decide_sequence(last, sequence)
+                if action is modes.SequenceAction.REFUSE:
+                    raise InvalidRequest(
+                        f"sequence is {sequence} but rank {rank}'s last acknowledged push was "
+                        f"{'none' if last is None else last}: it must be the next few, up to "
+                        f"{modes.MAX_SEQUENCE_GAP} ahead")
+                if action is modes.SequenceAction.DUPLICATE:
+                    self.counters["duplicates"] += 1
+                    log.info("shard %d: push #%d from rank %d was already acknowledged (%s); not applied again",
+                             self.shard_id, sequence, rank, acked[2].outcome)
+                    return PushResult("duplicate", self.version, 0), grad
+            result, spare = self._push_locked(rank, base, num_samples, grad, finite, sequenced=bool(sequence))
             if sequence and result.outcome != "duplicate":
                 self._acked[rank] = (trainer_id, sequence, result)
-            return result
+            return result, spare
 
     def _push_locked(self, rank: int, base: int, num_samples: int, grad: torch.Tensor, finite: bool,
-                     sequenced: bool) -> PushResult:
-        """Decide and act.  Async pushes without a sequence number are deduplicated by (rank, base
-        version); sequenced ones already were, by sequence -- and may legitimately repeat a base
-        version (a trainer that overlaps its pulls pushes twice on the same weights).  Caller holds _cond
-        and has checked the header."""
+                     sequenced: bool) -> tuple[PushResult, torch.Tensor]:
+        """Decide (psserver.modes) and act. Caller holds _lock and has checked the header."""
         now = self._clock()
-        d = modes.decide_push(self._cfg, self._view(), rank, base, now)
+        d = modes.decide_push(self._cfg, self._view(), rank, base, now, finite=finite, sequenced=sequenced)
         A = modes.Action
         if d.action is not A.DUPLICATE:
             self.metrics.staleness.observe(d.staleness)
@@ -317,8 +349,6 @@ class Shard:
             raise FutureVersion(f"base version is {base} but shard {self.shard_id} is at version {self.version}")
         if d.action is A.DROP_STALE:
             self.counters["stale_dropped"] += 1
-            log.info("shard %d: dropped a stale gradient from rank %d (base %d, version %d, staleness %d)",
-                     self.shard_id, rank, base, self.version, d.staleness)
             raise StaleGradient(
                 f"stale gradient: base version {base} is {d.staleness} behind version {self.version} of shard "
                 f"{self.shard_id}; dropped -- pull version {self.version} and go on",
@@ -328,42 +358,33 @@ class Shard:
             self.counters["duplicates"] += 1
             log.info("shard %d: duplicate push from rank %d for base %d acknowledged, not applied",
                      self.shard_id, rank, base)
-            return PushResult("duplicate", self.version, d.staleness)
-        if not finite:
-            # --nonfinite skip: the gradient is dropped and counted, but it fills its trainer's slot in the
-            # round, so a sync round does not wait for a gradient that will never be usable.
+            return PushResult("duplicate", self.version, d.staleness), grad
+        if d.action in (A.SKIP, A.SKIP_IN_ROUND):
             self.counters["nonfinite_skipped"] += 1
             log.warning("shard %d: skipped a gradient with NaN/Inf values from rank %d (base %d)",
                         self.shard_id, rank, base)
-            if d.action is A.APPLY:
-                if not sequenced:
-                    self._last_base[rank] = base
-                return PushResult("skipped", self.version, d.staleness)
-            if d.counts_for_round:
+            if not sequenced and self._cfg.mode == "async":
+                self._last_base[rank] = base
+            if d.action is A.SKIP_IN_ROUND:
                 self._contributors.add(rank)
                 if self._opened_at is None:
                     self._opened_at = now
-            if d.close is not None:
-                self._close_round(d.close)
-            self._cond.notify_all()
-            return PushResult("skipped", self.version, d.staleness)
-        self.counters["pushes_applied"] += 1
-        self.counters["samples"] += num_samples
+                if d.close is not None:
+                    self._close_round(d.close)
+                self._changed()
+            return PushResult("skipped", self.version, d.staleness), grad
         if d.action is A.APPLY:
+            self._apply_checked(grad)
+            self.counters["pushes_applied"] += 1
+            self.counters["samples"] += num_samples
+            self.counters["staleness_sum"] += d.staleness
             if not sequenced:
                 self._last_base[rank] = base
-            self.counters["staleness_sum"] += d.staleness
-            self._apply(grad)
-            return PushResult("applied", self.version, d.staleness)
+            return PushResult("applied", self.version, d.staleness), grad
         # ACCUMULATE
-        w = num_samples * d.weight
-        if self._acc is None:
-            self._acc = torch.empty_like(grad)
-        if self._acc_weight == 0:
-            torch.mul(grad, w, out=self._acc)  # the round's first gradient: no zeroing pass needed
-        else:
-            self._acc.add_(grad, alpha=w)
-        self._acc_weight += w
+        spare = self._accumulate(grad, num_samples * d.weight)
+        self.counters["pushes_applied"] += 1
+        self.counters["samples"] += num_samples
         if self._opened_at is None:
             self._opened_at = now
         if d.counts_for_round:
@@ -377,40 +398,83 @@ class Shard:
         if d.close is not None:
             self._close_round(d.close)
             outcome = "applied"
-        self._cond.notify_all()
-        return PushResult(outcome, self.version, d.staleness)
+        self._changed()
+        return PushResult(outcome, self.version, d.staleness), spare
+
+    def _accumulate(self, grad: torch.Tensor, weight: float) -> torch.Tensor:
+        """Add ``weight * grad`` to the round's sum -- refused, changing nothing, if the sum overflows.
+
+        The new sum is written into ``grad``'s own memory and checked before it
+        replaces the old one, so an overflow (finite gradients whose sum is Inf)
+        leaves the round exactly as it was.  Returns the buffer the caller may
+        reuse (the old sum, or ``grad`` on the round's first gradient... which is
+        then the sum, so a fresh one is given back).
+        """
+        if self._acc_weight == 0:
+            grad.mul_(weight)
+        else:
+            torch.add(self._acc, grad, alpha=weight, out=grad)
+        if not math.isfinite(float(grad.sum())) and not bool(torch.isfinite(grad).all()):
+            self.counters["refused_overflow"] += 1
+            raise InvalidRequest(
+                f"adding this gradient (weight {weight:g}) to the round's sum overflows float32: refused; "
+                "the gradient's values are too large")
+        old, self._acc = self._acc, grad
+        self._acc_weight += weight
+        return old if old is not None else torch.empty_like(grad)
 
     # ------------------------------------------------------------------ rounds
+    def tick(self) -> float | None:
+        """Expire silent trainers' leases and close a round that is due; returns the next deadline (clock time)."""
+        with self._lock:
+            if self.job is None:
+                return None
+            gone = self.members.expire()
+            for rank, silent in gone:
+                self.counters["lease_expired"] += 1
+                log.warning("shard %d: rank %d silent for %.1f s (lease %.1f s): dropped from the live set",
+                            self.shard_id, rank, silent, self.lease_timeout)
+            if self.params is not None:
+                self._close_if_due()
+            if gone:
+                self._changed()
+            deadlines = [self.members.next_expiry()]
+            if self.params is not None:
+                deadlines.append(modes.round_deadline(self._cfg, self._view()))
+            deadlines = [d for d in deadlines if d is not None]
+            return min(deadlines) if deadlines else None
+
     def _close_if_due(self) -> None:
         reason = modes.decide_tick(self._cfg, self._view(), self._clock()) if self._cfg else None
         if reason is not None:
             self._close_round(reason)
 
     def _close_round(self, reason: modes.CloseReason) -> None:
-        """Average the open round (weighted by samples) and take one optimizer step.
-
-        A round whose every gradient was skipped (NaN/Inf under --nonfinite skip)
-        advances the version without a step, so the trainers waiting on it go on.
-        """
+        """Average the open round (weighted by samples) and take one optimizer step -- or, when every
+        gradient in it was skipped, advance the version without one, so its waiters go on."""
         n = len(self._contributors)
-        if self._acc_weight > 0:
-            self._apply(self._acc.div_(self._acc_weight))  # in place: no fresh slice-sized allocation per round
+        if modes.round_takes_step(self._acc_weight):
+            self._apply(self._acc.div_(self._acc_weight))  # in place: no slice-sized allocation per round
         else:
             self.version += 1
             self.counters["rounds_without_step"] += 1
-            self._cond.notify_all()
         self.counters[f"rounds_{reason.value}"] += 1
         if reason is not modes.CloseReason.ALL_ARRIVED:
-            missing = sorted(self.live - self._contributors)
+            missing = sorted(self.members.view().live - self._contributors)
             log.info("shard %d: round %d closed by %s with %d gradients; missing ranks %s",
-                     self.shard_id, self.version - 1, reason.value, n, missing)
+                     self.shard_id, self.version - 1, reason.value, n, missing[:MAX_MISSING_LISTED])
         self._acc_weight = 0.0  # the next round's first gradient overwrites _acc
         self._contributors.clear()
         self._stale_in_round.clear()
         self._opened_at = None
+        self._changed()
+
+    def _apply_checked(self, grad: torch.Tensor) -> None:
+        self._apply(grad)
 
     def _apply(self, grad: torch.Tensor) -> None:
-        self._move_params_if_streamed()
+        if self.snapshots.move_if_streamed(self.params):
+            self.counters["params_moved_for_pulls"] += 1
         t0 = time.perf_counter()
         self.params.grad = grad
         self.optimizer.step()
@@ -420,56 +484,48 @@ class Shard:
         self.counters["apply_seconds"] += elapsed
         self.version += 1
         self.counters["steps"] += 1
-        if self.checkpointer is not None and self.checkpointer.due(self.version):
-            if self._ckpt_pending is not None:
+        if self._writer is not None and self.checkpointer.due(self.version):
+            if self._writer.submit(self._capture()):
                 self.counters["checkpoints_superseded"] += 1
-            self._ckpt_pending = self._capture()
-        self._cond.notify_all()
+        self._changed()
+
+    def _changed(self) -> None:
+        self.on_change()
 
     # ------------------------------------------------------------------ checkpoints
     def _capture(self) -> ShardState:
-        """A copy of the resumable state (under the lock: a memory copy, no I/O)."""
+        """A copy of the resumable state, open round and acknowledgements included (a memory copy, no I/O)."""
         opt = self.optimizer.state_dict()
         opt_copy = {
             "state": {k: {n: (t.clone() if torch.is_tensor(t) else t) for n, t in v.items()}
                       for k, v in opt["state"].items()},
             "param_groups": [dict(g) for g in opt["param_groups"]],
         }
+        open_round = None
+        if self._acc_weight > 0 or self._contributors:
+            open_round = dict(sum=self._acc.clone() if self._acc_weight > 0 else None, weight=self._acc_weight,
+                              contributors=sorted(self._contributors), stale=sorted(self._stale_in_round))
+        acked = {r: (tid, seq, res.outcome, res.version, res.staleness) for r, (tid, seq, res) in self._acked.items()}
         return ShardState(self.shard_id, self.version, self.job, self.params.detach().clone(), opt_copy,
-                          dict(self.counters))
+                          dict(self.counters), members=self.members.members(), acked=acked, open_round=open_round)
 
-    def _checkpoint_loop(self) -> None:
-        """Writes captured states outside the shard's lock, so training never waits on the disk."""
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._ckpt_pending is not None or self._stopped)
-                state, self._ckpt_pending = self._ckpt_pending, None
-                if state is None:
-                    return
-            self._write_checkpoint(state)
-
-    def _write_checkpoint(self, state: ShardState) -> None:
-        try:
-            if self.checkpointer.write(state):
-                self.count("checkpoints_written")
-        except OSError as e:
-            self.count("checkpoint_failures")
-            log.error("shard %d: checkpoint at version %d failed: %s", self.shard_id, state.version, e)
+    def _checkpoint_written(self, ok: bool) -> None:
+        self.count("checkpoints_written" if ok else "checkpoint_failures")
 
     def final_checkpoint(self) -> None:
-        """On shutdown: write the current state (after in-flight calls have drained)."""
-        if self.checkpointer is None:
+        """On shutdown, after in-flight calls have drained: write the current state, open round included."""
+        if self._writer is None:
             return
-        with self._cond:
-            if self.params is None:
-                return
-            state = self._capture()
-        self._write_checkpoint(state)
+        with self._lock:
+            state = self._capture() if self.params is not None else None
+        self._writer.stop()
+        if state is not None:
+            self._writer.write_now(state)
 
     def restore(self) -> int | None:
         """Resume from the newest valid checkpoint; returns its version, or None if there is none."""
         state, skipped = self.checkpointer.load_latest()
-        with self._cond:
+        with self._lock:
             self.counters["checkpoints_skipped_damaged"] += len(skipped)
             if state is None:
                 log.warning("shard %d: --restore found no valid checkpoint in %s; starting empty",
@@ -480,113 +536,70 @@ class Shard:
             self.optimizer = build_optimizer(self.job.optimizer, [self.params], fused=True)
             self.optimizer.load_state_dict(state.optimizer)
             self.version = state.version
+            self.members.restore(state.members)
+            self.started = len(state.members) >= self.job.num_trainers
+            self._acked = {r: (tid, seq, PushResult(outcome, version, staleness))
+                           for r, (tid, seq, outcome, version, staleness) in state.acked.items()}
+            self._restore_round(state.open_round)
             self.counters.update({k: v for k, v in state.counters.items() if not k.startswith("checkpoints_")})
             self.counters["restored_version"] = state.version
-            log.warning("shard %d: restored version %d from %s (%d damaged files skipped); trainers re-register",
-                        self.shard_id, state.version, self.checkpointer.directory, len(skipped))
+            self._restored = True
+            log.warning("shard %d: restored version %d from %s (%d damaged files skipped, %d members, open round "
+                        "with %d gradients)", self.shard_id, state.version, self.checkpointer.directory, len(skipped),
+                        len(state.members), len(self._contributors))
             return state.version
 
-    def _timer_loop(self) -> None:
-        """Expires silent trainers' leases and closes stale-timeout rounds at their deadline."""
-        with self._cond:
-            while not self._stopped:
-                deadlines = [modes.next_lease_expiry(frozenset(self.live), self._last_seen, self.lease_timeout)]
-                if self.params is not None:
-                    deadlines.append(modes.round_deadline(self._cfg, self._view()))
-                deadlines = [d for d in deadlines if d is not None]
-                if not deadlines:
-                    self._cond.wait()
-                    continue
-                remaining = min(deadlines) - self._clock()
-                if remaining > 0:
-                    self._cond.wait(remaining)
-                self._expire_leases()
-                if self.params is not None:
-                    self._close_if_due()
-
-    def _expire_leases(self) -> None:
-        now = self._clock()
-        for rank in sorted(modes.expired_ranks(frozenset(self.live), self._last_seen, self.lease_timeout, now)):
-            self.live.discard(rank)
-            self.counters["lease_expired"] += 1
-            log.warning("shard %d: rank %d silent for %.1f s (lease %.1f s): dropped from the live set; "
-                        "%d live", self.shard_id, rank, now - self._last_seen[rank], self.lease_timeout,
-                        len(self.live))
-        self._cond.notify_all()
+    def _restore_round(self, open_round: dict | None) -> None:
+        if not open_round:
+            return
+        if open_round["sum"] is not None:
+            self._acc = open_round["sum"].clone()
+        self._acc_weight = open_round["weight"]
+        self._contributors = set(open_round["contributors"])
+        self._stale_in_round = {tuple(x) for x in open_round["stale"]}
+        self._opened_at = self._clock()
 
     def _view(self) -> modes.RoundView:
         return modes.RoundView(
             version=self.version,
-            live=frozenset(self.live),
-            started=self._started(),
+            live=self.members.view().live,
+            started=self.started,
             contributors=frozenset(self._contributors),
             stale_in_round=frozenset(self._stale_in_round),
             opened_at=self._opened_at,
-            last_base=dict(self._last_base),
+            last_base=self._last_base,
         )
 
-    def _started(self) -> bool:
-        return len(self.ever_registered) >= self.job.num_trainers
-
-    # ------------------------------------------------------------------ checks and stats
-    def _check_ready(self, rank: int, trainer_id: str, fingerprint: str, need_params: bool) -> None:
-        if self.job is None:
-            raise NotReady(f"shard {self.shard_id} has no job yet: register first")
-        if fingerprint != self.job.fingerprint:
-            raise JobMismatch(
-                f"fingerprint is {fingerprint!r} but the job's is {self.job.fingerprint!r}: a different model or "
-                "shard count"
-            )
-        self._check_member(rank, trainer_id)
-        if need_params and self.params is None:
-            raise NotReady(f"shard {self.shard_id} is not initialised yet: rank 0 sends Init first")
-
-    def _check_member(self, rank: int, trainer_id: str) -> None:
-        """Refuse strangers; renew the caller's lease (any RPC counts as a heartbeat)."""
-        current = self.trainers.get(rank)
-        if current is None:
-            raise NotRegistered(f"rank {rank} is not registered with shard {self.shard_id}: register first")
-        if current != trainer_id:
-            raise Superseded(
-                f"rank {rank} is registered as {current!r}, not {trainer_id!r}: a newer trainer took this rank; "
-                "this process is fenced off and should stop"
-            )
-        self._last_seen[rank] = self._clock()
-        if rank not in self.live and rank not in self._left:
-            self.live.add(rank)
-            self.counters["rejoins"] += 1
-            log.info("shard %d: rank %d is heard from again after its lease expired: live again", self.shard_id, rank)
-            self._cond.notify_all()
-
+    # ------------------------------------------------------------------ stats
     def count(self, name: str, n: float = 1) -> None:
-        with self._cond:
-            self.counters[name] += n
+        self.counters[name] += n  # one dict update: atomic under the GIL
 
     def mode(self) -> str:
-        with self._cond:
-            return self.job.mode if self.job else ""
+        job = self.job
+        return job.mode if job else ""
 
     def wire_dtype(self) -> int:
-        with self._cond:
-            return WIRE_DTYPES[self.job.wire_dtype] if self.job else 0
+        job = self.job
+        return WIRE_DTYPES[job.wire_dtype] if job else 0
 
     def slice_length(self) -> int:
-        with self._cond:
-            return self.end - self.start
+        return self.end - self.start
+
+    def snapshot(self) -> StatsSnapshot:
+        """Stats without the lock (see the module docstring): a scrape or GetStats never waits on a step."""
+        job = self.job
+        return StatsSnapshot(
+            shard=self.shard_id, initialized=self.params is not None, version=self.version,
+            mode=job.mode if job else "", start=self.start, end=self.end,
+            live_ranks=sorted(self.members.view().live), counters=dict(self.counters), job=job,
+        )
 
     def stats(self) -> dict:
-        with self._cond:
-            return dict(
-                shard=self.shard_id, initialized=self.params is not None, version=self.version,
-                mode=self.job.mode if self.job else "", start=self.start, end=self.end,
-                live_ranks=sorted(self.live), counters=dict(self.counters), job=self.job,
-            )
+        return dict(vars(self.snapshot()))
 
     def state_digest(self) -> str:
         """Hash of parameters, optimizer state, version and round buffers (tests assert refusals leave it unchanged)."""
-        import hashlib
-
-        with self._cond:
+        with self._lock:
             h = hashlib.sha256(f"v={self.version};acc_w={self._acc_weight};c={sorted(self._contributors)}".encode())
             if self.params is not None:
                 h.update(self.params.detach().numpy().tobytes())
@@ -599,6 +612,5 @@ class Shard:
             return h.hexdigest()
 
     def stop(self) -> None:
-        with self._cond:
-            self._stopped = True
-            self._cond.notify_all()
+        self._stopped = True
+        self._changed()

@@ -11,6 +11,7 @@ from psserver.job import JobSpec, OptimizerConfig
 from psserver.proto import ps_pb2 as pb
 from psserver.proto import ps_pb2_grpc as pb_grpc
 from psserver.server import ServerConfig, ShardServer
+from psserver.service import ServiceLimits
 
 P = 1000  # parameters in the test job
 
@@ -75,6 +76,9 @@ def shard_server():
     servers = []
 
     def start(shard=0, **cfg) -> RawShard:
+        # Small chunks let the tests tile a 1,000-element slice in several pieces; the default minimum
+        # chunk size has a test of its own.
+        cfg.setdefault("limits", ServiceLimits(min_chunk_bytes=256))
         s = ShardServer(ServerConfig(shard=shard, host="127.0.0.1", port=0, **cfg)).start()
         servers.append(s)
         return RawShard(s)

@@ -11,8 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from psserver.codec import encode, wire_tensor
+from psserver.limits import MAX_ID_CHARS, MAX_TOTAL_PARAMS, MAX_TRAINERS
 from psserver.proto import ps_pb2 as pb
 from psserver.server import ServerConfig, ShardServer
+from psserver.service import ServiceLimits
 from tests.conftest import P, RawShard, make_spec
 
 FP = "f" * 16
@@ -26,7 +28,7 @@ def shard():
     """Sync job of 2 trainers; rank 0 registered and initialised; one open round (rank 0 pushed at version 0)."""
     # Leases off: a lease running out would close the open round mid-test and change the state on its own.
     server = ShardServer(ServerConfig(shard=0, host="127.0.0.1", port=0, max_push_bytes=MAX_PUSH,
-                                      lease_timeout=0)).start()
+                                      lease_timeout=0, limits=ServiceLimits(min_chunk_bytes=256))).start()
     s = RawShard(server)
     s.register(rank=0, spec=make_spec(num_trainers=2))
     s.register(rank=1, spec=make_spec(num_trainers=2))
@@ -59,10 +61,18 @@ def chunks_for(header, values=None, chunk_bytes=1024):
     return chunks
 
 
+printable = st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=20)
+# Strings no identifier may be: control characters (forged log lines) or longer than the limit.
+bad_ids = st.one_of(
+    st.text(min_size=1, max_size=20).filter(lambda t: any(ord(c) < 0x20 or ord(c) == 0x7F for c in t)),
+    st.integers(MAX_ID_CHARS + 1, 100_000).map(lambda n: "x" * n),
+)
 header_faults = st.one_of(
-    st.text(max_size=20).filter(lambda t: t != FP).map(lambda t: (dict(fingerprint=t), C.FAILED_PRECONDITION)),
+    printable.filter(lambda t: t != FP).map(lambda t: (dict(fingerprint=t), C.FAILED_PRECONDITION)),
+    bad_ids.map(lambda t: (dict(fingerprint=t), C.INVALID_ARGUMENT)),
     st.integers(2, 2**32 - 1).map(lambda r: (dict(rank=r, trainer_id=f"t{r}"), C.NOT_FOUND)),
-    st.text(max_size=10).filter(lambda t: t != "t1").map(lambda t: (dict(trainer_id=t), C.ALREADY_EXISTS)),
+    printable.filter(lambda t: t != "t1").map(lambda t: (dict(trainer_id=t), C.ALREADY_EXISTS)),
+    bad_ids.map(lambda t: (dict(trainer_id=t), C.INVALID_ARGUMENT)),
     st.integers(1, 2**63).map(lambda v: (dict(version=v), C.OUT_OF_RANGE)),
     st.just((dict(num_samples=0), C.INVALID_ARGUMENT)),
 )
@@ -168,7 +178,8 @@ def test_register_with_a_broken_field(shard, data):
     elif kind == "mode":
         job.mode, code = data.draw(mode_strategy), C.INVALID_ARGUMENT
     elif kind == "trainers":
-        job.num_trainers = data.draw(st.integers(3, 2**32 - 1))  # valid but different from the job's 2
+        job.num_trainers = data.draw(st.integers(3, 2**32 - 1))  # different from the job's 2; over the cap: invalid
+        code = C.FAILED_PRECONDITION if job.num_trainers <= MAX_TRAINERS else C.INVALID_ARGUMENT
     elif kind == "optimizer":
         job.optimizer.name, code = data.draw(st.text(max_size=8).filter(lambda n: n not in ("sgd", "adam", "adamw"))), \
             C.INVALID_ARGUMENT
@@ -177,8 +188,9 @@ def test_register_with_a_broken_field(shard, data):
         code = C.INVALID_ARGUMENT if not job.optimizer.lr > 0 else C.FAILED_PRECONDITION
     elif kind == "staleness":
         job.max_staleness, code = data.draw(st.integers(-2**62, -2)), C.INVALID_ARGUMENT
-    elif kind == "tensor":
-        job.tensors[0].shape[0] = data.draw(st.integers(0, 2**40).filter(lambda n: n != P))
+    elif kind == "tensor":  # a consistent spec of another size is another job; past the cap it is invalid
+        job.tensors[0].shape[0] = job.total_params = data.draw(st.integers(0, 2**40).filter(lambda n: n != P))
+        code = C.FAILED_PRECONDITION if job.total_params <= MAX_TOTAL_PARAMS else C.INVALID_ARGUMENT
     else:
         job.stale_policy, code = data.draw(st.text(max_size=6).filter(lambda p: p not in ("drop", "scale"))), \
             C.INVALID_ARGUMENT

@@ -10,6 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from psserver.proto import ps_pb2 as pb
 from psserver.proto import ps_pb2_grpc as pb_grpc
 from psserver.security import ClientSecurity, ServerSecurity
+from psserver.service import ServiceLimits
 from psserver.server import ServerConfig, ShardServer
 from tests.conftest import make_spec
 
@@ -37,7 +38,8 @@ def start():
     servers = []
 
     def run(security: ServerSecurity, host="127.0.0.1") -> ShardServer:
-        s = ShardServer(ServerConfig(shard=0, host=host, port=0, security=security)).start()
+        s = ShardServer(ServerConfig(shard=0, host=host, port=0, security=security,
+                                                     limits=ServiceLimits(min_chunk_bytes=256))).start()
         servers.append(s)
         return s
 

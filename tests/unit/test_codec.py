@@ -54,8 +54,10 @@ def test_gap_overlap_repeat_and_overflow_are_refused():
     chunks = chunks_of(torch.zeros(48), chunk_bytes=64)  # 3 chunks of 16 elements
     with pytest.raises(InvalidRequest, match="offset is 32 but 16 was expected"):
         ChunkReader([chunks[0], chunks[2]]).read(48, pb.FLOAT32, BIG)
-    with pytest.raises(InvalidRequest, match="offset is 0 but 16 was expected"):
+    with pytest.raises(InvalidRequest, match="offset 0 repeats the header"):
         ChunkReader([chunks[0], chunks[0]]).read(48, pb.FLOAT32, BIG)
+    with pytest.raises(InvalidRequest, match="offset is 0 but 16 was expected"):
+        ChunkReader([chunks[0], pb.Chunk(offset=0, data=chunks[1].data)]).read(48, pb.FLOAT32, BIG)
     with pytest.raises(InvalidRequest, match="cover \\[0, 32\\)"):
         ChunkReader(chunks[:2]).read(48, pb.FLOAT32, BIG)
     extra = pb.Chunk(offset=48, data=b"\0" * 4)

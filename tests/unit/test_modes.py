@@ -26,9 +26,9 @@ def test_sync_does_not_close_before_every_trainer_of_the_job_registered():
     assert decide_push(SYNC, view, rank=0, base=0, now=0.0).close is None
 
 
-def test_sync_round_closes_when_the_missing_trainer_leaves():
+def test_sync_round_closes_when_the_missing_trainer_leaves_and_says_why():
     view = RoundView(version=1, live=frozenset({0, 1}), contributors=frozenset({0, 1}), opened_at=0.0)
-    assert decide_tick(SYNC, view, now=0.0) is CloseReason.ALL_ARRIVED
+    assert decide_tick(SYNC, view, now=0.0) is CloseReason.MEMBERSHIP
     view = RoundView(version=1, live=frozenset({0, 1, 2}), contributors=frozenset({0, 1}), opened_at=0.0)
     assert decide_tick(SYNC, view, now=0.0) is None
 

@@ -1,12 +1,10 @@
 """Pull snapshots are recycled, never while a pull still streams them (Shard only, no network)."""
 
-import gc
-
 import torch
 
 from psserver.proto import ps_pb2 as pb
-from psserver.service import _SnapshotStream
-from psserver.shard import MAX_SNAPSHOT_BUFFERS, Shard
+from psserver.shard import Shard
+from psserver.snapshots import MAX_SPARE_BUFFERS
 from tests.conftest import P, make_spec
 
 FP = "f" * 16
@@ -20,12 +18,11 @@ def async_shard() -> Shard:
 
 
 def pull(shard: Shard, wire=pb.FLOAT32):
-    version, snapshot, _ = shard.pull(0, "t0", FP, 0, wire, timeout=1)
-    return version, snapshot
+    return shard.acquire_snapshot(0, "t0", FP, wire)
 
 
 def step(shard: Shard, sequence: int) -> None:
-    assert shard.push(0, "t0", FP, shard.version, 1, torch.ones(P), sequence).outcome == "applied"
+    assert shard.push(0, "t0", FP, shard.version, 1, torch.ones(P), sequence)[0].outcome == "applied"
 
 
 def test_a_pull_streams_the_live_parameters_and_a_step_moves_them_aside_only_while_streamed():
@@ -51,7 +48,7 @@ def test_a_pull_streams_the_live_parameters_and_a_step_moves_them_aside_only_whi
     step(shard, 8)  # moves again, into recycled memory (the first pull's, now released)
     assert streamed.data_ptr() == live and shard.params.data_ptr() != live and torch.equal(streamed, before)
     assert shard.params.data_ptr() == held.data_ptr()
-    assert len(shard._snapshot_buffers) <= MAX_SNAPSHOT_BUFFERS
+    assert len(shard.snapshots.buffers) <= MAX_SPARE_BUFFERS
 
 
 def test_pulls_of_one_version_share_its_snapshot_and_reduced_precision_has_its_own():
@@ -65,14 +62,3 @@ def test_pulls_of_one_version_share_its_snapshot_and_reduced_precision_has_its_o
     assert half.dtype == torch.bfloat16 and torch.equal(half, shard.params.detach().bfloat16())
     step(shard, 1)  # both fp32 pulls still stream: the parameters move; the bf16 copy is a copy anyway
     assert torch.equal(half, torch.arange(P, dtype=torch.float32).bfloat16())
-
-
-def test_a_stream_releases_its_snapshot_once_when_done_or_dropped_unstarted():
-    released = []
-    finished = _SnapshotStream(iter([1, 2]), lambda: released.append("finished"))
-    assert list(finished) == [1, 2]
-    finished.close()
-    dropped = _SnapshotStream(iter([1, 2]), lambda: released.append("dropped"))
-    del dropped
-    gc.collect()
-    assert released == ["finished", "dropped"]

@@ -1,0 +1,71 @@
+"""Caps on every size a client declares, checked before the value touches any state.
+
+A shard trusts nothing a request says about itself: each declared count or
+length is compared with a cap here first, so a request cannot make a shard
+allocate, store, loop or log in proportion to a number it made up.  The caps
+sit far above any real job; they exist to turn a hostile or corrupted value
+into INVALID_ARGUMENT instead of memory, time or a crash.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+
+from psserver.errors import InvalidRequest
+from psserver.logsafe import shorten
+
+# A shard keeps per-trainer state (membership, sequence numbers, round bookkeeping): the number of
+# trainers a job declares sizes that state, so it is capped well above any real cluster.
+MAX_TRAINERS = 4096
+# Each trainer opens one channel per shard and fans every step out to all of them.
+MAX_SHARDS = 1024
+# 2**36 fp32 parameters is 256 GiB: larger than any one job's flat vector we expect, small enough
+# that a shard's slice length and byte counts stay far from overflow anywhere.
+MAX_TOTAL_PARAMS = 1 << 36
+# Tensors in a job spec: every Register compares them one by one with the job's.
+MAX_TENSORS = 65536
+# trainer_id, fingerprint and job_id: stored per trainer and quoted in logs.
+MAX_ID_CHARS = 128
+# A tensor's name (and dtype string): dotted module paths are long, but not this long.
+MAX_NAME_CHARS = 256
+# A tensor's rank: torch itself caps dimensions far higher, models use 1 to 5.
+MAX_DIMS = 8
+# stale-timeout's round deadline, in seconds (one day): larger values overflow timers.
+MAX_SYNC_TIMEOUT = 86400.0
+# async mode's staleness bound, in versions.
+MAX_STALENESS = 1 << 31
+# A push's per-trainer sequence number: at a million pushes a second, 2**48 lasts nine years.
+MAX_SEQUENCE = 1 << 48
+# Samples behind one gradient: it weights the gradient when rounds are averaged.
+MAX_NUM_SAMPLES = 1 << 24
+# Every chunk of a stream but the last carries at least min(MIN_CHUNK_BYTES, bytes remaining):
+# a stream of one-byte chunks would cost a message, a header check and a copy per byte.
+MIN_CHUNK_BYTES = 4096
+
+
+def text_problem(field: str, value: str, limit: int) -> str | None:
+    """What is wrong with a client-supplied string (too long, not a string, a control or other
+    non-printable character), as a message naming ``field``; None if nothing is.  Checks the
+    length first, so a huge value costs no scan."""
+    if not isinstance(value, str):
+        return f"{field} must be a string, not {type(value).__name__} {shorten(value)}"
+    if len(value) > limit:
+        return f"{field} is {len(value)} characters long, over the limit of {limit}"
+    if value.isprintable():
+        return None
+    for i, ch in enumerate(value):
+        if not ch.isprintable():
+            kind = "a control character" if unicodedata.category(ch) == "Cc" else "a non-printable character"
+            return f"{field} contains {kind} at position {i}: {shorten(value)}"
+    return None  # unreachable: isprintable() said some character is not
+
+
+def check_id(field: str, value: str, limit: int = MAX_ID_CHARS) -> None:
+    """Refuse an id (trainer_id, fingerprint, job_id) that is too long or could forge or garble a log line.
+
+    Raises:
+        InvalidRequest: naming ``field`` and quoting the value through ``shorten``.
+    """
+    problem = text_problem(field, value, limit)
+    if problem:
+        raise InvalidRequest(problem)

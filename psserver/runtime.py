@@ -1,0 +1,180 @@
+"""What the async servicer runs on: the state worker, the compute pool, version waiters, receive buffers.
+
+* ``state``: ONE thread that runs every shard method touching tensors or the
+  round, in the order calls arrive -- so they never contend, and the event loop
+  never blocks on them.
+* ``compute``: a small pool for pure, read-only work on a received gradient
+  (the finite check), which may overlap with the state worker.
+* ``VersionWaiters``: pulls waiting for a version are futures keyed by that
+  version; a state change wakes only the ones it satisfies (readiness is
+  monotone in the version), so a round closing for 1,024 trainers costs 1,024
+  wake-ups, not 1,024 per push.
+* ``ReceiveBuffers``: a bounded pool of slice-sized buffers; a push beyond the
+  bound waits for one (its bytes wait in gRPC's flow control), so memory is
+  bounded by the pool, not by the number of trainers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from typing import Awaitable, Callable
+
+import torch
+
+from psserver.shard import Shard
+
+log = logging.getLogger(__name__)
+
+
+class VersionWaiters:
+    """Futures waiting for ``ready(min_version)``; woken from any thread with ``changed_threadsafe``."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, ready: Callable[[int], bool]):
+        self._loop, self._ready = loop, ready
+        self._waiting: dict[int, list[asyncio.Future]] = {}
+        self._scheduled = False
+
+    def changed_threadsafe(self) -> None:
+        if not self._scheduled:  # coalesce: one wake-up per burst of changes
+            self._scheduled = True
+            self._loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        self._scheduled = False
+        for version in sorted(self._waiting):
+            if not self._ready(version):
+                break  # readiness is monotone: no higher version is ready either
+            for fut in self._waiting.pop(version):
+                if not fut.done():
+                    fut.set_result(True)
+
+    async def wait(self, min_version: int, timeout: float) -> bool:
+        """True once ready, False after ``timeout`` seconds; cancelled at once with its call."""
+        if self._ready(min_version):
+            return True
+        if timeout <= 0:
+            return False
+        fut = self._loop.create_future()
+        self._waiting.setdefault(min_version, []).append(fut)
+        try:
+            await asyncio.wait_for(fut, timeout)
+            return True
+        except asyncio.TimeoutError:
+            return self._ready(min_version)
+        finally:
+            waiters = self._waiting.get(min_version)
+            if waiters is not None and fut in waiters:
+                waiters.remove(fut)
+                if not waiters:
+                    del self._waiting[min_version]
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._waiting.values())
+
+
+class _Held:
+    """A receive buffer held by one push; the shard may swap it for another (see Shard.push)."""
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer: torch.Tensor | None = buffer
+
+    async def hand_over(self, call: Awaitable):
+        """Await the state worker's use of this buffer.  If the call is cancelled meanwhile the worker
+        still owns the buffer (it may become the round's sum): forget it rather than reuse it."""
+        try:
+            return await call
+        except asyncio.CancelledError:
+            self.buffer = None
+            raise
+        except BaseException as e:
+            from psserver.errors import PsError
+
+            if not isinstance(e, PsError):  # an unexpected failure: do not trust the buffer's ownership
+                self.buffer = None
+            raise
+
+
+class ReceiveBuffers:
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._sem = asyncio.Semaphore(limit)
+        self._free: list[torch.Tensor] = []
+
+    @asynccontextmanager
+    async def take(self, length: int):
+        async with self._sem:
+            buf = None
+            while self._free and buf is None:
+                candidate = self._free.pop()
+                if candidate.numel() == length:
+                    buf = candidate
+            held = _Held(buf if buf is not None else torch.empty(length, dtype=torch.float32))
+            try:
+                yield held
+            finally:
+                if held.buffer is not None and len(self._free) < self.limit:
+                    self._free.append(held.buffer)
+
+
+class Runtime:
+    """Created on the event loop; owns the threads the servicer hands work to."""
+
+    def __init__(self, shard: Shard, receive_buffers: int, compute_threads: int = 2):
+        self.loop = asyncio.get_running_loop()
+        self.shard = shard
+        self.state = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shard{shard.shard_id}-state")
+        self.compute = ThreadPoolExecutor(max_workers=compute_threads, thread_name_prefix=f"shard{shard.shard_id}-compute")
+        self.waiters = VersionWaiters(self.loop, shard.pull_ready)
+        self.buffers = ReceiveBuffers(receive_buffers)
+        self.stopping = False
+        self.changes = asyncio.Event()  # set on every shard change: wakes the round timer in stale-timeout mode
+        shard.on_change = self._changed_threadsafe
+
+    def _changed_threadsafe(self) -> None:
+        self.waiters.changed_threadsafe()
+        if self.shard.mode() == "stale-timeout":
+            self.loop.call_soon_threadsafe(self.changes.set)
+
+    def run_state(self, fn, *args):
+        return self.loop.run_in_executor(self.state, functools.partial(fn, *args))
+
+    def run_compute(self, fn, *args):
+        return self.loop.run_in_executor(self.compute, functools.partial(fn, *args))
+
+    async def acquire_snapshot(self, rank: int, trainer_id: str, fingerprint: str, wire: int):
+        """Shard.acquire_snapshot on the state worker; if the call is cancelled meanwhile, the snapshot
+        it gets is released when it arrives (else a step would move the parameters aside forever)."""
+        fut = self.run_state(self.shard.acquire_snapshot, rank, trainer_id, fingerprint, wire)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(lambda f: None if f.cancelled() or f.exception() else
+                                  self.release_snapshot(f.result()[1]))
+            raise
+
+    def release_snapshot(self, snapshot: torch.Tensor) -> None:
+        self.state.submit(self.shard.release_snapshot, snapshot)
+
+    async def round_timer(self) -> None:
+        """Expires leases and closes stale-timeout rounds at their deadlines (Shard.tick on the state worker)."""
+        clock = self.shard._clock
+        while not self.stopping:
+            try:
+                next_at = await self.run_state(self.shard.tick)
+            except Exception:  # noqa: BLE001 -- the timer must outlive any one bad tick
+                log.exception("shard %d: round timer tick failed", self.shard.shard_id)
+                next_at = None
+            delay = 1.0 if next_at is None else min(1.0, max(0.001, next_at - clock()))
+            self.changes.clear()
+            try:
+                await asyncio.wait_for(self.changes.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
+
+    def shutdown(self) -> None:
+        self.state.shutdown(wait=True)
+        self.compute.shutdown(wait=True)
