@@ -40,9 +40,9 @@ class RawShard:
         return pb.ChunkHeader(rank=rank, trainer_id=trainer_id or f"t{rank}", fingerprint=fingerprint, dtype=dtype,
                               length=n, version=version, num_samples=num_samples, sequence=sequence)
 
-    def init(self, values: torch.Tensor, rank=0):
+    def init(self, values: torch.Tensor, rank=0, chunk_bytes=1024):
         h = self.header(rank=rank, n=values.numel())
-        return self.stub.Init(encode(wire_tensor(values, pb.FLOAT32), h, 1024), timeout=10)
+        return self.stub.Init(encode(wire_tensor(values, pb.FLOAT32), h, chunk_bytes), timeout=10)
 
     def push(self, grad: torch.Tensor, chunk_bytes=1024, **header):
         h = self.header(n=header.pop("n", grad.numel()), **header)

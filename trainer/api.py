@@ -59,7 +59,7 @@ def model_layout(model: torch.nn.Module, num_shards: int) -> Layout:
 def make_job(model: torch.nn.Module, num_shards: int, *, mode: str = "sync", num_trainers: int = 1,
              optimizer: OptimizerConfig | dict | None = None, max_staleness: int | None = None,
              sync_timeout: float = 0.0, replicas_to_aggregate: int = 0, stale_policy: str = "drop",
-             wire_dtype: str = "float32") -> JobSpec:
+             wire_dtype: str = "float32", job_id: str = "") -> JobSpec:
     """The job spec for training ``model``; raises ValueError naming a bad setting."""
     layout = model_layout(model, num_shards)
     if optimizer is None:
@@ -70,7 +70,7 @@ def make_job(model: torch.nn.Module, num_shards: int, *, mode: str = "sync", num
         mode=mode, num_trainers=num_trainers, num_shards=num_shards, total_params=layout.total,
         fingerprint=layout.fingerprint(), optimizer=optimizer, max_staleness=max_staleness,
         sync_timeout=sync_timeout, replicas_to_aggregate=replicas_to_aggregate, stale_policy=stale_policy,
-        wire_dtype=wire_dtype, tensors=tuple((s.name, s.shape, s.dtype) for s in layout.slots),
+        wire_dtype=wire_dtype, tensors=tuple((s.name, s.shape, s.dtype) for s in layout.slots), job_id=job_id,
     )
 
 
@@ -190,7 +190,9 @@ class ParameterServerTrainer:
             s.init(self._slice(self.flat.flat, i), self.client.wire)
             log.warning("shard %d came back without parameters: re-initialised it from rank 0's weights", i)
         v = self.versions[i] = self._pull_into(s, 0, self.connect_timeout)
-        lost = max(0, before - v)
+        # Lost: the versions the shard rolled back, plus the gradient of this step, which is dropped (a shard
+        # that had kept it would have answered DUPLICATE, not asked us to rejoin).
+        lost = max(0, before - v) + 1
         self.client.counters["reconnects"] += 1
         self.client.counters["steps_lost"] += lost
         log.warning("rank %d resumed shard %d at version %d (was %d): %d steps lost", self.rank, i, v, before, lost)
@@ -373,7 +375,7 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
             stale_policy: str = "drop", wire_dtype: str = "float32", trainer_id: str | None = None,
             connect_timeout: float = 120.0, round_timeout: float = 600.0,
             chunk_bytes: int = 1 << 20, security: ClientSecurity | None = None,
-            overlap: bool = False, push_during_backward: bool = False) -> ParameterServerTrainer:
+            overlap: bool = False, push_during_backward: bool = False, job_id: str = "") -> ParameterServerTrainer:
     """Register ``model`` with the shards at ``ps`` and return a handle whose ``step()`` trains it.
 
     Rank 0 initialises the shards with its model's weights; every trainer then
@@ -384,12 +386,15 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
     weights in the background while the next gradient is computed.
     ``push_during_backward`` (any mode) starts each shard's push as soon as
     backward has produced its slice; call ``prepare_step(num_samples)`` before
-    ``loss.backward()`` (see trainer.early_push).
+    ``loss.backward()`` (see trainer.early_push).  ``job_id`` names this run: while
+    a job runs, shards refuse trainers of another id (FAILED_PRECONDITION naming
+    both); once every trainer of a job has left, the next job starts fresh.
     """
     addresses = parse_addresses(ps)
     job = make_job(model, len(addresses), mode=mode, num_trainers=num_trainers, optimizer=optimizer,
                    max_staleness=max_staleness, sync_timeout=sync_timeout,
-                   replicas_to_aggregate=replicas_to_aggregate, stale_policy=stale_policy, wire_dtype=wire_dtype)
+                   replicas_to_aggregate=replicas_to_aggregate, stale_policy=stale_policy, wire_dtype=wire_dtype,
+                   job_id=job_id)
     return ParameterServerTrainer(addresses, model, job, rank, trainer_id or default_trainer_id(rank),
                                   connect_timeout, round_timeout, chunk_bytes, security or ClientSecurity(), overlap,
                                   push_during_backward)

@@ -40,6 +40,9 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--wire-dtype", choices=list(WIRE_DTYPES), default="float32",
                    help="dtype of gradients and weights on the wire (shards keep fp32)")
     p.add_argument("--seed", type=int, default=0, help="model init and data order; the same on every trainer")
+    p.add_argument("--job-id", default="",
+                   help="names this run; every trainer of it passes the same (shards refuse another job's "
+                        "trainers while one runs, and start a new job fresh once every trainer has left)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--output", default="", help="rank 0 writes the trained state dict here")
@@ -76,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         eval_every=args.eval_every,
         progress=False if args.no_progress else None, connect_timeout=args.connect_timeout,
         security=client_security(args), backend=args.backend, overlap=args.overlap,
-        push_during_backward=args.push_during_backward,
+        push_during_backward=args.push_during_backward, job_id=args.job_id,
     )
     summary = train(cfg)
     print(json.dumps({"event": "done", "rank": cfg.rank, **summary}))

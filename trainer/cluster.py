@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +52,7 @@ def build_parser() -> EnvArgumentParser:
                    help="extra seconds per step for the last trainer, to show what stale-timeout buys")
     p.add_argument("--eval-every", type=int, default=20, help="rank 0 evaluates every N steps (for the plot)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--job-id", default="", help="names the run's job (default: a fresh id per run)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--host", default="127.0.0.1", help="loopback address for the shards")
     p.add_argument("--run-dir", default="", help="folder for logs, metrics and the model (default runs/<time>-<mode>)")
@@ -104,7 +106,7 @@ def trainer_args(args, rank: int, run: Path) -> list[str]:
         "--batch-size", str(args.batch_size), "--epochs", str(args.epochs), "--steps", str(args.steps),
         "--optimizer", args.optimizer, "--seed", str(args.seed), "--device", args.device,
         "--metrics-file", str(run / f"trainer{rank}.jsonl"), "--no-progress", "--log-every", "5",
-        "--threads", str(max(1, (os.cpu_count() or 1) // args.trainers)),
+        "--threads", str(max(1, (os.cpu_count() or 1) // args.trainers)), "--job-id", args.job_id,
     ]
     if args.lr is not None:
         a += ["--lr", str(args.lr)]
@@ -166,6 +168,7 @@ def print_summary(s: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.job_id = args.job_id or f"cluster-{uuid.uuid4().hex[:12]}"
     setup_logging(args.log_level)
     if args.shards < 1 or args.trainers < 1:
         raise ValueError(f"--shards ({args.shards}) and --trainers ({args.trainers}) must be at least 1")

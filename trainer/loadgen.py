@@ -139,9 +139,12 @@ class _Board:
     so plain loads and stores suffice: an aligned 8-byte store is atomic.
     """
 
-    STOP_REQ, STOP_AT, ABORT, INIT_DONE, STALL_OPEN, STALL_RELEASE, STALL_OPENED, STALL_DONE = range(8)
-    SLOT0, SLOT_SIZE = 8, 3
-    MAXV, READY, DONE = range(3)  # per worker: highest reply version seen, trainers registered, trainers finished
+    STOP_REQ, STOP_AT, ABORT, INIT_DONE, GO = range(5)
+    STALL_OPEN, STALL_RELEASE, STALL_OPENED, STALL_DONE, STRANGER_UP = range(5, 10)
+    SLOT0, SLOT_SIZE = 16, 5
+    # Per worker: highest reply version seen, trainers registered, trainers finished, process up (imports done),
+    # trainers that died of a bug (any: the job cannot go on, so the orchestrator stops at once).
+    MAXV, READY, DONE, UP, CRASHED = range(5)
 
     def __init__(self, ctx, workers: int):
         self.cells = ctx.RawArray("d", self.SLOT0 + self.SLOT_SIZE * workers)
@@ -151,6 +154,9 @@ class _Board:
 
     def total(self, field: int) -> float:
         return sum(self.cells[self.SLOT0 + i * self.SLOT_SIZE + field] for i in range(self.workers))
+
+    def up(self, stranger: bool) -> bool:
+        return self.total(self.UP) == self.workers and (not stranger or self.cells[self.STRANGER_UP] > 0)
 
     def max_version(self) -> int:
         return int(max(self.cells[self.SLOT0 + i * self.SLOT_SIZE + self.MAXV] for i in range(self.workers)))
@@ -201,6 +207,13 @@ class _SimTrainer:
                 delay = min(2 * delay, 1.0)
 
     async def run(self) -> None:
+        try:
+            await self._run()
+        except Exception:  # a bug, not a refusal (those are retried): tell the orchestrator, which stops the run
+            self.cells[self.slot + _Board.CRASHED] += 1
+            raise
+
+    async def _run(self) -> None:
         cells, cfg = self.cells, self.cfg
         req = _pb.RegisterRequest(rank=self.rank, trainer_id=self.trainer_id, expected_shard=0,
                                   job=_pb.JobSpec.FromString(self.job.job))
@@ -262,8 +275,8 @@ class _SimTrainer:
         if not self.registered:
             return
         try:
-            await self._leave(_pb.LeaveRequest(rank=self.rank, trainer_id=self.trainer_id,
-                                               fingerprint=self.job.fingerprint), timeout=timeout, metadata=self.metadata)
+            request = _pb.LeaveRequest(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.job.fingerprint)
+            await self._leave(request, timeout=timeout, metadata=self.metadata)
         except grpc.aio.AioRpcError as e:
             self.leave_errors[e.code().name] += 1
 
@@ -277,6 +290,9 @@ async def _watch_abort(cells, tasks) -> None:
 
 async def _run_trainers(index: int, ranks: list[int], job: JobWire, cfg: LoadConfig, cells, lock) -> dict:
     slot = _Board.SLOT0 + index * _Board.SLOT_SIZE
+    cells[slot + _Board.UP] = 1
+    while not (cells[_Board.GO] or cells[_Board.ABORT]):  # the prober starts once every client process is up
+        await asyncio.sleep(0.01)
     sims = [_SimTrainer(r, job, cfg, cells, lock, slot) for r in ranks]
     tasks = [asyncio.create_task(s.run()) for s in sims]
     watcher = asyncio.create_task(_watch_abort(cells, tasks))
@@ -305,6 +321,7 @@ def _worker_main(index: int, ranks: list[int], job: JobWire, cfg: LoadConfig, ce
 # --------------------------------------------------------------------------------------------- stranger
 async def _stall_streams(address: str, streams: int, connections: int, cells) -> dict:
     """Open ``streams`` Push streams that never send a message, hold them until released, then cancel them."""
+    cells[_Board.STRANGER_UP] = 1
     while not cells[_Board.STALL_OPEN]:
         if cells[_Board.ABORT]:
             return {}
@@ -316,8 +333,8 @@ async def _stall_streams(address: str, streams: int, connections: int, cells) ->
         yield b""
 
     channels = [grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) for _ in range(connections)]
-    calls = [channels[i % connections].stream_unary(METHOD + "Push", serialize_chunk, _pb.PushReply.FromString)(silent())
-             for i in range(streams)]
+    pushes = [ch.stream_unary(METHOD + "Push", serialize_chunk, _pb.PushReply.FromString) for ch in channels]
+    calls = [pushes[i % connections](silent()) for i in range(streams)]
 
     async def hold(call) -> str:
         try:
@@ -371,7 +388,8 @@ def _prober_main(conn, interval: float, timeout: float) -> None:
         with grpc.insecure_channel(command[1], options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
             check = health_pb2_grpc.HealthStub(channel).Check
             try:
-                grpc.channel_ready_future(channel).result(timeout=timeout)  # the first probe should not pay for connecting
+                # The first probe should not pay for connecting.
+                grpc.channel_ready_future(channel).result(timeout=timeout)
             except grpc.FutureTimeoutError:
                 pass
             next_at = time.monotonic()
@@ -435,8 +453,11 @@ class _Prober:
 class _Fleet:
     """The client processes hosting one job's trainers (and, for a stall run, the stranger)."""
 
-    def __init__(self, ctx, cfg: LoadConfig, job: JobWire, stall: tuple[int, int] | None = None):
+    def __init__(self, ctx, cfg: LoadConfig, job: JobWire, stall: tuple[int, int] | None = None,
+                 broken=lambda: False):
         n = job.num_trainers
+        self.broken = broken  # e.g. the shard exited: no point waiting for the deadline
+        self.why = ""  # why the last wait gave up
         procs = min(cfg.client_procs, n)
         self.n = n
         self.board = _Board(ctx, procs)
@@ -445,11 +466,15 @@ class _Fleet:
             self.cells[_Board.STOP_AT] = cfg.warmup + cfg.rounds  # known in advance: no race to decide it
         self.ranks = [list(range(i, n, procs)) for i in range(procs)]  # rank 0 in worker 0
         self.procs, self.conns = [], []
-        for i, ranks in enumerate(self.ranks):
-            self._spawn(ctx, f"loadgen-worker{i}", _worker_main, (i, ranks, job, cfg, self.cells, self.board.lock))
         self.stranger = None
-        if stall:
-            self.stranger = self._spawn(ctx, "loadgen-stranger", _stranger_main, (job.address, *stall, self.cells))
+        try:
+            for i, ranks in enumerate(self.ranks):
+                self._spawn(ctx, f"loadgen-worker{i}", _worker_main, (i, ranks, job, cfg, self.cells, self.board.lock))
+            if stall:
+                self.stranger = self._spawn(ctx, "loadgen-stranger", _stranger_main, (job.address, *stall, self.cells))
+        except BaseException:
+            self.kill()
+            raise
 
     def _spawn(self, ctx, name, target, args):
         parent, child = ctx.Pipe(duplex=False)
@@ -464,19 +489,23 @@ class _Fleet:
         return [p.pid for p in self.procs[:len(self.ranks)]]
 
     def failed(self) -> bool:
-        """A worker exited before its trainers finished (it crashed or was killed)."""
+        """A trainer crashed, or a worker exited before its trainers finished (it crashed or was killed)."""
         for i, p in enumerate(self.procs[:len(self.ranks)]):
             slot = _Board.SLOT0 + i * _Board.SLOT_SIZE
-            if not p.is_alive() and self.cells[slot + _Board.DONE] < len(self.ranks[i]):
+            if self.cells[slot + _Board.CRASHED] or (
+                    not p.is_alive() and self.cells[slot + _Board.DONE] < len(self.ranks[i])):
                 return True
         return False
 
     def wait(self, predicate, deadline: float) -> bool:
-        """Poll ``predicate`` until true; False at the deadline or when a worker died."""
+        """Poll ``predicate`` until true; False (and ``why`` says which) at the deadline, when a client process
+        died, or when ``broken()``."""
         while not predicate():
-            if time.monotonic() >= deadline or self.failed():
+            self.why = ("client" if self.failed() else "shard" if self.broken()
+                        else "deadline" if time.monotonic() >= deadline else "")
+            if self.why:
                 return False
-            time.sleep(0.005)
+            time.sleep(0.005)  # polling the board: the orchestrator is not on any measured path
         return True
 
     def finish(self, timeout: float = 60.0) -> tuple[list[dict], dict | None]:
@@ -560,6 +589,17 @@ def health_stats(probes: list[tuple], t0: float = -math.inf, t1: float = math.in
     return out
 
 
+def _slowest(probes: list[tuple], marks: dict, k: int = 5) -> list[dict]:
+    """The slowest probes, each placed in the phase it was sent in (did setup or the window cause it?)."""
+    begins = {"go": "setup", "setup": "warm-up", "start": "measure", "stop": "drain", "end": "teardown"}
+    order = sorted((t, begins[name]) for name, t in marks.items() if name in begins)
+    out = []
+    for t, seconds, code in sorted(probes, key=lambda p: -p[1])[:k]:
+        phase = next((name for mt, name in reversed(order) if mt <= t), "setup")
+        out.append(dict(ms=_ms(seconds), code=code, phase=phase, at_s=round(t - order[0][0], 3) if order else None))
+    return out
+
+
 def _merge(results: list[dict]) -> tuple[list, list, dict, dict, list]:
     records = [r for res in results for r in res["records"]]
     errors = [e for res in results for e in res["errors"]]
@@ -579,7 +619,7 @@ def window_summary(records: list[tuple], t0: float, t1: float) -> dict:
     return dict(seconds=round(span, 3), pushes=len(inside), rounds=rounds,
                 pushes_per_s=round(len(inside) / span, 2) if span > 0 else None,
                 rounds_per_s=round(rounds / span, 2) if span > 0 else None,
-                step=latency_stats([r[2] - r[1] for r in inside]))
+                step=latency_stats([r[2] - r[1] for r in inside]), outcomes=_outcomes(inside))
 
 
 def sync_window(records: list[tuple], v_start: int, stop_at: int) -> dict:
@@ -593,7 +633,12 @@ def sync_window(records: list[tuple], v_start: int, stop_at: int) -> dict:
     return dict(seconds=round(span, 3), pushes=len(inside), rounds=rounds, t0=t0, t1=t1,
                 pushes_per_s=round(len(inside) / span, 2) if span > 0 else None,
                 rounds_per_s=round(rounds / span, 2) if span > 0 else None,
-                step=latency_stats([r[2] - r[1] for r in inside]))
+                step=latency_stats([r[2] - r[1] for r in inside]), outcomes=_outcomes(inside))
+
+
+def _outcomes(records: list[tuple]) -> dict:
+    """What became of the pushes (the reply header's outcome): applied, accepted, stale, duplicate..."""
+    return {_pb.PushOutcome.Name(k).lower(): v for k, v in sorted(Counter(r[4] for r in records).items())}
 
 
 def _shard_stats(address: str, token: str) -> dict:
@@ -631,6 +676,54 @@ class _Shard:
         return self.proc.terminate() if self.proc else None
 
 
+@dataclass
+class _Session:
+    """What one run of a fleet left behind: whether its phases all finished, where it stopped, its data."""
+
+    ok: bool = False
+    phase: str = "setup"
+    results: list = dataclasses.field(default_factory=list)
+    stranger: dict | None = None
+    probes: list = dataclasses.field(default_factory=list)
+    fleet: "_Fleet | None" = None
+
+
+def _run_session(ctx, cfg: LoadConfig, job: JobWire, shard: _Shard, prober: _Prober, phases, deadline: float,
+                 stall: tuple[int, int] | None = None) -> _Session:
+    """Run ``phases(fleet, session) -> bool`` on a fresh fleet, probing the shard from the moment every client
+    process is up (their start-up is not the shard's doing); whatever happens, the client processes are stopped
+    (at once unless every phase finished) and their results and the probes collected."""
+    s = _Session(phase="starting client processes")
+    try:
+        s.fleet = _Fleet(ctx, cfg, job, stall, broken=lambda: not shard.alive())
+        if s.fleet.wait(lambda: s.fleet.board.up(stall is not None), deadline):
+            prober.start(shard.address)
+            s.fleet.cells[_Board.GO] = 1
+            s.phase = "setup"
+            s.ok = phases(s.fleet, s)
+    finally:
+        try:
+            if s.fleet is not None:
+                if not s.ok:  # the deadline, a dead process, or an exception here: the trainers stop where they are
+                    s.fleet.cells[_Board.ABORT] = 1
+                s.results, s.stranger = s.fleet.finish()
+        finally:
+            if s.fleet is not None:
+                s.fleet.kill()
+            s.probes = prober.stop()
+    return s
+
+
+def _status(s: _Session, shard: _Shard, crashes: list, deadline: float) -> str:
+    if s.ok:
+        return "ok"
+    if s.fleet.why == "shard" or not shard.alive():
+        return f"shard exited during {s.phase}"
+    if s.fleet.why == "client" or crashes:
+        return f"client failed during {s.phase}"
+    return f"deadline ({deadline:.0f} s) during {s.phase}"
+
+
 def measure(ctx, cfg: LoadConfig, shard: _Shard, prober: _Prober, n: int) -> dict:
     """One row: N trainers on a fresh job, warm-up, a measured window, bounded by ``cfg.deadline``."""
     job = make_job(cfg, shard.address, n)
@@ -638,124 +731,107 @@ def measure(ctx, cfg: LoadConfig, shard: _Shard, prober: _Prober, n: int) -> dic
     deadline = t_begin + cfg.deadline
     v_start = cfg.warmup if cfg.sync_like else cfg.warmup * n
     marks, samples = {}, {}
-    prober.start(shard.address)
-    fleet = _Fleet(ctx, cfg, job)
-    cells = fleet.cells
-    phase, ok = "setup", False
-    try:
-        pids = lambda: [shard.pid] + fleet.worker_pids()  # noqa: E731
-        ok = fleet.wait(lambda: fleet.board.total(_Board.READY) == n and cells[_Board.INIT_DONE], deadline)
-        if ok:
-            marks["setup"], phase = time.monotonic(), "warm-up"
-            ok = fleet.wait(lambda: fleet.board.max_version() >= v_start, deadline)
-        if ok:
-            samples["start"] = [proc_sample(p) for p in pids()]
-            marks["start"], phase = time.monotonic(), "measure"
-            stop_time = marks["start"] + cfg.seconds if cfg.seconds > 0 else math.inf
-            ok = fleet.wait(lambda: time.monotonic() >= stop_time
-                            or (cfg.rounds and fleet.board.max_version() >= v_start + cfg.rounds), deadline)
-        if ok:
-            cells[_Board.STOP_REQ] = 1
-            marks["stop"], phase = time.monotonic(), "drain"
-            ok = fleet.wait(lambda: fleet.board.total(_Board.DONE) == n, deadline)
-        samples["end"] = [proc_sample(p) for p in pids()]
-        marks["end"] = time.monotonic()
-    finally:
-        if not ok:  # the deadline, a dead worker, or an exception here: the trainers stop where they are
-            cells[_Board.ABORT] = 1
+
+    def phases(fleet: _Fleet, s: _Session) -> bool:
+        cells, board = fleet.cells, fleet.board
+        pids = [shard.pid] + fleet.worker_pids()
+        marks["go"] = time.monotonic()
         try:
-            results, _ = fleet.finish()
+            if not fleet.wait(lambda: board.total(_Board.READY) == n and cells[_Board.INIT_DONE], deadline):
+                return False
+            marks["setup"], s.phase = time.monotonic(), "warm-up"
+            if not fleet.wait(lambda: board.max_version() >= v_start, deadline):
+                return False
+            samples["start"] = [proc_sample(p) for p in pids]
+            marks["start"], s.phase = time.monotonic(), "measure"
+            stop_time = marks["start"] + cfg.seconds if cfg.seconds > 0 else math.inf
+            if not fleet.wait(lambda: time.monotonic() >= stop_time
+                              or (cfg.rounds and board.max_version() >= v_start + cfg.rounds), deadline):
+                return False
+            cells[_Board.STOP_REQ] = 1
+            marks["stop"], s.phase = time.monotonic(), "drain"
+            return fleet.wait(lambda: board.total(_Board.DONE) == n, deadline)
         finally:
-            fleet.kill()
-            probes = prober.stop()
-    records, errors, examples, leave_errors, crashes = _merge(results)
-    if ok:
-        status = "ok"
-    elif crashes or fleet.failed():
-        status = f"client failed during {phase}"
-    elif not shard.alive():
-        status = f"shard exited during {phase}"
-    else:
-        status = f"deadline ({cfg.deadline:.0f} s) during {phase}"
+            samples["end"] = [proc_sample(p) for p in pids]
+            marks["end"] = time.monotonic()
+
+    s = _run_session(ctx, cfg, job, shard, prober, phases, deadline)
+    marks.setdefault("end", time.monotonic())  # (the phases never ran if the client processes never came up)
+    records, errors, examples, leave_errors, crashes = _merge(s.results)
+    status = _status(s, shard, crashes, cfg.deadline)
+    cells = s.fleet.cells
     stop_at = int(cells[_Board.STOP_AT]) if cells[_Board.STOP_AT] < NO_STOP else None
-    if ok and cfg.sync_like and stop_at is not None:
+    if s.ok and cfg.sync_like and stop_at is not None:
         window = sync_window(records, v_start, stop_at)
         w0, w1 = window.pop("t0"), window.pop("t1")
     else:
         w0 = marks.get("start", marks.get("setup", t_begin))
         w1 = marks.get("stop", marks["end"])
         window = window_summary(records, w0, w1)
-    start, end = samples.get("start"), samples.get("end") or []
-    shard_end = end[0] if end else None
-    row = dict(
+    full = window["pushes"] == n * window["rounds"] and set(window["outcomes"]) <= {"applied", "accepted"}
+    if s.ok and cfg.mode == "sync" and not full:
+        status = "rounds closed without everyone"
+    start, end = samples.get("start"), samples.get("end") or [None]
+    return dict(
         mode=cfg.mode, trainers=n, status=status, **{k: window[k] for k in ("rounds", "pushes", "seconds")},
         pushes_per_s=window["pushes_per_s"], rounds_per_s=window["rounds_per_s"],
-        full_rounds=(window["pushes"] == n * window["rounds"]) if cfg.mode == "sync" else None,
+        full_rounds=full if cfg.mode == "sync" else None, outcomes=window["outcomes"],
         rounds_total=max((r[3] for r in records), default=0), step=window["step"],
-        health=health_stats(probes), health_window=health_stats(probes, w0, w1),
+        health=health_stats(s.probes), health_window=health_stats(s.probes, w0, w1),
+        health_slowest=_slowest(s.probes, marks),
         shard=dict(pid=shard.pid, cpu_per_s=_round(_cpu_rate(start[:1], end[:1])) if start else None,
-                   rss_start_mb=_mb(shard.start_sample, "VmRSS"), rss_end_mb=_mb(shard_end, "VmRSS"),
-                   peak_rss_mb=_mb(shard_end, "VmHWM")),
-        client=dict(procs=len(fleet.ranks), cpu_per_s=_round(_cpu_rate(start[1:], end[1:])) if start else None),
+                   rss_start_mb=_mb(shard.start_sample, "VmRSS"), rss_end_mb=_mb(end[0], "VmRSS"),
+                   peak_rss_mb=_mb(end[0], "VmHWM")),
+        client=dict(procs=len(s.fleet.ranks), cpu_per_s=_round(_cpu_rate(start[1:], end[1:])) if start else None),
         errors=dict(Counter(code for _, code in errors)), error_examples=examples, leave_errors=leave_errors,
         crashes=crashes, setup_s=round(marks.get("setup", marks["end"]) - t_begin, 3),
         shard_stats=_shard_stats(shard.address, cfg.token) if shard.alive() else dict(error="the shard exited"),
     )
-    return row
 
 
 def measure_stall(ctx, cfg: LoadConfig, shard: _Shard, prober: _Prober, trainers: int, streams: int,
                   connections: int) -> dict:
     """A sync job unloaded, then while a stranger holds ``streams`` silent Push streams open, then after."""
-    job = make_job(dataclasses.replace(cfg, mode="sync"), shard.address, trainers)
     cfg = dataclasses.replace(cfg, mode="sync", rounds=0)
+    job = make_job(cfg, shard.address, trainers)
     seconds = cfg.seconds if cfg.seconds > 0 else 5.0
     deadline = time.monotonic() + cfg.deadline + 3 * seconds
-    prober.start(shard.address)
-    fleet = _Fleet(ctx, cfg, job, stall=(streams, connections))
-    cells = fleet.cells
-    phases, phase, ok = {}, "setup", False
-    try:
-        ok = fleet.wait(lambda: fleet.board.total(_Board.READY) == trainers and cells[_Board.INIT_DONE], deadline)
-        if ok:
-            phase = "warm-up"
-            ok = fleet.wait(lambda: fleet.board.max_version() >= cfg.warmup, deadline)
+    windows = {}
+
+    def phases(fleet: _Fleet, s: _Session) -> bool:
+        cells, board = fleet.cells, fleet.board
+        if not fleet.wait(lambda: board.total(_Board.READY) == trainers and cells[_Board.INIT_DONE], deadline):
+            return False
+        s.phase = "warm-up"
+        if not fleet.wait(lambda: board.max_version() >= cfg.warmup, deadline):
+            return False
         for name in ("unloaded", "stalled", "released"):
-            if not ok:
-                break
             if name == "stalled":
                 cells[_Board.STALL_OPEN] = 1
-                phase = "opening the stalled streams"
-                ok = fleet.wait(lambda: cells[_Board.STALL_OPENED] > 0 or cells[_Board.STALL_DONE], deadline)
+                s.phase = "opening the stalled streams"
+                if not fleet.wait(lambda: cells[_Board.STALL_OPENED] > 0 or cells[_Board.STALL_DONE], deadline):
+                    return False
             elif name == "released":
                 cells[_Board.STALL_RELEASE] = 1
-                phase = "releasing the stalled streams"
-                ok = fleet.wait(lambda: cells[_Board.STALL_DONE] > 0, deadline)
-            if not ok:
-                break
-            phase = name
-            t0 = time.monotonic()
-            ok = fleet.wait(lambda: time.monotonic() >= t0 + seconds, deadline)
-            phases[name] = (t0, time.monotonic())
-        if ok:
-            cells[_Board.STOP_REQ] = 1
-            phase = "drain"
-            ok = fleet.wait(lambda: fleet.board.total(_Board.DONE) == trainers, deadline)
-    finally:
-        if not ok:
-            cells[_Board.ABORT] = 1
-        cells[_Board.STALL_RELEASE] = 1
-        try:
-            results, stranger = fleet.finish()
-        finally:
-            fleet.kill()
-            probes = prober.stop()
-    records, errors, examples, leave_errors, crashes = _merge(results)
+                s.phase = "releasing the stalled streams"
+                if not fleet.wait(lambda: cells[_Board.STALL_DONE] > 0, deadline):
+                    return False
+            s.phase, t0 = name, time.monotonic()
+            done = fleet.wait(lambda: time.monotonic() >= t0 + seconds, deadline)
+            windows[name] = (t0, time.monotonic())
+            if not done:
+                return False
+        cells[_Board.STOP_REQ] = 1
+        s.phase = "drain"
+        return fleet.wait(lambda: board.total(_Board.DONE) == trainers, deadline)
+
+    s = _run_session(ctx, cfg, job, shard, prober, phases, deadline, stall=(streams, connections))
+    records, errors, examples, leave_errors, crashes = _merge(s.results)
     rows = []
-    for name, (t0, t1) in phases.items():
+    for name, (t0, t1) in windows.items():
         w = window_summary(records, t0, t1)
         rows.append(dict(phase=name, seconds=w["seconds"], rounds=w["rounds"], steps=w["pushes"], step=w["step"],
-                         health=health_stats(probes, t0, t1),
+                         health=health_stats(s.probes, t0, t1),
                          errors=dict(Counter(code for t, code in errors if t0 <= t <= t1))))
     by = {r["phase"]: r for r in rows}
     ratio = {}
@@ -763,8 +839,9 @@ def measure_stall(ctx, cfg: LoadConfig, shard: _Shard, prober: _Prober, trainers
         for q in ("p50_ms", "p99_ms"):
             a, b = by["unloaded"]["step"][q], by["stalled"]["step"][q]
             ratio[q] = round(b / a, 3) if a and b is not None else None
-    return dict(streams=streams, connections=connections, trainers=trainers, status="ok" if ok else f"failed during {phase}",
-                phases=rows, step_ratio=ratio, stranger=stranger, errors=dict(Counter(c for _, c in errors)),
+    return dict(streams=streams, connections=connections, trainers=trainers,
+                status=_status(s, shard, crashes, cfg.deadline + 3 * seconds),
+                phases=rows, step_ratio=ratio, stranger=s.stranger, errors=dict(Counter(c for _, c in errors)),
                 error_examples=examples, leave_errors=leave_errors, crashes=crashes,
                 shard_stats=_shard_stats(shard.address, cfg.token) if shard.alive() else dict(error="the shard exited"))
 
@@ -798,17 +875,20 @@ def _codes(d: dict) -> str:
 
 
 def markdown(result: dict) -> str:
+    server = " ".join(result["server_args"]) or "default flags"
     lines = [f"ps-loadgen: mode {result['mode']}, P = {result['params']}, window {result['window']}, "
-             f"client procs {result['client_procs']}, {result['machine']}", ""]
+             f"client procs {result['client_procs']}, shard {result['shard']} ({server}), {result['machine']}", ""]
     if result["rows"]:
         lines += ["| N | status | rounds | pushes/s | rounds/s | step p50 / p99 ms | health p50 / p99 / max ms "
                   "| health fails | shard CPU s/s | shard RSS MB | RSS KB / extra trainer | client CPU s/s | errors |",
                   "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|"]
         for r in result["rows"]:
             s, h, st = r["shard"], r["health"], r["step"]
-            rounds = f"{r['rounds']}" + ("" if r["full_rounds"] in (None, True) else " (not all full)")
+            odd = {k: v for k, v in r["outcomes"].items() if k not in ("applied", "accepted")}
+            rounds = f"{r['rounds']}" + (f" ({_codes(odd)})" if odd else "")
             lines.append(
-                f"| {r['trainers']} | {r['status']} | {rounds} | {_cell(r['pushes_per_s'])} | {_cell(r['rounds_per_s'], '{:.2f}')} "
+                f"| {r['trainers']} | {r['status']} | {rounds} | {_cell(r['pushes_per_s'])} "
+                f"| {_cell(r['rounds_per_s'], '{:.2f}')} "
                 f"| {_cell(st['p50_ms'])} / {_cell(st['p99_ms'])} | {_cell(h['p50_ms'])} / {_cell(h['p99_ms'])} / "
                 f"{_cell(h['max_ms'])} | {_codes(h['failures'])} | {_cell(s['cpu_per_s'], '{:.2f}')} "
                 f"| {_cell(s['rss_end_mb'])} | {_cell(s.get('rss_growth_kb_per_trainer'))} "
@@ -829,9 +909,11 @@ def markdown(result: dict) -> str:
                          f"{_cell(p['step']['p99_ms'])} | {_cell(h['p50_ms'])} / {_cell(h['p99_ms'])} / "
                          f"{_cell(h['max_ms'])} | {_codes(h['failures'])} | {_codes(p['errors'])} |")
         r, s = stall["step_ratio"], stall.get("stranger") or {}
-        lines += ["", f"step time stalled / unloaded: p50 {_cell(r.get('p50_ms'), '{:.2f}')}x, "
-                      f"p99 {_cell(r.get('p99_ms'), '{:.2f}')}x; stranger streams still open at release: "
-                      f"{s.get('open_at_release', '-')}, ended before release: {_codes(s.get('ended_before_release', {}))}"]
+        ratio = (f"p50 {r['p50_ms']:.2f}x, p99 {r['p99_ms']:.2f}x" if r.get("p50_ms") is not None
+                 and r.get("p99_ms") is not None else "no step completed while stalled")
+        lines += ["", f"step time stalled / unloaded: {ratio}; stranger streams still open at release: "
+                      f"{s.get('open_at_release', '-')}, ended before release: "
+                      f"{_codes(s.get('ended_before_release', {}))}"]
     examples = {k: v for r in result["rows"] for k, v in r["error_examples"].items()}
     if stall:
         examples.update(stall["error_examples"])
@@ -859,6 +941,9 @@ def plot(rows: list[dict], path: Path) -> None:
     axes[0].set_title("throughput")
     series(axes[1], [r["health"]["p99_ms"] for r in rows], "health p99")
     series(axes[1], [r["health"]["max_ms"] for r in rows], "health max", "^")
+    failed = [(n, r["health"]["p99_ms"]) for n, r in zip(ns, rows) if r["health"]["failures"] and r["health"]["p99_ms"]]
+    if failed:
+        axes[1].plot(*zip(*failed), "rx", markersize=12, label="probes failed")
     axes[1].axhline(50, color="grey", linestyle="--", linewidth=1, label="50 ms")
     axes[1].set_title("health-check latency (ms)")
     series(axes[2], [r["step"]["p50_ms"] for r in rows], "step p50")
@@ -867,6 +952,7 @@ def plot(rows: list[dict], path: Path) -> None:
     for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        ax.set_xticks(ns, [str(n) for n in ns])
         ax.set_xlabel("simulated trainers N")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
@@ -896,7 +982,8 @@ def run(cfg: LoadConfig, trainers: list[int], out: Path, ps: str = "", server_ar
             try:
                 row = measure(ctx, cfg, shard, prober, n)
             finally:
-                shard.stop()
+                code = shard.stop()
+            row["shard"]["exit_code"] = code  # after SIGTERM; None: not started here
             result["rows"].append(row)
             log.info("N = %d: %s, %d rounds, %s pushes/s, errors %s", n, row["status"], row["rounds"],
                      row["pushes_per_s"], row["errors"] or "none")

@@ -55,6 +55,7 @@ class TrainConfig:
     push_during_backward: bool = False  # push each shard's slice as soon as backward has produced it
     backend: str = "ps"  # "ps"; or the ps-bench baselines "ddp" (--ps is then the gloo master HOST:PORT), "local"
     security: object = None  # psserver.security.ClientSecurity; None: plaintext, no token
+    job_id: str = ""  # names this run of the job; every trainer of it passes the same
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.num_trainers:
@@ -278,7 +279,7 @@ def make_stepper(cfg: TrainConfig, model: torch.nn.Module):
                        optimizer=optimizer, max_staleness=cfg.max_staleness, sync_timeout=cfg.sync_timeout,
                        replicas_to_aggregate=cfg.replicas_to_aggregate, stale_policy=cfg.stale_policy,
                        wire_dtype=cfg.wire_dtype, connect_timeout=cfg.connect_timeout, security=cfg.security,
-                       overlap=cfg.overlap, push_during_backward=cfg.push_during_backward)
+                       overlap=cfg.overlap, push_during_backward=cfg.push_during_backward, job_id=cfg.job_id)
     from psserver.job import OptimizerConfig
     from trainer.baselines import DDPStepper, LocalStepper
 

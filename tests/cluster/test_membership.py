@@ -57,7 +57,10 @@ def test_killed_trainer_is_dropped_after_its_lease_and_a_restarted_one_rejoins(t
         for s in shards:
             st = stats(s.address)
             assert st.counters["re_registrations"] == 1
-            assert st.counters["rounds_all_arrived"] == st.version
+            # every round closed with all live trainers in it: by their pushes, or by a membership change that
+            # left only pushed ones (its own close reason): rank 1's lease expiring, rank 1b's Leave
+            assert st.counters["rounds_all_arrived"] + st.counters["rounds_membership"] == st.version
+            assert st.counters["rounds_membership"] <= 2
     finally:
         for p in procs:
             p.kill()

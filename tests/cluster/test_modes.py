@@ -62,48 +62,53 @@ def test_stale_timeout_with_a_straggler_closes_rounds_at_the_timeout_and_counts_
 
 
 def test_trainer_with_a_different_job_is_refused_naming_the_difference(tmp_path):
+    from psserver.admin import fetch_stat
+    from tests.cluster.test_membership import wait_until
     from trainer.procs import start_shard, start_trainer
 
     shard = start_shard(0, tmp_path / "shard0.log")
-    args = ["--mode", "sync", "--model", "mlp", "--dataset", "synthetic", "--steps", "2", "--no-progress"]
+    args = ["--num-trainers", "2", "--mode", "sync", "--model", "mlp", "--dataset", "synthetic", "--steps", "2",
+            "--no-progress"]
+    procs = [shard]
     try:
-        first = start_trainer(0, shard.address, tmp_path / "first.log", args)
-        assert first.popen.wait(120) == 0, first.log_tail()
-        second = start_trainer(0, shard.address, tmp_path / "second.log", args + ["--lr", "0.5"])
+        first = start_trainer(0, shard.address, tmp_path / "first.log", args)  # waits for rank 1: the job runs
+        procs.append(first)
+        wait_until(lambda: fetch_stat(shard.address).counters["registrations"] >= 1, 60, "rank 0 to register")
+        second = start_trainer(1, shard.address, tmp_path / "second.log", args + ["--lr", "0.5"])
+        procs.append(second)
         assert second.popen.wait(120) == 1
         log = second.log_path.read_text()
         assert "FAILED_PRECONDITION" in log and "optimizer.lr is 0.5 but the job has 0.05" in log
         assert "Traceback" not in log
     finally:
-        shard.kill()
+        for p in procs:
+            p.kill()
 
 
-def test_shards_listed_in_the_wrong_order_are_caught(tmp_path):
-    from trainer.procs import start_shard, start_trainer
+def test_a_second_job_on_finished_shards_starts_fresh_and_waits_for_all_its_trainers(tmp_path):
+    """Running the same command again on shards whose job ended is a new job: rank 1 alone cannot train on
+    the old weights; it waits for rank 0 (its Init) and both count versions from 0."""
+    from psserver.admin import fetch_stat
+    from trainer.procs import start_shard, start_trainer, wait_all
 
-    shards = [start_shard(i, tmp_path / f"shard{i}.log") for i in range(2)]
+    shard = start_shard(0, tmp_path / "shard0.log")
+    common = ["--num-trainers", "2", "--mode", "sync", "--model", "mlp", "--dataset", "synthetic", "--steps", "3",
+              "--no-progress", "--threads", "1"]
+    procs = [shard]
     try:
-        t = start_trainer(0, f"{shards[1].address},{shards[0].address}", tmp_path / "t.log",
-                          ["--model", "mlp", "--dataset", "synthetic", "--steps", "1", "--no-progress"])
-        assert t.popen.wait(120) == 1
-        assert "this is shard 1 but the trainer listed it as shard 0" in t.log_path.read_text()
+        for job in ("first", "second"):
+            files = [tmp_path / f"{job}{r}.jsonl" for r in range(2)]
+            # rank 1 first: on the old shard state it would have trained alone from the first job's weights
+            trainers = [start_trainer(r, shard.address, tmp_path / f"{job}{r}.log",
+                                      common + ["--metrics-file", str(files[r])]) for r in (1, 0)]
+            procs += trainers
+            assert wait_all(trainers, 180) == {"trainer1": 0, "trainer0": 0}
+            for f in files:
+                done = json.loads(f.read_text().splitlines()[-1])
+                assert done["event"] == "done" and done["versions"] == [3]  # a fresh job: 3 rounds from 0
+        st = fetch_stat(shard.address)
+        assert st.counters["jobs_ended"] == 1 and st.version == 3
+        assert "starts a new job from scratch" in shard.log_path.read_text()
     finally:
-        for s in shards:
-            s.kill()
-
-
-def test_ps_cluster_runs_the_main_job_and_leaves_a_run_folder(tmp_path):
-    run = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-c", "from trainer.cluster import entrypoint; entrypoint()", "--epochs", "1",
-         "--run-dir", str(run)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "psgrpc run summary" in proc.stdout
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["test_accuracy"] > 0.85
-    assert summary["rounds"] == 62 and summary["rounds_by_reason"]["all_arrived"] == 62
-    for name in ("shard0.log", "shard1.log", "trainer0.log", "trainer1.log", "trainer0.jsonl", "model.pt"):
-        assert (run / name).stat().st_size > 0, name
-    assert all(code == 0 for code in summary["exit_codes"].values()), summary["exit_codes"]
+        for p in procs:
+            p.kill()

@@ -2,16 +2,21 @@
 
 import json
 import signal
+from types import SimpleNamespace
 
 import grpc
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from psserver.checkpoint import Checkpointer
 from psserver.admin import fetch_stat as stats
+from psserver.proto import ps_pb2 as pb
+from tests.conftest import P, RawShard, make_spec
 from tests.cluster.test_membership import last_step, wait_until
 from trainer.procs import start_shard, start_trainer, wait_all
 
 EVERY = 10
+ONE_CHUNK = 1 << 20  # the whole test slice in one chunk (a real shard's minimum chunk size applies)
 
 
 def test_kill_9_shard_restore_and_trainers_carry_on_to_the_accuracy_bar(tmp_path):
@@ -73,3 +78,38 @@ def test_sigterm_reports_not_serving_writes_a_final_checkpoint_and_exits_0(tmp_p
         assert "final checkpoint" in shard.log_path.read_text()
     finally:
         shard.kill()
+
+
+def test_sigterm_with_a_half_full_round_then_restore_keeps_the_acknowledged_push(tmp_path):
+    """A push ACCEPTED into an open sync round survives SIGTERM + --restore: it is in the model once."""
+    ckpt = tmp_path / "ckpt"
+    args = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "1000"]
+    shard = start_shard(0, tmp_path / "shard0.log", extra_args=args)
+    procs = [shard]
+    try:
+        raw = RawShard(SimpleNamespace(address=shard.address))
+        spec = make_spec(num_trainers=2)  # SGD lr 0.5, momentum 0.9
+        for rank in range(2):
+            raw.register(rank=rank, spec=spec)
+        start = torch.arange(P, dtype=torch.float32)
+        raw.init(start, chunk_bytes=ONE_CHUNK)
+        g0, g1 = torch.full((P,), 2.0), torch.full((P,), 6.0)
+        assert raw.push(g0, rank=0, sequence=1, chunk_bytes=ONE_CHUNK).outcome == pb.ACCEPTED  # round 0 is half full
+        raw.channel.close()
+        shard.popen.send_signal(signal.SIGTERM)
+        assert shard.popen.wait(60) == 0
+        restarted = start_shard(0, tmp_path / "shard0-restarted.log", port=int(shard.address.rsplit(":", 1)[1]),
+                                extra_args=args + ["--restore"])
+        procs.append(restarted)
+        raw = RawShard(SimpleNamespace(address=restarted.address))
+        assert raw.stats().version == 0
+        # rank 0's retry after the lost connection: acknowledged, not applied a second time
+        assert raw.push(g0, rank=0, sequence=1, chunk_bytes=ONE_CHUNK).outcome == pb.DUPLICATE
+        assert raw.push(g1, rank=1, sequence=1, chunk_bytes=ONE_CHUNK).outcome == pb.APPLIED  # completes the restored round
+        version, params = raw.pull(rank=0, min_version=1)
+        assert version == 1
+        assert torch.equal(params, start - 0.5 * (g0 + g1) / 2)  # both gradients, each once
+        raw.channel.close()
+    finally:
+        for p in procs:
+            p.kill()

@@ -82,3 +82,29 @@ def test_no_valid_checkpoint_gives_none(tmp_path):
 def test_settings_are_validated():
     with pytest.raises(ValueError, match=r"\(0 versions\)"):
         Checkpointer("/tmp", 0, every=0)
+
+
+def test_temporary_files_a_crash_left_are_removed_at_start_and_other_shards_files_kept(tmp_path):
+    ck = Checkpointer(tmp_path, shard=0, every=1)
+    ck.write(state(1))
+    orphan = tmp_path / ".shard0-v000000000002.ckpt.tmp4242"  # what a kill -9 mid-write leaves
+    orphan.write_bytes(b"\0" * 4096)
+    other_shard = tmp_path / ".shard1-v000000000002.ckpt.tmp4242"  # shard 1's own restart deals with it
+    other_shard.write_bytes(b"\0")
+    restarted = Checkpointer(tmp_path, shard=0, every=1)
+    assert restarted.orphans_removed == 1
+    assert not orphan.exists() and other_shard.exists()
+    assert [p.name for p in restarted.list()] == ["shard0-v000000000001.ckpt"]
+
+
+def test_open_round_members_and_acknowledgements_round_trip(tmp_path):
+    s = state(5)
+    s.members = {0: "t0", 1: "t1"}
+    s.acked = {0: ("t0", 7, "accepted", 5, 0)}
+    s.open_round = dict(sum=torch.ones(1000), weight=4.0, contributors=[0], stale=[(1, 3)])
+    Checkpointer(tmp_path, shard=0, every=1).write(s)
+    loaded, _ = Checkpointer(tmp_path, shard=0, every=1).load_latest()
+    assert loaded.members == s.members and loaded.acked == s.acked
+    assert torch.equal(loaded.open_round["sum"], s.open_round["sum"])
+    assert (loaded.open_round["weight"], loaded.open_round["contributors"], loaded.open_round["stale"]) == \
+        (4.0, [0], [(1, 3)])

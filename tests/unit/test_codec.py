@@ -61,7 +61,7 @@ def test_gap_overlap_repeat_and_overflow_are_refused():
     with pytest.raises(InvalidRequest, match="cover \\[0, 32\\)"):
         ChunkReader(chunks[:2]).read(48, pb.FLOAT32, BIG)
     extra = pb.Chunk(offset=48, data=b"\0" * 4)
-    with pytest.raises(InvalidRequest, match="past the end"):
+    with pytest.raises(InvalidRequest, match="arrived after the stream covered"):
         ChunkReader(chunks + [extra]).read(48, pb.FLOAT32, BIG)
     repeat = pb.Chunk(header=chunks[0].header, offset=16, data=chunks[1].data)
     with pytest.raises(InvalidRequest, match="repeats the header"):

@@ -120,3 +120,73 @@ def test_lease_expires_only_after_the_timeout_and_only_for_silent_ranks():
     assert expired_ranks(live, seen, lease=5.0, now=17.5) == frozenset({0, 1})
     assert expired_ranks(live, seen, lease=0.0, now=1e9) == frozenset()  # leases off
     assert next_lease_expiry(frozenset(), seen, lease=5.0) is None
+
+
+# ---------------------------------------------------------------------- every action a push needs
+from psserver.limits import MAX_SEQUENCE  # noqa: E402
+from psserver.modes import (  # noqa: E402
+    MAX_SEQUENCE_GAP, SequenceAction, decide_sequence, reply_version, round_takes_step,
+)
+
+
+def test_sequence_first_push_is_new_and_its_retry_a_duplicate():
+    assert decide_sequence(None, 1) is SequenceAction.NEW
+    assert decide_sequence(1, 1) is SequenceAction.DUPLICATE
+    assert decide_sequence(1, 2) is SequenceAction.NEW
+
+
+def test_sequence_older_than_the_acknowledged_one_or_implausibly_far_ahead_is_refused():
+    assert decide_sequence(5, 4) is SequenceAction.REFUSE
+    assert decide_sequence(5, 5 + MAX_SEQUENCE_GAP) is SequenceAction.NEW
+    assert decide_sequence(5, 6 + MAX_SEQUENCE_GAP) is SequenceAction.REFUSE
+
+
+def test_sequence_zero_or_past_the_cap_is_refused_even_as_a_first_push():
+    assert decide_sequence(None, 0) is SequenceAction.REFUSE
+    assert decide_sequence(None, MAX_SEQUENCE + 1) is SequenceAction.REFUSE
+    assert decide_sequence(None, 2**64 - 1) is SequenceAction.REFUSE
+    assert decide_sequence(None, MAX_SEQUENCE) is SequenceAction.NEW
+
+
+def test_nonfinite_gradient_is_skipped_in_async_and_fills_its_slot_in_a_sync_round():
+    d = decide_push(ASYNC, RoundView(version=3, live=LIVE3), rank=0, base=3, now=0, finite=False)
+    assert d.action is Action.SKIP
+    view = RoundView(version=3, live=LIVE3, contributors=frozenset({1, 2}), opened_at=0.0)
+    d = decide_push(SYNC, view, rank=0, base=3, now=0, finite=False)
+    assert d.action is Action.SKIP_IN_ROUND and d.close is CloseReason.ALL_ARRIVED
+
+
+def test_nonfinite_stale_gradient_under_scale_policy_is_skipped_without_filling_a_slot():
+    d = decide_push(ST_SCALE, RoundView(version=3, live=LIVE3), rank=0, base=2, now=0, finite=False)
+    assert d.action is Action.SKIP
+
+
+def test_nonfinite_stale_or_duplicate_keeps_its_refusal():
+    view = RoundView(version=3, live=LIVE3, contributors=frozenset({1}), opened_at=0.0)
+    assert decide_push(SYNC, view, rank=0, base=2, now=0, finite=False).action is Action.DROP_STALE
+    assert decide_push(SYNC, view, rank=1, base=3, now=0, finite=False).action is Action.DUPLICATE
+
+
+def test_sequenced_async_pushes_may_repeat_a_base_version():
+    view = RoundView(version=10, live=LIVE3, last_base={1: 9})
+    assert decide_push(ASYNC, view, rank=1, base=9, now=0, sequenced=True).action is Action.APPLY
+    assert decide_push(ASYNC, view, rank=1, base=9, now=0, sequenced=False).action is Action.DUPLICATE
+
+
+def test_a_round_of_only_skipped_gradients_advances_without_a_step():
+    assert round_takes_step(0.0) is False
+    assert round_takes_step(4.0) is True
+
+
+def test_reply_waits_for_the_round_close_in_sync_modes_and_for_nothing_in_async():
+    assert reply_version(SYNC, "accepted", base=4, version_after=4) == 5
+    assert reply_version(SYNC, "duplicate", base=4, version_after=6) == 5  # a retry after its round closed
+    assert reply_version(ST, "scaled", base=2, version_after=4) == 3
+    assert reply_version(ASYNC, "applied", base=4, version_after=9) == 9
+    assert reply_version(SYNC, "stale", base=2, version_after=4) == 4  # catch up with the current weights
+
+
+def test_stale_timeout_round_closed_by_a_tick_says_timeout_not_membership():
+    view = RoundView(version=1, live=LIVE3, contributors=frozenset({0}), opened_at=0.0)
+    assert decide_tick(ST, view, now=0.1) is None
+    assert decide_tick(ST, view, now=0.5) is CloseReason.TIMEOUT
