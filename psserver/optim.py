@@ -33,3 +33,18 @@ def build_optimizer(cfg: OptimizerConfig, params, fused: bool = False) -> torch.
         )
     cls = torch.optim.Adam if cfg.name == "adam" else torch.optim.AdamW
     return cls(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay, **extra)
+
+
+def warm_up() -> None:
+    """Build and step each fused optimizer once on a tiny tensor.
+
+    The first fused optimizer of a process costs about a second (kernels are
+    loaded and dispatched for the first time); paid at start-up, before the shard
+    serves, it does not stall the first job's Init -- nor, through the GIL, the
+    health checks answered meanwhile.
+    """
+    for name in ("sgd", "adam", "adamw"):
+        p = torch.nn.Parameter(torch.zeros(8))
+        opt = build_optimizer(OptimizerConfig(name=name, momentum=0.9 if name == "sgd" else 0.0), [p], fused=True)
+        p.grad = torch.ones(8)
+        opt.step()

@@ -146,8 +146,12 @@ class Runtime:
         return self.loop.run_in_executor(self.compute, functools.partial(fn, *args))
 
     async def acquire_snapshot(self, rank: int, trainer_id: str, fingerprint: str, wire: int):
-        """Shard.acquire_snapshot on the state worker; if the call is cancelled meanwhile, the snapshot
-        it gets is released when it arrives (else a step would move the parameters aside forever)."""
+        """What a pull streams: on the loop when no step runs (the common case), else Shard.acquire_snapshot
+        on the state worker; if the call is cancelled meanwhile, the snapshot it gets is released when it
+        arrives (else a step would move the parameters aside forever)."""
+        fast = self.shard.try_acquire_snapshot(wire)
+        if fast is not None:
+            return fast
         fut = self.run_state(self.shard.acquire_snapshot, rank, trainer_id, fingerprint, wire)
         try:
             return await asyncio.shield(fut)
@@ -157,7 +161,7 @@ class Runtime:
             raise
 
     def release_snapshot(self, snapshot: torch.Tensor) -> None:
-        self.state.submit(self.shard.release_snapshot, snapshot)
+        self.shard.release_snapshot(snapshot)  # a brief bookkeeping lock, never held for tensor work
 
     async def round_timer(self) -> None:
         """Expires leases and closes stale-timeout rounds at their deadlines (Shard.tick on the state worker)."""

@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from psserver.checkpoint import Checkpointer
 from psserver.codec import DEFAULT_CHUNK_BYTES
+from psserver.optim import warm_up
 from psserver.runtime import Runtime
 from psserver.security import ServerSecurity
 from psserver.service import ParameterServerService, ServiceLimits, add_service
@@ -79,6 +80,7 @@ class ShardServer:
 
     def start(self) -> "ShardServer":
         self.cfg.security.warn_if_exposed(self.cfg.host)
+        warm_up()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"shard{self.cfg.shard}-loop",
                                         daemon=True)

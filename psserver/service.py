@@ -46,6 +46,7 @@ from psserver.shard import PushResult, Shard
 
 log = logging.getLogger(__name__)
 
+INLINE_CHECK_ELEMENTS = 1 << 16  # gradients up to this size are checked on the event loop (~20 us)
 _OUTCOMES = {"applied": _pb.APPLIED, "accepted": _pb.ACCEPTED, "duplicate": _pb.DUPLICATE, "scaled": _pb.SCALED,
              "skipped": _pb.SKIPPED, "stale": _pb.STALE}
 
@@ -123,25 +124,43 @@ def _refusals(method):
 
 
 class _StreamReader:
-    """A request stream read with the server's idle and total deadlines."""
+    """A request stream read with the server's idle and total deadlines.
+
+    A timer armed for each read cancels the handler's task when it fires -- cheaper
+    than ``asyncio.wait_for``, which wraps every read in a task of its own.
+    """
 
     def __init__(self, iterator, idle: float, deadline: float):
         self._it = iterator.__aiter__()
         self._idle, self._deadline = idle, deadline
+        self._fired = False
+
+    def _fire(self, task: asyncio.Task) -> None:
+        self._fired = True
+        task.cancel()
 
     async def next(self):
         loop = asyncio.get_running_loop()
         left = self._deadline - loop.time()
         if left <= 0:
             raise StreamTimeout("the call outlived the shard's limit on one call's duration (--max-call-seconds)")
+        wait = min(self._idle, left)
+        timer = loop.call_later(wait, self._fire, asyncio.current_task())
         try:
-            return await asyncio.wait_for(self._it.__anext__(), min(self._idle, left))
+            return await self._it.__anext__()
         except StopAsyncIteration:
             return None
-        except asyncio.TimeoutError:
+        except asyncio.CancelledError:
+            if not self._fired:
+                raise  # the client went away: gRPC cancelled the call
+            task = asyncio.current_task()
+            if hasattr(task, "uncancel"):  # Python 3.11+: clear the cancellation this timer requested
+                task.uncancel()
             raise StreamTimeout(
-                f"no chunk arrived for {min(self._idle, left):.1f} s: the shard ends idle streams "
-                "(--stream-idle-timeout) and calls past --max-call-seconds") from None
+                f"no chunk arrived for {wait:.1f} s: the shard ends idle streams (--stream-idle-timeout) and "
+                "calls past --max-call-seconds") from None
+        finally:
+            timer.cancel()
 
     async def first_header(self):
         first = await self.next()
@@ -257,7 +276,7 @@ class ParameterServerService:
                 asm.add(chunk)
                 chunk = await reader.next()
             values = asm.finish(require_finite=False)
-            await self.runtime.run_compute(check_finite, values)
+            await self._off_loop_if_large(check_finite, values)
             self.shard.count("bytes_in", asm.bytes_read)
             accepted, version = await self.runtime.run_state(self.shard.init, h.rank, h.trainer_id, h.fingerprint,
                                                              values, True)
@@ -295,11 +314,7 @@ class ParameterServerService:
                 chunk = await reader.next()
             grad = asm.finish(require_finite=False)
             self.shard.count("bytes_in", asm.bytes_read)
-            if self.cfg.nonfinite == "refuse":
-                await self.runtime.run_compute(check_finite, grad)
-                finite = True
-            else:
-                finite = await self.runtime.run_compute(lambda: bool(torch.isfinite(grad).all()))
+            finite = await self._finite(grad)
             try:
                 result, spare = await held.hand_over(self.runtime.run_state(
                     self.shard.push, h.rank, h.trainer_id, h.fingerprint, h.version, h.num_samples, grad,
@@ -311,6 +326,20 @@ class ParameterServerService:
             else:
                 held.buffer = spare
         return h, result
+
+    async def _off_loop_if_large(self, fn, values: torch.Tensor):
+        """Small tensors are checked on the loop (a hop to a thread costs more than the check); large ones on
+        the compute pool, so the loop keeps answering."""
+        if values.numel() <= INLINE_CHECK_ELEMENTS:
+            return fn(values)
+        return await self.runtime.run_compute(fn, values)
+
+    async def _finite(self, grad: torch.Tensor) -> bool:
+        """Refuse NaN/Inf (--nonfinite refuse), or tell whether there are any (skip)."""
+        if self.cfg.nonfinite == "refuse":
+            await self._off_loop_if_large(check_finite, grad)
+            return True
+        return await self._off_loop_if_large(lambda g: bool(torch.isfinite(g).all()), grad)
 
     # ------------------------------------------------------------------ streams out
     @_refusals

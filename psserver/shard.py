@@ -85,6 +85,11 @@ class Shard:
         self.checkpointer = checkpointer
         self.on_change: Callable[[], None] = lambda: None  # the server's wake-up for waiting pulls
         self._lock = threading.RLock()
+        # Guards the snapshot pool, ``_stepping`` and the (version, parameters) pair a pull reads.  Held only
+        # for bookkeeping, never for tensor work, so the event loop may try it without waiting
+        # (``try_acquire_snapshot``): a round's worth of pulls then costs no hop to the state worker.
+        self._snap_lock = threading.Lock()
+        self._stepping = False  # an optimizer step is writing the parameters
         self.members = Membership(clock, lease_timeout)
         self.counters: Counter[str] = Counter()
         self.metrics = ShardMetrics()
@@ -274,13 +279,28 @@ class Shard:
         """
         with self._lock:
             self.check_member(rank, trainer_id, fingerprint, need_params=True)
-            snapshot = self.snapshots.acquire(self.params.detach(), self.version, TORCH_DTYPES[wire])
+            with self._snap_lock:
+                snapshot = self.snapshots.acquire(self.params.detach(), self.version, TORCH_DTYPES[wire])
+                self.counters["pulls"] += 1
+                return self.version, snapshot
+
+    def try_acquire_snapshot(self, wire: int) -> tuple[int, torch.Tensor] | None:
+        """The fast path of ``acquire_snapshot`` for the event loop (caller checked membership): an fp32 pull
+        when no step is writing the parameters and the lock is free at once; else None (use the worker)."""
+        if TORCH_DTYPES[wire] != torch.float32 or not self._snap_lock.acquire(blocking=False):
+            return None
+        try:
+            if self._stepping or self.params is None:
+                return None
+            snapshot = self.snapshots.acquire(self.params.detach(), self.version, torch.float32)
             self.counters["pulls"] += 1
             return self.version, snapshot
+        finally:
+            self._snap_lock.release()
 
     def release_snapshot(self, snapshot: torch.Tensor) -> None:
         """A pull finished (or abandoned) streaming ``snapshot``; its memory may be written again."""
-        with self._lock:
+        with self._snap_lock:
             self.snapshots.release(snapshot)
 
     def pull_wait_message(self, min_version: int, timeout: float) -> str:
@@ -456,7 +476,8 @@ class Shard:
         if modes.round_takes_step(self._acc_weight):
             self._apply(self._acc.div_(self._acc_weight))  # in place: no slice-sized allocation per round
         else:
-            self.version += 1
+            with self._snap_lock:
+                self.version += 1
             self.counters["rounds_without_step"] += 1
         self.counters[f"rounds_{reason.value}"] += 1
         if reason is not modes.CloseReason.ALL_ARRIVED:
@@ -473,16 +494,30 @@ class Shard:
         self._apply(grad)
 
     def _apply(self, grad: torch.Tensor) -> None:
-        if self.snapshots.move_if_streamed(self.params):
-            self.counters["params_moved_for_pulls"] += 1
-        t0 = time.perf_counter()
-        self.params.grad = grad
-        self.optimizer.step()
-        self.params.grad = None
-        elapsed = time.perf_counter() - t0
+        """One optimizer step.  Copy on write: parameters a pull still streams are first moved to a spare
+        buffer; while the step writes them, ``_stepping`` keeps the event loop's fast pulls away."""
+        live = self.params.detach()
+        with self._snap_lock:
+            self._stepping = True
+            spare = self.snapshots.spare(live, torch.float32) if self.snapshots.streaming(live) else None
+        try:
+            if spare is not None:
+                spare.copy_(live)
+                with self._snap_lock:
+                    self.snapshots.keep(live)  # reusable once its pulls end
+                self.params.data = spare  # the optimizer's state is keyed by the Parameter, not its memory
+                self.counters["params_moved_for_pulls"] += 1
+            t0 = time.perf_counter()
+            self.params.grad = grad
+            self.optimizer.step()
+            self.params.grad = None
+            elapsed = time.perf_counter() - t0
+        finally:
+            with self._snap_lock:
+                self.version += 1
+                self._stepping = False
         self.metrics.apply_seconds.observe(elapsed)
         self.counters["apply_seconds"] += elapsed
-        self.version += 1
         self.counters["steps"] += 1
         if self._writer is not None and self.checkpointer.due(self.version):
             if self._writer.submit(self._capture()):

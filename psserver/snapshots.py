@@ -61,13 +61,3 @@ class SnapshotPool:
     def keep(self, buf: torch.Tensor) -> None:
         if len(self.buffers) < MAX_SPARE_BUFFERS and all(b is not buf for b in self.buffers):
             self.buffers.append(buf)
-
-    def move_if_streamed(self, param: torch.nn.Parameter) -> bool:
-        """Copy on write: before a step, move ``param``'s memory away if a pull still streams it."""
-        live = param.detach()
-        if not live.numel() or not self.streaming(live):
-            return False
-        moved = self.spare(live, torch.float32).copy_(live)
-        self.keep(live)  # reusable once its pulls end
-        param.data = moved  # the optimizer's state is keyed by the Parameter, not its memory
-        return True

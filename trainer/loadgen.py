@@ -827,10 +827,14 @@ def measure_stall(ctx, cfg: LoadConfig, shard: _Shard, prober: _Prober, trainers
 
     s = _run_session(ctx, cfg, job, shard, prober, phases, deadline, stall=(streams, connections))
     records, errors, examples, leave_errors, crashes = _merge(s.results)
+    counted = (_pb.APPLIED, _pb.ACCEPTED)
+    per_round = Counter(r[3] for r in records if r[4] in counted)  # round v -> gradients it closed with
     rows = []
     for name, (t0, t1) in windows.items():
         w = window_summary(records, t0, t1)
+        reached = {r[3] for r in records if t0 <= r[2] <= t1 and r[4] in counted}
         rows.append(dict(phase=name, seconds=w["seconds"], rounds=w["rounds"], steps=w["pushes"], step=w["step"],
+                         partial_rounds=sum(per_round[v] < trainers for v in reached), outcomes=w["outcomes"],
                          health=health_stats(s.probes, t0, t1),
                          errors=dict(Counter(code for t, code in errors if t0 <= t <= t1))))
     by = {r["phase"]: r for r in rows}
@@ -901,19 +905,26 @@ def markdown(result: dict) -> str:
         lines += ["", f"Stall: a stranger holds {stall['streams']} silent Push streams open "
                       f"({stall['connections']} connections) beside a sync job of {stall['trainers']} trainers "
                       f"-- {stall['status']}", "",
-                  "| phase | rounds | steps | step p50 / p99 ms | health p50 / p99 / max ms | health fails | errors |",
-                  "|---|---:|---:|---:|---:|---|---|"]
+                  "| phase | rounds | of them without everyone | steps | step p50 / p99 ms | health p50 / p99 / max ms "
+                  "| health fails | errors |",
+                  "|---|---:|---:|---:|---:|---:|---|---|"]
         for p in stall["phases"]:
             h = p["health"]
-            lines.append(f"| {p['phase']} | {p['rounds']} | {p['steps']} | {_cell(p['step']['p50_ms'])} / "
+            lines.append(f"| {p['phase']} | {p['rounds']} | {p['partial_rounds']} | {p['steps']} "
+                         f"| {_cell(p['step']['p50_ms'])} / "
                          f"{_cell(p['step']['p99_ms'])} | {_cell(h['p50_ms'])} / {_cell(h['p99_ms'])} / "
                          f"{_cell(h['max_ms'])} | {_codes(h['failures'])} | {_codes(p['errors'])} |")
         r, s = stall["step_ratio"], stall.get("stranger") or {}
         ratio = (f"p50 {r['p50_ms']:.2f}x, p99 {r['p99_ms']:.2f}x" if r.get("p50_ms") is not None
                  and r.get("p99_ms") is not None else "no step completed while stalled")
+        stalled = next((p for p in stall["phases"] if p["phase"] == "stalled"), None)
+        if stalled and stalled["partial_rounds"]:
+            ratio += " (but rounds closed without every trainer, so these are not like steps)"
+        expired = (stall["shard_stats"].get("counters") or {}).get("lease_expired")
+        dropped = f"; trainers dropped by the shard for silence (lease expired): {expired:g}" if expired else ""
         lines += ["", f"step time stalled / unloaded: {ratio}; stranger streams still open at release: "
                       f"{s.get('open_at_release', '-')}, ended before release: "
-                      f"{_codes(s.get('ended_before_release', {}))}"]
+                      f"{_codes(s.get('ended_before_release', {}))}{dropped}"]
     examples = {k: v for r in result["rows"] for k, v in r["error_examples"].items()}
     if stall:
         examples.update(stall["error_examples"])

@@ -8,11 +8,11 @@ from trainer.data import epoch_order, load_dataset, local_batch_indices
 from trainer.models import build_model
 
 STEPS, B = 6, 8
-TRAINERS = 2
+TRAINERS, SHARDS = 2, 2
 
 
 def reference_run(optimizer: str, lr: float) -> dict:
-    """One plain torch process, batch 2B: what the cluster should be equivalent to."""
+    """One plain torch process with batch 2B: what the cluster is meant to be equivalent to."""
     data = load_dataset("synthetic", "mlp")
     model = build_model("mlp", data.shape, seed=0)
     if optimizer == "sgd":
@@ -29,14 +29,20 @@ def reference_run(optimizer: str, lr: float) -> dict:
 
 
 def replica_adam_run(lr: float) -> dict:
-    """One process doing the cluster's own arithmetic for Adam, operation for operation.
+    """One process doing the cluster's arithmetic for Adam, operation for operation.
 
-    Trainers (``--threads 1``) each take the mean gradient of their half batch
-    (trainer/loop.py); each shard sums them weighted by num_samples -- ``acc =
-    g0 * B`` then ``acc = acc + B * g1`` -- divides by the total weight and runs
-    torch.optim.Adam(fused=True) (psserver/shard.py ``_accumulate``,
-    ``_close_round``; psserver/optim.py).  Fused Adam is element-wise, so
-    stepping per-tensor parameters gives what the shards' flat slices get.
+    Each trainer (``--threads 1``) takes the mean cross-entropy gradient of its
+    half batch (trainer/loop.py); each shard owns the flat slice
+    [P*i//M, P*(i+1)//M) (psserver/layout.py), sums the trainers' slices
+    weighted by num_samples -- ``acc = g0 * b``, then ``acc = acc + b * g1``
+    (commutative, so arrival order does not matter) -- divides by the total
+    weight and steps torch.optim.Adam(fused=True) on that one flat tensor
+    (psserver/shard.py ``_accumulate``/``_close_round``, psserver/optim.py).
+
+    The slices matter at the last bit: the fused CPU kernel handles the last
+    ``numel % vector width`` elements of a tensor in a scalar loop whose rounding
+    differs from the vector body's, so stepping per-tensor parameters instead
+    differs from the shards in a few thousand elements by ~1 ulp after 6 steps.
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the trainers run: GEMM rounding can depend on the thread count
@@ -44,7 +50,11 @@ def replica_adam_run(lr: float) -> dict:
         data = load_dataset("synthetic", "mlp")
         model = build_model("mlp", data.shape, seed=0)
         params = list(model.parameters())
-        opt = torch.optim.Adam(params, lr=lr, fused=True)
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        total = flat.numel()
+        ranges = [(total * i // SHARDS, total * (i + 1) // SHARDS) for i in range(SHARDS)]
+        slices = [torch.nn.Parameter(flat[a:e].clone(), requires_grad=False) for a, e in ranges]
+        opts = [torch.optim.Adam([s], lr=lr, fused=True) for s in slices]
         order = epoch_order(len(data.x_train), seed=0, epoch=0)
         for k in range(STEPS):
             acc, weight = None, 0.0
@@ -53,14 +63,19 @@ def replica_adam_run(lr: float) -> dict:
                 model.zero_grad(set_to_none=True)
                 F.cross_entropy(model(data.x_train[idx]), data.y_train[idx]).backward()
                 g = torch.cat([p.grad.reshape(-1) for p in params])
-                acc = g * float(len(idx)) if acc is None else torch.add(acc, g, alpha=float(len(idx)))
-                weight += float(len(idx))
+                n = float(len(idx))
+                acc = g * n if acc is None else torch.add(acc, g, alpha=n)
+                weight += n
             acc.div_(weight)
-            offset = 0
-            for p in params:
-                p.grad = acc[offset : offset + p.numel()].view_as(p).clone()
-                offset += p.numel()
-            opt.step()
+            for s, opt, (a, e) in zip(slices, opts, ranges):
+                s.grad = acc[a:e].clone()
+                opt.step()
+            flat = torch.cat([s.detach() for s in slices])  # what the trainers pull
+            with torch.no_grad():
+                offset = 0
+                for p in params:
+                    p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                    offset += p.numel()
         return model.state_dict()
     finally:
         torch.set_num_threads(threads)
@@ -69,9 +84,10 @@ def replica_adam_run(lr: float) -> dict:
 @pytest.mark.parametrize("optimizer,lr", [("sgd", 0.1), ("adam", 0.01)])
 def test_two_trainers_over_two_shards_equal_one_process_with_double_batch(cluster, tmp_path, optimizer, lr):
     out = tmp_path / "model.pt"
-    job = cluster(2, TRAINERS, ["--mode", "sync", "--model", "mlp", "--dataset", "synthetic", "--batch-size", str(B),
-                                "--steps", str(STEPS), "--optimizer", optimizer, "--lr", str(lr), "--momentum", "0.9",
-                                "--seed", "0"], per_rank={0: ["--output", str(out)]})
+    job = cluster(SHARDS, TRAINERS, ["--mode", "sync", "--model", "mlp", "--dataset", "synthetic",
+                                     "--batch-size", str(B), "--steps", str(STEPS), "--optimizer", optimizer,
+                                     "--lr", str(lr), "--momentum", "0.9", "--seed", "0"],
+                  per_rank={0: ["--output", str(out)]})
     assert job.codes == {"trainer0": 0, "trainer1": 0}, job.trainers[0].log_tail()
     assert job.done(0)["versions"] == [STEPS, STEPS]
     got = torch.load(out)
@@ -82,16 +98,31 @@ def test_two_trainers_over_two_shards_equal_one_process_with_double_batch(cluste
     for name in expected:
         moved = max(moved, float((expected[name] - initial[name]).abs().max()))
     assert moved > 1e-3  # the comparison is not between two untrained models
+
     if optimizer == "sgd":
+        # Averaging two half-batch gradients differs from the full-batch gradient by fp32 rounding only,
+        # and SGD carries that through as is.
         for name in expected:
             torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6)
         return
+
+    # Adam, 1: the cluster computes bit for bit what its arithmetic says it computes (half-batch means,
+    # weighted sum on the shards, fused Adam on each shard's flat slice).  Any wrong weight, missed or
+    # doubled gradient, wrong slice, optimizer setting or round would change some bits.
     replica = replica_adam_run(lr)
-    diff = torch.cat([(got[n] - expected[n]).abs().reshape(-1) for n in expected])
-    rdiff = torch.cat([(got[n] - replica[n]).abs().reshape(-1) for n in expected])
-    print(f"vs full batch: max {diff.max():.3e} median {diff.median():.3e} "
-          f"q999 {torch.quantile(diff.double(), 0.999):.3e} q9999 {torch.quantile(diff.double(), 0.9999):.3e} "
-          f"n>1e-4 {(diff > 1e-4).sum()} n>1e-6 {(diff > 1e-6).sum()} n>0 {(diff > 0).sum()} of {diff.numel()}")
-    print(f"vs replica: max {rdiff.max():.3e} n>0 {(rdiff > 0).sum()}")
     for name in expected:
-        print(name, torch.equal(got[name], replica[name]))
+        assert torch.equal(got[name], replica[name]), (
+            f"{name}: max |cluster - replica| = {float((got[name] - replica[name]).abs().max()):.3e}")
+
+    # Adam, 2: and that is the full-batch run up to rounding.  Not element-wise within a small atol:
+    # Adam divides by sqrt(v), so where an element's gradient is near zero an ulp of difference between
+    # the full-batch mean and the average of the half-batch means (or 1 vs 2 threads, fused vs foreach)
+    # is a large relative change of its update -- measured, ~1 element in 20,000 differs by 1e-2*lr to
+    # 6e-2*lr.  Stated over the distribution instead: the typical element agrees to ~1e-7 and at
+    # most 0.1% exceed 1e-2*lr (measured: median 6e-8, 0.0045% above 1e-4).  A real error is nowhere
+    # near: leaving out either half batch, shifting the batch by one sample, dropping one sample or
+    # taking one step fewer each put over 95% of the elements above 1e-2*lr and the median above 3e-3.
+    diff = torch.cat([(got[n] - expected[n]).abs().reshape(-1) for n in expected])
+    median, frac = float(diff.median()), float((diff > 1e-2 * lr).double().mean())
+    assert median <= 1e-4 * lr, f"median |cluster - full batch| = {median:.3e} (bound {1e-4 * lr:.1e})"
+    assert frac <= 1e-3, f"{frac:.3%} of the elements differ from the full batch by more than {1e-2 * lr:.1e}"

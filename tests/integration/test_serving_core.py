@@ -649,7 +649,8 @@ def test_a_round_closed_by_a_leave_is_counted_as_membership(shard_server):
     shard, initial = initialised(shard_server, num_trainers=2)
     assert shard.push(torch.full((P,), 2.0), rank=0).outcome == pb.ACCEPTED
     assert shard.stats().version == 0
-    shard.stub.Leave(pb.LeaveRequest(rank=1, trainer_id="t1", fingerprint=FP), timeout=10)
+    assert shard.stub.Leave(pb.LeaveRequest(rank=1, trainer_id="t1", fingerprint=FP), timeout=10).remaining == 1
+    assert shard.stats().version == 1  # closed by the Leave itself, before it answered
     version, weights = shard.pull(rank=0, min_version=1)
     assert version == 1 and torch.allclose(weights, sgd_reference(initial, torch.full((P,), 2.0)))
     counters = shard.stats().counters
