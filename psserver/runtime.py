@@ -30,6 +30,9 @@ from psserver.shard import Shard
 log = logging.getLogger(__name__)
 
 
+WAKE_BATCH = 16  # waiters resolved per turn of the event loop
+
+
 class VersionWaiters:
     """Futures waiting for ``ready(min_version)``; woken from any thread with ``changed_threadsafe``."""
 
@@ -44,13 +47,24 @@ class VersionWaiters:
             self._loop.call_soon_threadsafe(self._wake)
 
     def _wake(self) -> None:
+        """Resolve the satisfied waiters, WAKE_BATCH at a time: a round that closes for 1,024 trainers would
+        otherwise queue 1,024 replies ahead of a health check that arrives meanwhile."""
         self._scheduled = False
+        woken = 0
         for version in sorted(self._waiting):
             if not self._ready(version):
                 break  # readiness is monotone: no higher version is ready either
-            for fut in self._waiting.pop(version):
+            waiters = self._waiting[version]
+            while waiters and woken < WAKE_BATCH:
+                fut = waiters.pop()
                 if not fut.done():
                     fut.set_result(True)
+                    woken += 1
+            if waiters:
+                self._scheduled = True
+                self._loop.call_soon(self._wake)  # the rest after what is queued now, health checks included
+                return
+            del self._waiting[version]
 
     async def wait(self, min_version: int, timeout: float) -> bool:
         """True once ready, False after ``timeout`` seconds; cancelled at once with its call."""

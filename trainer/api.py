@@ -158,15 +158,22 @@ class ParameterServerTrainer:
             if (r.start, r.end) != self.ranges[i]:
                 raise ValueError(f"shard {i} owns [{r.start}, {r.end}) but this trainer expected {self.ranges[i]}")
         self._stop_heartbeat = threading.Event()
+        self._heartbeat: threading.Thread | None = None
         leases = [r.lease_seconds for r in replies if r.lease_seconds > 0]
         if leases:
-            threading.Thread(target=self._heartbeat_loop, args=(min(leases) / 4,), name="ps-heartbeat",
-                             daemon=True).start()
-        if rank == 0:
-            self.client.map(lambda s: s.init(self._slice(self.flat.flat, s.index), self.client.wire)
-                            if not replies[s.index].initialized else None)
-        # The first pull waits until every shard is initialised (and, in sync modes, all trainers registered).
-        self._pull_all([0] * job.num_shards, timeout=connect_timeout)
+            self._heartbeat = threading.Thread(target=self._heartbeat_loop, args=(min(leases) / 4,),
+                                               name="ps-heartbeat", daemon=True)
+            self._heartbeat.start()
+        try:
+            if rank == 0:
+                self.client.map(lambda s: s.init(self._slice(self.flat.flat, s.index), self.client.wire)
+                                if not replies[s.index].initialized else None)
+            # The first pull waits until every shard is initialised (and, in sync modes, all trainers registered).
+            self._pull_all([0] * job.num_shards, timeout=connect_timeout)
+        except BaseException:
+            # Leave and close, or this trainer's heartbeats would keep it live and sync rounds would wait on it.
+            self.close(leave=True, best_effort=True)
+            raise
         log.info("rank %d connected to %d shards at versions %s", rank, job.num_shards, self.versions)
 
     def _rejoin(self, s: ShardClient, cause: grpc.RpcError) -> None:
@@ -345,13 +352,25 @@ class ParameterServerTrainer:
     def shard_stats(self) -> list:
         return self.client.map(lambda s: s.stats())
 
-    def close(self, leave: bool = True) -> None:
-        """Leave the job (so rounds stop waiting for this trainer) and close the channels."""
+    def close(self, leave: bool = True, best_effort: bool = False) -> None:
+        """Leave the job (so rounds stop waiting for this trainer) and close the channels.
+
+        ``best_effort``: a Leave that fails is logged, not raised (closing after another error).
+        """
         self._stop_heartbeat.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()  # before the channels close under it
         try:
-            self.flush()
+            if not best_effort:
+                self.flush()
             if leave:
-                self.client.map(lambda s: s.leave())
+                try:
+                    self.client.map(lambda s: s.leave(quick=best_effort))
+                except grpc.RpcError as e:
+                    if not best_effort:
+                        raise
+                    log.warning("rank %d could not leave the job cleanly: %s %s", self.rank, e.code().name,
+                                e.details())
         finally:
             self._prefetch_pool.shutdown(wait=True)
             if self._early is not None:

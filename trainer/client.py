@@ -86,6 +86,9 @@ class ShardClient:
                 ("grpc.max_receive_message_length", 64 << 20),
                 ("grpc.max_send_message_length", 64 << 20),
                 ("grpc.keepalive_time_ms", 30_000),
+                # A connection of its own: gRPC otherwise shares one TCP connection among every channel of the
+                # process to the same address, and a shard limits data calls per connection.
+                ("grpc.use_local_subchannel_pool", 1),
                 # Reconnect quickly after a dropped connection or a restarted shard (gRPC's default waits 1 s+).
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.min_reconnect_backoff_ms", 100),
@@ -229,8 +232,12 @@ class ShardClient:
         req = _pb.HeartbeatRequest(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.fingerprint)
         return self.stub.Heartbeat(req, timeout=timeout)
 
-    def leave(self) -> None:
+    def leave(self, quick: bool = False) -> None:
+        """Leave the job; ``quick``: one try with a short deadline (closing after another failure)."""
         req = _pb.LeaveRequest(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.fingerprint)
+        if quick:
+            self.stub.Leave(req, timeout=5.0)
+            return
         self._call("Leave", lambda: self.stub.Leave(req, timeout=self.call_timeout))
 
     def stats(self) -> _pb.StatsReply:
