@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from psserver.checkpoint import Checkpointer
 from psserver.codec import DEFAULT_CHUNK_BYTES
+from psserver.health import LoopWatch, ProbePort
 from psserver.optim import warm_up
 from psserver.runtime import Runtime
 from psserver.security import ServerSecurity
@@ -46,6 +47,7 @@ class ServerConfig:
     security: ServerSecurity = ServerSecurity()
     nonfinite: str = "refuse"  # NaN/Inf in a gradient: "refuse" (INVALID_ARGUMENT) or "skip" (counted, not applied)
     limits: ServiceLimits = field(default_factory=ServiceLimits)  # per connection, rank and stream
+    health_port: int = -1  # also answer Health on this port from a thread of its own (-1: no; 0: pick one)
 
     def __post_init__(self) -> None:
         if self.shard < 0:
@@ -74,6 +76,8 @@ class ShardServer:
         self.limits = ServiceLimits(**{**vars(cfg.limits), "max_push_bytes": cfg.max_push_bytes,
                                        "chunk_bytes": cfg.chunk_bytes, "nonfinite": cfg.nonfinite})
         self.port = 0
+        self.health_port = -1
+        self.probe_port: ProbePort | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopped = False
@@ -87,6 +91,12 @@ class ShardServer:
         self._thread.start()
         try:
             self.port = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(START_TIMEOUT)
+            if self.cfg.health_port >= 0:
+                self.probe_port = ProbePort(self.cfg.host, self.cfg.health_port, LoopWatch(self._loop))
+                self.probe_port.start(("", SERVICE_NAME))
+                self.health_port = self.probe_port.port
+                log.info("shard %d answers health checks on %s:%d too (a thread of its own)", self.cfg.shard,
+                         self.cfg.host, self.health_port)
         except BaseException:
             self._close_loop()
             raise
@@ -138,6 +148,8 @@ class ShardServer:
             return
         self._stopped = True
         grace = self.cfg.shutdown_grace if grace is None else grace
+        if self.probe_port is not None:
+            self.probe_port.stop()
         try:
             asyncio.run_coroutine_threadsafe(self._stop(grace), self._loop).result(grace + START_TIMEOUT)
         finally:

@@ -34,6 +34,7 @@ from psserver.job import OptimizerConfig
 from psserver.limits import MAX_ID_CHARS, MAX_SEQUENCE, MAX_SYNC_TIMEOUT, MAX_TRAINERS, MIN_CHUNK_BYTES
 from psserver.proto import ps_pb2 as pb
 from psserver.proto import ps_pb2_grpc as pb_grpc
+from psserver.server import ServerConfig, ShardServer
 from psserver.service import ServiceLimits
 from tests.conftest import P, make_spec
 
@@ -41,6 +42,7 @@ C = grpc.StatusCode
 FP = "f" * 16
 METHOD = "/psgrpc.v1.ParameterServer/"
 SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -655,3 +657,21 @@ def test_a_round_closed_by_a_leave_is_counted_as_membership(shard_server):
     assert version == 1 and torch.allclose(weights, sgd_reference(initial, torch.full((P,), 2.0)))
     counters = shard.stats().counters
     assert counters["rounds_membership"] == 1 and counters["rounds_all_arrived"] == 0
+
+
+def test_health_port_answers_beside_the_main_port_and_goes_away_with_the_shard():
+    server = ShardServer(ServerConfig(shard=0, host="127.0.0.1", port=0, health_port=0)).start()
+    try:
+        assert server.health_port not in (-1, 0, server.port)
+        for port in (server.port, server.health_port):
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+                assert reply.status == SERVING
+    finally:
+        server.stop(grace=0)
+    with grpc.insecure_channel(f"127.0.0.1:{server.health_port}") as ch:
+        try:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+            assert reply.status == NOT_SERVING
+        except grpc.RpcError as e:
+            assert e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
