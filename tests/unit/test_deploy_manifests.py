@@ -62,5 +62,9 @@ def test_kubernetes_shards_and_trainers_agree():
     shard_env = {e["name"]: e for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert "pod-index" in shard_env["PS_SHARD"]["valueFrom"]["fieldRef"]["fieldPath"]
     container = sts["spec"]["template"]["spec"]["containers"][0]
-    assert container["readinessProbe"]["grpc"]["port"] == 7000 and container["livenessProbe"]["grpc"]["port"] == 7000
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    health_port = int(env["PS_HEALTH_PORT"])  # probes go to the shard's own health port, not the data port
+    assert container["readinessProbe"]["grpc"]["port"] == health_port
+    assert container["livenessProbe"]["grpc"]["port"] == health_port
+    assert health_port in {p["containerPort"] for p in container["ports"]}
     assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "checkpoints"
