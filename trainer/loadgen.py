@@ -11,7 +11,10 @@ health-check latency, the shard's CPU and RSS, and errors by status code.
   Init, then each loops PushPull (a tiny gradient; the model is P=1000 floats,
   so this measures serving, not bandwidth) and finally Leave.
 * The health prober runs in a process of its own: on the client's busy event
-  loop it would measure the client.
+  loop it would measure the client.  With ``--health-port`` each shard started
+  here also answers Health on a free loopback port from a thread of its own
+  (ps-server ``--health-port``); a second prober, same interval, probes that port
+  over the same windows, so both latencies are in every row.
 * Every N has a hard deadline: a shard that stops serving yields a row saying so
   (rounds closed, errors by code), never a hang.
 * ``ps-loadgen stall --streams K``: a stranger opens K Push streams that never
@@ -35,6 +38,7 @@ import random
 import resource
 import shlex
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -412,11 +416,11 @@ def _prober_main(conn, interval: float, timeout: float) -> None:
 class _Prober:
     """A long-lived probing process, pointed at one shard per measurement."""
 
-    def __init__(self, ctx, cfg: LoadConfig):
+    def __init__(self, ctx, cfg: LoadConfig, name: str = "loadgen-prober"):
         self.cfg = cfg
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_prober_main, args=(child, cfg.health_interval, cfg.health_timeout),
-                                name="loadgen-prober", daemon=True)
+                                name=name, daemon=True)
         self.proc.start()
         child.close()
         self.probing = False
@@ -435,7 +439,7 @@ class _Prober:
                 return self.conn.recv()
         except (OSError, EOFError):
             pass
-        log.warning("the health prober did not answer; its probes are lost")
+        log.warning("%s did not answer; its probes are lost", self.proc.name)
         return []
 
     def close(self) -> None:
@@ -654,18 +658,45 @@ def _shard_stats(address: str, token: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ measurements
-class _Shard:
-    """The shard under test: started here (fresh per measurement) or given with --ps."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on right now (the shard binds it a moment later; a race is retried)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
-    def __init__(self, address: str | None, log_dir: Path, server_args: list[str], label: str):
+
+class _Shard:
+    """The shard under test: started here (fresh per measurement) or given with --ps.
+
+    ``health_port``: start it with ``--health-port`` on a free loopback port; ``health_address`` (--ps only):
+    where the external shard answers Health from its own thread.  Either way ``health_address`` is what the
+    second prober probes, or "" for none.
+    """
+
+    def __init__(self, address: str | None, log_dir: Path, server_args: list[str], label: str,
+                 health_port: bool = False, health_address: str = ""):
         self.proc = None
+        self.health_address = health_address if address else ""
         if address:
             self.address = address
         else:
             from trainer.procs import start_shard
 
-            self.proc = start_shard(0, log_dir / f"shard-{label}.log", extra_args=server_args)
+            # PS_HEALTH_PORT is also ps-server's own variable (an int there): never let loadgen's leak into it.
+            env = {"PS_HEALTH_PORT": "-1"} if "PS_HEALTH_PORT" in os.environ else None
+            for attempt in range(3):
+                port = free_port() if health_port else None
+                extra = server_args + (["--health-port", str(port)] if port else [])
+                try:
+                    self.proc = start_shard(0, log_dir / f"shard-{label}.log", extra_args=extra, env=env)
+                    break
+                except RuntimeError as e:  # someone took the port between our probe and the shard's bind?
+                    if not port or "--health-port" not in str(e) or attempt == 2:
+                        raise
+                    log.warning("health port %d was taken before the shard bound it; trying another", port)
             self.address = self.proc.address
+            if port:
+                self.health_address = f"127.0.0.1:{port}"
         self.pid = self.proc.popen.pid if self.proc else None
         self.start_sample = proc_sample(self.pid)
 
@@ -685,19 +716,26 @@ class _Session:
     results: list = dataclasses.field(default_factory=list)
     stranger: dict | None = None
     probes: list = dataclasses.field(default_factory=list)
+    port_probes: list | None = None  # the --health-port prober's, or None when that port is not probed
     fleet: "_Fleet | None" = None
 
 
 def _run_session(ctx, cfg: LoadConfig, job: JobWire, shard: _Shard, prober: _Prober, phases, deadline: float,
-                 stall: tuple[int, int] | None = None) -> _Session:
+                 stall: tuple[int, int] | None = None, port_prober: _Prober | None = None) -> _Session:
     """Run ``phases(fleet, session) -> bool`` on a fresh fleet, probing the shard from the moment every client
     process is up (their start-up is not the shard's doing); whatever happens, the client processes are stopped
-    (at once unless every phase finished) and their results and the probes collected."""
+    (at once unless every phase finished) and their results and the probes collected.  ``port_prober`` probes
+    the shard's health port (``shard.health_address``), if it has one, over the same span."""
     s = _Session(phase="starting client processes")
+    port_prober = port_prober if shard.health_address else None
+    if port_prober is not None:
+        s.port_probes = []
     try:
         s.fleet = _Fleet(ctx, cfg, job, stall, broken=lambda: not shard.alive())
         if s.fleet.wait(lambda: s.fleet.board.up(stall is not None), deadline):
             prober.start(shard.address)
+            if port_prober is not None:
+                port_prober.start(shard.health_address)
             s.fleet.cells[_Board.GO] = 1
             s.phase = "setup"
             s.ok = phases(s.fleet, s)
@@ -711,6 +749,8 @@ def _run_session(ctx, cfg: LoadConfig, job: JobWire, shard: _Shard, prober: _Pro
             if s.fleet is not None:
                 s.fleet.kill()
             s.probes = prober.stop()
+            if port_prober is not None:
+                s.port_probes = port_prober.stop()
     return s
 
 
@@ -724,7 +764,7 @@ def _status(s: _Session, shard: _Shard, crashes: list, deadline: float) -> str:
     return f"deadline ({deadline:.0f} s) during {s.phase}"
 
 
-def measure(ctx, cfg: LoadConfig, shard: _Shard, prober: _Prober, n: int) -> dict:
+def measure(ctx, cfg: LoadConfig, shard: _Shard, prober: _Prober, n: int, port_prober: _Prober | None = None) -> dict:
     """One row: N trainers on a fresh job, warm-up, a measured window, bounded by ``cfg.deadline``."""
     job = make_job(cfg, shard.address, n)
     t_begin = time.monotonic()
@@ -755,7 +795,7 @@ def measure(ctx, cfg: LoadConfig, shard: _Shard, prober: _Prober, n: int) -> dic
             samples["end"] = [proc_sample(p) for p in pids]
             marks["end"] = time.monotonic()
 
-    s = _run_session(ctx, cfg, job, shard, prober, phases, deadline)
+    s = _run_session(ctx, cfg, job, shard, prober, phases, deadline, port_prober=port_prober)
     marks.setdefault("end", time.monotonic())  # (the phases never ran if the client processes never came up)
     records, errors, examples, leave_errors, crashes = _merge(s.results)
     status = _status(s, shard, crashes, cfg.deadline)
@@ -772,12 +812,14 @@ def measure(ctx, cfg: LoadConfig, shard: _Shard, prober: _Prober, n: int) -> dic
     if s.ok and cfg.mode == "sync" and not full:
         status = "rounds closed without everyone"
     start, end = samples.get("start"), samples.get("end") or [None]
+    port = {} if s.port_probes is None else dict(  # measured only with --health-port / --health-address
+        health_port=health_stats(s.port_probes), health_port_window=health_stats(s.port_probes, w0, w1))
     return dict(
         mode=cfg.mode, trainers=n, status=status, **{k: window[k] for k in ("rounds", "pushes", "seconds")},
         pushes_per_s=window["pushes_per_s"], rounds_per_s=window["rounds_per_s"],
         full_rounds=full if cfg.mode == "sync" else None, outcomes=window["outcomes"],
         rounds_total=max((r[3] for r in records), default=0), step=window["step"],
-        health=health_stats(s.probes), health_window=health_stats(s.probes, w0, w1),
+        health=health_stats(s.probes), health_window=health_stats(s.probes, w0, w1), **port,
         health_slowest=_slowest(s.probes, marks),
         shard=dict(pid=shard.pid, cpu_per_s=_round(_cpu_rate(start[:1], end[:1])) if start else None,
                    rss_start_mb=_mb(shard.start_sample, "VmRSS"), rss_end_mb=_mb(end[0], "VmRSS"),
@@ -790,7 +832,7 @@ def measure(ctx, cfg: LoadConfig, shard: _Shard, prober: _Prober, n: int) -> dic
 
 
 def measure_stall(ctx, cfg: LoadConfig, shard: _Shard, prober: _Prober, trainers: int, streams: int,
-                  connections: int) -> dict:
+                  connections: int, port_prober: _Prober | None = None) -> dict:
     """A sync job unloaded, then while a stranger holds ``streams`` silent Push streams open, then after."""
     cfg = dataclasses.replace(cfg, mode="sync", rounds=0)
     job = make_job(cfg, shard.address, trainers)
@@ -825,7 +867,8 @@ def measure_stall(ctx, cfg: LoadConfig, shard: _Shard, prober: _Prober, trainers
         s.phase = "drain"
         return fleet.wait(lambda: board.total(_Board.DONE) == trainers, deadline)
 
-    s = _run_session(ctx, cfg, job, shard, prober, phases, deadline, stall=(streams, connections))
+    s = _run_session(ctx, cfg, job, shard, prober, phases, deadline, stall=(streams, connections),
+                     port_prober=port_prober)
     records, errors, examples, leave_errors, crashes = _merge(s.results)
     counted = (_pb.APPLIED, _pb.ACCEPTED)
     per_round = Counter(r[3] for r in records if r[4] in counted)  # round v -> gradients it closed with
@@ -836,6 +879,7 @@ def measure_stall(ctx, cfg: LoadConfig, shard: _Shard, prober: _Prober, trainers
         rows.append(dict(phase=name, seconds=w["seconds"], rounds=w["rounds"], steps=w["pushes"], step=w["step"],
                          partial_rounds=sum(per_round[v] < trainers for v in reached), outcomes=w["outcomes"],
                          health=health_stats(s.probes, t0, t1),
+                         **({} if s.port_probes is None else dict(health_port=health_stats(s.port_probes, t0, t1))),
                          errors=dict(Counter(code for t, code in errors if t0 <= t <= t1))))
     by = {r["phase"]: r for r in rows}
     ratio = {}
