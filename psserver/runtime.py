@@ -149,6 +149,8 @@ class Runtime:
         shard.on_change = self._changed_threadsafe
 
     def _changed_threadsafe(self) -> None:
+        if self.loop.is_closed():  # the server stopped: nobody waits any more
+            return
         self.waiters.changed_threadsafe()
         if self.shard.mode() == "stale-timeout":
             self.loop.call_soon_threadsafe(self.changes.set)

@@ -153,8 +153,7 @@ class ShardServer:
         try:
             asyncio.run_coroutine_threadsafe(self._stop(grace), self._loop).result(grace + START_TIMEOUT)
         finally:
-            self._close_loop()
-            self.runtime.shutdown()
+            self._close_loop(before_close=self.runtime.shutdown)  # the state worker finishes what it runs
             self.shard.final_checkpoint()
 
     async def _stop(self, grace: float) -> None:
@@ -164,7 +163,9 @@ class ShardServer:
         self._timer.cancel()
         await self.server.stop(grace)
 
-    def _close_loop(self) -> None:
+    def _close_loop(self, before_close=None) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
+        if before_close is not None:
+            before_close()  # threads that may still post to the loop end while it is stopped, not closed
         self._loop.close()

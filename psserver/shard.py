@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import threading
 import time
 from collections import Counter
@@ -46,6 +45,7 @@ from psserver.logsafe import shorten
 from psserver.membership import Membership
 from psserver.metrics import ShardMetrics
 from psserver.optim import build_optimizer
+from psserver.rounds import OpenRound
 from psserver.snapshots import SnapshotPool
 
 log = logging.getLogger(__name__)
@@ -111,11 +111,7 @@ class Shard:
         self.optimizer: torch.optim.Optimizer | None = None
         self.version = 0
         self.started = False  # every trainer of the job has registered at least once
-        self._acc: torch.Tensor | None = None  # weighted sum of the open round's gradients (sync modes only)
-        self._acc_weight = 0.0
-        self._contributors: set[int] = set()
-        self._stale_in_round: set[tuple[int, int]] = set()
-        self._opened_at: float | None = None
+        self.round = OpenRound()  # sync modes only
         self._last_base: dict[int, int] = {}
         self._acked: dict[int, tuple[str, int, PushResult]] = {}  # rank -> (trainer id, sequence, result)
         self.snapshots = SnapshotPool()
@@ -327,7 +323,7 @@ class Shard:
 
         Returns the result and the buffer the caller may reuse for its next
         receive: ``grad`` itself, or the round's previous sum when ``grad``'s
-        memory became the new sum (see ``_accumulate``).
+        memory became the new sum (see ``OpenRound.add``).
 
         A push whose (trainer id, sequence) was already acknowledged is a retry
         after a lost reply: it gets DUPLICATE, whatever the version is now
@@ -386,15 +382,14 @@ class Shard:
             if not sequenced and self._cfg.mode == "async":
                 self._last_base[rank] = base
             if d.action is A.SKIP_IN_ROUND:
-                self._contributors.add(rank)
-                if self._opened_at is None:
-                    self._opened_at = now
+                self.round.contributors.add(rank)
+                self.round.open(now)
                 if d.close is not None:
                     self._close_round(d.close)
                 self._changed()
             return PushResult("skipped", self.version, d.staleness), grad
         if d.action is A.APPLY:
-            self._apply_checked(grad)
+            self._apply(grad)
             self.counters["pushes_applied"] += 1
             self.counters["samples"] += num_samples
             self.counters["staleness_sum"] += d.staleness
@@ -402,15 +397,18 @@ class Shard:
                 self._last_base[rank] = base
             return PushResult("applied", self.version, d.staleness), grad
         # ACCUMULATE
-        spare = self._accumulate(grad, num_samples * d.weight)
+        try:
+            spare = self.round.add(grad, num_samples * d.weight)
+        except InvalidRequest:
+            self.counters["refused_overflow"] += 1
+            raise
         self.counters["pushes_applied"] += 1
         self.counters["samples"] += num_samples
-        if self._opened_at is None:
-            self._opened_at = now
+        self.round.open(now)
         if d.counts_for_round:
-            self._contributors.add(rank)
+            self.round.contributors.add(rank)
         else:
-            self._stale_in_round.add((rank, base))
+            self.round.stale.add((rank, base))
             self.counters["stale_scaled"] += 1
             log.info("shard %d: scaled a stale gradient from rank %d by %.3f (staleness %d)",
                      self.shard_id, rank, d.weight, d.staleness)
@@ -420,28 +418,6 @@ class Shard:
             outcome = "applied"
         self._changed()
         return PushResult(outcome, self.version, d.staleness), spare
-
-    def _accumulate(self, grad: torch.Tensor, weight: float) -> torch.Tensor:
-        """Add ``weight * grad`` to the round's sum -- refused, changing nothing, if the sum overflows.
-
-        The new sum is written into ``grad``'s own memory and checked before it
-        replaces the old one, so an overflow (finite gradients whose sum is Inf)
-        leaves the round exactly as it was.  Returns the buffer the caller may
-        reuse (the old sum, or ``grad`` on the round's first gradient... which is
-        then the sum, so a fresh one is given back).
-        """
-        if self._acc_weight == 0:
-            grad.mul_(weight)
-        else:
-            torch.add(self._acc, grad, alpha=weight, out=grad)
-        if not math.isfinite(float(grad.sum())) and not bool(torch.isfinite(grad).all()):
-            self.counters["refused_overflow"] += 1
-            raise InvalidRequest(
-                f"adding this gradient (weight {weight:g}) to the round's sum overflows float32: refused; "
-                "the gradient's values are too large")
-        old, self._acc = self._acc, grad
-        self._acc_weight += weight
-        return old if old is not None else torch.empty_like(grad)
 
     # ------------------------------------------------------------------ rounds
     def tick(self) -> float | None:
@@ -472,26 +448,20 @@ class Shard:
     def _close_round(self, reason: modes.CloseReason) -> None:
         """Average the open round (weighted by samples) and take one optimizer step -- or, when every
         gradient in it was skipped, advance the version without one, so its waiters go on."""
-        n = len(self._contributors)
-        if modes.round_takes_step(self._acc_weight):
-            self._apply(self._acc.div_(self._acc_weight))  # in place: no slice-sized allocation per round
+        n = len(self.round.contributors)
+        if modes.round_takes_step(self.round.weight):
+            self._apply(self.round.average())
         else:
             with self._snap_lock:
                 self.version += 1
             self.counters["rounds_without_step"] += 1
         self.counters[f"rounds_{reason.value}"] += 1
         if reason is not modes.CloseReason.ALL_ARRIVED:
-            missing = sorted(self.members.view().live - self._contributors)
+            missing = sorted(self.members.view().live - self.round.contributors)
             log.info("shard %d: round %d closed by %s with %d gradients; missing ranks %s",
                      self.shard_id, self.version - 1, reason.value, n, missing[:MAX_MISSING_LISTED])
-        self._acc_weight = 0.0  # the next round's first gradient overwrites _acc
-        self._contributors.clear()
-        self._stale_in_round.clear()
-        self._opened_at = None
+        self.round.reset()
         self._changed()
-
-    def _apply_checked(self, grad: torch.Tensor) -> None:
-        self._apply(grad)
 
     def _apply(self, grad: torch.Tensor) -> None:
         """One optimizer step.  Copy on write: parameters a pull still streams are first moved to a spare
@@ -536,10 +506,7 @@ class Shard:
                       for k, v in opt["state"].items()},
             "param_groups": [dict(g) for g in opt["param_groups"]],
         }
-        open_round = None
-        if self._acc_weight > 0 or self._contributors:
-            open_round = dict(sum=self._acc.clone() if self._acc_weight > 0 else None, weight=self._acc_weight,
-                              contributors=sorted(self._contributors), stale=sorted(self._stale_in_round))
+        open_round = self.round.to_checkpoint()
         acked = {r: (tid, seq, res.outcome, res.version, res.staleness) for r, (tid, seq, res) in self._acked.items()}
         return ShardState(self.shard_id, self.version, self.job, self.params.detach().clone(), opt_copy,
                           dict(self.counters), members=self.members.members(), acked=acked, open_round=open_round)
@@ -575,33 +542,23 @@ class Shard:
             self.started = len(state.members) >= self.job.num_trainers
             self._acked = {r: (tid, seq, PushResult(outcome, version, staleness))
                            for r, (tid, seq, outcome, version, staleness) in state.acked.items()}
-            self._restore_round(state.open_round)
+            self.round.restore(state.open_round, self._clock())
             self.counters.update({k: v for k, v in state.counters.items() if not k.startswith("checkpoints_")})
             self.counters["restored_version"] = state.version
             self._restored = True
             log.warning("shard %d: restored version %d from %s (%d damaged files skipped, %d members, open round "
                         "with %d gradients)", self.shard_id, state.version, self.checkpointer.directory, len(skipped),
-                        len(state.members), len(self._contributors))
+                        len(state.members), len(self.round.contributors))
             return state.version
-
-    def _restore_round(self, open_round: dict | None) -> None:
-        if not open_round:
-            return
-        if open_round["sum"] is not None:
-            self._acc = open_round["sum"].clone()
-        self._acc_weight = open_round["weight"]
-        self._contributors = set(open_round["contributors"])
-        self._stale_in_round = {tuple(x) for x in open_round["stale"]}
-        self._opened_at = self._clock()
 
     def _view(self) -> modes.RoundView:
         return modes.RoundView(
             version=self.version,
             live=self.members.view().live,
             started=self.started,
-            contributors=frozenset(self._contributors),
-            stale_in_round=frozenset(self._stale_in_round),
-            opened_at=self._opened_at,
+            contributors=frozenset(self.round.contributors),
+            stale_in_round=frozenset(self.round.stale),
+            opened_at=self.round.opened_at,
             last_base=self._last_base,
         )
 
@@ -635,11 +592,12 @@ class Shard:
     def state_digest(self) -> str:
         """Hash of parameters, optimizer state, version and round buffers (tests assert refusals leave it unchanged)."""
         with self._lock:
-            h = hashlib.sha256(f"v={self.version};acc_w={self._acc_weight};c={sorted(self._contributors)}".encode())
+            r = self.round
+            h = hashlib.sha256(f"v={self.version};acc_w={r.weight};c={sorted(r.contributors)}".encode())
             if self.params is not None:
                 h.update(self.params.detach().numpy().tobytes())
-                if self._acc_weight:
-                    h.update(self._acc.numpy().tobytes())
+                if r.weight:
+                    h.update(r.sum.numpy().tobytes())
                 for state in self.optimizer.state.values():
                     for k, t in sorted(state.items()):
                         h.update(k.encode())

@@ -1,8 +1,6 @@
 """Real ps-server and ps-trainer processes, 2 shards x 2 trainers, CNN on mnist5k, each mode."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
