@@ -8,7 +8,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from psserver.cli_support import EnvArgumentParser
 from psserver.proto import ps_pb2 as _pb
 from psserver.proto import ps_pb2_grpc as _grpc
-from psserver.security import ClientSecurity, add_client_flags, client_security
+from psserver.security import ClientSecurity, add_client_flags, client_security, parse_addresses
 
 STAT_ROWS = [
     ("version", None), ("optimizer steps", "steps"), ("rounds: all arrived", "rounds_all_arrived"),
@@ -54,8 +54,6 @@ def stats_main(argv: list[str]) -> int:
     p.add_argument("--timeout", type=float, default=10.0)
     add_client_flags(p)
     args = p.parse_args(argv)
-    from trainer.client import parse_addresses
-
     addresses = parse_addresses(args.ps)
     print(format_stats(addresses, fetch_stats(addresses, args.timeout, client_security(args))))
     return 0

@@ -20,7 +20,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import grpc
 
@@ -242,3 +242,15 @@ def add_client_flags(parser) -> None:
 
 def client_security(args) -> ClientSecurity:
     return ClientSecurity(args.tls_ca, args.tls_cert, args.tls_key, read_token(args.auth_token_file))
+
+
+def parse_addresses(ps: str | Sequence[str]) -> list[str]:
+    """'h0:p0,h1:p1' -> ['h0:p0', 'h1:p1'], with a clear error for a malformed entry."""
+    items = [a.strip() for a in (ps.split(",") if isinstance(ps, str) else ps) if a.strip()]
+    if not items:
+        raise ValueError("no parameter-server address given: pass --ps HOST:PORT[,HOST:PORT...]")
+    for a in items:
+        host, _, port = a.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"the address {a!r} is not HOST:PORT with a port between 1 and 65535")
+    return items

@@ -31,7 +31,7 @@ from psserver.fastwire import parse_chunk, serialize_chunk
 from psserver.job import WIRE_DTYPES, JobSpec
 from psserver.proto import ps_pb2 as _pb
 from psserver.proto import ps_pb2_grpc as _grpc
-from psserver.security import ClientSecurity
+from psserver.security import ClientSecurity, parse_addresses  # noqa: F401 (re-exported for trainers)
 from psserver.errors import VERSION_METADATA_KEY
 
 log = logging.getLogger(__name__)
@@ -41,18 +41,6 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 # A push is also retried after DEADLINE_EXCEEDED: its reply may have been lost, and the sequence number
 # makes the retry a DUPLICATE rather than a second application.
 PUSH_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-
-
-def parse_addresses(ps: str | Sequence[str]) -> list[str]:
-    """'h0:p0,h1:p1' -> ['h0:p0', 'h1:p1'], with a clear error for a malformed entry."""
-    items = [a.strip() for a in (ps.split(",") if isinstance(ps, str) else ps) if a.strip()]
-    if not items:
-        raise ValueError("no parameter-server address given: pass --ps HOST:PORT[,HOST:PORT...]")
-    for a in items:
-        host, _, port = a.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"the address {a!r} is not HOST:PORT with a port between 1 and 65535")
-    return items
 
 
 @dataclass(frozen=True)
