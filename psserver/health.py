@@ -3,90 +3,125 @@
 The shard's own port answers ``grpc.health.v1.Health`` on its event loop, between
 any two steps of anyone's calls -- a few ms when the shard has slack.  But one
 interpreter moves only so many gRPC calls per second: with hundreds of trainers
-the loop is saturated and a health check waits its turn behind a round's worth
-of replies (ps-loadgen measured 100-200 ms at 256-1,024 trainers).  A liveness
-probe that fails then restarts a shard that is merely busy.
+its event loop is saturated and a health check waits its turn behind a round's
+worth of replies (ps-loadgen measured 100-250 ms p99 at 256-1,024 trainers on 2
+cores), and a thread of the same process fares little better, as it waits for
+the same interpreter lock.  A liveness probe that fails then restarts a shard
+that is merely busy.
 
-``--health-port`` adds a small thread-pool gRPC server that answers Health on a
-port of its own, independent of the loop's queue.  So that it still tells a
-hung shard from a busy one, it reports SERVING only while the event loop keeps
-ticking (``LoopWatch``): a loop that has not run for ``stall_seconds`` reads as
-NOT_SERVING.  Point Kubernetes' probes at it; tools keep using the main port.
+``--health-port`` therefore answers Health from a small *process* of its own
+(``ProbePort``), which shares two numbers with the shard through shared memory:
+the serving status and the time of the event loop's latest tick
+(``LoopWatch``).  It reports SERVING only while the shard says so and its loop
+keeps ticking, so it still tells a hung shard (loop stalled for
+``stall_seconds``) from a busy one.  It exits with the shard, also when the shard
+is killed (it watches a pipe from the shard).  Point Kubernetes' probes at it;
+tools keep using the main port.
+
+This module must not import torch: the probe process starts by importing it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
 import time
 from concurrent import futures
+from typing import Callable
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 TICK_SECONDS = 0.1
+SERVING, NOT_SERVING = 1, 2
+START_TIMEOUT = 30.0
 
 
 class LoopWatch:
-    """The time of the event loop's latest tick, read from any thread."""
+    """Publishes the time of the event loop's latest tick (CLOCK_MONOTONIC, the same in every process)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, clock=time.monotonic):
-        self._loop, self._clock = loop, clock
-        self.last_tick = clock()
+    def __init__(self, loop: asyncio.AbstractEventLoop, publish: Callable[[float], None]):
+        self._loop, self._publish = loop, publish
         self._handle = None
+        publish(time.monotonic())
         loop.call_soon_threadsafe(self._tick)
 
     def _tick(self) -> None:
-        self.last_tick = self._clock()
+        self._publish(time.monotonic())
         self._handle = self._loop.call_later(TICK_SECONDS, self._tick)
 
-    def stalled_for(self) -> float:
-        return self._clock() - self.last_tick
-
     def stop(self) -> None:
-        if self._handle is not None:
+        if self._handle is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._handle.cancel)
 
 
-class _WatchedHealth(health.HealthServicer):
-    """The standard servicer, except that a stalled event loop reads as NOT_SERVING."""
+class _WatchedHealth(health_pb2_grpc.HealthServicer):
+    """Check answers from the shared status and the loop's liveness (Watch is not offered here)."""
 
-    def __init__(self, watch: LoopWatch, stall_seconds: float):
-        super().__init__()
-        self._watch, self._stall = watch, stall_seconds
+    def __init__(self, serving: Callable[[], bool], stalled_for: Callable[[], float], stall_seconds: float):
+        self._serving, self._stalled_for, self._stall = serving, stalled_for, stall_seconds
 
     def Check(self, request, context):  # noqa: N802 (gRPC's spelling)
-        reply = super().Check(request, context)
-        stalled = self._watch.stalled_for()
-        if reply.status == health_pb2.HealthCheckResponse.SERVING and stalled > self._stall:
-            log.warning("health port: the event loop has not run for %.1f s: NOT_SERVING", stalled)
-            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
-        return reply
+        ok = self._serving() and self._stalled_for() <= self._stall
+        status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+        return health_pb2.HealthCheckResponse(status=status)
+
+
+def _probe_main(host: str, port: int, status, last_tick, stall_seconds: float, conn) -> None:
+    """The probe process: serve Check until the shard says stop or its end of the pipe closes (it died)."""
+    servicer = _WatchedHealth(lambda: status.value == SERVING, lambda: time.monotonic() - last_tick.value,
+                              stall_seconds)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=[("grpc.so_reuseport", 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
+    if bound:
+        server.start()
+    conn.send(bound)
+    try:
+        conn.recv()  # "stop", or EOFError when the shard is gone
+    except (EOFError, OSError):
+        pass
+    server.stop(0)
 
 
 class ProbePort:
-    """A thread-pool gRPC server answering only Health, on ``host:port``."""
+    """Health on ``host:port`` from a process of its own; ``.port`` once started."""
 
-    def __init__(self, host: str, port: int, watch: LoopWatch, stall_seconds: float = 10.0):
-        self.servicer = _WatchedHealth(watch, stall_seconds)
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health-port"),
-                                  options=[("grpc.so_reuseport", 0)])
-        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, self.server)
-        address = f"{host}:{port}"
-        try:
-            self.port = self.server.add_insecure_port(address)
-        except RuntimeError as e:
-            raise OSError(f"cannot listen on {address} (--health-port): {e}") from None
-        if self.port == 0:
-            raise OSError(f"cannot listen on {address} (--health-port): the address is in use or not local")
+    def __init__(self, host: str, port: int, stall_seconds: float = 10.0):
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no threads or gRPC state inherited
+        self.status = ctx.Value("i", NOT_SERVING, lock=False)
+        self.last_tick = ctx.Value("d", time.monotonic(), lock=False)
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_probe_main, name="ps-health-port", daemon=True,
+                                 args=(host, port, self.status, self.last_tick, stall_seconds, child))
+        self._proc.start()
+        child.close()
+        bound = self._conn.recv() if self._conn.poll(START_TIMEOUT) else 0
+        if not bound:
+            self.stop()
+            raise OSError(f"cannot listen on {host}:{port} (--health-port): in use, not local, or too slow to start")
+        self.port = bound
 
-    def start(self, names: tuple[str, ...]) -> None:
-        self.server.start()
-        for name in names:
-            self.servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    def publish_tick(self, t: float) -> None:
+        self.last_tick.value = t
+
+    def set_serving(self, serving: bool) -> None:
+        self.status.value = SERVING if serving else NOT_SERVING
 
     def stop(self) -> None:
-        self.servicer.enter_graceful_shutdown()
-        self.server.stop(0).wait()
+        self.status.value = NOT_SERVING
+        try:
+            self._conn.send("stop")
+        except (OSError, ValueError):
+            pass
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+        self._conn.close()

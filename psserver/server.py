@@ -92,12 +92,15 @@ class ShardServer:
         try:
             self.port = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(START_TIMEOUT)
             if self.cfg.health_port >= 0:
-                self.probe_port = ProbePort(self.cfg.host, self.cfg.health_port, LoopWatch(self._loop))
-                self.probe_port.start(("", SERVICE_NAME))
+                self.probe_port = ProbePort(self.cfg.host, self.cfg.health_port)
+                self._watch = LoopWatch(self._loop, self.probe_port.publish_tick)
+                self.probe_port.set_serving(True)
                 self.health_port = self.probe_port.port
-                log.info("shard %d answers health checks on %s:%d too (a thread of its own)", self.cfg.shard,
+                log.info("shard %d answers health checks on %s:%d too (a process of its own)", self.cfg.shard,
                          self.cfg.host, self.health_port)
         except BaseException:
+            if self.probe_port is not None:
+                self.probe_port.stop()
             self._close_loop()
             raise
         log.info("shard %d serving on %s:%d", self.cfg.shard, self.cfg.host, self.port)
@@ -149,11 +152,15 @@ class ShardServer:
         self._stopped = True
         grace = self.cfg.shutdown_grace if grace is None else grace
         if self.probe_port is not None:
-            self.probe_port.stop()
+            self.probe_port.set_serving(False)
         try:
             asyncio.run_coroutine_threadsafe(self._stop(grace), self._loop).result(grace + START_TIMEOUT)
         finally:
+            if self.probe_port is not None:
+                self._watch.stop()
             self._close_loop(before_close=self.runtime.shutdown)  # the state worker finishes what it runs
+            if self.probe_port is not None:
+                self.probe_port.stop()
             self.shard.final_checkpoint()
 
     async def _stop(self, grace: float) -> None:

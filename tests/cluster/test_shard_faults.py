@@ -113,3 +113,32 @@ def test_sigterm_with_a_half_full_round_then_restore_keeps_the_acknowledged_push
     finally:
         for p in procs:
             p.kill()
+
+
+def test_the_health_port_process_goes_when_its_shard_is_killed(tmp_path):
+    """kill -9 of ps-server leaves no probe process behind: it watches a pipe from the shard."""
+    import socket
+
+    with socket.socket() as s:  # a free port for --health-port (ps-server logs, not prints, the one it got)
+        s.bind(("127.0.0.1", 0))
+        health_port = s.getsockname()[1]
+    shard = start_shard(0, tmp_path / "shard0.log", extra_args=["--health-port", str(health_port)])
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{health_port}") as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        shard.kill()  # SIGKILL to the shard alone, not its process group
+        with grpc.insecure_channel(f"127.0.0.1:{health_port}") as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            # the probe process notices the closed pipe and exits; its port then refuses connections
+            wait_until(lambda: _refused(stub), 30, "the health port to close after its shard died")
+    finally:
+        shard.kill()
+
+
+def _refused(stub) -> bool:
+    try:
+        stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+        return False
+    except grpc.RpcError as e:
+        return e.code() == grpc.StatusCode.UNAVAILABLE

@@ -669,6 +669,7 @@ def test_health_port_answers_beside_the_main_port_and_goes_away_with_the_shard()
                 assert reply.status == SERVING
     finally:
         server.stop(grace=0)
+    assert not server.probe_port._proc.is_alive()  # the probe process went with the shard
     with grpc.insecure_channel(f"127.0.0.1:{server.health_port}") as ch:
         try:
             reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
