@@ -922,14 +922,32 @@ def _codes(d: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "-"
 
 
+def _health_cell(h: dict | None) -> str:
+    """p50 / p99 / max ms of a health stats dict, or "-" when that port was not probed."""
+    if h is None:
+        return "-"
+    return f"{_cell(h['p50_ms'])} / {_cell(h['p99_ms'])} / {_cell(h['max_ms'])}"
+
+
+def _health_fails(h: dict, port: dict | None) -> str:
+    """Failed probes by code: the main port's, then the health port's (marked "port:")."""
+    parts = [_codes(h["failures"])] if h["failures"] else []
+    if port and port["failures"]:
+        parts.append(f"port: {_codes(port['failures'])}")
+    return "; ".join(parts) or "-"
+
+
 def markdown(result: dict) -> str:
     server = " ".join(result["server_args"]) or "default flags"
+    if result.get("health_port"):
+        server += f", health port: {result['health_port']}"
     lines = [f"ps-loadgen: mode {result['mode']}, P = {result['params']}, window {result['window']}, "
              f"client procs {result['client_procs']}, shard {result['shard']} ({server}), {result['machine']}", ""]
     if result["rows"]:
         lines += ["| N | status | rounds | pushes/s | rounds/s | step p50 / p99 ms | health p50 / p99 / max ms "
-                  "| health fails | shard CPU s/s | shard RSS MB | RSS KB / extra trainer | client CPU s/s | errors |",
-                  "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|"]
+                  "| health port p50 / p99 / max ms | health fails | shard CPU s/s | shard RSS MB "
+                  "| RSS KB / extra trainer | client CPU s/s | errors |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|"]
         for r in result["rows"]:
             s, h, st = r["shard"], r["health"], r["step"]
             odd = {k: v for k, v in r["outcomes"].items() if k not in ("applied", "accepted")}
@@ -937,12 +955,20 @@ def markdown(result: dict) -> str:
             lines.append(
                 f"| {r['trainers']} | {r['status']} | {rounds} | {_cell(r['pushes_per_s'])} "
                 f"| {_cell(r['rounds_per_s'], '{:.2f}')} "
-                f"| {_cell(st['p50_ms'])} / {_cell(st['p99_ms'])} | {_cell(h['p50_ms'])} / {_cell(h['p99_ms'])} / "
-                f"{_cell(h['max_ms'])} | {_codes(h['failures'])} | {_cell(s['cpu_per_s'], '{:.2f}')} "
+                f"| {_cell(st['p50_ms'])} / {_cell(st['p99_ms'])} | {_health_cell(h)} "
+                f"| {_health_cell(r.get('health_port'))} | {_health_fails(h, r.get('health_port'))} "
+                f"| {_cell(s['cpu_per_s'], '{:.2f}')} "
                 f"| {_cell(s['rss_end_mb'])} | {_cell(s.get('rss_growth_kb_per_trainer'))} "
                 f"| {_cell(r['client']['cpu_per_s'], '{:.2f}')} | {_codes(r['errors'])} |")
         lines += ["", "rounds and pushes/s: the measured window after warm-up (sync: exactly the rounds it spans); "
-                      "step: one PushPull, round wait included; health: every probe of the run, setup included; "
+                      "step: one PushPull, round wait included; "
+                      "health: Health.Check on the main port -- the standard service on the shard's own port, "
+                      "answered by its event loop, so it queues behind the shard's calls; "
+                      "health port: Health.Check on ps-server --health-port -- a thread of its own, not queued "
+                      "behind the loop, that still reads NOT_SERVING if the loop stalls (\"-\": not probed; "
+                      "see --health-port, or --health-address with --ps); both probed every "
+                      f"{result['config']['health_interval'] * 1000:g} ms over the whole run, setup included; "
+                      "health fails: failed probes by code (\"port:\" for the health port's); "
                       "errors: failed calls by status code, each retried."]
     stall = result.get("stall")
     if stall:
@@ -950,14 +976,13 @@ def markdown(result: dict) -> str:
                       f"({stall['connections']} connections) beside a sync job of {stall['trainers']} trainers "
                       f"-- {stall['status']}", "",
                   "| phase | rounds | of them without everyone | steps | step p50 / p99 ms | health p50 / p99 / max ms "
-                  "| health fails | errors |",
-                  "|---|---:|---:|---:|---:|---:|---|---|"]
+                  "| health port p50 / p99 / max ms | health fails | errors |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|---|"]
         for p in stall["phases"]:
-            h = p["health"]
+            h, hp = p["health"], p.get("health_port")
             lines.append(f"| {p['phase']} | {p['rounds']} | {p['partial_rounds']} | {p['steps']} "
-                         f"| {_cell(p['step']['p50_ms'])} / "
-                         f"{_cell(p['step']['p99_ms'])} | {_cell(h['p50_ms'])} / {_cell(h['p99_ms'])} / "
-                         f"{_cell(h['max_ms'])} | {_codes(h['failures'])} | {_codes(p['errors'])} |")
+                         f"| {_cell(p['step']['p50_ms'])} / {_cell(p['step']['p99_ms'])} | {_health_cell(h)} "
+                         f"| {_health_cell(hp)} | {_health_fails(h, hp)} | {_codes(p['errors'])} |")
         r, s = stall["step_ratio"], stall.get("stranger") or {}
         ratio = (f"p50 {r['p50_ms']:.2f}x, p99 {r['p99_ms']:.2f}x" if r.get("p50_ms") is not None
                  and r.get("p99_ms") is not None else "no step completed while stalled")
@@ -994,9 +1019,11 @@ def plot(rows: list[dict], path: Path) -> None:
     series(axes[0], [r["pushes_per_s"] for r in rows], "pushes/s")
     series(axes[0], [r["rounds_per_s"] for r in rows], "rounds/s", "s")
     axes[0].set_title("throughput")
-    series(axes[1], [r["health"]["p99_ms"] for r in rows], "health p99")
-    series(axes[1], [r["health"]["max_ms"] for r in rows], "health max", "^")
-    failed = [(n, r["health"]["p99_ms"]) for n, r in zip(ns, rows) if r["health"]["failures"] and r["health"]["p99_ms"]]
+    series(axes[1], [r["health"]["p99_ms"] for r in rows], "health p99 (main port)")
+    series(axes[1], [r["health"]["max_ms"] for r in rows], "health max (main port)", "^")
+    series(axes[1], [(r.get("health_port") or {}).get("p99_ms") for r in rows], "health port p99", "D")
+    failed = [(n, h["p99_ms"]) for n, r in zip(ns, rows) for h in (r["health"], r.get("health_port"))
+              if h and h["failures"] and h["p99_ms"]]
     if failed:
         axes[1].plot(*zip(*failed), "rx", markersize=12, label="probes failed")
     axes[1].axhline(50, color="grey", linestyle="--", linewidth=1, label="50 ms")
@@ -1017,8 +1044,12 @@ def plot(rows: list[dict], path: Path) -> None:
 
 # -------------------------------------------------------------------------------------------------- run
 def run(cfg: LoadConfig, trainers: list[int], out: Path, ps: str = "", server_args: list[str] | None = None,
-        stall: tuple[int, int, int] | None = None) -> dict:
-    """Every N in turn (a fresh shard each, unless ``ps``), then the stall scenario; writes out/loadgen.*."""
+        stall: tuple[int, int, int] | None = None, health_port: bool = False, health_address: str = "") -> dict:
+    """Every N in turn (a fresh shard each, unless ``ps``), then the stall scenario; writes out/loadgen.*.
+
+    ``health_port``: start each shard with ps-server --health-port on a free loopback port and probe that port
+    too; ``health_address``: the same for the external shard ``ps``."""
+    check_health_flags(ps, health_port, health_address)
     _raise_fd_limit()
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds gRPC state
     out.mkdir(parents=True, exist_ok=True)
@@ -1028,14 +1059,18 @@ def run(cfg: LoadConfig, trainers: list[int], out: Path, ps: str = "", server_ar
                           f"gRPC {grpc.__version__}",
                   server_args=server_args or [], shard=ps or "started per N", config=dataclasses.asdict(cfg),
                   rows=[], stall=None)
+    if health_port or health_address:
+        result["health_port"] = health_address or "--health-port on a free loopback port per shard"
     result["config"]["token"] = "set" if cfg.token else ""
     prober = _Prober(ctx, cfg)
+    port_prober = _Prober(ctx, cfg, "loadgen-port-prober") if health_port or health_address else None
+    shard_kw = dict(health_port=health_port, health_address=health_address)
     try:
         for n in trainers:
             log.info("N = %d: starting", n)
-            shard = _Shard(ps, out / "logs", server_args or [], f"{cfg.mode}-n{n}")
+            shard = _Shard(ps, out / "logs", server_args or [], f"{cfg.mode}-n{n}", **shard_kw)
             try:
-                row = measure(ctx, cfg, shard, prober, n)
+                row = measure(ctx, cfg, shard, prober, n, port_prober)
             finally:
                 code = shard.stop()
             row["shard"]["exit_code"] = code  # after SIGTERM; None: not started here
@@ -1046,18 +1081,30 @@ def run(cfg: LoadConfig, trainers: list[int], out: Path, ps: str = "", server_ar
         if stall:
             streams, connections, k = stall
             log.info("stall: %d silent streams beside %d sync trainers", streams, k)
-            shard = _Shard(ps, out / "logs", server_args or [], f"stall-{streams}")
+            shard = _Shard(ps, out / "logs", server_args or [], f"stall-{streams}", **shard_kw)
             try:
-                result["stall"] = measure_stall(ctx, cfg, shard, prober, k, streams, connections)
+                result["stall"] = measure_stall(ctx, cfg, shard, prober, k, streams, connections, port_prober)
             finally:
                 shard.stop()
     finally:
         prober.close()
+        if port_prober is not None:
+            port_prober.close()
     (out / "loadgen.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "loadgen.md").write_text(markdown(result))
     if result["rows"]:
         plot(result["rows"], out / "loadgen.png")
     return result
+
+
+def check_health_flags(ps: str, health_port: bool, health_address: str) -> None:
+    """--health-port picks the port of a shard started here; a running shard's (--ps) must be given."""
+    if health_port and ps:
+        raise ValueError("--health-port cannot go with --ps: it picks the port of the shards it starts; "
+                         "give the running shard's health port as --health-address HOST:PORT instead")
+    if health_address and not ps:
+        raise ValueError("--health-address is for a running shard (--ps HOST:PORT); "
+                         "for the shards started here use --health-port")
 
 
 def _raise_fd_limit() -> None:
@@ -1094,6 +1141,12 @@ def build_parser(stall_only: bool = False) -> EnvArgumentParser:
     p.add_argument("--sync-timeout", type=float, default=0.5, help="stale-timeout mode: seconds a round waits")
     p.add_argument("--client-procs", type=int, default=1, help="client processes the trainers are spread over")
     p.add_argument("--health-interval", type=float, default=0.02, help="seconds between health probes")
+    p.add_argument("--health-port", action="store_true",
+                   help="start each shard with ps-server --health-port on a free loopback port and probe that port "
+                        "too (a second prober, same interval), beside the main port")
+    p.add_argument("--health-address", default="",
+                   help="with --ps: HOST:PORT where that shard answers health checks from its own thread "
+                        "(its --health-port); probed beside the main port")
     p.add_argument("--auth-token-file", default="", help="token the trainers send (or set $PS_AUTH_TOKEN)")
     p.add_argument("--out", default="bench-results/loadgen", help="folder for loadgen.json, .md, .png and logs")
     p.add_argument("--quick", action="store_true", help="for CI: N = 1,4 for 2 s each")
@@ -1123,6 +1176,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         trainers = [] if stall_only else [1, 4]
         seconds, deadline, warmup = 2.0, min(deadline, 60.0), min(warmup, 2)
+    check_health_flags(args.ps, args.health_port, args.health_address)
     if args.ps and len(trainers) > 1:
         log.warning("--ps: every N registers a new job with the same shard; a shard that keeps its first job "
                     "refuses the later ones (FAILED_PRECONDITION)")
@@ -1136,7 +1190,8 @@ def main(argv: list[str] | None = None) -> int:
     stall = (streams, args.stall_connections or streams, args.stall_trainers) if streams else None
     if stall_only and not stall:
         raise ValueError("ps-loadgen stall needs --streams of at least 1")
-    result = run(cfg, trainers, Path(args.out), ps=args.ps, server_args=shlex.split(args.server_args), stall=stall)
+    result = run(cfg, trainers, Path(args.out), ps=args.ps, server_args=shlex.split(args.server_args), stall=stall,
+                 health_port=args.health_port, health_address=args.health_address)
     print(markdown(result), end="")
     return 0
 
