@@ -104,12 +104,16 @@ def _decoded(request):
 
 
 def _refusals(method):
-    """Turn PsError into context.abort with its code; count every refusal and log them at a bounded rate."""
+    """Turn PsError into context.abort with its code; count every refusal and log them at a bounded rate;
+    count calls their clients abandoned."""
 
     @functools.wraps(method)
     async def wrapper(self, request, context):
         try:
             return await method(self, request, context)
+        except asyncio.CancelledError:  # the client went away (or its deadline passed): counted, not logged
+            self.shard.count("calls_cancelled")
+            raise
         except PsError as e:
             code = e.code
             if isinstance(e, StaleGradient):  # counted and logged by the shard as stale_dropped
@@ -293,7 +297,7 @@ class ParameterServerService:
         """Push, then stream the weights of the version the trainer waits for next (see ps.proto)."""
         async with self._peer_slot(context):
             h, r = await self._receive_push(request_iterator, context, stale_as_result=True)
-            wanted = modes.reply_version(self.shard._cfg, r.outcome, h.version, r.version)
+            wanted = modes.reply_version(self.shard.mode_config(), r.outcome, h.version, r.version)
             await self._stream_weights(h.rank, h.trainer_id, h.fingerprint, wanted, self.shard.wire_dtype(),
                                        context, outcome=_OUTCOMES[r.outcome], staleness=r.staleness)
 

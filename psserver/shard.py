@@ -104,10 +104,10 @@ class Shard:
 
     def _clear_job(self) -> None:
         """No job: the state a shard starts in, and returns to when a job ended."""
+        self.params: torch.nn.Parameter | None = None  # first: lock-free readers test it before the job
         self.job: JobSpec | None = None
         self._cfg: modes.ModeConfig | None = None
         self.start = self.end = 0
-        self.params: torch.nn.Parameter | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.version = 0
         self.started = False  # every trainer of the job has registered at least once
@@ -260,9 +260,10 @@ class Shard:
 
     def pull_ready(self, min_version: int) -> bool:
         """May a pull for ``min_version`` be answered now? (Lock-free: the server's wait predicate.)"""
+        job = self.job
         return self._stopped or (
-            self.params is not None and self.version >= min_version
-            and (self.job.mode == "async" or self.started)
+            job is not None and self.params is not None and self.version >= min_version
+            and (job.mode == "async" or self.started)
         )
 
     def acquire_snapshot(self, rank: int, trainer_id: str, fingerprint: str, wire: int) -> tuple[int, torch.Tensor]:
@@ -565,6 +566,9 @@ class Shard:
     # ------------------------------------------------------------------ stats
     def count(self, name: str, n: float = 1) -> None:
         self.counters[name] += n  # one dict update: atomic under the GIL
+
+    def mode_config(self) -> modes.ModeConfig | None:
+        return self._cfg
 
     def mode(self) -> str:
         job = self.job
