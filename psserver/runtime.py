@@ -2,7 +2,10 @@
 
 * ``state``: ONE thread that runs every shard method touching tensors or the
   round, in the order calls arrive -- so they never contend, and the event loop
-  never blocks on them.
+  never blocks on them.  A shard whose slice is small (``INLINE_STATE_ELEMENTS``)
+  runs them on the loop instead: its tensor work takes microseconds, less than
+  the hop to a thread and back (and the interpreter-lock hand-offs it costs), and
+  that is the regime of hundreds of trainers per shard.
 * ``compute``: a small pool for pure, read-only work on a received gradient
   (the finite check), which may overlap with the state worker.
 * ``VersionWaiters``: pulls waiting for a version are futures keyed by that
@@ -17,8 +20,10 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Awaitable, Callable
@@ -31,6 +36,9 @@ log = logging.getLogger(__name__)
 
 
 WAKE_BATCH = 16  # waiters resolved per turn of the event loop
+# Slices up to this many elements have their shard methods run on the event loop (an optimizer step or a
+# round sum of 64K floats takes tens of microseconds; a hop to the state worker and back costs about as much).
+INLINE_STATE_ELEMENTS = 1 << 16
 
 
 class VersionWaiters:
@@ -38,13 +46,17 @@ class VersionWaiters:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, ready: Callable[[int], bool]):
         self._loop, self._ready = loop, ready
+        self._loop_thread = threading.get_ident()  # made on the loop
         self._waiting: dict[int, list[asyncio.Future]] = {}
         self._scheduled = False
 
     def changed_threadsafe(self) -> None:
         if not self._scheduled:  # coalesce: one wake-up per burst of changes
             self._scheduled = True
-            self._loop.call_soon_threadsafe(self._wake)
+            if threading.get_ident() == self._loop_thread:
+                self._loop.call_soon(self._wake)
+            else:
+                self._loop.call_soon_threadsafe(self._wake)
 
     def _wake(self) -> None:
         """Resolve the satisfied waiters, WAKE_BATCH at a time: a round that closes for 1,024 trainers would
@@ -113,25 +125,60 @@ class _Held:
 
 
 class ReceiveBuffers:
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._sem = asyncio.Semaphore(limit)
+    """At most ``max(min_buffers, budget_bytes // slice bytes)`` receive buffers at once.
+
+    A buffer is held from a push's first chunk until the shard took its gradient,
+    which includes waiting for the client to end its stream: with big slices a
+    few buffers bound the memory; with small ones (many trainers, a small model)
+    a fixed few would make hundreds of pushes queue for a buffer, so the bound is
+    in bytes.
+    """
+
+    def __init__(self, min_buffers: int, budget_bytes: int = 256 << 20):
+        self.min_buffers, self.budget_bytes = min_buffers, budget_bytes
+        self._in_use = 0
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
         self._free: list[torch.Tensor] = []
+
+    def limit(self, length: int) -> int:
+        return max(self.min_buffers, self.budget_bytes // max(4 * length, 1))
 
     @asynccontextmanager
     async def take(self, length: int):
-        async with self._sem:
-            buf = None
-            while self._free and buf is None:
-                candidate = self._free.pop()
-                if candidate.numel() == length:
-                    buf = candidate
-            held = _Held(buf if buf is not None else torch.empty(length, dtype=torch.float32))
+        limit = self.limit(length)
+        while self._in_use >= limit:
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
             try:
-                yield held
+                await fut
+            except asyncio.CancelledError:
+                if fut.done() and not fut.cancelled():
+                    self._wake_one()  # woken but gone: pass the turn on
+                raise
             finally:
-                if held.buffer is not None and len(self._free) < self.limit:
-                    self._free.append(held.buffer)
+                if fut in self._waiters:
+                    self._waiters.remove(fut)
+        self._in_use += 1
+        buf = None
+        while self._free and buf is None:
+            candidate = self._free.pop()
+            if candidate.numel() == length:
+                buf = candidate
+        held = _Held(buf if buf is not None else torch.empty(length, dtype=torch.float32))
+        try:
+            yield held
+        finally:
+            if held.buffer is not None and len(self._free) < limit:
+                self._free.append(held.buffer)
+            self._in_use -= 1
+            self._wake_one()
+
+    def _wake_one(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
 
 
 class Runtime:
@@ -153,10 +200,25 @@ class Runtime:
             return
         self.waiters.changed_threadsafe()
         if self.shard.mode() == "stale-timeout":
-            self.loop.call_soon_threadsafe(self.changes.set)
+            if threading.get_ident() == self.waiters._loop_thread:
+                self.changes.set()
+            else:
+                self.loop.call_soon_threadsafe(self.changes.set)
 
-    def run_state(self, fn, *args):
-        return self.loop.run_in_executor(self.state, functools.partial(fn, *args))
+    def inline(self) -> bool:
+        return self.shard.slice_length() <= INLINE_STATE_ELEMENTS
+
+    def run_state(self, fn, *args) -> asyncio.Future:
+        """``fn(*args)`` on the state worker -- or at once on the loop for a small slice (see INLINE_STATE_ELEMENTS);
+        a future either way."""
+        if not self.inline():
+            return self.loop.run_in_executor(self.state, functools.partial(fn, *args))
+        fut = self.loop.create_future()
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 -- delivered to the awaiting caller, as the executor would
+            fut.set_exception(e)
+        return fut
 
     def run_compute(self, fn, *args):
         return self.loop.run_in_executor(self.compute, functools.partial(fn, *args))

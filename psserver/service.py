@@ -63,7 +63,8 @@ class ServiceLimits:
     max_calls_per_peer: int = 64  # data calls in flight on one connection
     max_calls_per_rank: int = 8  # data calls in flight naming one rank
     min_chunk_bytes: int = limits.MIN_CHUNK_BYTES  # every chunk of a stream but the last carries at least this
-    receive_buffers: int = 8  # slice-sized receive buffers: pushes beyond this wait (gRPC flow control holds them)
+    receive_buffers: int = 8  # slice-sized receive buffers at least (more while they fit in 256 MB); pushes beyond
+    # wait, their bytes held back by gRPC's flow control
     nonfinite: str = "refuse"  # NaN/Inf gradients: "refuse" (INVALID_ARGUMENT) or "skip" (counted, not applied)
 
     def __post_init__(self) -> None:
