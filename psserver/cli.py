@@ -50,6 +50,9 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--max-pull-wait", type=float, default=600.0, help="longest a pull waits for a version")
     p.add_argument("--max-calls-per-peer", type=int, default=64, help="data calls in flight on one connection")
     p.add_argument("--max-calls-per-rank", type=int, default=8, help="data calls in flight naming one rank")
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="intra-op threads for the shard's tensor work (0: torch's default); more pays only on a "
+                        "host with idle cores and slices of millions of parameters")
     p.add_argument("--health-port", type=int, default=-1,
                    help="also answer gRPC health checks on this port, from a thread of its own: a liveness probe "
                         "there is not queued behind a saturated shard's calls (-1: off; 0: pick one)")
@@ -77,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                            max_call_seconds=args.max_call_seconds, max_calls_per_peer=args.max_calls_per_peer,
                            max_calls_per_rank=args.max_calls_per_rank, receive_buffers=args.receive_buffers)
     cfg = ServerConfig(shard=args.shard, host=args.host, port=args.port, limits=limits, health_port=args.health_port,
+                       torch_threads=args.torch_threads,
                        chunk_bytes=args.chunk_bytes, lease_timeout=args.lease_timeout,
                        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                        restore=args.restore, nonfinite=args.nonfinite,

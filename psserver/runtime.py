@@ -1,4 +1,4 @@
-"""What the async servicer runs on: the state worker, the compute pool, version waiters, receive buffers.
+"""What the async servicer runs on: the state worker, version waiters, receive buffers, the round timer.
 
 * ``state``: ONE thread that runs every shard method touching tensors or the
   round, in the order calls arrive -- so they never contend, and the event loop
@@ -6,8 +6,6 @@
   runs them on the loop instead: its tensor work takes microseconds, less than
   the hop to a thread and back (and the interpreter-lock hand-offs it costs), and
   that is the regime of hundreds of trainers per shard.
-* ``compute``: a small pool for pure, read-only work on a received gradient
-  (the finite check), which may overlap with the state worker.
 * ``VersionWaiters``: pulls waiting for a version are futures keyed by that
   version; a state change wakes only the ones it satisfies (readiness is
   monotone in the version), so a round closing for 1,024 trainers costs 1,024
@@ -36,9 +34,11 @@ log = logging.getLogger(__name__)
 
 
 WAKE_BATCH = 16  # waiters resolved per turn of the event loop
-# Slices up to this many elements have their shard methods run on the event loop (an optimizer step or a
-# round sum of 64K floats takes tens of microseconds; a hop to the state worker and back costs about as much).
-INLINE_STATE_ELEMENTS = 1 << 16
+# Slices up to this many elements have their shard methods run on the event loop: an optimizer step or a
+# round sum of 16K floats takes microseconds, less than a hop to the state worker and back.  Kept under
+# torch's parallel grain (32K elements): a larger op runs on OpenMP threads that the loop's thread would then
+# own and keep spinning -- which halved a 2-trainer CNN run's throughput when the bound was 64K.
+INLINE_STATE_ELEMENTS = 1 << 14
 
 
 class VersionWaiters:
@@ -184,11 +184,10 @@ class ReceiveBuffers:
 class Runtime:
     """Created on the event loop; owns the threads the servicer hands work to."""
 
-    def __init__(self, shard: Shard, receive_buffers: int, compute_threads: int = 2):
+    def __init__(self, shard: Shard, receive_buffers: int):
         self.loop = asyncio.get_running_loop()
         self.shard = shard
         self.state = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shard{shard.shard_id}-state")
-        self.compute = ThreadPoolExecutor(max_workers=compute_threads, thread_name_prefix=f"shard{shard.shard_id}-compute")
         self.waiters = VersionWaiters(self.loop, shard.pull_ready)
         self.buffers = ReceiveBuffers(receive_buffers)
         self.stopping = False
@@ -219,9 +218,6 @@ class Runtime:
         except BaseException as e:  # noqa: BLE001 -- delivered to the awaiting caller, as the executor would
             fut.set_exception(e)
         return fut
-
-    def run_compute(self, fn, *args):
-        return self.loop.run_in_executor(self.compute, functools.partial(fn, *args))
 
     async def acquire_snapshot(self, rank: int, trainer_id: str, fingerprint: str, wire: int):
         """What a pull streams: on the loop when no step runs (the common case), else Shard.acquire_snapshot
@@ -259,4 +255,3 @@ class Runtime:
 
     def shutdown(self) -> None:
         self.state.shutdown(wait=True)
-        self.compute.shutdown(wait=True)

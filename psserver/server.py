@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from psserver.checkpoint import Checkpointer
@@ -47,6 +48,10 @@ class ServerConfig:
     security: ServerSecurity = ServerSecurity()
     nonfinite: str = "refuse"  # NaN/Inf in a gradient: "refuse" (INVALID_ARGUMENT) or "skip" (counted, not applied)
     limits: ServiceLimits = field(default_factory=ServiceLimits)  # per connection, rank and stream
+    # Intra-op threads for the shard's tensor work (0: torch's default).  One by default: all of it runs on the
+    # state worker, and a second OpenMP team spinning beside the event loop and the trainers cost up to half
+    # of a 2-trainer CNN run's throughput (ps-bench A/B); raise it on a shard host with idle cores and big slices.
+    torch_threads: int = 1
     health_port: int = -1  # also answer Health on this port from a thread of its own (-1: no; 0: pick one)
 
     def __post_init__(self) -> None:
@@ -84,6 +89,8 @@ class ShardServer:
 
     def start(self) -> "ShardServer":
         self.cfg.security.warn_if_exposed(self.cfg.host)
+        if self.cfg.torch_threads:
+            torch.set_num_threads(self.cfg.torch_threads)
         warm_up()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"shard{self.cfg.shard}-loop",

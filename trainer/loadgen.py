@@ -12,7 +12,7 @@ health-check latency, the shard's CPU and RSS, and errors by status code.
   so this measures serving, not bandwidth) and finally Leave.
 * The health prober runs in a process of its own: on the client's busy event
   loop it would measure the client.  With ``--health-port`` each shard started
-  here also answers Health on a free loopback port from a thread of its own
+  here also answers Health on a free loopback port from a process of its own
   (ps-server ``--health-port``); a second prober, same interval, probes that port
   over the same windows, so both latencies are in every row.
 * Every N has a hard deadline: a shard that stops serving yields a row saying so
@@ -964,7 +964,7 @@ def markdown(result: dict) -> str:
                       "step: one PushPull, round wait included; "
                       "health: Health.Check on the main port -- the standard service on the shard's own port, "
                       "answered by its event loop, so it queues behind the shard's calls; "
-                      "health port: Health.Check on ps-server --health-port -- a thread of its own, not queued "
+                      "health port: Health.Check on ps-server --health-port -- a process of its own, not queued "
                       "behind the loop, that still reads NOT_SERVING if the loop stalls (\"-\": not probed; "
                       "see --health-port, or --health-address with --ps); both probed every "
                       f"{result['config']['health_interval'] * 1000:g} ms over the whole run, setup included; "
