@@ -274,14 +274,7 @@ class ParameterServerService:
             # who is asking, before a byte of the payload is read
             if not self.shard.check_init_header(h.rank, h.trainer_id, h.fingerprint):
                 return _pb.InitReply(version=self.shard.version, accepted=False)
-            asm = ChunkAssembler(h, self.shard.slice_length(), self.shard.wire_dtype(), self.cfg.max_push_bytes,
-                                 min_chunk_bytes=self.cfg.min_chunk_bytes)
-            chunk = first
-            while chunk is not None:
-                asm.add(chunk)
-                chunk = await reader.next()
-            values = asm.finish(require_finite=False)
-            self.shard.count("bytes_in", asm.bytes_read)
+            values = await self._read_tensor(reader, first, h)
             accepted, version = await self.runtime.run_state(self._check_and_init, h, values)
             return _pb.InitReply(version=version, accepted=accepted)
 
@@ -309,14 +302,7 @@ class ParameterServerService:
         length = self.shard.slice_length()
         check_stream_header(h, length, self.shard.wire_dtype(), self.cfg.max_push_bytes)  # before any allocation
         async with self._rank_slot(h.rank), self.runtime.buffers.take(length) as held:
-            asm = ChunkAssembler(h, self.shard.slice_length(), self.shard.wire_dtype(), self.cfg.max_push_bytes,
-                                 out=held.buffer, min_chunk_bytes=self.cfg.min_chunk_bytes)
-            chunk = first
-            while chunk is not None:
-                asm.add(chunk)
-                chunk = await reader.next()
-            grad = asm.finish(require_finite=False)
-            self.shard.count("bytes_in", asm.bytes_read)
+            grad = await self._read_tensor(reader, first, h, out=held.buffer)
             try:
                 result, spare = await held.hand_over(self.runtime.run_state(self._check_and_push, h, grad))
             except StaleGradient as e:
@@ -326,6 +312,19 @@ class ParameterServerService:
             else:
                 held.buffer = spare
         return h, result
+
+    async def _read_tensor(self, reader: _StreamReader, first, h: _pb.ChunkHeader,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+        """The stream's chunks, checked and copied (into ``out`` if given) as they arrive; finite-checked later."""
+        asm = ChunkAssembler(h, self.shard.slice_length(), self.shard.wire_dtype(), self.cfg.max_push_bytes,
+                             out=out, min_chunk_bytes=self.cfg.min_chunk_bytes)
+        chunk = first
+        while chunk is not None:
+            asm.add(chunk)
+            chunk = await reader.next()
+        values = asm.finish(require_finite=False)
+        self.shard.count("bytes_in", asm.bytes_read)
+        return values
 
     def _check_and_init(self, h: _pb.ChunkHeader, values: torch.Tensor):
         check_finite(values)
