@@ -137,7 +137,7 @@ def summarize(args, run: Path, progress: Progress, stats: list, codes: dict, wal
         samples_per_sec=sum(p.get("samples_per_sec", 0) for p in done),
         steps=[p.get("steps") for p in progress.latest],
         rounds=int(stats[0].version) if stats and stats[0] is not None else None,
-        rounds_by_reason={r: int(s0.get(f"rounds_{r}", 0)) for r in ("all_arrived", "quorum", "timeout")},
+        rounds_by_reason={r: int(s0.get(f"rounds_{r}", 0)) for r in ("all_arrived", "quorum", "timeout", "membership")},
         stale_dropped=int(counters.get("stale_dropped", 0)), stale_scaled=int(counters.get("stale_scaled", 0)),
         duplicates=int(counters.get("duplicates", 0)),
         refused=int(sum(v for k, v in counters.items() if k.startswith("refused_"))),
