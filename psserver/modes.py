@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import AbstractSet, Mapping
 
 from psserver.job import JobSpec
 from psserver.limits import MAX_SEQUENCE
@@ -78,10 +78,11 @@ class RoundView:
     """What the decisions need to know about a shard, as a value."""
 
     version: int
-    live: frozenset[int] = frozenset()  # ranks whose lease holds
+    # The sets may be the shard's own (read-only here, never copied per push: 1,024 trainers made that O(N^2)).
+    live: AbstractSet[int] = frozenset()  # ranks whose lease holds
     started: bool = True  # every one of the job's trainers has registered at least once
-    contributors: frozenset[int] = frozenset()  # ranks with a fresh gradient in the open round
-    stale_in_round: frozenset[tuple[int, int]] = frozenset()  # (rank, base) scaled into the open round
+    contributors: AbstractSet[int] = frozenset()  # ranks with a fresh gradient in the open round
+    stale_in_round: AbstractSet[tuple[int, int]] = frozenset()  # (rank, base) scaled into the open round
     opened_at: float | None = None  # clock time of the open round's first gradient
     last_base: Mapping[int, int] = field(default_factory=dict)  # async: newest base applied per rank
 
@@ -145,8 +146,7 @@ def _decide_push(cfg: ModeConfig, view: RoundView, rank: int, base: int, now: fl
         return PushDecision(Action.DROP_STALE, staleness=staleness)
     if rank in view.contributors:
         return PushDecision(Action.DUPLICATE)
-    after = _with_contributor(view, rank, now)
-    return PushDecision(Action.ACCUMULATE, close=_close_reason(cfg, after, now))
+    return PushDecision(Action.ACCUMULATE, close=_close_reason(cfg, view, now, adding=rank))
 
 
 def decide_tick(cfg: ModeConfig, view: RoundView, now: float) -> CloseReason | None:
@@ -202,28 +202,25 @@ def round_deadline(cfg: ModeConfig, view: RoundView) -> float | None:
     return view.opened_at + cfg.sync_timeout
 
 
-def _with_contributor(view: RoundView, rank: int, now: float) -> RoundView:
-    return RoundView(
-        version=view.version,
-        live=view.live,
-        started=view.started,
-        contributors=view.contributors | {rank},
-        stale_in_round=view.stale_in_round,
-        opened_at=now if view.opened_at is None else view.opened_at,
-        last_base=view.last_base,
-    )
+def _close_reason(cfg: ModeConfig, view: RoundView, now: float, adding: int | None = None) -> CloseReason | None:
+    """Why the round closes now -- with ``adding``'s fresh gradient counted in, if given -- or None.
 
-
-def _close_reason(cfg: ModeConfig, view: RoundView, now: float) -> CloseReason | None:
-    # Rounds that only hold scaled stale gradients close only by timeout.
+    O(1) for all but the push that completes a round: the sets are compared only once there are as many
+    contributors as live ranks (with 1,024 trainers a per-push set comparison was O(N^2) a round).
+    Rounds that only hold scaled stale gradients close only by timeout.
+    """
     fresh = view.contributors
-    if fresh and view.started and view.live <= fresh:
+    added = adding is not None and adding not in fresh
+    n_fresh = len(fresh) + added
+    if (n_fresh and view.started and n_fresh >= len(view.live)
+            and all(r in fresh or r == adding for r in view.live)):
         return CloseReason.ALL_ARRIVED
     if cfg.mode != "stale-timeout":
         return None
-    if cfg.replicas_to_aggregate and len(fresh) >= cfg.replicas_to_aggregate:
+    if cfg.replicas_to_aggregate and n_fresh >= cfg.replicas_to_aggregate:
         return CloseReason.QUORUM
-    if view.opened_at is not None and now >= view.opened_at + cfg.sync_timeout:
+    opened_at = now if view.opened_at is None and added else view.opened_at
+    if opened_at is not None and now >= opened_at + cfg.sync_timeout:
         return CloseReason.TIMEOUT
     return None
 

@@ -47,7 +47,7 @@ class VersionWaiters:
     def __init__(self, loop: asyncio.AbstractEventLoop, ready: Callable[[int], bool]):
         self._loop, self._ready = loop, ready
         self._loop_thread = threading.get_ident()  # made on the loop
-        self._waiting: dict[int, list[asyncio.Future]] = {}
+        self._waiting: dict[int, set[asyncio.Future]] = {}  # sets: a waiter leaves in O(1), whoever wakes it
         self._scheduled = False
 
     def changed_threadsafe(self) -> None:
@@ -85,7 +85,7 @@ class VersionWaiters:
         if timeout <= 0:
             return False
         fut = self._loop.create_future()
-        self._waiting.setdefault(min_version, []).append(fut)
+        self._waiting.setdefault(min_version, set()).add(fut)
         try:
             await asyncio.wait_for(fut, timeout)
             return True
@@ -93,8 +93,8 @@ class VersionWaiters:
             return self._ready(min_version)
         finally:
             waiters = self._waiting.get(min_version)
-            if waiters is not None and fut in waiters:
-                waiters.remove(fut)
+            if waiters is not None:
+                waiters.discard(fut)
                 if not waiters:
                     del self._waiting[min_version]
 

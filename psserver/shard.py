@@ -557,8 +557,8 @@ class Shard:
             version=self.version,
             live=self.members.view().live,
             started=self.started,
-            contributors=frozenset(self.round.contributors),
-            stale_in_round=frozenset(self.round.stale),
+            contributors=self.round.contributors,  # not copied: decisions only read them
+            stale_in_round=self.round.stale,
             opened_at=self.round.opened_at,
             last_base=self._last_base,
         )
