@@ -9,6 +9,7 @@ limits are per connection, per rank and per stream (psserver.service).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -68,6 +69,20 @@ class ServerConfig:
             )
 
 
+def tune_gc() -> None:
+    """Keep Python's garbage collector from pausing the event loop.
+
+    With hundreds of calls in flight the heap holds many live objects, and each
+    full collection walks them all: ps-loadgen saw the main port's health p99 at
+    256 trainers fall from ~100 ms to ~40 ms, and pushes/s rise by a tenth, with
+    start-up objects frozen (never scanned again) and collections made rarer.
+    The shard's objects are short-lived request state and a few long-lived
+    tensors, so little is left for the collector to find in between.
+    """
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 20)
+
+
 class ShardServer:
     """A running shard: ``ShardServer(cfg).start()`` then ``.port``, ``.stop()``."""
 
@@ -92,6 +107,7 @@ class ShardServer:
         if self.cfg.torch_threads:
             torch.set_num_threads(self.cfg.torch_threads)
         warm_up()
+        tune_gc()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"shard{self.cfg.shard}-loop",
                                         daemon=True)
