@@ -186,6 +186,7 @@ class Runtime:
 
     def __init__(self, shard: Shard, receive_buffers: int):
         self.loop = asyncio.get_running_loop()
+        self.loop_thread = threading.get_ident()
         self.shard = shard
         self.state = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shard{shard.shard_id}-state")
         self.waiters = VersionWaiters(self.loop, shard.pull_ready)
@@ -199,7 +200,7 @@ class Runtime:
             return
         self.waiters.changed_threadsafe()
         if self.shard.mode() == "stale-timeout":
-            if threading.get_ident() == self.waiters._loop_thread:
+            if threading.get_ident() == self.loop_thread:
                 self.changes.set()
             else:
                 self.loop.call_soon_threadsafe(self.changes.set)
