@@ -118,10 +118,6 @@ class Membership:
                 self._view = MemberView(frozenset(self._live), frozenset(self._registered), frozenset(self._left))
             return self._view
 
-    def trainer_id(self, rank: int) -> str | None:
-        with self._lock:
-            return self._trainers.get(rank)
-
     def restore(self, trainers: dict[int, str]) -> None:
         """After a restart: the checkpoint's members, live with fresh leases (a dead one expires as usual)."""
         with self._lock:

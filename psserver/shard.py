@@ -590,9 +590,6 @@ class Shard:
             live_ranks=sorted(self.members.view().live), counters=dict(self.counters), job=job,
         )
 
-    def stats(self) -> dict:
-        return dict(vars(self.snapshot()))
-
     def state_digest(self) -> str:
         """Hash of parameters, optimizer state, version and round buffers (tests assert refusals leave it unchanged)."""
         with self._lock:

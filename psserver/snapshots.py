@@ -24,10 +24,6 @@ class SnapshotPool:
         self._readers: Counter[int] = Counter()  # data_ptr -> pulls streaming that memory now
         self._converted: tuple[int, torch.dtype, torch.Tensor] | None = None  # (version, dtype, copy)
 
-    def clear(self) -> None:
-        self.buffers.clear()
-        self._converted = None
-
     def streaming(self, t: torch.Tensor) -> bool:
         return bool(self._readers[t.data_ptr()])
 
