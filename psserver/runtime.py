@@ -28,6 +28,7 @@ from typing import Awaitable, Callable
 
 import torch
 
+from psserver.errors import PsError
 from psserver.shard import Shard
 
 log = logging.getLogger(__name__)
@@ -117,8 +118,6 @@ class _Held:
             self.buffer = None
             raise
         except BaseException as e:
-            from psserver.errors import PsError
-
             if not isinstance(e, PsError):  # an unexpected failure: do not trust the buffer's ownership
                 self.buffer = None
             raise

@@ -99,7 +99,6 @@ class Shard:
         if checkpointer is not None and checkpointer.orphans_removed:
             self.counters["checkpoint_orphans_removed"] += checkpointer.orphans_removed
         self._stopped = False
-        self._restored = False
         self._clear_job()
 
     def _clear_job(self) -> None:
@@ -546,7 +545,6 @@ class Shard:
             self.round.restore(state.open_round, self._clock())
             self.counters.update({k: v for k, v in state.counters.items() if not k.startswith("checkpoints_")})
             self.counters["restored_version"] = state.version
-            self._restored = True
             log.warning("shard %d: restored version %d from %s (%d damaged files skipped, %d members, open round "
                         "with %d gradients)", self.shard_id, state.version, self.checkpointer.directory, len(skipped),
                         len(state.members), len(self.round.contributors))

@@ -17,6 +17,7 @@ for one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
@@ -178,7 +179,7 @@ def test_two_hundred_waiting_trainers_hold_no_thread_and_health_answers_while_th
             return threads_before, threads_while_waiting, replies + [last]
 
     threads_before, threads_while_waiting, replies = asyncio.run(scenario())
-    # the server's threads are a fixed set (loop, state worker, compute pool); none per waiting call
+    # the server's threads are a fixed set (loop, state worker, gRPC's own); none per waiting call
     assert threads_while_waiting - threads_before <= 4, (threads_before, threads_while_waiting)
     assert len(replies) == n
     headers = [weights_of(r)[0] for r in replies]
@@ -205,15 +206,28 @@ def probe_stranger(stub) -> grpc.StatusCode:
     return C.OK
 
 
-def test_stalled_streams_from_a_stranger_leave_health_and_a_real_job_served(shard_server):
-    # Idle deadline far away: the streams stay held for the whole test.
-    shard = shard_server(lease_timeout=0, limits=ServiceLimits(min_chunk_bytes=256, stream_idle_timeout=600))
-    stranger = own_channel(shard.server.address)
-    stub = pb_grpc.ParameterServerStub(stranger)
+@contextlib.contextmanager
+def stalled_streams(address: str):
+    """A stranger's connection holding STALLED Push streams that never send a chunk until ``release`` is set;
+    whatever happens, they are released and cancelled and the connection closed."""
+    stranger = own_channel(address)
     release = threading.Event()
     calls = []
     try:
+        stub = pb_grpc.ParameterServerStub(stranger)
         calls = [stub.Push.future(stalled_stream(release), timeout=120) for _ in range(STALLED)]
+        yield stranger, stub, release, calls
+    finally:
+        release.set()
+        for c in calls:
+            c.cancel()
+        stranger.close()
+
+
+def test_stalled_streams_from_a_stranger_leave_health_and_a_real_job_served(shard_server):
+    # Idle deadline far away: the streams stay held for the whole test.
+    shard = shard_server(lease_timeout=0, limits=ServiceLimits(min_chunk_bytes=256, stream_idle_timeout=600))
+    with stalled_streams(shard.server.address) as (stranger, stub, release, calls):
         # the shard holds all 64: the stranger's connection has no slot left (default limit 64)
         wait_until(lambda: probe_stranger(stub) == C.RESOURCE_EXHAUSTED, "holding the 64 stalled streams")
         with own_channel(shard.server.address) as prober:
@@ -235,32 +249,17 @@ def test_stalled_streams_from_a_stranger_leave_health_and_a_real_job_served(shar
             assert err is not None and err.code() == C.INVALID_ARGUMENT, err
             assert "the stream is empty" in err.details()
         assert probe_stranger(stub) == C.FAILED_PRECONDITION  # its slots are free again
-    finally:
-        release.set()
-        for c in calls:
-            c.cancel()
-        stranger.close()
     assert shard.stats().counters["pushes_applied"] == 1
 
 
 def test_stalled_streams_are_ended_by_the_idle_deadline(shard_server):
     shard = shard_server(lease_timeout=0, limits=ServiceLimits(min_chunk_bytes=256, stream_idle_timeout=1.0))
-    stranger = own_channel(shard.server.address)
-    stub = pb_grpc.ParameterServerStub(stranger)
-    release = threading.Event()
-    calls = []
-    try:
-        calls = [stub.Push.future(stalled_stream(release), timeout=120) for _ in range(STALLED)]
+    with stalled_streams(shard.server.address) as (_, stub, _, calls):
         errors = [c.exception(timeout=120) for c in calls]  # the shard ends them; the client never does
         for err in errors:
             assert err is not None and err.code() == C.DEADLINE_EXCEEDED, err
             assert "no chunk arrived for 1.0 s" in err.details() and "--stream-idle-timeout" in err.details()
         assert probe_stranger(stub) == C.FAILED_PRECONDITION  # nothing of the stranger's is held any more
-    finally:
-        release.set()
-        for c in calls:
-            c.cancel()
-        stranger.close()
     assert shard.stats().counters["refused_DEADLINE_EXCEEDED"] == STALLED
     with own_channel(shard.server.address) as prober:
         assert health(prober) == SERVING
