@@ -1,7 +1,13 @@
 """Command-line plumbing shared by every psgrpc CLI.
 
-* Every flag falls back to an environment variable ``PS_<FLAG>`` (``--sync-timeout``
-  reads ``PS_SYNC_TIMEOUT``), so containers need no wrapper scripts.
+* Every flag falls back to an environment variable named after the CLI and the
+  flag: ``ps-trainer --sync-timeout`` reads ``PS_TRAINER_SYNC_TIMEOUT``,
+  ``ps-server --port`` reads ``PS_SERVER_PORT``; so containers need no wrapper
+  scripts, and a variable meant for one CLI cannot change another (a shared
+  ``PS_OUTPUT`` once redirected ``ps-plot``'s image).  The old unprefixed names
+  (``PS_PORT``) still work for ``ps-server`` and ``ps-trainer``, with a
+  deprecation warning naming the new one.
+* Flags are never abbreviated (``--num-trainer`` is an error, not ``--num-trainers``).
 * A mistake prints one line with the cause and a hint, never a traceback.
 """
 
@@ -18,21 +24,45 @@ import grpc
 TRUE_WORDS = ("1", "true", "yes", "on")
 
 
+# The CLIs whose flags were read from PS_<FLAG> before the names carried the CLI's own prefix.
+LEGACY_ENV_CLIS = ("ps-server", "ps-trainer")
+
+
+def env_prefix(prog: str) -> str:
+    """``ps-trainer`` -> ``PS_TRAINER_``: the prefix of the environment variables a CLI reads."""
+    return prog.upper().replace("-", "_") + "_"
+
+
 class EnvArgumentParser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+        self.deprecated_env: list[tuple[str, str]] = []  # (old name used, new name)
+
     def add_argument(self, *args, **kwargs):
         action = super().add_argument(*args, **kwargs)
         if not action.option_strings or action.dest == "help":
             return action
-        env = "PS_" + action.dest.upper()
+        env = env_prefix(self.prog) + action.dest.upper()
+        legacy = "PS_" + action.dest.upper()
         action.help = f"{action.help or ''} [env {env}]".strip()
-        if env in os.environ:
-            raw = os.environ[env]
+        raw = os.environ.get(env)
+        if raw is None and self.prog in LEGACY_ENV_CLIS and legacy in os.environ:
+            raw = os.environ[legacy]
+            self.deprecated_env.append((legacy, env))
+        if raw is not None:
             if isinstance(action, argparse._StoreTrueAction):
                 action.default = raw.strip().lower() in TRUE_WORDS
             else:
                 action.default = raw  # argparse applies `type` to string defaults
             action.required = False
         return action
+
+    def parse_args(self, *args, **kwargs):
+        ns = super().parse_args(*args, **kwargs)
+        for old, new in self.deprecated_env:
+            sys.stderr.write(f"{self.prog}: warning: environment variable {old} is deprecated; use {new}\n")
+        return ns
 
     def error(self, message: str):
         sys.stderr.write(f"{self.prog}: error: {message}\nhint: run '{self.prog} --help' for the flags\n")

@@ -119,6 +119,9 @@ def _refusals(method):
             code = e.code
             if isinstance(e, StaleGradient):  # counted and logged by the shard as stale_dropped
                 context.set_trailing_metadata(((VERSION_METADATA_KEY, str(e.version)),))
+            elif isinstance(e, WaitTimeout):  # a wait that ended, not bad input: trainers poll while peers start
+                self.shard.count("pull_wait_timeouts")
+                self.refusal_log.log(logging.INFO, f"{method.__name__}:wait", "shard %d: %s", self.shard.shard_id, e)
             else:
                 self.shard.count(f"refused_{code.name}")
                 self.refusal_log.warning(f"{method.__name__}:{code.name}", "shard %d: %s refused with %s: %s",

@@ -36,7 +36,7 @@ import torch
 from psserver.job import JobSpec, OptimizerConfig
 from psserver.layout import Layout
 from psserver.security import ClientSecurity
-from trainer.client import ShardClient, ShardedClient, parse_addresses
+from trainer.client import WAIT_LOG_SECONDS, PushOutcome, RetryPolicy, ShardClient, ShardedClient, parse_addresses
 from trainer.early_push import EarlyPusher
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,53 @@ class FlatModel:
         self.grad.zero_()
 
 
+class StartTimeout(TimeoutError):
+    """The job did not start within the connect timeout; the message says what was still awaited."""
+
+
+class StepFailed(grpc.RpcError, RuntimeError):
+    """A step that did not complete on every shard.
+
+    An ``RpcError`` whose ``code()`` is the first failing shard's, so callers that
+    handle a refusal by its code (ALREADY_EXISTS: fenced off) keep working.
+
+    ``applied``: shards that acknowledged the gradient (and sent back weights or
+    will); ``failed``: shard -> the error.  The gradients are kept: calling
+    ``step()`` again retries the failed shards under the same sequence numbers,
+    so a shard that did apply the gradient answers DUPLICATE -- it is never
+    applied twice.  Do not run another backward before retrying.
+    """
+
+    def __init__(self, step: int, applied: list[int], failed: dict, addresses: Sequence[str]):
+        self.applied, self.failed = applied, failed
+        causes = "; ".join(
+            f"shard {i} at {addresses[i]}: "
+            + (f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else f"{type(e).__name__}: {e}")
+            for i, e in sorted(failed.items()))
+        done = f"shards {applied} applied the gradient" if applied else "no shard is known to have applied it"
+        self.message = (f"step {step} failed ({causes}); {done}; call step() again to retry the others "
+                        f"(a shard that applied it answers DUPLICATE), or close()")
+        first = failed[min(failed)]
+        self._code = first.code() if isinstance(first, grpc.RpcError) else grpc.StatusCode.UNKNOWN
+        super().__init__(self.message)
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self.message
+
+
+@dataclass
+class _StepAttempt:
+    """What is known of a step while it is retried: the shards still to do and what the others answered."""
+
+    todo: set[int]
+    acks: dict[int, PushOutcome] = field(default_factory=dict)  # pushed, but the pull is still to do
+    outcomes: dict[int, str] = field(default_factory=dict)
+    timings: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # push, pull, wait seconds
+
+
 @dataclass
 class StepInfo:
     versions: list[int]
@@ -132,7 +179,7 @@ class ParameterServerTrainer:
     def __init__(self, addresses: Sequence[str], model: torch.nn.Module, job: JobSpec, rank: int,
                  trainer_id: str, connect_timeout: float, round_timeout: float, chunk_bytes: int,
                  security: ClientSecurity = ClientSecurity(), overlap: bool = False,
-                 push_during_backward: bool = False):
+                 push_during_backward: bool = False, retry: RetryPolicy = RetryPolicy()):
         if overlap and job.mode != "async":
             raise ValueError(f"overlap (pulling the next weights while computing) needs async mode, not {job.mode}")
         self.overlap = overlap
@@ -146,35 +193,71 @@ class ParameterServerTrainer:
         self.num_params = self.layout.total
         self.describe = f"{job.num_shards} shards, mode {job.mode}"
         self.flat = FlatModel(model)
-        self.client = ShardedClient(addresses, job, rank, trainer_id, chunk_bytes=chunk_bytes, security=security)
+        self.client = ShardedClient(addresses, job, rank, trainer_id, chunk_bytes=chunk_bytes, security=security,
+                                    retry=retry)
         self.ranges = [self.layout.shard_range(i) for i in range(job.num_shards)]
         self._staging = [torch.empty(end - start) for start, end in self.ranges] if overlap else []
         self.versions = [0] * job.num_shards
         self.steps = 0
         self._early = EarlyPusher(self.flat.params, self.flat._views, self.flat.ranges, self.ranges,
                                   self._push_shard) if push_during_backward else None
-        replies = self.client.map(lambda s: s.register(job, connect_timeout))
-        for i, r in enumerate(replies):
-            if (r.start, r.end) != self.ranges[i]:
-                raise ValueError(f"shard {i} owns [{r.start}, {r.end}) but this trainer expected {self.ranges[i]}")
+        self._closed = False
+        self._attempt: _StepAttempt | None = None  # a step that failed on some shards, until step() retries it
+        self._registered: set[int] = set()  # shards that know this trainer: close() leaves exactly these
         self._stop_heartbeat = threading.Event()
         self._heartbeat: threading.Thread | None = None
-        leases = [r.lease_seconds for r in replies if r.lease_seconds > 0]
+        try:
+            self._join(connect_timeout)
+        except BaseException:
+            # Leave and close, or this trainer would stay registered (and, with heartbeats, live): sync
+            # rounds would wait on it.
+            self.close(leave=True, best_effort=True)
+            raise
+        log.info("rank %d connected to %d shards at versions %s", rank, job.num_shards, self.versions)
+
+    def _join(self, timeout: float) -> None:
+        """Register with every shard, start heartbeats, initialise (rank 0), and take the first weights."""
+        results = self.client.map_settled(lambda s: s.register(self.job, timeout))
+        self._registered = {i for i, r in enumerate(results) if not isinstance(r, Exception)}
+        errors = [r for r in results if isinstance(r, Exception)]
+        if errors:
+            raise errors[0]
+        for i, r in enumerate(results):
+            if (r.start, r.end) != self.ranges[i]:
+                raise ValueError(f"shard {i} owns [{r.start}, {r.end}) but this trainer expected {self.ranges[i]}")
+        leases = [r.lease_seconds for r in results if r.lease_seconds > 0]
         if leases:
             self._heartbeat = threading.Thread(target=self._heartbeat_loop, args=(min(leases) / 4,),
                                                name="ps-heartbeat", daemon=True)
             self._heartbeat.start()
-        try:
-            if rank == 0:
-                self.client.map(lambda s: s.init(self._slice(self.flat.flat, s.index), self.client.wire)
-                                if not replies[s.index].initialized else None)
-            # The first pull waits until every shard is initialised (and, in sync modes, all trainers registered).
-            self._pull_all([0] * job.num_shards, timeout=connect_timeout)
-        except BaseException:
-            # Leave and close, or this trainer's heartbeats would keep it live and sync rounds would wait on it.
-            self.close(leave=True, best_effort=True)
-            raise
-        log.info("rank %d connected to %d shards at versions %s", rank, job.num_shards, self.versions)
+        if self.rank == 0:
+            self.client.map(lambda s: s.init(self._slice(self.flat.flat, s.index), self.client.wire)
+                            if not results[s.index].initialized else None)
+        self._wait_for_start(timeout)
+
+    def _wait_for_start(self, timeout: float) -> None:
+        """The first pull, which returns once every shard is initialised and (sync modes) every trainer has
+        registered.  Polled in short calls so that what is awaited -- the shard's own words, e.g. "still
+        waits for ranks [1] to register" -- is logged every few seconds instead of a silent wait."""
+        give_up = time.monotonic() + timeout
+
+        def first_pull(s: ShardClient) -> None:
+            while True:
+                poll = max(0.5, min(give_up - time.monotonic(), WAIT_LOG_SECONDS))
+                try:
+                    self.versions[s.index] = self._pull_into(s, 0, poll)
+                    return
+                except grpc.RpcError as e:
+                    if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                        raise
+                    if time.monotonic() >= give_up:
+                        raise StartTimeout(f"rank {self.rank} gave up waiting after {timeout:g} s "
+                                           f"(--connect-timeout): shard {s.index} at {s.address}: {e.details()}"
+                                           ) from None
+                    log.info("rank %d waiting to start: shard %d at %s: %s", self.rank, s.index, s.address,
+                             e.details())
+
+        self.client.map(first_pull)
 
     def _rejoin(self, s: ShardClient, cause: grpc.RpcError) -> None:
         """The shard restarted (it no longer knows us, or is behind us): register again and resume from it.
@@ -190,6 +273,7 @@ class ParameterServerTrainer:
             except grpc.RpcError:
                 pass
         before = self.versions[i]
+        s.abandon_push()  # the restarted shard does not know it: the next push gets a new number
         log.warning("shard %d (%s) answered %s (%s): it restarted; registering again", i, s.address,
                     cause.code().name, cause.details())
         reply = s.register(self.job, self.connect_timeout)
@@ -250,75 +334,97 @@ class ParameterServerTrainer:
         return s.push(self._slice(self.flat.grad, shard), self.versions[shard], num_samples, self.client.wire)
 
     def step(self, num_samples: int = 1) -> StepInfo:
-        """Push the gradients in ``.grad``, pull fresh weights into the model, zero the gradients."""
+        """Push the gradients in ``.grad``, pull fresh weights into the model, zero the gradients.
+
+        All or nothing from the caller's view: if a shard fails, StepFailed names
+        the shards that applied the gradient, the gradients stay, and calling
+        ``step()`` again retries only the rest, under the same sequence numbers.
+        """
         grad = self.flat.gather_grads()
-        mode = self.job.mode
-        early = self._early
-        timings = {}
-
-        def exchange(s: ShardClient):
-            try:
-                return exchange_once(s)
-            except grpc.RpcError as e:
-                if e.code() not in REJOIN_CODES:
-                    raise
-                self._rejoin(s, e)
-                timings[s.index] = (0.0, 0.0, 0.0)
-                return "lost"
-
-        def exchange_once(s: ShardClient):
-            i = s.index
-            t0 = time.perf_counter()
-            started = early.take(i, num_samples) if early is not None else None
-            if started is None and not self.overlap:
-                return push_pull(s, t0)
-            # push time is what step() waits for: all of it, or what is left of a push begun during backward
-            out = started.result() if started is not None else self._push_shard(i, num_samples)
-            t1 = time.perf_counter()
-            if self.overlap:
-                # Take the weights pulled while this gradient was computed, then pull the next ones in the
-                # background while the next gradient is computed (on these: one push staler than otherwise).
-                self._collect_prefetch(i)
-                self._prefetch[i] = self._prefetch_pool.submit(self._pull_staged, s, out.version)
-                timings[i] = (t1 - t0, time.perf_counter() - t1, 0.0)
-                return out.outcome
-            if out.outcome == "stale":
-                wanted = out.version  # catch up with the shard
-            elif mode == "async":
-                wanted = out.version
-            else:
-                wanted = self.versions[i] + 1  # wait for the round this gradient is in to close
-            self.versions[i], waited = self._pull_into(s, wanted, self.round_timeout, with_wait=True)
-            timings[i] = (t1 - t0, time.perf_counter() - t1 - waited, waited)
-            return out.outcome
-
-        def push_pull(s: ShardClient, t0: float):
-            """The plain path: one PushPull call, whose reply is the weights to go on from."""
-            i = s.index
-            target = self._slice(self.flat.flat, i)
-            on_cpu = target.device.type == "cpu"
-            out, values, pushed, waited = s.push_pull(self._slice(grad, i), self.versions[i], num_samples,
-                                                      self.client.wire, self.round_timeout,
-                                                      out=target if on_cpu else None)
-            if not on_cpu:
-                with torch.no_grad():
-                    target.copy_(values, non_blocking=True)
-            self.versions[i] = out.version
-            timings[i] = (pushed, time.perf_counter() - t0 - pushed - waited, waited)
-            return out.outcome
-
+        attempt = self._attempt or _StepAttempt(todo=set(range(self.job.num_shards)))
+        todo = sorted(attempt.todo)
         try:
-            outcomes = self.client.map(exchange)
+            results = self.client.map_settled(lambda s: self._exchange(s, grad, num_samples, attempt),
+                                              None if len(todo) == self.job.num_shards else todo)
         finally:
-            if early is not None:
-                early.finish_step()
+            if self._early is not None:
+                self._early.finish_step()
+        for i, r in zip(todo, results):
+            if not isinstance(r, Exception):
+                attempt.outcomes[i] = r
+                attempt.todo.discard(i)
+        if attempt.todo:
+            self._attempt = attempt
+            self.client.counters["steps_failed"] += 1
+            failed = {i: r for i, r in zip(todo, results) if isinstance(r, Exception)}
+            applied = sorted(i for i in range(self.job.num_shards) if i in attempt.outcomes or i in attempt.acks)
+            error = StepFailed(self.steps + 1, applied, failed, [s.address for s in self.client.shards])
+            log.warning("rank %d: %s", self.rank, error)
+            raise error from next(iter(failed.values()))
+        self._attempt = None
         self.flat.zero_grad()
         self.steps += 1
+        outcomes = [attempt.outcomes[i] for i in range(self.job.num_shards)]
+        timings = attempt.timings.values()
         return StepInfo(
             versions=list(self.versions), outcomes=outcomes,
-            push_seconds=max(t[0] for t in timings.values()), pull_seconds=max(t[1] for t in timings.values()),
-            wait_seconds=max(t[2] for t in timings.values()), stale=outcomes.count("stale"),
+            push_seconds=max(t[0] for t in timings), pull_seconds=max(t[1] for t in timings),
+            wait_seconds=max(t[2] for t in timings), stale=outcomes.count("stale"),
         )
+
+    def _exchange(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: _StepAttempt) -> str:
+        """One shard's part of a step; a shard that restarted is rejoined and its part counted as lost."""
+        try:
+            return self._exchange_once(s, grad, num_samples, attempt)
+        except grpc.RpcError as e:
+            if e.code() not in REJOIN_CODES:
+                raise
+            self._rejoin(s, e)
+            attempt.acks.pop(s.index, None)
+            attempt.timings[s.index] = (0.0, 0.0, 0.0)
+            return "lost"
+
+    def _exchange_once(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: _StepAttempt) -> str:
+        i = s.index
+        t0 = time.perf_counter()
+        out = attempt.acks.get(i)  # pushed in an earlier try of this step: only the pull is left to do
+        if out is None:
+            started = self._early.take(i, num_samples) if self._early is not None else None
+            if started is None and not self.overlap:
+                return self._push_pull(s, grad, num_samples, attempt, t0)
+            # push time is what step() waits for: all of it, or what is left of a push begun during backward
+            out = attempt.acks[i] = started.result() if started is not None else self._push_shard(i, num_samples)
+        t1 = time.perf_counter()
+        if self.overlap:
+            # Take the weights pulled while this gradient was computed, then pull the next ones in the
+            # background while the next gradient is computed (on these: one push staler than otherwise).
+            self._collect_prefetch(i)
+            self._prefetch[i] = self._prefetch_pool.submit(self._pull_staged, s, out.version)
+            attempt.timings[i] = (t1 - t0, time.perf_counter() - t1, 0.0)
+            return out.outcome
+        if out.outcome == "stale" or self.job.mode == "async":
+            wanted = out.version  # async: its own step; stale: catch up with the shard
+        else:
+            wanted = self.versions[i] + 1  # wait for the round this gradient is in to close
+        self.versions[i], waited = self._pull_into(s, wanted, self.round_timeout, with_wait=True)
+        attempt.timings[i] = (t1 - t0, time.perf_counter() - t1 - waited, waited)
+        return out.outcome
+
+    def _push_pull(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: _StepAttempt,
+                   t0: float) -> str:
+        """The plain path: one PushPull call, whose reply is the weights to go on from."""
+        i = s.index
+        target = self._slice(self.flat.flat, i)
+        on_cpu = target.device.type == "cpu"
+        out, values, pushed, waited = s.push_pull(self._slice(grad, i), self.versions[i], num_samples,
+                                                  self.client.wire, self.round_timeout,
+                                                  out=target if on_cpu else None)
+        if not on_cpu:
+            with torch.no_grad():
+                target.copy_(values, non_blocking=True)
+        self.versions[i] = out.version
+        attempt.timings[i] = (pushed, time.perf_counter() - t0 - pushed - waited, waited)
+        return out.outcome
 
     # ------------------------------------------------------------------ async overlap
     def _pull_staged(self, s: ShardClient, min_version: int) -> int:
@@ -356,7 +462,11 @@ class ParameterServerTrainer:
         """Leave the job (so rounds stop waiting for this trainer) and close the channels.
 
         ``best_effort``: a Leave that fails is logged, not raised (closing after another error).
+        Closing twice does nothing the second time.
         """
+        if self._closed:
+            return
+        self._closed = True
         self._stop_heartbeat.set()
         if self._heartbeat is not None:
             self._heartbeat.join()  # before the channels close under it
@@ -365,7 +475,7 @@ class ParameterServerTrainer:
                 self.flush()
             if leave:
                 try:
-                    self.client.map(lambda s: s.leave(quick=best_effort))
+                    self.client.map(lambda s: s.leave(quick=best_effort) if s.index in self._registered else None)
                 except grpc.RpcError as e:
                     if not best_effort:
                         raise
@@ -380,8 +490,9 @@ class ParameterServerTrainer:
     def __enter__(self) -> "ParameterServerTrainer":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        # After an error, leaving is best effort: a failing Leave must not hide the error that ended the block.
+        self.close(best_effort=exc_type is not None)
 
 
 def default_trainer_id(rank: int) -> str:
@@ -394,7 +505,8 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
             stale_policy: str = "drop", wire_dtype: str = "float32", trainer_id: str | None = None,
             connect_timeout: float = 120.0, round_timeout: float = 600.0,
             chunk_bytes: int = 1 << 20, security: ClientSecurity | None = None,
-            overlap: bool = False, push_during_backward: bool = False, job_id: str = "") -> ParameterServerTrainer:
+            overlap: bool = False, push_during_backward: bool = False, job_id: str = "",
+            retry_budget: float = 60.0) -> ParameterServerTrainer:
     """Register ``model`` with the shards at ``ps`` and return a handle whose ``step()`` trains it.
 
     Rank 0 initialises the shards with its model's weights; every trainer then
@@ -408,7 +520,12 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
     ``loss.backward()`` (see trainer.early_push).  ``job_id`` names this run: while
     a job runs, shards refuse trainers of another id (FAILED_PRECONDITION naming
     both); once every trainer of a job has left, the next job starts fresh.
+    ``retry_budget``: seconds one call is retried after UNAVAILABLE (a shard
+    restarting) before ``step()`` raises StepFailed.  Use it as a context
+    manager (``with connect(...) as ps:``) to leave the job on every way out.
     """
+    if retry_budget < 0:
+        raise ValueError(f"retry_budget is {retry_budget} but must be zero or more seconds")
     addresses = parse_addresses(ps)
     job = make_job(model, len(addresses), mode=mode, num_trainers=num_trainers, optimizer=optimizer,
                    max_staleness=max_staleness, sync_timeout=sync_timeout,
@@ -416,4 +533,4 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
                    job_id=job_id)
     return ParameterServerTrainer(addresses, model, job, rank, trainer_id or default_trainer_id(rank),
                                   connect_timeout, round_timeout, chunk_bytes, security or ClientSecurity(), overlap,
-                                  push_during_backward)
+                                  push_during_backward, RetryPolicy(budget_seconds=retry_budget))

@@ -41,7 +41,7 @@ class LocalStepper:
     def flush(self) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, leave: bool = True, best_effort: bool = False) -> None:
         pass
 
 
@@ -56,10 +56,12 @@ class DDPStepper(LocalStepper):
         self.forward_module = torch.nn.parallel.DistributedDataParallel(model)
         self.describe = f"DDP gloo, {world} processes"
 
-    def close(self) -> None:
+    def close(self, leave: bool = True, best_effort: bool = False) -> None:
+        """Barrier, then tear down; after an error (``best_effort``) no barrier: the others may be gone."""
         import torch.distributed as dist
 
         t0 = time.perf_counter()
-        dist.barrier()
+        if not best_effort:
+            dist.barrier()
         dist.destroy_process_group()
         self.counters["close_seconds"] = time.perf_counter() - t0

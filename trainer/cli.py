@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
+import sys
 
 from psserver.cli_support import EnvArgumentParser, ensure_malloc_tunables, run_cli, setup_logging
 from psserver.job import MODES, OPTIMIZERS, STALE_POLICIES, WIRE_DTYPES
 from psserver.security import add_client_flags, client_security
 from trainer.data import DATASETS
-from trainer.loop import TrainConfig, train
+from trainer.loop import Interrupted, StopRequest, TrainConfig, train
 from trainer.models import MODELS
 
 
@@ -44,11 +46,17 @@ def build_parser() -> EnvArgumentParser:
                    help="names this run; every trainer of it passes the same (shards refuse another job's "
                         "trainers while one runs, and start a new job fresh once every trainer has left)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--output", default="", help="rank 0 writes the trained state dict here")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (0: the cores divided by the trainers on this host -- $LOCAL_WORLD_SIZE, "
+                        "or all trainers when every shard is on loopback; torch's default for a lone trainer)")
+    p.add_argument("--output", default="", help="rank 0 writes the trained state dict here (also on SIGTERM)")
+    p.add_argument("--save-every", type=int, default=0, help="rank 0 also writes --output every N steps")
     p.add_argument("--metrics-file", default="", help="append JSON-lines metrics here")
     p.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step (simulate a straggler)")
-    p.add_argument("--connect-timeout", type=float, default=120.0, help="seconds to wait for the shards at start")
+    p.add_argument("--connect-timeout", type=float, default=120.0,
+                   help="seconds to wait at start for the shards to answer and the other trainers to join")
+    p.add_argument("--retry-budget", type=float, default=60.0,
+                   help="seconds a call to an unavailable shard is retried before the step fails")
     p.add_argument("--log-every", type=int, default=20, help="log and record metrics every N steps")
     p.add_argument("--eval-every", type=int, default=0, help="also evaluate every N steps (0: each epoch only)")
     p.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
@@ -64,11 +72,9 @@ def build_parser() -> EnvArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    setup_logging(args.log_level)
-    logging.getLogger("trainer.client").setLevel(max(logging.getLogger().level, logging.INFO))
-    cfg = TrainConfig(
+def config_from_args(args) -> TrainConfig:
+    """The run's configuration; raises ValueError naming the first bad flag (nothing has started yet)."""
+    return TrainConfig(
         ps=args.ps, rank=args.rank, num_trainers=args.num_trainers, mode=args.mode, model=args.model,
         dataset=args.dataset, batch_size=args.batch_size, epochs=args.epochs, steps=args.steps,
         optimizer=args.optimizer, lr=args.lr, momentum=args.momentum, nesterov=args.nesterov,
@@ -79,10 +85,40 @@ def main(argv: list[str] | None = None) -> int:
         eval_every=args.eval_every,
         progress=False if args.no_progress else None, connect_timeout=args.connect_timeout,
         security=client_security(args), backend=args.backend, overlap=args.overlap,
-        push_during_backward=args.push_during_backward, job_id=args.job_id,
+        push_during_backward=args.push_during_backward, job_id=args.job_id, save_every=args.save_every,
+        retry_budget=args.retry_budget,
     )
-    summary = train(cfg)
-    print(json.dumps({"event": "done", "rank": cfg.rank, **summary}))
+
+
+def install_signal_handlers(stop: StopRequest) -> None:
+    """SIGTERM (what Kubernetes and ps-cluster send) and SIGINT: the first ends the run after the current
+    step -- the trainer leaves, rank 0 writes --output, exit 0; a second, or one while still connecting,
+    abandons at once (the trainer still leaves; exit 128 + the signal's number)."""
+    def handle(signum, frame):
+        if stop.steps_running and not stop.is_set():
+            stop.set()
+            sys.stderr.write(f"ps-trainer: {signal.Signals(signum).name}: finishing the current step, then "
+                             f"leaving the job (send it again to stop at once)\n")
+            return
+        raise Interrupted(signum)
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    logging.getLogger("trainer.client").setLevel(max(logging.getLogger().level, logging.INFO))
+    cfg = config_from_args(args)
+    stop = StopRequest()
+    install_signal_handlers(stop)
+    try:
+        summary = train(cfg, stop)
+    except Interrupted as e:
+        sys.stderr.write(f"ps-trainer: stopped by {signal.Signals(e.signum).name}; left the job\n")
+        return 128 + e.signum
+    print(json.dumps({"event": "done", "rank": cfg.rank, **summary}, allow_nan=False))
     return 0
 
 

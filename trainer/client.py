@@ -43,6 +43,27 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 PUSH_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
+CONNECT_ATTEMPT_SECONDS = 3.0  # one Register attempt; a shard that never answers is reported after this
+CONNECT_RETRY_PAUSE = 0.5  # between Register attempts to a shard that refused
+WAIT_LOG_SECONDS = 5.0  # while connecting or waiting for peers, say what is awaited this often
+
+
+class ShardUnreachable(ConnectionError):
+    """A shard did not answer within the connect timeout; the message names it and its address."""
+
+
+def _connect_cause(e: grpc.RpcError) -> str:
+    """A short reason for a failed connection attempt ("connection refused", "no reply within 3 s")."""
+    details = e.details() or ""
+    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"no reply within {CONNECT_ATTEMPT_SECONDS:g} s"
+    for known in ("Connection refused", "No route to host", "Name or service not known", "DNS resolution failed",
+                  "Connection reset by peer", "Socket closed"):
+        if known.lower() in details.lower():
+            return f"UNAVAILABLE: {known.lower()}"
+    return f"UNAVAILABLE: {details[:200]}"
+
+
 @dataclass(frozen=True)
 class PushOutcome:
     outcome: str  # "applied" | "accepted" | "duplicate" | "scaled" | "stale"
@@ -67,6 +88,9 @@ class ShardClient:
         self.fingerprint, self.counters, self.chunk_bytes = fingerprint, counters, chunk_bytes
         self.call_timeout, self.retry = call_timeout, retry
         self.sequence = 0  # pushes sent to this shard by this trainer
+        # True while the push under ``sequence`` has had no answer: the next push (the caller retrying a failed
+        # step) reuses its number, so a shard that applied it answers DUPLICATE instead of applying it twice.
+        self.unanswered = False
         self._lock = threading.Lock()
         self.channel = security.channel(
             address,
@@ -121,10 +145,35 @@ class ShardClient:
                 delay = min(delay * 2, self.retry.max_backoff)
 
     def register(self, job: JobSpec, connect_timeout: float) -> _pb.RegisterReply:
+        """Register with the shard, waiting up to ``connect_timeout`` for it to answer.
+
+        Each attempt fails fast (no wait_for_ready) and has a short deadline, so an
+        address that refuses connections or never answers is logged by shard and
+        address within seconds, not after the whole timeout; a shard still starting
+        is waited for.  Giving up raises ShardUnreachable naming the address.
+        """
         req = _pb.RegisterRequest(rank=self.rank, trainer_id=self.trainer_id, expected_shard=self.index,
                                   job=job.to_proto())
-        # wait_for_ready: a shard that is still starting is waited for (within the deadline), not an error.
-        return self._call("Register", lambda: self.stub.Register(req, timeout=connect_timeout, wait_for_ready=True))
+        give_up = time.monotonic() + connect_timeout
+        next_log = 0.0
+        while True:
+            left = give_up - time.monotonic()
+            try:
+                return self.stub.Register(req, timeout=max(0.01, min(left, CONNECT_ATTEMPT_SECONDS)))
+            except grpc.RpcError as e:
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                cause = _connect_cause(e)
+                now = time.monotonic()
+                if now >= give_up:
+                    raise ShardUnreachable(f"shard {self.index} at {self.address} did not answer within "
+                                           f"{connect_timeout:g} s (--connect-timeout): {cause}") from None
+                self._count("connect_retries")
+                if now >= next_log:
+                    log.warning("shard %d at %s is not answering yet (%s); still trying for %.0f s",
+                                self.index, self.address, cause, give_up - now)
+                    next_log = now + WAIT_LOG_SECONDS
+                time.sleep(min(CONNECT_RETRY_PAUSE, max(0.0, give_up - now)))  # pause between attempts
 
     def _header(self, wire: int, length: int, version: int = 0, num_samples: int = 0,
                 sequence: int = 0) -> _pb.ChunkHeader:
@@ -163,12 +212,15 @@ class ShardClient:
         """(bytes, chunks) of a push under the next sequence number; the chunks are views into the gradient
         (the slice itself when fp32 on the CPU), and a retry resends the same list."""
         payload = wire_tensor(grad, wire)
-        self.sequence += 1
+        if not self.unanswered:
+            self.sequence += 1
+            self.unanswered = True
         header = self._header(wire, grad.numel(), base, num_samples, self.sequence)
         return payload.numel() * payload.element_size(), list(encode_raw(payload, header, self.chunk_bytes))
 
     def _acknowledged(self, outcome: str, version: int, staleness: int, base: int, nbytes: int) -> PushOutcome:
         """Count and log what became of a push (the gradient crossed the wire whatever the outcome)."""
+        self.unanswered = False
         self._count("bytes_out", nbytes)
         if outcome == "stale":
             self._count("stale_pushes")
@@ -216,6 +268,10 @@ class ShardClient:
         outcome = self._acknowledged(_pb.PushOutcome.Name(h.outcome).lower(), h.version, h.staleness, base, nbytes)
         return outcome, values, max(0.0, until_reply - h.wait_seconds), h.wait_seconds
 
+    def abandon_push(self) -> None:
+        """Give up on the unanswered push (the shard restarted and forgot it): the next push gets a new number."""
+        self.unanswered = False
+
     def heartbeat(self, timeout: float) -> _pb.HeartbeatReply:
         req = _pb.HeartbeatRequest(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.fingerprint)
         return self.stub.Heartbeat(req, timeout=timeout)
@@ -240,7 +296,7 @@ class ShardedClient:
 
     def __init__(self, addresses: Sequence[str], job: JobSpec, rank: int, trainer_id: str,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, call_timeout: float = 60.0,
-                 security: ClientSecurity = ClientSecurity()):
+                 security: ClientSecurity = ClientSecurity(), retry: RetryPolicy = RetryPolicy()):
         if len(addresses) != job.num_shards:
             raise ValueError(f"{len(addresses)} shard addresses given but the job has {job.num_shards} shards")
         self.job, self.rank, self.trainer_id = job, rank, trainer_id
@@ -248,7 +304,7 @@ class ShardedClient:
         self.counters: Counter = Counter()
         self.shards = [
             ShardClient(a, i, rank, trainer_id, job.fingerprint, self.counters, chunk_bytes, call_timeout,
-                        security=security)
+                        retry=retry, security=security)
             for i, a in enumerate(addresses)
         ]
         self._pool = ThreadPoolExecutor(max_workers=len(self.shards), thread_name_prefix="ps-io")
@@ -263,6 +319,25 @@ class ShardedClient:
         except BaseException:
             futures_wait(rest)  # no call left running behind the caller; shard 0's error is the one raised
             raise
+        return [first, *(f.result() for f in rest)]
+
+    def map_settled(self, fn: Callable[[ShardClient], T], shards: Sequence[int] | None = None) -> list:
+        """``fn`` on the given shards (all by default) in parallel; each result, or the Exception it raised."""
+        chosen = [self.shards[i] for i in (range(len(self.shards)) if shards is None else shards)]
+
+        def settle(s: ShardClient):
+            try:
+                return fn(s)
+            except Exception as e:  # noqa: BLE001 -- handed back to the caller, which reports every shard's
+                return e
+
+        if len(chosen) == 1:
+            return [settle(chosen[0])]
+        rest = [self._pool.submit(settle, s) for s in chosen[1:]]
+        try:
+            first = settle(chosen[0])
+        finally:
+            futures_wait(rest)  # no call left running behind the caller
         return [first, *(f.result() for f in rest)]
 
     def close(self) -> None:

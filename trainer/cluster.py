@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import uuid
@@ -137,11 +138,17 @@ def summarize(args, run: Path, progress: Progress, stats: list, codes: dict, wal
         samples_per_sec=sum(p.get("samples_per_sec", 0) for p in done),
         steps=[p.get("steps") for p in progress.latest],
         rounds=int(stats[0].version) if stats and stats[0] is not None else None,
-        rounds_by_reason={r: int(s0.get(f"rounds_{r}", 0)) for r in ("all_arrived", "quorum", "timeout", "membership")},
+        # async mode has no rounds: each push is its own step
+        rounds_by_reason=None if args.mode == "async" else
+        {r: int(s0.get(f"rounds_{r}", 0)) for r in ("all_arrived", "quorum", "timeout", "membership")},
+        pushes_applied=int(counters.get("pushes_applied", 0)),
         stale_dropped=int(counters.get("stale_dropped", 0)), stale_scaled=int(counters.get("stale_scaled", 0)),
         duplicates=int(counters.get("duplicates", 0)),
         refused=int(sum(v for k, v in counters.items() if k.startswith("refused_"))),
         trainer_stale_pushes=sum(p.get("stale_pushes", 0) for p in done),
+        trainer_stale_steps=sum(p.get("stale_steps", 0) for p in done),
+        steps_lost=sum(p.get("steps_lost", 0) for p in done),
+        stopped=sorted({p["stopped"] for p in done if p.get("stopped")}) or None,
         exit_codes=codes, run_dir=str(run),
     )
 
@@ -151,12 +158,17 @@ def print_summary(s: dict) -> None:
     rows = [
         ("mode", s["mode"]), ("model / data", f"{s['model']} / {s['dataset']}"),
         ("shards x trainers", f"{s['shards']} x {s['trainers']}"),
+        *((("stopped early by", ", ".join(s["stopped"])),) if s.get("stopped") else ()),
         ("test accuracy (rank 0)", "n/a" if acc is None else f"{acc:.4f}"),
         ("samples/s (all trainers)", f"{s['samples_per_sec']:.1f}"),
         ("wall time", f"{s['wall_seconds']:.1f} s"),
-        ("rounds (shard 0 version)", s["rounds"]),
-        ("rounds closed by", ", ".join(f"{k} {v}" for k, v in s["rounds_by_reason"].items())),
-        ("stale dropped / scaled", f"{s['stale_dropped']} / {s['stale_scaled']}"),
+        *((("versions (shard 0)", s["rounds"]), ("gradients applied (all shards)", s["pushes_applied"]))
+          if s["rounds_by_reason"] is None else
+          (("rounds (shard 0 version)", s["rounds"]),
+           ("rounds closed by", ", ".join(f"{k} {v}" for k, v in s["rounds_by_reason"].items())))),
+        ("stale dropped / scaled", f"{s['stale_dropped']} / {s['stale_scaled']} gradients "
+                                   f"({s['trainer_stale_steps']} trainer steps had one)"),
+        ("steps lost to restarts", s["steps_lost"]),
         ("duplicates / refused", f"{s['duplicates']} / {s['refused']}"),
         ("run folder", s["run_dir"]),
     ]
@@ -166,13 +178,26 @@ def print_summary(s: dict) -> None:
         print(f"  {k:<{width}}  {v}")
 
 
+def check_trainer_flags(args, run: Path) -> None:
+    """Every trainer's flags validated as ps-trainer will, before any process starts (one-line error)."""
+    from trainer.cli import build_parser as trainer_parser, config_from_args
+
+    placeholder = ",".join(f"{args.host}:1" for _ in range(args.shards))
+    for rank in range(args.trainers):
+        config_from_args(trainer_parser().parse_args(["--ps", placeholder, "--rank", str(rank),
+                                                      *trainer_args(args, rank, run)]))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.job_id = args.job_id or f"cluster-{uuid.uuid4().hex[:12]}"
     setup_logging(args.log_level)
     if args.shards < 1 or args.trainers < 1:
         raise ValueError(f"--shards ({args.shards}) and --trainers ({args.trainers}) must be at least 1")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout ({args.timeout}) must be more than zero seconds")
     run = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{args.mode}")
+    check_trainer_flags(args, run)
     run.mkdir(parents=True, exist_ok=True)
     shards: list[Proc] = []
     trainers: list[Proc] = []
@@ -181,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.shards):
             shards.append(start_shard(i, run / f"shard{i}.log", host=args.host))
         ps = ",".join(s.address for s in shards)
-        log.info("%d shards up at %s; starting %d trainers (%s mode); run folder %s", args.shards, ps,
-                 args.trainers, args.mode, run)
+        log.info("%s up at %s; starting %s (%s mode); run folder %s", plural(args.shards, "shard"), ps,
+                 plural(args.trainers, "trainer"), args.mode, run)
         for r in range(args.trainers):
             trainers.append(start_trainer(r, ps, run / f"trainer{r}.log", trainer_args(args, r, run)))
         progress = Progress([run / f"trainer{r}.jsonl" for r in range(args.trainers)])
@@ -190,28 +215,65 @@ def main(argv: list[str] | None = None) -> int:
         wall = time.monotonic() - t0
         stats = [shard_stats(s.address) for s in shards]
     finally:
-        for p in trainers + shards:
-            p.terminate()
+        # Trainers first, all at once (each finishes its step and leaves), then the shards (final checkpoints).
+        terminate_all(trainers)
+        terminate_all(shards)
     for s in shards:
         codes[s.name] = s.popen.returncode
+    failed = [p for p in trainers + shards if p.popen.returncode != 0]
     summary = summarize(args, run, progress, stats, codes, wall)
-    (run / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    try:
-        from trainer.plots import plot_runs
+    if not failed:
+        try:
+            from trainer.plots import plot_runs
 
-        summary["plot"] = str(plot_runs([run], run / "plot.png", f"psgrpc {args.mode}: {args.model} on {args.dataset}"))
-    except (ValueError, OSError) as e:
-        log.warning("could not draw the plot: %s", e)
+            summary["plot"] = str(plot_runs([run], run / "plot.png",
+                                            f"psgrpc {args.mode}: {args.model} on {args.dataset}"))
+        except (ValueError, OSError) as e:
+            log.warning("could not draw the plot: %s", e)
     (run / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print_summary(summary)
-    failed = {k: v for k, v in codes.items() if v != 0}
     if failed:
-        for p in trainers + shards:
-            if p.popen.returncode != 0:
-                sys.stderr.write(f"\n{p.name} exited with {p.popen.returncode}; last lines of {p.log_path}:\n"
-                                 f"{p.log_tail()}\n")
-        return 1
+        for p in failed:
+            sys.stderr.write(f"\n{p.name} exited with {p.popen.returncode}; last lines of {p.log_path}:\n"
+                             f"{p.log_tail()}\n")
+        raise RuntimeError(f"{failed[0].name} failed (exit code {failed[0].popen.returncode}); "
+                           f"logs and metrics are in {run}")
+    print_summary(summary)
     return 0
+
+
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def terminate_all(procs: list[Proc], timeout: float = 30.0) -> None:
+    """SIGTERM every process at once, then wait for each (SIGKILL past ``timeout``)."""
+    for p in procs:
+        p.signal(signal.SIGTERM)
+    for p in procs:
+        p.terminate(timeout, signalled=True)
+
+
+def show(rec: dict, progress: Progress, bars) -> None:
+    """One metrics record on the bars (the latest loss and the latest evaluated accuracy) or as a log line."""
+    rank = rec["rank"]
+    if bars:
+        b, latest = bars[rank], progress.latest[rank]
+        b.total = progress.total_steps[rank] or b.total
+        if "step" in rec:
+            b.n = rec["step"]
+        shown = {}
+        if latest.get("loss") is not None:
+            shown["loss"] = f"{latest['loss']:.3f}"
+        if latest.get("test_accuracy") is not None:
+            shown["acc"] = f"{latest['test_accuracy']:.3f}"
+        b.set_postfix(shown, refresh=False)
+        b.refresh()
+    elif rec["event"] == "eval":
+        where = (f"epoch {rec['epoch']} done at step {rec['step']}" if rec.get("end_of_epoch") else
+                 f"step {rec['step']} (epoch {rec['epoch']})")
+        log.info("trainer %d: %s: test accuracy %.4f", rank, where, rec["test_accuracy"])
+    elif rec["event"] == "step":
+        log.info("trainer %d: step %d loss %.4f %.0f samples/s", rank, rec["step"], rec["loss"], rec["samples_per_sec"])
 
 
 def follow(trainers: list[Proc], shards: list[Proc], progress: Progress, timeout: float, t0: float) -> dict:
@@ -231,18 +293,7 @@ def follow(trainers: list[Proc], shards: list[Proc], progress: Progress, timeout
                 log.error("%s exited with %s; stopping the cluster", dead[0].name, dead[0].popen.returncode)
                 break
             for rec in progress.poll():
-                if bars:
-                    b = bars[rec["rank"]]
-                    b.total = progress.total_steps[rec["rank"]] or b.total
-                    if "step" in rec:
-                        b.n = rec["step"]
-                    b.set_postfix(loss=f"{rec.get('loss', 0):.3f}", acc=f"{rec.get('test_accuracy', float('nan')):.3f}")
-                    b.refresh()
-                elif rec["event"] == "eval":
-                    log.info("trainer %d: epoch %d test accuracy %.4f", rec["rank"], rec["epoch"], rec["test_accuracy"])
-                elif rec["event"] == "step":
-                    log.info("trainer %d: step %d loss %.4f %.0f samples/s", rec["rank"], rec["step"], rec["loss"],
-                             rec["samples_per_sec"])
+                show(rec, progress, bars)
             time.sleep(0.2)  # refresh rate of the progress display
         progress.poll()
     finally:

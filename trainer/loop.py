@@ -1,23 +1,36 @@
-"""The training loop behind `ps-trainer`: data, model, steps, evaluation, metrics."""
+"""The training loop behind `ps-trainer`: data, model, steps, evaluation, metrics.
+
+Every way out of ``train()`` -- the last step, an exception, a stop request
+(SIGTERM/SIGINT from the CLI) -- leaves the job, so no shard keeps waiting on
+this trainer.  A stop request finishes the current step, then rank 0 writes
+``--output`` and the run ends normally, its summary saying ``stopped``.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import os
 import sys
+import threading
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from torch.nn import functional as F
 
+from psserver.job import MODES, OptimizerConfig
+from psserver.security import parse_addresses
 from trainer.api import connect
 from trainer.data import epoch_order, load_dataset, local_batch_indices, steps_per_epoch
 from trainer.models import build_model
 
 log = logging.getLogger(__name__)
 WARMUP_STEPS = 2  # left out of the steady throughput (see SteadyClock)
+LOOPBACK_HOSTS = ("localhost", "127.", "[::1]", "::1")
 
 
 @dataclass(frozen=True)
@@ -39,6 +52,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     output: str = ""  # rank 0 writes the trained state dict here
+    save_every: int = 0  # rank 0 also writes --output every N steps (0: at the end only)
     metrics_file: str = ""  # JSON lines
     max_staleness: int | None = None
     sync_timeout: float = 0.0
@@ -46,11 +60,12 @@ class TrainConfig:
     stale_policy: str = "drop"
     wire_dtype: str = "float32"
     step_delay: float = 0.0  # extra seconds per step: simulates a slow trainer (a straggler)
-    threads: int = 0  # torch intra-op threads (0: torch's default)
+    threads: int = 0  # torch intra-op threads (0: see default_threads)
     log_every: int = 20
     eval_every: int = 0  # also evaluate every N steps (0: at the end of each epoch only)
     progress: bool | None = None  # None: a bar on a terminal, log lines otherwise
     connect_timeout: float = 120.0
+    retry_budget: float = 60.0  # seconds a call to a shard is retried before the step fails
     overlap: bool = False  # async: pull the next weights while computing
     push_during_backward: bool = False  # push each shard's slice as soon as backward has produced it
     backend: str = "ps"  # "ps"; or the ps-bench baselines "ddp" (--ps is then the gloo master HOST:PORT), "local"
@@ -58,14 +73,57 @@ class TrainConfig:
     job_id: str = ""  # names this run of the job; every trainer of it passes the same
 
     def __post_init__(self) -> None:
-        if not 0 <= self.rank < self.num_trainers:
-            raise ValueError(f"The rank ({self.rank}) must be between 0 and --num-trainers - 1 ({self.num_trainers - 1}).")
-        if self.batch_size < 1:
-            raise ValueError(f"The batch size ({self.batch_size}) must be at least 1.")
-        if self.epochs < 1 and self.steps < 1:
-            raise ValueError(f"Give --epochs >= 1 or --steps >= 1 (got {self.epochs} and {self.steps}).")
-        if self.step_delay < 0:
-            raise ValueError(f"The step delay ({self.step_delay}) must be zero or more seconds.")
+        problem = config_problem(self)
+        if problem:
+            raise ValueError(problem)
+
+    def optimizer_config(self) -> OptimizerConfig:
+        """The shards' optimizer; raises ValueError naming a bad hyper-parameter."""
+        extra = dict(momentum=self.momentum, nesterov=self.nesterov) if self.optimizer == "sgd" else {}
+        return OptimizerConfig(name=self.optimizer, lr=effective_lr(self), weight_decay=self.weight_decay, **extra)
+
+
+def config_problem(cfg: TrainConfig) -> str:
+    """The first thing wrong with ``cfg``, as one sentence naming the flag and its value; "" if nothing."""
+    checks = [
+        (0 <= cfg.rank < cfg.num_trainers,
+         f"--rank ({cfg.rank}) must be between 0 and --num-trainers - 1 ({cfg.num_trainers - 1})"),
+        (cfg.batch_size >= 1, f"--batch-size ({cfg.batch_size}) must be at least 1"),
+        (cfg.steps >= 0, f"--steps ({cfg.steps}) must be zero (use --epochs) or more"),
+        (cfg.epochs >= 0, f"--epochs ({cfg.epochs}) must be zero or more"),
+        (cfg.epochs >= 1 or cfg.steps >= 1, f"give --epochs >= 1 or --steps >= 1 (got {cfg.epochs} and {cfg.steps})"),
+        (cfg.eval_every >= 0, f"--eval-every ({cfg.eval_every}) must be zero (each epoch only) or more"),
+        (cfg.log_every >= 1, f"--log-every ({cfg.log_every}) must be at least 1"),
+        (cfg.save_every >= 0, f"--save-every ({cfg.save_every}) must be zero (at the end only) or more"),
+        (not cfg.save_every or cfg.output, f"--save-every ({cfg.save_every}) needs --output"),
+        (cfg.threads >= 0, f"--threads ({cfg.threads}) must be zero (automatic) or more"),
+        (math.isfinite(cfg.step_delay) and cfg.step_delay >= 0,
+         f"--step-delay ({cfg.step_delay}) must be zero or more seconds"),
+        (math.isfinite(cfg.connect_timeout) and cfg.connect_timeout > 0,
+         f"--connect-timeout ({cfg.connect_timeout}) must be more than zero seconds"),
+        (math.isfinite(cfg.retry_budget) and cfg.retry_budget >= 0,
+         f"--retry-budget ({cfg.retry_budget}) must be zero or more seconds"),
+        (cfg.mode in MODES, f"--mode ({cfg.mode}) must be one of {', '.join(MODES)}"),
+        (cfg.mode == "stale-timeout" or cfg.sync_timeout == 0,
+         f"--sync-timeout ({cfg.sync_timeout}) applies to --mode stale-timeout only, not {cfg.mode}"),
+        (cfg.mode == "stale-timeout" or cfg.replicas_to_aggregate == 0,
+         f"--replicas-to-aggregate ({cfg.replicas_to_aggregate}) applies to --mode stale-timeout only, not {cfg.mode}"),
+        (cfg.mode == "stale-timeout" or cfg.stale_policy == "drop",
+         f"--stale-policy ({cfg.stale_policy}) applies to --mode stale-timeout only, not {cfg.mode}"),
+        (cfg.mode == "async" or cfg.max_staleness is None,
+         f"--max-staleness ({cfg.max_staleness}) applies to --mode async only, not {cfg.mode}"),
+        (cfg.mode == "async" or not cfg.overlap, f"--overlap applies to --mode async only, not {cfg.mode}"),
+        (cfg.optimizer == "sgd" or not cfg.nesterov, f"--nesterov applies to --optimizer sgd only, not {cfg.optimizer}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            return message
+    if cfg.backend == "ps":
+        try:
+            cfg.optimizer_config()
+        except ValueError as e:
+            return f"{e}".rstrip(".")
+    return ""
 
 
 def effective_lr(cfg: TrainConfig) -> float:
@@ -80,6 +138,27 @@ def effective_lr(cfg: TrainConfig) -> float:
     return 0.05 / cfg.num_trainers if cfg.mode == "async" else 0.05
 
 
+def default_threads(cfg: TrainConfig, cores: int | None = None) -> int:
+    """torch threads when --threads is not given: the cores divided by the trainers on this host.
+
+    Trainers on one host that each take every core run several times slower than
+    trainers sharing them (measured: 122 against 973-1,320 samples/s for two CNN
+    trainers on 2 cores).  The trainers on this host are ``LOCAL_WORLD_SIZE`` (as
+    torchrun sets it) when given, else all of them when every shard is on loopback
+    (a one-machine job), else just this one -- then torch's default (0) is kept.
+    """
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if local.isdigit() and int(local) > 0:
+        trainers = int(local)
+    elif cfg.backend != "ddp" and all(a.startswith(LOOPBACK_HOSTS) for a in parse_addresses(cfg.ps)):
+        trainers = cfg.num_trainers
+    else:
+        return 0
+    return max(1, cores // trainers) if trainers > 1 else 0
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -91,7 +170,10 @@ def pick_device(name: str) -> torch.device:
 
 
 class MetricsWriter:
-    """JSON lines, flushed per record so a watcher (ps-cluster) can follow the run live."""
+    """JSON lines, flushed per record so a watcher (ps-cluster) can follow the run live.
+
+    Written with ``allow_nan=False``: every line is valid JSON (a value never measured is null).
+    """
 
     def __init__(self, path: str, rank: int):
         self.rank = rank
@@ -99,7 +181,8 @@ class MetricsWriter:
 
     def write(self, event: str, **fields) -> None:
         if self.f:
-            self.f.write(json.dumps({"event": event, "rank": self.rank, "time": time.time(), **fields}) + "\n")
+            record = {"event": event, "rank": self.rank, "time": time.time(), **fields}
+            self.f.write(json.dumps(record, allow_nan=False) + "\n")
 
     def close(self) -> None:
         if self.f:
@@ -138,6 +221,47 @@ class SteadyClock:
                     **{f"steady_{k}_seconds": (timing1[k] - timing0[k]) / n for k in timing1})
 
 
+class Progress:
+    """What a person watching sees: a bar on a terminal (log lines go above it), log lines otherwise.
+
+    Shows the latest training loss and the latest *evaluated* accuracy -- none until the first evaluation.
+    """
+
+    def __init__(self, cfg: TrainConfig, total_steps: int):
+        self.cfg, self.total = cfg, total_steps
+        self.accuracy: float | None = None
+        self.bar = None
+        self._redirect = nullcontext()
+        if sys.stderr.isatty() if cfg.progress is None else cfg.progress:
+            from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            self.bar = tqdm(total=total_steps, desc=f"rank {cfg.rank}", unit="step", dynamic_ncols=True)
+            self._redirect = logging_redirect_tqdm()  # log records are written above the bar, not into it
+        self._redirect.__enter__()
+
+    def step(self, step: int, epoch: int, loss: float, rate: float, stale_steps: int, versions: list[int]) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            shown = dict(loss=f"{loss:.3f}", samples_s=f"{rate:.0f}", stale_steps=stale_steps)
+            if self.accuracy is not None:
+                shown["acc"] = f"{self.accuracy:.3f}"
+            self.bar.set_postfix(shown, refresh=False)
+        elif step % self.cfg.log_every == 0 or step == self.total:
+            log.info("rank %d: step %d/%d epoch %d loss %.4f versions %s %.1f samples/s, %d stale steps",
+                     self.cfg.rank, step, self.total, epoch, loss, versions, rate, stale_steps)
+
+    def evaluated(self, step: int, epoch: int, accuracy: float, end_of_epoch: bool) -> None:
+        self.accuracy = accuracy
+        where = f"epoch {epoch} done at step {step}" if end_of_epoch else f"step {step} (epoch {epoch})"
+        log.info("rank %d: %s: test accuracy %.4f", self.cfg.rank, where, accuracy)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self._redirect.__exit__(None, None, None)
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> tuple[float, float]:
     """(accuracy, mean loss) on a held-out set."""
@@ -152,146 +276,212 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device: t
     return correct / len(x), loss / len(x)
 
 
-def train(cfg: TrainConfig) -> dict:
-    """Train as one trainer of the job; returns the summary also written as the last metrics line."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    device = pick_device(cfg.device)
-    data = load_dataset(cfg.dataset, cfg.model)
-    model = build_model(cfg.model, data.shape, data.num_classes, seed=cfg.seed).to(device)
-    metrics = MetricsWriter(cfg.metrics_file, cfg.rank)
-    spe = steps_per_epoch(len(data.x_train), cfg.num_trainers, cfg.batch_size)
-    if spe == 0:
-        raise ValueError(
-            f"{len(data.x_train)} training samples cannot fill one global batch of {cfg.num_trainers} x "
-            f"{cfg.batch_size}; lower --batch-size"
-        )
-    total_steps = cfg.steps or cfg.epochs * spe  # --steps, when given, overrides --epochs
-    ps = make_stepper(cfg, model)
-    forward = ps.forward_module
-    metrics.write("start", config={k: v for k, v in asdict(cfg).items() if k != "security"}, device=str(device),
-                  steps_per_epoch=spe, total_steps=total_steps, params=ps.num_params)
-    log.info("rank %d: %s on %s, %d steps (%d per epoch), %d parameters, %s", cfg.rank, cfg.model, device,
-             total_steps, spe, ps.num_params, ps.describe)
-    use_bar = sys.stderr.isatty() if cfg.progress is None else cfg.progress
-    bar = None
-    if use_bar:
-        from tqdm import tqdm
+class Run:
+    """One trainer's run: the model, its stepper, and what is measured along the way."""
 
-        bar = tqdm(total=total_steps, desc=f"rank {cfg.rank}", unit="step", dynamic_ncols=True)
-    t_start = time.perf_counter()
-    timing = dict(compute=0.0, push=0.0, pull=0.0, wait=0.0)
-    clock = SteadyClock(warmup=min(WARMUP_STEPS, total_steps - 1))
-    losses: list[float] = []
-    step, acc = 0, float("nan")
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        torch.set_num_threads(cfg.threads or default_threads(cfg) or torch.get_num_threads())
+        self.device = pick_device(cfg.device)
+        self.data = load_dataset(cfg.dataset, cfg.model)
+        self.spe = steps_per_epoch(len(self.data.x_train), cfg.num_trainers, cfg.batch_size)
+        if self.spe == 0:
+            raise ValueError(
+                f"{len(self.data.x_train)} training samples cannot fill one global batch of {cfg.num_trainers} x "
+                f"{cfg.batch_size}; lower --batch-size")
+        self.total_steps = cfg.steps or cfg.epochs * self.spe  # --steps, when given, overrides --epochs
+        self.model = build_model(cfg.model, self.data.shape, self.data.num_classes, seed=cfg.seed).to(self.device)
+        self.step, self.epoch, self.stale_steps = 0, 0, 0
+        self.versions: list[int] = []
+        self.accuracy: float | None = None
+        self.losses: list[float] = []
+        self.timing = dict(compute=0.0, push=0.0, pull=0.0, wait=0.0)
+        self.clock = SteadyClock(warmup=min(WARMUP_STEPS, self.total_steps - 1))
+        self.metrics = MetricsWriter(cfg.metrics_file, cfg.rank)
+        self.ps = None
+        self.t_start = 0.0
 
-    def run_eval(**fields) -> float:
+    def start(self) -> None:
+        """Join the job (the shards, or a ps-bench baseline); a failure leaves nothing behind."""
+        self.ps = make_stepper(self.cfg, self.model)
+        self.metrics.write("start", config={k: v for k, v in asdict(self.cfg).items() if k != "security"},
+                           device=str(self.device), steps_per_epoch=self.spe, total_steps=self.total_steps,
+                           params=self.ps.num_params, threads=torch.get_num_threads())
+        log.info("rank %d: %s on %s, %d steps (%d per epoch), %d parameters, %s, %d torch threads", self.cfg.rank,
+                 self.cfg.model, self.device, self.total_steps, self.spe, self.ps.num_params, self.ps.describe,
+                 torch.get_num_threads())
+        self.t_start = time.perf_counter()
+
+    def train_step(self, idx: torch.Tensor) -> float:
+        """Forward, backward and the exchange with the shards for one local batch; returns the loss."""
+        cfg = self.cfg
+        xb, yb = self.data.x_train[idx].to(self.device), self.data.y_train[idx].to(self.device)
+        t0 = time.perf_counter()
+        self.ps.prepare_step(len(idx))
+        loss = F.cross_entropy(self.ps.forward_module(xb), yb)
+        loss.backward()
+        if cfg.step_delay:
+            time.sleep(cfg.step_delay)  # simulated slow compute, not synchronisation
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.timing["compute"] += time.perf_counter() - t0
+        info = self.ps.step(num_samples=len(idx))
+        self.timing["push"] += info.push_seconds
+        self.timing["pull"] += info.pull_seconds
+        self.timing["wait"] += info.wait_seconds
+        self.stale_steps += info.stale > 0
+        self.step += 1
+        self.versions = info.versions
+        self.clock.after_step(self.step, self.timing)
+        return loss.detach().item()
+
+    def evaluate(self, **fields) -> float:
         """Evaluate the current weights; the event's ``train_elapsed`` is the time to them, evaluations left out."""
         t_eval = time.perf_counter()
-        ps.flush()
-        accuracy, test_loss = evaluate(model, data.x_test, data.y_test, device)
-        metrics.write("eval", **fields, test_accuracy=accuracy, test_loss=test_loss,
-                      elapsed=time.perf_counter() - t_start, train_elapsed=t_eval - t_start - clock.eval_seconds)
-        clock.eval_seconds += time.perf_counter() - t_eval
+        self.ps.flush()
+        accuracy, test_loss = evaluate(self.model, self.data.x_test, self.data.y_test, self.device)
+        self.metrics.write("eval", step=self.step, epoch=self.epoch, **fields, test_accuracy=accuracy,
+                           test_loss=test_loss, elapsed=time.perf_counter() - self.t_start,
+                           train_elapsed=t_eval - self.t_start - self.clock.eval_seconds)
+        self.clock.eval_seconds += time.perf_counter() - t_eval
+        self.accuracy = accuracy
         return accuracy
-    stale = 0
-    epoch = 0
+
+    def save(self) -> None:
+        """Rank 0 writes the model (atomically) to --output."""
+        if self.cfg.rank == 0 and self.cfg.output:
+            self.ps.flush()
+            save_model(self.model, self.cfg.output)
+
+    def record_step(self, loss: float) -> None:
+        cfg = self.cfg
+        self.losses.append(loss)
+        if self.step % cfg.log_every == 0 or self.step == self.total_steps:
+            elapsed = time.perf_counter() - self.t_start
+            self.metrics.write("step", step=self.step, epoch=self.epoch, loss=loss, versions=self.versions,
+                               samples_per_sec=self.step * cfg.batch_size / elapsed, stale_steps=self.stale_steps,
+                               stale_pushes=self.ps.counters.get("stale_pushes", 0), elapsed=elapsed,
+                               **{f"{k}_seconds": v for k, v in self.timing.items()})
+        if cfg.save_every and self.step % cfg.save_every == 0:
+            self.save()
+
+    def summary(self, stopped: str) -> dict:
+        elapsed = time.perf_counter() - self.t_start
+        counters = self.ps.counters
+        tail = self.losses[-min(len(self.losses), self.spe):]
+        return dict(
+            steps=self.step, epochs=self.epoch, seconds=elapsed,
+            samples_per_sec=self.step * self.cfg.batch_size / elapsed if elapsed > 0 else 0.0,
+            test_accuracy=self.accuracy, final_loss=sum(tail) / len(tail) if tail else None,
+            stale_steps=self.stale_steps, stale_pushes=counters.get("stale_pushes", 0),
+            retries=counters.get("retries", 0), duplicate_pushes=counters.get("duplicate_pushes", 0),
+            reconnects=counters.get("reconnects", 0), steps_lost=counters.get("steps_lost", 0),
+            steps_failed=counters.get("steps_failed", 0), connect_retries=counters.get("connect_retries", 0),
+            heartbeat_failures=counters.get("heartbeat_failures", 0),
+            compute_seconds=self.timing["compute"], push_seconds=self.timing["push"],
+            pull_seconds=self.timing["pull"], wait_seconds=self.timing["wait"],
+            **self.clock.summary(self.cfg.batch_size),
+            versions=list(self.ps.versions), bytes_out=counters.get("bytes_out", 0),
+            bytes_in=counters.get("bytes_in", 0), stopped=stopped or None,
+        )
+
+
+class StopRequest(threading.Event):
+    """Set (from a signal handler) to end the run after the current step.
+
+    ``steps_running`` tells the handler whether steps have begun: before that
+    (loading, connecting) there is no step to finish and it interrupts at once.
+    """
+
+    steps_running = False
+
+
+class Interrupted(BaseException):
+    """Raised by a signal handler to abandon the run now; like KeyboardInterrupt, not an Exception."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+def train(cfg: TrainConfig, stop: StopRequest | None = None) -> dict:
+    """Train as one trainer of the job; returns the summary also written as the last metrics line.
+
+    ``stop``, once set, ends the run after the current step ("stopped": "signal" in the summary).
+    Whatever happens, the trainer leaves the job before this returns or raises.
+    """
+    run = Run(cfg)
     try:
-        while step < total_steps:
-            order = epoch_order(len(data.x_train), cfg.seed, epoch)
-            epoch_losses = []
-            for k in range(spe):
-                if step >= total_steps:
-                    break
-                idx = local_batch_indices(order, k, cfg.rank, cfg.num_trainers, cfg.batch_size)
-                xb, yb = data.x_train[idx].to(device), data.y_train[idx].to(device)
-                t0 = time.perf_counter()
-                ps.prepare_step(len(idx))
-                loss = F.cross_entropy(forward(xb), yb)
-                loss.backward()
-                if cfg.step_delay:
-                    time.sleep(cfg.step_delay)  # simulated slow compute, not synchronisation
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                timing["compute"] += time.perf_counter() - t0
-                info = ps.step(num_samples=len(idx))
-                timing["push"] += info.push_seconds
-                timing["pull"] += info.pull_seconds
-                timing["wait"] += info.wait_seconds
-                stale += info.stale
-                step += 1
-                clock.after_step(step, timing)
-                loss_value = float(loss)
-                losses.append(loss_value)
-                epoch_losses.append(loss_value)
-                if bar:
-                    bar.update(1)
-                    rate = step * cfg.batch_size / (time.perf_counter() - t_start)
-                    bar.set_postfix(loss=f"{loss_value:.3f}", acc=f"{acc:.3f}", samples_s=f"{rate:.0f}", stale=stale)
-                if cfg.eval_every and step % cfg.eval_every == 0 and k != spe - 1:
-                    acc = run_eval(step=step, epoch=epoch)
-                if step % cfg.log_every == 0 or step == total_steps:
-                    elapsed = time.perf_counter() - t_start
-                    rate = step * cfg.batch_size / elapsed
-                    metrics.write("step", step=step, epoch=epoch, loss=loss_value, versions=info.versions,
-                                  samples_per_sec=rate, stale_pushes=stale, elapsed=elapsed,
-                                  **{f"{k}_seconds": v for k, v in timing.items()})
-                    if not bar:
-                        log.info("rank %d: step %d/%d epoch %d loss %.4f versions %s %.1f samples/s stale %d",
-                                 cfg.rank, step, total_steps, epoch, loss_value, info.versions, rate, stale)
-            acc = run_eval(step=step, epoch=epoch, train_loss=sum(epoch_losses) / max(1, len(epoch_losses)))
-            log.info("rank %d: epoch %d done at step %d: test accuracy %.4f", cfg.rank, epoch, step, acc)
-            epoch += 1
-    finally:
-        if bar:
-            bar.close()
-    elapsed = time.perf_counter() - t_start
-    if cfg.rank == 0 and cfg.output:
-        save_model(model, cfg.output)
-    counters = ps.counters
-    ps.close()
-    tail = losses[-min(len(losses), spe):]
-    summary = dict(
-        steps=step, epochs=epoch, seconds=elapsed, samples_per_sec=step * cfg.batch_size / elapsed,
-        test_accuracy=acc, final_loss=sum(tail) / max(1, len(tail)), stale_pushes=stale,
-        retries=counters.get("retries", 0), duplicate_pushes=counters.get("duplicate_pushes", 0),
-        reconnects=counters.get("reconnects", 0), steps_lost=counters.get("steps_lost", 0),
-        heartbeat_failures=counters.get("heartbeat_failures", 0),
-        compute_seconds=timing["compute"], push_seconds=timing["push"], pull_seconds=timing["pull"],
-        wait_seconds=timing["wait"],
-        **clock.summary(cfg.batch_size),
-        versions=list(ps.versions), bytes_out=counters.get("bytes_out", 0), bytes_in=counters.get("bytes_in", 0),
-    )
-    metrics.write("done", **summary)
-    metrics.close()
-    log.info("rank %d: done: %d steps, test accuracy %.4f, %.1f samples/s, %d stale pushes",
-             cfg.rank, step, acc, summary["samples_per_sec"], stale)
+        run.start()
+        stopped = run_steps(run, stop or StopRequest())
+        run.save()
+    except BaseException:
+        if run.ps is not None:
+            run.ps.close(leave=True, best_effort=True)
+        run.metrics.close()
+        raise
+    summary = run.summary(stopped)
+    run.ps.close()
+    run.metrics.write("done", **summary)
+    run.metrics.close()
+    log.info("rank %d: done%s: %d steps, test accuracy %s, %.1f samples/s, %d stale steps", cfg.rank,
+             f" (stopped by {stopped})" if stopped else "", run.step,
+             "n/a" if run.accuracy is None else f"{run.accuracy:.4f}", summary["samples_per_sec"], run.stale_steps)
     return summary
+
+
+def run_steps(run: Run, stop: StopRequest) -> str:
+    """Epochs of steps until the total, or until ``stop`` is set; returns "" or what stopped the run."""
+    cfg = run.cfg
+    progress = Progress(cfg, run.total_steps)
+    stop.steps_running = True
+    try:
+        while run.step < run.total_steps:
+            order = epoch_order(len(run.data.x_train), cfg.seed, run.epoch)
+            epoch_losses = []
+            for k in range(run.spe):
+                if run.step >= run.total_steps:
+                    break
+                if stop.is_set():
+                    return "signal"
+                loss = run.train_step(local_batch_indices(order, k, cfg.rank, cfg.num_trainers, cfg.batch_size))
+                epoch_losses.append(loss)
+                run.record_step(loss)
+                elapsed = time.perf_counter() - run.t_start
+                progress.step(run.step, run.epoch, loss, run.step * cfg.batch_size / elapsed, run.stale_steps,
+                              run.versions)
+                if cfg.eval_every and run.step % cfg.eval_every == 0 and k != run.spe - 1:
+                    progress.evaluated(run.step, run.epoch, run.evaluate(), end_of_epoch=False)
+            acc = run.evaluate(train_loss=sum(epoch_losses) / max(1, len(epoch_losses)), end_of_epoch=True)
+            progress.evaluated(run.step, run.epoch, acc, end_of_epoch=True)
+            run.epoch += 1
+        return ""
+    finally:
+        stop.steps_running = False
+        progress.close()
 
 
 def make_stepper(cfg: TrainConfig, model: torch.nn.Module):
     """What exchanges gradients: the parameter servers, or a ps-bench baseline."""
-    optimizer = dict(name=cfg.optimizer, lr=effective_lr(cfg), weight_decay=cfg.weight_decay)
-    if cfg.optimizer == "sgd":
-        optimizer.update(momentum=cfg.momentum, nesterov=cfg.nesterov)
+    optimizer = cfg.optimizer_config()
     if cfg.backend == "ps":
         return connect(cfg.ps, model, mode=cfg.mode, rank=cfg.rank, num_trainers=cfg.num_trainers,
                        optimizer=optimizer, max_staleness=cfg.max_staleness, sync_timeout=cfg.sync_timeout,
                        replicas_to_aggregate=cfg.replicas_to_aggregate, stale_policy=cfg.stale_policy,
                        wire_dtype=cfg.wire_dtype, connect_timeout=cfg.connect_timeout, security=cfg.security,
-                       overlap=cfg.overlap, push_during_backward=cfg.push_during_backward, job_id=cfg.job_id)
-    from psserver.job import OptimizerConfig
+                       overlap=cfg.overlap, push_during_backward=cfg.push_during_backward, job_id=cfg.job_id,
+                       retry_budget=cfg.retry_budget)
     from trainer.baselines import DDPStepper, LocalStepper
 
     if cfg.backend == "ddp":
-        return DDPStepper(model, OptimizerConfig(**optimizer), cfg.ps, cfg.rank, cfg.num_trainers)
+        return DDPStepper(model, optimizer, cfg.ps, cfg.rank, cfg.num_trainers)
     if cfg.backend == "local":
-        return LocalStepper(model, OptimizerConfig(**optimizer))
+        return LocalStepper(model, optimizer)
     raise ValueError(f"unknown backend {cfg.backend!r}: choose ps, ddp or local")
 
 
 def save_model(model: torch.nn.Module, path: str) -> None:
-    """A plain state dict (parameters and buffers) that loads into the same model class."""
+    """A plain state dict (parameters and buffers) that loads into the same model class; written atomically."""
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     tmp = f"{path}.tmp"

@@ -35,10 +35,16 @@ class Proc:
         except OSError:
             return "(no log)"
 
-    def terminate(self, timeout: float = 10.0) -> int:
-        """SIGTERM, then SIGKILL if it does not exit within ``timeout``."""
+    def signal(self, signum: int) -> None:
         if self.alive():
-            self.popen.send_signal(signal.SIGTERM)
+            self.popen.send_signal(signum)
+
+    def terminate(self, timeout: float = 10.0, signalled: bool = False) -> int:
+        """SIGTERM (unless ``signalled`` already: a second one means "stop at once"), then SIGKILL if it
+        does not exit within ``timeout``."""
+        if self.alive():
+            if not signalled:
+                self.popen.send_signal(signal.SIGTERM)
             try:
                 self.popen.wait(timeout)
             except subprocess.TimeoutExpired:
