@@ -104,14 +104,6 @@ def config_problem(cfg: TrainConfig) -> str:
         (math.isfinite(cfg.retry_budget) and cfg.retry_budget >= 0,
          f"--retry-budget ({cfg.retry_budget}) must be zero or more seconds"),
         (cfg.mode in MODES, f"--mode ({cfg.mode}) must be one of {', '.join(MODES)}"),
-        (cfg.mode == "stale-timeout" or cfg.sync_timeout == 0,
-         f"--sync-timeout ({cfg.sync_timeout}) applies to --mode stale-timeout only, not {cfg.mode}"),
-        (cfg.mode == "stale-timeout" or cfg.replicas_to_aggregate == 0,
-         f"--replicas-to-aggregate ({cfg.replicas_to_aggregate}) applies to --mode stale-timeout only, not {cfg.mode}"),
-        (cfg.mode == "stale-timeout" or cfg.stale_policy == "drop",
-         f"--stale-policy ({cfg.stale_policy}) applies to --mode stale-timeout only, not {cfg.mode}"),
-        (cfg.mode == "async" or cfg.max_staleness is None,
-         f"--max-staleness ({cfg.max_staleness}) applies to --mode async only, not {cfg.mode}"),
         (cfg.mode == "async" or not cfg.overlap, f"--overlap applies to --mode async only, not {cfg.mode}"),
         (cfg.optimizer == "sgd" or not cfg.nesterov, f"--nesterov applies to --optimizer sgd only, not {cfg.optimizer}"),
     ]
@@ -124,6 +116,20 @@ def config_problem(cfg: TrainConfig) -> str:
         except ValueError as e:
             return f"{e}".rstrip(".")
     return ""
+
+
+def ignored_flags(cfg: TrainConfig) -> list[str]:
+    """Knobs of another mode that were set: warned about and left out of the job, not refused.
+
+    Not an error because deployments set them once for every mode (the compose file's
+    PS_TRAINER_SYNC_TIMEOUT) and switch only the mode.
+    """
+    knobs = [("--sync-timeout", cfg.sync_timeout, 0.0, "stale-timeout"),
+             ("--replicas-to-aggregate", cfg.replicas_to_aggregate, 0, "stale-timeout"),
+             ("--stale-policy", cfg.stale_policy, "drop", "stale-timeout"),
+             ("--max-staleness", cfg.max_staleness, None, "async")]
+    return [f"{flag} ({value}) applies to --mode {mode} only, not {cfg.mode}: ignored"
+            for flag, value, default, mode in knobs if cfg.mode != mode and value != default]
 
 
 def effective_lr(cfg: TrainConfig) -> float:
@@ -465,9 +471,14 @@ def make_stepper(cfg: TrainConfig, model: torch.nn.Module):
     """What exchanges gradients: the parameter servers, or a ps-bench baseline."""
     optimizer = cfg.optimizer_config()
     if cfg.backend == "ps":
-        return connect(cfg.ps, model, mode=cfg.mode, rank=cfg.rank, num_trainers=cfg.num_trainers,
-                       optimizer=optimizer, max_staleness=cfg.max_staleness, sync_timeout=cfg.sync_timeout,
-                       replicas_to_aggregate=cfg.replicas_to_aggregate, stale_policy=cfg.stale_policy,
+        for note in ignored_flags(cfg):
+            log.warning("rank %d: %s", cfg.rank, note)
+        stale_timeout = cfg.mode == "stale-timeout"
+        return connect(cfg.ps, model, mode=cfg.mode, rank=cfg.rank, num_trainers=cfg.num_trainers, optimizer=optimizer,
+                       max_staleness=cfg.max_staleness if cfg.mode == "async" else None,
+                       sync_timeout=cfg.sync_timeout if stale_timeout else 0.0,
+                       replicas_to_aggregate=cfg.replicas_to_aggregate if stale_timeout else 0,
+                       stale_policy=cfg.stale_policy if stale_timeout else "drop",
                        wire_dtype=cfg.wire_dtype, connect_timeout=cfg.connect_timeout, security=cfg.security,
                        overlap=cfg.overlap, push_during_backward=cfg.push_during_backward, job_id=cfg.job_id,
                        retry_budget=cfg.retry_budget)

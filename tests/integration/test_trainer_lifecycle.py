@@ -1,0 +1,137 @@
+"""Every way into and out of a trainer: a failed connect leaves nothing registered, ``with`` leaves on an
+error, and a step that failed on some shards is retried without any shard applying it twice."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+
+import grpc
+import pytest
+import torch
+
+from tests.integration.switchproxy import SwitchProxy
+from trainer.api import StartTimeout, StepFailed, connect
+from trainer.client import ShardUnreachable
+
+LR = 0.1
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(8, 1)
+
+
+def backward(m: torch.nn.Module) -> None:
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    m(x).pow(2).mean().backward()
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def heartbeat_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "ps-heartbeat"]
+
+
+def test_a_connect_that_fails_on_one_shard_leaves_the_shard_that_accepted_it(shard_server):
+    good = shard_server(0)
+    port = closed_port()
+    with pytest.raises(ShardUnreachable, match=f"shard 1 at 127.0.0.1:{port} did not answer within 2 s"):
+        connect(f"{good.server.address},127.0.0.1:{port}", model(), connect_timeout=2)
+    stats = good.stats()
+    assert stats.counters["registrations"] == 1 and stats.counters["leaves"] == 1
+    assert list(stats.live_ranks) == []
+    assert heartbeat_threads() == []
+
+
+def test_a_trainer_whose_peer_never_comes_logs_whom_it_waits_for_then_leaves(shard_server, caplog):
+    s = shard_server(0)
+    address = s.server.address
+    caplog.set_level(logging.INFO, logger="trainer.api")
+    with pytest.raises(StartTimeout) as e:
+        connect(address, model(), num_trainers=2, connect_timeout=7)
+    assert f"shard 0 at {address}" in str(e.value) and "ranks [1]" in str(e.value)
+    waits = [r.getMessage() for r in caplog.records if "waiting to start" in r.getMessage()]
+    assert waits and f"shard 0 at {address}" in waits[0] and "still waits for ranks [1] to register" in waits[0]
+    assert list(s.stats().live_ranks) == [] and s.stats().counters["leaves"] == 1
+    assert heartbeat_threads() == []
+
+
+def test_a_with_block_leaves_the_job_when_its_body_raises(shard_server):
+    s = shard_server(0)
+    with pytest.raises(RuntimeError, match="boom"):
+        with connect(s.server.address, model()) as ps:
+            assert list(s.stats().live_ranks) == [0]
+            raise RuntimeError("boom")
+    assert list(s.stats().live_ranks) == [] and s.stats().counters["leaves"] == 1
+    assert ps._closed and heartbeat_threads() == []
+
+
+@pytest.fixture
+def two_shards_one_behind_a_proxy(shard_server):
+    """(shard 0, shard 1, a proxy in front of shard 1, an async trainer connected through it)."""
+    s0, s1 = shard_server(0), shard_server(1)
+    proxy = SwitchProxy(s1.server.address)
+    m = model()
+    ps = connect(f"{s0.server.address},{proxy.address}", m, mode="async", optimizer={"name": "sgd", "lr": LR},
+                 round_timeout=2, retry_budget=3)
+    try:
+        yield s0, s1, proxy, ps
+    finally:
+        ps.close(best_effort=True)
+        proxy.close()
+
+
+def expected_after_one_step(ps) -> torch.Tensor:
+    """One SGD step on the trainer's current flat gradient, as one process would take it."""
+    ref = ps.flat.flat.detach().clone().requires_grad_()
+    opt = torch.optim.SGD([ref], lr=LR)
+    ref.grad = ps.flat.grad.clone()
+    opt.step()
+    return ref.detach()
+
+
+def test_a_step_whose_acknowledgement_was_lost_is_retried_as_a_duplicate_and_applied_once(
+        two_shards_one_behind_a_proxy):
+    s0, s1, proxy, ps = two_shards_one_behind_a_proxy
+    backward(ps.model)
+    expected = expected_after_one_step(ps)
+    proxy.swallow_replies()  # shard 1 gets the push and applies it; its answer never arrives
+    with pytest.raises(StepFailed) as e:
+        ps.step(num_samples=4)
+    assert e.value.applied == [0] and list(e.value.failed) == [1]
+    assert f"shard 1 at {proxy.address}" in str(e.value) and "shards [0] applied the gradient" in str(e.value)
+    assert s1.stats().counters["pushes_applied"] == 1  # applied; the trainer just does not know it
+    proxy.forward()
+    info = ps.step(num_samples=4)
+    assert info.outcomes == ["applied", "duplicate"]
+    c0, c1 = s0.stats().counters, s1.stats().counters
+    assert (c0["pushes_applied"], c1["pushes_applied"]) == (1, 1)
+    assert c1["duplicates"] >= 1 and c0.get("duplicates", 0) == 0  # shard 0 was not asked again
+    assert (s0.stats().version, s1.stats().version) == (1, 1)
+    torch.testing.assert_close(ps.flat.flat, expected, rtol=0, atol=1e-6)
+    assert float(ps.flat.grad.abs().sum()) == 0.0  # zeroed once the step completed
+
+
+def test_a_step_that_found_a_shard_down_is_retried_on_that_shard_only(two_shards_one_behind_a_proxy):
+    s0, s1, proxy, ps = two_shards_one_behind_a_proxy
+    backward(ps.model)
+    expected = expected_after_one_step(ps)
+    proxy.refuse()
+    with pytest.raises(StepFailed) as e:
+        ps.step(num_samples=4)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and e.value.applied == [0]
+    assert float(ps.flat.grad.abs().sum()) > 0  # the gradient is kept for the retry
+    assert s1.stats().counters.get("pushes_applied", 0) == 0
+    proxy.forward()
+    info = ps.step(num_samples=4)
+    assert info.outcomes == ["applied", "applied"]
+    assert (s0.stats().counters["pushes_applied"], s1.stats().counters["pushes_applied"]) == (1, 1)
+    torch.testing.assert_close(ps.flat.flat, expected, rtol=0, atol=1e-6)
+    assert ps.counters["steps_failed"] == 1

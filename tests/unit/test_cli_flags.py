@@ -1,0 +1,159 @@
+"""The CLIs refuse nonsense before anything starts, read only their own environment variables, never
+abbreviate flags, share the cores between trainers, and report what happened without misleading."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from psserver.cli import build_parser as server_parser
+from trainer import cluster
+from trainer.cli import build_parser as trainer_parser
+from trainer.cli import config_from_args
+from trainer.loop import TrainConfig, default_threads
+
+
+def trainer_config(*argv: str) -> TrainConfig:
+    return config_from_args(trainer_parser().parse_args(["--ps", "127.0.0.1:7000", *argv]))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "-5"], "--steps (-5) must be zero (use --epochs) or more"),
+    (["--epochs", "0"], "give --epochs >= 1 or --steps >= 1 (got 0 and 0)"),
+    (["--eval-every", "-1"], "--eval-every (-1) must be zero (each epoch only) or more"),
+    (["--log-every", "0"], "--log-every (0) must be at least 1"),
+    (["--overlap"], "--overlap applies to --mode async only, not sync"),
+    (["--lr", "-1"], "The learning rate (-1.0) must be greater than zero"),
+    (["--save-every", "10"], "--save-every (10) needs --output"),
+    (["--rank", "2", "--num-trainers", "2"], "--rank (2) must be between 0 and --num-trainers - 1 (1)"),
+    (["--connect-timeout", "0"], "--connect-timeout (0.0) must be more than zero seconds"),
+    (["--optimizer", "adam", "--nesterov"], "--nesterov applies to --optimizer sgd only, not adam"),
+])
+def test_a_bad_trainer_flag_is_refused_naming_the_flag_and_its_value(argv, message):
+    with pytest.raises(ValueError) as e:
+        trainer_config(*argv)
+    assert message in str(e.value)
+
+
+def test_a_knob_of_another_mode_is_named_as_ignored_and_left_out_of_the_job():
+    from trainer.loop import ignored_flags
+
+    cfg = trainer_config("--sync-timeout", "1", "--max-staleness", "3", "--stale-policy", "scale")
+    assert ignored_flags(cfg) == [
+        "--sync-timeout (1.0) applies to --mode stale-timeout only, not sync: ignored",
+        "--stale-policy (scale) applies to --mode stale-timeout only, not sync: ignored",
+        "--max-staleness (3) applies to --mode async only, not sync: ignored"]
+    assert ignored_flags(trainer_config("--mode", "stale-timeout", "--sync-timeout", "1")) == []
+
+
+def test_flags_that_fit_together_are_accepted():
+    cfg = trainer_config("--mode", "stale-timeout", "--sync-timeout", "0.5", "--stale-policy", "scale",
+                         "--steps", "10", "--output", "m.pt", "--save-every", "5")
+    assert (cfg.mode, cfg.sync_timeout, cfg.save_every) == ("stale-timeout", 0.5, 5)
+
+
+@pytest.mark.parametrize("parser", [trainer_parser, server_parser, cluster.build_parser])
+def test_a_flag_is_never_abbreviated(parser, capsys):
+    flag = {"ps-trainer": "--num-trainer", "ps-server": "--checkpoint-ever", "ps-cluster": "--trainer"}
+    p = parser()
+    with pytest.raises(SystemExit) as e:
+        required = {"ps-trainer": ["--ps", "x:1"], "ps-server": ["--shard", "0"], "ps-cluster": []}[p.prog]
+        p.parse_args([*required, flag[p.prog], "2"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments" in err and "hint:" in err and "Traceback" not in err
+
+
+def test_each_cli_reads_its_own_environment_variables(monkeypatch):
+    monkeypatch.setenv("PS_TRAINER_BATCH_SIZE", "7")
+    monkeypatch.setenv("PS_CLUSTER_BATCH_SIZE", "9")
+    assert trainer_parser().parse_args(["--ps", "x:1"]).batch_size == 7
+    assert cluster.build_parser().parse_args([]).batch_size == 9
+
+
+def test_a_variable_meant_for_the_trainer_does_not_reach_other_clis(monkeypatch):
+    monkeypatch.setenv("PS_OUTPUT", "elsewhere.png")  # the old name, read by ps-trainer only
+    monkeypatch.setenv("PS_TRAINER_SEED", "5")
+    assert cluster.build_parser().parse_args([]).seed == 0
+    from trainer.bench import main as bench_main  # noqa: F401 -- ps-bench builds its parser in main
+
+    assert trainer_parser().parse_args(["--ps", "x:1"]).output == "elsewhere.png"
+
+
+def test_an_old_variable_name_still_works_with_a_deprecation_warning(monkeypatch, capsys):
+    monkeypatch.setenv("PS_BATCH_SIZE", "11")
+    assert trainer_parser().parse_args(["--ps", "x:1"]).batch_size == 11
+    assert "PS_BATCH_SIZE is deprecated; use PS_TRAINER_BATCH_SIZE" in capsys.readouterr().err
+    monkeypatch.setenv("PS_TRAINER_BATCH_SIZE", "12")  # the new name wins, and no warning
+    assert trainer_parser().parse_args(["--ps", "x:1"]).batch_size == 12
+    assert "deprecated" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ps, trainers, local, cores, expected", [
+    ("127.0.0.1:1,127.0.0.1:2", 2, "", 4, 2),  # a one-host job: the cores shared by its trainers
+    ("localhost:1", 3, "", 2, 1),  # never fewer than one thread
+    ("127.0.0.1:1", 1, "", 8, 0),  # alone: torch's default
+    ("10.0.0.5:7000", 4, "", 8, 0),  # shards elsewhere: the trainers' hosts are unknown
+    ("10.0.0.5:7000", 4, "2", 8, 4),  # torchrun's LOCAL_WORLD_SIZE says two share this host
+])
+def test_threads_default_to_the_cores_divided_by_the_trainers_on_this_host(monkeypatch, ps, trainers, local,
+                                                                          cores, expected):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    cfg = TrainConfig(ps=ps, num_trainers=trainers)
+    assert default_threads(cfg, cores=cores) == expected
+
+
+def test_ps_cluster_refuses_a_bad_flag_before_starting_anything(tmp_path):
+    run_dir = tmp_path / "run"
+    with pytest.raises(ValueError, match="learning rate"):
+        cluster.main(["--lr", "-1", "--run-dir", str(run_dir)])
+    assert not run_dir.exists()  # no process started, no folder made
+
+
+def summary(mode: str) -> dict:
+    args = SimpleNamespace(mode=mode, model="cnn", dataset="mnist5k", shards=2, trainers=2, straggler_delay=0.0)
+    stats = [SimpleNamespace(version=40, counters={"rounds_all_arrived": 40.0, "pushes_applied": 80.0})]
+    progress = SimpleNamespace(latest=[{"event": "done", "test_accuracy": 0.9, "samples_per_sec": 10.0,
+                                        "steps": 40, "stale_pushes": 4, "stale_steps": 2}])
+    return cluster.summarize(args, "run", progress, stats, {}, 1.0)
+
+
+def test_the_async_summary_reports_applied_gradients_not_rounds(capsys):
+    s = summary("async")
+    assert s["rounds_by_reason"] is None and s["pushes_applied"] == 80
+    cluster.print_summary(s)
+    out = capsys.readouterr().out
+    assert "rounds closed by" not in out and "gradients applied (all shards)  80" in out
+    assert "2 trainer steps had one" in out  # stale steps, not stale shard pushes
+    cluster.print_summary(summary("sync"))
+    assert "rounds closed by" in capsys.readouterr().out
+
+
+class FakeBar:
+    def __init__(self):
+        self.total, self.n, self.shown = 1, 0, []
+
+    def set_postfix(self, values, refresh=True):
+        self.shown.append(dict(values))
+
+    def refresh(self):
+        pass
+
+
+def test_the_progress_bar_keeps_the_latest_loss_and_shows_accuracy_only_once_evaluated(tmp_path):
+    path = tmp_path / "trainer0.jsonl"
+    records = [{"event": "start", "rank": 0, "total_steps": 10},
+               {"event": "step", "rank": 0, "step": 5, "loss": 0.953},
+               {"event": "eval", "rank": 0, "step": 5, "epoch": 0, "test_accuracy": 0.659, "test_loss": 1.2},
+               {"event": "step", "rank": 0, "step": 10, "loss": 0.5}]
+    progress, bar = cluster.Progress([path]), FakeBar()
+    for record in records:  # as the trainer writes them, one at a time
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        for rec in progress.poll():
+            cluster.show(rec, progress, [bar])
+    assert bar.shown[1] == {"loss": "0.953"}  # no accuracy before the first evaluation, never "nan"
+    assert bar.shown[2] == {"loss": "0.953", "acc": "0.659"}  # an evaluation keeps the latest loss
+    assert bar.shown[3] == {"loss": "0.500", "acc": "0.659"}
