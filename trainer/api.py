@@ -38,6 +38,7 @@ from psserver.layout import Layout
 from psserver.security import ClientSecurity
 from trainer.client import WAIT_LOG_SECONDS, PushOutcome, RetryPolicy, ShardClient, ShardedClient, parse_addresses
 from trainer.early_push import EarlyPusher
+from trainer.staging import DeviceStaging
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +162,7 @@ class _StepAttempt:
     acks: dict[int, PushOutcome] = field(default_factory=dict)  # pushed, but the pull is still to do
     outcomes: dict[int, str] = field(default_factory=dict)
     timings: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # push, pull, wait seconds
+    produced: list = field(default_factory=list)  # CUDA: an event after the gradients, on the caller's stream
 
 
 @dataclass
@@ -199,8 +201,10 @@ class ParameterServerTrainer:
         self._staging = [torch.empty(end - start) for start, end in self.ranges] if overlap else []
         self.versions = [0] * job.num_shards
         self.steps = 0
+        self.staging = DeviceStaging(self.ranges, self.flat.flat.device)
         self._early = EarlyPusher(self.flat.params, self.flat._views, self.flat.ranges, self.ranges,
-                                  self._push_shard) if push_during_backward else None
+                                  self._push_shard, self.staging.produced if self.staging.active else None
+                                  ) if push_during_backward else None
         self._closed = False
         self._attempt: _StepAttempt | None = None  # a step that failed on some shards, until step() retries it
         self._registered: set[int] = set()  # shards that know this trainer: close() leaves exactly these
@@ -231,8 +235,9 @@ class ParameterServerTrainer:
                                                name="ps-heartbeat", daemon=True)
             self._heartbeat.start()
         if self.rank == 0:
-            self.client.map(lambda s: s.init(self._slice(self.flat.flat, s.index), self.client.wire)
-                            if not results[s.index].initialized else None)
+            ready = [self.staging.produced()] if self.staging.active else []
+            self.client.map(lambda s: s.init(self.staging.to_host(s.index, self._slice(self.flat.flat, s.index), ready),
+                                             self.client.wire) if not results[s.index].initialized else None)
         self._wait_for_start(timeout)
 
     def _wait_for_start(self, timeout: float) -> None:
@@ -302,12 +307,10 @@ class ParameterServerTrainer:
     def _pull_into(self, s: ShardClient, min_version: int, timeout: float, with_wait: bool = False):
         """Pull shard ``s``'s weights straight into the model (via a copy only when they live on a GPU)."""
         target = self._slice(self.flat.flat, s.index)
-        on_cpu = target.device.type == "cpu"
-        v, values, waited = s.pull(min_version, self.client.wire, target.numel(), timeout,
-                                   out=target if on_cpu else None)
-        if not on_cpu:
-            with torch.no_grad():
-                target.copy_(values, non_blocking=True)
+        landing = self.staging.weights_buffer(s.index, target)  # the model itself on the CPU
+        v, _, waited = s.pull(min_version, self.client.wire, target.numel(), timeout, out=landing)
+        with torch.no_grad():
+            self.staging.weights_to_device(s.index, target)
         return (v, waited) if with_wait else v
 
     def _slice(self, flat: torch.Tensor, shard: int) -> torch.Tensor:
@@ -329,9 +332,11 @@ class ParameterServerTrainer:
         if self._early is not None:
             self._early.prepare(num_samples)
 
-    def _push_shard(self, shard: int, num_samples: int):
+    def _push_shard(self, shard: int, num_samples: int, after: Sequence = ()):
+        """Push ``shard`` its gradient slice (on CUDA: once the ``after`` events, the gradient's, have passed)."""
         s = self.client.shards[shard]
-        return s.push(self._slice(self.flat.grad, shard), self.versions[shard], num_samples, self.client.wire)
+        grad = self.staging.to_host(shard, self._slice(self.flat.grad, shard), after)
+        return s.push(grad, self.versions[shard], num_samples, self.client.wire)
 
     def step(self, num_samples: int = 1) -> StepInfo:
         """Push the gradients in ``.grad``, pull fresh weights into the model, zero the gradients.
@@ -342,6 +347,7 @@ class ParameterServerTrainer:
         """
         grad = self.flat.gather_grads()
         attempt = self._attempt or _StepAttempt(todo=set(range(self.job.num_shards)))
+        attempt.produced = [self.staging.produced()] if self.staging.active else []  # the caller's gradients
         todo = sorted(attempt.todo)
         try:
             results = self.client.map_settled(lambda s: self._exchange(s, grad, num_samples, attempt),
@@ -349,6 +355,7 @@ class ParameterServerTrainer:
         finally:
             if self._early is not None:
                 self._early.finish_step()
+            self.staging.settle()  # the next forward, on the caller's stream, waits for the new weights
         for i, r in zip(todo, results):
             if not isinstance(r, Exception):
                 attempt.outcomes[i] = r
@@ -393,7 +400,8 @@ class ParameterServerTrainer:
             if started is None and not self.overlap:
                 return self._push_pull(s, grad, num_samples, attempt, t0)
             # push time is what step() waits for: all of it, or what is left of a push begun during backward
-            out = attempt.acks[i] = started.result() if started is not None else self._push_shard(i, num_samples)
+            out = attempt.acks[i] = (started.result() if started is not None else
+                                     self._push_shard(i, num_samples, attempt.produced))
         t1 = time.perf_counter()
         if self.overlap:
             # Take the weights pulled while this gradient was computed, then pull the next ones in the
@@ -415,13 +423,12 @@ class ParameterServerTrainer:
         """The plain path: one PushPull call, whose reply is the weights to go on from."""
         i = s.index
         target = self._slice(self.flat.flat, i)
-        on_cpu = target.device.type == "cpu"
-        out, values, pushed, waited = s.push_pull(self._slice(grad, i), self.versions[i], num_samples,
-                                                  self.client.wire, self.round_timeout,
-                                                  out=target if on_cpu else None)
-        if not on_cpu:
-            with torch.no_grad():
-                target.copy_(values, non_blocking=True)
+        landing = self.staging.weights_buffer(i, target)  # the model itself on the CPU
+        out, _, pushed, waited = s.push_pull(self.staging.to_host(i, self._slice(grad, i), attempt.produced),
+                                             self.versions[i], num_samples, self.client.wire, self.round_timeout,
+                                             out=landing)
+        with torch.no_grad():
+            self.staging.weights_to_device(i, target)
         self.versions[i] = out.version
         attempt.timings[i] = (pushed, time.perf_counter() - t0 - pushed - waited, waited)
         return out.outcome

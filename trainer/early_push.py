@@ -35,11 +35,15 @@ log = logging.getLogger(__name__)
 class EarlyPusher:
     def __init__(self, params: list[torch.nn.Parameter], grad_views: list[torch.Tensor],
                  param_ranges: list[tuple[int, int]], shard_ranges: list[tuple[int, int]],
-                 push: Callable[[int, int], object]):
-        """``param_ranges``: each parameter's [start, end) in the flat vector; ``push(shard, num_samples)``
-        sends that shard's slice and returns what step() will need."""
+                 push: Callable[..., object], mark: Callable[[], object] | None = None):
+        """``param_ranges``: each parameter's [start, end) in the flat vector; ``push(shard, num_samples,
+        events)`` sends that shard's slice and returns what step() will need.  ``mark`` (CUDA) records an
+        event on the stream a hook runs on: the push waits for the events of all its parameters' gradients,
+        which are only enqueued, not done, when their hooks fire (trainer.staging)."""
         self._views = grad_views
         self._push = push
+        self._mark = mark
+        self._events: list[list] = [[] for _ in shard_ranges]
         self.param_shards = [[i for i, (s0, s1) in enumerate(shard_ranges) if start < s1 and s0 < end]
                              for start, end in param_ranges]
         self.shard_params = [{p for p, shards in enumerate(self.param_shards) if i in shards}
@@ -59,6 +63,7 @@ class EarlyPusher:
         self._num_samples = num_samples
         self._fired.clear()
         self._remaining = [set(ps) for ps in self.shard_params]
+        self._events = [[] for _ in self.shard_params]
 
     def _hook(self, index: int):
         def on_grad(param: torch.nn.Parameter) -> None:
@@ -77,11 +82,15 @@ class EarlyPusher:
                     "(the graph changed since the first step); push_during_backward needs the same graph every "
                     "step -- turn it off for this model"
                 )
+            event = self._mark() if self._mark is not None else None
             for shard in self.param_shards[index]:
+                if event is not None:
+                    self._events[shard].append(event)
                 remaining = self._remaining[shard]
                 remaining.discard(index)
                 if not remaining and shard in self.early and shard not in self.pending:
-                    self.pending[shard] = self._pool.submit(self._push, shard, self._num_samples)
+                    self.pending[shard] = self._pool.submit(self._push, shard, self._num_samples,
+                                                            list(self._events[shard]))
 
         return on_grad
 
