@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from typing import Callable
 
@@ -30,7 +31,7 @@ LEGACY_ENV_CLIS = ("ps-server", "ps-trainer")
 
 def env_prefix(prog: str) -> str:
     """``ps-trainer`` -> ``PS_TRAINER_``: the prefix of the environment variables a CLI reads."""
-    return prog.upper().replace("-", "_") + "_"
+    return re.sub(r"[^A-Z0-9]+", "_", prog.upper()) + "_"  # "ps-server stats" -> PS_SERVER_STATS_
 
 
 class EnvArgumentParser(argparse.ArgumentParser):
@@ -47,7 +48,7 @@ class EnvArgumentParser(argparse.ArgumentParser):
         legacy = "PS_" + action.dest.upper()
         action.help = f"{action.help or ''} [env {env}]".strip()
         raw = os.environ.get(env)
-        if raw is None and self.prog in LEGACY_ENV_CLIS and legacy in os.environ:
+        if raw is None and self.prog.split()[0] in LEGACY_ENV_CLIS and legacy in os.environ:
             raw = os.environ[legacy]
             self.deprecated_env.append((legacy, env))
         if raw is not None:
