@@ -92,7 +92,7 @@ class Shard:
         self._stepping = False  # an optimizer step is writing the parameters
         self.members = Membership(clock, lease_timeout)
         self.counters: Counter[str] = Counter()
-        self.metrics = ShardMetrics()
+        self.metrics = ShardMetrics(shard_id)
         self.metrics.bind(self.snapshot)
         self._writer = (CheckpointWriter(checkpointer, self._checkpoint_written) if checkpointer is not None
                         else None)
