@@ -9,6 +9,7 @@ import sys
 import threading
 
 from psserver.cli_support import EnvArgumentParser, ensure_malloc_tunables, run_cli, setup_logging
+from psserver.ports import check_bindable
 from psserver.security import ServerSecurity, read_token
 from psserver.server import ServerConfig, ShardServer
 from psserver.service import ServiceLimits
@@ -86,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                        restore=args.restore, nonfinite=args.nonfinite,
                        security=ServerSecurity(args.tls_cert, args.tls_key, args.tls_client_ca,
                                                read_token(args.auth_token_file)))
+    if args.metrics_port:
+        check_bindable(args.host, args.metrics_port, "--metrics-port")  # before the shard serves, not after
     server = ShardServer(cfg).start()
     if args.metrics_port is not None:
         port = server.shard.metrics.serve(args.metrics_port, args.host)
@@ -99,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     while not stop.wait(0.5):
         if args.exit_when_done and server.shard.job_done():
             break
-    log.info("shard %d stopping (version %d): NOT_SERVING, draining calls, final checkpoint", cfg.shard,
-             server.shard.version)
+    log.info("shard %d stopping (version %d): NOT_SERVING, draining calls%s", cfg.shard, server.shard.version,
+             ", final checkpoint" if cfg.checkpoint_dir else "")
     server.stop()
     log.info("shard %d stopped", cfg.shard)
     return 0
