@@ -11,8 +11,6 @@ import threading
 from psserver.cli_support import EnvArgumentParser, ensure_malloc_tunables, run_cli, setup_logging
 from psserver.ports import check_bindable
 from psserver.security import ServerSecurity, read_token
-from psserver.server import ServerConfig, ShardServer
-from psserver.service import ServiceLimits
 
 log = logging.getLogger("psserver")
 
@@ -75,6 +73,10 @@ def write_ready_file(path: str, address: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Imported here, not at the top: they import torch, which `ps-server stats` and `health` need not wait for.
+    from psserver.server import ServerConfig, ShardServer
+    from psserver.service import ServiceLimits
+
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     limits = ServiceLimits(max_pull_wait=args.max_pull_wait, stream_idle_timeout=args.stream_idle_timeout,
