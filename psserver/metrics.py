@@ -21,6 +21,18 @@ PUSH_OUTCOMES = {"applied": "pushes_applied", "stale_dropped": "stale_dropped", 
                  "duplicate": "duplicates"}
 
 
+def board_scalars(s: "StatsSnapshot") -> dict[str, float]:
+    """The shard's TensorBoard scalars (``ps-server --tensorboard``), named as its Prometheus families are."""
+    c = s.counters
+    out = {"version": s.version, "optimizer_steps": c.get("steps", 0), "live_trainers": len(s.live_ranks)}
+    out.update({f"pushes/{outcome}": c.get(key, 0) for outcome, key in PUSH_OUTCOMES.items()})
+    out.update({f"rounds_closed/{r}": c.get(f"rounds_{r}", 0) for r in ROUND_REASONS})
+    out["refused"] = sum(v for k, v in c.items() if k.startswith("refused_"))
+    if s.job is not None:
+        out["lr"] = s.job.optimizer.lr
+    return out
+
+
 class ShardMetrics:
     """The registry of one shard: histograms it observes, plus a collector over its counters."""
 
