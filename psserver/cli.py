@@ -22,7 +22,8 @@ def build_parser() -> EnvArgumentParser:
         prog="ps-server",
         description="Serve one shard of a psgrpc parameter server. "
         "Also: 'ps-server stats --ps HOST:PORT[,...]' prints shards' state; 'ps-server health --ps HOST:PORT' "
-        "exits 0 iff the shard is SERVING.",
+        "exits 0 iff the shard is SERVING; 'ps-server export --checkpoint-dir DIR[,...] --output model.pt' "
+        "assembles a state dict from the shards' newest checkpoints.",
     )
     p.add_argument("--shard", type=int, required=True, help="index of the shard this process serves (0-based)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def dispatch() -> int:
-    """`ps-server [serve flags]`, `ps-server stats --ps ...` or `ps-server health --ps ...`."""
+    """`ps-server [serve flags]`, or the tools `stats`, `health`, `export`."""
     from psserver import admin
 
     argv = sys.argv[1:]
@@ -150,6 +151,10 @@ def dispatch() -> int:
         return admin.stats_main(argv[1:])
     if argv[:1] == ["health"]:
         return admin.health_main(argv[1:])
+    if argv[:1] == ["export"]:
+        from psserver.export import export_main
+
+        return export_main(argv[1:])
     return main(argv)
 
 
