@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import argparse
+import signal
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from psserver.cli_support import EnvArgumentParser
+from psserver.logsafe import shorten
 from psserver.proto import ps_pb2 as _pb
 from psserver.proto import ps_pb2_grpc as _grpc
 from psserver.security import ClientSecurity, add_client_flags, client_security, parse_addresses
+
+DETAILS_SHOWN = 200  # characters of gRPC's details shown for a shard that is down
 
 STAT_ROWS = [
     ("version", None), ("optimizer steps", "steps"), ("rounds: all arrived", "rounds_all_arrived"),
@@ -24,12 +34,46 @@ def fetch_stat(address: str, timeout: float = 10.0, security: ClientSecurity = C
         return _grpc.ParameterServerStub(ch).GetStats(_pb.StatsRequest(), timeout=timeout)
 
 
-def fetch_stats(addresses: list[str], timeout: float, security: ClientSecurity = ClientSecurity()) -> list:
-    return [fetch_stat(a, timeout, security) for a in addresses]
+@dataclass(frozen=True)
+class Down:
+    """A shard that did not answer GetStats: its gRPC status code and what gRPC said."""
+
+    code: str
+    details: str
 
 
-def format_stats(addresses: list[str], stats: list[_pb.StatsReply]) -> str:
-    """A table: one column per shard."""
+def fetch_stats(addresses: list[str], timeout: float,
+                security: ClientSecurity = ClientSecurity()) -> list[_pb.StatsReply | Down]:
+    """Every shard's GetStats at once, each under ``timeout``: a reply, or a Down for each that did not answer.
+
+    Concurrent, so one dead or hung shard costs the deadline once, not once per shard after it.
+    """
+    with ExitStack() as stack:
+        calls = []
+        for address in addresses:
+            channel = stack.enter_context(security.channel(address))
+            calls.append(_grpc.ParameterServerStub(channel).GetStats.future(_pb.StatsRequest(), timeout=timeout))
+        results = []
+        for call in calls:
+            try:
+                results.append(call.result())
+            except grpc.RpcError as e:
+                results.append(Down(e.code().name, e.details() or ""))
+        return results
+
+
+def format_stats(addresses: list[str], results: list[_pb.StatsReply | Down]) -> str:
+    """A table with one column per shard that answered, then one DOWN line per shard that did not."""
+    up = [(a, s) for a, s in zip(addresses, results) if not isinstance(s, Down)]
+    lines = _table([a for a, _ in up], [s for _, s in up]) if up else ["no shard answered"]
+    for i, (address, s) in enumerate(zip(addresses, results)):
+        if isinstance(s, Down):
+            details = f": {shorten(s.details, DETAILS_SHOWN)}" if s.details else ""
+            lines.append(f"DOWN  shard {i} ({address}): {s.code}{details}")
+    return "\n".join(lines)
+
+
+def _table(addresses: list[str], stats: list[_pb.StatsReply]) -> list[str]:
     header = ["", *[f"shard {s.shard} ({a})" for a, s in zip(addresses, stats)]]
     rows = [["mode", *[s.mode or "(no job)" for s in stats]],
             ["slice", *[f"[{s.start}, {s.end})" for s in stats]],
@@ -44,19 +88,57 @@ def format_stats(addresses: list[str], stats: list[_pb.StatsReply]) -> str:
     for k in refused:
         rows.append([f"refused {k.removeprefix('refused_')}", *[str(int(s.counters.get(k, 0))) for s in stats]])
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
-    return "\n".join(lines)
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+
+
+STATS_EPILOG = """\
+Shards are asked at once, each under --timeout; a shard that does not answer is listed as
+DOWN with its address and gRPC status (UNAVAILABLE: nothing listens or it is unreachable;
+DEADLINE_EXCEEDED: it did not answer in time). Exit status: 0 if at least one shard answered,
+1 if none did, 2 for a mistake on the command line. With --watch the table is refreshed until
+Ctrl-C, which exits 0."""
 
 
 def stats_main(argv: list[str]) -> int:
-    p = EnvArgumentParser(prog="ps-server stats", description="Print running shards' state as a table.")
-    p.add_argument("--ps", required=True, help="shard addresses HOST:PORT[,HOST:PORT...]")
-    p.add_argument("--timeout", type=float, default=10.0)
+    p = EnvArgumentParser(prog="ps-server stats", description="Print running shards' state as a table.",
+                          epilog=STATS_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ps", required=True, help="shard addresses HOST:PORT[,HOST:PORT...] in shard order")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds each shard has to answer")
+    p.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
+                   help="refresh every SECONDS (2 if not given) until Ctrl-C")
     add_client_flags(p)
     args = p.parse_args(argv)
+    if not args.timeout > 0:
+        p.error(f"--timeout must be more than 0 seconds (got {args.timeout})")
+    if args.watch is not None and not args.watch > 0:
+        p.error(f"--watch must be more than 0 seconds (got {args.watch})")
     addresses = parse_addresses(args.ps)
-    print(format_stats(addresses, fetch_stats(addresses, args.timeout, client_security(args))))
-    return 0
+    security = client_security(args)
+    if args.watch is None:
+        return _print_stats(addresses, args.timeout, security)
+    return _watch(addresses, args.timeout, security, args.watch)
+
+
+def _print_stats(addresses: list[str], timeout: float, security: ClientSecurity, heading: str = "") -> int:
+    results = fetch_stats(addresses, timeout, security)
+    print(heading + format_stats(addresses, results), flush=True)
+    return 0 if any(not isinstance(r, Down) for r in results) else 1
+
+
+def _watch(addresses: list[str], timeout: float, security: ClientSecurity, every: float) -> int:
+    """Refresh until Ctrl-C (exit 0); on a terminal each refresh replaces the last."""
+    # A process started in the background inherits SIGINT ignored; watching is for a person to stop.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
+    try:
+        while True:
+            heading = f"{clear}ps-server stats at {time.strftime('%H:%M:%S')} (every {every:g} s; Ctrl-C stops)\n"
+            _print_stats(addresses, timeout, security, heading)
+            time.sleep(every)
+            if not clear:
+                print(flush=True)
+    except KeyboardInterrupt:
+        return 0
 
 
 def health_main(argv: list[str]) -> int:

@@ -162,29 +162,50 @@ class Checkpointer:
 
     def list(self) -> list[Path]:
         """This shard's checkpoint files, newest first."""
-        found = []
-        for p in self.directory.iterdir():
-            m = NAME.match(p.name)
-            if m and int(m.group(1)) == self.shard:
-                found.append((int(m.group(2)), p))
-        return [p for _, p in sorted(found, reverse=True)]
+        return list_checkpoints(self.directory, self.shard)
 
     def load_latest(self) -> tuple[ShardState | None, list[str]]:
         """The newest checkpoint that verifies, and a note for every damaged one skipped."""
-        skipped = []
-        for path in self.list():
-            try:
-                state = ShardState.from_bytes(path.read_bytes())
-            except (CorruptCheckpoint, OSError, RuntimeError, ValueError, KeyError) as e:
-                skipped.append(f"{path.name}: {e}")
-                log.warning("shard %d: skipping damaged checkpoint %s: %s", self.shard, path, e)
-                continue
-            if state.shard != self.shard:
-                skipped.append(f"{path.name}: belongs to shard {state.shard}")
-                continue
+        state, skipped = load_newest(self.directory, self.shard)
+        if state is not None:
             self.last_written = state.version
-            return state, skipped
-        return None, skipped
+        return state, skipped
+
+
+def shards_in(directory: str | Path) -> set[int]:
+    """The shard indices that have checkpoint files in ``directory`` (read only: no files are touched)."""
+    return {int(m.group(1)) for p in Path(directory).iterdir() if (m := NAME.match(p.name))}
+
+
+def list_checkpoints(directory: str | Path, shard: int) -> list[Path]:
+    """``shard``'s checkpoint files in ``directory``, newest first."""
+    found = []
+    for p in Path(directory).iterdir():
+        m = NAME.match(p.name)
+        if m and int(m.group(1)) == shard:
+            found.append((int(m.group(2)), p))
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def load_newest(directory: str | Path, shard: int) -> tuple[ShardState | None, list[str]]:
+    """``shard``'s newest checkpoint in ``directory`` that verifies, and a note for every damaged one skipped.
+
+    Read only, unlike a Checkpointer (which removes a crash's temporary files): tools may call it beside a
+    running shard.
+    """
+    skipped = []
+    for path in list_checkpoints(directory, shard):
+        try:
+            state = ShardState.from_bytes(path.read_bytes())
+        except (CorruptCheckpoint, OSError, RuntimeError, ValueError, KeyError) as e:
+            skipped.append(f"{path.name}: {e}")
+            log.warning("shard %d: skipping damaged checkpoint %s: %s", shard, path, e)
+            continue
+        if state.shard != shard:
+            skipped.append(f"{path.name}: belongs to shard {state.shard}")
+            continue
+        return state, skipped
+    return None, skipped
 
 
 class CheckpointWriter:

@@ -7,11 +7,12 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from psserver.cli_support import EnvArgumentParser, ensure_malloc_tunables, run_cli, setup_logging
+from psserver.ports import check_bindable
 from psserver.security import ServerSecurity, read_token
-from psserver.server import ServerConfig, ShardServer
-from psserver.service import ServiceLimits
+from psserver.tboard import Sampler, ScalarLog
 
 log = logging.getLogger("psserver")
 
@@ -21,7 +22,8 @@ def build_parser() -> EnvArgumentParser:
         prog="ps-server",
         description="Serve one shard of a psgrpc parameter server. "
         "Also: 'ps-server stats --ps HOST:PORT[,...]' prints shards' state; 'ps-server health --ps HOST:PORT' "
-        "exits 0 iff the shard is SERVING.",
+        "exits 0 iff the shard is SERVING; 'ps-server export --checkpoint-dir DIR[,...] --output model.pt' "
+        "assembles a state dict from the shards' newest checkpoints.",
     )
     p.add_argument("--shard", type=int, required=True, help="index of the shard this process serves (0-based)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
@@ -31,6 +33,11 @@ def build_parser() -> EnvArgumentParser:
                    help="exit 0 once every trainer of the job has registered and left")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (0 picks one; unset: none)")
+    p.add_argument("--tensorboard", default="", metavar="DIR",
+                   help="write TensorBoard scalars (version, pushes by outcome, rounds closed by reason, lr) to "
+                        "DIR/shard<i>, sampled from a thread of its own (unset: none)")
+    p.add_argument("--tensorboard-every", type=float, default=5.0, metavar="SECONDS",
+                   help="seconds between TensorBoard samples")
     p.add_argument("--lease-timeout", type=float, default=5.0,
                    help="seconds of silence after which a trainer is dropped from the live set (0: never)")
     p.add_argument("--checkpoint-dir", default="", help="write checkpoints here (atomic, checksummed)")
@@ -73,8 +80,30 @@ def write_ready_file(path: str, address: str) -> None:
     os.replace(tmp, path)
 
 
+def start_board(args, shard, scalar_log: ScalarLog) -> Sampler | None:
+    """``--tensorboard DIR``: the shard's stats snapshot into DIR/shard<i> every few seconds (step: seconds since
+    the shard started, so a new job's version restarting at 0 draws no zigzag)."""
+    if not scalar_log.enabled:
+        return None
+    from psserver.metrics import board_scalars
+
+    t0 = time.monotonic()
+    board = Sampler(scalar_log, lambda: (round(time.monotonic() - t0), board_scalars(shard.snapshot())),
+                    args.tensorboard_every, name=f"shard{args.shard}-tensorboard")
+    log.info("shard %d: TensorBoard scalars every %g s in %s", args.shard, args.tensorboard_every,
+             scalar_log.directory)
+    return board
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    # Imported here, not at the top: they import torch, which `ps-server stats` and `health` need not wait for.
+    from psserver.server import ServerConfig, ShardServer
+    from psserver.service import ServiceLimits
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.tensorboard_every > 0:
+        parser.error(f"--tensorboard-every must be more than 0 seconds (got {args.tensorboard_every})")
     setup_logging(args.log_level)
     limits = ServiceLimits(max_pull_wait=args.max_pull_wait, stream_idle_timeout=args.stream_idle_timeout,
                            max_call_seconds=args.max_call_seconds, max_calls_per_peer=args.max_calls_per_peer,
@@ -86,10 +115,15 @@ def main(argv: list[str] | None = None) -> int:
                        restore=args.restore, nonfinite=args.nonfinite,
                        security=ServerSecurity(args.tls_cert, args.tls_key, args.tls_client_ca,
                                                read_token(args.auth_token_file)))
+    # Opened before the shard serves: a missing tensorboard package is a start-up error, not a late one.
+    scalar_log = ScalarLog(os.path.join(args.tensorboard, f"shard{args.shard}") if args.tensorboard else "")
+    if args.metrics_port:
+        check_bindable(args.host, args.metrics_port, "--metrics-port")  # before the shard serves, not after
     server = ShardServer(cfg).start()
     if args.metrics_port is not None:
         port = server.shard.metrics.serve(args.metrics_port, args.host)
         log.info("shard %d: Prometheus metrics on http://%s:%d/metrics", cfg.shard, args.host, port)
+    board = start_board(args, server.shard, scalar_log)
     if args.ready_file:
         write_ready_file(args.ready_file, server.address)
     stop = threading.Event()
@@ -99,15 +133,17 @@ def main(argv: list[str] | None = None) -> int:
     while not stop.wait(0.5):
         if args.exit_when_done and server.shard.job_done():
             break
-    log.info("shard %d stopping (version %d): NOT_SERVING, draining calls, final checkpoint", cfg.shard,
-             server.shard.version)
+    log.info("shard %d stopping (version %d): NOT_SERVING, draining calls%s", cfg.shard, server.shard.version,
+             ", final checkpoint" if cfg.checkpoint_dir else "")
     server.stop()
+    if board is not None:
+        board.stop()  # a last sample: the files hold the final counts
     log.info("shard %d stopped", cfg.shard)
     return 0
 
 
 def dispatch() -> int:
-    """`ps-server [serve flags]`, `ps-server stats --ps ...` or `ps-server health --ps ...`."""
+    """`ps-server [serve flags]`, or the tools `stats`, `health`, `export`."""
     from psserver import admin
 
     argv = sys.argv[1:]
@@ -115,6 +151,10 @@ def dispatch() -> int:
         return admin.stats_main(argv[1:])
     if argv[:1] == ["health"]:
         return admin.health_main(argv[1:])
+    if argv[:1] == ["export"]:
+        from psserver.export import export_main
+
+        return export_main(argv[1:])
     return main(argv)
 
 

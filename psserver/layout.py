@@ -15,6 +15,8 @@ import hashlib
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from psserver.logsafe import counted
+
 
 @dataclass(frozen=True)
 class TensorSlot:
@@ -86,5 +88,5 @@ class Layout:
 def shard_range(total: int, num_shards: int, shard: int) -> tuple[int, int]:
     """[floor(P*i/M), floor(P*(i+1)/M)): contiguous, disjoint, covering, balanced within one element."""
     if not 0 <= shard < num_shards:
-        raise ValueError(f"Shard {shard} is out of range for {num_shards} shards.")
+        raise ValueError(f"Shard {shard} is out of range for {counted(num_shards, 'shard')}.")
     return total * shard // num_shards, total * (shard + 1) // num_shards

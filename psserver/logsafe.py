@@ -67,6 +67,11 @@ def shorten(value: object, limit: int = 64) -> str:
     return f"{quote}{''.join(pieces)}{quote}"
 
 
+def counted(n: int, noun: str, plural: str = "") -> str:
+    """``1 trainer``, ``2 trainers``: a count and its noun in agreement (every count a person reads)."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 class RateLimitedLog:
     """Logs at most ``burst`` messages per key in each window of ``interval`` seconds.
 

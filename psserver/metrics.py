@@ -21,20 +21,34 @@ PUSH_OUTCOMES = {"applied": "pushes_applied", "stale_dropped": "stale_dropped", 
                  "duplicate": "duplicates"}
 
 
+def board_scalars(s: "StatsSnapshot") -> dict[str, float]:
+    """The shard's TensorBoard scalars (``ps-server --tensorboard``), named as its Prometheus families are."""
+    c = s.counters
+    out = {"version": s.version, "optimizer_steps": c.get("steps", 0), "live_trainers": len(s.live_ranks)}
+    out.update({f"pushes/{outcome}": c.get(key, 0) for outcome, key in PUSH_OUTCOMES.items()})
+    out.update({f"rounds_closed/{r}": c.get(f"rounds_{r}", 0) for r in ROUND_REASONS})
+    out["refused"] = sum(v for k, v in c.items() if k.startswith("refused_"))
+    if s.job is not None:
+        out["lr"] = s.job.optimizer.lr
+    return out
+
+
 class ShardMetrics:
     """The registry of one shard: histograms it observes, plus a collector over its counters."""
 
-    def __init__(self) -> None:
+    def __init__(self, shard: int) -> None:
         self.registry = CollectorRegistry()
+        # Every family carries ``shard``, so metrics of several shards merged by one Prometheus stay apart.
+        label = str(shard)
         self.staleness = Histogram(
             "psgrpc_push_staleness", "Versions between a gradient's base and the shard's version when it arrived.",
-            buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32, 64), registry=self.registry,
-        )
+            labelnames=["shard"], buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32, 64), registry=self.registry,
+        ).labels(label)
         self.apply_seconds = Histogram(
             "psgrpc_apply_seconds", "Seconds to apply one optimizer step on the shard's slice.",
-            buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+            labelnames=["shard"], buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
             registry=self.registry,
-        )
+        ).labels(label)
 
     def bind(self, snapshot: Callable[[], "StatsSnapshot"]) -> None:
         self.registry.register(_CounterCollector(snapshot))

@@ -22,6 +22,7 @@ from psserver.checkpoint import Checkpointer
 from psserver.codec import DEFAULT_CHUNK_BYTES
 from psserver.health import LoopWatch, ProbePort
 from psserver.optim import warm_up
+from psserver.ports import check_bindable
 from psserver.runtime import Runtime
 from psserver.security import ServerSecurity
 from psserver.service import ParameterServerService, ServiceLimits, add_service
@@ -104,6 +105,10 @@ class ShardServer:
 
     def start(self) -> "ShardServer":
         self.cfg.security.warn_if_exposed(self.cfg.host)
+        # Our one line for a port in use, before gRPC's C core logs its own (add_port.cc) and anything starts.
+        check_bindable(self.cfg.host, self.cfg.port, "--port")
+        if self.cfg.health_port > 0:
+            check_bindable(self.cfg.host, self.cfg.health_port, "--health-port")
         if self.cfg.torch_threads:
             torch.set_num_threads(self.cfg.torch_threads)
         warm_up()
@@ -124,6 +129,8 @@ class ShardServer:
         except BaseException:
             if self.probe_port is not None:
                 self.probe_port.stop()
+            if getattr(self, "server", None) is not None:  # a gRPC server dropped unstopped warns at exit
+                asyncio.run_coroutine_threadsafe(self.server.stop(0), self._loop).result(START_TIMEOUT)
             self._close_loop()
             raise
         log.info("shard %d serving on %s:%d", self.cfg.shard, self.cfg.host, self.port)

@@ -40,7 +40,7 @@ from psserver.errors import (
 )
 from psserver.fastwire import parse_chunk, serialize_chunk
 from psserver.job import JobSpec
-from psserver.logsafe import RateLimitedLog, shorten
+from psserver.logsafe import RateLimitedLog, counted, shorten
 from psserver.proto import ps_pb2 as _pb
 from psserver.runtime import Runtime
 from psserver.shard import PushResult, Shard
@@ -203,7 +203,7 @@ class ParameterServerService:
     async def _slot(self, table: dict, key, limit: int, what: str):
         if table.get(key, 0) >= limit:
             self.shard.count("refused_over_limit")
-            raise TooBusy(f"{what} already has {table[key]} calls in flight, the limit is {limit}")
+            raise TooBusy(f"{what} already has {counted(table[key], 'call')} in flight, the limit is {limit}")
         table[key] = table.get(key, 0) + 1
         try:
             yield

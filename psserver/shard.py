@@ -41,7 +41,7 @@ from psserver.errors import (
 )
 from psserver.job import WIRE_DTYPES, JobSpec
 from psserver.layout import shard_range
-from psserver.logsafe import shorten
+from psserver.logsafe import counted, shorten
 from psserver.membership import Membership
 from psserver.metrics import ShardMetrics
 from psserver.optim import build_optimizer
@@ -92,7 +92,7 @@ class Shard:
         self._stepping = False  # an optimizer step is writing the parameters
         self.members = Membership(clock, lease_timeout)
         self.counters: Counter[str] = Counter()
-        self.metrics = ShardMetrics()
+        self.metrics = ShardMetrics(shard_id)
         self.metrics.bind(self.snapshot)
         self._writer = (CheckpointWriter(checkpointer, self._checkpoint_written) if checkpointer is not None
                         else None)
@@ -130,10 +130,11 @@ class Shard:
                 "--ps must list the shards in shard order"
             )
         if job.num_shards <= self.shard_id:
-            raise JobMismatch(f"this is shard {self.shard_id} but the job has only {job.num_shards} shards")
+            raise JobMismatch(f"this is shard {self.shard_id} but the job has only {counted(job.num_shards, 'shard')}")
         if not 0 <= rank < job.num_trainers:
             raise InvalidRequest(
-                f"rank is {rank} but the job has {job.num_trainers} trainers (ranks 0..{job.num_trainers - 1})")
+                f"rank is {rank} but the job has {counted(job.num_trainers, 'trainer')} "
+                f"(ranks 0..{job.num_trainers - 1})")
         with self._lock:
             if self.job is not None and self._job_done():
                 log.info("shard %d: job %s ended (every trainer left); %s starts a new job from scratch",
@@ -172,9 +173,9 @@ class Shard:
         if job.total_params < job.num_shards:
             log.warning("shard %d: the job has fewer parameters (%d) than shards (%d)", self.shard_id,
                         job.total_params, job.num_shards)
-        log.info("shard %d: job %s fixed: mode %s, %d trainers, slice [%d, %d) of %d, optimizer %s lr %g",
-                 self.shard_id, shorten(job.job_id or "(unnamed)"), job.mode, job.num_trainers, self.start,
-                 self.end, job.total_params, job.optimizer.name, job.optimizer.lr)
+        log.info("shard %d: job %s fixed: mode %s, %s, slice [%d, %d) of %d, optimizer %s lr %g",
+                 self.shard_id, shorten(job.job_id or "(unnamed)"), job.mode, counted(job.num_trainers, "trainer"),
+                 self.start, self.end, job.total_params, job.optimizer.name, job.optimizer.lr)
 
     def leave(self, rank: int, trainer_id: str, fingerprint: str) -> int:
         """``rank`` is done and forgotten; rounds stop waiting for it. Returns the live count left."""
@@ -458,8 +459,9 @@ class Shard:
         self.counters[f"rounds_{reason.value}"] += 1
         if reason is not modes.CloseReason.ALL_ARRIVED:
             missing = sorted(self.members.view().live - self.round.contributors)
-            log.info("shard %d: round %d closed by %s with %d gradients; missing ranks %s",
-                     self.shard_id, self.version - 1, reason.value, n, missing[:MAX_MISSING_LISTED])
+            log.info("shard %d: round %d closed by %s with %s; missing ranks %s",
+                     self.shard_id, self.version - 1, reason.value, counted(n, "gradient"),
+                     missing[:MAX_MISSING_LISTED])
         self.round.reset()
         self._changed()
 
@@ -545,9 +547,10 @@ class Shard:
             self.round.restore(state.open_round, self._clock())
             self.counters.update({k: v for k, v in state.counters.items() if not k.startswith("checkpoints_")})
             self.counters["restored_version"] = state.version
-            log.warning("shard %d: restored version %d from %s (%d damaged files skipped, %d members, open round "
-                        "with %d gradients)", self.shard_id, state.version, self.checkpointer.directory, len(skipped),
-                        len(state.members), len(self.round.contributors))
+            log.warning("shard %d: restored version %d from %s (%s skipped, %s, open round with %s)",
+                        self.shard_id, state.version, self.checkpointer.directory,
+                        counted(len(skipped), "damaged file"), counted(len(state.members), "member"),
+                        counted(len(self.round.contributors), "gradient"))
             return state.version
 
     def _view(self) -> modes.RoundView:

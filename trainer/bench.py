@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from psserver.cli_support import EnvArgumentParser, ensure_malloc_tunables, run_cli, setup_logging
+from psserver.logsafe import counted
 from trainer.procs import Proc, start_shard, start_trainer, wait_all
 
 ACCURACY_BAR = 0.90
@@ -274,7 +275,8 @@ def run_bench(out: Path, quick: bool, trainers: int, shards: int, straggler_repe
 def to_markdown(r: dict) -> str:
     m = r["machine"]
     lines = [f"ps-bench on {m['cpus']} CPUs, Python {m['python']}, torch {m['torch']} "
-             f"({r['trainers']} trainers, {r['shards']} shards{', --quick' if r['quick'] else ''})", ""]
+             f"({counted(r['trainers'], 'trainer')}, {counted(r['shards'], 'shard')}"
+             f"{', --quick' if r['quick'] else ''})", ""]
     lines += ["**One PS step, no compute** (push + apply + pull; one trainer, one shard)", "",
               "| model | params | optimizer | wire | step ms | apply ms | TCP floor ms | ratio to floor "
               "| shard peak MB above idle | / (slice + optimizer state) | same, less fixed overhead |",
@@ -298,7 +300,7 @@ def to_markdown(r: dict) -> str:
         s = r["straggler"]
         lines += ["", f"**Straggler** (3 trainers, one +{1000 * s['delay_seconds']:.0f} ms per step; "
                       f"time to {ACCURACY_BAR:.0%} test accuracy on mnist5k on rank 0's clock, its evaluations left "
-                      f"out; median of {len(s['runs'][0]['all_seconds_to_accuracy_bar'])} runs)", "",
+                      f"out; median of {counted(len(s['runs'][0]['all_seconds_to_accuracy_bar']), 'run')})", "",
                   "| system | seconds to bar | all runs | final accuracy | stale pushes |", "|---|---|---|---|---|"]
         for t in s["runs"]:
             system = t["label"]

@@ -56,6 +56,7 @@ from psserver.codec import DEFAULT_CHUNK_BYTES, encode_raw
 from psserver.fastwire import parse_chunk, serialize_chunk
 from psserver.job import MODES, JobSpec, OptimizerConfig
 from psserver.layout import Layout
+from psserver.logsafe import counted
 from psserver.proto import ps_pb2 as _pb
 from psserver.security import read_token
 
@@ -972,8 +973,9 @@ def markdown(result: dict) -> str:
                       "errors: failed calls by status code, each retried."]
     stall = result.get("stall")
     if stall:
-        lines += ["", f"Stall: a stranger holds {stall['streams']} silent Push streams open "
-                      f"({stall['connections']} connections) beside a sync job of {stall['trainers']} trainers "
+        lines += ["", f"Stall: a stranger holds {counted(stall['streams'], 'silent Push stream')} open "
+                      f"({counted(stall['connections'], 'connection')}) beside a sync job of "
+                      f"{counted(stall['trainers'], 'trainer')} "
                       f"-- {stall['status']}", "",
                   "| phase | rounds | of them without everyone | steps | step p50 / p99 ms | health p50 / p99 / max ms "
                   "| health port p50 / p99 / max ms | health fails | errors |",
@@ -1054,7 +1056,7 @@ def run(cfg: LoadConfig, trainers: list[int], out: Path, ps: str = "", server_ar
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds gRPC state
     out.mkdir(parents=True, exist_ok=True)
     result = dict(mode=cfg.mode, params=cfg.params, client_procs=cfg.client_procs,
-                  window=f"{cfg.seconds:g} s" + (f" or {cfg.rounds} rounds" if cfg.rounds else ""),
+                  window=f"{cfg.seconds:g} s" + (f" or {counted(cfg.rounds, 'round')}" if cfg.rounds else ""),
                   machine=f"{os.cpu_count()} CPUs, {platform.machine()}, Python {platform.python_version()}, "
                           f"gRPC {grpc.__version__}",
                   server_args=server_args or [], shard=ps or "started per N", config=dataclasses.asdict(cfg),
@@ -1075,7 +1077,7 @@ def run(cfg: LoadConfig, trainers: list[int], out: Path, ps: str = "", server_ar
                 code = shard.stop()
             row["shard"]["exit_code"] = code  # after SIGTERM; None: not started here
             result["rows"].append(row)
-            log.info("N = %d: %s, %d rounds, %s pushes/s, errors %s", n, row["status"], row["rounds"],
+            log.info("N = %d: %s, %s, %s pushes/s, errors %s", n, row["status"], counted(row["rounds"], "round"),
                      row["pushes_per_s"], row["errors"] or "none")
         add_rss_growth(result["rows"])
         if stall:

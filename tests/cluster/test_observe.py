@@ -90,5 +90,6 @@ def test_ps_plot_names_a_folder_that_is_not_a_run(tmp_path):
     proc = subprocess.run([sys.executable, "-c", "from trainer.plots import entrypoint; entrypoint()", str(tmp_path)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
-    assert "trainer0.jsonl does not exist" in proc.stderr and "a ps-cluster run folder?" in proc.stderr
+    assert f"no trainer metrics (*.jsonl files that a trainer started) in {tmp_path}" in proc.stderr
+    assert "a ps-cluster run folder?" in proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 2

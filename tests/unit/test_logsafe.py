@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from psserver.logsafe import MIN_LIMIT, RateLimitedLog, shorten
+from psserver.logsafe import MIN_LIMIT, RateLimitedLog, counted, shorten
 
 
 @pytest.mark.parametrize("value,shown", [
@@ -209,3 +209,8 @@ def test_invalid_settings_are_refused(kw, message):
     with pytest.raises(ValueError) as e:
         RateLimitedLog(logging.getLogger("x"), **kw)
     assert str(e.value) == message
+
+
+def test_counted_agrees_the_noun_with_the_count():
+    assert [counted(n, "trainer") for n in (0, 1, 2)] == ["0 trainers", "1 trainer", "2 trainers"]
+    assert counted(1, "damaged file") == "1 damaged file" and counted(3, "index", "indices") == "3 indices"

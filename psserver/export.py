@@ -1,0 +1,142 @@
+"""`ps-server export`: a model's state dict assembled from its shards' newest checkpoints.
+
+Each shard's checkpoint holds its slice of the flat parameter vector and the job
+spec, whose tensor list (names, shapes, dtypes in ``named_parameters()`` order)
+says how the vector is cut back into tensors (psserver.layout).  The shards need
+no model code for it, and neither does this tool.  Buffers that get no gradient
+(BatchNorm's running statistics) never reach the shards, so they are not in the
+file: load it with ``strict=False`` and take the buffers from the trainer's own
+``model.pt``.  Checkpoint files are only read, so it is safe beside running shards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from psserver.checkpoint import ShardState, load_newest, shards_in
+from psserver.cli_support import EnvArgumentParser
+from psserver.layout import shard_range
+from psserver.logsafe import counted, shorten
+
+BUFFERS_NOTE = ("buffers that get no gradient (BatchNorm running statistics) are not on the shards and not in "
+                "this file: load it with model.load_state_dict(state, strict=False)")
+
+
+class ExportError(ValueError):
+    """Checkpoints that cannot make one model: missing, damaged, or of different jobs."""
+
+
+def find_shards(directories: list[str]) -> dict[int, Path]:
+    """shard -> the directory holding its checkpoints; each shard in exactly one of ``directories``."""
+    where: dict[int, Path] = {}
+    for d in map(Path, directories):
+        if not d.is_dir():
+            raise ExportError(f"the checkpoint directory {d} does not exist")
+        for shard in sorted(shards_in(d)):
+            if shard in where and where[shard].resolve() != d.resolve():
+                raise ExportError(f"shard {shard} has checkpoints in both {where[shard]} and {d}: "
+                                  "pass the directories of one run only")
+            where[shard] = d
+    if not where:
+        raise ExportError(f"no checkpoint files (shard<i>-v<version>.ckpt) in {', '.join(directories)}")
+    return dict(sorted(where.items()))
+
+
+def load_states(directories: list[str]) -> list[ShardState]:
+    """Every shard's newest checkpoint that verifies (damaged newer files are skipped), in shard order."""
+    states = []
+    for shard, d in find_shards(directories).items():
+        state, skipped = load_newest(d, shard)
+        if state is None:
+            raise ExportError(f"shard {shard} has no valid checkpoint in {d} "
+                              f"({counted(len(skipped), 'damaged file')}: {'; '.join(skipped)})")
+        states.append(state)
+    return states
+
+
+def check_one_job(states: list[ShardState]) -> None:
+    """The shards are of one job, all of its shards are here, and their slices tile [0, P) exactly."""
+    first = states[0]
+    for s in states[1:]:
+        diff = first.job.difference(s.job)
+        if diff:
+            raise ExportError(f"shard {s.shard}'s checkpoint is of another job than shard {first.shard}'s: {diff}")
+    job = first.job
+    present = [s.shard for s in states]
+    if present != list(range(job.num_shards)):
+        missing = sorted(set(range(job.num_shards)) - set(present))
+        extra = sorted(set(present) - set(range(job.num_shards)))
+        what = (f"no checkpoint of shard {', '.join(map(str, missing))} was found" if missing
+                else f"checkpoints of shard {', '.join(map(str, extra))} are here too")
+        raise ExportError(f"the job has {counted(job.num_shards, 'shard')} but {what}: "
+                          "pass every shard's --checkpoint-dir, and only this job's")
+    for s in states:
+        start, end = shard_range(job.total_params, job.num_shards, s.shard)
+        if s.params.numel() != end - start:
+            raise ExportError(f"shard {s.shard}'s checkpoint holds {s.params.numel()} parameters but its slice "
+                              f"[{start}, {end}) of {job.total_params} has {end - start}")
+    if not job.tensors:
+        raise ExportError("the job lists no tensors (it was not started by a ps-trainer): nothing names the values")
+
+
+def assemble(states: list[ShardState]) -> dict[str, torch.Tensor]:
+    """{tensor name: tensor of its shape and dtype}, cut from the shards' slices laid end to end."""
+    check_one_job(states)
+    flat = torch.cat([s.params.detach().reshape(-1).float() for s in states])
+    out, offset = {}, 0
+    for name, shape, dtype in states[0].job.tensors:
+        torch_dtype = getattr(torch, dtype, None)
+        if not isinstance(torch_dtype, torch.dtype):
+            raise ExportError(f"tensor {shorten(name)} has the dtype {shorten(dtype)}, which torch does not know")
+        n = math.prod(shape)
+        out[name] = flat[offset:offset + n].reshape(shape).to(torch_dtype).clone()
+        offset += n
+    return out
+
+
+def save(state: dict[str, torch.Tensor], output: Path) -> None:
+    """Atomically: a reader never sees half a file, and a failed export leaves an older file alone."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(f".{output.name}.tmp{os.getpid()}")
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, output)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def export_main(argv: list[str]) -> int:
+    p = EnvArgumentParser(
+        prog="ps-server export",
+        description="Assemble a model's state dict from its shards' newest valid checkpoints.",
+        epilog=f"Note: {BUFFERS_NOTE}.", formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint-dir", required=True, metavar="DIR[,DIR...]",
+                   help="the shards' checkpoint directories (several shards may share one)")
+    p.add_argument("--output", required=True, help="where to write the state dict (torch.save)")
+    args = p.parse_args(argv)
+    directories = [d.strip() for d in args.checkpoint_dir.split(",") if d.strip()]
+    if not directories:
+        p.error("--checkpoint-dir names no directory")
+    try:
+        states = load_states(directories)
+        state = assemble(states)
+    except ExportError as e:
+        print(f"ps-server export: error: {e}\nhint: each shard writes shard<i>-v<version>.ckpt in its "
+              "--checkpoint-dir; see 'ps-server export --help'", file=sys.stderr)
+        return 1
+    save(state, Path(args.output))
+    job, versions = states[0].job, [s.version for s in states]
+    at = f"version {versions[0]}" if len(set(versions)) == 1 else f"versions {', '.join(map(str, versions))}"
+    print(f"wrote {args.output}: {counted(len(state), 'tensor')} ({job.total_params:,} parameters) of job "
+          f"{shorten(job.job_id or '(unnamed)')} from {counted(len(states), 'shard')} at {at}")
+    if len(set(versions)) > 1:
+        print("note: the shards' checkpoints are of different versions (async mode, or a shard stopped early): "
+              "the model mixes them")
+    print(f"note: {BUFFERS_NOTE}")
+    return 0

@@ -1,0 +1,87 @@
+"""`ps-server export` from checkpoint files written by a Checkpointer (no network, no model code)."""
+
+import pytest
+import torch
+
+from psserver.checkpoint import Checkpointer, ShardState
+from psserver.export import ExportError, assemble, export_main, load_states
+from psserver.job import JobSpec
+from psserver.layout import Layout
+
+MODEL = {"fc.weight": torch.arange(12.0).reshape(3, 4), "fc.bias": torch.tensor([-1.0, -2.0, -3.0]),
+         "out.weight": torch.arange(100.0, 106.0).reshape(2, 3)}
+
+
+def write_job(directories, num_shards=3, job_id="run-a", version=7, model=MODEL, skip=()):
+    """Each shard's checkpoint of ``model``, shard i in ``directories[i % len(directories)]``."""
+    layout = Layout.from_shapes([(n, t.shape, "float32") for n, t in model.items()], num_shards)
+    job = JobSpec(mode="sync", num_trainers=1, num_shards=num_shards, total_params=layout.total,
+                  fingerprint=layout.fingerprint(), tensors=tuple((s.name, s.shape, s.dtype) for s in layout.slots),
+                  job_id=job_id)
+    flat = torch.cat([t.reshape(-1) for t in model.values()])
+    for i in range(num_shards):
+        if i in skip:
+            continue
+        start, end = layout.shard_range(i)
+        Checkpointer(directories[i % len(directories)], i, every=1).write(
+            ShardState(i, version, job, flat[start:end].clone(), optimizer={}))
+
+
+def test_tensors_split_across_shards_come_back_whole_from_two_directories(tmp_path):
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    write_job(dirs)  # 21 values over 3 shards: fc.weight spans shards 0 and 1
+    state = assemble(load_states([str(d) for d in dirs]))
+    assert list(state) == list(MODEL)
+    for name, tensor in MODEL.items():
+        assert torch.equal(state[name], tensor) and state[name].dtype == torch.float32
+
+
+def test_the_newest_checkpoint_is_used_and_a_damaged_one_is_skipped(tmp_path):
+    write_job([tmp_path], version=7)
+    newer = {k: v + 1 for k, v in MODEL.items()}
+    write_job([tmp_path], version=9, model=newer)
+    write_job([tmp_path], version=11, model={k: v + 2 for k, v in MODEL.items()})
+    damaged = tmp_path / "shard1-v000000000011.ckpt"
+    damaged.write_bytes(damaged.read_bytes()[:-10])  # truncated: shard 1 falls back to version 9
+    states = load_states([str(tmp_path)])
+    assert [s.version for s in states] == [11, 9, 11]
+
+
+def test_checkpoints_of_two_jobs_are_refused_naming_both_ids(tmp_path):
+    write_job([tmp_path / "a"], job_id="run-a", skip=(2,))
+    write_job([tmp_path / "b"], job_id="run-b", skip=(0, 1))
+    with pytest.raises(ExportError, match=r"shard 2's checkpoint is of another job than shard 0's: "
+                                          r"job_id is 'run-b' but the job has 'run-a'"):
+        assemble(load_states([str(tmp_path / "a"), str(tmp_path / "b")]))
+
+
+def test_a_missing_shard_is_named(tmp_path):
+    write_job([tmp_path], skip=(1,))
+    with pytest.raises(ExportError, match=r"the job has 3 shards but no checkpoint of shard 1 was found"):
+        assemble(load_states([str(tmp_path)]))
+
+
+def test_a_shard_in_two_directories_is_refused(tmp_path):
+    write_job([tmp_path / "a"])
+    write_job([tmp_path / "b"])
+    with pytest.raises(ExportError, match=r"shard 0 has checkpoints in both .*a and .*b"):
+        load_states([str(tmp_path / "a"), str(tmp_path / "b")])
+
+
+def test_cli_mistake_is_one_line_and_a_hint_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "model.pt"
+    assert export_main(["--checkpoint-dir", str(tmp_path / "nowhere"), "--output", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == f"ps-server export: error: the checkpoint directory {tmp_path / 'nowhere'} does not exist"
+    assert err[1].startswith("hint: ") and len(err) == 2 and not out.exists()
+
+
+def test_cli_writes_a_loadable_state_dict_and_says_buffers_are_not_in_it(tmp_path, capsys):
+    write_job([tmp_path / "ckpt"], num_shards=2, version=5)
+    out = tmp_path / "model.pt"
+    assert export_main(["--checkpoint-dir", str(tmp_path / "ckpt"), "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "3 tensors (21 parameters) of job 'run-a' from 2 shards at version 5" in printed
+    assert "BatchNorm running statistics" in printed and "strict=False" in printed
+    loaded = torch.load(out, weights_only=True)
+    assert all(torch.equal(loaded[k], v) for k, v in MODEL.items()) and set(loaded) == set(MODEL)
