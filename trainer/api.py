@@ -163,6 +163,7 @@ class _StepAttempt:
     outcomes: dict[int, str] = field(default_factory=dict)
     timings: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # push, pull, wait seconds
     produced: list = field(default_factory=list)  # CUDA: an event after the gradients, on the caller's stream
+    staleness: dict[int, int] = field(default_factory=dict)  # versions each shard's push was behind
 
 
 @dataclass
@@ -172,7 +173,8 @@ class StepInfo:
     push_seconds: float  # slowest shard's push
     pull_seconds: float  # slowest shard's pull, less the time the shard waited for the round
     wait_seconds: float  # longest wait for a round to close (sync, stale-timeout)
-    stale: int = field(default=0)
+    stale: int = field(default=0)  # shards that dropped this gradient as stale
+    staleness: int = field(default=0)  # the most versions a shard's push was behind
 
 
 class ParameterServerTrainer:
@@ -377,6 +379,7 @@ class ParameterServerTrainer:
             versions=list(self.versions), outcomes=outcomes,
             push_seconds=max(t[0] for t in timings), pull_seconds=max(t[1] for t in timings),
             wait_seconds=max(t[2] for t in timings), stale=outcomes.count("stale"),
+            staleness=max(attempt.staleness.values(), default=0),
         )
 
     def _exchange(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: _StepAttempt) -> str:
@@ -402,6 +405,7 @@ class ParameterServerTrainer:
             # push time is what step() waits for: all of it, or what is left of a push begun during backward
             out = attempt.acks[i] = (started.result() if started is not None else
                                      self._push_shard(i, num_samples, attempt.produced))
+        attempt.staleness[i] = out.staleness
         t1 = time.perf_counter()
         if self.overlap:
             # Take the weights pulled while this gradient was computed, then pull the next ones in the
@@ -430,6 +434,7 @@ class ParameterServerTrainer:
         with torch.no_grad():
             self.staging.weights_to_device(i, target)
         self.versions[i] = out.version
+        attempt.staleness[i] = out.staleness
         attempt.timings[i] = (pushed, time.perf_counter() - t0 - pushed - waited, waited)
         return out.outcome
 

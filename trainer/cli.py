@@ -52,6 +52,8 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--output", default="", help="rank 0 writes the trained state dict here (also on SIGTERM)")
     p.add_argument("--save-every", type=int, default=0, help="rank 0 also writes --output every N steps")
     p.add_argument("--metrics-file", default="", help="append JSON-lines metrics here")
+    p.add_argument("--tensorboard", default="",
+                   help="write TensorBoard scalars (loss, accuracy, samples/s, staleness) to DIR/trainer<rank>")
     p.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step (simulate a straggler)")
     p.add_argument("--connect-timeout", type=float, default=120.0,
                    help="seconds to wait at start for the shards to answer and the other trainers to join")
@@ -86,7 +88,7 @@ def config_from_args(args) -> TrainConfig:
         progress=False if args.no_progress else None, connect_timeout=args.connect_timeout,
         security=client_security(args), backend=args.backend, overlap=args.overlap,
         push_during_backward=args.push_during_backward, job_id=args.job_id, save_every=args.save_every,
-        retry_budget=args.retry_budget,
+        retry_budget=args.retry_budget, tensorboard=args.tensorboard,
     )
 
 

@@ -24,6 +24,7 @@ from torch.nn import functional as F
 
 from psserver.job import MODES, OptimizerConfig
 from psserver.security import parse_addresses
+from psserver.tboard import ScalarLog
 from trainer.api import connect
 from trainer.data import epoch_order, load_dataset, local_batch_indices, steps_per_epoch
 from trainer.models import build_model
@@ -54,6 +55,7 @@ class TrainConfig:
     output: str = ""  # rank 0 writes the trained state dict here
     save_every: int = 0  # rank 0 also writes --output every N steps (0: at the end only)
     metrics_file: str = ""  # JSON lines
+    tensorboard: str = ""  # TensorBoard scalars in DIR/trainer<rank> (loss, accuracy, samples/s, staleness)
     max_staleness: int | None = None
     sync_timeout: float = 0.0
     replicas_to_aggregate: int = 0
@@ -304,6 +306,8 @@ class Run:
         self.timing = dict(compute=0.0, push=0.0, pull=0.0, wait=0.0)
         self.clock = SteadyClock(warmup=min(WARMUP_STEPS, self.total_steps - 1))
         self.metrics = MetricsWriter(cfg.metrics_file, cfg.rank)
+        self.board = ScalarLog(os.path.join(cfg.tensorboard, f"trainer{cfg.rank}") if cfg.tensorboard else "")
+        self.staleness = 0  # summed over the logged steps' shards, for the mean staleness per push
         self.ps = None
         self.t_start = 0.0
 
@@ -336,6 +340,7 @@ class Run:
         self.timing["pull"] += info.pull_seconds
         self.timing["wait"] += info.wait_seconds
         self.stale_steps += info.stale > 0
+        self.staleness = info.staleness
         self.step += 1
         self.versions = info.versions
         self.clock.after_step(self.step, self.timing)
@@ -351,6 +356,7 @@ class Run:
                            train_elapsed=t_eval - self.t_start - self.clock.eval_seconds)
         self.clock.eval_seconds += time.perf_counter() - t_eval
         self.accuracy = accuracy
+        self.board.add(self.step, {"test/accuracy": accuracy, "test/loss": test_loss})
         return accuracy
 
     def save(self) -> None:
@@ -364,6 +370,8 @@ class Run:
         self.losses.append(loss)
         if self.step % cfg.log_every == 0 or self.step == self.total_steps:
             elapsed = time.perf_counter() - self.t_start
+            self.board.add(self.step, {"train/loss": loss, "train/samples_per_s": self.step * cfg.batch_size / elapsed,
+                                       "train/staleness": self.staleness, "train/stale_steps": self.stale_steps})
             self.metrics.write("step", step=self.step, epoch=self.epoch, loss=loss, versions=self.versions,
                                samples_per_sec=self.step * cfg.batch_size / elapsed, stale_steps=self.stale_steps,
                                stale_pushes=self.ps.counters.get("stale_pushes", 0), elapsed=elapsed,
@@ -425,11 +433,13 @@ def train(cfg: TrainConfig, stop: StopRequest | None = None) -> dict:
         if run.ps is not None:
             run.ps.close(leave=True, best_effort=True)
         run.metrics.close()
+        run.board.close()
         raise
     summary = run.summary(stopped)
     run.ps.close()
     run.metrics.write("done", **summary)
     run.metrics.close()
+    run.board.close()
     log.info("rank %d: done%s: %d steps, test accuracy %s, %.1f samples/s, %d stale steps", cfg.rank,
              f" (stopped by {stopped})" if stopped else "", run.step,
              "n/a" if run.accuracy is None else f"{run.accuracy:.4f}", summary["samples_per_sec"], run.stale_steps)
