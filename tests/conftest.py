@@ -12,6 +12,7 @@ from psserver.proto import ps_pb2 as pb
 from psserver.proto import ps_pb2_grpc as pb_grpc
 from psserver.server import ServerConfig, ShardServer
 from psserver.service import ServiceLimits
+from tests.procreg import process_registry  # noqa: F401 -- autouse: no test leaves a process behind
 
 P = 1000  # parameters in the test job
 
