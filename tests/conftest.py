@@ -12,6 +12,7 @@ from psserver.proto import ps_pb2 as pb
 from psserver.proto import ps_pb2_grpc as pb_grpc
 from psserver.server import ServerConfig, ShardServer
 from psserver.service import ServiceLimits
+from tests.procreg import process_registry  # noqa: F401 -- autouse: no test leaves a process behind
 
 P = 1000  # parameters in the test job
 
@@ -29,6 +30,15 @@ class RawShard:
         self.server = server
         self.channel = grpc.insecure_channel(server.address)
         self.stub = pb_grpc.ParameterServerStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "RawShard":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def register(self, rank=0, spec=None, expected_shard=0, trainer_id=None):
         spec = spec or make_spec()
@@ -73,7 +83,7 @@ class RawShard:
 
 @pytest.fixture
 def shard_server():
-    servers = []
+    servers, raws = [], []
 
     def start(shard=0, **cfg) -> RawShard:
         # Small chunks let the tests tile a 1,000-element slice in several pieces; the default minimum
@@ -81,8 +91,11 @@ def shard_server():
         cfg.setdefault("limits", ServiceLimits(min_chunk_bytes=256))
         s = ShardServer(ServerConfig(shard=shard, host="127.0.0.1", port=0, **cfg)).start()
         servers.append(s)
-        return RawShard(s)
+        raws.append(RawShard(s))
+        return raws[-1]
 
     yield start
+    for r in raws:
+        r.close()
     for s in servers:
         s.stop(grace=0)

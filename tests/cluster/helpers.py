@@ -33,16 +33,23 @@ def run_job(run_dir: Path, num_shards: int, num_trainers: int, args: list[str], 
     """Start the shards, then the trainers with ``args`` (plus per-rank extras); wait for the trainers.
 
     The shards are left running so the test can read their stats; the caller's
-    fixture (``cluster``) stops them.
+    fixture (``cluster``) stops them.  If starting or waiting fails, everything started is killed here
+    (and the autouse process registry would kill it at teardown anyway).
     """
-    shards = [start_shard(i, run_dir / f"shard{i}.log") for i in range(num_shards)]
-    ps = ",".join(s.address for s in shards)
-    trainers = []
-    for r in range(num_trainers):
-        extra = (per_rank or {}).get(r, [])
-        trainers.append(start_trainer(r, ps, run_dir / f"trainer{r}.log",
-                                      ["--num-trainers", str(num_trainers), "--metrics-file",
-                                       str(run_dir / f"trainer{r}.jsonl"), "--no-progress", "--threads", "1"]
-                                      + args + extra))
-    codes = wait_all(trainers, timeout)
+    shards, trainers = [], []
+    try:
+        for i in range(num_shards):
+            shards.append(start_shard(i, run_dir / f"shard{i}.log"))
+        ps = ",".join(s.address for s in shards)
+        for r in range(num_trainers):
+            extra = (per_rank or {}).get(r, [])
+            trainers.append(start_trainer(r, ps, run_dir / f"trainer{r}.log",
+                                          ["--num-trainers", str(num_trainers), "--metrics-file",
+                                           str(run_dir / f"trainer{r}.jsonl"), "--no-progress", "--threads", "1"]
+                                          + args + extra))
+        codes = wait_all(trainers, timeout)
+    except BaseException:  # a shard that did not start, or a wait that timed out: the fixture never sees them
+        for p in trainers + shards:
+            p.kill()
+        raise
     return JobRun(shards, trainers, codes, run_dir)

@@ -4,21 +4,47 @@ Each namespace gets its own address and an /etc/netns/<ns>/hosts file naming
 every service, which `ip netns exec` bind-mounts over /etc/hosts -- so a
 process resolves `ps-shard-0` as it would on a compose network.  Where
 namespaces are not permitted, ``Hosts`` falls back to 127.0.0.x addresses on
-loopback and rewrites service names to them (``fallback`` says so).
+loopback and rewrites service names to them (``fallback`` says so, and
+``fallback_reason`` why).
+
+The bridge between the namespaces is checked at once: a TCP connection to a
+closed port must be refused within 2 s.  Where the host firewall drops bridged
+traffic (an iptables FORWARD policy of DROP, as a Docker engine leaves it),
+``up`` inserts one ACCEPT rule for this bridge alone and ``down`` deletes
+exactly that rule, so the firewall ends as it was; if traffic still does not
+pass, it falls back to loopback with the reason rather than letting a test
+wait out its timeouts.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 SUBNET = "10.213.77"  # inside this machine only: the project's own test hosts, on a private bridge
 
 
+PROBE_SECONDS = 2.0
+# Exit 0 if a TCP connection to argv[1] port 9 is answered (refused, or accepted), 1 if it is lost.
+PROBE = ("import socket, sys\n"
+         "try:\n    socket.create_connection((sys.argv[1], 9), timeout=float(sys.argv[2])).close()\n"
+         "except ConnectionRefusedError:\n    pass\n"
+         "except OSError:\n    sys.exit(1)\n")
+
+
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+def firewall_rules() -> str:
+    """``iptables -S`` (every chain's policy and rules), or "" where there is no iptables to ask."""
+    if shutil.which("iptables") is None:
+        return ""
+    return subprocess.run(["iptables", "-S"], capture_output=True, text=True, timeout=30).stdout
 
 
 class Hosts:
@@ -27,17 +53,41 @@ class Hosts:
         self.tag = f"pg{os.getpid() % 100000}"
         self.address = {s: f"{SUBNET}.{10 + i}" for i, s in enumerate(services)}
         self.fallback = False
-        self._made: list[str] = []
+        self.fallback_reason = ""
+        self._made: list[tuple] = []
 
     def up(self) -> "Hosts":
         try:
             self._netns_up()
+            blocked = self._open_bridge()
         except (subprocess.CalledProcessError, FileNotFoundError, PermissionError) as e:
+            blocked = f"network namespaces unavailable ({e})"
+        if blocked:
             self.down()
-            self.fallback = True
+            self.fallback, self.fallback_reason = True, blocked
             self.address = {s: f"127.0.0.{10 + i}" for i, s in enumerate(self.services)}
-            print(f"network namespaces unavailable ({e}); falling back to 127.0.0.x on loopback")
+            print(f"{blocked}; falling back to 127.0.0.x on loopback")
         return self
+
+    def reachable(self, src: str, dst: str) -> bool:
+        """From the host of ``src``, ``dst``'s address answers a TCP connection within PROBE_SECONDS."""
+        probe = self.prefix(src) + [sys.executable, "-c", PROBE, self.address[dst], str(PROBE_SECONDS)]
+        return subprocess.run(probe, capture_output=True, timeout=30 + PROBE_SECONDS).returncode == 0
+
+    def _open_bridge(self) -> str:
+        """"" once the first two hosts reach each other -- after allowing this bridge's traffic through the
+        host firewall if it had to -- else why they do not."""
+        if len(self.services) < 2 or self.reachable(*self.services[:2]):
+            return ""
+        policy = next((line for line in firewall_rules().splitlines() if line.startswith("-P FORWARD")), "")
+        if shutil.which("iptables"):
+            rule = ["FORWARD", "-i", f"{self.tag}br", "-o", f"{self.tag}br", "-j", "ACCEPT"]
+            if subprocess.run(["iptables", "-I", *rule], capture_output=True, timeout=30).returncode == 0:
+                self._made.append(("rule", rule))
+                if self.reachable(*self.services[:2]):
+                    return ""
+        return (f"the host firewall drops traffic between this test's network namespaces "
+                f"({policy or 'no iptables FORWARD policy to read'}) and an ACCEPT rule for its bridge did not help")
 
     def _ns(self, service: str) -> str:
         return f"{self.tag}-{self.services.index(service)}"
@@ -85,9 +135,23 @@ class Hosts:
 
     def down(self) -> None:
         for kind, name in reversed(self._made):
-            if kind == "netns":
+            if kind == "rule":
+                subprocess.run(["iptables", "-D", *name], capture_output=True, timeout=30)
+            elif kind == "netns":
                 _ip("netns", "del", name, check=False)
                 shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
             else:
                 _ip("link", "del", name, check=False)
         self._made.clear()
+
+
+def firewall_as_others_see_it(tag: str) -> list[str]:
+    """``iptables -S`` without the rules other tests' bridges hold for their own duration (they run in parallel
+    on a shared machine); this test's own rules and everything else stay in."""
+    other = re.compile(r"-i (pg\d+br) ")
+    return [line for line in firewall_rules().splitlines()
+            if not ((m := other.search(line)) and m.group(1) != f"{tag}br")]
+
+
+def links() -> str:
+    return _ip("-o", "link").stdout

@@ -1,6 +1,7 @@
 """A trainer killed with SIGKILL in sync mode: rounds resume within the lease; a restarted trainer rejoins."""
 
 import json
+import re
 import time
 
 from psserver.admin import fetch_stat as stats
@@ -42,10 +43,14 @@ def test_killed_trainer_is_dropped_after_its_lease_and_a_restarted_one_rejoins(t
         # rank 0's rounds resume once rank 1's lease has run out: it keeps making steps alone
         wait_until(lambda: last_step(m0) >= killed_at + 30, 10 * LEASE + 30, "rank 0 to go on without rank 1")
         assert rank0.alive()
+        # Rank 1's silence is certain, so each shard dropped it; how often a loaded machine also let rank 0's
+        # lease run out for a moment is not, so the count is at least one (tests/unit/test_shard_leases.py
+        # has the exact counts on a clock the test holds).
         for s in shards:
             st = stats(s.address)
-            assert st.counters["lease_expired"] == 1 and list(st.live_ranks) == [0]
-        assert "dropped from the live set" in shards[0].log_path.read_text()
+            assert st.counters["lease_expired"] >= 1 and 1 not in st.live_ranks
+            assert re.search(r"rank 1 silent for [\d.]+ s \(lease 2.0 s\): dropped from the live set",
+                             s.log_path.read_text())
 
         # a restarted rank 1 re-registers and trains in sync rounds with rank 0 again
         rank1b = start_trainer(1, ps, tmp_path / "t1b.log", common + ["--steps", "20", "--metrics-file", str(m1b)])
@@ -56,11 +61,9 @@ def test_killed_trainer_is_dropped_after_its_lease_and_a_restarted_one_rejoins(t
         assert rank0.alive()  # so those 20 rounds each had both trainers in them
         for s in shards:
             st = stats(s.address)
-            assert st.counters["re_registrations"] == 1
-            # every round closed with all live trainers in it: by their pushes, or by a membership change that
-            # left only pushed ones (its own close reason): rank 1's lease expiring, rank 1b's Leave
-            assert st.counters["rounds_all_arrived"] + st.counters["rounds_membership"] == st.version
-            assert st.counters["rounds_membership"] <= 2
+            assert st.counters["re_registrations"] == 1  # rank 1b took over rank 1; nobody else registered again
+            # sync rounds wait for every live trainer however slow: none closed at a timeout or a quorum
+            assert st.counters["rounds_timeout"] == 0 and st.counters["rounds_quorum"] == 0
     finally:
         for p in procs:
             p.kill()

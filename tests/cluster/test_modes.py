@@ -32,31 +32,53 @@ def test_cnn_reaches_90_percent_in_3_epochs(cluster, tmp_path, mode):
     data = load_mnist5k()
     acc, _ = evaluate(model, data.x_test, data.y_test, torch.device("cpu"))
     assert acc > 0.90
-    stats = [job.stats(i) for i in (0, 1)]
-    pushes = 2 * 3 * 62
+    check_round_accounting(mode, [job.stats(i) for i in (0, 1)], [job.done(r) for r in (0, 1)], steps=3 * 62)
+
+
+def check_round_accounting(mode: str, stats: list, done: list, steps: int) -> None:
+    """What the shards counted, per mode, in terms that hold however loaded the machine is.
+
+    Each shard gets one push per trainer and step.  sync: every round closes with both (one step per round,
+    all by arrival).  async: one optimizer step per push, no rounds.  stale-timeout: a round may close at the
+    timeout when a push is late (the late push is then dropped as stale), so what is asserted is the
+    accounting -- applied + dropped == pushed, each round holds one or two pushes, and rounds close by arrival
+    or timeout (or once at the end, by a Leave) -- not that every push was applied.
+    """
+    pushes = 2 * steps
+    stale = sum(d["stale_pushes"] for d in done)
     for s in stats:
-        assert s.counters["pushes_applied"] == pushes
+        c = s.counters
+        rounds = {r: c.get(f"rounds_{r}", 0) for r in ("all_arrived", "quorum", "timeout", "membership")}
         if mode == "async":
-            assert s.version == pushes  # one optimizer step per push
+            assert c["pushes_applied"] == pushes and s.version == pushes  # one optimizer step per push
+            assert sum(rounds.values()) == 0, rounds
+        elif mode == "sync":
+            assert c["pushes_applied"] == pushes and s.version == steps  # one step per round
+            assert rounds == {"all_arrived": steps, "quorum": 0, "timeout": 0, "membership": 0}
         else:
-            assert s.version == 3 * 62  # one step per round
-            assert s.counters.get("rounds_all_arrived", 0) + s.counters.get("rounds_timeout", 0) == s.version
+            assert c["pushes_applied"] + c.get("stale_dropped", 0) == pushes, dict(c)
+            # no quorum was set; a membership close is a trainer's Leave at the end meeting the other's open round
+            assert rounds["quorum"] == 0 and rounds["membership"] <= 1, rounds
+            assert sum(rounds.values()) == s.version
+            assert s.version <= c["pushes_applied"] <= 2 * s.version
+    if mode != "stale-timeout":
+        assert stale == 0
+    # every push a trainer was told was stale is counted by a shard, and nothing else is
+    assert sum(s.counters.get("stale_dropped", 0) for s in stats) == stale
 
 
 def test_stale_timeout_with_a_straggler_closes_rounds_at_the_timeout_and_counts_stale(cluster):
     args = ["--mode", "stale-timeout", "--sync-timeout", "0.05", "--model", "cnn", "--dataset", "mnist5k",
             "--steps", "30", "--batch-size", "32"]
-    job = cluster(2, 2, args, per_rank={1: ["--step-delay", "0.25"]})
+    # The straggler sleeps 0.5 s a step, ten times the timeout: a round waits for it only if the fast trainer is
+    # itself that late, so rounds close at the timeout and most of the straggler's pushes miss theirs.
+    job = cluster(2, 2, args, per_rank={1: ["--step-delay", "0.5"]})
     assert job.codes == {"trainer0": 0, "trainer1": 0}, job.trainers[1].log_tail()
-    straggler = job.done(1)
-    fast = job.done(0)
-    assert straggler["stale_pushes"] > 0 and fast["stale_pushes"] == 0
+    straggler, fast = job.done(1), job.done(0)
+    assert straggler["stale_pushes"] > fast["stale_pushes"]
     stats = [job.stats(i) for i in (0, 1)]
-    assert all(s.counters["rounds_timeout"] > 0 for s in stats)
-    # every gradient the straggler was told was stale is counted by a shard, and nothing else is
-    assert sum(s.counters["stale_dropped"] for s in stats) == straggler["stale_pushes"]
-    # the fast trainer was not held back to the straggler's pace: it made more versions than the straggler's steps
-    assert fast["versions"][0] > straggler["steps"] / 2
+    assert all(s.counters["rounds_timeout"] > 0 for s in stats)  # rounds did not wait for the straggler
+    check_round_accounting("stale-timeout", stats, [fast, straggler], steps=30)
 
 
 def test_trainer_with_a_different_job_is_refused_naming_the_difference(tmp_path):

@@ -7,6 +7,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.cluster.test_membership import wait_until
 from trainer.procs import start_shard, start_trainer, wait_all
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -33,12 +34,23 @@ def test_metrics_scraped_during_and_after_a_run_match_the_trainers(tmp_path):
     steps = 60
     try:
         ps = ",".join(s.address for s in shards)
-        trainers = [start_trainer(r, ps, tmp_path / f"t{r}.log",
-                                  ["--num-trainers", "2", "--model", "mlp", "--dataset", "synthetic", "--steps",
-                                   str(steps), "--metrics-file", str(tmp_path / f"t{r}.jsonl"), "--no-progress",
-                                   "--threads", "1"]) for r in range(2)]
-        during = scrape(ports[0])  # while the trainers start and run
-        assert metric(during, "psgrpc_version") <= steps
+
+        def trainer(r):
+            return start_trainer(r, ps, tmp_path / f"t{r}.log",
+                                 ["--num-trainers", "2", "--model", "mlp", "--dataset", "synthetic", "--steps",
+                                  str(steps), "--metrics-file", str(tmp_path / f"t{r}.jsonl"), "--no-progress",
+                                  "--threads", "1"])
+
+        # During the run, at a point the test holds: rank 0 is in the job and waits for rank 1, which has not
+        # started -- so the scrape must show one live trainer and nothing pushed, however loaded the machine.
+        trainers = [trainer(0)]
+        wait_until(lambda: all(metric(scrape(p), "psgrpc_live_trainers") == 1 for p in ports), 120,
+                   "rank 0 to register with both shards")
+        for p in ports:
+            during = scrape(p)
+            assert metric(during, "psgrpc_live_trainers") == 1 and metric(during, "psgrpc_version") == 0
+            assert metric(during, "psgrpc_pushes_total", outcome="applied") == 0
+        trainers.append(trainer(1))
         assert wait_all(trainers, 300) == {"trainer0": 0, "trainer1": 0}
         import json
 

@@ -65,14 +65,13 @@ def test_sigterm_reports_not_serving_writes_a_final_checkpoint_and_exits_0(tmp_p
         assert t.popen.wait(120) == 0, t.log_tail()
         version = stats(shard.address).version
         assert version == 25 and Checkpointer(ckpt, 0, 1000).list() == []  # no periodic one was due
-        channel = grpc.insecure_channel(shard.address)
-        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
-        first = next(watch)
-        assert first.status == health_pb2.HealthCheckResponse.SERVING
-        shard.popen.send_signal(signal.SIGTERM)
-        assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
-        assert shard.popen.wait(60) == 0
-        channel.close()
+        with grpc.insecure_channel(shard.address) as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
+            first = next(watch)
+            assert first.status == health_pb2.HealthCheckResponse.SERVING
+            shard.popen.send_signal(signal.SIGTERM)
+            assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert shard.popen.wait(60) == 0
         loaded, skipped = Checkpointer(ckpt, 0, 1000).load_latest()
         assert skipped == [] and loaded.version == 25
         assert "final checkpoint" in shard.log_path.read_text()
@@ -87,29 +86,29 @@ def test_sigterm_with_a_half_full_round_then_restore_keeps_the_acknowledged_push
     shard = start_shard(0, tmp_path / "shard0.log", extra_args=args)
     procs = [shard]
     try:
-        raw = RawShard(SimpleNamespace(address=shard.address))
-        spec = make_spec(num_trainers=2)  # SGD lr 0.5, momentum 0.9
-        for rank in range(2):
-            raw.register(rank=rank, spec=spec)
         start = torch.arange(P, dtype=torch.float32)
-        raw.init(start, chunk_bytes=ONE_CHUNK)
         g0, g1 = torch.full((P,), 2.0), torch.full((P,), 6.0)
-        assert raw.push(g0, rank=0, sequence=1, chunk_bytes=ONE_CHUNK).outcome == pb.ACCEPTED  # round 0 is half full
-        raw.channel.close()
+        with RawShard(SimpleNamespace(address=shard.address)) as raw:
+            spec = make_spec(num_trainers=2)  # SGD lr 0.5, momentum 0.9
+            for rank in range(2):
+                raw.register(rank=rank, spec=spec)
+            raw.init(start, chunk_bytes=ONE_CHUNK)
+            # round 0 is half full
+            assert raw.push(g0, rank=0, sequence=1, chunk_bytes=ONE_CHUNK).outcome == pb.ACCEPTED
         shard.popen.send_signal(signal.SIGTERM)
         assert shard.popen.wait(60) == 0
         restarted = start_shard(0, tmp_path / "shard0-restarted.log", port=int(shard.address.rsplit(":", 1)[1]),
                                 extra_args=args + ["--restore"])
         procs.append(restarted)
-        raw = RawShard(SimpleNamespace(address=restarted.address))
-        assert raw.stats().version == 0
-        # rank 0's retry after the lost connection: acknowledged, not applied a second time
-        assert raw.push(g0, rank=0, sequence=1, chunk_bytes=ONE_CHUNK).outcome == pb.DUPLICATE
-        assert raw.push(g1, rank=1, sequence=1, chunk_bytes=ONE_CHUNK).outcome == pb.APPLIED  # completes the restored round
-        version, params = raw.pull(rank=0, min_version=1)
+        with RawShard(SimpleNamespace(address=restarted.address)) as raw:
+            assert raw.stats().version == 0
+            # rank 0's retry after the lost connection: acknowledged, not applied a second time
+            assert raw.push(g0, rank=0, sequence=1, chunk_bytes=ONE_CHUNK).outcome == pb.DUPLICATE
+            # rank 1's push completes the restored round
+            assert raw.push(g1, rank=1, sequence=1, chunk_bytes=ONE_CHUNK).outcome == pb.APPLIED
+            version, params = raw.pull(rank=0, min_version=1)
         assert version == 1
         assert torch.equal(params, start - 0.5 * (g0 + g1) / 2)  # both gradients, each once
-        raw.channel.close()
     finally:
         for p in procs:
             p.kill()

@@ -29,17 +29,16 @@ def test_direct_read_into_a_buffer_equals_the_plain_read(chunk_bytes):
 def test_more_shards_than_parameters_empty_and_one_element_slices(shard_server, n, shards):
     servers = [shard_server(shard=i) for i in range(shards)]
     model, reference = Vec(n), Vec(n)
-    ps = connect(",".join(s.server.address for s in servers), model, optimizer={"name": "sgd", "lr": 0.5})
     opt = torch.optim.SGD(reference.parameters(), lr=0.5)
-    for step in range(3):
-        g = torch.arange(n, dtype=torch.float32) + step
-        model.w.grad = g.clone()
-        reference.w.grad = g.clone()
-        ps.step()
-        opt.step()
+    with connect(",".join(s.server.address for s in servers), model, optimizer={"name": "sgd", "lr": 0.5}) as ps:
+        for step in range(3):
+            g = torch.arange(n, dtype=torch.float32) + step
+            model.w.grad = g.clone()
+            reference.w.grad = g.clone()
+            ps.step()
+            opt.step()
+        assert [r[1] - r[0] for r in ps.ranges].count(0) == max(0, shards - n)
     assert torch.equal(model.w.detach(), reference.w.detach())
-    assert [r[1] - r[0] for r in ps.ranges].count(0) == max(0, shards - n)
-    ps.close()
 
 
 @pytest.mark.parametrize("wire", ["float16", "bfloat16"])
@@ -48,16 +47,15 @@ def test_reduced_precision_wire_keeps_fp32_master_weights(shard_server, wire):
     model = Vec(1000)
     init = model.w.detach().clone()
     dtype = getattr(torch, wire)
-    ps = connect(server.server.address, model, optimizer={"name": "sgd", "lr": 1.0}, wire_dtype=wire)
-    master = init.to(dtype).float()  # Init travels in the wire dtype
-    assert torch.equal(model.w.detach(), master.to(dtype).float())
-    g = torch.randn(1000) / 3
-    for _ in range(2):
-        model.w.grad = g.clone()
-        ps.step()
-        master = master - g.to(dtype).float()  # the shard steps in fp32 on the wire-dtype gradient
+    with connect(server.server.address, model, optimizer={"name": "sgd", "lr": 1.0}, wire_dtype=wire) as ps:
+        master = init.to(dtype).float()  # Init travels in the wire dtype
+        assert torch.equal(model.w.detach(), master.to(dtype).float())
+        g = torch.randn(1000) / 3
+        for _ in range(2):
+            model.w.grad = g.clone()
+            ps.step()
+            master = master - g.to(dtype).float()  # the shard steps in fp32 on the wire-dtype gradient
     assert torch.equal(model.w.detach(), master.to(dtype).float())  # pulls are the fp32 master, rounded
-    ps.close()
 
 
 def test_async_overlap_applies_every_push_exactly_once(shard_server):

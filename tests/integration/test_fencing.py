@@ -21,18 +21,20 @@ class Vec(torch.nn.Module):
 def test_the_older_process_of_a_rank_stops_and_the_newer_one_trains(shard_server):
     address = shard_server().server.address
     old = connect(address, Vec(), mode="async", optimizer={"name": "sgd", "lr": 1.0}, trainer_id="rank0-old")
-    new_model = Vec()
-    new = connect(address, new_model, mode="async", optimizer={"name": "sgd", "lr": 1.0}, trainer_id="rank0-new")
-    old.flat.grad.fill_(1.0)
-    with pytest.raises(grpc.RpcError) as e:
-        old.step()
-    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
-    assert "'rank0-new', not 'rank0-old'" in e.value.details()
-    assert old.counters.get("reconnects", 0) == 0  # it did not register again
-    new.flat.grad.fill_(1.0)
-    new.step()
-    assert torch.equal(new_model.w.detach(), torch.full((100,), -1.0))  # only the new process's push was applied
-    stats = new.shard_stats()[0]
-    assert stats.counters["re_registrations"] == 1 and stats.counters["registrations"] == 2
-    old.close(leave=False)
-    new.close()
+    try:
+        new_model = Vec()
+        with connect(address, new_model, mode="async", optimizer={"name": "sgd", "lr": 1.0},
+                     trainer_id="rank0-new") as new:
+            old.flat.grad.fill_(1.0)
+            with pytest.raises(grpc.RpcError) as e:
+                old.step()
+            assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            assert "'rank0-new', not 'rank0-old'" in e.value.details()
+            assert old.counters.get("reconnects", 0) == 0  # it did not register again
+            new.flat.grad.fill_(1.0)
+            new.step()
+            assert torch.equal(new_model.w.detach(), torch.full((100,), -1.0))  # only the new process's push applied
+            stats = new.shard_stats()[0]
+            assert stats.counters["re_registrations"] == 1 and stats.counters["registrations"] == 2
+    finally:
+        old.close(leave=False)  # fenced off: its Leave would be refused

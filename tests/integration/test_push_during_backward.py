@@ -26,20 +26,18 @@ class Net(torch.nn.Module):
 
 def train(address: str, variant: str, early: bool, steps: int = 4):
     model = Net(variant)
-    ps = connect(address, model, mode="sync", optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9},
-                 push_during_backward=early)
     started_in_backward = []
     g = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 16, (8,), generator=g)
-        ps.prepare_step(len(x))
-        F.cross_entropy(model(x), y).backward()
-        if early:
-            started_in_backward.append(sorted(ps._early.pending))  # pushes already under way before step()
-        ps.step(num_samples=len(x))
-    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    ps.close()
-    return weights, started_in_backward
+    with connect(address, model, mode="sync", optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9},
+                 push_during_backward=early) as ps:
+        for _ in range(steps):
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 16, (8,), generator=g)
+            ps.prepare_step(len(x))
+            F.cross_entropy(model(x), y).backward()
+            if early:
+                started_in_backward.append(sorted(ps._early.pending))  # pushes already under way before step()
+            ps.step(num_samples=len(x))
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), started_in_backward
 
 
 @pytest.mark.parametrize("variant,early_shards", [("plain", [0, 1, 2]), ("tied", [0, 1, 2]), ("unused", [0, 1])])
@@ -59,25 +57,23 @@ def test_early_pushes_equal_late_pushes_bit_for_bit(shard_server, variant, early
 
 def test_a_second_backward_after_calibration_is_refused_loudly(shard_server):
     model = Net()
-    ps = connect(shard_server().server.address, model, optimizer={"name": "sgd", "lr": 0.1},
-                 push_during_backward=True)
     x, y = torch.randn(4, 16), torch.zeros(4, dtype=torch.long)
-    ps.prepare_step(4)
-    F.cross_entropy(model(x), y).backward()
-    ps.step(num_samples=4)  # calibration: one gradient per parameter
-    ps.prepare_step(4)
-    F.cross_entropy(model(x), y).backward()  # the shard's push starts here
-    with pytest.raises(RuntimeError, match="got a second gradient in one backward"):
-        F.cross_entropy(model(x), y).backward()  # gradient accumulation after prepare_step: too late
-    ps.close(leave=True)
+    with connect(shard_server().server.address, model, optimizer={"name": "sgd", "lr": 0.1},
+                 push_during_backward=True) as ps:
+        ps.prepare_step(4)
+        F.cross_entropy(model(x), y).backward()
+        ps.step(num_samples=4)  # calibration: one gradient per parameter
+        ps.prepare_step(4)
+        F.cross_entropy(model(x), y).backward()  # the shard's push starts here
+        with pytest.raises(RuntimeError, match="got a second gradient in one backward"):
+            F.cross_entropy(model(x), y).backward()  # gradient accumulation after prepare_step: too late
 
 
 def test_a_step_without_prepare_pushes_everything_in_step(shard_server):
     address = ",".join(shard_server(shard=i).server.address for i in range(2))
     model = Net()
-    ps = connect(address, model, optimizer={"name": "sgd", "lr": 0.1}, push_during_backward=True)
-    for _ in range(2):
-        F.cross_entropy(model(torch.randn(4, 16)), torch.zeros(4, dtype=torch.long)).backward()
-        assert not ps._early.pending
-        assert ps.step(num_samples=4).outcomes == ["applied", "applied"]
-    ps.close()
+    with connect(address, model, optimizer={"name": "sgd", "lr": 0.1}, push_during_backward=True) as ps:
+        for _ in range(2):
+            F.cross_entropy(model(torch.randn(4, 16)), torch.zeros(4, dtype=torch.long)).backward()
+            assert not ps._early.pending
+            assert ps.step(num_samples=4).outcomes == ["applied", "applied"]

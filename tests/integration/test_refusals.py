@@ -8,6 +8,7 @@ import torch
 
 from psserver.job import OptimizerConfig
 from psserver.proto import ps_pb2 as pb
+from psserver.service import ServiceLimits
 from tests.conftest import P, make_spec
 
 
@@ -123,11 +124,12 @@ def test_register_refuses_a_malformed_job_spec(shard_server):
 
 
 def test_pull_before_init_times_out_with_the_reason(shard_server):
-    shard = shard_server()
+    """The shard's own wait (0.2 s) ends long before the caller's deadline (30 s), so the reply that comes
+    back is the shard's reason, not gRPC's bare "Deadline Exceeded" -- however loaded the machine."""
+    shard = shard_server(limits=ServiceLimits(min_chunk_bytes=256, max_pull_wait=0.2))
     shard.register()
-    with pytest.raises(grpc.RpcError) as e:
-        shard.pull(timeout=0.5)
-    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    refused(lambda: shard.pull(timeout=30), grpc.StatusCode.DEADLINE_EXCEEDED,
+            "shard 0 was not initialised within 0.2 s: is rank 0 running?")
 
 
 def test_second_init_changes_nothing(ready):

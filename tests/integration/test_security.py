@@ -110,13 +110,12 @@ def test_trainer_api_over_mutual_tls_with_token(pki, start):
     server = start(ServerSecurity(pki["server_cert"], pki["server_key"], pki["client_ca"], token=TOKEN))
     model = build_model("mlp", (1, 28, 28))
     sec = ClientSecurity(pki["ca"], pki["client_cert"], pki["client_key"], token=TOKEN)
-    ps = connect(f"127.0.0.1:{server.port}", model, optimizer={"name": "sgd", "lr": 0.1}, security=sec)
     before = model.fc1.weight.detach().clone()
     F = torch.nn.functional
-    F.cross_entropy(model(torch.randn(8, 1, 28, 28)), torch.randint(0, 10, (8,))).backward()
-    assert ps.step(num_samples=8).versions == [1]
+    with connect(f"127.0.0.1:{server.port}", model, optimizer={"name": "sgd", "lr": 0.1}, security=sec) as ps:
+        F.cross_entropy(model(torch.randn(8, 1, 28, 28)), torch.randint(0, 10, (8,))).backward()
+        assert ps.step(num_samples=8).versions == [1]
     assert not torch.equal(before, model.fc1.weight)
-    ps.close()
 
 
 def test_listening_beyond_loopback_without_protection_warns(start, caplog):
