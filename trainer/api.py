@@ -16,6 +16,13 @@ gradient and pulls fresh weights into the model.  The model's parameters and
 gradients are views into one flat buffer each, so a pull writes straight into
 the model and a push reads straight out of ``.grad``.  Buffers that get no
 gradient (BatchNorm running statistics) stay local to each trainer.
+
+The learning-rate schedule runs on the shards too
+(``lr_schedule={"kind": "cosine", "cosine_steps": 1000, "warmup_steps": 50}``,
+psserver.schedules): the rate follows the shards' version as
+torch.optim.lr_scheduler's follows the step count.  ``clip_grad_norm=X`` clips
+this trainer's own gradient before it is pushed (trainer.clipping) -- not the
+averaged gradient a DDP user clips.
 """
 
 from __future__ import annotations
@@ -35,8 +42,10 @@ import torch
 
 from psserver.job import JobSpec, OptimizerConfig
 from psserver.layout import Layout
+from psserver.schedules import LrSchedule
 from psserver.security import ClientSecurity
 from trainer.client import ShardClient, ShardedClient, parse_addresses
+from trainer.clipping import check_max_norm, clip_local_
 from trainer.early_push import EarlyPusher
 
 log = logging.getLogger(__name__)
@@ -59,18 +68,22 @@ def model_layout(model: torch.nn.Module, num_shards: int) -> Layout:
 def make_job(model: torch.nn.Module, num_shards: int, *, mode: str = "sync", num_trainers: int = 1,
              optimizer: OptimizerConfig | dict | None = None, max_staleness: int | None = None,
              sync_timeout: float = 0.0, replicas_to_aggregate: int = 0, stale_policy: str = "drop",
-             wire_dtype: str = "float32", job_id: str = "") -> JobSpec:
+             wire_dtype: str = "float32", job_id: str = "",
+             lr_schedule: LrSchedule | dict | None = None) -> JobSpec:
     """The job spec for training ``model``; raises ValueError naming a bad setting."""
     layout = model_layout(model, num_shards)
     if optimizer is None:
         optimizer = OptimizerConfig()
     elif isinstance(optimizer, dict):
         optimizer = OptimizerConfig(**optimizer)
+    if not isinstance(lr_schedule, LrSchedule):
+        lr_schedule = LrSchedule(**(lr_schedule or {}))
     return JobSpec(
         mode=mode, num_trainers=num_trainers, num_shards=num_shards, total_params=layout.total,
         fingerprint=layout.fingerprint(), optimizer=optimizer, max_staleness=max_staleness,
         sync_timeout=sync_timeout, replicas_to_aggregate=replicas_to_aggregate, stale_policy=stale_policy,
         wire_dtype=wire_dtype, tensors=tuple((s.name, s.shape, s.dtype) for s in layout.slots), job_id=job_id,
+        lr_schedule=lr_schedule,
     )
 
 
@@ -132,7 +145,8 @@ class ParameterServerTrainer:
     def __init__(self, addresses: Sequence[str], model: torch.nn.Module, job: JobSpec, rank: int,
                  trainer_id: str, connect_timeout: float, round_timeout: float, chunk_bytes: int,
                  security: ClientSecurity = ClientSecurity(), overlap: bool = False,
-                 push_during_backward: bool = False):
+                 push_during_backward: bool = False, clip_grad_norm: float | None = None):
+        self.clip_grad_norm = check_max_norm(clip_grad_norm, push_during_backward)
         if overlap and job.mode != "async":
             raise ValueError(f"overlap (pulling the next weights while computing) needs async mode, not {job.mode}")
         self.overlap = overlap
@@ -252,6 +266,7 @@ class ParameterServerTrainer:
     def step(self, num_samples: int = 1) -> StepInfo:
         """Push the gradients in ``.grad``, pull fresh weights into the model, zero the gradients."""
         grad = self.flat.gather_grads()
+        clip_local_(self.flat.params, self.clip_grad_norm)  # this trainer's gradient, not the round's average
         mode = self.job.mode
         early = self._early
         timings = {}
@@ -394,7 +409,9 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
             stale_policy: str = "drop", wire_dtype: str = "float32", trainer_id: str | None = None,
             connect_timeout: float = 120.0, round_timeout: float = 600.0,
             chunk_bytes: int = 1 << 20, security: ClientSecurity | None = None,
-            overlap: bool = False, push_during_backward: bool = False, job_id: str = "") -> ParameterServerTrainer:
+            overlap: bool = False, push_during_backward: bool = False, job_id: str = "",
+            lr_schedule: LrSchedule | dict | None = None, clip_grad_norm: float | None = None,
+            ) -> ParameterServerTrainer:
     """Register ``model`` with the shards at ``ps`` and return a handle whose ``step()`` trains it.
 
     Rank 0 initialises the shards with its model's weights; every trainer then
@@ -408,12 +425,15 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
     ``loss.backward()`` (see trainer.early_push).  ``job_id`` names this run: while
     a job runs, shards refuse trainers of another id (FAILED_PRECONDITION naming
     both); once every trainer of a job has left, the next job starts fresh.
+    ``lr_schedule`` (an LrSchedule or its fields as a dict) is applied by the
+    shards from their version; ``clip_grad_norm`` clips this trainer's own
+    gradient to that 2-norm before each push (trainer.clipping).
     """
     addresses = parse_addresses(ps)
     job = make_job(model, len(addresses), mode=mode, num_trainers=num_trainers, optimizer=optimizer,
                    max_staleness=max_staleness, sync_timeout=sync_timeout,
                    replicas_to_aggregate=replicas_to_aggregate, stale_policy=stale_policy, wire_dtype=wire_dtype,
-                   job_id=job_id)
+                   job_id=job_id, lr_schedule=lr_schedule)
     return ParameterServerTrainer(addresses, model, job, rank, trainer_id or default_trainer_id(rank),
                                   connect_timeout, round_timeout, chunk_bytes, security or ClientSecurity(), overlap,
-                                  push_during_backward)
+                                  push_during_backward, clip_grad_norm=clip_grad_norm)

@@ -24,6 +24,7 @@ from psserver.cli_support import EnvArgumentParser, run_cli, setup_logging
 from psserver.job import MODES, OPTIMIZERS, STALE_POLICIES
 from psserver.admin import fetch_stat
 from psserver.proto import ps_pb2 as _pb
+from trainer.cli import add_schedule_flags, schedule_argv
 from trainer.data import DATASETS
 from trainer.models import MODELS
 from trainer.procs import Proc, start_shard, start_trainer
@@ -44,6 +45,7 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
     p.add_argument("--lr", type=float, default=None,
                    help="learning rate (default 0.05; 0.05/trainers in async mode)")
+    add_schedule_flags(p)
     p.add_argument("--sync-timeout", type=float, default=0.1, help="stale-timeout: seconds a round waits")
     p.add_argument("--replicas-to-aggregate", type=int, default=0)
     p.add_argument("--stale-policy", choices=STALE_POLICIES, default="drop")
@@ -110,6 +112,7 @@ def trainer_args(args, rank: int, run: Path) -> list[str]:
     ]
     if args.lr is not None:
         a += ["--lr", str(args.lr)]
+    a += schedule_argv(args)
     if args.mode == "stale-timeout":
         a += ["--sync-timeout", str(args.sync_timeout), "--replicas-to-aggregate", str(args.replicas_to_aggregate),
               "--stale-policy", args.stale_policy]
@@ -172,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level)
     if args.shards < 1 or args.trainers < 1:
         raise ValueError(f"--shards ({args.shards}) and --trainers ({args.trainers}) must be at least 1")
+    schedule_argv(args)  # refuses bad schedule or clipping flags before any process starts
     run = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{args.mode}")
     run.mkdir(parents=True, exist_ok=True)
     shards: list[Proc] = []

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
+from psserver.schedules import LrSchedule
 from trainer.api import connect
 from trainer.data import epoch_order, load_dataset, local_batch_indices, steps_per_epoch
 from trainer.models import build_model
@@ -56,6 +57,15 @@ class TrainConfig:
     backend: str = "ps"  # "ps"; or the ps-bench baselines "ddp" (--ps is then the gloo master HOST:PORT), "local"
     security: object = None  # psserver.security.ClientSecurity; None: plaintext, no token
     job_id: str = ""  # names this run of the job; every trainer of it passes the same
+    # The learning-rate schedule the shards apply by version (psserver.schedules; async: a version per push).
+    lr_schedule: str = "constant"  # constant | step | cosine
+    warmup_steps: int = 0  # linear warm-up over the first versions (0: none)
+    warmup_start_factor: float = 0.1  # the warm-up starts at lr * this
+    lr_step_size: int = 1  # step: the rate is multiplied by lr_gamma every lr_step_size versions
+    lr_gamma: float = 0.1
+    lr_cosine_steps: int = 0  # cosine: versions from lr down to lr_min (0: the rest of the run after warm-up)
+    lr_min: float = 0.0  # cosine: the floor
+    clip_grad_norm: float | None = None  # clip this trainer's own gradient to this 2-norm (not the round's average)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.num_trainers:
@@ -167,7 +177,7 @@ def train(cfg: TrainConfig) -> dict:
             f"{cfg.batch_size}; lower --batch-size"
         )
     total_steps = cfg.steps or cfg.epochs * spe  # --steps, when given, overrides --epochs
-    ps = make_stepper(cfg, model)
+    ps = make_stepper(cfg, model, total_steps)
     forward = ps.forward_module
     metrics.write("start", config={k: v for k, v in asdict(cfg).items() if k != "security"}, device=str(device),
                   steps_per_epoch=spe, total_steps=total_steps, params=ps.num_params)
@@ -269,24 +279,36 @@ def train(cfg: TrainConfig) -> dict:
     return summary
 
 
-def make_stepper(cfg: TrainConfig, model: torch.nn.Module):
+def lr_schedule(cfg: TrainConfig, total_steps: int) -> LrSchedule:
+    """The schedule of the flags; a cosine without its length spans the run's versions after the warm-up
+    (async mode takes a version per push: N per step)."""
+    versions = total_steps * (cfg.num_trainers if cfg.mode == "async" else 1)
+    cosine = cfg.lr_cosine_steps or max(1, versions - cfg.warmup_steps)
+    return LrSchedule(kind=cfg.lr_schedule, warmup_steps=cfg.warmup_steps,
+                      warmup_start_factor=cfg.warmup_start_factor, step_size=cfg.lr_step_size, gamma=cfg.lr_gamma,
+                      cosine_steps=cosine, min_lr=cfg.lr_min)
+
+
+def make_stepper(cfg: TrainConfig, model: torch.nn.Module, total_steps: int):
     """What exchanges gradients: the parameter servers, or a ps-bench baseline."""
     optimizer = dict(name=cfg.optimizer, lr=effective_lr(cfg), weight_decay=cfg.weight_decay)
     if cfg.optimizer == "sgd":
         optimizer.update(momentum=cfg.momentum, nesterov=cfg.nesterov)
+    schedule, clip = lr_schedule(cfg, total_steps), cfg.clip_grad_norm
     if cfg.backend == "ps":
         return connect(cfg.ps, model, mode=cfg.mode, rank=cfg.rank, num_trainers=cfg.num_trainers,
                        optimizer=optimizer, max_staleness=cfg.max_staleness, sync_timeout=cfg.sync_timeout,
                        replicas_to_aggregate=cfg.replicas_to_aggregate, stale_policy=cfg.stale_policy,
                        wire_dtype=cfg.wire_dtype, connect_timeout=cfg.connect_timeout, security=cfg.security,
-                       overlap=cfg.overlap, push_during_backward=cfg.push_during_backward, job_id=cfg.job_id)
+                       overlap=cfg.overlap, push_during_backward=cfg.push_during_backward, job_id=cfg.job_id,
+                       lr_schedule=schedule, clip_grad_norm=clip)
     from psserver.job import OptimizerConfig
     from trainer.baselines import DDPStepper, LocalStepper
 
     if cfg.backend == "ddp":
-        return DDPStepper(model, OptimizerConfig(**optimizer), cfg.ps, cfg.rank, cfg.num_trainers)
+        return DDPStepper(model, OptimizerConfig(**optimizer), cfg.ps, cfg.rank, cfg.num_trainers, schedule, clip)
     if cfg.backend == "local":
-        return LocalStepper(model, OptimizerConfig(**optimizer))
+        return LocalStepper(model, OptimizerConfig(**optimizer), schedule, clip)
     raise ValueError(f"unknown backend {cfg.backend!r}: choose ps, ddp or local")
 
 
