@@ -12,7 +12,7 @@ import torch
 from torch.nn import functional as F
 from torch.optim import lr_scheduler as L
 
-from psserver.admin import fetch_stat
+from psserver.admin import fetch_stat, format_stats
 from trainer.data import epoch_order, load_dataset, local_batch_indices
 from trainer.models import build_model
 
@@ -84,9 +84,12 @@ def test_sync_run_with_warmup_and_cosine_equals_one_process_with_torch_scheduler
     for _ in range(STEPS):
         opt.step()
         sched.step()
-    for shard in job.shards:  # the rate each shard reports for its next step is torch's after STEPS steps
-        stats = fetch_stat(shard.address)
-        assert stats.version == STEPS and math.isclose(stats.lr, opt.param_groups[0]["lr"], rel_tol=1e-9)
+    stats = [fetch_stat(shard.address) for shard in job.shards]
+    for s in stats:  # the rate each shard reports for its next step is torch's after STEPS steps
+        assert s.version == STEPS and math.isclose(s.lr, opt.param_groups[0]["lr"], rel_tol=1e-9)
+    table = format_stats([shard.address for shard in job.shards], stats)  # what ps-admin stats prints
+    row = next(line for line in table.splitlines() if line.startswith("next step's lr"))
+    assert row.split()[3:] == [f"{s.lr:.6g}" for s in stats] == ["0.01", "0.01"]  # the cosine's floor
     assert len({round(r, 9) for r in rates}) == STEPS  # every step had a rate of its own
 
 
