@@ -281,9 +281,10 @@ def train(cfg: TrainConfig) -> dict:
 
 def lr_schedule(cfg: TrainConfig, total_steps: int) -> LrSchedule:
     """The schedule of the flags; a cosine without its length spans the run's versions after the warm-up
-    (async mode takes a version per push: N per step)."""
+    (async mode takes a version per push: N per step).  Other kinds keep the default length, so trainers
+    that run different numbers of steps (a restarted one) still agree on the job."""
     versions = total_steps * (cfg.num_trainers if cfg.mode == "async" else 1)
-    cosine = cfg.lr_cosine_steps or max(1, versions - cfg.warmup_steps)
+    cosine = cfg.lr_cosine_steps or (max(1, versions - cfg.warmup_steps) if cfg.lr_schedule == "cosine" else 1)
     return LrSchedule(kind=cfg.lr_schedule, warmup_steps=cfg.warmup_steps,
                       warmup_start_factor=cfg.warmup_start_factor, step_size=cfg.lr_step_size, gamma=cfg.lr_gamma,
                       cosine_steps=cosine, min_lr=cfg.lr_min)
