@@ -77,7 +77,8 @@ def _table(addresses: list[str], stats: list[_pb.StatsReply]) -> list[str]:
     header = ["", *[f"shard {s.shard} ({a})" for a, s in zip(addresses, stats)]]
     rows = [["mode", *[s.mode or "(no job)" for s in stats]],
             ["slice", *[f"[{s.start}, {s.end})" for s in stats]],
-            ["live ranks", *[",".join(map(str, s.live_ranks)) or "-" for s in stats]]]
+            ["live ranks", *[",".join(map(str, s.live_ranks)) or "-" for s in stats]],
+            ["next step's lr", *[f"{s.lr:.6g}" for s in stats]]]
     for label, key in STAT_ROWS:
         cells = []
         for s in stats:

@@ -19,6 +19,7 @@ from psserver.limits import (
 )
 from psserver.logsafe import shorten
 from psserver.proto import ps_pb2 as _pb
+from psserver.schedules import LrSchedule
 
 MODES = ("sync", "async", "stale-timeout")
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -103,6 +104,7 @@ class JobSpec:
     wire_dtype: str = "float32"
     tensors: tuple[tuple[str, tuple[int, ...], str], ...] = ()
     job_id: str = ""  # names one run of a job ("" for an unnamed one): a trainer of another run is refused
+    lr_schedule: LrSchedule = field(default_factory=LrSchedule)  # the rate at each version (psserver.schedules)
 
     def __post_init__(self) -> None:
         _text("job_id", self.job_id, MAX_ID_CHARS)
@@ -140,6 +142,9 @@ class JobSpec:
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"The wire dtype ({shorten(self.wire_dtype)}) must be one of {', '.join(WIRE_DTYPES)}.")
         _check_tensors(self.tensors, self.total_params)
+        if self.lr_schedule.kind == "cosine" and self.lr_schedule.min_lr > self.optimizer.lr:
+            raise ValueError(f"The lr_schedule.min_lr ({self.lr_schedule.min_lr}) must be at most the learning "
+                             f"rate ({self.optimizer.lr}).")
 
     # -- wire conversion -------------------------------------------------------------------------
     def to_proto(self) -> _pb.JobSpec:
@@ -161,6 +166,7 @@ class JobSpec:
             wire_dtype=WIRE_DTYPES[self.wire_dtype],
             tensors=[_pb.TensorInfo(name=n, shape=list(s), dtype=d) for n, s, d in self.tensors],
             job_id=self.job_id,
+            lr_schedule=_pb.LrSchedule(**{f.name: getattr(self.lr_schedule, f.name) for f in fields(LrSchedule)}),
         )
 
     @staticmethod
@@ -185,6 +191,8 @@ class JobSpec:
             wire_dtype=WIRE_DTYPE_NAMES.get(msg.wire_dtype, f"dtype#{msg.wire_dtype}"),
             tensors=tuple((t.name, tuple(t.shape), t.dtype) for t in msg.tensors),
             job_id=msg.job_id,
+            lr_schedule=(LrSchedule(**{f.name: getattr(msg.lr_schedule, f.name) for f in fields(LrSchedule)})
+                         if msg.HasField("lr_schedule") else LrSchedule()),  # an older trainer's or checkpoint's
         )
 
     def difference(self, other: "JobSpec") -> str | None:
@@ -197,11 +205,11 @@ class JobSpec:
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine == theirs:
                 continue
-            if name == "optimizer":
+            if name in ("optimizer", "lr_schedule"):
                 for g in fields(mine):
                     a, b = getattr(mine, g.name), getattr(theirs, g.name)
                     if a != b:
-                        return f"optimizer.{g.name} is {_show(b)} but the job has {_show(a)}"
+                        return f"{name}.{g.name} is {_show(b)} but the job has {_show(a)}"
             if name == "tensors":
                 return _tensor_difference(mine, theirs)
             return f"{name} is {_show(theirs)} but the job has {_show(mine)}"

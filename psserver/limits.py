@@ -36,6 +36,8 @@ MAX_SYNC_TIMEOUT = 86400.0
 MAX_STALENESS = 1 << 31
 # A push's per-trainer sequence number: at a million pushes a second, 2**48 lasts nine years.
 MAX_SEQUENCE = 1 << 48
+# Versions in a learning-rate schedule (warm-up, step size, cosine period): past any real run.
+MAX_SCHEDULE_STEPS = 1 << 48
 # Samples behind one gradient: it weights the gradient when rounds are averaged.
 MAX_NUM_SAMPLES = 1 << 24
 # Every chunk of a stream but the last carries at least min(MIN_CHUNK_BYTES, bytes remaining):

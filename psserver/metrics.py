@@ -90,6 +90,10 @@ class _CounterCollector:
         version = GaugeMetricFamily("psgrpc_version", "Shard version (optimizer steps so far).", labels=["shard"])
         version.add_metric(label, s.version)
         yield version
+        lr = GaugeMetricFamily("psgrpc_lr", "Learning rate of the next optimizer step (the job's schedule at the "
+                               "shard's version).", labels=["shard"])
+        lr.add_metric(label, s.lr)
+        yield lr
         live = GaugeMetricFamily("psgrpc_live_trainers", "Trainers currently live.", labels=["shard"])
         live.add_metric(label, len(s.live_ranks))
         yield live

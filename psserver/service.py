@@ -262,7 +262,7 @@ class ParameterServerService:
         digest = await self.runtime.run_state(self.shard.state_digest) if request.with_digest else ""
         reply = _pb.StatsReply(shard=s.shard, initialized=s.initialized, version=s.version, mode=s.mode,
                                start=s.start, end=s.end, live_ranks=s.live_ranks, counters=s.counters,
-                               state_digest=digest)
+                               state_digest=digest, lr=s.lr)
         if s.job is not None:
             reply.job.CopyFrom(s.job.to_proto())
         return reply

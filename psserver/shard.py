@@ -46,6 +46,7 @@ from psserver.membership import Membership
 from psserver.metrics import ShardMetrics
 from psserver.optim import build_optimizer
 from psserver.rounds import OpenRound
+from psserver.schedules import lr_at
 from psserver.snapshots import SnapshotPool
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class StatsSnapshot:
     live_ranks: list
     counters: dict
     job: JobSpec | None
+    lr: float = 0.0  # the rate the next optimizer step uses (0.0 before a job)
 
 
 class Shard:
@@ -480,6 +482,7 @@ class Shard:
                 self.params.data = spare  # the optimizer's state is keyed by the Parameter, not its memory
                 self.counters["params_moved_for_pulls"] += 1
             t0 = time.perf_counter()
+            self._set_lr()
             self.params.grad = grad
             self.optimizer.step()
             self.params.grad = None
@@ -495,6 +498,13 @@ class Shard:
             if self._writer.submit(self._capture()):
                 self.counters["checkpoints_superseded"] += 1
         self._changed()
+
+    def _set_lr(self) -> None:
+        """The schedule's rate for the step about to be taken at ``self.version``: derived from the version
+        alone, so a restored shard resumes the schedule and every trainer sees the same rate."""
+        lr = lr_at(self.job.lr_schedule, self.job.optimizer.lr, self.version)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def _changed(self) -> None:
         self.on_change()
@@ -589,6 +599,7 @@ class Shard:
             shard=self.shard_id, initialized=self.params is not None, version=self.version,
             mode=job.mode if job else "", start=self.start, end=self.end,
             live_ranks=sorted(self.members.view().live), counters=dict(self.counters), job=job,
+            lr=lr_at(job.lr_schedule, job.optimizer.lr, self.version) if job else 0.0,
         )
 
     def state_digest(self) -> str:

@@ -16,6 +16,13 @@ gradient and pulls fresh weights into the model.  The model's parameters and
 gradients are views into one flat buffer each, so a pull writes straight into
 the model and a push reads straight out of ``.grad``.  Buffers that get no
 gradient (BatchNorm running statistics) stay local to each trainer.
+
+The learning-rate schedule runs on the shards too
+(``lr_schedule={"kind": "cosine", "cosine_steps": 1000, "warmup_steps": 50}``,
+psserver.schedules): the rate follows the shards' version as
+torch.optim.lr_scheduler's follows the step count.  ``clip_grad_norm=X`` clips
+this trainer's own gradient before it is pushed (trainer.clipping) -- not the
+averaged gradient a DDP user clips.
 """
 
 from __future__ import annotations
@@ -35,8 +42,10 @@ import torch
 
 from psserver.job import JobSpec, OptimizerConfig
 from psserver.layout import Layout
+from psserver.schedules import LrSchedule
 from psserver.security import ClientSecurity
 from trainer.client import WAIT_LOG_SECONDS, PushOutcome, RetryPolicy, ShardClient, ShardedClient, parse_addresses
+from trainer.clipping import check_max_norm, clip_local_
 from trainer.early_push import EarlyPusher
 from trainer.staging import DeviceStaging
 
@@ -60,18 +69,22 @@ def model_layout(model: torch.nn.Module, num_shards: int) -> Layout:
 def make_job(model: torch.nn.Module, num_shards: int, *, mode: str = "sync", num_trainers: int = 1,
              optimizer: OptimizerConfig | dict | None = None, max_staleness: int | None = None,
              sync_timeout: float = 0.0, replicas_to_aggregate: int = 0, stale_policy: str = "drop",
-             wire_dtype: str = "float32", job_id: str = "") -> JobSpec:
+             wire_dtype: str = "float32", job_id: str = "",
+             lr_schedule: LrSchedule | dict | None = None) -> JobSpec:
     """The job spec for training ``model``; raises ValueError naming a bad setting."""
     layout = model_layout(model, num_shards)
     if optimizer is None:
         optimizer = OptimizerConfig()
     elif isinstance(optimizer, dict):
         optimizer = OptimizerConfig(**optimizer)
+    if not isinstance(lr_schedule, LrSchedule):
+        lr_schedule = LrSchedule(**(lr_schedule or {}))
     return JobSpec(
         mode=mode, num_trainers=num_trainers, num_shards=num_shards, total_params=layout.total,
         fingerprint=layout.fingerprint(), optimizer=optimizer, max_staleness=max_staleness,
         sync_timeout=sync_timeout, replicas_to_aggregate=replicas_to_aggregate, stale_policy=stale_policy,
         wire_dtype=wire_dtype, tensors=tuple((s.name, s.shape, s.dtype) for s in layout.slots), job_id=job_id,
+        lr_schedule=lr_schedule,
     )
 
 
@@ -183,7 +196,9 @@ class ParameterServerTrainer:
     def __init__(self, addresses: Sequence[str], model: torch.nn.Module, job: JobSpec, rank: int,
                  trainer_id: str, connect_timeout: float, round_timeout: float, chunk_bytes: int,
                  security: ClientSecurity = ClientSecurity(), overlap: bool = False,
-                 push_during_backward: bool = False, retry: RetryPolicy = RetryPolicy()):
+                 push_during_backward: bool = False, retry: RetryPolicy = RetryPolicy(),
+                 clip_grad_norm: float | None = None):
+        self.clip_grad_norm = check_max_norm(clip_grad_norm, push_during_backward)
         if overlap and job.mode != "async":
             raise ValueError(f"overlap (pulling the next weights while computing) needs async mode, not {job.mode}")
         self.overlap = overlap
@@ -348,6 +363,8 @@ class ParameterServerTrainer:
         ``step()`` again retries only the rest, under the same sequence numbers.
         """
         grad = self.flat.gather_grads()
+        if self._attempt is None:  # a retried step pushes the same, already clipped, gradient
+            clip_local_(self.flat.params, self.clip_grad_norm)  # this trainer's gradient, not the round's average
         attempt = self._attempt or _StepAttempt(todo=set(range(self.job.num_shards)))
         attempt.produced = [self.staging.produced()] if self.staging.active else []  # the caller's gradients
         todo = sorted(attempt.todo)
@@ -518,7 +535,8 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
             connect_timeout: float = 120.0, round_timeout: float = 600.0,
             chunk_bytes: int = 1 << 20, security: ClientSecurity | None = None,
             overlap: bool = False, push_during_backward: bool = False, job_id: str = "",
-            retry_budget: float = 60.0) -> ParameterServerTrainer:
+            retry_budget: float = 60.0, lr_schedule: LrSchedule | dict | None = None,
+            clip_grad_norm: float | None = None) -> ParameterServerTrainer:
     """Register ``model`` with the shards at ``ps`` and return a handle whose ``step()`` trains it.
 
     Rank 0 initialises the shards with its model's weights; every trainer then
@@ -535,6 +553,9 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
     ``retry_budget``: seconds one call is retried after UNAVAILABLE (a shard
     restarting) before ``step()`` raises StepFailed.  Use it as a context
     manager (``with connect(...) as ps:``) to leave the job on every way out.
+    ``lr_schedule`` (an LrSchedule or its fields as a dict) is applied by the
+    shards from their version; ``clip_grad_norm`` clips this trainer's own
+    gradient to that 2-norm before each push (trainer.clipping).
     """
     if retry_budget < 0:
         raise ValueError(f"retry_budget is {retry_budget} but must be zero or more seconds")
@@ -542,7 +563,8 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
     job = make_job(model, len(addresses), mode=mode, num_trainers=num_trainers, optimizer=optimizer,
                    max_staleness=max_staleness, sync_timeout=sync_timeout,
                    replicas_to_aggregate=replicas_to_aggregate, stale_policy=stale_policy, wire_dtype=wire_dtype,
-                   job_id=job_id)
+                   job_id=job_id, lr_schedule=lr_schedule)
     return ParameterServerTrainer(addresses, model, job, rank, trainer_id or default_trainer_id(rank),
                                   connect_timeout, round_timeout, chunk_bytes, security or ClientSecurity(), overlap,
-                                  push_during_backward, RetryPolicy(budget_seconds=retry_budget))
+                                  push_during_backward, RetryPolicy(budget_seconds=retry_budget),
+                                  clip_grad_norm=clip_grad_norm)

@@ -14,21 +14,32 @@ import torch
 
 from psserver.job import OptimizerConfig
 from psserver.optim import build_optimizer
+from psserver.schedules import CONSTANT, LrSchedule, lr_at
 from trainer.api import StepInfo
+from trainer.clipping import check_max_norm, clip_local_
 
 
 class LocalStepper:
-    """One process, torch.optim, no communication."""
+    """One process, torch.optim, no communication; the same schedule and clipping flags as the shards'.
 
-    def __init__(self, model: torch.nn.Module, optimizer: OptimizerConfig):
+    Under DDP the gradient clipped is the all-reduced average (DDP's meaning), not one trainer's own.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: OptimizerConfig, schedule: LrSchedule = CONSTANT,
+                 clip_grad_norm: float | None = None):
         self.forward_module = model
-        self.optimizer = build_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(optimizer, self.params)
+        self.base_lr, self.schedule, self.clip = optimizer.lr, schedule, check_max_norm(clip_grad_norm)
         self.num_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.describe = "one process, torch.optim"
         self.versions = [0]
         self.counters: dict = {}
 
     def step(self, num_samples: int = 1) -> StepInfo:
+        clip_local_(self.params, self.clip)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.schedule, self.base_lr, self.versions[0])
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
         self.versions[0] += 1
@@ -48,11 +59,12 @@ class LocalStepper:
 class DDPStepper(LocalStepper):
     """torch DistributedDataParallel over gloo; gradients are all-reduced inside backward."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: OptimizerConfig, master: str, rank: int, world: int):
+    def __init__(self, model: torch.nn.Module, optimizer: OptimizerConfig, master: str, rank: int, world: int,
+                 schedule: LrSchedule = CONSTANT, clip_grad_norm: float | None = None):
         import torch.distributed as dist
 
         dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=world)
-        super().__init__(model, optimizer)
+        super().__init__(model, optimizer, schedule, clip_grad_norm)
         self.forward_module = torch.nn.parallel.DistributedDataParallel(model)
         self.describe = f"DDP gloo, {world} processes"
 

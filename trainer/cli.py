@@ -9,7 +9,9 @@ import sys
 
 from psserver.cli_support import EnvArgumentParser, ensure_malloc_tunables, run_cli, setup_logging
 from psserver.job import MODES, OPTIMIZERS, STALE_POLICIES, WIRE_DTYPES
+from psserver.schedules import KINDS, LrSchedule
 from psserver.security import add_client_flags, client_security
+from trainer.clipping import check_max_norm
 from trainer.data import DATASETS
 from trainer.loop import Interrupted, StopRequest, TrainConfig, train
 from trainer.models import MODELS
@@ -39,6 +41,7 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--momentum", type=float, default=0.9, help="sgd only")
     p.add_argument("--nesterov", action="store_true", help="sgd only")
     p.add_argument("--weight-decay", type=float, default=0.0)
+    add_schedule_flags(p)
     p.add_argument("--wire-dtype", choices=list(WIRE_DTYPES), default="float32",
                    help="dtype of gradients and weights on the wire (shards keep fp32)")
     p.add_argument("--seed", type=int, default=0, help="model init and data order; the same on every trainer")
@@ -74,6 +77,37 @@ def build_parser() -> EnvArgumentParser:
     return p
 
 
+SCHEDULE_FLAGS = ("lr_schedule", "warmup_steps", "warmup_start_factor", "lr_step_size", "lr_gamma",
+                  "lr_cosine_steps", "lr_min", "clip_grad_norm")  # TrainConfig fields of the same names
+
+
+def add_schedule_flags(p: EnvArgumentParser) -> None:
+    """The learning-rate schedule and clipping flags, shared by ps-trainer and ps-cluster."""
+    p.add_argument("--lr-schedule", choices=KINDS, default="constant",
+                   help="the rate as the shards apply it, by version (async: one version per push)")
+    p.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up over the first N versions (0: none)")
+    p.add_argument("--warmup-start-factor", type=float, default=0.1, help="the warm-up starts at lr times this")
+    p.add_argument("--lr-step-size", type=int, default=1, help="step: multiply the rate by --lr-gamma every N versions")
+    p.add_argument("--lr-gamma", type=float, default=0.1, help="step: the decay factor, in (0, 1]")
+    p.add_argument("--lr-cosine-steps", type=int, default=0,
+                   help="cosine: versions from --lr down to --lr-min (0: the rest of the run after the warm-up)")
+    p.add_argument("--lr-min", type=float, default=0.0, help="cosine: the floor")
+    p.add_argument("--clip-grad-norm", type=float, default=None,
+                   help="clip each trainer's own gradient to this 2-norm before it is pushed (not the average "
+                        "of the round, which is what clip_grad_norm_ clips under DDP)")
+
+
+def schedule_argv(args) -> list[str]:
+    """The flags of ``add_schedule_flags`` as given, for ps-cluster to pass on to each ps-trainer;
+    refuses bad values first, so no process starts for a run that cannot."""
+    LrSchedule(kind=args.lr_schedule, warmup_steps=args.warmup_steps, warmup_start_factor=args.warmup_start_factor,
+               step_size=args.lr_step_size, gamma=args.lr_gamma, cosine_steps=args.lr_cosine_steps or 1,
+               min_lr=args.lr_min)
+    check_max_norm(args.clip_grad_norm)
+    return [a for name in SCHEDULE_FLAGS if getattr(args, name) is not None
+            for a in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+
+
 def config_from_args(args) -> TrainConfig:
     """The run's configuration; raises ValueError naming the first bad flag (nothing has started yet)."""
     return TrainConfig(
@@ -89,6 +123,7 @@ def config_from_args(args) -> TrainConfig:
         security=client_security(args), backend=args.backend, overlap=args.overlap,
         push_during_backward=args.push_during_backward, job_id=args.job_id, save_every=args.save_every,
         retry_budget=args.retry_budget, tensorboard=args.tensorboard,
+        **{name: getattr(args, name) for name in SCHEDULE_FLAGS},
     )
 
 

@@ -25,6 +25,7 @@ from psserver.cli_support import EnvArgumentParser, run_cli, setup_logging
 from psserver.job import MODES, OPTIMIZERS, STALE_POLICIES
 from psserver.admin import fetch_stat
 from psserver.proto import ps_pb2 as _pb
+from trainer.cli import add_schedule_flags, schedule_argv
 from trainer.data import DATASETS
 from trainer.models import MODELS
 from trainer.procs import Proc, start_shard, start_trainer
@@ -45,6 +46,7 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
     p.add_argument("--lr", type=float, default=None,
                    help="learning rate (default 0.05; 0.05/trainers in async mode)")
+    add_schedule_flags(p)
     p.add_argument("--sync-timeout", type=float, default=0.1, help="stale-timeout: seconds a round waits")
     p.add_argument("--replicas-to-aggregate", type=int, default=0)
     p.add_argument("--stale-policy", choices=STALE_POLICIES, default="drop")
@@ -111,6 +113,7 @@ def trainer_args(args, rank: int, run: Path) -> list[str]:
     ]
     if args.lr is not None:
         a += ["--lr", str(args.lr)]
+    a += schedule_argv(args)
     if args.mode == "stale-timeout":
         a += ["--sync-timeout", str(args.sync_timeout), "--replicas-to-aggregate", str(args.replicas_to_aggregate),
               "--stale-policy", args.stale_policy]
@@ -196,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--shards ({args.shards}) and --trainers ({args.trainers}) must be at least 1")
     if not args.timeout > 0:
         raise ValueError(f"--timeout ({args.timeout}) must be more than zero seconds")
+    schedule_argv(args)  # refuses bad schedule or clipping flags before any process starts
     run = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{args.mode}")
     check_trainer_flags(args, run)
     run.mkdir(parents=True, exist_ok=True)

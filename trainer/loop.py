@@ -23,9 +23,11 @@ import torch
 from torch.nn import functional as F
 
 from psserver.job import MODES, OptimizerConfig
+from psserver.schedules import LrSchedule
 from psserver.security import parse_addresses
 from psserver.tboard import ScalarLog
 from trainer.api import connect
+from trainer.clipping import check_max_norm
 from trainer.data import epoch_order, load_dataset, local_batch_indices, steps_per_epoch
 from trainer.models import build_model
 
@@ -73,6 +75,15 @@ class TrainConfig:
     backend: str = "ps"  # "ps"; or the ps-bench baselines "ddp" (--ps is then the gloo master HOST:PORT), "local"
     security: object = None  # psserver.security.ClientSecurity; None: plaintext, no token
     job_id: str = ""  # names this run of the job; every trainer of it passes the same
+    # The learning-rate schedule the shards apply by version (psserver.schedules; async: a version per push).
+    lr_schedule: str = "constant"  # constant | step | cosine
+    warmup_steps: int = 0  # linear warm-up over the first versions (0: none)
+    warmup_start_factor: float = 0.1  # the warm-up starts at lr * this
+    lr_step_size: int = 1  # step: the rate is multiplied by lr_gamma every lr_step_size versions
+    lr_gamma: float = 0.1
+    lr_cosine_steps: int = 0  # cosine: versions from lr down to lr_min (0: the rest of the run after warm-up)
+    lr_min: float = 0.0  # cosine: the floor
+    clip_grad_norm: float | None = None  # clip this trainer's own gradient to this 2-norm (not the round's average)
 
     def __post_init__(self) -> None:
         problem = config_problem(self)
@@ -112,11 +123,13 @@ def config_problem(cfg: TrainConfig) -> str:
     for ok, message in checks:
         if not ok:
             return message
-    if cfg.backend == "ps":
-        try:
+    try:
+        if cfg.backend == "ps":
             cfg.optimizer_config()
-        except ValueError as e:
-            return f"{e}".rstrip(".")
+        lr_schedule(cfg, total_steps=1)  # the run's length only fills in a cosine's default length
+        check_max_norm(cfg.clip_grad_norm, cfg.push_during_backward)
+    except ValueError as e:
+        return f"{e}".rstrip(".")
     return ""
 
 
@@ -313,7 +326,7 @@ class Run:
 
     def start(self) -> None:
         """Join the job (the shards, or a ps-bench baseline); a failure leaves nothing behind."""
-        self.ps = make_stepper(self.cfg, self.model)
+        self.ps = make_stepper(self.cfg, self.model, self.total_steps)
         self.metrics.write("start", config={k: v for k, v in asdict(self.cfg).items() if k != "security"},
                            device=str(self.device), steps_per_epoch=self.spe, total_steps=self.total_steps,
                            params=self.ps.num_params, threads=torch.get_num_threads())
@@ -477,9 +490,21 @@ def run_steps(run: Run, stop: StopRequest) -> str:
         progress.close()
 
 
-def make_stepper(cfg: TrainConfig, model: torch.nn.Module):
+def lr_schedule(cfg: TrainConfig, total_steps: int) -> LrSchedule:
+    """The schedule of the flags; a cosine without its length spans the run's versions after the warm-up
+    (async mode takes a version per push: N per step).  Other kinds keep the default length, so trainers
+    that run different numbers of steps (a restarted one) still agree on the job."""
+    versions = total_steps * (cfg.num_trainers if cfg.mode == "async" else 1)
+    cosine = cfg.lr_cosine_steps or (max(1, versions - cfg.warmup_steps) if cfg.lr_schedule == "cosine" else 1)
+    return LrSchedule(kind=cfg.lr_schedule, warmup_steps=cfg.warmup_steps,
+                      warmup_start_factor=cfg.warmup_start_factor, step_size=cfg.lr_step_size, gamma=cfg.lr_gamma,
+                      cosine_steps=cosine, min_lr=cfg.lr_min)
+
+
+def make_stepper(cfg: TrainConfig, model: torch.nn.Module, total_steps: int):
     """What exchanges gradients: the parameter servers, or a ps-bench baseline."""
     optimizer = cfg.optimizer_config()
+    schedule, clip = lr_schedule(cfg, total_steps), cfg.clip_grad_norm
     if cfg.backend == "ps":
         for note in ignored_flags(cfg):
             log.warning("rank %d: %s", cfg.rank, note)
@@ -491,13 +516,13 @@ def make_stepper(cfg: TrainConfig, model: torch.nn.Module):
                        stale_policy=cfg.stale_policy if stale_timeout else "drop",
                        wire_dtype=cfg.wire_dtype, connect_timeout=cfg.connect_timeout, security=cfg.security,
                        overlap=cfg.overlap, push_during_backward=cfg.push_during_backward, job_id=cfg.job_id,
-                       retry_budget=cfg.retry_budget)
+                       retry_budget=cfg.retry_budget, lr_schedule=schedule, clip_grad_norm=clip)
     from trainer.baselines import DDPStepper, LocalStepper
 
     if cfg.backend == "ddp":
-        return DDPStepper(model, optimizer, cfg.ps, cfg.rank, cfg.num_trainers)
+        return DDPStepper(model, optimizer, cfg.ps, cfg.rank, cfg.num_trainers, schedule, clip)
     if cfg.backend == "local":
-        return LocalStepper(model, optimizer)
+        return LocalStepper(model, optimizer, schedule, clip)
     raise ValueError(f"unknown backend {cfg.backend!r}: choose ps, ddp or local")
 
 
