@@ -39,6 +39,7 @@ class EnvArgumentParser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self.deprecated_env: list[tuple[str, str]] = []  # (old name used, new name)
+        self.from_env: list[tuple[argparse.Action, str]] = []  # flags whose default came from the environment
 
     def add_argument(self, *args, **kwargs):
         action = super().add_argument(*args, **kwargs)
@@ -51,7 +52,9 @@ class EnvArgumentParser(argparse.ArgumentParser):
         if raw is None and self.prog.split()[0] in LEGACY_ENV_CLIS and legacy in os.environ:
             raw = os.environ[legacy]
             self.deprecated_env.append((legacy, env))
+            env = legacy
         if raw is not None:
+            self.from_env.append((action, env))
             if isinstance(action, argparse._StoreTrueAction):
                 action.default = raw.strip().lower() in TRUE_WORDS
             else:
@@ -61,6 +64,11 @@ class EnvArgumentParser(argparse.ArgumentParser):
 
     def parse_args(self, *args, **kwargs):
         ns = super().parse_args(*args, **kwargs)
+        for action, env in self.from_env:  # argparse checks choices on the command line only
+            value = getattr(ns, action.dest, None)
+            if action.choices is not None and value not in action.choices:
+                self.error(f"environment variable {env}: invalid choice {value!r} for {action.option_strings[0]} "
+                           f"(choose from {', '.join(map(str, action.choices))})")
         for old, new in self.deprecated_env:
             sys.stderr.write(f"{self.prog}: warning: environment variable {old} is deprecated; use {new}\n")
         return ns
@@ -108,7 +116,11 @@ def run_cli(prog: str, main: Callable[[], int | None]) -> None:
         details = e.details() if hasattr(e, "details") else str(e)
         sys.stderr.write(f"{prog}: error: {code_name}: {details}\nhint: check the --ps addresses and the shards' logs\n")
         sys.exit(1)
-    except (ValueError, OSError, RuntimeError, TimeoutError) as e:
+    except (TimeoutError, ConnectionError) as e:
+        sys.stderr.write(f"{prog}: error: {e}\nhint: check the --ps addresses, and that the shards and the other "
+                         f"trainers are running\n")
+        sys.exit(1)
+    except (ValueError, OSError, RuntimeError) as e:
         sys.stderr.write(f"{prog}: error: {e}\nhint: run '{prog} --help' for the flags\n")
         sys.exit(1)
     sys.exit(code or 0)

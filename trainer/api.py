@@ -33,6 +33,7 @@ import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 import uuid
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -177,6 +178,14 @@ class _StepAttempt:
     timings: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # push, pull, wait seconds
     produced: list = field(default_factory=list)  # CUDA: an event after the gradients, on the caller's stream
     staleness: dict[int, int] = field(default_factory=dict)  # versions each shard's push was behind
+    sequences: dict[int, int] = field(default_factory=dict)  # the sequence number each shard's push carries
+    started: dict[int, Future] = field(default_factory=dict)  # pushes begun during backward, not yet answered
+    inflight: list[Future] = field(default_factory=list)  # other threads' calls of a try an interrupt cut short
+
+    def applied(self) -> list[int]:
+        """Shards known to hold this gradient (applied now or in a round): not lost, stale or skipped."""
+        known = {**{i: a.outcome for i, a in self.acks.items()}, **self.outcomes}
+        return sorted(i for i, o in known.items() if o in ("applied", "accepted", "duplicate", "scaled"))
 
 
 @dataclass
@@ -223,6 +232,7 @@ class ParameterServerTrainer:
                                   self._push_shard, self.staging.produced if self.staging.active else None
                                   ) if push_during_backward else None
         self._closed = False
+        self.left = False  # every shard that knew this trainer was told it left
         self._attempt: _StepAttempt | None = None  # a step that failed on some shards, until step() retries it
         self._registered: set[int] = set()  # shards that know this trainer: close() leaves exactly these
         self._stop_heartbeat = threading.Event()
@@ -237,7 +247,9 @@ class ParameterServerTrainer:
         log.info("rank %d connected to %d shards at versions %s", rank, job.num_shards, self.versions)
 
     def _join(self, timeout: float) -> None:
-        """Register with every shard, start heartbeats, initialise (rank 0), and take the first weights."""
+        """Register with every shard, start heartbeats, initialise (rank 0), and take the first weights --
+        all within one ``timeout``."""
+        give_up = time.monotonic() + timeout
         results = self.client.map_settled(lambda s: s.register(self.job, timeout))
         self._registered = {i for i, r in enumerate(results) if not isinstance(r, Exception)}
         errors = [r for r in results if isinstance(r, Exception)]
@@ -255,9 +267,10 @@ class ParameterServerTrainer:
             ready = [self.staging.produced()] if self.staging.active else []
             self.client.map(lambda s: s.init(self.staging.to_host(s.index, self._slice(self.flat.flat, s.index), ready),
                                              self.client.wire) if not results[s.index].initialized else None)
-        self._wait_for_start(timeout)
+        self._wait_for_start(give_up - time.monotonic(), timeout)
+        self.staging.settle()  # the first forward waits for the first weights
 
-    def _wait_for_start(self, timeout: float) -> None:
+    def _wait_for_start(self, timeout: float, connect_timeout: float) -> None:
         """The first pull, which returns once every shard is initialised and (sync modes) every trainer has
         registered.  Polled in short calls so that what is awaited -- the shard's own words, e.g. "still
         waits for ranks [1] to register" -- is logged every few seconds instead of a silent wait."""
@@ -273,7 +286,7 @@ class ParameterServerTrainer:
                     if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                         raise
                     if time.monotonic() >= give_up:
-                        raise StartTimeout(f"rank {self.rank} gave up waiting after {timeout:g} s "
+                        raise StartTimeout(f"rank {self.rank} gave up waiting after {connect_timeout:g} s "
                                            f"(--connect-timeout): shard {s.index} at {s.address}: {e.details()}"
                                            ) from None
                     log.info("rank %d waiting to start: shard %d at %s: %s", self.rank, s.index, s.address,
@@ -300,14 +313,15 @@ class ParameterServerTrainer:
                     cause.code().name, cause.details())
         reply = s.register(self.job, self.connect_timeout)
         if not reply.initialized and self.rank == 0:
-            s.init(self._slice(self.flat.flat, i), self.client.wire)
+            ready = [self.staging.produced()] if self.staging.active else []
+            s.init(self.staging.to_host(i, self._slice(self.flat.flat, i), ready), self.client.wire)
             log.warning("shard %d came back without parameters: re-initialised it from rank 0's weights", i)
         v = self.versions[i] = self._pull_into(s, 0, self.connect_timeout)
         # Lost: the versions the shard rolled back, plus the gradient of this step, which is dropped (a shard
         # that had kept it would have answered DUPLICATE, not asked us to rejoin).
         lost = max(0, before - v) + 1
-        self.client.counters["reconnects"] += 1
-        self.client.counters["steps_lost"] += lost
+        self.client.count("reconnects")
+        self.client.count("steps_lost", lost)
         log.warning("rank %d resumed shard %d at version %d (was %d): %d steps lost", self.rank, i, v, before, lost)
 
     def _heartbeat_loop(self, interval: float) -> None:
@@ -317,7 +331,7 @@ class ParameterServerTrainer:
                 try:
                     s.heartbeat(timeout=interval)
                 except grpc.RpcError as e:
-                    self.client.counters["heartbeat_failures"] += 1
+                    self.client.count("heartbeat_failures")
                     log.warning("heartbeat to shard %d (%s) failed: %s %s", s.index, s.address, e.code().name,
                                 e.details())
 
@@ -346,8 +360,28 @@ class ParameterServerTrainer:
         With ``push_during_backward`` this lets each shard's push start as soon as
         backward has produced its slice; without it (or if never called) it does nothing.
         """
+        self._no_pending_step("prepare_step()")
         if self._early is not None:
             self._early.prepare(num_samples)
+
+    def _no_pending_step(self, what: str) -> None:
+        """A failed step's gradient is waiting to be retried: anything that changes it first is refused
+        (a retry would push the changed gradient under the old sequence numbers)."""
+        if self._attempt is not None:
+            raise RuntimeError(f"{what} while a failed step waits: call step() to retry it (same gradient, "
+                               f"same sequence numbers) or abandon_step() to drop it")
+
+    def abandon_step(self) -> None:
+        """Drop a failed step instead of retrying it: the shards that did not answer may or may not have
+        applied it (counted in ``steps_abandoned``); the gradients are zeroed and the next step is a new one."""
+        if self._attempt is None:
+            return
+        for i in self._attempt.todo:
+            self.client.shards[i].abandon_push()
+        log.warning("rank %d abandoned a failed step on shards %s", self.rank, sorted(self._attempt.todo))
+        self._attempt = None
+        self.client.count("steps_abandoned")
+        self.flat.zero_grad()
 
     def _push_shard(self, shard: int, num_samples: int, after: Sequence = ()):
         """Push ``shard`` its gradient slice (on CUDA: once the ``after`` events, the gradient's, have passed)."""
@@ -365,26 +399,24 @@ class ParameterServerTrainer:
         grad = self.flat.gather_grads()
         if self._attempt is None:  # a retried step pushes the same, already clipped, gradient
             clip_local_(self.flat.params, self.clip_grad_norm)  # this trainer's gradient, not the round's average
-        attempt = self._attempt or _StepAttempt(todo=set(range(self.job.num_shards)))
+        # Recorded before the fan-out, and each shard's result as it comes: however step() is left (an error,
+        # KeyboardInterrupt), the next call knows which shards are done and retries only the others.
+        attempt = self._attempt = self._attempt or _StepAttempt(todo=set(range(self.job.num_shards)))
+        futures_wait(attempt.inflight)  # an interrupted try's calls on other threads finish first
+        attempt.inflight.clear()
         attempt.produced = [self.staging.produced()] if self.staging.active else []  # the caller's gradients
         todo = sorted(attempt.todo)
         try:
             results = self.client.map_settled(lambda s: self._exchange(s, grad, num_samples, attempt),
-                                              None if len(todo) == self.job.num_shards else todo)
+                                              None if len(todo) == self.job.num_shards else todo, attempt.inflight)
         finally:
             if self._early is not None:
                 self._early.finish_step()
             self.staging.settle()  # the next forward, on the caller's stream, waits for the new weights
-        for i, r in zip(todo, results):
-            if not isinstance(r, Exception):
-                attempt.outcomes[i] = r
-                attempt.todo.discard(i)
         if attempt.todo:
-            self._attempt = attempt
-            self.client.counters["steps_failed"] += 1
+            self.client.count("steps_failed")
             failed = {i: r for i, r in zip(todo, results) if isinstance(r, Exception)}
-            applied = sorted(i for i in range(self.job.num_shards) if i in attempt.outcomes or i in attempt.acks)
-            error = StepFailed(self.steps + 1, applied, failed, [s.address for s in self.client.shards])
+            error = StepFailed(self.steps + 1, attempt.applied(), failed, [s.address for s in self.client.shards])
             log.warning("rank %d: %s", self.rank, error)
             raise error from next(iter(failed.values()))
         self._attempt = None
@@ -402,26 +434,37 @@ class ParameterServerTrainer:
     def _exchange(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: _StepAttempt) -> str:
         """One shard's part of a step; a shard that restarted is rejoined and its part counted as lost."""
         try:
-            return self._exchange_once(s, grad, num_samples, attempt)
+            outcome = self._exchange_once(s, grad, num_samples, attempt)
         except grpc.RpcError as e:
             if e.code() not in REJOIN_CODES:
                 raise
             self._rejoin(s, e)
             attempt.acks.pop(s.index, None)
             attempt.timings[s.index] = (0.0, 0.0, 0.0)
-            return "lost"
+            outcome = "lost"
+        attempt.outcomes[s.index] = outcome
+        attempt.todo.discard(s.index)
+        return outcome
 
     def _exchange_once(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: _StepAttempt) -> str:
         i = s.index
         t0 = time.perf_counter()
-        out = attempt.acks.get(i)  # pushed in an earlier try of this step: only the pull is left to do
+        out = self._answered_push(s, attempt)  # pushed in an earlier try of this step: only the pull is left
         if out is None:
-            started = self._early.take(i, num_samples) if self._early is not None else None
-            if started is None and not self.overlap:
-                return self._push_pull(s, grad, num_samples, attempt, t0)
-            # push time is what step() waits for: all of it, or what is left of a push begun during backward
-            out = attempt.acks[i] = (started.result() if started is not None else
-                                     self._push_shard(i, num_samples, attempt.produced))
+            started = attempt.started.get(i) or (self._early.take(i, num_samples) if self._early else None)
+            if started is None:
+                attempt.sequences.setdefault(i, s.next_sequence())
+                if not self.overlap:
+                    return self._push_pull(s, grad, num_samples, attempt, t0)
+                out = self._push_shard(i, num_samples, attempt.produced)
+            else:  # a push begun during backward: step() waits for what is left of it
+                attempt.started[i] = started
+                try:
+                    out = started.result()
+                finally:
+                    if started.done():  # answered, or failed: a retry pushes again under the same number
+                        attempt.started.pop(i, None)
+            attempt.acks[i] = out
         attempt.staleness[i] = out.staleness
         t1 = time.perf_counter()
         if self.overlap:
@@ -438,6 +481,15 @@ class ParameterServerTrainer:
         self.versions[i], waited = self._pull_into(s, wanted, self.round_timeout, with_wait=True)
         attempt.timings[i] = (t1 - t0, time.perf_counter() - t1 - waited, waited)
         return out.outcome
+
+    @staticmethod
+    def _answered_push(s: ShardClient, attempt: _StepAttempt) -> PushOutcome | None:
+        """What shard ``s`` answered to this step's push, if it did -- also when the answer came but an
+        interrupt hit before it was recorded (the shard client remembers its last answer and its number)."""
+        if s.index not in attempt.acks and s.last_answer is not None and (
+                s.last_answer[0] == attempt.sequences.get(s.index)):
+            attempt.acks[s.index] = s.last_answer[1]
+        return attempt.acks.get(s.index)
 
     def _push_pull(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: _StepAttempt,
                    t0: float) -> str:
@@ -478,6 +530,7 @@ class ParameterServerTrainer:
             self._collect_prefetch(i)
 
     def zero_grad(self) -> None:
+        self._no_pending_step("zero_grad()")
         self.flat.zero_grad()
 
     @property
@@ -490,31 +543,48 @@ class ParameterServerTrainer:
     def close(self, leave: bool = True, best_effort: bool = False) -> None:
         """Leave the job (so rounds stop waiting for this trainer) and close the channels.
 
-        ``best_effort``: a Leave that fails is logged, not raised (closing after another error).
-        Closing twice does nothing the second time.
+        ``best_effort`` (closing after another error or an interrupt): each Leave is
+        one quick try from this thread -- not the I/O pool, which calls stuck in a
+        round may still hold -- and a failure is logged, not raised; closing the
+        channels then cancels whatever is still in flight.  ``left`` says whether
+        every shard was told.  Closing twice does nothing the second time.
         """
         if self._closed:
             return
-        self._closed = True
         self._stop_heartbeat.set()
         if self._heartbeat is not None:
             self._heartbeat.join()  # before the channels close under it
         try:
             if not best_effort:
-                self.flush()
-            if leave:
                 try:
-                    self.client.map(lambda s: s.leave(quick=best_effort) if s.index in self._registered else None)
-                except grpc.RpcError as e:
-                    if not best_effort:
-                        raise
-                    log.warning("rank %d could not leave the job cleanly: %s %s", self.rank, e.code().name,
-                                e.details())
+                    self.flush()
+                except grpc.RpcError as e:  # leaving matters more than the weights still being pulled
+                    log.warning("rank %d: the weights pulled in the background were lost: %s %s", self.rank,
+                                e.code().name, e.details())
+            if leave:
+                self._leave(best_effort)
         finally:
+            self._closed = True
+            self.client.close()  # channels first: cancels calls still in flight, so the pools below drain
             self._prefetch_pool.shutdown(wait=True)
             if self._early is not None:
                 self._early.close()
-            self.client.close()
+
+    def _leave(self, best_effort: bool) -> None:
+        mine = [s for s in self.client.shards if s.index in self._registered]
+        if not best_effort:
+            self.client.map(lambda s: s.leave() if s.index in self._registered else None)
+            self.left = True
+            return
+        failed = []
+        for s in mine:
+            try:
+                s.leave(quick=True)
+            except grpc.RpcError as e:
+                failed.append(s.index)
+                log.warning("rank %d could not leave shard %d (%s): %s %s", self.rank, s.index, s.address,
+                            e.code().name, e.details())
+        self.left = not failed
 
     def __enter__(self) -> "ParameterServerTrainer":
         return self

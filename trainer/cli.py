@@ -13,7 +13,7 @@ from psserver.schedules import KINDS, LrSchedule
 from psserver.security import add_client_flags, client_security
 from trainer.clipping import check_max_norm
 from trainer.data import DATASETS
-from trainer.loop import Interrupted, StopRequest, TrainConfig, train
+from trainer.loop import Interrupted, StopRequest, TrainConfig, finite_json, train
 from trainer.models import MODELS
 
 
@@ -153,9 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = train(cfg, stop)
     except Interrupted as e:
-        sys.stderr.write(f"ps-trainer: stopped by {signal.Signals(e.signum).name}; left the job\n")
+        left = "left the job" if e.left else "could not tell every shard it left (its lease will run out)"
+        sys.stderr.write(f"ps-trainer: stopped by {signal.Signals(e.signum).name}; {left}\n")
         return 128 + e.signum
-    print(json.dumps({"event": "done", "rank": cfg.rank, **summary}, allow_nan=False))
+    print(json.dumps(finite_json({"event": "done", "rank": cfg.rank, **summary}), allow_nan=False))
     return 0
 
 

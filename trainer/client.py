@@ -83,7 +83,8 @@ class ShardClient:
 
     def __init__(self, address: str, index: int, rank: int, trainer_id: str, fingerprint: str,
                  counters: Counter, chunk_bytes: int = DEFAULT_CHUNK_BYTES, call_timeout: float = 60.0,
-                 retry: RetryPolicy = RetryPolicy(), security: ClientSecurity = ClientSecurity()):
+                 retry: RetryPolicy = RetryPolicy(), security: ClientSecurity = ClientSecurity(),
+                 counters_lock: threading.Lock | None = None):
         self.address, self.index, self.rank, self.trainer_id = address, index, rank, trainer_id
         self.fingerprint, self.counters, self.chunk_bytes = fingerprint, counters, chunk_bytes
         self.call_timeout, self.retry = call_timeout, retry
@@ -91,7 +92,8 @@ class ShardClient:
         # True while the push under ``sequence`` has had no answer: the next push (the caller retrying a failed
         # step) reuses its number, so a shard that applied it answers DUPLICATE instead of applying it twice.
         self.unanswered = False
-        self._lock = threading.Lock()
+        self.last_answer: tuple[int, PushOutcome] | None = None  # (sequence, outcome) of the last answered push
+        self._lock = counters_lock or threading.Lock()  # the one lock of ``counters``, which shards share
         self.channel = security.channel(
             address,
             options=[
@@ -221,13 +223,15 @@ class ShardClient:
     def _acknowledged(self, outcome: str, version: int, staleness: int, base: int, nbytes: int) -> PushOutcome:
         """Count and log what became of a push (the gradient crossed the wire whatever the outcome)."""
         self.unanswered = False
+        result = PushOutcome(outcome, version, staleness)
+        self.last_answer = (self.sequence, result)
         self._count("bytes_out", nbytes)
         if outcome == "stale":
             self._count("stale_pushes")
             log.info("shard %d dropped a stale gradient (base %d, now %d): catching up", self.index, base, version)
         elif outcome in ("duplicate", "skipped"):
             self._count(f"{outcome}_pushes")
-        return PushOutcome(outcome, version, staleness)
+        return result
 
     def push(self, grad: torch.Tensor, base: int, num_samples: int, wire: int) -> PushOutcome:
         nbytes, chunks = self._gradient_chunks(grad, base, num_samples, wire)
@@ -268,6 +272,10 @@ class ShardClient:
         outcome = self._acknowledged(_pb.PushOutcome.Name(h.outcome).lower(), h.version, h.staleness, base, nbytes)
         return outcome, values, max(0.0, until_reply - h.wait_seconds), h.wait_seconds
 
+    def next_sequence(self) -> int:
+        """The number the next push will carry (the unanswered one again, if there is one)."""
+        return self.sequence if self.unanswered else self.sequence + 1
+
     def abandon_push(self) -> None:
         """Give up on the unanswered push (the shard restarted and forgot it): the next push gets a new number."""
         self.unanswered = False
@@ -302,9 +310,10 @@ class ShardedClient:
         self.job, self.rank, self.trainer_id = job, rank, trainer_id
         self.wire = WIRE_DTYPES[job.wire_dtype]
         self.counters: Counter = Counter()
+        self._count_lock = threading.Lock()
         self.shards = [
             ShardClient(a, i, rank, trainer_id, job.fingerprint, self.counters, chunk_bytes, call_timeout,
-                        retry=retry, security=security)
+                        retry=retry, security=security, counters_lock=self._count_lock)
             for i, a in enumerate(addresses)
         ]
         self._pool = ThreadPoolExecutor(max_workers=len(self.shards), thread_name_prefix="ps-io")
@@ -321,8 +330,17 @@ class ShardedClient:
             raise
         return [first, *(f.result() for f in rest)]
 
-    def map_settled(self, fn: Callable[[ShardClient], T], shards: Sequence[int] | None = None) -> list:
-        """``fn`` on the given shards (all by default) in parallel; each result, or the Exception it raised."""
+    def count(self, name: str, n: int = 1) -> None:
+        """Add to a counter from any thread (``+=`` on a Counter is not atomic)."""
+        with self._count_lock:
+            self.counters[name] += n
+
+    def map_settled(self, fn: Callable[[ShardClient], T], shards: Sequence[int] | None = None,
+                    inflight: list | None = None) -> list:
+        """``fn`` on the given shards (all by default) in parallel; each result, or the Exception it raised.
+
+        The calls on other threads are added to ``inflight``: after an interrupt on this thread, which
+        returns at once, the caller can wait for them before it tries again."""
         chosen = [self.shards[i] for i in (range(len(self.shards)) if shards is None else shards)]
 
         def settle(s: ShardClient):
@@ -334,13 +352,14 @@ class ShardedClient:
         if len(chosen) == 1:
             return [settle(chosen[0])]
         rest = [self._pool.submit(settle, s) for s in chosen[1:]]
-        try:
-            first = settle(chosen[0])
-        finally:
-            futures_wait(rest)  # no call left running behind the caller
+        if inflight is not None:
+            inflight.extend(rest)
+        # An interrupt (BaseException) on this thread leaves at once; close() then cancels the calls in flight.
+        first = settle(chosen[0])
         return [first, *(f.result() for f in rest)]
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Close the channels, which ends every call in flight, then wait for the I/O threads."""
         for s in self.shards:
             s.close()
+        self._pool.shutdown(wait=True)

@@ -219,9 +219,14 @@ def main(argv: list[str] | None = None) -> int:
         wall = time.monotonic() - t0
         stats = [shard_stats(s.address) for s in shards]
     finally:
-        # Trainers first, all at once (each finishes its step and leaves), then the shards (final checkpoints).
-        terminate_all(trainers)
-        terminate_all(shards)
+        # Trainers first, all at once (each finishes its step and leaves), then the shards (final checkpoints);
+        # a second Ctrl-C meanwhile kills what is left rather than leaving shards behind.
+        try:
+            terminate_all(trainers)
+            terminate_all(shards)
+        finally:
+            for p in trainers + shards:
+                p.kill()
     for s in shards:
         codes[s.name] = s.popen.returncode
     failed = [p for p in trainers + shards if p.popen.returncode != 0]

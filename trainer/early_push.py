@@ -96,9 +96,10 @@ class EarlyPusher:
 
     def take(self, shard: int, num_samples: int) -> Future | None:
         """The started push of ``shard`` for this step, if any (step() pushes the others itself)."""
+        started = self.pending.pop(shard, None)
         if self._num_samples is not None and num_samples != self._num_samples:
             raise ValueError(f"step(num_samples={num_samples}) but prepare() announced {self._num_samples}")
-        return self.pending.pop(shard, None)
+        return started
 
     def finish_step(self) -> None:
         """After step(): the first step calibrates which shards may push early."""

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from psserver.job import MODES, OptimizerConfig
+from psserver.job import MODES, JobSpec, OptimizerConfig
 from psserver.schedules import LrSchedule
 from psserver.security import parse_addresses
 from psserver.tboard import ScalarLog
@@ -99,6 +99,7 @@ class TrainConfig:
 def config_problem(cfg: TrainConfig) -> str:
     """The first thing wrong with ``cfg``, as one sentence naming the flag and its value; "" if nothing."""
     checks = [
+        (cfg.num_trainers >= 1, f"--num-trainers ({cfg.num_trainers}) must be at least 1"),
         (0 <= cfg.rank < cfg.num_trainers,
          f"--rank ({cfg.rank}) must be between 0 and --num-trainers - 1 ({cfg.num_trainers - 1})"),
         (cfg.batch_size >= 1, f"--batch-size ({cfg.batch_size}) must be at least 1"),
@@ -125,8 +126,10 @@ def config_problem(cfg: TrainConfig) -> str:
             return message
     try:
         if cfg.backend == "ps":
+            check_job_settings(cfg)
+        else:
             cfg.optimizer_config()
-        lr_schedule(cfg, total_steps=1)  # the run's length only fills in a cosine's default length
+            lr_schedule(cfg, total_steps=1)  # the run's length only fills in a cosine's default length
         check_max_norm(cfg.clip_grad_norm, cfg.push_during_backward)
     except ValueError as e:
         return f"{e}".rstrip(".")
@@ -190,6 +193,17 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def finite_json(value):
+    """``value`` with every NaN or infinite float replaced by None: JSON has no NaN (a diverged loss is null)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
+
+
 class MetricsWriter:
     """JSON lines, flushed per record so a watcher (ps-cluster) can follow the run live.
 
@@ -203,7 +217,7 @@ class MetricsWriter:
     def write(self, event: str, **fields) -> None:
         if self.f:
             record = {"event": event, "rank": self.rank, "time": time.time(), **fields}
-            self.f.write(json.dumps(record, allow_nan=False) + "\n")
+            self.f.write(json.dumps(finite_json(record), allow_nan=False) + "\n")
 
     def close(self) -> None:
         if self.f:
@@ -315,6 +329,7 @@ class Run:
         self.step, self.epoch, self.stale_steps = 0, 0, 0
         self.versions: list[int] = []
         self.accuracy: float | None = None
+        self.accuracy_step: int | None = None  # the step whose weights the accuracy is of
         self.losses: list[float] = []
         self.timing = dict(compute=0.0, push=0.0, pull=0.0, wait=0.0)
         self.clock = SteadyClock(warmup=min(WARMUP_STEPS, self.total_steps - 1))
@@ -368,7 +383,7 @@ class Run:
                            test_loss=test_loss, elapsed=time.perf_counter() - self.t_start,
                            train_elapsed=t_eval - self.t_start - self.clock.eval_seconds)
         self.clock.eval_seconds += time.perf_counter() - t_eval
-        self.accuracy = accuracy
+        self.accuracy, self.accuracy_step = accuracy, self.step
         self.board.add(self.step, {"test/accuracy": accuracy, "test/loss": test_loss})
         return accuracy
 
@@ -399,7 +414,7 @@ class Run:
         return dict(
             steps=self.step, epochs=self.epoch, seconds=elapsed,
             samples_per_sec=self.step * self.cfg.batch_size / elapsed if elapsed > 0 else 0.0,
-            test_accuracy=self.accuracy, final_loss=sum(tail) / len(tail) if tail else None,
+            test_accuracy=self.accuracy, test_accuracy_step=self.accuracy_step, final_loss=sum(tail) / len(tail) if tail else None,
             stale_steps=self.stale_steps, stale_pushes=counters.get("stale_pushes", 0),
             retries=counters.get("retries", 0), duplicate_pushes=counters.get("duplicate_pushes", 0),
             reconnects=counters.get("reconnects", 0), steps_lost=counters.get("steps_lost", 0),
@@ -429,30 +444,36 @@ class Interrupted(BaseException):
     def __init__(self, signum: int):
         super().__init__(f"signal {signum}")
         self.signum = signum
+        self.left = True  # set False when a shard that knew the trainer could not be told it left
 
 
 def train(cfg: TrainConfig, stop: StopRequest | None = None) -> dict:
     """Train as one trainer of the job; returns the summary also written as the last metrics line.
 
     ``stop``, once set, ends the run after the current step ("stopped": "signal" in the summary).
-    Whatever happens, the trainer leaves the job before this returns or raises.
+    From the first step until the trainer has left, a signal only sets it: saving and leaving are not
+    cut short.  Whatever happens, the trainer leaves the job before this returns or raises.
     """
     run = Run(cfg)
+    stop = stop or StopRequest()
     try:
         run.start()
-        stopped = run_steps(run, stop or StopRequest())
+        stop.steps_running = True
+        stopped = run_steps(run, stop)
         run.save()
-    except BaseException:
+        summary = run.summary(stopped)
+        run.ps.close()
+        run.metrics.write("done", **summary)
+    except BaseException as e:
         if run.ps is not None:
             run.ps.close(leave=True, best_effort=True)
+            if isinstance(e, Interrupted):
+                e.left = getattr(run.ps, "left", True)
+        raise
+    finally:
+        stop.steps_running = False
         run.metrics.close()
         run.board.close()
-        raise
-    summary = run.summary(stopped)
-    run.ps.close()
-    run.metrics.write("done", **summary)
-    run.metrics.close()
-    run.board.close()
     log.info("rank %d: done%s: %d steps, test accuracy %s, %.1f samples/s, %d stale steps", cfg.rank,
              f" (stopped by {stopped})" if stopped else "", run.step,
              "n/a" if run.accuracy is None else f"{run.accuracy:.4f}", summary["samples_per_sec"], run.stale_steps)
@@ -463,7 +484,6 @@ def run_steps(run: Run, stop: StopRequest) -> str:
     """Epochs of steps until the total, or until ``stop`` is set; returns "" or what stopped the run."""
     cfg = run.cfg
     progress = Progress(cfg, run.total_steps)
-    stop.steps_running = True
     try:
         while run.step < run.total_steps:
             order = epoch_order(len(run.data.x_train), cfg.seed, run.epoch)
@@ -479,14 +499,15 @@ def run_steps(run: Run, stop: StopRequest) -> str:
                 elapsed = time.perf_counter() - run.t_start
                 progress.step(run.step, run.epoch, loss, run.step * cfg.batch_size / elapsed, run.stale_steps,
                               run.versions)
-                if cfg.eval_every and run.step % cfg.eval_every == 0 and k != run.spe - 1:
-                    progress.evaluated(run.step, run.epoch, run.evaluate(), end_of_epoch=False)
-            acc = run.evaluate(train_loss=sum(epoch_losses) / max(1, len(epoch_losses)), end_of_epoch=True)
-            progress.evaluated(run.step, run.epoch, acc, end_of_epoch=True)
-            run.epoch += 1
+                last = k == run.spe - 1 or run.step == run.total_steps  # evaluated below in any case
+                if cfg.eval_every and run.step % cfg.eval_every == 0 and not last:
+                    progress.evaluated(run.step, run.epoch, run.evaluate(end_of_epoch=False), end_of_epoch=False)
+            whole = len(epoch_losses) == run.spe  # --steps may end the run inside an epoch
+            acc = run.evaluate(train_loss=sum(epoch_losses) / max(1, len(epoch_losses)), end_of_epoch=whole)
+            progress.evaluated(run.step, run.epoch, acc, end_of_epoch=whole)
+            run.epoch += whole
         return ""
     finally:
-        stop.steps_running = False
         progress.close()
 
 
@@ -501,6 +522,24 @@ def lr_schedule(cfg: TrainConfig, total_steps: int) -> LrSchedule:
                       cosine_steps=cosine, min_lr=cfg.lr_min)
 
 
+def mode_knobs(cfg: TrainConfig) -> dict:
+    """The job spec's mode settings of ``cfg``, those of another mode left out (see ignored_flags)."""
+    stale_timeout = cfg.mode == "stale-timeout"
+    return dict(mode=cfg.mode, num_trainers=cfg.num_trainers, wire_dtype=cfg.wire_dtype, job_id=cfg.job_id,
+                max_staleness=cfg.max_staleness if cfg.mode == "async" else None,
+                sync_timeout=cfg.sync_timeout if stale_timeout else 0.0,
+                replicas_to_aggregate=cfg.replicas_to_aggregate if stale_timeout else 0,
+                stale_policy=cfg.stale_policy if stale_timeout else "drop")
+
+
+def check_job_settings(cfg: TrainConfig) -> None:
+    """The job spec the shards will be sent, on a stand-in layout: its rules (ranges, combinations) refuse a
+    bad setting here, before the data is loaded or anything is started (ps-cluster calls this too)."""
+    JobSpec(num_shards=len(parse_addresses(cfg.ps)), total_params=1, fingerprint="0" * 16,
+            tensors=(("check", (1,), "float32"),), optimizer=cfg.optimizer_config(),
+            lr_schedule=lr_schedule(cfg, total_steps=1), **{k: v for k, v in mode_knobs(cfg).items()})
+
+
 def make_stepper(cfg: TrainConfig, model: torch.nn.Module, total_steps: int):
     """What exchanges gradients: the parameter servers, or a ps-bench baseline."""
     optimizer = cfg.optimizer_config()
@@ -508,15 +547,10 @@ def make_stepper(cfg: TrainConfig, model: torch.nn.Module, total_steps: int):
     if cfg.backend == "ps":
         for note in ignored_flags(cfg):
             log.warning("rank %d: %s", cfg.rank, note)
-        stale_timeout = cfg.mode == "stale-timeout"
-        return connect(cfg.ps, model, mode=cfg.mode, rank=cfg.rank, num_trainers=cfg.num_trainers, optimizer=optimizer,
-                       max_staleness=cfg.max_staleness if cfg.mode == "async" else None,
-                       sync_timeout=cfg.sync_timeout if stale_timeout else 0.0,
-                       replicas_to_aggregate=cfg.replicas_to_aggregate if stale_timeout else 0,
-                       stale_policy=cfg.stale_policy if stale_timeout else "drop",
-                       wire_dtype=cfg.wire_dtype, connect_timeout=cfg.connect_timeout, security=cfg.security,
-                       overlap=cfg.overlap, push_during_backward=cfg.push_during_backward, job_id=cfg.job_id,
-                       retry_budget=cfg.retry_budget, lr_schedule=schedule, clip_grad_norm=clip)
+        return connect(cfg.ps, model, rank=cfg.rank, optimizer=optimizer, **mode_knobs(cfg),
+                       connect_timeout=cfg.connect_timeout, security=cfg.security, overlap=cfg.overlap,
+                       push_during_backward=cfg.push_during_backward, retry_budget=cfg.retry_budget,
+                       lr_schedule=schedule, clip_grad_norm=clip)
     from trainer.baselines import DDPStepper, LocalStepper
 
     if cfg.backend == "ddp":

@@ -135,3 +135,42 @@ def test_a_step_that_found_a_shard_down_is_retried_on_that_shard_only(two_shards
     assert (s0.stats().counters["pushes_applied"], s1.stats().counters["pushes_applied"]) == (1, 1)
     torch.testing.assert_close(ps.flat.flat, expected, rtol=0, atol=1e-6)
     assert ps.counters["steps_failed"] == 1
+
+
+def test_a_pending_failed_step_refuses_a_new_gradient_until_retried_or_abandoned(two_shards_one_behind_a_proxy):
+    s0, s1, proxy, ps = two_shards_one_behind_a_proxy
+    backward(ps.model)
+    proxy.refuse()
+    with pytest.raises(StepFailed):
+        ps.step(num_samples=4)
+    for call in (ps.zero_grad, lambda: ps.prepare_step(4)):
+        with pytest.raises(RuntimeError, match="while a failed step waits: call step\\(\\) to retry it"):
+            call()
+    ps.abandon_step()  # shard 1 never got it; shard 0 keeps what it applied
+    assert float(ps.flat.grad.abs().sum()) == 0.0 and ps.counters["steps_abandoned"] == 1
+    proxy.forward()
+    backward(ps.model)
+    assert ps.step(num_samples=4).outcomes == ["applied", "applied"]  # a new step, new sequence numbers
+    assert (s0.stats().counters["pushes_applied"], s1.stats().counters["pushes_applied"]) == (2, 1)
+
+
+def test_an_interrupt_right_after_a_shard_answered_does_not_make_the_retry_apply_it_twice(
+        two_shards_one_behind_a_proxy, monkeypatch):
+    s0, s1, proxy, ps = two_shards_one_behind_a_proxy
+    backward(ps.model)
+    expected = expected_after_one_step(ps)
+    shard0 = ps.client.shards[0]
+    answered = shard0._acknowledged
+
+    def answered_then_interrupted(*args):
+        answered(*args)
+        raise KeyboardInterrupt  # Ctrl-C between the shard's answer and step() recording it
+
+    monkeypatch.setattr(shard0, "_acknowledged", answered_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ps.step(num_samples=4)
+    monkeypatch.undo()
+    assert ps.step(num_samples=4).outcomes == ["applied", "applied"]
+    assert (s0.stats().counters["pushes_applied"], s1.stats().counters["pushes_applied"]) == (1, 1)
+    assert s0.stats().counters.get("duplicates", 0) == 0  # not even pushed again
+    torch.testing.assert_close(ps.flat.flat, expected, rtol=0, atol=1e-6)

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from psserver.cli import build_parser as server_parser
+from psserver.cli_support import EnvArgumentParser
 from trainer import cluster
 from trainer.cli import build_parser as trainer_parser
 from trainer.cli import config_from_args
@@ -77,8 +78,9 @@ def test_a_variable_meant_for_the_trainer_does_not_reach_other_clis(monkeypatch)
     monkeypatch.setenv("PS_OUTPUT", "elsewhere.png")  # the old name, read by ps-trainer only
     monkeypatch.setenv("PS_TRAINER_SEED", "5")
     assert cluster.build_parser().parse_args([]).seed == 0
-    from trainer.bench import main as bench_main  # noqa: F401 -- ps-bench builds its parser in main
-
+    plot = EnvArgumentParser(prog="ps-plot")  # as ps-plot declares its image path
+    plot.add_argument("-o", "--output", default="comparison.png")
+    assert plot.parse_args([]).output == "comparison.png"
     assert trainer_parser().parse_args(["--ps", "x:1"]).output == "elsewhere.png"
 
 
@@ -157,3 +159,46 @@ def test_the_progress_bar_keeps_the_latest_loss_and_shows_accuracy_only_once_eva
     assert bar.shown[1] == {"loss": "0.953"}  # no accuracy before the first evaluation, never "nan"
     assert bar.shown[2] == {"loss": "0.953", "acc": "0.659"}  # an evaluation keeps the latest loss
     assert bar.shown[3] == {"loss": "0.500", "acc": "0.659"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mode", "async", "--max-staleness", "-3"], "The maximum staleness (-3) must be between 0"),
+    (["--mode", "stale-timeout"], "stale-timeout mode needs a sync timeout > 0 seconds (got 0.0)"),
+    (["--mode", "stale-timeout", "--sync-timeout", "1", "--num-trainers", "2", "--replicas-to-aggregate", "5"],
+     "The replicas to aggregate (5) must be between 0 and the number of trainers (2)"),
+    (["--num-trainers", "0"], "--num-trainers (0) must be at least 1"),
+])
+def test_job_settings_are_refused_by_the_job_specs_rules_before_anything_starts(argv, message):
+    with pytest.raises(ValueError) as e:
+        trainer_config(*argv)
+    assert message in str(e.value)
+
+
+def test_a_bad_choice_from_the_environment_is_refused_naming_the_variable(monkeypatch, capsys):
+    monkeypatch.setenv("PS_TRAINER_WIRE_DTYPE", "fp8")
+    with pytest.raises(SystemExit) as e:
+        trainer_parser().parse_args(["--ps", "x:1"])
+    assert e.value.code == 2
+    assert "environment variable PS_TRAINER_WIRE_DTYPE: invalid choice 'fp8' for --wire-dtype" in capsys.readouterr().err
+
+
+def test_metrics_records_carry_null_for_a_diverged_loss_never_nan(tmp_path):
+    from trainer.loop import MetricsWriter
+
+    path = tmp_path / "m.jsonl"
+    w = MetricsWriter(str(path), rank=0)
+    w.write("step", loss=float("nan"), versions=[1, float("inf")], nested={"x": float("-inf"), "y": 1.5})
+    w.close()
+    record = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"{c} written"))
+    assert record["loss"] is None and record["versions"] == [1, None] and record["nested"] == {"x": None, "y": 1.5}
+
+
+def test_a_run_ending_inside_an_epoch_evaluates_its_last_step_once_and_counts_no_partial_epoch(tmp_path):
+    from trainer.loop import train
+
+    metrics = tmp_path / "m.jsonl"
+    summary = train(TrainConfig(ps="127.0.0.1:1", backend="local", model="mlp", dataset="synthetic", steps=6,
+                                eval_every=3, batch_size=32, metrics_file=str(metrics), threads=1, progress=False))
+    evals = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["event"] == "eval"]
+    assert [(e["step"], e["end_of_epoch"]) for e in evals] == [(3, False), (6, False)]
+    assert summary["epochs"] == 0 and summary["steps"] == 6 and summary["test_accuracy_step"] == 6
