@@ -10,8 +10,6 @@ import threading
 
 from psserver.cli_support import EnvArgumentParser, ensure_malloc_tunables, run_cli, setup_logging
 from psserver.security import ServerSecurity, read_token
-from psserver.server import ServerConfig, ShardServer
-from psserver.service import ServiceLimits
 
 log = logging.getLogger("psserver")
 
@@ -74,6 +72,11 @@ def write_ready_file(path: str, address: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Here, not at the top: `ps-server health` (a container health check every few seconds) and `stats`
+    # then start without importing torch.
+    from psserver.server import ServerConfig, ShardServer
+    from psserver.service import ServiceLimits
+
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     limits = ServiceLimits(max_pull_wait=args.max_pull_wait, stream_idle_timeout=args.stream_idle_timeout,
