@@ -165,8 +165,8 @@ def ensure_tools() -> None:
 def host_network() -> dict[str, str]:
     """What the host's network reads now: the lines an engine would change."""
     state = {}
-    for argv in (["iptables", "-S"], ["iptables", "-t", "nat", "-S"], ["ip", "link"]):
-        state[" ".join(argv)] = run(argv).stdout
+    for argv in (["iptables", "-S"], ["iptables", "-t", "nat", "-S"], ["ip", "-o", "link"]):  # -o: a line a link
+        state[" ".join(argv).replace(" -o", "")] = run(argv).stdout
     sysctls = ["net/ipv4/ip_forward", "net/bridge/bridge-nf-call-iptables"]
     state["sysctl"] = "\n".join(f"{k}={Path('/proc/sys', k).read_text().strip()}" for k in sysctls
                                 if Path("/proc/sys", k).exists())
@@ -180,7 +180,7 @@ class Engine:
     """
 
     def __init__(self, cfg: Settings):
-        self.cfg, self.proc, self.env = cfg, None, dict(os.environ)
+        self.cfg, self.proc, self.env, self.netns = cfg, None, dict(os.environ), False
 
     def answers(self, env: dict) -> bool:
         return run(["docker", "version", "--format", "{{.Server.Version}}"], env=env, timeout=20,
@@ -199,6 +199,7 @@ class Engine:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         cfg.data_root.mkdir(parents=True, exist_ok=True)
         run(["ip", "netns", "add", cfg.netns])
+        self.netns = True
         run(["ip", "netns", "exec", cfg.netns, "ip", "link", "set", "lo", "up"])
         # nsenter --net, not `ip netns exec`: that one remounts /sys, hiding the cgroup mounts from dockerd.
         argv = ["nsenter", f"--net=/run/netns/{cfg.netns}", "dockerd", "--data-root", str(cfg.data_root),
@@ -216,18 +217,20 @@ class Engine:
         say(f"started dockerd (pid {self.proc.pid}) in network namespace {cfg.netns}, socket {cfg.socket}")
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        self.proc.terminate()  # dockerd stops its containerd on the way out
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        say(f"stopped dockerd (pid {self.proc.pid}, exit {self.proc.returncode})")
-        self.proc = None
-        run(["ip", "netns", "del", self.cfg.netns], check=False)
-        shutil.rmtree(self.cfg.run_dir, ignore_errors=True)
+        """Only what start() made: its dockerd (by its own pid), its namespace, its run directory."""
+        if self.proc is not None:
+            self.proc.terminate()  # dockerd stops its containerd on the way out
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            say(f"stopped dockerd (pid {self.proc.pid}, exit {self.proc.returncode})")
+            self.proc = None
+        if self.netns:
+            run(["ip", "netns", "del", self.cfg.netns], check=False)
+            shutil.rmtree(self.cfg.run_dir, ignore_errors=True)
+            self.netns = False
 
 
 def remove_leftovers(cfg: Settings) -> list[str]:
@@ -427,6 +430,33 @@ def demo(cfg: Settings, engine: Engine, kill: str | None, summary: dict) -> None
     print_summary(results)
 
 
+def run_and_tear_down(cfg: Settings, engine: Engine, kill: str | None, before: dict, summary: dict) -> None:
+    """The demo, then whatever happened: compose down, the engine stopped, the host's network compared."""
+    try:
+        engine.start()
+        demo(cfg, engine, kill, summary)
+    finally:
+        with contextlib.suppress(DemoError):
+            if "compose" in summary:
+                summary.pop("compose").down()
+        engine.stop()
+        diff = network_diff(before, host_network())
+        summary["network_diff"] = diff
+        if diff:
+            say("the host's network changed during the run (lines naming docker0, br-, veth or DOCKER would be "
+                "ours; others are another program's):\n  " + "\n  ".join(diff))
+        else:
+            say("host network unchanged: iptables -S, iptables -t nat -S, ip link and ip_forward read as before")
+
+
+@contextlib.contextmanager
+def demo_lock():
+    """One demo at a time on a machine: they share the engine's paths and namespace."""
+    with open(Path(tempfile.gettempdir()) / "psgrpc-compose-demo.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="compose-demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--kill-shard", nargs="?", const="ps-shard-0", default=None, metavar="SERVICE",
@@ -439,25 +469,12 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict = {"event": "compose-demo"}
     try:
         ensure_tools()
-        lock = open(Path(tempfile.gettempdir()) / "psgrpc-compose-demo.lock", "w")
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one demo at a time on a machine: they share the engine's paths
-        before = host_network()
-        engine = Engine(cfg)
-        try:
-            engine.start()
-            demo(cfg, engine, args.kill_shard, summary)
-        finally:
-            with contextlib.suppress(DemoError):
-                if "compose" in summary:
-                    summary.pop("compose").down()
-            engine.stop()
-            diff = network_diff(before, host_network())
-            summary["network_diff"] = diff
-            if diff:
-                say("the host's network changed during the run (lines naming docker0, br-, veth or DOCKER would "
-                    "be ours; others are another program's):\n  " + "\n  ".join(diff))
-            else:
-                say("host network unchanged: iptables -S, iptables -t nat -S, ip link and ip_forward read as before")
+        with demo_lock():
+            before = host_network()
+            engine = Engine(cfg)
+            run_and_tear_down(cfg, engine, args.kill_shard, before, summary)
+    except KeyboardInterrupt:
+        summary["error"], code = "interrupted", 130
     except DemoError as e:
         summary["error"] = str(e)
         print(f"compose-demo: {e}", file=sys.stderr)

@@ -45,7 +45,8 @@ def run_demo(*args: str, timeout: float = 1500) -> tuple[subprocess.CompletedPro
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.communicate()
-        demo.remove_leftovers(demo.Settings())  # whatever a killed script left: its dockerd, its namespace
+        with demo.demo_lock():  # whatever a killed script left: its dockerd, its namespace
+            demo.remove_leftovers(demo.Settings())
     lines = out.strip().splitlines()
     summary = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), summary
