@@ -28,8 +28,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 from pathlib import Path
+
+try:
+    import tomllib
+except ImportError:  # Python < 3.11
+    sys.exit("compose-demo: needs Python 3.11 or newer (tomllib)\n  hint: run it with python3.11")
 
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = REPO / "deploy" / "docker-compose.yml"
@@ -297,6 +301,8 @@ def fill_wheelhouse(python: str = sys.executable) -> None:
         return
     target = ["--only-binary=:all:", "--python-version", "3.11", "--implementation", "cp", "--platform",
               "manylinux2014_x86_64", *[a for m in range(17, 37) for a in ("--platform", f"manylinux_2_{m}_x86_64")]]
+    if run([python, "-m", "pip", "--version"], check=False).returncode != 0:
+        raise DemoError(f"{python} has no pip to fill the wheelhouse with", "apt-get install python3-pip")
     t0 = time.monotonic()
     index = os.environ.get("TORCH_INDEX_URL")
     for what in ([torch], wanted):  # torch alone first, so the resolver meets the CPU build before any other
@@ -335,8 +341,14 @@ class Compose:
             say("removed the containers, the network and the volume")
 
 
+def image_id(env: dict, name: str = "psgrpc:latest") -> str:
+    return run(["docker", "image", "inspect", "-f", "{{.Id}}", name], env=env, check=False).stdout.strip()
+
+
 def build(compose: Compose, base: str) -> None:
+    """The image from deploy/Dockerfile, offline; the one it replaces is removed (the build cache stays)."""
     t0 = time.monotonic()
+    previous = image_id(compose.env)
     compose.env.update(PSGRPC_BASE_IMAGE=base, PSGRPC_WHEELHOUSE="1")
     log = compose.cfg.logs / "build.log"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -345,6 +357,8 @@ def build(compose: Compose, base: str) -> None:
     if out.returncode != 0:
         step = [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("Step ")][-1:]
         raise DemoError(f"the image did not build ({' '.join(step)[:70] or 'before its first step'})", f"its log: {log}")
+    if previous and previous != image_id(compose.env):
+        run(["docker", "image", "rm", previous], env=compose.env, check=False)  # ~1 GB a code change otherwise
     size = run(["docker", "image", "inspect", "-f", "{{.Size}}", "psgrpc:latest"], env=compose.env).stdout
     say(f"image psgrpc:latest built in {time.monotonic() - t0:.0f} s: {int(size) / 1e9:.2f} GB")
 

@@ -31,10 +31,10 @@ pytestmark = [
 ]
 
 
-def run_demo(*args: str, timeout: float = 1500) -> tuple[subprocess.CompletedProcess, dict]:
+def run_demo(*args: str, timeout: float = 1500, env: dict | None = None) -> tuple[subprocess.CompletedProcess, dict]:
     """The script to its end; on a timeout or any failure it is stopped, and its engine and namespace go."""
     proc = subprocess.Popen([sys.executable, str(SCRIPT), *args, "--json"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, env={**os.environ, **(env or {})})
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:
@@ -72,4 +72,18 @@ def test_compose_demo_trains_through_a_killed_shard_and_leaves_the_host_as_it_wa
     # afterwards: no engine, no namespace, and nothing an engine makes on the host's network
     assert not Path("/run/netns", demo.Settings().netns).exists()
     assert not demo.Settings().run_dir.exists()
+    assert demo.docker_made(demo.network_diff(before, demo.host_network())) == []
+
+
+def test_a_failed_build_is_one_line_with_a_hint_and_leaves_no_engine_namespace_or_firewall_change():
+    before = demo.host_network()
+    # No registry answers here, so a base image that is not in the engine cannot be had: the build fails.
+    result, summary = run_demo(env={"PSGRPC_BASE_IMAGE": "psgrpc-no-such-base:0"}, timeout=600)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    cause, hint = result.stderr.strip().splitlines()[-2:]
+    assert cause.startswith("compose-demo: the image did not build") and hint.startswith("  hint: its log: ")
+    assert "image did not build" in summary["error"]
+    assert "stopped dockerd" in result.stdout
+    assert not Path("/run/netns", demo.Settings().netns).exists()
     assert demo.docker_made(demo.network_diff(before, demo.host_network())) == []

@@ -67,3 +67,8 @@ def test_a_run_passes_with_every_exit_0_the_bar_met_and_the_killed_shard_restart
 ])
 def test_a_run_fails_naming_what_went_wrong(overrides, problem):
     assert demo.verdict(_containers(**overrides), 0.90, killed="ps-shard-0") == [problem]
+
+
+def test_without_root_no_engine_can_be_started_and_the_reason_says_so(monkeypatch):
+    monkeypatch.setattr(demo.os, "geteuid", lambda: 1000)
+    assert demo.engine_unavailable_reason() == "starting a Docker engine needs root"
