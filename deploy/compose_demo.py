@@ -208,8 +208,8 @@ class Engine:
         # nsenter --net, not `ip netns exec`: that one remounts /sys, hiding the cgroup mounts from dockerd.
         argv = ["nsenter", f"--net=/run/netns/{cfg.netns}", "dockerd", "--data-root", str(cfg.data_root),
                 "--exec-root", str(cfg.run_dir / "exec"), "-H", cfg.socket, "--pidfile", str(cfg.run_dir / "pid")]
-        log = open(cfg.run_dir / "dockerd.log", "w")
-        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        with open(cfg.run_dir / "dockerd.log", "w") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.env = {**os.environ, "DOCKER_HOST": cfg.socket}
         deadline = time.monotonic() + 60
         while not self.answers(self.env):
@@ -291,9 +291,10 @@ def fill_wheelhouse(python: str = sys.executable) -> None:
 
     Wheels for CPython 3.11 on manylinux, whatever the host's Python, so they fit the Debian base.
     """
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     torch = os.environ.get("TORCH", "torch==2.13.0")
-    wanted = [torch, *project["dependencies"], "setuptools>=68", "wheel"]  # setuptools: pip builds the project
+    # the build requirements too: pip builds the project in the image, offline
+    wanted = [torch, *pyproject["project"]["dependencies"], *pyproject["build-system"]["requires"], "wheel"]
     stamp = WHEELHOUSE / ".complete"
     key = hashlib.sha256(json.dumps(wanted).encode()).hexdigest()
     if stamp.exists() and stamp.read_text() == key:
