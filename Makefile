@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch; installed before the project so pip does not pull a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test
+.PHONY: setup demo test compose-demo
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -20,3 +20,8 @@ demo: setup
 # pytest exits 5 when it collected no tests: treat that as a failure, not a pass.
 test: setup
 	$(PY) -m pytest -q $(ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests were collected" >&2; exit 1; fi; exit $$rc
+
+# The compose demo in real containers on this machine, built without a registry (deploy/compose_demo.py):
+# `make compose-demo`, or `make compose-demo ARGS=--kill-shard` to SIGKILL a shard mid-run. Needs root.
+compose-demo:
+	python3 deploy/compose_demo.py $(ARGS)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 
 import yaml
 
@@ -35,3 +37,12 @@ def k8s_documents() -> list[tuple[str, dict]]:
             if doc:
                 docs.append((path.name, doc))
     return docs
+
+
+def compose_demo():
+    """deploy/compose_demo.py as a module (a script, not in a package: it runs before any virtual environment)."""
+    spec = importlib.util.spec_from_file_location("compose_demo", REPO_ROOT / "deploy" / "compose_demo.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks itself up there
+    spec.loader.exec_module(module)
+    return module
