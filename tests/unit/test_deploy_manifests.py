@@ -21,14 +21,14 @@ def test_compose_file_validates_and_has_2_shards_and_3_trainers():
     assert shards == ["ps-shard-0", "ps-shard-1"] and len(trainers) == 3
     for name in trainers:
         env = services[name]["environment"]
-        assert env["PS_PS"] == "ps-shard-0:7000,ps-shard-1:7000"
-        assert int(env["PS_NUM_TRAINERS"]) == len(trainers)
-        assert env["PS_MODE"] == "sync"  # the default mode
+        assert env["PS_TRAINER_PS"] == "ps-shard-0:7000,ps-shard-1:7000"
+        assert int(env["PS_TRAINER_NUM_TRAINERS"]) == len(trainers)
+        assert env["PS_TRAINER_MODE"] == "sync"  # the default mode
         assert {d: c["condition"] for d, c in services[name]["depends_on"].items()} == {
             s: "service_healthy" for s in shards}
-    assert sorted(int(services[t]["environment"]["PS_RANK"]) for t in trainers) == [0, 1, 2]
+    assert sorted(int(services[t]["environment"]["PS_TRAINER_RANK"]) for t in trainers) == [0, 1, 2]
     for i, name in enumerate(shards):
-        assert int(services[name]["environment"]["PS_SHARD"]) == i
+        assert int(services[name]["environment"]["PS_SERVER_SHARD"]) == i
         assert services[name]["healthcheck"]["test"][:3] == ["CMD", "ps-server", "health"]
         assert any(v.startswith("checkpoints:") for v in services[name]["volumes"])
     assert "checkpoints" in cfg["volumes"]
@@ -37,8 +37,8 @@ def test_compose_file_validates_and_has_2_shards_and_3_trainers():
 @needs_compose
 def test_compose_mode_and_straggler_come_from_one_environment_variable_each():
     services = resolved_compose({"PS_MODE": "stale-timeout", "PS_STRAGGLER_DELAY": "0.3"})["services"]
-    assert {services[t]["environment"]["PS_MODE"] for t in services if t.startswith("ps-trainer")} == {"stale-timeout"}
-    assert services["ps-trainer-2"]["environment"]["PS_STEP_DELAY"] == "0.3"
+    assert {services[t]["environment"]["PS_TRAINER_MODE"] for t in services if t.startswith("ps-trainer")} == {"stale-timeout"}
+    assert services["ps-trainer-2"]["environment"]["PS_TRAINER_STEP_DELAY"] == "0.3"
 
 
 def test_kubernetes_manifests_validate_against_the_schema():
@@ -54,17 +54,43 @@ def test_kubernetes_shards_and_trainers_agree():
     sts, job, svc = docs["StatefulSet"], docs["Job"], docs["Service"]
     assert svc["spec"]["clusterIP"] == "None" and sts["spec"]["serviceName"] == svc["metadata"]["name"]
     env = {e["name"]: e for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
-    addresses = env["PS_PS"]["value"].split(",")
+    addresses = env["PS_TRAINER_PS"]["value"].split(",")
     assert addresses == [f"ps-shard-{i}.ps-shard:7000" for i in range(sts["spec"]["replicas"])]
-    assert int(env["PS_NUM_TRAINERS"]["value"]) == job["spec"]["completions"] == job["spec"]["parallelism"]
+    assert int(env["PS_TRAINER_NUM_TRAINERS"]["value"]) == job["spec"]["completions"] == job["spec"]["parallelism"]
     assert job["spec"]["completionMode"] == "Indexed"
-    assert "job-completion-index" in env["PS_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert "job-completion-index" in env["PS_TRAINER_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
     shard_env = {e["name"]: e for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert "pod-index" in shard_env["PS_SHARD"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert "pod-index" in shard_env["PS_SERVER_SHARD"]["valueFrom"]["fieldRef"]["fieldPath"]
     container = sts["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e.get("value") for e in container["env"]}
-    health_port = int(env["PS_HEALTH_PORT"])  # probes go to the shard's own health port, not the data port
+    health_port = int(env["PS_SERVER_HEALTH_PORT"])  # probes go to the shard's own health port, not the data port
     assert container["readinessProbe"]["grpc"]["port"] == health_port
     assert container["livenessProbe"]["grpc"]["port"] == health_port
     assert health_port in {p["containerPort"] for p in container["ports"]}
     assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "checkpoints"
+
+
+def flag_variables(prog: str) -> set[str]:
+    """The environment variables a CLI reads: one per flag, named after the CLI."""
+    from psserver.cli import build_parser as server_parser
+    from psserver.cli_support import env_prefix
+    from trainer.cli import build_parser as trainer_parser
+
+    parser = {"ps-server": server_parser, "ps-trainer": trainer_parser}[prog]()
+    return {env_prefix(prog) + a.dest.upper() for a in parser._actions if a.option_strings and a.dest != "help"}
+
+
+@needs_compose
+def test_every_variable_the_compose_file_sets_names_a_flag_of_the_cli_it_runs():
+    for name, service in resolved_compose()["services"].items():
+        prog = "ps-server" if name.startswith("ps-shard-") else "ps-trainer"
+        unknown = set(service["environment"]) - flag_variables(prog)
+        assert not unknown, f"{name} sets {sorted(unknown)}, which {prog} does not read"
+
+
+def test_every_variable_the_kubernetes_manifests_set_names_a_flag_of_the_cli_they_run():
+    docs = {d["kind"]: d for _, d in k8s_documents()}
+    for kind, prog in (("StatefulSet", "ps-server"), ("Job", "ps-trainer")):
+        env = {e["name"] for e in docs[kind]["spec"]["template"]["spec"]["containers"][0]["env"]}
+        unknown = {n for n in env if n.startswith("PS_")} - flag_variables(prog)
+        assert not unknown, f"the {kind} sets {sorted(unknown)}, which {prog} does not read"
