@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import math
 import threading
 from dataclasses import dataclass, field
 
@@ -63,6 +64,14 @@ class ServerConfig:
             raise ValueError(f"The port ({self.port}) must be between 0 and 65535.")
         if self.restore and not self.checkpoint_dir:
             raise ValueError("--restore needs --checkpoint-dir: where should the checkpoint come from?")
+        if not -1 <= self.health_port < 65536:
+            raise ValueError(f"The health port ({self.health_port}) must be between 0 and 65535 (or -1: none).")
+        if not (self.lease_timeout >= 0 and math.isfinite(self.lease_timeout)):
+            raise ValueError(f"The lease timeout ({self.lease_timeout} s) must be zero (never) or more seconds.")
+        if self.checkpoint_every < 1:
+            raise ValueError(f"The checkpoint interval ({self.checkpoint_every} versions) must be at least 1.")
+        if self.torch_threads < 0:
+            raise ValueError(f"The torch threads ({self.torch_threads}) must be zero (torch's default) or more.")
         if self.chunk_bytes < 16 or self.chunk_bytes > self.max_message_bytes // 2:
             raise ValueError(
                 f"The chunk size ({self.chunk_bytes} bytes) must be between 16 and half the message limit "

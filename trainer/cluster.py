@@ -9,6 +9,7 @@ non-zero if any process failed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -287,12 +288,20 @@ def show(rec: dict, progress: Progress, bars) -> None:
 
 def follow(trainers: list[Proc], shards: list[Proc], progress: Progress, timeout: float, t0: float) -> dict:
     """Show progress until every trainer has exited; stop early if a process fails."""
-    bars = None
+    bars, redirect = None, contextlib.nullcontext()
     if sys.stderr.isatty():
         from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
 
         bars = [tqdm(total=1, desc=f"trainer {r}", position=r, unit="step", dynamic_ncols=True)
                 for r in range(len(trainers))]
+        redirect = logging_redirect_tqdm()  # log lines above the bars, not through them
+    with redirect:
+        return _follow(trainers, shards, progress, timeout, t0, bars)
+
+
+def _follow(trainers: list[Proc], shards: list[Proc], progress: Progress, timeout: float, t0: float,
+            bars) -> dict:
     try:
         while any(t.alive() for t in trainers):
             if time.monotonic() - t0 > timeout:

@@ -202,3 +202,17 @@ def test_a_run_ending_inside_an_epoch_evaluates_its_last_step_once_and_counts_no
     evals = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["event"] == "eval"]
     assert [(e["step"], e["end_of_epoch"]) for e in evals] == [(3, False), (6, False)]
     assert summary["epochs"] == 0 and summary["steps"] == 6 and summary["test_accuracy_step"] == 6
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("lease_timeout", -1.0, "The lease timeout (-1.0 s) must be zero (never) or more seconds"),
+    ("checkpoint_every", 0, "The checkpoint interval (0 versions) must be at least 1"),
+    ("health_port", 99999, "The health port (99999) must be between 0 and 65535 (or -1: none)"),
+    ("torch_threads", -2, "The torch threads (-2) must be zero (torch's default) or more"),
+])
+def test_a_bad_server_setting_is_refused_before_the_shard_starts(field, value, message):
+    from psserver.server import ServerConfig
+
+    with pytest.raises(ValueError) as e:
+        ServerConfig(shard=0, **{field: value})
+    assert message in str(e.value)
