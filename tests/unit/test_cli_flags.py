@@ -7,6 +7,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from psserver.cli import build_parser as server_parser
 from psserver.cli_support import EnvArgumentParser
@@ -197,8 +198,13 @@ def test_a_run_ending_inside_an_epoch_evaluates_its_last_step_once_and_counts_no
     from trainer.loop import train
 
     metrics = tmp_path / "m.jsonl"
-    summary = train(TrainConfig(ps="127.0.0.1:1", backend="local", model="mlp", dataset="synthetic", steps=6,
-                                eval_every=3, batch_size=32, metrics_file=str(metrics), threads=1, progress=False))
+    threads = torch.get_num_threads()  # train() sets the process's thread count: leave it as it was
+    try:
+        summary = train(TrainConfig(ps="127.0.0.1:1", backend="local", model="mlp", dataset="synthetic", steps=6,
+                                    eval_every=3, batch_size=32, metrics_file=str(metrics), threads=1,
+                                    progress=False))
+    finally:
+        torch.set_num_threads(threads)
     evals = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["event"] == "eval"]
     assert [(e["step"], e["end_of_epoch"]) for e in evals] == [(3, False), (6, False)]
     assert summary["epochs"] == 0 and summary["steps"] == 6 and summary["test_accuracy_step"] == 6
