@@ -200,8 +200,8 @@ class RowStore:
     def _check_fits(self, n_unique: int) -> None:
         """Refuse a call whose rows could not all be live at once."""
         if self.spec.max_rows and n_unique > self.spec.max_rows:
-            raise errors.TooManyIds(f"ids has {n_unique} unique ids, over table {self.spec.name!r}'s "
-                                    f"max_rows of {self.spec.max_rows}")
+            raise errors.TooManyIds(f"ids has {n_unique} unique ids, over the max_rows of table "
+                                    f"{self.spec.name!r} ({self.spec.max_rows})")
 
     def _check_grads(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """Refuse gradient rows of the wrong shape or dtype, repeated ids, or non-finite values."""
@@ -350,7 +350,7 @@ def _check_state(spec: TableSpec, state: dict) -> int:
     for name in ("last_tick", "last_version"):
         _expect(name, state.get(name), torch.int64, (n,))
     if spec.max_rows is not None and n > spec.max_rows:
-        raise errors.BadTableState(f"saved state holds {n} rows, over table {spec.name!r}'s max_rows of {spec.max_rows}")
+        raise errors.BadTableState(f"saved state holds {n} rows, over the max_rows of table {spec.name!r} ({spec.max_rows})")
     if len(torch.unique(ids)) != n:
         raise errors.BadTableState("saved ids repeat an id")
     if spec.num_embeddings is not None and n and (ids.min() < 0 or ids.max() >= spec.num_embeddings):
