@@ -71,3 +71,12 @@ def check_id(field: str, value: str, limit: int = MAX_ID_CHARS) -> None:
     problem = text_problem(field, value, limit)
     if problem:
         raise InvalidRequest(problem)
+
+# Sparse tables (psserver.sparse).  A row's width: 65536 fp32 is 256 KiB a row, past any embedding.
+MAX_EMBEDDING_DIM = 1 << 16
+# Live rows one table may keep on one shard (its max_rows): 2**32 rows of dim 1 are already 16 GiB.
+MAX_TABLE_ROWS = 1 << 32
+# Ids in one lookup or push: 2**20 rows of dim 64 are 256 MiB of fp32.
+MAX_IDS_PER_CALL = 1 << 20
+# Sightings an id needs before its row is stored (admit_after).
+MAX_ADMIT_AFTER = 1 << 16

@@ -1,0 +1,84 @@
+"""Deterministic row initialisation: a row is a function of (table seed, id) alone.
+
+A row is created lazily on whichever shard owns its id, possibly again after an
+eviction or a restart, so it must not depend on the order of creation, the batch
+it arrived in or any generator state.  Each row is therefore a counter-based
+stream (the splitmix64 generator, see ``placement``): with ``splitmix64(x) =
+mix64(x + GAMMA)`` as there,
+
+    s(id)        = splitmix64(id XOR splitmix64(seed))
+    bits(id, j)  = mix64(s(id) + (j + 1) * GAMMA)      (mod 2**64, column j = 0..dim-1)
+
+which is exactly output j+1 of a splitmix64 generator started at state s(id).
+
+- ``uniform(-a, a)``: the top 24 bits give k in [0, 2**24); the value is
+  ``(k * 2**-23 - 1) * a`` in float32.  Every step is exact but the last product,
+  which is one correctly rounded multiplication: bit-identical everywhere.
+- ``normal(0, std)``: Box-Muller on the two 32-bit halves,
+  ``u1 = (hi + 0.5) * 2**-32`` (never 0), ``u2 = lo * 2**-32``,
+  ``std * sqrt(-2 ln u1) * cos(2 pi u2)``, computed in float64 and rounded to
+  float32.  log and cos are not correctly rounded functions, so two CPUs (or
+  torch's vector and scalar loops) may differ in the last float64 bit; rounding
+  to float32 hides that except in about one value in 10**8, which then differs by
+  one float32 ulp.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from psserver.sparse.placement import GAMMA, as_int64, mix64, shift_right
+
+INITIALIZERS = ("uniform", "normal")
+_LOW32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class Initializer:
+    """How a new row is drawn: ``uniform`` in [-scale, scale) or ``normal`` with std ``scale``."""
+
+    kind: str = "uniform"
+    scale: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.kind not in INITIALIZERS:
+            raise ValueError(f"initializer kind ({self.kind!r}) must be one of {', '.join(INITIALIZERS)}")
+        ok = isinstance(self.scale, (int, float)) and not isinstance(self.scale, bool) and math.isfinite(self.scale)
+        if not ok or self.scale < 0:
+            raise ValueError(f"initializer scale ({self.scale!r}) must be a finite number, zero or more")
+
+
+def splitmix64(z: torch.Tensor) -> torch.Tensor:
+    """One splitmix64 output for state ``z``: the increment, then the mix."""
+    return mix64(z + as_int64(GAMMA))
+
+
+def row_bits(seed: int, ids: torch.Tensor, dim: int) -> torch.Tensor:
+    """``bits(id, j)`` of the module docstring: an int64 (len(ids), dim) tensor."""
+    key = splitmix64(torch.tensor(as_int64(seed), dtype=torch.int64))
+    start = splitmix64(ids ^ key)
+    steps = torch.arange(1, dim + 1, dtype=torch.int64) * as_int64(GAMMA)  # wraps, as it must
+    return mix64(start[:, None] + steps[None, :])
+
+
+def uniform_rows(bits: torch.Tensor, a: float) -> torch.Tensor:
+    """uniform[-a, a) from the top 24 bits, exact until the final multiplication by ``a``."""
+    k = shift_right(bits, 40).to(torch.float32)
+    return (k * 2.0**-23 - 1.0) * a
+
+
+def normal_rows(bits: torch.Tensor, std: float) -> torch.Tensor:
+    """Box-Muller on the two 32-bit halves of each word, in float64, rounded to float32."""
+    u1 = (shift_right(bits, 32).to(torch.float64) + 0.5) * 2.0**-32
+    u2 = (bits & _LOW32).to(torch.float64) * 2.0**-32
+    z = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)
+    return (z * std).to(torch.float32)
+
+
+def init_rows(init: Initializer, seed: int, ids: torch.Tensor, dim: int) -> torch.Tensor:
+    """The initial float32 rows (len(ids), dim) for ``ids`` of a table with ``seed``."""
+    bits = row_bits(seed, ids, dim)
+    return uniform_rows(bits, init.scale) if init.kind == "uniform" else normal_rows(bits, init.scale)

@@ -1,0 +1,369 @@
+"""One sparse table's live rows on one shard: lookup, apply, admission, eviction, state.
+
+Rows, optimizer state and bookkeeping sit in preallocated tensors indexed by a
+slot; a dict maps each live id to its slot.  Capacity doubles as rows are created
+and never exceeds ``max_rows``, so with eviction on, memory is bounded whatever
+stream of ids arrives.  A row that is not stored (never seen, evicted, or not yet
+admitted) costs nothing: it is recreated from (seed, id) when it comes back.
+
+Clocks: ``version`` counts pushes applied (Adam's t; "unseen for T versions"
+eviction); ``tick`` counts calls (lookups and pushes) and orders rows for LRU.
+Every refusal is raised before anything changes.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from psserver import limits
+from psserver.sparse import errors
+from psserver.sparse import admission
+from psserver.sparse.admission import CountMinSketch
+from psserver.sparse.init import Initializer, init_rows
+from psserver.sparse.optim import SparseOptimizerConfig, initial_state, state_width, update_rows
+from psserver.sparse.placement import check_ids
+
+INT64_MAX = (1 << 63) - 1
+# LRU eviction frees this fraction of max_rows beyond what a call needs, so that at the cap a
+# scan of all rows' last use is paid once per max_rows/64 new rows, not on every call.
+EVICT_SLACK = 1 / 64
+# Bytes of one Python int in the id -> slot dict: 36 holds any int64 id (28 for a slot below 2**30).
+_ID_OBJECT_BYTES, _SLOT_OBJECT_BYTES = 36, 28
+
+
+def _check_int(field_name: str, value, low: int, high: int, optional: bool = False) -> None:
+    """Refuse a non-integer or an integer outside [low, high], naming the field and value."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        none = " or None" if optional else ""
+        raise ValueError(f"table {field_name} ({value!r}) must be an integer from {low} to {high}{none}")
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """What a table is; fixed for the life of a job and checked against a checkpoint on restore."""
+
+    name: str
+    dim: int
+    optimizer: SparseOptimizerConfig = field(default_factory=SparseOptimizerConfig)
+    initializer: Initializer = field(default_factory=Initializer)
+    seed: int = 0  # with the id, the only input of a row's initial values
+    num_embeddings: int | None = None  # bounded table: ids 0..num_embeddings-1; None: any int64
+    admit_after: int = 0  # sightings of an id that read zeros before its row is stored
+    max_rows: int | None = None  # live rows kept: least recently used ones are evicted past it
+    evict_after: int | None = None  # evict rows unseen for this many versions
+
+    def __post_init__(self) -> None:
+        problem = limits.text_problem("table name", self.name, limits.MAX_NAME_CHARS)
+        if problem or not self.name:
+            raise ValueError(problem or "table name must not be empty")
+        _check_int("dim", self.dim, 1, limits.MAX_EMBEDDING_DIM)
+        _check_int("seed", self.seed, 0, INT64_MAX)
+        _check_int("num_embeddings", self.num_embeddings, 1, INT64_MAX, optional=True)
+        _check_int("admit_after", self.admit_after, 0, limits.MAX_ADMIT_AFTER)
+        _check_int("max_rows", self.max_rows, 1, limits.MAX_TABLE_ROWS, optional=True)
+        _check_int("evict_after", self.evict_after, 1, limits.MAX_SCHEDULE_STEPS, optional=True)
+        for name, cls in (("optimizer", SparseOptimizerConfig), ("initializer", Initializer)):
+            if not isinstance(getattr(self, name), cls):
+                raise ValueError(f"table {name} ({getattr(self, name)!r}) must be a {cls.__name__}")
+
+
+@dataclass
+class TableCounts:
+    """What happened to rows, for metrics: each only grows."""
+
+    rows_created: int = 0
+    zero_reads: int = 0  # ids read as zeros because they were not admitted yet
+    dropped_grads: int = 0  # gradient rows of ids not admitted yet: counted, not stored
+    evicted_lru: int = 0
+    evicted_stale: int = 0
+
+
+class RowStore:
+    """The live rows of one table on one shard (not thread-safe: the servicer serialises calls)."""
+
+    def __init__(self, spec: TableSpec, initial_capacity: int = 1024):
+        self.spec = spec
+        self.width = state_width(spec.optimizer, spec.dim)
+        self.version = 0
+        self.tick = 0
+        self.counts = TableCounts()
+        self.sketch = CountMinSketch() if spec.admit_after else None
+        self._slot_of: dict[int, int] = {}
+        self._free: list[int] = []  # slots below _used that hold no row
+        self._used = 0  # slots ever handed out; slots at and above it were never used
+        self._alloc(min(initial_capacity, spec.max_rows or initial_capacity))
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    # -- storage -------------------------------------------------------------------------
+
+    def _alloc(self, capacity: int) -> None:
+        """(Re)allocate every per-slot tensor at ``capacity`` slots, keeping the used ones."""
+        old = getattr(self, "_ids", None)
+        fresh = {
+            "_ids": torch.zeros(capacity, dtype=torch.int64),
+            "_rows": torch.zeros(capacity, self.spec.dim),
+            "_state": torch.zeros(capacity, self.width),
+            "_last_tick": torch.full((capacity,), INT64_MAX, dtype=torch.int64),  # INT64_MAX: no row
+            "_last_version": torch.full((capacity,), INT64_MAX, dtype=torch.int64),
+        }
+        for name, tensor in fresh.items():
+            if old is not None:
+                tensor[: self._used] = getattr(self, name)[: self._used]
+            setattr(self, name, tensor)
+
+    def _take_slots(self, n: int) -> torch.Tensor:
+        """``n`` empty slots: freed ones first, then new ones, growing capacity by doubling."""
+        reuse = self._free[len(self._free) - min(n, len(self._free)):]
+        del self._free[len(self._free) - len(reuse):]
+        extra = n - len(reuse)
+        if self._used + extra > len(self._ids):
+            cap = max(self._used + extra, 2 * len(self._ids))
+            self._alloc(min(cap, self.spec.max_rows) if self.spec.max_rows else cap)
+        fresh = list(range(self._used, self._used + extra))
+        self._used += extra
+        return torch.tensor(reuse + fresh, dtype=torch.int64)
+
+    def _slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """The slot of each id, -1 where it has no row."""
+        get = self._slot_of.get
+        return torch.tensor([get(i, -1) for i in ids.tolist()], dtype=torch.int64)
+
+    def _touch(self, slots: torch.Tensor) -> None:
+        """Mark rows as used now, for both eviction clocks."""
+        self._last_tick[slots] = self.tick
+        self._last_version[slots] = self.version
+
+    def _create(self, ids: torch.Tensor) -> torch.Tensor:
+        """Store new rows for ``ids`` (unique, absent) from the initialiser; their slots.  Makes
+        room first by evicting least recently used rows, never one touched by this call."""
+        if self.spec.max_rows and len(self) + len(ids) > self.spec.max_rows:
+            slack = int(self.spec.max_rows * EVICT_SLACK)
+            self._evict_lru(min(len(self) + len(ids) - self.spec.max_rows + slack, len(self)))
+        slots = self._take_slots(len(ids))
+        self._ids[slots] = ids
+        self._rows[slots] = init_rows(self.spec.initializer, self.spec.seed, ids, self.spec.dim)
+        self._state[slots] = initial_state(self.spec.optimizer, len(ids), self.spec.dim)
+        self._slot_of.update(zip(ids.tolist(), slots.tolist()))
+        self.counts.rows_created += len(ids)
+        return slots
+
+    def _evict(self, slots: torch.Tensor) -> None:
+        """Drop the rows in ``slots``: forget their ids, mark the slots free."""
+        for i in self._ids[slots].tolist():
+            del self._slot_of[i]
+        self._last_tick[slots] = INT64_MAX
+        self._last_version[slots] = INT64_MAX
+        self._free.extend(slots.tolist())
+
+    def _evict_lru(self, k: int) -> None:
+        """Evict the ``k`` rows used least recently, never one touched in the current call."""
+        used = self._last_tick[: self._used]
+        k = min(k, int((used < self.tick).sum()))
+        if k > 0:
+            self._evict(torch.topk(used, k, largest=False).indices)
+            self.counts.evicted_lru += k
+
+    def evict_stale(self) -> int:
+        """Evict rows unseen for more than ``evict_after`` versions; how many went."""
+        if not self.spec.evict_after:
+            return 0
+        last = self._last_version[: self._used]
+        slots = ((last < self.version - self.spec.evict_after) & (last != INT64_MAX)).nonzero().flatten()
+        self._evict(slots)
+        self.counts.evicted_stale += len(slots)
+        return len(slots)
+
+    # -- checks (before any change) ------------------------------------------------------
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        """Refuse malformed ids, too many of them, or ids outside a bounded table."""
+        try:
+            check_ids(ids)
+        except ValueError as e:
+            raise errors.BadIds(str(e)) from None
+        if len(ids) > limits.MAX_IDS_PER_CALL:
+            raise errors.TooManyIds(f"ids has {len(ids)} entries, over the limit of {limits.MAX_IDS_PER_CALL}")
+        n = self.spec.num_embeddings
+        if n is not None and len(ids):
+            bad = ids[(ids < 0) | (ids >= n)]
+            if len(bad):
+                raise errors.IdOutOfRange(f"id {bad[0].item()} is out of range for table {self.spec.name!r} "
+                                          f"with num_embeddings {n} (ids 0..{n - 1})")
+
+    def _check_fits(self, n_unique: int) -> None:
+        """Refuse a call whose rows could not all be live at once."""
+        if self.spec.max_rows and n_unique > self.spec.max_rows:
+            raise errors.TooManyIds(f"ids has {n_unique} unique ids, over the max_rows of table "
+                                    f"{self.spec.name!r} ({self.spec.max_rows})")
+
+    def _check_grads(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """Refuse gradient rows of the wrong shape or dtype, repeated ids, or non-finite values."""
+        want = (len(ids), self.spec.dim)
+        if not isinstance(grads, torch.Tensor) or grads.dtype != torch.float32 or tuple(grads.shape) != want:
+            got = f"{grads.dtype} {tuple(grads.shape)}" if isinstance(grads, torch.Tensor) else type(grads).__name__
+            raise errors.WrongShape(f"grad_rows is {got}, table {self.spec.name!r} needs float32 {want} "
+                                    f"(one row of dim {self.spec.dim} per id)")
+        uniq, counts = torch.unique(ids, return_counts=True)
+        if len(uniq) < len(ids):
+            dup = counts > 1
+            raise errors.DuplicateIds(f"id {uniq[dup][0].item()} appears {counts[dup][0].item()} times "
+                                      f"in one push; sum its gradient rows first")
+        bad = (~torch.isfinite(grads)).any(dim=1)
+        if bad.any():
+            raise errors.NonFinite(f"grad_rows for id {ids[bad][0].item()} holds a non-finite value")
+
+    def _admit(self, ids: torch.Tensor, sighting: bool) -> torch.Tensor:
+        """Which absent ``ids`` may get a row: all without admission, else those seen more than
+        ``admit_after`` times (a lookup counts as a sighting, a push does not)."""
+        if self.sketch is None:
+            return torch.ones(len(ids), dtype=torch.bool)
+        seen = self.sketch.add(ids) if sighting else self.sketch.estimate(ids)
+        return seen > self.spec.admit_after
+
+    def _resolve(self, ids: torch.Tensor, sighting: bool) -> torch.Tensor:
+        """Slots of unique ``ids`` after creating the admitted absent ones; -1 for the others."""
+        slots = self._slots(ids)
+        self._touch(slots[slots >= 0])  # before creating: touched rows are safe from LRU eviction
+        missing = (slots < 0).nonzero().flatten()
+        if len(missing):
+            admitted = missing[self._admit(ids[missing], sighting)]
+            if len(admitted):
+                slots[admitted] = self._create(ids[admitted])
+                self._touch(slots[admitted])
+        return slots
+
+    # -- the calls ---------------------------------------------------------------------
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of ``ids`` (repeats allowed), float32 (len(ids), dim): stored rows, new rows
+        for ids seen for the first time (or admitted now), zeros for ids not admitted yet.
+
+        Raises:
+            BadIds, IdOutOfRange, TooManyIds: nothing changed.
+        """
+        self._check_ids(ids)
+        uniq, inverse = torch.unique(ids, return_inverse=True)
+        self._check_fits(len(uniq))
+        self.tick += 1
+        slots = self._resolve(uniq, sighting=True)
+        have = slots >= 0
+        self.counts.zero_reads += int((~have).sum())
+        out = torch.zeros(len(uniq), self.spec.dim)
+        out[have] = self._rows[slots[have]]
+        return out[inverse]
+
+    def apply(self, ids: torch.Tensor, grad_rows: torch.Tensor) -> None:
+        """One optimizer step on the rows of ``ids`` (unique) with their summed gradient rows.
+
+        Every call is one version, even an empty one: Adam's bias correction counts the
+        table's steps as torch.optim.SparseAdam does.  Gradients of ids not admitted are
+        counted and dropped.
+
+        Raises:
+            BadIds, WrongShape, DuplicateIds, NonFinite, IdOutOfRange, TooManyIds: nothing changed.
+        """
+        self._check_ids(ids)
+        self._check_grads(ids, grad_rows)
+        self._check_fits(len(ids))
+        self.version += 1
+        self.tick += 1
+        slots = self._resolve(ids, sighting=False)
+        keep = slots >= 0
+        self.counts.dropped_grads += int((~keep).sum())
+        s = slots[keep]
+        rows, state = self._rows[s], self._state[s]
+        update_rows(self.spec.optimizer, rows, state, grad_rows[keep], self.version)
+        self._rows[s], self._state[s] = rows, state
+        self.evict_stale()
+
+    # -- checkpoints and accounting ----------------------------------------------------
+
+    def state(self) -> dict:
+        """The live rows only, with their optimizer state and clocks: what a checkpoint holds."""
+        slots = torch.tensor(list(self._slot_of.values()), dtype=torch.int64)
+        return {
+            "ids": self._ids[slots], "rows": self._rows[slots], "optimizer_state": self._state[slots],
+            "last_tick": self._last_tick[slots], "last_version": self._last_version[slots],
+            "version": self.version, "tick": self.tick, "counts": asdict(self.counts),
+            "sketch": None if self.sketch is None else self.sketch.counts.clone(),
+            "sketch_sightings": 0 if self.sketch is None else self.sketch.sightings,
+        }
+
+    @classmethod
+    def restore(cls, spec: TableSpec, state: dict) -> "RowStore":
+        """A store holding exactly what ``state()`` saved, for ``spec``.
+
+        Raises:
+            BadTableState: the state does not fit the spec (naming the field and both values).
+        """
+        n = _check_state(spec, state)
+        store = cls(spec, initial_capacity=max(n, 1))
+        slots = store._take_slots(n)
+        for name in ("ids", "rows", "optimizer_state", "last_tick", "last_version"):
+            attr = {"ids": "_ids", "rows": "_rows", "optimizer_state": "_state"}.get(name, "_" + name)
+            getattr(store, attr)[slots] = state[name]
+        store._slot_of = dict(zip(state["ids"].tolist(), slots.tolist()))
+        store.version, store.tick = state["version"], state["tick"]
+        store.counts = TableCounts(**state["counts"])
+        if store.sketch is not None and state["sketch"] is not None:
+            store.sketch.counts.copy_(state["sketch"])
+            store.sketch.sightings = state["sketch_sightings"]
+        return store
+
+    def memory(self) -> dict[str, int]:
+        """Bytes held: ``tensors`` (allocated slots), ``index`` (the id -> slot dict and free list,
+        an upper estimate from CPython's object sizes), ``admission`` (the sketch), ``total``;
+        and ``live_payload``, the bytes of live rows and their optimizer state alone."""
+        tensors = sum(t.numel() * t.element_size()
+                      for t in (self._ids, self._rows, self._state, self._last_tick, self._last_version))
+        index = (sys.getsizeof(self._slot_of) + len(self._slot_of) * (_ID_OBJECT_BYTES + _SLOT_OBJECT_BYTES)
+                 + sys.getsizeof(self._free) + len(self._free) * _SLOT_OBJECT_BYTES)
+        admission = 0 if self.sketch is None else self.sketch.nbytes()
+        return {"tensors": tensors, "index": index, "admission": admission,
+                "total": tensors + index + admission,
+                "live_payload": len(self) * (self.spec.dim + self.width) * 4}
+
+
+def _expect(name: str, value, dtype: torch.dtype, shape: tuple) -> None:
+    """Refuse a saved tensor of another type, dtype or shape, naming both."""
+    if not isinstance(value, torch.Tensor) or value.dtype != dtype or tuple(value.shape) != shape:
+        got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise errors.BadTableState(f"saved {name} is {got}, the table needs {dtype} {shape}")
+
+
+def _check_state(spec: TableSpec, state: dict) -> int:
+    """Refuse a saved state that does not fit ``spec``; the number of rows it holds."""
+    ids = state.get("ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
+        raise errors.BadTableState(f"saved ids must be a 1-D int64 tensor, not {type(ids).__name__}")
+    n = len(ids)
+    _expect("ids", ids, torch.int64, (n,))
+    _expect("rows", state.get("rows"), torch.float32, (n, spec.dim))
+    _expect("optimizer_state", state.get("optimizer_state"), torch.float32, (n, state_width(spec.optimizer, spec.dim)))
+    for name in ("last_tick", "last_version"):
+        _expect(name, state.get(name), torch.int64, (n,))
+    if spec.max_rows is not None and n > spec.max_rows:
+        raise errors.BadTableState(f"saved state holds {n} rows, over the max_rows of table {spec.name!r} ({spec.max_rows})")
+    if len(torch.unique(ids)) != n:
+        raise errors.BadTableState("saved ids repeat an id")
+    if spec.num_embeddings is not None and n and (ids.min() < 0 or ids.max() >= spec.num_embeddings):
+        raise errors.BadTableState(f"saved ids reach outside 0..{spec.num_embeddings - 1} (num_embeddings)")
+    if not (torch.isfinite(state["rows"]).all() and torch.isfinite(state["optimizer_state"]).all()):
+        raise errors.BadTableState("saved rows or optimizer_state hold a non-finite value")
+    sketch = state.get("sketch")
+    if spec.admit_after and sketch is not None:
+        _expect("sketch", sketch, torch.int32, (admission.DEPTH, admission.WIDTH))
+    for name in ("version", "tick", "sketch_sightings"):
+        value = state.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise errors.BadTableState(f"saved {name} ({value!r}) must be an integer, zero or more")
+    if not isinstance(state.get("counts"), dict) or set(state["counts"]) != set(TableCounts.__dataclass_fields__):
+        raise errors.BadTableState(f"saved counts must name {', '.join(TableCounts.__dataclass_fields__)}")
+    return n
