@@ -150,6 +150,16 @@ class ClickLog:
         uniq, inverse = torch.unique(self.ids, return_inverse=True)
         return ClickLog(inverse, self.offsets, self.weights, self.labels, len(uniq))
 
+    def take(self, rows: torch.Tensor) -> "ClickLog":
+        """The samples ``rows`` (in that order), re-packed into a log of their own: a batch, or a held-out part."""
+        ends = torch.cat([self.offsets[1:], torch.tensor([len(self.ids)])])
+        starts, lengths = self.offsets[rows], ends[rows] - self.offsets[rows]
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)[:-1]])
+        # Where each output id comes from: its sample's start plus its position inside the bag.
+        within = torch.arange(int(lengths.sum())) - torch.repeat_interleave(offsets, lengths)
+        flat = torch.repeat_interleave(starts, lengths) + within
+        return ClickLog(self.ids[flat], offsets, self.weights[flat], self.labels[rows], self.id_space)
+
 
 def zipf_ranks(n: int, a: float, id_space: int, rng: np.random.Generator) -> np.ndarray:
     """n ranks in 1..id_space with P(rank >= k) falling as k^(1-a): a bounded Zipf law, by inverse CDF.
@@ -194,15 +204,3 @@ def make_click_log(n_samples: int, seed: int = 0, max_bag: int = 8, a: float = 1
     labels = (rng.random(n_samples) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
     return ClickLog(torch.from_numpy(ids), torch.from_numpy(offsets), torch.from_numpy(weights),
                     torch.from_numpy(labels), id_space)
-
-
-def click_batch(log: ClickLog, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(ids, offsets, weights, labels) of the samples ``rows``, re-packed into EmbeddingBag's flat form."""
-    ends = torch.cat([log.offsets[1:], torch.tensor([len(log.ids)])])
-    starts, stops = log.offsets[rows], ends[rows]
-    lengths = stops - starts
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)[:-1]])
-    # Position of each output id in the flat arrays: its sample's start plus its index inside the bag.
-    within = torch.arange(int(lengths.sum())) - torch.repeat_interleave(offsets, lengths)
-    flat = torch.repeat_interleave(starts, lengths) + within
-    return log.ids[flat], offsets, log.weights[flat], log.labels[rows]
