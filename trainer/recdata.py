@@ -123,7 +123,7 @@ def load_movielens100k(seed: int = SPLIT_SEED, test_fraction: float = TEST_FRACT
 
 CLICK_ID_SPACE = 10**9
 # Multiplying by a number coprime to 10^9 (odd, not a multiple of 5) permutes 0..10^9-1, so the hot ids are
-# spread over the whole id space instead of being 0, 1, 2, ... (which would all land on one shard's low rows).
+# spread over the whole id space like hashed feature ids, instead of being 1, 2, 3, ... in order of heat.
 _SCRAMBLE = 2_654_435_761
 
 
