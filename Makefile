@@ -7,11 +7,15 @@ TORCH ?= torch==2.13.0
 .PHONY: setup demo test compose-demo
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# recbole is installed with --no-deps for the MovieLens-100k file its wheel ships (trainer/recdata.py reads the
+# file and never imports recbole, so its own dependency tree is left out). The Makefile is a prerequisite so that
+# an existing .venv picks up a new install line.
+$(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps recbole==1.2.1
 	touch $@
 
 demo: setup

@@ -1,0 +1,115 @@
+"""Recommender models over embedding tables: mf and ncf for ratings, a bag model for the click log.
+
+Every table is built by one factory argument (``embedding`` / ``embedding_bag``),
+plain ``nn.Embedding(sparse=True)`` by default, so that a shard-backed drop-in
+with the same call signature can replace it without touching the models. The
+tables are the only modules with sparse gradients; everything else (biases of
+the MLPs, the global mean) is dense and goes through a dense optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+REC_MODELS = ("mf", "ncf")
+EMBED_STD = 0.1  # small initial rows: N(0, 1) rows make the first dot products swamp the 1..5 ratings
+
+EmbeddingFactory = Callable[[int, int], nn.Module]
+
+
+def sparse_embedding(num: int, dim: int) -> nn.Embedding:
+    """A table with sparse gradients, rows N(0, EMBED_STD^2)."""
+    table = nn.Embedding(num, dim, sparse=True)
+    nn.init.normal_(table.weight, std=EMBED_STD)
+    return table
+
+
+def zero_embedding(num: int, dim: int) -> nn.Embedding:
+    """A bias table (dim 1) with sparse gradients, starting at zero so the first prediction is the global mean."""
+    table = nn.Embedding(num, dim, sparse=True)
+    nn.init.zeros_(table.weight)
+    return table
+
+
+class MF(nn.Module):
+    """Biased matrix factorisation: r(u, i) = mean + b_u + b_i + <p_u, q_i>."""
+
+    def __init__(self, num_users: int, num_items: int, dim: int = 32, mean: float = 0.0,
+                 embedding: EmbeddingFactory = sparse_embedding, bias: EmbeddingFactory = zero_embedding):
+        super().__init__()
+        self.user = embedding(num_users, dim)
+        self.item = embedding(num_items, dim)
+        self.user_bias = bias(num_users, 1)
+        self.item_bias = bias(num_items, 1)
+        self.mean = nn.Parameter(torch.tensor(float(mean)))
+
+    def forward(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+        p, q = self.user(users), self.item(items)
+        return self.mean + self.user_bias(users).squeeze(-1) + self.item_bias(items).squeeze(-1) + (p * q).sum(-1)
+
+
+class NCF(nn.Module):
+    """Neural collaborative filtering (He et al. 2017, the MLP part): an MLP over [p_u, q_i], plus the mean."""
+
+    def __init__(self, num_users: int, num_items: int, dim: int = 32, hidden: tuple[int, ...] = (64, 32),
+                 mean: float = 0.0, embedding: EmbeddingFactory = sparse_embedding):
+        super().__init__()
+        self.user = embedding(num_users, dim)
+        self.item = embedding(num_items, dim)
+        layers: list[nn.Module] = []
+        width = 2 * dim
+        for h in hidden:
+            layers += [nn.Linear(width, h), nn.ReLU()]
+            width = h
+        layers.append(nn.Linear(width, 1))
+        self.mlp = nn.Sequential(*layers)
+        self.mean = nn.Parameter(torch.tensor(float(mean)))
+
+    def forward(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([self.user(users), self.item(items)], dim=-1)
+        return self.mean + self.mlp(x).squeeze(-1)
+
+
+def make_rec_model(name: str, num_users: int, num_items: int, dim: int = 32, mean: float = 0.0, **kw) -> nn.Module:
+    if name == "mf":
+        return MF(num_users, num_items, dim, mean, **kw)
+    if name == "ncf":
+        return NCF(num_users, num_items, dim, mean=mean, **kw)
+    raise ValueError(f"unknown recommender model {name!r}: choose one of {', '.join(REC_MODELS)}")
+
+
+def sparse_embedding_bag(num: int, dim: int, mode: str) -> nn.EmbeddingBag:
+    table = nn.EmbeddingBag(num, dim, mode=mode, sparse=True)
+    nn.init.normal_(table.weight, std=EMBED_STD)
+    return table
+
+
+class ClickModel(nn.Module):
+    """Pooled bag of ids -> small MLP -> one click logit.
+
+    ``mode`` is "sum" or "mean"; per-sample weights are torch's rule: only with "sum".
+    """
+
+    def __init__(self, num_embeddings: int, dim: int = 16, mode: str = "sum", hidden: int = 16,
+                 embedding_bag: Callable[[int, int, str], nn.Module] = sparse_embedding_bag):
+        super().__init__()
+        if mode not in ("sum", "mean"):
+            raise ValueError(f"pooling mode {mode!r} is not one of sum, mean")
+        self.mode = mode
+        self.bag = embedding_bag(num_embeddings, dim, mode)
+        self.head = nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+    def forward(self, ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        if weights is not None and self.mode != "sum":
+            raise ValueError(f"per-sample weights need mode 'sum', this model pools with {self.mode!r}")
+        return self.head(self.bag(ids, offsets, per_sample_weights=weights)).squeeze(-1)
+
+
+def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(table weights, everything else): the first go to a sparse optimizer, the rest to a dense one."""
+    tables = [m.weight for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+    ids = {id(p) for p in tables}
+    return tables, [p for p in model.parameters() if id(p) not in ids]

@@ -1,0 +1,186 @@
+"""Single-process baseline for the recommender models: what the sharded tables must match.
+
+Tables (sparse gradients) go to a sparse optimizer, the other parameters to Adam.
+The sample order is the project's data-order contract (``trainer.data.epoch_order``),
+so a later run with N trainers of batch b sees the same batches as this one with N*b.
+
+    python -m trainer.rectrain --model mf --epochs 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from trainer.data import epoch_order, local_batch_indices, steps_per_epoch
+from trainer.recdata import ClickLog, Ratings, RatingsSplit, load_movielens100k
+from trainer.recmodels import REC_MODELS, ClickModel, make_rec_model, split_parameters
+
+SPARSE_OPTIMIZERS = ("sparse_adam", "adagrad", "sgd")
+
+
+@dataclass(frozen=True)
+class RecTrainConfig:
+    model: str = "mf"
+    epochs: int = 5
+    batch_size: int = 1024
+    dim: int = 32
+    sparse_optimizer: str = "sparse_adam"
+    sparse_lr: float = 0.01  # tables
+    dense_lr: float = 0.001  # the global mean and the MLP: Adam
+    # L2 on the rows a batch touches (times the batch's mean): the usual MF regulariser, and sparse-friendly,
+    # because rows the batch does not touch get no gradient (torch's sparse optimizers have no weight decay).
+    l2: float = 0.1
+    seed: int = 0  # model initialisation and sample order
+
+    def __post_init__(self) -> None:
+        if self.model not in REC_MODELS:
+            raise ValueError(f"model is {self.model!r}, expected one of {', '.join(REC_MODELS)}")
+        if self.sparse_optimizer not in SPARSE_OPTIMIZERS:
+            raise ValueError(f"sparse_optimizer is {self.sparse_optimizer!r}, expected one of "
+                             f"{', '.join(SPARSE_OPTIMIZERS)}")
+        for name in ("epochs", "batch_size", "dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} is {getattr(self, name)}, expected at least 1")
+        for name in ("sparse_lr", "dense_lr"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} is {getattr(self, name)}, expected above 0")
+        if not self.l2 >= 0:
+            raise ValueError(f"l2 is {self.l2}, expected at least 0")
+
+
+def make_optimizers(model: nn.Module, cfg: RecTrainConfig) -> list[torch.optim.Optimizer]:
+    tables, dense = split_parameters(model)
+    if cfg.sparse_optimizer == "sparse_adam":
+        sparse: torch.optim.Optimizer = torch.optim.SparseAdam(tables, lr=cfg.sparse_lr)
+    elif cfg.sparse_optimizer == "adagrad":
+        sparse = torch.optim.Adagrad(tables, lr=cfg.sparse_lr)
+    else:
+        sparse = torch.optim.SGD(tables, lr=cfg.sparse_lr)
+    return [sparse, torch.optim.Adam(dense, lr=cfg.dense_lr)]
+
+
+def touched_rows_l2(model: nn.Module, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+    """Mean squared norm of the looked-up rows (embeddings and biases) of this batch."""
+    total = torch.zeros(())
+    for name, ids in (("user", users), ("item", items), ("user_bias", users), ("item_bias", items)):
+        table = getattr(model, name, None)
+        if table is not None:
+            total = total + table(ids).pow(2).sum(-1).mean()
+    return total
+
+
+@torch.no_grad()
+def rmse(model: nn.Module, data: Ratings, batch_size: int = 8192) -> float:
+    model.eval()
+    se = 0.0
+    for start in range(0, len(data), batch_size):
+        sl = slice(start, start + batch_size)
+        se += float((model(data.users[sl], data.items[sl]) - data.ratings[sl]).pow(2).sum())
+    model.train()
+    return math.sqrt(se / len(data))
+
+
+def train_epoch(model: nn.Module, optimizers: list[torch.optim.Optimizer], train: Ratings, cfg: RecTrainConfig,
+                epoch: int) -> float:
+    """One pass in the contract's order; returns the mean training MSE (without the L2 term)."""
+    order = epoch_order(len(train), cfg.seed, epoch)
+    steps = steps_per_epoch(len(train), 1, cfg.batch_size)
+    total = 0.0
+    for step in range(steps):
+        idx = local_batch_indices(order, step, 0, 1, cfg.batch_size)
+        users, items, target = train.users[idx], train.items[idx], train.ratings[idx]
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        mse = (model(users, items) - target).pow(2).mean()
+        loss = mse + cfg.l2 * touched_rows_l2(model, users, items) if cfg.l2 else mse
+        loss.backward()
+        for opt in optimizers:
+            opt.step()
+        total += mse.item()
+    return total / max(steps, 1)
+
+
+def train_ratings(split: RatingsSplit, cfg: RecTrainConfig) -> list[float]:
+    """Train ``cfg.model`` on the split's training side; the test RMSE after each epoch."""
+    torch.manual_seed(cfg.seed)
+    model = make_rec_model(cfg.model, split.num_users, split.num_items, cfg.dim, mean=split.train_mean)
+    optimizers = make_optimizers(model, cfg)
+    return [(train_epoch(model, optimizers, split.train, cfg, e), rmse(model, split.test))[1]
+            for e in range(cfg.epochs)]
+
+
+def click_loss(model: ClickModel, log: ClickLog, weighted: bool = True) -> torch.Tensor:
+    """Mean log-loss of the model on a log (per-id weights used only when ``weighted``)."""
+    logits = model(log.ids, log.offsets, log.weights if weighted else None)
+    return nn.functional.binary_cross_entropy_with_logits(logits, log.labels)
+
+
+def train_clicks(model: ClickModel, log: ClickLog, epochs: int = 2, batch_size: int = 512, sparse_lr: float = 0.1,
+                 dense_lr: float = 0.01, seed: int = 0) -> list[float]:
+    """Train on a (compacted) click log with Adagrad on the bag and Adam on the head; mean log-loss per epoch."""
+    tables, dense = split_parameters(model)
+    optimizers = [torch.optim.Adagrad(tables, lr=sparse_lr), torch.optim.Adam(dense, lr=dense_lr)]
+    weighted = model.mode == "sum"
+    losses = []
+    for epoch in range(epochs):
+        order = epoch_order(len(log), seed, epoch)
+        steps = steps_per_epoch(len(log), 1, batch_size)
+        total = 0.0
+        for step in range(steps):
+            batch = log.take(local_batch_indices(order, step, 0, 1, batch_size))
+            for opt in optimizers:
+                opt.zero_grad(set_to_none=True)
+            loss = click_loss(model, batch, weighted)
+            loss.backward()
+            for opt in optimizers:
+                opt.step()
+            total += loss.item()
+        losses.append(total / max(steps, 1))
+    return losses
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer.rectrain", description=__doc__.splitlines()[0])
+    defaults = RecTrainConfig()
+    p.add_argument("--model", default=defaults.model, choices=REC_MODELS)
+    p.add_argument("--epochs", type=int, default=defaults.epochs)
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    p.add_argument("--dim", type=int, default=defaults.dim)
+    p.add_argument("--sparse-optimizer", default=defaults.sparse_optimizer, choices=SPARSE_OPTIMIZERS)
+    p.add_argument("--sparse-lr", type=float, default=defaults.sparse_lr)
+    p.add_argument("--dense-lr", type=float, default=defaults.dense_lr)
+    p.add_argument("--l2", type=float, default=defaults.l2)
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    # One thread is often faster on a small, shared machine: two threads on two busy cores wait on each other.
+    p.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    args = vars(p.parse_args(argv))
+    threads = args.pop("torch_threads")
+    try:
+        if threads < 0:
+            raise ValueError(f"--torch-threads is {threads}, expected 0 (torch's default) or more")
+        cfg = RecTrainConfig(**args)
+        split = load_movielens100k()
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e} (see --help)", file=sys.stderr)
+        return 2
+    if threads:
+        torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    curve = train_ratings(split, cfg)
+    seconds = time.perf_counter() - t0
+    for epoch, value in enumerate(curve, 1):
+        print(f"epoch {epoch}: test RMSE {value:.4f}")
+    print(f"{cfg.model}: best test RMSE {min(curve):.4f} in {seconds:.1f} s of training "
+          f"(torch threads: {torch.get_num_threads()})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
