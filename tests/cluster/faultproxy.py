@@ -15,6 +15,24 @@ import threading
 import time
 
 
+def shut_down(*sockets: socket.socket) -> None:
+    """Shut both directions of each socket down (the peer sees the end); already-closed ones are skipped."""
+    for s in sockets:
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def dial(target: tuple[str, int], client: socket.socket) -> socket.socket | None:
+    """A connection to ``target`` for an accepted ``client``; None (and the client closed) if it is down."""
+    try:
+        return socket.create_connection(target)
+    except OSError:
+        client.close()
+        return None
+
+
 class FaultProxy:
     def __init__(self, target: str, seed: int, mean_bytes_between_faults: int = 200_000, max_faults: int = 50,
                  max_delay: float = 0.0):
@@ -38,10 +56,8 @@ class FaultProxy:
                 client, _ = self.listener.accept()
             except OSError:
                 return
-            try:
-                upstream = socket.create_connection(self.target)
-            except OSError:
-                client.close()
+            upstream = dial(self.target, client)
+            if upstream is None:
                 continue
             with self._lock:
                 self.connections += 1
@@ -72,11 +88,7 @@ class FaultProxy:
         except OSError:
             pass
         finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            shut_down(src, dst)
 
     @staticmethod
     def _kill(client, upstream, kind: str) -> None:

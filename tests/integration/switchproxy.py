@@ -11,6 +11,8 @@ from __future__ import annotations
 import socket
 import threading
 
+from tests.cluster.faultproxy import dial, shut_down
+
 
 class SwitchProxy:
     def __init__(self, target: str):
@@ -43,11 +45,8 @@ class SwitchProxy:
         """Close every open connection (both sides)."""
         with self._lock:
             sockets, self._open = self._open, []
+        shut_down(*sockets)
         for s in sockets:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             s.close()
 
     def _accept(self) -> None:
@@ -59,10 +58,8 @@ class SwitchProxy:
             if self.mode == "refuse":
                 client.close()
                 continue
-            try:
-                upstream = socket.create_connection(self.target)
-            except OSError:
-                client.close()
+            upstream = dial(self.target, client)
+            if upstream is None:
                 continue
             with self._lock:
                 self.connections += 1
@@ -82,11 +79,7 @@ class SwitchProxy:
         except OSError:
             pass
         finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            shut_down(src, dst)
 
     def close(self) -> None:
         try:
