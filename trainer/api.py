@@ -348,12 +348,6 @@ class ParameterServerTrainer:
         start, end = self.ranges[shard]
         return flat[start:end]
 
-    def _pull_all(self, min_versions: list[int], timeout: float) -> None:
-        def pull(s: ShardClient):
-            self.versions[s.index] = self._pull_into(s, min_versions[s.index], timeout)
-
-        self.client.map(pull)
-
     def prepare_step(self, num_samples: int) -> None:
         """Announce that the next backward is the last before step(), on ``num_samples`` samples.
 

@@ -9,9 +9,8 @@ import sys
 
 from psserver.cli_support import EnvArgumentParser, ensure_malloc_tunables, run_cli, setup_logging
 from psserver.job import MODES, OPTIMIZERS, STALE_POLICIES, WIRE_DTYPES
-from psserver.schedules import KINDS, LrSchedule
+from psserver.schedules import KINDS
 from psserver.security import add_client_flags, client_security
-from trainer.clipping import check_max_norm
 from trainer.data import DATASETS
 from trainer.loop import Interrupted, StopRequest, TrainConfig, finite_json, train
 from trainer.models import MODELS
@@ -98,12 +97,8 @@ def add_schedule_flags(p: EnvArgumentParser) -> None:
 
 
 def schedule_argv(args) -> list[str]:
-    """The flags of ``add_schedule_flags`` as given, for ps-cluster to pass on to each ps-trainer;
-    refuses bad values first, so no process starts for a run that cannot."""
-    LrSchedule(kind=args.lr_schedule, warmup_steps=args.warmup_steps, warmup_start_factor=args.warmup_start_factor,
-               step_size=args.lr_step_size, gamma=args.lr_gamma, cosine_steps=args.lr_cosine_steps or 1,
-               min_lr=args.lr_min)
-    check_max_norm(args.clip_grad_norm)
+    """The flags of ``add_schedule_flags`` as given, for ps-cluster to pass on to each ps-trainer (which
+    checks them with the trainer's own rules: cluster.check_trainer_flags, before any process starts)."""
     return [a for name in SCHEDULE_FLAGS if getattr(args, name) is not None
             for a in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
 

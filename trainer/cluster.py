@@ -200,7 +200,6 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--shards ({args.shards}) and --trainers ({args.trainers}) must be at least 1")
     if not args.timeout > 0:
         raise ValueError(f"--timeout ({args.timeout}) must be more than zero seconds")
-    schedule_argv(args)  # refuses bad schedule or clipping flags before any process starts
     run = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{args.mode}")
     check_trainer_flags(args, run)
     run.mkdir(parents=True, exist_ok=True)

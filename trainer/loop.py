@@ -132,7 +132,7 @@ def config_problem(cfg: TrainConfig) -> str:
             lr_schedule(cfg, total_steps=1)  # the run's length only fills in a cosine's default length
         check_max_norm(cfg.clip_grad_norm, cfg.push_during_backward)
     except ValueError as e:
-        return f"{e}".rstrip(".")
+        return str(e)
     return ""
 
 
