@@ -14,12 +14,15 @@ import math
 from dataclasses import dataclass, field, fields
 
 from psserver.limits import (
-    MAX_DIMS, MAX_ID_CHARS, MAX_NAME_CHARS, MAX_SHARDS, MAX_STALENESS, MAX_SYNC_TIMEOUT, MAX_TENSORS,
+    MAX_DIMS, MAX_ID_CHARS, MAX_NAME_CHARS, MAX_SHARDS, MAX_STALENESS, MAX_SYNC_TIMEOUT, MAX_TABLES, MAX_TENSORS,
     MAX_TOTAL_PARAMS, MAX_TRAINERS, text_problem,
 )
 from psserver.logsafe import shorten
 from psserver.proto import ps_pb2 as _pb
 from psserver.schedules import LrSchedule
+from psserver.sparse.init import Initializer
+from psserver.sparse.optim import SparseOptimizerConfig
+from psserver.sparse.table import TableSpec
 
 MODES = ("sync", "async", "stale-timeout")
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -105,6 +108,7 @@ class JobSpec:
     tensors: tuple[tuple[str, tuple[int, ...], str], ...] = ()
     job_id: str = ""  # names one run of a job ("" for an unnamed one): a trainer of another run is refused
     lr_schedule: LrSchedule = field(default_factory=LrSchedule)  # the rate at each version (psserver.schedules)
+    tables: tuple[TableSpec, ...] = ()  # sparse embedding tables (psserver.sparse), names unique
 
     def __post_init__(self) -> None:
         _text("job_id", self.job_id, MAX_ID_CHARS)
@@ -142,6 +146,7 @@ class JobSpec:
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"The wire dtype ({shorten(self.wire_dtype)}) must be one of {', '.join(WIRE_DTYPES)}.")
         _check_tensors(self.tensors, self.total_params)
+        _check_tables(self.tables, self)
         if self.lr_schedule.kind == "cosine" and self.lr_schedule.min_lr > self.optimizer.lr:
             raise ValueError(f"The lr_schedule.min_lr ({self.lr_schedule.min_lr}) must be at most the learning "
                              f"rate ({self.optimizer.lr}).")
@@ -167,12 +172,14 @@ class JobSpec:
             tensors=[_pb.TensorInfo(name=n, shape=list(s), dtype=d) for n, s, d in self.tensors],
             job_id=self.job_id,
             lr_schedule=_pb.LrSchedule(**{f.name: getattr(self.lr_schedule, f.name) for f in fields(LrSchedule)}),
+            tables=[table_to_proto(t) for t in self.tables],
         )
 
     @staticmethod
     def from_proto(msg: _pb.JobSpec) -> "JobSpec":
         """Decode and validate; raises ValueError naming the bad field."""
         _check_tensor_count(len(msg.tensors))  # before copying them out
+        _check_table_count(len(msg.tables))
         o = msg.optimizer
         return JobSpec(
             mode=msg.mode,
@@ -193,6 +200,7 @@ class JobSpec:
             job_id=msg.job_id,
             lr_schedule=(LrSchedule(**{f.name: getattr(msg.lr_schedule, f.name) for f in fields(LrSchedule)})
                          if msg.HasField("lr_schedule") else LrSchedule()),  # an older trainer's or checkpoint's
+            tables=tuple(table_from_proto(t) for t in msg.tables),
         )
 
     def difference(self, other: "JobSpec") -> str | None:
@@ -212,6 +220,8 @@ class JobSpec:
                         return f"{name}.{g.name} is {_show(b)} but the job has {_show(a)}"
             if name == "tensors":
                 return _tensor_difference(mine, theirs)
+            if name == "tables":
+                return _table_difference(mine, theirs)
             return f"{name} is {_show(theirs)} but the job has {_show(mine)}"
         return None
 
@@ -255,3 +265,64 @@ def _tensor_difference(mine, theirs) -> str:
     missing = mine[len(theirs)]
     return (f"the model lacks parameter {_show(missing[0])} {list(missing[1])} "
             f"(it has {len(theirs)} of {len(mine)})")
+
+
+# -- sparse tables ----------------------------------------------------------------------------------
+def _check_table_count(n: int) -> None:
+    if n > MAX_TABLES:
+        raise ValueError(f"The job lists {n} sparse tables, over the limit of {MAX_TABLES}.")
+
+
+def _check_tables(tables, job: "JobSpec") -> None:
+    """Table specs, distinct names, and a mode each that the job's knobs can run."""
+    _check_table_count(len(tables))
+    seen = set()
+    for i, t in enumerate(tables):
+        if not isinstance(t, TableSpec):
+            raise ValueError(f"Table #{i} ({_show(t)}) must be a psserver.sparse.table.TableSpec.")
+        if t.name in seen:
+            raise ValueError(f"Table #{i} repeats the name {_show(t.name)}: table names must be distinct.")
+        seen.add(t.name)
+        if t.mode == "stale-timeout" and not job.sync_timeout > 0:
+            raise ValueError(f"Table {_show(t.name)} runs stale-timeout mode, which needs a sync timeout > 0 "
+                             f"seconds (got {job.sync_timeout}).")
+
+
+def table_mode(table: TableSpec, job: "JobSpec") -> str:
+    """The mode a table runs in: its own, or the job's when it names none."""
+    return table.mode or job.mode
+
+
+def table_to_proto(t: TableSpec) -> _pb.SparseTable:
+    o, init = t.optimizer, t.initializer
+    return _pb.SparseTable(
+        name=t.name, dim=t.dim, optimizer=o.name, lr=o.lr, eps=o.eps, beta1=o.beta1, beta2=o.beta2,
+        initial_accumulator_value=o.initial_accumulator_value, initializer=init.kind, init_scale=init.scale,
+        seed=t.seed, num_embeddings=t.num_embeddings or 0, admit_after=t.admit_after, max_rows=t.max_rows or 0,
+        evict_after=t.evict_after or 0, mode=t.mode, max_staleness=-1 if t.max_staleness is None else t.max_staleness,
+    )
+
+
+def table_from_proto(m: _pb.SparseTable) -> TableSpec:
+    """Decode and validate one table; raises ValueError naming the bad field."""
+    return TableSpec(
+        name=m.name, dim=m.dim,
+        optimizer=SparseOptimizerConfig(name=m.optimizer, lr=m.lr, eps=m.eps, beta1=m.beta1, beta2=m.beta2,
+                                        initial_accumulator_value=m.initial_accumulator_value),
+        initializer=Initializer(kind=m.initializer, scale=m.init_scale), seed=m.seed,
+        num_embeddings=m.num_embeddings or None, admit_after=m.admit_after, max_rows=m.max_rows or None,
+        evict_after=m.evict_after or None, mode=m.mode,
+        max_staleness=None if m.max_staleness == -1 else m.max_staleness,
+    )
+
+
+def _table_difference(mine, theirs) -> str:
+    for a, b in zip(mine, theirs):
+        if a != b:
+            for f in fields(a):
+                x, y = getattr(a, f.name), getattr(b, f.name)
+                if x != y:
+                    return f"table {_show(a.name)} {f.name} is {_show(y)} but the job has {_show(x)}"
+    if len(theirs) > len(mine):
+        return f"the model has an extra table {_show(theirs[len(mine)].name)} beyond the job's {len(mine)}"
+    return f"the model lacks table {_show(mine[len(theirs)].name)} (it has {len(theirs)} of {len(mine)})"

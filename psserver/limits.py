@@ -34,6 +34,7 @@ MAX_DIMS = 8
 MAX_SYNC_TIMEOUT = 86400.0
 # async mode's staleness bound, in versions.
 MAX_STALENESS = 1 << 31
+MAX_TABLES = 64  # sparse embedding tables in one job
 # A push's per-trainer sequence number: at a million pushes a second, 2**48 lasts nine years.
 MAX_SEQUENCE = 1 << 48
 # Versions in a learning-rate schedule (warm-up, step size, cosine period): past any real run.

@@ -85,8 +85,46 @@ class LrSchedule(_message.Message):
     min_lr: float
     def __init__(self, kind: _Optional[str] = ..., warmup_steps: _Optional[int] = ..., warmup_start_factor: _Optional[float] = ..., step_size: _Optional[int] = ..., gamma: _Optional[float] = ..., cosine_steps: _Optional[int] = ..., min_lr: _Optional[float] = ...) -> None: ...
 
+class SparseTable(_message.Message):
+    __slots__ = ("name", "dim", "optimizer", "lr", "eps", "beta1", "beta2", "initial_accumulator_value", "initializer", "init_scale", "seed", "num_embeddings", "admit_after", "max_rows", "evict_after", "mode", "max_staleness")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_ACCUMULATOR_VALUE_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZER_FIELD_NUMBER: _ClassVar[int]
+    INIT_SCALE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    NUM_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    EVICT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dim: int
+    optimizer: str
+    lr: float
+    eps: float
+    beta1: float
+    beta2: float
+    initial_accumulator_value: float
+    initializer: str
+    init_scale: float
+    seed: int
+    num_embeddings: int
+    admit_after: int
+    max_rows: int
+    evict_after: int
+    mode: str
+    max_staleness: int
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., eps: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., initial_accumulator_value: _Optional[float] = ..., initializer: _Optional[str] = ..., init_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_embeddings: _Optional[int] = ..., admit_after: _Optional[int] = ..., max_rows: _Optional[int] = ..., evict_after: _Optional[int] = ..., mode: _Optional[str] = ..., max_staleness: _Optional[int] = ...) -> None: ...
+
 class JobSpec(_message.Message):
-    __slots__ = ("mode", "num_trainers", "num_shards", "total_params", "fingerprint", "max_staleness", "sync_timeout", "replicas_to_aggregate", "stale_policy", "optimizer", "wire_dtype", "tensors", "job_id", "lr_schedule")
+    __slots__ = ("mode", "num_trainers", "num_shards", "total_params", "fingerprint", "max_staleness", "sync_timeout", "replicas_to_aggregate", "stale_policy", "optimizer", "wire_dtype", "tensors", "job_id", "lr_schedule", "tables")
     MODE_FIELD_NUMBER: _ClassVar[int]
     NUM_TRAINERS_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +139,7 @@ class JobSpec(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     LR_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
     mode: str
     num_trainers: int
     num_shards: int
@@ -115,7 +154,8 @@ class JobSpec(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[TensorInfo]
     job_id: str
     lr_schedule: LrSchedule
-    def __init__(self, mode: _Optional[str] = ..., num_trainers: _Optional[int] = ..., num_shards: _Optional[int] = ..., total_params: _Optional[int] = ..., fingerprint: _Optional[str] = ..., max_staleness: _Optional[int] = ..., sync_timeout: _Optional[float] = ..., replicas_to_aggregate: _Optional[int] = ..., stale_policy: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., job_id: _Optional[str] = ..., lr_schedule: _Optional[_Union[LrSchedule, _Mapping]] = ...) -> None: ...
+    tables: _containers.RepeatedCompositeFieldContainer[SparseTable]
+    def __init__(self, mode: _Optional[str] = ..., num_trainers: _Optional[int] = ..., num_shards: _Optional[int] = ..., total_params: _Optional[int] = ..., fingerprint: _Optional[str] = ..., max_staleness: _Optional[int] = ..., sync_timeout: _Optional[float] = ..., replicas_to_aggregate: _Optional[int] = ..., stale_policy: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., job_id: _Optional[str] = ..., lr_schedule: _Optional[_Union[LrSchedule, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[SparseTable, _Mapping]]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("rank", "trainer_id", "expected_shard", "job")

@@ -27,6 +27,7 @@ from psserver.sparse.optim import SparseOptimizerConfig, initial_state, state_wi
 from psserver.sparse.placement import check_ids
 
 INT64_MAX = (1 << 63) - 1
+TABLE_MODES = ("", "sync", "async", "stale-timeout")  # "": the job's mode
 # LRU eviction frees this fraction of max_rows beyond what a call needs, so that at the cap a
 # scan of all rows' last use is paid once per max_rows/64 new rows, not on every call.
 EVICT_SLACK = 1 / 64
@@ -56,6 +57,9 @@ class TableSpec:
     admit_after: int = 0  # sightings of an id that read zeros before its row is stored
     max_rows: int | None = None  # live rows kept: least recently used ones are evicted past it
     evict_after: int | None = None  # evict rows unseen for this many versions
+    mode: str = ""  # "" follows the job's mode; "async" gives async embeddings next to sync dense layers
+    max_staleness: int | None = None  # async tables: a row's gradient more than this many of the row's
+    # updates behind is dropped (counted); None: unbounded
 
     def __post_init__(self) -> None:
         problem = limits.text_problem("table name", self.name, limits.MAX_NAME_CHARS)
@@ -67,6 +71,9 @@ class TableSpec:
         _check_int("admit_after", self.admit_after, 0, limits.MAX_ADMIT_AFTER)
         _check_int("max_rows", self.max_rows, 1, limits.MAX_TABLE_ROWS, optional=True)
         _check_int("evict_after", self.evict_after, 1, limits.MAX_SCHEDULE_STEPS, optional=True)
+        if self.mode not in TABLE_MODES:
+            raise ValueError(f"table mode ({self.mode!r}) must be one of {', '.join(map(repr, TABLE_MODES))}")
+        _check_int("max_staleness", self.max_staleness, 0, limits.MAX_STALENESS, optional=True)
         for name, cls in (("optimizer", SparseOptimizerConfig), ("initializer", Initializer)):
             if not isinstance(getattr(self, name), cls):
                 raise ValueError(f"table {name} ({getattr(self, name)!r}) must be a {cls.__name__}")

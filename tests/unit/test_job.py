@@ -204,3 +204,36 @@ def test_from_proto_refuses_too_many_tensors_before_copying_them():
 def test_values_at_the_caps_are_accepted_and_cross_the_wire(change):
     spec = dataclasses.replace(BASE, **change)
     assert JobSpec.from_proto(spec.to_proto()) == spec
+
+
+# -- sparse tables in the job spec -------------------------------------------------------------
+def _tabled_job(*tables, **kw):
+    from psserver.job import JobSpec
+    return JobSpec(mode=kw.pop("mode", "sync"), num_trainers=2, num_shards=2, total_params=0, fingerprint="f",
+                   tables=tables, **kw)
+
+
+def test_job_tables_survive_the_wire_and_a_changed_table_is_named():
+    import dataclasses
+    from psserver.job import JobSpec
+    from psserver.sparse.optim import SparseOptimizerConfig
+    from psserver.sparse.table import TableSpec
+    users = TableSpec("users", 8, optimizer=SparseOptimizerConfig("adam", lr=0.01), num_embeddings=943,
+                      max_rows=1000, mode="async", max_staleness=3)
+    items = TableSpec("items", 8, admit_after=2, evict_after=50)
+    job = _tabled_job(users, items)
+    assert JobSpec.from_proto(job.to_proto()) == job
+    other = dataclasses.replace(job, tables=(users, dataclasses.replace(items, dim=16)))
+    assert job.difference(other) == "table 'items' dim is 16 but the job has 8"
+    assert job.difference(dataclasses.replace(job, tables=(users,))) == "the model lacks table 'items' (it has 1 of 2)"
+
+
+def test_job_refuses_two_tables_of_one_name_and_stale_timeout_tables_without_a_timeout():
+    import pytest
+    from psserver.sparse.table import TableSpec
+    with pytest.raises(ValueError, match="repeats the name 'users'"):
+        _tabled_job(TableSpec("users", 4), TableSpec("users", 8))
+    with pytest.raises(ValueError, match="needs a sync timeout"):
+        _tabled_job(TableSpec("users", 4, mode="stale-timeout"))
+    with pytest.raises(ValueError, match="table mode"):
+        TableSpec("users", 4, mode="later")
