@@ -13,7 +13,6 @@ Every refusal is raised before anything changes.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -22,6 +21,7 @@ from psserver import limits
 from psserver.sparse import errors
 from psserver.sparse import admission
 from psserver.sparse.admission import CountMinSketch
+from psserver.sparse.index import IdIndex
 from psserver.sparse.init import Initializer, init_rows
 from psserver.sparse.optim import SparseOptimizerConfig, initial_state, state_width, update_rows
 from psserver.sparse.placement import check_ids
@@ -31,8 +31,6 @@ TABLE_MODES = ("", "sync", "async", "stale-timeout")  # "": the job's mode
 # LRU eviction frees this fraction of max_rows beyond what a call needs, so that at the cap a
 # scan of all rows' last use is paid once per max_rows/64 new rows, not on every call.
 EVICT_SLACK = 1 / 64
-# Bytes of one Python int in the id -> slot dict: 36 holds any int64 id (28 for a slot below 2**30).
-_ID_OBJECT_BYTES, _SLOT_OBJECT_BYTES = 36, 28
 
 
 def _check_int(field_name: str, value, low: int, high: int, optional: bool = False) -> None:
@@ -100,13 +98,13 @@ class RowStore:
         self.tick = 0
         self.counts = TableCounts()
         self.sketch = CountMinSketch() if spec.admit_after else None
-        self._slot_of: dict[int, int] = {}
-        self._free: list[int] = []  # slots below _used that hold no row
+        self._index = IdIndex()
+        self._free = torch.empty(0, dtype=torch.int64)  # slots below _used that hold no row
         self._used = 0  # slots ever handed out; slots at and above it were never used
         self._alloc(min(initial_capacity, spec.max_rows or initial_capacity))
 
     def __len__(self) -> int:
-        return len(self._slot_of)
+        return len(self._index)
 
     # -- storage -------------------------------------------------------------------------
 
@@ -127,20 +125,19 @@ class RowStore:
 
     def _take_slots(self, n: int) -> torch.Tensor:
         """``n`` empty slots: freed ones first, then new ones, growing capacity by doubling."""
-        reuse = self._free[len(self._free) - min(n, len(self._free)):]
-        del self._free[len(self._free) - len(reuse):]
+        keep = len(self._free) - min(n, len(self._free))
+        reuse, self._free = self._free[keep:], self._free[:keep].clone()
         extra = n - len(reuse)
         if self._used + extra > len(self._ids):
             cap = max(self._used + extra, 2 * len(self._ids))
             self._alloc(min(cap, self.spec.max_rows) if self.spec.max_rows else cap)
-        fresh = list(range(self._used, self._used + extra))
+        fresh = torch.arange(self._used, self._used + extra, dtype=torch.int64)
         self._used += extra
-        return torch.tensor(reuse + fresh, dtype=torch.int64)
+        return torch.cat([reuse, fresh])
 
     def _slots(self, ids: torch.Tensor) -> torch.Tensor:
         """The slot of each id, -1 where it has no row."""
-        get = self._slot_of.get
-        return torch.tensor([get(i, -1) for i in ids.tolist()], dtype=torch.int64)
+        return self._index.find(ids)
 
     def _touch(self, slots: torch.Tensor) -> None:
         """Mark rows as used now, for both eviction clocks."""
@@ -157,25 +154,33 @@ class RowStore:
         self._ids[slots] = ids
         self._rows[slots] = init_rows(self.spec.initializer, self.spec.seed, ids, self.spec.dim)
         self._state[slots] = initial_state(self.spec.optimizer, len(ids), self.spec.dim)
-        self._slot_of.update(zip(ids.tolist(), slots.tolist()))
+        self._index.insert(ids, slots)
         self.counts.rows_created += len(ids)
         return slots
 
     def _evict(self, slots: torch.Tensor) -> None:
         """Drop the rows in ``slots``: forget their ids, mark the slots free."""
-        for i in self._ids[slots].tolist():
-            del self._slot_of[i]
+        self._index.remove(self._ids[slots])
         self._last_tick[slots] = INT64_MAX
         self._last_version[slots] = INT64_MAX
-        self._free.extend(slots.tolist())
+        self._free = torch.cat([self._free, slots])
 
     def _evict_lru(self, k: int) -> None:
         """Evict the ``k`` rows used least recently, never one touched in the current call."""
         used = self._last_tick[: self._used]
         k = min(k, int((used < self.tick).sum()))
         if k > 0:
-            self._evict(torch.topk(used, k, largest=False).indices)
+            self._evict(self._least_recent(used, k))
             self.counts.evicted_lru += k
+
+    def _least_recent(self, last_tick: torch.Tensor, k: int) -> torch.Tensor:
+        """Slots of the ``k`` rows used least recently, ties broken by id: the same rows go
+        whatever slots a restore or a different history put them in."""
+        threshold = int(torch.kthvalue(last_tick, k).values)
+        below = (last_tick < threshold).nonzero().flatten()
+        tied = (last_tick == threshold).nonzero().flatten()
+        tied = tied[torch.argsort(self._ids[tied])][: k - len(below)]
+        return torch.cat([below, tied])
 
     def evict_stale(self) -> int:
         """Evict rows unseen for more than ``evict_after`` versions; how many went."""
@@ -293,8 +298,10 @@ class RowStore:
     # -- checkpoints and accounting ----------------------------------------------------
 
     def state(self) -> dict:
-        """The live rows only, with their optimizer state and clocks: what a checkpoint holds."""
-        slots = torch.tensor(list(self._slot_of.values()), dtype=torch.int64)
+        """The live rows only, with their optimizer state and clocks: what a checkpoint holds.
+        Sorted by id, so equal tables give equal states whatever their history."""
+        ids, slots = self._index.items()
+        slots = slots[torch.argsort(ids)]
         return {
             "ids": self._ids[slots], "rows": self._rows[slots], "optimizer_state": self._state[slots],
             "last_tick": self._last_tick[slots], "last_version": self._last_version[slots],
@@ -316,7 +323,7 @@ class RowStore:
         for name in ("ids", "rows", "optimizer_state", "last_tick", "last_version"):
             attr = {"ids": "_ids", "rows": "_rows", "optimizer_state": "_state"}.get(name, "_" + name)
             getattr(store, attr)[slots] = state[name]
-        store._slot_of = dict(zip(state["ids"].tolist(), slots.tolist()))
+        store._index.insert(state["ids"], slots)
         store.version, store.tick = state["version"], state["tick"]
         store.counts = TableCounts(**state["counts"])
         if store.sketch is not None and state["sketch"] is not None:
@@ -325,13 +332,12 @@ class RowStore:
         return store
 
     def memory(self) -> dict[str, int]:
-        """Bytes held: ``tensors`` (allocated slots), ``index`` (the id -> slot dict and free list,
-        an upper estimate from CPython's object sizes), ``admission`` (the sketch), ``total``;
-        and ``live_payload``, the bytes of live rows and their optimizer state alone."""
+        """Bytes held: ``tensors`` (allocated slots), ``index`` (the id -> slot index and the free
+        list), ``admission`` (the sketch), ``total``; and ``live_payload``, the bytes of live rows
+        and their optimizer state alone."""
         tensors = sum(t.numel() * t.element_size()
                       for t in (self._ids, self._rows, self._state, self._last_tick, self._last_version))
-        index = (sys.getsizeof(self._slot_of) + len(self._slot_of) * (_ID_OBJECT_BYTES + _SLOT_OBJECT_BYTES)
-                 + sys.getsizeof(self._free) + len(self._free) * _SLOT_OBJECT_BYTES)
+        index = self._index.nbytes() + self._free.numel() * self._free.element_size()
         admission = 0 if self.sketch is None else self.sketch.nbytes()
         return {"tensors": tensors, "index": index, "admission": admission,
                 "total": tensors + index + admission,
