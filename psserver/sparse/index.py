@@ -5,7 +5,9 @@ Why not a Python dict: a batch of a few thousand ids cost ~2 ms in ``dict.get`` 
 spends on its whole step.  Here every operation is a handful of tensor ops per probe
 round, over the ids still probing:
 
-* the table is ``capacity`` positions (a power of two) of (key, slot, state);
+* the table is ``capacity`` positions (a power of two) of (key, slot, state): 21 bytes
+  each with the scratch, 2 to 4 positions per live id (a speed/memory trade: at loads
+  near 1/2 probe chains, and the time of a batch, about double);
 * an id's home position is ``mix64(id ^ SALT) & (capacity - 1)``; the salt makes these
   bits independent of the placement hash (which picks the shard from the same ids, so
   without it every id of one shard would share its low bits);
@@ -49,7 +51,7 @@ class IdIndex:
         self._keys = torch.zeros(capacity, dtype=torch.int64)
         self._slots = torch.full((capacity,), -1, dtype=torch.int64)
         self._state = torch.zeros(capacity, dtype=torch.int8)
-        self._claim = torch.empty(capacity, dtype=torch.int64)  # scratch for insert's collisions
+        self._claim = torch.empty(capacity, dtype=torch.int32)  # scratch for insert's collisions
         self._mask = capacity - 1
         self.size = 0
         self.tombstones = 0
@@ -91,7 +93,7 @@ class IdIndex:
         self._place(ids, slots)
 
     def _place(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        todo, pos = torch.arange(len(ids)), self._home(ids)
+        todo, pos = torch.arange(len(ids), dtype=torch.int32), self._home(ids)
         while len(todo):
             free = self._state[pos] != FULL
             cand, cand_pos = todo[free], pos[free]
