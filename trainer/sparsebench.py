@@ -1,0 +1,82 @@
+"""Sparse-table measurements for `ps-bench --sparse` (issue 12): memory against live rows.
+
+``table_memory`` streams Zipf-distributed ids over 10^9 possible ids through one
+table (lookup, then an optimizer step on the same rows, as a training step does)
+and samples, every few batches, the live rows, what the table says it holds
+(``RowStore.memory``) and the process's resident memory.  With ``max_rows`` the
+table must stop growing once the cap is reached: the samples after that show it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import torch
+
+from psserver.sparse.optim import SparseOptimizerConfig, state_width
+from psserver.sparse.table import RowStore, TableSpec
+from trainer.recdata import zipf_ranks
+
+ID_SPACE = 10**9
+_SCRAMBLE = 2654435761  # spreads the Zipf ranks over the id space, as trainer.recdata's click log does
+
+
+def rss_bytes(pid: int | None = None) -> int:
+    """Resident set size of a process (Linux /proc), in bytes."""
+    with open(f"/proc/{pid or os.getpid()}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def zipf_batches(n_batches: int, batch: int, a: float, seed: int):
+    """Unique ids of each batch of ``batch`` Zipf(a) draws over ID_SPACE."""
+    rng = np.random.default_rng(seed)
+    for _ in range(n_batches):
+        ranks = zipf_ranks(batch, a, ID_SPACE, rng)
+        yield torch.unique(torch.from_numpy(((ranks - 1) * _SCRAMBLE) % ID_SPACE))
+
+
+def payload_bytes(rows: int, dim: int, optimizer: SparseOptimizerConfig) -> int:
+    """rows x dim x 4 x (1 + optimizer state): the issue's yardstick for a table's memory."""
+    return rows * (dim + state_width(optimizer, dim)) * 4
+
+
+def table_memory(max_rows: int = 1_000_000, dim: int = 32, batches: int = 600, batch: int = 16384,
+                 a: float = 1.05, optimizer: str = "adagrad", samples: int = 12, seed: int = 0) -> dict:
+    """Stream Zipf ids through one RowStore; memory samples and the verdict against the targets."""
+    torch.set_num_threads(1)
+    opt = SparseOptimizerConfig(optimizer, lr=0.01)
+    store = RowStore(TableSpec("zipf", dim, optimizer=opt, max_rows=max_rows))
+    base_rss = rss_bytes()
+    rows, every, t0, ids_seen = [], max(1, batches // samples), time.perf_counter(), 0
+    for i, ids in enumerate(zipf_batches(batches, batch, a, seed)):
+        store.lookup(ids)
+        store.apply(ids, torch.full((len(ids), dim), 1e-3))
+        ids_seen += len(ids)
+        if (i + 1) % every == 0 or i + 1 == batches:
+            mem = store.memory()
+            rows.append({"batch": i + 1, "live_rows": len(store), "rows_created": store.counts.rows_created,
+                         "evicted": store.counts.evicted_lru, "table_bytes": mem["total"],
+                         "payload_bytes": payload_bytes(max_rows, dim, opt),
+                         "rss_growth_bytes": rss_bytes() - base_rss})
+    capped = [r for r in rows if r["live_rows"] >= max_rows * 0.9]
+    return {
+        "max_rows": max_rows, "dim": dim, "optimizer": optimizer, "zipf_a": a, "batch": batch,
+        "unique_ids_per_s": ids_seen / (time.perf_counter() - t0), "samples": rows,
+        "table_over_payload": rows[-1]["table_bytes"] / rows[-1]["payload_bytes"],
+        "rss_growth_over_payload": rows[-1]["rss_growth_bytes"] / rows[-1]["payload_bytes"],
+        "flat_after_cap": _flat(capped, "table_bytes") and _flat(capped, "rss_growth_bytes"),
+    }
+
+
+def _flat(samples: list[dict], key: str, tolerance: float = 0.01) -> bool:
+    """At least two samples, all within ``tolerance`` of the first (the free list and the
+    allocator move a table's bytes a little; growth would move them by a doubling)."""
+    if len(samples) < 2:
+        return False
+    first = samples[0][key]
+    return all(abs(s[key] - first) <= tolerance * max(first, 1) for s in samples)
