@@ -99,10 +99,10 @@ def add_schedule_flags(p: EnvArgumentParser) -> None:
 
 def add_compress_flag(p: EnvArgumentParser) -> None:
     """--compress, shared by ps-trainer and ps-cluster (checked by trainer.compress.parse_compress)."""
-    p.add_argument("--compress", default="", metavar="topk:RATIO",
+    p.add_argument("--compress", default="", metavar="topk:RATIO[,warmup=STEPS]",
                    help="push each shard only the largest RATIO (0 < RATIO <= 1) of its gradient slice as "
                         "(index, value) pairs; what is not sent is kept and added to the next push (error "
-                        "feedback). Default: dense")
+                        "feedback); warmup=STEPS sends the first STEPS pushes dense. Default: dense")
 
 
 def schedule_argv(args) -> list[str]:

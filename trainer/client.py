@@ -217,8 +217,9 @@ class ShardClient:
                          wire: int) -> tuple[int, int, list]:
         """(bytes, dense-equivalent bytes, chunks) of a push under the next sequence number; the chunks are
         views into the gradient (the slice itself when fp32 on the CPU), and a retry resends the same list."""
-        if self.compressor is not None and grad.numel():
-            return self._compressed_chunks(grad, base, num_samples, wire)
+        if self.compressor is not None and grad.numel() and (
+                self._encoded is not None if self.unanswered else not self.compressor.take_warmup_push()):
+            return self._compressed_chunks(grad, base, num_samples, wire)  # (a retry resends a dense warm-up push)
         payload = wire_tensor(grad, wire)
         if not self.unanswered:
             self.sequence += 1
@@ -338,7 +339,7 @@ class ShardedClient:
                  compress: str | None = None):
         if len(addresses) != job.num_shards:
             raise ValueError(f"{len(addresses)} shard addresses given but the job has {job.num_shards} shards")
-        ratio = parse_compress(compress)
+        topk = parse_compress(compress)
         self.job, self.rank, self.trainer_id = job, rank, trainer_id
         self.wire = WIRE_DTYPES[job.wire_dtype]
         self.counters: Counter = Counter()
@@ -346,7 +347,7 @@ class ShardedClient:
         self.shards = [
             ShardClient(a, i, rank, trainer_id, job.fingerprint, self.counters, chunk_bytes, call_timeout,
                         retry=retry, security=security, counters_lock=self._count_lock,
-                        compressor=TopK(ratio) if ratio is not None else None)
+                        compressor=TopK(topk.ratio, topk.warmup) if topk is not None else None)
             for i, a in enumerate(addresses)
         ]
         self._pool = ThreadPoolExecutor(max_workers=len(self.shards), thread_name_prefix="ps-io")

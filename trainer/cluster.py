@@ -155,6 +155,8 @@ def summarize(args, run: Path, progress: Progress, stats: list, codes: dict, wal
         trainer_stale_pushes=sum(p.get("stale_pushes", 0) for p in done),
         trainer_stale_steps=sum(p.get("stale_steps", 0) for p in done),
         steps_lost=sum(p.get("steps_lost", 0) for p in done),
+        push_bytes_sent=sum(p.get("push_bytes_sent", 0) for p in done),
+        push_bytes_dense=sum(p.get("push_bytes_dense", 0) for p in done),  # what dense pushes would have sent
         stopped=sorted({p["stopped"] for p in done if p.get("stopped")}) or None,
         exit_codes=codes, run_dir=str(run),
     )
@@ -176,6 +178,7 @@ def print_summary(s: dict) -> None:
         ("stale dropped / scaled", f"{s['stale_dropped']} / {s['stale_scaled']} gradients "
                                    f"({s['trainer_stale_steps']} trainer steps had one)"),
         ("steps lost to restarts", s["steps_lost"]),
+        ("bytes pushed / dense", f"{s['push_bytes_sent']:,} / {s['push_bytes_dense']:,}"),
         ("duplicates / refused", f"{s['duplicates']} / {s['refused']}"),
         ("run folder", s["run_dir"]),
     ]

@@ -12,7 +12,7 @@ from psserver.codec import (
 from psserver.errors import InvalidRequest, TooLarge
 from psserver.proto import ps_pb2 as pb
 from trainer.client import ShardClient
-from trainer.compress import TopK, parse_compress
+from trainer.compress import CompressSpec, TopK, parse_compress
 
 N = 1000
 
@@ -30,10 +30,11 @@ def assemble(chunks, n=N, dtype=pb.FLOAT32, max_bytes=1 << 30, min_chunk_bytes=0
 
 
 # ---------------------------------------------------------------------- --compress values
-@pytest.mark.parametrize("spec,ratio", [("topk:0.01", 0.01), ("topk:1", 1.0), (" topk:0.5 ", 0.5), ("", None),
-                                        ("none", None), (None, None)])
-def test_compress_values_parse_to_their_ratio(spec, ratio):
-    assert parse_compress(spec) == ratio
+@pytest.mark.parametrize("spec,want", [
+    ("topk:0.01", CompressSpec(0.01)), ("topk:1", CompressSpec(1.0)), (" topk:0.5 ", CompressSpec(0.5)),
+    ("topk:0.01,warmup=15", CompressSpec(0.01, 15)), ("", None), ("none", None), (None, None)])
+def test_compress_values_parse_to_their_ratio_and_warmup(spec, want):
+    assert parse_compress(spec) == want
 
 
 @pytest.mark.parametrize("spec,words", [
@@ -44,12 +45,14 @@ def test_compress_values_parse_to_their_ratio(spec, ratio):
     ("topk:abc", "the ratio (abc) is not a number"),
     ("topk", "is not a known compression"),
     ("randk:0.1", "is not a known compression"),
+    ("topk:0.1,warmup=-1", "the option (warmup=-1) is not warmup=STEPS"),
+    ("topk:0.1,warm=3", "the option (warm=3) is not warmup=STEPS"),
 ])
 def test_bad_compress_values_are_refused_naming_the_value_with_a_hint(spec, words):
     with pytest.raises(ValueError) as e:
         parse_compress(spec)
     assert f"--compress ({spec})" in str(e.value) and words in str(e.value)
-    assert "topk:RATIO with 0 < RATIO <= 1" in str(e.value)
+    assert "topk:RATIO[,warmup=STEPS] with 0 < RATIO <= 1" in str(e.value)
 
 
 # ---------------------------------------------------------------------- error feedback
@@ -154,6 +157,23 @@ def test_an_unanswered_compressed_push_is_resent_as_it_was_not_compressed_again(
         nxt = client._gradient_chunks(g, 1, 1, pb.FLOAT32)  # answered: the next push is a new one
         assert nxt[2][0].header.sequence == 2 and not torch.equal(client.compressor.residual, residual)
         assert client.counters["push_bytes_sent"] == 800 and client.counters["push_bytes_dense"] == 4000
+    finally:
+        client.close()
+
+
+def test_warm_up_pushes_go_dense_and_a_retried_one_is_resent_dense_without_counting_twice():
+    client = ShardClient("127.0.0.1:1", 0, 0, "t0", "f" * 16, counters=Counter(), compressor=TopK(0.1, warmup=2))
+    try:
+        g = torch.arange(N, dtype=torch.float32)
+        kinds = []
+        for _ in range(3):
+            nbytes, dense_bytes, chunks = client._gradient_chunks(g, 0, 1, pb.FLOAT32)
+            retried = client._gradient_chunks(g, 0, 1, pb.FLOAT32)
+            assert retried[2][0].header == chunks[0].header  # the same push again, same sequence
+            kinds.append(chunks[0].header.topk)
+            client._acknowledged("applied", 1, 0, 0, nbytes, dense_bytes)
+        assert kinds == [0, 0, 100]
+        assert client.compressor.residual is not None and float(client.compressor.residual.sum()) > 0
     finally:
         client.close()
 
