@@ -33,7 +33,8 @@ import torch
 
 from psserver import limits, modes
 from psserver.codec import (
-    DEFAULT_CHUNK_BYTES, ChunkAssembler, TopKAssembler, check_finite, check_stream_header, encode_raw, first_header,
+    DEFAULT_CHUNK_BYTES, ChunkAssembler, TopKAssembler, check_finite, check_stream_header, encode_raw,
+    first_header,
 )
 from psserver.errors import (
     VERSION_METADATA_KEY, InvalidRequest, PsError, ShuttingDown, StaleGradient, StreamTimeout, TooBusy, WaitTimeout,

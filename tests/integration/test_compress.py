@@ -146,7 +146,8 @@ def test_init_refuses_a_top_k_header(shard_server):
     chunks = topk_chunks([1, 2], [1.0, 2.0], rank=0)
     with pytest.raises(grpc.RpcError) as e:
         s.stub.Init(iter(chunks), timeout=10)
-    assert e.value.code() == C.INVALID_ARGUMENT and "topk is 2 but this stream carries dense values" in e.value.details()
+    assert e.value.code() == C.INVALID_ARGUMENT
+    assert "topk is 2 but this stream carries dense values" in e.value.details()
     assert s.digest() == before and not s.stats().initialized
 
 
