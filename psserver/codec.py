@@ -78,6 +78,9 @@ def check_stream_header(h: _pb.ChunkHeader, expected_length: int, wire: int, max
     """Refuse a stream on its header's dtype and declared size, before anything is allocated for it."""
     if h.dtype != wire:
         raise InvalidRequest(f"dtype is {dtype_name(h.dtype)} but this job sends {dtype_name(wire)}")
+    if h.topk:
+        check_topk_header(h, expected_length, wire, max_bytes)
+        return
     declared = h.length * TORCH_DTYPES[wire].itemsize
     if declared > max_bytes:
         raise TooLarge(f"the stream declares {declared} bytes, over this shard's limit of {max_bytes} bytes")
@@ -98,6 +101,9 @@ class ChunkAssembler:
 
     def __init__(self, header: _pb.ChunkHeader, expected_length: int, wire: int, max_bytes: int,
                  out: torch.Tensor | None = None, min_chunk_bytes: int = 0):
+        if header.topk:
+            raise InvalidRequest(f"topk is {header.topk} but this stream carries dense values (topk 0): only a "
+                                 "Push or PushPull may be sparse")
         check_stream_header(header, expected_length, wire, max_bytes)
         self.dtype = dtype = TORCH_DTYPES[wire]
         self.length, self.wire, self.min_chunk_bytes = expected_length, wire, min_chunk_bytes
@@ -215,3 +221,129 @@ def check_finite(values: torch.Tensor) -> None:
         raise InvalidRequest(
             f"{bad.numel()} values are NaN or infinite (first at element {int(bad[0])}: {float(values[bad[0]])})"
         )
+
+
+# ---------------------------------------------------------------------- top-k pushes
+# A top-k push (ChunkHeader.topk = k > 0) carries k (index, value) pairs of a slice: k indices, strictly
+# increasing, then k values in the wire dtype, as one payload of raw little-endian bytes cut into chunks whose
+# offsets count bytes.  The receiver bounds everything before it writes a value anywhere, then scatters the
+# pairs into a zeroed slice-sized tensor, so the rest of the push path sees a dense gradient.
+
+INT32_INDEX_LIMIT = 1 << 31  # slices up to this many elements send int32 indices; longer ones int64
+
+
+def index_dtype(length: int) -> torch.dtype:
+    """The indices' dtype for a slice of ``length`` elements (both sides derive it; nothing on the wire says)."""
+    return torch.int32 if length <= INT32_INDEX_LIMIT else torch.int64
+
+
+def topk_payload_bytes(k: int, length: int, wire: int) -> int:
+    return k * (index_dtype(length).itemsize + TORCH_DTYPES[wire].itemsize)
+
+
+def check_topk_header(h: _pb.ChunkHeader, expected_length: int, wire: int, max_bytes: int) -> None:
+    """Refuse a top-k push on its header: slice length, k against it, and the payload's size."""
+    if h.length != expected_length:
+        raise InvalidRequest(f"length is {h.length} elements but this shard's slice has {expected_length}")
+    if h.topk > expected_length:
+        raise InvalidRequest(f"topk is {h.topk} pairs but this shard's slice has only {expected_length} elements")
+    declared = topk_payload_bytes(h.topk, expected_length, wire)
+    if declared > max_bytes:
+        raise TooLarge(f"the stream declares {declared} bytes, over this shard's limit of {max_bytes} bytes")
+
+
+def encode_topk_raw(indices: torch.Tensor, values: torch.Tensor, header: _pb.ChunkHeader,
+                    chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[RawChunk]:
+    """The chunks of a top-k push: ``indices`` (of ``index_dtype(header.length)``) then ``values`` (of the
+    header's dtype), ``header.topk`` of each.  One copy of the pairs into the payload; the chunks view it."""
+    k = header.topk
+    if indices.numel() != k or values.numel() != k or k == 0:
+        raise ValueError(f"a top-k push of k={k} needs k >= 1 indices and values, got {indices.numel()} and "
+                         f"{values.numel()}")
+    if indices.dtype != index_dtype(header.length) or values.dtype != TORCH_DTYPES[header.dtype]:
+        raise ValueError(f"top-k pairs are {indices.dtype} / {values.dtype}, not "
+                         f"{index_dtype(header.length)} / {TORCH_DTYPES[header.dtype]}")
+    payload = torch.cat([indices.contiguous().view(torch.uint8), values.contiguous().view(torch.uint8)])
+    view = _raw(payload)
+    step = max(1, chunk_bytes)
+    return [RawChunk(header=header if pos == 0 else None, offset=pos, data=view[pos : pos + step])
+            for pos in range(0, len(view), step)]
+
+
+class TopKAssembler:
+    """Checks a top-k push's chunks as they arrive, then bounds its pairs and scatters them (``finish``).
+
+    Same rules as ``ChunkAssembler`` for the stream (header on the first chunk only, chunks tiling the
+    payload once and in order, ``min_chunk_bytes``); then every index in range and strictly increasing.
+    Nothing is written to ``out`` before every check has passed.
+    """
+
+    def __init__(self, header: _pb.ChunkHeader, expected_length: int, wire: int, max_bytes: int,
+                 out: torch.Tensor | None = None, min_chunk_bytes: int = 0):
+        check_topk_header(header, expected_length, wire, max_bytes)
+        self.k, self.length, self.wire, self.min_chunk_bytes = header.topk, expected_length, wire, min_chunk_bytes
+        self.index_dtype, self.dtype = index_dtype(expected_length), TORCH_DTYPES[wire]
+        self.size = topk_payload_bytes(self.k, expected_length, wire)
+        self.payload = torch.empty(self.size, dtype=torch.uint8)
+        self._raw = self.payload.numpy()
+        self.out = out
+        self.pos = 0  # next byte expected
+        self.chunks = 0
+        self.bytes_read = 0
+
+    def add(self, chunk) -> None:
+        _check_wellformed(chunk)
+        if self.chunks and chunk.HasField("header"):
+            raise InvalidRequest(f"the chunk at offset {chunk.offset} repeats the header; only the first may")
+        if chunk.offset != self.pos:
+            raise InvalidRequest(f"chunk offset is {chunk.offset} but byte {self.pos} was expected: chunks must tile "
+                                 f"the top-k payload [0, {self.size}) bytes once, in order")
+        n = len(chunk.data)
+        if self.pos + n > self.size:
+            raise InvalidRequest(f"the chunk at offset {chunk.offset} holds {n} bytes, past the end of the top-k "
+                                 f"payload of {self.size} bytes (topk {self.k} pairs)")
+        if n < self.min_chunk_bytes and self.pos + n != self.size:
+            raise InvalidRequest(f"the chunk at offset {chunk.offset} carries {n} bytes, under the minimum of "
+                                 f"{self.min_chunk_bytes} for every chunk but the last")
+        if n:
+            self._raw[self.pos : self.pos + n] = np.frombuffer(chunk.data, dtype=np.uint8)
+        self.pos += n
+        self.chunks += 1
+        self.bytes_read += n
+
+    def pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices as int64, values as fp32), once the payload is complete and every index is bounded."""
+        if self.pos != self.size:
+            raise InvalidRequest(f"the chunks cover {self.pos} bytes but topk {self.k} pairs need {self.size}")
+        split = self.k * self.index_dtype.itemsize
+        indices = self.payload[:split].view(self.index_dtype).long()
+        values = self.payload[split:].view(self.dtype).float()
+        check_indices(indices, self.length)
+        return indices, values
+
+    def finish(self, require_finite: bool = True) -> torch.Tensor:
+        """The slice as a dense fp32 tensor (``out`` if given): zeros but at the pairs' indices."""
+        indices, values = self.pairs()
+        if require_finite:
+            check_finite(values)
+        dense = self.out if self.out is not None else torch.empty(self.length, dtype=torch.float32)
+        dense.zero_()
+        dense[indices] = values
+        return dense
+
+
+def check_indices(indices: torch.Tensor, length: int) -> None:
+    """Refuse indices outside [0, length) or not strictly increasing, naming the first bad position."""
+    if not indices.numel():
+        return
+    if int(indices[0]) < 0:
+        raise InvalidRequest(f"top-k index 0 is {int(indices[0])}, below 0")
+    steps = indices[1:] - indices[:-1]
+    bad = (steps <= 0).nonzero()
+    if bad.numel():
+        i = int(bad[0])
+        raise InvalidRequest(f"top-k indices must be strictly increasing: index {i + 1} is {int(indices[i + 1])} "
+                             f"after {int(indices[i])}")
+    if int(indices[-1]) >= length:  # increasing, so the last is the largest
+        raise InvalidRequest(f"top-k index {indices.numel() - 1} is {int(indices[-1])}, out of this shard's slice "
+                             f"[0, {length})")

@@ -33,7 +33,8 @@ import torch
 
 from psserver import limits, modes
 from psserver.codec import (
-    DEFAULT_CHUNK_BYTES, ChunkAssembler, check_finite, check_stream_header, encode_raw, first_header,
+    DEFAULT_CHUNK_BYTES, ChunkAssembler, TopKAssembler, check_finite, check_stream_header, encode_raw,
+    first_header,
 )
 from psserver.errors import (
     VERSION_METADATA_KEY, InvalidRequest, PsError, ShuttingDown, StaleGradient, StreamTimeout, TooBusy, WaitTimeout,
@@ -305,7 +306,7 @@ class ParameterServerService:
         length = self.shard.slice_length()
         check_stream_header(h, length, self.shard.wire_dtype(), self.cfg.max_push_bytes)  # before any allocation
         async with self._rank_slot(h.rank), self.runtime.buffers.take(length) as held:
-            grad = await self._read_tensor(reader, first, h, out=held.buffer)
+            grad = await self._read_tensor(reader, first, h, out=held.buffer, sparse=True)
             try:
                 result, spare = await held.hand_over(self.runtime.run_state(self._check_and_push, h, grad))
             except StaleGradient as e:
@@ -317,16 +318,22 @@ class ParameterServerService:
         return h, result
 
     async def _read_tensor(self, reader: _StreamReader, first, h: _pb.ChunkHeader,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
-        """The stream's chunks, checked and copied (into ``out`` if given) as they arrive; finite-checked later."""
-        asm = ChunkAssembler(h, self.shard.slice_length(), self.shard.wire_dtype(), self.cfg.max_push_bytes,
-                             out=out, min_chunk_bytes=self.cfg.min_chunk_bytes)
+                           out: torch.Tensor | None = None, sparse: bool = False) -> torch.Tensor:
+        """The stream's chunks, checked and copied (into ``out`` if given) as they arrive; finite-checked later.
+
+        ``sparse`` (pushes): a header with topk > 0 is read as top-k pairs, bounded, and scattered into ``out``
+        as a dense slice; elsewhere (Init) such a header is refused."""
+        assembler = TopKAssembler if sparse and h.topk else ChunkAssembler
+        asm = assembler(h, self.shard.slice_length(), self.shard.wire_dtype(), self.cfg.max_push_bytes,
+                        out=out, min_chunk_bytes=self.cfg.min_chunk_bytes)
         chunk = first
         while chunk is not None:
             asm.add(chunk)
             chunk = await reader.next()
         values = asm.finish(require_finite=False)
         self.shard.count("bytes_in", asm.bytes_read)
+        if h.topk and sparse:
+            self.shard.count("topk_pushes")
         return values
 
     def _check_and_init(self, h: _pb.ChunkHeader, values: torch.Tensor):

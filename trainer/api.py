@@ -47,6 +47,7 @@ from psserver.schedules import LrSchedule
 from psserver.security import ClientSecurity
 from trainer.client import WAIT_LOG_SECONDS, PushOutcome, RetryPolicy, ShardClient, ShardedClient, parse_addresses
 from trainer.clipping import check_max_norm, clip_local_
+from trainer.compress import parse_compress
 from trainer.early_push import EarlyPusher
 from trainer.staging import DeviceStaging
 
@@ -206,7 +207,7 @@ class ParameterServerTrainer:
                  trainer_id: str, connect_timeout: float, round_timeout: float, chunk_bytes: int,
                  security: ClientSecurity = ClientSecurity(), overlap: bool = False,
                  push_during_backward: bool = False, retry: RetryPolicy = RetryPolicy(),
-                 clip_grad_norm: float | None = None):
+                 clip_grad_norm: float | None = None, compress: str | None = None):
         self.clip_grad_norm = check_max_norm(clip_grad_norm, push_during_backward)
         if overlap and job.mode != "async":
             raise ValueError(f"overlap (pulling the next weights while computing) needs async mode, not {job.mode}")
@@ -222,7 +223,7 @@ class ParameterServerTrainer:
         self.describe = f"{job.num_shards} shards, mode {job.mode}"
         self.flat = FlatModel(model)
         self.client = ShardedClient(addresses, job, rank, trainer_id, chunk_bytes=chunk_bytes, security=security,
-                                    retry=retry)
+                                    retry=retry, compress=compress)
         self.ranges = [self.layout.shard_range(i) for i in range(job.num_shards)]
         self._staging = [torch.empty(end - start) for start, end in self.ranges] if overlap else []
         self.versions = [0] * job.num_shards
@@ -600,7 +601,7 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
             chunk_bytes: int = 1 << 20, security: ClientSecurity | None = None,
             overlap: bool = False, push_during_backward: bool = False, job_id: str = "",
             retry_budget: float = 60.0, lr_schedule: LrSchedule | dict | None = None,
-            clip_grad_norm: float | None = None) -> ParameterServerTrainer:
+            clip_grad_norm: float | None = None, compress: str | None = None) -> ParameterServerTrainer:
     """Register ``model`` with the shards at ``ps`` and return a handle whose ``step()`` trains it.
 
     Rank 0 initialises the shards with its model's weights; every trainer then
@@ -619,10 +620,12 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
     manager (``with connect(...) as ps:``) to leave the job on every way out.
     ``lr_schedule`` (an LrSchedule or its fields as a dict) is applied by the
     shards from their version; ``clip_grad_norm`` clips this trainer's own
-    gradient to that 2-norm before each push (trainer.clipping).
+    gradient to that 2-norm before each push (trainer.clipping).  ``compress="topk:RATIO"`` pushes each
+    shard only the largest RATIO of its slice, keeping the rest for later pushes (trainer.compress).
     """
     if retry_budget < 0:
         raise ValueError(f"retry_budget is {retry_budget} but must be zero or more seconds")
+    parse_compress(compress)  # a bad value is refused before anything starts
     addresses = parse_addresses(ps)
     job = make_job(model, len(addresses), mode=mode, num_trainers=num_trainers, optimizer=optimizer,
                    max_staleness=max_staleness, sync_timeout=sync_timeout,
@@ -631,4 +634,4 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
     return ParameterServerTrainer(addresses, model, job, rank, trainer_id or default_trainer_id(rank),
                                   connect_timeout, round_timeout, chunk_bytes, security or ClientSecurity(), overlap,
                                   push_during_backward, RetryPolicy(budget_seconds=retry_budget),
-                                  clip_grad_norm=clip_grad_norm)
+                                  clip_grad_norm=clip_grad_norm, compress=compress)

@@ -43,6 +43,7 @@ def build_parser() -> EnvArgumentParser:
     add_schedule_flags(p)
     p.add_argument("--wire-dtype", choices=list(WIRE_DTYPES), default="float32",
                    help="dtype of gradients and weights on the wire (shards keep fp32)")
+    add_compress_flag(p)
     p.add_argument("--seed", type=int, default=0, help="model init and data order; the same on every trainer")
     p.add_argument("--job-id", default="",
                    help="names this run; every trainer of it passes the same (shards refuse another job's "
@@ -96,6 +97,14 @@ def add_schedule_flags(p: EnvArgumentParser) -> None:
                         "of the round, which is what clip_grad_norm_ clips under DDP)")
 
 
+def add_compress_flag(p: EnvArgumentParser) -> None:
+    """--compress, shared by ps-trainer and ps-cluster (checked by trainer.compress.parse_compress)."""
+    p.add_argument("--compress", default="", metavar="topk:RATIO[,warmup=STEPS]",
+                   help="push each shard only the largest RATIO (0 < RATIO <= 1) of its gradient slice as "
+                        "(index, value) pairs; what is not sent is kept and added to the next push (error "
+                        "feedback); warmup=STEPS sends the first STEPS pushes dense. Default: dense")
+
+
 def schedule_argv(args) -> list[str]:
     """The flags of ``add_schedule_flags`` as given, for ps-cluster to pass on to each ps-trainer (which
     checks them with the trainer's own rules: cluster.check_trainer_flags, before any process starts)."""
@@ -117,7 +126,7 @@ def config_from_args(args) -> TrainConfig:
         progress=False if args.no_progress else None, connect_timeout=args.connect_timeout,
         security=client_security(args), backend=args.backend, overlap=args.overlap,
         push_during_backward=args.push_during_backward, job_id=args.job_id, save_every=args.save_every,
-        retry_budget=args.retry_budget, tensorboard=args.tensorboard,
+        retry_budget=args.retry_budget, tensorboard=args.tensorboard, compress=args.compress,
         **{name: getattr(args, name) for name in SCHEDULE_FLAGS},
     )
 

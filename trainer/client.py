@@ -26,13 +26,14 @@ import grpc
 import grpc.experimental
 import torch
 
-from psserver.codec import DEFAULT_CHUNK_BYTES, ChunkReader, encode_raw, wire_tensor
+from psserver.codec import DEFAULT_CHUNK_BYTES, ChunkReader, encode_raw, encode_topk_raw, wire_tensor
 from psserver.fastwire import parse_chunk, serialize_chunk
 from psserver.job import WIRE_DTYPES, JobSpec
 from psserver.proto import ps_pb2 as _pb
 from psserver.proto import ps_pb2_grpc as _grpc
 from psserver.security import ClientSecurity, parse_addresses  # noqa: F401 (re-exported for trainers)
 from psserver.errors import VERSION_METADATA_KEY
+from trainer.compress import TopK, parse_compress
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -84,8 +85,10 @@ class ShardClient:
     def __init__(self, address: str, index: int, rank: int, trainer_id: str, fingerprint: str,
                  counters: Counter, chunk_bytes: int = DEFAULT_CHUNK_BYTES, call_timeout: float = 60.0,
                  retry: RetryPolicy = RetryPolicy(), security: ClientSecurity = ClientSecurity(),
-                 counters_lock: threading.Lock | None = None):
+                 counters_lock: threading.Lock | None = None, compressor: TopK | None = None):
         self.address, self.index, self.rank, self.trainer_id = address, index, rank, trainer_id
+        self.compressor = compressor  # top-k with error feedback for this shard's slice (trainer.compress)
+        self._encoded: tuple[int, int, list] | None = None  # the unanswered compressed push, resent as it was
         self.fingerprint, self.counters, self.chunk_bytes = fingerprint, counters, chunk_bytes
         self.call_timeout, self.retry = call_timeout, retry
         self.sequence = 0  # pushes sent to this shard by this trainer
@@ -210,22 +213,47 @@ class ShardClient:
 
         return self._call("Pull", once)
 
-    def _gradient_chunks(self, grad: torch.Tensor, base: int, num_samples: int, wire: int) -> tuple[int, list]:
-        """(bytes, chunks) of a push under the next sequence number; the chunks are views into the gradient
-        (the slice itself when fp32 on the CPU), and a retry resends the same list."""
+    def _gradient_chunks(self, grad: torch.Tensor, base: int, num_samples: int,
+                         wire: int) -> tuple[int, int, list]:
+        """(bytes, dense-equivalent bytes, chunks) of a push under the next sequence number; the chunks are
+        views into the gradient (the slice itself when fp32 on the CPU), and a retry resends the same list."""
+        if self.compressor is not None and grad.numel() and (
+                self._encoded is not None if self.unanswered else not self.compressor.take_warmup_push()):
+            return self._compressed_chunks(grad, base, num_samples, wire)  # (a retry resends a dense warm-up push)
         payload = wire_tensor(grad, wire)
         if not self.unanswered:
             self.sequence += 1
             self.unanswered = True
         header = self._header(wire, grad.numel(), base, num_samples, self.sequence)
-        return payload.numel() * payload.element_size(), list(encode_raw(payload, header, self.chunk_bytes))
+        nbytes = payload.numel() * payload.element_size()
+        return nbytes, nbytes, list(encode_raw(payload, header, self.chunk_bytes))
 
-    def _acknowledged(self, outcome: str, version: int, staleness: int, base: int, nbytes: int) -> PushOutcome:
+    def _compressed_chunks(self, grad: torch.Tensor, base: int, num_samples: int,
+                           wire: int) -> tuple[int, int, list]:
+        """A top-k push of ``grad``; while it is unanswered (a retried step) the same encoded push is resent:
+        compressing again would add the gradient to the residual twice."""
+        if self.unanswered and self._encoded is not None:
+            return self._encoded
+        indices, values = self.compressor.compress(grad, wire)
+        self.sequence += 1
+        self.unanswered = True
+        header = self._header(wire, grad.numel(), base, num_samples, self.sequence)
+        header.topk = values.numel()
+        nbytes = indices.numel() * indices.element_size() + values.numel() * values.element_size()
+        self._encoded = (nbytes, grad.numel() * values.element_size(),
+                         encode_topk_raw(indices, values, header, self.chunk_bytes))
+        return self._encoded
+
+    def _acknowledged(self, outcome: str, version: int, staleness: int, base: int, nbytes: int,
+                      dense_bytes: int) -> PushOutcome:
         """Count and log what became of a push (the gradient crossed the wire whatever the outcome)."""
         self.unanswered = False
+        self._encoded = None
         result = PushOutcome(outcome, version, staleness)
         self.last_answer = (self.sequence, result)
         self._count("bytes_out", nbytes)
+        self._count("push_bytes_sent", nbytes)
+        self._count("push_bytes_dense", dense_bytes)  # what the same pushes would have sent uncompressed
         if outcome == "stale":
             self._count("stale_pushes")
             log.info("shard %d dropped a stale gradient (base %d, now %d): catching up", self.index, base, version)
@@ -234,7 +262,7 @@ class ShardClient:
         return result
 
     def push(self, grad: torch.Tensor, base: int, num_samples: int, wire: int) -> PushOutcome:
-        nbytes, chunks = self._gradient_chunks(grad, base, num_samples, wire)
+        nbytes, dense_bytes, chunks = self._gradient_chunks(grad, base, num_samples, wire)
         send = (lambda: self._push_one(chunks[0], timeout=self.call_timeout)) if len(chunks) == 1 else (
             lambda: self._push(iter(chunks), timeout=self.call_timeout))
         try:
@@ -243,9 +271,9 @@ class ShardClient:
             if e.code() != grpc.StatusCode.ABORTED:
                 raise
             version = int(dict(e.trailing_metadata() or ()).get(VERSION_METADATA_KEY, base))
-            return self._acknowledged("stale", version, version - base, base, nbytes)
+            return self._acknowledged("stale", version, version - base, base, nbytes, dense_bytes)
         return self._acknowledged(_pb.PushOutcome.Name(reply.outcome).lower(), reply.version, reply.staleness, base,
-                                  nbytes)
+                                  nbytes, dense_bytes)
 
     def push_pull(self, grad: torch.Tensor, base: int, num_samples: int, wire: int, timeout: float,
                   out: torch.Tensor | None = None) -> tuple[PushOutcome, torch.Tensor, float, float]:
@@ -256,7 +284,7 @@ class ShardClient:
         ``out`` the weights land there directly.  Retried like a push: the sequence
         number makes a retry after a lost reply a DUPLICATE, which still returns weights.
         """
-        nbytes, chunks = self._gradient_chunks(grad, base, num_samples, wire)
+        nbytes, dense_bytes, chunks = self._gradient_chunks(grad, base, num_samples, wire)
 
         def once():
             t0 = time.perf_counter()
@@ -269,7 +297,8 @@ class ShardClient:
             return reader.header, values, t_first - t0
 
         h, values, until_reply = self._call("PushPull", once, retry_on=PUSH_RETRYABLE)
-        outcome = self._acknowledged(_pb.PushOutcome.Name(h.outcome).lower(), h.version, h.staleness, base, nbytes)
+        outcome = self._acknowledged(_pb.PushOutcome.Name(h.outcome).lower(), h.version, h.staleness, base, nbytes,
+                                     dense_bytes)
         return outcome, values, max(0.0, until_reply - h.wait_seconds), h.wait_seconds
 
     def next_sequence(self) -> int:
@@ -277,8 +306,10 @@ class ShardClient:
         return self.sequence if self.unanswered else self.sequence + 1
 
     def abandon_push(self) -> None:
-        """Give up on the unanswered push (the shard restarted and forgot it): the next push gets a new number."""
+        """Give up on the unanswered push (the shard restarted and forgot it): the next push gets a new number.
+        A compressed push is dropped with it, as a dense one would be; the residual keeps what it did not send."""
         self.unanswered = False
+        self._encoded = None
 
     def heartbeat(self, timeout: float) -> _pb.HeartbeatReply:
         req = _pb.HeartbeatRequest(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.fingerprint)
@@ -304,16 +335,19 @@ class ShardedClient:
 
     def __init__(self, addresses: Sequence[str], job: JobSpec, rank: int, trainer_id: str,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, call_timeout: float = 60.0,
-                 security: ClientSecurity = ClientSecurity(), retry: RetryPolicy = RetryPolicy()):
+                 security: ClientSecurity = ClientSecurity(), retry: RetryPolicy = RetryPolicy(),
+                 compress: str | None = None):
         if len(addresses) != job.num_shards:
             raise ValueError(f"{len(addresses)} shard addresses given but the job has {job.num_shards} shards")
+        topk = parse_compress(compress)
         self.job, self.rank, self.trainer_id = job, rank, trainer_id
         self.wire = WIRE_DTYPES[job.wire_dtype]
         self.counters: Counter = Counter()
         self._count_lock = threading.Lock()
         self.shards = [
             ShardClient(a, i, rank, trainer_id, job.fingerprint, self.counters, chunk_bytes, call_timeout,
-                        retry=retry, security=security, counters_lock=self._count_lock)
+                        retry=retry, security=security, counters_lock=self._count_lock,
+                        compressor=TopK(topk.ratio, topk.warmup) if topk is not None else None)
             for i, a in enumerate(addresses)
         ]
         self._pool = ThreadPoolExecutor(max_workers=len(self.shards), thread_name_prefix="ps-io")

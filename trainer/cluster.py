@@ -26,7 +26,7 @@ from psserver.cli_support import EnvArgumentParser, run_cli, setup_logging
 from psserver.job import MODES, OPTIMIZERS, STALE_POLICIES
 from psserver.admin import fetch_stat
 from psserver.proto import ps_pb2 as _pb
-from trainer.cli import add_schedule_flags, schedule_argv
+from trainer.cli import add_compress_flag, add_schedule_flags, schedule_argv
 from trainer.data import DATASETS
 from trainer.models import MODELS
 from trainer.procs import Proc, start_shard, start_trainer
@@ -48,6 +48,7 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--lr", type=float, default=None,
                    help="learning rate (default 0.05; 0.05/trainers in async mode)")
     add_schedule_flags(p)
+    add_compress_flag(p)
     p.add_argument("--sync-timeout", type=float, default=0.1, help="stale-timeout: seconds a round waits")
     p.add_argument("--replicas-to-aggregate", type=int, default=0)
     p.add_argument("--stale-policy", choices=STALE_POLICIES, default="drop")
@@ -115,6 +116,8 @@ def trainer_args(args, rank: int, run: Path) -> list[str]:
     if args.lr is not None:
         a += ["--lr", str(args.lr)]
     a += schedule_argv(args)
+    if args.compress:
+        a += ["--compress", args.compress]
     if args.mode == "stale-timeout":
         a += ["--sync-timeout", str(args.sync_timeout), "--replicas-to-aggregate", str(args.replicas_to_aggregate),
               "--stale-policy", args.stale_policy]
@@ -152,6 +155,8 @@ def summarize(args, run: Path, progress: Progress, stats: list, codes: dict, wal
         trainer_stale_pushes=sum(p.get("stale_pushes", 0) for p in done),
         trainer_stale_steps=sum(p.get("stale_steps", 0) for p in done),
         steps_lost=sum(p.get("steps_lost", 0) for p in done),
+        push_bytes_sent=sum(p.get("push_bytes_sent", 0) for p in done),
+        push_bytes_dense=sum(p.get("push_bytes_dense", 0) for p in done),  # what dense pushes would have sent
         stopped=sorted({p["stopped"] for p in done if p.get("stopped")}) or None,
         exit_codes=codes, run_dir=str(run),
     )
@@ -173,6 +178,7 @@ def print_summary(s: dict) -> None:
         ("stale dropped / scaled", f"{s['stale_dropped']} / {s['stale_scaled']} gradients "
                                    f"({s['trainer_stale_steps']} trainer steps had one)"),
         ("steps lost to restarts", s["steps_lost"]),
+        ("bytes pushed / dense", f"{s['push_bytes_sent']:,} / {s['push_bytes_dense']:,}"),
         ("duplicates / refused", f"{s['duplicates']} / {s['refused']}"),
         ("run folder", s["run_dir"]),
     ]

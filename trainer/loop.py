@@ -28,6 +28,7 @@ from psserver.security import parse_addresses
 from psserver.tboard import ScalarLog
 from trainer.api import connect
 from trainer.clipping import check_max_norm
+from trainer.compress import parse_compress
 from trainer.data import epoch_order, load_dataset, local_batch_indices, steps_per_epoch
 from trainer.models import build_model
 
@@ -84,6 +85,7 @@ class TrainConfig:
     lr_cosine_steps: int = 0  # cosine: versions from lr down to lr_min (0: the rest of the run after warm-up)
     lr_min: float = 0.0  # cosine: the floor
     clip_grad_norm: float | None = None  # clip this trainer's own gradient to this 2-norm (not the round's average)
+    compress: str = ""  # "topk:RATIO": push the largest RATIO of each slice, the rest kept for later (trainer.compress)
 
     def __post_init__(self) -> None:
         problem = config_problem(self)
@@ -131,9 +133,16 @@ def config_problem(cfg: TrainConfig) -> str:
             cfg.optimizer_config()
             lr_schedule(cfg, total_steps=1)  # the run's length only fills in a cosine's default length
         check_max_norm(cfg.clip_grad_norm, cfg.push_during_backward)
+        check_compress(cfg)
     except ValueError as e:
         return str(e)
     return ""
+
+
+def check_compress(cfg: TrainConfig) -> None:
+    """--compress: a valid value, and only with the parameter servers (the baselines push nothing)."""
+    if parse_compress(cfg.compress) is not None and cfg.backend != "ps":
+        raise ValueError(f"--compress ({cfg.compress}) applies to --backend ps only, not {cfg.backend}")
 
 
 def ignored_flags(cfg: TrainConfig) -> list[str]:
@@ -403,6 +412,8 @@ class Run:
             self.metrics.write("step", step=self.step, epoch=self.epoch, loss=loss, versions=self.versions,
                                samples_per_sec=self.step * cfg.batch_size / elapsed, stale_steps=self.stale_steps,
                                stale_pushes=self.ps.counters.get("stale_pushes", 0), elapsed=elapsed,
+                               push_bytes_sent=self.ps.counters.get("push_bytes_sent", 0),
+                               push_bytes_dense=self.ps.counters.get("push_bytes_dense", 0),
                                **{f"{k}_seconds": v for k, v in self.timing.items()})
         if cfg.save_every and self.step % cfg.save_every == 0:
             self.save()
@@ -424,7 +435,8 @@ class Run:
             pull_seconds=self.timing["pull"], wait_seconds=self.timing["wait"],
             **self.clock.summary(self.cfg.batch_size),
             versions=list(self.ps.versions), bytes_out=counters.get("bytes_out", 0),
-            bytes_in=counters.get("bytes_in", 0), stopped=stopped or None,
+            bytes_in=counters.get("bytes_in", 0), push_bytes_sent=counters.get("push_bytes_sent", 0),
+            push_bytes_dense=counters.get("push_bytes_dense", 0), stopped=stopped or None,
         )
 
 
@@ -550,7 +562,7 @@ def make_stepper(cfg: TrainConfig, model: torch.nn.Module, total_steps: int):
         return connect(cfg.ps, model, rank=cfg.rank, optimizer=optimizer, **mode_knobs(cfg),
                        connect_timeout=cfg.connect_timeout, security=cfg.security, overlap=cfg.overlap,
                        push_during_backward=cfg.push_during_backward, retry_budget=cfg.retry_budget,
-                       lr_schedule=schedule, clip_grad_norm=clip)
+                       lr_schedule=schedule, clip_grad_norm=clip, compress=cfg.compress)
     from trainer.baselines import DDPStepper, LocalStepper
 
     if cfg.backend == "ddp":

@@ -188,7 +188,7 @@ class RegisterReply(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., registered: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
-    __slots__ = ("rank", "trainer_id", "fingerprint", "dtype", "length", "version", "num_samples", "wait_seconds", "sequence", "outcome", "staleness")
+    __slots__ = ("rank", "trainer_id", "fingerprint", "dtype", "length", "version", "num_samples", "wait_seconds", "sequence", "outcome", "staleness", "topk")
     RANK_FIELD_NUMBER: _ClassVar[int]
     TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +200,7 @@ class ChunkHeader(_message.Message):
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_FIELD_NUMBER: _ClassVar[int]
     rank: int
     trainer_id: str
     fingerprint: str
@@ -211,7 +212,8 @@ class ChunkHeader(_message.Message):
     sequence: int
     outcome: PushOutcome
     staleness: int
-    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., length: _Optional[int] = ..., version: _Optional[int] = ..., num_samples: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., sequence: _Optional[int] = ..., outcome: _Optional[_Union[PushOutcome, str]] = ..., staleness: _Optional[int] = ...) -> None: ...
+    topk: int
+    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., length: _Optional[int] = ..., version: _Optional[int] = ..., num_samples: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., sequence: _Optional[int] = ..., outcome: _Optional[_Union[PushOutcome, str]] = ..., staleness: _Optional[int] = ..., topk: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("header", "offset", "data")
