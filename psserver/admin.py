@@ -110,7 +110,7 @@ def _table_rows(stats: list[_pb.StatsReply]) -> list[list[str]]:
         for label, key in TABLE_ROWS:
             cells = [s.counters.get(f"table.{name}.{key}", 0) for s in stats]
             shown = [f"{v / 1e6:.1f}" if key.startswith(("bytes", "memory")) else f"{int(v)}" for v in cells]
-            out.append([f"table {shorten(name, 40)}: {label}", *shown])
+            out.append([f"table {name[:40]}: {label}", *shown])
     return out
 
 

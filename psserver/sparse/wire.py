@@ -8,10 +8,12 @@ from psserver.proto import ps_pb2 as _pb
 
 
 def row_chunks(rows: torch.Tensor, header: _pb.RowsHeader, chunk_bytes: int, ids: torch.Tensor | None = None):
-    """RowsChunk messages of whole rows, at most about ``chunk_bytes`` each (one row at least); the header on the
-    first.  With ``ids`` (a push), each chunk carries its ids too."""
+    """RowsChunk messages of whole rows, each but the last at least ``chunk_bytes`` and under ``chunk_bytes`` plus
+    one row (so a shard's minimum chunk size holds); the header on the first.  With ``ids`` (a push), each chunk
+    carries its ids too."""
     n, dim = rows.shape
-    per = max(1, chunk_bytes // (dim * 4 + (8 if ids is not None else 0)))
+    row_bytes = dim * 4 + (8 if ids is not None else 0)
+    per = max(1, -(-chunk_bytes // row_bytes))
     flat = rows.contiguous().view(-1).numpy()
     id_bytes = ids.contiguous().numpy() if ids is not None else None
     for start in range(0, max(n, 1), per):
