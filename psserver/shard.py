@@ -458,19 +458,23 @@ class Shard:
         """Average the open round (weighted by samples) and take one optimizer step -- or, when every
         gradient in it was skipped, advance the version without one, so its waiters go on."""
         n = len(self.round.contributors)
-        if modes.round_takes_step(self.round.weight):
-            self._apply(self.round.average())
+        missing = (sorted(self.members.view().live - self.round.contributors)
+                   if reason is not modes.CloseReason.ALL_ARRIVED else [])
+        average = self.round.average() if modes.round_takes_step(self.round.weight) else None
+        # Reset before the step: a checkpoint the step takes must not hold this round as still open (a
+        # --restore would apply it a second time).
+        self.round.reset()
+        if average is not None:
+            self._apply(average)
         else:
             with self._snap_lock:
                 self.version += 1
             self.counters["rounds_without_step"] += 1
         self.counters[f"rounds_{reason.value}"] += 1
         if reason is not modes.CloseReason.ALL_ARRIVED:
-            missing = sorted(self.members.view().live - self.round.contributors)
             log.info("shard %d: round %d closed by %s with %s; missing ranks %s",
                      self.shard_id, self.version - 1, reason.value, counted(n, "gradient"),
                      missing[:MAX_MISSING_LISTED])
-        self.round.reset()
         self._changed()
 
     def _apply(self, grad: torch.Tensor) -> None:
