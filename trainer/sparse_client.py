@@ -41,21 +41,21 @@ from trainer.client import PUSH_RETRYABLE, ShardClient, ShardedClient
 _METHOD = "/psgrpc.v1.ParameterServer/"
 
 
-class RowsPushFailed(grpc.RpcError, RuntimeError):
-    """A row push that did not complete on every shard; ``code()`` is the first failing shard's.
+class RowsCallFailed(grpc.RpcError, RuntimeError):
+    """A row call that failed for good on some shards (after retries); ``code()`` is the first failing shard's.
 
-    ``failed``: shard -> error; ``done``: shards that acknowledged it.  The gradients are
-    kept: ``push`` again for the same table retries the failed shards under the same
-    sequence numbers (a shard that did apply it answers DUPLICATE).
+    ``failed``: shard -> error, each named with its address in the message; ``done``: shards that answered.
     """
+
+    what = "pull"
+    advice = "the rows of the other shards were read; call pull() again"
 
     def __init__(self, table: str, done: list[int], failed: dict, addresses: list[str]):
         self.done, self.failed = done, failed
         causes = "; ".join(f"shard {i} at {addresses[i]}: " + (
             f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else f"{type(e).__name__}: {e}")
             for i, e in sorted(failed.items()))
-        self.message = (f"push of table {table!r} failed ({causes}); shards {done} acknowledged it; call push() "
-                        "again to retry the others with the same gradients")
+        self.message = f"{self.what} of table {table!r} failed ({causes}); shards {done} answered; {self.advice}"
         first = failed[min(failed)]
         self._code = first.code() if isinstance(first, grpc.RpcError) else grpc.StatusCode.UNKNOWN
         super().__init__(self.message)
@@ -65,6 +65,15 @@ class RowsPushFailed(grpc.RpcError, RuntimeError):
 
     def details(self) -> str:
         return self.message
+
+
+class RowsPushFailed(RowsCallFailed):
+    """A row push that did not complete on every shard.  The gradients are kept: ``push`` again for the
+    same table retries the failed shards under the same sequence numbers (a shard that did apply it
+    answers DUPLICATE)."""
+
+    what = "push"
+    advice = "call push() again to retry the others with the same gradients"
 
 
 @dataclass
@@ -144,7 +153,11 @@ class ShardedRows:
             if len(pos):
                 out[pos] = self._pull_shard(s, table, spec.dim, ids[pos])
 
-        self.client.map(one)
+        results = self.client.map_settled(one)
+        failed = {i: r for i, r in enumerate(results) if isinstance(r, Exception)}
+        if failed:
+            raise RowsCallFailed(table, [i for i in range(len(results)) if i not in failed], failed,
+                                 [s.address for s in self.client.shards])
         return out
 
     def _pull_shard(self, s: ShardClient, table: str, dim: int, ids: torch.Tensor) -> torch.Tensor:

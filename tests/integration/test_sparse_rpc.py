@@ -16,7 +16,7 @@ from psserver.sparse.wire import row_chunks
 from tests.conftest import make_spec
 from tests.integration.test_refusals import refused
 from trainer.client import RetryPolicy, ShardedClient
-from trainer.sparse_client import RowsPushFailed, ShardedRows
+from trainer.sparse_client import RowsCallFailed, RowsPushFailed, ShardedRows
 
 DIM = 4
 FP = "f" * 16
@@ -259,5 +259,7 @@ def test_a_push_that_fails_on_one_shard_is_retried_there_alone_with_the_same_seq
         counters = raws[0].stats().counters
         assert counters["table.emb.pushes_applied"] == 1 and counters["table.emb.pushes_duplicate"] == 0
         assert rows._lanes[(1, "emb")].sequence == 1  # the unanswered push kept its number
+        with pytest.raises(RowsCallFailed, match=f"shard 1 at {raws[1].server.address}: UNAVAILABLE"):
+            rows.pull("emb", ids)
     finally:
         close(trainers)
