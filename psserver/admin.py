@@ -85,11 +85,33 @@ def _table(addresses: list[str], stats: list[_pb.StatsReply]) -> list[str]:
             value = s.version if key is None else s.counters.get(key, 0)
             cells.append(f"{value / 1e6:.1f}" if key and key.startswith("bytes") else f"{int(value)}")
         rows.append([label, *cells])
+    rows.extend(_table_rows(stats))
     refused = sorted({k for s in stats for k in s.counters if k.startswith("refused_")})
     for k in refused:
         rows.append([f"refused {k.removeprefix('refused_')}", *[str(int(s.counters.get(k, 0))) for s in stats]])
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+
+
+TABLE_ROWS = [("version", "version"), ("live rows", "live_rows"), ("rows created", "rows_created"),
+              ("zero reads", "zero_reads"), ("dropped grads", "dropped_grads"), ("evicted lru", "evicted_lru"),
+              ("evicted stale", "evicted_stale"), ("pushes applied", "pushes_applied"),
+              ("pushes duplicate", "pushes_duplicate"), ("pushes stale", "pushes_stale"),
+              ("rows stale", "rows_stale"), ("MB in", "bytes_in"), ("MB out", "bytes_out"),
+              ("memory MB", "memory_bytes")]
+
+
+def _table_rows(stats: list[_pb.StatsReply]) -> list[list[str]]:
+    """A block of rows per sparse table (GetStats counters ``table.<name>.<key>``), tables in name order."""
+    names = sorted({k.removeprefix("table.").rsplit(".", 1)[0] for s in stats for k in s.counters
+                    if k.startswith("table.") and k.count(".") >= 2})
+    out = []
+    for name in names:
+        for label, key in TABLE_ROWS:
+            cells = [s.counters.get(f"table.{name}.{key}", 0) for s in stats]
+            shown = [f"{v / 1e6:.1f}" if key.startswith(("bytes", "memory")) else f"{int(v)}" for v in cells]
+            out.append([f"table {name[:40]}: {label}", *shown])
+    return out
 
 
 STATS_EPILOG = """\

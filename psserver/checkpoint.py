@@ -8,7 +8,9 @@ POSIX), and the directory is fsynced, so a crash at any point leaves either
 the previous checkpoints alone or a complete new one.  Loading verifies length
 and checksum and falls back to the previous file when the newest is damaged.
 
-Besides parameters and optimizer state a checkpoint holds what was acknowledged
+Sparse tables are saved with their live rows only (``RowStore.state()``), each
+table's version, open round and acknowledged pushes.  Besides parameters and
+optimizer state a checkpoint holds what was acknowledged
 but not yet applied -- the open sync round's sum and contributors -- and the
 membership and last acknowledged push of every rank, so a push ACCEPTED before
 a SIGTERM is neither lost nor applied twice after ``--restore``.  Temporary
@@ -55,13 +57,14 @@ class ShardState:
     members: dict = field(default_factory=dict)  # rank -> trainer id
     acked: dict = field(default_factory=dict)  # rank -> (trainer id, sequence, outcome, version, staleness)
     open_round: dict | None = None  # sync modes: {"sum", "weight", "contributors", "stale", "last_base"}
+    tables: dict | None = None  # sparse tables: name -> ServedTable.state() (live rows only, round, acks)
 
     def to_bytes(self) -> bytes:
         buf = io.BytesIO()
         torch.save(
             dict(shard=self.shard, version=self.version, job=self.job.to_proto().SerializeToString(),
                  params=self.params, optimizer=self.optimizer, counters=self.counters, members=self.members,
-                 acked=self.acked, open_round=self.open_round),
+                 acked=self.acked, open_round=self.open_round, tables=self.tables),
             buf,
         )
         payload = buf.getvalue()
@@ -85,7 +88,8 @@ class ShardState:
         job = _pb.JobSpec()
         job.ParseFromString(d["job"])
         return ShardState(d["shard"], d["version"], JobSpec.from_proto(job), d["params"], d["optimizer"],
-                          d.get("counters", {}), d.get("members", {}), d.get("acked", {}), d.get("open_round"))
+                          d.get("counters", {}), d.get("members", {}), d.get("acked", {}), d.get("open_round"),
+                          d.get("tables"))
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -97,3 +97,53 @@ class _CounterCollector:
         live = GaugeMetricFamily("psgrpc_live_trainers", "Trainers currently live.", labels=["shard"])
         live.add_metric(label, len(s.live_ranks))
         yield live
+        yield from _table_families(s)
+
+
+# psgrpc_table_<name>{shard, table}: the per-table numbers of psserver.sparse.serving (GetStats names them
+# table.<table>.<key>); counters only grow, gauges are the state now.
+TABLE_COUNTERS = {
+    "rows_created": ("rows_created", "Rows created (first use, or back after an eviction)."),
+    "zero_reads": ("zero_reads", "Ids read as zeros because they were not admitted yet."),
+    "dropped_grads": ("dropped_grads", "Gradient rows of ids not admitted yet: counted, not stored."),
+    "rows_pulled": ("rows_pulled", "Rows sent by PullRows."),
+    "rows_pushed": ("rows_pushed", "Gradient rows applied or added to a round."),
+    "rows_stale": ("rows_stale", "Gradient rows dropped as too stale (async tables with max_staleness)."),
+    "rounds": ("rounds", "Table rounds closed (sync and stale-timeout tables)."),
+}
+TABLE_GAUGES = {
+    "live_rows": ("live_rows", "Rows stored now."),
+    "version": ("version", "The table's version (its optimizer steps)."),
+    "memory_bytes": ("memory_bytes", "Bytes the table holds (RowStore.memory total)."),
+}
+
+
+def _table_families(s: "StatsSnapshot"):
+    tables = s.tables or {}
+    shard = str(s.shard)
+    for metric, (key, doc) in TABLE_COUNTERS.items():
+        family = CounterMetricFamily(f"psgrpc_table_{metric}", doc, labels=["shard", "table"])
+        for name, stats in tables.items():
+            family.add_metric([shard, name], stats.get(key, 0))
+        yield family
+    for metric, (key, doc) in TABLE_GAUGES.items():
+        family = GaugeMetricFamily(f"psgrpc_table_{metric}", doc, labels=["shard", "table"])
+        for name, stats in tables.items():
+            family.add_metric([shard, name], stats.get(key, 0))
+        yield family
+    evictions = CounterMetricFamily("psgrpc_table_evictions", "Rows evicted, by reason.",
+                                    labels=["shard", "table", "reason"])
+    pushes = CounterMetricFamily("psgrpc_table_pushes", "Row pushes handled, by outcome.",
+                                 labels=["shard", "table", "outcome"])
+    traffic = CounterMetricFamily("psgrpc_table_bytes", "Id and row bytes received and sent.",
+                                  labels=["shard", "table", "direction"])
+    for name, stats in tables.items():
+        for reason in ("lru", "stale"):
+            evictions.add_metric([shard, name, reason], stats.get(f"evicted_{reason}", 0))
+        for outcome in ("applied", "duplicate", "stale", "skipped"):
+            pushes.add_metric([shard, name, outcome], stats.get(f"pushes_{outcome}", 0))
+        traffic.add_metric([shard, name, "in"], stats.get("bytes_in", 0))
+        traffic.add_metric([shard, name, "out"], stats.get("bytes_out", 0))
+    yield evictions
+    yield pushes
+    yield traffic

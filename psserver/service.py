@@ -29,6 +29,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 import torch
 
 from psserver import limits, modes
@@ -37,14 +38,18 @@ from psserver.codec import (
     first_header,
 )
 from psserver.errors import (
-    VERSION_METADATA_KEY, InvalidRequest, PsError, ShuttingDown, StaleGradient, StreamTimeout, TooBusy, WaitTimeout,
+    VERSION_METADATA_KEY, InvalidRequest, PsError, ShuttingDown, StaleGradient, StreamTimeout, TooBusy, TooLarge,
+    WaitTimeout,
 )
 from psserver.fastwire import parse_chunk, serialize_chunk
 from psserver.job import JobSpec
 from psserver.logsafe import RateLimitedLog, counted, shorten
 from psserver.proto import ps_pb2 as _pb
-from psserver.runtime import Runtime
+from psserver.runtime import INLINE_STATE_ELEMENTS, Runtime, VersionWaiters
 from psserver.shard import PushResult, Shard
+from psserver.sparse.errors import WrongShape
+from psserver.sparse.serving import RowsPush
+from psserver.sparse.wire import row_chunks
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +203,16 @@ class ParameterServerService:
         self.refusal_log = RateLimitedLog(log)
         self._per_peer: dict[str, int] = {}
         self._per_rank: dict[int, int] = {}
+        self._table_waiters: dict[str, VersionWaiters] = {}  # PullRows waiting for a table's version, by table
+        dense_changed = shard.on_change
+
+        def changed() -> None:  # a shard change may be a table's: wake its waiting PullRows too
+            dense_changed()
+            if not runtime.loop.is_closed():
+                for waiters in list(self._table_waiters.values()):
+                    waiters.changed_threadsafe()
+
+        shard.on_change = changed
 
     # ------------------------------------------------------------------ limits
     @asynccontextmanager
@@ -391,6 +406,145 @@ class ParameterServerService:
         finally:
             self.runtime.release_snapshot(snapshot)
 
+    # ------------------------------------------------------------------ sparse tables
+    @_refusals
+    async def PullRows(self, request, context):
+        """The rows of unique ids of one table, in request order, once the table reached min_version."""
+        request = _decoded(request)
+        async with self._peer_slot(context):
+            _check_identity(request)
+            self.shard.check_member(request.rank, request.trainer_id, request.fingerprint)
+            table = self.shard.tables.get(request.table)
+            ids = _decode_ids(request.ids)
+            table.check_ids(ids)  # before waiting: a refusal is not worth a wait
+            waited = await self._wait_table(request.table, request.min_version, context)
+            version, rows = await self._run_rows(
+                len(ids) * table.spec.dim, self.shard.pull_rows, request.rank, request.trainer_id,
+                request.fingerprint, request.table, ids)
+            header = _pb.RowsHeader(table=request.table, version=version, num_ids=len(ids), dim=table.spec.dim,
+                                    wait_seconds=waited)
+            for chunk in row_chunks(rows, header, self.cfg.chunk_bytes):
+                await context.write(chunk)
+
+    async def _wait_table(self, name: str, min_version: int, context) -> float:
+        """Wait (an awaited future, no thread) until table ``name`` reaches ``min_version``; seconds waited."""
+        waiters = self._table_waiters.get(name)
+        if waiters is None:
+            waiters = self._table_waiters[name] = VersionWaiters(asyncio.get_running_loop(),
+                                                                 functools.partial(self._table_ready, name))
+        loop = asyncio.get_running_loop()
+        timeout = min(max(0.0, self._deadline(context) - loop.time() - 0.25), self.cfg.max_pull_wait)
+        t0 = loop.time()
+        if not await waiters.wait(min_version, timeout):
+            table = self.shard.tables.by_name.get(name)
+            raise WaitTimeout(f"table {shorten(name)} on shard {self.shard.shard_id} is at version "
+                              f"{table.version if table else 'none'}; min_version {min_version} was not reached "
+                              f"within {timeout:.1f} s")
+        if self.runtime.stopping:
+            raise ShuttingDown(f"shard {self.shard.shard_id} is shutting down")
+        return loop.time() - t0
+
+    def _table_ready(self, name: str, min_version: int) -> bool:
+        """Wait predicate: the table reached ``min_version`` -- or is gone (a new job) or the shard stops, when
+        the waiting pull ends and says why."""
+        table = self.shard.tables.by_name.get(name)
+        return self.runtime.stopping or table is None or table.ready(min_version)
+
+    def _run_rows(self, elements: int, fn, *args) -> asyncio.Future:
+        """``fn`` on the state worker -- or on the loop where the dense slice's work runs there too and this call's
+        rows are as small (see INLINE_STATE_ELEMENTS)."""
+        if self.runtime.inline() and elements <= INLINE_STATE_ELEMENTS:
+            return self.runtime.run_state(fn, *args)
+        return self.runtime.loop.run_in_executor(self.runtime.state, functools.partial(fn, *args))
+
+    @_refusals
+    async def PushRows(self, request_iterator, context):
+        """Summed gradient rows of unique ids for one table (see ps.proto and psserver.sparse.serving)."""
+        async with self._peer_slot(context):
+            reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self._deadline(context))
+            first = _decoded(await reader.next() or _Undecodable(ValueError("the stream is empty")))
+            if not first.HasField("header"):
+                raise InvalidRequest("the first chunk has no header")
+            h = first.header
+            _check_header_fields(h)
+            # who is asking and what they declare, before a byte of the payload is read
+            self.shard.check_member(h.rank, h.trainer_id, h.fingerprint)
+            table = self.shard.tables.get(h.table)
+            _check_rows_declared(h, table.spec.dim, self.cfg.max_push_bytes)
+            async with self._rank_slot(h.rank):
+                ids, grads = await self._read_rows(reader, first, h)
+                push = RowsPush(h.rank, h.trainer_id, h.version, h.num_samples, h.sequence, ids, grads)
+                try:
+                    r = await self._run_rows(grads.numel(), self.shard.push_rows, h.fingerprint, h.table, push,
+                                             self.cfg.nonfinite == "refuse")
+                except StaleGradient:
+                    self.shard.count("row_pushes_stale")
+                    raise
+            return _pb.PushRowsReply(outcome=_OUTCOMES[r.outcome], version=r.version, staleness=r.staleness,
+                                     rows_applied=r.rows_applied, rows_stale=r.rows_stale)
+
+    async def _read_rows(self, reader: _StreamReader, first, h: _pb.RowsHeader) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stream's ids and rows, checked chunk by chunk as they arrive (tiling, sizes) and copied."""
+        n, dim = h.num_ids, h.dim
+        ids, grads = torch.empty(n, dtype=torch.int64), torch.empty(n, dim)
+        ids_raw, rows_raw = ids.view(torch.uint8).numpy(), grads.view(-1).view(torch.uint8).numpy()
+        pos, chunks, chunk = 0, 0, first
+        while chunk is not None:
+            chunk = _decoded(chunk)
+            k = _check_rows_chunk(chunk, chunks, pos, n, dim, self.cfg.min_chunk_bytes)
+            ids_raw[pos * 8:(pos + k) * 8] = np.frombuffer(chunk.ids, dtype=np.uint8)
+            rows_raw[pos * dim * 4:(pos + k) * dim * 4] = np.frombuffer(chunk.rows, dtype=np.uint8)
+            pos, chunks = pos + k, chunks + 1
+            chunk = await reader.next()
+        if pos != n:
+            raise InvalidRequest(f"the chunks cover ids [0, {pos}) but num_ids is {n}")
+        self.shard.count("bytes_in", n * (8 + 4 * dim))
+        return ids, grads
+
+
+def _decode_ids(raw: bytes) -> torch.Tensor:
+    """int64 ids from little-endian bytes, bounded before they are copied."""
+    if len(raw) % 8:
+        raise InvalidRequest(f"ids holds {len(raw)} bytes, not a multiple of 8 (int64 ids)")
+    if len(raw) // 8 > limits.MAX_IDS_PER_CALL:
+        raise TooLarge(f"ids has {len(raw) // 8} entries, over the limit of {limits.MAX_IDS_PER_CALL}")
+    return torch.frombuffer(bytearray(raw), dtype=torch.int64) if raw else torch.empty(0, dtype=torch.int64)
+
+
+def _check_rows_declared(h: _pb.RowsHeader, dim: int, max_bytes: int) -> None:
+    """Refuse a row push on its header's declared sizes, before anything is allocated for it."""
+    if h.dim != dim:
+        raise WrongShape(f"dim is {h.dim} but table {shorten(h.table)} has rows of dim {dim}")
+    if h.num_ids > limits.MAX_IDS_PER_CALL:
+        raise TooLarge(f"num_ids is {h.num_ids}, over the limit of {limits.MAX_IDS_PER_CALL}")
+    declared = h.num_ids * (8 + 4 * dim)
+    if declared > max_bytes:
+        raise TooLarge(f"the stream declares {declared} bytes, over this shard's limit of {max_bytes} bytes")
+
+
+def _check_rows_chunk(chunk, index: int, pos: int, n: int, dim: int, min_chunk_bytes: int) -> int:
+    """Refuse a chunk that does not continue the tiling of [0, n) with whole rows; its number of ids."""
+    if index and chunk.HasField("header"):
+        raise InvalidRequest(f"the chunk at offset {chunk.offset} repeats the header; only the first may")
+    if index and pos == n:
+        raise InvalidRequest(f"a chunk at offset {chunk.offset} arrived after the stream covered [0, {n})")
+    if chunk.offset != pos:
+        raise InvalidRequest(f"chunk offset is {chunk.offset} but {pos} was expected: chunks must tile "
+                             f"[0, {n}) once, in order")
+    if len(chunk.ids) % 8:
+        raise InvalidRequest(f"the chunk at offset {chunk.offset} has {len(chunk.ids)} bytes of ids, not a "
+                             "multiple of 8 (int64 ids)")
+    k = len(chunk.ids) // 8
+    if pos + k > n:
+        raise InvalidRequest(f"the chunk at offset {chunk.offset} holds {k} ids, past the end of [0, {n})")
+    if len(chunk.rows) != k * dim * 4:
+        raise WrongShape(f"the chunk at offset {chunk.offset} has {len(chunk.rows)} bytes of rows but its {k} ids "
+                         f"need {k} x dim {dim} x 4 = {k * dim * 4}")
+    if len(chunk.ids) + len(chunk.rows) < min_chunk_bytes and pos + k != n:
+        raise InvalidRequest(f"the chunk at offset {chunk.offset} carries {len(chunk.ids) + len(chunk.rows)} bytes, "
+                             f"under the minimum of {min_chunk_bytes} for every chunk but the last")
+    return k
+
 
 SERVICE = "psgrpc.v1.ParameterServer"
 
@@ -410,6 +564,10 @@ def add_service(servicer: ParameterServerService, server) -> None:
         "Heartbeat": unary(servicer.Heartbeat, _safe(_pb.HeartbeatRequest.FromString),
                            _pb.HeartbeatReply.SerializeToString),
         "GetStats": unary(servicer.GetStats, _safe(_pb.StatsRequest.FromString), _pb.StatsReply.SerializeToString),
+        "PullRows": grpc.unary_stream_rpc_method_handler(servicer.PullRows, _safe(_pb.PullRowsRequest.FromString),
+                                                         _pb.RowsChunk.SerializeToString),
+        "PushRows": grpc.stream_unary_rpc_method_handler(servicer.PushRows, _safe(_pb.RowsChunk.FromString),
+                                                         _pb.PushRowsReply.SerializeToString),
     }
     missing = set(_pb.DESCRIPTOR.services_by_name["ParameterServer"].methods_by_name) - set(handlers)
     if missing:

@@ -48,6 +48,8 @@ from psserver.optim import build_optimizer
 from psserver.rounds import OpenRound
 from psserver.schedules import lr_at
 from psserver.snapshots import SnapshotPool
+from psserver.sparse.serving import Membership as TableMembers
+from psserver.sparse.serving import RowsPush, RowsResult, Tables
 
 log = logging.getLogger(__name__)
 MAX_MISSING_LISTED = 10  # ranks named in a "still waiting for" message; the rest are counted
@@ -74,6 +76,7 @@ class StatsSnapshot:
     counters: dict
     job: JobSpec | None
     lr: float = 0.0  # the rate the next optimizer step uses (0.0 before a job)
+    tables: dict = None  # sparse tables: name -> their counters (psserver.sparse.serving.STAT_KEYS)
 
 
 class Shard:
@@ -116,6 +119,7 @@ class Shard:
         self._last_base: dict[int, int] = {}
         self._acked: dict[int, tuple[str, int, PushResult]] = {}  # rank -> (trainer id, sequence, result)
         self.snapshots = SnapshotPool()
+        self.tables = Tables()  # sparse tables (psserver.sparse.serving): their own versions and rounds
         self.members.reset()
 
     # ------------------------------------------------------------------ membership and job
@@ -170,6 +174,7 @@ class Shard:
 
     def _set_job(self, job: JobSpec) -> None:
         self.job = job
+        self.tables = Tables.for_job(job, self.shard_id)
         self._cfg = modes.ModeConfig.from_job(job)
         self.start, self.end = shard_range(job.total_params, job.num_shards, self.shard_id)
         if job.total_params < job.num_shards:
@@ -189,6 +194,7 @@ class Shard:
             self.counters["leaves"] += 1
             log.info("shard %d: rank %d left; %d live", self.shard_id, rank, remaining)
             self._close_if_due()
+            self.tables.close_due(self._table_members(), self._clock())
             self._changed()
             return remaining
 
@@ -435,9 +441,9 @@ class Shard:
                             self.shard_id, rank, silent, self.lease_timeout)
             if self.params is not None:
                 self._close_if_due()
-            if gone:
+            if self.tables.close_due(self._table_members(), self._clock()) or gone:
                 self._changed()
-            deadlines = [self.members.next_expiry()]
+            deadlines = [self.members.next_expiry(), *self.tables.deadlines(self._table_members())]
             if self.params is not None:
                 deadlines.append(modes.round_deadline(self._cfg, self._view()))
             deadlines = [d for d in deadlines if d is not None]
@@ -452,19 +458,23 @@ class Shard:
         """Average the open round (weighted by samples) and take one optimizer step -- or, when every
         gradient in it was skipped, advance the version without one, so its waiters go on."""
         n = len(self.round.contributors)
-        if modes.round_takes_step(self.round.weight):
-            self._apply(self.round.average())
+        missing = (sorted(self.members.view().live - self.round.contributors)
+                   if reason is not modes.CloseReason.ALL_ARRIVED else [])
+        average = self.round.average() if modes.round_takes_step(self.round.weight) else None
+        # Reset before the step: a checkpoint the step takes must not hold this round as still open (a
+        # --restore would apply it a second time).
+        self.round.reset()
+        if average is not None:
+            self._apply(average)
         else:
             with self._snap_lock:
                 self.version += 1
             self.counters["rounds_without_step"] += 1
         self.counters[f"rounds_{reason.value}"] += 1
         if reason is not modes.CloseReason.ALL_ARRIVED:
-            missing = sorted(self.members.view().live - self.round.contributors)
             log.info("shard %d: round %d closed by %s with %s; missing ranks %s",
                      self.shard_id, self.version - 1, reason.value, counted(n, "gradient"),
                      missing[:MAX_MISSING_LISTED])
-        self.round.reset()
         self._changed()
 
     def _apply(self, grad: torch.Tensor) -> None:
@@ -521,7 +531,8 @@ class Shard:
         open_round = self.round.to_checkpoint()
         acked = {r: (tid, seq, res.outcome, res.version, res.staleness) for r, (tid, seq, res) in self._acked.items()}
         return ShardState(self.shard_id, self.version, self.job, self.params.detach().clone(), opt_copy,
-                          dict(self.counters), members=self.members.members(), acked=acked, open_round=open_round)
+                          dict(self.counters), members=self.members.members(), acked=acked, open_round=open_round,
+                          tables=self.tables.state())
 
     def _checkpoint_written(self, ok: bool) -> None:
         self.count("checkpoints_written" if ok else "checkpoint_failures")
@@ -555,6 +566,7 @@ class Shard:
             self._acked = {r: (tid, seq, PushResult(outcome, version, staleness))
                            for r, (tid, seq, outcome, version, staleness) in state.acked.items()}
             self.round.restore(state.open_round, self._clock())
+            self.tables.restore(state.tables, self._clock())
             self.counters.update({k: v for k, v in state.counters.items() if not k.startswith("checkpoints_")})
             self.counters["restored_version"] = state.version
             log.warning("shard %d: restored version %d from %s (%s skipped, %s, open round with %s)",
@@ -573,6 +585,28 @@ class Shard:
             opened_at=self.round.opened_at,
             last_base=self._last_base,
         )
+
+    # ------------------------------------------------------------------ sparse tables (psserver.sparse.serving)
+    def _table_members(self) -> TableMembers:
+        return TableMembers(frozenset(self.members.view().live), self.started)
+
+    def pull_rows(self, rank: int, trainer_id: str, fingerprint: str, table: str,
+                  ids: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """(table version, rows of the unique ``ids``) for a member; rows met for the first time are created."""
+        with self._lock:
+            self.check_member(rank, trainer_id, fingerprint)
+            result = self.tables.get(table).lookup(ids)
+            self.counters["row_pulls"] += 1
+            return result
+
+    def push_rows(self, fingerprint: str, table: str, push: RowsPush, refuse_nonfinite: bool) -> RowsResult:
+        """Hand one row push to its table (which checks, deduplicates and decides); wakes waiting pulls."""
+        with self._lock:
+            self.check_member(push.rank, push.trainer_id, fingerprint)
+            result = self.tables.get(table).push(push, self._table_members(), self._clock(), refuse_nonfinite)
+            self.counters["row_pushes"] += 1
+            self._changed()
+            return result
 
     # ------------------------------------------------------------------ stats
     def count(self, name: str, n: float = 1) -> None:
@@ -594,12 +628,12 @@ class Shard:
 
     def snapshot(self) -> StatsSnapshot:
         """Stats without the lock (see the module docstring): a scrape or GetStats never waits on a step."""
-        job = self.job
+        job, tables = self.job, self.tables
         return StatsSnapshot(
             shard=self.shard_id, initialized=self.params is not None, version=self.version,
             mode=job.mode if job else "", start=self.start, end=self.end,
-            live_ranks=sorted(self.members.view().live), counters=dict(self.counters), job=job,
-            lr=lr_at(job.lr_schedule, job.optimizer.lr, self.version) if job else 0.0,
+            live_ranks=sorted(self.members.view().live), counters={**self.counters, **tables.counters()}, job=job,
+            lr=lr_at(job.lr_schedule, job.optimizer.lr, self.version) if job else 0.0, tables=tables.stats(),
         )
 
     def state_digest(self) -> str:
@@ -615,6 +649,7 @@ class Shard:
                     for k, t in sorted(state.items()):
                         h.update(k.encode())
                         h.update(t.numpy().tobytes() if torch.is_tensor(t) else repr(t).encode())
+            h.update(self.tables.digest())
             return h.hexdigest()
 
     def stop(self) -> None:

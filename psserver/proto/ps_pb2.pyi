@@ -329,3 +329,69 @@ class StatsReply(_message.Message):
     state_digest: str
     lr: float
     def __init__(self, shard: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., mode: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., live_ranks: _Optional[_Iterable[int]] = ..., counters: _Optional[_Mapping[str, float]] = ..., job: _Optional[_Union[JobSpec, _Mapping]] = ..., state_digest: _Optional[str] = ..., lr: _Optional[float] = ...) -> None: ...
+
+class PullRowsRequest(_message.Message):
+    __slots__ = ("rank", "trainer_id", "fingerprint", "table", "min_version", "ids")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    trainer_id: str
+    fingerprint: str
+    table: str
+    min_version: int
+    ids: bytes
+    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., table: _Optional[str] = ..., min_version: _Optional[int] = ..., ids: _Optional[bytes] = ...) -> None: ...
+
+class RowsHeader(_message.Message):
+    __slots__ = ("rank", "trainer_id", "fingerprint", "table", "version", "num_samples", "sequence", "num_ids", "dim", "wait_seconds")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    NUM_IDS_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    trainer_id: str
+    fingerprint: str
+    table: str
+    version: int
+    num_samples: int
+    sequence: int
+    num_ids: int
+    dim: int
+    wait_seconds: float
+    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., table: _Optional[str] = ..., version: _Optional[int] = ..., num_samples: _Optional[int] = ..., sequence: _Optional[int] = ..., num_ids: _Optional[int] = ..., dim: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class RowsChunk(_message.Message):
+    __slots__ = ("header", "offset", "ids", "rows")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    header: RowsHeader
+    offset: int
+    ids: bytes
+    rows: bytes
+    def __init__(self, header: _Optional[_Union[RowsHeader, _Mapping]] = ..., offset: _Optional[int] = ..., ids: _Optional[bytes] = ..., rows: _Optional[bytes] = ...) -> None: ...
+
+class PushRowsReply(_message.Message):
+    __slots__ = ("outcome", "version", "staleness", "rows_applied", "rows_stale")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    ROWS_STALE_FIELD_NUMBER: _ClassVar[int]
+    outcome: PushOutcome
+    version: int
+    staleness: int
+    rows_applied: int
+    rows_stale: int
+    def __init__(self, outcome: _Optional[_Union[PushOutcome, str]] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., rows_applied: _Optional[int] = ..., rows_stale: _Optional[int] = ...) -> None: ...

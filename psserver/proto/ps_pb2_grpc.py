@@ -74,6 +74,16 @@ class ParameterServerStub:
                 request_serializer=psserver_dot_proto_dot_ps__pb2.StatsRequest.SerializeToString,
                 response_deserializer=psserver_dot_proto_dot_ps__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.PullRows = channel.unary_stream(
+                '/psgrpc.v1.ParameterServer/PullRows',
+                request_serializer=psserver_dot_proto_dot_ps__pb2.PullRowsRequest.SerializeToString,
+                response_deserializer=psserver_dot_proto_dot_ps__pb2.RowsChunk.FromString,
+                _registered_method=True)
+        self.PushRows = channel.stream_unary(
+                '/psgrpc.v1.ParameterServer/PushRows',
+                request_serializer=psserver_dot_proto_dot_ps__pb2.RowsChunk.SerializeToString,
+                response_deserializer=psserver_dot_proto_dot_ps__pb2.PushRowsReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -132,6 +142,21 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullRows(self, request, context):
+        """Sparse tables: the rows of the given unique ids, in request order, at a table version >= min_version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushRows(self, request_iterator, context):
+        """Sparse tables: summed gradient rows of unique ids, one push per trainer, shard, table and step (possibly
+        of no ids, so sync rounds and Adam's step count line up with one process).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -174,6 +199,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=psserver_dot_proto_dot_ps__pb2.StatsRequest.FromString,
                     response_serializer=psserver_dot_proto_dot_ps__pb2.StatsReply.SerializeToString,
+            ),
+            'PullRows': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullRows,
+                    request_deserializer=psserver_dot_proto_dot_ps__pb2.PullRowsRequest.FromString,
+                    response_serializer=psserver_dot_proto_dot_ps__pb2.RowsChunk.SerializeToString,
+            ),
+            'PushRows': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushRows,
+                    request_deserializer=psserver_dot_proto_dot_ps__pb2.RowsChunk.FromString,
+                    response_serializer=psserver_dot_proto_dot_ps__pb2.PushRowsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -392,6 +427,60 @@ class ParameterServer:
             '/psgrpc.v1.ParameterServer/GetStats',
             psserver_dot_proto_dot_ps__pb2.StatsRequest.SerializeToString,
             psserver_dot_proto_dot_ps__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/psgrpc.v1.ParameterServer/PullRows',
+            psserver_dot_proto_dot_ps__pb2.PullRowsRequest.SerializeToString,
+            psserver_dot_proto_dot_ps__pb2.RowsChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushRows(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/psgrpc.v1.ParameterServer/PushRows',
+            psserver_dot_proto_dot_ps__pb2.RowsChunk.SerializeToString,
+            psserver_dot_proto_dot_ps__pb2.PushRowsReply.FromString,
             options,
             channel_credentials,
             insecure,

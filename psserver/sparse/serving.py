@@ -1,0 +1,405 @@
+"""Sparse tables served by a shard: each table's version, round and exactly-once bookkeeping.
+
+Every table of the job has, on each shard, a ``ServedTable``: the ``RowStore`` of
+the rows this shard owns, a version (optimizer steps applied to the table) and,
+in sync and stale-timeout modes, an open round -- all independent of the dense
+slice's.  The decisions are the dense ones (``psserver.modes``) asked with a
+``RoundView`` made of the shard's membership and the table's own round:
+
+* sync -- one push per live trainer per round; the round's sum is the
+  sample-weighted average of their gradient rows over the union of their ids (a
+  trainer's gradient for an id it did not touch counts as zero), applied as ONE
+  ``RowStore.apply`` when the last live trainer's push arrives: the rows of one
+  process on the concatenated batch, and Adam's per-table step count with them.
+* async -- each push is applied at once as its own step.  With the table's
+  ``max_staleness`` S, the push's base version b is the table version of the
+  trainer's PullRows reply; a pushed row is dropped (counted) when the row was
+  updated after b AND the table moved on more than S versions since b
+  (``version - b > S``); the push's other rows are applied.  S = 0 drops exactly
+  the rows someone else updated since the trainer read them.
+* stale-timeout -- as for the dense slice (timeout, quorum, drop or scale).
+
+A push carries a per-(trainer, table) sequence number (from 1): the retry of the
+acknowledged push answers DUPLICATE and is not applied again.  Every refusal is
+raised before anything changes.  Not thread-safe: the shard's lock serialises
+calls (``pull_rows``/``push_rows`` below take it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from psserver import limits, modes
+from psserver.errors import FutureVersion, InvalidRequest, StaleGradient
+from psserver.job import JobSpec, table_mode
+from psserver.sparse import errors
+from psserver.sparse.placement import shard_of
+from psserver.sparse.table import RowStore, TableSpec
+
+# Counters of a table, as GetStats names them: ``table.<name>.<counter>``.
+STAT_KEYS = ("version", "live_rows", "rows_created", "zero_reads", "dropped_grads", "evicted_lru",
+             "evicted_stale", "pushes_applied", "pushes_duplicate", "pushes_stale", "pushes_skipped",
+             "rows_pushed", "rows_stale", "rows_pulled", "bytes_in", "bytes_out", "memory_bytes", "rounds")
+
+
+class UnknownTable(InvalidRequest):
+    """A call names a table the job does not have."""
+
+
+@dataclass(frozen=True)
+class RowsPush:
+    """One decoded PushRows: who, which base version, and the (unique) ids with their summed gradient rows."""
+
+    rank: int
+    trainer_id: str
+    base: int
+    num_samples: int
+    sequence: int
+    ids: torch.Tensor
+    grads: torch.Tensor
+
+
+@dataclass(frozen=True)
+class RowsResult:
+    outcome: str  # "applied" | "accepted" | "duplicate" | "scaled" | "skipped"
+    version: int
+    staleness: int
+    rows_applied: int = 0
+    rows_stale: int = 0
+
+
+@dataclass(frozen=True)
+class Membership:
+    """What the table decisions need of the shard's membership."""
+
+    live: frozenset = frozenset()
+    started: bool = True
+
+
+class TableRound:
+    """The open round of one table: the weighted sum of gradient rows over the union of their ids."""
+
+    def __init__(self, dim: int):
+        self.dim = dim
+        self.ids = torch.empty(0, dtype=torch.int64)  # sorted, unique
+        self.sum = torch.empty(0, dim)
+        self.weight = 0.0
+        self.contributors: set[int] = set()
+        self.stale: set[tuple[int, int]] = set()
+        self.opened_at: float | None = None
+
+    def merged(self, ids: torch.Tensor, grads: torch.Tensor, weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(union ids, sum + weight * grads) as new tensors; refused, changing nothing, if float32 overflows.
+
+        Each contribution is added into a fresh zero sum in arrival order: ``0 + x`` is exact and float
+        addition commutes, so with two trainers the sum does not depend on which arrived first.
+        """
+        union, inverse = torch.unique(torch.cat([self.ids, ids]), sorted=True, return_inverse=True)
+        total = torch.zeros(len(union), self.dim)
+        total.index_add_(0, inverse[: len(self.ids)], self.sum)
+        total.index_add_(0, inverse[len(self.ids):], grads.mul(weight))
+        if not bool(torch.isfinite(total).all()):
+            raise InvalidRequest(f"adding these gradient rows (weight {weight:g}) to the round's sum overflows "
+                                 "float32: refused; the gradient's values are too large")
+        return union, total
+
+    def open(self, now: float) -> None:
+        if self.opened_at is None:
+            self.opened_at = now
+
+    def reset(self) -> None:
+        self.__init__(self.dim)
+
+    def state(self) -> dict | None:
+        if not self.contributors and not self.stale:
+            return None
+        return dict(ids=self.ids.clone(), sum=self.sum.clone(), weight=self.weight,
+                    contributors=sorted(self.contributors), stale=sorted(self.stale))
+
+    def restore(self, saved: dict | None, now: float) -> None:
+        if not saved:
+            return
+        self.ids, self.sum, self.weight = saved["ids"].clone(), saved["sum"].clone(), saved["weight"]
+        self.contributors = set(saved["contributors"])
+        self.stale = {tuple(x) for x in saved["stale"]}
+        self.opened_at = now
+
+
+def mode_config(spec: TableSpec, job: JobSpec) -> modes.ModeConfig:
+    """The dense decisions' knobs for a table: the table's mode, the job's timeout knobs.  An async table's
+    staleness bound is per row (``ServedTable._stale_rows``), so the push-level one stays unbounded."""
+    return modes.ModeConfig(table_mode(spec, job), None, job.sync_timeout, job.replicas_to_aggregate,
+                            job.stale_policy)
+
+
+class ServedTable:
+    """One table on one shard."""
+
+    def __init__(self, spec: TableSpec, job: JobSpec, shard: int = 0):
+        self.spec = spec
+        self.shard, self.num_shards = shard, job.num_shards
+        self.cfg = mode_config(spec, job)
+        self.store = RowStore(spec)
+        self.version = 0
+        self.round = TableRound(spec.dim)
+        self.acked: dict[int, tuple[str, int, RowsResult]] = {}  # rank -> (trainer id, sequence, result)
+        self.updated_at: dict[int, int] = {}  # async with max_staleness: id -> version of its last update
+        self.counts: Counter[str] = Counter()
+        self.stats: dict[str, float] = {}
+        self._refresh()
+
+    @property
+    def mode(self) -> str:
+        return self.cfg.mode
+
+    def ready(self, min_version: int) -> bool:
+        return self.version >= min_version
+
+    # -- checks (before any change) ---------------------------------------------------------------
+    def check_ids(self, ids: torch.Tensor) -> None:
+        """Refuse too many ids, ids outside a bounded table, or repeated ids (the trainer deduplicates)."""
+        self.store._check_ids(ids)
+        if len(torch.unique(ids)) != len(ids):
+            uniq, counts = torch.unique(ids, return_counts=True)
+            dup = counts > 1
+            raise errors.DuplicateIds(f"id {uniq[dup][0].item()} appears {counts[dup][0].item()} times in one "
+                                      f"call on table {self.spec.name!r}: send each id once")
+        self.store._check_fits(len(ids))
+        if self.num_shards > 1 and len(ids):
+            owner = shard_of(ids, self.num_shards)
+            wrong = owner != self.shard
+            if bool(wrong.any()):
+                raise errors.SparseRefusal(f"id {ids[wrong][0].item()} lives on shard {owner[wrong][0].item()}, "
+                                           f"not on this shard {self.shard} (splitmix64(id) mod {self.num_shards})")
+
+    def check_push(self, p: RowsPush, refuse_nonfinite: bool) -> bool:
+        """Refuse a malformed push; returns whether its values are all finite (under --nonfinite skip)."""
+        self.check_ids(p.ids)
+        want = (len(p.ids), self.spec.dim)
+        if p.grads.dtype != torch.float32 or tuple(p.grads.shape) != want:
+            raise errors.WrongShape(f"grad rows are {p.grads.dtype} {tuple(p.grads.shape)}, table "
+                                    f"{self.spec.name!r} needs float32 {want}")
+        bad = (~torch.isfinite(p.grads)).any(dim=1)
+        if refuse_nonfinite and bool(bad.any()):
+            raise errors.NonFinite(f"grad rows for id {p.ids[bad][0].item()} hold a NaN or infinite value "
+                                   f"(table {self.spec.name!r})")
+        if p.base > self.version:
+            raise FutureVersion(f"base version is {p.base} but table {self.spec.name!r} is at version "
+                                f"{self.version}")
+        return not bool(bad.any())
+
+    # -- calls --------------------------------------------------------------------------------------
+    def lookup(self, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """(table version, rows of the unique ``ids``) -- creating rows met for the first time."""
+        self.check_ids(ids)
+        rows = self.store.lookup(ids)
+        self.counts["rows_pulled"] += len(ids)
+        self.counts["bytes_out"] += rows.numel() * 4
+        self._refresh()
+        return self.version, rows
+
+    def push(self, p: RowsPush, members: Membership, now: float, refuse_nonfinite: bool = True) -> RowsResult:
+        """Check, deduplicate, decide (psserver.modes) and act on one push."""
+        finite = self.check_push(p, refuse_nonfinite)
+        acked = self.acked.get(p.rank)
+        last = acked[1] if acked and acked[0] == p.trainer_id else None
+        action = modes.decide_sequence(last, p.sequence)
+        if action is modes.SequenceAction.REFUSE:
+            raise InvalidRequest(f"sequence is {p.sequence} but rank {p.rank}'s last acknowledged push to table "
+                                 f"{self.spec.name!r} was {'none' if last is None else last}: it must be the next "
+                                 f"few, up to {modes.MAX_SEQUENCE_GAP} ahead (numbers start at 1)")
+        if action is modes.SequenceAction.DUPLICATE:
+            self.counts["pushes_duplicate"] += 1
+            self._refresh()
+            return RowsResult("duplicate", self.version, 0)
+        result = self._decide(p, members, now, finite)
+        if result.outcome != "duplicate":
+            self.acked[p.rank] = (p.trainer_id, p.sequence, result)
+        self.counts["bytes_in"] += p.grads.numel() * 4 + len(p.ids) * 8
+        self._refresh()
+        return result
+
+    def _view(self, members: Membership) -> modes.RoundView:
+        r = self.round
+        return modes.RoundView(version=self.version, live=members.live, started=members.started,
+                               contributors=r.contributors, stale_in_round=r.stale, opened_at=r.opened_at)
+
+    def _decide(self, p: RowsPush, members: Membership, now: float, finite: bool) -> RowsResult:
+        d = modes.decide_push(self.cfg, self._view(members), p.rank, p.base, now, finite=finite, sequenced=True)
+        A = modes.Action
+        if d.action is A.REFUSE_FUTURE:  # unreachable after check_push; kept for safety
+            raise FutureVersion(f"base version is {p.base} but table {self.spec.name!r} is at {self.version}")
+        if d.action is A.DROP_STALE:
+            self.counts["pushes_stale"] += 1
+            raise StaleGradient(f"stale gradient rows: base version {p.base} is {d.staleness} behind version "
+                                f"{self.version} of table {self.spec.name!r}; dropped -- pull and go on",
+                                self.version, d.staleness)
+        if d.action is A.DUPLICATE:
+            self.counts["pushes_duplicate"] += 1
+            return RowsResult("duplicate", self.version, d.staleness)
+        if d.action in (A.SKIP, A.SKIP_IN_ROUND):
+            self.counts["pushes_skipped"] += 1
+            if d.action is A.SKIP_IN_ROUND:
+                self.round.contributors.add(p.rank)
+                self.round.open(now)
+                if d.close is not None:
+                    self._close(d.close)
+            return RowsResult("skipped", self.version, d.staleness)
+        if d.action is A.APPLY:
+            keep = self._fresh_rows(p)
+            ids, grads = p.ids[keep], p.grads[keep]
+            self._apply(ids, grads)
+            stale = len(p.ids) - len(ids)
+            self.counts["pushes_applied"] += 1
+            self.counts["rows_pushed"] += len(ids)
+            self.counts["rows_stale"] += stale
+            return RowsResult("applied", self.version, d.staleness, len(ids), stale)
+        # ACCUMULATE
+        union, total = self.round.merged(p.ids, p.grads, p.num_samples * d.weight)
+        if len(union) > limits.MAX_IDS_PER_CALL:
+            raise errors.TooManyIds(f"the round of table {self.spec.name!r} would hold {len(union)} ids, over the "
+                                    f"limit of {limits.MAX_IDS_PER_CALL} for one step")
+        self.store._check_fits(len(union))
+        r = self.round
+        r.ids, r.sum, r.weight = union, total, r.weight + p.num_samples * d.weight
+        r.open(now)
+        self.counts["pushes_applied"] += 1
+        self.counts["rows_pushed"] += len(p.ids)
+        if d.counts_for_round:
+            r.contributors.add(p.rank)
+        else:
+            r.stale.add((p.rank, p.base))
+        outcome = "accepted" if d.counts_for_round else "scaled"
+        if d.close is not None:
+            self._close(d.close)
+            outcome = "applied"
+        return RowsResult(outcome, self.version, d.staleness, len(p.ids))
+
+    def _fresh_rows(self, p: RowsPush) -> torch.Tensor:
+        """Async with max_staleness S: the rows to keep (see the module docstring); all of them otherwise."""
+        s = self.spec.max_staleness
+        if s is None or self.version - p.base <= s or not len(p.ids):
+            return torch.ones(len(p.ids), dtype=torch.bool)
+        get = self.updated_at.get
+        return torch.tensor([get(i, -1) <= p.base for i in p.ids.tolist()], dtype=torch.bool)
+
+    def _apply(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """One optimizer step of the table (one version), then note when its rows were updated."""
+        self.store.apply(ids, grads)
+        self.version += 1
+        if self.spec.max_staleness is not None and self.mode == "async":
+            self.updated_at.update(dict.fromkeys(ids.tolist(), self.version))
+            if len(self.updated_at) > 2 * max(len(self.store), 1024):  # forget evicted rows (they start afresh)
+                live = self.store._slot_of
+                self.updated_at = {i: v for i, v in self.updated_at.items() if i in live}
+
+    def _close(self, reason: modes.CloseReason) -> None:
+        """Apply the round's weighted average as one step -- or, when it holds no weight (every push
+        skipped), advance the version without one so its waiters go on."""
+        r = self.round
+        if modes.round_takes_step(r.weight):
+            self._apply(r.ids, r.sum.div_(r.weight))
+        else:
+            self.version += 1
+        self.counts["rounds"] += 1
+        self.counts[f"rounds_{reason.value}"] += 1
+        r.reset()
+
+    def close_if_due(self, members: Membership, now: float) -> bool:
+        """Close a round that a shrunk membership completed or whose timeout passed; True if one closed."""
+        reason = modes.decide_tick(self.cfg, self._view(members), now)
+        if reason is None:
+            return False
+        self._close(reason)
+        self._refresh()
+        return True
+
+    def deadline(self, members: Membership) -> float | None:
+        return modes.round_deadline(self.cfg, self._view(members))
+
+    # -- checkpoints, digest, stats ----------------------------------------------------------------
+    def state(self) -> dict:
+        acked = {r: (tid, seq, res.outcome, res.version, res.staleness) for r, (tid, seq, res) in self.acked.items()}
+        return dict(rows=self.store.state(), version=self.version, round=self.round.state(), acked=acked,
+                    updated_at=dict(self.updated_at), counts=dict(self.counts))
+
+    def restore(self, saved: dict, now: float) -> None:
+        """Take a checkpoint's state of this table (raises BadTableState if it does not fit the spec)."""
+        self.store = RowStore.restore(self.spec, saved["rows"])
+        self.version = saved["version"]
+        self.round.reset()
+        self.round.restore(saved["round"], now)
+        self.acked = {r: (tid, seq, RowsResult(o, v, s)) for r, (tid, seq, o, v, s) in saved["acked"].items()}
+        self.updated_at = dict(saved["updated_at"])
+        self.counts = Counter(saved["counts"])
+        self._refresh()
+
+    def digest(self, h) -> None:
+        """Feed the table's state (rows, optimizer state, version, round) into the hash ``h``."""
+        st = self.store.state()
+        order = torch.argsort(st["ids"])
+        h.update(f"table={self.spec.name};v={self.version};sv={st['version']};w={self.round.weight};"
+                 f"c={sorted(self.round.contributors)};acked={sorted((r, a[1]) for r, a in self.acked.items())}"
+                 .encode())
+        for t in (st["ids"][order], st["rows"][order], st["optimizer_state"][order], self.round.ids, self.round.sum):
+            h.update(t.numpy().tobytes())
+
+    def _refresh(self) -> None:
+        """Copy the numbers GetStats and metrics read (lock-free readers see a whole dict, never a torn one)."""
+        c = self.store.counts
+        stats = dict(self.counts)
+        stats.update(version=self.version, live_rows=len(self.store), rows_created=c.rows_created,
+                     zero_reads=c.zero_reads, dropped_grads=c.dropped_grads, evicted_lru=c.evicted_lru,
+                     evicted_stale=c.evicted_stale, memory_bytes=self.store.memory()["total"])
+        self.stats = {k: float(stats.get(k, 0)) for k in STAT_KEYS}
+
+
+@dataclass
+class Tables:
+    """Every table of one shard's job, by name."""
+
+    by_name: dict[str, ServedTable] = field(default_factory=dict)
+
+    @staticmethod
+    def for_job(job: JobSpec | None, shard: int = 0) -> "Tables":
+        return Tables({} if job is None else {t.name: ServedTable(t, job, shard) for t in job.tables})
+
+    def get(self, name: str) -> ServedTable:
+        table = self.by_name.get(name)
+        if table is None:
+            known = ", ".join(repr(n) for n in self.by_name) or "none"
+            raise UnknownTable(f"table is {name[:limits.MAX_NAME_CHARS]!r} but the job's tables are {known}")
+        return table
+
+    def close_due(self, members: Membership, now: float) -> bool:
+        closed = False
+        for t in self.by_name.values():
+            closed |= t.close_if_due(members, now)
+        return closed
+
+    def deadlines(self, members: Membership) -> list[float]:
+        return [d for t in self.by_name.values() if (d := t.deadline(members)) is not None]
+
+    def state(self) -> dict | None:
+        return {name: t.state() for name, t in self.by_name.items()} or None
+
+    def restore(self, saved: dict | None, now: float) -> None:
+        for name, state in (saved or {}).items():
+            self.get(name).restore(state, now)
+
+    def digest(self) -> bytes:
+        h = hashlib.sha256()
+        for name in sorted(self.by_name):
+            self.by_name[name].digest(h)
+        return h.digest()
+
+    def counters(self) -> dict[str, float]:
+        """``table.<name>.<counter>`` for every table: what GetStats adds to its counters."""
+        return {f"table.{name}.{k}": v for name, t in self.by_name.items() for k, v in t.stats.items()}
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        return {name: t.stats for name, t in self.by_name.items()}

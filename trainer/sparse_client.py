@@ -1,0 +1,249 @@
+"""The trainer's side of sparse tables: PullRows and PushRows fanned out to the shards that hold the rows.
+
+``ShardedRows`` rides on a ``trainer.client.ShardedClient``: its channels, identity,
+retry policy, thread pool and counters.  Ids are split by ``shard_of`` (the same
+splitmix64 placement the shards check); every shard gets one call per pull (if it
+holds any of the ids) and one per push (always, possibly of no ids, so sync rounds
+close and Adam's per-table step count matches one process).
+
+Versions: each (shard, table) has its own version.  A push's base is the version of
+this trainer's latest pull of that table from that shard (or what the shard said
+after the last push).  In sync and stale-timeout modes a pull waits for the version
+after this trainer's last push to that table on that shard -- the round it was in
+closed; in async mode it waits for nothing.
+
+Exactly once: each (shard, table) numbers its pushes from 1; a push whose reply was
+lost (UNAVAILABLE, DEADLINE_EXCEEDED) is retried with the same number and the shard
+answers DUPLICATE instead of applying it twice.  A push that failed for good on some
+shards raises ``RowsPushFailed`` and keeps the gradients: calling ``push`` again for
+that table resends them to the unfinished shards only, under the same numbers.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+import torch
+
+from psserver.codec import DEFAULT_CHUNK_BYTES
+from psserver.errors import VERSION_METADATA_KEY
+from psserver.job import JobSpec, table_mode
+from psserver.proto import ps_pb2 as _pb
+from psserver.sparse.placement import shard_of
+from psserver.sparse.table import TableSpec
+from psserver.sparse.wire import row_chunks
+from trainer.client import PUSH_RETRYABLE, ShardClient, ShardedClient
+
+_METHOD = "/psgrpc.v1.ParameterServer/"
+
+
+class RowsCallFailed(grpc.RpcError, RuntimeError):
+    """A row call that failed for good on some shards (after retries); ``code()`` is the first failing shard's.
+
+    ``failed``: shard -> error, each named with its address in the message; ``done``: shards that answered.
+    """
+
+    what = "pull"
+    advice = "the rows of the other shards were read; call pull() again"
+
+    def __init__(self, table: str, done: list[int], failed: dict, addresses: list[str]):
+        self.done, self.failed = done, failed
+        causes = "; ".join(f"shard {i} at {addresses[i]}: " + (
+            f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else f"{type(e).__name__}: {e}")
+            for i, e in sorted(failed.items()))
+        self.message = f"{self.what} of table {table!r} failed ({causes}); shards {done} answered; {self.advice}"
+        first = failed[min(failed)]
+        self._code = first.code() if isinstance(first, grpc.RpcError) else grpc.StatusCode.UNKNOWN
+        super().__init__(self.message)
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self.message
+
+
+class RowsPushFailed(RowsCallFailed):
+    """A row push that did not complete on every shard.  The gradients are kept: ``push`` again for the
+    same table retries the failed shards under the same sequence numbers (a shard that did apply it
+    answers DUPLICATE)."""
+
+    what = "push"
+    advice = "call push() again to retry the others with the same gradients"
+
+
+@dataclass
+class _Lane:
+    """One (shard, table): its version as this trainer knows it, what a pull must wait for, push numbering."""
+
+    version: int = 0  # newest table version this trainer saw on the shard (pull reply or push reply)
+    base: int = 0  # the base of the next push: the version of the latest pull (sync: the round it is in)
+    wait_for: int = 0  # sync modes: the version a pull must reach (the close of our last push's round)
+    sequence: int = 0
+    unanswered: bool = False  # the push under ``sequence`` has had no answer: a retry reuses the number
+
+
+@dataclass
+class _Pending:
+    """A push that failed on some shards: its per-shard payloads, kept for the retry."""
+
+    payloads: dict[int, tuple]  # shard -> (ids, grads, num_samples)
+    done: list[int] = field(default_factory=list)
+
+
+class ShardedRows:
+    """Sparse tables of ``job`` over the shards of ``sharded_client``."""
+
+    def __init__(self, sharded_client: ShardedClient, job: JobSpec, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+        self.client, self.job, self.chunk_bytes = sharded_client, job, chunk_bytes
+        self.tables: dict[str, TableSpec] = {t.name: t for t in job.tables}
+        self.modes = {t.name: table_mode(t, job) for t in job.tables}
+        m = len(sharded_client.shards)
+        self._lanes = {(s, name): _Lane() for s in range(m) for name in self.tables}
+        self._pending: dict[str, _Pending] = {}
+        self.counters: Counter = Counter()
+        self._lock = threading.Lock()
+        self._pull = [s.channel.unary_stream(_METHOD + "PullRows", _pb.PullRowsRequest.SerializeToString,
+                                             _pb.RowsChunk.FromString) for s in sharded_client.shards]
+        self._push = [s.channel.stream_unary(_METHOD + "PushRows", _pb.RowsChunk.SerializeToString,
+                                             _pb.PushRowsReply.FromString) for s in sharded_client.shards]
+
+    def _count(self, **amounts: int) -> None:
+        with self._lock:
+            self.counters.update(amounts)
+
+    def _spec(self, table: str) -> TableSpec:
+        spec = self.tables.get(table)
+        if spec is None:
+            raise KeyError(f"table {table!r} is not in the job (its tables: {', '.join(self.tables) or 'none'})")
+        return spec
+
+    def _split(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """For each shard, the positions in ``ids`` of the ids it holds."""
+        owner = shard_of(ids, len(self.client.shards))
+        return [(owner == s).nonzero().flatten() for s in range(len(self.client.shards))]
+
+    def _call(self, shard: ShardClient, what: str, fn, retry_on=(grpc.StatusCode.UNAVAILABLE,)):
+        """ShardClient's retry loop (policy, backoff, logging), with row retries also counted here."""
+        attempts = 0
+
+        def once():
+            nonlocal attempts
+            attempts += 1
+            if attempts > 1:
+                self._count(retries=1)
+            return fn()
+
+        return shard._call(what, once, retry_on=retry_on)
+
+    # -- pull ---------------------------------------------------------------------------------------
+    def pull(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """float32 rows ``(len(ids), dim)`` of unique int64 CPU ``ids``, in their order, from the shards in
+        parallel; in sync modes each shard's at the version after this trainer's last push there."""
+        spec = self._spec(table)
+        parts = self._split(ids)
+        out = torch.empty(len(ids), spec.dim)
+
+        def one(s: ShardClient):
+            pos = parts[s.index]
+            if len(pos):
+                out[pos] = self._pull_shard(s, table, spec.dim, ids[pos])
+
+        results = self.client.map_settled(one)
+        failed = {i: r for i, r in enumerate(results) if isinstance(r, Exception)}
+        if failed:
+            raise RowsCallFailed(table, [i for i in range(len(results)) if i not in failed], failed,
+                                 [s.address for s in self.client.shards])
+        return out
+
+    def _pull_shard(self, s: ShardClient, table: str, dim: int, ids: torch.Tensor) -> torch.Tensor:
+        lane = self._lanes[(s.index, table)]
+        sync = self.modes[table] != "async"
+        req = _pb.PullRowsRequest(rank=s.rank, trainer_id=s.trainer_id, fingerprint=s.fingerprint, table=table,
+                                  min_version=lane.wait_for if sync else 0,
+                                  ids=ids.contiguous().numpy().tobytes())
+
+        def once():
+            chunks = iter(self._pull[s.index](req, timeout=s.call_timeout))
+            first = next(chunks)
+            raw = b"".join([first.rows, *(c.rows for c in chunks)])
+            return first.header.version, raw
+
+        version, raw = self._call(s, "PullRows", once)
+        if len(raw) != len(ids) * dim * 4:
+            raise ValueError(f"shard {s.index} sent {len(raw)} bytes of rows for {len(ids)} ids of dim {dim}")
+        lane.version = max(lane.version, version)
+        lane.base = version
+        self._count(bytes_pulled=len(raw) + len(req.ids), rows_pulled=len(ids))
+        return torch.from_numpy(np.frombuffer(raw, dtype=np.float32).copy()).view(len(ids), dim)
+
+    # -- push ---------------------------------------------------------------------------------------
+    def push(self, table: str, ids: torch.Tensor, grads: torch.Tensor, num_samples: int) -> None:
+        """Summed gradient rows of unique ``ids`` to every shard (those holding none of them get an empty push).
+
+        Raises:
+            RowsPushFailed: some shard failed for good; the gradients are kept and the next ``push`` of this
+                table retries the unfinished shards with them (its own arguments are then not read).
+        """
+        spec = self._spec(table)
+        pending = self._pending.get(table)
+        if pending is None:
+            if grads.shape != (len(ids), spec.dim):
+                raise ValueError(f"grads has shape {tuple(grads.shape)}, table {table!r} needs "
+                                 f"({len(ids)}, {spec.dim})")
+            grads = grads.detach().to("cpu", torch.float32)
+            pending = _Pending({s: (ids[pos], grads[pos], num_samples) for s, pos in enumerate(self._split(ids))})
+        todo = [s for s in pending.payloads if s not in pending.done]
+        results = self.client.map_settled(lambda s: self._push_shard(s, table, *pending.payloads[s.index]), todo)
+        failed = {s: r for s, r in zip(todo, results) if isinstance(r, Exception)}
+        pending.done.extend(s for s in todo if s not in failed)
+        if failed:
+            self._pending[table] = pending
+            raise RowsPushFailed(table, sorted(pending.done), failed, [s.address for s in self.client.shards])
+        self._pending.pop(table, None)
+
+    def _push_shard(self, s: ShardClient, table: str, ids: torch.Tensor, grads: torch.Tensor,
+                    num_samples: int) -> str:
+        lane = self._lanes[(s.index, table)]
+        if not lane.unanswered:
+            lane.sequence += 1
+            lane.unanswered = True
+        header = _pb.RowsHeader(rank=s.rank, trainer_id=s.trainer_id, fingerprint=s.fingerprint, table=table,
+                                version=lane.base, num_samples=num_samples, sequence=lane.sequence,
+                                num_ids=len(ids), dim=grads.shape[1])
+        chunks = list(row_chunks(grads, header, self.chunk_bytes, ids))
+        try:
+            reply = self._call(s, "PushRows", lambda: self._push[s.index](iter(chunks), timeout=s.call_timeout),
+                               retry_on=PUSH_RETRYABLE)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.ABORTED:
+                raise
+            lane.unanswered = False  # stale: answered (dropped); go on from the shard's version
+            version = int(dict(e.trailing_metadata() or ()).get(VERSION_METADATA_KEY, lane.base))
+            lane.version = lane.base = lane.wait_for = max(lane.version, version)
+            self._count(stale_pushes=1)
+            return "stale"
+        lane.unanswered = False
+        outcome = _pb.PushOutcome.Name(reply.outcome).lower()
+        lane.version = max(lane.version, reply.version)
+        if self.modes[table] == "async":
+            lane.base = lane.version
+        else:  # the round this push is in closes at base + 1; the next pull waits for it
+            lane.wait_for = lane.base = header.version + 1
+        self._count(bytes_pushed=len(ids) * (8 + 4 * grads.shape[1]), rows_pushed=len(ids),
+                    rows_stale=reply.rows_stale, **{f"{outcome}_pushes": 1})
+        return outcome
+
+    # -- the rest -----------------------------------------------------------------------------------
+    def versions(self) -> dict[str, list[int]]:
+        """Each table's version on each shard, as this trainer last saw it."""
+        m = len(self.client.shards)
+        return {name: [self._lanes[(s, name)].version for s in range(m)] for name in self.tables}
+
+    def close(self) -> None:
+        """Nothing to release: the channels belong to the ShardedClient."""
+
