@@ -163,8 +163,9 @@ class _ShardedTable(nn.Module):
         self._outgoing = None
 
     def zero_grad_rows(self) -> None:
-        """Drop the rows and gradients of this step without pushing them."""
+        """Drop the rows and gradients of this step without pushing them, and a failed push with them."""
         self._forget()
+        self._outgoing = None
 
     def _forget(self) -> None:
         self._pending = []
@@ -186,12 +187,15 @@ class ShardedEmbedding(_ShardedTable):
 
 
 class ShardedEmbeddingBag(_ShardedTable):
-    """``nn.EmbeddingBag`` (mode "sum" or "mean", per-sample weights with "sum") whose rows live on the shards."""
+    """``nn.EmbeddingBag`` (mode "sum" or "mean", per-sample weights with "sum") whose rows live on the shards.
 
-    def __init__(self, name: str, embedding_dim: int, *, mode: str = "mean", **kw):
+    ``mode`` is the pooling, as in torch; the table's consistency mode is ``table_mode``.
+    """
+
+    def __init__(self, name: str, embedding_dim: int, *, mode: str = "mean", table_mode: str = "", **kw):
         if mode not in BAG_MODES:
             raise ValueError(f"bag mode ({mode!r}) must be one of {', '.join(BAG_MODES)}")
-        super().__init__(name, embedding_dim, **kw)
+        super().__init__(name, embedding_dim, mode=table_mode, **kw)
         self.mode = mode
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
