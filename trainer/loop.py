@@ -175,6 +175,10 @@ def recommender_checks(cfg: TrainConfig) -> list[tuple[bool, str]]:
         (cfg.embedding_dim is None or cfg.embedding_dim >= 1, f"--embedding-dim ({cfg.embedding_dim}) must be at least 1"),
         (cfg.admit_after >= 0, f"--admit-after ({cfg.admit_after}) must be zero (store every row) or more"),
         (cfg.max_rows is None or cfg.max_rows >= 1, f"--max-rows ({cfg.max_rows}) must be at least 1"),
+        (cfg.sparse_lr is None or (math.isfinite(cfg.sparse_lr) and cfg.sparse_lr > 0),
+         f"--sparse-lr ({cfg.sparse_lr}) must be more than zero"),
+        (cfg.embedding_mode != "stale-timeout" or cfg.mode == "stale-timeout",  # the job's timeout is its knob
+         f"--embedding-mode stale-timeout needs --mode stale-timeout (for its --sync-timeout), not {cfg.mode}"),
     ]
 
 
