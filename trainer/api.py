@@ -120,12 +120,12 @@ class FlatModel:
 
     def __init__(self, model: torch.nn.Module):
         self.params = [p for p in model.parameters() if p.requires_grad]
-        if not self.params:
+        if not self.params and not sharded_tables(model):
             raise ValueError("the model has no trainable parameters")
         dtypes = {p.dtype for p in self.params}
-        if dtypes != {torch.float32}:
+        if dtypes - {torch.float32}:
             raise ValueError(f"psgrpc trains fp32 parameters; the model has {sorted(map(str, dtypes))}")
-        device = self.params[0].device
+        device = self.params[0].device if self.params else torch.device("cpu")  # tables only: no dense part
         total = sum(p.numel() for p in self.params)
         self.flat = torch.empty(total, dtype=torch.float32, device=device)
         self.grad = torch.zeros(total, dtype=torch.float32, device=device)
