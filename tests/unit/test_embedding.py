@@ -256,3 +256,17 @@ def test_a_model_on_local_rows_trains_to_the_same_parameters_as_torch_sparse_opt
         assert torch.allclose(rows.stores[t.name].lookup(torch.arange(len(weight))), weight.detach(), atol=1e-6), t.name
     for (name, a), b in zip(sharded.named_parameters(), dense):
         assert torch.allclose(a, b, atol=1e-6), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: rows move to the module's device")
+def test_on_cuda_rows_come_to_the_modules_device_and_gradients_go_back_to_the_cpu():
+    table = ShardedEmbedding("t", DIM, initializer=Initializer("normal", 0.5)).to("cuda")
+    bound(table)
+    twin = torch_twin(table, 10).to("cuda")
+    ids = torch.tensor([3, 1, 3], device="cuda")
+    out = table(ids)
+    assert out.device.type == "cuda" and torch.allclose(out, twin(ids))
+    (out * out).sum().backward()
+    (twin(ids) * twin(ids)).sum().backward()
+    got_ids, grads = table.pending_gradients()
+    assert grads.device.type == "cpu" and torch.allclose(grads, twin.weight.grad[got_ids.cuda()].cpu())
