@@ -32,7 +32,7 @@ from trainer.clipping import check_max_norm
 from trainer.data import epoch_order, load_dataset, local_batch_indices, steps_per_epoch
 from trainer.models import build_model
 from trainer.recmodels import REC_MODELS
-from trainer.rectrain import REC_BATCH, REC_DATASETS, REC_L2, build_ratings_model, load_ratings_dataset, pairs_rmse
+from trainer.rectrain import REC_DATASETS, REC_L2, build_ratings_model, load_ratings_dataset, pairs_rmse
 
 log = logging.getLogger(__name__)
 WARMUP_STEPS = 2  # left out of the steady throughput (see SteadyClock)
