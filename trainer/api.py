@@ -35,7 +35,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import grpc
@@ -45,10 +45,12 @@ from psserver.job import JobSpec, OptimizerConfig
 from psserver.layout import Layout
 from psserver.schedules import LrSchedule
 from psserver.security import ClientSecurity
+from psserver.sparse.table import TableSpec
 from trainer.client import WAIT_LOG_SECONDS, PushOutcome, RetryPolicy, ShardClient, ShardedClient, parse_addresses
 from trainer.clipping import check_max_norm, clip_local_
 from trainer.compress import parse_compress
 from trainer.early_push import EarlyPusher
+from trainer.embedding import sharded_tables
 from trainer.staging import DeviceStaging
 
 log = logging.getLogger(__name__)
@@ -72,8 +74,9 @@ def make_job(model: torch.nn.Module, num_shards: int, *, mode: str = "sync", num
              optimizer: OptimizerConfig | dict | None = None, max_staleness: int | None = None,
              sync_timeout: float = 0.0, replicas_to_aggregate: int = 0, stale_policy: str = "drop",
              wire_dtype: str = "float32", job_id: str = "",
-             lr_schedule: LrSchedule | dict | None = None) -> JobSpec:
-    """The job spec for training ``model``; raises ValueError naming a bad setting."""
+             lr_schedule: LrSchedule | dict | None = None, embedding_mode: str = "") -> JobSpec:
+    """The job spec for training ``model`` (its shard-backed tables included); raises ValueError naming a
+    bad setting."""
     layout = model_layout(model, num_shards)
     if optimizer is None:
         optimizer = OptimizerConfig()
@@ -86,8 +89,31 @@ def make_job(model: torch.nn.Module, num_shards: int, *, mode: str = "sync", num
         fingerprint=layout.fingerprint(), optimizer=optimizer, max_staleness=max_staleness,
         sync_timeout=sync_timeout, replicas_to_aggregate=replicas_to_aggregate, stale_policy=stale_policy,
         wire_dtype=wire_dtype, tensors=tuple((s.name, s.shape, s.dtype) for s in layout.slots), job_id=job_id,
-        lr_schedule=lr_schedule,
+        lr_schedule=lr_schedule, tables=table_specs(model, embedding_mode),
     )
+
+
+def table_specs(model: torch.nn.Module, embedding_mode: str = "") -> tuple[TableSpec, ...]:
+    """The specs of ``model``'s shard-backed tables (trainer.embedding), sorted by name.
+
+    ``embedding_mode`` ("async" for async embeddings next to sync dense layers) is the mode of
+    every table that names none itself; a table built with its own mode keeps it.
+    """
+    specs = [t.spec for t in sharded_tables(model)]
+    return tuple(replace(s, mode=embedding_mode) if embedding_mode and not s.mode else s for s in specs)
+
+
+def sharded_rows_class():
+    """trainer.sparse_client.ShardedRows, imported only when a model has tables (it may not be installed yet)."""
+    try:
+        from trainer.sparse_client import ShardedRows
+    except ModuleNotFoundError as e:
+        if e.name != "trainer.sparse_client":
+            raise
+        raise NotImplementedError("the model has shard-backed tables (trainer.embedding) but this psgrpc has no "
+                                  "trainer.sparse_client to reach them on the shards; train it in one process "
+                                  "with trainer.embedding.bind_local(model) instead") from None
+    return ShardedRows
 
 
 class FlatModel:
@@ -95,12 +121,12 @@ class FlatModel:
 
     def __init__(self, model: torch.nn.Module):
         self.params = [p for p in model.parameters() if p.requires_grad]
-        if not self.params:
+        if not self.params and not sharded_tables(model):
             raise ValueError("the model has no trainable parameters")
         dtypes = {p.dtype for p in self.params}
-        if dtypes != {torch.float32}:
+        if dtypes - {torch.float32}:
             raise ValueError(f"psgrpc trains fp32 parameters; the model has {sorted(map(str, dtypes))}")
-        device = self.params[0].device
+        device = self.params[0].device if self.params else torch.device("cpu")  # tables only: no dense part
         total = sum(p.numel() for p in self.params)
         self.flat = torch.empty(total, dtype=torch.float32, device=device)
         self.grad = torch.zeros(total, dtype=torch.float32, device=device)
@@ -208,6 +234,9 @@ class ParameterServerTrainer:
                  security: ClientSecurity = ClientSecurity(), overlap: bool = False,
                  push_during_backward: bool = False, retry: RetryPolicy = RetryPolicy(),
                  clip_grad_norm: float | None = None, compress: str | None = None):
+        self.tables = sharded_tables(model)  # bound to the shards once joined (_bind_tables)
+        self.rows = None
+        self._tables_pushed: set[str] = set()  # tables whose push of the current step is done
         self.clip_grad_norm = check_max_norm(clip_grad_norm, push_during_backward)
         if overlap and job.mode != "async":
             raise ValueError(f"overlap (pulling the next weights while computing) needs async mode, not {job.mode}")
@@ -220,7 +249,8 @@ class ParameterServerTrainer:
         self.connect_timeout = connect_timeout
         self.layout = model_layout(model, job.num_shards)
         self.num_params = self.layout.total
-        self.describe = f"{job.num_shards} shards, mode {job.mode}"
+        self.describe = f"{job.num_shards} shards, mode {job.mode}" + (
+            f", {len(job.tables)} sparse tables" if job.tables else "")
         self.flat = FlatModel(model)
         self.client = ShardedClient(addresses, job, rank, trainer_id, chunk_bytes=chunk_bytes, security=security,
                                     retry=retry, compress=compress)
@@ -240,6 +270,7 @@ class ParameterServerTrainer:
         self._heartbeat: threading.Thread | None = None
         try:
             self._join(connect_timeout)
+            self._bind_tables()
         except BaseException:
             # Leave and close, or this trainer would stay registered (and, with heartbeats, live): sync
             # rounds would wait on it.
@@ -270,6 +301,30 @@ class ParameterServerTrainer:
                                              self.client.wire) if not results[s.index].initialized else None)
         self._wait_for_start(give_up - time.monotonic(), timeout)
         self.staging.settle()  # the first forward waits for the first weights
+
+    def _bind_tables(self) -> None:
+        """Point the model's tables at their rows on the shards."""
+        if not self.tables:
+            return
+        self.rows = sharded_rows_class()(self.client, self.job)
+        for t in self.tables:
+            t.bind(self.rows)
+
+    def _push_tables(self, num_samples: int) -> None:
+        """Each table's gradient rows, before the dense exchange.  A table whose push failed keeps its rows
+        (the error propagates out of step()); the retry pushes the tables not yet done, and of those only to
+        the shards that did not finish (ShardedRows keeps that)."""
+        for t in self.tables:
+            if t.name in self._tables_pushed:
+                continue
+            try:
+                t.flush_gradients(num_samples)
+            except grpc.RpcError as e:
+                self.client.count("table_pushes_failed")
+                log.warning("rank %d: the push of table %r failed (%s); step() again retries it", self.rank,
+                            t.name, e)
+                raise
+            self._tables_pushed.add(t.name)
 
     def _wait_for_start(self, timeout: float, connect_timeout: float) -> None:
         """The first pull, which returns once every shard is initialised and (sync modes) every trainer has
@@ -362,21 +417,23 @@ class ParameterServerTrainer:
     def _no_pending_step(self, what: str) -> None:
         """A failed step's gradient is waiting to be retried: anything that changes it first is refused
         (a retry would push the changed gradient under the old sequence numbers)."""
-        if self._attempt is not None:
+        if self._attempt is not None or any(t.push_pending for t in self.tables):
             raise RuntimeError(f"{what} while a failed step waits: call step() to retry it (same gradient, "
                                f"same sequence numbers) or abandon_step() to drop it")
 
     def abandon_step(self) -> None:
         """Drop a failed step instead of retrying it: the shards that did not answer may or may not have
         applied it (counted in ``steps_abandoned``); the gradients are zeroed and the next step is a new one."""
-        if self._attempt is None:
+        if self._attempt is None and not any(t.push_pending for t in self.tables):
             return
-        for i in self._attempt.todo:
+        todo = sorted(self._attempt.todo) if self._attempt is not None else []  # [] : only a table push failed
+        for i in todo:
             self.client.shards[i].abandon_push()
-        log.warning("rank %d abandoned a failed step on shards %s", self.rank, sorted(self._attempt.todo))
+        log.warning("rank %d abandoned a failed step on shards %s", self.rank, todo)
         self._attempt = None
         self.client.count("steps_abandoned")
         self.flat.zero_grad()
+        self._zero_tables()
 
     def _push_shard(self, shard: int, num_samples: int, after: Sequence = ()):
         """Push ``shard`` its gradient slice (on CUDA: once the ``after`` events, the gradient's, have passed)."""
@@ -385,12 +442,22 @@ class ParameterServerTrainer:
         return s.push(grad, self.versions[shard], num_samples, self.client.wire)
 
     def step(self, num_samples: int = 1) -> StepInfo:
-        """Push the gradients in ``.grad``, pull fresh weights into the model, zero the gradients.
+        """Push the gradients in ``.grad`` and the tables' gradient rows, pull fresh weights into the model,
+        zero the gradients.
 
         All or nothing from the caller's view: if a shard fails, StepFailed names
         the shards that applied the gradient, the gradients stay, and calling
         ``step()`` again retries only the rest, under the same sequence numbers.
+        A table push that fails raises its grpc.RpcError; the retry pushes only
+        the tables (and shards) not done, then the dense step.
         """
+        self._push_tables(num_samples)
+        info = self._dense_step(num_samples)
+        self._tables_pushed.clear()
+        return info
+
+    def _dense_step(self, num_samples: int) -> StepInfo:
+        """The dense part of step(): every shard its gradient slice, and the weights back."""
         grad = self.flat.gather_grads()
         if self._attempt is None:  # a retried step pushes the same, already clipped, gradient
             clip_local_(self.flat.params, self.clip_grad_norm)  # this trainer's gradient, not the round's average
@@ -527,10 +594,18 @@ class ParameterServerTrainer:
     def zero_grad(self) -> None:
         self._no_pending_step("zero_grad()")
         self.flat.zero_grad()
+        self._zero_tables()
+
+    def _zero_tables(self) -> None:
+        """Forget the tables' rows and gradients of this step (and any failed push of them)."""
+        for t in self.tables:
+            t.zero_grad_rows()
+        self._tables_pushed.clear()
 
     @property
     def counters(self) -> dict:
-        return dict(self.client.counters)
+        rows = {f"rows_{k}": v for k, v in self.rows.counters.items()} if self.rows is not None else {}
+        return {**self.client.counters, **rows}
 
     def shard_stats(self) -> list:
         return self.client.map(lambda s: s.stats())
@@ -560,6 +635,8 @@ class ParameterServerTrainer:
                 self._leave(best_effort)
         finally:
             self._closed = True
+            if self.rows is not None:
+                self.rows.close()
             self.client.close()  # channels first: cancels calls still in flight, so the pools below drain
             self._prefetch_pool.shutdown(wait=True)
             if self._early is not None:
@@ -601,7 +678,8 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
             chunk_bytes: int = 1 << 20, security: ClientSecurity | None = None,
             overlap: bool = False, push_during_backward: bool = False, job_id: str = "",
             retry_budget: float = 60.0, lr_schedule: LrSchedule | dict | None = None,
-            clip_grad_norm: float | None = None, compress: str | None = None) -> ParameterServerTrainer:
+            clip_grad_norm: float | None = None, compress: str | None = None,
+            embedding_mode: str = "") -> ParameterServerTrainer:
     """Register ``model`` with the shards at ``ps`` and return a handle whose ``step()`` trains it.
 
     Rank 0 initialises the shards with its model's weights; every trainer then
@@ -622,6 +700,12 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
     shards from their version; ``clip_grad_norm`` clips this trainer's own
     gradient to that 2-norm before each push (trainer.clipping).  ``compress="topk:RATIO"`` pushes each
     shard only the largest RATIO of its slice, keeping the rest for later pushes (trainer.compress).
+
+    Tables: the model's ShardedEmbedding / ShardedEmbeddingBag modules (trainer.embedding)
+    join the job as its sparse tables (sorted by name) and are bound to their rows on
+    the shards; ``step()`` pushes their gradient rows too.  ``embedding_mode="async"``
+    runs every table that names no mode itself asynchronously next to the dense
+    layers' ``mode`` (the usual recommender recipe).
     """
     if retry_budget < 0:
         raise ValueError(f"retry_budget is {retry_budget} but must be zero or more seconds")
@@ -630,7 +714,9 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
     job = make_job(model, len(addresses), mode=mode, num_trainers=num_trainers, optimizer=optimizer,
                    max_staleness=max_staleness, sync_timeout=sync_timeout,
                    replicas_to_aggregate=replicas_to_aggregate, stale_policy=stale_policy, wire_dtype=wire_dtype,
-                   job_id=job_id, lr_schedule=lr_schedule)
+                   job_id=job_id, lr_schedule=lr_schedule, embedding_mode=embedding_mode)
+    if job.tables:
+        sharded_rows_class()  # before anything is started: a clear NotImplementedError if it is missing
     return ParameterServerTrainer(addresses, model, job, rank, trainer_id or default_trainer_id(rank),
                                   connect_timeout, round_timeout, chunk_bytes, security or ClientSecurity(), overlap,
                                   push_during_backward, RetryPolicy(budget_seconds=retry_budget),

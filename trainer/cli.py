@@ -14,6 +14,8 @@ from psserver.security import add_client_flags, client_security
 from trainer.data import DATASETS
 from trainer.loop import Interrupted, StopRequest, TrainConfig, finite_json, train
 from trainer.models import MODELS
+from trainer.recmodels import REC_MODELS
+from trainer.rectrain import REC_BATCH, REC_DATASETS
 
 
 def build_parser() -> EnvArgumentParser:
@@ -29,18 +31,22 @@ def build_parser() -> EnvArgumentParser:
                    help="stale-timeout: close a round after this many gradients (0: all live trainers)")
     p.add_argument("--stale-policy", choices=STALE_POLICIES, default="drop",
                    help="stale-timeout: drop late gradients, or scale them by 1/(1+staleness)")
-    p.add_argument("--model", choices=MODELS, default="cnn")
-    p.add_argument("--dataset", choices=DATASETS, default="mnist5k")
-    p.add_argument("--batch-size", type=int, default=32, help="samples per trainer per step")
+    p.add_argument("--model", choices=MODELS + REC_MODELS, default=None,
+                   help="cnn (default), mlp, widemlp, resnet18; mf or ncf (the default) for --dataset movielens100k")
+    p.add_argument("--dataset", choices=DATASETS + REC_DATASETS, default="mnist5k")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help=f"samples per trainer per step (default 32; {REC_BATCH} // num-trainers for movielens100k)")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--steps", type=int, default=0, help="run this many steps instead of --epochs")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
+                   help="the dense parameters' optimizer on the shards (default sgd; adam for movielens100k)")
     p.add_argument("--lr", type=float, default=None,
-                   help="learning rate (default 0.05; 0.05/num-trainers in async mode)")
+                   help="learning rate (default 0.05; 0.05/num-trainers in async mode; 0.001 for movielens100k)")
     p.add_argument("--momentum", type=float, default=0.9, help="sgd only")
     p.add_argument("--nesterov", action="store_true", help="sgd only")
     p.add_argument("--weight-decay", type=float, default=0.0)
     add_schedule_flags(p)
+    add_table_flags(p)
     p.add_argument("--wire-dtype", choices=list(WIRE_DTYPES), default="float32",
                    help="dtype of gradients and weights on the wire (shards keep fp32)")
     add_compress_flag(p)
@@ -105,6 +111,39 @@ def add_compress_flag(p: EnvArgumentParser) -> None:
                         "feedback); warmup=STEPS sends the first STEPS pushes dense. Default: dense")
 
 
+TABLE_FLAGS = ("embedding_dim", "sparse_optimizer", "sparse_lr", "embedding_mode", "admit_after", "max_rows")
+
+
+def add_table_flags(p: EnvArgumentParser) -> None:
+    """The embedding tables of --dataset movielens100k (trainer.embedding), shared by ps-trainer and ps-cluster.
+    Defaults are None so that only flags given are passed on (and refused with an image dataset)."""
+    from psserver.sparse.optim import SPARSE_OPTIMIZERS
+
+    p.add_argument("--embedding-dim", type=int, default=None, help="movielens100k: width of the user/item rows (32)")
+    p.add_argument("--sparse-optimizer", choices=SPARSE_OPTIMIZERS, default=None,
+                   help="movielens100k: the tables' per-row optimizer on the shards (adam: torch's SparseAdam)")
+    p.add_argument("--sparse-lr", type=float, default=None, help="movielens100k: the tables' learning rate (0.01)")
+    p.add_argument("--embedding-mode", choices=MODES, default=None,
+                   help="movielens100k: the tables' mode (default: --mode); --mode sync --embedding-mode async "
+                        "gives async embeddings next to sync dense layers")
+    p.add_argument("--admit-after", type=int, default=None,
+                   help="movielens100k: store a row only after its id was seen more than N times (0)")
+    p.add_argument("--max-rows", type=int, default=None,
+                   help="movielens100k: live rows per table per shard; least recently used evicted past it")
+
+
+def table_argv(args) -> list[str]:
+    """The table flags as given, for ps-cluster to pass on to each ps-trainer."""
+    return [a for name in TABLE_FLAGS if getattr(args, name) is not None
+            for a in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+
+
+def table_config(args) -> dict:
+    """TrainConfig's table fields from the flags (None: TrainConfig's default)."""
+    given = {name: getattr(args, name) for name in TABLE_FLAGS if getattr(args, name) is not None}
+    return {"embedding_mode": "", "admit_after": 0, **given}
+
+
 def schedule_argv(args) -> list[str]:
     """The flags of ``add_schedule_flags`` as given, for ps-cluster to pass on to each ps-trainer (which
     checks them with the trainer's own rules: cluster.check_trainer_flags, before any process starts)."""
@@ -112,12 +151,20 @@ def schedule_argv(args) -> list[str]:
             for a in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
 
 
+def dataset_defaults(args) -> dict:
+    """Model, batch size and dense optimizer when not given: a ratings dataset has its own (trainer.rectrain's)."""
+    rec = args.dataset in REC_DATASETS
+    batch = max(1, REC_BATCH // max(args.num_trainers, 1)) if rec else 32
+    return dict(model=args.model or ("mf" if rec else "cnn"), optimizer=args.optimizer or ("adam" if rec else "sgd"),
+                batch_size=batch if args.batch_size is None else args.batch_size)
+
+
 def config_from_args(args) -> TrainConfig:
     """The run's configuration; raises ValueError naming the first bad flag (nothing has started yet)."""
     return TrainConfig(
-        ps=args.ps, rank=args.rank, num_trainers=args.num_trainers, mode=args.mode, model=args.model,
-        dataset=args.dataset, batch_size=args.batch_size, epochs=args.epochs, steps=args.steps,
-        optimizer=args.optimizer, lr=args.lr, momentum=args.momentum, nesterov=args.nesterov,
+        ps=args.ps, rank=args.rank, num_trainers=args.num_trainers, mode=args.mode,
+        dataset=args.dataset, epochs=args.epochs, steps=args.steps, **dataset_defaults(args),
+        **table_config(args), lr=args.lr, momentum=args.momentum, nesterov=args.nesterov,
         weight_decay=args.weight_decay, seed=args.seed, device=args.device, output=args.output,
         metrics_file=args.metrics_file, max_staleness=args.max_staleness, sync_timeout=args.sync_timeout,
         replicas_to_aggregate=args.replicas_to_aggregate, stale_policy=args.stale_policy,

@@ -26,9 +26,11 @@ from psserver.cli_support import EnvArgumentParser, run_cli, setup_logging
 from psserver.job import MODES, OPTIMIZERS, STALE_POLICIES
 from psserver.admin import fetch_stat
 from psserver.proto import ps_pb2 as _pb
-from trainer.cli import add_compress_flag, add_schedule_flags, schedule_argv
+from trainer.cli import add_compress_flag, add_schedule_flags, add_table_flags, schedule_argv, table_argv
 from trainer.data import DATASETS
 from trainer.models import MODELS
+from trainer.recmodels import REC_MODELS
+from trainer.rectrain import REC_BATCH, REC_DATASETS
 from trainer.procs import Proc, start_shard, start_trainer
 
 log = logging.getLogger("ps-cluster")
@@ -39,16 +41,20 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--shards", type=int, default=2)
     p.add_argument("--trainers", type=int, default=2)
     p.add_argument("--mode", choices=MODES, default="sync")
-    p.add_argument("--model", choices=MODELS, default="cnn")
-    p.add_argument("--dataset", choices=DATASETS, default="mnist5k")
+    p.add_argument("--model", choices=MODELS + REC_MODELS, default=None,
+                   help="cnn (default), mlp, widemlp, resnet18; mf (the default) or ncf for --dataset movielens100k")
+    p.add_argument("--dataset", choices=DATASETS + REC_DATASETS, default="mnist5k")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--steps", type=int, default=0, help="run this many steps instead of --epochs")
-    p.add_argument("--batch-size", type=int, default=32, help="per trainer")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help=f"per trainer (default 32; {REC_BATCH} // trainers for movielens100k)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
+                   help="the dense parameters' optimizer (default sgd; adam for movielens100k)")
     p.add_argument("--lr", type=float, default=None,
                    help="learning rate (default 0.05; 0.05/trainers in async mode)")
     add_schedule_flags(p)
     add_compress_flag(p)
+    add_table_flags(p)
     p.add_argument("--sync-timeout", type=float, default=0.1, help="stale-timeout: seconds a round waits")
     p.add_argument("--replicas-to-aggregate", type=int, default=0)
     p.add_argument("--stale-policy", choices=STALE_POLICIES, default="drop")
@@ -107,17 +113,19 @@ def shard_stats(address: str) -> _pb.StatsReply | None:
 
 def trainer_args(args, rank: int, run: Path) -> list[str]:
     a = [
-        "--num-trainers", str(args.trainers), "--mode", args.mode, "--model", args.model, "--dataset", args.dataset,
-        "--batch-size", str(args.batch_size), "--epochs", str(args.epochs), "--steps", str(args.steps),
-        "--optimizer", args.optimizer, "--seed", str(args.seed), "--device", args.device,
+        "--num-trainers", str(args.trainers), "--mode", args.mode, "--dataset", args.dataset,
+        "--epochs", str(args.epochs), "--steps", str(args.steps), "--seed", str(args.seed), "--device", args.device,
         "--metrics-file", str(run / f"trainer{rank}.jsonl"), "--no-progress", "--log-every", "5",
         "--threads", str(max(1, (os.cpu_count() or 1) // args.trainers)), "--job-id", args.job_id,
     ]
-    if args.lr is not None:
-        a += ["--lr", str(args.lr)]
+    for flag, value in (("--model", args.model), ("--batch-size", args.batch_size), ("--optimizer", args.optimizer),
+                        ("--lr", args.lr)):
+        if value is not None:  # else the trainer's default, which depends on the dataset
+            a += [flag, str(value)]
     a += schedule_argv(args)
     if args.compress:
         a += ["--compress", args.compress]
+    a += table_argv(args)
     if args.mode == "stale-timeout":
         a += ["--sync-timeout", str(args.sync_timeout), "--replicas-to-aggregate", str(args.replicas_to_aggregate),
               "--stale-policy", args.stale_policy]
@@ -142,6 +150,8 @@ def summarize(args, run: Path, progress: Progress, stats: list, codes: dict, wal
         mode=args.mode, model=args.model, dataset=args.dataset, shards=args.shards, trainers=args.trainers,
         straggler_delay=args.straggler_delay, wall_seconds=wall,
         test_accuracy=progress.latest[0].get("test_accuracy") if progress.latest else None,
+        **({"test_rmse": progress.latest[0].get("test_rmse") if progress.latest else None}
+           if args.dataset in REC_DATASETS else {}),
         samples_per_sec=sum(p.get("samples_per_sec", 0) for p in done),
         steps=[p.get("steps") for p in progress.latest],
         rounds=int(stats[0].version) if stats and stats[0] is not None else None,
@@ -164,11 +174,13 @@ def summarize(args, run: Path, progress: Progress, stats: list, codes: dict, wal
 
 def print_summary(s: dict) -> None:
     acc = s["test_accuracy"]
+    score = (("test RMSE (rank 0)", "n/a" if s["test_rmse"] is None else f"{s['test_rmse']:.4f}") if "test_rmse" in s
+             else ("test accuracy (rank 0)", "n/a" if acc is None else f"{acc:.4f}"))
     rows = [
         ("mode", s["mode"]), ("model / data", f"{s['model']} / {s['dataset']}"),
         ("shards x trainers", f"{s['shards']} x {s['trainers']}"),
         *((("stopped early by", ", ".join(s["stopped"])),) if s.get("stopped") else ()),
-        ("test accuracy (rank 0)", "n/a" if acc is None else f"{acc:.4f}"),
+        score,
         ("samples/s (all trainers)", f"{s['samples_per_sec']:.1f}"),
         ("wall time", f"{s['wall_seconds']:.1f} s"),
         *((("versions (shard 0)", s["rounds"]), ("gradients applied (all shards)", s["pushes_applied"]))
@@ -201,6 +213,7 @@ def check_trainer_flags(args, run: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.job_id = args.job_id or f"cluster-{uuid.uuid4().hex[:12]}"
+    args.model = args.model or ("mf" if args.dataset in REC_DATASETS else "cnn")
     setup_logging(args.log_level)
     if args.shards < 1 or args.trainers < 1:
         raise ValueError(f"--shards ({args.shards}) and --trainers ({args.trainers}) must be at least 1")
@@ -237,12 +250,12 @@ def main(argv: list[str] | None = None) -> int:
         codes[s.name] = s.popen.returncode
     failed = [p for p in trainers + shards if p.popen.returncode != 0]
     summary = summarize(args, run, progress, stats, codes, wall)
-    if not failed:
+    if not failed and args.dataset not in REC_DATASETS:  # trainer.plots draws accuracy, which ratings runs lack
         try:
             from trainer.plots import plot_runs
 
             summary["plot"] = str(plot_runs([run], run / "plot.png",
-                                            f"psgrpc {args.mode}: {args.model} on {args.dataset}"))
+                                            f"psgrpc {args.mode}: {args.model or 'cnn'} on {args.dataset}"))
         except (ValueError, OSError) as e:
             log.warning("could not draw the plot: %s", e)
     (run / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -281,12 +294,17 @@ def show(rec: dict, progress: Progress, bars) -> None:
             shown["loss"] = f"{latest['loss']:.3f}"
         if latest.get("test_accuracy") is not None:
             shown["acc"] = f"{latest['test_accuracy']:.3f}"
+        if latest.get("test_rmse") is not None:
+            shown["rmse"] = f"{latest['test_rmse']:.3f}"
         b.set_postfix(shown, refresh=False)
         b.refresh()
     elif rec["event"] == "eval":
         where = (f"epoch {rec['epoch']} done at step {rec['step']}" if rec.get("end_of_epoch") else
                  f"step {rec['step']} (epoch {rec['epoch']})")
-        log.info("trainer %d: %s: test accuracy %.4f", rank, where, rec["test_accuracy"])
+        if "test_rmse" in rec:
+            log.info("trainer %d: %s: test RMSE %.4f", rank, where, rec["test_rmse"])
+        else:
+            log.info("trainer %d: %s: test accuracy %.4f", rank, where, rec["test_accuracy"])
     elif rec["event"] == "step":
         log.info("trainer %d: step %d loss %.4f %.0f samples/s", rank, rec["step"], rec["loss"], rec["samples_per_sec"])
 

@@ -24,6 +24,7 @@ from torch.nn import functional as F
 
 from psserver.job import MODES, JobSpec, OptimizerConfig
 from psserver.schedules import LrSchedule
+from psserver.sparse.optim import SparseOptimizerConfig
 from psserver.security import parse_addresses
 from psserver.tboard import ScalarLog
 from trainer.api import connect
@@ -31,6 +32,8 @@ from trainer.clipping import check_max_norm
 from trainer.compress import parse_compress
 from trainer.data import epoch_order, load_dataset, local_batch_indices, steps_per_epoch
 from trainer.models import build_model
+from trainer.recmodels import REC_MODELS
+from trainer.rectrain import REC_DATASETS, REC_L2, build_ratings_model, load_ratings_dataset, pairs_rmse
 
 log = logging.getLogger(__name__)
 WARMUP_STEPS = 2  # left out of the steady throughput (see SteadyClock)
@@ -86,11 +89,27 @@ class TrainConfig:
     lr_min: float = 0.0  # cosine: the floor
     clip_grad_norm: float | None = None  # clip this trainer's own gradient to this 2-norm (not the round's average)
     compress: str = ""  # "topk:RATIO": push the largest RATIO of each slice, the rest kept for later (trainer.compress)
+    # Recommender datasets (movielens100k): the tables of --model mf / ncf live on the shards (trainer.embedding).
+    embedding_dim: int | None = None  # None: 32
+    sparse_optimizer: str | None = None  # the tables' per-row optimizer (psserver.sparse.optim); None: adam
+    sparse_lr: float | None = None  # None: 0.01
+    embedding_mode: str = ""  # "": the tables follow --mode; "async": async tables next to sync dense layers
+    admit_after: int = 0  # a row is stored once its id was seen more than this many times
+    max_rows: int | None = None  # live rows per table per shard (least recently used evicted past it)
 
     def __post_init__(self) -> None:
         problem = config_problem(self)
         if problem:
             raise ValueError(problem)
+
+    @property
+    def recommender(self) -> bool:
+        return self.dataset in REC_DATASETS
+
+    def sparse_optimizer_config(self) -> SparseOptimizerConfig:
+        """The tables' optimizer; raises ValueError naming a bad hyper-parameter."""
+        return SparseOptimizerConfig(name=self.sparse_optimizer or "adam",
+                                     lr=0.01 if self.sparse_lr is None else self.sparse_lr)
 
     def optimizer_config(self) -> OptimizerConfig:
         """The shards' optimizer; raises ValueError naming a bad hyper-parameter."""
@@ -123,7 +142,7 @@ def config_problem(cfg: TrainConfig) -> str:
         (cfg.mode == "async" or not cfg.overlap, f"--overlap applies to --mode async only, not {cfg.mode}"),
         (cfg.optimizer == "sgd" or not cfg.nesterov, f"--nesterov applies to --optimizer sgd only, not {cfg.optimizer}"),
     ]
-    for ok, message in checks:
+    for ok, message in checks + recommender_checks(cfg):
         if not ok:
             return message
     try:
@@ -131,6 +150,7 @@ def config_problem(cfg: TrainConfig) -> str:
             check_job_settings(cfg)
         else:
             cfg.optimizer_config()
+            rec_table_specs(cfg)
             lr_schedule(cfg, total_steps=1)  # the run's length only fills in a cosine's default length
         check_max_norm(cfg.clip_grad_norm, cfg.push_during_backward)
         check_compress(cfg)
@@ -143,6 +163,42 @@ def check_compress(cfg: TrainConfig) -> None:
     """--compress: a valid value, and only with the parameter servers (the baselines push nothing)."""
     if parse_compress(cfg.compress) is not None and cfg.backend != "ps":
         raise ValueError(f"--compress ({cfg.compress}) applies to --backend ps only, not {cfg.backend}")
+
+
+REC_FLAGS = ("embedding_dim", "sparse_optimizer", "sparse_lr", "embedding_mode", "admit_after", "max_rows")
+
+
+def recommender_checks(cfg: TrainConfig) -> list[tuple[bool, str]]:
+    """The dataset, the model and the table flags must go together (image models take no tables)."""
+    rec = f"--dataset {' or '.join(REC_DATASETS)}"
+    defaults = TrainConfig.__dataclass_fields__
+    given = [f for f in REC_FLAGS if getattr(cfg, f) != defaults[f].default]
+    return [
+        (not cfg.recommender or cfg.model in REC_MODELS,
+         f"--model {cfg.model} does not fit --dataset {cfg.dataset}: choose one of {', '.join(REC_MODELS)}"),
+        (cfg.recommender or cfg.model not in REC_MODELS,
+         f"--model {cfg.model} is a recommender model: it needs {rec}, not --dataset {cfg.dataset}"),
+        (cfg.recommender or not given,
+         f"--{given[0].replace('_', '-') if given else ''} applies to {rec} only, not --dataset {cfg.dataset}"),
+        (not cfg.recommender or cfg.backend != "ddp", f"--backend ddp cannot train the tables of {rec}"),
+        (cfg.embedding_dim is None or cfg.embedding_dim >= 1, f"--embedding-dim ({cfg.embedding_dim}) must be at least 1"),
+        (cfg.admit_after >= 0, f"--admit-after ({cfg.admit_after}) must be zero (store every row) or more"),
+        (cfg.max_rows is None or cfg.max_rows >= 1, f"--max-rows ({cfg.max_rows}) must be at least 1"),
+        (cfg.sparse_lr is None or (math.isfinite(cfg.sparse_lr) and cfg.sparse_lr > 0),
+         f"--sparse-lr ({cfg.sparse_lr}) must be more than zero"),
+        (cfg.embedding_mode != "stale-timeout" or cfg.mode == "stale-timeout",  # the job's timeout is its knob
+         f"--embedding-mode stale-timeout needs --mode stale-timeout (for its --sync-timeout), not {cfg.mode}"),
+    ]
+
+
+def rec_table_specs(cfg: TrainConfig) -> tuple:
+    """Stand-ins for the job's tables, so their settings are checked with the job's rules before anything starts."""
+    if not cfg.recommender:
+        return ()
+    from psserver.sparse.table import TableSpec
+
+    return (TableSpec(name="check", dim=cfg.embedding_dim or 32, optimizer=cfg.sparse_optimizer_config(),
+                      admit_after=cfg.admit_after, max_rows=cfg.max_rows, mode=cfg.embedding_mode),)
 
 
 def ignored_flags(cfg: TrainConfig) -> list[str]:
@@ -168,6 +224,8 @@ def effective_lr(cfg: TrainConfig) -> float:
     """
     if cfg.lr is not None:
         return cfg.lr
+    if cfg.recommender:
+        return 0.001  # Adam on the dense layers, as trainer.rectrain's baseline
     return 0.05 / cfg.num_trainers if cfg.mode == "async" else 0.05
 
 
@@ -289,16 +347,17 @@ class Progress:
             self.bar.update(1)
             shown = dict(loss=f"{loss:.3f}", samples_s=f"{rate:.0f}", stale_steps=stale_steps)
             if self.accuracy is not None:
-                shown["acc"] = f"{self.accuracy:.3f}"
+                shown["rmse" if self.cfg.recommender else "acc"] = f"{self.accuracy:.3f}"
             self.bar.set_postfix(shown, refresh=False)
         elif step % self.cfg.log_every == 0 or step == self.total:
             log.info("rank %d: step %d/%d epoch %d loss %.4f versions %s %.1f samples/s, %d stale steps",
                      self.cfg.rank, step, self.total, epoch, loss, versions, rate, stale_steps)
 
     def evaluated(self, step: int, epoch: int, accuracy: float, end_of_epoch: bool) -> None:
+        """``accuracy``: the test accuracy, or for a recommender dataset the test RMSE."""
         self.accuracy = accuracy
         where = f"epoch {epoch} done at step {step}" if end_of_epoch else f"step {step} (epoch {epoch})"
-        log.info("rank %d: %s: test accuracy %.4f", self.cfg.rank, where, accuracy)
+        log.info("rank %d: %s: test %s %.4f", self.cfg.rank, where, score_name(self.cfg)[1], accuracy)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -327,14 +386,14 @@ class Run:
         self.cfg = cfg
         torch.set_num_threads(cfg.threads or default_threads(cfg) or torch.get_num_threads())
         self.device = pick_device(cfg.device)
-        self.data = load_dataset(cfg.dataset, cfg.model)
+        self.data = load_ratings_dataset(cfg.dataset) if cfg.recommender else load_dataset(cfg.dataset, cfg.model)
         self.spe = steps_per_epoch(len(self.data.x_train), cfg.num_trainers, cfg.batch_size)
         if self.spe == 0:
             raise ValueError(
                 f"{len(self.data.x_train)} training samples cannot fill one global batch of {cfg.num_trainers} x "
                 f"{cfg.batch_size}; lower --batch-size")
         self.total_steps = cfg.steps or cfg.epochs * self.spe  # --steps, when given, overrides --epochs
-        self.model = build_model(cfg.model, self.data.shape, self.data.num_classes, seed=cfg.seed).to(self.device)
+        self.model = build_run_model(cfg, self.data).to(self.device)
         self.step, self.epoch, self.stale_steps = 0, 0, 0
         self.versions: list[int] = []
         self.accuracy: float | None = None
@@ -365,8 +424,7 @@ class Run:
         xb, yb = self.data.x_train[idx].to(self.device), self.data.y_train[idx].to(self.device)
         t0 = time.perf_counter()
         self.ps.prepare_step(len(idx))
-        loss = F.cross_entropy(self.ps.forward_module(xb), yb)
-        loss.backward()
+        loss = self.forward_backward(xb, yb)
         if cfg.step_delay:
             time.sleep(cfg.step_delay)  # simulated slow compute, not synchronisation
         if self.device.type == "cuda":
@@ -383,18 +441,35 @@ class Run:
         self.clock.after_step(self.step, self.timing)
         return loss.detach().item()
 
+    def forward_backward(self, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        """The loss of one batch, backward done: cross-entropy, or for ratings MSE (L2 on the touched rows added
+        to what is minimised, as in trainer.rectrain; the MSE alone is reported)."""
+        if self.cfg.recommender:
+            objective, loss = self.ps.forward_module.objective(xb, yb, REC_L2)
+            objective.backward()
+            return loss
+        loss = F.cross_entropy(self.ps.forward_module(xb), yb)
+        loss.backward()
+        return loss
+
     def evaluate(self, **fields) -> float:
-        """Evaluate the current weights; the event's ``train_elapsed`` is the time to them, evaluations left out."""
+        """Evaluate the current weights (test accuracy, or test RMSE for ratings); the event's ``train_elapsed``
+        is the time to them, evaluations left out."""
         t_eval = time.perf_counter()
         self.ps.flush()
-        accuracy, test_loss = evaluate(self.model, self.data.x_test, self.data.y_test, self.device)
-        self.metrics.write("eval", step=self.step, epoch=self.epoch, **fields, test_accuracy=accuracy,
+        key, _ = score_name(self.cfg)
+        if self.cfg.recommender:
+            score = pairs_rmse(self.model, self.data.x_test.to(self.device), self.data.y_test.to(self.device))
+            test_loss = score ** 2
+        else:
+            score, test_loss = evaluate(self.model, self.data.x_test, self.data.y_test, self.device)
+        self.metrics.write("eval", step=self.step, epoch=self.epoch, **fields, **{key: score},
                            test_loss=test_loss, elapsed=time.perf_counter() - self.t_start,
                            train_elapsed=t_eval - self.t_start - self.clock.eval_seconds)
         self.clock.eval_seconds += time.perf_counter() - t_eval
-        self.accuracy, self.accuracy_step = accuracy, self.step
-        self.board.add(self.step, {"test/accuracy": accuracy, "test/loss": test_loss})
-        return accuracy
+        self.accuracy, self.accuracy_step = score, self.step
+        self.board.add(self.step, {f"test/{key.removeprefix('test_')}": score, "test/loss": test_loss})
+        return score
 
     def save(self) -> None:
         """Rank 0 writes the model (atomically) to --output."""
@@ -422,10 +497,13 @@ class Run:
         elapsed = time.perf_counter() - self.t_start
         counters = self.ps.counters
         tail = self.losses[-min(len(self.losses), self.spe):]
+        # test_accuracy holds a ratings run's RMSE under its own name (test_rmse), accuracy then None
+        scores = (dict(test_accuracy=None, test_rmse=self.accuracy, test_rmse_step=self.accuracy_step)
+                  if self.cfg.recommender else dict(test_accuracy=self.accuracy, test_accuracy_step=self.accuracy_step))
         return dict(
             steps=self.step, epochs=self.epoch, seconds=elapsed,
             samples_per_sec=self.step * self.cfg.batch_size / elapsed if elapsed > 0 else 0.0,
-            test_accuracy=self.accuracy, test_accuracy_step=self.accuracy_step, final_loss=sum(tail) / len(tail) if tail else None,
+            **scores, final_loss=sum(tail) / len(tail) if tail else None,
             stale_steps=self.stale_steps, stale_pushes=counters.get("stale_pushes", 0),
             retries=counters.get("retries", 0), duplicate_pushes=counters.get("duplicate_pushes", 0),
             reconnects=counters.get("reconnects", 0), steps_lost=counters.get("steps_lost", 0),
@@ -486,8 +564,8 @@ def train(cfg: TrainConfig, stop: StopRequest | None = None) -> dict:
         stop.steps_running = False
         run.metrics.close()
         run.board.close()
-    log.info("rank %d: done%s: %d steps, test accuracy %s, %.1f samples/s, %d stale steps", cfg.rank,
-             f" (stopped by {stopped})" if stopped else "", run.step,
+    log.info("rank %d: done%s: %d steps, test %s %s, %.1f samples/s, %d stale steps", cfg.rank,
+             f" (stopped by {stopped})" if stopped else "", run.step, score_name(cfg)[1],
              "n/a" if run.accuracy is None else f"{run.accuracy:.4f}", summary["samples_per_sec"], run.stale_steps)
     return summary
 
@@ -523,6 +601,43 @@ def run_steps(run: Run, stop: StopRequest) -> str:
         progress.close()
 
 
+def score_name(cfg: TrainConfig) -> tuple[str, str]:
+    """(metrics key, words) of what evaluation measures: test accuracy, or test RMSE for a ratings dataset."""
+    return ("test_rmse", "RMSE") if cfg.recommender else ("test_accuracy", "accuracy")
+
+
+def build_run_model(cfg: TrainConfig, data) -> torch.nn.Module:
+    """The model of --model; for a ratings dataset with its tables as trainer.embedding modules (their rows
+    live on the shards, or in this process with --backend local)."""
+    if not cfg.recommender:
+        return build_model(cfg.model, data.shape, data.num_classes, seed=cfg.seed)
+    from trainer.recmodels import sharded_factories
+
+    factories = sharded_factories(cfg.sparse_optimizer_config(), seed=cfg.seed, admit_after=cfg.admit_after,
+                                  max_rows=cfg.max_rows)
+    return build_ratings_model(cfg.model, data, cfg.embedding_dim or 32, cfg.seed, **factories)
+
+
+class LocalTables:
+    """A baseline stepper (--backend local) for a model with tables: their rows in this process (LocalRows),
+    pushed before the dense step as ps.step() does."""
+
+    def __init__(self, inner, model: torch.nn.Module):
+        from trainer.embedding import bind_local, sharded_tables
+
+        self.inner, self.tables, self.rows = inner, sharded_tables(model), bind_local(model)
+        self.describe = f"{inner.describe}, {len(self.tables)} tables on LocalRows"
+
+    def step(self, num_samples: int = 1):
+        from trainer.embedding import flush_all
+
+        flush_all(self.tables, num_samples)
+        return self.inner.step(num_samples)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
 def lr_schedule(cfg: TrainConfig, total_steps: int) -> LrSchedule:
     """The schedule of the flags; a cosine without its length spans the run's versions after the warm-up
     (async mode takes a version per push: N per step).  Other kinds keep the default length, so trainers
@@ -548,7 +663,7 @@ def check_job_settings(cfg: TrainConfig) -> None:
     """The job spec the shards will be sent, on a stand-in layout: its rules (ranges, combinations) refuse a
     bad setting here, before the data is loaded or anything is started (ps-cluster calls this too)."""
     JobSpec(num_shards=len(parse_addresses(cfg.ps)), total_params=1, fingerprint="0" * 16,
-            tensors=(("check", (1,), "float32"),), optimizer=cfg.optimizer_config(),
+            tensors=(("check", (1,), "float32"),), optimizer=cfg.optimizer_config(), tables=rec_table_specs(cfg),
             lr_schedule=lr_schedule(cfg, total_steps=1), **{k: v for k, v in mode_knobs(cfg).items()})
 
 
@@ -562,13 +677,15 @@ def make_stepper(cfg: TrainConfig, model: torch.nn.Module, total_steps: int):
         return connect(cfg.ps, model, rank=cfg.rank, optimizer=optimizer, **mode_knobs(cfg),
                        connect_timeout=cfg.connect_timeout, security=cfg.security, overlap=cfg.overlap,
                        push_during_backward=cfg.push_during_backward, retry_budget=cfg.retry_budget,
-                       lr_schedule=schedule, clip_grad_norm=clip, compress=cfg.compress)
+                       lr_schedule=schedule, clip_grad_norm=clip, compress=cfg.compress,
+                       embedding_mode=cfg.embedding_mode)
     from trainer.baselines import DDPStepper, LocalStepper
 
     if cfg.backend == "ddp":
         return DDPStepper(model, optimizer, cfg.ps, cfg.rank, cfg.num_trainers, schedule, clip)
     if cfg.backend == "local":
-        return LocalStepper(model, optimizer, schedule, clip)
+        local = LocalStepper(model, optimizer, schedule, clip)
+        return LocalTables(local, model) if cfg.recommender else local
     raise ValueError(f"unknown backend {cfg.backend!r}: choose ps, ddp or local")
 
 

@@ -1,33 +1,38 @@
 """Recommender models over embedding tables: mf and ncf for ratings, a bag model for the click log.
 
-Every table is built by one factory argument (``embedding`` / ``embedding_bag``),
-plain ``nn.Embedding(sparse=True)`` by default, so that a shard-backed drop-in
-with the same call signature can replace it without touching the models. The
+Every table is built by one factory argument (``embedding`` / ``bias`` /
+``embedding_bag``) called with the table's name, size and width: plain
+``nn.Embedding(sparse=True)`` by default (the name unused), or the shard-backed
+drop-in of trainer.embedding (``sharded_factories``), without touching the models. The
 tables are the only modules with sparse gradients; everything else (biases of
 the MLPs, the global mean) is dense and goes through a dense optimizer.
 """
 
 from __future__ import annotations
 
+import zlib
 from typing import Callable
 
 import torch
 from torch import nn
 
+from psserver.sparse.init import Initializer
+from psserver.sparse.optim import SparseOptimizerConfig
+
 REC_MODELS = ("mf", "ncf")
 EMBED_STD = 0.1  # small initial rows: N(0, 1) rows make the first dot products swamp the 1..5 ratings
 
-EmbeddingFactory = Callable[[int, int], nn.Module]
+EmbeddingFactory = Callable[[str, int, int], nn.Module]  # (table name, rows, dim)
 
 
-def sparse_embedding(num: int, dim: int) -> nn.Embedding:
+def sparse_embedding(name: str, num: int, dim: int) -> nn.Embedding:
     """A table with sparse gradients, rows N(0, EMBED_STD^2)."""
     table = nn.Embedding(num, dim, sparse=True)
     nn.init.normal_(table.weight, std=EMBED_STD)
     return table
 
 
-def zero_embedding(num: int, dim: int) -> nn.Embedding:
+def zero_embedding(name: str, num: int, dim: int) -> nn.Embedding:
     """A bias table (dim 1) with sparse gradients, starting at zero so the first prediction is the global mean."""
     table = nn.Embedding(num, dim, sparse=True)
     nn.init.zeros_(table.weight)
@@ -40,10 +45,10 @@ class MF(nn.Module):
     def __init__(self, num_users: int, num_items: int, dim: int = 32, mean: float = 0.0,
                  embedding: EmbeddingFactory = sparse_embedding, bias: EmbeddingFactory = zero_embedding):
         super().__init__()
-        self.user = embedding(num_users, dim)
-        self.item = embedding(num_items, dim)
-        self.user_bias = bias(num_users, 1)
-        self.item_bias = bias(num_items, 1)
+        self.user = embedding("user", num_users, dim)
+        self.item = embedding("item", num_items, dim)
+        self.user_bias = bias("user_bias", num_users, 1)
+        self.item_bias = bias("item_bias", num_items, 1)
         self.mean = nn.Parameter(torch.tensor(float(mean)))
 
     def forward(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
@@ -57,8 +62,8 @@ class NCF(nn.Module):
     def __init__(self, num_users: int, num_items: int, dim: int = 32, hidden: tuple[int, ...] = (64, 32),
                  mean: float = 0.0, embedding: EmbeddingFactory = sparse_embedding):
         super().__init__()
-        self.user = embedding(num_users, dim)
-        self.item = embedding(num_items, dim)
+        self.user = embedding("user", num_users, dim)
+        self.item = embedding("item", num_items, dim)
         layers: list[nn.Module] = []
         width = 2 * dim
         for h in hidden:
@@ -74,14 +79,17 @@ class NCF(nn.Module):
 
 
 def make_rec_model(name: str, num_users: int, num_items: int, dim: int = 32, mean: float = 0.0, **kw) -> nn.Module:
+    """``kw``: the factories (``embedding``, and ``bias`` for mf: NCF has no bias tables) and NCF's ``hidden``."""
     if name == "mf":
+        kw.pop("hidden", None)
         return MF(num_users, num_items, dim, mean, **kw)
     if name == "ncf":
+        kw.pop("bias", None)
         return NCF(num_users, num_items, dim, mean=mean, **kw)
     raise ValueError(f"unknown recommender model {name!r}: choose one of {', '.join(REC_MODELS)}")
 
 
-def sparse_embedding_bag(num: int, dim: int, mode: str) -> nn.EmbeddingBag:
+def sparse_embedding_bag(name: str, num: int, dim: int, mode: str) -> nn.EmbeddingBag:
     table = nn.EmbeddingBag(num, dim, mode=mode, sparse=True)
     nn.init.normal_(table.weight, std=EMBED_STD)
     return table
@@ -94,18 +102,44 @@ class ClickModel(nn.Module):
     """
 
     def __init__(self, num_embeddings: int, dim: int = 16, mode: str = "sum", hidden: int = 16,
-                 embedding_bag: Callable[[int, int, str], nn.Module] = sparse_embedding_bag):
+                 embedding_bag: Callable[[str, int, int, str], nn.Module] = sparse_embedding_bag):
         super().__init__()
         if mode not in ("sum", "mean"):
             raise ValueError(f"pooling mode {mode!r} is not one of sum, mean")
         self.mode = mode
-        self.bag = embedding_bag(num_embeddings, dim, mode)
+        self.bag = embedding_bag("bag", num_embeddings, dim, mode)
         self.head = nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, 1))
 
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         if weights is not None and self.mode != "sum":
             raise ValueError(f"per-sample weights need mode 'sum', this model pools with {self.mode!r}")
         return self.head(self.bag(ids, offsets, per_sample_weights=weights)).squeeze(-1)
+
+
+def table_seed(seed: int, name: str) -> int:
+    """A seed per table, so that user k and item k do not start from the same row."""
+    return (seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (1 << 63)
+
+
+def sharded_factories(optimizer: SparseOptimizerConfig, seed: int = 0, **table_kw) -> dict:
+    """``embedding``, ``bias`` and ``embedding_bag`` factories of shard-backed tables (trainer.embedding) that
+    start as the defaults above do: rows N(0, EMBED_STD^2) -- drawn from (seed, id), not torch's generator --
+    and bias rows at zero.  ``table_kw``: the other ShardedEmbedding settings (admit_after, max_rows, mode...)."""
+    from trainer.embedding import ShardedEmbedding, ShardedEmbeddingBag
+
+    def table(init: Initializer):
+        def make(name: str, num: int, dim: int) -> nn.Module:
+            return ShardedEmbedding(name, dim, num_embeddings=num, optimizer=optimizer, initializer=init,
+                                    seed=table_seed(seed, name), **table_kw)
+        return make
+
+    def bag(name: str, num: int, dim: int, mode: str) -> nn.Module:
+        return ShardedEmbeddingBag(name, dim, mode=mode, num_embeddings=num, optimizer=optimizer,
+                                   initializer=Initializer("normal", EMBED_STD), seed=table_seed(seed, name),
+                                   **table_kw)
+
+    return {"embedding": table(Initializer("normal", EMBED_STD)), "bias": table(Initializer("uniform", 0.0)),
+            "embedding_bag": bag}
 
 
 def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from trainer.data import epoch_order, local_batch_indices, steps_per_epoch
+from trainer.data import Dataset, epoch_order, local_batch_indices, steps_per_epoch
 from trainer.recdata import ClickLog, Ratings, RatingsSplit, load_movielens100k
 from trainer.recmodels import REC_MODELS, ClickModel, make_rec_model, split_parameters
 
@@ -144,6 +144,73 @@ def train_clicks(model: ClickModel, log: ClickLog, epochs: int = 2, batch_size: 
             total += loss.item()
         losses.append(total / max(steps, 1))
     return losses
+
+
+# -- the recommender workload inside ps-trainer / ps-cluster (trainer.loop) ---------------------------------------
+
+REC_DATASETS = ("movielens100k",)
+REC_L2 = RecTrainConfig.l2  # the loop trains with the baseline's regulariser, so the two are comparable
+REC_BATCH = 1024  # the global batch the baseline's defaults reach RMSE 0.91 with: N trainers take 1024 // N each
+
+
+@dataclass
+class RatingsDataset(Dataset):
+    """MovieLens as the loop's Dataset: x holds (user, item) pairs (n, 2) int64, y the float32 ratings."""
+
+    num_users: int = 0
+    num_items: int = 0
+    train_mean: float = 0.0
+
+
+def load_ratings_dataset(name: str) -> RatingsDataset:
+    if name != "movielens100k":
+        raise ValueError(f"unknown ratings dataset {name!r}: choose one of {', '.join(REC_DATASETS)}")
+    split = load_movielens100k()
+
+    def pairs(side: Ratings) -> torch.Tensor:
+        return torch.stack([side.users, side.items], dim=1)
+
+    return RatingsDataset(split.name, pairs(split.train), split.train.ratings, pairs(split.test), split.test.ratings,
+                          num_classes=0, num_users=split.num_users, num_items=split.num_items,
+                          train_mean=split.train_mean)
+
+
+class RatingsNet(nn.Module):
+    """A ratings model fed (b, 2) [user, item] pairs: the one input the training loop hands every model."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, pairs: torch.Tensor) -> torch.Tensor:
+        return self.net(pairs[:, 0], pairs[:, 1])
+
+    def objective(self, pairs: torch.Tensor, ratings: torch.Tensor, l2: float = REC_L2) -> tuple[torch.Tensor,
+                                                                                                   torch.Tensor]:
+        """(what is minimised: MSE plus L2 on the touched rows, the MSE alone: the loss reported)."""
+        mse = (self(pairs) - ratings).pow(2).mean()
+        if not l2:
+            return mse, mse
+        return mse + l2 * touched_rows_l2(self.net, pairs[:, 0], pairs[:, 1]), mse
+
+
+def build_ratings_model(name: str, data: RatingsDataset, dim: int, seed: int, **factories) -> RatingsNet:
+    """``name`` (mf or ncf) over ``data``'s users and items; ``factories`` as recmodels.sharded_factories gives."""
+    torch.manual_seed(seed)  # the dense layers (NCF's MLP): the same on every trainer
+    factories.pop("embedding_bag", None)
+    return RatingsNet(make_rec_model(name, data.num_users, data.num_items, dim, mean=data.train_mean, **factories))
+
+
+@torch.no_grad()
+def pairs_rmse(model: nn.Module, pairs: torch.Tensor, ratings: torch.Tensor, batch_size: int = 8192) -> float:
+    """Test RMSE of a RatingsNet (each batch's rows pulled once, nothing kept)."""
+    model.eval()
+    se = 0.0
+    for start in range(0, len(ratings), batch_size):
+        sl = slice(start, start + batch_size)
+        se += float((model(pairs[sl]) - ratings[sl]).pow(2).sum())
+    model.train()
+    return math.sqrt(se / len(ratings))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,135 @@
+"""connect()/make_job()/step() with shard-backed tables, without a network: the job's tables and the step's order."""
+
+import grpc
+import pytest
+import torch
+from torch import nn
+
+from trainer.api import ParameterServerTrainer, connect, make_job
+from trainer.embedding import LocalRows, ShardedEmbedding, ShardedEmbeddingBag
+
+try:
+    import trainer.sparse_client  # noqa: F401
+    HAVE_SPARSE_CLIENT = True
+except ModuleNotFoundError:
+    HAVE_SPARSE_CLIENT = False
+
+
+class Tower(nn.Module):
+    def __init__(self, **modes):
+        super().__init__()
+        self.items = ShardedEmbeddingBag("items", 4, mode="sum", table_mode=modes.get("items", ""))
+        self.users = ShardedEmbedding("users", 4, mode=modes.get("users", ""))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, users, items, offsets):
+        return self.head(torch.cat([self.users(users), self.items(items, offsets)], -1)).squeeze(-1)
+
+
+def test_the_job_lists_the_models_tables_sorted_by_name_and_no_dense_parameter_for_them():
+    job = make_job(Tower(), num_shards=2)
+    assert [t.name for t in job.tables] == ["items", "users"]
+    assert [name for name, _, _ in job.tensors] == ["head.weight", "head.bias"]
+    assert job.total_params == 9
+
+
+def test_embedding_mode_async_applies_to_tables_without_a_mode_of_their_own():
+    job = make_job(Tower(users="sync"), num_shards=1, mode="sync", embedding_mode="async")
+    assert {t.name: t.mode for t in job.tables} == {"items": "async", "users": "sync"}
+    assert make_job(Tower(), num_shards=1).tables[0].mode == ""
+
+
+def test_a_bad_embedding_mode_is_refused_naming_it():
+    with pytest.raises(ValueError, match="table mode \\('sideways'\\)"):
+        make_job(Tower(), num_shards=1, embedding_mode="sideways")
+
+
+def test_two_tables_sharing_a_name_are_refused_before_anything_starts():
+    model = nn.ModuleList([ShardedEmbedding("t", 2), ShardedEmbedding("t", 2), nn.Linear(1, 1)])
+    with pytest.raises(ValueError, match="two tables of the model are named 't'"):
+        connect("127.0.0.1:1", model)
+
+
+@pytest.mark.skipif(HAVE_SPARSE_CLIENT, reason="trainer.sparse_client is installed: connect() would go ahead")
+def test_connect_with_tables_says_plainly_that_the_shard_client_is_missing_before_connecting():
+    with pytest.raises(NotImplementedError, match="no trainer.sparse_client.*bind_local"):
+        connect("127.0.0.1:1", Tower(), connect_timeout=0.01)
+
+
+# -- step(): tables first, each pushed once per step, a failed one retried alone ---------------------------------
+
+class FlakyRows(LocalRows):
+    """Fails the first push of the tables named in ``fail``, as a shard that is down would."""
+
+    class Down(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+    def __init__(self, tables, fail):
+        super().__init__(tables)
+        self.fail, self.log = set(fail), []
+
+    def push(self, table, ids, grads, num_samples):
+        self.log.append((table, ids.tolist()))
+        if table in self.fail:
+            self.fail.discard(table)
+            raise self.Down()
+        super().push(table, ids, grads, num_samples)
+
+
+class Counter:
+    def __init__(self):
+        self.counts = {}
+
+    def count(self, name, n=1):
+        self.counts[name] = self.counts.get(name, 0) + n
+
+
+def stepper(model, rows):
+    """A ParameterServerTrainer with only what step() needs for its tables; the dense part is a stand-in."""
+    ps = ParameterServerTrainer.__new__(ParameterServerTrainer)
+    ps.tables = sorted([m for m in model.modules() if isinstance(m, (ShardedEmbedding, ShardedEmbeddingBag))],
+                       key=lambda t: t.name)
+    ps._tables_pushed, ps.rank, ps.client, ps._attempt, ps.rows = set(), 0, Counter(), None, rows
+    ps.dense_steps = 0
+
+    def dense_step(num_samples):
+        ps.dense_steps += 1
+        return "dense done"
+
+    ps._dense_step = dense_step
+    for t in ps.tables:
+        t.bind(rows)
+    return ps
+
+
+def test_a_table_push_that_fails_raises_and_the_retry_pushes_only_that_table_then_the_dense_step():
+    model = Tower()
+    rows = FlakyRows([t.spec for t in (model.items, model.users)], fail={"users"})
+    ps = stepper(model, rows)
+    model(torch.tensor([1, 2]), torch.tensor([5, 6, 5]), torch.tensor([0, 1])).sum().backward()
+    with pytest.raises(grpc.RpcError):
+        ps.step(num_samples=2)
+    assert rows.log == [("items", [5, 6]), ("users", [1, 2])] and ps.dense_steps == 0
+    assert ps.client.counts == {"table_pushes_failed": 1}
+    with pytest.raises(RuntimeError, match="zero_grad\\(\\) while a failed step waits"):
+        ps.zero_grad()
+    assert ps.step(num_samples=2) == "dense done"
+    assert rows.log[2:] == [("users", [1, 2])] and ps.dense_steps == 1
+    assert rows.versions() == {"items": 1, "users": 1}
+    ps.step(num_samples=2)  # a step with no forward still pushes every table (no ids): one version each
+    assert rows.log[3:] == [("items", []), ("users", [])] and rows.versions() == {"items": 2, "users": 2}
+
+
+def test_abandoning_a_failed_table_push_drops_its_rows_and_the_next_step_starts_afresh():
+    model = Tower()
+    rows = FlakyRows([t.spec for t in (model.items, model.users)], fail={"items"})
+    ps = stepper(model, rows)
+    ps.flat = type("Flat", (), {"zero_grad": lambda self: None})()
+    model(torch.tensor([3]), torch.tensor([4]), torch.tensor([0])).sum().backward()
+    with pytest.raises(grpc.RpcError):
+        ps.step(num_samples=1)
+    ps.abandon_step()
+    assert ps.client.counts["steps_abandoned"] == 1
+    ps.step(num_samples=1)
+    assert rows.log[1:] == [("items", []), ("users", [])]
