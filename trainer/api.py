@@ -104,15 +104,8 @@ def table_specs(model: torch.nn.Module, embedding_mode: str = "") -> tuple[Table
 
 
 def sharded_rows_class():
-    """trainer.sparse_client.ShardedRows, imported only when a model has tables (it may not be installed yet)."""
-    try:
-        from trainer.sparse_client import ShardedRows
-    except ModuleNotFoundError as e:
-        if e.name != "trainer.sparse_client":
-            raise
-        raise NotImplementedError("the model has shard-backed tables (trainer.embedding) but this psgrpc has no "
-                                  "trainer.sparse_client to reach them on the shards; train it in one process "
-                                  "with trainer.embedding.bind_local(model) instead") from None
+    """trainer.sparse_client.ShardedRows, imported only when a model has tables."""
+    from trainer.sparse_client import ShardedRows
     return ShardedRows
 
 
@@ -715,8 +708,6 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
                    max_staleness=max_staleness, sync_timeout=sync_timeout,
                    replicas_to_aggregate=replicas_to_aggregate, stale_policy=stale_policy, wire_dtype=wire_dtype,
                    job_id=job_id, lr_schedule=lr_schedule, embedding_mode=embedding_mode)
-    if job.tables:
-        sharded_rows_class()  # before anything is started: a clear NotImplementedError if it is missing
     return ParameterServerTrainer(addresses, model, job, rank, trainer_id or default_trainer_id(rank),
                                   connect_timeout, round_timeout, chunk_bytes, security or ClientSecurity(), overlap,
                                   push_during_backward, RetryPolicy(budget_seconds=retry_budget),

@@ -12,12 +12,6 @@ import torch
 
 from trainer.loop import TrainConfig, train
 
-try:
-    import trainer.sparse_client  # noqa: F401
-except ModuleNotFoundError:
-    pytest.skip("trainer.sparse_client (the shards' row client, issue 12 step 2 server side) is not in this tree",
-                allow_module_level=True)
-
 pytestmark = pytest.mark.cluster
 
 EPOCHS, B = 3, 512

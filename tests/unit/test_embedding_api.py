@@ -8,13 +8,6 @@ from torch import nn
 from trainer.api import ParameterServerTrainer, connect, make_job
 from trainer.embedding import LocalRows, ShardedEmbedding, ShardedEmbeddingBag
 
-try:
-    import trainer.sparse_client  # noqa: F401
-    HAVE_SPARSE_CLIENT = True
-except ModuleNotFoundError:
-    HAVE_SPARSE_CLIENT = False
-
-
 class Tower(nn.Module):
     def __init__(self, **modes):
         super().__init__()
@@ -48,12 +41,6 @@ def test_two_tables_sharing_a_name_are_refused_before_anything_starts():
     model = nn.ModuleList([ShardedEmbedding("t", 2), ShardedEmbedding("t", 2), nn.Linear(1, 1)])
     with pytest.raises(ValueError, match="two tables of the model are named 't'"):
         connect("127.0.0.1:1", model)
-
-
-@pytest.mark.skipif(HAVE_SPARSE_CLIENT, reason="trainer.sparse_client is installed: connect() would go ahead")
-def test_connect_with_tables_says_plainly_that_the_shard_client_is_missing_before_connecting():
-    with pytest.raises(NotImplementedError, match="no trainer.sparse_client.*bind_local"):
-        connect("127.0.0.1:1", Tower(), connect_timeout=0.01)
 
 
 # -- step(): tables first, each pushed once per step, a failed one retried alone ---------------------------------
