@@ -1,4 +1,5 @@
-"""Sparse-table measurements for `ps-bench --sparse` (issue 12): memory against live rows.
+"""Sparse-table measurements for `ps-bench --sparse` (issue 12): memory against live rows, and
+lookups+updates per second against one process with ``nn.EmbeddingBag(sparse=True)``.
 
 ``table_memory`` streams Zipf-distributed ids over 10^9 possible ids through one
 table (lookup, then an optimizer step on the same rows, as a training step does)
@@ -80,3 +81,62 @@ def _flat(samples: list[dict], key: str, tolerance: float = 0.01) -> bool:
         return False
     first = samples[0][key]
     return all(abs(s[key] - first) <= tolerance * max(first, 1) for s in samples)
+
+
+# ------------------------------------------------------------------------------------- throughput
+def _batches(log, steps: int, batch: int):
+    for i in range(steps):
+        yield log.take(torch.arange(i * batch, (i + 1) * batch))
+
+
+def _train(model, log, steps: int, batch: int, step_fn) -> tuple[float, int, int]:
+    """Seconds for ``steps`` click-model steps (forward, BCE, backward, ``step_fn``); ids and unique ids seen."""
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    seen = unique = 0
+    t0 = time.perf_counter()
+    for b in _batches(log, steps, batch):
+        loss = loss_fn(model(b.ids, b.offsets, b.weights), b.labels)
+        loss.backward()
+        step_fn(len(b.labels))
+        seen, unique = seen + len(b.ids), unique + len(torch.unique(b.ids))
+    return time.perf_counter() - t0, seen, unique
+
+
+def single_process_rate(log, steps: int, batch: int, dim: int, lr: float) -> dict:
+    """One process: ``nn.EmbeddingBag(sparse=True)`` with torch's sparse Adagrad, dense head by SGD."""
+    from trainer.recmodels import ClickModel, split_parameters
+    torch.manual_seed(0)
+    model = ClickModel(log.id_space, dim)
+    sparse, dense = split_parameters(model)
+    opts = [torch.optim.Adagrad(sparse, lr=lr), torch.optim.SGD(dense, lr=lr)]
+
+    def step(_n):
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    seconds, seen, unique = _train(model, log, steps, batch, step)
+    return {"seconds": seconds, "ids_per_s": seen / seconds, "unique_ids_per_s": unique / seconds}
+
+
+def sharded_rate(log, steps: int, batch: int, dim: int, lr: float, shards: int, run_dir) -> dict:
+    """The same model with its bag on ``shards`` ps-server processes (row-wise exchange, Adagrad on
+    the shards), one trainer in this process; bytes per step from the row client's counters."""
+    from psserver.sparse.optim import SparseOptimizerConfig
+    from trainer.api import connect
+    from trainer.procs import start_shard
+    from trainer.recmodels import ClickModel, sharded_factories
+    procs = [start_shard(i, run_dir / f"shard{i}.log", extra_args=["--torch-threads", "1"]) for i in range(shards)]
+    try:
+        model = ClickModel(log.id_space, dim, embedding_bag=sharded_factories(
+            SparseOptimizerConfig("adagrad", lr=lr))["embedding_bag"])
+        with connect([p.address for p in procs], model, optimizer={"name": "sgd", "lr": lr}) as ps:
+            seconds, seen, unique = _train(model, log, steps, batch, lambda n: (ps.step(n), ps.zero_grad()))
+            rows = ps.rows.counters if getattr(ps, "rows", None) is not None else {}
+            memory = [rss_bytes(p.popen.pid) for p in procs]
+    finally:
+        for p in procs:
+            p.terminate()
+    nbytes = rows.get("bytes_pulled", 0) + rows.get("bytes_pushed", 0)
+    return {"seconds": seconds, "ids_per_s": seen / seconds, "unique_ids_per_s": unique / seconds,
+            "bytes_per_step": nbytes / steps, "row_bytes_per_step": unique * dim * 4 * 2 / steps,
+            "shard_rss_bytes": memory}
