@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -140,3 +141,42 @@ def sharded_rate(log, steps: int, batch: int, dim: int, lr: float, shards: int, 
     return {"seconds": seconds, "ids_per_s": seen / seconds, "unique_ids_per_s": unique / seconds,
             "bytes_per_step": nbytes / steps, "row_bytes_per_step": unique * dim * 4 * 2 / steps,
             "shard_rss_bytes": memory}
+
+
+# ----------------------------------------------------------------------------- shard memory, for real
+def shard_table_memory(run_dir, max_rows: int = 1_000_000, dim: int = 32, batches: int = 300,
+                       batch: int = 16384, a: float = 1.05, samples: int = 10, seed: int = 0) -> dict:
+    """The Zipf stream of ``table_memory`` through a ps-server process (one trainer here, sync, Adagrad
+    on the shard): the shard's RSS growth and its table's own accounting, sampled along the stream."""
+    from psserver.sparse.init import Initializer
+    from trainer.api import connect
+    from trainer.embedding import ShardedEmbedding
+    from trainer.procs import start_shard
+    torch.set_num_threads(1)
+    opt = SparseOptimizerConfig("adagrad", lr=0.01)
+    model = torch.nn.Module()
+    model.table = ShardedEmbedding("zipf", dim, optimizer=opt, initializer=Initializer("uniform", 0.01),
+                                   max_rows=max_rows)
+    proc = start_shard(0, Path(run_dir) / "shard0.log", extra_args=["--torch-threads", "1"])
+    rows, every = [], max(1, batches // samples)
+    try:
+        with connect([proc.address], model, optimizer={"name": "sgd", "lr": 0.01}) as ps:
+            base_rss = rss_bytes(proc.popen.pid)
+            for i, ids in enumerate(zipf_batches(batches, batch, a, seed)):
+                model.table(ids).sum().backward()
+                ps.step(len(ids))
+                ps.zero_grad()
+                if (i + 1) % every == 0 or i + 1 == batches:
+                    c = ps.shard_stats()[0].counters
+                    rows.append({"batch": i + 1, "live_rows": int(c["table.zipf.live_rows"]),
+                                 "evicted": int(c["table.zipf.evicted_lru"]),
+                                 "table_bytes": int(c["table.zipf.memory_bytes"]),
+                                 "payload_bytes": payload_bytes(max_rows, dim, opt),
+                                 "rss_growth_bytes": rss_bytes(proc.popen.pid) - base_rss})
+    finally:
+        proc.terminate()
+    capped = [r for r in rows if r["live_rows"] >= max_rows * 0.9]
+    return {"max_rows": max_rows, "dim": dim, "optimizer": "adagrad", "zipf_a": a, "batch": batch,
+            "samples": rows, "rss_growth_over_payload": rows[-1]["rss_growth_bytes"] / rows[-1]["payload_bytes"],
+            "table_over_payload": rows[-1]["table_bytes"] / rows[-1]["payload_bytes"],
+            "flat_after_cap": _flat(capped, "table_bytes") and _flat(capped, "rss_growth_bytes")}
