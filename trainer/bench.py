@@ -255,7 +255,9 @@ class BenchOptions:
 
 
 def run_bench(out: Path, opts: BenchOptions) -> dict:
-    extra_rows = [(spec, *parse_extra_row(spec)) for spec in opts.extra_rows]  # a bad spec fails before any run
+    # (spec, mode, flags, why it is skipped): a bad spec or value fails here, before any run
+    extra_rows = [(spec, mode, flags, extra_row_skip_reason(spec, flags))
+                  for spec in opts.extra_rows for mode, flags in [parse_extra_row(spec)]]
     run_dir = Path(tempfile.mkdtemp(prefix="ps-bench-"))
     gpus = torch.cuda.device_count()
     results: dict = dict(machine=dict(cpus=os.cpu_count(), python=platform.python_version(), torch=torch.__version__,
@@ -314,7 +316,7 @@ def comm_against_floors(comm: list[dict], floors: list[dict]) -> dict | None:
                 ratio_to_grpc_floor=step["step_seconds"] / one["grpc"]["step_seconds"])
 
 
-def throughput_section(opts: BenchOptions, extra_rows: list[tuple[str, str, list[str]]],
+def throughput_section(opts: BenchOptions, extra_rows: list[tuple[str, str, list[str], str]],
                        run_dir: Path) -> tuple[list[dict], list[dict]]:
     """Every workload's rows (psgrpc modes, the extra rows, DDP, one process) and the extra rows skipped."""
     runs, skipped = [], []
@@ -329,8 +331,7 @@ def throughput_section(opts: BenchOptions, extra_rows: list[tuple[str, str, list
 
         wruns = [row(f"ps-{mode}", "ps", mode) for mode in ("sync", "sync+early", "async", "async+overlap",
                                                              "stale-timeout")]
-        for k, (spec, mode, flags) in enumerate(extra_rows):
-            reason = extra_row_skip_reason(spec, flags)
+        for k, (spec, mode, flags, reason) in enumerate(extra_rows):
             if reason:
                 skipped.append(dict(workload=wname, extra_row=spec, reason=reason))
             else:

@@ -104,3 +104,13 @@ def test_the_markdown_shows_device_overlap_efficiency_variant_and_skipped_rows()
            "4.0 | 2.0 | 2.00 | 500 |" in md
     assert "57.5 ms = 2.50x the raw TCP floor (23.0 ms) and 1.11x the raw gRPC floor (52.0 ms)" in md
     assert "Skipped on cnn-mnist5k: `--extra-row sync:--compress topk:0.01` (ps-trainer has no --compress flag yet)" in md
+
+
+def test_a_bad_extra_row_fails_the_bench_before_anything_runs(tmp_path, monkeypatch):
+    def started(*args, **kwargs):
+        raise AssertionError("a measurement started")
+
+    monkeypatch.setattr(bench, "comm_section", started)
+    monkeypatch.setattr(bench.tempfile, "mkdtemp", started)
+    with pytest.raises(ValueError, match=r"--extra-row \(sync:--wire-dtype int3\)"):
+        bench.run_bench(tmp_path, bench.BenchOptions(extra_rows=("sync:--wire-dtype bfloat16", "sync:--wire-dtype int3")))
