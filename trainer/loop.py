@@ -361,6 +361,8 @@ class Run:
         self.cfg = cfg
         torch.set_num_threads(cfg.threads or default_threads(cfg) or torch.get_num_threads())
         self.device = pick_device(cfg.device, local_rank(cfg))
+        if self.device.type == "cuda":  # streams, synchronize() and allocations without a device go to this GPU
+            torch.cuda.set_device(self.device)
         self.data = load_dataset(cfg.dataset, cfg.model)
         self.spe = steps_per_epoch(len(self.data.x_train), cfg.num_trainers, cfg.batch_size)
         if self.spe == 0:
