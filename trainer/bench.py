@@ -3,10 +3,14 @@
 Measures, side by side and with the same models, data and batch sizes:
 
 * the raw loopback TCP floor for the bytes of one PS step (push a gradient, pull the weights);
+* transport floors for each model's bytes (trainer.floors): raw TCP and raw Python gRPC over M connections to M
+  server processes, from one client process, and gRPC from P client processes (one interpreter's ceiling);
 * psgrpc's communication for one step (push + apply + pull, one trainer, one shard) and the shard's
   optimizer apply time (SGD, Adam);
 * training throughput: psgrpc sync / async / stale-timeout with N trainers and M shards, DDP with N
-  processes, one process alone -- samples/s, step time split into compute / push / pull / wait, bytes/s;
+  processes, one process alone -- samples/s, step time split into compute / push / pull / wait, bytes/s, the
+  device each ran on (trainers on CUDA when a GPU is present; shards on the CPU), the overlap efficiency, and
+  rows with extra trainer flags (--extra-row; a flag ps-trainer lacks skips its row, with the reason);
 * a straggler scenario: 3 trainers, one slowed to half speed, time to the mnist5k accuracy bar.
 
 Writes bench.json and bench.md to --out and prints the Markdown.
@@ -17,17 +21,21 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import socket
 import statistics
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from psserver.cli_support import EnvArgumentParser, ensure_malloc_tunables, run_cli, setup_logging
 from psserver.logsafe import counted
+from trainer.floors import measure as measure_floors
+from trainer.loop import device_problem
 from trainer.procs import Proc, start_shard, start_trainer, wait_all
 
 ACCURACY_BAR = 0.90
@@ -128,7 +136,7 @@ def free_port() -> int:
 
 def train_run(name: str, run_dir: Path, workload: dict, backend: str, mode: str, trainers: int, shards: int,
               steps: int, extra: list[str] | None = None, per_rank: dict | None = None,
-              eval_every: int = 0) -> dict:
+              eval_every: int = 0, device: str = "auto") -> dict:
     """Start shards (for ps) and trainers as processes; return their done lines and timings."""
     run = run_dir / name
     run.mkdir(parents=True, exist_ok=True)
@@ -147,7 +155,7 @@ def train_run(name: str, run_dir: Path, workload: dict, backend: str, mode: str,
                   "--num-trainers", str(1 if backend == "local" else trainers), "--backend", backend,
                   "--mode", cli_mode, *flags,
                   "--threads", str(cores if backend == "local" else max(1, cores // trainers)),
-                  "--no-progress", "--log-every", "1000000", "--lr", str(workload["lr"])]
+                  "--no-progress", "--log-every", "1000000", "--lr", str(workload["lr"]), "--device", device]
         if eval_every:
             common += ["--eval-every", str(eval_every)]
         n = 1 if backend == "local" else trainers
@@ -165,6 +173,10 @@ def train_run(name: str, run_dir: Path, workload: dict, backend: str, mode: str,
             s.kill()
     records = [[json.loads(line) for line in (run / f"trainer{r}.jsonl").read_text().splitlines()] for r in range(n)]
     done = [r[-1] for r in records]
+    devices = sorted({e["device"] for r in records for e in r if e["event"] == "start"})
+    batch = workload["batch"] * (trainers if backend == "local" else 1)
+    step_ms = 1000 * batch / done[0]["steady_samples_per_sec"]
+    split = {k: 1000 * done[0][f"steady_{k}_seconds"] for k in ("compute", "push", "pull", "wait")}
     evals = [e for e in records[0] if e["event"] == "eval"]
     # time to the bar on rank 0's clock, its own evaluations left out (they cost every system the same per step)
     reached = next((e["train_elapsed"] for e in evals if e["test_accuracy"] >= ACCURACY_BAR), None)
@@ -173,14 +185,55 @@ def train_run(name: str, run_dir: Path, workload: dict, backend: str, mode: str,
         name=name, backend=backend, mode=mode if backend == "ps" else "", trainers=n, wall_seconds=wall,
         samples_per_sec=sum(d["steady_samples_per_sec"] for d in done), steps=done[0]["steps"],
         steady_steps=done[0]["steady_steps"],
-        **{f"{k}_ms": 1000 * done[0][f"steady_{k}_seconds"] for k in ("compute", "push", "pull", "wait")},
+        **{f"{k}_ms": v for k, v in split.items()}, step_ms=step_ms, device=",".join(devices),
+        overlap_efficiency=overlap_efficiency(step_ms, **split),
         wire_bytes_per_sec=sum(d["bytes_in"] + d["bytes_out"] for d in done) / max(d["seconds"] for d in done),
         test_accuracy=done[0]["test_accuracy"], seconds_to_accuracy_bar=reached,
         stale_pushes=sum(d.get("stale_pushes", 0) for d in done),
     )
 
 
+def overlap_efficiency(step: float, compute: float, push: float, pull: float, wait: float) -> float:
+    """Step time over max(compute, communication): 1 when the exchange hides entirely behind compute (or compute
+    behind it), up to 2 when the two run one after the other.  Communication is push + pull + wait: all of the
+    step's time in the exchange, as the trainer's own split measures it (wait is the round closing on the
+    shards).  A step with neither (one process alone: compute only) is its compute."""
+    return step / max(compute, push + pull + wait)
+
+
 VARIANT_FLAGS = {"overlap": "--overlap", "early": "--push-during-backward"}
+# Rows with extra ps-trainer flags, "MODE:FLAGS"; --compress is issue 11 item 5 (skipped until ps-trainer has it).
+DEFAULT_EXTRA_ROWS = ("sync:--wire-dtype bfloat16", "sync:--compress topk:0.01")
+
+
+def parse_extra_row(spec: str) -> tuple[str, list[str]]:
+    """``MODE:FLAGS`` (``sync:--wire-dtype bfloat16``) as (mode, flags); ValueError naming the spec."""
+    mode, sep, flags = spec.partition(":")
+    from psserver.job import MODES
+
+    if not sep or mode.split("+")[0] not in MODES or any(v not in VARIANT_FLAGS for v in mode.split("+")[1:]):
+        raise ValueError(f"--extra-row ({spec}) must be MODE:FLAGS with MODE one of {', '.join(MODES)} "
+                         f"(+{'/+'.join(VARIANT_FLAGS)}), e.g. 'sync:--wire-dtype bfloat16'")
+    return mode, shlex.split(flags)
+
+
+def extra_row_skip_reason(spec: str, flags: list[str]) -> str:
+    """Why the row ``spec`` cannot run ("" if it can): a flag ps-trainer does not have yet.  Flags it has are
+    checked with its own rules, and a bad value is an error (ValueError), not a skipped row."""
+    from trainer.cli import build_parser, config_from_args
+
+    parser = build_parser()
+
+    def refuse(message: str):
+        raise ValueError(f"--extra-row ({spec}): ps-trainer says: {message}")
+
+    parser.error = refuse  # argparse's usage-and-exit, as one line
+    argv = ["--ps", "127.0.0.1:1", *flags]
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        return f"ps-trainer has no {unknown[0].split('=')[0]} flag yet"
+    config_from_args(args)
+    return ""
 
 WORKLOADS = {
     "cnn-mnist5k": dict(model="cnn", dataset="mnist5k", batch=64, lr=0.05),
@@ -189,12 +242,47 @@ WORKLOADS = {
 }
 
 
-def run_bench(out: Path, quick: bool, trainers: int, shards: int, straggler_repeats: int = 3) -> dict:
+@dataclass(frozen=True)
+class BenchOptions:
+    quick: bool = False
+    trainers: int = 2
+    shards: int = 2
+    straggler_repeats: int = 3
+    floor_connections: tuple[int, ...] = (1, 2, 4)  # M server processes for the transport floors
+    floor_processes: tuple[int, ...] = (2, 4)  # P client processes for the gRPC floor (where P divides M)
+    extra_rows: tuple[str, ...] = DEFAULT_EXTRA_ROWS  # "MODE:FLAGS"
+    device: str = "auto"  # the trainers' --device (shards always run on the CPU)
+
+
+def run_bench(out: Path, opts: BenchOptions) -> dict:
+    # (spec, mode, flags, why it is skipped): a bad spec or value fails here, before any run
+    extra_rows = [(spec, mode, flags, extra_row_skip_reason(spec, flags))
+                  for spec in opts.extra_rows for mode, flags in [parse_extra_row(spec)]]
     run_dir = Path(tempfile.mkdtemp(prefix="ps-bench-"))
+    gpus = torch.cuda.device_count()
     results: dict = dict(machine=dict(cpus=os.cpu_count(), python=platform.python_version(), torch=torch.__version__,
-                                      platform=platform.platform()),
-                         trainers=trainers, shards=shards, quick=quick, run_dir=str(run_dir))
-    # 1. communication of one step against the TCP floor
+                                      platform=platform.platform(), gpus=gpus,
+                                      gpu=torch.cuda.get_device_name(0) if gpus else None),
+                         trainers=opts.trainers, shards=opts.shards, quick=opts.quick, run_dir=str(run_dir))
+    # 1. communication of one step against the TCP floor, and the transport floors for each model's fp32 bytes
+    # (push + pull of the whole model) in this same run
+    results["comm"] = comm = comm_section(opts.quick, run_dir)
+    model_bytes = {c["model"]: c["bytes_per_step"] // 2 for c in comm if c["wire_dtype"] == "float32"}
+    results["floors"] = measure_floors(model_bytes, list(opts.floor_connections), list(opts.floor_processes),
+                                       3 if opts.quick else 10, run_dir)
+    results["resnet18_comm"] = comm_against_floors(comm, results["floors"])
+    # 2. throughput
+    results["throughput"], results["skipped_rows"] = throughput_section(opts, extra_rows, run_dir)
+    if not opts.quick:
+        results["straggler"] = straggler_section(opts, results["throughput"], run_dir)
+        results["wire_dtype_accuracy"] = wire_section(opts, run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "bench.md").write_text(to_markdown(results))
+    return results
+
+
+def comm_section(quick: bool, run_dir: Path) -> list[dict]:
     comm = []
     for model, optimizer, wire in ([("cnn", "sgd", "float32"), ("resnet18", "sgd", "float32")] if quick else
                                    [("cnn", "sgd", "float32"), ("resnet18", "sgd", "float32"),
@@ -210,66 +298,95 @@ def run_bench(out: Path, quick: bool, trainers: int, shards: int, straggler_repe
     for c in comm:
         c["shard_fixed_overhead_bytes"] = fixed
         c["shard_memory_ratio_marginal"] = max(0, c["shard_peak_extra_bytes"] - fixed) / c["shard_state_bytes"]
-    results["comm"] = comm
-    # 2. throughput
-    runs = []
-    workloads = {"cnn-mnist5k": WORKLOADS["cnn-mnist5k"]} if quick else WORKLOADS
+    return comm
+
+
+def comm_against_floors(comm: list[dict], floors: list[dict]) -> dict | None:
+    """ResNet-18's one-shard step (fp32, SGD) over the floors of the same bytes over one connection, measured in
+    the same run: the issue 11 target is <= 1.3x the TCP floor."""
+    step = next((c for c in comm if (c["model"], c["optimizer"], c["wire_dtype"]) == ("resnet18", "sgd", "float32")),
+                None)
+    one = {f["transport"]: f for f in floors if f["model"] == "resnet18" and f["connections"] == 1
+           and f["processes"] == 1}
+    if step is None or set(one) != {"tcp", "grpc"}:
+        return None
+    return dict(step_seconds=step["step_seconds"], tcp_floor_seconds=one["tcp"]["step_seconds"],
+                grpc_floor_seconds=one["grpc"]["step_seconds"],
+                ratio_to_tcp_floor=step["step_seconds"] / one["tcp"]["step_seconds"],
+                ratio_to_grpc_floor=step["step_seconds"] / one["grpc"]["step_seconds"])
+
+
+def throughput_section(opts: BenchOptions, extra_rows: list[tuple[str, str, list[str], str]],
+                       run_dir: Path) -> tuple[list[dict], list[dict]]:
+    """Every workload's rows (psgrpc modes, the extra rows, DDP, one process) and the extra rows skipped."""
+    runs, skipped = [], []
+    workloads = {"cnn-mnist5k": WORKLOADS["cnn-mnist5k"]} if opts.quick else WORKLOADS
     for wname, w in workloads.items():
-        steps = 15 if quick else {"cnn-mnist5k": 60, "resnet18-synthetic": 10, "widemlp-synthetic": 15}[wname]
-        wruns = []
-        for mode in ("sync", "sync+early", "async", "async+overlap", "stale-timeout"):
-            extra = ["--sync-timeout", "0.5"] if mode == "stale-timeout" else []
-            wruns.append(train_run(f"{wname}-ps-{mode}", run_dir, w, "ps", mode, trainers, shards, steps, extra))
-        wruns.append(train_run(f"{wname}-ddp", run_dir, w, "ddp", "sync", trainers, shards, steps))
-        wruns.append(train_run(f"{wname}-local", run_dir, w, "local", "sync", trainers, shards, steps))
+        steps = 15 if opts.quick else {"cnn-mnist5k": 60, "resnet18-synthetic": 10, "widemlp-synthetic": 15}[wname]
+
+        def row(name, backend, mode, extra=()):
+            timeout = ["--sync-timeout", "0.5"] if mode == "stale-timeout" else []
+            return train_run(f"{wname}-{name}", run_dir, w, backend, mode, opts.trainers, opts.shards, steps,
+                             timeout + list(extra), device=opts.device)
+
+        wruns = [row(f"ps-{mode}", "ps", mode) for mode in ("sync", "sync+early", "async", "async+overlap",
+                                                             "stale-timeout")]
+        for k, (spec, mode, flags, reason) in enumerate(extra_rows):
+            if reason:
+                skipped.append(dict(workload=wname, extra_row=spec, reason=reason))
+            else:
+                wruns.append(dict(row(f"ps-extra{k}", "ps", mode, flags), variant=" ".join(flags)))
+        wruns += [row("ddp", "ddp", "sync"), row("local", "local", "sync")]
         ddp = next(r for r in wruns if r["backend"] == "ddp")["samples_per_sec"]
         for r in wruns:
             r["workload"] = wname
             r["ratio_to_ddp"] = r["samples_per_sec"] / ddp
         runs += wruns
-    results["throughput"] = runs
-    # 3. straggler: 3 trainers, the last at half speed, time to the accuracy bar on mnist5k
-    if not quick:
-        w = dict(WORKLOADS["cnn-mnist5k"], batch=32)
-        sync_cnn = next(r for r in runs if r["name"] == "cnn-mnist5k-ps-sync")
-        delay = sync_cnn["compute_ms"] / 1000  # the straggler's steps take twice as long
-        slow = {2: ["--step-delay", f"{delay:.4f}"]}
-        strag = []
-        steps = 4 * (4000 // (3 * 32))
-        # stale-timeout twice: rounds cut by a timeout (half the straggler's extra time after the first
-        # gradient), and rounds that close at 2 of 3 gradients (one backup trainer, as TF's SyncReplicas).
-        # async at its own default rate (the sync rate over N: linear scaling, see trainer.loop.effective_lr).
-        configs = (("psgrpc sync", "ps", "sync", []),
-                   ("psgrpc stale-timeout (T)", "ps", "stale-timeout", ["--sync-timeout", f"{delay / 2:.4f}"]),
-                   ("psgrpc stale-timeout (K=2, T)", "ps", "stale-timeout",
-                    ["--sync-timeout", f"{delay / 2:.4f}", "--replicas-to-aggregate", "2"]),
-                   ("psgrpc async", "ps", "async", ["--lr", str(w["lr"] / 3)]),
-                   ("DDP gloo", "ddp", "sync", []))
-        # Time to accuracy of one short run varies by a few tenths of a second on a shared machine: each
-        # configuration runs `straggler_repeats` times, interleaved, and the run with the median time is reported.
-        attempts: dict[int, list[dict]] = {k: [] for k in range(len(configs))}
-        for rep in range(straggler_repeats):
-            for k, (label, backend, mode, extra) in enumerate(configs):
-                r = train_run(f"straggler-{k}-{backend}-{mode}-{rep}", run_dir, w, backend, mode, 3, shards, steps,
-                              extra, slow, eval_every=10)
-                attempts[k].append(dict(r, label=label))
-        for k in attempts:
-            by_time = sorted(attempts[k], key=lambda r: (r["seconds_to_accuracy_bar"] is None,
-                                                         r["seconds_to_accuracy_bar"] or 0.0))
-            median = by_time[len(by_time) // 2]
-            strag.append(dict(median, all_seconds_to_accuracy_bar=[r["seconds_to_accuracy_bar"] for r in attempts[k]]))
-        results["straggler"] = dict(delay_seconds=delay, runs=strag)
-        # 4. what reduced-precision transfer costs in accuracy: CNN on mnist5k, sync, 3 epochs
-        wire = []
-        for dtype in ("float32", "bfloat16", "float16"):
-            r = train_run(f"wire-{dtype}", run_dir, w, "ps", "sync", trainers, shards, 3 * (4000 // (trainers * 32)),
-                          ["--wire-dtype", dtype])
-            wire.append(dict(wire_dtype=dtype, test_accuracy=r["test_accuracy"], samples_per_sec=r["samples_per_sec"]))
-        results["wire_dtype_accuracy"] = wire
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / "bench.md").write_text(to_markdown(results))
-    return results
+    return runs, skipped
+
+
+def straggler_section(opts: BenchOptions, runs: list[dict], run_dir: Path) -> dict:
+    """3 trainers, the last at half speed: time to the accuracy bar on mnist5k."""
+    w = dict(WORKLOADS["cnn-mnist5k"], batch=32)
+    sync_cnn = next(r for r in runs if r["name"] == "cnn-mnist5k-ps-sync")
+    delay = sync_cnn["compute_ms"] / 1000  # the straggler's steps take twice as long
+    slow = {2: ["--step-delay", f"{delay:.4f}"]}
+    strag = []
+    steps = 4 * (4000 // (3 * 32))
+    # stale-timeout twice: rounds cut by a timeout (half the straggler's extra time after the first
+    # gradient), and rounds that close at 2 of 3 gradients (one backup trainer, as TF's SyncReplicas).
+    # async at its own default rate (the sync rate over N: linear scaling, see trainer.loop.effective_lr).
+    configs = (("psgrpc sync", "ps", "sync", []),
+               ("psgrpc stale-timeout (T)", "ps", "stale-timeout", ["--sync-timeout", f"{delay / 2:.4f}"]),
+               ("psgrpc stale-timeout (K=2, T)", "ps", "stale-timeout",
+                ["--sync-timeout", f"{delay / 2:.4f}", "--replicas-to-aggregate", "2"]),
+               ("psgrpc async", "ps", "async", ["--lr", str(w["lr"] / 3)]),
+               ("DDP gloo", "ddp", "sync", []))
+    # Time to accuracy of one short run varies by a few tenths of a second on a shared machine: each
+    # configuration runs `straggler_repeats` times, interleaved, and the run with the median time is reported.
+    attempts: dict[int, list[dict]] = {k: [] for k in range(len(configs))}
+    for rep in range(opts.straggler_repeats):
+        for k, (label, backend, mode, extra) in enumerate(configs):
+            r = train_run(f"straggler-{k}-{backend}-{mode}-{rep}", run_dir, w, backend, mode, 3, opts.shards, steps,
+                          extra, slow, eval_every=10, device=opts.device)
+            attempts[k].append(dict(r, label=label))
+    for k in attempts:
+        by_time = sorted(attempts[k], key=lambda r: (r["seconds_to_accuracy_bar"] is None,
+                                                     r["seconds_to_accuracy_bar"] or 0.0))
+        median = by_time[len(by_time) // 2]
+        strag.append(dict(median, all_seconds_to_accuracy_bar=[r["seconds_to_accuracy_bar"] for r in attempts[k]]))
+    return dict(delay_seconds=delay, runs=strag)
+
+
+def wire_section(opts: BenchOptions, run_dir: Path) -> list[dict]:
+    """What reduced-precision transfer costs in accuracy: CNN on mnist5k, sync, 3 epochs."""
+    w = dict(WORKLOADS["cnn-mnist5k"], batch=32)
+    wire = []
+    for dtype in ("float32", "bfloat16", "float16"):
+        r = train_run(f"wire-{dtype}", run_dir, w, "ps", "sync", opts.trainers, opts.shards,
+                      3 * (4000 // (opts.trainers * 32)), ["--wire-dtype", dtype], device=opts.device)
+        wire.append(dict(wire_dtype=dtype, test_accuracy=r["test_accuracy"], samples_per_sec=r["samples_per_sec"]))
+    return wire
 
 
 def to_markdown(r: dict) -> str:
@@ -287,15 +404,23 @@ def to_markdown(r: dict) -> str:
                      f"{1000 * c['tcp_floor_seconds']:.1f} | {c['ratio_to_tcp_floor']:.2f} | "
                      f"{c['shard_peak_extra_bytes'] / 1e6:.0f} | {c['shard_memory_ratio']:.1f} | "
                      f"{c['shard_memory_ratio_marginal']:.1f} |")
-    lines += ["", "**Training throughput**", "",
-              "| workload | system | samples/s | ratio to DDP | compute ms | push ms | pull ms | wait ms | wire MB/s |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += resnet18_line(r.get("resnet18_comm"))
+    lines += floors_markdown(r.get("floors", []))
+    lines += ["", "**Training throughput** (overlap efficiency: step ms / max(compute, push + pull + wait); "
+                  "1.0 is communication hidden entirely, 2.0 none of it)", "",
+              "| workload | system | device | samples/s | ratio to DDP | step ms | compute ms | push ms | pull ms "
+              "| wait ms | overlap eff. | wire MB/s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in r["throughput"]:
         system = f"psgrpc {t['mode']}" if t["backend"] == "ps" else ("DDP gloo" if t["backend"] == "ddp" else
                                                                       "one process")
-        lines.append(f"| {t['workload']} | {system} | {t['samples_per_sec']:.0f} | {t['ratio_to_ddp']:.2f} | "
-                     f"{t['compute_ms']:.1f} | {t['push_ms']:.1f} | {t['pull_ms']:.1f} | {t['wait_ms']:.1f} | "
+        system += f" {t['variant']}" if t.get("variant") else ""
+        lines.append(f"| {t['workload']} | {system} | {t['device']} | {t['samples_per_sec']:.0f} | "
+                     f"{t['ratio_to_ddp']:.2f} | {t['step_ms']:.1f} | {t['compute_ms']:.1f} | {t['push_ms']:.1f} | "
+                     f"{t['pull_ms']:.1f} | {t['wait_ms']:.1f} | {t['overlap_efficiency']:.2f} | "
                      f"{t['wire_bytes_per_sec'] / 1e6:.0f} |")
+    for k in r.get("skipped_rows", []):
+        lines.append(f"\nSkipped on {k['workload']}: `--extra-row {k['extra_row']}` ({k['reason']}).")
     if "straggler" in r:
         s = r["straggler"]
         lines += ["", f"**Straggler** (3 trainers, one +{1000 * s['delay_seconds']:.0f} ms per step; "
@@ -315,6 +440,42 @@ def to_markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def resnet18_line(c: dict | None) -> list[str]:
+    if not c:
+        return []
+    return ["", f"ResNet-18 one-shard step (fp32, SGD): {1000 * c['step_seconds']:.1f} ms = "
+                f"{c['ratio_to_tcp_floor']:.2f}x the raw TCP floor ({1000 * c['tcp_floor_seconds']:.1f} ms) and "
+                f"{c['ratio_to_grpc_floor']:.2f}x the raw gRPC floor ({1000 * c['grpc_floor_seconds']:.1f} ms) for "
+                f"the same bytes over one connection, measured in this run (issue 11 target: <= 1.3x TCP)."]
+
+
+def floors_markdown(floors: list[dict]) -> list[str]:
+    """One line per (model, M): ms per step and GB/s (push + pull bytes over the step) per transport."""
+    if not floors:
+        return []
+    columns = sorted({(f["transport"], f["processes"]) for f in floors}, key=lambda c: (c[0] != "tcp", c[1]))
+    names = ["raw TCP, 1 process" if t == "tcp" else f"raw gRPC, {p} process{'es' if p > 1 else ''}"
+             for t, p in columns]
+    lines = ["", "**Transport floors** (push then pull of the whole model's fp32 bytes, split over M connections to "
+                 "M server processes; gRPC: identity serializers, 1 MiB messages; ms per step (GB/s push + pull))", "",
+             "| model | MB each way | M | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(columns)]
+    cells = {(f["model"], f["connections"], f["transport"], f["processes"]): f for f in floors}
+    for model, nbytes, m in sorted({(f["model"], f["bytes"], f["connections"]) for f in floors},
+                                   key=lambda x: (x[1], x[2])):
+        row = [cells.get((model, m, t, p)) for t, p in columns]
+        lines.append(f"| {model} | {nbytes / 1e6:.1f} | {m} | " + " | ".join(
+            "-" if f is None else f"{1000 * f['step_seconds']:.1f} ({f['gb_per_sec']:.2f})" for f in row) + " |")
+    return lines
+
+
+def int_list(flag: str, text: str) -> tuple[int, ...]:
+    """``1,2,4`` as (1, 2, 4); ValueError naming the flag and its value unless every item is a positive integer."""
+    items = [x.strip() for x in text.split(",")]
+    if not items or not all(x.isdigit() and int(x) > 0 for x in items):
+        raise ValueError(f"{flag} ({text}) must be positive integers separated by commas, e.g. 1,2,4")
+    return tuple(int(x) for x in items)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = EnvArgumentParser(prog="ps-bench", description="Benchmark psgrpc against DDP and one process, in one run.")
     p.add_argument("--quick", action="store_true", help="a smoke run of about a minute (CI)")
@@ -322,12 +483,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shards", type=int, default=2)
     p.add_argument("--out", default="bench-results", help="folder for bench.json and bench.md")
     p.add_argument("--straggler-repeats", type=int, default=3, help="runs per straggler configuration (median)")
+    p.add_argument("--floor-connections", default="1,2,4",
+                   help="M: connections to as many server processes for the transport floors")
+    p.add_argument("--floor-processes", default="2,4",
+                   help="P: also drive the gRPC floor from P client processes (where P divides M)")
+    p.add_argument("--extra-row", action="append", default=None, metavar="MODE:FLAGS",
+                   help="also run psgrpc MODE with these ps-trainer flags, e.g. 'sync:--wire-dtype bfloat16' "
+                        f"(repeatable; default: {' and '.join(repr(x) for x in DEFAULT_EXTRA_ROWS)}; a flag "
+                        "ps-trainer does not have skips the row, with the reason)")
+    p.add_argument("--device", default="auto", help="the trainers' --device (shards run on the CPU)")
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args(argv)
     if args.straggler_repeats < 1:
         raise ValueError(f"--straggler-repeats is {args.straggler_repeats}; it must be at least 1")
+    opts = BenchOptions(quick=args.quick, trainers=args.trainers, shards=args.shards,
+                        straggler_repeats=args.straggler_repeats,
+                        floor_connections=int_list("--floor-connections", args.floor_connections),
+                        floor_processes=int_list("--floor-processes", args.floor_processes),
+                        extra_rows=tuple(DEFAULT_EXTRA_ROWS if args.extra_row is None else args.extra_row),
+                        device=args.device)
+    device = device_problem(opts.device, torch.cuda.device_count())
+    if device:
+        raise ValueError(device)
     setup_logging(args.log_level)
-    results = run_bench(Path(args.out), args.quick, args.trainers, args.shards, args.straggler_repeats)
+    results = run_bench(Path(args.out), opts)
     print(to_markdown(results))
     return 0
 

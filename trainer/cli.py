@@ -54,7 +54,9 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--job-id", default="",
                    help="names this run; every trainer of it passes the same (shards refuse another job's "
                         "trainers while one runs, and start a new job fresh once every trainer has left)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--device", default="auto",
+                   help="auto, cpu, cuda or cuda:N (auto and cuda: GPU $LOCAL_RANK, else the rank on this host, "
+                        "modulo the visible GPUs; auto falls back to the CPU)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (0: the cores divided by the trainers on this host -- $LOCAL_WORLD_SIZE, "
                         "or all trainers when every shard is on loopback; torch's default for a lone trainer)")

@@ -64,7 +64,9 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--eval-every", type=int, default=20, help="rank 0 evaluates every N steps (for the plot)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--job-id", default="", help="names the run's job (default: a fresh id per run)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--device", default="auto",
+                   help="auto, cpu, cuda or cuda:N; with auto or cuda each trainer takes its own GPU when several "
+                        "are visible (LOCAL_RANK = its rank)")
     p.add_argument("--host", default="127.0.0.1", help="loopback address for the shards")
     p.add_argument("--run-dir", default="", help="folder for logs, metrics and the model (default runs/<time>-<mode>)")
     p.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
@@ -136,6 +138,12 @@ def trainer_args(args, rank: int, run: Path) -> list[str]:
     if args.straggler_delay and rank == args.trainers - 1:
         a += ["--step-delay", str(args.straggler_delay)]
     return a
+
+
+def trainer_env(rank: int, trainers: int) -> dict:
+    """Every trainer runs on this host: its local rank is its rank, so --device auto/cuda spreads the trainers
+    over the visible GPUs (trainer.loop.pick_device), as torchrun sets it."""
+    return {"LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(trainers)}
 
 
 def summarize(args, run: Path, progress: Progress, stats: list, codes: dict, wall: float) -> dict:
@@ -232,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info("%s up at %s; starting %s (%s mode); run folder %s", plural(args.shards, "shard"), ps,
                  plural(args.trainers, "trainer"), args.mode, run)
         for r in range(args.trainers):
-            trainers.append(start_trainer(r, ps, run / f"trainer{r}.log", trainer_args(args, r, run)))
+            trainers.append(start_trainer(r, ps, run / f"trainer{r}.log", trainer_args(args, r, run),
+                                          env=trainer_env(r, args.trainers)))
         progress = Progress([run / f"trainer{r}.jsonl" for r in range(args.trainers)])
         codes = follow(trainers, shards, progress, args.timeout, t0)
         wall = time.monotonic() - t0

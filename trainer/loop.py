@@ -119,6 +119,7 @@ class TrainConfig:
 
 def config_problem(cfg: TrainConfig) -> str:
     """The first thing wrong with ``cfg``, as one sentence naming the flag and its value; "" if nothing."""
+    device = device_problem(cfg.device, torch.cuda.device_count())
     checks = [
         (cfg.num_trainers >= 1, f"--num-trainers ({cfg.num_trainers}) must be at least 1"),
         (0 <= cfg.rank < cfg.num_trainers,
@@ -141,6 +142,7 @@ def config_problem(cfg: TrainConfig) -> str:
         (cfg.mode in MODES, f"--mode ({cfg.mode}) must be one of {', '.join(MODES)}"),
         (cfg.mode == "async" or not cfg.overlap, f"--overlap applies to --mode async only, not {cfg.mode}"),
         (cfg.optimizer == "sgd" or not cfg.nesterov, f"--nesterov applies to --optimizer sgd only, not {cfg.optimizer}"),
+        (not device, device),
     ]
     for ok, message in checks + recommender_checks(cfg):
         if not ok:
@@ -250,13 +252,54 @@ def default_threads(cfg: TrainConfig, cores: int | None = None) -> int:
     return max(1, cores // trainers) if trainers > 1 else 0
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for but no CUDA device is available; use --device auto or cpu")
-    if name not in ("cpu", "cuda"):
-        raise ValueError(f"unknown device {name!r}: choose auto, cpu or cuda")
+DEVICE_HELP = "auto, cpu, cuda or cuda:N"
+
+
+def device_problem(name: str, count: int) -> str:
+    """What is wrong with ``--device NAME`` when ``count`` GPUs are visible, as one sentence with a hint; "" if nothing."""
+    if name in ("auto", "cpu"):
+        return ""
+    index = name.partition(":")[2] if name.startswith("cuda:") else ""
+    if name != "cuda" and not index.isdigit():
+        return f"--device ({name}) must be {DEVICE_HELP}"
+    if count == 0:
+        return f"--device {name} was asked for but no CUDA device is visible; use --device auto or cpu"
+    if index and int(index) >= count:
+        return (f"--device {name} names GPU {index} but {count} {'is' if count == 1 else 'are'} visible "
+                f"(cuda:0 to cuda:{count - 1}); pick one of those or check CUDA_VISIBLE_DEVICES")
+    return ""
+
+
+def local_rank(cfg: TrainConfig, env: dict | None = None) -> int:
+    """This trainer's index among the trainers on its host, to choose its GPU.
+
+    ``LOCAL_RANK`` when set (torchrun and ps-cluster set it), else the rank modulo the trainers on this host as
+    default_threads counts them: ``LOCAL_WORLD_SIZE``, or all of them when every address is on loopback (a
+    one-machine job), else this one alone (0).
+    """
+    env = os.environ if env is None else env
+    given, local = env.get("LOCAL_RANK", ""), env.get("LOCAL_WORLD_SIZE", "")
+    if given.isdigit():
+        return int(given)
+    if local.isdigit() and int(local) > 0:
+        return cfg.rank % int(local)
+    if all(a.startswith(LOOPBACK_HOSTS) for a in parse_addresses(cfg.ps)):
+        return cfg.rank
+    return 0
+
+
+def pick_device(name: str, local: int = 0, count: int | None = None) -> torch.device:
+    """The device of ``--device``: auto and cuda take GPU ``local % count`` so trainers on one host spread over
+    its GPUs (as torchrun and DDP users expect), auto falls back to the CPU; cuda:N is checked against ``count``
+    (the visible GPUs; torch's count when None)."""
+    count = torch.cuda.device_count() if count is None else count
+    problem = device_problem(name, count)
+    if problem:
+        raise ValueError(problem)
+    if name == "cpu" or (name == "auto" and count == 0):
+        return torch.device("cpu")
+    if name in ("auto", "cuda"):
+        return torch.device("cuda", local % count)
     return torch.device(name)
 
 
@@ -385,7 +428,9 @@ class Run:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         torch.set_num_threads(cfg.threads or default_threads(cfg) or torch.get_num_threads())
-        self.device = pick_device(cfg.device)
+        self.device = pick_device(cfg.device, local_rank(cfg))
+        if self.device.type == "cuda":  # streams, synchronize() and allocations without a device go to this GPU
+            torch.cuda.set_device(self.device)
         self.data = load_ratings_dataset(cfg.dataset) if cfg.recommender else load_dataset(cfg.dataset, cfg.model)
         self.spe = steps_per_epoch(len(self.data.x_train), cfg.num_trainers, cfg.batch_size)
         if self.spe == 0:
