@@ -276,10 +276,53 @@ def run_bench(out: Path, opts: BenchOptions) -> dict:
     if not opts.quick:
         results["straggler"] = straggler_section(opts, results["throughput"], run_dir)
         results["wire_dtype_accuracy"] = wire_section(opts, run_dir)
+    # 3. sparse tables (issue 12): lookups+updates per second against one process, bytes, shard memory
+    results["sparse"] = sparse_section(opts.quick, run_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "bench.md").write_text(to_markdown(results))
     return results
+
+
+def sparse_section(quick: bool, run_dir: Path) -> dict:
+    """The click model (Zipf ids over 10^9, bags of 1..8) in one process with ``nn.EmbeddingBag(sparse=True)``
+    and torch's sparse Adagrad, then with its bag on 1 and 2 shards (one trainer, sync, Adagrad on the shards);
+    and a Zipf stream through one shard's table capped at ``max_rows``: its memory against the live rows."""
+    from trainer.recdata import make_click_log
+    from trainer import sparsebench
+    steps, batch, dim = (20, 256, 16) if quick else (150, 512, 16)
+    log = make_click_log(steps * batch, seed=0).compact()
+    single = sparsebench.single_process_rate(log, steps, batch, dim, lr=0.05)
+    rows = [dict(system="one process, nn.EmbeddingBag(sparse=True)", shards=0, **single)]
+    for shards in (1,) if quick else (1, 2):
+        r = sparsebench.sharded_rate(log, steps, batch, dim, 0.05, shards, run_dir / f"sparse-{shards}")
+        rows.append(dict(system="psgrpc sync", shards=shards, ratio_to_one_process=r["ids_per_s"] / single["ids_per_s"],
+                         **r))
+    memory = (sparsebench.shard_table_memory(run_dir / "sparse-memory", max_rows=20_000, batches=30, batch=4096)
+              if quick else sparsebench.shard_table_memory(run_dir / "sparse-memory", batches=400))
+    return {"steps": steps, "batch": batch, "dim": dim, "throughput": rows, "memory": memory}
+
+
+def sparse_markdown(sp: dict | None) -> list[str]:
+    if not sp:
+        return []
+    lines = ["", f"**Sparse tables** (click model, bags of 1..8 Zipf ids, batch {sp['batch']}, dim {sp['dim']}, "
+                 f"Adagrad on the rows; one trainer; one torch thread everywhere)", "",
+             "| system | shards | ids/s | unique ids/s | ratio to one process | bytes/step | rows x dim x 4 x 2 |",
+             "|---|---|---|---|---|---|---|"]
+    for t in sp["throughput"]:
+        ratio = f"{t['ratio_to_one_process']:.2f}" if "ratio_to_one_process" in t else "1.00"
+        nbytes = f"{t['bytes_per_step']:,.0f} | {t['row_bytes_per_step']:,.0f}" if "bytes_per_step" in t else "- | -"
+        lines.append(f"| {t['system']} | {t['shards']} | {t['ids_per_s']:,.0f} | {t['unique_ids_per_s']:,.0f} | "
+                     f"{ratio} | {nbytes} |")
+    m = sp["memory"]
+    last = m["samples"][-1]
+    lines += ["", f"Shard memory, Zipf(a={m['zipf_a']}) over 10^9 ids, max_rows {m['max_rows']:,}, dim {m['dim']}, "
+                  f"{m['optimizer']}: {last['live_rows']:,} live rows, {last['evicted']:,} evicted; RSS growth "
+                  f"{last['rss_growth_bytes'] / 2**20:.0f} MiB = {m['rss_growth_over_payload']:.2f}x rows x dim x 4 x "
+                  f"(1 + state); the table's own count {m['table_over_payload']:.2f}x; "
+                  f"{'flat' if m['flat_after_cap'] else 'NOT flat'} after the cap."]
+    return lines
 
 
 def comm_section(quick: bool, run_dir: Path) -> list[dict]:
@@ -437,6 +480,7 @@ def to_markdown(r: dict) -> str:
                   "", "| wire dtype | test accuracy | samples/s |", "|---|---|---|"]
         for w in r["wire_dtype_accuracy"]:
             lines.append(f"| {w['wire_dtype']} | {w['test_accuracy']:.3f} | {w['samples_per_sec']:.0f} |")
+    lines += sparse_markdown(r.get("sparse"))
     return "\n".join(lines) + "\n"
 
 

@@ -38,3 +38,10 @@ def test_ps_bench_quick_writes_json_and_markdown(tmp_path):
     md = (out / "bench.md").read_text()
     assert "ratio to floor" in md and "DDP gloo" in md and md in proc.stdout
     assert "**Transport floors**" in md and "overlap eff." in md and "raw TCP floor" in md
+    sparse = results["sparse"]
+    one, sharded = sparse["throughput"]
+    assert one["shards"] == 0 and sharded["shards"] == 1 and sharded["ids_per_s"] > 0 < one["ids_per_s"]
+    # the rows moved are exactly the unique ids' rows both ways; ids and headers come on top
+    assert sharded["bytes_per_step"] > sharded["row_bytes_per_step"] > 0
+    assert sparse["memory"]["samples"][-1]["live_rows"] <= 20_000  # the cap held
+    assert "**Sparse tables**" in md
