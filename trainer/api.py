@@ -396,8 +396,11 @@ class ParameterServerTrainer:
         if self.rows is not None:
             counters = s.stats().counters
             versions = {name: int(counters.get(f"table.{name}.version", 0)) for name in self.rows.tables}
+            before = {name: v[i] for name, v in self.rows.versions().items()}
+            lost = sum(max(0, before[name] - v) for name, v in versions.items())
             self.rows.resync(i, versions)
-            log.warning("rank %d resumed the tables on shard %d at versions %s", self.rank, i, versions)
+            log.warning("rank %d resumed the tables on shard %d at versions %s (was %s): %d table versions lost",
+                        self.rank, i, versions, before, lost)
 
     def _heartbeat_loop(self, interval: float) -> None:
         """Keeps this trainer's lease while it computes or waits; a dead process stops sending."""

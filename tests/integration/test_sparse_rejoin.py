@@ -64,7 +64,8 @@ def test_a_shard_killed_and_restarted_is_rejoined_for_the_table_and_the_loss_is_
         assert c["rows_versions_lost"] == 4 - back
         assert c["steps_lost"] == 4 - back + 1
         assert c.get("rows_pushes_lost", 0) == 0  # the restart was found by the pull, before anything was pushed
-        assert f"resumed the tables on shard 0 at versions {{'emb': {back}}}" in caplog.text
+        assert (f"resumed the tables on shard 0 at versions {{'emb': {back}}} (was {{'emb': 4}}): {4 - back} table "
+                "versions lost") in caplog.text
     finally:
         for p in procs:
             p.kill()
