@@ -20,7 +20,9 @@ that table resends them to the unfinished shards only, under the same numbers;
 ``abandon(table)`` drops them instead, and the next push gets new numbers (a shard
 that did apply the dropped one must not answer DUPLICATE to a new gradient).
 
-Shard restarts: a row call answered NOT_FOUND, FAILED_PRECONDITION or OUT_OF_RANGE
+Shard restarts: a pull answered a version older than one seen before counts the
+versions the restored shard lost (async tables go on from it as they are); a row
+call answered NOT_FOUND, FAILED_PRECONDITION or OUT_OF_RANGE
 (the codes of trainer.api.REJOIN_CODES; a pull waiting past what a restored shard can
 reach is refused OUT_OF_RANGE too) hands the shard to ``on_restart`` -- the trainer
 registers again there and calls ``resync`` with the tables' versions read from the
@@ -32,6 +34,7 @@ rolled back (``versions_lost``).  A pull that found it is made again.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -49,6 +52,7 @@ from psserver.sparse.table import TableSpec
 from psserver.sparse.wire import row_chunks
 from trainer.client import PUSH_RETRYABLE, ShardClient, ShardedClient
 
+log = logging.getLogger(__name__)
 _METHOD = "/psgrpc.v1.ParameterServer/"
 # The shard restarted (as trainer.api.REJOIN_CODES): it no longer knows us, came back empty, or is behind us.
 RESTART_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION)
@@ -202,6 +206,12 @@ class ShardedRows:
         version, raw = self._call(s, "PullRows", once)
         if len(raw) != len(ids) * dim * 4:
             raise ValueError(f"shard {s.index} sent {len(raw)} bytes of rows for {len(ids)} ids of dim {dim}")
+        if version < lane.version:  # a running shard never goes back: it was restored from an older checkpoint
+            self._count(versions_lost=lane.version - version)
+            log.warning("table %r on shard %d is at version %d, behind the %d this trainer saw: the shard was "
+                        "restored from an older checkpoint; %d versions lost", table, s.index, version,
+                        lane.version, lane.version - version)
+            lane.version = version
         lane.version = max(lane.version, version)
         lane.base = version
         self._count(bytes_pulled=len(raw) + len(req.ids), rows_pulled=len(ids))
