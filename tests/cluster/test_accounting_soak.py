@@ -108,7 +108,7 @@ def test_final_parameters_equal_the_sum_of_acknowledged_gradients(tmp_path, mode
 
 # -- row pushes: the same accounting for a sparse table ------------------------------------------------------------
 
-ROW_IDS, DIM, BAGS = 300, 8, 16
+ROW_IDS, DIM, BAGS, ROW_STEPS = 300, 8, 16, 24
 
 
 class Bags(torch.nn.Module):
@@ -137,7 +137,7 @@ def run_rows_trainer(rank, addresses, mode, records, errors):
 
         rows._push_shard = recorded
         gen = torch.Generator().manual_seed(200 + rank)
-        for _ in range(STEPS):
+        for _ in range(ROW_STEPS):
             ids = torch.randint(0, ROW_IDS, (BAGS * 3,), generator=gen)
             weights = torch.randint(-4, 5, (BAGS, DIM), generator=gen).float()
             (model.emb(ids, torch.arange(0, BAGS * 3, 3)) * weights).sum().backward()
@@ -163,7 +163,7 @@ def expected_rows(records, shard, mode) -> torch.Tensor:
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_row_pushes_through_faults_are_applied_exactly_once_each(tmp_path, mode):
     shards = [start_shard(i, tmp_path / f"shard{i}.log") for i in range(2)]
-    proxies = [FaultProxy(s.address, seed=11 * i + len(mode), mean_bytes_between_faults=6_000, max_faults=25,
+    proxies = [FaultProxy(s.address, seed=11 * i + len(mode), mean_bytes_between_faults=4_000, max_faults=20,
                           max_delay=0.001) for i, s in enumerate(shards)]
     try:
         records = [[] for _ in range(TRAINERS)]
@@ -194,10 +194,10 @@ def test_row_pushes_through_faults_are_applied_exactly_once_each(tmp_path, mode)
             answered = [o for rr in records for s, _, o, _, _ in rr[:-1] if s == shard]
             st = stats(shards[shard].address).counters
             # every push the shard applied was acknowledged to its trainer once: directly or as DUPLICATE
-            assert st["table.emb.pushes_applied"] == sum(o in ACKED for o in answered) == STEPS * TRAINERS
+            assert st["table.emb.pushes_applied"] == sum(o in ACKED for o in answered) == ROW_STEPS * TRAINERS
             assert st["table.emb.pushes_duplicate"] >= answered.count("duplicate")
             rounds = len({b for rr in records for s, b, o, _, _ in rr[:-1] if s == shard and o in ACKED})
-            assert st["table.emb.version"] == (STEPS * TRAINERS if mode == "async" else rounds)
+            assert st["table.emb.version"] == (ROW_STEPS * TRAINERS if mode == "async" else rounds)
         assert sum(c.get("rows_duplicate_pushes", 0) for c in counters) == sum(
             o == "duplicate" for rr in records for _, _, o, _, _ in rr[:-1])
     finally:
