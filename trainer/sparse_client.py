@@ -280,7 +280,7 @@ class ShardedRows:
             self._count(stale_pushes=1)
             return "stale"
         lane.unanswered = False
-        outcome = self._push_outcome(s.index, lane, _pb.PushOutcome.Name(reply.outcome).lower(), len(sent))
+        outcome = self._push_outcome(lane, _pb.PushOutcome.Name(reply.outcome).lower(), len(sent))
         lane.version = max(lane.version, reply.version)
         if self.modes[table] == "async":
             lane.base = lane.version
@@ -290,7 +290,7 @@ class ShardedRows:
                     rows_stale=reply.rows_stale, **{f"{outcome}_pushes": 1})
         return outcome
 
-    def _push_outcome(self, shard: int, lane: _Lane, outcome: str, attempts: int) -> str:
+    def _push_outcome(self, lane: _Lane, outcome: str, attempts: int) -> str:
         """The reply's outcome -- except the first push after a resync that a sync round answered DUPLICATE
         on its first attempt: the restored round already held this rank's push from before the restart, so
         this new gradient is dropped ("lost", counted), and the pull waits for that round as usual."""
