@@ -417,6 +417,7 @@ class ParameterServerService:
             table = self.shard.tables.get(request.table)
             ids = _decode_ids(request.ids)
             table.check_ids(ids)  # before waiting: a refusal is not worth a wait
+            table.check_wait(request.rank, request.min_version)  # a restarted shard would never answer
             waited = await self._wait_table(request.table, request.min_version, context)
             version, rows = await self._run_rows(
                 len(ids) * table.spec.dim, self.shard.pull_rows, request.rank, request.trainer_id,

@@ -259,6 +259,7 @@ class ParameterServerTrainer:
         self.left = False  # every shard that knew this trainer was told it left
         self._attempt: _StepAttempt | None = None  # a step that failed on some shards, until step() retries it
         self._registered: set[int] = set()  # shards that know this trainer: close() leaves exactly these
+        self._resume_dense: dict[int, int] = {}  # shard -> dense version before a restart a table call found
         self._stop_heartbeat = threading.Event()
         self._heartbeat: threading.Thread | None = None
         try:
@@ -300,6 +301,7 @@ class ParameterServerTrainer:
         if not self.tables:
             return
         self.rows = sharded_rows_class()(self.client, self.job)
+        self.rows.on_restart = self._rejoin_for_tables
         for t in self.tables:
             t.bind(self.rows)
 
@@ -349,6 +351,32 @@ class ParameterServerTrainer:
         Rank 0 re-initialises a shard that came back empty (no checkpoint) with
         its current weights.  The steps the shard lost are logged and counted.
         """
+        before = self.versions[s.index]
+        self._register_again(s, cause)
+        self._resume_dense[s.index] = before
+        self._resume_dense_slice(s)
+
+    def _rejoin_for_tables(self, s: ShardClient, cause: grpc.RpcError) -> None:
+        """A table call found shard ``s`` restarted (ShardedRows.on_restart): register again and resync the
+        tables now; the dense slice resumes at this step's dense exchange, not here -- a pull inside the
+        forward would overwrite weights the forward may already have used."""
+        self._resume_dense.setdefault(s.index, self.versions[s.index])  # a second restart keeps the first
+        self._register_again(s, cause)
+
+    def _resume_dense_slice(self, s: ShardClient) -> None:
+        """Pull shard ``s``'s weights after it was rejoined and count what it lost (see _rejoin)."""
+        i = s.index
+        before = self._resume_dense.pop(i)
+        v = self.versions[i] = self._pull_into(s, 0, self.connect_timeout)
+        # Lost: the versions the shard rolled back, plus the gradient of this step, which is dropped (a shard
+        # that had kept it would have answered DUPLICATE, not asked us to rejoin).
+        lost = max(0, before - v) + 1
+        self.client.count("steps_lost", lost)
+        log.warning("rank %d resumed shard %d at version %d (was %d): %d steps lost", self.rank, i, v, before, lost)
+
+    def _register_again(self, s: ShardClient, cause: grpc.RpcError) -> None:
+        """Register with a restarted shard (rank 0 re-initialises it if it came back empty) and resync the
+        tables from it; counted in ``reconnects``."""
         i = s.index
         pending = self._prefetch.pop(i, None)
         if pending is not None:  # a background pull from before the restart: its weights are void
@@ -356,7 +384,6 @@ class ParameterServerTrainer:
                 pending.result()
             except grpc.RpcError:
                 pass
-        before = self.versions[i]
         s.abandon_push()  # the restarted shard does not know it: the next push gets a new number
         log.warning("shard %d (%s) answered %s (%s): it restarted; registering again", i, s.address,
                     cause.code().name, cause.details())
@@ -365,13 +392,15 @@ class ParameterServerTrainer:
             ready = [self.staging.produced()] if self.staging.active else []
             s.init(self.staging.to_host(i, self._slice(self.flat.flat, i), ready), self.client.wire)
             log.warning("shard %d came back without parameters: re-initialised it from rank 0's weights", i)
-        v = self.versions[i] = self._pull_into(s, 0, self.connect_timeout)
-        # Lost: the versions the shard rolled back, plus the gradient of this step, which is dropped (a shard
-        # that had kept it would have answered DUPLICATE, not asked us to rejoin).
-        lost = max(0, before - v) + 1
         self.client.count("reconnects")
-        self.client.count("steps_lost", lost)
-        log.warning("rank %d resumed shard %d at version %d (was %d): %d steps lost", self.rank, i, v, before, lost)
+        if self.rows is not None:
+            counters = s.stats().counters
+            versions = {name: int(counters.get(f"table.{name}.version", 0)) for name in self.rows.tables}
+            before = {name: v[i] for name, v in self.rows.versions().items()}
+            lost = sum(max(0, before[name] - v) for name, v in versions.items())
+            self.rows.resync(i, versions)
+            log.warning("rank %d resumed the tables on shard %d at versions %s (was %s): %d table versions lost",
+                        self.rank, i, versions, before, lost)
 
     def _heartbeat_loop(self, interval: float) -> None:
         """Keeps this trainer's lease while it computes or waits; a dead process stops sending."""
@@ -422,6 +451,10 @@ class ParameterServerTrainer:
         todo = sorted(self._attempt.todo) if self._attempt is not None else []  # [] : only a table push failed
         for i in todo:
             self.client.shards[i].abandon_push()
+        abandon = getattr(self.rows, "abandon", None)  # ShardedRows; a local backend keeps no failed push
+        for t in self.tables:  # the shards that did not answer a table's push: new numbers there too
+            if t.push_pending and abandon is not None and abandon(t.name):
+                self.client.count("table_pushes_abandoned")
         log.warning("rank %d abandoned a failed step on shards %s", self.rank, todo)
         self._attempt = None
         self.client.count("steps_abandoned")
@@ -488,15 +521,19 @@ class ParameterServerTrainer:
 
     def _exchange(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: _StepAttempt) -> str:
         """One shard's part of a step; a shard that restarted is rejoined and its part counted as lost."""
+        outcome = "lost"
         try:
-            outcome = self._exchange_once(s, grad, num_samples, attempt)
+            if s.index in self._resume_dense:  # a table call of this step rejoined it: its weights are due
+                self._resume_dense_slice(s)
+            else:
+                outcome = self._exchange_once(s, grad, num_samples, attempt)
         except grpc.RpcError as e:
             if e.code() not in REJOIN_CODES:
                 raise
             self._rejoin(s, e)
+        if outcome == "lost":
             attempt.acks.pop(s.index, None)
             attempt.timings[s.index] = (0.0, 0.0, 0.0)
-            outcome = "lost"
         attempt.outcomes[s.index] = outcome
         attempt.todo.discard(s.index)
         return outcome

@@ -16,11 +16,25 @@ Exactly once: each (shard, table) numbers its pushes from 1; a push whose reply 
 lost (UNAVAILABLE, DEADLINE_EXCEEDED) is retried with the same number and the shard
 answers DUPLICATE instead of applying it twice.  A push that failed for good on some
 shards raises ``RowsPushFailed`` and keeps the gradients: calling ``push`` again for
-that table resends them to the unfinished shards only, under the same numbers.
+that table resends them to the unfinished shards only, under the same numbers;
+``abandon(table)`` drops them instead, and the next push gets new numbers (a shard
+that did apply the dropped one must not answer DUPLICATE to a new gradient).
+
+Shard restarts: a pull answered a version older than one seen before counts the
+versions the restored shard lost (async tables go on from it as they are); a row
+call answered NOT_FOUND, FAILED_PRECONDITION or OUT_OF_RANGE
+(the codes of trainer.api.REJOIN_CODES; a pull waiting past what a restored shard can
+reach is refused OUT_OF_RANGE too) hands the shard to ``on_restart`` -- the trainer
+registers again there and calls ``resync`` with the tables' versions read from the
+shard.  Every lane of that shard then goes on from those versions under new
+numbers; the push that found the restart, and any failed push still kept for that
+shard, are dropped and counted (``pushes_lost``), as are the versions the shard
+rolled back (``versions_lost``).  A pull that found it is made again.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -38,7 +52,10 @@ from psserver.sparse.table import TableSpec
 from psserver.sparse.wire import row_chunks
 from trainer.client import PUSH_RETRYABLE, ShardClient, ShardedClient
 
+log = logging.getLogger(__name__)
 _METHOD = "/psgrpc.v1.ParameterServer/"
+# The shard restarted (as trainer.api.REJOIN_CODES): it no longer knows us, came back empty, or is behind us.
+RESTART_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION)
 
 
 class RowsCallFailed(grpc.RpcError, RuntimeError):
@@ -85,6 +102,7 @@ class _Lane:
     wait_for: int = 0  # sync modes: the version a pull must reach (the close of our last push's round)
     sequence: int = 0
     unanswered: bool = False  # the push under ``sequence`` has had no answer: a retry reuses the number
+    resumed: bool = False  # resynced after a restart, no push answered since (see _push_outcome)
 
 
 @dataclass
@@ -106,6 +124,9 @@ class ShardedRows:
         self._lanes = {(s, name): _Lane() for s in range(m) for name in self.tables}
         self._pending: dict[str, _Pending] = {}
         self.counters: Counter = Counter()
+        # Called as on_restart(shard_client, error) when a row call finds the shard restarted; it must register
+        # again and call resync().  None: the error is raised (nothing here can register).
+        self.on_restart = None
         self._lock = threading.Lock()
         self._pull = [s.channel.unary_stream(_METHOD + "PullRows", _pb.PullRowsRequest.SerializeToString,
                                              _pb.RowsChunk.FromString) for s in sharded_client.shards]
@@ -161,6 +182,15 @@ class ShardedRows:
         return out
 
     def _pull_shard(self, s: ShardClient, table: str, dim: int, ids: torch.Tensor) -> torch.Tensor:
+        """One shard's rows; a shard found restarted is rejoined (on_restart) and asked again."""
+        try:
+            return self._pull_once(s, table, dim, ids)
+        except grpc.RpcError as e:
+            if not self._restarted(s, e):
+                raise
+        return self._pull_once(s, table, dim, ids)
+
+    def _pull_once(self, s: ShardClient, table: str, dim: int, ids: torch.Tensor) -> torch.Tensor:
         lane = self._lanes[(s.index, table)]
         sync = self.modes[table] != "async"
         req = _pb.PullRowsRequest(rank=s.rank, trainer_id=s.trainer_id, fingerprint=s.fingerprint, table=table,
@@ -176,6 +206,12 @@ class ShardedRows:
         version, raw = self._call(s, "PullRows", once)
         if len(raw) != len(ids) * dim * 4:
             raise ValueError(f"shard {s.index} sent {len(raw)} bytes of rows for {len(ids)} ids of dim {dim}")
+        if version < lane.version:  # a running shard never goes back: it was restored from an older checkpoint
+            self._count(versions_lost=lane.version - version)
+            log.warning("table %r on shard %d is at version %d, behind the %d this trainer saw: the shard was "
+                        "restored from an older checkpoint; %d versions lost", table, s.index, version,
+                        lane.version, lane.version - version)
+            lane.version = version
         lane.version = max(lane.version, version)
         lane.base = version
         self._count(bytes_pulled=len(raw) + len(req.ids), rows_pulled=len(ids))
@@ -200,7 +236,7 @@ class ShardedRows:
         todo = [s for s in pending.payloads if s not in pending.done]
         results = self.client.map_settled(lambda s: self._push_shard(s, table, *pending.payloads[s.index]), todo)
         failed = {s: r for s, r in zip(todo, results) if isinstance(r, Exception)}
-        pending.done.extend(s for s in todo if s not in failed)
+        pending.done.extend(s for s in todo if s not in failed and s not in pending.done)
         if failed:
             self._pending[table] = pending
             raise RowsPushFailed(table, sorted(pending.done), failed, [s.address for s in self.client.shards])
@@ -208,6 +244,17 @@ class ShardedRows:
 
     def _push_shard(self, s: ShardClient, table: str, ids: torch.Tensor, grads: torch.Tensor,
                     num_samples: int) -> str:
+        """One shard's push; on a shard found restarted it is dropped ("lost") once the shard is rejoined."""
+        try:
+            return self._push_once(s, table, ids, grads, num_samples)
+        except grpc.RpcError as e:
+            if not self._restarted(s, e):
+                raise
+        self._count(pushes_lost=1)
+        return "lost"
+
+    def _push_once(self, s: ShardClient, table: str, ids: torch.Tensor, grads: torch.Tensor,
+                   num_samples: int) -> str:
         lane = self._lanes[(s.index, table)]
         if not lane.unanswered:
             lane.sequence += 1
@@ -216,9 +263,14 @@ class ShardedRows:
                                 version=lane.base, num_samples=num_samples, sequence=lane.sequence,
                                 num_ids=len(ids), dim=grads.shape[1])
         chunks = list(row_chunks(grads, header, self.chunk_bytes, ids))
+        sent = []  # one entry per attempt: a DUPLICATE to the first one is not a lost reply's retry
+
+        def send():
+            sent.append(1)
+            return self._push[s.index](iter(chunks), timeout=s.call_timeout)
+
         try:
-            reply = self._call(s, "PushRows", lambda: self._push[s.index](iter(chunks), timeout=s.call_timeout),
-                               retry_on=PUSH_RETRYABLE)
+            reply = self._call(s, "PushRows", send, retry_on=PUSH_RETRYABLE)
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.ABORTED:
                 raise
@@ -228,7 +280,7 @@ class ShardedRows:
             self._count(stale_pushes=1)
             return "stale"
         lane.unanswered = False
-        outcome = _pb.PushOutcome.Name(reply.outcome).lower()
+        outcome = self._push_outcome(lane, _pb.PushOutcome.Name(reply.outcome).lower(), len(sent))
         lane.version = max(lane.version, reply.version)
         if self.modes[table] == "async":
             lane.base = lane.version
@@ -237,6 +289,56 @@ class ShardedRows:
         self._count(bytes_pushed=len(ids) * (8 + 4 * grads.shape[1]), rows_pushed=len(ids),
                     rows_stale=reply.rows_stale, **{f"{outcome}_pushes": 1})
         return outcome
+
+    def _push_outcome(self, lane: _Lane, outcome: str, attempts: int) -> str:
+        """The reply's outcome -- except the first push after a resync that a sync round answered DUPLICATE
+        on its first attempt: the restored round already held this rank's push from before the restart, so
+        this new gradient is dropped ("lost", counted), and the pull waits for that round as usual."""
+        resumed, lane.resumed = lane.resumed, False
+        if resumed and outcome == "duplicate" and attempts == 1:
+            self._count(pushes_lost=1)
+            return "lost"
+        return outcome
+
+    # -- faults -------------------------------------------------------------------------------------
+    def _restarted(self, s: ShardClient, e: grpc.RpcError) -> bool:
+        """Whether ``e`` says the shard restarted and it was rejoined (on_restart, which calls resync)."""
+        if e.code() not in RESTART_CODES or self.on_restart is None:
+            return False
+        self.on_restart(s, e)
+        return True
+
+    def resync(self, shard: int, versions: dict[str, int]) -> None:
+        """Shard ``shard`` restarted and this trainer registered again: every table goes on from ``versions``
+        (the shard's, by table; a missing one is 0).  Unanswered numbers are abandoned and failed pushes
+        kept for the shard dropped -- the shard may have acknowledged either before its restart, and
+        a restored one would answer DUPLICATE to a new gradient under that number."""
+        with self._lock:
+            for name in self.tables:
+                lane = self._lanes[(shard, name)]
+                v = int(versions.get(name, 0))
+                self.counters["versions_lost"] += max(0, lane.version - v)
+                lane.version = lane.base = lane.wait_for = v
+                lane.unanswered, lane.resumed = False, True
+                pending = self._pending.get(name)
+                if pending is not None and shard in pending.payloads and shard not in pending.done:
+                    pending.done.append(shard)
+                    self.counters["pushes_lost"] += 1
+            self.counters["restarts"] += 1
+
+    def abandon(self, table: str) -> bool:
+        """Drop ``table``'s failed push instead of retrying it (trainer.api's abandon_step): the shards that
+        did not answer may or may not have applied it, so their next push gets a new number.  Returns
+        whether there was one; counted in ``pushes_abandoned`` (one per shard not done)."""
+        self._spec(table)
+        pending = self._pending.pop(table, None)
+        if pending is None:
+            return False
+        undone = [s for s in pending.payloads if s not in pending.done]
+        for s in undone:
+            self._lanes[(s, table)].unanswered = False
+        self._count(pushes_abandoned=len(undone))
+        return True
 
     # -- the rest -----------------------------------------------------------------------------------
     def versions(self) -> dict[str, list[int]]:

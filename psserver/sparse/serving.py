@@ -159,6 +159,26 @@ class ServedTable:
     def ready(self, min_version: int) -> bool:
         return self.version >= min_version
 
+    def check_wait(self, rank: int, min_version: int) -> None:
+        """Refuse (OUT_OF_RANGE, the restart signal) a pull waiting for a version this shard will not reach.
+
+        A healthy trainer waits for at most the close of the round it pushed into: ``version + 1``, and
+        only while it is in that round.  Anything further means the shard came back from an older
+        checkpoint without the trainer's push; waiting would hang every trainer of a sync round until
+        its call timed out.  Lock-free: the round is read before the version, and a closing round bumps
+        the version before it forgets its contributors, so a round closing meanwhile is never refused.
+        """
+        if self.mode == "async" or min_version <= self.version:
+            return
+        r = self.round
+        in_round = rank in r.contributors or any(s[0] == rank for s in r.stale)
+        version = self.version
+        if min_version > version + (1 if in_round else 0):
+            held = "holds a push" if in_round else "holds no push"
+            raise FutureVersion(f"min_version is {min_version} but table {self.spec.name!r} is at version "
+                                f"{version} and its open round {held} of rank {rank}: this shard restarted from "
+                                "an older checkpoint; register again and resume from its version")
+
     # -- checks (before any change) ---------------------------------------------------------------
     def check_ids(self, ids: torch.Tensor) -> None:
         """Refuse too many ids, ids outside a bounded table, or repeated ids (the trainer deduplicates)."""
