@@ -559,7 +559,9 @@ class Run:
             **self.clock.summary(self.cfg.batch_size),
             versions=list(self.ps.versions), bytes_out=counters.get("bytes_out", 0),
             bytes_in=counters.get("bytes_in", 0), push_bytes_sent=counters.get("push_bytes_sent", 0),
-            push_bytes_dense=counters.get("push_bytes_dense", 0), stopped=stopped or None,
+            push_bytes_dense=counters.get("push_bytes_dense", 0),
+            **{k: v for k, v in counters.items() if k.startswith("rows_")},  # the tables' client (trainer.sparse_client)
+            stopped=stopped or None,
         )
 
 
