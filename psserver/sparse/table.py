@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 
 from psserver import limits
@@ -31,6 +32,18 @@ TABLE_MODES = ("", "sync", "async", "stale-timeout")  # "": the job's mode
 # LRU eviction frees this fraction of max_rows beyond what a call needs, so that at the cap a
 # scan of all rows' last use is paid once per max_rows/64 new rows, not on every call.
 EVICT_SLACK = 1 / 64
+
+
+def strictly_increasing(ids: torch.Tensor) -> bool:
+    """Whether 1-D ``ids`` are sorted with no repeats: what a trainer sends (it deduplicates with
+    torch.unique, which sorts), so the common case skips a full ``torch.unique``."""
+    a = ids.numpy()
+    return len(a) < 2 or bool((a[1:] > a[:-1]).all())
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether a CPU float tensor holds no NaN or infinity (numpy's isfinite: ~15x torch's on one thread)."""
+    return bool(np.isfinite(t.detach().numpy()).all())
 
 
 def _check_int(field_name: str, value, low: int, high: int, optional: bool = False) -> None:
@@ -125,15 +138,18 @@ class RowStore:
 
     def _take_slots(self, n: int) -> torch.Tensor:
         """``n`` empty slots: freed ones first, then new ones, growing capacity by doubling."""
-        keep = len(self._free) - min(n, len(self._free))
-        reuse, self._free = self._free[keep:], self._free[:keep].clone()
-        extra = n - len(reuse)
+        if len(self._free):
+            keep = len(self._free) - min(n, len(self._free))
+            reuse, self._free = self._free[keep:], self._free[:keep].clone()
+        else:
+            reuse = None
+        extra = n - (0 if reuse is None else len(reuse))
         if self._used + extra > len(self._ids):
             cap = max(self._used + extra, 2 * len(self._ids))
             self._alloc(min(cap, self.spec.max_rows) if self.spec.max_rows else cap)
         fresh = torch.arange(self._used, self._used + extra, dtype=torch.int64)
         self._used += extra
-        return torch.cat([reuse, fresh])
+        return fresh if reuse is None else torch.cat([reuse, fresh])
 
     def _slots(self, ids: torch.Tensor) -> torch.Tensor:
         """The slot of each id, -1 where it has no row."""
@@ -203,7 +219,7 @@ class RowStore:
         if len(ids) > limits.MAX_IDS_PER_CALL:
             raise errors.TooManyIds(f"ids has {len(ids)} entries, over the limit of {limits.MAX_IDS_PER_CALL}")
         n = self.spec.num_embeddings
-        if n is not None and len(ids):
+        if n is not None and len(ids) and not (0 <= int(ids.min()) and int(ids.max()) < n):
             bad = ids[(ids < 0) | (ids >= n)]
             if len(bad):
                 raise errors.IdOutOfRange(f"id {bad[0].item()} is out of range for table {self.spec.name!r} "
@@ -222,13 +238,14 @@ class RowStore:
             got = f"{grads.dtype} {tuple(grads.shape)}" if isinstance(grads, torch.Tensor) else type(grads).__name__
             raise errors.WrongShape(f"grad_rows is {got}, table {self.spec.name!r} needs float32 {want} "
                                     f"(one row of dim {self.spec.dim} per id)")
-        uniq, counts = torch.unique(ids, return_counts=True)
-        if len(uniq) < len(ids):
-            dup = counts > 1
-            raise errors.DuplicateIds(f"id {uniq[dup][0].item()} appears {counts[dup][0].item()} times "
-                                      f"in one push; sum its gradient rows first")
-        bad = (~torch.isfinite(grads)).any(dim=1)
-        if bad.any():
+        if not strictly_increasing(ids):
+            uniq, counts = torch.unique(ids, return_counts=True)
+            if len(uniq) < len(ids):
+                dup = counts > 1
+                raise errors.DuplicateIds(f"id {uniq[dup][0].item()} appears {counts[dup][0].item()} times "
+                                          f"in one push; sum its gradient rows first")
+        if not all_finite(grads):
+            bad = (~torch.isfinite(grads)).any(dim=1)
             raise errors.NonFinite(f"grad_rows for id {ids[bad][0].item()} holds a non-finite value")
 
     def _admit(self, ids: torch.Tensor, sighting: bool) -> torch.Tensor:
@@ -242,13 +259,16 @@ class RowStore:
     def _resolve(self, ids: torch.Tensor, sighting: bool) -> torch.Tensor:
         """Slots of unique ``ids`` after creating the admitted absent ones; -1 for the others."""
         slots = self._slots(ids)
-        self._touch(slots[slots >= 0])  # before creating: touched rows are safe from LRU eviction
         missing = (slots < 0).nonzero().flatten()
-        if len(missing):
-            admitted = missing[self._admit(ids[missing], sighting)]
-            if len(admitted):
-                slots[admitted] = self._create(ids[admitted])
-                self._touch(slots[admitted])
+        if not len(missing):
+            self._touch(slots)
+            return slots
+        # touched before creating: with max_rows, touched rows are safe from LRU eviction
+        self._touch(slots[slots >= 0])
+        admitted = missing[self._admit(ids[missing], sighting)]
+        if len(admitted):
+            slots[admitted] = self._create(ids[admitted])
+            self._touch(slots[admitted])
         return slots
 
     # -- the calls ---------------------------------------------------------------------
@@ -261,15 +281,18 @@ class RowStore:
             BadIds, IdOutOfRange, TooManyIds: nothing changed.
         """
         self._check_ids(ids)
-        uniq, inverse = torch.unique(ids, return_inverse=True)
+        uniq, inverse = (ids, None) if strictly_increasing(ids) else torch.unique(ids, return_inverse=True)
         self._check_fits(len(uniq))
         self.tick += 1
         slots = self._resolve(uniq, sighting=True)
-        have = slots >= 0
-        self.counts.zero_reads += int((~have).sum())
-        out = torch.zeros(len(uniq), self.spec.dim)
-        out[have] = self._rows[slots[have]]
-        return out[inverse]
+        if self.sketch is None:  # without admission every id has a row now
+            out = self._rows.index_select(0, slots)
+        else:
+            have = slots >= 0
+            self.counts.zero_reads += int((~have).sum())
+            out = torch.zeros(len(uniq), self.spec.dim)
+            out[have] = self._rows[slots[have]]
+        return out if inverse is None else out[inverse]
 
     def apply(self, ids: torch.Tensor, grad_rows: torch.Tensor) -> None:
         """One optimizer step on the rows of ``ids`` (unique) with their summed gradient rows.
@@ -287,12 +310,13 @@ class RowStore:
         self.version += 1
         self.tick += 1
         slots = self._resolve(ids, sighting=False)
-        keep = slots >= 0
-        self.counts.dropped_grads += int((~keep).sum())
-        s = slots[keep]
-        rows, state = self._rows[s], self._state[s]
-        update_rows(self.spec.optimizer, rows, state, grad_rows[keep], self.version)
-        self._rows[s], self._state[s] = rows, state
+        if self.sketch is not None:
+            keep = slots >= 0
+            self.counts.dropped_grads += int((~keep).sum())
+            slots, grad_rows = slots[keep], grad_rows[keep]
+        rows, state = self._rows.index_select(0, slots), self._state.index_select(0, slots)
+        update_rows(self.spec.optimizer, rows, state, grad_rows, self.version)
+        self._rows[slots], self._state[slots] = rows, state
         self.evict_stale()
 
     # -- checkpoints and accounting ----------------------------------------------------
