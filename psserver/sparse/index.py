@@ -113,7 +113,10 @@ class IdIndex:
         """Add ``ids`` (unique, none already present) with their ``slots``."""
         if (self.size + self.tombstones + len(ids)) > self.capacity * MAX_LOAD:
             self._rebuild(self.size + len(ids))
-        self._place(_np(ids), _np(slots))
+        if self.size + self.tombstones == 0:
+            self._place_into_empty(_np(ids), _np(slots))
+        else:
+            self._place(_np(ids), _np(slots))
 
     def _place(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Put each id at the first position of its probe sequence that holds no key."""
@@ -137,6 +140,21 @@ class IdIndex:
             # a loser looks at the same window again (its position is taken now); a full window moves on
             todo, start = todo[left], np.where(has, start, (start + WINDOW) & self._mask)[left]
 
+    def _place_into_empty(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """``_place`` for an empty table (a rebuild), without probe rounds: inserted in order of home
+        position, key i goes to ``max(home_i, pos_{i-1} + 1)`` -- a running maximum.  The few keys this
+        would put past the end (they wrap around) are placed after the others by ``_place``."""
+        home = self._home(ids)
+        order = np.argsort(home, kind="stable")
+        rank = np.arange(len(order))
+        pos = rank + np.maximum.accumulate(home[order] - rank)
+        inside = pos <= self._mask
+        at, which = pos[inside], order[inside]
+        self._keys[at], self._slots[at], self._state[at] = ids[which], slots[which], FULL
+        self.size += len(at)
+        if not inside.all():
+            self._place(ids[order[~inside]], slots[order[~inside]])
+
     def remove(self, ids: torch.Tensor) -> None:
         """Forget ``ids`` (each present)."""
         pos = self._positions(_np(ids))
@@ -156,7 +174,7 @@ class IdIndex:
         live = self._state == FULL
         keys, slots = self._keys[live], self._slots[live]
         self._reset(_capacity_for(expected))
-        self._place(keys, slots)
+        self._place_into_empty(keys, slots)
 
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self._keys, self._slots, self._state, self._claim))
