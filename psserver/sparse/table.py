@@ -113,6 +113,8 @@ class RowStore:
         self.sketch = CountMinSketch() if spec.admit_after else None
         self._index = IdIndex()
         self._free = torch.empty(0, dtype=torch.int64)  # slots below _used that hold no row
+        self._evictions = 0  # calls of _evict: a slot found before one may hold another row after it
+        self._last: tuple | None = None  # (ids, slots, _evictions) of the last lookup: see _resolve
         self._used = 0  # slots ever handed out; slots at and above it were never used
         self._alloc(min(initial_capacity, spec.max_rows or initial_capacity))
 
@@ -166,16 +168,24 @@ class RowStore:
         if self.spec.max_rows and len(self) + len(ids) > self.spec.max_rows:
             slack = int(self.spec.max_rows * EVICT_SLACK)
             self._evict_lru(min(len(self) + len(ids) - self.spec.max_rows + slack, len(self)))
+        fresh, start = not len(self._free), self._used
         slots = self._take_slots(len(ids))
-        self._ids[slots] = ids
-        self._rows[slots] = init_rows(self.spec.initializer, self.spec.seed, ids, self.spec.dim)
-        self._state[slots] = initial_state(self.spec.optimizer, len(ids), self.spec.dim)
+        rows = init_rows(self.spec.initializer, self.spec.seed, ids, self.spec.dim)
+        if fresh:  # slots start..start+n, never used: copies instead of scatters, and their state is zeros already
+            at = slice(start, start + len(ids))
+            self._ids[at], self._rows[at] = ids, rows
+            if self.spec.optimizer.initial_accumulator_value and self.width:
+                self._state[at] = initial_state(self.spec.optimizer, len(ids), self.spec.dim)
+        else:
+            self._ids[slots], self._rows[slots] = ids, rows
+            self._state[slots] = initial_state(self.spec.optimizer, len(ids), self.spec.dim)
         self._index.insert(ids, slots)
         self.counts.rows_created += len(ids)
         return slots
 
     def _evict(self, slots: torch.Tensor) -> None:
         """Drop the rows in ``slots``: forget their ids, mark the slots free."""
+        self._evictions += 1
         self._index.remove(self._ids[slots])
         self._last_tick[slots] = INT64_MAX
         self._last_version[slots] = INT64_MAX
@@ -257,7 +267,16 @@ class RowStore:
         return seen > self.spec.admit_after
 
     def _resolve(self, ids: torch.Tensor, sighting: bool) -> torch.Tensor:
-        """Slots of unique ``ids`` after creating the admitted absent ones; -1 for the others."""
+        """Slots of unique ``ids`` after creating the admitted absent ones; -1 for the others.
+
+        A push of exactly the ids of the last lookup (the one trainer of a sync round, or any
+        trainer in async) reuses that lookup's slots instead of finding them again, unless a row
+        was evicted since (then a slot may hold another row now)."""
+        last = self._last
+        if (not sighting and last is not None and last[2] == self._evictions and len(last[0]) == len(ids)
+                and torch.equal(last[0], ids)):
+            self._touch(last[1])
+            return last[1].clone()
         slots = self._slots(ids)
         missing = (slots < 0).nonzero().flatten()
         if not len(missing):
@@ -287,6 +306,7 @@ class RowStore:
         slots = self._resolve(uniq, sighting=True)
         if self.sketch is None:  # without admission every id has a row now
             out = self._rows.index_select(0, slots)
+            self._last = (uniq.clone(), slots, self._evictions)
         else:
             have = slots >= 0
             self.counts.zero_reads += int((~have).sum())
