@@ -21,6 +21,7 @@ all) is 3-5x lower -- the same index in torch ops cost ~0.3 ms per find.
 
 Inserting a batch resolves collisions between its own ids by letting them claim free
 positions at once (a scatter); one claimant per position wins, the others probe on.
+A rebuild fills its empty table without probe rounds (``_place_into_empty``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One sparse table's live rows on one shard: lookup, apply, admission, eviction, state.
 
 Rows, optimizer state and bookkeeping sit in preallocated tensors indexed by a
-slot; a dict maps each live id to its slot.  Capacity doubles as rows are created
+slot; an IdIndex (psserver.sparse.index) maps each live id to its slot.  Capacity doubles as rows are created
 and never exceeds ``max_rows``, so with eviction on, memory is bounded whatever
 stream of ids arrives.  A row that is not stored (never seen, evicted, or not yet
 admitted) costs nothing: it is recreated from (seed, id) when it comes back.
