@@ -121,6 +121,10 @@ class _ShardedTable(nn.Module):
 
     def _rows_this_step(self, uniq: torch.Tensor) -> torch.Tensor:
         """Rows for ``uniq`` (sorted): those pulled earlier in this step reused, the others pulled now."""
+        if not len(self._held_ids) and len(uniq):  # the step's first forward (the common case): nothing to reuse or merge
+            rows = self._pull(uniq)
+            self._held_ids, self._held_rows = uniq, rows
+            return rows.detach().clone()
         pos = torch.searchsorted(self._held_ids, uniq).clamp_(max=max(len(self._held_ids) - 1, 0))
         known = (self._held_ids[pos] == uniq) if len(self._held_ids) else torch.zeros(len(uniq), dtype=torch.bool)
         rows = torch.empty(len(uniq), self.embedding_dim, device=self._device_probe.device)

@@ -28,12 +28,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from psserver.sparse.placement import GAMMA, as_int64, mix64, shift_right
+from psserver.sparse.placement import GAMMA, as_int64, mix64
 
 INITIALIZERS = ("uniform", "normal")
 _LOW32 = 0xFFFFFFFF
+# The integer steps run in numpy's uint64, which wraps and shifts unsigned as the formulas say (torch's int64
+# needs a mask per shift): the same bits at a third of the cost.  The float steps stay in torch.
+_GAMMA = np.uint64(GAMMA)
+_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
 @dataclass(frozen=True)
@@ -56,29 +61,46 @@ def splitmix64(z: torch.Tensor) -> torch.Tensor:
     return mix64(z + as_int64(GAMMA))
 
 
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """placement.mix64 on a uint64 array."""
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+def _row_bits(seed: int, ids: torch.Tensor, dim: int) -> np.ndarray:
+    """``bits(id, j)`` of the module docstring: a uint64 (len(ids), dim) array."""
+    key = _mix64(np.array([seed], dtype=np.uint64) + _GAMMA)
+    start = _mix64((ids.contiguous().numpy().view(np.uint64) ^ key) + _GAMMA)
+    steps = np.arange(1, dim + 1, dtype=np.uint64) * _GAMMA  # wraps, as it must
+    return _mix64(start[:, None] + steps[None, :])
+
+
 def row_bits(seed: int, ids: torch.Tensor, dim: int) -> torch.Tensor:
     """``bits(id, j)`` of the module docstring: an int64 (len(ids), dim) tensor."""
-    key = splitmix64(torch.tensor(as_int64(seed), dtype=torch.int64))
-    start = splitmix64(ids ^ key)
-    steps = torch.arange(1, dim + 1, dtype=torch.int64) * as_int64(GAMMA)  # wraps, as it must
-    return mix64(start[:, None] + steps[None, :])
+    return torch.from_numpy(_row_bits(seed, ids, dim).view(np.int64))
 
 
-def uniform_rows(bits: torch.Tensor, a: float) -> torch.Tensor:
+def _unsigned(bits: torch.Tensor | np.ndarray) -> np.ndarray:
+    return bits if isinstance(bits, np.ndarray) else bits.contiguous().numpy().view(np.uint64)
+
+
+def uniform_rows(bits: torch.Tensor | np.ndarray, a: float) -> torch.Tensor:
     """uniform[-a, a) from the top 24 bits, exact until the final multiplication by ``a``."""
-    k = shift_right(bits, 40).to(torch.float32)
+    k = torch.from_numpy((_unsigned(bits) >> np.uint64(40)).astype(np.float32))  # < 2**24: exact
     return (k * 2.0**-23 - 1.0) * a
 
 
-def normal_rows(bits: torch.Tensor, std: float) -> torch.Tensor:
+def normal_rows(bits: torch.Tensor | np.ndarray, std: float) -> torch.Tensor:
     """Box-Muller on the two 32-bit halves of each word, in float64, rounded to float32."""
-    u1 = (shift_right(bits, 32).to(torch.float64) + 0.5) * 2.0**-32
-    u2 = (bits & _LOW32).to(torch.float64) * 2.0**-32
+    b = _unsigned(bits)
+    u1 = (torch.from_numpy((b >> np.uint64(32)).astype(np.float64)) + 0.5) * 2.0**-32  # < 2**32: exact
+    u2 = torch.from_numpy((b & np.uint64(_LOW32)).astype(np.float64)) * 2.0**-32
     z = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)
     return (z * std).to(torch.float32)
 
 
 def init_rows(init: Initializer, seed: int, ids: torch.Tensor, dim: int) -> torch.Tensor:
     """The initial float32 rows (len(ids), dim) for ``ids`` of a table with ``seed``."""
-    bits = row_bits(seed, ids, dim)
+    bits = _row_bits(seed, ids, dim)
     return uniform_rows(bits, init.scale) if init.kind == "uniform" else normal_rows(bits, init.scale)

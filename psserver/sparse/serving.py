@@ -38,7 +38,7 @@ from psserver.errors import FutureVersion, InvalidRequest, StaleGradient
 from psserver.job import JobSpec, table_mode
 from psserver.sparse import errors
 from psserver.sparse.placement import shard_of
-from psserver.sparse.table import RowStore, TableSpec
+from psserver.sparse.table import RowStore, TableSpec, all_finite, strictly_increasing
 
 # Counters of a table, as GetStats names them: ``table.<name>.<counter>``.
 STAT_KEYS = ("version", "live_rows", "rows_created", "zero_reads", "dropped_grads", "evicted_lru",
@@ -96,13 +96,21 @@ class TableRound:
         """(union ids, sum + weight * grads) as new tensors; refused, changing nothing, if float32 overflows.
 
         Each contribution is added into a fresh zero sum in arrival order: ``0 + x`` is exact and float
-        addition commutes, so with two trainers the sum does not depend on which arrived first.
+        addition commutes, so with two trainers the sum does not depend on which arrived first.  The first
+        contribution of a round with sorted ids (what a trainer sends) is that sum without the scatter:
+        ``x * w + 0.0`` is the same value, -0.0 turned to +0.0 included.
         """
+        if not len(self.ids) and strictly_increasing(ids):
+            total = grads.mul(weight).add_(0.0)
+            if not all_finite(total):
+                raise InvalidRequest(f"adding these gradient rows (weight {weight:g}) to the round's sum overflows "
+                                     "float32: refused; the gradient's values are too large")
+            return ids, total
         union, inverse = torch.unique(torch.cat([self.ids, ids]), sorted=True, return_inverse=True)
         total = torch.zeros(len(union), self.dim)
         total.index_add_(0, inverse[: len(self.ids)], self.sum)
         total.index_add_(0, inverse[len(self.ids):], grads.mul(weight))
-        if not bool(torch.isfinite(total).all()):
+        if not all_finite(total):
             raise InvalidRequest(f"adding these gradient rows (weight {weight:g}) to the round's sum overflows "
                                  "float32: refused; the gradient's values are too large")
         return union, total
@@ -183,7 +191,7 @@ class ServedTable:
     def check_ids(self, ids: torch.Tensor) -> None:
         """Refuse too many ids, ids outside a bounded table, or repeated ids (the trainer deduplicates)."""
         self.store._check_ids(ids)
-        if len(torch.unique(ids)) != len(ids):
+        if not strictly_increasing(ids) and len(torch.unique(ids)) != len(ids):
             uniq, counts = torch.unique(ids, return_counts=True)
             dup = counts > 1
             raise errors.DuplicateIds(f"id {uniq[dup][0].item()} appears {counts[dup][0].item()} times in one "
@@ -203,14 +211,15 @@ class ServedTable:
         if p.grads.dtype != torch.float32 or tuple(p.grads.shape) != want:
             raise errors.WrongShape(f"grad rows are {p.grads.dtype} {tuple(p.grads.shape)}, table "
                                     f"{self.spec.name!r} needs float32 {want}")
-        bad = (~torch.isfinite(p.grads)).any(dim=1)
-        if refuse_nonfinite and bool(bad.any()):
+        finite = all_finite(p.grads)
+        if refuse_nonfinite and not finite:
+            bad = (~torch.isfinite(p.grads)).any(dim=1)
             raise errors.NonFinite(f"grad rows for id {p.ids[bad][0].item()} hold a NaN or infinite value "
                                    f"(table {self.spec.name!r})")
         if p.base > self.version:
             raise FutureVersion(f"base version is {p.base} but table {self.spec.name!r} is at version "
                                 f"{self.version}")
-        return not bool(bad.any())
+        return finite
 
     # -- calls --------------------------------------------------------------------------------------
     def lookup(self, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -314,7 +323,8 @@ class ServedTable:
         if self.spec.max_staleness is not None and self.mode == "async":
             self.updated_at.update(dict.fromkeys(ids.tolist(), self.version))
             if len(self.updated_at) > 2 * max(len(self.store), 1024):  # forget evicted rows (they start afresh)
-                live = self.store._slot_of
+                held = torch.tensor(list(self.updated_at), dtype=torch.int64)
+                live = set(held[self.store._index.find(held) >= 0].tolist())
                 self.updated_at = {i: v for i, v in self.updated_at.items() if i in live}
 
     def _close(self, reason: modes.CloseReason) -> None:
