@@ -321,7 +321,9 @@ def sparse_markdown(sp: dict | None) -> list[str]:
                   f"{m['optimizer']}: {last['live_rows']:,} live rows, {last['evicted']:,} evicted; RSS growth "
                   f"{last['rss_growth_bytes'] / 2**20:.0f} MiB = {m['rss_growth_over_payload']:.2f}x rows x dim x 4 x "
                   f"(1 + state); the table's own count {m['table_over_payload']:.2f}x; "
-                  f"{'flat' if m['flat_after_cap'] else 'NOT flat'} after the cap."]
+                  f"table {'flat' if m['table_flat_after_cap'] else 'NOT flat'} after the cap"
+                  + (f", RSS {100 * m['rss_change_after_cap']:+.1f}% from the first capped sample to the last."
+                     if m["rss_change_after_cap"] is not None else ".")]
     return lines
 
 
