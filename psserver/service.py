@@ -420,11 +420,16 @@ class ParameterServerService:
             self.shard.check_member(request.rank, request.trainer_id, request.fingerprint)
             table = self.shard.tables.get(request.table)
             ids = _decode_ids(request.ids)
-            table.check_ids(ids)  # before waiting: a refusal is not worth a wait
+            _check_pull_bytes(len(ids), table.spec.dim, self.cfg.max_push_bytes)  # the reply, before any row exists
+            if table.small_work(len(ids) * table.spec.dim, INLINE_ROW_ELEMENTS):
+                table.check_ids(ids)  # before waiting: a refusal is not worth a wait
+            else:  # unique + placement of up to 2^20 ids: off the loop
+                await self.runtime.loop.run_in_executor(self.runtime.state, table.check_ids, ids)
             table.check_wait(request.rank, request.min_version)  # a restarted shard would never answer
             waited = await self._wait_table(request.table, request.min_version, context)
+            table = self.shard.tables.get(request.table)  # a new job may have replaced the tables meanwhile
             version, rows = await self._run_rows(
-                len(ids) * table.spec.dim, self.shard.pull_rows, request.rank, request.trainer_id,
+                table, len(ids) * table.spec.dim, self.shard.pull_rows, request.rank, request.trainer_id,
                 request.fingerprint, request.table, ids)
             header = _pb.RowsHeader(table=request.table, version=version, num_ids=len(ids), dim=table.spec.dim,
                                     wait_seconds=waited)
@@ -455,10 +460,11 @@ class ParameterServerService:
         table = self.shard.tables.by_name.get(name)
         return self.runtime.stopping or table is None or table.ready(min_version)
 
-    def _run_rows(self, elements: int, fn, *args) -> asyncio.Future:
-        """``fn`` on the state worker -- or on the loop where the dense slice's work runs there too and this call's
-        rows are at most INLINE_ROW_ELEMENTS."""
-        if self.runtime.inline() and elements <= INLINE_ROW_ELEMENTS:
+    def _run_rows(self, table, elements: int, fn, *args) -> asyncio.Future:
+        """``fn`` on the state worker -- or on the loop where the dense slice's work runs there too and all the
+        work the call can do (its rows, the table, the open round: ``ServedTable.small_work``) is at most
+        INLINE_ROW_ELEMENTS values."""
+        if self.runtime.inline() and table.small_work(elements, INLINE_ROW_ELEMENTS):
             return self.runtime.run_state(fn, *args)
         return self.runtime.loop.run_in_executor(self.runtime.state, functools.partial(fn, *args))
 
@@ -480,7 +486,7 @@ class ParameterServerService:
                 ids, grads = await self._read_rows(reader, first, h)
                 push = RowsPush(h.rank, h.trainer_id, h.version, h.num_samples, h.sequence, ids, grads)
                 try:
-                    r = await self._run_rows(grads.numel(), self.shard.push_rows, h.fingerprint, h.table, push,
+                    r = await self._run_rows(table, grads.numel(), self.shard.push_rows, h.fingerprint, h.table, push,
                                              self.cfg.nonfinite == "refuse")
                 except StaleGradient:
                     self.shard.count("row_pushes_stale")
@@ -514,6 +520,13 @@ def _decode_ids(raw: bytes) -> torch.Tensor:
     if len(raw) // 8 > limits.MAX_IDS_PER_CALL:
         raise TooLarge(f"ids has {len(raw) // 8} entries, over the limit of {limits.MAX_IDS_PER_CALL}")
     return torch.frombuffer(bytearray(raw), dtype=torch.int64) if raw else torch.empty(0, dtype=torch.int64)
+
+
+def _check_pull_bytes(n: int, dim: int, max_bytes: int) -> None:
+    """Refuse a row pull whose reply (and the rows it may create) would pass the shard's per-call byte limit."""
+    if n * dim * 4 > max_bytes:
+        raise TooLarge(f"the pull asks for {n} rows of dim {dim} ({n * dim * 4} bytes), over this shard's limit "
+                       f"of {max_bytes} bytes")
 
 
 def _check_rows_declared(h: _pb.RowsHeader, dim: int, max_bytes: int) -> None:

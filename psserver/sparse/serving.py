@@ -164,6 +164,14 @@ class ServedTable:
     def mode(self) -> str:
         return self.cfg.mode
 
+    def small_work(self, elements: int, limit: int) -> bool:
+        """Whether a call moving ``elements`` row values may run on the event loop: besides its own rows, a
+        call can copy or scan the whole table (capacity growth, LRU and stale eviction, an index rebuild) and
+        a push can close a round over the union of every trainer's ids -- so only when all of that is small."""
+        capacity = len(self.store._ids)
+        return (elements <= limit and capacity * self.spec.dim <= limit
+                and (len(self.round.ids) + elements // self.spec.dim + 1) * self.spec.dim <= limit)
+
     def ready(self, min_version: int) -> bool:
         return self.version >= min_version
 

@@ -263,3 +263,13 @@ def test_a_push_that_fails_on_one_shard_is_retried_there_alone_with_the_same_seq
             rows.pull("emb", ids)
     finally:
         close(trainers)
+
+
+def test_a_pull_whose_reply_would_pass_the_byte_limit_is_refused_before_any_row_exists(shard_server):
+    raw = shard_server(max_push_bytes=1024)
+    raw.register(spec=job())
+    before = raw.digest()
+    # 100 rows of the table's dim take more than 1024 bytes: refused naming both, nothing created
+    refused(lambda: pull_rows(raw, list(range(100))), grpc.StatusCode.RESOURCE_EXHAUSTED, "over this shard's limit of 1024")
+    assert raw.digest() == before and raw.stats().counters["table.emb.live_rows"] == 0
+    assert len(pull_rows(raw, [1])[1]) == 1  # still serving, and small pulls pass

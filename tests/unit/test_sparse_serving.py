@@ -177,3 +177,16 @@ def test_table_numbers_reach_prometheus_and_ps_server_stats():
 def test_the_refusal_classes_map_to_their_documented_codes():
     assert UnknownTable("x").code == grpc.StatusCode.INVALID_ARGUMENT
     assert errors.TooManyIds("x").code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_only_calls_whose_whole_work_is_small_may_run_on_the_event_loop():
+    from psserver.job import JobSpec
+    from psserver.sparse.serving import ServedTable
+    from psserver.sparse.table import TableSpec
+    spec = TableSpec("t", 16)
+    job = JobSpec(mode="sync", num_trainers=1, num_shards=1, total_params=0, fingerprint="f", tables=(spec,))
+    table = ServedTable(spec, job)
+    assert table.small_work(16 * 100, 1 << 16)
+    assert not table.small_work((1 << 16) + 16, 1 << 16)  # the call's own rows
+    table.store.lookup(torch.arange(5000))  # capacity grows past 4096 rows of 16: scans and copies get big
+    assert not table.small_work(16, 1 << 16)
