@@ -46,7 +46,10 @@ from psserver.layout import Layout
 from psserver.schedules import LrSchedule
 from psserver.security import ClientSecurity
 from psserver.sparse.table import TableSpec
-from trainer.client import WAIT_LOG_SECONDS, PushOutcome, RetryPolicy, ShardClient, ShardedClient, parse_addresses
+from trainer.client import (
+    RESTART_CODES, WAIT_LOG_SECONDS, PushOutcome, RetryPolicy, ShardCallsFailed, ShardClient, ShardedClient,
+    parse_addresses,
+)
 from trainer.clipping import check_max_norm, clip_local_
 from trainer.compress import parse_compress
 from trainer.early_push import EarlyPusher
@@ -58,7 +61,6 @@ log = logging.getLogger(__name__)
 # A shard that answers these to a push or pull has restarted: it does not know this trainer any more
 # (NOT_FOUND), came back empty (FAILED_PRECONDITION: not initialised), or from an older checkpoint
 # than our version (OUT_OF_RANGE).  The trainer registers again and resumes from the shard.
-REJOIN_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION)
 
 
 def model_layout(model: torch.nn.Module, num_shards: int) -> Layout:
@@ -155,7 +157,7 @@ class StartTimeout(TimeoutError):
     """The job did not start within the connect timeout; the message says what was still awaited."""
 
 
-class StepFailed(grpc.RpcError, RuntimeError):
+class StepFailed(ShardCallsFailed):
     """A step that did not complete on every shard.
 
     An ``RpcError`` whose ``code()`` is the first failing shard's, so callers that
@@ -169,23 +171,10 @@ class StepFailed(grpc.RpcError, RuntimeError):
     """
 
     def __init__(self, step: int, applied: list[int], failed: dict, addresses: Sequence[str]):
-        self.applied, self.failed = applied, failed
-        causes = "; ".join(
-            f"shard {i} at {addresses[i]}: "
-            + (f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else f"{type(e).__name__}: {e}")
-            for i, e in sorted(failed.items()))
+        self.applied = applied
         done = f"shards {applied} applied the gradient" if applied else "no shard is known to have applied it"
-        self.message = (f"step {step} failed ({causes}); {done}; call step() again to retry the others "
-                        f"(a shard that applied it answers DUPLICATE), or close()")
-        first = failed[min(failed)]
-        self._code = first.code() if isinstance(first, grpc.RpcError) else grpc.StatusCode.UNKNOWN
-        super().__init__(self.message)
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self.message
+        super().__init__(f"step {step} failed ({self.causes(failed, addresses)}); {done}; call step() again to "
+                         f"retry the others (a shard that applied it answers DUPLICATE), or close()", failed)
 
 
 @dataclass
@@ -528,7 +517,7 @@ class ParameterServerTrainer:
             else:
                 outcome = self._exchange_once(s, grad, num_samples, attempt)
         except grpc.RpcError as e:
-            if e.code() not in REJOIN_CODES:
+            if e.code() not in RESTART_CODES:
                 raise
             self._rejoin(s, e)
         if outcome == "lost":

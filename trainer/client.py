@@ -53,6 +53,36 @@ class ShardUnreachable(ConnectionError):
     """A shard did not answer within the connect timeout; the message names it and its address."""
 
 
+# A shard answering these restarted: it no longer knows the trainer, came back empty, or is behind it.
+# The trainer registers again (dense slice: trainer.api; tables: trainer.sparse_client).
+RESTART_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION)
+
+
+class ShardCallsFailed(grpc.RpcError, RuntimeError):
+    """Calls that failed for good on some shards: an ``RpcError`` whose ``code()`` is the first failing
+    shard's (callers that handle a refusal by its code keep working), its message naming every failure
+    with its shard's address.  ``failed``: shard -> the error."""
+
+    def __init__(self, message: str, failed: dict):
+        self.failed, self.message = failed, message
+        first = failed[min(failed)]
+        self._code = first.code() if isinstance(first, grpc.RpcError) else grpc.StatusCode.UNKNOWN
+        super().__init__(message)
+
+    @staticmethod
+    def causes(failed: dict, addresses: Sequence[str]) -> str:
+        return "; ".join(
+            f"shard {i} at {addresses[i]}: "
+            + (f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else f"{type(e).__name__}: {e}")
+            for i, e in sorted(failed.items()))
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self.message
+
+
 def _connect_cause(e: grpc.RpcError) -> str:
     """A short reason for a failed connection attempt ("connection refused", "no reply within 3 s")."""
     details = e.details() or ""

@@ -23,7 +23,7 @@ that did apply the dropped one must not answer DUPLICATE to a new gradient).
 Shard restarts: a pull answered a version older than one seen before counts the
 versions the restored shard lost (async tables go on from it as they are); a row
 call answered NOT_FOUND, FAILED_PRECONDITION or OUT_OF_RANGE
-(the codes of trainer.api.REJOIN_CODES; a pull waiting past what a restored shard can
+(trainer.client.RESTART_CODES; a pull waiting past what a restored shard can
 reach is refused OUT_OF_RANGE too) hands the shard to ``on_restart`` -- the trainer
 registers again there and calls ``resync`` with the tables' versions read from the
 shard.  Every lane of that shard then goes on from those versions under new
@@ -50,15 +50,13 @@ from psserver.proto import ps_pb2 as _pb
 from psserver.sparse.placement import shard_of
 from psserver.sparse.table import TableSpec
 from psserver.sparse.wire import row_chunks
-from trainer.client import PUSH_RETRYABLE, ShardClient, ShardedClient
+from trainer.client import PUSH_RETRYABLE, RESTART_CODES, ShardCallsFailed, ShardClient, ShardedClient
 
 log = logging.getLogger(__name__)
 _METHOD = "/psgrpc.v1.ParameterServer/"
-# The shard restarted (as trainer.api.REJOIN_CODES): it no longer knows us, came back empty, or is behind us.
-RESTART_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION)
 
 
-class RowsCallFailed(grpc.RpcError, RuntimeError):
+class RowsCallFailed(ShardCallsFailed):
     """A row call that failed for good on some shards (after retries); ``code()`` is the first failing shard's.
 
     ``failed``: shard -> error, each named with its address in the message; ``done``: shards that answered.
@@ -68,20 +66,9 @@ class RowsCallFailed(grpc.RpcError, RuntimeError):
     advice = "the rows of the other shards were read; call pull() again"
 
     def __init__(self, table: str, done: list[int], failed: dict, addresses: list[str]):
-        self.done, self.failed = done, failed
-        causes = "; ".join(f"shard {i} at {addresses[i]}: " + (
-            f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else f"{type(e).__name__}: {e}")
-            for i, e in sorted(failed.items()))
-        self.message = f"{self.what} of table {table!r} failed ({causes}); shards {done} answered; {self.advice}"
-        first = failed[min(failed)]
-        self._code = first.code() if isinstance(first, grpc.RpcError) else grpc.StatusCode.UNKNOWN
-        super().__init__(self.message)
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self.message
+        self.done = done
+        super().__init__(f"{self.what} of table {table!r} failed ({self.causes(failed, addresses)}); shards {done} "
+                         f"answered; {self.advice}", failed)
 
 
 class RowsPushFailed(RowsCallFailed):
