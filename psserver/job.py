@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field, fields
 
 from psserver.limits import (
-    MAX_DIMS, MAX_ID_CHARS, MAX_NAME_CHARS, MAX_SHARDS, MAX_STALENESS, MAX_SYNC_TIMEOUT, MAX_TABLES, MAX_TENSORS,
+    MAX_DIMS, MAX_ID_CHARS, MAX_NAME_CHARS, MAX_PARTITIONS, MAX_SHARDS, MAX_STALENESS, MAX_SYNC_TIMEOUT, MAX_TABLES, MAX_TENSORS,
     MAX_TOTAL_PARAMS, MAX_TRAINERS, text_problem,
 )
 from psserver.logsafe import shorten
@@ -109,6 +109,7 @@ class JobSpec:
     job_id: str = ""  # names one run of a job ("" for an unnamed one): a trainer of another run is refused
     lr_schedule: LrSchedule = field(default_factory=LrSchedule)  # the rate at each version (psserver.schedules)
     tables: tuple[TableSpec, ...] = ()  # sparse embedding tables (psserver.sparse), names unique
+    partitions: int = 1  # pieces of each shard's slice with their own rounds (psserver.layout.partition_range)
 
     def __post_init__(self) -> None:
         _text("job_id", self.job_id, MAX_ID_CHARS)
@@ -145,6 +146,8 @@ class JobSpec:
             )
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"The wire dtype ({shorten(self.wire_dtype)}) must be one of {', '.join(WIRE_DTYPES)}.")
+        if not 1 <= self.partitions <= MAX_PARTITIONS:
+            raise ValueError(f"The partitions per shard ({self.partitions}) must be between 1 and {MAX_PARTITIONS}.")
         _check_tensors(self.tensors, self.total_params)
         _check_tables(self.tables, self)
         if self.lr_schedule.kind == "cosine" and self.lr_schedule.min_lr > self.optimizer.lr:
@@ -173,6 +176,7 @@ class JobSpec:
             job_id=self.job_id,
             lr_schedule=_pb.LrSchedule(**{f.name: getattr(self.lr_schedule, f.name) for f in fields(LrSchedule)}),
             tables=[table_to_proto(t) for t in self.tables],
+            partitions=self.partitions,
         )
 
     @staticmethod
@@ -201,6 +205,7 @@ class JobSpec:
             lr_schedule=(LrSchedule(**{f.name: getattr(msg.lr_schedule, f.name) for f in fields(LrSchedule)})
                          if msg.HasField("lr_schedule") else LrSchedule()),  # an older trainer's or checkpoint's
             tables=tuple(table_from_proto(t) for t in msg.tables),
+            partitions=msg.partitions or 1,  # 0: an older trainer's or checkpoint's, one partition
         )
 
     def difference(self, other: "JobSpec") -> str | None:

@@ -90,3 +90,23 @@ def shard_range(total: int, num_shards: int, shard: int) -> tuple[int, int]:
     if not 0 <= shard < num_shards:
         raise ValueError(f"Shard {shard} is out of range for {counted(num_shards, 'shard')}.")
     return total * shard // num_shards, total * (shard + 1) // num_shards
+
+
+def partition_range(total: int, num_shards: int, partitions: int, shard: int, partition: int) -> tuple[int, int]:
+    """[start, end) of partition ``partition`` of ``shard``: logical shard ``shard*K + partition`` of ``M*K``.
+
+    Because floor(P*i*K / (M*K)) = floor(P*i/M), the K partitions of shard i tile exactly its
+    ``shard_range`` -- partitioning never moves an element between shards -- and are balanced within
+    one element.  Some are empty when a slice has fewer elements than partitions.
+    """
+    if not 0 <= partition < partitions:
+        raise ValueError(f"Partition {partition} is out of range for {counted(partitions, 'partition')}.")
+    shard_range(total, num_shards, shard)  # refuses a shard out of range
+    return shard_range(total, num_shards * partitions, shard * partitions + partition)
+
+
+def partitions_for(slice_elements: int, partition_bytes: int, element_bytes: int = 4) -> int:
+    """How many partitions cut a slice of ``slice_elements`` into pieces of at most ``partition_bytes`` (0: one)."""
+    if partition_bytes <= 0 or slice_elements <= 0:
+        return 1
+    return max(1, -(-slice_elements * element_bytes // partition_bytes))

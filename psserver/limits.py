@@ -19,6 +19,9 @@ from psserver.logsafe import shorten
 MAX_TRAINERS = 4096
 # Each trainer opens one channel per shard and fans every step out to all of them.
 MAX_SHARDS = 1024
+# Partitions of one shard's slice (JobSpec.partitions): each costs the shard a Shard object, a checkpoint file and a
+# version waiter, and a trainer a channel and a thread; 256 x 4 MB partitions is a 1 GB slice.
+MAX_PARTITIONS = 256
 # 2**36 fp32 parameters is 256 GiB: larger than any one job's flat vector we expect, small enough
 # that a shard's slice length and byte counts stay far from overflow anywhere.
 MAX_TOTAL_PARAMS = 1 << 36

@@ -29,6 +29,7 @@ from typing import Awaitable, Callable
 import torch
 
 from psserver.errors import PsError
+from psserver.host import ShardHost
 from psserver.shard import Shard
 
 log = logging.getLogger(__name__)
@@ -183,29 +184,41 @@ class ReceiveBuffers:
 class Runtime:
     """Created on the event loop; owns the threads the servicer hands work to."""
 
-    def __init__(self, shard: Shard, receive_buffers: int):
+    def __init__(self, host: ShardHost, receive_buffers: int):
         self.loop = asyncio.get_running_loop()
         self.loop_thread = threading.get_ident()
-        self.shard = shard
-        self.state = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shard{shard.shard_id}-state")
-        self.waiters = VersionWaiters(self.loop, shard.pull_ready)
-        self.buffers = ReceiveBuffers(receive_buffers)
+        self.host = host
+        self.state = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shard{host.shard_id}-state")
+        self.buffers = ReceiveBuffers(receive_buffers)  # shared by the partitions: memory is the process's
         self.stopping = False
         self.changes = asyncio.Event()  # set on every shard change: wakes the round timer in stale-timeout mode
-        shard.on_change = self._changed_threadsafe
+        self._waiters: list[VersionWaiters] = []  # one per partition, by index
+        for part in host.parts:
+            self._wire(part)
+        host.on_new_part = self._wire
 
-    def _changed_threadsafe(self) -> None:
+    def _wire(self, part: Shard) -> None:
+        """Waiters for ``part``'s versions, woken by its changes (partitions are created on the loop or before)."""
+        waiters = VersionWaiters(self.loop, part.pull_ready)
+        self._waiters.append(waiters)
+        part.on_change = lambda: self._changed_threadsafe(part, waiters)
+
+    def waiters(self, partition: int = 0) -> VersionWaiters:
+        return self._waiters[partition]
+
+    def _changed_threadsafe(self, part: Shard, waiters: VersionWaiters) -> None:
         if self.loop.is_closed():  # the server stopped: nobody waits any more
             return
-        self.waiters.changed_threadsafe()
-        if self.shard.mode() == "stale-timeout":
+        waiters.changed_threadsafe()
+        if part.mode() == "stale-timeout":
             if threading.get_ident() == self.loop_thread:
                 self.changes.set()
             else:
                 self.loop.call_soon_threadsafe(self.changes.set)
 
     def inline(self) -> bool:
-        return self.shard.slice_length() <= INLINE_STATE_ELEMENTS
+        """Partition 0's slice is the largest (partitions differ by at most one element)."""
+        return self.host.head.slice_length() <= INLINE_STATE_ELEMENTS
 
     def run_state(self, fn, *args) -> asyncio.Future:
         """``fn(*args)`` on the state worker -- or at once on the loop for a small slice (see INLINE_STATE_ELEMENTS);
@@ -219,32 +232,29 @@ class Runtime:
             fut.set_exception(e)
         return fut
 
-    async def acquire_snapshot(self, rank: int, trainer_id: str, fingerprint: str, wire: int):
+    async def acquire_snapshot(self, part: Shard, rank: int, trainer_id: str, fingerprint: str, wire: int):
         """What a pull streams: on the loop when no step runs (the common case), else Shard.acquire_snapshot
         on the state worker; if the call is cancelled meanwhile, the snapshot it gets is released when it
         arrives (else a step would move the parameters aside forever)."""
-        fast = self.shard.try_acquire_snapshot(wire)
+        fast = part.try_acquire_snapshot(wire)
         if fast is not None:
             return fast
-        fut = self.run_state(self.shard.acquire_snapshot, rank, trainer_id, fingerprint, wire)
+        fut = self.run_state(part.acquire_snapshot, rank, trainer_id, fingerprint, wire)
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
             fut.add_done_callback(lambda f: None if f.cancelled() or f.exception() else
-                                  self.release_snapshot(f.result()[1]))
+                                  part.release_snapshot(f.result()[1]))
             raise
-
-    def release_snapshot(self, snapshot: torch.Tensor) -> None:
-        self.shard.release_snapshot(snapshot)  # a brief bookkeeping lock, never held for tensor work
 
     async def round_timer(self) -> None:
         """Expires leases and closes stale-timeout rounds at their deadlines (Shard.tick on the state worker)."""
-        clock = self.shard._clock
+        clock = self.host._clock
         while not self.stopping:
             try:
-                next_at = await self.run_state(self.shard.tick)
+                next_at = await self.run_state(self.host.tick)
             except Exception:  # noqa: BLE001 -- the timer must outlive any one bad tick
-                log.exception("shard %d: round timer tick failed", self.shard.shard_id)
+                log.exception("shard %d: round timer tick failed", self.host.shard_id)
                 next_at = None
             delay = 1.0 if next_at is None else min(1.0, max(0.001, next_at - clock()))
             self.changes.clear()

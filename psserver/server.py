@@ -19,7 +19,6 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from psserver.checkpoint import Checkpointer
 from psserver.codec import DEFAULT_CHUNK_BYTES
 from psserver.health import LoopWatch, ProbePort
 from psserver.optim import warm_up
@@ -27,7 +26,7 @@ from psserver.ports import check_bindable
 from psserver.runtime import Runtime
 from psserver.security import ServerSecurity
 from psserver.service import ParameterServerService, ServiceLimits, add_service
-from psserver.shard import Shard
+from psserver.host import ShardHost
 
 log = logging.getLogger(__name__)
 
@@ -98,9 +97,9 @@ class ShardServer:
 
     def __init__(self, cfg: ServerConfig):
         self.cfg = cfg
-        checkpointer = (Checkpointer(cfg.checkpoint_dir, cfg.shard, cfg.checkpoint_every)
-                        if cfg.checkpoint_dir else None)
-        self.shard = Shard(cfg.shard, lease_timeout=cfg.lease_timeout, checkpointer=checkpointer)
+        # ``shard``: every partition this process serves (psserver.host); unpartitioned jobs use one.
+        self.shard = ShardHost(cfg.shard, lease_timeout=cfg.lease_timeout, checkpoint_dir=cfg.checkpoint_dir,
+                               checkpoint_every=cfg.checkpoint_every)
         if cfg.restore:
             self.shard.restore()
         self.limits = ServiceLimits(**{**vars(cfg.limits), "max_push_bytes": cfg.max_push_bytes,

@@ -46,6 +46,7 @@ from psserver.job import JobSpec
 from psserver.logsafe import RateLimitedLog, counted, shorten
 from psserver.proto import ps_pb2 as _pb
 from psserver.runtime import INLINE_STATE_ELEMENTS, Runtime, VersionWaiters
+from psserver.host import ShardHost
 from psserver.shard import PushResult, Shard
 from psserver.sparse.errors import WrongShape
 from psserver.sparse.serving import RowsPush
@@ -202,12 +203,15 @@ def _check_header_fields(h: _pb.ChunkHeader) -> None:
 
 
 class ParameterServerService:
-    def __init__(self, shard: Shard, runtime: Runtime, cfg: ServiceLimits = ServiceLimits()):
-        self.shard, self.runtime, self.cfg = shard, runtime, cfg
+    def __init__(self, host: ShardHost, runtime: Runtime, cfg: ServiceLimits = ServiceLimits()):
+        # Dense calls go to the partition they name (psserver.host); counters, refusals and the sparse tables
+        # are partition 0's, ``self.shard``.
+        self.host, self.shard, self.runtime, self.cfg = host, host.head, runtime, cfg
         self.refusal_log = RateLimitedLog(log)
         self._per_peer: dict[str, int] = {}
-        self._per_rank: dict[int, int] = {}
+        self._per_rank: dict[tuple[int, int], int] = {}  # (rank, partition) -> calls in flight
         self._table_waiters: dict[str, VersionWaiters] = {}  # PullRows waiting for a table's version, by table
+        shard = self.shard
         dense_changed = shard.on_change
 
         def changed() -> None:  # a shard change may be a table's: wake its waiting PullRows too
@@ -237,8 +241,11 @@ class ParameterServerService:
         return self._slot(self._per_peer, peer, self.cfg.max_calls_per_peer,
                           f"connection {shorten(peer)} (--max-calls-per-peer)")
 
-    def _rank_slot(self, rank: int):
-        return self._slot(self._per_rank, rank, self.cfg.max_calls_per_rank, f"rank {rank} (--max-calls-per-rank)")
+    def _rank_slot(self, rank: int, partition: int = 0):
+        """Per rank and partition: a trainer of a partitioned job has one push in flight per partition."""
+        return self._slot(self._per_rank, (rank, partition), self.cfg.max_calls_per_rank,
+                          f"rank {rank}" + (f" on partition {partition}" if partition else "") +
+                          " (--max-calls-per-rank)")
 
     def _deadline(self, context) -> float:
         loop = asyncio.get_running_loop()
@@ -255,7 +262,8 @@ class ParameterServerService:
             job = JobSpec.from_proto(request.job)
         except ValueError as e:
             raise InvalidRequest(f"job spec: {e}") from None
-        r = await self.runtime.run_state(self.shard.register, request.rank, request.trainer_id,
+        part = self.host.part_for_register(request.partition, job)
+        r = await self.runtime.run_state(part.register, request.rank, request.trainer_id,
                                          request.expected_shard, job)
         return _pb.RegisterReply(**r)
 
@@ -263,7 +271,8 @@ class ParameterServerService:
     async def Leave(self, request, context):
         request = _decoded(request)
         _check_identity(request)
-        remaining = await self.runtime.run_state(self.shard.leave, request.rank, request.trainer_id,
+        remaining = await self.runtime.run_state(self.host.part(request.partition).leave, request.rank,
+                                                 request.trainer_id,
                                                  request.fingerprint)
         return _pb.LeaveReply(remaining=remaining)
 
@@ -272,17 +281,19 @@ class ParameterServerService:
         """Answered on the event loop: a lease renewal never waits behind tensor work."""
         request = _decoded(request)
         _check_identity(request)
-        version, live = self.shard.heartbeat(request.rank, request.trainer_id, request.fingerprint)
+        part = self.host.part(request.partition)
+        version, live = part.heartbeat(request.rank, request.trainer_id, request.fingerprint)
         return _pb.HeartbeatReply(version=version, live=live)
 
     @_refusals
     async def GetStats(self, request, context):
         request = _decoded(request)
-        s = self.shard.snapshot()
-        digest = await self.runtime.run_state(self.shard.state_digest) if request.with_digest else ""
+        part = self.host.part(request.partition)
+        s = self.host.snapshot(request.partition)
+        digest = await self.runtime.run_state(part.state_digest) if request.with_digest else ""
         reply = _pb.StatsReply(shard=s.shard, initialized=s.initialized, version=s.version, mode=s.mode,
                                start=s.start, end=s.end, live_ranks=s.live_ranks, counters=s.counters,
-                               state_digest=digest, lr=s.lr)
+                               state_digest=digest, lr=s.lr, partitions=len(self.host.parts))
         if s.job is not None:
             reply.job.CopyFrom(s.job.to_proto())
         return reply
@@ -294,11 +305,12 @@ class ParameterServerService:
             reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self._deadline(context))
             first, h = await reader.first_header()
             _check_header_fields(h)
+            part = self.host.part(h.partition)
             # who is asking, before a byte of the payload is read
-            if not self.shard.check_init_header(h.rank, h.trainer_id, h.fingerprint):
-                return _pb.InitReply(version=self.shard.version, accepted=False)
-            values = await self._read_tensor(reader, first, h)
-            accepted, version = await self.runtime.run_state(self._check_and_init, h, values)
+            if not part.check_init_header(h.rank, h.trainer_id, h.fingerprint):
+                return _pb.InitReply(version=part.version, accepted=False)
+            values = await self._read_tensor(part, reader, first, h)
+            accepted, version = await self.runtime.run_state(self._check_and_init, part, h, values)
             return _pb.InitReply(version=version, accepted=accepted)
 
     @_refusals
@@ -312,22 +324,25 @@ class ParameterServerService:
         """Push, then stream the weights of the version the trainer waits for next (see ps.proto)."""
         async with self._peer_slot(context):
             h, r = await self._receive_push(request_iterator, context, stale_as_result=True)
-            wanted = modes.reply_version(self.shard.mode_config(), r.outcome, h.version, r.version)
-            await self._stream_weights(h.rank, h.trainer_id, h.fingerprint, wanted, self.shard.wire_dtype(),
-                                       context, outcome=_OUTCOMES[r.outcome], staleness=r.staleness)
+            part = self.host.part(h.partition)
+            wanted = modes.reply_version(part.mode_config(), r.outcome, h.version, r.version)
+            await self._stream_weights(part, h.rank, h.trainer_id, h.fingerprint, wanted, part.wire_dtype(),
+                                       context, outcome=_OUTCOMES[r.outcome], staleness=r.staleness,
+                                       partition=h.partition)
 
     async def _receive_push(self, request_iterator, context, stale_as_result: bool):
         """Bound, identify, read and hand one pushed gradient to the shard: (header, PushResult)."""
         reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self._deadline(context))
         first, h = await reader.first_header()
         _check_header_fields(h)
-        self.shard.check_push_header(h.rank, h.trainer_id, h.fingerprint, h.version, h.num_samples)
-        length = self.shard.slice_length()
-        check_stream_header(h, length, self.shard.wire_dtype(), self.cfg.max_push_bytes)  # before any allocation
-        async with self._rank_slot(h.rank), self.runtime.buffers.take(length) as held:
-            grad = await self._read_tensor(reader, first, h, out=held.buffer, sparse=True)
+        part = self.host.part(h.partition)
+        part.check_push_header(h.rank, h.trainer_id, h.fingerprint, h.version, h.num_samples)
+        length = part.slice_length()
+        check_stream_header(h, length, part.wire_dtype(), self.cfg.max_push_bytes)  # before any allocation
+        async with self._rank_slot(h.rank, h.partition), self.runtime.buffers.take(length) as held:
+            grad = await self._read_tensor(part, reader, first, h, out=held.buffer, sparse=True)
             try:
-                result, spare = await held.hand_over(self.runtime.run_state(self._check_and_push, h, grad))
+                result, spare = await held.hand_over(self.runtime.run_state(self._check_and_push, part, h, grad))
             except StaleGradient as e:
                 if not stale_as_result:
                     raise
@@ -336,14 +351,14 @@ class ParameterServerService:
                 held.buffer = spare
         return h, result
 
-    async def _read_tensor(self, reader: _StreamReader, first, h: _pb.ChunkHeader,
+    async def _read_tensor(self, part: Shard, reader: _StreamReader, first, h: _pb.ChunkHeader,
                            out: torch.Tensor | None = None, sparse: bool = False) -> torch.Tensor:
         """The stream's chunks, checked and copied (into ``out`` if given) as they arrive; finite-checked later.
 
         ``sparse`` (pushes): a header with topk > 0 is read as top-k pairs, bounded, and scattered into ``out``
         as a dense slice; elsewhere (Init) such a header is refused."""
         assembler = TopKAssembler if sparse and h.topk else ChunkAssembler
-        asm = assembler(h, self.shard.slice_length(), self.shard.wire_dtype(), self.cfg.max_push_bytes,
+        asm = assembler(h, part.slice_length(), part.wire_dtype(), self.cfg.max_push_bytes,
                         out=out, min_chunk_bytes=self.cfg.min_chunk_bytes)
         chunk = first
         while chunk is not None:
@@ -355,11 +370,12 @@ class ParameterServerService:
             self.shard.count("topk_pushes")
         return values
 
-    def _check_and_init(self, h: _pb.ChunkHeader, values: torch.Tensor):
+    @staticmethod
+    def _check_and_init(part: Shard, h: _pb.ChunkHeader, values: torch.Tensor):
         check_finite(values)
-        return self.shard.init(h.rank, h.trainer_id, h.fingerprint, values, True)
+        return part.init(h.rank, h.trainer_id, h.fingerprint, values, True)
 
-    def _check_and_push(self, h: _pb.ChunkHeader, grad: torch.Tensor):
+    def _check_and_push(self, part: Shard, h: _pb.ChunkHeader, grad: torch.Tensor):
         """On the state worker, in one hop: refuse NaN/Inf (--nonfinite refuse) or note them (skip), then push.
 
         One thread for all of a shard's tensor work: a second pool for the finite check cost a second hop per
@@ -370,8 +386,7 @@ class ParameterServerService:
             finite = True
         else:
             finite = bool(torch.isfinite(grad).all())
-        return self.shard.push(h.rank, h.trainer_id, h.fingerprint, h.version, h.num_samples, grad, h.sequence,
-                               finite)
+        return part.push(h.rank, h.trainer_id, h.fingerprint, h.version, h.num_samples, grad, h.sequence, finite)
 
     # ------------------------------------------------------------------ streams out
     @_refusals
@@ -379,28 +394,29 @@ class ParameterServerService:
         request = _decoded(request)
         async with self._peer_slot(context):
             _check_identity(request)
-            wire = request.dtype or self.shard.wire_dtype()
-            if wire not in (_pb.FLOAT32, self.shard.wire_dtype()):
+            part = self.host.part(request.partition)
+            wire = request.dtype or part.wire_dtype()
+            if wire not in (_pb.FLOAT32, part.wire_dtype()):
                 raise InvalidRequest(
-                    f"pull dtype is {wire} but this job sends {self.shard.wire_dtype()} (or FLOAT32)")
-            await self._stream_weights(request.rank, request.trainer_id, request.fingerprint, request.min_version,
-                                       wire, context)
+                    f"pull dtype is {wire} but this job sends {part.wire_dtype()} (or FLOAT32)")
+            await self._stream_weights(part, request.rank, request.trainer_id, request.fingerprint,
+                                       request.min_version, wire, context, partition=request.partition)
 
-    async def _stream_weights(self, rank: int, trainer_id: str, fingerprint: str, min_version: int, wire: int,
-                              context, **reply_fields) -> None:
+    async def _stream_weights(self, part: Shard, rank: int, trainer_id: str, fingerprint: str, min_version: int,
+                              wire: int, context, **reply_fields) -> None:
         """Wait (an awaited future, no thread) for ``min_version``, then stream the weights in chunks."""
-        self.shard.check_member(rank, trainer_id, fingerprint)
+        part.check_member(rank, trainer_id, fingerprint)
         loop = asyncio.get_running_loop()
         remaining = self._deadline(context) - loop.time()
         # Give up a little before the caller's deadline so it gets our reason, not a bare DEADLINE_EXCEEDED.
         timeout = min(max(0.0, remaining - 0.25), self.cfg.max_pull_wait)
         t0 = loop.time()
-        if not await self.runtime.waiters.wait(min_version, timeout):
-            raise WaitTimeout(self.shard.pull_wait_message(min_version, timeout))
+        if not await self.runtime.waiters(part.partition).wait(min_version, timeout):
+            raise WaitTimeout(part.pull_wait_message(min_version, timeout))
         waited = loop.time() - t0
         if self.runtime.stopping:
             raise ShuttingDown(f"shard {self.shard.shard_id} is shutting down")
-        version, snapshot = await self.runtime.acquire_snapshot(rank, trainer_id, fingerprint, wire)
+        version, snapshot = await self.runtime.acquire_snapshot(part, rank, trainer_id, fingerprint, wire)
         try:
             self.shard.count("bytes_out", snapshot.numel() * snapshot.element_size())
             header = _pb.ChunkHeader(dtype=wire, length=snapshot.numel(), version=version, wait_seconds=waited,
@@ -408,7 +424,7 @@ class ParameterServerService:
             for chunk in encode_raw(snapshot, header, self.cfg.chunk_bytes):
                 await context.write(chunk)
         finally:
-            self.runtime.release_snapshot(snapshot)
+            part.release_snapshot(snapshot)
 
     # ------------------------------------------------------------------ sparse tables
     @_refusals

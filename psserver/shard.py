@@ -40,7 +40,7 @@ from psserver.errors import (
     StaleGradient,
 )
 from psserver.job import WIRE_DTYPES, JobSpec
-from psserver.layout import shard_range
+from psserver.layout import partition_range
 from psserver.logsafe import counted, shorten
 from psserver.membership import Membership
 from psserver.metrics import ShardMetrics
@@ -83,8 +83,13 @@ class Shard:
     """State of shard ``shard_id``."""
 
     def __init__(self, shard_id: int, clock: Callable[[], float] = time.monotonic, lease_timeout: float = 5.0,
-                 checkpointer: Checkpointer | None = None):
+                 checkpointer: Checkpointer | None = None, partition: int = 0, metrics: ShardMetrics | None = None):
         self.shard_id = shard_id
+        # Partition k > 0 of a partitioned job (psserver.host) is a Shard of its own for the range of its piece;
+        # only partition 0 holds the sparse tables, and all share partition 0's metrics registry.
+        self.partition = partition
+        self.label = f"shard {shard_id}" + (f" partition {partition}" if partition else "")  # in messages
+        self._info = log.info if partition == 0 else log.debug  # lifecycle lines once per shard, not per partition
         self._clock = clock
         self.lease_timeout = lease_timeout
         self.checkpointer = checkpointer
@@ -97,8 +102,12 @@ class Shard:
         self._stepping = False  # an optimizer step is writing the parameters
         self.members = Membership(clock, lease_timeout)
         self.counters: Counter[str] = Counter()
-        self.metrics = ShardMetrics(shard_id)
-        self.metrics.bind(self.snapshot)
+        self.stats_view: Callable[[], StatsSnapshot] = self.snapshot  # what the metrics collector reads
+        if metrics is None:
+            self.metrics = ShardMetrics(shard_id)
+            self.metrics.bind(lambda: self.stats_view())
+        else:
+            self.metrics = metrics
         self._writer = (CheckpointWriter(checkpointer, self._checkpoint_written) if checkpointer is not None
                         else None)
         if checkpointer is not None and checkpointer.orphans_removed:
@@ -143,7 +152,7 @@ class Shard:
                 f"(ranks 0..{job.num_trainers - 1})")
         with self._lock:
             if self.job is not None and self._job_done():
-                log.info("shard %d: job %s ended (every trainer left); %s starts a new job from scratch",
+                self._info("shard %d: job %s ended (every trainer left); %s starts a new job from scratch",
                          self.shard_id, shorten(self.job.job_id or "(unnamed)"), shorten(job.job_id or "(unnamed)"))
                 self.counters["jobs_ended"] += 1
                 self._clear_job()
@@ -158,13 +167,13 @@ class Shard:
             if previous is not None and previous != trainer_id:
                 self.counters["re_registrations"] += 1
                 self._acked.pop(rank, None)  # a new process: its sequence numbers start afresh
-                log.info("shard %d: rank %d re-registered as %s (was %s)", self.shard_id, rank,
+                self._info("shard %d: rank %d re-registered as %s (was %s)", self.shard_id, rank,
                          shorten(trainer_id), shorten(previous))
             view = self.members.view()
             if not self.started and len(view.registered) >= job.num_trainers:
                 self.started = True
             if previous is None:
-                log.info("shard %d: rank %d registered as %s (%d/%d)", self.shard_id, rank, shorten(trainer_id),
+                self._info("shard %d: rank %d registered as %s (%d/%d)", self.shard_id, rank, shorten(trainer_id),
                          len(view.registered), job.num_trainers)
             self._changed()
             return dict(
@@ -174,13 +183,14 @@ class Shard:
 
     def _set_job(self, job: JobSpec) -> None:
         self.job = job
-        self.tables = Tables.for_job(job, self.shard_id)
+        self.tables = Tables.for_job(job, self.shard_id) if self.partition == 0 else Tables()
         self._cfg = modes.ModeConfig.from_job(job)
-        self.start, self.end = shard_range(job.total_params, job.num_shards, self.shard_id)
+        self.start, self.end = partition_range(job.total_params, job.num_shards, job.partitions, self.shard_id,
+                                               self.partition)
         if job.total_params < job.num_shards:
             log.warning("shard %d: the job has fewer parameters (%d) than shards (%d)", self.shard_id,
                         job.total_params, job.num_shards)
-        log.info("shard %d: job %s fixed: mode %s, %s, slice [%d, %d) of %d, optimizer %s lr %g",
+        self._info("shard %d: job %s fixed: mode %s, %s, slice [%d, %d) of %d, optimizer %s lr %g",
                  self.shard_id, shorten(job.job_id or "(unnamed)"), job.mode, counted(job.num_trainers, "trainer"),
                  self.start, self.end, job.total_params, job.optimizer.name, job.optimizer.lr)
 
@@ -192,7 +202,7 @@ class Shard:
             self._acked.pop(rank, None)
             self._last_base.pop(rank, None)
             self.counters["leaves"] += 1
-            log.info("shard %d: rank %d left; %d live", self.shard_id, rank, remaining)
+            self._info("shard %d: rank %d left; %d live", self.shard_id, rank, remaining)
             self._close_if_due()
             self.tables.close_due(self._table_members(), self._clock())
             self._changed()
@@ -216,7 +226,7 @@ class Shard:
         """
         job = self.job
         if job is None:
-            raise NotReady(f"shard {self.shard_id} has no job yet: register first")
+            raise NotReady(f"{self.label} has no job yet: register first")
         if fingerprint != job.fingerprint:
             raise JobMismatch(
                 f"fingerprint is {shorten(fingerprint)} but the job's is {shorten(job.fingerprint)}: a different "
@@ -227,7 +237,7 @@ class Shard:
             log.info("shard %d: rank %d is heard from again after its lease expired: live again", self.shard_id, rank)
             self._changed()
         if need_params and self.params is None:
-            raise NotReady(f"shard {self.shard_id} is not initialised yet: rank 0 sends Init first")
+            raise NotReady(f"{self.label} is not initialised yet: rank 0 sends Init first")
 
     def heartbeat(self, rank: int, trainer_id: str, fingerprint: str) -> tuple[int, int]:
         """Renew ``rank``'s lease. Returns (version, live count). Safe on the event loop."""
@@ -262,7 +272,7 @@ class Shard:
             params = torch.nn.Parameter(values if owned else values.float().clone(), requires_grad=False)
             optimizer = build_optimizer(self.job.optimizer, [params], fused=True)
             self.params, self.optimizer = params, optimizer
-            log.info("shard %d: initialised by rank %d with %d parameters", self.shard_id, rank, values.numel())
+            self._info("shard %d: initialised by rank %d with %d parameters", self.shard_id, rank, values.numel())
             self._changed()
             return True, self.version
 
@@ -310,13 +320,13 @@ class Shard:
 
     def pull_wait_message(self, min_version: int, timeout: float) -> str:
         if self.params is None:
-            return f"shard {self.shard_id} was not initialised within {timeout:.1f} s: is rank 0 running?"
+            return f"{self.label} was not initialised within {timeout:.1f} s: is rank 0 running?"
         if not self.started:
             missing = sorted(set(range(self.job.num_trainers)) - self.members.view().registered)
             named = ", ".join(map(str, missing[:MAX_MISSING_LISTED]))
             more = f" and {len(missing) - MAX_MISSING_LISTED} more" if len(missing) > MAX_MISSING_LISTED else ""
-            return f"shard {self.shard_id} still waits for ranks [{named}]{more} to register after {timeout:.1f} s"
-        return f"shard {self.shard_id} is at version {self.version}, not {min_version}, after {timeout:.1f} s"
+            return f"{self.label} still waits for ranks [{named}]{more} to register after {timeout:.1f} s"
+        return f"{self.label} is at version {self.version}, not {min_version}, after {timeout:.1f} s"
 
     def check_push_header(self, rank: int, trainer_id: str, fingerprint: str, base: int, num_samples: int) -> None:
         """Refuse a push on its header alone, before its payload is read (the caller checks dtype and size)."""
@@ -324,7 +334,7 @@ class Shard:
         if num_samples < 1:
             raise InvalidRequest(f"num_samples is {num_samples} but a gradient needs at least 1 sample")
         if base > self.version:
-            raise FutureVersion(f"base version is {base} but shard {self.shard_id} is at version {self.version}")
+            raise FutureVersion(f"base version is {base} but {self.label} is at version {self.version}")
 
     def push(self, rank: int, trainer_id: str, fingerprint: str, base: int, num_samples: int,
              grad: torch.Tensor, sequence: int = 0, finite: bool = True) -> tuple[PushResult, torch.Tensor]:
@@ -371,7 +381,7 @@ class Shard:
         if d.action is not A.DUPLICATE:
             self.metrics.staleness.observe(d.staleness)
         if d.action is A.REFUSE_FUTURE:  # unreachable after check_push_header; kept for safety
-            raise FutureVersion(f"base version is {base} but shard {self.shard_id} is at version {self.version}")
+            raise FutureVersion(f"base version is {base} but {self.label} is at version {self.version}")
         if d.action is A.DROP_STALE:
             self.counters["stale_dropped"] += 1
             raise StaleGradient(
@@ -532,7 +542,7 @@ class Shard:
         acked = {r: (tid, seq, res.outcome, res.version, res.staleness) for r, (tid, seq, res) in self._acked.items()}
         return ShardState(self.shard_id, self.version, self.job, self.params.detach().clone(), opt_copy,
                           dict(self.counters), members=self.members.members(), acked=acked, open_round=open_round,
-                          tables=self.tables.state())
+                          tables=self.tables.state(), partition=self.partition)
 
     def _checkpoint_written(self, ok: bool) -> None:
         self.count("checkpoints_written" if ok else "checkpoint_failures")

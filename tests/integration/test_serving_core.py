@@ -87,7 +87,7 @@ def on_shard_loop(shard, fn):
 
 
 def waiting_pulls(shard) -> int:
-    return on_shard_loop(shard, lambda: len(shard.server.runtime.waiters))
+    return on_shard_loop(shard, lambda: len(shard.server.runtime.waiters(0)))
 
 
 def pull_request(rank=0, min_version=0, dtype=pb.FLOAT32, trainer_id=None, fingerprint=FP) -> pb.PullRequest:

@@ -1,0 +1,133 @@
+"""The partitions one ps-server process serves (BytePS's lesson: rounds per piece, not per slice).
+
+A job may cut each shard's slice into ``JobSpec.partitions`` pieces
+(psserver.layout.partition_range).  Each piece is served by a ``Shard`` of its
+own -- membership, round, version, optimizer step over its range, sequence
+numbers, checkpoints -- so a trainer pushes a piece as soon as backward has
+produced it and pulls it as soon as its round closes, while other pieces are
+still in flight.  Element-wise optimizers make a step per piece the same step
+as one over the slice, so sync mode stays bit-identical to an unpartitioned job.
+
+Reusing ``Shard`` whole keeps one implementation of everything that must be
+exact (rounds, exactly-once pushes, checkpoints, refusals); the price is a
+membership per partition, which trainers renew with every call they make to it.
+
+Partition 0 exists from the start (it also restores and holds the sparse
+tables); the others are created when a job with more partitions registers, and
+restored from their own checkpoint folders (``DIR/partition-K``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+from psserver.checkpoint import Checkpointer
+from psserver.errors import InvalidRequest
+from psserver.job import JobSpec
+from psserver.limits import MAX_PARTITIONS
+from psserver.shard import Shard, StatsSnapshot
+
+log = logging.getLogger(__name__)
+
+
+class ShardHost:
+    """Partition 0 and the partitions a job added; routes calls by partition index."""
+
+    def __init__(self, shard_id: int, clock: Callable[[], float] = time.monotonic, lease_timeout: float = 5.0,
+                 checkpoint_dir: str = "", checkpoint_every: int = 100):
+        self.shard_id, self._clock, self.lease_timeout = shard_id, clock, lease_timeout
+        self._checkpoint_dir, self._checkpoint_every = checkpoint_dir, checkpoint_every
+        self.parts: list[Shard] = [Shard(shard_id, clock, lease_timeout, self._checkpointer(0))]
+        self.parts[0].stats_view = self.snapshot  # the metrics registry counts every partition
+        self.on_new_part: Callable[[Shard], None] = lambda part: None  # the runtime wires waiters to it
+
+    # ------------------------------------------------------------------ partitions
+    @property
+    def head(self) -> Shard:
+        """Partition 0: the sparse tables, the metrics registry, the version a tool shows first."""
+        return self.parts[0]
+
+    def part(self, index: int) -> Shard:
+        """Partition ``index``, refused (INVALID_ARGUMENT, both numbers named) when this shard has no such one."""
+        if not 0 <= index < len(self.parts):
+            raise InvalidRequest(f"partition is {index} but shard {self.shard_id} serves "
+                                 f"{len(self.parts)} partition{'s' if len(self.parts) != 1 else ''} "
+                                 f"(0..{len(self.parts) - 1}): register with a job of that many first")
+        return self.parts[index]
+
+    def part_for_register(self, index: int, job: JobSpec) -> Shard:
+        """Partition ``index`` of ``job``, created (with the ones before it) when the job is the first to have it."""
+        if not 0 <= index < job.partitions:
+            raise InvalidRequest(f"partition is {index} but the job has {job.partitions} partition"
+                                 f"{'s' if job.partitions != 1 else ''} per shard (0..{job.partitions - 1})")
+        self._grow(job.partitions)
+        return self.parts[index]
+
+    def _grow(self, count: int) -> None:
+        count = min(count, MAX_PARTITIONS)  # the job spec bounds it too
+        while len(self.parts) < count:
+            k = len(self.parts)
+            part = Shard(self.shard_id, self._clock, self.lease_timeout, self._checkpointer(k), partition=k,
+                         metrics=self.head.metrics)
+            self.parts.append(part)
+            self.on_new_part(part)
+        if len(self.parts) > 1 and count > 1:
+            log.debug("shard %d serves %d partitions", self.shard_id, len(self.parts))
+
+    def _checkpointer(self, k: int) -> Checkpointer | None:
+        if not self._checkpoint_dir:
+            return None
+        directory = Path(self._checkpoint_dir) if k == 0 else Path(self._checkpoint_dir) / f"partition-{k}"
+        return Checkpointer(directory, self.shard_id, self._checkpoint_every)
+
+    # ------------------------------------------------------------------ the whole shard
+    def restore(self) -> int | None:
+        """Partition 0 from its checkpoint, then every other partition its job had from theirs."""
+        version = self.head.restore()
+        if version is not None and self.head.job.partitions > 1:
+            self._grow(self.head.job.partitions)
+            for part in self.parts[1:]:
+                part.restore()
+        return version
+
+    def tick(self) -> float | None:
+        """Every partition's leases and due rounds; the earliest next deadline."""
+        deadlines = [d for d in (p.tick() for p in self.parts) if d is not None]
+        return min(deadlines) if deadlines else None
+
+    def snapshot(self, index: int = 0) -> StatsSnapshot:
+        """Partition ``index``'s stats with every partition's counters summed (one shard's work, however cut)."""
+        snap = self.parts[index].snapshot()
+        if len(self.parts) == 1:
+            return snap
+        total: Counter = Counter()
+        for p in self.parts:
+            total.update(p.snapshot().counters if p is not self.parts[index] else snap.counters)
+        return replace(snap, counters=dict(total))
+
+    def count(self, name: str, n: float = 1) -> None:
+        self.head.count(name, n)
+
+    @property
+    def version(self) -> int:
+        return self.head.version
+
+    @property
+    def metrics(self):
+        return self.head.metrics
+
+    def job_done(self) -> bool:
+        return self.head.job_done() and all(p.job_done() or p.job is None for p in self.parts[1:])
+
+    def final_checkpoint(self) -> None:
+        for p in self.parts:
+            p.final_checkpoint()
+
+    def stop(self) -> None:
+        for p in self.parts:
+            p.stop()
