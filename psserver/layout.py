@@ -92,21 +92,34 @@ def shard_range(total: int, num_shards: int, shard: int) -> tuple[int, int]:
     return total * shard // num_shards, total * (shard + 1) // num_shards
 
 
-def partition_range(total: int, num_shards: int, partitions: int, shard: int, partition: int) -> tuple[int, int]:
-    """[start, end) of partition ``partition`` of ``shard``: logical shard ``shard*K + partition`` of ``M*K``.
 
-    Because floor(P*i*K / (M*K)) = floor(P*i/M), the K partitions of shard i tile exactly its
-    ``shard_range`` -- partitioning never moves an element between shards -- and are balanced within
-    one element.  Some are empty when a slice has fewer elements than partitions.
+# Partition edges sit this many elements apart from their shard's start.  Why: torch's fused optimizers
+# step a tensor in SIMD vectors (8 or 16 floats, unrolled) and finish its last few elements on a scalar path
+# whose rounding may differ (FMA or not); with every edge a multiple of this, each element is on the same path,
+# in the same lane, whether its slice is stepped whole or in partitions -- so sync mode stays bit-identical
+# (tests/integration/test_partitions.py; with unaligned edges an element in 10^3 came out 1 ulp apart).
+PARTITION_ALIGN = 256
+
+
+def partition_range(total: int, num_shards: int, partitions: int, shard: int, partition: int) -> tuple[int, int]:
+    """[start, end) of partition ``partition`` of ``shard``: its slice cut into ``partitions`` runs of whole
+    PARTITION_ALIGN-element units, balanced within one unit, the last one ending where the slice ends.
+
+    The partitions of shard i tile exactly its ``shard_range`` -- partitioning never moves an element
+    between shards.  Some are empty when a slice has fewer units than partitions.
     """
     if not 0 <= partition < partitions:
         raise ValueError(f"Partition {partition} is out of range for {counted(partitions, 'partition')}.")
-    shard_range(total, num_shards, shard)  # refuses a shard out of range
-    return shard_range(total, num_shards * partitions, shard * partitions + partition)
+    start, end = shard_range(total, num_shards, shard)
+    units = -(-(end - start) // PARTITION_ALIGN)
+    first, last = units * partition // partitions, units * (partition + 1) // partitions
+    return min(end, start + first * PARTITION_ALIGN), min(end, start + last * PARTITION_ALIGN)
 
 
 def partitions_for(slice_elements: int, partition_bytes: int, element_bytes: int = 4) -> int:
-    """How many partitions cut a slice of ``slice_elements`` into pieces of at most ``partition_bytes`` (0: one)."""
+    """How many partitions cut a slice of ``slice_elements`` into pieces of at most ``partition_bytes`` (0: one);
+    never more than the slice has PARTITION_ALIGN-element units."""
     if partition_bytes <= 0 or slice_elements <= 0:
         return 1
-    return max(1, -(-slice_elements * element_bytes // partition_bytes))
+    wanted = -(-slice_elements * element_bytes // partition_bytes)
+    return max(1, min(wanted, -(-slice_elements // PARTITION_ALIGN)))

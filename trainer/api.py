@@ -42,7 +42,8 @@ import grpc
 import torch
 
 from psserver.job import JobSpec, OptimizerConfig
-from psserver.layout import Layout
+from psserver.layout import Layout, partition_range, partitions_for
+from psserver.limits import MAX_PARTITIONS
 from psserver.schedules import LrSchedule
 from psserver.security import ClientSecurity
 from psserver.sparse.table import TableSpec
@@ -53,6 +54,7 @@ from trainer.client import (
 from trainer.clipping import check_max_norm, clip_local_
 from trainer.compress import parse_compress
 from trainer.early_push import EarlyPusher
+from trainer.pipeline import LayerWaits
 from trainer.embedding import sharded_tables
 from trainer.staging import DeviceStaging
 
@@ -76,7 +78,8 @@ def make_job(model: torch.nn.Module, num_shards: int, *, mode: str = "sync", num
              optimizer: OptimizerConfig | dict | None = None, max_staleness: int | None = None,
              sync_timeout: float = 0.0, replicas_to_aggregate: int = 0, stale_policy: str = "drop",
              wire_dtype: str = "float32", job_id: str = "",
-             lr_schedule: LrSchedule | dict | None = None, embedding_mode: str = "") -> JobSpec:
+             lr_schedule: LrSchedule | dict | None = None, embedding_mode: str = "",
+             partition_bytes: int = 0, partitions: int | None = None) -> JobSpec:
     """The job spec for training ``model`` (its shard-backed tables included); raises ValueError naming a
     bad setting."""
     layout = model_layout(model, num_shards)
@@ -92,7 +95,16 @@ def make_job(model: torch.nn.Module, num_shards: int, *, mode: str = "sync", num
         sync_timeout=sync_timeout, replicas_to_aggregate=replicas_to_aggregate, stale_policy=stale_policy,
         wire_dtype=wire_dtype, tensors=tuple((s.name, s.shape, s.dtype) for s in layout.slots), job_id=job_id,
         lr_schedule=lr_schedule, tables=table_specs(model, embedding_mode),
+        partitions=partitions or job_partitions(layout, partition_bytes),
     )
+
+
+def job_partitions(layout: Layout, partition_bytes: int) -> int:
+    """Partitions per shard so that none holds more than ``partition_bytes`` of fp32 (0: one per shard)."""
+    if partition_bytes < 0:
+        raise ValueError(f"partition_bytes is {partition_bytes} but must be 0 (no partitions) or more bytes")
+    largest = max((end - start for start, end in map(layout.shard_range, range(layout.num_shards))), default=0)
+    return min(partitions_for(largest, partition_bytes), MAX_PARTITIONS)
 
 
 def table_specs(model: torch.nn.Module, embedding_mode: str = "") -> tuple[TableSpec, ...]:
@@ -170,10 +182,12 @@ class StepFailed(ShardCallsFailed):
     applied twice.  Do not run another backward before retrying.
     """
 
-    def __init__(self, step: int, applied: list[int], failed: dict, addresses: Sequence[str]):
-        self.applied = applied
-        done = f"shards {applied} applied the gradient" if applied else "no shard is known to have applied it"
-        super().__init__(f"step {step} failed ({self.causes(failed, addresses)}); {done}; call step() again to "
+    def __init__(self, step: int, applied: list[int], failed: dict, addresses: Sequence[str],
+                 names: Sequence[str] | None = None):
+        self.applied = applied  # shards -- or, in a partitioned job, slots (shard * partitions + partition)
+        what = "partitions" if names and any(" partition " in n for n in names) else "shards"
+        done = f"{what} {applied} applied the gradient" if applied else "no shard is known to have applied it"
+        super().__init__(f"step {step} failed ({self.causes(failed, addresses, names)}); {done}; call step() again to "
                          f"retry the others (a shard that applied it answers DUPLICATE), or close()", failed)
 
 
@@ -190,6 +204,7 @@ class _StepAttempt:
     sequences: dict[int, int] = field(default_factory=dict)  # the sequence number each shard's push carries
     started: dict[int, Future] = field(default_factory=dict)  # pushes begun during backward, not yet answered
     inflight: list[Future] = field(default_factory=list)  # other threads' calls of a try an interrupt cut short
+    pipelined: bool = False  # runs behind the next forward (trainer.pipeline): slots land and zero one by one
 
     def applied(self) -> list[int]:
         """Shards known to hold this gradient (applied now or in a round): not lost, stale or skipped."""
@@ -215,8 +230,11 @@ class ParameterServerTrainer:
                  trainer_id: str, connect_timeout: float, round_timeout: float, chunk_bytes: int,
                  security: ClientSecurity = ClientSecurity(), overlap: bool = False,
                  push_during_backward: bool = False, retry: RetryPolicy = RetryPolicy(),
-                 clip_grad_norm: float | None = None, compress: str | None = None):
+                 clip_grad_norm: float | None = None, compress: str | None = None, pipeline: bool = False):
         self.tables = sharded_tables(model)  # bound to the shards once joined (_bind_tables)
+        if pipeline and overlap:
+            raise ValueError("pipeline and overlap both hide the pull behind compute: choose one (pipeline waits "
+                             "per layer and keeps sync mode exact; overlap computes on weights one push old)")
         self.rows = None
         self._tables_pushed: set[str] = set()  # tables whose push of the current step is done
         self.clip_grad_norm = check_max_norm(clip_grad_norm, push_during_backward)
@@ -224,7 +242,10 @@ class ParameterServerTrainer:
             raise ValueError(f"overlap (pulling the next weights while computing) needs async mode, not {job.mode}")
         self.overlap = overlap
         self._prefetch: dict[int, Future] = {}
-        self._prefetch_pool = ThreadPoolExecutor(max_workers=job.num_shards, thread_name_prefix="ps-prefetch")
+        # Slots: every partition of every shard (job.partitions per shard; one when unpartitioned), in the flat
+        # vector's order.  The dense exchange is per slot; tables and tools talk to shards.
+        self.num_parts = job.num_shards * job.partitions
+        self._prefetch_pool = ThreadPoolExecutor(max_workers=self.num_parts, thread_name_prefix="ps-prefetch")
         self.model, self.job, self.rank = model, job, rank
         self.forward_module = model  # what the training loop calls forward on
         self.round_timeout = round_timeout
@@ -232,18 +253,26 @@ class ParameterServerTrainer:
         self.layout = model_layout(model, job.num_shards)
         self.num_params = self.layout.total
         self.describe = f"{job.num_shards} shards, mode {job.mode}" + (
+            f", {job.partitions} partitions each" if job.partitions > 1 else "") + (
             f", {len(job.tables)} sparse tables" if job.tables else "")
         self.flat = FlatModel(model)
         self.client = ShardedClient(addresses, job, rank, trainer_id, chunk_bytes=chunk_bytes, security=security,
                                     retry=retry, compress=compress)
-        self.ranges = [self.layout.shard_range(i) for i in range(job.num_shards)]
+        self.ranges = [partition_range(self.num_params, job.num_shards, job.partitions, j // job.partitions,
+                                       j % job.partitions) for j in range(self.num_parts)]
         self._staging = [torch.empty(end - start) for start, end in self.ranges] if overlap else []
-        self.versions = [0] * job.num_shards
+        self.versions = [0] * self.num_parts
         self.steps = 0
         self.staging = DeviceStaging(self.ranges, self.flat.flat.device)
         self._early = EarlyPusher(self.flat.params, self.flat._views, self.flat.ranges, self.ranges,
                                   self._push_shard, self.staging.produced if self.staging.active else None
                                   ) if push_during_backward else None
+        # pipeline: step() hands the dense exchange to a thread; each module's forward waits for its own slots
+        self._waits = LayerWaits(model, {id(p): r for p, r in zip(self.flat.params, self.flat.ranges)},
+                                 self.ranges, self.staging.settle) if pipeline else None
+        self._exchange_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-pipeline") if pipeline else None
+        self._running: Future | None = None  # the pipelined exchange under way
+        self._last_info: StepInfo | None = None
         self._closed = False
         self.left = False  # every shard that knew this trainer was told it left
         self._attempt: _StepAttempt | None = None  # a step that failed on some shards, until step() retries it
@@ -265,14 +294,15 @@ class ParameterServerTrainer:
         """Register with every shard, start heartbeats, initialise (rank 0), and take the first weights --
         all within one ``timeout``."""
         give_up = time.monotonic() + timeout
-        results = self.client.map_settled(lambda s: s.register(self.job, timeout))
+        results = self.client.map_settled(lambda s: s.register(self.job, timeout), parts=True)
         self._registered = {i for i, r in enumerate(results) if not isinstance(r, Exception)}
         errors = [r for r in results if isinstance(r, Exception)]
         if errors:
             raise errors[0]
         for i, r in enumerate(results):
             if (r.start, r.end) != self.ranges[i]:
-                raise ValueError(f"shard {i} owns [{r.start}, {r.end}) but this trainer expected {self.ranges[i]}")
+                raise ValueError(f"{self.client.parts[i].name} owns [{r.start}, {r.end}) but this trainer expected "
+                                 f"{self.ranges[i]}")
         leases = [r.lease_seconds for r in results if r.lease_seconds > 0]
         if leases:
             self._heartbeat = threading.Thread(target=self._heartbeat_loop, args=(min(leases) / 4,),
@@ -280,8 +310,9 @@ class ParameterServerTrainer:
             self._heartbeat.start()
         if self.rank == 0:
             ready = [self.staging.produced()] if self.staging.active else []
-            self.client.map(lambda s: s.init(self.staging.to_host(s.index, self._slice(self.flat.flat, s.index), ready),
-                                             self.client.wire) if not results[s.index].initialized else None)
+            self.client.map(lambda s: s.init(self.staging.to_host(s.slot, self._slice(self.flat.flat, s.slot), ready),
+                                             self.client.wire) if not results[s.slot].initialized else None,
+                            parts=True)
         self._wait_for_start(give_up - time.monotonic(), timeout)
         self.staging.settle()  # the first forward waits for the first weights
 
@@ -320,19 +351,19 @@ class ParameterServerTrainer:
             while True:
                 poll = max(0.5, min(give_up - time.monotonic(), WAIT_LOG_SECONDS))
                 try:
-                    self.versions[s.index] = self._pull_into(s, 0, poll)
+                    self.versions[s.slot] = self._pull_into(s, 0, poll)
                     return
                 except grpc.RpcError as e:
                     if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                         raise
                     if time.monotonic() >= give_up:
                         raise StartTimeout(f"rank {self.rank} gave up waiting after {connect_timeout:g} s "
-                                           f"(--connect-timeout): shard {s.index} at {s.address}: {e.details()}"
+                                           f"(--connect-timeout): {s.name} at {s.address}: {e.details()}"
                                            ) from None
-                    log.info("rank %d waiting to start: shard %d at %s: %s", self.rank, s.index, s.address,
+                    log.info("rank %d waiting to start: %s at %s: %s", self.rank, s.name, s.address,
                              e.details())
 
-        self.client.map(first_pull)
+        self.client.map(first_pull, parts=True)
 
     def _rejoin(self, s: ShardClient, cause: grpc.RpcError) -> None:
         """The shard restarted (it no longer knows us, or is behind us): register again and resume from it.
@@ -340,33 +371,33 @@ class ParameterServerTrainer:
         Rank 0 re-initialises a shard that came back empty (no checkpoint) with
         its current weights.  The steps the shard lost are logged and counted.
         """
-        before = self.versions[s.index]
+        before = self.versions[s.slot]
         self._register_again(s, cause)
-        self._resume_dense[s.index] = before
+        self._resume_dense[s.slot] = before
         self._resume_dense_slice(s)
 
     def _rejoin_for_tables(self, s: ShardClient, cause: grpc.RpcError) -> None:
         """A table call found shard ``s`` restarted (ShardedRows.on_restart): register again and resync the
         tables now; the dense slice resumes at this step's dense exchange, not here -- a pull inside the
         forward would overwrite weights the forward may already have used."""
-        self._resume_dense.setdefault(s.index, self.versions[s.index])  # a second restart keeps the first
+        self._resume_dense.setdefault(s.slot, self.versions[s.slot])  # a second restart keeps the first
         self._register_again(s, cause)
 
     def _resume_dense_slice(self, s: ShardClient) -> None:
         """Pull shard ``s``'s weights after it was rejoined and count what it lost (see _rejoin)."""
-        i = s.index
+        i = s.slot
         before = self._resume_dense.pop(i)
         v = self.versions[i] = self._pull_into(s, 0, self.connect_timeout)
         # Lost: the versions the shard rolled back, plus the gradient of this step, which is dropped (a shard
         # that had kept it would have answered DUPLICATE, not asked us to rejoin).
         lost = max(0, before - v) + 1
         self.client.count("steps_lost", lost)
-        log.warning("rank %d resumed shard %d at version %d (was %d): %d steps lost", self.rank, i, v, before, lost)
+        log.warning("rank %d resumed %s at version %d (was %d): %d steps lost", self.rank, s.name, v, before, lost)
 
     def _register_again(self, s: ShardClient, cause: grpc.RpcError) -> None:
         """Register with a restarted shard (rank 0 re-initialises it if it came back empty) and resync the
         tables from it; counted in ``reconnects``."""
-        i = s.index
+        i = s.slot
         pending = self._prefetch.pop(i, None)
         if pending is not None:  # a background pull from before the restart: its weights are void
             try:
@@ -374,41 +405,41 @@ class ParameterServerTrainer:
             except grpc.RpcError:
                 pass
         s.abandon_push()  # the restarted shard does not know it: the next push gets a new number
-        log.warning("shard %d (%s) answered %s (%s): it restarted; registering again", i, s.address,
+        log.warning("%s (%s) answered %s (%s): it restarted; registering again", s.name, s.address,
                     cause.code().name, cause.details())
         reply = s.register(self.job, self.connect_timeout)
         if not reply.initialized and self.rank == 0:
             ready = [self.staging.produced()] if self.staging.active else []
             s.init(self.staging.to_host(i, self._slice(self.flat.flat, i), ready), self.client.wire)
-            log.warning("shard %d came back without parameters: re-initialised it from rank 0's weights", i)
+            log.warning("%s came back without parameters: re-initialised it from rank 0's weights", s.name)
         self.client.count("reconnects")
-        if self.rows is not None:
+        if self.rows is not None and s.partition == 0:  # the tables live on partition 0
             counters = s.stats().counters
             versions = {name: int(counters.get(f"table.{name}.version", 0)) for name in self.rows.tables}
-            before = {name: v[i] for name, v in self.rows.versions().items()}
+            before = {name: v[s.index] for name, v in self.rows.versions().items()}
             lost = sum(max(0, before[name] - v) for name, v in versions.items())
-            self.rows.resync(i, versions)
+            self.rows.resync(s.index, versions)
             log.warning("rank %d resumed the tables on shard %d at versions %s (was %s): %d table versions lost",
-                        self.rank, i, versions, before, lost)
+                        self.rank, s.index, versions, before, lost)
 
     def _heartbeat_loop(self, interval: float) -> None:
         """Keeps this trainer's lease while it computes or waits; a dead process stops sending."""
         while not self._stop_heartbeat.wait(interval):
-            for s in self.client.shards:
+            for s in self.client.parts:
                 try:
                     s.heartbeat(timeout=interval)
                 except grpc.RpcError as e:
                     self.client.count("heartbeat_failures")
-                    log.warning("heartbeat to shard %d (%s) failed: %s %s", s.index, s.address, e.code().name,
+                    log.warning("heartbeat to %s (%s) failed: %s %s", s.name, s.address, e.code().name,
                                 e.details())
 
     def _pull_into(self, s: ShardClient, min_version: int, timeout: float, with_wait: bool = False):
         """Pull shard ``s``'s weights straight into the model (via a copy only when they live on a GPU)."""
-        target = self._slice(self.flat.flat, s.index)
-        landing = self.staging.weights_buffer(s.index, target)  # the model itself on the CPU
+        target = self._slice(self.flat.flat, s.slot)
+        landing = self.staging.weights_buffer(s.slot, target)  # the model itself on the CPU
         v, _, waited = s.pull(min_version, self.client.wire, target.numel(), timeout, out=landing)
         with torch.no_grad():
-            self.staging.weights_to_device(s.index, target)
+            self.staging.weights_to_device(s.slot, target)
         return (v, waited) if with_wait else v
 
     def _slice(self, flat: torch.Tensor, shard: int) -> torch.Tensor:
@@ -427,7 +458,12 @@ class ParameterServerTrainer:
 
     def _no_pending_step(self, what: str) -> None:
         """A failed step's gradient is waiting to be retried: anything that changes it first is refused
-        (a retry would push the changed gradient under the old sequence numbers)."""
+        (a retry would push the changed gradient under the old sequence numbers).  A pipelined exchange still
+        running is not a failed step."""
+        if self._running is not None and not self._running.done():
+            return
+        if self._running is not None:
+            self._join_exchange()  # it ended: a failure is raised here, as StepFailed
         if self._attempt is not None or any(t.push_pending for t in self.tables):
             raise RuntimeError(f"{what} while a failed step waits: call step() to retry it (same gradient, "
                                f"same sequence numbers) or abandon_step() to drop it")
@@ -439,20 +475,22 @@ class ParameterServerTrainer:
             return
         todo = sorted(self._attempt.todo) if self._attempt is not None else []  # [] : only a table push failed
         for i in todo:
-            self.client.shards[i].abandon_push()
+            self.client.parts[i].abandon_push()
         abandon = getattr(self.rows, "abandon", None)  # ShardedRows; a local backend keeps no failed push
         for t in self.tables:  # the shards that did not answer a table's push: new numbers there too
             if t.push_pending and abandon is not None and abandon(t.name):
                 self.client.count("table_pushes_abandoned")
         log.warning("rank %d abandoned a failed step on shards %s", self.rank, todo)
         self._attempt = None
+        if self._waits is not None:
+            self._waits.finished(None)  # no forward waits for the abandoned step's slots
         self.client.count("steps_abandoned")
         self.flat.zero_grad()
         self._zero_tables()
 
     def _push_shard(self, shard: int, num_samples: int, after: Sequence = ()):
         """Push ``shard`` its gradient slice (on CUDA: once the ``after`` events, the gradient's, have passed)."""
-        s = self.client.shards[shard]
+        s = self.client.parts[shard]
         grad = self.staging.to_host(shard, self._slice(self.flat.grad, shard), after)
         return s.push(grad, self.versions[shard], num_samples, self.client.wire)
 
@@ -466,10 +504,55 @@ class ParameterServerTrainer:
         A table push that fails raises its grpc.RpcError; the retry pushes only
         the tables (and shards) not done, then the dense step.
         """
+        if self._waits is not None:
+            return self._pipelined_step(num_samples)
         self._push_tables(num_samples)
         info = self._dense_step(num_samples)
         self._tables_pushed.clear()
         return info
+
+    # ------------------------------------------------------------------ pipelined steps (trainer.pipeline)
+    def _pipelined_step(self, num_samples: int) -> StepInfo:
+        """Start the dense exchange behind the next forward and return; the StepInfo returned is the previous
+        step's (this one's is not known yet), or one with outcomes "pending" for the first."""
+        previous = self._join_exchange()  # the last one's failure is raised here, as StepFailed
+        self._push_tables(num_samples)
+        if self._attempt is not None:  # a failed step retried: in the foreground, every slot landed on return
+            info = self._dense_step(num_samples)
+            self._tables_pushed.clear()
+            self._waits.finished(None)
+            return info
+        started = {}
+        if self._early is not None:  # pushes begun during backward are handed to the exchange here, on this
+            started = {j: f for j in range(self.num_parts)  # thread, so the next prepare_step() starts clean
+                       if (f := self._early.take(j, num_samples)) is not None}
+            self._early.finish_step()
+        self._attempt = _StepAttempt(todo=set(range(self.num_parts)), started=started, pipelined=True)
+        self._tables_pushed.clear()
+        self._waits.begin()
+        self._running = self._exchange_thread.submit(self._background_step, num_samples)
+        return previous or StepInfo(versions=list(self.versions), outcomes=["pending"] * self.num_parts,
+                                    push_seconds=0.0, pull_seconds=0.0, wait_seconds=0.0)
+
+    def _background_step(self, num_samples: int) -> StepInfo:
+        error = None
+        try:
+            return self._dense_step(num_samples)
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            self._waits.finished(error)
+
+    def _join_exchange(self) -> StepInfo | None:
+        """Wait for the pipelined exchange under way, if any; its StepInfo, or its StepFailed raised."""
+        running, self._running = self._running, None
+        if running is None:
+            return None
+        try:
+            return running.result()
+        finally:
+            self.staging.settle()  # the caller's stream waits for every slot's weights
 
     def _dense_step(self, num_samples: int) -> StepInfo:
         """The dense part of step(): every shard its gradient slice, and the weights back."""
@@ -478,28 +561,32 @@ class ParameterServerTrainer:
             clip_local_(self.flat.params, self.clip_grad_norm)  # this trainer's gradient, not the round's average
         # Recorded before the fan-out, and each shard's result as it comes: however step() is left (an error,
         # KeyboardInterrupt), the next call knows which shards are done and retries only the others.
-        attempt = self._attempt = self._attempt or _StepAttempt(todo=set(range(self.job.num_shards)))
+        attempt = self._attempt = self._attempt or _StepAttempt(todo=set(range(self.num_parts)))
         futures_wait(attempt.inflight)  # an interrupted try's calls on other threads finish first
         attempt.inflight.clear()
         attempt.produced = [self.staging.produced()] if self.staging.active else []  # the caller's gradients
         todo = sorted(attempt.todo)
         try:
             results = self.client.map_settled(lambda s: self._exchange(s, grad, num_samples, attempt),
-                                              None if len(todo) == self.job.num_shards else todo, attempt.inflight)
+                                              None if len(todo) == self.num_parts else todo, attempt.inflight,
+                                              parts=True)
         finally:
-            if self._early is not None:
-                self._early.finish_step()
-            self.staging.settle()  # the next forward, on the caller's stream, waits for the new weights
+            if not attempt.pipelined:  # (a pipelined step's forward settles slot by slot, on its own thread)
+                if self._early is not None:
+                    self._early.finish_step()
+                self.staging.settle()  # the next forward, on the caller's stream, waits for the new weights
         if attempt.todo:
             self.client.count("steps_failed")
             failed = {i: r for i, r in zip(todo, results) if isinstance(r, Exception)}
-            error = StepFailed(self.steps + 1, attempt.applied(), failed, [s.address for s in self.client.shards])
+            error = StepFailed(self.steps + 1, attempt.applied(), failed, [s.address for s in self.client.parts],
+                               [s.name for s in self.client.parts])
             log.warning("rank %d: %s", self.rank, error)
             raise error from next(iter(failed.values()))
         self._attempt = None
-        self.flat.zero_grad()
+        if not attempt.pipelined:  # pipelined: each slot was zeroed as it landed (the next backward may run)
+            self.flat.zero_grad()
         self.steps += 1
-        outcomes = [attempt.outcomes[i] for i in range(self.job.num_shards)]
+        outcomes = [attempt.outcomes[i] for i in range(self.num_parts)]
         timings = attempt.timings.values()
         return StepInfo(
             versions=list(self.versions), outcomes=outcomes,
@@ -512,7 +599,7 @@ class ParameterServerTrainer:
         """One shard's part of a step; a shard that restarted is rejoined and its part counted as lost."""
         outcome = "lost"
         try:
-            if s.index in self._resume_dense:  # a table call of this step rejoined it: its weights are due
+            if s.slot in self._resume_dense:  # a table call of this step rejoined it: its weights are due
                 self._resume_dense_slice(s)
             else:
                 outcome = self._exchange_once(s, grad, num_samples, attempt)
@@ -521,18 +608,22 @@ class ParameterServerTrainer:
                 raise
             self._rejoin(s, e)
         if outcome == "lost":
-            attempt.acks.pop(s.index, None)
-            attempt.timings[s.index] = (0.0, 0.0, 0.0)
-        attempt.outcomes[s.index] = outcome
-        attempt.todo.discard(s.index)
+            attempt.acks.pop(s.slot, None)
+            attempt.timings[s.slot] = (0.0, 0.0, 0.0)
+        attempt.outcomes[s.slot] = outcome
+        attempt.todo.discard(s.slot)
+        if attempt.pipelined:
+            self.staging.zero(s.slot, self._slice(self.flat.grad, s.slot))
+            self._waits.landed(s.slot)
         return outcome
 
     def _exchange_once(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: _StepAttempt) -> str:
-        i = s.index
+        i = s.slot
         t0 = time.perf_counter()
         out = self._answered_push(s, attempt)  # pushed in an earlier try of this step: only the pull is left
         if out is None:
-            started = attempt.started.get(i) or (self._early.take(i, num_samples) if self._early else None)
+            started = attempt.started.get(i) or (
+                self._early.take(i, num_samples) if self._early and not attempt.pipelined else None)
             if started is None:
                 attempt.sequences.setdefault(i, s.next_sequence())
                 if not self.overlap:
@@ -567,15 +658,15 @@ class ParameterServerTrainer:
     def _answered_push(s: ShardClient, attempt: _StepAttempt) -> PushOutcome | None:
         """What shard ``s`` answered to this step's push, if it did -- also when the answer came but an
         interrupt hit before it was recorded (the shard client remembers its last answer and its number)."""
-        if s.index not in attempt.acks and s.last_answer is not None and (
-                s.last_answer[0] == attempt.sequences.get(s.index)):
-            attempt.acks[s.index] = s.last_answer[1]
-        return attempt.acks.get(s.index)
+        if s.slot not in attempt.acks and s.last_answer is not None and (
+                s.last_answer[0] == attempt.sequences.get(s.slot)):
+            attempt.acks[s.slot] = s.last_answer[1]
+        return attempt.acks.get(s.slot)
 
     def _push_pull(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: _StepAttempt,
                    t0: float) -> str:
         """The plain path: one PushPull call, whose reply is the weights to go on from."""
-        i = s.index
+        i = s.slot
         target = self._slice(self.flat.flat, i)
         landing = self.staging.weights_buffer(i, target)  # the model itself on the CPU
         out, _, pushed, waited = s.push_pull(self.staging.to_host(i, self._slice(grad, i), attempt.produced),
@@ -591,8 +682,8 @@ class ParameterServerTrainer:
     # ------------------------------------------------------------------ async overlap
     def _pull_staged(self, s: ShardClient, min_version: int) -> int:
         """Background pull of shard ``s`` into its staging buffer (the model is in use meanwhile)."""
-        v, _, _ = s.pull(min_version, self.client.wire, self._staging[s.index].numel(), self.round_timeout,
-                         out=self._staging[s.index])
+        v, _, _ = s.pull(min_version, self.client.wire, self._staging[s.slot].numel(), self.round_timeout,
+                         out=self._staging[s.slot])
         return v
 
     def _collect_prefetch(self, i: int) -> None:
@@ -606,11 +697,14 @@ class ParameterServerTrainer:
         self.versions[i] = v
 
     def flush(self) -> None:
-        """Bring in the weights still being pulled in the background (before evaluating or saving)."""
+        """Bring in the weights still being pulled in the background (before evaluating or saving); a
+        pipelined exchange's failure is raised here as StepFailed."""
+        self._join_exchange()
         for i in list(self._prefetch):
             self._collect_prefetch(i)
 
     def zero_grad(self) -> None:
+        self._join_exchange()
         self._no_pending_step("zero_grad()")
         self.flat.zero_grad()
         self._zero_tables()
@@ -627,6 +721,7 @@ class ParameterServerTrainer:
         return {**self.client.counters, **rows}
 
     def shard_stats(self) -> list:
+        """Every shard's stats (partition 0's version and range; counters of all its partitions)."""
         return self.client.map(lambda s: s.stats())
 
     def close(self, leave: bool = True, best_effort: bool = False) -> None:
@@ -658,13 +753,16 @@ class ParameterServerTrainer:
                 self.rows.close()
             self.client.close()  # channels first: cancels calls still in flight, so the pools below drain
             self._prefetch_pool.shutdown(wait=True)
+            if self._exchange_thread is not None:
+                self._exchange_thread.shutdown(wait=True)
+                self._waits.close()
             if self._early is not None:
                 self._early.close()
 
     def _leave(self, best_effort: bool) -> None:
-        mine = [s for s in self.client.shards if s.index in self._registered]
+        mine = [s for s in self.client.parts if s.slot in self._registered]
         if not best_effort:
-            self.client.map(lambda s: s.leave() if s.index in self._registered else None)
+            self.client.map(lambda s: s.leave() if s.slot in self._registered else None, parts=True)
             self.left = True
             return
         failed = []
@@ -672,8 +770,8 @@ class ParameterServerTrainer:
             try:
                 s.leave(quick=True)
             except grpc.RpcError as e:
-                failed.append(s.index)
-                log.warning("rank %d could not leave shard %d (%s): %s %s", self.rank, s.index, s.address,
+                failed.append(s.slot)
+                log.warning("rank %d could not leave %s (%s): %s %s", self.rank, s.name, s.address,
                             e.code().name, e.details())
         self.left = not failed
 
@@ -698,7 +796,8 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
             overlap: bool = False, push_during_backward: bool = False, job_id: str = "",
             retry_budget: float = 60.0, lr_schedule: LrSchedule | dict | None = None,
             clip_grad_norm: float | None = None, compress: str | None = None,
-            embedding_mode: str = "") -> ParameterServerTrainer:
+            embedding_mode: str = "", partition_bytes: int = 0, partitions: int | None = None,
+            pipeline: bool = False) -> ParameterServerTrainer:
     """Register ``model`` with the shards at ``ps`` and return a handle whose ``step()`` trains it.
 
     Rank 0 initialises the shards with its model's weights; every trainer then
@@ -720,6 +819,13 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
     gradient to that 2-norm before each push (trainer.clipping).  ``compress="topk:RATIO"`` pushes each
     shard only the largest RATIO of its slice, keeping the rest for later pushes (trainer.compress).
 
+    Partitions: ``partition_bytes=N`` cuts each shard's slice into pieces of at most N bytes, each with its
+    own round on the shard (psserver.host), pushed and pulled on its own (every trainer of a job must agree);
+    ``partitions=K`` asks for K per shard instead.
+    ``pipeline=True`` returns from ``step()`` while the exchange goes on: each module's next forward waits
+    only for the partitions holding its parameters (trainer.pipeline); ``step()`` then returns the previous
+    step's StepInfo.  In sync mode both leave the parameters bit-identical to the plain exchange.
+
     Tables: the model's ShardedEmbedding / ShardedEmbeddingBag modules (trainer.embedding)
     join the job as its sparse tables (sorted by name) and are bound to their rows on
     the shards; ``step()`` pushes their gradient rows too.  ``embedding_mode="async"``
@@ -733,8 +839,9 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
     job = make_job(model, len(addresses), mode=mode, num_trainers=num_trainers, optimizer=optimizer,
                    max_staleness=max_staleness, sync_timeout=sync_timeout,
                    replicas_to_aggregate=replicas_to_aggregate, stale_policy=stale_policy, wire_dtype=wire_dtype,
-                   job_id=job_id, lr_schedule=lr_schedule, embedding_mode=embedding_mode)
+                   job_id=job_id, lr_schedule=lr_schedule, embedding_mode=embedding_mode,
+                   partition_bytes=partition_bytes, partitions=partitions)
     return ParameterServerTrainer(addresses, model, job, rank, trainer_id or default_trainer_id(rank),
                                   connect_timeout, round_timeout, chunk_bytes, security or ClientSecurity(), overlap,
                                   push_during_backward, RetryPolicy(budget_seconds=retry_budget),
-                                  clip_grad_norm=clip_grad_norm, compress=compress)
+                                  clip_grad_norm=clip_grad_norm, compress=compress, pipeline=pipeline)

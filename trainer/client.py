@@ -70,9 +70,10 @@ class ShardCallsFailed(grpc.RpcError, RuntimeError):
         super().__init__(message)
 
     @staticmethod
-    def causes(failed: dict, addresses: Sequence[str]) -> str:
+    def causes(failed: dict, addresses: Sequence[str], names: Sequence[str] | None = None) -> str:
+        """Each failure named "shard I at ADDRESS: CODE: details" (``names[i]`` in place of "shard I")."""
         return "; ".join(
-            f"shard {i} at {addresses[i]}: "
+            f"{names[i] if names else f'shard {i}'} at {addresses[i]}: "
             + (f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else f"{type(e).__name__}: {e}")
             for i, e in sorted(failed.items()))
 
@@ -110,13 +111,18 @@ class RetryPolicy:
 
 
 class ShardClient:
-    """Calls to one shard, identified by its position in the --ps list."""
+    """Calls to one partition of one shard: ``index`` is the shard's position in the --ps list, ``partition``
+    the piece of its slice (JobSpec.partitions), ``slot`` the piece's position among all of the job's
+    (``index * partitions + partition``; the shard's index when unpartitioned)."""
 
     def __init__(self, address: str, index: int, rank: int, trainer_id: str, fingerprint: str,
                  counters: Counter, chunk_bytes: int = DEFAULT_CHUNK_BYTES, call_timeout: float = 60.0,
                  retry: RetryPolicy = RetryPolicy(), security: ClientSecurity = ClientSecurity(),
-                 counters_lock: threading.Lock | None = None, compressor: TopK | None = None):
+                 counters_lock: threading.Lock | None = None, compressor: TopK | None = None,
+                 partition: int = 0, slot: int | None = None):
         self.address, self.index, self.rank, self.trainer_id = address, index, rank, trainer_id
+        self.partition, self.slot = partition, index if slot is None else slot
+        self.name = f"shard {index}" + (f" partition {partition}" if partition else "")  # in messages
         self.compressor = compressor  # top-k with error feedback for this shard's slice (trainer.compress)
         self._encoded: tuple[int, int, list] | None = None  # the unanswered compressed push, resent as it was
         self.fingerprint, self.counters, self.chunk_bytes = fingerprint, counters, chunk_bytes
@@ -174,7 +180,7 @@ class ShardClient:
                     raise
                 self._count("retries")
                 pause = random.uniform(0, delay)
-                log.warning("%s to shard %d (%s) failed with %s (%s); retry %d in %.2f s", what, self.index,
+                log.warning("%s to %s (%s) failed with %s (%s); retry %d in %.2f s", what, self.name,
                             self.address, e.code().name, e.details(), attempt, pause)
                 time.sleep(pause)  # backoff between attempts, not synchronisation
                 delay = min(delay * 2, self.retry.max_backoff)
@@ -188,7 +194,7 @@ class ShardClient:
         is waited for.  Giving up raises ShardUnreachable naming the address.
         """
         req = _pb.RegisterRequest(rank=self.rank, trainer_id=self.trainer_id, expected_shard=self.index,
-                                  job=job.to_proto())
+                                  job=job.to_proto(), partition=self.partition)
         give_up = time.monotonic() + connect_timeout
         next_log = 0.0
         while True:
@@ -214,7 +220,7 @@ class ShardClient:
                 sequence: int = 0) -> _pb.ChunkHeader:
         return _pb.ChunkHeader(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.fingerprint,
                                dtype=wire, length=length, version=version, num_samples=num_samples,
-                               sequence=sequence)
+                               sequence=sequence, partition=self.partition)
 
     def init(self, values: torch.Tensor, wire: int) -> _pb.InitReply:
         payload = wire_tensor(values, wire)
@@ -233,7 +239,7 @@ class ShardClient:
         ``out`` (the model's flat CPU parameters) the weights land there directly.
         """
         req = _pb.PullRequest(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.fingerprint,
-                              min_version=min_version, dtype=wire)
+                              min_version=min_version, dtype=wire, partition=self.partition)
 
         def once():
             reader = ChunkReader(self._pull(req, timeout=timeout))
@@ -286,7 +292,7 @@ class ShardClient:
         self._count("push_bytes_dense", dense_bytes)  # what the same pushes would have sent uncompressed
         if outcome == "stale":
             self._count("stale_pushes")
-            log.info("shard %d dropped a stale gradient (base %d, now %d): catching up", self.index, base, version)
+            log.info("%s dropped a stale gradient (base %d, now %d): catching up", self.name, base, version)
         elif outcome in ("duplicate", "skipped"):
             self._count(f"{outcome}_pushes")
         return result
@@ -342,26 +348,36 @@ class ShardClient:
         self._encoded = None
 
     def heartbeat(self, timeout: float) -> _pb.HeartbeatReply:
-        req = _pb.HeartbeatRequest(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.fingerprint)
+        req = _pb.HeartbeatRequest(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.fingerprint,
+                                   partition=self.partition)
         return self.stub.Heartbeat(req, timeout=timeout)
 
     def leave(self, quick: bool = False) -> None:
         """Leave the job; ``quick``: one try with a short deadline (closing after another failure)."""
-        req = _pb.LeaveRequest(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.fingerprint)
+        req = _pb.LeaveRequest(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.fingerprint,
+                               partition=self.partition)
         if quick:
             self.stub.Leave(req, timeout=5.0)
             return
         self._call("Leave", lambda: self.stub.Leave(req, timeout=self.call_timeout))
 
     def stats(self) -> _pb.StatsReply:
-        return self._call("GetStats", lambda: self.stub.GetStats(_pb.StatsRequest(), timeout=self.call_timeout))
+        return self._call("GetStats", lambda: self.stub.GetStats(_pb.StatsRequest(partition=self.partition),
+                                                                       timeout=self.call_timeout))
 
     def close(self) -> None:
         self.channel.close()
 
 
 class ShardedClient:
-    """One ShardClient per shard, with calls fanned out in parallel."""
+    """One ShardClient per partition of every shard, with calls fanned out in parallel.
+
+    ``parts``: every partition of every shard, in slot order (the flat vector's order) -- the dense
+    exchange.  ``shards``: partition 0 of each shard, the same objects -- the sparse tables and tools.
+    Unpartitioned, the two lists are the same.  Each partition has a channel (TCP connection) of its own:
+    its calls are flow-controlled apart from the others', and a shard's per-connection call limit is not
+    shared among them.
+    """
 
     def __init__(self, addresses: Sequence[str], job: JobSpec, rank: int, trainer_id: str,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, call_timeout: float = 60.0,
@@ -374,21 +390,26 @@ class ShardedClient:
         self.wire = WIRE_DTYPES[job.wire_dtype]
         self.counters: Counter = Counter()
         self._count_lock = threading.Lock()
-        self.shards = [
-            ShardClient(a, i, rank, trainer_id, job.fingerprint, self.counters, chunk_bytes, call_timeout,
-                        retry=retry, security=security, counters_lock=self._count_lock,
-                        compressor=TopK(topk.ratio, topk.warmup) if topk is not None else None)
-            for i, a in enumerate(addresses)
+        k = job.partitions
+        self.parts = [
+            ShardClient(addresses[j // k], j // k, rank, trainer_id, job.fingerprint, self.counters, chunk_bytes,
+                        call_timeout, retry=retry, security=security, counters_lock=self._count_lock,
+                        compressor=TopK(topk.ratio, topk.warmup) if topk is not None else None,
+                        partition=j % k, slot=j)
+            for j in range(len(addresses) * k)
         ]
-        self._pool = ThreadPoolExecutor(max_workers=len(self.shards), thread_name_prefix="ps-io")
+        self.shards = self.parts[::k]
+        self._pool = ThreadPoolExecutor(max_workers=len(self.parts), thread_name_prefix="ps-io")
 
-    def map(self, fn: Callable[[ShardClient], T]) -> list[T]:
-        """``fn`` on every shard in parallel; results in shard order; the first error is raised."""
-        if len(self.shards) == 1:
-            return [fn(self.shards[0])]
-        rest = [self._pool.submit(fn, s) for s in self.shards[1:]]
+    def map(self, fn: Callable[[ShardClient], T], parts: bool = False) -> list[T]:
+        """``fn`` on every shard (every partition: ``parts``) in parallel; results in order; the first error
+        is raised."""
+        chosen = self.parts if parts else self.shards
+        if len(chosen) == 1:
+            return [fn(chosen[0])]
+        rest = [self._pool.submit(fn, s) for s in chosen[1:]]
         try:
-            first = fn(self.shards[0])  # on this thread: one hand-off between threads fewer per step
+            first = fn(chosen[0])  # on this thread: one hand-off between threads fewer per step
         except BaseException:
             futures_wait(rest)  # no call left running behind the caller; shard 0's error is the one raised
             raise
@@ -400,12 +421,14 @@ class ShardedClient:
             self.counters[name] += n
 
     def map_settled(self, fn: Callable[[ShardClient], T], shards: Sequence[int] | None = None,
-                    inflight: list | None = None) -> list:
-        """``fn`` on the given shards (all by default) in parallel; each result, or the Exception it raised.
+                    inflight: list | None = None, parts: bool = False) -> list:
+        """``fn`` on the given shards (all by default; partitions by slot with ``parts``) in parallel; each
+        result, or the Exception it raised.
 
         The calls on other threads are added to ``inflight``: after an interrupt on this thread, which
         returns at once, the caller can wait for them before it tries again."""
-        chosen = [self.shards[i] for i in (range(len(self.shards)) if shards is None else shards)]
+        pool = self.parts if parts else self.shards
+        chosen = [pool[i] for i in (range(len(pool)) if shards is None else shards)]
 
         def settle(s: ShardClient):
             try:
@@ -424,6 +447,6 @@ class ShardedClient:
 
     def close(self) -> None:
         """Close the channels, which ends every call in flight, then wait for the I/O threads."""
-        for s in self.shards:
+        for s in self.parts:
             s.close()
         self._pool.shutdown(wait=True)

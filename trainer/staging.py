@@ -115,11 +115,26 @@ class DeviceStaging:
             event.record(stream)
         self._to_device[shard] = event
 
-    def settle(self) -> None:
-        """Make the calling thread's stream wait for every weight copy (the next forward reads them)."""
+    def settle(self, shards=None) -> None:
+        """Make the calling thread's stream wait for the weight copies of ``shards`` (every one by default):
+        the next forward reads them."""
         if not self.active:
             return
         current = self.cuda.current_stream(self.device)
-        for event in self._to_device:
+        for i in range(len(self._to_device)) if shards is None else shards:
+            event = self._to_device[i]
             if event is not None:
                 current.wait_event(event)
+
+    def zero(self, shard: int, grad_slice: torch.Tensor) -> None:
+        """Zero a shard's gradient slice once its push is answered (pipelined steps zero slot by slot): on the
+        side stream after its weight copy, so ``settle`` orders the next backward after both."""
+        if not self.active:
+            grad_slice.zero_()
+            return
+        stream = self.streams[shard]
+        with self.cuda.stream(stream):
+            grad_slice.zero_()
+            event = self.cuda.Event()
+            event.record(stream)
+        self._to_device[shard] = event

@@ -78,6 +78,7 @@ def stepper(model, rows):
     ps.tables = sorted([m for m in model.modules() if isinstance(m, (ShardedEmbedding, ShardedEmbeddingBag))],
                        key=lambda t: t.name)
     ps._tables_pushed, ps.rank, ps.client, ps._attempt, ps.rows = set(), 0, Counter(), None, rows
+    ps._waits, ps._running = None, None  # not pipelined
     ps.dense_steps = 0
 
     def dense_step(num_samples):

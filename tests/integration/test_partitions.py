@@ -1,0 +1,203 @@
+"""Partitioned and pipelined exchange against the plain one, on real shards over loopback.
+
+Each partition has its own round, version and optimizer step (psserver.host); element-wise optimizers make
+that the same arithmetic as one step over the slice, so sync mode must give the same parameters bit for bit --
+also when steps return before the exchange ends and each layer waits for its own partitions (trainer.pipeline).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+import torch
+from torch.nn import functional as F
+
+from psserver.proto import ps_pb2 as pb
+from tests.conftest import make_spec
+from trainer import connect
+
+STEPS = 5
+
+
+class Net(torch.nn.Module):
+    """Four layers of uneven sizes (2,180 parameters), so partition edges fall inside tensors."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(12, 40)
+        self.b = torch.nn.Linear(40, 30)
+        self.c = torch.nn.Linear(30, 12)
+        self.d = torch.nn.Linear(12, 10)
+
+    def forward(self, x):
+        return self.d(torch.tanh(self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))))
+
+
+class Tiny(torch.nn.Module):
+    """514 parameters: two slices of 257 = one 256-element unit (psserver.layout.PARTITION_ALIGN) and one
+    element, so three partitions a shard are one empty, one of 256 elements and one of a single element."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = torch.nn.Linear(2, 170)  # 510 parameters
+        self.v = torch.nn.Linear(1, 2)  # 4
+
+    def forward(self, x):
+        return self.v(torch.tanh(self.w(x))[:, :1] + torch.tanh(self.w(x)).mean(1, keepdim=True))
+
+
+def batches(rank: int, steps: int, features: int, classes: int):
+    g = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(8, features, generator=g), torch.randint(0, classes, (8,), generator=g))
+            for _ in range(steps)]
+
+
+def train_cluster(addresses: str, optimizer: dict, num_trainers: int = 2, model_cls=Net, **options):
+    """``num_trainers`` trainers (threads) run STEPS sync steps; every trainer's parameters after them, and
+    what they saw of the job."""
+    features, classes = (12, 10) if model_cls is Net else (2, 2)
+    results, errors, seen = {}, [], {}
+
+    models = [model_cls() for _ in range(num_trainers)]  # here: a model seeds torch's global generator
+
+    def run(rank: int) -> None:
+        model = models[rank]
+        try:
+            with connect(addresses, model, mode="sync", rank=rank, num_trainers=num_trainers, optimizer=optimizer,
+                         connect_timeout=30, **options) as ps:
+                seen[rank] = (ps.job.partitions, ps.num_parts)
+                for x, y in batches(rank, STEPS, features, classes):
+                    ps.prepare_step(len(x))
+                    F.cross_entropy(model(x), y).backward()
+                    ps.step(num_samples=len(x))
+                ps.flush()
+                seen[rank] += (ps._waits.waits if ps._waits is not None else 0,)
+                results[rank] = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+        except BaseException as e:  # noqa: BLE001 -- reported by the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(num_trainers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return results, seen
+
+
+OPTIMIZERS = [{"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3},
+              {"name": "adam", "lr": 0.01}]
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=["sgd-momentum", "adam"])
+@pytest.mark.parametrize("options", [
+    dict(partition_bytes=1000),  # 250 elements: the 1,090-element slices cut in 5 uneven pieces
+    dict(partition_bytes=1000, pipeline=True),
+    dict(partition_bytes=1000, pipeline=True, push_during_backward=True),
+    dict(pipeline=True),  # one partition per shard, pipelined
+], ids=["partitioned", "pipelined", "pipelined-early-push", "pipelined-whole-slices"])
+def test_partitioned_and_pipelined_exchange_equal_whole_slices_bit_for_bit(shard_server, optimizer, options):
+    def fresh():
+        return ",".join(shard_server(shard=i).server.address for i in range(2))
+
+    plain, plain_seen = train_cluster(fresh(), optimizer)
+    cut, cut_seen = train_cluster(fresh(), optimizer, **options)
+    assert plain_seen[0][:2] == (1, 2)
+    expected_partitions = 5 if options.get("partition_bytes") else 1
+    assert cut_seen[0][:2] == (expected_partitions, 2 * expected_partitions)
+    for rank in (0, 1):
+        assert torch.equal(cut[rank], plain[rank]), f"rank {rank}: max diff {(cut[rank] - plain[rank]).abs().max()}"
+    assert torch.equal(cut[0], cut[1])
+
+
+def test_empty_and_one_element_partitions_train_like_whole_slices(shard_server):
+    """Each 257-element slice in 3 partitions: [0, 0), [0, 256), [256, 257) -- an empty one, whose pushes and
+    pulls are of zero elements, and a one-element one."""
+    optimizer = {"name": "adam", "lr": 0.05}
+
+    def fresh():
+        return ",".join(shard_server(shard=i).server.address for i in range(2))
+
+    plain, _ = train_cluster(fresh(), optimizer, model_cls=Tiny)
+    cut, seen = train_cluster(fresh(), optimizer, model_cls=Tiny, partition_bytes=4, pipeline=True)
+    assert seen[0][:2] == (2, 4)  # 2 units a slice: never more partitions than units
+    with_three, seen3 = train_cluster(fresh(), optimizer, model_cls=Tiny, partitions=3, pipeline=True)
+    assert seen3[0][:2] == (3, 6)
+    assert torch.equal(cut[0], plain[0]) and torch.equal(cut[1], plain[1])
+
+
+def test_each_partition_keeps_its_own_version_and_the_shard_reports_them(shard_server):
+    shards = [shard_server(shard=i) for i in range(2)]
+    train_cluster(",".join(s.server.address for s in shards), OPTIMIZERS[0], partition_bytes=1000)
+    for s in shards:
+        head = s.stub.GetStats(pb.StatsRequest(partition=0), timeout=10)
+        assert head.partitions == 5
+        ranges = []
+        for k in range(5):
+            stats = s.stub.GetStats(pb.StatsRequest(partition=k), timeout=10)
+            assert stats.version == STEPS  # one optimizer step per sync round, per partition
+            ranges.append((stats.start, stats.end))
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))  # the partitions tile the slice
+        assert head.counters["steps"] == 5 * STEPS  # counters: every partition's summed
+
+
+def _digests(raw, partitions):
+    return [raw.stub.GetStats(pb.StatsRequest(with_digest=True, partition=k), timeout=10).state_digest
+            for k in range(partitions)]
+
+
+def test_a_call_naming_a_partition_the_shard_lacks_is_refused_and_changes_nothing(shard_server):
+    raw = shard_server()
+    spec = make_spec(partitions=2)
+    raw.register(spec=spec)
+    halves = [raw.stub.Register(pb.RegisterRequest(rank=0, trainer_id="t0", job=spec.to_proto(), partition=k),
+                                timeout=10) for k in range(2)]
+    sizes = [512, 488]  # two and a partial 256-element unit (psserver.layout.PARTITION_ALIGN)
+    assert [(h.start, h.end) for h in halves] == [(0, 512), (512, 1000)]
+    for k in range(2):
+        h = raw.header(n=sizes[k])
+        h.partition = k
+        raw.stub.Init(iter([pb.Chunk(header=h, offset=0, data=torch.full((sizes[k],), float(k)).numpy().tobytes())]),
+                      timeout=10)
+    before = _digests(raw, 2)
+
+    h = raw.header(n=488)
+    h.partition = 2
+    with pytest.raises(grpc.RpcError) as push:
+        raw.stub.Push(iter([pb.Chunk(header=h, offset=0, data=bytes(4 * 488))]), timeout=10)
+    assert push.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "partition is 2" in push.value.details() and "serves 2 partitions" in push.value.details()
+    with pytest.raises(grpc.RpcError) as pull:
+        list(raw.stub.Pull(pb.PullRequest(rank=0, trainer_id="t0", fingerprint="f" * 16, partition=7), timeout=10))
+    assert pull.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "partition is 7" in pull.value.details()
+    with pytest.raises(grpc.RpcError) as reg:
+        raw.stub.Register(pb.RegisterRequest(rank=0, trainer_id="t0", job=spec.to_proto(), partition=2), timeout=10)
+    assert reg.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "partition is 2 but the job has 2 partitions" in reg.value.details()
+    # A push of the wrong length for its partition names both lengths.
+    h = raw.header(n=1000)
+    h.partition = 1
+    with pytest.raises(grpc.RpcError) as wrong:
+        raw.stub.Push(iter([pb.Chunk(header=h, offset=0, data=bytes(4000))]), timeout=10)
+    assert wrong.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "1000" in wrong.value.details() and "488" in wrong.value.details()
+
+    assert _digests(raw, 2) == before
+    version, weights = raw.pull()  # partition 0 still serves
+    assert version == 0 and torch.equal(weights, torch.zeros(512))
+
+
+def test_a_job_with_more_partitions_than_the_limit_is_refused_naming_both(shard_server):
+    raw = shard_server()
+    spec = make_spec()
+    message = spec.to_proto()
+    message.partitions = 100_000
+    with pytest.raises(grpc.RpcError) as e:
+        raw.stub.Register(pb.RegisterRequest(rank=0, trainer_id="t0", job=message), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "partitions per shard (100000)" in e.value.details() and "256" in e.value.details()
+    assert raw.stats().initialized is False

@@ -1,0 +1,81 @@
+"""Per-layer waits of a pipelined step (trainer.pipeline), with threads and no network."""
+
+import threading
+
+import pytest
+import torch
+
+from trainer.pipeline import LayerWaits, module_slots
+
+
+class Two(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(4, 4)  # 20 parameters: flat [0, 20)
+        self.second = torch.nn.Linear(4, 2)  # 10: [20, 30)
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
+def ranges(model):
+    out, offset = {}, 0
+    for p in model.parameters():
+        out[id(p)] = (offset, offset + p.numel())
+        offset += p.numel()
+    return out
+
+
+SLOTS = [(0, 16), (16, 24), (24, 30), (30, 30)]  # the last slot is empty
+
+
+def test_each_module_waits_for_the_slots_its_own_parameters_overlap():
+    model = Two()
+    found = module_slots(model, ranges(model), SLOTS)
+    assert found == {model.first: frozenset({0, 1}), model.second: frozenset({1, 2})}  # never the empty slot
+
+
+def test_a_forward_runs_its_first_layer_while_the_second_layers_slots_are_still_in_flight():
+    model = Two()
+    order = []
+    waits = LayerWaits(model, ranges(model), SLOTS, settle=lambda slots: order.append(("settled", sorted(slots))))
+    model.second.register_forward_pre_hook(lambda m, a: order.append(("second runs",)))
+    model.first.register_forward_pre_hook(lambda m, a: order.append(("first runs",)))
+    waits.begin()
+    waits.landed(0)
+    waits.landed(1)
+    done = threading.Event()
+
+    def forward():
+        model(torch.zeros(1, 4))
+        done.set()
+
+    t = threading.Thread(target=forward)
+    t.start()
+    # The first layer's slots landed: it runs; the second waits for slot 2 (poll on the event, not a sleep).
+    while not order or order[-1] != ("first runs",):
+        done.wait(0.01)
+    assert not done.is_set()
+    waits.landed(2)
+    t.join(10)
+    assert done.is_set()
+    assert order == [("settled", [0, 1]), ("first runs",), ("settled", [1, 2]), ("second runs",)]
+    assert waits.waits == 1
+    waits.finished(None)
+    order.clear()
+    model(torch.zeros(1, 4))  # no exchange under way: nothing waits, nothing settles
+    assert order == [("first runs",), ("second runs",)]
+    waits.close()
+
+
+def test_a_failed_exchange_raises_in_the_forward_that_needs_a_slot_it_left_out():
+    model = Two()
+    waits = LayerWaits(model, ranges(model), SLOTS)
+    waits.begin()
+    waits.landed(0)
+    waits.landed(1)
+    waits.finished(RuntimeError("step 3 failed (shard 1 at x: UNAVAILABLE)"))
+    with pytest.raises(RuntimeError, match="step 3 failed"):
+        model(torch.zeros(1, 4))  # the first layer's slots landed; the second's slot 2 did not
+    waits.finished(None)  # retried (or abandoned): forwards run again
+    assert model(torch.zeros(1, 4)).shape == (1, 2)

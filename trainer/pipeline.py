@@ -1,0 +1,116 @@
+"""The next forward overlaps the exchange: each layer waits only for the partitions holding its parameters.
+
+With ``pipeline=True`` (trainer.api), ``step()`` hands the dense exchange to a
+background thread and returns; partitions (psserver.host) are pushed and
+pulled each on its own, earliest in the flat vector -- the first layers of the
+next forward -- started first.  A forward pre-hook on every module that owns
+parameters waits for the slots (partitions of shards) those parameters live
+in, so the first layers compute while later ones are still arriving
+(ByteScheduler's priority, BytePS's per-partition rounds).
+
+What waits for what:
+
+* A module's forward waits for its own parameters' slots; a slot is "landed"
+  once its new weights are in the model and its gradient slice is zeroed.
+  The hooks cover parameters used inside their own module's forward -- the
+  usual case.  A loop that reads parameters some other way (a functional
+  call on another module's weight, saving a state dict) calls ``flush()``
+  first, as it would for ``overlap``.
+* ``step()``, ``prepare_step()`` with push during backward, ``flush()`` and
+  ``close()`` join the exchange still running; its failure is raised there, or
+  by the first forward that needs a slot that did not land, as the same
+  ``StepFailed`` ``step()`` raises unpipelined (``step()`` again retries it).
+
+Pure bookkeeping (no gRPC): unit-tested with a plain module and threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Sequence
+
+import torch
+
+
+def module_slots(model: torch.nn.Module, param_ranges: dict[int, tuple[int, int]],
+                 slot_ranges: Sequence[tuple[int, int]]) -> dict[torch.nn.Module, frozenset[int]]:
+    """For each module that owns trainable parameters (not its children's), the slots they overlap.
+
+    ``param_ranges``: id(parameter) -> its [start, end) in the flat vector; ``slot_ranges``: each slot's."""
+    found = {}
+    for module in model.modules():
+        slots = set()
+        for p in module.parameters(recurse=False):
+            span = param_ranges.get(id(p))
+            if span is None:
+                continue  # frozen, or a shard-backed table's (not in the flat vector)
+            start, end = span
+            slots.update(j for j, (s0, s1) in enumerate(slot_ranges) if s0 < end and start < s1 and s0 < s1)
+        if slots:
+            found[module] = frozenset(slots)
+    return found
+
+
+class LayerWaits:
+    """Which slots have landed in the exchange under way, and forward pre-hooks that wait for them."""
+
+    def __init__(self, model: torch.nn.Module, param_ranges: dict[int, tuple[int, int]],
+                 slot_ranges: Sequence[tuple[int, int]], settle: Callable[[frozenset[int]], None] = lambda s: None):
+        """``settle(slots)``: on the forward's thread once its slots landed (CUDA: its stream waits for them)."""
+        self._cond = threading.Condition()
+        self._landed: set[int] = set()
+        self._running = False  # an exchange is under way
+        self._error: BaseException | None = None  # how the last exchange failed, until it is joined
+        self._settle = settle
+        self.waits = 0  # forwards of a module that found a slot still in flight (what overlap looks like)
+        self._slots = module_slots(model, param_ranges, slot_ranges)
+        self._handles = [m.register_forward_pre_hook(self._hook(slots)) for m, slots in self._slots.items()]
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    def begin(self) -> None:
+        """An exchange starts: nothing has landed."""
+        with self._cond:
+            self._landed.clear()
+            self._error = None
+            self._running = True
+
+    def landed(self, slot: int) -> None:
+        """Slot ``slot``'s weights are in the model (called from the exchange's threads)."""
+        with self._cond:
+            self._landed.add(slot)
+            self._cond.notify_all()
+
+    def finished(self, error: BaseException | None) -> None:
+        """The exchange ended (every slot landed, or it failed with ``error``)."""
+        with self._cond:
+            self._running = False
+            self._error = error
+            self._cond.notify_all()
+
+    def wait(self, slots: frozenset[int]) -> None:
+        """Block until ``slots`` landed or the exchange ended; a failed exchange that left one of them out
+        raises its error (the step is retried by ``step()``, as unpipelined)."""
+        with self._cond:
+            if not self._running and self._error is None:
+                return
+            if not slots <= self._landed and self._running:
+                self.waits += 1
+                self._cond.wait_for(lambda: slots <= self._landed or not self._running)
+            if not slots <= self._landed and self._error is not None:
+                raise self._error
+        self._settle(slots)
+
+    def _hook(self, slots: frozenset[int]):
+        def before_forward(module, args):
+            if self._running or self._error is not None:
+                self.wait(slots)
+
+        return before_forward
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
