@@ -50,6 +50,7 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--wire-dtype", choices=list(WIRE_DTYPES), default="float32",
                    help="dtype of gradients and weights on the wire (shards keep fp32)")
     add_compress_flag(p)
+    add_partition_flags(p)
     p.add_argument("--seed", type=int, default=0, help="model init and data order; the same on every trainer")
     p.add_argument("--job-id", default="",
                    help="names this run; every trainer of it passes the same (shards refuse another job's "
@@ -111,6 +112,16 @@ def add_compress_flag(p: EnvArgumentParser) -> None:
                    help="push each shard only the largest RATIO (0 < RATIO <= 1) of its gradient slice as "
                         "(index, value) pairs; what is not sent is kept and added to the next push (error "
                         "feedback); warmup=STEPS sends the first STEPS pushes dense. Default: dense")
+
+
+def add_partition_flags(p: EnvArgumentParser) -> None:
+    """--partition-bytes and --pipeline, shared by ps-trainer and ps-cluster (psserver.host, trainer.pipeline)."""
+    p.add_argument("--partition-bytes", type=int, default=0, metavar="BYTES",
+                   help="cut each shard's slice into partitions of at most BYTES (e.g. 4194304), each with its own "
+                        "round, pushed and pulled on its own (0: one per shard; every trainer must agree)")
+    p.add_argument("--pipeline", action="store_true",
+                   help="return from each step while its exchange goes on: the next forward waits, layer by "
+                        "layer, only for the partitions holding that layer's parameters (sync stays exact)")
 
 
 TABLE_FLAGS = ("embedding_dim", "sparse_optimizer", "sparse_lr", "embedding_mode", "admit_after", "max_rows")
@@ -176,6 +187,7 @@ def config_from_args(args) -> TrainConfig:
         security=client_security(args), backend=args.backend, overlap=args.overlap,
         push_during_backward=args.push_during_backward, job_id=args.job_id, save_every=args.save_every,
         retry_budget=args.retry_budget, tensorboard=args.tensorboard, compress=args.compress,
+        partition_bytes=args.partition_bytes, pipeline=args.pipeline,
         **{name: getattr(args, name) for name in SCHEDULE_FLAGS},
     )
 

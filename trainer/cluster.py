@@ -26,7 +26,9 @@ from psserver.cli_support import EnvArgumentParser, run_cli, setup_logging
 from psserver.job import MODES, OPTIMIZERS, STALE_POLICIES
 from psserver.admin import fetch_stat
 from psserver.proto import ps_pb2 as _pb
-from trainer.cli import add_compress_flag, add_schedule_flags, add_table_flags, schedule_argv, table_argv
+from trainer.cli import (
+    add_compress_flag, add_partition_flags, add_schedule_flags, add_table_flags, schedule_argv, table_argv,
+)
 from trainer.data import DATASETS
 from trainer.models import MODELS
 from trainer.recmodels import REC_MODELS
@@ -54,6 +56,7 @@ def build_parser() -> EnvArgumentParser:
                    help="learning rate (default 0.05; 0.05/trainers in async mode)")
     add_schedule_flags(p)
     add_compress_flag(p)
+    add_partition_flags(p)
     add_table_flags(p)
     p.add_argument("--sync-timeout", type=float, default=0.1, help="stale-timeout: seconds a round waits")
     p.add_argument("--replicas-to-aggregate", type=int, default=0)
@@ -127,6 +130,10 @@ def trainer_args(args, rank: int, run: Path) -> list[str]:
     a += schedule_argv(args)
     if args.compress:
         a += ["--compress", args.compress]
+    if args.partition_bytes:
+        a += ["--partition-bytes", str(args.partition_bytes)]
+    if args.pipeline:
+        a += ["--pipeline"]
     a += table_argv(args)
     if args.mode == "stale-timeout":
         a += ["--sync-timeout", str(args.sync_timeout), "--replicas-to-aggregate", str(args.replicas_to_aggregate),

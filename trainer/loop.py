@@ -89,6 +89,8 @@ class TrainConfig:
     lr_min: float = 0.0  # cosine: the floor
     clip_grad_norm: float | None = None  # clip this trainer's own gradient to this 2-norm (not the round's average)
     compress: str = ""  # "topk:RATIO": push the largest RATIO of each slice, the rest kept for later (trainer.compress)
+    partition_bytes: int = 0  # partitions of each shard's slice of at most this many bytes (0: one per shard)
+    pipeline: bool = False  # the exchange runs behind the next forward, each layer waiting for its partitions
     # Recommender datasets (movielens100k): the tables of --model mf / ncf live on the shards (trainer.embedding).
     embedding_dim: int | None = None  # None: 32
     sparse_optimizer: str | None = None  # the tables' per-row optimizer (psserver.sparse.optim); None: adam
@@ -141,6 +143,11 @@ def config_problem(cfg: TrainConfig) -> str:
          f"--retry-budget ({cfg.retry_budget}) must be zero or more seconds"),
         (cfg.mode in MODES, f"--mode ({cfg.mode}) must be one of {', '.join(MODES)}"),
         (cfg.mode == "async" or not cfg.overlap, f"--overlap applies to --mode async only, not {cfg.mode}"),
+        (cfg.partition_bytes >= 0, f"--partition-bytes ({cfg.partition_bytes}) must be zero (one partition per "
+                                   "shard) or more bytes"),
+        (not (cfg.pipeline and cfg.overlap), "--pipeline and --overlap both hide the pull behind compute: choose one"),
+        (cfg.backend == "ps" or not (cfg.pipeline or cfg.partition_bytes),
+         f"--pipeline and --partition-bytes apply to --backend ps only, not {cfg.backend}"),
         (cfg.optimizer == "sgd" or not cfg.nesterov, f"--nesterov applies to --optimizer sgd only, not {cfg.optimizer}"),
         (not device, device),
     ]
@@ -725,7 +732,8 @@ def make_stepper(cfg: TrainConfig, model: torch.nn.Module, total_steps: int):
                        connect_timeout=cfg.connect_timeout, security=cfg.security, overlap=cfg.overlap,
                        push_during_backward=cfg.push_during_backward, retry_budget=cfg.retry_budget,
                        lr_schedule=schedule, clip_grad_norm=clip, compress=cfg.compress,
-                       embedding_mode=cfg.embedding_mode)
+                       embedding_mode=cfg.embedding_mode, partition_bytes=cfg.partition_bytes,
+                       pipeline=cfg.pipeline)
     from trainer.baselines import DDPStepper, LocalStepper
 
     if cfg.backend == "ddp":
