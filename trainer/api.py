@@ -527,7 +527,8 @@ class ParameterServerTrainer:
             started = {j: f for j in range(self.num_parts)  # thread, so the next prepare_step() starts clean
                        if (f := self._early.take(j, num_samples)) is not None}
             self._early.finish_step()
-        self._attempt = _StepAttempt(todo=set(range(self.num_parts)), started=started, pipelined=True)
+        self._attempt = _StepAttempt(todo=set(range(self.num_parts)), started=started, pipelined=True,
+                                     produced=[self.staging.produced()] if self.staging.active else [])
         self._tables_pushed.clear()
         self._waits.begin()
         self._running = self._exchange_thread.submit(self._background_step, num_samples)
@@ -564,7 +565,8 @@ class ParameterServerTrainer:
         attempt = self._attempt = self._attempt or _StepAttempt(todo=set(range(self.num_parts)))
         futures_wait(attempt.inflight)  # an interrupted try's calls on other threads finish first
         attempt.inflight.clear()
-        attempt.produced = [self.staging.produced()] if self.staging.active else []  # the caller's gradients
+        if not attempt.pipelined:  # (pipelined: recorded by step() on the caller's thread, before this one ran)
+            attempt.produced = [self.staging.produced()] if self.staging.active else []  # the caller's gradients
         todo = sorted(attempt.todo)
         try:
             results = self.client.map_settled(lambda s: self._exchange(s, grad, num_samples, attempt),

@@ -79,19 +79,21 @@ def tcp_floor(nbytes: int, repeats: int) -> float:
 
 
 # ------------------------------------------------------------------------------------ one PS step, no compute
-def comm_step(model: str, optimizer: str, repeats: int, run_dir: Path, wire_dtype: str = "float32") -> dict:
-    """One trainer (this process) and one shard (a process): median push + apply + pull seconds."""
+def comm_step(model: str, optimizer: str, repeats: int, run_dir: Path, wire_dtype: str = "float32",
+              partition_bytes: int = 0) -> dict:
+    """One trainer (this process) and one shard (a process): median push + apply + pull seconds (with
+    ``partition_bytes``: the slice in partitions, each pushed, applied and pulled on its own, concurrently)."""
     from trainer import connect
     from trainer.data import load_dataset
     from trainer.models import build_model
 
-    shard = start_shard(0, run_dir / f"comm-{model}-{optimizer}-{wire_dtype}.log")
+    shard = start_shard(0, run_dir / f"comm-{model}-{optimizer}-{wire_dtype}-{partition_bytes}.log")
     baseline_rss = proc_memory(shard.popen.pid)["VmRSS"]  # interpreter, torch and gRPC, before any job
     try:
         shape = load_dataset("synthetic", model).shape if model == "resnet18" else (1, 28, 28)
         net = build_model(model, shape)
         opt = {"name": optimizer, "lr": 1e-3} if optimizer != "sgd" else {"name": "sgd", "lr": 1e-3, "momentum": 0.9}
-        ps = connect(shard.address, net, optimizer=opt, wire_dtype=wire_dtype)
+        ps = connect(shard.address, net, optimizer=opt, wire_dtype=wire_dtype, partition_bytes=partition_bytes)
         grad = torch.randn(ps.num_params) * 1e-3
         times = []
         for i in range(repeats + 2):
@@ -108,6 +110,7 @@ def comm_step(model: str, optimizer: str, repeats: int, run_dir: Path, wire_dtyp
         steps = stats["steps"] - warm["steps"]
         state_bytes = 4 * ps.num_params * (1 + (2 if optimizer != "sgd" else 1))  # slice + optimizer state
         return dict(model=model, optimizer=optimizer, wire_dtype=wire_dtype, params=ps.num_params,
+                    partitions=ps.job.partitions,
                     bytes_per_step=2 * ps.num_params * (4 if wire_dtype == "float32" else 2),
                     step_seconds=statistics.median(times),
                     apply_seconds=(stats["apply_seconds"] - warm["apply_seconds"]) / steps,
@@ -202,8 +205,11 @@ def overlap_efficiency(step: float, compute: float, push: float, pull: float, wa
 
 
 VARIANT_FLAGS = {"overlap": "--overlap", "early": "--push-during-backward"}
-# Rows with extra ps-trainer flags, "MODE:FLAGS"; --compress is issue 11 item 5 (skipped until ps-trainer has it).
-DEFAULT_EXTRA_ROWS = ("sync:--wire-dtype bfloat16", "sync:--compress topk:0.01")
+# Rows with extra ps-trainer flags, "MODE:FLAGS": the wire dtypes, top-k, and partitions + pipelined steps.
+PARTITION = 4 << 20  # BytePS's partition size; ps-bench's partitioned rows use it
+DEFAULT_EXTRA_ROWS = ("sync:--wire-dtype bfloat16", "sync:--compress topk:0.01",
+                      f"sync:--partition-bytes {PARTITION} --pipeline",
+                      f"sync+early:--partition-bytes {PARTITION} --pipeline")
 
 
 def parse_extra_row(spec: str) -> tuple[str, list[str]]:
@@ -329,11 +335,11 @@ def sparse_markdown(sp: dict | None) -> list[str]:
 
 def comm_section(quick: bool, run_dir: Path) -> list[dict]:
     comm = []
-    for model, optimizer, wire in ([("cnn", "sgd", "float32"), ("resnet18", "sgd", "float32")] if quick else
-                                   [("cnn", "sgd", "float32"), ("resnet18", "sgd", "float32"),
-                                    ("resnet18", "adam", "float32"), ("resnet18", "sgd", "bfloat16"),
-                                    ("widemlp", "sgd", "float32")]):
-        r = comm_step(model, optimizer, 3 if quick else 10, run_dir, wire)
+    for model, optimizer, wire, parts in (
+            [("cnn", "sgd", "float32", 0), ("resnet18", "sgd", "float32", 0)] if quick else
+            [("cnn", "sgd", "float32", 0), ("resnet18", "sgd", "float32", 0), ("resnet18", "sgd", "float32", PARTITION),
+             ("resnet18", "adam", "float32", 0), ("resnet18", "sgd", "bfloat16", 0), ("widemlp", "sgd", "float32", 0)]):
+        r = comm_step(model, optimizer, 3 if quick else 10, run_dir, wire, parts)
         r["tcp_floor_seconds"] = tcp_floor(r["bytes_per_step"] // 2, 3 if quick else 10)
         r["ratio_to_tcp_floor"] = r["step_seconds"] / r["tcp_floor_seconds"]
         comm.append(r)
@@ -349,8 +355,8 @@ def comm_section(quick: bool, run_dir: Path) -> list[dict]:
 def comm_against_floors(comm: list[dict], floors: list[dict]) -> dict | None:
     """ResNet-18's one-shard step (fp32, SGD) over the floors of the same bytes over one connection, measured in
     the same run: the issue 11 target is <= 1.3x the TCP floor."""
-    step = next((c for c in comm if (c["model"], c["optimizer"], c["wire_dtype"]) == ("resnet18", "sgd", "float32")),
-                None)
+    step = next((c for c in comm if (c["model"], c["optimizer"], c["wire_dtype"], c.get("partitions", 1))
+                 == ("resnet18", "sgd", "float32", 1)), None)
     one = {f["transport"]: f for f in floors if f["model"] == "resnet18" and f["connections"] == 1
            and f["processes"] == 1}
     if step is None or set(one) != {"tcp", "grpc"}:
@@ -444,7 +450,8 @@ def to_markdown(r: dict) -> str:
               "| shard peak MB above idle | / (slice + optimizer state) | same, less fixed overhead |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in r["comm"]:
-        lines.append(f"| {c['model']} | {c['params'] / 1e6:.2f}M | {c['optimizer']} | {c['wire_dtype']} | "
+        parts = f", {c['partitions']} partitions" if c.get("partitions", 1) > 1 else ""
+        lines.append(f"| {c['model']} | {c['params'] / 1e6:.2f}M | {c['optimizer']} | {c['wire_dtype']}{parts} | "
                      f"{1000 * c['step_seconds']:.1f} | {1000 * c['apply_seconds']:.1f} | "
                      f"{1000 * c['tcp_floor_seconds']:.1f} | {c['ratio_to_tcp_floor']:.2f} | "
                      f"{c['shard_peak_extra_bytes'] / 1e6:.0f} | {c['shard_memory_ratio']:.1f} | "

@@ -13,7 +13,7 @@ from trainer import connect
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def train_on_a_side_stream(address: str, early: bool, steps: int = 5) -> torch.Tensor:
+def train_on_a_side_stream(address: str, early: bool, steps: int = 5, **options) -> torch.Tensor:
     torch.manual_seed(0)
     # Wide enough that a copy racing the gradient kernels would read a stale buffer.
     model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.Tanh(), torch.nn.Linear(2048, 2048),
@@ -21,7 +21,7 @@ def train_on_a_side_stream(address: str, early: bool, steps: int = 5) -> torch.T
     g = torch.Generator().manual_seed(1)
     side = torch.cuda.Stream()
     with connect(address, model, mode="sync", optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9},
-                 push_during_backward=early) as ps:
+                 push_during_backward=early, **options) as ps:
         for _ in range(steps):
             x = torch.randn(64, 512, generator=g).cuda()
             y = torch.randint(0, 10, (64,), generator=g).cuda()
@@ -30,6 +30,8 @@ def train_on_a_side_stream(address: str, early: bool, steps: int = 5) -> torch.T
                 ps.prepare_step(len(x))
                 F.cross_entropy(model(x), y).backward()
                 ps.step(num_samples=len(x))
+        with torch.cuda.stream(side):
+            ps.flush()  # a pipelined exchange: the last step's weights, the side stream ordered after them
         torch.cuda.synchronize()
         return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
 
@@ -41,3 +43,15 @@ def test_cuda_pushes_during_backward_on_a_side_stream_equal_the_plain_path_bit_f
     plain = train_on_a_side_stream(cluster(), early=False)
     early = train_on_a_side_stream(cluster(), early=True)
     assert torch.equal(early, plain)
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["late-push", "early-push"])
+def test_cuda_partitioned_pipelined_steps_on_a_side_stream_equal_the_plain_path_bit_for_bit(shard_server, early):
+    """Partitions of 1 MB, each copied to and from the GPU on its own side stream as it is pushed and lands, the
+    next forward waiting per layer (trainer.pipeline) on a stream of its own: the same parameters."""
+    def cluster():
+        return ",".join(shard_server(shard=i).server.address for i in range(3))
+
+    plain = train_on_a_side_stream(cluster(), early=False)
+    cut = train_on_a_side_stream(cluster(), early=early, partition_bytes=1 << 20, pipeline=True)
+    assert torch.equal(cut, plain)
