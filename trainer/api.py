@@ -535,6 +535,14 @@ class ParameterServerTrainer:
         return previous or StepInfo(versions=list(self.versions), outcomes=["pending"] * self.num_parts,
                                     push_seconds=0.0, pull_seconds=0.0, wait_seconds=0.0)
 
+    def take_forward_wait(self) -> float:
+        """Seconds forwards spent waiting for pipelined slots since the last call (0 unpipelined): the training
+        loop counts them as waiting for the exchange, not as compute."""
+        if self._waits is None:
+            return 0.0
+        waited, self._waits.waited_seconds = self._waits.waited_seconds, 0.0
+        return waited
+
     def _background_step(self, num_samples: int) -> StepInfo:
         error = None
         try:

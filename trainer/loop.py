@@ -481,7 +481,8 @@ class Run:
             time.sleep(cfg.step_delay)  # simulated slow compute, not synchronisation
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        self.timing["compute"] += time.perf_counter() - t0
+        forward_wait = self.ps.take_forward_wait() if hasattr(self.ps, "take_forward_wait") else 0.0
+        self.timing["compute"] += time.perf_counter() - t0 - forward_wait  # --pipeline: layers waiting for weights
         info = self.ps.step(num_samples=len(idx))
         self.timing["push"] += info.push_seconds
         self.timing["pull"] += info.pull_seconds

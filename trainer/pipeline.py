@@ -27,6 +27,7 @@ Pure bookkeeping (no gRPC): unit-tested with a plain module and threads.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -63,6 +64,7 @@ class LayerWaits:
         self._error: BaseException | None = None  # how the last exchange failed, until it is joined
         self._settle = settle
         self.waits = 0  # forwards of a module that found a slot still in flight (what overlap looks like)
+        self.waited_seconds = 0.0  # time forwards spent waiting for slots (ps-bench counts it out of compute)
         self._slots = module_slots(model, param_ranges, slot_ranges)
         self._handles = [m.register_forward_pre_hook(self._hook(slots)) for m, slots in self._slots.items()]
 
@@ -98,7 +100,9 @@ class LayerWaits:
                 return
             if not slots <= self._landed and self._running:
                 self.waits += 1
+                t0 = time.perf_counter()
                 self._cond.wait_for(lambda: slots <= self._landed or not self._running)
+                self.waited_seconds += time.perf_counter() - t0
             if not slots <= self._landed and self._error is not None:
                 raise self._error
         self._settle(slots)
