@@ -54,7 +54,7 @@ from trainer.client import (
 from trainer.clipping import check_max_norm, clip_local_
 from trainer.compress import parse_compress
 from trainer.early_push import EarlyPusher
-from trainer.pipeline import LayerWaits
+from trainer.pipeline import LayerWaits, OrderedGate
 from trainer.embedding import sharded_tables
 from trainer.staging import DeviceStaging
 
@@ -576,8 +576,11 @@ class ParameterServerTrainer:
         if not attempt.pipelined:  # (pipelined: recorded by step() on the caller's thread, before this one ran)
             attempt.produced = [self.staging.produced()] if self.staging.active else []  # the caller's gradients
         todo = sorted(attempt.todo)
+        # Partitioned: slots start in the flat vector's order, two per shard at a time (one pushing, one
+        # pulling), so the partitions the next forward needs first land first (trainer.pipeline.OrderedGate).
+        gate = OrderedGate(todo, 2 * self.job.num_shards) if self.job.partitions > 1 else None
         try:
-            results = self.client.map_settled(lambda s: self._exchange(s, grad, num_samples, attempt),
+            results = self.client.map_settled(lambda s: self._exchange(s, grad, num_samples, attempt, gate),
                                               None if len(todo) == self.num_parts else todo, attempt.inflight,
                                               parts=True)
         finally:
@@ -605,8 +608,18 @@ class ParameterServerTrainer:
             staleness=max(attempt.staleness.values(), default=0),
         )
 
-    def _exchange(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: _StepAttempt) -> str:
+    def _exchange(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: _StepAttempt,
+                  gate: OrderedGate | None = None) -> str:
         """One shard's part of a step; a shard that restarted is rejoined and its part counted as lost."""
+        if gate is not None:
+            gate.enter(s.slot)
+        try:
+            return self._exchange_slot(s, grad, num_samples, attempt)
+        finally:
+            if gate is not None:
+                gate.leave()
+
+    def _exchange_slot(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: _StepAttempt) -> str:
         outcome = "lost"
         try:
             if s.slot in self._resume_dense:  # a table call of this step rejoined it: its weights are due

@@ -52,6 +52,32 @@ def module_slots(model: torch.nn.Module, param_ranges: dict[int, tuple[int, int]
     return found
 
 
+class OrderedGate:
+    """Slots start their exchange in ``order`` (the flat vector's: the next forward's first layers first), at
+    most ``width`` at once -- ByteScheduler's priority with a credit.  Every trainer of a sync job orders the
+    same way, so the first partitions' rounds close first and land first, instead of every partition
+    finishing together at the end.  Each slot in ``order`` must ``enter`` once and ``leave`` after."""
+
+    def __init__(self, order: Sequence[int], width: int):
+        self._order = list(order)
+        self._width = max(1, width)
+        self._next = 0  # index in ``order`` of the slot allowed to start next
+        self._inflight = 0
+        self._cond = threading.Condition()
+
+    def enter(self, slot: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._order[self._next] == slot and self._inflight < self._width)
+            self._next += 1
+            self._inflight += 1
+            self._cond.notify_all()
+
+    def leave(self) -> None:
+        with self._cond:
+            self._inflight -= 1
+            self._cond.notify_all()
+
+
 class LayerWaits:
     """Which slots have landed in the exchange under way, and forward pre-hooks that wait for them."""
 

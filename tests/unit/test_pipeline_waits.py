@@ -79,3 +79,45 @@ def test_a_failed_exchange_raises_in_the_forward_that_needs_a_slot_it_left_out()
         model(torch.zeros(1, 4))  # the first layer's slots landed; the second's slot 2 did not
     waits.finished(None)  # retried (or abandoned): forwards run again
     assert model(torch.zeros(1, 4)).shape == (1, 2)
+
+
+def test_the_gate_starts_slots_in_order_and_never_more_than_its_width_at_once():
+    from trainer.pipeline import OrderedGate
+
+    gate = OrderedGate([0, 1, 2, 3], width=2)
+    started, inflight, peak = [], [0], [0]
+    lock = threading.Lock()
+    release = {s: threading.Event() for s in range(4)}
+
+    def slot(s: int) -> None:
+        gate.enter(s)
+        with lock:
+            started.append(s)
+            inflight[0] += 1
+            peak[0] = max(peak[0], inflight[0])
+        release[s].wait(10)
+        with lock:
+            inflight[0] -= 1
+        gate.leave()
+
+    def until(condition) -> None:  # polls what the threads did; bounded, not a sleep standing in for an event
+        for _ in range(2000):
+            with lock:
+                if condition():
+                    return
+            threading.Event().wait(0.005)
+        raise AssertionError(f"never happened; started {started}")
+
+    threads = [threading.Thread(target=slot, args=(s,)) for s in (3, 2, 1, 0)]  # threads start in reverse
+    for t in threads:
+        t.start()
+    until(lambda: started == [0, 1])  # two at once, in order
+    release[0].set()
+    until(lambda: started == [0, 1, 2])  # the third only once one left
+    release[1].set()
+    until(lambda: started == [0, 1, 2, 3])
+    release[2].set()
+    release[3].set()
+    for t in threads:
+        t.join(10)
+    assert peak[0] == 2
