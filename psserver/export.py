@@ -15,6 +15,7 @@ import argparse
 import math
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -56,8 +57,25 @@ def load_states(directories: list[str]) -> list[ShardState]:
         if state is None:
             raise ExportError(f"shard {shard} has no valid checkpoint in {d} "
                               f"({counted(len(skipped), 'damaged file')}: {'; '.join(skipped)})")
-        states.append(state)
+        states.append(with_partitions(state, d))
     return states
+
+
+def with_partitions(state: ShardState, directory: Path) -> ShardState:
+    """A partitioned shard's state with its whole slice: partition 0's checkpoint (``state``, in ``directory``)
+    followed by those of partitions 1..K-1 (psserver.host keeps them in ``directory/partition-K``)."""
+    pieces = [state.params.detach().reshape(-1)]
+    for k in range(1, state.job.partitions):
+        folder = directory / f"partition-{k}"
+        part, skipped = load_newest(folder, state.shard) if folder.is_dir() else (None, [])
+        if part is None:
+            raise ExportError(f"shard {state.shard} has {state.job.partitions} partitions but partition {k} has no "
+                              f"valid checkpoint in {folder} ({counted(len(skipped), 'damaged file')})")
+        diff = state.job.difference(part.job)
+        if diff:
+            raise ExportError(f"shard {state.shard} partition {k}'s checkpoint is of another job: {diff}")
+        pieces.append(part.params.detach().reshape(-1))
+    return replace(state, params=torch.cat(pieces)) if len(pieces) > 1 else state
 
 
 def check_one_job(states: list[ShardState]) -> None:

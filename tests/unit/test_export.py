@@ -85,3 +85,39 @@ def test_cli_writes_a_loadable_state_dict_and_says_buffers_are_not_in_it(tmp_pat
     assert "BatchNorm running statistics" in printed and "strict=False" in printed
     loaded = torch.load(out, weights_only=True)
     assert all(torch.equal(loaded[k], v) for k, v in MODEL.items()) and set(loaded) == set(MODEL)
+
+
+BIG = {"w": torch.arange(600.0).reshape(20, 30), "b": torch.arange(-7.0, 0.0)}  # 607 values: 3 units a slice
+
+
+def write_partitioned(directory, num_shards=2, partitions=3, skip_partition=None):
+    """Checkpoints of BIG as a partitioned job leaves them: partition 0 in ``directory``, partition k in
+    ``directory/partition-k`` (psserver.host)."""
+    from psserver.layout import partition_range
+
+    layout = Layout.from_shapes([(n, t.shape, "float32") for n, t in BIG.items()], num_shards)
+    job = JobSpec(mode="sync", num_trainers=1, num_shards=num_shards, total_params=layout.total,
+                  fingerprint=layout.fingerprint(), tensors=tuple((s.name, s.shape, s.dtype) for s in layout.slots),
+                  partitions=partitions)
+    flat = torch.cat([t.reshape(-1) for t in BIG.values()])
+    for i in range(num_shards):
+        for k in range(partitions):
+            if k == skip_partition:
+                continue
+            start, end = partition_range(layout.total, num_shards, partitions, i, k)
+            folder = directory if k == 0 else directory / f"partition-{k}"
+            Checkpointer(folder, i, every=1).write(ShardState(i, 5, job, flat[start:end].clone(), optimizer={},
+                                                              partition=k))
+
+
+def test_a_partitioned_job_exports_every_partition_of_every_shard(tmp_path):
+    write_partitioned(tmp_path)
+    state = assemble(load_states([str(tmp_path)]))
+    for name, tensor in BIG.items():
+        assert torch.equal(state[name], tensor)
+
+
+def test_a_missing_partition_checkpoint_is_named(tmp_path):
+    write_partitioned(tmp_path, skip_partition=2)
+    with pytest.raises(ExportError, match="shard 0 has 3 partitions but partition 2 has no valid checkpoint"):
+        load_states([str(tmp_path)])
