@@ -121,3 +121,14 @@ def test_the_gate_starts_slots_in_order_and_never_more_than_its_width_at_once():
     for t in threads:
         t.join(10)
     assert peak[0] == 2
+
+
+def test_a_partitioned_steps_split_adds_up_to_its_exchange_time_and_a_whole_slice_step_keeps_the_slowest():
+    from trainer.api import split_exchange
+
+    slots = [(0.010, 0.002, 0.020), (0.030, 0.004, 0.000), (0.000, 0.000, 0.000)]
+    assert split_exchange(slots, 0.5, partitioned=False) == (0.030, 0.004, 0.020)
+    push, pull, wait = split_exchange(slots, 0.066, partitioned=True)
+    assert abs(push + pull + wait - 0.066) < 1e-12
+    assert abs(push - 0.040) < 1e-12 and abs(pull - 0.006) < 1e-12 and abs(wait - 0.020) < 1e-12
+    assert split_exchange([(0.0, 0.0, 0.0)], 0.01, partitioned=True) == (0.01, 0.0, 0.0)
