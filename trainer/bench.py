@@ -207,7 +207,7 @@ def overlap_efficiency(step: float, compute: float, push: float, pull: float, wa
 VARIANT_FLAGS = {"overlap": "--overlap", "early": "--push-during-backward"}
 # Rows with extra ps-trainer flags, "MODE:FLAGS": the wire dtypes, top-k, and partitions + pipelined steps.
 PARTITION = 4 << 20  # BytePS's partition size; ps-bench's partitioned rows use it
-DEFAULT_EXTRA_ROWS = ("sync:--wire-dtype bfloat16", "sync:--compress topk:0.01",
+DEFAULT_EXTRA_ROWS = ("sync:--wire-dtype bfloat16", "sync:--compress topk:0.01", "sync:--pipeline",
                       f"sync:--partition-bytes {PARTITION} --pipeline",
                       f"sync+early:--partition-bytes {PARTITION} --pipeline")
 
