@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from psserver.checkpoint import Checkpointer
-from psserver.errors import InvalidRequest
+from psserver.errors import InvalidRequest, JobMismatch, NotReady, PsError
 from psserver.job import JobSpec
 from psserver.limits import MAX_PARTITIONS
 from psserver.shard import Shard, StatsSnapshot
@@ -53,31 +53,47 @@ class ShardHost:
         return self.parts[0]
 
     def part(self, index: int) -> Shard:
-        """Partition ``index``, refused (INVALID_ARGUMENT, both numbers named) when this shard has no such one."""
-        if not 0 <= index < len(self.parts):
-            raise InvalidRequest(f"partition is {index} but shard {self.shard_id} serves "
-                                 f"{len(self.parts)} partition{'s' if len(self.parts) != 1 else ''} "
-                                 f"(0..{len(self.parts) - 1}): register with a job of that many first")
+        """Partition ``index`` of the job this shard runs.
+
+        Without a job (a shard restarted empty) a partition past 0 is NotReady, FAILED_PRECONDITION like
+        partition 0's "register first", so the trainer registers again; an index past the job's partitions
+        is INVALID_ARGUMENT naming both numbers (partitions of an earlier job with more are not served).
+        """
+        job = self.head.job
+        if job is None and index > 0:
+            raise NotReady(f"shard {self.shard_id} has no job yet (partition is {index}): register first")
+        count = min(job.partitions if job is not None else 1, len(self.parts))
+        if not 0 <= index < count:
+            raise InvalidRequest(f"partition is {index} but shard {self.shard_id} serves {count} partition"
+                                 f"{'s' if count != 1 else ''} (0..{count - 1})")
         return self.parts[index]
 
     def part_for_register(self, index: int, job: JobSpec) -> Shard:
-        """Partition ``index`` of ``job``, created (with the ones before it) when the job is the first to have it."""
+        """Partition ``index`` of ``job``, created (with the ones before it) when the job is the first to have it.
+
+        A job with another partition count than the one running is refused before anything is created
+        (FAILED_PRECONDITION naming the difference, as ``Shard.register`` would); once the running job has
+        ended, the next may have any count.  (Lock-free reads: the partition's own ``register`` checks again.)
+        """
         if not 0 <= index < job.partitions:
             raise InvalidRequest(f"partition is {index} but the job has {job.partitions} partition"
                                  f"{'s' if job.partitions != 1 else ''} per shard (0..{job.partitions - 1})")
+        running = self.head.job
+        if running is not None and running.partitions != job.partitions and not self.head.job_ended():
+            raise JobMismatch(f"job spec differs from the one this shard runs: {running.difference(job)}")
         self._grow(job.partitions)
         return self.parts[index]
 
     def _grow(self, count: int) -> None:
         count = min(count, MAX_PARTITIONS)  # the job spec bounds it too
         while len(self.parts) < count:
-            k = len(self.parts)
-            part = Shard(self.shard_id, self._clock, self.lease_timeout, self._checkpointer(k), partition=k,
-                         metrics=self.head.metrics)
+            part = self._fresh(len(self.parts))
             self.parts.append(part)
             self.on_new_part(part)
-        if len(self.parts) > 1 and count > 1:
-            log.debug("shard %d serves %d partitions", self.shard_id, len(self.parts))
+
+    def _fresh(self, k: int) -> Shard:
+        return Shard(self.shard_id, self._clock, self.lease_timeout, self._checkpointer(k), partition=k,
+                     metrics=self.head.metrics)
 
     def _checkpointer(self, k: int) -> Checkpointer | None:
         if not self._checkpoint_dir:
@@ -87,12 +103,22 @@ class ShardHost:
 
     # ------------------------------------------------------------------ the whole shard
     def restore(self) -> int | None:
-        """Partition 0 from its checkpoint, then every other partition its job had from theirs."""
+        """Partition 0 from its checkpoint, then every other partition its job had from theirs.  A partition
+        whose newest checkpoint is of another job (or missing) starts empty, counted and logged: rank 0
+        initialises it again, and the trainers resume it from there."""
         version = self.head.restore()
         if version is not None and self.head.job.partitions > 1:
             self._grow(self.head.job.partitions)
-            for part in self.parts[1:]:
-                part.restore()
+            for k, part in enumerate(self.parts[1:], start=1):
+                if part.restore() is None:
+                    self.count("partitions_restored_empty")
+                    continue
+                diff = self.head.job.difference(part.job)
+                if diff:
+                    log.warning("shard %d: partition %d's checkpoint is of another job (%s); it starts empty",
+                                self.shard_id, k, diff)
+                    self.count("partitions_restored_empty")
+                    self.parts[k] = self._fresh(k)
         return version
 
     def tick(self) -> float | None:
@@ -109,6 +135,18 @@ class ShardHost:
         for p in self.parts:
             total.update(p.snapshot().counters if p is not self.parts[index] else snap.counters)
         return replace(snap, counters=dict(total))
+
+    def heartbeat(self, index: int, rank: int, trainer_id: str, fingerprint: str) -> tuple[int, int]:
+        """Renew ``rank``'s lease on partition ``index`` -- and, from partition 0, on every partition it is a
+        member of, so a trainer heartbeats once per shard however many partitions it has.  Safe on the loop."""
+        version, live = self.part(index).heartbeat(rank, trainer_id, fingerprint)
+        if index == 0:
+            for part in self.parts[1:(self.head.job.partitions if self.head.job else 1)]:
+                try:
+                    part.heartbeat(rank, trainer_id, fingerprint)
+                except PsError:  # not (yet, or any more) a member there: its own calls say so
+                    pass
+        return version, live
 
     def count(self, name: str, n: float = 1) -> None:
         self.head.count(name, n)

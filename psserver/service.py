@@ -281,8 +281,8 @@ class ParameterServerService:
         """Answered on the event loop: a lease renewal never waits behind tensor work."""
         request = _decoded(request)
         _check_identity(request)
-        part = self.host.part(request.partition)
-        version, live = part.heartbeat(request.rank, request.trainer_id, request.fingerprint)
+        version, live = self.host.heartbeat(request.partition, request.rank, request.trainer_id,
+                                            request.fingerprint)
         return _pb.HeartbeatReply(version=version, live=live)
 
     @_refusals

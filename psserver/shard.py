@@ -219,6 +219,10 @@ class Shard:
         with self._lock:
             return self._job_done()
 
+    def job_ended(self) -> bool:
+        """``job_done`` without the lock, for a pre-check on the event loop (the membership has its own lock)."""
+        return self._job_done()
+
     def check_member(self, rank: int, trainer_id: str, fingerprint: str, need_params: bool = False) -> None:
         """Refuse strangers and other jobs' trainers; renew the caller's lease.
 

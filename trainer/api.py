@@ -438,9 +438,10 @@ class ParameterServerTrainer:
                         self.rank, s.index, versions, before, lost)
 
     def _heartbeat_loop(self, interval: float) -> None:
-        """Keeps this trainer's lease while it computes or waits; a dead process stops sending."""
+        """Keeps this trainer's lease while it computes or waits; a dead process stops sending.  One heartbeat
+        per shard: partition 0's renews the lease on every partition of the shard (psserver.host)."""
         while not self._stop_heartbeat.wait(interval):
-            for s in self.client.parts:
+            for s in self.client.shards:
                 try:
                     s.heartbeat(timeout=interval)
                 except grpc.RpcError as e:
@@ -486,6 +487,11 @@ class ParameterServerTrainer:
     def abandon_step(self) -> None:
         """Drop a failed step instead of retrying it: the shards that did not answer may or may not have
         applied it (counted in ``steps_abandoned``); the gradients are zeroed and the next step is a new one."""
+        if self._running is not None:  # a pipelined exchange: wait for it; only a failed one has anything to drop
+            try:
+                self._join_exchange()
+            except grpc.RpcError:
+                pass
         if self._attempt is None and not any(t.push_pending for t in self.tables):
             return
         todo = sorted(self._attempt.todo) if self._attempt is not None else []  # [] : only a table push failed
@@ -536,6 +542,7 @@ class ParameterServerTrainer:
             info = self._dense_step(num_samples)
             self._tables_pushed.clear()
             self._waits.finished(None)
+            self.staging.settle()  # (a pipelined attempt leaves settling to the forward's hooks, which now rest)
             return info
         started = {}
         if self._early is not None:  # pushes begun during backward are handed to the exchange here, on this
@@ -569,14 +576,26 @@ class ParameterServerTrainer:
             self._waits.finished(error)
 
     def _join_exchange(self) -> StepInfo | None:
-        """Wait for the pipelined exchange under way, if any; its StepInfo, or its StepFailed raised."""
-        running, self._running = self._running, None
+        """Wait for the pipelined exchange under way, if any; its StepInfo, or its StepFailed raised -- once:
+        a failure a forward already raised returns None here (the caller's step() retries it).  Interrupted
+        while waiting (Ctrl-C), the exchange is still under way and stays to be joined."""
+        running = self._running
         if running is None:
             return None
         try:
-            return running.result()
-        finally:
-            self.staging.settle()  # the caller's stream waits for every slot's weights
+            info = running.result()
+        except BaseException:
+            if not running.done():
+                raise
+            self._running = None
+            self.staging.settle()
+            if self._waits.error_reported:
+                return None
+            self._waits.error_reported = True
+            raise
+        self._running = None
+        self.staging.settle()  # the caller's stream waits for every slot's weights
+        return info
 
     def _dense_step(self, num_samples: int) -> StepInfo:
         """The dense part of step(): every shard its gradient slice, and the weights back."""
@@ -600,7 +619,7 @@ class ParameterServerTrainer:
         try:
             results = self.client.map_settled(lambda s: self._exchange(s, grad, num_samples, attempt, gate),
                                               None if len(todo) == self.num_parts else todo, attempt.inflight,
-                                              parts=True)
+                                              parts=True) if todo else []
         finally:
             if not attempt.pipelined:  # (a pipelined step's forward settles slot by slot, on its own thread)
                 if self._early is not None:

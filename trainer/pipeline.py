@@ -12,10 +12,13 @@ What waits for what:
 
 * A module's forward waits for its own parameters' slots; a slot is "landed"
   once its new weights are in the model and its gradient slice is zeroed.
-  The hooks cover parameters used inside their own module's forward -- the
-  usual case.  A loop that reads parameters some other way (a functional
-  call on another module's weight, saving a state dict) calls ``flush()``
-  first, as it would for ``overlap``.
+  Some modules never run their own forward: ``nn.MultiheadAttention`` hands
+  ``out_proj.weight`` to a functional call.  So the forwards before the first
+  pipelined step calibrate: a module with parameters whose hook never fired
+  has its slots waited for by its nearest ancestor whose hook did (until then
+  every hook waits for every slot).  Code that reads parameters outside their
+  module's subtree (a functional call on another branch's weight, saving a
+  state dict) calls ``flush()`` first, as it would for ``overlap``.
 * ``step()``, ``prepare_step()`` with push during backward, ``flush()`` and
   ``close()`` join the exchange still running; its failure is raised there, or
   by the first forward that needs a slot that did not land, as the same
@@ -78,6 +81,15 @@ class OrderedGate:
             self._cond.notify_all()
 
 
+def parents(model: torch.nn.Module) -> dict[torch.nn.Module, torch.nn.Module]:
+    """Each submodule's parent (the first one that lists it, for a module registered twice)."""
+    found = {}
+    for module in model.modules():
+        for child in module.children():
+            found.setdefault(child, module)
+    return found
+
+
 class LayerWaits:
     """Which slots have landed in the exchange under way, and forward pre-hooks that wait for them."""
 
@@ -88,21 +100,44 @@ class LayerWaits:
         self._landed: set[int] = set()
         self._running = False  # an exchange is under way
         self._error: BaseException | None = None  # how the last exchange failed, until it is joined
+        self.error_reported = False  # a forward raised ``_error`` already (step() then retries, not re-raises)
         self._settle = settle
         self.waits = 0  # forwards of a module that found a slot still in flight (what overlap looks like)
         self.waited_seconds = 0.0  # time forwards spent waiting for slots (ps-bench counts it out of compute)
-        self._slots = module_slots(model, param_ranges, slot_ranges)
-        self._handles = [m.register_forward_pre_hook(self._hook(slots)) for m, slots in self._slots.items()]
+        self._model = model
+        self.slots = module_slots(model, param_ranges, slot_ranges)  # module -> the slots its forward waits for
+        self._all = frozenset(j for j, (s0, s1) in enumerate(slot_ranges) if s0 < s1)
+        self._fired: set[torch.nn.Module] = set()
+        self.calibrated = False
+        hooked = [*self.slots, *([model] if model not in self.slots else [])]
+        self._handles = [m.register_forward_pre_hook(self._hook(m)) for m in hooked]
+
+    def _calibrate(self) -> None:
+        """Give the slots of modules whose forward never ran to their nearest ancestor whose forward did."""
+        up = parents(self._model)
+        sets = {m: set(s) for m, s in self.slots.items()}
+        for module, slots in self.slots.items():
+            if module in self._fired:
+                continue
+            ancestor = up.get(module)
+            while ancestor is not None and ancestor not in self._fired:
+                ancestor = up.get(ancestor)
+            sets.setdefault(ancestor if ancestor is not None else self._model, set()).update(slots)
+        self.slots = {m: frozenset(s) for m, s in sets.items()}
+        self.calibrated = True
 
     @property
     def running(self) -> bool:
         return self._running
 
     def begin(self) -> None:
-        """An exchange starts: nothing has landed."""
+        """An exchange starts: nothing has landed.  The first one after a forward calibrates the waits."""
+        if not self.calibrated and self._fired:
+            self._calibrate()
         with self._cond:
             self._landed.clear()
             self._error = None
+            self.error_reported = False
             self._running = True
 
     def landed(self, slot: int) -> None:
@@ -116,6 +151,8 @@ class LayerWaits:
         with self._cond:
             self._running = False
             self._error = error
+            if error is None:
+                self.error_reported = False
             self._cond.notify_all()
 
     def wait(self, slots: frozenset[int]) -> None:
@@ -130,12 +167,16 @@ class LayerWaits:
                 self._cond.wait_for(lambda: slots <= self._landed or not self._running)
                 self.waited_seconds += time.perf_counter() - t0
             if not slots <= self._landed and self._error is not None:
+                self.error_reported = True
                 raise self._error
         self._settle(slots)
 
-    def _hook(self, slots: frozenset[int]):
-        def before_forward(module, args):
-            if self._running or self._error is not None:
+    def _hook(self, module: torch.nn.Module):
+        def before_forward(_module, args):
+            if not self.calibrated:
+                self._fired.add(module)
+            slots = self.slots.get(module) if self.calibrated else self._all
+            if slots and (self._running or self._error is not None):
                 self.wait(slots)
 
         return before_forward

@@ -201,3 +201,35 @@ def test_a_job_with_more_partitions_than_the_limit_is_refused_naming_both(shard_
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "partitions per shard (100000)" in e.value.details() and "256" in e.value.details()
     assert raw.stats().initialized is False
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["plain", "pipelined"])
+def test_a_partitioned_trainer_rides_out_a_shard_that_restarts_empty(shard_server, pipeline):
+    """Every partition of the restarted shard answers "register first" (FAILED_PRECONDITION), never
+    INVALID_ARGUMENT: the trainer registers each again, rank 0 initialises it, and training goes on."""
+    from psserver.server import ServerConfig, ShardServer
+    from psserver.service import ServiceLimits
+
+    shards = [shard_server(shard=i) for i in range(2)]
+    model = Net()
+    batches_ = batches(0, 6, 12, 10)
+    with connect(",".join(s.server.address for s in shards), model, mode="sync", partitions=3, pipeline=pipeline,
+                 optimizer=OPTIMIZERS[0], connect_timeout=30, retry_budget=30) as ps:
+        for x, y in batches_[:2]:
+            F.cross_entropy(model(x), y).backward()
+            ps.step(num_samples=len(x))
+        ps.flush()
+        port = shards[1].server.port
+        shards[1].server.stop(grace=0)
+        restarted = ShardServer(ServerConfig(shard=1, port=port, limits=ServiceLimits(min_chunk_bytes=256))).start()
+        try:
+            for x, y in batches_[2:]:
+                F.cross_entropy(model(x), y).backward()
+                ps.step(num_samples=len(x))
+            ps.flush()
+            assert ps.counters["reconnects"] == 3  # each partition of the restarted shard, once
+            assert all(p.version >= 1 for p in restarted.shard.parts)  # every partition trains again
+            assert len(restarted.shard.parts) == 3
+        finally:
+            ps.close()
+            restarted.stop(grace=0)

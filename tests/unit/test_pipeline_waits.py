@@ -41,7 +41,10 @@ def test_a_forward_runs_its_first_layer_while_the_second_layers_slots_are_still_
     waits = LayerWaits(model, ranges(model), SLOTS, settle=lambda slots: order.append(("settled", sorted(slots))))
     model.second.register_forward_pre_hook(lambda m, a: order.append(("second runs",)))
     model.first.register_forward_pre_hook(lambda m, a: order.append(("first runs",)))
+    model(torch.zeros(1, 4))  # the forward before the first step calibrates (both layers run their own)
+    order.clear()
     waits.begin()
+    assert waits.calibrated
     waits.landed(0)
     waits.landed(1)
     done = threading.Event()
@@ -71,12 +74,14 @@ def test_a_forward_runs_its_first_layer_while_the_second_layers_slots_are_still_
 def test_a_failed_exchange_raises_in_the_forward_that_needs_a_slot_it_left_out():
     model = Two()
     waits = LayerWaits(model, ranges(model), SLOTS)
+    model(torch.zeros(1, 4))
     waits.begin()
     waits.landed(0)
     waits.landed(1)
     waits.finished(RuntimeError("step 3 failed (shard 1 at x: UNAVAILABLE)"))
     with pytest.raises(RuntimeError, match="step 3 failed"):
         model(torch.zeros(1, 4))  # the first layer's slots landed; the second's slot 2 did not
+    assert waits.error_reported  # step() then retries it instead of raising it again
     waits.finished(None)  # retried (or abandoned): forwards run again
     assert model(torch.zeros(1, 4)).shape == (1, 2)
 
@@ -132,3 +137,31 @@ def test_a_partitioned_steps_split_adds_up_to_its_exchange_time_and_a_whole_slic
     assert abs(push + pull + wait - 0.066) < 1e-12
     assert abs(push - 0.040) < 1e-12 and abs(pull - 0.006) < 1e-12 and abs(wait - 0.020) < 1e-12
     assert split_exchange([(0.0, 0.0, 0.0)], 0.01, partitioned=True) == (0.01, 0.0, 0.0)
+
+
+def test_a_module_whose_forward_never_runs_has_its_slots_waited_for_by_the_ancestor_that_uses_them():
+    """nn.MultiheadAttention hands out_proj.weight to a functional call: out_proj's own hook never fires, so
+    after calibration the attention module waits for out_proj's slots too."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.MultiheadAttention(8, 2, batch_first=True))
+    mha = model[1]
+    params = ranges(model)
+    total = sum(p.numel() for p in model.parameters())
+    slots = [(i * total // 8, (i + 1) * total // 8) for i in range(8)]
+    waits = LayerWaits(model, params, slots)
+    out_proj = module_slots(model, params, slots)[mha.out_proj]
+    assert not out_proj <= waits.slots[mha]  # by ownership alone the attention would not wait for them
+    x = torch.zeros(1, 3, 8)
+    with pytest.raises(RuntimeError):  # not calibrated yet: any forward waits for every slot
+        waits.begin()
+        waits.finished(RuntimeError("exchange failed"))
+        model[1](x, x, x)
+    waits.finished(None)
+    waits.calibrated = False
+    y = model[0](x)
+    mha(y, y, y)  # what one training forward does
+    waits.begin()
+    assert waits.calibrated and out_proj <= waits.slots[mha]
+    assert mha.out_proj not in waits.slots or not waits.slots[mha.out_proj] - waits.slots[mha]
+    waits.finished(None)
+    waits.close()
