@@ -247,6 +247,9 @@ class ParameterServerTrainer:
                  push_during_backward: bool = False, retry: RetryPolicy = RetryPolicy(),
                  clip_grad_norm: float | None = None, compress: str | None = None, pipeline: bool = False):
         self.tables = sharded_tables(model)  # bound to the shards once joined (_bind_tables)
+        if pipeline and self.tables:
+            raise ValueError("pipeline with shard-backed embedding tables is not supported: a table's pull in the "
+                             "forward and the pipelined exchange could both rejoin a restarted shard at once")
         if pipeline and overlap:
             raise ValueError("pipeline and overlap both hide the pull behind compute: choose one (pipeline waits "
                              "per layer and keeps sync mode exact; overlap computes on weights one push old)")

@@ -59,7 +59,8 @@ class _TorchCuda:
 
 
 class DeviceStaging:
-    """Per shard: a side stream, a pinned buffer each way, and the event of the last host-to-device copy."""
+    """Per slot (a shard's slice, or one partition of it: trainer.api): a side stream, a pinned buffer each
+    way, and the event of the last copy into the model."""
 
     def __init__(self, ranges: Sequence[tuple[int, int]], device: torch.device, backend: Backend | None = None):
         self.device = device

@@ -233,3 +233,11 @@ def test_a_partitioned_trainer_rides_out_a_shard_that_restarts_empty(shard_serve
         finally:
             ps.close()
             restarted.stop(grace=0)
+
+
+def test_pipelined_steps_with_shard_backed_tables_are_refused_before_connecting():
+    from trainer.embedding import ShardedEmbedding
+
+    model = torch.nn.Sequential(ShardedEmbedding("users", 8), torch.nn.Linear(8, 1))
+    with pytest.raises(ValueError, match="pipeline with shard-backed embedding tables is not supported"):
+        connect("127.0.0.1:1", model, pipeline=True, connect_timeout=1)
