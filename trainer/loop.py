@@ -146,6 +146,8 @@ def config_problem(cfg: TrainConfig) -> str:
         (cfg.partition_bytes >= 0, f"--partition-bytes ({cfg.partition_bytes}) must be zero (one partition per "
                                    "shard) or more bytes"),
         (not (cfg.pipeline and cfg.overlap), "--pipeline and --overlap both hide the pull behind compute: choose one"),
+        (not (cfg.pipeline and cfg.recommender),
+         f"--pipeline does not apply to --dataset {cfg.dataset}: its embedding tables live on the shards"),
         (cfg.backend == "ps" or not (cfg.pipeline or cfg.partition_bytes),
          f"--pipeline and --partition-bytes apply to --backend ps only, not {cfg.backend}"),
         (cfg.optimizer == "sgd" or not cfg.nesterov, f"--nesterov applies to --optimizer sgd only, not {cfg.optimizer}"),
