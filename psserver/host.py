@@ -34,6 +34,9 @@ from psserver.shard import Shard, StatsSnapshot
 
 log = logging.getLogger(__name__)
 
+# Counters that hold a state, not a count: each partition reports its own, never a sum over partitions.
+OWN_VALUES = ("restored_version",)  # the version its checkpoint brought back (Shard.restore)
+
 
 class ShardHost:
     """Partition 0 and the partitions a job added; routes calls by partition index."""
@@ -127,13 +130,18 @@ class ShardHost:
         return min(deadlines) if deadlines else None
 
     def snapshot(self, index: int = 0) -> StatsSnapshot:
-        """Partition ``index``'s stats with every partition's counters summed (one shard's work, however cut)."""
+        """Partition ``index``'s stats with every partition's counters summed (one shard's work, however cut),
+        but for OWN_VALUES, which are partition ``index``'s."""
         snap = self.parts[index].snapshot()
         if len(self.parts) == 1:
             return snap
         total: Counter = Counter()
         for p in self.parts:
             total.update(p.snapshot().counters if p is not self.parts[index] else snap.counters)
+        for key in OWN_VALUES:
+            total.pop(key, None)
+            if key in snap.counters:
+                total[key] = snap.counters[key]
         return replace(snap, counters=dict(total))
 
     def heartbeat(self, index: int, rank: int, trainer_id: str, fingerprint: str) -> tuple[int, int]:

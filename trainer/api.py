@@ -383,32 +383,35 @@ class ParameterServerTrainer:
 
         self.client.map(first_pull, parts=True)
 
-    def _rejoin(self, s: ShardClient, cause: grpc.RpcError) -> None:
+    def _rejoin(self, s: ShardClient, cause: grpc.RpcError) -> bool:
         """The shard restarted (it no longer knows us, or is behind us): register again and resume from it.
 
         Rank 0 re-initialises a shard that came back empty (no checkpoint) with
         its current weights.  The steps the shard lost are logged and counted.
+        Returns whether this step's gradient is to be pushed to it again (see _exchange).
         """
         before = self.versions[s.slot]
+        again = s.resend_after_restart()
         self._register_again(s, cause)
         self._resume_dense[s.slot] = before
-        self._resume_dense_slice(s)
+        self._resume_dense_slice(s, dropped=not again)
+        return again
 
     def _rejoin_for_tables(self, s: ShardClient, cause: grpc.RpcError) -> None:
         """A table call found shard ``s`` restarted (ShardedRows.on_restart): register again and resync the
         tables now; the dense slice resumes at this step's dense exchange, not here -- a pull inside the
         forward would overwrite weights the forward may already have used."""
         self._resume_dense.setdefault(s.slot, self.versions[s.slot])  # a second restart keeps the first
+        s.abandon_push()  # the restarted shard does not know it: the next push gets a new number
         self._register_again(s, cause)
 
-    def _resume_dense_slice(self, s: ShardClient) -> None:
+    def _resume_dense_slice(self, s: ShardClient, dropped: bool = False) -> None:
         """Pull shard ``s``'s weights after it was rejoined and count what it lost (see _rejoin)."""
         i = s.slot
         before = self._resume_dense.pop(i)
         v = self.versions[i] = self._pull_into(s, 0, self.connect_timeout)
-        # Lost: the versions the shard rolled back, plus the gradient of this step, which is dropped (a shard
-        # that had kept it would have answered DUPLICATE, not asked us to rejoin).
-        lost = max(0, before - v) + 1
+        # Lost: the versions the shard rolled back, plus this step's gradient if it could not be pushed again.
+        lost = max(0, before - v) + dropped
         self.client.count("steps_lost", lost)
         log.warning("rank %d resumed %s at version %d (was %d): %d steps lost", self.rank, s.name, v, before, lost)
 
@@ -422,7 +425,6 @@ class ParameterServerTrainer:
                 pending.result()
             except grpc.RpcError:
                 pass
-        s.abandon_push()  # the restarted shard does not know it: the next push gets a new number
         log.warning("%s (%s) answered %s (%s): it restarted; registering again", s.name, s.address,
                     cause.code().name, cause.details())
         reply = s.register(self.job, self.connect_timeout)
@@ -649,7 +651,7 @@ class ParameterServerTrainer:
 
     def _exchange(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: _StepAttempt,
                   gate: OrderedGate | None = None) -> str:
-        """One shard's part of a step; a shard that restarted is rejoined and its part counted as lost."""
+        """One shard's (partition's) part of a step, started in the gate's order."""
         if gate is not None:
             gate.enter(s.slot)
         try:
@@ -659,7 +661,12 @@ class ParameterServerTrainer:
                 gate.leave()
 
     def _exchange_slot(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: _StepAttempt) -> str:
-        outcome = "lost"
+        """A shard found restarted is rejoined and this step's gradient pushed to it again, on the version it
+        resumed at: the rounds the restart rolled back are lost, this step is not.  (Dropped, it left this
+        trainer a step ahead there of a peer whose unanswered push was retried into the restored round, while
+        the other shards' rounds kept them paired: in sync mode each waited for the other --
+        tests/cluster/test_partition_faults.py.)"""
+        outcome = None
         try:
             if s.slot in self._resume_dense:  # a table call of this step rejoined it: its weights are due
                 self._resume_dense_slice(s)
@@ -668,7 +675,12 @@ class ParameterServerTrainer:
         except grpc.RpcError as e:
             if e.code() not in RESTART_CODES:
                 raise
-            self._rejoin(s, e)
+            if not self._rejoin(s, e):
+                outcome = "lost"
+        if outcome is None:  # rejoined: a push of its own, answered by the restarted shard
+            attempt.acks.pop(s.slot, None)
+            attempt.sequences.pop(s.slot, None)
+            outcome = self._exchange_once(s, grad, num_samples, attempt)
         if outcome == "lost":
             attempt.acks.pop(s.slot, None)
             attempt.timings[s.slot] = (0.0, 0.0, 0.0)

@@ -269,6 +269,8 @@ class ShardClient:
         """A top-k push of ``grad``; while it is unanswered (a retried step) the same encoded push is resent:
         compressing again would add the gradient to the residual twice."""
         if self.unanswered and self._encoded is not None:
+            header = self._encoded[2][0].header  # the same values on a retry; new ones when sent again (resend)
+            header.sequence, header.version = self.sequence, base
             return self._encoded
         indices, values = self.compressor.compress(grad, wire)
         self.sequence += 1
@@ -340,6 +342,18 @@ class ShardClient:
     def next_sequence(self) -> int:
         """The number the next push will carry (the unanswered one again, if there is one)."""
         return self.sequence if self.unanswered else self.sequence + 1
+
+    def resend_after_restart(self) -> bool:
+        """The shard restarted and forgot the last push: the next one carries the same gradient again, under a
+        new number (for a compressed push its same pairs: compressing the gradient again would add it to the
+        residual twice).  False when that cannot be done exactly -- a compressed push already answered, whose
+        pairs are gone -- and the push is abandoned instead."""
+        if self.compressor is not None and not self.unanswered:
+            self.abandon_push()
+            return False
+        if self.unanswered:
+            self.sequence += 1  # stays unanswered: the next push sends it under this number
+        return True
 
     def abandon_push(self) -> None:
         """Give up on the unanswered push (the shard restarted and forgot it): the next push gets a new number.

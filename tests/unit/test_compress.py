@@ -161,6 +161,50 @@ def test_an_unanswered_compressed_push_is_resent_as_it_was_not_compressed_again(
         client.close()
 
 
+def test_after_a_restart_an_unanswered_compressed_push_goes_again_as_it_was_under_a_new_number_and_base():
+    """The restarted shard forgot the push (trainer.api._exchange pushes it again on the version it resumed at):
+    its pairs again, not a second compression of the gradient into the residual."""
+    client = ShardClient("127.0.0.1:1", 0, 0, "t0", "f" * 16, counters=Counter(), compressor=TopK(0.1))
+    try:
+        g = torch.arange(N, dtype=torch.float32)
+        first = client._gradient_chunks(g, 7, 1, pb.FLOAT32)
+        residual = client.compressor.residual.clone()
+        assert client.resend_after_restart()
+        again = client._gradient_chunks(g, 5, 1, pb.FLOAT32)
+        assert again is first and torch.equal(client.compressor.residual, residual)
+        assert (again[2][0].header.sequence, again[2][0].header.version) == (2, 5)
+        assert client.next_sequence() == 2
+    finally:
+        client.close()
+
+
+def test_after_a_restart_an_answered_compressed_push_is_abandoned_not_compressed_again():
+    client = ShardClient("127.0.0.1:1", 0, 0, "t0", "f" * 16, counters=Counter(), compressor=TopK(0.1))
+    try:
+        g = torch.arange(N, dtype=torch.float32)
+        nbytes, dense_bytes, _ = client._gradient_chunks(g, 0, 1, pb.FLOAT32)
+        client._acknowledged("applied", 1, 0, 0, nbytes, dense_bytes)  # its pairs are gone with the old process
+        assert not client.resend_after_restart()
+        assert client.next_sequence() == 2 and not client.unanswered
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("answered", [False, True])
+def test_after_a_restart_a_dense_push_goes_again_from_the_gradient_under_a_new_number(answered):
+    client = ShardClient("127.0.0.1:1", 0, 0, "t0", "f" * 16, counters=Counter())
+    try:
+        g = torch.arange(N, dtype=torch.float32)
+        nbytes, dense_bytes, _ = client._gradient_chunks(g, 3, 1, pb.FLOAT32)
+        if answered:
+            client._acknowledged("applied", 4, 0, 3, nbytes, dense_bytes)
+        assert client.resend_after_restart()
+        _, _, chunks = client._gradient_chunks(g, 2, 1, pb.FLOAT32)
+        assert (chunks[0].header.sequence, chunks[0].header.version, chunks[0].header.length) == (2, 2, N)
+    finally:
+        client.close()
+
+
 def test_warm_up_pushes_go_dense_and_a_retried_one_is_resent_dense_without_counting_twice():
     client = ShardClient("127.0.0.1:1", 0, 0, "t0", "f" * 16, counters=Counter(), compressor=TopK(0.1, warmup=2))
     try:
