@@ -109,7 +109,7 @@ class SlotLog:
 
     def __init__(self, ps, records: list, hold=None):
         self.rejoins = Counter()
-        exchange, register_again = ps._exchange, ps._register_again
+        exchange, register_again = ps._exchange_slot, ps._register_again
 
         def recorded(s, grad, num_samples, attempt):
             start, end = ps.ranges[s.slot]
@@ -128,7 +128,7 @@ class SlotLog:
             self.rejoins[s.slot] += 1
             register_again(s, cause)
 
-        ps._exchange, ps._register_again = recorded, counted
+        ps._exchange_slot, ps._register_again = recorded, counted
 
 
 def run_trainer(rank, addresses, pipeline, out, errors, hold):
