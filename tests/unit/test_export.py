@@ -12,13 +12,18 @@ MODEL = {"fc.weight": torch.arange(12.0).reshape(3, 4), "fc.bias": torch.tensor(
          "out.weight": torch.arange(100.0, 106.0).reshape(2, 3)}
 
 
-def write_job(directories, num_shards=3, job_id="run-a", version=7, model=MODEL, skip=()):
-    """Each shard's checkpoint of ``model``, shard i in ``directories[i % len(directories)]``."""
+def job_of(model, num_shards, **kw):
+    """(layout, job spec, flat values) of ``model`` over ``num_shards`` shards."""
     layout = Layout.from_shapes([(n, t.shape, "float32") for n, t in model.items()], num_shards)
     job = JobSpec(mode="sync", num_trainers=1, num_shards=num_shards, total_params=layout.total,
                   fingerprint=layout.fingerprint(), tensors=tuple((s.name, s.shape, s.dtype) for s in layout.slots),
-                  job_id=job_id)
-    flat = torch.cat([t.reshape(-1) for t in model.values()])
+                  **kw)
+    return layout, job, torch.cat([t.reshape(-1) for t in model.values()])
+
+
+def write_job(directories, num_shards=3, job_id="run-a", version=7, model=MODEL, skip=()):
+    """Each shard's checkpoint of ``model``, shard i in ``directories[i % len(directories)]``."""
+    layout, job, flat = job_of(model, num_shards, job_id=job_id)
     for i in range(num_shards):
         if i in skip:
             continue
@@ -95,11 +100,7 @@ def write_partitioned(directory, num_shards=2, partitions=3, skip_partition=None
     ``directory/partition-k`` (psserver.host)."""
     from psserver.layout import partition_range
 
-    layout = Layout.from_shapes([(n, t.shape, "float32") for n, t in BIG.items()], num_shards)
-    job = JobSpec(mode="sync", num_trainers=1, num_shards=num_shards, total_params=layout.total,
-                  fingerprint=layout.fingerprint(), tensors=tuple((s.name, s.shape, s.dtype) for s in layout.slots),
-                  partitions=partitions)
-    flat = torch.cat([t.reshape(-1) for t in BIG.values()])
+    layout, job, flat = job_of(BIG, num_shards, partitions=partitions)
     for i in range(num_shards):
         for k in range(partitions):
             if k == skip_partition:
