@@ -15,14 +15,13 @@ def test_ps_bench_quick_writes_json_and_markdown(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "bench.json").read_text())
     systems = {(r["backend"], r["mode"], r.get("variant", "")) for r in results["throughput"]}
-    compress = "--compress topk:0.01"
-    assert systems - {("ps", "sync", compress)} == {
+    partitioned = f"--partition-bytes {4 << 20} --pipeline"
+    assert systems == {
         ("ps", "sync", ""), ("ps", "sync+early", ""), ("ps", "async", ""), ("ps", "async+overlap", ""),
-        ("ps", "stale-timeout", ""), ("ps", "sync", "--wire-dtype bfloat16"), ("ddp", "", ""), ("local", "", "")}
-    # the top-k row runs once ps-trainer has --compress (issue 11 item 5); until then it is skipped, saying why
-    ran_compress = ("ps", "sync", compress) in systems
-    skipped = [s["reason"] for s in results["skipped_rows"]]
-    assert skipped == ([] if ran_compress else ["ps-trainer has no --compress flag yet"])
+        ("ps", "stale-timeout", ""), ("ps", "sync", "--wire-dtype bfloat16"), ("ps", "sync", "--compress topk:0.01"),
+        ("ps", "sync", "--pipeline"), ("ps", "sync", partitioned), ("ps", "sync+early", partitioned),
+        ("ddp", "", ""), ("local", "", "")}
+    assert results["skipped_rows"] == []  # ps-trainer has every default extra row's flags
     for r in results["throughput"]:
         assert r["samples_per_sec"] > 0 and r["steps"] == 15 and r["steady_steps"] == 13
         assert r["device"] == "cpu" or r["device"].startswith("cuda")
