@@ -595,19 +595,17 @@ class ParameterServerTrainer:
         if running is None:
             return None
         try:
-            info = running.result()
+            return running.result()
         except BaseException:
-            if not running.done():
-                raise
-            self._running = None
-            self.staging.settle()
-            if self._waits.error_reported:
-                return None
-            self._waits.error_reported = True
+            if running.done():
+                if self._waits.error_reported:
+                    return None
+                self._waits.error_reported = True
             raise
-        self._running = None
-        self.staging.settle()  # the caller's stream waits for every slot's weights
-        return info
+        finally:
+            if running.done():
+                self._running = None
+                self.staging.settle()  # the caller's stream waits for every slot's weights
 
     def _dense_step(self, num_samples: int) -> StepInfo:
         """The dense part of step(): every shard its gradient slice, and the weights back."""
