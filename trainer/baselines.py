@@ -57,16 +57,17 @@ class LocalStepper:
 
 
 class DDPStepper(LocalStepper):
-    """torch DistributedDataParallel over gloo; gradients are all-reduced inside backward."""
+    """torch DistributedDataParallel over gloo (or NCCL, GPU models only); gradients are all-reduced inside
+    backward."""
 
     def __init__(self, model: torch.nn.Module, optimizer: OptimizerConfig, master: str, rank: int, world: int,
-                 schedule: LrSchedule = CONSTANT, clip_grad_norm: float | None = None):
+                 schedule: LrSchedule = CONSTANT, clip_grad_norm: float | None = None, process_group: str = "gloo"):
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=world)
+        dist.init_process_group(process_group, init_method=f"tcp://{master}", rank=rank, world_size=world)
         super().__init__(model, optimizer, schedule, clip_grad_norm)
         self.forward_module = torch.nn.parallel.DistributedDataParallel(model)
-        self.describe = f"DDP gloo, {world} processes"
+        self.describe = f"DDP {process_group}, {world} processes"
 
     def close(self, leave: bool = True, best_effort: bool = False) -> None:
         """Barrier, then tear down; after an error (``best_effort``) no barrier: the others may be gone."""

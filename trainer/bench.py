@@ -35,7 +35,7 @@ import torch
 from psserver.cli_support import EnvArgumentParser, ensure_malloc_tunables, run_cli, setup_logging
 from psserver.logsafe import counted
 from trainer.floors import measure as measure_floors
-from trainer.loop import device_problem
+from trainer.loop import device_problem, pick_device
 from trainer.procs import Proc, start_shard, start_trainer, wait_all
 
 ACCURACY_BAR = 0.90
@@ -80,9 +80,10 @@ def tcp_floor(nbytes: int, repeats: int) -> float:
 
 # ------------------------------------------------------------------------------------ one PS step, no compute
 def comm_step(model: str, optimizer: str, repeats: int, run_dir: Path, wire_dtype: str = "float32",
-              partition_bytes: int = 0) -> dict:
-    """One trainer (this process) and one shard (a process): median push + apply + pull seconds (with
-    ``partition_bytes``: the slice in partitions, each pushed, applied and pulled on its own, concurrently)."""
+              partition_bytes: int = 0, device: str = "cpu") -> dict:
+    """One trainer (this process, its model on ``device``) and one shard (a process): median push + apply + pull
+    seconds (with ``partition_bytes``: the slice in partitions, each pushed, applied and pulled on its own,
+    concurrently).  On a GPU the step includes the copies to and from the device."""
     from trainer import connect
     from trainer.data import load_dataset
     from trainer.models import build_model
@@ -91,10 +92,10 @@ def comm_step(model: str, optimizer: str, repeats: int, run_dir: Path, wire_dtyp
     baseline_rss = proc_memory(shard.popen.pid)["VmRSS"]  # interpreter, torch and gRPC, before any job
     try:
         shape = load_dataset("synthetic", model).shape if model == "resnet18" else (1, 28, 28)
-        net = build_model(model, shape)
+        net = build_model(model, shape).to(device)
         opt = {"name": optimizer, "lr": 1e-3} if optimizer != "sgd" else {"name": "sgd", "lr": 1e-3, "momentum": 0.9}
         ps = connect(shard.address, net, optimizer=opt, wire_dtype=wire_dtype, partition_bytes=partition_bytes)
-        grad = torch.randn(ps.num_params) * 1e-3
+        grad = (torch.randn(ps.num_params) * 1e-3).to(device)
         times = []
         for i in range(repeats + 2):
             if i == 2:  # after warm-up: first allocations (optimizer state too) and connection set-up
@@ -102,6 +103,8 @@ def comm_step(model: str, optimizer: str, repeats: int, run_dir: Path, wire_dtyp
             ps.flat.grad.copy_(grad)
             t0 = time.perf_counter()
             ps.step()
+            if device != "cpu":
+                torch.cuda.synchronize()
             if i >= 2:
                 times.append(time.perf_counter() - t0)
         stats = ps.shard_stats()[0].counters
@@ -109,7 +112,7 @@ def comm_step(model: str, optimizer: str, repeats: int, run_dir: Path, wire_dtyp
         ps.close()
         steps = stats["steps"] - warm["steps"]
         state_bytes = 4 * ps.num_params * (1 + (2 if optimizer != "sgd" else 1))  # slice + optimizer state
-        return dict(model=model, optimizer=optimizer, wire_dtype=wire_dtype, params=ps.num_params,
+        return dict(model=model, optimizer=optimizer, wire_dtype=wire_dtype, params=ps.num_params, device=device,
                     partitions=ps.job.partitions,
                     bytes_per_step=2 * ps.num_params * (4 if wire_dtype == "float32" else 2),
                     step_seconds=statistics.median(times),
@@ -196,6 +199,43 @@ def train_run(name: str, run_dir: Path, workload: dict, backend: str, mode: str,
     )
 
 
+BASELINE_NAMES = {"ddp": "DDP gloo", "ddp-nccl": "DDP NCCL", "local": "one process"}
+
+
+def comm_is_gpu(device: str) -> bool:
+    """Whether the trainers of ``--device`` run on a GPU (auto: when one is visible)."""
+    return device != "cpu" and torch.cuda.device_count() > 0
+
+
+def nccl_problem(trainers: int, gpus: int) -> str:
+    """Why DDP over NCCL cannot run here ("" if it can): NCCL refuses two ranks on one GPU (NCCL 2.28.9 on an
+    H100: "Duplicate GPU detected : rank 0 and rank 1 both on CUDA device")."""
+    if gpus >= trainers:
+        return ""
+    return (f"NCCL refuses two ranks on one GPU ({counted(trainers, 'trainer')}, {counted(gpus, 'GPU')} visible: "
+            "\"Duplicate GPU detected\")")
+
+
+def nccl_reason(error: str) -> str:
+    """The line of a failed DDP NCCL run that says why, else its last line (torch's shutdown warnings skipped)."""
+    lines = [x.strip() for x in error.splitlines() if x.strip() and "destroy_process_group" not in x]
+    said = [x for x in lines if "Duplicate GPU" in x or "error" in x.lower()]
+    return (said or lines or ["failed"])[0][:300]
+
+
+def model_sizes(opts: "BenchOptions") -> dict[str, int]:
+    """Parameters of each throughput workload's model (for the floors when the comm section is not run)."""
+    from trainer.data import load_dataset
+    from trainer.models import build_model
+
+    sizes = {}
+    for name in opts.workloads:
+        model = WORKLOADS[name]["model"]
+        shape = load_dataset("synthetic", model).shape if model == "resnet18" else (1, 28, 28)
+        sizes[model] = sum(t.numel() for t in build_model(model, shape).parameters())
+    return sizes
+
+
 def overlap_efficiency(step: float, compute: float, push: float, pull: float, wait: float) -> float:
     """Step time over max(compute, communication): 1 when the exchange hides entirely behind compute (or compute
     behind it), up to 2 when the two run one after the other.  Communication is push + pull + wait: all of the
@@ -248,6 +288,9 @@ WORKLOADS = {
 }
 
 
+SECTIONS = ("comm", "floors", "throughput", "straggler", "wire", "sparse")  # --sections; straggler, wire: not --quick
+
+
 @dataclass(frozen=True)
 class BenchOptions:
     quick: bool = False
@@ -258,6 +301,8 @@ class BenchOptions:
     floor_processes: tuple[int, ...] = (2, 4)  # P client processes for the gRPC floor (where P divides M)
     extra_rows: tuple[str, ...] = DEFAULT_EXTRA_ROWS  # "MODE:FLAGS"
     device: str = "auto"  # the trainers' --device (shards always run on the CPU)
+    workloads: tuple[str, ...] = tuple(WORKLOADS)  # the throughput section's workloads (--quick: the CNN only)
+    sections: tuple[str, ...] = SECTIONS
 
 
 def run_bench(out: Path, opts: BenchOptions) -> dict:
@@ -270,20 +315,27 @@ def run_bench(out: Path, opts: BenchOptions) -> dict:
                                       platform=platform.platform(), gpus=gpus,
                                       gpu=torch.cuda.get_device_name(0) if gpus else None),
                          trainers=opts.trainers, shards=opts.shards, quick=opts.quick, run_dir=str(run_dir))
+    want = set(opts.sections)
     # 1. communication of one step against the TCP floor, and the transport floors for each model's fp32 bytes
     # (push + pull of the whole model) in this same run
-    results["comm"] = comm = comm_section(opts.quick, run_dir)
-    model_bytes = {c["model"]: c["bytes_per_step"] // 2 for c in comm if c["wire_dtype"] == "float32"}
-    results["floors"] = measure_floors(model_bytes, list(opts.floor_connections), list(opts.floor_processes),
-                                       3 if opts.quick else 10, run_dir)
-    results["resnet18_comm"] = comm_against_floors(comm, results["floors"])
+    comm_device = str(pick_device(opts.device)) if opts.device != "cpu" else "cpu"
+    results["comm"] = comm = comm_section(opts.quick, run_dir, comm_device) if "comm" in want else []
+    if "floors" in want:
+        model_bytes = {c["model"]: c["bytes_per_step"] // 2 for c in comm if c["wire_dtype"] == "float32"} or {
+            name: 4 * n for name, n in model_sizes(opts).items()}
+        results["floors"] = measure_floors(model_bytes, list(opts.floor_connections), list(opts.floor_processes),
+                                           3 if opts.quick else 10, run_dir)
+        results["resnet18_comm"] = comm_against_floors(comm, results["floors"])
     # 2. throughput
-    results["throughput"], results["skipped_rows"] = throughput_section(opts, extra_rows, run_dir)
-    if not opts.quick:
+    results["throughput"], results["skipped_rows"] = (throughput_section(opts, extra_rows, run_dir)
+                                                      if "throughput" in want else ([], []))
+    if not opts.quick and "straggler" in want:
         results["straggler"] = straggler_section(opts, results["throughput"], run_dir)
+    if not opts.quick and "wire" in want:
         results["wire_dtype_accuracy"] = wire_section(opts, run_dir)
     # 3. sparse tables (issue 12): lookups+updates per second against one process, bytes, shard memory
-    results["sparse"] = sparse_section(opts.quick, run_dir)
+    if "sparse" in want:
+        results["sparse"] = sparse_section(opts.quick, run_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "bench.md").write_text(to_markdown(results))
@@ -333,13 +385,13 @@ def sparse_markdown(sp: dict | None) -> list[str]:
     return lines
 
 
-def comm_section(quick: bool, run_dir: Path) -> list[dict]:
+def comm_section(quick: bool, run_dir: Path, device: str = "cpu") -> list[dict]:
     comm = []
     for model, optimizer, wire, parts in (
             [("cnn", "sgd", "float32", 0), ("resnet18", "sgd", "float32", 0)] if quick else
             [("cnn", "sgd", "float32", 0), ("resnet18", "sgd", "float32", 0), ("resnet18", "sgd", "float32", PARTITION),
              ("resnet18", "adam", "float32", 0), ("resnet18", "sgd", "bfloat16", 0), ("widemlp", "sgd", "float32", 0)]):
-        r = comm_step(model, optimizer, 3 if quick else 10, run_dir, wire, parts)
+        r = comm_step(model, optimizer, 3 if quick else 10, run_dir, wire, parts, device)
         r["tcp_floor_seconds"] = tcp_floor(r["bytes_per_step"] // 2, 3 if quick else 10)
         r["ratio_to_tcp_floor"] = r["step_seconds"] / r["tcp_floor_seconds"]
         comm.append(r)
@@ -371,7 +423,7 @@ def throughput_section(opts: BenchOptions, extra_rows: list[tuple[str, str, list
                        run_dir: Path) -> tuple[list[dict], list[dict]]:
     """Every workload's rows (psgrpc modes, the extra rows, DDP, one process) and the extra rows skipped."""
     runs, skipped = [], []
-    workloads = {"cnn-mnist5k": WORKLOADS["cnn-mnist5k"]} if opts.quick else WORKLOADS
+    workloads = {"cnn-mnist5k": WORKLOADS["cnn-mnist5k"]} if opts.quick else {w: WORKLOADS[w] for w in opts.workloads}
     for wname, w in workloads.items():
         steps = 15 if opts.quick else {"cnn-mnist5k": 60, "resnet18-synthetic": 10, "widemlp-synthetic": 15}[wname]
 
@@ -387,7 +439,17 @@ def throughput_section(opts: BenchOptions, extra_rows: list[tuple[str, str, list
                 skipped.append(dict(workload=wname, extra_row=spec, reason=reason))
             else:
                 wruns.append(dict(row(f"ps-extra{k}", "ps", mode, flags), variant=" ".join(flags)))
-        wruns += [row("ddp", "ddp", "sync"), row("local", "local", "sync")]
+        wruns += [row("ddp", "ddp", "sync")]
+        if comm_is_gpu(opts.device):
+            nccl = nccl_problem(opts.trainers, torch.cuda.device_count())
+            if not nccl:
+                try:
+                    wruns.append(row("ddp-nccl", "ddp-nccl", "sync"))
+                except RuntimeError as e:
+                    nccl = nccl_reason(str(e))
+            if nccl:
+                skipped.append(dict(workload=wname, baseline="DDP NCCL", reason=nccl))
+        wruns.append(row("local", "local", "sync"))
         ddp = next(r for r in wruns if r["backend"] == "ddp")["samples_per_sec"]
         for r in wruns:
             r["workload"] = wname
@@ -442,13 +504,16 @@ def wire_section(opts: BenchOptions, run_dir: Path) -> list[dict]:
 
 def to_markdown(r: dict) -> str:
     m = r["machine"]
-    lines = [f"ps-bench on {m['cpus']} CPUs, Python {m['python']}, torch {m['torch']} "
+    lines = [f"ps-bench on {m['cpus']} CPUs{', ' + m['gpu'] if m.get('gpu') else ''}, Python {m['python']}, "
+             f"torch {m['torch']} "
              f"({counted(r['trainers'], 'trainer')}, {counted(r['shards'], 'shard')}"
              f"{', --quick' if r['quick'] else ''})", ""]
-    lines += ["**One PS step, no compute** (push + apply + pull; one trainer, one shard)", "",
-              "| model | params | optimizer | wire | step ms | apply ms | TCP floor ms | ratio to floor "
-              "| shard peak MB above idle | / (slice + optimizer state) | same, less fixed overhead |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    if r["comm"]:
+        lines += ["**One PS step, no compute** (push + apply + pull; one trainer, one shard; the trainer's model on "
+                  f"{r['comm'][0].get('device', 'cpu')})", "",
+                  "| model | params | optimizer | wire | step ms | apply ms | TCP floor ms | ratio to floor "
+                  "| shard peak MB above idle | / (slice + optimizer state) | same, less fixed overhead |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in r["comm"]:
         parts = f", {c['partitions']} partitions" if c.get("partitions", 1) > 1 else ""
         lines.append(f"| {c['model']} | {c['params'] / 1e6:.2f}M | {c['optimizer']} | {c['wire_dtype']}{parts} | "
@@ -458,21 +523,22 @@ def to_markdown(r: dict) -> str:
                      f"{c['shard_memory_ratio_marginal']:.1f} |")
     lines += resnet18_line(r.get("resnet18_comm"))
     lines += floors_markdown(r.get("floors", []))
-    lines += ["", "**Training throughput** (overlap efficiency: step ms / max(compute, push + pull + wait); "
-                  "1.0 is communication hidden entirely, 2.0 none of it)", "",
-              "| workload | system | device | samples/s | ratio to DDP | step ms | compute ms | push ms | pull ms "
-              "| wait ms | overlap eff. | wire MB/s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    if r["throughput"]:
+        lines += ["", "**Training throughput** (overlap efficiency: step ms / max(compute, push + pull + wait); "
+                      "1.0 is communication hidden entirely, 2.0 none of it)", "",
+                  "| workload | system | device | samples/s | ratio to DDP | step ms | compute ms | push ms | pull ms "
+                  "| wait ms | overlap eff. | wire MB/s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in r["throughput"]:
-        system = f"psgrpc {t['mode']}" if t["backend"] == "ps" else ("DDP gloo" if t["backend"] == "ddp" else
-                                                                      "one process")
+        system = f"psgrpc {t['mode']}" if t["backend"] == "ps" else BASELINE_NAMES[t["backend"]]
         system += f" {t['variant']}" if t.get("variant") else ""
         lines.append(f"| {t['workload']} | {system} | {t['device']} | {t['samples_per_sec']:.0f} | "
                      f"{t['ratio_to_ddp']:.2f} | {t['step_ms']:.1f} | {t['compute_ms']:.1f} | {t['push_ms']:.1f} | "
                      f"{t['pull_ms']:.1f} | {t['wait_ms']:.1f} | {t['overlap_efficiency']:.2f} | "
                      f"{t['wire_bytes_per_sec'] / 1e6:.0f} |")
     for k in r.get("skipped_rows", []):
-        lines.append(f"\nSkipped on {k['workload']}: `--extra-row {k['extra_row']}` ({k['reason']}).")
+        what = f"`--extra-row {k['extra_row']}`" if "extra_row" in k else k["baseline"]
+        lines.append(f"\nSkipped on {k['workload']}: {what} ({k['reason']}).")
     if "straggler" in r:
         s = r["straggler"]
         lines += ["", f"**Straggler** (3 trainers, one +{1000 * s['delay_seconds']:.0f} ms per step; "
@@ -521,6 +587,15 @@ def floors_markdown(floors: list[dict]) -> list[str]:
     return lines
 
 
+def names_from(flag: str, text: str, known) -> tuple[str, ...]:
+    """``a,b`` as ("a", "b"); ValueError naming the flag, the value and the choices unless each is known."""
+    items = tuple(x.strip() for x in text.split(",") if x.strip())
+    unknown = [x for x in items if x not in known]
+    if not items or unknown:
+        raise ValueError(f"{flag} ({text}) must be names separated by commas, of {', '.join(known)}")
+    return items
+
+
 def int_list(flag: str, text: str) -> tuple[int, ...]:
     """``1,2,4`` as (1, 2, 4); ValueError naming the flag and its value unless every item is a positive integer."""
     items = [x.strip() for x in text.split(",")]
@@ -545,6 +620,10 @@ def main(argv: list[str] | None = None) -> int:
                         f"(repeatable; default: {' and '.join(repr(x) for x in DEFAULT_EXTRA_ROWS)}; a flag "
                         "ps-trainer does not have skips the row, with the reason)")
     p.add_argument("--device", default="auto", help="the trainers' --device (shards run on the CPU)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help=f"the throughput section's workloads, of {', '.join(WORKLOADS)} (--quick: the CNN only)")
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help=f"what to run, of {', '.join(SECTIONS)} (straggler and wire are left out with --quick)")
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args(argv)
     if args.straggler_repeats < 1:
@@ -554,7 +633,8 @@ def main(argv: list[str] | None = None) -> int:
                         floor_connections=int_list("--floor-connections", args.floor_connections),
                         floor_processes=int_list("--floor-processes", args.floor_processes),
                         extra_rows=tuple(DEFAULT_EXTRA_ROWS if args.extra_row is None else args.extra_row),
-                        device=args.device)
+                        device=args.device, workloads=names_from("--workloads", args.workloads, WORKLOADS),
+                        sections=names_from("--sections", args.sections, SECTIONS))
     device = device_problem(opts.device, torch.cuda.device_count())
     if device:
         raise ValueError(device)

@@ -78,9 +78,9 @@ def build_parser() -> EnvArgumentParser:
                    help="async mode: pull the next weights in the background while computing")
     p.add_argument("--push-during-backward", action="store_true",
                    help="any mode: push each shard its gradient slice as soon as backward has produced it")
-    p.add_argument("--backend", choices=("ps", "ddp", "local"), default="ps",
-                   help="ps: the parameter servers; ddp / local: the baselines ps-bench compares against "
-                        "(ddp reads --ps as the gloo master HOST:PORT)")
+    p.add_argument("--backend", choices=("ps", "ddp", "ddp-nccl", "local"), default="ps",
+                   help="ps: the parameter servers; ddp (gloo) / ddp-nccl / local: the baselines ps-bench compares "
+                        "against (ddp reads --ps as the process group's master HOST:PORT)")
     add_client_flags(p)
     p.add_argument("--log-level", default="INFO")
     return p

@@ -76,7 +76,7 @@ class TrainConfig:
     retry_budget: float = 60.0  # seconds a call to a shard is retried before the step fails
     overlap: bool = False  # async: pull the next weights while computing
     push_during_backward: bool = False  # push each shard's slice as soon as backward has produced it
-    backend: str = "ps"  # "ps"; or the ps-bench baselines "ddp" (--ps is then the gloo master HOST:PORT), "local"
+    backend: str = "ps"  # "ps"; or the ps-bench baselines "ddp" (gloo), "ddp-nccl" (--ps: the master), "local"
     security: object = None  # psserver.security.ClientSecurity; None: plaintext, no token
     job_id: str = ""  # names this run of the job; every trainer of it passes the same
     # The learning-rate schedule the shards apply by version (psserver.schedules; async: a version per push).
@@ -152,6 +152,9 @@ def config_problem(cfg: TrainConfig) -> str:
          f"--pipeline and --partition-bytes apply to --backend ps only, not {cfg.backend}"),
         (cfg.optimizer == "sgd" or not cfg.nesterov, f"--nesterov applies to --optimizer sgd only, not {cfg.optimizer}"),
         (not device, device),
+        (cfg.backend != "ddp-nccl" or (cfg.device != "cpu" and torch.cuda.device_count() > 0),
+         f"--backend ddp-nccl needs a GPU (--device {cfg.device}, {torch.cuda.device_count()} visible); "
+         "use --backend ddp (gloo) on the CPU"),
     ]
     for ok, message in checks + recommender_checks(cfg):
         if not ok:
@@ -191,7 +194,8 @@ def recommender_checks(cfg: TrainConfig) -> list[tuple[bool, str]]:
          f"--model {cfg.model} is a recommender model: it needs {rec}, not --dataset {cfg.dataset}"),
         (cfg.recommender or not given,
          f"--{given[0].replace('_', '-') if given else ''} applies to {rec} only, not --dataset {cfg.dataset}"),
-        (not cfg.recommender or cfg.backend != "ddp", f"--backend ddp cannot train the tables of {rec}"),
+        (not cfg.recommender or not cfg.backend.startswith("ddp"),
+         f"--backend {cfg.backend} cannot train the tables of {rec}"),
         (cfg.embedding_dim is None or cfg.embedding_dim >= 1, f"--embedding-dim ({cfg.embedding_dim}) must be at least 1"),
         (cfg.admit_after >= 0, f"--admit-after ({cfg.admit_after}) must be zero (store every row) or more"),
         (cfg.max_rows is None or cfg.max_rows >= 1, f"--max-rows ({cfg.max_rows}) must be at least 1"),
@@ -254,7 +258,7 @@ def default_threads(cfg: TrainConfig, cores: int | None = None) -> int:
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
     if local.isdigit() and int(local) > 0:
         trainers = int(local)
-    elif cfg.backend != "ddp" and all(a.startswith(LOOPBACK_HOSTS) for a in parse_addresses(cfg.ps)):
+    elif not cfg.backend.startswith("ddp") and all(a.startswith(LOOPBACK_HOSTS) for a in parse_addresses(cfg.ps)):
         trainers = cfg.num_trainers
     else:
         return 0
@@ -739,8 +743,9 @@ def make_stepper(cfg: TrainConfig, model: torch.nn.Module, total_steps: int):
                        pipeline=cfg.pipeline)
     from trainer.baselines import DDPStepper, LocalStepper
 
-    if cfg.backend == "ddp":
-        return DDPStepper(model, optimizer, cfg.ps, cfg.rank, cfg.num_trainers, schedule, clip)
+    if cfg.backend in ("ddp", "ddp-nccl"):
+        return DDPStepper(model, optimizer, cfg.ps, cfg.rank, cfg.num_trainers, schedule, clip,
+                          process_group="nccl" if cfg.backend == "ddp-nccl" else "gloo")
     if cfg.backend == "local":
         local = LocalStepper(model, optimizer, schedule, clip)
         return LocalTables(local, model) if cfg.recommender else local

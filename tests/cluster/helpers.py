@@ -32,6 +32,10 @@ def run_job(run_dir: Path, num_shards: int, num_trainers: int, args: list[str], 
             timeout: float = 300.0) -> JobRun:
     """Start the shards, then the trainers with ``args`` (plus per-rank extras); wait for the trainers.
 
+    Trainers run on one thread and on the CPU unless ``args`` say otherwise: the exactness tests compare with a
+    reference computed so, and on a GPU host ``--device auto`` would round differently (seen on an H100: Adam's
+    bit-for-bit replica off by 1.2e-4).
+
     The shards are left running so the test can read their stats; the caller's
     fixture (``cluster``) stops them.  If starting or waiting fails, everything started is killed here
     (and the autouse process registry would kill it at teardown anyway).
@@ -45,7 +49,8 @@ def run_job(run_dir: Path, num_shards: int, num_trainers: int, args: list[str], 
             extra = (per_rank or {}).get(r, [])
             trainers.append(start_trainer(r, ps, run_dir / f"trainer{r}.log",
                                           ["--num-trainers", str(num_trainers), "--metrics-file",
-                                           str(run_dir / f"trainer{r}.jsonl"), "--no-progress", "--threads", "1"]
+                                           str(run_dir / f"trainer{r}.jsonl"), "--no-progress", "--threads", "1",
+                                           "--device", "cpu"]
                                           + args + extra))
         codes = wait_all(trainers, timeout)
     except BaseException:  # a shard that did not start, or a wait that timed out: the fixture never sees them

@@ -114,3 +114,32 @@ def test_a_bad_extra_row_fails_the_bench_before_anything_runs(tmp_path, monkeypa
     monkeypatch.setattr(bench.tempfile, "mkdtemp", started)
     with pytest.raises(ValueError, match=r"--extra-row \(sync:--wire-dtype int3\)"):
         bench.run_bench(tmp_path, bench.BenchOptions(extra_rows=("sync:--wire-dtype bfloat16", "sync:--wire-dtype int3")))
+
+
+def test_ddp_nccl_is_left_out_naming_the_duplicate_gpu_when_trainers_outnumber_the_gpus():
+    assert bench.nccl_problem(trainers=2, gpus=2) == ""
+    reason = bench.nccl_problem(trainers=2, gpus=1)
+    assert "2 trainers, 1 GPU visible" in reason and "Duplicate GPU detected" in reason
+
+
+def test_a_failed_nccl_run_is_reported_by_its_error_line_not_torchs_shutdown_warning():
+    log = ("[rank0]:[W1124 ProcessGroupNCCL.cpp:1575] Warning: WARNING: destroy_process_group() was not called\n"
+           "ps-trainer: error: NCCL error in: NCCLUtils.cpp:93, invalid usage\n"
+           "Duplicate GPU detected : rank 0 and rank 1 both on CUDA device 60\n")
+    assert bench.nccl_reason(log).startswith("ps-trainer: error: NCCL error")
+
+
+def test_a_skipped_baseline_is_named_in_the_markdown():
+    results = dict(machine=dict(cpus=16, python="3.12", torch="2", gpu="NVIDIA H100"), trainers=2, shards=2,
+                   quick=False, comm=[], throughput=[],
+                   skipped_rows=[dict(workload="resnet18-synthetic", baseline="DDP NCCL", reason="two ranks, one GPU")])
+    md = bench.to_markdown(results)
+    assert "ps-bench on 16 CPUs, NVIDIA H100," in md
+    assert "Skipped on resnet18-synthetic: DDP NCCL (two ranks, one GPU)." in md
+    assert "**One PS step" not in md and "**Training throughput**" not in md  # sections not run print nothing
+
+
+@pytest.mark.parametrize("flag,text", [("--sections", "comm,bogus"), ("--workloads", ""), ("--workloads", "vgg")])
+def test_an_unknown_section_or_workload_is_refused_naming_the_flag_and_the_choices(flag, text):
+    with pytest.raises(ValueError, match=rf"{flag} \({text}\) must be names separated by commas, of "):
+        bench.main([flag, text])

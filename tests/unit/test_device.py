@@ -76,3 +76,15 @@ def test_the_trainer_cli_refuses_a_missing_gpu_before_anything_starts(monkeypatc
         trainer_cli.config_from_args(args)
     args = trainer_cli.build_parser().parse_args(["--ps", LOOPBACK2, "--device", "cuda:0"])
     assert trainer_cli.config_from_args(args).device == "cuda:0"
+
+
+@pytest.mark.parametrize("device, gpus", [("cpu", 1), ("auto", 0)])
+def test_the_ddp_nccl_baseline_without_a_gpu_is_refused_pointing_to_gloo(monkeypatch, device, gpus):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    args = trainer_cli.build_parser().parse_args(["--ps", "127.0.0.1:1", "--backend", "ddp-nccl", "--device", device])
+    with pytest.raises(ValueError, match=rf"--backend ddp-nccl needs a GPU \(--device {device}, {gpus} visible\); "
+                                         r"use --backend ddp \(gloo\)"):
+        trainer_cli.config_from_args(args)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    args = trainer_cli.build_parser().parse_args(["--ps", "127.0.0.1:1", "--backend", "ddp-nccl", "--device", "cuda"])
+    assert trainer_cli.config_from_args(args).backend == "ddp-nccl"
