@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from psserver.cli_support import EnvArgumentParser
-from psserver.logsafe import shorten
-from psserver.proto import ps_pb2 as _pb
-from psserver.proto import ps_pb2_grpc as _grpc
-from psserver.security import ClientSecurity, add_client_flags, client_security, parse_addresses
+from psserver.common.cli_support import EnvArgumentParser
+from psserver.common.logsafe import shorten
+from psserver.protocol.proto import ps_pb2 as _pb
+from psserver.protocol.security import ClientSecurity, add_client_flags, client_security, parse_addresses
+from psserver.protocol.stubs import stub
 
 DETAILS_SHOWN = 200  # characters of gRPC's details shown for a shard that is down
 
@@ -26,12 +26,6 @@ STAT_ROWS = [
     ("pushes applied", "pushes_applied"), ("stale dropped", "stale_dropped"), ("stale scaled", "stale_scaled"),
     ("duplicates", "duplicates"), ("pulls", "pulls"), ("MB in", "bytes_in"), ("MB out", "bytes_out"),
 ]
-
-
-def fetch_stat(address: str, timeout: float = 10.0, security: ClientSecurity = ClientSecurity()) -> _pb.StatsReply:
-    """One shard's GetStats over a channel of its own (for tools and tests; trainers use their client)."""
-    with security.channel(address) as ch:
-        return _grpc.ParameterServerStub(ch).GetStats(_pb.StatsRequest(), timeout=timeout)
 
 
 @dataclass(frozen=True)
@@ -52,7 +46,7 @@ def fetch_stats(addresses: list[str], timeout: float,
         calls = []
         for address in addresses:
             channel = stack.enter_context(security.channel(address))
-            calls.append(_grpc.ParameterServerStub(channel).GetStats.future(_pb.StatsRequest(), timeout=timeout))
+            calls.append(stub(channel).GetStats.future(_pb.StatsRequest(), timeout=timeout))
         results = []
         for call in calls:
             try:

@@ -31,8 +31,8 @@ from typing import Callable
 
 import torch
 
-from psserver.job import JobSpec
-from psserver.proto import ps_pb2 as _pb
+from psserver.protocol.job import JobSpec
+from psserver.protocol.proto import ps_pb2 as _pb
 
 log = logging.getLogger(__name__)
 

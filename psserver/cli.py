@@ -9,10 +9,10 @@ import sys
 import threading
 import time
 
-from psserver.cli_support import EnvArgumentParser, ensure_malloc_tunables, run_cli, setup_logging
+from psserver.common.cli_support import EnvArgumentParser, ensure_malloc_tunables, run_cli, setup_logging
+from psserver.common.tboard import Sampler, ScalarLog
 from psserver.ports import check_bindable
-from psserver.security import ServerSecurity, read_token
-from psserver.tboard import Sampler, ScalarLog
+from psserver.protocol.security import ServerSecurity, read_token
 
 log = logging.getLogger("psserver")
 

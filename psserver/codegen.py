@@ -1,4 +1,4 @@
-"""Regenerate the gRPC modules in psserver/proto/ from protos/.
+"""Regenerate the gRPC modules in psserver/protocol/proto/ from protos/.
 
 Generated code is never edited by hand; tests/unit/test_codegen.py runs
 `generate()` into a temporary folder and fails if the checked-in copy differs.
@@ -12,7 +12,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = REPO_ROOT / "protos"
-PROTO_FILES = ("psserver/proto/ps.proto",)
+PROTO_FILES = ("psserver/protocol/proto/ps.proto",)
 
 
 def generate(out_root: Path) -> list[Path]:

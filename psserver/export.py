@@ -2,7 +2,7 @@
 
 Each shard's checkpoint holds its slice of the flat parameter vector and the job
 spec, whose tensor list (names, shapes, dtypes in ``named_parameters()`` order)
-says how the vector is cut back into tensors (psserver.layout).  The shards need
+says how the vector is cut back into tensors (psserver.protocol.layout).  The shards need
 no model code for it, and neither does this tool.  Buffers that get no gradient
 (BatchNorm's running statistics) never reach the shards, so they are not in the
 file: load it with ``strict=False`` and take the buffers from the trainer's own
@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from psserver.checkpoint import ShardState, load_newest, shards_in
-from psserver.cli_support import EnvArgumentParser
-from psserver.layout import shard_range
-from psserver.logsafe import counted, shorten
+from psserver.common.cli_support import EnvArgumentParser
+from psserver.common.logsafe import counted, shorten
+from psserver.protocol.layout import shard_range
 
 BUFFERS_NOTE = ("buffers that get no gradient (BatchNorm running statistics) are not on the shards and not in "
                 "this file: load it with model.load_state_dict(state, strict=False)")

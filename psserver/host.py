@@ -1,7 +1,7 @@
 """The partitions one ps-server process serves (BytePS's lesson: rounds per piece, not per slice).
 
 A job may cut each shard's slice into ``JobSpec.partitions`` pieces
-(psserver.layout.partition_range).  Each piece is served by a ``Shard`` of its
+(psserver.protocol.layout.partition_range).  Each piece is served by a ``Shard`` of its
 own -- membership, round, version, optimizer step over its range, sequence
 numbers, checkpoints -- so a trainer pushes a piece as soon as backward has
 produced it and pulls it as soon as its round closes, while other pieces are
@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Callable
 
 from psserver.checkpoint import Checkpointer
-from psserver.errors import InvalidRequest, JobMismatch, NotReady, PsError
-from psserver.job import JobSpec
-from psserver.limits import MAX_PARTITIONS
+from psserver.protocol.errors import InvalidRequest, JobMismatch, NotReady, PsError
+from psserver.protocol.job import JobSpec
+from psserver.protocol.limits import MAX_PARTITIONS
 from psserver.shard import Shard, StatsSnapshot
 
 log = logging.getLogger(__name__)

@@ -17,9 +17,9 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
-from psserver.errors import NotRegistered, Superseded
-from psserver.logsafe import shorten
+from psserver.common.logsafe import shorten
 from psserver.modes import expired_ranks, next_lease_expiry
+from psserver.protocol.errors import NotRegistered, Superseded
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import AbstractSet, Mapping
 
-from psserver.job import JobSpec
-from psserver.limits import MAX_SEQUENCE
+from psserver.protocol.job import JobSpec
+from psserver.protocol.limits import MAX_SEQUENCE
 
 # A sequenced push may skip ahead of the last acknowledged one by at most this much (a trainer whose
 # pushes to this shard failed for good in between); anything further is a corrupt or hostile number.

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from psserver.errors import InvalidRequest
+from psserver.protocol.errors import InvalidRequest
 
 
 class OpenRound:

@@ -28,8 +28,8 @@ from typing import Awaitable, Callable
 
 import torch
 
-from psserver.errors import PsError
 from psserver.host import ShardHost
+from psserver.protocol.errors import PsError
 from psserver.shard import Shard
 
 log = logging.getLogger(__name__)

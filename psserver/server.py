@@ -19,18 +19,18 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from psserver.codec import DEFAULT_CHUNK_BYTES
 from psserver.health import LoopWatch, ProbePort
-from psserver.optim import warm_up
-from psserver.ports import check_bindable
-from psserver.runtime import Runtime
-from psserver.security import ServerSecurity
-from psserver.service import ParameterServerService, ServiceLimits, add_service
 from psserver.host import ShardHost
+from psserver.ports import check_bindable
+from psserver.protocol.codec import DEFAULT_CHUNK_BYTES
+from psserver.protocol.optim import warm_up
+from psserver.protocol.security import ServerSecurity
+from psserver.protocol.stubs import SERVICE_NAME
+from psserver.runtime import Runtime
+from psserver.service import ParameterServerService, ServiceLimits, add_service
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "psgrpc.v1.ParameterServer"
 START_TIMEOUT = 30.0
 
 

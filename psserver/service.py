@@ -11,7 +11,7 @@ chunks of anyone's stream.  The rules of the house:
   slice is so small that the hop costs more.  On the loop itself: parsing,
   bounds checks, lease renewal, copying received chunks into a buffer, and
   streaming replies.
-* Nothing a client declares is trusted before it is bounded (psserver.limits),
+* Nothing a client declares is trusted before it is bounded (psserver.protocol.limits),
   and a caller is identified (job, rank, trainer id) before its payload is read.
 * Every stream has an idle and a total deadline enforced here, whatever the
   client asked for; a call whose client went away is cancelled by gRPC and its
@@ -32,25 +32,38 @@ import grpc
 import numpy as np
 import torch
 
-from psserver import limits, modes
-from psserver.codec import (
-    DEFAULT_CHUNK_BYTES, ChunkAssembler, TopKAssembler, check_finite, check_stream_header, encode_raw,
+from psserver import modes
+from psserver.common.logsafe import RateLimitedLog, counted, shorten
+from psserver.host import ShardHost
+from psserver.protocol import limits, stubs
+from psserver.protocol.codec import (
+    DEFAULT_CHUNK_BYTES,
+    ChunkAssembler,
+    TopKAssembler,
+    check_finite,
+    check_stream_header,
+    encode_raw,
     first_header,
 )
-from psserver.errors import (
-    VERSION_METADATA_KEY, InvalidRequest, PsError, ShuttingDown, StaleGradient, StreamTimeout, TooBusy, TooLarge,
+from psserver.protocol.errors import (
+    VERSION_METADATA_KEY,
+    InvalidRequest,
+    PsError,
+    ShuttingDown,
+    StaleGradient,
+    StreamTimeout,
+    TooBusy,
+    TooLarge,
     WaitTimeout,
 )
-from psserver.fastwire import parse_chunk, serialize_chunk
-from psserver.job import JobSpec
-from psserver.logsafe import RateLimitedLog, counted, shorten
-from psserver.proto import ps_pb2 as _pb
-from psserver.runtime import INLINE_STATE_ELEMENTS, Runtime, VersionWaiters
-from psserver.host import ShardHost
+from psserver.protocol.fastwire import parse_chunk, serialize_chunk
+from psserver.protocol.job import JobSpec
+from psserver.protocol.proto import ps_pb2 as _pb
+from psserver.protocol.rows.errors import WrongShape
+from psserver.protocol.rows.wire import row_chunks
+from psserver.runtime import Runtime, VersionWaiters
 from psserver.shard import PushResult, Shard
-from psserver.sparse.errors import WrongShape
 from psserver.sparse.serving import RowsPush
-from psserver.sparse.wire import row_chunks
 
 log = logging.getLogger(__name__)
 # Row calls up to this many row elements (ids x dim: 4,096 ids of dim 16) run on the loop when the dense slice's
@@ -580,12 +593,11 @@ def _check_rows_chunk(chunk, index: int, pos: int, n: int, dim: int, min_chunk_b
     return k
 
 
-SERVICE = "psgrpc.v1.ParameterServer"
 
 
 def add_service(servicer: ParameterServerService, server) -> None:
     """Register the servicer like the generated ``add_ParameterServerServicer_to_server``, except that
-    Chunk streams use psserver.fastwire (same bytes on the wire, fewer copies) and undecodable unary
+    Chunk streams use psserver.protocol.fastwire (same bytes on the wire, fewer copies) and undecodable unary
     requests reach the handler (to be refused as INVALID_ARGUMENT, not INTERNAL)."""
     unary = grpc.unary_unary_rpc_method_handler
     handlers = {
@@ -603,7 +615,7 @@ def add_service(servicer: ParameterServerService, server) -> None:
         "PushRows": grpc.stream_unary_rpc_method_handler(servicer.PushRows, _safe(_pb.RowsChunk.FromString),
                                                          _pb.PushRowsReply.SerializeToString),
     }
-    missing = set(_pb.DESCRIPTOR.services_by_name["ParameterServer"].methods_by_name) - set(handlers)
+    missing = set(stubs.METHODS) - set(handlers)
     if missing:
         raise RuntimeError(f"protos/ defines RPCs this server does not register: {sorted(missing)}")
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(stubs.SERVICE_NAME, handlers),))

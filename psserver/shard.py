@@ -31,22 +31,22 @@ import torch
 
 from psserver import modes
 from psserver.checkpoint import Checkpointer, CheckpointWriter, ShardState
-from psserver.codec import TORCH_DTYPES
-from psserver.errors import (
+from psserver.common.logsafe import counted, shorten
+from psserver.membership import Membership
+from psserver.metrics import ShardMetrics
+from psserver.protocol.codec import TORCH_DTYPES
+from psserver.protocol.errors import (
     FutureVersion,
     InvalidRequest,
     JobMismatch,
     NotReady,
     StaleGradient,
 )
-from psserver.job import WIRE_DTYPES, JobSpec
-from psserver.layout import partition_range
-from psserver.logsafe import counted, shorten
-from psserver.membership import Membership
-from psserver.metrics import ShardMetrics
-from psserver.optim import build_optimizer
+from psserver.protocol.job import WIRE_DTYPES, JobSpec
+from psserver.protocol.layout import partition_range
+from psserver.protocol.optim import build_optimizer
+from psserver.protocol.schedules import lr_at
 from psserver.rounds import OpenRound
-from psserver.schedules import lr_at
 from psserver.snapshots import SnapshotPool
 from psserver.sparse.serving import Membership as TableMembers
 from psserver.sparse.serving import RowsPush, RowsResult, Tables

@@ -6,10 +6,10 @@ import grpc
 import pytest
 import torch
 
-from psserver.codec import encode, wire_tensor
-from psserver.job import JobSpec, OptimizerConfig
-from psserver.proto import ps_pb2 as pb
-from psserver.proto import ps_pb2_grpc as pb_grpc
+from psserver.protocol.codec import encode, wire_tensor
+from psserver.protocol.job import JobSpec, OptimizerConfig
+from psserver.protocol.proto import ps_pb2 as pb
+from psserver.protocol.proto import ps_pb2_grpc as pb_grpc
 from psserver.server import ServerConfig, ShardServer
 from psserver.service import ServiceLimits
 from tests.procreg import process_registry  # noqa: F401 -- autouse: no test leaves a process behind

@@ -19,7 +19,7 @@ gradient (BatchNorm running statistics) stay local to each trainer.
 
 The learning-rate schedule runs on the shards too
 (``lr_schedule={"kind": "cosine", "cosine_steps": 1000, "warmup_steps": 50}``,
-psserver.schedules): the rate follows the shards' version as
+psserver.protocol.schedules): the rate follows the shards' version as
 torch.optim.lr_scheduler's follows the step count.  ``clip_grad_norm=X`` clips
 this trainer's own gradient before it is pushed (trainer.clipping) -- not the
 averaged gradient a DDP user clips.
@@ -32,30 +32,36 @@ import os
 import socket
 import threading
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-import uuid
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import grpc
 import torch
 
-from psserver.job import JobSpec, OptimizerConfig
-from psserver.layout import Layout, partition_range, partitions_for
-from psserver.limits import MAX_PARTITIONS
-from psserver.schedules import LrSchedule
-from psserver.security import ClientSecurity
-from psserver.sparse.table import TableSpec
+from psserver.protocol.job import JobSpec, OptimizerConfig
+from psserver.protocol.layout import Layout, partition_range, partitions_for
+from psserver.protocol.limits import MAX_PARTITIONS
+from psserver.protocol.rows.table import TableSpec
+from psserver.protocol.schedules import LrSchedule
+from psserver.protocol.security import ClientSecurity
 from trainer.client import (
-    RESTART_CODES, WAIT_LOG_SECONDS, PushOutcome, RetryPolicy, ShardCallsFailed, ShardClient, ShardedClient,
+    RESTART_CODES,
+    WAIT_LOG_SECONDS,
+    PushOutcome,
+    RetryPolicy,
+    ShardCallsFailed,
+    ShardClient,
+    ShardedClient,
     parse_addresses,
 )
 from trainer.clipping import check_max_norm, clip_local_
 from trainer.compress import parse_compress
 from trainer.early_push import EarlyPusher
-from trainer.pipeline import LayerWaits, OrderedGate
 from trainer.embedding import sharded_tables
+from trainer.pipeline import LayerWaits, OrderedGate
 from trainer.staging import DeviceStaging
 
 log = logging.getLogger(__name__)
@@ -883,7 +889,7 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
     starts from the shards' weights.  Raises ValueError for a bad setting and
     grpc.RpcError (FAILED_PRECONDITION, with the difference named) when the
     shards run a different job.  ``security`` carries TLS files and the token
-    (see psserver.security).  ``overlap`` (async mode only) pulls the next
+    (see psserver.protocol.security).  ``overlap`` (async mode only) pulls the next
     weights in the background while the next gradient is computed.
     ``push_during_backward`` (any mode) starts each shard's push as soon as
     backward has produced its slice; call ``prepare_step(num_samples)`` before

@@ -12,9 +12,9 @@ import time
 
 import torch
 
-from psserver.job import OptimizerConfig
-from psserver.optim import build_optimizer
-from psserver.schedules import CONSTANT, LrSchedule, lr_at
+from psserver.protocol.job import OptimizerConfig
+from psserver.protocol.optim import build_optimizer
+from psserver.protocol.schedules import CONSTANT, LrSchedule, lr_at
 from trainer.api import StepInfo
 from trainer.clipping import check_max_norm, clip_local_
 

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from psserver.cli_support import EnvArgumentParser, ensure_malloc_tunables, run_cli, setup_logging
-from psserver.logsafe import counted
+from psserver.common.cli_support import EnvArgumentParser, ensure_malloc_tunables, run_cli, setup_logging
+from psserver.common.logsafe import counted
 from trainer.floors import measure as measure_floors
 from trainer.loop import device_problem, pick_device
 from trainer.procs import Proc, start_shard, start_trainer, wait_all
@@ -255,7 +255,7 @@ DEFAULT_EXTRA_ROWS = ("sync:--wire-dtype bfloat16", "sync:--compress topk:0.01",
 def parse_extra_row(spec: str) -> tuple[str, list[str]]:
     """``MODE:FLAGS`` (``sync:--wire-dtype bfloat16``) as (mode, flags); ValueError naming the spec."""
     mode, sep, flags = spec.partition(":")
-    from psserver.job import MODES
+    from psserver.protocol.job import MODES
 
     if not sep or mode.split("+")[0] not in MODES or any(v not in VARIANT_FLAGS for v in mode.split("+")[1:]):
         raise ValueError(f"--extra-row ({spec}) must be MODE:FLAGS with MODE one of {', '.join(MODES)} "
@@ -346,8 +346,8 @@ def sparse_section(quick: bool, run_dir: Path) -> dict:
     """The click model (Zipf ids over 10^9, bags of 1..8) in one process with ``nn.EmbeddingBag(sparse=True)``
     and torch's sparse Adagrad, then with its bag on 1 and 2 shards (one trainer, sync, Adagrad on the shards);
     and a Zipf stream through one shard's table capped at ``max_rows``: its memory against the live rows."""
-    from trainer.recdata import make_click_log
     from trainer import sparsebench
+    from trainer.recdata import make_click_log
     steps, batch, dim = (20, 256, 16) if quick else (150, 512, 16)
     log = make_click_log(steps * batch, seed=0).compact()
     single = sparsebench.single_process_rate(log, steps, batch, dim, lr=0.05)

@@ -7,10 +7,10 @@ import logging
 import signal
 import sys
 
-from psserver.cli_support import EnvArgumentParser, ensure_malloc_tunables, run_cli, setup_logging
-from psserver.job import MODES, OPTIMIZERS, STALE_POLICIES, WIRE_DTYPES
-from psserver.schedules import KINDS
-from psserver.security import add_client_flags, client_security
+from psserver.common.cli_support import EnvArgumentParser, ensure_malloc_tunables, run_cli, setup_logging
+from psserver.protocol.job import MODES, OPTIMIZERS, STALE_POLICIES, WIRE_DTYPES
+from psserver.protocol.schedules import KINDS
+from psserver.protocol.security import add_client_flags, client_security
 from trainer.data import DATASETS
 from trainer.loop import Interrupted, StopRequest, TrainConfig, finite_json, train
 from trainer.models import MODELS
@@ -130,7 +130,7 @@ TABLE_FLAGS = ("embedding_dim", "sparse_optimizer", "sparse_lr", "embedding_mode
 def add_table_flags(p: EnvArgumentParser) -> None:
     """The embedding tables of --dataset movielens100k (trainer.embedding), shared by ps-trainer and ps-cluster.
     Defaults are None so that only flags given are passed on (and refused with an image dataset)."""
-    from psserver.sparse.optim import SPARSE_OPTIMIZERS
+    from psserver.protocol.rows.optim import SPARSE_OPTIMIZERS
 
     p.add_argument("--embedding-dim", type=int, default=None, help="movielens100k: width of the user/item rows (32)")
     p.add_argument("--sparse-optimizer", choices=SPARSE_OPTIMIZERS, default=None,

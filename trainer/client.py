@@ -26,13 +26,14 @@ import grpc
 import grpc.experimental
 import torch
 
-from psserver.codec import DEFAULT_CHUNK_BYTES, ChunkReader, encode_raw, encode_topk_raw, wire_tensor
-from psserver.fastwire import parse_chunk, serialize_chunk
-from psserver.job import WIRE_DTYPES, JobSpec
-from psserver.proto import ps_pb2 as _pb
-from psserver.proto import ps_pb2_grpc as _grpc
-from psserver.security import ClientSecurity, parse_addresses  # noqa: F401 (re-exported for trainers)
-from psserver.errors import VERSION_METADATA_KEY
+from psserver.protocol.codec import DEFAULT_CHUNK_BYTES, ChunkReader, encode_raw, encode_topk_raw, wire_tensor
+from psserver.protocol.errors import VERSION_METADATA_KEY
+from psserver.protocol.fastwire import parse_chunk, serialize_chunk
+from psserver.protocol.job import WIRE_DTYPES, JobSpec
+from psserver.protocol.proto import ps_pb2 as _pb
+from psserver.protocol.proto import ps_pb2_grpc as _grpc
+from psserver.protocol.security import ClientSecurity, parse_addresses  # noqa: F401 (re-exported for trainers)
+from psserver.protocol.stubs import method
 from trainer.compress import TopK, parse_compress
 
 log = logging.getLogger(__name__)
@@ -151,16 +152,15 @@ class ShardClient:
             ],
         )
         self.stub = _grpc.ParameterServerStub(self.channel)
-        # Chunk streams bypass the generated classes (psserver.fastwire: same bytes, fewer copies).
-        method = "/psgrpc.v1.ParameterServer/"
-        self._init = self.channel.stream_unary(method + "Init", serialize_chunk, _pb.InitReply.FromString)
-        self._push = self.channel.stream_unary(method + "Push", serialize_chunk, _pb.PushReply.FromString)
+        # Chunk streams bypass the generated classes (psserver.protocol.fastwire: same bytes, fewer copies).
+        self._init = self.channel.stream_unary(method("Init"), serialize_chunk, _pb.InitReply.FromString)
+        self._push = self.channel.stream_unary(method("Push"), serialize_chunk, _pb.PushReply.FromString)
         # A one-chunk push sent as a unary call on the same method: the bytes on the wire are those of a
         # client stream with one message, but gRPC Python starts no request-consuming thread for it.
-        self._push_one = self.channel.unary_unary(method + "Push", serialize_chunk, _pb.PushReply.FromString)
-        self._pull = self.channel.unary_stream(method + "Pull", _pb.PullRequest.SerializeToString, parse_chunk)
-        self._push_pull = self.channel.stream_stream(method + "PushPull", serialize_chunk, parse_chunk)
-        self._push_pull_one = self.channel.unary_stream(method + "PushPull", serialize_chunk, parse_chunk)
+        self._push_one = self.channel.unary_unary(method("Push"), serialize_chunk, _pb.PushReply.FromString)
+        self._pull = self.channel.unary_stream(method("Pull"), _pb.PullRequest.SerializeToString, parse_chunk)
+        self._push_pull = self.channel.stream_stream(method("PushPull"), serialize_chunk, parse_chunk)
+        self._push_pull_one = self.channel.unary_stream(method("PushPull"), serialize_chunk, parse_chunk)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:

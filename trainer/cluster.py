@@ -22,18 +22,23 @@ from pathlib import Path
 
 import grpc
 
-from psserver.cli_support import EnvArgumentParser, run_cli, setup_logging
-from psserver.job import MODES, OPTIMIZERS, STALE_POLICIES
-from psserver.admin import fetch_stat
-from psserver.proto import ps_pb2 as _pb
+from psserver.common.cli_support import EnvArgumentParser, run_cli, setup_logging
+from psserver.protocol.job import MODES, OPTIMIZERS, STALE_POLICIES
+from psserver.protocol.proto import ps_pb2 as _pb
+from psserver.protocol.stubs import fetch_stat
 from trainer.cli import (
-    add_compress_flag, add_partition_flags, add_schedule_flags, add_table_flags, schedule_argv, table_argv,
+    add_compress_flag,
+    add_partition_flags,
+    add_schedule_flags,
+    add_table_flags,
+    schedule_argv,
+    table_argv,
 )
 from trainer.data import DATASETS
 from trainer.models import MODELS
+from trainer.procs import Proc, start_shard, start_trainer
 from trainer.recmodels import REC_MODELS
 from trainer.rectrain import REC_BATCH, REC_DATASETS
-from trainer.procs import Proc, start_shard, start_trainer
 
 log = logging.getLogger("ps-cluster")
 
@@ -217,7 +222,8 @@ def print_summary(s: dict) -> None:
 
 def check_trainer_flags(args, run: Path) -> None:
     """Every trainer's flags validated as ps-trainer will, before any process starts (one-line error)."""
-    from trainer.cli import build_parser as trainer_parser, config_from_args
+    from trainer.cli import build_parser as trainer_parser
+    from trainer.cli import config_from_args
 
     placeholder = ",".join(f"{args.host}:1" for _ in range(args.shards))
     for rank in range(args.trainers):

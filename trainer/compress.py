@@ -6,7 +6,7 @@ A push adds the new gradient to it, sends the k entries of largest magnitude
 exactly what was not sent: the sent entries are subtracted as they went on the
 wire (after rounding to the wire dtype), so nothing is lost, only delayed
 (Stich et al. 2018, Lin et al. 2018).  The shard scatters the pairs into zeros
-and averages them like any gradient (psserver.codec.TopKAssembler).
+and averages them like any gradient (psserver.protocol.codec.TopKAssembler).
 
 ``topk:RATIO,warmup=STEPS`` sends each shard's first STEPS pushes dense (a
 remedy for the accuracy cost early in training; see the README's numbers).
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from psserver.codec import TORCH_DTYPES, index_dtype
+from psserver.protocol.codec import TORCH_DTYPES, index_dtype
 
 FORMAT_HINT = "give topk:RATIO[,warmup=STEPS] with 0 < RATIO <= 1 (e.g. topk:0.01), or none"
 

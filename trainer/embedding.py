@@ -25,9 +25,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from psserver.sparse.init import Initializer
-from psserver.sparse.optim import SparseOptimizerConfig
-from psserver.sparse.table import RowStore, TableSpec
+from psserver.protocol.rows.init import Initializer
+from psserver.protocol.rows.optim import SparseOptimizerConfig
+from psserver.protocol.rows.table import RowStore, TableSpec
 
 BAG_MODES = ("sum", "mean")
 

@@ -51,18 +51,18 @@ import grpc
 import grpc.aio
 import numpy as np
 
-from psserver.cli_support import EnvArgumentParser, run_cli, setup_logging
-from psserver.codec import DEFAULT_CHUNK_BYTES, encode_raw
-from psserver.fastwire import parse_chunk, serialize_chunk
-from psserver.job import MODES, JobSpec, OptimizerConfig
-from psserver.layout import Layout
-from psserver.logsafe import counted
-from psserver.proto import ps_pb2 as _pb
-from psserver.security import read_token
+from psserver.common.cli_support import EnvArgumentParser, run_cli, setup_logging
+from psserver.common.logsafe import counted
+from psserver.protocol.codec import DEFAULT_CHUNK_BYTES, encode_raw
+from psserver.protocol.fastwire import parse_chunk, serialize_chunk
+from psserver.protocol.job import MODES, JobSpec, OptimizerConfig
+from psserver.protocol.layout import Layout
+from psserver.protocol.proto import ps_pb2 as _pb
+from psserver.protocol.security import read_token
+from psserver.protocol.stubs import method
 
 log = logging.getLogger("ps-loadgen")
 
-METHOD = "/psgrpc.v1.ParameterServer/"
 # One TCP connection per channel: a simulated trainer must cost the shard what a real one does.
 CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", 64 << 20),
                    ("grpc.max_send_message_length", 64 << 20)]
@@ -176,12 +176,12 @@ class _SimTrainer:
         self.trainer_id = f"{job.job_id}-r{rank}"
         self.channel = grpc.aio.insecure_channel(job.address, options=CHANNEL_OPTIONS)
         ch = self.channel
-        self._register = ch.unary_unary(METHOD + "Register", _pb.RegisterRequest.SerializeToString,
+        self._register = ch.unary_unary(method("Register"), _pb.RegisterRequest.SerializeToString,
                                         _pb.RegisterReply.FromString)
-        self._init = ch.stream_unary(METHOD + "Init", serialize_chunk, _pb.InitReply.FromString)
-        self._push_pull_one = ch.unary_stream(METHOD + "PushPull", serialize_chunk, parse_chunk)
-        self._push_pull = ch.stream_stream(METHOD + "PushPull", serialize_chunk, parse_chunk)
-        self._leave = ch.unary_unary(METHOD + "Leave", _pb.LeaveRequest.SerializeToString, _pb.LeaveReply.FromString)
+        self._init = ch.stream_unary(method("Init"), serialize_chunk, _pb.InitReply.FromString)
+        self._push_pull_one = ch.unary_stream(method("PushPull"), serialize_chunk, parse_chunk)
+        self._push_pull = ch.stream_stream(method("PushPull"), serialize_chunk, parse_chunk)
+        self._leave = ch.unary_unary(method("Leave"), _pb.LeaveRequest.SerializeToString, _pb.LeaveReply.FromString)
         self.metadata = (("authorization", f"Bearer {cfg.token}"),) if cfg.token else None
         rng = np.random.default_rng(cfg.seed * 1_000_003 + rank)
         self.grad = (rng.standard_normal(cfg.params, dtype=np.float32) * 1e-3).astype("<f4").tobytes()
@@ -338,7 +338,7 @@ async def _stall_streams(address: str, streams: int, connections: int, cells) ->
         yield b""
 
     channels = [grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) for _ in range(connections)]
-    pushes = [ch.stream_unary(METHOD + "Push", serialize_chunk, _pb.PushReply.FromString) for ch in channels]
+    pushes = [ch.stream_unary(method("Push"), serialize_chunk, _pb.PushReply.FromString) for ch in channels]
     calls = [pushes[i % connections](silent()) for i in range(streams)]
 
     async def hold(call) -> str:
@@ -651,7 +651,7 @@ def _shard_stats(address: str, token: str) -> dict:
     md = (("authorization", f"Bearer {token}"),) if token else None
     try:
         with grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
-            get = ch.unary_unary(METHOD + "GetStats", _pb.StatsRequest.SerializeToString, _pb.StatsReply.FromString)
+            get = ch.unary_unary(method("GetStats"), _pb.StatsRequest.SerializeToString, _pb.StatsReply.FromString)
             s = get(_pb.StatsRequest(), timeout=10, metadata=md)
     except grpc.RpcError as e:
         return dict(error=f"{e.code().name}: {e.details()}")

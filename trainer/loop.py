@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from psserver.job import MODES, JobSpec, OptimizerConfig
-from psserver.schedules import LrSchedule
-from psserver.sparse.optim import SparseOptimizerConfig
-from psserver.security import parse_addresses
-from psserver.tboard import ScalarLog
+from psserver.common.tboard import ScalarLog
+from psserver.protocol.job import MODES, JobSpec, OptimizerConfig
+from psserver.protocol.rows.optim import SparseOptimizerConfig
+from psserver.protocol.schedules import LrSchedule
+from psserver.protocol.security import parse_addresses
 from trainer.api import connect
 from trainer.clipping import check_max_norm
 from trainer.compress import parse_compress
@@ -77,9 +77,9 @@ class TrainConfig:
     overlap: bool = False  # async: pull the next weights while computing
     push_during_backward: bool = False  # push each shard's slice as soon as backward has produced it
     backend: str = "ps"  # "ps"; or the ps-bench baselines "ddp" (gloo), "ddp-nccl" (--ps: the master), "local"
-    security: object = None  # psserver.security.ClientSecurity; None: plaintext, no token
+    security: object = None  # psserver.protocol.security.ClientSecurity; None: plaintext, no token
     job_id: str = ""  # names this run of the job; every trainer of it passes the same
-    # The learning-rate schedule the shards apply by version (psserver.schedules; async: a version per push).
+    # The learning-rate schedule the shards apply by version (psserver.protocol.schedules; async: a version per push).
     lr_schedule: str = "constant"  # constant | step | cosine
     warmup_steps: int = 0  # linear warm-up over the first versions (0: none)
     warmup_start_factor: float = 0.1  # the warm-up starts at lr * this
@@ -93,7 +93,7 @@ class TrainConfig:
     pipeline: bool = False  # the exchange runs behind the next forward, each layer waiting for its partitions
     # Recommender datasets (movielens100k): the tables of --model mf / ncf live on the shards (trainer.embedding).
     embedding_dim: int | None = None  # None: 32
-    sparse_optimizer: str | None = None  # the tables' per-row optimizer (psserver.sparse.optim); None: adam
+    sparse_optimizer: str | None = None  # the tables' per-row optimizer (psserver.protocol.rows.optim); None: adam
     sparse_lr: float | None = None  # None: 0.01
     embedding_mode: str = ""  # "": the tables follow --mode; "async": async tables next to sync dense layers
     admit_after: int = 0  # a row is stored once its id was seen more than this many times
@@ -210,7 +210,7 @@ def rec_table_specs(cfg: TrainConfig) -> tuple:
     """Stand-ins for the job's tables, so their settings are checked with the job's rules before anything starts."""
     if not cfg.recommender:
         return ()
-    from psserver.sparse.table import TableSpec
+    from psserver.protocol.rows.table import TableSpec
 
     return (TableSpec(name="check", dim=cfg.embedding_dim or 32, optimizer=cfg.sparse_optimizer_config(),
                       admit_after=cfg.admit_after, max_rows=cfg.max_rows, mode=cfg.embedding_mode),)

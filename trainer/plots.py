@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from psserver.cli_support import EnvArgumentParser, run_cli
-from psserver.logsafe import counted
+from psserver.common.cli_support import EnvArgumentParser, run_cli
+from psserver.common.logsafe import counted
 
 
 def read_trainer_file(path: Path) -> list[dict] | None:

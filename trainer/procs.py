@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from psserver.cli_support import MALLOC_TUNABLES
+from psserver.common.cli_support import MALLOC_TUNABLES
 
 
 @dataclass

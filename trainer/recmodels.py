@@ -16,8 +16,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from psserver.sparse.init import Initializer
-from psserver.sparse.optim import SparseOptimizerConfig
+from psserver.protocol.rows.init import Initializer
+from psserver.protocol.rows.optim import SparseOptimizerConfig
 
 REC_MODELS = ("mf", "ncf")
 EMBED_STD = 0.1  # small initial rows: N(0, 1) rows make the first dot products swamp the 1..5 ratings

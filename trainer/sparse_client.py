@@ -43,17 +43,17 @@ import grpc
 import numpy as np
 import torch
 
-from psserver.codec import DEFAULT_CHUNK_BYTES
-from psserver.errors import VERSION_METADATA_KEY
-from psserver.job import JobSpec, table_mode
-from psserver.proto import ps_pb2 as _pb
-from psserver.sparse.placement import shard_of
-from psserver.sparse.table import TableSpec
-from psserver.sparse.wire import row_chunks
+from psserver.protocol.codec import DEFAULT_CHUNK_BYTES
+from psserver.protocol.errors import VERSION_METADATA_KEY
+from psserver.protocol.job import JobSpec, table_mode
+from psserver.protocol.proto import ps_pb2 as _pb
+from psserver.protocol.rows.placement import shard_of
+from psserver.protocol.rows.table import TableSpec
+from psserver.protocol.rows.wire import row_chunks
+from psserver.protocol.stubs import method
 from trainer.client import PUSH_RETRYABLE, RESTART_CODES, ShardCallsFailed, ShardClient, ShardedClient
 
 log = logging.getLogger(__name__)
-_METHOD = "/psgrpc.v1.ParameterServer/"
 
 
 class RowsCallFailed(ShardCallsFailed):
@@ -115,9 +115,9 @@ class ShardedRows:
         # again and call resync().  None: the error is raised (nothing here can register).
         self.on_restart = None
         self._lock = threading.Lock()
-        self._pull = [s.channel.unary_stream(_METHOD + "PullRows", _pb.PullRowsRequest.SerializeToString,
+        self._pull = [s.channel.unary_stream(method("PullRows"), _pb.PullRowsRequest.SerializeToString,
                                              _pb.RowsChunk.FromString) for s in sharded_client.shards]
-        self._push = [s.channel.stream_unary(_METHOD + "PushRows", _pb.RowsChunk.SerializeToString,
+        self._push = [s.channel.stream_unary(method("PushRows"), _pb.RowsChunk.SerializeToString,
                                              _pb.PushRowsReply.FromString) for s in sharded_client.shards]
 
     def _count(self, **amounts: int) -> None:

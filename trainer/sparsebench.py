@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from psserver.sparse.optim import SparseOptimizerConfig, state_width
-from psserver.sparse.table import RowStore, TableSpec
+from psserver.protocol.rows.optim import SparseOptimizerConfig, state_width
+from psserver.protocol.rows.table import RowStore, TableSpec
 from trainer.recdata import zipf_ranks
 
 ID_SPACE = 10**9
@@ -132,7 +132,7 @@ def single_process_rate(log, steps: int, batch: int, dim: int, lr: float) -> dic
 def sharded_rate(log, steps: int, batch: int, dim: int, lr: float, shards: int, run_dir) -> dict:
     """The same model with its bag on ``shards`` ps-server processes (row-wise exchange, Adagrad on
     the shards), one trainer in this process; bytes per step from the row client's counters."""
-    from psserver.sparse.optim import SparseOptimizerConfig
+    from psserver.protocol.rows.optim import SparseOptimizerConfig
     from trainer.api import connect
     from trainer.procs import start_shard
     from trainer.recmodels import ClickModel, sharded_factories
@@ -158,7 +158,7 @@ def shard_table_memory(run_dir, max_rows: int = 1_000_000, dim: int = 32, batche
                        batch: int = 16384, a: float = 1.05, samples: int = 10, seed: int = 0) -> dict:
     """The Zipf stream of ``table_memory`` through a ps-server process (one trainer here, sync, Adagrad
     on the shard): the shard's RSS growth and its table's own accounting, sampled along the stream."""
-    from psserver.sparse.init import Initializer
+    from psserver.protocol.rows.init import Initializer
     from trainer.api import connect
     from trainer.embedding import ShardedEmbedding
     from trainer.procs import start_shard

@@ -1,7 +1,5 @@
-"""Sparse embedding tables on the shards (issue 12): the network-free core.
+"""Sparse embedding tables served on a shard (``serving``: a job's tables, their rounds and pulls).
 
-``placement`` says which shard holds an id, ``init`` creates a row from (seed, id)
-alone, ``optim`` holds the per-row optimizers, ``admission`` counts ids not yet
-stored, and ``table`` keeps the live rows of one table on one shard.  Nothing here
-touches gRPC; the servicer maps ``errors`` to status codes like every other refusal.
+The network-free row core (placement, init, row optimizers, the row store) is part of the contract, in
+``psserver.protocol.rows``: trainers use it too.
 """

@@ -33,12 +33,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from psserver import limits, modes
-from psserver.errors import FutureVersion, InvalidRequest, StaleGradient
-from psserver.job import JobSpec, table_mode
-from psserver.sparse import errors
-from psserver.sparse.placement import shard_of
-from psserver.sparse.table import RowStore, TableSpec, all_finite, strictly_increasing
+from psserver import modes
+from psserver.protocol import limits
+from psserver.protocol.errors import FutureVersion, InvalidRequest, StaleGradient
+from psserver.protocol.job import JobSpec, table_mode
+from psserver.protocol.rows import errors
+from psserver.protocol.rows.placement import shard_of
+from psserver.protocol.rows.table import RowStore, TableSpec, all_finite, strictly_increasing
 
 # Counters of a table, as GetStats names them: ``table.<name>.<counter>``.
 STAT_KEYS = ("version", "live_rows", "rows_created", "zero_reads", "dropped_grads", "evicted_lru",

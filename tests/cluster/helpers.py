@@ -6,8 +6,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from psserver.admin import fetch_stat
-from psserver.proto import ps_pb2 as pb
+from psserver.protocol.proto import ps_pb2 as pb
+from psserver.protocol.stubs import fetch_stat
 from trainer.procs import Proc, start_shard, start_trainer, wait_all
 
 

@@ -14,13 +14,13 @@ import grpc
 import pytest
 import torch
 
-from psserver.proto import ps_pb2 as pb
-from psserver.proto import ps_pb2_grpc as pb_grpc
+from psserver.protocol.proto import ps_pb2 as pb
+from psserver.protocol.proto import ps_pb2_grpc as pb_grpc
+from psserver.protocol.rows.init import Initializer
+from psserver.protocol.rows.optim import SparseOptimizerConfig
+from psserver.protocol.rows.placement import shard_of
+from psserver.protocol.stubs import fetch_stat as stats
 from tests.cluster.faultproxy import FaultProxy
-from psserver.admin import fetch_stat as stats
-from psserver.sparse.init import Initializer
-from psserver.sparse.optim import SparseOptimizerConfig
-from psserver.sparse.placement import shard_of
 from trainer import connect
 from trainer.client import ShardedClient
 from trainer.embedding import ShardedEmbeddingBag

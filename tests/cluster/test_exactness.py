@@ -46,11 +46,11 @@ def replica_adam_run(lr: float) -> dict:
 
     Each trainer (``--threads 1``) takes the mean cross-entropy gradient of its
     half batch (trainer/loop.py); each shard owns the flat slice
-    [P*i//M, P*(i+1)//M) (psserver/layout.py), sums the trainers' slices
+    [P*i//M, P*(i+1)//M) (psserver/protocol/layout.py), sums the trainers' slices
     weighted by num_samples -- ``acc = g0 * b``, then ``acc = acc + b * g1``
     (commutative, so arrival order does not matter) -- divides by the total
     weight and steps torch.optim.Adam(fused=True) on that one flat tensor
-    (psserver/shard.py ``_accumulate``/``_close_round``, psserver/optim.py).
+    (psserver/shard.py ``_accumulate``/``_close_round``, psserver/protocol/optim.py).
 
     The slices matter at the last bit: the fused CPU kernel handles the last
     ``numel % vector width`` elements of a tensor in a scalar loop whose rounding

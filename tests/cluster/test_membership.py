@@ -4,7 +4,7 @@ import json
 import re
 import time
 
-from psserver.admin import fetch_stat as stats
+from psserver.protocol.stubs import fetch_stat as stats
 from trainer.procs import start_shard, start_trainer
 
 LEASE = 2.0

@@ -82,7 +82,7 @@ def test_stale_timeout_with_a_straggler_closes_rounds_at_the_timeout_and_counts_
 
 
 def test_trainer_with_a_different_job_is_refused_naming_the_difference(tmp_path):
-    from psserver.admin import fetch_stat
+    from psserver.protocol.stubs import fetch_stat
     from tests.cluster.test_membership import wait_until
     from trainer.procs import start_shard, start_trainer
 
@@ -108,7 +108,7 @@ def test_trainer_with_a_different_job_is_refused_naming_the_difference(tmp_path)
 def test_a_second_job_on_finished_shards_starts_fresh_and_waits_for_all_its_trainers(tmp_path):
     """Running the same command again on shards whose job ended is a new job: rank 1 alone cannot train on
     the old weights; it waits for rank 0 (its Init) and both count versions from 0."""
-    from psserver.admin import fetch_stat
+    from psserver.protocol.stubs import fetch_stat
     from trainer.procs import start_shard, start_trainer, wait_all
 
     shard = start_shard(0, tmp_path / "shard0.log")

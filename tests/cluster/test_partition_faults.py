@@ -29,9 +29,9 @@ import pytest
 import torch
 
 from psserver.checkpoint import list_checkpoints, load_newest
-from psserver.job import JobSpec
-from psserver.proto import ps_pb2 as pb
-from psserver.proto import ps_pb2_grpc as pb_grpc
+from psserver.protocol.job import JobSpec
+from psserver.protocol.proto import ps_pb2 as pb
+from psserver.protocol.proto import ps_pb2_grpc as pb_grpc
 from tests.cluster.faultproxy import FaultProxy
 from tests.cluster.test_membership import wait_until
 from tests.integration.switchproxy import SwitchProxy

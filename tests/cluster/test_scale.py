@@ -18,7 +18,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from psserver.admin import fetch_stat
+from psserver.protocol.stubs import fetch_stat
 from trainer.api import connect
 from trainer.procs import start_shard
 

@@ -12,7 +12,8 @@ import torch
 from torch.nn import functional as F
 from torch.optim import lr_scheduler as L
 
-from psserver.admin import fetch_stat, format_stats
+from psserver.admin import format_stats
+from psserver.protocol.stubs import fetch_stat
 from trainer.data import epoch_order, load_dataset, local_batch_indices
 from trainer.models import build_model
 

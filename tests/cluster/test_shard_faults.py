@@ -9,10 +9,10 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from psserver.checkpoint import Checkpointer
-from psserver.admin import fetch_stat as stats
-from psserver.proto import ps_pb2 as pb
-from tests.conftest import P, RawShard, make_spec
+from psserver.protocol.proto import ps_pb2 as pb
+from psserver.protocol.stubs import fetch_stat as stats
 from tests.cluster.test_membership import last_step, wait_until
+from tests.conftest import P, RawShard, make_spec
 from trainer.procs import start_shard, start_trainer, wait_all
 
 EVERY = 10

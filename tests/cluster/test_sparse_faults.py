@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from psserver.admin import fetch_stat as stats
+from psserver.protocol.stubs import fetch_stat as stats
 from tests.cluster.test_membership import last_step, wait_until
 from tests.cluster.test_movielens import MEAN_ONLY_RMSE
 from trainer.procs import start_shard, start_trainer, wait_all

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from psserver.admin import fetch_stat
+from psserver.protocol.stubs import fetch_stat
 from trainer.procs import Proc, start_shard, start_trainer
 
 pytestmark = pytest.mark.cluster

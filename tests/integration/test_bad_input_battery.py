@@ -10,9 +10,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from psserver.codec import encode, wire_tensor
-from psserver.limits import MAX_ID_CHARS, MAX_TOTAL_PARAMS, MAX_TRAINERS
-from psserver.proto import ps_pb2 as pb
+from psserver.protocol.codec import encode, wire_tensor
+from psserver.protocol.limits import MAX_ID_CHARS, MAX_TOTAL_PARAMS, MAX_TRAINERS
+from psserver.protocol.proto import ps_pb2 as pb
 from psserver.server import ServerConfig, ShardServer
 from psserver.service import ServiceLimits
 from tests.conftest import P, RawShard, make_spec

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.nn import functional as F
 
-from psserver.codec import encode, encode_topk_raw, wire_tensor
-from psserver.proto import ps_pb2 as pb
+from psserver.protocol.codec import encode, encode_topk_raw, wire_tensor
+from psserver.protocol.proto import ps_pb2 as pb
 from psserver.server import ServerConfig, ShardServer
 from psserver.service import ServiceLimits
 from tests.conftest import P, RawShard, make_spec

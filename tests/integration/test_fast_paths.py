@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from psserver.codec import ChunkReader, encode, wire_tensor
-from psserver.proto import ps_pb2 as pb
+from psserver.protocol.codec import ChunkReader, encode, wire_tensor
+from psserver.protocol.proto import ps_pb2 as pb
 from trainer import connect
 
 

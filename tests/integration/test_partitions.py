@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from psserver.proto import ps_pb2 as pb
+from psserver.protocol.proto import ps_pb2 as pb
 from tests.conftest import make_spec
 from trainer import connect
 
@@ -37,7 +37,7 @@ class Net(torch.nn.Module):
 
 
 class Tiny(torch.nn.Module):
-    """514 parameters: two slices of 257 = one 256-element unit (psserver.layout.PARTITION_ALIGN) and one
+    """514 parameters: two slices of 257 = one 256-element unit (psserver.protocol.layout.PARTITION_ALIGN) and one
     element, so three partitions a shard are one empty, one of 256 elements and one of a single element."""
 
     def __init__(self):
@@ -156,7 +156,7 @@ def test_a_call_naming_a_partition_the_shard_lacks_is_refused_and_changes_nothin
     raw.register(spec=spec)
     halves = [raw.stub.Register(pb.RegisterRequest(rank=0, trainer_id="t0", job=spec.to_proto(), partition=k),
                                 timeout=10) for k in range(2)]
-    sizes = [512, 488]  # two and a partial 256-element unit (psserver.layout.PARTITION_ALIGN)
+    sizes = [512, 488]  # two and a partial 256-element unit (psserver.protocol.layout.PARTITION_ALIGN)
     assert [(h.start, h.end) for h in halves] == [(0, 512), (512, 1000)]
     for k in range(2):
         h = raw.header(n=sizes[k])

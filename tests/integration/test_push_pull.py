@@ -4,7 +4,7 @@ import grpc
 import pytest
 import torch
 
-from psserver.proto import ps_pb2 as pb
+from psserver.protocol.proto import ps_pb2 as pb
 from tests.conftest import P, make_spec
 from tests.integration.test_refusals import refused
 

@@ -6,8 +6,8 @@ import grpc
 import pytest
 import torch
 
-from psserver.job import OptimizerConfig
-from psserver.proto import ps_pb2 as pb
+from psserver.protocol.job import OptimizerConfig
+from psserver.protocol.proto import ps_pb2 as pb
 from psserver.service import ServiceLimits
 from tests.conftest import P, make_spec
 
@@ -61,7 +61,7 @@ CASES = {
 
 
 def _chunks(s):
-    from psserver.codec import encode, wire_tensor
+    from psserver.protocol.codec import encode, wire_tensor
 
     return list(encode(wire_tensor(torch.ones(P), pb.FLOAT32), s.header(version=1), 1024))
 

@@ -6,8 +6,8 @@ import grpc
 import pytest
 import torch
 
-from psserver.proto import ps_pb2 as pb
-from psserver.schedules import LrSchedule, lr_at
+from psserver.protocol.proto import ps_pb2 as pb
+from psserver.protocol.schedules import LrSchedule, lr_at
 from tests.conftest import P, make_spec
 
 SCHEDULE = LrSchedule(kind="cosine", cosine_steps=10, min_lr=0.05, warmup_steps=2)

@@ -7,11 +7,11 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from psserver.proto import ps_pb2 as pb
-from psserver.proto import ps_pb2_grpc as pb_grpc
-from psserver.security import ClientSecurity, ServerSecurity
-from psserver.service import ServiceLimits
+from psserver.protocol.proto import ps_pb2 as pb
+from psserver.protocol.proto import ps_pb2_grpc as pb_grpc
+from psserver.protocol.security import ClientSecurity, ServerSecurity
 from psserver.server import ServerConfig, ShardServer
+from psserver.service import ServiceLimits
 from tests.conftest import make_spec
 
 trustme = pytest.importorskip("trustme")

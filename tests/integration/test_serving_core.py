@@ -30,18 +30,18 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from psserver.codec import encode, wire_tensor
-from psserver.job import OptimizerConfig
-from psserver.limits import MAX_ID_CHARS, MAX_SEQUENCE, MAX_SYNC_TIMEOUT, MAX_TRAINERS, MIN_CHUNK_BYTES
-from psserver.proto import ps_pb2 as pb
-from psserver.proto import ps_pb2_grpc as pb_grpc
+from psserver.protocol import stubs
+from psserver.protocol.codec import encode, wire_tensor
+from psserver.protocol.job import OptimizerConfig
+from psserver.protocol.limits import MAX_ID_CHARS, MAX_SEQUENCE, MAX_SYNC_TIMEOUT, MAX_TRAINERS, MIN_CHUNK_BYTES
+from psserver.protocol.proto import ps_pb2 as pb
+from psserver.protocol.proto import ps_pb2_grpc as pb_grpc
 from psserver.server import ServerConfig, ShardServer
 from psserver.service import ServiceLimits
 from tests.conftest import P, make_spec
 
 C = grpc.StatusCode
 FP = "f" * 16
-METHOD = "/psgrpc.v1.ParameterServer/"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -522,7 +522,7 @@ def test_undecodable_bytes_are_invalid_argument_never_internal(shard_server, met
     kind, fragment = UNDECODABLE[method]
     shard, initial = initialised(shard_server)
     before = shard.digest()
-    raw = getattr(shard.channel, kind)(METHOD + method, request_serializer=lambda b: b,
+    raw = getattr(shard.channel, kind)(stubs.method(method), request_serializer=lambda b: b,
                                        response_deserializer=lambda b: b)
     call = {
         "unary_unary": lambda: raw(GARBAGE, timeout=10),

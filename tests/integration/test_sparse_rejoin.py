@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from psserver.admin import fetch_stat as stats
+from psserver.protocol.stubs import fetch_stat as stats
 from tests.cluster.test_membership import wait_until
 from trainer import connect
 from trainer.embedding import ShardedEmbedding

@@ -6,13 +6,13 @@ import grpc
 import pytest
 import torch
 
-from psserver import limits
-from psserver.proto import ps_pb2 as pb
-from psserver.sparse.init import init_rows
-from psserver.sparse.optim import SparseOptimizerConfig
-from psserver.sparse.placement import shard_of
-from psserver.sparse.table import RowStore, TableSpec
-from psserver.sparse.wire import row_chunks
+from psserver.protocol import limits
+from psserver.protocol.proto import ps_pb2 as pb
+from psserver.protocol.rows.init import init_rows
+from psserver.protocol.rows.optim import SparseOptimizerConfig
+from psserver.protocol.rows.placement import shard_of
+from psserver.protocol.rows.table import RowStore, TableSpec
+from psserver.protocol.rows.wire import row_chunks
 from tests.conftest import make_spec
 from tests.integration.test_refusals import refused
 from trainer.client import RetryPolicy, ShardedClient

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import torch
 
-from psserver.proto import ps_pb2 as pb
+from psserver.protocol.proto import ps_pb2 as pb
 from tests.cluster.test_membership import wait_until
 from tests.conftest import P, RawShard
 from tests.integration.test_sparse_rpc import job, pull_rows, push_rows, rows_chunks

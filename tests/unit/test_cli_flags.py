@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from psserver.cli import build_parser as server_parser
-from psserver.cli_support import EnvArgumentParser
+from psserver.common.cli_support import EnvArgumentParser
 from trainer import cluster
 from trainer.cli import build_parser as trainer_parser
 from trainer.cli import config_from_args

@@ -5,9 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from psserver.codec import ChunkReader, encode, wire_tensor
-from psserver.errors import InvalidRequest, TooLarge
-from psserver.proto import ps_pb2 as pb
+from psserver.protocol.codec import ChunkReader, encode, wire_tensor
+from psserver.protocol.errors import InvalidRequest, TooLarge
+from psserver.protocol.proto import ps_pb2 as pb
 
 BIG = 1 << 40
 

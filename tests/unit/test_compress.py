@@ -1,4 +1,4 @@
-"""Top-k with error feedback (trainer.compress) and the top-k wire format (psserver.codec), without network."""
+"""Top-k with error feedback (trainer.compress) and the top-k wire format (psserver.protocol.codec), without network."""
 
 import math
 from collections import Counter
@@ -6,11 +6,16 @@ from collections import Counter
 import pytest
 import torch
 
-from psserver.codec import (
-    INT32_INDEX_LIMIT, ChunkAssembler, TopKAssembler, check_stream_header, encode_topk_raw, index_dtype,
+from psserver.protocol.codec import (
+    INT32_INDEX_LIMIT,
+    ChunkAssembler,
+    TopKAssembler,
+    check_stream_header,
+    encode_topk_raw,
+    index_dtype,
 )
-from psserver.errors import InvalidRequest, TooLarge
-from psserver.proto import ps_pb2 as pb
+from psserver.protocol.errors import InvalidRequest, TooLarge
+from psserver.protocol.proto import ps_pb2 as pb
 from trainer.client import ShardClient
 from trainer.compress import CompressSpec, TopK, parse_compress
 

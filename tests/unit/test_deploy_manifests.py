@@ -73,7 +73,7 @@ def test_kubernetes_shards_and_trainers_agree():
 def flag_variables(prog: str) -> set[str]:
     """The environment variables a CLI reads: one per flag, named after the CLI."""
     from psserver.cli import build_parser as server_parser
-    from psserver.cli_support import env_prefix
+    from psserver.common.cli_support import env_prefix
     from trainer.cli import build_parser as trainer_parser
 
     parser = {"ps-server": server_parser, "ps-trainer": trainer_parser}[prog]()

@@ -4,10 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from psserver.sparse.init import Initializer, init_rows
-from psserver.sparse.optim import SparseOptimizerConfig
-from trainer.embedding import LocalRows, ShardedEmbedding, ShardedEmbeddingBag, bind_local, flush_all, \
-    sharded_tables
+from psserver.protocol.rows.init import Initializer, init_rows
+from psserver.protocol.rows.optim import SparseOptimizerConfig
+from trainer.embedding import LocalRows, ShardedEmbedding, ShardedEmbeddingBag, bind_local, flush_all, sharded_tables
 from trainer.recmodels import MF, NCF, sharded_factories, split_parameters
 
 DIM = 4

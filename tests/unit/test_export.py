@@ -5,8 +5,8 @@ import torch
 
 from psserver.checkpoint import Checkpointer, ShardState
 from psserver.export import ExportError, assemble, export_main, load_states
-from psserver.job import JobSpec
-from psserver.layout import Layout
+from psserver.protocol.job import JobSpec
+from psserver.protocol.layout import Layout
 
 MODEL = {"fc.weight": torch.arange(12.0).reshape(3, 4), "fc.bias": torch.tensor([-1.0, -2.0, -3.0]),
          "out.weight": torch.arange(100.0, 106.0).reshape(2, 3)}
@@ -98,7 +98,7 @@ BIG = {"w": torch.arange(600.0).reshape(20, 30), "b": torch.arange(-7.0, 0.0)}  
 def write_partitioned(directory, num_shards=2, partitions=3, skip_partition=None):
     """Checkpoints of BIG as a partitioned job leaves them: partition 0 in ``directory``, partition k in
     ``directory/partition-k`` (psserver.host)."""
-    from psserver.layout import partition_range
+    from psserver.protocol.layout import partition_range
 
     layout, job, flat = job_of(BIG, num_shards, partitions=partitions)
     for i in range(num_shards):

@@ -1,10 +1,10 @@
-"""psserver.fastwire writes and reads exactly protobuf's bytes for Chunk, both ways."""
+"""psserver.protocol.fastwire writes and reads exactly protobuf's bytes for Chunk, both ways."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from psserver.fastwire import RawChunk, parse_chunk, serialize_chunk
-from psserver.proto import ps_pb2 as pb
+from psserver.protocol.fastwire import RawChunk, parse_chunk, serialize_chunk
+from psserver.protocol.proto import ps_pb2 as pb
 
 headers = st.one_of(st.none(), st.builds(
     pb.ChunkHeader, rank=st.integers(0, 2**32 - 1), trainer_id=st.text(max_size=20), fingerprint=st.text(max_size=16),

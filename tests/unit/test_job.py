@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from psserver import limits
-from psserver.job import JobSpec, OptimizerConfig
-from psserver.optim import build_optimizer
+from psserver.protocol import limits
+from psserver.protocol.job import JobSpec, OptimizerConfig
+from psserver.protocol.optim import build_optimizer
 
 BASE = JobSpec(mode="sync", num_trainers=2, num_shards=2, total_params=30, fingerprint="abc",
                optimizer=OptimizerConfig("sgd", lr=0.1, momentum=0.9),
@@ -208,16 +208,17 @@ def test_values_at_the_caps_are_accepted_and_cross_the_wire(change):
 
 # -- sparse tables in the job spec -------------------------------------------------------------
 def _tabled_job(*tables, **kw):
-    from psserver.job import JobSpec
+    from psserver.protocol.job import JobSpec
     return JobSpec(mode=kw.pop("mode", "sync"), num_trainers=2, num_shards=2, total_params=0, fingerprint="f",
                    tables=tables, **kw)
 
 
 def test_job_tables_survive_the_wire_and_a_changed_table_is_named():
     import dataclasses
-    from psserver.job import JobSpec
-    from psserver.sparse.optim import SparseOptimizerConfig
-    from psserver.sparse.table import TableSpec
+
+    from psserver.protocol.job import JobSpec
+    from psserver.protocol.rows.optim import SparseOptimizerConfig
+    from psserver.protocol.rows.table import TableSpec
     users = TableSpec("users", 8, optimizer=SparseOptimizerConfig("adam", lr=0.01), num_embeddings=943,
                       max_rows=1000, mode="async", max_staleness=3)
     items = TableSpec("items", 8, admit_after=2, evict_after=50)
@@ -230,7 +231,8 @@ def test_job_tables_survive_the_wire_and_a_changed_table_is_named():
 
 def test_job_refuses_two_tables_of_one_name_and_stale_timeout_tables_without_a_timeout():
     import pytest
-    from psserver.sparse.table import TableSpec
+
+    from psserver.protocol.rows.table import TableSpec
     with pytest.raises(ValueError, match="repeats the name 'users'"):
         _tabled_job(TableSpec("users", 4), TableSpec("users", 8))
     with pytest.raises(ValueError, match="needs a sync timeout"):

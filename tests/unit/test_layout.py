@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from psserver.layout import Layout, shard_range
+from psserver.protocol.layout import Layout, shard_range
 
 
 @given(total=st.integers(0, 10**7), shards=st.integers(1, 64))

@@ -2,9 +2,9 @@
 
 import pytest
 
-from psserver import limits
-from psserver.errors import InvalidRequest
-from psserver.limits import check_id, text_problem
+from psserver.protocol import limits
+from psserver.protocol.errors import InvalidRequest
+from psserver.protocol.limits import check_id, text_problem
 
 
 def test_the_caps_have_the_documented_values():

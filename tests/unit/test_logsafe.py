@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from psserver.logsafe import MIN_LIMIT, RateLimitedLog, counted, shorten
+from psserver.common.logsafe import MIN_LIMIT, RateLimitedLog, counted, shorten
 
 
 @pytest.mark.parametrize("value,shown", [

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from psserver.job import OptimizerConfig
-from psserver.layout import shard_range
-from psserver.optim import build_optimizer
+from psserver.protocol.job import OptimizerConfig
+from psserver.protocol.layout import shard_range
+from psserver.protocol.optim import build_optimizer
 
 CONFIGS = [
     OptimizerConfig("sgd", lr=0.1),
@@ -44,7 +44,7 @@ def test_flat_sharded_optimizer_matches_torch_optim(cfg, num_shards):
 
 
 def _torch_reference(cfg: OptimizerConfig, params):
-    """Written out against torch.optim directly, not through psserver.optim."""
+    """Written out against torch.optim directly, not through psserver.protocol.optim."""
     if cfg.name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, dampening=cfg.dampening,
                                nesterov=cfg.nesterov, weight_decay=cfg.weight_decay)

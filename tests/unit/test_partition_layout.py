@@ -2,8 +2,8 @@
 
 import pytest
 
-from psserver.job import JobSpec
-from psserver.layout import PARTITION_ALIGN, partition_range, partitions_for, shard_range
+from psserver.protocol.job import JobSpec
+from psserver.protocol.layout import PARTITION_ALIGN, partition_range, partitions_for, shard_range
 
 
 @pytest.mark.parametrize("total", [0, 1, 5, 255, 256, 257, 1000, 2252, 1 << 20, 11_689_512])

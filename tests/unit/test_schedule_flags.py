@@ -2,7 +2,7 @@
 
 import pytest
 
-from psserver.schedules import LrSchedule
+from psserver.protocol.schedules import LrSchedule
 from trainer import cli, cluster
 from trainer.loop import TrainConfig, lr_schedule
 

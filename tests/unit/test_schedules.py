@@ -8,10 +8,10 @@ import torch
 from torch.optim import lr_scheduler as L
 
 from psserver.checkpoint import Checkpointer
-from psserver.job import JobSpec, OptimizerConfig
-from psserver.limits import MAX_SCHEDULE_STEPS
-from psserver.proto import ps_pb2 as pb
-from psserver.schedules import LrSchedule, lr_at
+from psserver.protocol.job import JobSpec, OptimizerConfig
+from psserver.protocol.limits import MAX_SCHEDULE_STEPS
+from psserver.protocol.proto import ps_pb2 as pb
+from psserver.protocol.schedules import LrSchedule, lr_at
 from psserver.shard import Shard
 from tests.conftest import P, make_spec
 

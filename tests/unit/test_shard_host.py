@@ -6,8 +6,8 @@ import asyncio
 import pytest
 import torch
 
-from psserver.errors import InvalidRequest, JobMismatch, NotReady
 from psserver.host import ShardHost
+from psserver.protocol.errors import InvalidRequest, JobMismatch, NotReady
 from psserver.runtime import ReceiveBuffers
 from tests.conftest import P, make_spec
 from tests.unit.test_shard_leases import LEASE, Clock

@@ -2,7 +2,7 @@
 
 import torch
 
-from psserver.proto import ps_pb2 as pb
+from psserver.protocol.proto import ps_pb2 as pb
 from psserver.shard import Shard
 from psserver.snapshots import MAX_SPARE_BUFFERS
 from tests.conftest import P, make_spec

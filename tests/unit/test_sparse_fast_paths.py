@@ -4,14 +4,14 @@ ids just looked up, fresh slots, bulk index rebuilds) against the general paths 
 import pytest
 import torch
 
-from psserver.errors import InvalidRequest
-from psserver.job import JobSpec, OptimizerConfig
-from psserver.sparse import errors
-from psserver.sparse.index import IdIndex
-from psserver.sparse.init import Initializer, init_rows
-from psserver.sparse.optim import SparseOptimizerConfig, initial_state
+from psserver.protocol.errors import InvalidRequest
+from psserver.protocol.job import JobSpec, OptimizerConfig
+from psserver.protocol.rows import errors
+from psserver.protocol.rows.index import IdIndex
+from psserver.protocol.rows.init import Initializer, init_rows
+from psserver.protocol.rows.optim import SparseOptimizerConfig, initial_state
+from psserver.protocol.rows.table import RowStore, TableSpec, all_finite, strictly_increasing
 from psserver.sparse.serving import Membership, RowsPush, ServedTable, TableRound
-from psserver.sparse.table import RowStore, TableSpec, all_finite, strictly_increasing
 
 DIM = 4
 INIT = Initializer("normal", 0.1)

@@ -2,7 +2,7 @@
 
 import torch
 
-from psserver.sparse.index import IdIndex
+from psserver.protocol.rows.index import IdIndex
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 

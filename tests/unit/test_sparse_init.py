@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from psserver.sparse.init import Initializer, init_rows
-from psserver.sparse.placement import shard_of
+from psserver.protocol.rows.init import Initializer, init_rows
+from psserver.protocol.rows.placement import shard_of
 
 U64 = (1 << 64) - 1
 G = 0x9E3779B97F4A7C15

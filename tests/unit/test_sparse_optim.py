@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from psserver.sparse.init import Initializer, init_rows
-from psserver.sparse.optim import SparseOptimizerConfig, initial_state, update_rows
+from psserver.protocol.rows.init import Initializer, init_rows
+from psserver.protocol.rows.optim import SparseOptimizerConfig, initial_state, update_rows
 
 V, DIM, STEPS, BATCH = 40, 6, 60, 50
 # torch warns once that it skips sparse invariant checks; nothing here builds an invalid sparse tensor.

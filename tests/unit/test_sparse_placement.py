@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from psserver.sparse.placement import shard_of, stable_hash
+from psserver.protocol.rows.placement import shard_of, stable_hash
 
 U64 = (1 << 64) - 1
 

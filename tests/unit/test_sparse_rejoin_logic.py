@@ -8,7 +8,7 @@ import grpc
 import pytest
 import torch
 
-from psserver.errors import FutureVersion
+from psserver.protocol.errors import FutureVersion
 from psserver.sparse.serving import Membership
 from tests.integration.test_sparse_rpc import job
 from tests.unit.test_embedding_api import FlakyRows, Tower, stepper

@@ -8,15 +8,15 @@ import torch
 from prometheus_client import generate_latest
 
 from psserver.admin import format_stats
-from psserver.errors import FutureVersion, InvalidRequest, StaleGradient
-from psserver.job import JobSpec, OptimizerConfig
 from psserver.metrics import ShardMetrics
-from psserver.proto import ps_pb2 as pb
+from psserver.protocol.errors import FutureVersion, InvalidRequest, StaleGradient
+from psserver.protocol.job import JobSpec, OptimizerConfig
+from psserver.protocol.proto import ps_pb2 as pb
+from psserver.protocol.rows import errors
+from psserver.protocol.rows.optim import SparseOptimizerConfig
+from psserver.protocol.rows.table import RowStore, TableSpec
 from psserver.shard import StatsSnapshot
-from psserver.sparse import errors
-from psserver.sparse.optim import SparseOptimizerConfig
 from psserver.sparse.serving import Membership, RowsPush, ServedTable, Tables, UnknownTable
-from psserver.sparse.table import RowStore, TableSpec
 
 DIM = 3
 BOTH = Membership(frozenset({0, 1}), started=True)
@@ -180,9 +180,9 @@ def test_the_refusal_classes_map_to_their_documented_codes():
 
 
 def test_only_calls_whose_whole_work_is_small_may_run_on_the_event_loop():
-    from psserver.job import JobSpec
+    from psserver.protocol.job import JobSpec
+    from psserver.protocol.rows.table import TableSpec
     from psserver.sparse.serving import ServedTable
-    from psserver.sparse.table import TableSpec
     spec = TableSpec("t", 16)
     job = JobSpec(mode="sync", num_trainers=1, num_shards=1, total_params=0, fingerprint="f", tables=(spec,))
     table = ServedTable(spec, job)

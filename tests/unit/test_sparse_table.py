@@ -4,10 +4,10 @@ import grpc
 import pytest
 import torch
 
-from psserver.sparse import errors
-from psserver.sparse.init import Initializer, init_rows
-from psserver.sparse.optim import SparseOptimizerConfig
-from psserver.sparse.table import RowStore, TableSpec
+from psserver.protocol.rows import errors
+from psserver.protocol.rows.init import Initializer, init_rows
+from psserver.protocol.rows.optim import SparseOptimizerConfig
+from psserver.protocol.rows.table import RowStore, TableSpec
 
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks")
 DIM = 4

@@ -1,8 +1,8 @@
-"""psserver.tboard: the TensorBoard writer both sides use (files on disk, no network)."""
+"""psserver.common.tboard: the TensorBoard writer both sides use (files on disk, no network)."""
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from psserver.tboard import Sampler, ScalarLog
+from psserver.common.tboard import Sampler, ScalarLog
 
 
 def events(directory) -> dict:

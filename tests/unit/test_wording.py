@@ -4,8 +4,8 @@ import logging
 
 import pytest
 
-from psserver.errors import InvalidRequest, JobMismatch
-from psserver.job import JobSpec
+from psserver.protocol.errors import InvalidRequest, JobMismatch
+from psserver.protocol.job import JobSpec
 from psserver.shard import Shard
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import unicodedata
 
-from psserver.errors import InvalidRequest
-from psserver.logsafe import shorten
+from psserver.common.logsafe import shorten
+from psserver.protocol.errors import InvalidRequest
 
 # A shard keeps per-trainer state (membership, sequence numbers, round bookkeeping): the number of
 # trainers a job declares sizes that state, so it is capped well above any real cluster.

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from psserver.sparse.placement import GAMMA, as_int64, mix64
+from psserver.protocol.rows.placement import GAMMA, as_int64, mix64
 
 INITIALIZERS = ("uniform", "normal")
 _LOW32 = 0xFFFFFFFF

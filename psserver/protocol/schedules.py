@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from psserver.limits import MAX_SCHEDULE_STEPS
-from psserver.logsafe import shorten
+from psserver.common.logsafe import shorten
+from psserver.protocol.limits import MAX_SCHEDULE_STEPS
 
 KINDS = ("constant", "step", "cosine")
 
@@ -38,7 +38,7 @@ def _steps(label: str, value, least: int) -> None:
 
 @dataclass(frozen=True)
 class LrSchedule:
-    """How the rate moves with the version (see protos/psserver/proto/ps.proto ``LrSchedule``).
+    """How the rate moves with the version (see protos/psserver/protocol/proto/ps.proto ``LrSchedule``).
 
     Every field is checked whichever kind is named (the unused ones keep valid
     defaults), and each is bounded so no version can make the rate infinite,

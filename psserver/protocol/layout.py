@@ -15,7 +15,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from psserver.logsafe import counted
+from psserver.common.logsafe import counted
 
 
 @dataclass(frozen=True)

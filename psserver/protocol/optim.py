@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from psserver.job import OptimizerConfig
+from psserver.protocol.job import OptimizerConfig
 
 
 def build_optimizer(cfg: OptimizerConfig, params, fused: bool = False) -> torch.optim.Optimizer:

@@ -4,7 +4,7 @@ Settings are a frozen dataclass validated on construction (as in
 torch.distributed.elastic); errors quote the bad value.  A shard stores the spec
 of the first trainer to register and refuses any later trainer whose spec
 differs, naming the first field that differs and both values.  Every declared
-size is capped (psserver.limits) and every quoted value goes through
+size is capped (psserver.protocol.limits) and every quoted value goes through
 logsafe.shorten, so a spec cannot make a shard allocate, loop or log without bound.
 """
 
@@ -13,16 +13,26 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
-from psserver.limits import (
-    MAX_DIMS, MAX_ID_CHARS, MAX_NAME_CHARS, MAX_PARTITIONS, MAX_SHARDS, MAX_STALENESS, MAX_SYNC_TIMEOUT, MAX_TABLES, MAX_TENSORS,
-    MAX_TOTAL_PARAMS, MAX_TRAINERS, text_problem,
+from psserver.common.logsafe import shorten
+from psserver.protocol.limits import (
+    MAX_DIMS,
+    MAX_ID_CHARS,
+    MAX_NAME_CHARS,
+    MAX_PARTITIONS,
+    MAX_SHARDS,
+    MAX_STALENESS,
+    MAX_SYNC_TIMEOUT,
+    MAX_TABLES,
+    MAX_TENSORS,
+    MAX_TOTAL_PARAMS,
+    MAX_TRAINERS,
+    text_problem,
 )
-from psserver.logsafe import shorten
-from psserver.proto import ps_pb2 as _pb
-from psserver.schedules import LrSchedule
-from psserver.sparse.init import Initializer
-from psserver.sparse.optim import SparseOptimizerConfig
-from psserver.sparse.table import TableSpec
+from psserver.protocol.proto import ps_pb2 as _pb
+from psserver.protocol.rows.init import Initializer
+from psserver.protocol.rows.optim import SparseOptimizerConfig
+from psserver.protocol.rows.table import TableSpec
+from psserver.protocol.schedules import LrSchedule
 
 MODES = ("sync", "async", "stale-timeout")
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -90,7 +100,7 @@ class OptimizerConfig:
 class JobSpec:
     """Mode, its knobs, optimizer, sizes and layout of one job.
 
-    Every size is capped (psserver.limits) and the layout must add up (the tensors hold
+    Every size is capped (psserver.protocol.limits) and the layout must add up (the tensors hold
     ``total_params`` elements), so a shard can size its state from a spec it accepted.
     """
 
@@ -107,9 +117,9 @@ class JobSpec:
     wire_dtype: str = "float32"
     tensors: tuple[tuple[str, tuple[int, ...], str], ...] = ()
     job_id: str = ""  # names one run of a job ("" for an unnamed one): a trainer of another run is refused
-    lr_schedule: LrSchedule = field(default_factory=LrSchedule)  # the rate at each version (psserver.schedules)
+    lr_schedule: LrSchedule = field(default_factory=LrSchedule)  # the rate at each version (psserver.protocol.schedules)
     tables: tuple[TableSpec, ...] = ()  # sparse embedding tables (psserver.sparse), names unique
-    partitions: int = 1  # pieces of each shard's slice with their own rounds (psserver.layout.partition_range)
+    partitions: int = 1  # pieces of each shard's slice with their own rounds (psserver.protocol.layout.partition_range)
 
     def __post_init__(self) -> None:
         _text("job_id", self.job_id, MAX_ID_CHARS)
@@ -284,7 +294,7 @@ def _check_tables(tables, job: "JobSpec") -> None:
     seen = set()
     for i, t in enumerate(tables):
         if not isinstance(t, TableSpec):
-            raise ValueError(f"Table #{i} ({_show(t)}) must be a psserver.sparse.table.TableSpec.")
+            raise ValueError(f"Table #{i} ({_show(t)}) must be a psserver.protocol.rows.table.TableSpec.")
         if t.name in seen:
             raise ValueError(f"Table #{i} repeats the name {_show(t.name)}: table names must be distinct.")
         seen.add(t.name)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from psserver.limits import MAX_SHARDS
+from psserver.protocol.limits import MAX_SHARDS
 
 GAMMA = 0x9E3779B97F4A7C15
 MIX1 = 0xBF58476D1CE4E5B9

@@ -8,7 +8,7 @@ a refused call leaves the table unchanged.
 
 from __future__ import annotations
 
-from psserver.errors import InvalidRequest, TooLarge
+from psserver.protocol.errors import InvalidRequest, TooLarge
 
 
 class SparseRefusal(InvalidRequest, ValueError):

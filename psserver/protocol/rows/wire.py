@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from psserver.proto import ps_pb2 as _pb
+from psserver.protocol.proto import ps_pb2 as _pb
 
 
 def row_chunks(rows: torch.Tensor, header: _pb.RowsHeader, chunk_bytes: int, ids: torch.Tensor | None = None):

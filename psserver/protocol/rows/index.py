@@ -48,7 +48,7 @@ def _capacity_for(n: int) -> int:
 
 
 def _mix64(z: np.ndarray) -> np.ndarray:
-    """splitmix64's output function on uint64 (psserver.sparse.placement.mix64, in numpy: arrays wrap)."""
+    """splitmix64's output function on uint64 (psserver.protocol.rows.placement.mix64, in numpy: arrays wrap)."""
     z = (z ^ (z >> _S30)) * _MIX1
     z = (z ^ (z >> _S27)) * _MIX2
     return z ^ (z >> _S31)

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from psserver.proto import ps_pb2 as psserver_dot_proto_dot_ps__pb2
+from psserver.protocol.proto import ps_pb2 as psserver_dot_protocol_dot_proto_dot_ps__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in psserver/proto/ps_pb2_grpc.py depends on'
+        + ' but the generated code in psserver/protocol/proto/ps_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,53 +36,53 @@ class ParameterServerStub:
         """
         self.Register = channel.unary_unary(
                 '/psgrpc.v1.ParameterServer/Register',
-                request_serializer=psserver_dot_proto_dot_ps__pb2.RegisterRequest.SerializeToString,
-                response_deserializer=psserver_dot_proto_dot_ps__pb2.RegisterReply.FromString,
+                request_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.RegisterRequest.SerializeToString,
+                response_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.RegisterReply.FromString,
                 _registered_method=True)
         self.Init = channel.stream_unary(
                 '/psgrpc.v1.ParameterServer/Init',
-                request_serializer=psserver_dot_proto_dot_ps__pb2.Chunk.SerializeToString,
-                response_deserializer=psserver_dot_proto_dot_ps__pb2.InitReply.FromString,
+                request_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.Chunk.SerializeToString,
+                response_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.InitReply.FromString,
                 _registered_method=True)
         self.Pull = channel.unary_stream(
                 '/psgrpc.v1.ParameterServer/Pull',
-                request_serializer=psserver_dot_proto_dot_ps__pb2.PullRequest.SerializeToString,
-                response_deserializer=psserver_dot_proto_dot_ps__pb2.Chunk.FromString,
+                request_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.PullRequest.SerializeToString,
+                response_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.Chunk.FromString,
                 _registered_method=True)
         self.Push = channel.stream_unary(
                 '/psgrpc.v1.ParameterServer/Push',
-                request_serializer=psserver_dot_proto_dot_ps__pb2.Chunk.SerializeToString,
-                response_deserializer=psserver_dot_proto_dot_ps__pb2.PushReply.FromString,
+                request_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.Chunk.SerializeToString,
+                response_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.PushReply.FromString,
                 _registered_method=True)
         self.PushPull = channel.stream_stream(
                 '/psgrpc.v1.ParameterServer/PushPull',
-                request_serializer=psserver_dot_proto_dot_ps__pb2.Chunk.SerializeToString,
-                response_deserializer=psserver_dot_proto_dot_ps__pb2.Chunk.FromString,
+                request_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.Chunk.SerializeToString,
+                response_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.Chunk.FromString,
                 _registered_method=True)
         self.Leave = channel.unary_unary(
                 '/psgrpc.v1.ParameterServer/Leave',
-                request_serializer=psserver_dot_proto_dot_ps__pb2.LeaveRequest.SerializeToString,
-                response_deserializer=psserver_dot_proto_dot_ps__pb2.LeaveReply.FromString,
+                request_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.LeaveReply.FromString,
                 _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/psgrpc.v1.ParameterServer/Heartbeat',
-                request_serializer=psserver_dot_proto_dot_ps__pb2.HeartbeatRequest.SerializeToString,
-                response_deserializer=psserver_dot_proto_dot_ps__pb2.HeartbeatReply.FromString,
+                request_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.HeartbeatReply.FromString,
                 _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/psgrpc.v1.ParameterServer/GetStats',
-                request_serializer=psserver_dot_proto_dot_ps__pb2.StatsRequest.SerializeToString,
-                response_deserializer=psserver_dot_proto_dot_ps__pb2.StatsReply.FromString,
+                request_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.StatsRequest.SerializeToString,
+                response_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.StatsReply.FromString,
                 _registered_method=True)
         self.PullRows = channel.unary_stream(
                 '/psgrpc.v1.ParameterServer/PullRows',
-                request_serializer=psserver_dot_proto_dot_ps__pb2.PullRowsRequest.SerializeToString,
-                response_deserializer=psserver_dot_proto_dot_ps__pb2.RowsChunk.FromString,
+                request_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.PullRowsRequest.SerializeToString,
+                response_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.RowsChunk.FromString,
                 _registered_method=True)
         self.PushRows = channel.stream_unary(
                 '/psgrpc.v1.ParameterServer/PushRows',
-                request_serializer=psserver_dot_proto_dot_ps__pb2.RowsChunk.SerializeToString,
-                response_deserializer=psserver_dot_proto_dot_ps__pb2.PushRowsReply.FromString,
+                request_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.RowsChunk.SerializeToString,
+                response_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.PushRowsReply.FromString,
                 _registered_method=True)
 
 
@@ -162,53 +162,53 @@ def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Register': grpc.unary_unary_rpc_method_handler(
                     servicer.Register,
-                    request_deserializer=psserver_dot_proto_dot_ps__pb2.RegisterRequest.FromString,
-                    response_serializer=psserver_dot_proto_dot_ps__pb2.RegisterReply.SerializeToString,
+                    request_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.RegisterRequest.FromString,
+                    response_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.RegisterReply.SerializeToString,
             ),
             'Init': grpc.stream_unary_rpc_method_handler(
                     servicer.Init,
-                    request_deserializer=psserver_dot_proto_dot_ps__pb2.Chunk.FromString,
-                    response_serializer=psserver_dot_proto_dot_ps__pb2.InitReply.SerializeToString,
+                    request_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.Chunk.FromString,
+                    response_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.InitReply.SerializeToString,
             ),
             'Pull': grpc.unary_stream_rpc_method_handler(
                     servicer.Pull,
-                    request_deserializer=psserver_dot_proto_dot_ps__pb2.PullRequest.FromString,
-                    response_serializer=psserver_dot_proto_dot_ps__pb2.Chunk.SerializeToString,
+                    request_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.PullRequest.FromString,
+                    response_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.Chunk.SerializeToString,
             ),
             'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
-                    request_deserializer=psserver_dot_proto_dot_ps__pb2.Chunk.FromString,
-                    response_serializer=psserver_dot_proto_dot_ps__pb2.PushReply.SerializeToString,
+                    request_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.Chunk.FromString,
+                    response_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.PushReply.SerializeToString,
             ),
             'PushPull': grpc.stream_stream_rpc_method_handler(
                     servicer.PushPull,
-                    request_deserializer=psserver_dot_proto_dot_ps__pb2.Chunk.FromString,
-                    response_serializer=psserver_dot_proto_dot_ps__pb2.Chunk.SerializeToString,
+                    request_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.Chunk.FromString,
+                    response_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.Chunk.SerializeToString,
             ),
             'Leave': grpc.unary_unary_rpc_method_handler(
                     servicer.Leave,
-                    request_deserializer=psserver_dot_proto_dot_ps__pb2.LeaveRequest.FromString,
-                    response_serializer=psserver_dot_proto_dot_ps__pb2.LeaveReply.SerializeToString,
+                    request_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.LeaveRequest.FromString,
+                    response_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.LeaveReply.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
-                    request_deserializer=psserver_dot_proto_dot_ps__pb2.HeartbeatRequest.FromString,
-                    response_serializer=psserver_dot_proto_dot_ps__pb2.HeartbeatReply.SerializeToString,
+                    request_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.HeartbeatRequest.FromString,
+                    response_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.HeartbeatReply.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
-                    request_deserializer=psserver_dot_proto_dot_ps__pb2.StatsRequest.FromString,
-                    response_serializer=psserver_dot_proto_dot_ps__pb2.StatsReply.SerializeToString,
+                    request_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.StatsRequest.FromString,
+                    response_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.StatsReply.SerializeToString,
             ),
             'PullRows': grpc.unary_stream_rpc_method_handler(
                     servicer.PullRows,
-                    request_deserializer=psserver_dot_proto_dot_ps__pb2.PullRowsRequest.FromString,
-                    response_serializer=psserver_dot_proto_dot_ps__pb2.RowsChunk.SerializeToString,
+                    request_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.PullRowsRequest.FromString,
+                    response_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.RowsChunk.SerializeToString,
             ),
             'PushRows': grpc.stream_unary_rpc_method_handler(
                     servicer.PushRows,
-                    request_deserializer=psserver_dot_proto_dot_ps__pb2.RowsChunk.FromString,
-                    response_serializer=psserver_dot_proto_dot_ps__pb2.PushRowsReply.SerializeToString,
+                    request_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.RowsChunk.FromString,
+                    response_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.PushRowsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -236,8 +236,8 @@ class ParameterServer:
             request,
             target,
             '/psgrpc.v1.ParameterServer/Register',
-            psserver_dot_proto_dot_ps__pb2.RegisterRequest.SerializeToString,
-            psserver_dot_proto_dot_ps__pb2.RegisterReply.FromString,
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.RegisterRequest.SerializeToString,
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.RegisterReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -263,8 +263,8 @@ class ParameterServer:
             request_iterator,
             target,
             '/psgrpc.v1.ParameterServer/Init',
-            psserver_dot_proto_dot_ps__pb2.Chunk.SerializeToString,
-            psserver_dot_proto_dot_ps__pb2.InitReply.FromString,
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.Chunk.SerializeToString,
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.InitReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -290,8 +290,8 @@ class ParameterServer:
             request,
             target,
             '/psgrpc.v1.ParameterServer/Pull',
-            psserver_dot_proto_dot_ps__pb2.PullRequest.SerializeToString,
-            psserver_dot_proto_dot_ps__pb2.Chunk.FromString,
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.PullRequest.SerializeToString,
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.Chunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -317,8 +317,8 @@ class ParameterServer:
             request_iterator,
             target,
             '/psgrpc.v1.ParameterServer/Push',
-            psserver_dot_proto_dot_ps__pb2.Chunk.SerializeToString,
-            psserver_dot_proto_dot_ps__pb2.PushReply.FromString,
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.Chunk.SerializeToString,
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.PushReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -344,8 +344,8 @@ class ParameterServer:
             request_iterator,
             target,
             '/psgrpc.v1.ParameterServer/PushPull',
-            psserver_dot_proto_dot_ps__pb2.Chunk.SerializeToString,
-            psserver_dot_proto_dot_ps__pb2.Chunk.FromString,
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.Chunk.SerializeToString,
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.Chunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -371,8 +371,8 @@ class ParameterServer:
             request,
             target,
             '/psgrpc.v1.ParameterServer/Leave',
-            psserver_dot_proto_dot_ps__pb2.LeaveRequest.SerializeToString,
-            psserver_dot_proto_dot_ps__pb2.LeaveReply.FromString,
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.LeaveRequest.SerializeToString,
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.LeaveReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -398,8 +398,8 @@ class ParameterServer:
             request,
             target,
             '/psgrpc.v1.ParameterServer/Heartbeat',
-            psserver_dot_proto_dot_ps__pb2.HeartbeatRequest.SerializeToString,
-            psserver_dot_proto_dot_ps__pb2.HeartbeatReply.FromString,
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.HeartbeatRequest.SerializeToString,
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.HeartbeatReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -425,8 +425,8 @@ class ParameterServer:
             request,
             target,
             '/psgrpc.v1.ParameterServer/GetStats',
-            psserver_dot_proto_dot_ps__pb2.StatsRequest.SerializeToString,
-            psserver_dot_proto_dot_ps__pb2.StatsReply.FromString,
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.StatsRequest.SerializeToString,
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.StatsReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -452,8 +452,8 @@ class ParameterServer:
             request,
             target,
             '/psgrpc.v1.ParameterServer/PullRows',
-            psserver_dot_proto_dot_ps__pb2.PullRowsRequest.SerializeToString,
-            psserver_dot_proto_dot_ps__pb2.RowsChunk.FromString,
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.PullRowsRequest.SerializeToString,
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.RowsChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -479,8 +479,8 @@ class ParameterServer:
             request_iterator,
             target,
             '/psgrpc.v1.ParameterServer/PushRows',
-            psserver_dot_proto_dot_ps__pb2.RowsChunk.SerializeToString,
-            psserver_dot_proto_dot_ps__pb2.PushRowsReply.FromString,
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.RowsChunk.SerializeToString,
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.PushRowsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,10 +16,10 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from psserver.errors import InvalidRequest, TooLarge
-from psserver.fastwire import RawChunk
-from psserver.job import WIRE_DTYPE_NAMES
-from psserver.proto import ps_pb2 as _pb
+from psserver.protocol.errors import InvalidRequest, TooLarge
+from psserver.protocol.fastwire import RawChunk
+from psserver.protocol.job import WIRE_DTYPE_NAMES
+from psserver.protocol.proto import ps_pb2 as _pb
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 TORCH_DTYPES = {_pb.FLOAT32: torch.float32, _pb.FLOAT16: torch.float16, _pb.BFLOAT16: torch.bfloat16}
@@ -59,7 +59,7 @@ def encode(payload: bytes | torch.Tensor, header: _pb.ChunkHeader,
 
 def encode_raw(payload: bytes | torch.Tensor, header: _pb.ChunkHeader,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[RawChunk]:
-    """Cut ``payload`` into RawChunks whose data are views into it (see psserver.fastwire); offsets count elements.
+    """Cut ``payload`` into RawChunks whose data are views into it (see psserver.protocol.fastwire); offsets count elements.
 
     A tensor is read in place, chunk by chunk, as gRPC sends: the caller keeps
     it unchanged until the call returns.

@@ -1,7 +1,7 @@
 """One sparse table's live rows on one shard: lookup, apply, admission, eviction, state.
 
 Rows, optimizer state and bookkeeping sit in preallocated tensors indexed by a
-slot; an IdIndex (psserver.sparse.index) maps each live id to its slot.  Capacity doubles as rows are created
+slot; an IdIndex (psserver.protocol.rows.index) maps each live id to its slot.  Capacity doubles as rows are created
 and never exceeds ``max_rows``, so with eviction on, memory is bounded whatever
 stream of ids arrives.  A row that is not stored (never seen, evicted, or not yet
 admitted) costs nothing: it is recreated from (seed, id) when it comes back.
@@ -18,14 +18,13 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from psserver import limits
-from psserver.sparse import errors
-from psserver.sparse import admission
-from psserver.sparse.admission import CountMinSketch
-from psserver.sparse.index import IdIndex
-from psserver.sparse.init import Initializer, init_rows
-from psserver.sparse.optim import SparseOptimizerConfig, initial_state, state_width, update_rows
-from psserver.sparse.placement import check_ids
+from psserver.protocol import limits
+from psserver.protocol.rows import admission, errors
+from psserver.protocol.rows.admission import CountMinSketch
+from psserver.protocol.rows.index import IdIndex
+from psserver.protocol.rows.init import Initializer, init_rows
+from psserver.protocol.rows.optim import SparseOptimizerConfig, initial_state, state_width, update_rows
+from psserver.protocol.rows.placement import check_ids
 
 INT64_MAX = (1 << 63) - 1
 TABLE_MODES = ("", "sync", "async", "stale-timeout")  # "": the job's mode

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from psserver.sparse.placement import as_int64, mix64
+from psserver.protocol.rows.placement import as_int64, mix64
 
 # One salt per sketch row, so the rows hash independently (digits of pi, any odd constants do).
 _SALTS = (0x243F6A8885A308D3, 0x13198A2E03707344, 0xA4093822299F31D0, 0x082EFA98EC4E6C89,

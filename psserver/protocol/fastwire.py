@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from psserver.proto import ps_pb2 as _pb
+from psserver.protocol.proto import ps_pb2 as _pb
 
 _TAG_HEADER, _TAG_OFFSET, _TAG_DATA = 0x0A, 0x10, 0x1A
 

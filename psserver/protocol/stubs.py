@@ -1,0 +1,34 @@
+"""The service's name and its methods' paths, spelled once (from the generated descriptor), and the one-call
+GetStats that tools and tests use.
+
+Trainers open their chunk streams with ``method(name)``: the generated stubs would decode each message into a
+class first, the fast paths bypass them (``fastwire``) on the same method paths.
+"""
+
+from __future__ import annotations
+
+from psserver.protocol.proto import ps_pb2 as _pb
+from psserver.protocol.proto import ps_pb2_grpc as _grpc
+from psserver.protocol.security import ClientSecurity
+
+_DESCRIPTOR = _pb.DESCRIPTOR.services_by_name["ParameterServer"]
+SERVICE_NAME = _DESCRIPTOR.full_name  # "psgrpc.v1.ParameterServer"
+METHODS = tuple(_DESCRIPTOR.methods_by_name)
+
+
+def method(name: str) -> str:
+    """``/psgrpc.v1.ParameterServer/NAME``; KeyError for an RPC the protocol does not define."""
+    if name not in _DESCRIPTOR.methods_by_name:
+        raise KeyError(f"{SERVICE_NAME} has no RPC {name!r}; it has {', '.join(METHODS)}")
+    return f"/{SERVICE_NAME}/{name}"
+
+
+def stub(channel) -> _grpc.ParameterServerStub:
+    """The generated stub on ``channel``."""
+    return _grpc.ParameterServerStub(channel)
+
+
+def fetch_stat(address: str, timeout: float = 10.0, security: ClientSecurity = ClientSecurity()) -> _pb.StatsReply:
+    """One shard's GetStats over a channel of its own (for tools and tests; trainers use their client)."""
+    with security.channel(address) as ch:
+        return stub(ch).GetStats(_pb.StatsRequest(), timeout=timeout)
