@@ -1,6 +1,7 @@
 """Per-layer waits of a pipelined step (trainer.pipeline), with threads and no network."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -55,10 +56,14 @@ def test_a_forward_runs_its_first_layer_while_the_second_layers_slots_are_still_
 
     t = threading.Thread(target=forward)
     t.start()
-    # The first layer's slots landed: it runs; the second waits for slot 2 (poll on the event, not a sleep).
-    while not order or order[-1] != ("first runs",):
+    # The first layer's slots landed: it runs; the second blocks for slot 2.  Poll until it is blocked, not
+    # merely until the first layer ran: landing slot 2 before the second layer looks would let it through
+    # without waiting (the race that failed ~1 run in 10).  ``waits`` counts under the lock that landed()
+    # takes, so once it reads 1 the forward is inside wait_for and landed(2) wakes it.
+    give_up = time.monotonic() + 60  # a hang fails the test instead of stalling the suite
+    while waits.waits == 0 and time.monotonic() < give_up:
         done.wait(0.01)
-    assert not done.is_set()
+    assert waits.waits == 1 and not done.is_set() and order[-1] == ("first runs",)
     waits.landed(2)
     t.join(10)
     assert done.is_set()
