@@ -35,8 +35,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import AbstractSet, Mapping
 
+from psserver.protocol import rules
 from psserver.protocol.job import JobSpec
 from psserver.protocol.limits import MAX_SEQUENCE
+from psserver.protocol.rules import Mode
 
 # A sequenced push may skip ahead of the last acknowledged one by at most this much (a trainer whose
 # pushes to this shard failed for good in between); anything further is a corrupt or hostile number.
@@ -129,7 +131,7 @@ def _decide_push(cfg: ModeConfig, view: RoundView, rank: int, base: int, now: fl
     if base > v:
         return PushDecision(Action.REFUSE_FUTURE)
     staleness = v - base
-    if cfg.mode == "async":
+    if cfg.mode == Mode.ASYNC:
         if not sequenced and view.last_base.get(rank, -1) >= base:
             return PushDecision(Action.DUPLICATE, staleness=staleness)
         if cfg.max_staleness is not None and staleness > cfg.max_staleness:
@@ -137,7 +139,7 @@ def _decide_push(cfg: ModeConfig, view: RoundView, rank: int, base: int, now: fl
         return PushDecision(Action.APPLY, staleness=staleness)
 
     if staleness > 0:
-        if cfg.mode == "stale-timeout" and cfg.stale_policy == "scale":
+        if cfg.mode == Mode.STALE_TIMEOUT and cfg.stale_policy == "scale":
             if (rank, base) in view.stale_in_round:
                 return PushDecision(Action.DUPLICATE, staleness=staleness)
             return PushDecision(
@@ -155,7 +157,7 @@ def decide_tick(cfg: ModeConfig, view: RoundView, now: float) -> CloseReason | N
     Pushes close rounds as they arrive; a tick only finds a round complete because
     the membership shrank (a Leave or an expired lease), so that is its reason.
     """
-    if cfg.mode == "async" or view.opened_at is None:
+    if cfg.mode == Mode.ASYNC or view.opened_at is None:
         return None
     reason = _close_reason(cfg, view, now)
     return CloseReason.MEMBERSHIP if reason is CloseReason.ALL_ARRIVED else reason
@@ -168,11 +170,9 @@ def round_takes_step(weight_sum: float) -> bool:
 
 
 def reply_version(cfg: ModeConfig, outcome: str, base: int, version_after: int) -> int:
-    """The version whose weights a PushPull reply streams: async -- the one after this push; sync modes --
-    the close of the round this gradient is in (also for a retry's duplicate); stale -- the current one."""
-    if outcome == "stale" or cfg.mode == "async":
-        return version_after
-    return base + 1
+    """The version whose weights a PushPull reply streams (psserver.protocol.rules: the trainer predicts it
+    with the same rule)."""
+    return rules.reply_version(cfg.mode, outcome, base, version_after)
 
 
 class SequenceAction(enum.Enum):
@@ -197,7 +197,7 @@ def decide_sequence(last_acked: int | None, sequence: int) -> SequenceAction:
 
 def round_deadline(cfg: ModeConfig, view: RoundView) -> float | None:
     """Clock time at which the open round times out, or None if it never does."""
-    if cfg.mode != "stale-timeout" or view.opened_at is None:
+    if cfg.mode != Mode.STALE_TIMEOUT or view.opened_at is None:
         return None
     return view.opened_at + cfg.sync_timeout
 
@@ -215,7 +215,7 @@ def _close_reason(cfg: ModeConfig, view: RoundView, now: float, adding: int | No
     if (n_fresh and view.started and n_fresh >= len(view.live)
             and all(r in fresh or r == adding for r in view.live)):
         return CloseReason.ALL_ARRIVED
-    if cfg.mode != "stale-timeout":
+    if cfg.mode != Mode.STALE_TIMEOUT:
         return None
     if cfg.replicas_to_aggregate and n_fresh >= cfg.replicas_to_aggregate:
         return CloseReason.QUORUM

@@ -30,6 +30,7 @@ import torch
 
 from psserver.host import ShardHost
 from psserver.protocol.errors import PsError
+from psserver.protocol.rules import Mode
 from psserver.shard import Shard
 
 log = logging.getLogger(__name__)
@@ -213,7 +214,7 @@ class Runtime:
         if self.loop.is_closed():  # the server stopped: nobody waits any more
             return
         waiters.changed_threadsafe()
-        if part.mode() == "stale-timeout":
+        if part.mode() == Mode.STALE_TIMEOUT:
             if threading.get_ident() == self.loop_thread:
                 self.changes.set()
             else:

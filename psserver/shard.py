@@ -45,6 +45,7 @@ from psserver.protocol.errors import (
 from psserver.protocol.job import WIRE_DTYPES, JobSpec
 from psserver.protocol.layout import partition_range
 from psserver.protocol.optim import build_optimizer
+from psserver.protocol.rules import Mode
 from psserver.protocol.schedules import lr_at
 from psserver.rounds import OpenRound
 from psserver.snapshots import SnapshotPool
@@ -285,7 +286,7 @@ class Shard:
         job = self.job
         return self._stopped or (
             job is not None and self.params is not None and self.version >= min_version
-            and (job.mode == "async" or self.started)
+            and (job.mode == Mode.ASYNC or self.started)
         )
 
     def acquire_snapshot(self, rank: int, trainer_id: str, fingerprint: str, wire: int) -> tuple[int, torch.Tensor]:
@@ -402,7 +403,7 @@ class Shard:
             self.counters["nonfinite_skipped"] += 1
             log.warning("shard %d: skipped a gradient with NaN/Inf values from rank %d (base %d)",
                         self.shard_id, rank, base)
-            if not sequenced and self._cfg.mode == "async":
+            if not sequenced and self._cfg.mode == Mode.ASYNC:
                 self._last_base[rank] = base
             if d.action is A.SKIP_IN_ROUND:
                 self.round.contributors.add(rank)

@@ -45,6 +45,7 @@ from psserver.protocol.job import JobSpec, OptimizerConfig
 from psserver.protocol.layout import Layout, partition_range, partitions_for
 from psserver.protocol.limits import MAX_PARTITIONS
 from psserver.protocol.rows.table import TableSpec
+from psserver.protocol.rules import Mode, reply_version
 from psserver.protocol.schedules import LrSchedule
 from psserver.protocol.security import ClientSecurity
 from trainer.client import (
@@ -262,7 +263,7 @@ class ParameterServerTrainer:
         self.rows = None
         self._tables_pushed: set[str] = set()  # tables whose push of the current step is done
         self.clip_grad_norm = check_max_norm(clip_grad_norm, push_during_backward)
-        if overlap and job.mode != "async":
+        if overlap and job.mode != Mode.ASYNC:
             raise ValueError(f"overlap (pulling the next weights while computing) needs async mode, not {job.mode}")
         self.overlap = overlap
         self._prefetch: dict[int, Future] = {}
@@ -731,10 +732,8 @@ class ParameterServerTrainer:
             self._prefetch[i] = self._prefetch_pool.submit(self._pull_staged, s, out.version)
             attempt.timings[i] = (t1 - t0, time.perf_counter() - t1, 0.0)
             return out.outcome
-        if out.outcome == "stale" or self.job.mode == "async":
-            wanted = out.version  # async: its own step; stale: catch up with the shard
-        else:
-            wanted = self.versions[i] + 1  # wait for the round this gradient is in to close
+        # async: its own step; stale: catch up with the shard; sync: the close of this gradient's round
+        wanted = reply_version(self.job.mode, out.outcome, self.versions[i], out.version)
         self.versions[i], waited = self._pull_into(s, wanted, self.round_timeout, with_wait=True)
         attempt.timings[i] = (t1 - t0, time.perf_counter() - t1 - waited, waited)
         return out.outcome

@@ -27,11 +27,11 @@ import grpc.experimental
 import torch
 
 from psserver.protocol.codec import DEFAULT_CHUNK_BYTES, ChunkReader, encode_raw, encode_topk_raw, wire_tensor
-from psserver.protocol.errors import VERSION_METADATA_KEY
 from psserver.protocol.fastwire import parse_chunk, serialize_chunk
 from psserver.protocol.job import WIRE_DTYPES, JobSpec
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.proto import ps_pb2_grpc as _grpc
+from psserver.protocol.rules import STALE, refused_stale, version_of_refusal
 from psserver.protocol.security import ClientSecurity, parse_addresses  # noqa: F401 (re-exported for trainers)
 from psserver.protocol.stubs import method
 from trainer.compress import TopK, parse_compress
@@ -306,10 +306,10 @@ class ShardClient:
         try:
             reply = self._call("Push", send, retry_on=PUSH_RETRYABLE)
         except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.ABORTED:
+            if not refused_stale(e):
                 raise
-            version = int(dict(e.trailing_metadata() or ()).get(VERSION_METADATA_KEY, base))
-            return self._acknowledged("stale", version, version - base, base, nbytes, dense_bytes)
+            version = version_of_refusal(e, base)
+            return self._acknowledged(STALE, version, version - base, base, nbytes, dense_bytes)
         return self._acknowledged(_pb.PushOutcome.Name(reply.outcome).lower(), reply.version, reply.staleness, base,
                                   nbytes, dense_bytes)
 

@@ -25,6 +25,7 @@ import grpc
 from psserver.common.cli_support import EnvArgumentParser, run_cli, setup_logging
 from psserver.protocol.job import MODES, OPTIMIZERS, STALE_POLICIES
 from psserver.protocol.proto import ps_pb2 as _pb
+from psserver.protocol.rules import Mode
 from psserver.protocol.stubs import fetch_stat
 from trainer.cli import (
     add_compress_flag,
@@ -140,10 +141,10 @@ def trainer_args(args, rank: int, run: Path) -> list[str]:
     if args.pipeline:
         a += ["--pipeline"]
     a += table_argv(args)
-    if args.mode == "stale-timeout":
+    if args.mode == Mode.STALE_TIMEOUT:
         a += ["--sync-timeout", str(args.sync_timeout), "--replicas-to-aggregate", str(args.replicas_to_aggregate),
               "--stale-policy", args.stale_policy]
-    if args.mode == "async" and args.max_staleness is not None:
+    if args.mode == Mode.ASYNC and args.max_staleness is not None:
         a += ["--max-staleness", str(args.max_staleness)]
     if rank == 0:
         a += ["--output", str(run / "model.pt"), "--eval-every", str(args.eval_every)]
@@ -176,7 +177,7 @@ def summarize(args, run: Path, progress: Progress, stats: list, codes: dict, wal
         steps=[p.get("steps") for p in progress.latest],
         rounds=int(stats[0].version) if stats and stats[0] is not None else None,
         # async mode has no rounds: each push is its own step
-        rounds_by_reason=None if args.mode == "async" else
+        rounds_by_reason=None if args.mode == Mode.ASYNC else
         {r: int(s0.get(f"rounds_{r}", 0)) for r in ("all_arrived", "quorum", "timeout", "membership")},
         pushes_applied=int(counters.get("pushes_applied", 0)),
         stale_dropped=int(counters.get("stale_dropped", 0)), stale_scaled=int(counters.get("stale_scaled", 0)),

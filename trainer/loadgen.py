@@ -58,6 +58,7 @@ from psserver.protocol.fastwire import parse_chunk, serialize_chunk
 from psserver.protocol.job import MODES, JobSpec, OptimizerConfig
 from psserver.protocol.layout import Layout
 from psserver.protocol.proto import ps_pb2 as _pb
+from psserver.protocol.rules import Mode
 from psserver.protocol.security import read_token
 from psserver.protocol.stubs import method
 
@@ -107,7 +108,7 @@ class LoadConfig:
 
     @property
     def sync_like(self) -> bool:
-        return self.mode != "async"
+        return self.mode != Mode.ASYNC
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ def make_job(cfg: LoadConfig, address: str, num_trainers: int) -> JobWire:
     job_id = f"loadgen-{uuid.uuid4().hex[:12]}"
     kw = dict(mode=cfg.mode, num_trainers=num_trainers, num_shards=1, total_params=cfg.params,
               fingerprint=fingerprint, optimizer=OptimizerConfig("sgd", lr=0.01), tensors=tensors,
-              sync_timeout=cfg.sync_timeout if cfg.mode == "stale-timeout" else 0.0)
+              sync_timeout=cfg.sync_timeout if cfg.mode == Mode.STALE_TIMEOUT else 0.0)
     if "job_id" in {f.name for f in dataclasses.fields(JobSpec)}:
         kw["job_id"] = job_id
     msg = JobSpec(**kw).to_proto()
@@ -810,7 +811,7 @@ def measure(ctx, cfg: LoadConfig, shard: _Shard, prober: _Prober, n: int, port_p
         w1 = marks.get("stop", marks["end"])
         window = window_summary(records, w0, w1)
     full = window["pushes"] == n * window["rounds"] and set(window["outcomes"]) <= {"applied", "accepted"}
-    if s.ok and cfg.mode == "sync" and not full:
+    if s.ok and cfg.mode == Mode.SYNC and not full:
         status = "rounds closed without everyone"
     start, end = samples.get("start"), samples.get("end") or [None]
     port = {} if s.port_probes is None else dict(  # measured only with --health-port / --health-address
@@ -818,7 +819,7 @@ def measure(ctx, cfg: LoadConfig, shard: _Shard, prober: _Prober, n: int, port_p
     return dict(
         mode=cfg.mode, trainers=n, status=status, **{k: window[k] for k in ("rounds", "pushes", "seconds")},
         pushes_per_s=window["pushes_per_s"], rounds_per_s=window["rounds_per_s"],
-        full_rounds=full if cfg.mode == "sync" else None, outcomes=window["outcomes"],
+        full_rounds=full if cfg.mode == Mode.SYNC else None, outcomes=window["outcomes"],
         rounds_total=max((r[3] for r in records), default=0), step=window["step"],
         health=health_stats(s.probes), health_window=health_stats(s.probes, w0, w1), **port,
         health_slowest=_slowest(s.probes, marks),

@@ -25,6 +25,7 @@ from torch.nn import functional as F
 from psserver.common.tboard import ScalarLog
 from psserver.protocol.job import MODES, JobSpec, OptimizerConfig
 from psserver.protocol.rows.optim import SparseOptimizerConfig
+from psserver.protocol.rules import Mode
 from psserver.protocol.schedules import LrSchedule
 from psserver.protocol.security import parse_addresses
 from trainer.api import connect
@@ -142,7 +143,7 @@ def config_problem(cfg: TrainConfig) -> str:
         (math.isfinite(cfg.retry_budget) and cfg.retry_budget >= 0,
          f"--retry-budget ({cfg.retry_budget}) must be zero or more seconds"),
         (cfg.mode in MODES, f"--mode ({cfg.mode}) must be one of {', '.join(MODES)}"),
-        (cfg.mode == "async" or not cfg.overlap, f"--overlap applies to --mode async only, not {cfg.mode}"),
+        (cfg.mode == Mode.ASYNC or not cfg.overlap, f"--overlap applies to --mode async only, not {cfg.mode}"),
         (cfg.partition_bytes >= 0, f"--partition-bytes ({cfg.partition_bytes}) must be zero (one partition per "
                                    "shard) or more bytes"),
         (not (cfg.pipeline and cfg.overlap), "--pipeline and --overlap both hide the pull behind compute: choose one"),
@@ -201,7 +202,7 @@ def recommender_checks(cfg: TrainConfig) -> list[tuple[bool, str]]:
         (cfg.max_rows is None or cfg.max_rows >= 1, f"--max-rows ({cfg.max_rows}) must be at least 1"),
         (cfg.sparse_lr is None or (math.isfinite(cfg.sparse_lr) and cfg.sparse_lr > 0),
          f"--sparse-lr ({cfg.sparse_lr}) must be more than zero"),
-        (cfg.embedding_mode != "stale-timeout" or cfg.mode == "stale-timeout",  # the job's timeout is its knob
+        (cfg.embedding_mode != Mode.STALE_TIMEOUT or cfg.mode == Mode.STALE_TIMEOUT,  # the job's timeout is its knob
          f"--embedding-mode stale-timeout needs --mode stale-timeout (for its --sync-timeout), not {cfg.mode}"),
     ]
 
@@ -241,7 +242,7 @@ def effective_lr(cfg: TrainConfig) -> float:
         return cfg.lr
     if cfg.recommender:
         return 0.001  # Adam on the dense layers, as trainer.rectrain's baseline
-    return 0.05 / cfg.num_trainers if cfg.mode == "async" else 0.05
+    return 0.05 / cfg.num_trainers if cfg.mode == Mode.ASYNC else 0.05
 
 
 def default_threads(cfg: TrainConfig, cores: int | None = None) -> int:
@@ -703,7 +704,7 @@ def lr_schedule(cfg: TrainConfig, total_steps: int) -> LrSchedule:
     """The schedule of the flags; a cosine without its length spans the run's versions after the warm-up
     (async mode takes a version per push: N per step).  Other kinds keep the default length, so trainers
     that run different numbers of steps (a restarted one) still agree on the job."""
-    versions = total_steps * (cfg.num_trainers if cfg.mode == "async" else 1)
+    versions = total_steps * (cfg.num_trainers if cfg.mode == Mode.ASYNC else 1)
     cosine = cfg.lr_cosine_steps or (max(1, versions - cfg.warmup_steps) if cfg.lr_schedule == "cosine" else 1)
     return LrSchedule(kind=cfg.lr_schedule, warmup_steps=cfg.warmup_steps,
                       warmup_start_factor=cfg.warmup_start_factor, step_size=cfg.lr_step_size, gamma=cfg.lr_gamma,
@@ -712,9 +713,9 @@ def lr_schedule(cfg: TrainConfig, total_steps: int) -> LrSchedule:
 
 def mode_knobs(cfg: TrainConfig) -> dict:
     """The job spec's mode settings of ``cfg``, those of another mode left out (see ignored_flags)."""
-    stale_timeout = cfg.mode == "stale-timeout"
+    stale_timeout = cfg.mode == Mode.STALE_TIMEOUT
     return dict(mode=cfg.mode, num_trainers=cfg.num_trainers, wire_dtype=cfg.wire_dtype, job_id=cfg.job_id,
-                max_staleness=cfg.max_staleness if cfg.mode == "async" else None,
+                max_staleness=cfg.max_staleness if cfg.mode == Mode.ASYNC else None,
                 sync_timeout=cfg.sync_timeout if stale_timeout else 0.0,
                 replicas_to_aggregate=cfg.replicas_to_aggregate if stale_timeout else 0,
                 stale_policy=cfg.stale_policy if stale_timeout else "drop")

@@ -44,12 +44,12 @@ import numpy as np
 import torch
 
 from psserver.protocol.codec import DEFAULT_CHUNK_BYTES
-from psserver.protocol.errors import VERSION_METADATA_KEY
 from psserver.protocol.job import JobSpec, table_mode
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rows.placement import shard_of
 from psserver.protocol.rows.table import TableSpec
 from psserver.protocol.rows.wire import row_chunks
+from psserver.protocol.rules import STALE, Mode, refused_stale, reply_version, version_of_refusal
 from psserver.protocol.stubs import method
 from trainer.client import PUSH_RETRYABLE, RESTART_CODES, ShardCallsFailed, ShardClient, ShardedClient
 
@@ -179,7 +179,7 @@ class ShardedRows:
 
     def _pull_once(self, s: ShardClient, table: str, dim: int, ids: torch.Tensor) -> torch.Tensor:
         lane = self._lanes[(s.index, table)]
-        sync = self.modes[table] != "async"
+        sync = self.modes[table] != Mode.ASYNC
         req = _pb.PullRowsRequest(rank=s.rank, trainer_id=s.trainer_id, fingerprint=s.fingerprint, table=table,
                                   min_version=lane.wait_for if sync else 0,
                                   ids=ids.contiguous().numpy().tobytes())
@@ -259,20 +259,21 @@ class ShardedRows:
         try:
             reply = self._call(s, "PushRows", send, retry_on=PUSH_RETRYABLE)
         except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.ABORTED:
+            if not refused_stale(e):
                 raise
             lane.unanswered = False  # stale: answered (dropped); go on from the shard's version
-            version = int(dict(e.trailing_metadata() or ()).get(VERSION_METADATA_KEY, lane.base))
+            version = version_of_refusal(e, lane.base)
             lane.version = lane.base = lane.wait_for = max(lane.version, version)
             self._count(stale_pushes=1)
-            return "stale"
+            return STALE
         lane.unanswered = False
         outcome = self._push_outcome(lane, _pb.PushOutcome.Name(reply.outcome).lower(), len(sent))
         lane.version = max(lane.version, reply.version)
-        if self.modes[table] == "async":
-            lane.base = lane.version
-        else:  # the round this push is in closes at base + 1; the next pull waits for it
-            lane.wait_for = lane.base = header.version + 1
+        # async: go on from this push's own step; sync: the round it is in closes at base + 1, the next pull
+        # waits for it (the reply's rule, psserver.protocol.rules)
+        lane.base = reply_version(self.modes[table], outcome, header.version, lane.version)
+        if self.modes[table] != Mode.ASYNC:
+            lane.wait_for = lane.base
         self._count(bytes_pushed=len(ids) * (8 + 4 * grads.shape[1]), rows_pushed=len(ids),
                     rows_stale=reply.rows_stale, **{f"{outcome}_pushes": 1})
         return outcome

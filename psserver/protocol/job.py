@@ -32,9 +32,9 @@ from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rows.init import Initializer
 from psserver.protocol.rows.optim import SparseOptimizerConfig
 from psserver.protocol.rows.table import TableSpec
+from psserver.protocol.rules import MODES, Mode  # noqa: F401 (re-exported: a job names its mode)
 from psserver.protocol.schedules import LrSchedule
 
-MODES = ("sync", "async", "stale-timeout")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 STALE_POLICIES = ("drop", "scale")
 WIRE_DTYPES = {"float32": _pb.FLOAT32, "float16": _pb.FLOAT16, "bfloat16": _pb.BFLOAT16}
@@ -143,7 +143,7 @@ class JobSpec:
             raise ValueError(
                 f"The sync timeout ({self.sync_timeout} s) must be between 0 and {MAX_SYNC_TIMEOUT} seconds."
             )
-        if self.mode == "stale-timeout" and not self.sync_timeout > 0:
+        if self.mode == Mode.STALE_TIMEOUT and not self.sync_timeout > 0:
             raise ValueError(f"stale-timeout mode needs a sync timeout > 0 seconds (got {self.sync_timeout}).")
         if not 0 <= self.replicas_to_aggregate <= self.num_trainers:
             raise ValueError(
@@ -298,7 +298,7 @@ def _check_tables(tables, job: "JobSpec") -> None:
         if t.name in seen:
             raise ValueError(f"Table #{i} repeats the name {_show(t.name)}: table names must be distinct.")
         seen.add(t.name)
-        if t.mode == "stale-timeout" and not job.sync_timeout > 0:
+        if t.mode == Mode.STALE_TIMEOUT and not job.sync_timeout > 0:
             raise ValueError(f"Table {_show(t.name)} runs stale-timeout mode, which needs a sync timeout > 0 "
                              f"seconds (got {job.sync_timeout}).")
 

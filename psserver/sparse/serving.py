@@ -40,6 +40,7 @@ from psserver.protocol.job import JobSpec, table_mode
 from psserver.protocol.rows import errors
 from psserver.protocol.rows.placement import shard_of
 from psserver.protocol.rows.table import RowStore, TableSpec, all_finite, strictly_increasing
+from psserver.protocol.rules import Mode
 
 # Counters of a table, as GetStats names them: ``table.<name>.<counter>``.
 STAT_KEYS = ("version", "live_rows", "rows_created", "zero_reads", "dropped_grads", "evicted_lru",
@@ -185,7 +186,7 @@ class ServedTable:
         its call timed out.  Lock-free: the round is read before the version, and a closing round bumps
         the version before it forgets its contributors, so a round closing meanwhile is never refused.
         """
-        if self.mode == "async" or min_version <= self.version:
+        if self.mode == Mode.ASYNC or min_version <= self.version:
             return
         r = self.round
         in_round = rank in r.contributors or any(s[0] == rank for s in r.stale)
@@ -329,7 +330,7 @@ class ServedTable:
         """One optimizer step of the table (one version), then note when its rows were updated."""
         self.store.apply(ids, grads)
         self.version += 1
-        if self.spec.max_staleness is not None and self.mode == "async":
+        if self.spec.max_staleness is not None and self.mode == Mode.ASYNC:
             self.updated_at.update(dict.fromkeys(ids.tolist(), self.version))
             if len(self.updated_at) > 2 * max(len(self.store), 1024):  # forget evicted rows (they start afresh)
                 held = torch.tensor(list(self.updated_at), dtype=torch.int64)

@@ -1,0 +1,50 @@
+"""The rules both sides apply, written once: the modes by name, which version a push's reply carries, and
+how a stale refusal says where the shard is.
+
+The shard decides with them (psserver/modes.py, psserver/sparse/serving.py) and the trainer predicts with
+them (trainer/api.py, trainer/client.py, trainer/sparse_client.py): a change here changes both at once.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import grpc
+
+from psserver.protocol.errors import VERSION_METADATA_KEY
+
+
+class Mode(str, enum.Enum):
+    """A job's (or a table's) consistency mode; equal to its name, so a spec's string compares as is."""
+
+    SYNC = "sync"
+    ASYNC = "async"
+    STALE_TIMEOUT = "stale-timeout"
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__  # f"{Mode.SYNC}" is "sync" on every Python
+
+
+MODES = tuple(m.value for m in Mode)
+STALE = "stale"  # the outcome of a push refused as too stale (dropped; the trainer catches up)
+
+
+def reply_version(mode: str, outcome: str, base: int, version_after: int) -> int:
+    """The version whose weights follow a push: async -- the one after this push (``version_after``); sync
+    modes -- the close of the round this gradient is in (``base + 1``, also for a retry's duplicate); a stale
+    push -- the shard's current one (``version_after``)."""
+    if outcome == STALE or mode == Mode.ASYNC:
+        return version_after
+    return base + 1
+
+
+def refused_stale(error: grpc.RpcError) -> bool:
+    """Whether a push's error is the shard refusing it as too stale (ABORTED, its version in the trailers)."""
+    return error.code() == grpc.StatusCode.ABORTED
+
+
+def version_of_refusal(error: grpc.RpcError, default: int) -> int:
+    """The shard's current version, as a stale refusal's trailing metadata carries it (``default`` if not)."""
+    return int(dict(error.trailing_metadata() or ()).get(VERSION_METADATA_KEY, default))
