@@ -4,12 +4,12 @@ import json
 import subprocess
 import sys
 
-from trainer.floors import setups
+from trainer.tools.floors import setups
 
 
 def test_ps_bench_quick_writes_json_and_markdown(tmp_path):
     out = tmp_path / "bench"
-    proc = subprocess.run([sys.executable, "-c", "from trainer.bench import entrypoint; entrypoint()", "--quick",
+    proc = subprocess.run([sys.executable, "-c", "from trainer.tools.bench import entrypoint; entrypoint()", "--quick",
                            "--out", str(out), "--floor-connections", "1,2", "--floor-processes", "2"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

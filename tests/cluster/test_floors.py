@@ -1,9 +1,9 @@
-"""The transport floors (trainer.floors) over real server and driver processes on loopback: every setup measured,
+"""The transport floors (trainer.tools.floors) over real server and driver processes on loopback: every setup measured,
 the bytes split exactly, and no process left behind when a driver fails."""
 
 import pytest
 
-from trainer import floors
+from trainer.tools import floors
 
 SIZES = {"odd": 3 * floors.CHUNK + 1, "tiny": 7}  # a partial last message; fewer bytes than connections
 

@@ -13,7 +13,7 @@ import os
 import pytest
 
 import trainer.procs
-from trainer import loadgen
+from trainer.tools import loadgen
 
 pytestmark = pytest.mark.cluster
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from trainer import bench
-from trainer.floors import setups, split
+from trainer.tools import bench
+from trainer.tools.floors import setups, split
 
 
 def test_overlap_efficiency_is_2_when_exchange_and_compute_run_one_after_the_other():

@@ -77,3 +77,9 @@ def test_the_old_sparse_optim_path_still_imports_and_warns_where_it_moved():
     from psserver.protocol.rows.optim import SparseOptimizerConfig
 
     assert old.SparseOptimizerConfig is SparseOptimizerConfig
+
+
+def test_the_library_never_imports_its_measuring_tools():
+    offenders = [f"{f}:{line} {m}" for f, line, m in imported_modules(trainer)
+                 if not f.startswith("trainer/tools/") and inside(m, "trainer.tools")]
+    assert offenders == []

@@ -38,7 +38,6 @@ import random
 import resource
 import shlex
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -61,6 +60,7 @@ from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rules import Mode
 from psserver.protocol.security import read_token
 from psserver.protocol.stubs import method
+from trainer.tools.procstat import free_port, sample
 
 log = logging.getLogger("ps-loadgen")
 
@@ -69,7 +69,6 @@ CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_mes
                    ("grpc.max_send_message_length", 64 << 20)]
 DEFAULT_TRAINERS = "1,4,16,64,256,1024"
 NO_STOP = float(2 ** 53)  # "no stop version yet" on the board (doubles hold integers exactly up to 2^53)
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 # ---------------------------------------------------------------------------------------------- settings
@@ -543,24 +542,6 @@ class _Fleet:
 
 
 # ---------------------------------------------------------------------------------------------- /proc
-def proc_sample(pid: int | None) -> dict | None:
-    """CPU seconds (utime + stime), VmRSS and VmHWM in bytes of a live process; None if gone."""
-    if not pid:
-        return None
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    fields = stat.rpartition(")")[2].split()  # after the command name, which may hold spaces
-    out = dict(time=time.monotonic(), cpu=(int(fields[11]) + int(fields[12])) / CLK_TCK)
-    for line in status.splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0]) * 1024
-    return out
-
-
 def _cpu_rate(before: list, after: list) -> float | None:
     pairs = [(a, b) for a, b in zip(before, after) if a and b]
     if not pairs:
@@ -660,13 +641,6 @@ def _shard_stats(address: str, token: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ measurements
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on right now (the shard binds it a moment later; a race is retried)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class _Shard:
     """The shard under test: started here (fresh per measurement) or given with --ps.
 
@@ -700,7 +674,7 @@ class _Shard:
             if port:
                 self.health_address = f"127.0.0.1:{port}"
         self.pid = self.proc.popen.pid if self.proc else None
-        self.start_sample = proc_sample(self.pid)
+        self.start_sample = sample(self.pid)
 
     def alive(self) -> bool:
         return self.proc is None or self.proc.alive()
@@ -784,7 +758,7 @@ def measure(ctx, cfg: LoadConfig, shard: _Shard, prober: _Prober, n: int, port_p
             marks["setup"], s.phase = time.monotonic(), "warm-up"
             if not fleet.wait(lambda: board.max_version() >= v_start, deadline):
                 return False
-            samples["start"] = [proc_sample(p) for p in pids]
+            samples["start"] = [sample(p) for p in pids]
             marks["start"], s.phase = time.monotonic(), "measure"
             stop_time = marks["start"] + cfg.seconds if cfg.seconds > 0 else math.inf
             if not fleet.wait(lambda: time.monotonic() >= stop_time
@@ -794,7 +768,7 @@ def measure(ctx, cfg: LoadConfig, shard: _Shard, prober: _Prober, n: int, port_p
             marks["stop"], s.phase = time.monotonic(), "drain"
             return fleet.wait(lambda: board.total(_Board.DONE) == n, deadline)
         finally:
-            samples["end"] = [proc_sample(p) for p in pids]
+            samples["end"] = [sample(p) for p in pids]
             marks["end"] = time.monotonic()
 
     s = _run_session(ctx, cfg, job, shard, prober, phases, deadline, port_prober=port_prober)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 
-if __name__ == "__main__":  # run as a script: its folder (trainer/) is not a place to import from
+if __name__ == "__main__":  # run as a script: its folder (trainer/tools/) is not a place to import from
     del sys.path[0]
 
 import os  # noqa: E402

@@ -3,7 +3,7 @@
 Measures, side by side and with the same models, data and batch sizes:
 
 * the raw loopback TCP floor for the bytes of one PS step (push a gradient, pull the weights);
-* transport floors for each model's bytes (trainer.floors): raw TCP and raw Python gRPC over M connections to M
+* transport floors for each model's bytes (trainer.tools.floors): raw TCP and raw Python gRPC over M connections to M
   server processes, from one client process, and gRPC from P client processes (one interpreter's ceiling);
 * psgrpc's communication for one step (push + apply + pull, one trainer, one shard) and the shard's
   optimizer apply time (SGD, Adam);
@@ -34,9 +34,10 @@ import torch
 
 from psserver.common.cli_support import EnvArgumentParser, ensure_malloc_tunables, run_cli, setup_logging
 from psserver.common.logsafe import counted
-from trainer.floors import measure as measure_floors
 from trainer.loop import device_problem, pick_device
 from trainer.procs import Proc, start_shard, start_trainer, wait_all
+from trainer.tools.floors import measure as measure_floors
+from trainer.tools.procstat import free_port, memory
 
 ACCURACY_BAR = 0.90
 
@@ -89,7 +90,7 @@ def comm_step(model: str, optimizer: str, repeats: int, run_dir: Path, wire_dtyp
     from trainer.models import build_model
 
     shard = start_shard(0, run_dir / f"comm-{model}-{optimizer}-{wire_dtype}-{partition_bytes}.log")
-    baseline_rss = proc_memory(shard.popen.pid)["VmRSS"]  # interpreter, torch and gRPC, before any job
+    baseline_rss = memory(shard.popen.pid)["VmRSS"]  # interpreter, torch and gRPC, before any job
     try:
         shape = load_dataset("synthetic", model).shape if model == "resnet18" else (1, 28, 28)
         net = build_model(model, shape).to(device)
@@ -108,7 +109,7 @@ def comm_step(model: str, optimizer: str, repeats: int, run_dir: Path, wire_dtyp
             if i >= 2:
                 times.append(time.perf_counter() - t0)
         stats = ps.shard_stats()[0].counters
-        peak = proc_memory(shard.popen.pid)["VmHWM"]
+        peak = memory(shard.popen.pid)["VmHWM"]
         ps.close()
         steps = stats["steps"] - warm["steps"]
         state_bytes = 4 * ps.num_params * (1 + (2 if optimizer != "sgd" else 1))  # slice + optimizer state
@@ -123,23 +124,7 @@ def comm_step(model: str, optimizer: str, repeats: int, run_dir: Path, wire_dtyp
         shard.kill()
 
 
-def proc_memory(pid: int) -> dict:
-    """VmRSS and VmHWM (peak RSS) of a process, in bytes (Linux /proc)."""
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0]) * 1024
-    return out
-
-
 # -------------------------------------------------------------------------------------------- training runs
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def train_run(name: str, run_dir: Path, workload: dict, backend: str, mode: str, trainers: int, shards: int,
               steps: int, extra: list[str] | None = None, per_rank: dict | None = None,
               eval_every: int = 0, device: str = "auto") -> dict:
@@ -346,8 +331,8 @@ def sparse_section(quick: bool, run_dir: Path) -> dict:
     """The click model (Zipf ids over 10^9, bags of 1..8) in one process with ``nn.EmbeddingBag(sparse=True)``
     and torch's sparse Adagrad, then with its bag on 1 and 2 shards (one trainer, sync, Adagrad on the shards);
     and a Zipf stream through one shard's table capped at ``max_rows``: its memory against the live rows."""
-    from trainer import sparsebench
     from trainer.recdata import make_click_log
+    from trainer.tools import sparsebench
     steps, batch, dim = (20, 256, 16) if quick else (150, 512, 16)
     log = make_click_log(steps * batch, seed=0).compact()
     single = sparsebench.single_process_rate(log, steps, batch, dim, lr=0.05)
@@ -645,5 +630,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entrypoint() -> None:
-    ensure_malloc_tunables("trainer.bench")
+    ensure_malloc_tunables("trainer.tools.bench")
     run_cli("ps-bench", main)

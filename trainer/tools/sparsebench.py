@@ -10,7 +10,6 @@ table must stop growing once the cap is reached: the samples after that show it.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -20,18 +19,10 @@ import torch
 from psserver.protocol.rows.optim import SparseOptimizerConfig, state_width
 from psserver.protocol.rows.table import RowStore, TableSpec
 from trainer.recdata import zipf_ranks
+from trainer.tools.procstat import memory
 
 ID_SPACE = 10**9
 _SCRAMBLE = 2654435761  # spreads the Zipf ranks over the id space, as trainer.recdata's click log does
-
-
-def rss_bytes(pid: int | None = None) -> int:
-    """Resident set size of a process (Linux /proc), in bytes."""
-    with open(f"/proc/{pid or os.getpid()}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def zipf_batches(n_batches: int, batch: int, a: float, seed: int):
@@ -53,7 +44,7 @@ def table_memory(max_rows: int = 1_000_000, dim: int = 32, batches: int = 600, b
     torch.set_num_threads(1)
     opt = SparseOptimizerConfig(optimizer, lr=0.01)
     store = RowStore(TableSpec("zipf", dim, optimizer=opt, max_rows=max_rows))
-    base_rss = rss_bytes()
+    base_rss = memory()["VmRSS"]
     rows, every, t0, ids_seen = [], max(1, batches // samples), time.perf_counter(), 0
     for i, ids in enumerate(zipf_batches(batches, batch, a, seed)):
         store.lookup(ids)
@@ -64,7 +55,7 @@ def table_memory(max_rows: int = 1_000_000, dim: int = 32, batches: int = 600, b
             rows.append({"batch": i + 1, "live_rows": len(store), "rows_created": store.counts.rows_created,
                          "evicted": store.counts.evicted_lru, "table_bytes": mem["total"],
                          "payload_bytes": payload_bytes(max_rows, dim, opt),
-                         "rss_growth_bytes": rss_bytes() - base_rss})
+                         "rss_growth_bytes": memory()["VmRSS"] - base_rss})
     capped = [r for r in rows if r["live_rows"] >= max_rows * 0.9]
     return {
         "max_rows": max_rows, "dim": dim, "optimizer": optimizer, "zipf_a": a, "batch": batch,
@@ -143,14 +134,14 @@ def sharded_rate(log, steps: int, batch: int, dim: int, lr: float, shards: int, 
         with connect([p.address for p in procs], model, optimizer={"name": "sgd", "lr": lr}) as ps:
             seconds, seen, unique = _train(model, log, steps, batch, lambda n: (ps.step(n), ps.zero_grad()))
             rows = ps.rows.counters if getattr(ps, "rows", None) is not None else {}
-            memory = [rss_bytes(p.popen.pid) for p in procs]
+            shard_rss = [memory(p.popen.pid)["VmRSS"] for p in procs]
     finally:
         for p in procs:
             p.terminate()
     nbytes = rows.get("bytes_pulled", 0) + rows.get("bytes_pushed", 0)
     return {"seconds": seconds, "ids_per_s": seen / seconds, "unique_ids_per_s": unique / seconds,
             "bytes_per_step": nbytes / steps, "row_bytes_per_step": unique * dim * 4 * 2 / steps,
-            "shard_rss_bytes": memory}
+            "shard_rss_bytes": shard_rss}
 
 
 # ----------------------------------------------------------------------------- shard memory, for real
@@ -171,7 +162,7 @@ def shard_table_memory(run_dir, max_rows: int = 1_000_000, dim: int = 32, batche
     rows, every = [], max(1, batches // samples)
     try:
         with connect([proc.address], model, optimizer={"name": "sgd", "lr": 0.01}) as ps:
-            base_rss = rss_bytes(proc.popen.pid)
+            base_rss = memory(proc.popen.pid)["VmRSS"]
             for i, ids in enumerate(zipf_batches(batches, batch, a, seed)):
                 model.table(ids).sum().backward()
                 ps.step(len(ids))
@@ -182,7 +173,7 @@ def shard_table_memory(run_dir, max_rows: int = 1_000_000, dim: int = 32, batche
                                  "evicted": int(c["table.zipf.evicted_lru"]),
                                  "table_bytes": int(c["table.zipf.memory_bytes"]),
                                  "payload_bytes": payload_bytes(max_rows, dim, opt),
-                                 "rss_growth_bytes": rss_bytes(proc.popen.pid) - base_rss})
+                                 "rss_growth_bytes": memory(proc.popen.pid)["VmRSS"] - base_rss})
     finally:
         proc.terminate()
     capped = [r for r in rows if r["live_rows"] >= max_rows * 0.9]
