@@ -41,6 +41,12 @@ class Superseded(PsError):
     code = grpc.StatusCode.ALREADY_EXISTS
 
 
+class NotPermitted(PsError):
+    """A caller the shard cannot trust asks for what only members (or holders of the token) may have."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class ShuttingDown(PsError):
     """The shard is stopping; try again (a restarted shard will answer)."""
 

@@ -36,6 +36,7 @@ from psserver.errors import (
     FutureVersion,
     InvalidRequest,
     JobMismatch,
+    NotPermitted,
     NotReady,
     StaleGradient,
 )
@@ -242,6 +243,18 @@ class Shard:
             self._changed()
         if need_params and self.params is None:
             raise NotReady(f"{self.label} is not initialised yet: rank 0 sends Init first")
+
+    def check_digest_caller(self, rank: int, trainer_id: str, fingerprint: str) -> None:
+        """Refuse a state digest to all but the job's members: it is a pass over the whole state, tables
+        included, so not work a stranger may ask for.  A read (no lease is renewed); with no job there is
+        nothing to hash.  Safe on the event loop."""
+        job = self.job
+        if job is None or (fingerprint == job.fingerprint and self.members.holds(rank, trainer_id)):
+            return
+        raise NotPermitted(
+            f"with_digest is set but rank {rank} as {shorten(trainer_id)} with fingerprint {shorten(fingerprint)} "
+            f"is not a member of the job on {self.label}: a digest needs membership (rank, trainer_id and "
+            "fingerprint of a registered trainer) or the shard's token")
 
     def heartbeat(self, rank: int, trainer_id: str, fingerprint: str) -> tuple[int, int]:
         """Renew ``rank``'s lease. Returns (version, live count). Safe on the event loop."""

@@ -146,8 +146,7 @@ def test_each_partition_keeps_its_own_version_and_the_shard_reports_them(shard_s
 
 
 def _digests(raw, partitions):
-    return [raw.stub.GetStats(pb.StatsRequest(with_digest=True, partition=k), timeout=10).state_digest
-            for k in range(partitions)]
+    return [raw.digest(partition=k) for k in range(partitions)]
 
 
 def test_a_call_naming_a_partition_the_shard_lacks_is_refused_and_changes_nothing(shard_server):
