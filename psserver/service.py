@@ -265,7 +265,7 @@ class ParameterServerService:
             job = JobSpec.from_proto(request.job)
         except ValueError as e:
             raise InvalidRequest(f"job spec: {e}") from None
-        part = self.host.part_for_register(request.partition, job)
+        part = self.host.part_for_register(request.partition, request.rank, request.expected_shard, job)
         r = await self.runtime.run_state(part.register, request.rank, request.trainer_id,
                                          request.expected_shard, job)
         return _pb.RegisterReply(**r)

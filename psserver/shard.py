@@ -140,17 +140,7 @@ class Shard:
         registration starts a new job from scratch (the shard does not carry the
         old weights into it).  A refused registration changes nothing.
         """
-        if expected_shard != self.shard_id:
-            raise JobMismatch(
-                f"this is shard {self.shard_id} but the trainer listed it as shard {expected_shard}: "
-                "--ps must list the shards in shard order"
-            )
-        if job.num_shards <= self.shard_id:
-            raise JobMismatch(f"this is shard {self.shard_id} but the job has only {counted(job.num_shards, 'shard')}")
-        if not 0 <= rank < job.num_trainers:
-            raise InvalidRequest(
-                f"rank is {rank} but the job has {counted(job.num_trainers, 'trainer')} "
-                f"(ranks 0..{job.num_trainers - 1})")
+        self.check_register(rank, expected_shard, job)
         with self._lock:
             if self.job is not None and self._job_done():
                 self._info("shard %d: job %s ended (every trainer left); %s starts a new job from scratch",
@@ -181,6 +171,21 @@ class Shard:
                 shard=self.shard_id, start=self.start, end=self.end, initialized=self.params is not None,
                 version=self.version, registered=len(view.registered), lease_seconds=self.lease_timeout,
             )
+
+    def check_register(self, rank: int, expected_shard: int, job: JobSpec) -> None:
+        """Refuse a registration on what it says alone (shard order, shard count, rank), before anything of it
+        is made -- here or, by ShardHost, the partitions of its job."""
+        if expected_shard != self.shard_id:
+            raise JobMismatch(
+                f"this is shard {self.shard_id} but the trainer listed it as shard {expected_shard}: "
+                "--ps must list the shards in shard order"
+            )
+        if job.num_shards <= self.shard_id:
+            raise JobMismatch(f"this is shard {self.shard_id} but the job has only {counted(job.num_shards, 'shard')}")
+        if not 0 <= rank < job.num_trainers:
+            raise InvalidRequest(
+                f"rank is {rank} but the job has {counted(job.num_trainers, 'trainer')} "
+                f"(ranks 0..{job.num_trainers - 1})")
 
     def _set_job(self, job: JobSpec) -> None:
         self.job = job
