@@ -558,7 +558,8 @@ def _check_pull_bytes(n: int, dim: int, max_bytes: int) -> None:
 
 
 def _check_rows_declared(h: _pb.RowsHeader, dim: int, max_bytes: int) -> None:
-    """Refuse a row push on its header's declared sizes, before anything is allocated for it."""
+    """Refuse a row push on its header's declared sizes and weight, before anything is allocated for it."""
+    limits.check_num_samples(h.num_samples)  # as a dense push's
     if h.dim != dim:
         raise WrongShape(f"dim is {h.dim} but table {shorten(h.table)} has rows of dim {dim}")
     if h.num_ids > limits.MAX_IDS_PER_CALL:

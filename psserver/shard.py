@@ -42,6 +42,7 @@ from psserver.errors import (
 )
 from psserver.job import WIRE_DTYPES, JobSpec
 from psserver.layout import partition_range
+from psserver.limits import check_num_samples
 from psserver.logsafe import counted, shorten
 from psserver.membership import Membership
 from psserver.metrics import ShardMetrics
@@ -353,8 +354,7 @@ class Shard:
     def check_push_header(self, rank: int, trainer_id: str, fingerprint: str, base: int, num_samples: int) -> None:
         """Refuse a push on its header alone, before its payload is read (the caller checks dtype and size)."""
         self.check_member(rank, trainer_id, fingerprint, need_params=True)
-        if num_samples < 1:
-            raise InvalidRequest(f"num_samples is {num_samples} but a gradient needs at least 1 sample")
+        check_num_samples(num_samples)
         if base > self.version:
             raise FutureVersion(f"base version is {base} but {self.label} is at version {self.version}")
 

@@ -186,6 +186,8 @@ PUSH_REFUSALS = {
     "not a member": (dict(rank=1), None, grpc.StatusCode.NOT_FOUND, "rank 1 is not registered"),
     "other job": (dict(fingerprint="0" * 16), None, grpc.StatusCode.FAILED_PRECONDITION, "fingerprint is"),
     "sequence 0": (dict(seq=0), None, grpc.StatusCode.INVALID_ARGUMENT, "sequence is 0"),
+    "zero samples": (dict(n=0), None, grpc.StatusCode.INVALID_ARGUMENT,
+                     "num_samples is 0 but a gradient needs at least 1 sample"),
 }
 
 
