@@ -85,6 +85,20 @@ class TooLarge(PsError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class OutOfMemory(PsError):
+    """What a job needs (a table's first rows and their optimizer state) did not fit in the shard's memory."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """An allocation that failed: MemoryError, or the RuntimeError torch raises for one ("DefaultCPUAllocator:
+    can't allocate memory", "CUDA out of memory") -- which gRPC would otherwise answer as UNKNOWN."""
+    text = str(e)
+    return isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and (
+        "can't allocate memory" in text or "out of memory" in text.lower()))
+
+
 class WaitTimeout(PsError):
     """A pull waited for a version (or for the job to start) until its deadline."""
 

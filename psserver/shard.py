@@ -189,11 +189,12 @@ class Shard:
                 f"(ranks 0..{job.num_trainers - 1})")
 
     def _set_job(self, job: JobSpec) -> None:
-        self.job = job
-        self.tables = Tables.for_job(job, self.shard_id) if self.partition == 0 else Tables()
-        self._cfg = modes.ModeConfig.from_job(job)
-        self.start, self.end = partition_range(job.total_params, job.num_shards, job.partitions, self.shard_id,
-                                               self.partition)
+        """Fix ``job``: everything it needs is made before any of it is recorded, so a failure (a table that
+        does not fit, RESOURCE_EXHAUSTED) leaves the shard without a job, not with half of one."""
+        tables = Tables.for_job(job, self.shard_id) if self.partition == 0 else Tables()
+        cfg = modes.ModeConfig.from_job(job)
+        start, end = partition_range(job.total_params, job.num_shards, job.partitions, self.shard_id, self.partition)
+        self.job, self.tables, self._cfg, self.start, self.end = job, tables, cfg, start, end
         if job.total_params < job.num_shards:
             log.warning("shard %d: the job has fewer parameters (%d) than shards (%d)", self.shard_id,
                         job.total_params, job.num_shards)

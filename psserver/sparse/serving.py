@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 import torch
 
 from psserver import limits, modes
-from psserver.errors import FutureVersion, InvalidRequest, StaleGradient
+from psserver.errors import FutureVersion, InvalidRequest, OutOfMemory, StaleGradient, is_out_of_memory
+from psserver.logsafe import shorten
 from psserver.job import JobSpec, table_mode
 from psserver.sparse import errors
 from psserver.sparse.placement import shard_of
@@ -404,7 +405,18 @@ class Tables:
 
     @staticmethod
     def for_job(job: JobSpec | None, shard: int = 0) -> "Tables":
-        return Tables({} if job is None else {t.name: ServedTable(t, job, shard) for t in job.tables})
+        """The job's tables, allocated here (each its first rows and their optimizer state); a table that does
+        not fit is RESOURCE_EXHAUSTED naming it, and the ones made before it are dropped with this call."""
+        tables = {}
+        for t in job.tables if job is not None else ():
+            try:
+                tables[t.name] = ServedTable(t, job, shard)
+            except (MemoryError, RuntimeError) as e:
+                if not is_out_of_memory(e):
+                    raise
+                raise OutOfMemory(f"table {shorten(t.name)} (dim {t.dim}, optimizer {t.optimizer.name}) did not fit "
+                                  f"in this shard's memory: {shorten(str(e), 200)}") from None
+        return Tables(tables)
 
     def get(self, name: str) -> ServedTable:
         table = self.by_name.get(name)
