@@ -71,19 +71,22 @@ class ShardHost:
                                  f"{'s' if count != 1 else ''} (0..{count - 1})")
         return self.parts[index]
 
-    def part_for_register(self, index: int, job: JobSpec) -> Shard:
+    def part_for_register(self, index: int, rank: int, expected_shard: int, job: JobSpec) -> Shard:
         """Partition ``index`` of ``job``, created (with the ones before it) when the job is the first to have it.
 
-        A job with another partition count than the one running is refused before anything is created
-        (FAILED_PRECONDITION naming the difference, as ``Shard.register`` would); once the running job has
-        ended, the next may have any count.  (Lock-free reads: the partition's own ``register`` checks again.)
+        Everything ``Shard.register`` would refuse on the request alone (partition, shard order, rank, a spec
+        that differs from the running job's) is refused before a partition is created: a refused Register
+        makes nothing.  Once the running job has ended, the next may have any spec.  (Lock-free reads: the
+        partition's own ``register`` checks again.)
         """
         if not 0 <= index < job.partitions:
             raise InvalidRequest(f"partition is {index} but the job has {job.partitions} partition"
                                  f"{'s' if job.partitions != 1 else ''} per shard (0..{job.partitions - 1})")
+        self.head.check_register(rank, expected_shard, job)
         running = self.head.job
-        if running is not None and running.partitions != job.partitions and not self.head.job_ended():
-            raise JobMismatch(f"job spec differs from the one this shard runs: {running.difference(job)}")
+        diff = running.difference(job) if running is not None and not self.head.job_ended() else ""
+        if diff:
+            raise JobMismatch(f"job spec differs from the one this shard runs: {diff}")
         self._grow(job.partitions)
         return self.parts[index]
 

@@ -97,6 +97,11 @@ class Membership:
                 return True
             return False
 
+    def holds(self, rank: int, trainer_id: str) -> bool:
+        """Is ``rank`` registered as ``trainer_id`` (live or silent, not left)?  A read: renews no lease."""
+        with self._lock:
+            return self._trainers.get(rank) == trainer_id
+
     def expire(self) -> list[tuple[int, float]]:
         """Drop live ranks silent past the lease; returns (rank, seconds silent) for each."""
         with self._lock:

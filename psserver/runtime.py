@@ -5,7 +5,10 @@
   never blocks on them.  A shard whose slice is small (``INLINE_STATE_ELEMENTS``)
   runs them on the loop instead: its tensor work takes microseconds, less than
   the hop to a thread and back (and the interpreter-lock hand-offs it costs), and
-  that is the regime of hundreds of trainers per shard.
+  that is the regime of hundreds of trainers per shard.  Work whose cost is not
+  the slice's (a state digest of the tables, a big row call) goes to the worker
+  whatever the slice (``offload``), and while it runs the small work queues
+  behind it there instead of blocking the loop on the shard's lock.
 * ``VersionWaiters``: pulls waiting for a version are futures keyed by that
   version; a state change wakes only the ones it satisfies (readiness is
   monotone in the version), so a round closing for 1,024 trainers costs 1,024
@@ -195,6 +198,7 @@ class Runtime:
         self.state = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shard{host.shard_id}-state")
         self.buffers = ReceiveBuffers(receive_buffers)  # shared by the partitions: memory is the process's
         self.stopping = False
+        self._offloaded = 0  # calls handed to the state worker by ``offload`` and not finished
         self.changes = asyncio.Event()  # set on every shard change: wakes the round timer in stale-timeout mode
         self._waiters: list[VersionWaiters] = []  # one per partition, by index
         for part in host.parts:
@@ -221,8 +225,21 @@ class Runtime:
                 self.loop.call_soon_threadsafe(self.changes.set)
 
     def inline(self) -> bool:
-        """Every partition's slice is small (a partitioned job's are at least 256 elements apart at most)."""
-        return max(p.slice_length() for p in self.host.parts) <= INLINE_STATE_ELEMENTS
+        """Every partition's slice is small (a partitioned job's are at least 256 elements apart at most) and
+        the state worker runs no offloaded call: one would hold the shard's lock, which inline work would then
+        wait for on the loop."""
+        return not self._offloaded and max(p.slice_length() for p in self.host.parts) <= INLINE_STATE_ELEMENTS
+
+    def offload(self, fn, *args) -> asyncio.Future:
+        """``fn(*args)`` on the state worker whatever the slice: for work that costs more than the slice's
+        (a digest of the tables, a big row call), which would stall every call and health check on the loop."""
+        self._offloaded += 1
+        fut = self.loop.run_in_executor(self.state, functools.partial(fn, *args))
+        fut.add_done_callback(self._offload_done)
+        return fut
+
+    def _offload_done(self, _fut: asyncio.Future) -> None:
+        self._offloaded -= 1
 
     def run_state(self, fn, *args) -> asyncio.Future:
         """``fn(*args)`` on the state worker -- or at once on the loop for a small slice (see INLINE_STATE_ELEMENTS);

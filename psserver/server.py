@@ -160,7 +160,10 @@ class ShardServer:
             interceptors=self.cfg.security.aio_interceptors(lambda method: self.shard.count("refused_UNAUTHENTICATED")),
         )
         self.runtime = Runtime(self.shard, self.limits.receive_buffers)
-        add_service(ParameterServerService(self.shard, self.runtime, self.limits), self.server)
+        security = self.cfg.security
+        add_service(ParameterServerService(self.shard, self.runtime, self.limits,
+                                           authenticated=bool(security.token or security.tls_client_ca)),
+                    self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         address = f"{self.cfg.host}:{self.cfg.port}"

@@ -216,10 +216,13 @@ def _check_header_fields(h: _pb.ChunkHeader) -> None:
 
 
 class ParameterServerService:
-    def __init__(self, host: ShardHost, runtime: Runtime, cfg: ServiceLimits = ServiceLimits()):
+    def __init__(self, host: ShardHost, runtime: Runtime, cfg: ServiceLimits = ServiceLimits(),
+                 authenticated: bool = False):
         # Dense calls go to the partition they name (psserver.host); counters, refusals and the sparse tables
-        # are partition 0's, ``self.shard``.
+        # are partition 0's, ``self.shard``.  ``authenticated``: every caller proved itself before reaching
+        # here (a token or mutual TLS), so members-only answers (a state digest) need no membership.
         self.host, self.shard, self.runtime, self.cfg = host, host.head, runtime, cfg
+        self.authenticated = authenticated
         self.refusal_log = RateLimitedLog(log)
         self._per_peer: dict[str, int] = {}
         self._per_rank: dict[tuple[int, int], int] = {}  # (rank, partition) -> calls in flight
@@ -275,7 +278,7 @@ class ParameterServerService:
             job = JobSpec.from_proto(request.job)
         except ValueError as e:
             raise InvalidRequest(f"job spec: {e}") from None
-        part = self.host.part_for_register(request.partition, job)
+        part = self.host.part_for_register(request.partition, request.rank, request.expected_shard, job)
         r = await self.runtime.run_state(part.register, request.rank, request.trainer_id,
                                          request.expected_shard, job)
         return _pb.RegisterReply(**r)
@@ -303,13 +306,22 @@ class ParameterServerService:
         request = _decoded(request)
         part = self.host.part(request.partition)
         s = self.host.snapshot(request.partition)
-        digest = await self.runtime.run_state(part.state_digest) if request.with_digest else ""
+        digest = await self._digest(part, request) if request.with_digest else ""
         reply = _pb.StatsReply(shard=s.shard, initialized=s.initialized, version=s.version, mode=s.mode,
                                start=s.start, end=s.end, live_ranks=s.live_ranks, counters=s.counters,
                                state_digest=digest, lr=s.lr, partitions=len(self.host.parts))
         if s.job is not None:
             reply.job.CopyFrom(s.job.to_proto())
         return reply
+
+    def _digest(self, part: Shard, request) -> asyncio.Future:
+        """The partition's state digest, for members (or any caller of a shard that authenticates them all),
+        hashed on the state worker: a pass over a big table took seconds, and on the loop it held every
+        heartbeat and health check that long."""
+        if not self.authenticated:
+            _check_identity(request)
+            part.check_digest_caller(request.rank, request.trainer_id, request.fingerprint)
+        return self.runtime.offload(part.state_digest)
 
     # ------------------------------------------------------------------ streams in
     @_refusals
@@ -453,7 +465,7 @@ class ParameterServerService:
             if table.small_work(len(ids) * table.spec.dim, INLINE_ROW_ELEMENTS):
                 table.check_ids(ids)  # before waiting: a refusal is not worth a wait
             else:  # unique + placement of up to 2^20 ids: off the loop
-                await self.runtime.loop.run_in_executor(self.runtime.state, table.check_ids, ids)
+                await self.runtime.offload(table.check_ids, ids)
             table.check_wait(request.rank, request.min_version)  # a restarted shard would never answer
             waited = await self._wait_table(request.table, request.min_version, context)
             table = self.shard.tables.get(request.table)  # a new job may have replaced the tables meanwhile
@@ -495,7 +507,7 @@ class ParameterServerService:
         INLINE_ROW_ELEMENTS values."""
         if self.runtime.inline() and table.small_work(elements, INLINE_ROW_ELEMENTS):
             return self.runtime.run_state(fn, *args)
-        return self.runtime.loop.run_in_executor(self.runtime.state, functools.partial(fn, *args))
+        return self.runtime.offload(fn, *args)
 
     @_refusals
     async def PushRows(self, request_iterator, context):
@@ -559,7 +571,8 @@ def _check_pull_bytes(n: int, dim: int, max_bytes: int) -> None:
 
 
 def _check_rows_declared(h: _pb.RowsHeader, dim: int, max_bytes: int) -> None:
-    """Refuse a row push on its header's declared sizes, before anything is allocated for it."""
+    """Refuse a row push on its header's declared sizes and weight, before anything is allocated for it."""
+    limits.check_num_samples(h.num_samples)  # as a dense push's
     if h.dim != dim:
         raise WrongShape(f"dim is {h.dim} but table {shorten(h.table)} has rows of dim {dim}")
     if h.num_ids > limits.MAX_IDS_PER_CALL:

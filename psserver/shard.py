@@ -39,11 +39,13 @@ from psserver.protocol.errors import (
     FutureVersion,
     InvalidRequest,
     JobMismatch,
+    NotPermitted,
     NotReady,
     StaleGradient,
 )
 from psserver.protocol.job import WIRE_DTYPES, JobSpec
 from psserver.protocol.layout import partition_range
+from psserver.protocol.limits import check_num_samples
 from psserver.protocol.optim import build_optimizer
 from psserver.protocol.rules import Mode
 from psserver.protocol.schedules import lr_at
@@ -140,17 +142,7 @@ class Shard:
         registration starts a new job from scratch (the shard does not carry the
         old weights into it).  A refused registration changes nothing.
         """
-        if expected_shard != self.shard_id:
-            raise JobMismatch(
-                f"this is shard {self.shard_id} but the trainer listed it as shard {expected_shard}: "
-                "--ps must list the shards in shard order"
-            )
-        if job.num_shards <= self.shard_id:
-            raise JobMismatch(f"this is shard {self.shard_id} but the job has only {counted(job.num_shards, 'shard')}")
-        if not 0 <= rank < job.num_trainers:
-            raise InvalidRequest(
-                f"rank is {rank} but the job has {counted(job.num_trainers, 'trainer')} "
-                f"(ranks 0..{job.num_trainers - 1})")
+        self.check_register(rank, expected_shard, job)
         with self._lock:
             if self.job is not None and self._job_done():
                 self._info("shard %d: job %s ended (every trainer left); %s starts a new job from scratch",
@@ -182,12 +174,28 @@ class Shard:
                 version=self.version, registered=len(view.registered), lease_seconds=self.lease_timeout,
             )
 
+    def check_register(self, rank: int, expected_shard: int, job: JobSpec) -> None:
+        """Refuse a registration on what it says alone (shard order, shard count, rank), before anything of it
+        is made -- here or, by ShardHost, the partitions of its job."""
+        if expected_shard != self.shard_id:
+            raise JobMismatch(
+                f"this is shard {self.shard_id} but the trainer listed it as shard {expected_shard}: "
+                "--ps must list the shards in shard order"
+            )
+        if job.num_shards <= self.shard_id:
+            raise JobMismatch(f"this is shard {self.shard_id} but the job has only {counted(job.num_shards, 'shard')}")
+        if not 0 <= rank < job.num_trainers:
+            raise InvalidRequest(
+                f"rank is {rank} but the job has {counted(job.num_trainers, 'trainer')} "
+                f"(ranks 0..{job.num_trainers - 1})")
+
     def _set_job(self, job: JobSpec) -> None:
-        self.job = job
-        self.tables = Tables.for_job(job, self.shard_id) if self.partition == 0 else Tables()
-        self._cfg = modes.ModeConfig.from_job(job)
-        self.start, self.end = partition_range(job.total_params, job.num_shards, job.partitions, self.shard_id,
-                                               self.partition)
+        """Fix ``job``: everything it needs is made before any of it is recorded, so a failure (a table that
+        does not fit, RESOURCE_EXHAUSTED) leaves the shard without a job, not with half of one."""
+        tables = Tables.for_job(job, self.shard_id) if self.partition == 0 else Tables()
+        cfg = modes.ModeConfig.from_job(job)
+        start, end = partition_range(job.total_params, job.num_shards, job.partitions, self.shard_id, self.partition)
+        self.job, self.tables, self._cfg, self.start, self.end = job, tables, cfg, start, end
         if job.total_params < job.num_shards:
             log.warning("shard %d: the job has fewer parameters (%d) than shards (%d)", self.shard_id,
                         job.total_params, job.num_shards)
@@ -243,6 +251,18 @@ class Shard:
             self._changed()
         if need_params and self.params is None:
             raise NotReady(f"{self.label} is not initialised yet: rank 0 sends Init first")
+
+    def check_digest_caller(self, rank: int, trainer_id: str, fingerprint: str) -> None:
+        """Refuse a state digest to all but the job's members: it is a pass over the whole state, tables
+        included, so not work a stranger may ask for.  A read (no lease is renewed); with no job there is
+        nothing to hash.  Safe on the event loop."""
+        job = self.job
+        if job is None or (fingerprint == job.fingerprint and self.members.holds(rank, trainer_id)):
+            return
+        raise NotPermitted(
+            f"with_digest is set but rank {rank} as {shorten(trainer_id)} with fingerprint {shorten(fingerprint)} "
+            f"is not a member of the job on {self.label}: a digest needs membership (rank, trainer_id and "
+            "fingerprint of a registered trainer) or the shard's token")
 
     def heartbeat(self, rank: int, trainer_id: str, fingerprint: str) -> tuple[int, int]:
         """Renew ``rank``'s lease. Returns (version, live count). Safe on the event loop."""
@@ -336,8 +356,7 @@ class Shard:
     def check_push_header(self, rank: int, trainer_id: str, fingerprint: str, base: int, num_samples: int) -> None:
         """Refuse a push on its header alone, before its payload is read (the caller checks dtype and size)."""
         self.check_member(rank, trainer_id, fingerprint, need_params=True)
-        if num_samples < 1:
-            raise InvalidRequest(f"num_samples is {num_samples} but a gradient needs at least 1 sample")
+        check_num_samples(num_samples)
         if base > self.version:
             raise FutureVersion(f"base version is {base} but {self.label} is at version {self.version}")
 

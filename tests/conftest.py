@@ -74,11 +74,14 @@ class RawShard:
         data = b"".join(c.data for c in chunks)
         return chunks[0].header.version, torch.frombuffer(bytearray(data), dtype=torch.float32)
 
-    def stats(self):
-        return self.stub.GetStats(pb.StatsRequest(with_digest=True), timeout=10)
+    def stats(self, digest=False, rank=0, trainer_id=None, fingerprint="f" * 16, partition=0):
+        """GetStats of ``partition``; with ``digest``, the state digest too, asked as a member (rank 0 as
+        ``register`` names it, by default): the shard refuses a digest to strangers."""
+        return self.stub.GetStats(pb.StatsRequest(with_digest=digest, rank=rank, trainer_id=trainer_id or f"t{rank}",
+                                                  fingerprint=fingerprint, partition=partition), timeout=10)
 
-    def digest(self) -> str:
-        return self.stats().state_digest
+    def digest(self, **member) -> str:
+        return self.stats(digest=True, **member).state_digest
 
 
 @pytest.fixture

@@ -41,6 +41,12 @@ class Superseded(PsError):
     code = grpc.StatusCode.ALREADY_EXISTS
 
 
+class NotPermitted(PsError):
+    """A caller the shard cannot trust asks for what only members (or holders of the token) may have."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class ShuttingDown(PsError):
     """The shard is stopping; try again (a restarted shard will answer)."""
 
@@ -77,6 +83,20 @@ class TooLarge(PsError):
     """A stream or message above the configured size limit."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class OutOfMemory(PsError):
+    """What a job needs (a table's first rows and their optimizer state) did not fit in the shard's memory."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """An allocation that failed: MemoryError, or the RuntimeError torch raises for one ("DefaultCPUAllocator:
+    can't allocate memory", "CUDA out of memory") -- which gRPC would otherwise answer as UNKNOWN."""
+    text = str(e)
+    return isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and (
+        "can't allocate memory" in text or "out of memory" in text.lower()))
 
 
 class WaitTimeout(PsError):

@@ -76,6 +76,13 @@ def check_id(field: str, value: str, limit: int = MAX_ID_CHARS) -> None:
     if problem:
         raise InvalidRequest(problem)
 
+def check_num_samples(num_samples: int) -> None:
+    """Refuse a gradient (dense or rows) that stands for no sample: ``num_samples`` weights it in a round's
+    average, so one of 0 would be acknowledged as a push and then weigh nothing."""
+    if num_samples < 1:
+        raise InvalidRequest(f"num_samples is {num_samples} but a gradient needs at least 1 sample")
+
+
 # Sparse tables (psserver.sparse).  A row's width: 65536 fp32 is 256 KiB a row, past any embedding.
 MAX_EMBEDDING_DIM = 1 << 16
 # Live rows one table may keep on one shard (its max_rows): 2**32 rows of dim 1 are already 16 GiB.

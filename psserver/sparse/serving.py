@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 import torch
 
 from psserver import modes
+from psserver.common.logsafe import shorten
 from psserver.protocol import limits
-from psserver.protocol.errors import FutureVersion, InvalidRequest, StaleGradient
+from psserver.protocol.errors import FutureVersion, InvalidRequest, OutOfMemory, StaleGradient, is_out_of_memory
 from psserver.protocol.job import JobSpec, table_mode
 from psserver.protocol.rows import errors
 from psserver.protocol.rows.placement import shard_of
@@ -406,7 +407,18 @@ class Tables:
 
     @staticmethod
     def for_job(job: JobSpec | None, shard: int = 0) -> "Tables":
-        return Tables({} if job is None else {t.name: ServedTable(t, job, shard) for t in job.tables})
+        """The job's tables, allocated here (each its first rows and their optimizer state); a table that does
+        not fit is RESOURCE_EXHAUSTED naming it, and the ones made before it are dropped with this call."""
+        tables = {}
+        for t in job.tables if job is not None else ():
+            try:
+                tables[t.name] = ServedTable(t, job, shard)
+            except (MemoryError, RuntimeError) as e:
+                if not is_out_of_memory(e):
+                    raise
+                raise OutOfMemory(f"table {shorten(t.name)} (dim {t.dim}, optimizer {t.optimizer.name}) did not fit "
+                                  f"in this shard's memory: {shorten(str(e), 200)}") from None
+        return Tables(tables)
 
     def get(self, name: str) -> ServedTable:
         table = self.by_name.get(name)

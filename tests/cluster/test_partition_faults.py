@@ -42,11 +42,15 @@ from trainer.procs import start_shard, start_trainer, wait_all
 ACKED = {"applied", "accepted", "duplicate"}
 
 
-def part_stats(address: str, partition: int, digest: bool = False) -> pb.StatsReply:
-    """GetStats of one partition (its version, range, round and digest; counters summed over partitions)."""
+def part_stats(address: str, partition: int, digest_as: "Gate | None" = None) -> pb.StatsReply:
+    """GetStats of one partition (its version, range, round; counters summed over partitions), with its digest
+    when ``digest_as`` names the member that asks for it (the shard refuses digests to strangers)."""
+    request = pb.StatsRequest(partition=partition)
+    if digest_as is not None:
+        request.with_digest, request.rank, request.trainer_id = True, digest_as.rank, digest_as.trainer_id
+        request.fingerprint = digest_as.job.fingerprint
     with grpc.insecure_channel(address) as ch:
-        return pb_grpc.ParameterServerStub(ch).GetStats(pb.StatsRequest(partition=partition, with_digest=digest),
-                                                         timeout=30)
+        return pb_grpc.ParameterServerStub(ch).GetStats(request, timeout=30)
 
 
 def checkpoint_dir(root, partition: int):
@@ -368,7 +372,8 @@ class Gate:
     def __init__(self, addresses: list[str]):
         st = part_stats(addresses[0], 0)
         self.job = JobSpec.from_proto(st.job)
-        self.client = ShardedClient(addresses, self.job, rank=2, trainer_id="gate")
+        self.rank, self.trainer_id = 2, "gate"
+        self.client = ShardedClient(addresses, self.job, rank=self.rank, trainer_id=self.trainer_id)
         try:
             replies = self.client.map(lambda s: s.register(self.job, 60), parts=True)
             self.lengths = [r.end - r.start for r in replies]
@@ -416,7 +421,7 @@ def test_sigterm_of_a_partitioned_shard_with_its_rounds_open_restores_every_part
         # Rounds 8 hold both trainers' gradients, waiting for the gate's: nothing changes until it pushes.
         wait_until(lambda: part_stats(addresses[1], 0).counters["pushes_applied"] == MLP_PARTS * (3 * HELD + 2), 60,
                    "both trainers' pushes of step 9 on shard 1")
-        before = [part_stats(addresses[1], k, digest=True) for k in range(MLP_PARTS)]
+        before = [part_stats(addresses[1], k, digest_as=gate) for k in range(MLP_PARTS)]
         assert [b.version for b in before] == [HELD] * MLP_PARTS
 
         shards[1].popen.send_signal(signal.SIGTERM)
@@ -426,7 +431,7 @@ def test_sigterm_of_a_partitioned_shard_with_its_rounds_open_restores_every_part
                                 extra_args=args + ["--restore"])
         procs.append(restarted)
         # The trainers' retries reach it now, answered DUPLICATE: they change no partition's state.
-        after = [part_stats(addresses[1], k, digest=True) for k in range(MLP_PARTS)]
+        after = [part_stats(addresses[1], k, digest_as=gate) for k in range(MLP_PARTS)]
         for k, (b, a) in enumerate(zip(before, after)):
             assert (a.version, a.start, a.end) == (b.version, b.start, b.end), k
             assert a.state_digest == b.state_digest, f"partition {k}: parameters, optimizer, version or round differ"

@@ -15,7 +15,7 @@ import torch
 from torch.nn import functional as F
 
 from psserver.protocol.proto import ps_pb2 as pb
-from tests.conftest import make_spec
+from tests.conftest import P, make_spec
 from trainer import connect
 
 STEPS = 5
@@ -146,8 +146,7 @@ def test_each_partition_keeps_its_own_version_and_the_shard_reports_them(shard_s
 
 
 def _digests(raw, partitions):
-    return [raw.stub.GetStats(pb.StatsRequest(with_digest=True, partition=k), timeout=10).state_digest
-            for k in range(partitions)]
+    return [raw.digest(partition=k) for k in range(partitions)]
 
 
 def test_a_call_naming_a_partition_the_shard_lacks_is_refused_and_changes_nothing(shard_server):
@@ -201,6 +200,35 @@ def test_a_job_with_more_partitions_than_the_limit_is_refused_naming_both(shard_
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "partitions per shard (100000)" in e.value.details() and "256" in e.value.details()
     assert raw.stats().initialized is False
+
+
+WIDE = make_spec(partitions=256)
+REFUSED_REGISTERS = {  # (request fields, status, fragment of the message)
+    "rank 1 of 1": (dict(rank=1, partition=0), grpc.StatusCode.INVALID_ARGUMENT, "rank is 1 but the job has 1 trainer"),
+    "wrong shard": (dict(expected_shard=1, partition=0), grpc.StatusCode.FAILED_PRECONDITION,
+                    "this is shard 0 but the trainer listed it as shard 1"),
+    "partition 300": (dict(partition=300), grpc.StatusCode.INVALID_ARGUMENT,
+                      "partition is 300 but the job has 256 partitions"),
+    "rank 1 of 1 on partition 255": (dict(rank=1, partition=255), grpc.StatusCode.INVALID_ARGUMENT,
+                                     "rank is 1 but the job has 1 trainer"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_REGISTERS))
+def test_a_refused_register_of_a_partitioned_job_makes_no_partition(shard_server, case):
+    raw = shard_server()
+    fresh = raw.digest()
+    fields, code, fragment = REFUSED_REGISTERS[case]
+    request = dict(rank=0, trainer_id="t0", expected_shard=0, job=WIDE.to_proto())
+    with pytest.raises(grpc.RpcError) as e:
+        raw.stub.Register(pb.RegisterRequest(**{**request, **fields}), timeout=10)
+    assert e.value.code() == code and fragment in e.value.details()
+    stats = raw.stats()
+    assert stats.partitions == 1 and not stats.HasField("job") and raw.digest() == fresh
+    raw.register()  # the next job, of one partition, is served as one
+    assert raw.stats().partitions == 1
+    raw.init(torch.zeros(P))
+    assert raw.push(torch.ones(P)).outcome == pb.APPLIED
 
 
 @pytest.mark.parametrize("pipeline", [False, True], ids=["plain", "pipelined"])

@@ -86,6 +86,15 @@ def test_tls_with_token(pki, start, caplog):
     assert health(ClientSecurity(tls_ca=pki["ca"]).channel(address)) == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_a_shard_with_a_token_hashes_its_digest_for_any_caller_holding_the_token(start):
+    """Every caller of a shard with a token proved itself: a digest needs no membership there."""
+    server = start(ServerSecurity(token=TOKEN))
+    channel = ClientSecurity(token=TOKEN).channel(f"127.0.0.1:{server.port}")
+    register(channel)
+    reply = pb_grpc.ParameterServerStub(channel).GetStats(pb.StatsRequest(with_digest=True), timeout=5)
+    assert len(reply.state_digest) == 64
+
+
 def test_wrong_ca_fails_the_handshake(pki, start):
     server = start(ServerSecurity(pki["server_cert"], pki["server_key"]))
     with pytest.raises(grpc.RpcError) as e:

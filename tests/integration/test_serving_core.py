@@ -38,6 +38,7 @@ from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.proto import ps_pb2_grpc as pb_grpc
 from psserver.server import ServerConfig, ShardServer
 from psserver.service import ServiceLimits
+from psserver.sparse.serving import Tables
 from tests.conftest import P, make_spec
 
 C = grpc.StatusCode
@@ -359,14 +360,14 @@ def test_invalid_optimizer_settings_are_refused_at_register_and_fix_no_job(shard
     before = shard.digest()
     refused(lambda: shard.stub.Register(pb.RegisterRequest(rank=0, trainer_id="t0", job=job), timeout=10),
             C.INVALID_ARGUMENT, "job spec: " + fragment)
-    stats = shard.stats()
+    stats = shard.stats(digest=True)
     assert stats.mode == "" and not stats.HasField("job") and stats.state_digest == before
     # the refused spec fixed nothing: a different, valid spec becomes the job, and the shard serves it
     valid = dataclasses.replace(make_spec(), optimizer=OptimizerConfig("adamw", lr=0.01, weight_decay=0.01))
     assert shard.register(spec=valid).initialized is False
     shard.init(torch.zeros(P))
     assert shard.push(torch.ones(P)).outcome == pb.APPLIED
-    stats = shard.stats()
+    stats = shard.stats(digest=True)
     assert stats.job.optimizer.name == "adamw" and stats.version == 1
     assert re.fullmatch("[0-9a-f]{64}", stats.state_digest)
 
@@ -466,7 +467,7 @@ def test_init_from_rank_1_is_refused_before_its_payload_is_read(shard_server):
                 "Init came from rank 1, but only rank 0 initialises the shards")
     finally:
         release.set()
-    stats = shard.stats()
+    stats = shard.stats(digest=True)
     assert not stats.initialized and stats.state_digest == before
     assert stats.counters["bytes_in"] == 0  # not a byte of the payload was counted
     x = torch.randn(P, generator=torch.Generator().manual_seed(4))
@@ -497,7 +498,7 @@ def test_a_data_call_before_any_register_is_failed_precondition_even_with_dtype_
         "Pull": lambda: list(shard.stub.Pull(pull_request(dtype=pb.DTYPE_UNSPECIFIED), timeout=10)),
     }
     refused(calls[rpc], C.FAILED_PRECONDITION, "shard 0 has no job yet: register first")
-    stats = shard.stats()
+    stats = shard.stats(digest=True)
     assert stats.state_digest == before and stats.mode == "" and not stats.initialized
     shard.register()
     shard.init(torch.zeros(P))
@@ -625,7 +626,7 @@ def test_a_trainer_of_another_job_id_is_refused_while_a_job_runs(shard_server):
     before = shard.digest()
     refused(lambda: shard.register(rank=1, spec=make_spec(num_trainers=2, job_id="b")), C.FAILED_PRECONDITION,
             "job_id is 'b' but the job has 'a'")
-    stats = shard.stats()
+    stats = shard.stats(digest=True)
     assert stats.state_digest == before and stats.job.job_id == "a" and list(stats.live_ranks) == [0]
     shard.register(rank=1, spec=job_a)
     assert shard.push(torch.ones(P), rank=0).outcome == pb.ACCEPTED
@@ -643,6 +644,55 @@ def test_stats_carry_the_state_digest_only_when_asked(shard_server):
     shard.push(torch.ones(P))
     assert re.fullmatch("[0-9a-f]{64}", shard.digest()) and shard.digest() != first
     assert shard.stub.GetStats(pb.StatsRequest(with_digest=False), timeout=10).state_digest == ""
+
+
+def test_heartbeats_stats_and_health_answer_while_a_digest_is_being_hashed(shard_server, monkeypatch):
+    """A small slice runs its state work on the loop; a digest of big tables must not: the tables' hash is held
+    at a gate until the other calls have answered (on the loop it would hold them all, and they time out)."""
+    shard, _ = initialised(shard_server)
+    hashing, release = threading.Event(), threading.Event()
+    table_digest = Tables.digest
+
+    def gated(tables):
+        hashing.set()
+        release.wait(60)  # set in the finally below; the bound only guards against a test bug
+        return table_digest(tables)
+
+    monkeypatch.setattr(Tables, "digest", gated)
+    digest = shard.stub.GetStats.future(
+        pb.StatsRequest(with_digest=True, rank=0, trainer_id="t0", fingerprint=FP), timeout=120)
+    try:
+        assert hashing.wait(30), "the digest never started"
+        beat = shard.stub.Heartbeat(pb.HeartbeatRequest(rank=0, trainer_id="t0", fingerprint=FP), timeout=10)
+        assert beat.live == 1
+        assert shard.stub.GetStats(pb.StatsRequest(), timeout=10).initialized
+        assert health(shard.channel) == health_pb2.HealthCheckResponse.SERVING
+        assert not digest.done()  # all of it answered while the digest was still being hashed
+    finally:
+        release.set()
+    assert re.fullmatch("[0-9a-f]{64}", digest.result().state_digest)
+
+
+STRANGERS = {
+    "no identity": {},
+    "unregistered rank": dict(rank=3, trainer_id="t3", fingerprint=FP),
+    "another trainer id": dict(rank=0, trainer_id="intruder", fingerprint=FP),
+    "another fingerprint": dict(rank=0, trainer_id="t0", fingerprint="0" * 16),
+}
+
+
+@pytest.mark.parametrize("who", list(STRANGERS))
+def test_a_digest_is_refused_to_a_stranger_with_permission_denied_and_changes_nothing(shard_server, who):
+    shard, _ = initialised(shard_server)
+    before = shard.digest()
+    with pytest.raises(grpc.RpcError) as e:
+        shard.stub.GetStats(pb.StatsRequest(with_digest=True, **STRANGERS[who]), timeout=10)
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "with_digest is set but rank" in e.value.details() and "is not a member of the job" in e.value.details()
+    assert shard.stub.GetStats(pb.StatsRequest(**STRANGERS[who]), timeout=10).initialized  # counters: anyone
+    assert shard.digest() == before
+    assert shard.stats().counters["refused_PERMISSION_DENIED"] == 1
+    assert shard.push(torch.ones(P)).outcome == pb.APPLIED  # still serving
 
 
 # ---------------------------------------------------------------------------------------------- 10. closed by a leave

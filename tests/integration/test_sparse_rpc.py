@@ -13,7 +13,7 @@ from psserver.protocol.rows.optim import SparseOptimizerConfig
 from psserver.protocol.rows.placement import shard_of
 from psserver.protocol.rows.table import RowStore, TableSpec
 from psserver.protocol.rows.wire import row_chunks
-from tests.conftest import make_spec
+from tests.conftest import P, make_spec
 from tests.integration.test_refusals import refused
 from trainer.client import RetryPolicy, ShardedClient
 from trainer.sparse_client import RowsCallFailed, RowsPushFailed, ShardedRows
@@ -186,6 +186,8 @@ PUSH_REFUSALS = {
     "not a member": (dict(rank=1), None, grpc.StatusCode.NOT_FOUND, "rank 1 is not registered"),
     "other job": (dict(fingerprint="0" * 16), None, grpc.StatusCode.FAILED_PRECONDITION, "fingerprint is"),
     "sequence 0": (dict(seq=0), None, grpc.StatusCode.INVALID_ARGUMENT, "sequence is 0"),
+    "zero samples": (dict(n=0), None, grpc.StatusCode.INVALID_ARGUMENT,
+                     "num_samples is 0 but a gradient needs at least 1 sample"),
 }
 
 
@@ -273,3 +275,33 @@ def test_a_pull_whose_reply_would_pass_the_byte_limit_is_refused_before_any_row_
     refused(lambda: pull_rows(raw, list(range(100))), grpc.StatusCode.RESOURCE_EXHAUSTED, "over this shard's limit of 1024")
     assert raw.digest() == before and raw.stats().counters["table.emb.live_rows"] == 0
     assert len(pull_rows(raw, [1])[1]) == 1  # still serving, and small pulls pass
+
+
+NO_MEMORY = {
+    "torch's allocator": RuntimeError("[enforce fail at alloc_cpu.cpp:118] data. DefaultCPUAllocator: can't allocate "
+                                      "memory: you tried to allocate 805306368 bytes. Error code 12"),
+    "MemoryError": MemoryError(),
+}
+
+
+@pytest.mark.parametrize("failure", list(NO_MEMORY))
+def test_a_register_whose_table_does_not_fit_is_resource_exhausted_and_makes_nothing(shard_server, monkeypatch,
+                                                                                     failure):
+    raw = shard_server()
+    fresh = raw.digest()
+
+    def allocation_fails(store, capacity):
+        raise NO_MEMORY[failure]
+
+    with monkeypatch.context() as m:
+        m.setattr(RowStore, "_alloc", allocation_fails)
+        refused(lambda: raw.register(spec=job()), grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "table 'emb' (dim 4, optimizer sgd) did not fit in this shard's memory")
+    stats = raw.stats()
+    assert not stats.HasField("job") and stats.partitions == 1 and raw.digest() == fresh
+    # the same job, now that it fits, registers and trains
+    raw.register(spec=job())
+    assert pull_rows(raw, [1, 2])[0] == 0
+    assert push_rows(raw, rows_chunks([1, 2])).outcome == pb.APPLIED
+    raw.init(torch.zeros(P))
+    assert raw.push(torch.ones(P)).outcome == pb.APPLIED

@@ -12,7 +12,7 @@ def trained_host(directory, pushes: list[int]) -> ShardHost:
     """A host whose partition k took ``pushes[k]`` optimizer steps, then wrote its final checkpoints."""
     host = ShardHost(0, checkpoint_dir=str(directory), checkpoint_every=1000)
     for k, n in enumerate(pushes):
-        part = host.part_for_register(k, SPEC)
+        part = host.part_for_register(k, 0, 0, SPEC)
         part.register(0, "t0", 0, SPEC)
         part.init(0, "t0", SPEC.fingerprint, torch.zeros(part.slice_length()))
         for v in range(n):

@@ -18,14 +18,14 @@ FP = "f" * 16
 def joined(host: ShardHost, spec, rank=0, trainer_id="t0"):
     """Register ``rank`` on every partition of ``spec`` (what a trainer does at connect)."""
     for k in range(spec.partitions):
-        host.part_for_register(k, spec).register(rank, trainer_id, 0, spec)
+        host.part_for_register(k, rank, 0, spec).register(rank, trainer_id, 0, spec)
 
 
 def test_a_register_of_a_job_with_another_partition_count_is_refused_before_any_partition_is_made(tmp_path):
     host = ShardHost(0, checkpoint_dir=str(tmp_path))
     joined(host, make_spec())
     with pytest.raises(JobMismatch, match="partitions is 4 but the job has 1"):
-        host.part_for_register(1, make_spec(partitions=4))
+        host.part_for_register(1, 0, 0, make_spec(partitions=4))
     assert len(host.parts) == 1
     assert not any(p.name.startswith("partition-") for p in tmp_path.iterdir())
 

@@ -304,12 +304,18 @@ class HeartbeatReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., live: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ("with_digest", "partition")
+    __slots__ = ("with_digest", "partition", "rank", "trainer_id", "fingerprint")
     WITH_DIGEST_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     with_digest: bool
     partition: int
-    def __init__(self, with_digest: _Optional[bool] = ..., partition: _Optional[int] = ...) -> None: ...
+    rank: int
+    trainer_id: str
+    fingerprint: str
+    def __init__(self, with_digest: _Optional[bool] = ..., partition: _Optional[int] = ..., rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("shard", "initialized", "version", "mode", "start", "end", "live_ranks", "counters", "job", "state_digest", "lr", "partitions")
