@@ -165,6 +165,9 @@ class FlatModel:
         self.grad.zero_()
 
 
+LEFT, NOT_LISTED = "left", "not listed"  # what a shard answered a Leave: OK, or NOT_FOUND (it never knew us)
+
+
 class StartTimeout(TimeoutError):
     """The job did not start within the connect timeout; the message says what was still awaited."""
 
@@ -293,6 +296,7 @@ class ParameterServerTrainer:
         self._last_info: StepInfo | None = None
         self._closed = False
         self.left = False  # every shard that knew this trainer was told it left
+        self.leave_answers: dict[int, str] = {}  # slot -> LEFT, NOT_LISTED or the error its Leave got
         self._attempt: _StepAttempt | None = None  # a step that failed on some shards, until step() retries it
         self._registered: set[int] = set()  # shards that know this trainer: close() leaves exactly these
         self._resume_dense: dict[int, int] = {}  # shard -> dense version before a restart a table call found
@@ -301,10 +305,12 @@ class ParameterServerTrainer:
         try:
             self._join(connect_timeout)
             self._bind_tables()
-        except BaseException:
+        except BaseException as e:
             # Leave and close, or this trainer would stay registered (and, with heartbeats, live): sync
-            # rounds would wait on it.
+            # rounds would wait on it.  The error carries what the shards answered: the caller holds no
+            # trainer to ask (ps-trainer's SIGTERM while connecting reports it).
             self.close(leave=True, best_effort=True)
+            e.left, e.leave_outcome = self.left, self.leave_outcome()
             raise
         log.info("rank %d connected to %d shards at versions %s", rank, job.num_shards, self.versions)
 
@@ -312,7 +318,7 @@ class ParameterServerTrainer:
         """Register with every shard, start heartbeats, initialise (rank 0), and take the first weights --
         all within one ``timeout``."""
         give_up = time.monotonic() + timeout
-        results = self.client.map_settled(lambda s: s.register(self.job, timeout), parts=True)
+        results = self._register_everywhere(timeout)
         self._registered = {i for i, r in enumerate(results) if not isinstance(r, Exception)}
         errors = [r for r in results if isinstance(r, Exception)]
         if errors:
@@ -333,6 +339,23 @@ class ParameterServerTrainer:
                             parts=True)
         self._wait_for_start(give_up - time.monotonic(), timeout)
         self.staging.settle()  # the first forward waits for the first weights
+
+    def _register_everywhere(self, timeout: float) -> list:
+        """Each slot's RegisterReply, or the Exception its registering raised.
+
+        Interrupted meanwhile (a signal on this thread), the other slots' attempts are abandoned and waited
+        for, and every slot whose registering did not fail stays in ``_registered``: a shard may have
+        registered this trainer although its answer never arrived, and close() must leave it."""
+        abandon, inflight = threading.Event(), []
+        self._registered = set(range(self.num_parts))  # until their answers say otherwise
+        try:
+            return self.client.map_settled(lambda s: s.register(self.job, timeout, abandon), parts=True,
+                                           inflight=inflight)
+        except BaseException:
+            abandon.set()
+            futures_wait(inflight)
+            self._registered -= {i + 1 for i, f in enumerate(inflight) if isinstance(f.result(), Exception)}
+            raise
 
     def _bind_tables(self) -> None:
         """Point the model's tables at their rows on the shards."""
@@ -842,17 +865,34 @@ class ParameterServerTrainer:
         mine = [s for s in self.client.parts if s.slot in self._registered]
         if not best_effort:
             self.client.map(lambda s: s.leave() if s.slot in self._registered else None, parts=True)
+            self.leave_answers = {s.slot: LEFT for s in mine}
             self.left = True
             return
-        failed = []
         for s in mine:
             try:
                 s.leave(quick=True)
+                self.leave_answers[s.slot] = LEFT
             except grpc.RpcError as e:
-                failed.append(s.slot)
+                if e.code() == grpc.StatusCode.NOT_FOUND:  # it does not list this trainer: nothing to leave
+                    self.leave_answers[s.slot] = NOT_LISTED
+                    continue
+                self.leave_answers[s.slot] = f"{e.code().name}: {e.details()}"
                 log.warning("rank %d could not leave %s (%s): %s %s", self.rank, s.name, s.address,
                             e.code().name, e.details())
-        self.left = not failed
+        self.left = all(a in (LEFT, NOT_LISTED) for a in self.leave_answers.values())
+
+    def leave_outcome(self) -> str:
+        """What closing told the shards, in words that claim no more than their answers (for ps-trainer's last
+        line): left, had registered nowhere, or could not leave which shard and why."""
+        failed = {i: a for i, a in self.leave_answers.items() if a not in (LEFT, NOT_LISTED)}
+        if failed:
+            names = "; ".join(f"{self.client.parts[i].name} at {self.client.parts[i].address} ({a})"
+                              for i, a in sorted(failed.items()))
+            return f"could not leave {names}: its lease there runs out instead"
+        told = sorted(self.client.parts[i].name for i, a in self.leave_answers.items() if a == LEFT)
+        if told:
+            return f"left the job ({', '.join(told)} answered its Leave)"
+        return "had registered with no shard: nothing to leave"
 
     def __enter__(self) -> "ParameterServerTrainer":
         return self

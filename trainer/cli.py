@@ -218,8 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = train(cfg, stop)
     except Interrupted as e:
-        left = "left the job" if e.left else "could not tell every shard it left (its lease will run out)"
-        sys.stderr.write(f"ps-trainer: stopped by {signal.Signals(e.signum).name}; {left}\n")
+        sys.stderr.write(f"ps-trainer: stopped by {signal.Signals(e.signum).name}; {e.leave_outcome}\n")
         return 128 + e.signum
     print(json.dumps(finite_json({"event": "done", "rank": cfg.rank, **summary}), allow_nan=False))
     return 0

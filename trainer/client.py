@@ -53,6 +53,10 @@ class ShardUnreachable(ConnectionError):
     """A shard did not answer within the connect timeout; the message names it and its address."""
 
 
+class ConnectAbandoned(ConnectionError):
+    """Registering was given up because the caller was interrupted (ShardClient.register's ``abandon``)."""
+
+
 # A shard answering these restarted: it no longer knows the trainer, came back empty, or is behind it.
 # The trainer registers again (dense slice: trainer.api; tables: trainer.sparse_client).
 RESTART_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION)
@@ -185,19 +189,25 @@ class ShardClient:
                 time.sleep(pause)  # backoff between attempts, not synchronisation
                 delay = min(delay * 2, self.retry.max_backoff)
 
-    def register(self, job: JobSpec, connect_timeout: float) -> _pb.RegisterReply:
+    def register(self, job: JobSpec, connect_timeout: float,
+                 abandon: threading.Event | None = None) -> _pb.RegisterReply:
         """Register with the shard, waiting up to ``connect_timeout`` for it to answer.
 
         Each attempt fails fast (no wait_for_ready) and has a short deadline, so an
         address that refuses connections or never answers is logged by shard and
         address within seconds, not after the whole timeout; a shard still starting
         is waited for.  Giving up raises ShardUnreachable naming the address.
+        ``abandon``, once set, ends the retries (ConnectAbandoned): the caller was
+        interrupted and must know no attempt is left that could register it later.
         """
         req = _pb.RegisterRequest(rank=self.rank, trainer_id=self.trainer_id, expected_shard=self.index,
                                   job=job.to_proto(), partition=self.partition)
         give_up = time.monotonic() + connect_timeout
         next_log = 0.0
+        abandon = abandon or threading.Event()
         while True:
+            if abandon.is_set():
+                raise ConnectAbandoned(f"{self.name} at {self.address}: registering was abandoned")
             left = give_up - time.monotonic()
             try:
                 return self.stub.Register(req, timeout=max(0.01, min(left, CONNECT_ATTEMPT_SECONDS)))
@@ -214,7 +224,8 @@ class ShardClient:
                     log.warning("shard %d at %s is not answering yet (%s); still trying for %.0f s",
                                 self.index, self.address, cause, give_up - now)
                     next_log = now + WAIT_LOG_SECONDS
-                time.sleep(min(CONNECT_RETRY_PAUSE, max(0.0, give_up - now)))  # pause between attempts
+                if abandon.wait(min(CONNECT_RETRY_PAUSE, max(0.0, give_up - now))):  # the pause between attempts
+                    raise ConnectAbandoned(f"{self.name} at {self.address}: registering was abandoned")
 
     def _header(self, wire: int, length: int, version: int = 0, num_samples: int = 0,
                 sequence: int = 0) -> _pb.ChunkHeader:

@@ -596,6 +596,7 @@ class Interrupted(BaseException):
         super().__init__(f"signal {signum}")
         self.signum = signum
         self.left = True  # set False when a shard that knew the trainer could not be told it left
+        self.leave_outcome = "before it registered with any shard"  # what the shards answered (set by train())
 
 
 def train(cfg: TrainConfig, stop: StopRequest | None = None) -> dict:
@@ -619,7 +620,8 @@ def train(cfg: TrainConfig, stop: StopRequest | None = None) -> dict:
         if run.ps is not None:
             run.ps.close(leave=True, best_effort=True)
             if isinstance(e, Interrupted):
-                e.left = getattr(run.ps, "left", True)
+                e.left, e.leave_outcome = (run.ps.left, run.ps.leave_outcome()) if hasattr(run.ps, "leave_outcome") \
+                    else (True, f"no shards to leave (the {cfg.backend} baseline)")
         raise
     finally:
         stop.steps_running = False

@@ -13,7 +13,7 @@ import torch
 
 from tests.integration.switchproxy import SwitchProxy
 from trainer.api import StartTimeout, StepFailed, connect
-from trainer.client import ShardUnreachable
+from trainer.client import ShardClient, ShardUnreachable
 
 LR = 0.1
 
@@ -174,3 +174,49 @@ def test_an_interrupt_right_after_a_shard_answered_does_not_make_the_retry_apply
     assert (s0.stats().counters["pushes_applied"], s1.stats().counters["pushes_applied"]) == (1, 1)
     assert s0.stats().counters.get("duplicates", 0) == 0  # not even pushed again
     torch.testing.assert_close(ps.flat.flat, expected, rtol=0, atol=1e-6)
+
+
+class Interrupt(BaseException):
+    """Stands in for ps-trainer's Interrupted (a signal on the connecting thread)."""
+
+
+def register_then_interrupt(on_shard: int, before_raising=lambda: None):
+    """A ShardClient.register that registers with shard ``on_shard`` for real, then is interrupted before the
+    answer is handed back -- as a SIGTERM that lands while the reply is on its way."""
+    real = ShardClient.register
+
+    def register(self, *args):
+        reply = real(self, *args)
+        if self.index == on_shard:
+            before_raising()
+            raise Interrupt
+        return reply
+    return register
+
+
+def test_an_interrupt_while_the_registers_answer_is_on_its_way_still_leaves_that_shard(shard_server, monkeypatch):
+    s = shard_server(0)
+    monkeypatch.setattr(ShardClient, "register", register_then_interrupt(0))
+    with pytest.raises(Interrupt) as e:
+        connect(s.server.address, model(), num_trainers=2)
+    assert list(s.stats().live_ranks) == [] and s.stats().counters["leaves"] == 1
+    assert e.value.left and e.value.leave_outcome == "left the job (shard 0 answered its Leave)"
+
+
+def test_an_interrupt_abandons_the_other_shards_attempts_and_names_only_the_shard_it_left(shard_server, monkeypatch):
+    s = shard_server(0)
+    monkeypatch.setattr(ShardClient, "register", register_then_interrupt(0))
+    with pytest.raises(Interrupt) as e:
+        connect(f"{s.server.address},127.0.0.1:{closed_port()}", model(), connect_timeout=600)
+    assert list(s.stats().live_ranks) == [] and s.stats().counters["leaves"] == 1
+    assert e.value.left and e.value.leave_outcome == "left the job (shard 0 answered its Leave)"
+
+
+def test_an_interrupt_whose_leave_fails_says_it_could_not_leave_and_why(shard_server, monkeypatch):
+    s = shard_server(0)
+    address = s.server.address
+    monkeypatch.setattr(ShardClient, "register", register_then_interrupt(0, lambda: s.server.stop(grace=0)))
+    with pytest.raises(Interrupt) as e:
+        connect(address, model(), num_trainers=2)
+    assert not e.value.left
+    assert e.value.leave_outcome.startswith(f"could not leave shard 0 at {address} (UNAVAILABLE: ")
