@@ -8,14 +8,12 @@ import signal
 import sys
 
 from psserver.cli_support import EnvArgumentParser, ensure_malloc_tunables, run_cli, setup_logging
-from psserver.job import MODES, OPTIMIZERS, STALE_POLICIES, WIRE_DTYPES
 from psserver.schedules import KINDS
 from psserver.security import add_client_flags, client_security
-from trainer.data import DATASETS
-from trainer.loop import Interrupted, StopRequest, TrainConfig, finite_json, train
-from trainer.models import MODELS
-from trainer.recmodels import REC_MODELS
-from trainer.rectrain import REC_BATCH, REC_DATASETS
+from trainer.choices import (
+    DATASETS, MODELS, MODES, OPTIMIZERS, REC_BATCH, REC_DATASETS, REC_MODELS, SPARSE_OPTIMIZERS, STALE_POLICIES,
+    WIRE_DTYPE_NAMES,
+)
 
 
 def build_parser() -> EnvArgumentParser:
@@ -47,7 +45,7 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--weight-decay", type=float, default=0.0)
     add_schedule_flags(p)
     add_table_flags(p)
-    p.add_argument("--wire-dtype", choices=list(WIRE_DTYPES), default="float32",
+    p.add_argument("--wire-dtype", choices=WIRE_DTYPE_NAMES, default="float32",
                    help="dtype of gradients and weights on the wire (shards keep fp32)")
     add_compress_flag(p)
     add_partition_flags(p)
@@ -130,8 +128,6 @@ TABLE_FLAGS = ("embedding_dim", "sparse_optimizer", "sparse_lr", "embedding_mode
 def add_table_flags(p: EnvArgumentParser) -> None:
     """The embedding tables of --dataset movielens100k (trainer.embedding), shared by ps-trainer and ps-cluster.
     Defaults are None so that only flags given are passed on (and refused with an image dataset)."""
-    from psserver.sparse.optim import SPARSE_OPTIMIZERS
-
     p.add_argument("--embedding-dim", type=int, default=None, help="movielens100k: width of the user/item rows (32)")
     p.add_argument("--sparse-optimizer", choices=SPARSE_OPTIMIZERS, default=None,
                    help="movielens100k: the tables' per-row optimizer on the shards (adam: torch's SparseAdam)")
@@ -172,8 +168,10 @@ def dataset_defaults(args) -> dict:
                 batch_size=batch if args.batch_size is None else args.batch_size)
 
 
-def config_from_args(args) -> TrainConfig:
-    """The run's configuration; raises ValueError naming the first bad flag (nothing has started yet)."""
+def config_from_args(args):
+    """The run's TrainConfig; raises ValueError naming the first bad flag (nothing has started yet)."""
+    from trainer.loop import TrainConfig  # torch: after the flags are parsed
+
     return TrainConfig(
         ps=args.ps, rank=args.rank, num_trainers=args.num_trainers, mode=args.mode,
         dataset=args.dataset, epochs=args.epochs, steps=args.steps, **dataset_defaults(args),
@@ -192,10 +190,12 @@ def config_from_args(args) -> TrainConfig:
     )
 
 
-def install_signal_handlers(stop: StopRequest) -> None:
+def install_signal_handlers(stop) -> None:
     """SIGTERM (what Kubernetes and ps-cluster send) and SIGINT: the first ends the run after the current
     step -- the trainer leaves, rank 0 writes --output, exit 0; a second, or one while still connecting,
-    abandons at once (the trainer still leaves; exit 128 + the signal's number)."""
+    abandons at once (the trainer still leaves; exit 128 + the signal's number).  ``stop``: a StopRequest."""
+    from trainer.loop import Interrupted
+
     def handle(signum, frame):
         if stop.steps_running and not stop.is_set():
             stop.set()
@@ -212,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     logging.getLogger("trainer.client").setLevel(max(logging.getLogger().level, logging.INFO))
+    from trainer.loop import Interrupted, StopRequest, finite_json, train  # torch: after the flags are parsed
+
     cfg = config_from_args(args)
     stop = StopRequest()
     install_signal_handlers(stop)

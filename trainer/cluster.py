@@ -23,16 +23,12 @@ from pathlib import Path
 import grpc
 
 from psserver.cli_support import EnvArgumentParser, run_cli, setup_logging
-from psserver.job import MODES, OPTIMIZERS, STALE_POLICIES
 from psserver.admin import fetch_stat
 from psserver.proto import ps_pb2 as _pb
+from trainer.choices import DATASETS, MODELS, MODES, OPTIMIZERS, REC_BATCH, REC_DATASETS, REC_MODELS, STALE_POLICIES
 from trainer.cli import (
     add_compress_flag, add_partition_flags, add_schedule_flags, add_table_flags, schedule_argv, table_argv,
 )
-from trainer.data import DATASETS
-from trainer.models import MODELS
-from trainer.recmodels import REC_MODELS
-from trainer.rectrain import REC_BATCH, REC_DATASETS
 from trainer.procs import Proc, start_shard, start_trainer
 
 log = logging.getLogger("ps-cluster")
