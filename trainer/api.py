@@ -57,6 +57,7 @@ from trainer.early_push import EarlyPusher
 from trainer.pipeline import LayerWaits, OrderedGate
 from trainer.embedding import sharded_tables
 from trainer.staging import DeviceStaging
+from trainer.torchrun import rank_and_world
 
 log = logging.getLogger(__name__)
 
@@ -906,8 +907,8 @@ def default_trainer_id(rank: int) -> str:
     return f"rank{rank}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "sync", rank: int = 0,
-            num_trainers: int = 1, optimizer: OptimizerConfig | dict | None = None,
+def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "sync", rank: int | None = None,
+            num_trainers: int | None = None, optimizer: OptimizerConfig | dict | None = None,
             max_staleness: int | None = None, sync_timeout: float = 0.0, replicas_to_aggregate: int = 0,
             stale_policy: str = "drop", wire_dtype: str = "float32", trainer_id: str | None = None,
             connect_timeout: float = 120.0, round_timeout: float = 600.0,
@@ -919,6 +920,8 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
             pipeline: bool = False) -> ParameterServerTrainer:
     """Register ``model`` with the shards at ``ps`` and return a handle whose ``step()`` trains it.
 
+    ``rank`` and ``num_trainers`` not given are read from ``RANK`` and ``WORLD_SIZE``
+    as torchrun sets them (else 0 and 1; trainer.torchrun).
     Rank 0 initialises the shards with its model's weights; every trainer then
     starts from the shards' weights.  Raises ValueError for a bad setting and
     grpc.RpcError (FAILED_PRECONDITION, with the difference named) when the
@@ -953,6 +956,7 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
     """
     if retry_budget < 0:
         raise ValueError(f"retry_budget is {retry_budget} but must be zero or more seconds")
+    rank, num_trainers = rank_and_world(rank, num_trainers)
     parse_compress(compress)  # a bad value is refused before anything starts
     addresses = parse_addresses(ps)
     job = make_job(model, len(addresses), mode=mode, num_trainers=num_trainers, optimizer=optimizer,

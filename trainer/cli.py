@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import signal
@@ -10,6 +11,7 @@ import sys
 from psserver.cli_support import EnvArgumentParser, ensure_malloc_tunables, run_cli, setup_logging
 from psserver.schedules import KINDS
 from psserver.security import add_client_flags, client_security
+from trainer.torchrun import rank_and_world
 from trainer.choices import (
     DATASETS, MODELS, MODES, OPTIMIZERS, REC_BATCH, REC_DATASETS, REC_MODELS, SPARSE_OPTIMIZERS, STALE_POLICIES,
     WIRE_DTYPE_NAMES,
@@ -19,8 +21,10 @@ from trainer.choices import (
 def build_parser() -> EnvArgumentParser:
     p = EnvArgumentParser(prog="ps-trainer", description="Train as one trainer of a psgrpc job.")
     p.add_argument("--ps", required=True, help="shard addresses in shard order: HOST:PORT[,HOST:PORT...]")
-    p.add_argument("--rank", type=int, default=0, help="this trainer's rank, 0..num-trainers-1")
-    p.add_argument("--num-trainers", type=int, default=1, help="trainers in the job")
+    p.add_argument("--rank", type=int, default=None, help="this trainer's rank, 0..num-trainers-1 (default: $RANK "
+                   "as torchrun sets it, else 0)")
+    p.add_argument("--num-trainers", type=int, default=None,
+                   help="trainers in the job (default: $WORLD_SIZE as torchrun sets it, else 1)")
     p.add_argument("--mode", choices=MODES, default="sync", help="consistency mode")
     p.add_argument("--max-staleness", type=int, default=None, help="async: refuse gradients older than this")
     p.add_argument("--sync-timeout", type=float, default=0.0,
@@ -168,9 +172,12 @@ def dataset_defaults(args) -> dict:
                 batch_size=batch if args.batch_size is None else args.batch_size)
 
 
-def config_from_args(args):
-    """The run's TrainConfig; raises ValueError naming the first bad flag (nothing has started yet)."""
-    from trainer.loop import TrainConfig  # torch: after the flags are parsed
+def config_from_args(args, env: dict | None = None):
+    """The run's TrainConfig; raises ValueError naming the first bad flag (nothing has started yet).  --rank and
+    --num-trainers not given come from RANK and WORLD_SIZE in ``env`` (os.environ), as torchrun sets them."""
+    rank, num_trainers = rank_and_world(args.rank, args.num_trainers, ("--rank", "--num-trainers"), env)
+    args = argparse.Namespace(**{**vars(args), "rank": rank, "num_trainers": num_trainers})
+    from trainer.loop import TrainConfig  # torch: after the flags are checked
 
     return TrainConfig(
         ps=args.ps, rank=args.rank, num_trainers=args.num_trainers, mode=args.mode,
@@ -212,9 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     logging.getLogger("trainer.client").setLevel(max(logging.getLogger().level, logging.INFO))
-    from trainer.loop import Interrupted, StopRequest, finite_json, train  # torch: after the flags are parsed
-
     cfg = config_from_args(args)
+    from trainer.loop import Interrupted, StopRequest, finite_json, train  # torch: after the flags are checked
+
     stop = StopRequest()
     install_signal_handlers(stop)
     try:
