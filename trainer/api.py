@@ -48,8 +48,8 @@ from psserver.schedules import LrSchedule
 from psserver.security import ClientSecurity
 from psserver.sparse.table import TableSpec
 from trainer.client import (
-    RESTART_CODES, WAIT_LOG_SECONDS, PushOutcome, RetryPolicy, ShardCallsFailed, ShardClient, ShardedClient,
-    parse_addresses,
+    LOOPBACK_REFUSED_SECONDS, RESTART_CODES, WAIT_LOG_SECONDS, PushOutcome, RetryPolicy, ShardCallsFailed,
+    ShardClient, ShardedClient, on_loopback, parse_addresses,
 )
 from trainer.clipping import check_max_norm, clip_local_
 from trainer.compress import parse_compress
@@ -278,6 +278,7 @@ class ParameterServerTrainer:
             f", {job.partitions} partitions each" if job.partitions > 1 else "") + (
             f", {len(job.tables)} sparse tables" if job.tables else "")
         self.flat = FlatModel(model)
+        self._refused_limit = LOOPBACK_REFUSED_SECONDS if on_loopback(addresses) else None  # see ShardClient.register
         self.client = ShardedClient(addresses, job, rank, trainer_id, chunk_bytes=chunk_bytes, security=security,
                                     retry=retry, compress=compress)
         self.ranges = [partition_range(self.num_params, job.num_shards, job.partitions, j // job.partitions,
@@ -350,8 +351,8 @@ class ParameterServerTrainer:
         abandon, inflight = threading.Event(), []
         self._registered = set(range(self.num_parts))  # until their answers say otherwise
         try:
-            return self.client.map_settled(lambda s: s.register(self.job, timeout, abandon), parts=True,
-                                           inflight=inflight)
+            return self.client.map_settled(lambda s: s.register(self.job, timeout, abandon, self._refused_limit),
+                                           parts=True, inflight=inflight)
         except BaseException:
             abandon.set()
             futures_wait(inflight)

@@ -28,6 +28,7 @@ from psserver.sparse.optim import SparseOptimizerConfig
 from psserver.security import parse_addresses
 from psserver.tboard import ScalarLog
 from trainer.api import connect
+from trainer.client import LOOPBACK_HOSTS
 from trainer.clipping import check_max_norm
 from trainer.compress import parse_compress
 from trainer.data import epoch_order, load_dataset, local_batch_indices, steps_per_epoch
@@ -37,7 +38,6 @@ from trainer.rectrain import REC_DATASETS, REC_L2, build_ratings_model, load_rat
 
 log = logging.getLogger(__name__)
 WARMUP_STEPS = 2  # left out of the steady throughput (see SteadyClock)
-LOOPBACK_HOSTS = ("localhost", "127.", "[::1]", "::1")
 
 
 @dataclass(frozen=True)
