@@ -96,15 +96,16 @@ def start_board(args, shard, scalar_log: ScalarLog) -> Sampler | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Imported here, not at the top: they import torch, which `ps-server stats` and `health` need not wait for.
-    from psserver.server import ServerConfig, ShardServer
-    from psserver.service import ServiceLimits
-
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.tensorboard_every > 0:
         parser.error(f"--tensorboard-every must be more than 0 seconds (got {args.tensorboard_every})")
     setup_logging(args.log_level)
+    # Imported after parsing, not at the top: they import torch, which --help, a flag error, `ps-server stats`
+    # and `health` need not wait for.
+    from psserver.server import ServerConfig, ShardServer
+    from psserver.service import ServiceLimits
+
     limits = ServiceLimits(max_pull_wait=args.max_pull_wait, stream_idle_timeout=args.stream_idle_timeout,
                            max_call_seconds=args.max_call_seconds, max_calls_per_peer=args.max_calls_per_peer,
                            max_calls_per_rank=args.max_calls_per_rank, receive_buffers=args.receive_buffers)

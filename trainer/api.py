@@ -49,6 +49,7 @@ from psserver.protocol.rules import Mode, reply_version
 from psserver.protocol.schedules import LrSchedule
 from psserver.protocol.security import ClientSecurity
 from trainer.client import (
+    LOOPBACK_REFUSED_SECONDS,
     RESTART_CODES,
     WAIT_LOG_SECONDS,
     PushOutcome,
@@ -56,6 +57,7 @@ from trainer.client import (
     ShardCallsFailed,
     ShardClient,
     ShardedClient,
+    on_loopback,
     parse_addresses,
 )
 from trainer.clipping import check_max_norm, clip_local_
@@ -64,6 +66,7 @@ from trainer.early_push import EarlyPusher
 from trainer.embedding import sharded_tables
 from trainer.pipeline import LayerWaits, OrderedGate
 from trainer.staging import DeviceStaging
+from trainer.torchrun import rank_and_world
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +173,9 @@ class FlatModel:
 
     def zero_grad(self) -> None:
         self.grad.zero_()
+
+
+LEFT, NOT_LISTED = "left", "not listed"  # what a shard answered a Leave: OK, or NOT_FOUND (it never knew us)
 
 
 class StartTimeout(TimeoutError):
@@ -281,6 +287,7 @@ class ParameterServerTrainer:
             f", {job.partitions} partitions each" if job.partitions > 1 else "") + (
             f", {len(job.tables)} sparse tables" if job.tables else "")
         self.flat = FlatModel(model)
+        self._refused_limit = LOOPBACK_REFUSED_SECONDS if on_loopback(addresses) else None  # see ShardClient.register
         self.client = ShardedClient(addresses, job, rank, trainer_id, chunk_bytes=chunk_bytes, security=security,
                                     retry=retry, compress=compress)
         self.ranges = [partition_range(self.num_params, job.num_shards, job.partitions, j // job.partitions,
@@ -300,6 +307,7 @@ class ParameterServerTrainer:
         self._last_info: StepInfo | None = None
         self._closed = False
         self.left = False  # every shard that knew this trainer was told it left
+        self.leave_answers: dict[int, str] = {}  # slot -> LEFT, NOT_LISTED or the error its Leave got
         self._attempt: _StepAttempt | None = None  # a step that failed on some shards, until step() retries it
         self._registered: set[int] = set()  # shards that know this trainer: close() leaves exactly these
         self._resume_dense: dict[int, int] = {}  # shard -> dense version before a restart a table call found
@@ -308,10 +316,12 @@ class ParameterServerTrainer:
         try:
             self._join(connect_timeout)
             self._bind_tables()
-        except BaseException:
+        except BaseException as e:
             # Leave and close, or this trainer would stay registered (and, with heartbeats, live): sync
-            # rounds would wait on it.
+            # rounds would wait on it.  The error carries what the shards answered: the caller holds no
+            # trainer to ask (ps-trainer's SIGTERM while connecting reports it).
             self.close(leave=True, best_effort=True)
+            e.left, e.leave_outcome = self.left, self.leave_outcome()
             raise
         log.info("rank %d connected to %d shards at versions %s", rank, job.num_shards, self.versions)
 
@@ -319,7 +329,7 @@ class ParameterServerTrainer:
         """Register with every shard, start heartbeats, initialise (rank 0), and take the first weights --
         all within one ``timeout``."""
         give_up = time.monotonic() + timeout
-        results = self.client.map_settled(lambda s: s.register(self.job, timeout), parts=True)
+        results = self._register_everywhere(timeout)
         self._registered = {i for i, r in enumerate(results) if not isinstance(r, Exception)}
         errors = [r for r in results if isinstance(r, Exception)]
         if errors:
@@ -340,6 +350,23 @@ class ParameterServerTrainer:
                             parts=True)
         self._wait_for_start(give_up - time.monotonic(), timeout)
         self.staging.settle()  # the first forward waits for the first weights
+
+    def _register_everywhere(self, timeout: float) -> list:
+        """Each slot's RegisterReply, or the Exception its registering raised.
+
+        Interrupted meanwhile (a signal on this thread), the other slots' attempts are abandoned and waited
+        for, and every slot whose registering did not fail stays in ``_registered``: a shard may have
+        registered this trainer although its answer never arrived, and close() must leave it."""
+        abandon, inflight = threading.Event(), []
+        self._registered = set(range(self.num_parts))  # until their answers say otherwise
+        try:
+            return self.client.map_settled(lambda s: s.register(self.job, timeout, abandon, self._refused_limit),
+                                           parts=True, inflight=inflight)
+        except BaseException:
+            abandon.set()
+            futures_wait(inflight)
+            self._registered -= {i + 1 for i, f in enumerate(inflight) if isinstance(f.result(), Exception)}
+            raise
 
     def _bind_tables(self) -> None:
         """Point the model's tables at their rows on the shards."""
@@ -847,17 +874,34 @@ class ParameterServerTrainer:
         mine = [s for s in self.client.parts if s.slot in self._registered]
         if not best_effort:
             self.client.map(lambda s: s.leave() if s.slot in self._registered else None, parts=True)
+            self.leave_answers = {s.slot: LEFT for s in mine}
             self.left = True
             return
-        failed = []
         for s in mine:
             try:
                 s.leave(quick=True)
+                self.leave_answers[s.slot] = LEFT
             except grpc.RpcError as e:
-                failed.append(s.slot)
+                if e.code() == grpc.StatusCode.NOT_FOUND:  # it does not list this trainer: nothing to leave
+                    self.leave_answers[s.slot] = NOT_LISTED
+                    continue
+                self.leave_answers[s.slot] = f"{e.code().name}: {e.details()}"
                 log.warning("rank %d could not leave %s (%s): %s %s", self.rank, s.name, s.address,
                             e.code().name, e.details())
-        self.left = not failed
+        self.left = all(a in (LEFT, NOT_LISTED) for a in self.leave_answers.values())
+
+    def leave_outcome(self) -> str:
+        """What closing told the shards, in words that claim no more than their answers (for ps-trainer's last
+        line): left, had registered nowhere, or could not leave which shard and why."""
+        failed = {i: a for i, a in self.leave_answers.items() if a not in (LEFT, NOT_LISTED)}
+        if failed:
+            names = "; ".join(f"{self.client.parts[i].name} at {self.client.parts[i].address} ({a})"
+                              for i, a in sorted(failed.items()))
+            return f"could not leave {names}: its lease there runs out instead"
+        told = sorted(self.client.parts[i].name for i, a in self.leave_answers.items() if a == LEFT)
+        if told:
+            return f"left the job ({', '.join(told)} answered its Leave)"
+        return "had registered with no shard: nothing to leave"
 
     def __enter__(self) -> "ParameterServerTrainer":
         return self
@@ -871,8 +915,8 @@ def default_trainer_id(rank: int) -> str:
     return f"rank{rank}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "sync", rank: int = 0,
-            num_trainers: int = 1, optimizer: OptimizerConfig | dict | None = None,
+def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "sync", rank: int | None = None,
+            num_trainers: int | None = None, optimizer: OptimizerConfig | dict | None = None,
             max_staleness: int | None = None, sync_timeout: float = 0.0, replicas_to_aggregate: int = 0,
             stale_policy: str = "drop", wire_dtype: str = "float32", trainer_id: str | None = None,
             connect_timeout: float = 120.0, round_timeout: float = 600.0,
@@ -884,6 +928,8 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
             pipeline: bool = False) -> ParameterServerTrainer:
     """Register ``model`` with the shards at ``ps`` and return a handle whose ``step()`` trains it.
 
+    ``rank`` and ``num_trainers`` not given are read from ``RANK`` and ``WORLD_SIZE``
+    as torchrun sets them (else 0 and 1; trainer.torchrun).
     Rank 0 initialises the shards with its model's weights; every trainer then
     starts from the shards' weights.  Raises ValueError for a bad setting and
     grpc.RpcError (FAILED_PRECONDITION, with the difference named) when the
@@ -918,6 +964,7 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
     """
     if retry_budget < 0:
         raise ValueError(f"retry_budget is {retry_budget} but must be zero or more seconds")
+    rank, num_trainers = rank_and_world(rank, num_trainers)
     parse_compress(compress)  # a bad value is refused before anything starts
     addresses = parse_addresses(ps)
     job = make_job(model, len(addresses), mode=mode, num_trainers=num_trainers, optimizer=optimizer,

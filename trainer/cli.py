@@ -2,27 +2,37 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import signal
 import sys
 
 from psserver.common.cli_support import EnvArgumentParser, ensure_malloc_tunables, run_cli, setup_logging
-from psserver.protocol.job import MODES, OPTIMIZERS, STALE_POLICIES, WIRE_DTYPES
 from psserver.protocol.schedules import KINDS
 from psserver.protocol.security import add_client_flags, client_security
-from trainer.data import DATASETS
-from trainer.loop import Interrupted, StopRequest, TrainConfig, finite_json, train
-from trainer.models import MODELS
-from trainer.recmodels import REC_MODELS
-from trainer.rectrain import REC_BATCH, REC_DATASETS
+from trainer.choices import (
+    DATASETS,
+    MODELS,
+    MODES,
+    OPTIMIZERS,
+    REC_BATCH,
+    REC_DATASETS,
+    REC_MODELS,
+    SPARSE_OPTIMIZERS,
+    STALE_POLICIES,
+    WIRE_DTYPE_NAMES,
+)
+from trainer.torchrun import rank_and_world
 
 
 def build_parser() -> EnvArgumentParser:
     p = EnvArgumentParser(prog="ps-trainer", description="Train as one trainer of a psgrpc job.")
     p.add_argument("--ps", required=True, help="shard addresses in shard order: HOST:PORT[,HOST:PORT...]")
-    p.add_argument("--rank", type=int, default=0, help="this trainer's rank, 0..num-trainers-1")
-    p.add_argument("--num-trainers", type=int, default=1, help="trainers in the job")
+    p.add_argument("--rank", type=int, default=None, help="this trainer's rank, 0..num-trainers-1 (default: $RANK "
+                   "as torchrun sets it, else 0)")
+    p.add_argument("--num-trainers", type=int, default=None,
+                   help="trainers in the job (default: $WORLD_SIZE as torchrun sets it, else 1)")
     p.add_argument("--mode", choices=MODES, default="sync", help="consistency mode")
     p.add_argument("--max-staleness", type=int, default=None, help="async: refuse gradients older than this")
     p.add_argument("--sync-timeout", type=float, default=0.0,
@@ -47,7 +57,7 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--weight-decay", type=float, default=0.0)
     add_schedule_flags(p)
     add_table_flags(p)
-    p.add_argument("--wire-dtype", choices=list(WIRE_DTYPES), default="float32",
+    p.add_argument("--wire-dtype", choices=WIRE_DTYPE_NAMES, default="float32",
                    help="dtype of gradients and weights on the wire (shards keep fp32)")
     add_compress_flag(p)
     add_partition_flags(p)
@@ -130,8 +140,6 @@ TABLE_FLAGS = ("embedding_dim", "sparse_optimizer", "sparse_lr", "embedding_mode
 def add_table_flags(p: EnvArgumentParser) -> None:
     """The embedding tables of --dataset movielens100k (trainer.embedding), shared by ps-trainer and ps-cluster.
     Defaults are None so that only flags given are passed on (and refused with an image dataset)."""
-    from psserver.protocol.rows.optim import SPARSE_OPTIMIZERS
-
     p.add_argument("--embedding-dim", type=int, default=None, help="movielens100k: width of the user/item rows (32)")
     p.add_argument("--sparse-optimizer", choices=SPARSE_OPTIMIZERS, default=None,
                    help="movielens100k: the tables' per-row optimizer on the shards (adam: torch's SparseAdam)")
@@ -172,8 +180,13 @@ def dataset_defaults(args) -> dict:
                 batch_size=batch if args.batch_size is None else args.batch_size)
 
 
-def config_from_args(args) -> TrainConfig:
-    """The run's configuration; raises ValueError naming the first bad flag (nothing has started yet)."""
+def config_from_args(args, env: dict | None = None):
+    """The run's TrainConfig; raises ValueError naming the first bad flag (nothing has started yet).  --rank and
+    --num-trainers not given come from RANK and WORLD_SIZE in ``env`` (os.environ), as torchrun sets them."""
+    rank, num_trainers = rank_and_world(args.rank, args.num_trainers, ("--rank", "--num-trainers"), env)
+    args = argparse.Namespace(**{**vars(args), "rank": rank, "num_trainers": num_trainers})
+    from trainer.loop import TrainConfig  # torch: after the flags are checked
+
     return TrainConfig(
         ps=args.ps, rank=args.rank, num_trainers=args.num_trainers, mode=args.mode,
         dataset=args.dataset, epochs=args.epochs, steps=args.steps, **dataset_defaults(args),
@@ -192,10 +205,12 @@ def config_from_args(args) -> TrainConfig:
     )
 
 
-def install_signal_handlers(stop: StopRequest) -> None:
+def install_signal_handlers(stop) -> None:
     """SIGTERM (what Kubernetes and ps-cluster send) and SIGINT: the first ends the run after the current
     step -- the trainer leaves, rank 0 writes --output, exit 0; a second, or one while still connecting,
-    abandons at once (the trainer still leaves; exit 128 + the signal's number)."""
+    abandons at once (the trainer still leaves; exit 128 + the signal's number).  ``stop``: a StopRequest."""
+    from trainer.loop import Interrupted
+
     def handle(signum, frame):
         if stop.steps_running and not stop.is_set():
             stop.set()
@@ -213,13 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level)
     logging.getLogger("trainer.client").setLevel(max(logging.getLogger().level, logging.INFO))
     cfg = config_from_args(args)
+    from trainer.loop import Interrupted, StopRequest, finite_json, train  # torch: after the flags are checked
+
     stop = StopRequest()
     install_signal_handlers(stop)
     try:
         summary = train(cfg, stop)
     except Interrupted as e:
-        left = "left the job" if e.left else "could not tell every shard it left (its lease will run out)"
-        sys.stderr.write(f"ps-trainer: stopped by {signal.Signals(e.signum).name}; {left}\n")
+        sys.stderr.write(f"ps-trainer: stopped by {signal.Signals(e.signum).name}; {e.leave_outcome}\n")
         return 128 + e.signum
     print(json.dumps(finite_json({"event": "done", "rank": cfg.rank, **summary}), allow_nan=False))
     return 0

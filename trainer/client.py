@@ -48,10 +48,37 @@ PUSH_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED
 CONNECT_ATTEMPT_SECONDS = 3.0  # one Register attempt; a shard that never answers is reported after this
 CONNECT_RETRY_PAUSE = 0.5  # between Register attempts to a shard that refused
 WAIT_LOG_SECONDS = 5.0  # while connecting or waiting for peers, say what is awaited this often
+# Every address on loopback and refused this long in a row: a wrong port, not a shard starting late on another
+# host -- give up with the usual error instead of waiting out --connect-timeout.
+LOOPBACK_REFUSED_SECONDS = 5.0
+LOOPBACK_HOSTS = ("localhost", "127.", "[::1]", "::1")
+
+
+def on_loopback(addresses: Sequence[str]) -> bool:
+    """Whether every address is on this host's loopback."""
+    return all(a.startswith(LOOPBACK_HOSTS) for a in addresses)
 
 
 class ShardUnreachable(ConnectionError):
     """A shard did not answer within the connect timeout; the message names it and its address."""
+
+
+class RefusalClock:
+    """How long a shard has refused connections in a row; ``exhausted`` once that passes ``limit`` (None: never)."""
+
+    def __init__(self, limit: float | None):
+        self.limit, self.since = limit, None
+
+    def exhausted(self, cause: str, now: float) -> bool:
+        if self.limit is None or not cause.endswith("connection refused"):
+            self.since = None  # it answered, or timed out: a shard that is there but slow is waited for
+            return False
+        self.since = now if self.since is None else self.since
+        return now - self.since >= self.limit
+
+
+class ConnectAbandoned(ConnectionError):
+    """Registering was given up because the caller was interrupted (ShardClient.register's ``abandon``)."""
 
 
 # A shard answering these restarted: it no longer knows the trainer, came back empty, or is behind it.
@@ -185,19 +212,29 @@ class ShardClient:
                 time.sleep(pause)  # backoff between attempts, not synchronisation
                 delay = min(delay * 2, self.retry.max_backoff)
 
-    def register(self, job: JobSpec, connect_timeout: float) -> _pb.RegisterReply:
+    def register(self, job: JobSpec, connect_timeout: float, abandon: threading.Event | None = None,
+                 refused_limit: float | None = None) -> _pb.RegisterReply:
         """Register with the shard, waiting up to ``connect_timeout`` for it to answer.
 
         Each attempt fails fast (no wait_for_ready) and has a short deadline, so an
         address that refuses connections or never answers is logged by shard and
         address within seconds, not after the whole timeout; a shard still starting
         is waited for.  Giving up raises ShardUnreachable naming the address.
+        ``abandon``, once set, ends the retries (ConnectAbandoned): the caller was
+        interrupted and must know no attempt is left that could register it later.
+        ``refused_limit``: give up once the connection has been refused this many seconds in a row (the caller
+        passes it when every address is on loopback: a wrong port, not a shard that is late).
         """
         req = _pb.RegisterRequest(rank=self.rank, trainer_id=self.trainer_id, expected_shard=self.index,
                                   job=job.to_proto(), partition=self.partition)
         give_up = time.monotonic() + connect_timeout
         next_log = 0.0
+        abandon = abandon or threading.Event()
+        refusals = RefusalClock(refused_limit if refused_limit is not None and refused_limit < connect_timeout
+                                else None)
         while True:
+            if abandon.is_set():
+                raise ConnectAbandoned(f"{self.name} at {self.address}: registering was abandoned")
             left = give_up - time.monotonic()
             try:
                 return self.stub.Register(req, timeout=max(0.01, min(left, CONNECT_ATTEMPT_SECONDS)))
@@ -209,12 +246,19 @@ class ShardClient:
                 if now >= give_up:
                     raise ShardUnreachable(f"shard {self.index} at {self.address} did not answer within "
                                            f"{connect_timeout:g} s (--connect-timeout): {cause}") from None
+                if refusals.exhausted(cause, now):
+                    raise ShardUnreachable(
+                        f"shard {self.index} at {self.address} did not answer within {refusals.limit:g} s (every "
+                        f"address is on loopback and it refuses connections: check the port, or start the shard "
+                        f"first; --connect-timeout waits only for remote shards or ones that answer): {cause}"
+                    ) from None
                 self._count("connect_retries")
                 if now >= next_log:
                     log.warning("shard %d at %s is not answering yet (%s); still trying for %.0f s",
                                 self.index, self.address, cause, give_up - now)
                     next_log = now + WAIT_LOG_SECONDS
-                time.sleep(min(CONNECT_RETRY_PAUSE, max(0.0, give_up - now)))  # pause between attempts
+                if abandon.wait(min(CONNECT_RETRY_PAUSE, max(0.0, give_up - now))):  # the pause between attempts
+                    raise ConnectAbandoned(f"{self.name} at {self.address}: registering was abandoned")
 
     def _header(self, wire: int, length: int, version: int = 0, num_samples: int = 0,
                 sequence: int = 0) -> _pb.ChunkHeader:

@@ -23,10 +23,10 @@ from pathlib import Path
 import grpc
 
 from psserver.common.cli_support import EnvArgumentParser, run_cli, setup_logging
-from psserver.protocol.job import MODES, OPTIMIZERS, STALE_POLICIES
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rules import Mode
 from psserver.protocol.stubs import fetch_stat
+from trainer.choices import DATASETS, MODELS, MODES, OPTIMIZERS, REC_BATCH, REC_DATASETS, REC_MODELS, STALE_POLICIES
 from trainer.cli import (
     add_compress_flag,
     add_partition_flags,
@@ -35,11 +35,7 @@ from trainer.cli import (
     schedule_argv,
     table_argv,
 )
-from trainer.data import DATASETS
-from trainer.models import MODELS
 from trainer.procs import Proc, start_shard, start_trainer
-from trainer.recmodels import REC_MODELS
-from trainer.rectrain import REC_BATCH, REC_DATASETS
 
 log = logging.getLogger("ps-cluster")
 

@@ -29,6 +29,7 @@ from psserver.protocol.rules import Mode
 from psserver.protocol.schedules import LrSchedule
 from psserver.protocol.security import parse_addresses
 from trainer.api import connect
+from trainer.client import LOOPBACK_HOSTS
 from trainer.clipping import check_max_norm
 from trainer.compress import parse_compress
 from trainer.data import epoch_order, load_dataset, local_batch_indices, steps_per_epoch
@@ -38,7 +39,6 @@ from trainer.rectrain import REC_DATASETS, REC_L2, build_ratings_model, load_rat
 
 log = logging.getLogger(__name__)
 WARMUP_STEPS = 2  # left out of the steady throughput (see SteadyClock)
-LOOPBACK_HOSTS = ("localhost", "127.", "[::1]", "::1")
 
 
 @dataclass(frozen=True)
@@ -597,6 +597,7 @@ class Interrupted(BaseException):
         super().__init__(f"signal {signum}")
         self.signum = signum
         self.left = True  # set False when a shard that knew the trainer could not be told it left
+        self.leave_outcome = "before it registered with any shard"  # what the shards answered (set by train())
 
 
 def train(cfg: TrainConfig, stop: StopRequest | None = None) -> dict:
@@ -620,7 +621,8 @@ def train(cfg: TrainConfig, stop: StopRequest | None = None) -> dict:
         if run.ps is not None:
             run.ps.close(leave=True, best_effort=True)
             if isinstance(e, Interrupted):
-                e.left = getattr(run.ps, "left", True)
+                e.left, e.leave_outcome = (run.ps.left, run.ps.leave_outcome()) if hasattr(run.ps, "leave_outcome") \
+                    else (True, f"no shards to leave (the {cfg.backend} baseline)")
         raise
     finally:
         stop.steps_running = False

@@ -91,8 +91,11 @@ def test_sigterm_while_waiting_for_peers_leaves_at_once_with_128_plus_the_signal
     wait_for(lambda: list(fetch_stat(shard.address).live_ranks) == [0], "rank 0 to register")
     trainer.popen.send_signal(signal.SIGTERM)
     assert trainer.popen.wait(60) == 128 + signal.SIGTERM, trainer.log_tail()
-    assert "stopped by SIGTERM; left the job" in trainer.log_path.read_text()
-    assert list(fetch_stat(shard.address).live_ranks) == []
+    # The message claims no more than the shard answered, and the shard agrees: rank 0 is gone, by a Leave
+    # (also when the SIGTERM lands while the answer to its Register is still on its way).
+    assert "stopped by SIGTERM; left the job (shard 0 answered its Leave)" in trainer.log_path.read_text()
+    stats = fetch_stat(shard.address)
+    assert list(stats.live_ranks) == [] and stats.counters["leaves"] == 1
 
 
 def test_a_wrong_port_is_named_with_its_address_and_ends_in_one_line(tmp_path, procs):
@@ -107,4 +110,18 @@ def test_a_wrong_port_is_named_with_its_address_and_ends_in_one_line(tmp_path, p
     assert f"shard 0 at 127.0.0.1:{port} is not answering yet (UNAVAILABLE: connection refused)" in out
     assert (f"ps-trainer: error: shard 0 at 127.0.0.1:{port} did not answer within 3 s (--connect-timeout): "
             f"UNAVAILABLE: connection refused") in out
+    assert "Traceback" not in out
+
+
+def test_a_refused_port_on_loopback_ends_in_seconds_not_after_the_connect_timeout(tmp_path, procs):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # released: nothing listens there
+    trainer = start_trainer(0, f"127.0.0.1:{port}", tmp_path / "trainer0.log",
+                            ["--threads", "1", "--no-progress", "--connect-timeout", "600"])
+    procs.append(trainer)
+    assert trainer.popen.wait(120) == 1  # far below the 600 s it would otherwise wait
+    out = trainer.log_path.read_text()
+    assert (f"ps-trainer: error: shard 0 at 127.0.0.1:{port} did not answer within 5 s (every address is on "
+            f"loopback and it refuses connections: check the port, or start the shard first;") in out
     assert "Traceback" not in out

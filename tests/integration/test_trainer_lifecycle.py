@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 
 import grpc
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 from tests.integration.switchproxy import SwitchProxy
 from trainer.api import StartTimeout, StepFailed, connect
-from trainer.client import ShardUnreachable
+from trainer.client import RefusalClock, ShardClient, ShardUnreachable, on_loopback
 
 LR = 0.1
 
@@ -174,3 +175,73 @@ def test_an_interrupt_right_after_a_shard_answered_does_not_make_the_retry_apply
     assert (s0.stats().counters["pushes_applied"], s1.stats().counters["pushes_applied"]) == (1, 1)
     assert s0.stats().counters.get("duplicates", 0) == 0  # not even pushed again
     torch.testing.assert_close(ps.flat.flat, expected, rtol=0, atol=1e-6)
+
+
+class Interrupt(BaseException):
+    """Stands in for ps-trainer's Interrupted (a signal on the connecting thread)."""
+
+
+def register_then_interrupt(on_shard: int, before_raising=lambda: None):
+    """A ShardClient.register that registers with shard ``on_shard`` for real, then is interrupted before the
+    answer is handed back -- as a SIGTERM that lands while the reply is on its way."""
+    real = ShardClient.register
+
+    def register(self, *args):
+        reply = real(self, *args)
+        if self.index == on_shard:
+            before_raising()
+            raise Interrupt
+        return reply
+    return register
+
+
+def test_an_interrupt_while_the_registers_answer_is_on_its_way_still_leaves_that_shard(shard_server, monkeypatch):
+    s = shard_server(0)
+    monkeypatch.setattr(ShardClient, "register", register_then_interrupt(0))
+    with pytest.raises(Interrupt) as e:
+        connect(s.server.address, model(), num_trainers=2)
+    assert list(s.stats().live_ranks) == [] and s.stats().counters["leaves"] == 1
+    assert e.value.left and e.value.leave_outcome == "left the job (shard 0 answered its Leave)"
+
+
+def test_an_interrupt_abandons_the_other_shards_attempts_and_names_only_the_shard_it_left(shard_server, monkeypatch):
+    s = shard_server(0)
+    monkeypatch.setattr(ShardClient, "register", register_then_interrupt(0))
+    with pytest.raises(Interrupt) as e:
+        connect(f"{s.server.address},127.0.0.1:{closed_port()}", model(), connect_timeout=600)
+    assert list(s.stats().live_ranks) == [] and s.stats().counters["leaves"] == 1
+    assert e.value.left and e.value.leave_outcome == "left the job (shard 0 answered its Leave)"
+
+
+def test_an_interrupt_whose_leave_fails_says_it_could_not_leave_and_why(shard_server, monkeypatch):
+    s = shard_server(0)
+    address = s.server.address
+    monkeypatch.setattr(ShardClient, "register", register_then_interrupt(0, lambda: s.server.stop(grace=0)))
+    with pytest.raises(Interrupt) as e:
+        connect(address, model(), num_trainers=2)
+    assert not e.value.left
+    assert e.value.leave_outcome.startswith(f"could not leave shard 0 at {address} (UNAVAILABLE: ")
+
+
+def test_connect_gives_up_on_a_refused_loopback_port_in_seconds_with_the_usual_error(shard_server):
+    good, port = shard_server(0), closed_port()
+    t0 = time.monotonic()
+    with pytest.raises(ShardUnreachable, match=f"shard 1 at 127.0.0.1:{port} did not answer within 5 s "
+                                               r"\(every address is on loopback and it refuses connections"):
+        connect(f"{good.server.address},127.0.0.1:{port}", model())  # connect_timeout: the default 120 s
+    assert time.monotonic() - t0 < 60  # a generous bound: well before the 120 s connect timeout
+    assert list(good.stats().live_ranks) == []
+
+
+def test_refusals_give_up_only_in_a_row_and_only_with_a_limit():
+    clock = RefusalClock(5.0)
+    refused = "UNAVAILABLE: connection refused"
+    assert not clock.exhausted(refused, 100.0) and not clock.exhausted(refused, 104.0)
+    assert not clock.exhausted("no reply within 3 s", 104.5)  # it is there but slow: start again
+    assert not clock.exhausted(refused, 105.0) and clock.exhausted(refused, 110.0)
+    assert not RefusalClock(None).exhausted(refused, 1e9)
+
+
+def test_only_an_all_loopback_job_is_given_up_on_early():
+    assert on_loopback(["127.0.0.1:7000", "localhost:7001", "[::1]:7002"])
+    assert not on_loopback(["127.0.0.1:7000", "10.0.0.2:7000"])
