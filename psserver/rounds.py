@@ -1,9 +1,9 @@
-"""The open round of a sync or stale-timeout shard: the weighted sum of its gradients and who is in it.
+"""The open round of a sync or stale-timeout mode, for a dense slice (``OpenRound``) and for a sparse table
+(``TableRound``): who is in it (``RoundBook``, the same for both) and the weighted sum of its gradients.
 
-Kept apart from the shard so the one piece of arithmetic that must be exact --
-the weighted sum, and refusing a gradient whose addition overflows it without
-changing anything -- sits in one small place.  Not thread-safe: the shard
-calls it under its lock, on its state worker.
+Kept apart from the shard so the one piece of arithmetic that must be exact -- the weighted sum, and refusing a
+gradient whose addition overflows it without changing anything -- sits in one small place.  Not thread-safe:
+the shard calls it under its lock, on its state worker.
 """
 
 from __future__ import annotations
@@ -13,12 +13,14 @@ import math
 import torch
 
 from psserver.protocol.errors import InvalidRequest
+from psserver.protocol.rows.table import all_finite, strictly_increasing
 
 
-class OpenRound:
+class RoundBook:
+    """Who is in the open round and since when: what psserver.modes reads and psserver.executor writes."""
+
     def __init__(self) -> None:
-        self.sum: torch.Tensor | None = None  # valid only while weight > 0: a round's first gradient overwrites it
-        self.weight = 0.0
+        self.weight = 0.0  # the sum's weight (samples x scale); the sum is valid only while it is > 0
         self.contributors: set[int] = set()  # ranks with a fresh gradient (or a skipped one) in the round
         self.stale: set[tuple[int, int]] = set()  # (rank, base) of stale gradients scaled in
         self.opened_at: float | None = None  # clock time of the round's first gradient
@@ -26,6 +28,29 @@ class OpenRound:
     def open(self, now: float) -> None:
         if self.opened_at is None:
             self.opened_at = now
+
+    def _reset_book(self) -> None:
+        self.weight = 0.0
+        self.contributors.clear()
+        self.stale.clear()
+        self.opened_at = None
+
+    def _book(self) -> dict:
+        return dict(weight=self.weight, contributors=sorted(self.contributors), stale=sorted(self.stale))
+
+    def _restore_book(self, saved: dict, now: float) -> None:
+        self.weight = saved["weight"]
+        self.contributors = set(saved["contributors"])
+        self.stale = {tuple(x) for x in saved["stale"]}
+        self.opened_at = now
+
+
+class OpenRound(RoundBook):
+    """A dense slice's round: one slice-sized sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sum: torch.Tensor | None = None  # valid only while weight > 0: a round's first gradient overwrites it
 
     def add(self, grad: torch.Tensor, weight: float) -> torch.Tensor:
         """Add ``weight * grad`` -- refused, changing nothing, if the float32 sum would overflow.
@@ -52,23 +77,64 @@ class OpenRound:
         return self.sum.div_(self.weight)
 
     def reset(self) -> None:
-        self.weight = 0.0  # the next round's first gradient overwrites the sum
-        self.contributors.clear()
-        self.stale.clear()
-        self.opened_at = None
+        self._reset_book()  # the next round's first gradient overwrites the sum
 
     def to_checkpoint(self) -> dict | None:
         if not self.weight and not self.contributors:
             return None
-        return dict(sum=self.sum.clone() if self.weight > 0 else None, weight=self.weight,
-                    contributors=sorted(self.contributors), stale=sorted(self.stale))
+        return dict(sum=self.sum.clone() if self.weight > 0 else None, **self._book())
 
     def restore(self, saved: dict | None, now: float) -> None:
         if not saved:
             return
         if saved["sum"] is not None:
             self.sum = saved["sum"].clone()
-        self.weight = saved["weight"]
-        self.contributors = set(saved["contributors"])
-        self.stale = {tuple(x) for x in saved["stale"]}
-        self.opened_at = now
+        self._restore_book(saved, now)
+
+
+class TableRound(RoundBook):
+    """A table's round: the weighted sum of gradient rows over the union of their ids."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dim = dim
+        self.ids = torch.empty(0, dtype=torch.int64)  # sorted, unique
+        self.sum = torch.empty(0, dim)
+
+    def merged(self, ids: torch.Tensor, grads: torch.Tensor, weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(union ids, sum + weight * grads) as new tensors; refused, changing nothing, if float32 overflows.
+
+        Each contribution is added into a fresh zero sum in arrival order: ``0 + x`` is exact and float
+        addition commutes, so with two trainers the sum does not depend on which arrived first.  The first
+        contribution of a round with sorted ids (what a trainer sends) is that sum without the scatter:
+        ``x * w + 0.0`` is the same value, -0.0 turned to +0.0 included.
+        """
+        if not len(self.ids) and strictly_increasing(ids):
+            total = grads.mul(weight).add_(0.0)
+            if not all_finite(total):
+                raise InvalidRequest(f"adding these gradient rows (weight {weight:g}) to the round's sum overflows "
+                                     "float32: refused; the gradient's values are too large")
+            return ids, total
+        union, inverse = torch.unique(torch.cat([self.ids, ids]), sorted=True, return_inverse=True)
+        total = torch.zeros(len(union), self.dim)
+        total.index_add_(0, inverse[: len(self.ids)], self.sum)
+        total.index_add_(0, inverse[len(self.ids):], grads.mul(weight))
+        if not all_finite(total):
+            raise InvalidRequest(f"adding these gradient rows (weight {weight:g}) to the round's sum overflows "
+                                 "float32: refused; the gradient's values are too large")
+        return union, total
+
+    def reset(self) -> None:
+        self._reset_book()
+        self.ids, self.sum = torch.empty(0, dtype=torch.int64), torch.empty(0, self.dim)
+
+    def state(self) -> dict | None:
+        if not self.contributors and not self.stale:
+            return None
+        return dict(ids=self.ids.clone(), sum=self.sum.clone(), **self._book())
+
+    def restore(self, saved: dict | None, now: float) -> None:
+        if not saved:
+            return
+        self.ids, self.sum = saved["ids"].clone(), saved["sum"].clone()
+        self._restore_book(saved, now)

@@ -32,6 +32,7 @@ import torch
 from psserver import modes
 from psserver.checkpoint import Checkpointer, CheckpointWriter, ShardState
 from psserver.common.logsafe import counted, shorten
+from psserver.executor import PushInfo, PushTarget, check_sequence, execute, record_ack
 from psserver.membership import Membership
 from psserver.metrics import ShardMetrics
 from psserver.protocol.codec import TORCH_DTYPES
@@ -82,7 +83,7 @@ class StatsSnapshot:
     tables: dict = None  # sparse tables: name -> their counters (psserver.sparse.serving.STAT_KEYS)
 
 
-class Shard:
+class Shard(PushTarget):
     """State of shard ``shard_id``."""
 
     def __init__(self, shard_id: int, clock: Callable[[], float] = time.monotonic, lease_timeout: float = 5.0,
@@ -362,7 +363,7 @@ class Shard:
 
     def push(self, rank: int, trainer_id: str, fingerprint: str, base: int, num_samples: int,
              grad: torch.Tensor, sequence: int = 0, finite: bool = True) -> tuple[PushResult, torch.Tensor]:
-        """Hand a validated gradient to the mode logic and carry out its decision.
+        """Hand a validated gradient to the mode logic and carry out its decision (psserver.executor).
 
         Returns the result and the buffer the caller may reuse for its next
         receive: ``grad`` itself, or the round's previous sum when ``grad``'s
@@ -377,90 +378,77 @@ class Shard:
             if grad.numel() != self.end - self.start:
                 raise InvalidRequest(f"length is {grad.numel()} elements but this shard's slice has "
                                      f"{self.end - self.start}")
+            if sequence and check_sequence(self._acked, rank, trainer_id, sequence):
+                self.counters["duplicates"] += 1
+                log.info("shard %d: push #%d from rank %d was already acknowledged (%s); not applied again",
+                         self.shard_id, sequence, rank, self._acked[rank][2].outcome)
+                return PushResult("duplicate", self.version, 0), grad
+            info = PushInfo(rank, base, num_samples, sequenced=bool(sequence), payload=grad)
+            now = self._clock()
+            d = modes.decide_push(self._cfg, self._view(), rank, base, now, finite=finite, sequenced=bool(sequence))
+            if d.action is not modes.Action.DUPLICATE:
+                self.metrics.staleness.observe(d.staleness)
+            result, spare = execute(self, d, info, now)
             if sequence:
-                acked = self._acked.get(rank)
-                last = acked[1] if acked and acked[0] == trainer_id else None
-                action = modes.decide_sequence(last, sequence)
-                if action is modes.SequenceAction.REFUSE:
-                    raise InvalidRequest(
-                        f"sequence is {sequence} but rank {rank}'s last acknowledged push was "
-                        f"{'none' if last is None else last}: it must be the next few, up to "
-                        f"{modes.MAX_SEQUENCE_GAP} ahead")
-                if action is modes.SequenceAction.DUPLICATE:
-                    self.counters["duplicates"] += 1
-                    log.info("shard %d: push #%d from rank %d was already acknowledged (%s); not applied again",
-                             self.shard_id, sequence, rank, acked[2].outcome)
-                    return PushResult("duplicate", self.version, 0), grad
-            result, spare = self._push_locked(rank, base, num_samples, grad, finite, sequenced=bool(sequence))
-            if sequence and result.outcome != "duplicate":
-                self._acked[rank] = (trainer_id, sequence, result)
-            return result, spare
+                record_ack(self._acked, rank, trainer_id, sequence, result)
+            return result, grad if spare is None else spare
 
-    def _push_locked(self, rank: int, base: int, num_samples: int, grad: torch.Tensor, finite: bool,
-                     sequenced: bool) -> tuple[PushResult, torch.Tensor]:
-        """Decide (psserver.modes) and act. Caller holds _lock and has checked the header."""
-        now = self._clock()
-        d = modes.decide_push(self._cfg, self._view(), rank, base, now, finite=finite, sequenced=sequenced)
-        A = modes.Action
-        if d.action is not A.DUPLICATE:
-            self.metrics.staleness.observe(d.staleness)
-        if d.action is A.REFUSE_FUTURE:  # unreachable after check_push_header; kept for safety
-            raise FutureVersion(f"base version is {base} but {self.label} is at version {self.version}")
-        if d.action is A.DROP_STALE:
-            self.counters["stale_dropped"] += 1
-            raise StaleGradient(
-                f"stale gradient: base version {base} is {d.staleness} behind version {self.version} of shard "
-                f"{self.shard_id}; dropped -- pull version {self.version} and go on",
-                self.version, d.staleness,
-            )
-        if d.action is A.DUPLICATE:
-            self.counters["duplicates"] += 1
-            log.info("shard %d: duplicate push from rank %d for base %d acknowledged, not applied",
-                     self.shard_id, rank, base)
-            return PushResult("duplicate", self.version, d.staleness), grad
-        if d.action in (A.SKIP, A.SKIP_IN_ROUND):
-            self.counters["nonfinite_skipped"] += 1
-            log.warning("shard %d: skipped a gradient with NaN/Inf values from rank %d (base %d)",
-                        self.shard_id, rank, base)
-            if not sequenced and self._cfg.mode == Mode.ASYNC:
-                self._last_base[rank] = base
-            if d.action is A.SKIP_IN_ROUND:
-                self.round.contributors.add(rank)
-                self.round.open(now)
-                if d.close is not None:
-                    self._close_round(d.close)
-                self._changed()
-            return PushResult("skipped", self.version, d.staleness), grad
-        if d.action is A.APPLY:
-            self._apply(grad)
-            self.counters["pushes_applied"] += 1
-            self.counters["samples"] += num_samples
-            self.counters["staleness_sum"] += d.staleness
-            if not sequenced:
-                self._last_base[rank] = base
-            return PushResult("applied", self.version, d.staleness), grad
-        # ACCUMULATE
+    # ---------------------------------------------------------- what the executor does to a dense slice
+    _EVENT_COUNTERS = {"stale_dropped": "stale_dropped", "skipped": "nonfinite_skipped"}
+
+    def count_event(self, event: str) -> None:
+        self.counters[self._EVENT_COUNTERS[event]] += 1
+
+    def future(self, base: int) -> Exception:
+        return FutureVersion(f"base version is {base} but {self.label} is at version {self.version}")
+
+    def stale(self, base: int, staleness: int) -> Exception:
+        return StaleGradient(f"stale gradient: base version {base} is {staleness} behind version {self.version} of "
+                             f"shard {self.shard_id}; dropped -- pull version {self.version} and go on",
+                             self.version, staleness)
+
+    def duplicate(self, push: PushInfo) -> None:
+        self.counters["duplicates"] += 1
+        log.info("shard %d: duplicate push from rank %d for base %d acknowledged, not applied",
+                 self.shard_id, push.rank, push.base)
+
+    def result(self, outcome: str, staleness: int, **extra) -> PushResult:
+        return PushResult(outcome, self.version, staleness)
+
+    def skipped(self, push: PushInfo) -> None:
+        log.warning("shard %d: skipped a gradient with NaN/Inf values from rank %d (base %d)",
+                    self.shard_id, push.rank, push.base)
+        if not push.sequenced and self._cfg.mode == Mode.ASYNC:
+            self._last_base[push.rank] = push.base
+
+    def apply_now(self, push: PushInfo, staleness: int) -> PushResult:
+        self._apply(push.payload)
+        self._count_applied(push)
+        self.counters["staleness_sum"] += staleness
+        if not push.sequenced:
+            self._last_base[push.rank] = push.base
+        return self.result("applied", staleness)
+
+    def accumulate(self, push: PushInfo, weight: float) -> torch.Tensor:
         try:
-            spare = self.round.add(grad, num_samples * d.weight)
+            spare = self.round.add(push.payload, weight)
         except InvalidRequest:
             self.counters["refused_overflow"] += 1
             raise
+        self._count_applied(push)
+        return spare
+
+    def _count_applied(self, push: PushInfo) -> None:
         self.counters["pushes_applied"] += 1
-        self.counters["samples"] += num_samples
-        self.round.open(now)
-        if d.counts_for_round:
-            self.round.contributors.add(rank)
-        else:
-            self.round.stale.add((rank, base))
-            self.counters["stale_scaled"] += 1
-            log.info("shard %d: scaled a stale gradient from rank %d by %.3f (staleness %d)",
-                     self.shard_id, rank, d.weight, d.staleness)
-        outcome = "accepted" if d.counts_for_round else "scaled"
-        if d.close is not None:
-            self._close_round(d.close)
-            outcome = "applied"
+        self.counters["samples"] += push.num_samples
+
+    def scaled_in(self, push: PushInfo, factor: float) -> None:
+        self.counters["stale_scaled"] += 1
+        log.info("shard %d: scaled a stale gradient from rank %d by %.3f (staleness %d)",
+                 self.shard_id, push.rank, factor, self.version - push.base)
+
+    def round_changed(self) -> None:
         self._changed()
-        return PushResult(outcome, self.version, d.staleness), spare
 
     # ------------------------------------------------------------------ rounds
     def tick(self) -> float | None:
@@ -486,9 +474,9 @@ class Shard:
     def _close_if_due(self) -> None:
         reason = modes.decide_tick(self._cfg, self._view(), self._clock()) if self._cfg else None
         if reason is not None:
-            self._close_round(reason)
+            self.close_round(reason)
 
-    def _close_round(self, reason: modes.CloseReason) -> None:
+    def close_round(self, reason: modes.CloseReason) -> None:
         """Average the open round (weighted by samples) and take one optimizer step -- or, when every
         gradient in it was skipped, advance the version without one, so its waiters go on."""
         n = len(self.round.contributors)

@@ -35,6 +35,7 @@ import torch
 
 from psserver import modes
 from psserver.common.logsafe import shorten
+from psserver.executor import PushInfo, PushTarget, check_sequence, execute, record_ack
 from psserver.protocol import limits
 from psserver.protocol.errors import FutureVersion, InvalidRequest, OutOfMemory, StaleGradient, is_out_of_memory
 from psserver.protocol.job import JobSpec, table_mode
@@ -42,6 +43,7 @@ from psserver.protocol.rows import errors
 from psserver.protocol.rows.placement import shard_of
 from psserver.protocol.rows.table import RowStore, TableSpec, all_finite, strictly_increasing
 from psserver.protocol.rules import Mode
+from psserver.rounds import TableRound
 
 # Counters of a table, as GetStats names them: ``table.<name>.<counter>``.
 STAT_KEYS = ("version", "live_rows", "rows_created", "zero_reads", "dropped_grads", "evicted_lru",
@@ -83,63 +85,6 @@ class Membership:
     started: bool = True
 
 
-class TableRound:
-    """The open round of one table: the weighted sum of gradient rows over the union of their ids."""
-
-    def __init__(self, dim: int):
-        self.dim = dim
-        self.ids = torch.empty(0, dtype=torch.int64)  # sorted, unique
-        self.sum = torch.empty(0, dim)
-        self.weight = 0.0
-        self.contributors: set[int] = set()
-        self.stale: set[tuple[int, int]] = set()
-        self.opened_at: float | None = None
-
-    def merged(self, ids: torch.Tensor, grads: torch.Tensor, weight: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(union ids, sum + weight * grads) as new tensors; refused, changing nothing, if float32 overflows.
-
-        Each contribution is added into a fresh zero sum in arrival order: ``0 + x`` is exact and float
-        addition commutes, so with two trainers the sum does not depend on which arrived first.  The first
-        contribution of a round with sorted ids (what a trainer sends) is that sum without the scatter:
-        ``x * w + 0.0`` is the same value, -0.0 turned to +0.0 included.
-        """
-        if not len(self.ids) and strictly_increasing(ids):
-            total = grads.mul(weight).add_(0.0)
-            if not all_finite(total):
-                raise InvalidRequest(f"adding these gradient rows (weight {weight:g}) to the round's sum overflows "
-                                     "float32: refused; the gradient's values are too large")
-            return ids, total
-        union, inverse = torch.unique(torch.cat([self.ids, ids]), sorted=True, return_inverse=True)
-        total = torch.zeros(len(union), self.dim)
-        total.index_add_(0, inverse[: len(self.ids)], self.sum)
-        total.index_add_(0, inverse[len(self.ids):], grads.mul(weight))
-        if not all_finite(total):
-            raise InvalidRequest(f"adding these gradient rows (weight {weight:g}) to the round's sum overflows "
-                                 "float32: refused; the gradient's values are too large")
-        return union, total
-
-    def open(self, now: float) -> None:
-        if self.opened_at is None:
-            self.opened_at = now
-
-    def reset(self) -> None:
-        self.__init__(self.dim)
-
-    def state(self) -> dict | None:
-        if not self.contributors and not self.stale:
-            return None
-        return dict(ids=self.ids.clone(), sum=self.sum.clone(), weight=self.weight,
-                    contributors=sorted(self.contributors), stale=sorted(self.stale))
-
-    def restore(self, saved: dict | None, now: float) -> None:
-        if not saved:
-            return
-        self.ids, self.sum, self.weight = saved["ids"].clone(), saved["sum"].clone(), saved["weight"]
-        self.contributors = set(saved["contributors"])
-        self.stale = {tuple(x) for x in saved["stale"]}
-        self.opened_at = now
-
-
 def mode_config(spec: TableSpec, job: JobSpec) -> modes.ModeConfig:
     """The dense decisions' knobs for a table: the table's mode, the job's timeout knobs.  An async table's
     staleness bound is per row (``ServedTable._stale_rows``), so the push-level one stays unbounded."""
@@ -147,7 +92,7 @@ def mode_config(spec: TableSpec, job: JobSpec) -> modes.ModeConfig:
                             job.stale_policy)
 
 
-class ServedTable:
+class ServedTable(PushTarget):
     """One table on one shard."""
 
     def __init__(self, spec: TableSpec, job: JobSpec, shard: int = 0):
@@ -243,22 +188,15 @@ class ServedTable:
         return self.version, rows
 
     def push(self, p: RowsPush, members: Membership, now: float, refuse_nonfinite: bool = True) -> RowsResult:
-        """Check, deduplicate, decide (psserver.modes) and act on one push."""
+        """Check, deduplicate, decide (psserver.modes) and act (psserver.executor) on one push."""
         finite = self.check_push(p, refuse_nonfinite)
-        acked = self.acked.get(p.rank)
-        last = acked[1] if acked and acked[0] == p.trainer_id else None
-        action = modes.decide_sequence(last, p.sequence)
-        if action is modes.SequenceAction.REFUSE:
-            raise InvalidRequest(f"sequence is {p.sequence} but rank {p.rank}'s last acknowledged push to table "
-                                 f"{self.spec.name!r} was {'none' if last is None else last}: it must be the next "
-                                 f"few, up to {modes.MAX_SEQUENCE_GAP} ahead (numbers start at 1)")
-        if action is modes.SequenceAction.DUPLICATE:
+        if check_sequence(self.acked, p.rank, p.trainer_id, p.sequence, where=f" to table {self.spec.name!r}"):
             self.counts["pushes_duplicate"] += 1
             self._refresh()
             return RowsResult("duplicate", self.version, 0)
-        result = self._decide(p, members, now, finite)
-        if result.outcome != "duplicate":
-            self.acked[p.rank] = (p.trainer_id, p.sequence, result)
+        d = modes.decide_push(self.cfg, self._view(members), p.rank, p.base, now, finite=finite, sequenced=True)
+        result, _ = execute(self, d, PushInfo(p.rank, p.base, p.num_samples, sequenced=True, payload=p), now)
+        record_ack(self.acked, p.rank, p.trainer_id, p.sequence, result)
         self.counts["bytes_in"] += p.grads.numel() * 4 + len(p.ids) * 8
         self._refresh()
         return result
@@ -268,56 +206,54 @@ class ServedTable:
         return modes.RoundView(version=self.version, live=members.live, started=members.started,
                                contributors=r.contributors, stale_in_round=r.stale, opened_at=r.opened_at)
 
-    def _decide(self, p: RowsPush, members: Membership, now: float, finite: bool) -> RowsResult:
-        d = modes.decide_push(self.cfg, self._view(members), p.rank, p.base, now, finite=finite, sequenced=True)
-        A = modes.Action
-        if d.action is A.REFUSE_FUTURE:  # unreachable after check_push; kept for safety
-            raise FutureVersion(f"base version is {p.base} but table {self.spec.name!r} is at {self.version}")
-        if d.action is A.DROP_STALE:
-            self.counts["pushes_stale"] += 1
-            raise StaleGradient(f"stale gradient rows: base version {p.base} is {d.staleness} behind version "
-                                f"{self.version} of table {self.spec.name!r}; dropped -- pull and go on",
-                                self.version, d.staleness)
-        if d.action is A.DUPLICATE:
-            self.counts["pushes_duplicate"] += 1
-            return RowsResult("duplicate", self.version, d.staleness)
-        if d.action in (A.SKIP, A.SKIP_IN_ROUND):
-            self.counts["pushes_skipped"] += 1
-            if d.action is A.SKIP_IN_ROUND:
-                self.round.contributors.add(p.rank)
-                self.round.open(now)
-                if d.close is not None:
-                    self._close(d.close)
-            return RowsResult("skipped", self.version, d.staleness)
-        if d.action is A.APPLY:
-            keep = self._fresh_rows(p)
-            ids, grads = p.ids[keep], p.grads[keep]
-            self._apply(ids, grads)
-            stale = len(p.ids) - len(ids)
-            self.counts["pushes_applied"] += 1
-            self.counts["rows_pushed"] += len(ids)
-            self.counts["rows_stale"] += stale
-            return RowsResult("applied", self.version, d.staleness, len(ids), stale)
-        # ACCUMULATE
-        union, total = self.round.merged(p.ids, p.grads, p.num_samples * d.weight)
+    # ------------------------------------------------------------ what the executor does to a table
+    _EVENT_COUNTERS = {"stale_dropped": "pushes_stale", "skipped": "pushes_skipped"}
+
+    def count_event(self, event: str) -> None:
+        self.counts[self._EVENT_COUNTERS[event]] += 1
+
+    def future(self, base: int) -> Exception:
+        return FutureVersion(f"base version is {base} but table {self.spec.name!r} is at {self.version}")
+
+    def stale(self, base: int, staleness: int) -> Exception:
+        return StaleGradient(f"stale gradient rows: base version {base} is {staleness} behind version "
+                             f"{self.version} of table {self.spec.name!r}; dropped -- pull and go on",
+                             self.version, staleness)
+
+    def duplicate(self, push: PushInfo) -> None:
+        self.counts["pushes_duplicate"] += 1
+
+    def result(self, outcome: str, staleness: int, **extra) -> RowsResult:
+        return RowsResult(outcome, self.version, staleness, **extra)
+
+    def skipped(self, push: PushInfo) -> None:
+        pass  # counted by the executor; rows carry no per-rank base to remember (always sequenced)
+
+    def apply_now(self, push: PushInfo, staleness: int) -> RowsResult:
+        p = push.payload
+        keep = self._fresh_rows(p)
+        ids, grads = p.ids[keep], p.grads[keep]
+        self._apply(ids, grads)
+        stale = len(p.ids) - len(ids)
+        self.counts["pushes_applied"] += 1
+        self.counts["rows_pushed"] += len(ids)
+        self.counts["rows_stale"] += stale
+        return self.result("applied", staleness, rows_applied=len(ids), rows_stale=stale)
+
+    def accumulate(self, push: PushInfo, weight: float) -> None:
+        p = push.payload
+        union, total = self.round.merged(p.ids, p.grads, weight)
         if len(union) > limits.MAX_IDS_PER_CALL:
             raise errors.TooManyIds(f"the round of table {self.spec.name!r} would hold {len(union)} ids, over the "
                                     f"limit of {limits.MAX_IDS_PER_CALL} for one step")
         self.store._check_fits(len(union))
         r = self.round
-        r.ids, r.sum, r.weight = union, total, r.weight + p.num_samples * d.weight
-        r.open(now)
+        r.ids, r.sum, r.weight = union, total, r.weight + weight
         self.counts["pushes_applied"] += 1
         self.counts["rows_pushed"] += len(p.ids)
-        if d.counts_for_round:
-            r.contributors.add(p.rank)
-        else:
-            r.stale.add((p.rank, p.base))
-        outcome = "accepted" if d.counts_for_round else "scaled"
-        if d.close is not None:
-            self._close(d.close)
-            outcome = "applied"
-        return RowsResult(outcome, self.version, d.staleness, len(p.ids))
+
+    def accepted(self, push: PushInfo, outcome: str, staleness: int) -> RowsResult:
+        return self.result(outcome, staleness, rows_applied=len(push.payload.ids))
 
     def _fresh_rows(self, p: RowsPush) -> torch.Tensor:
         """Async with max_staleness S: the rows to keep (see the module docstring); all of them otherwise."""
@@ -338,7 +274,7 @@ class ServedTable:
                 live = set(held[self.store._index.find(held) >= 0].tolist())
                 self.updated_at = {i: v for i, v in self.updated_at.items() if i in live}
 
-    def _close(self, reason: modes.CloseReason) -> None:
+    def close_round(self, reason: modes.CloseReason) -> None:
         """Apply the round's weighted average as one step -- or, when it holds no weight (every push
         skipped), advance the version without one so its waiters go on."""
         r = self.round
@@ -355,7 +291,7 @@ class ServedTable:
         reason = modes.decide_tick(self.cfg, self._view(members), now)
         if reason is None:
             return False
-        self._close(reason)
+        self.close_round(reason)
         self._refresh()
         return True
 
