@@ -1,8 +1,10 @@
-"""One shard's state and the executor of the mode decisions.
+"""One shard's state: a slice of the parameters, its optimizer, its version, its job and members.
 
 A shard owns a contiguous slice of the flat parameter vector, that slice's
 optimizer state, a version counter (optimizer steps applied), the job spec, and
 the membership of trainers.  It knows nothing of the model's code, nor of gRPC.
+A push is decided by psserver.modes and carried out by psserver.executor, for
+which the shard is a ``PushTarget`` (the hooks say what a dense gradient is).
 
 Threads: every method that touches tensors or the round is synchronous and is
 meant to run on the server's one *state worker* thread (psserver.server), so
