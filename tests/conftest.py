@@ -102,3 +102,27 @@ def shard_server():
         r.close()
     for s in servers:
         s.stop(grace=0)
+
+
+OPEN_ROUND_MAX_PUSH = 1 << 20  # the open-round shard's max_push_bytes
+
+
+@pytest.fixture(scope="module")
+def open_round_shard():
+    """A sync job of 2 trainers on a real shard with round 0 open: both ranks registered, the parameters
+    initialised to zeros, rank 0's push of ones accepted (rank 1 has not pushed).  One per test module, so its
+    tests must leave the state as they found it: the refusal tests check exactly that (the open round is part
+    of the hashed state).  Leases are off: one running out would close the round mid-test on its own."""
+    server = ShardServer(ServerConfig(shard=0, host="127.0.0.1", port=0, max_push_bytes=OPEN_ROUND_MAX_PUSH,
+                                      lease_timeout=0, limits=ServiceLimits(min_chunk_bytes=256))).start()
+    shard = RawShard(server)
+    try:
+        spec = make_spec(num_trainers=2)
+        shard.register(rank=0, spec=spec)
+        shard.register(rank=1, spec=spec)
+        shard.init(torch.zeros(P))
+        assert shard.push(torch.ones(P), rank=0).outcome == pb.ACCEPTED
+        yield shard
+    finally:
+        shard.close()
+        server.stop(grace=0)

@@ -1,14 +1,47 @@
-"""Run real ps-server and ps-trainer processes for a test and collect what they report."""
+"""Run real ps-server and ps-trainer processes for a test and collect what they report; the scaffolding the
+fault and soak tests share (restart a shard on its port, trainer threads through fault-injecting proxies, the
+exact parameters plain SGD must end at)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator
+
+import grpc
+import pytest
+import torch
 
 from psserver.protocol.proto import ps_pb2 as pb
+from psserver.protocol.proto import ps_pb2_grpc as pb_grpc
 from psserver.protocol.stubs import fetch_stat
+from tests.cluster.faultproxy import FaultProxy
 from trainer.procs import Proc, start_shard, start_trainer, wait_all
+
+
+def records(path: Path) -> list[dict]:
+    """The complete JSON lines a trainer's ``--metrics-file`` holds so far (a line still being written is left
+    out); each must be strict JSON (no NaN)."""
+    if not path.exists():
+        return []
+    text = path.read_text()
+    return [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in {path}"))
+            for line in text[: text.rfind("\n") + 1].splitlines()]
+
+
+def last_step(path: Path) -> int:
+    """The last step a trainer's ``--metrics-file`` reports (0 before the first): what tests wait on."""
+    return max((r["step"] for r in records(path) if r["event"] == "step"), default=0)
+
+
+def restart_on_its_port(shard: Proc, index: int, log: Path, extra_args: list[str]) -> Proc:
+    """Shard ``index`` started again with ``--restore`` on the port of ``shard`` (which the test has killed or
+    stopped), so the trainers' addresses reach the new process."""
+    port = int(shard.address.rsplit(":", 1)[1])
+    return start_shard(index, log, port=port, extra_args=list(extra_args) + ["--restore"])
 
 
 @dataclass
@@ -58,3 +91,54 @@ def run_job(run_dir: Path, num_shards: int, num_trainers: int, args: list[str], 
             p.kill()
         raise
     return JobRun(shards, trainers, codes, run_dir)
+
+
+# -- trainer threads through faults, and what exact SGD must give ------------------------------------------------
+
+@contextlib.contextmanager
+def trainers_through_faults(tmp_path: Path, trainer: Callable, args: tuple, num_trainers: int, seeds: list[int],
+                            timeout: float = 300.0, **faults) -> Iterator[tuple[list[Proc], list[list]]]:
+    """Two real shards, shard i behind a FaultProxy seeded ``seeds[i]`` (``faults``: its
+    mean_bytes_between_faults, max_faults, max_delay), and ``num_trainers`` threads, each running
+    ``trainer(rank, addresses, *args, records, errors)``.  Yields (the shards, each rank's records) once every
+    thread finished without an error and the proxies really injected faults; kills the shards on the way out."""
+    shards = [start_shard(i, tmp_path / f"shard{i}.log") for i in range(2)]
+    proxies = []
+    try:
+        proxies += [FaultProxy(s.address, seed=seeds[i], **faults) for i, s in enumerate(shards)]
+        addresses = ",".join(p.address for p in proxies)
+        records, errors = [[] for _ in range(num_trainers)], []
+        threads = [threading.Thread(target=trainer, args=(r, addresses, *args, records[r], errors))
+                   for r in range(num_trainers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=timeout)
+        assert not errors, errors
+        assert not any(t.is_alive() for t in threads)
+        assert sum(p.faults for p in proxies) > 0  # the faults really happened
+        yield shards, records
+    finally:
+        for p in proxies:
+            p.close()
+        for s in shards:
+            s.kill()
+
+
+def exact_sgd(by_base: dict, mode: str) -> torch.Tensor:
+    """Where plain SGD with lr 1 from zeros ends, given the acknowledged gradients by the version they were pushed
+    on: minus the sum of every one in async mode, of each round's mean in the sync modes (exact in fp32 for
+    integer-valued gradients)."""
+    if mode == "async":
+        return -sum(g for gs in by_base.values() for g in gs)
+    return -sum(torch.stack(gs).mean(0) for gs in by_base.values())
+
+
+def pull_params(address: str, trainer_id: str, partition: int = 0) -> torch.Tensor:
+    """A shard's current parameters (of one partition), pulled as rank 0 with ``trainer_id``: a member, so the
+    test reads them as a trainer would."""
+    fingerprint = fetch_stat(address).job.fingerprint
+    with grpc.insecure_channel(address) as ch:
+        chunks = list(pb_grpc.ParameterServerStub(ch).Pull(
+            pb.PullRequest(rank=0, trainer_id=trainer_id, fingerprint=fingerprint, partition=partition), timeout=30))
+    return torch.frombuffer(bytearray(b"".join(c.data for c in chunks)), dtype=torch.float32)

@@ -7,24 +7,19 @@ equal exactly minus the sum of what it acknowledged: every acknowledged push in
 async mode, the mean of each round's acknowledged pushes in the sync modes.
 """
 
-import threading
 from collections import defaultdict
 
-import grpc
 import pytest
 import torch
 
-from psserver.protocol.proto import ps_pb2 as pb
-from psserver.protocol.proto import ps_pb2_grpc as pb_grpc
 from psserver.protocol.rows.init import Initializer
 from psserver.protocol.rows.optim import SparseOptimizerConfig
 from psserver.protocol.rows.placement import shard_of
 from psserver.protocol.stubs import fetch_stat as stats
-from tests.cluster.faultproxy import FaultProxy
+from tests.cluster.helpers import exact_sgd, pull_params, trainers_through_faults
 from trainer import connect
 from trainer.client import ShardedClient
 from trainer.embedding import ShardedEmbeddingBag
-from trainer.procs import start_shard
 from trainer.sparse_client import ShardedRows
 
 P, STEPS, TRAINERS = 20_000, 40, 2
@@ -56,30 +51,10 @@ def run_trainer(rank, addresses, mode, records, errors):
         errors.append(e)
 
 
-def final_params(address: str, shard: int) -> torch.Tensor:
-    with grpc.insecure_channel(address) as ch:
-        chunks = list(pb_grpc.ParameterServerStub(ch).Pull(
-            pb.PullRequest(rank=0, trainer_id="soak-0", fingerprint=stats(address).job.fingerprint), timeout=30))
-    return torch.frombuffer(bytearray(b"".join(c.data for c in chunks)), dtype=torch.float32)
-
-
 @pytest.mark.parametrize("mode", ["sync", "async", "stale-timeout"])
 def test_final_parameters_equal_the_sum_of_acknowledged_gradients(tmp_path, mode):
-    shards = [start_shard(i, tmp_path / f"shard{i}.log") for i in range(2)]
-    proxies = [FaultProxy(s.address, seed=7 * i + len(mode), mean_bytes_between_faults=150_000, max_faults=25,
-                          max_delay=0.002) for i, s in enumerate(shards)]
-    try:
-        records = [[] for _ in range(TRAINERS)]
-        errors = []
-        threads = [threading.Thread(target=run_trainer, args=(r, ",".join(p.address for p in proxies), mode,
-                                                              records[r], errors)) for r in range(TRAINERS)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
-        assert not errors, errors
-        assert not any(t.is_alive() for t in threads)
-        assert sum(p.faults for p in proxies) > 0  # the faults really happened
+    faults = dict(seeds=[len(mode), 7 + len(mode)], mean_bytes_between_faults=150_000, max_faults=25, max_delay=0.002)
+    with trainers_through_faults(tmp_path, run_trainer, (mode,), TRAINERS, **faults) as (shards, records):
         counters = [r[-1][1] for r in records]
         assert sum(c.get("retries", 0) for c in counters) > 0
 
@@ -90,20 +65,12 @@ def test_final_parameters_equal_the_sum_of_acknowledged_gradients(tmp_path, mode
                 for bases, outcomes, grad in rank_records[:-1]:
                     if outcomes[shard] in ACKED:
                         by_base[bases[shard]].append(grad[start:end])
-            if mode == "async":
-                expected = -sum(g for gs in by_base.values() for g in gs)
-            else:
-                expected = -sum(torch.stack(gs).mean(0) for gs in by_base.values())
-            got = final_params(shards[shard].address, shard)
+            got = pull_params(shards[shard].address, "soak-0")
+            expected = exact_sgd(by_base, mode)
             assert torch.equal(got, expected), (got - expected).abs().max()
             st = stats(shards[shard].address)
             applied_rounds = len(by_base) if mode != "async" else sum(len(g) for g in by_base.values())
             assert st.version == applied_rounds
-    finally:
-        for p in proxies:
-            p.close()
-        for s in shards:
-            s.kill()
 
 
 # -- row pushes: the same accounting for a sparse table ------------------------------------------------------------
@@ -149,34 +116,19 @@ def run_rows_trainer(rank, addresses, mode, records, errors):
 
 
 def expected_rows(records, shard, mode) -> torch.Tensor:
-    """Minus the acknowledged gradient rows of ``shard``: each push in async mode, each round's mean in sync."""
+    """Where ``shard``'s rows must end: exact SGD of its acknowledged gradient rows."""
     by_base = defaultdict(list)
     for rank_records in records:
         for s, base, outcome, ids, grads in rank_records[:-1]:
             if s == shard and outcome in ACKED:
                 by_base[base].append(torch.zeros(ROW_IDS, DIM).index_add_(0, ids, grads))
-    if mode == "async":
-        return -sum(g for gs in by_base.values() for g in gs)
-    return -sum(torch.stack(gs).mean(0) for gs in by_base.values())
+    return exact_sgd(by_base, mode)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_row_pushes_through_faults_are_applied_exactly_once_each(tmp_path, mode):
-    shards = [start_shard(i, tmp_path / f"shard{i}.log") for i in range(2)]
-    proxies = [FaultProxy(s.address, seed=11 * i + len(mode), mean_bytes_between_faults=4_000, max_faults=20,
-                          max_delay=0.001) for i, s in enumerate(shards)]
-    try:
-        records = [[] for _ in range(TRAINERS)]
-        errors = []
-        threads = [threading.Thread(target=run_rows_trainer, args=(r, ",".join(p.address for p in proxies), mode,
-                                                                   records[r], errors)) for r in range(TRAINERS)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
-        assert not errors, errors
-        assert not any(t.is_alive() for t in threads)
-        assert sum(p.faults for p in proxies) > 0  # the faults really happened
+    faults = dict(seeds=[len(mode), 11 + len(mode)], mean_bytes_between_faults=4_000, max_faults=20, max_delay=0.001)
+    with trainers_through_faults(tmp_path, run_rows_trainer, (mode,), TRAINERS, **faults) as (shards, records):
         counters = [r[-1][1] for r in records]
         assert sum(c.get("rows_retries", 0) for c in counters) > 0  # ... to row calls too
         job = records[0][-1][2]
@@ -200,8 +152,3 @@ def test_row_pushes_through_faults_are_applied_exactly_once_each(tmp_path, mode)
             assert st["table.emb.version"] == (ROW_STEPS * TRAINERS if mode == "async" else rounds)
         assert sum(c.get("rows_duplicate_pushes", 0) for c in counters) == sum(
             o == "duplicate" for rr in records for _, _, o, _, _ in rr[:-1])
-    finally:
-        for p in proxies:
-            p.close()
-        for s in shards:
-            s.kill()

@@ -83,7 +83,7 @@ def test_stale_timeout_with_a_straggler_closes_rounds_at_the_timeout_and_counts_
 
 def test_trainer_with_a_different_job_is_refused_naming_the_difference(tmp_path):
     from psserver.protocol.stubs import fetch_stat
-    from tests.cluster.test_membership import wait_until
+    from tests.helpers import wait_until
     from trainer.procs import start_shard, start_trainer
 
     shard = start_shard(0, tmp_path / "shard0.log")
@@ -93,7 +93,7 @@ def test_trainer_with_a_different_job_is_refused_naming_the_difference(tmp_path)
     try:
         first = start_trainer(0, shard.address, tmp_path / "first.log", args)  # waits for rank 1: the job runs
         procs.append(first)
-        wait_until(lambda: fetch_stat(shard.address).counters["registrations"] >= 1, 60, "rank 0 to register")
+        wait_until(lambda: fetch_stat(shard.address).counters["registrations"] >= 1, "rank 0 to register")
         second = start_trainer(1, shard.address, tmp_path / "second.log", args + ["--lr", "0.5"])
         procs.append(second)
         assert second.popen.wait(120) == 1

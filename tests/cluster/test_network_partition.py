@@ -5,7 +5,8 @@ import json
 import pytest
 
 from tests.cluster.netns import Hosts, firewall_as_others_see_it
-from tests.cluster.test_membership import last_step, wait_until
+from tests.cluster.helpers import last_step
+from tests.helpers import wait_until
 from trainer.procs import start_shard, start_trainer, wait_all
 
 LEASE = 2.0
@@ -30,11 +31,11 @@ def test_cut_trainer_is_dropped_after_the_lease_and_rejoins_when_the_link_heals(
                                    "--no-progress", "--metrics-file", str(metrics[r])], prefix=hosts.prefix(f"trainer{r}"))
                     for r in range(2)]
         procs += trainers
-        wait_until(lambda: last_step(metrics[1]) >= 20, 120, "20 sync steps with both trainers")
+        wait_until(lambda: last_step(metrics[1]) >= 20, "20 sync steps with both trainers")
         hosts.set_link("trainer1", up=False)
         cut_at = last_step(metrics[0])
         # in sync mode rank 0 can only go on once rank 1's lease has expired on both shards
-        wait_until(lambda: last_step(metrics[0]) >= cut_at + 30, 60, "rank 0 to go on without the cut-off rank 1")
+        wait_until(lambda: last_step(metrics[0]) >= cut_at + 30, "rank 0 to go on without the cut-off rank 1")
         assert last_step(metrics[1]) <= cut_at + 1
         hosts.set_link("trainer1", up=True)
         assert wait_all(trainers, 240) == {"trainer0": 0, "trainer1": 0}

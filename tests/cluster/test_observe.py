@@ -7,7 +7,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.cluster.test_membership import wait_until
+from tests.helpers import wait_until
 from trainer.procs import start_shard, start_trainer, wait_all
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -44,7 +44,7 @@ def test_metrics_scraped_during_and_after_a_run_match_the_trainers(tmp_path):
         # During the run, at a point the test holds: rank 0 is in the job and waits for rank 1, which has not
         # started -- so the scrape must show one live trainer and nothing pushed, however loaded the machine.
         trainers = [trainer(0)]
-        wait_until(lambda: all(metric(scrape(p), "psgrpc_live_trainers") == 1 for p in ports), 120,
+        wait_until(lambda: all(metric(scrape(p), "psgrpc_live_trainers") == 1 for p in ports),
                    "rank 0 to register with both shards")
         for p in ports:
             during = scrape(p)

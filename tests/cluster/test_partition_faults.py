@@ -33,7 +33,8 @@ from psserver.protocol.job import JobSpec
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.proto import ps_pb2_grpc as pb_grpc
 from tests.cluster.faultproxy import FaultProxy
-from tests.cluster.test_membership import wait_until
+from tests.cluster.helpers import pull_params, restart_on_its_port
+from tests.helpers import wait_until
 from tests.integration.switchproxy import SwitchProxy
 from trainer import connect
 from trainer.client import ShardedClient
@@ -155,14 +156,6 @@ def run_trainer(rank, addresses, pipeline, out, errors, hold):
         errors.append(e)
 
 
-def partition_params(address: str, partition: int) -> torch.Tensor:
-    fingerprint = part_stats(address, 0).job.fingerprint
-    with grpc.insecure_channel(address) as ch:
-        chunks = list(pb_grpc.ParameterServerStub(ch).Pull(
-            pb.PullRequest(rank=0, trainer_id="soak-0", fingerprint=fingerprint, partition=partition), timeout=30))
-    return torch.frombuffer(bytearray(b"".join(c.data for c in chunks)), dtype=torch.float32)
-
-
 def survived(record: Record, restored: int | None, final_rejoins: int) -> bool:
     """Whether an acknowledged push is in the shard's final state.  A shard restored at version ``restored``
     kept the rounds before it; a push acknowledged on a version at or past it, before its trainer re-registered
@@ -188,7 +181,7 @@ def check_partitions(address: str, shard: int, outs: list[dict], restored: list[
         for base, pushed in by_base.items():  # exactly once: no trainer twice in a round
             assert len({rank for rank, _ in pushed}) == len(pushed), (slot, base)
         expected = -sum(torch.stack([g for _, g in gs]).mean(0) for gs in by_base.values())
-        got = partition_params(address, k)
+        got = pull_params(address, "soak-0", k)
         assert torch.equal(got, expected), (slot, (got - expected).abs().max())
         st = part_stats(address, k)
         assert (st.start, st.end) == tuple(outs[0]["ranges"][slot]) and st.partitions == PARTS
@@ -237,14 +230,12 @@ def test_kill_9_mid_partitioned_step_every_surviving_gradient_is_applied_exactly
             t.start()
         assert hold.reached.wait(120), errors
         # every partition's version-10 checkpoint is on disk (written behind the steps): the restore's version
-        wait_until(lambda: all(newest_version(ckpt, 1, k) == 2 * EVERY for k in range(PARTS)), 60,
+        wait_until(lambda: all(newest_version(ckpt, 1, k) == 2 * EVERY for k in range(PARTS)),
                    "shard 1's checkpoints at version 10")
         shards[1].kill()  # SIGKILL mid step: rank 0 has pushed some partitions of its 13th step, rank 1 maybe all
         restored = [load_newest(checkpoint_dir(ckpt, k), 1)[0].version for k in range(PARTS)]
         assert restored == [2 * EVERY] * PARTS
-        port = int(shards[1].address.rsplit(":", 1)[1])
-        procs.append(start_shard(1, tmp_path / "shard1-restarted.log", port=port,
-                                 extra_args=shard_args + ["--restore"]))
+        procs.append(restart_on_its_port(shards[1], 1, tmp_path / "shard1-restarted.log", shard_args))
         hold.restarted.set()
         for t in threads:
             t.join(timeout=240)
@@ -324,16 +315,14 @@ def test_a_trainer_that_rejoins_pushes_its_step_again_so_a_peer_retrying_into_th
         for step in range(2):
             go[step].set()
         assert all(reached[r][2].wait(120) for r in range(TRAINERS)), errors
-        wait_until(lambda: all(newest_version(ckpt, 1, k) == 2 for k in range(PARTS)), 60, "the version-2 checkpoints")
+        wait_until(lambda: all(newest_version(ckpt, 1, k) == 2 for k in range(PARTS)), "the version-2 checkpoints")
         proxy.swallow_replies()  # rank 1's pushes of step 3 reach shard 1; their answers never come back
         go[2].set()
         assert reached[0][3].wait(120), errors  # rank 0's step 3 is done: shard 1's rounds 2 closed
         assert all(part_stats(shards[1].address, k).version == 3 for k in range(PARTS))
         proxy.refuse()
         shards[1].kill()
-        port = int(shards[1].address.rsplit(":", 1)[1])
-        procs.append(start_shard(1, tmp_path / "shard1-restarted.log", port=port,
-                                 extra_args=shard_args + ["--restore"]))
+        procs.append(restart_on_its_port(shards[1], 1, tmp_path / "shard1-restarted.log", shard_args))
         proxy.forward()  # rank 1's retry reaches the restored shard: a new push into its round 2
         for step in range(3, SHORT_STEPS):
             go[step].set()
@@ -413,13 +402,13 @@ def test_sigterm_of_a_partitioned_shard_with_its_rounds_open_restores_every_part
                                    "--metrics-file", str(metrics[r]), "--no-progress", "--threads", "1"])
                     for r in range(2)]
         procs += trainers
-        wait_until(lambda: all(part_stats(a, 0).HasField("job") for a in addresses), 120, "rank 0 to register")
+        wait_until(lambda: all(part_stats(a, 0).HasField("job") for a in addresses), "rank 0 to register")
         gate = Gate(addresses)
         assert gate.job.partitions == MLP_PARTS
         for _ in range(HELD):
             assert set(gate.step()) <= {"accepted", "applied"}
         # Rounds 8 hold both trainers' gradients, waiting for the gate's: nothing changes until it pushes.
-        wait_until(lambda: part_stats(addresses[1], 0).counters["pushes_applied"] == MLP_PARTS * (3 * HELD + 2), 60,
+        wait_until(lambda: part_stats(addresses[1], 0).counters["pushes_applied"] == MLP_PARTS * (3 * HELD + 2),
                    "both trainers' pushes of step 9 on shard 1")
         before = [part_stats(addresses[1], k, digest_as=gate) for k in range(MLP_PARTS)]
         assert [b.version for b in before] == [HELD] * MLP_PARTS
@@ -427,8 +416,7 @@ def test_sigterm_of_a_partitioned_shard_with_its_rounds_open_restores_every_part
         shards[1].popen.send_signal(signal.SIGTERM)
         assert shards[1].popen.wait(60) == 0
         assert [newest_version(ckpt, 1, k) for k in range(MLP_PARTS)] == [HELD] * MLP_PARTS  # one final each
-        restarted = start_shard(1, tmp_path / "shard1-restarted.log", port=int(addresses[1].rsplit(":", 1)[1]),
-                                extra_args=args + ["--restore"])
+        restarted = restart_on_its_port(shards[1], 1, tmp_path / "shard1-restarted.log", args)
         procs.append(restarted)
         # The trainers' retries reach it now, answered DUPLICATE: they change no partition's state.
         after = [part_stats(addresses[1], k, digest_as=gate) for k in range(MLP_PARTS)]

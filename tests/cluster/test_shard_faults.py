@@ -11,7 +11,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from psserver.checkpoint import Checkpointer
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.stubs import fetch_stat as stats
-from tests.cluster.test_membership import last_step, wait_until
+from tests.cluster.helpers import last_step, restart_on_its_port
+from tests.helpers import wait_until
 from tests.conftest import P, RawShard, make_spec
 from trainer.procs import start_shard, start_trainer, wait_all
 
@@ -32,11 +33,9 @@ def test_kill_9_shard_restore_and_trainers_carry_on_to_the_accuracy_bar(tmp_path
                                    "--epochs", "3", "--metrics-file", str(metrics[r]), "--no-progress",
                                    "--log-every", "1", "--threads", "1"]) for r in range(2)]
         procs += trainers
-        wait_until(lambda: last_step(metrics[0]) >= 45, 120, "45 steps before the crash")
+        wait_until(lambda: last_step(metrics[0]) >= 45, "45 steps before the crash")
         shards[1].kill()  # SIGKILL: no final checkpoint
-        port = shards[1].address.rsplit(":", 1)[1]
-        restarted = start_shard(1, tmp_path / "shard1-restarted.log", port=int(port),
-                                extra_args=shard_args + ["--restore"])
+        restarted = restart_on_its_port(shards[1], 1, tmp_path / "shard1-restarted.log", shard_args)
         procs.append(restarted)
         assert restarted.address == shards[1].address
         assert wait_all(trainers, 300) == {"trainer0": 0, "trainer1": 0}
@@ -97,8 +96,7 @@ def test_sigterm_with_a_half_full_round_then_restore_keeps_the_acknowledged_push
             assert raw.push(g0, rank=0, sequence=1, chunk_bytes=ONE_CHUNK).outcome == pb.ACCEPTED
         shard.popen.send_signal(signal.SIGTERM)
         assert shard.popen.wait(60) == 0
-        restarted = start_shard(0, tmp_path / "shard0-restarted.log", port=int(shard.address.rsplit(":", 1)[1]),
-                                extra_args=args + ["--restore"])
+        restarted = restart_on_its_port(shard, 0, tmp_path / "shard0-restarted.log", args)
         procs.append(restarted)
         with RawShard(SimpleNamespace(address=restarted.address)) as raw:
             assert raw.stats().version == 0
@@ -130,7 +128,7 @@ def test_the_health_port_process_goes_when_its_shard_is_killed(tmp_path):
         with grpc.insecure_channel(f"127.0.0.1:{health_port}") as ch:
             stub = health_pb2_grpc.HealthStub(ch)
             # the probe process notices the closed pipe and exits; its port then refuses connections
-            wait_until(lambda: _refused(stub), 30, "the health port to close after its shard died")
+            wait_until(lambda: _refused(stub), "the health port to close after its shard died")
     finally:
         shard.kill()
 

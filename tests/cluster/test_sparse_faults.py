@@ -9,7 +9,8 @@ import re
 import pytest
 
 from psserver.protocol.stubs import fetch_stat as stats
-from tests.cluster.test_membership import last_step, wait_until
+from tests.cluster.helpers import last_step, restart_on_its_port
+from tests.helpers import wait_until
 from tests.cluster.test_movielens import MEAN_ONLY_RMSE
 from trainer.procs import start_shard, start_trainer, wait_all
 
@@ -34,11 +35,9 @@ def test_a_movielens_job_survives_kill_9_and_restore_of_a_shard_and_counts_what_
                                    "--metrics-file", str(metrics[r]), "--no-progress", "--log-every", "1",
                                    "--threads", "1"]) for r in range(2)]
         procs += trainers
-        wait_until(lambda: last_step(metrics[0]) >= 23, 300, "23 steps before the crash")
+        wait_until(lambda: last_step(metrics[0]) >= 23, "23 steps before the crash", timeout=300)
         shards[1].kill()  # SIGKILL: no final checkpoint
-        port = int(shards[1].address.rsplit(":", 1)[1])
-        restarted = start_shard(1, tmp_path / "shard1-restarted.log", port=port,
-                                extra_args=shard_args + ["--restore"])
+        restarted = restart_on_its_port(shards[1], 1, tmp_path / "shard1-restarted.log", shard_args)
         procs.append(restarted)
         assert wait_all(trainers, 600) == {"trainer0": 0, "trainer1": 0}
         st = stats(restarted.address)

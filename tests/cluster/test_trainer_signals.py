@@ -3,16 +3,15 @@ for its peers, and a wrong --ps address."""
 
 from __future__ import annotations
 
-import json
 import signal
 import socket
-import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from psserver.protocol.stubs import fetch_stat
+from tests.cluster.helpers import last_step, records
+from tests.helpers import wait_until
 from trainer.procs import Proc, start_shard, start_trainer
 
 pytestmark = pytest.mark.cluster
@@ -27,31 +26,6 @@ def procs():
         p.kill()
 
 
-def wait_for(condition, what: str, timeout: float = 120.0):
-    """Poll until ``condition()`` is truthy (returned); fail naming ``what``.  The pause only paces polling."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
-def records(path: Path) -> list[dict]:
-    """The complete JSON lines written so far; each must be strict JSON (no NaN)."""
-    if not path.exists():
-        return []
-    text = path.read_text()
-    return [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in {path}"))
-            for line in text[: text.rfind("\n") + 1].splitlines()]
-
-
-def last_step(path: Path) -> int:
-    return max((r["step"] for r in records(path) if r["event"] == "step"), default=0)
-
-
 def test_sigterm_finishes_the_step_leaves_the_job_saves_the_model_and_exits_0(tmp_path, procs):
     shard = start_shard(0, tmp_path / "shard0.log")
     procs.append(shard)
@@ -61,7 +35,7 @@ def test_sigterm_finishes_the_step_leaves_the_job_saves_the_model_and_exits_0(tm
         procs.append(start_trainer(rank, shard.address, tmp_path / f"trainer{rank}.log",
                                    [*common, "--metrics-file", str(tmp_path / f"trainer{rank}.jsonl"), *extra]))
     rank0, rank1 = procs[1], procs[2]
-    wait_for(lambda: last_step(tmp_path / "trainer0.jsonl") >= 3, "rank 0's third step")
+    wait_until(lambda: last_step(tmp_path / "trainer0.jsonl") >= 3, "rank 0's third step")
 
     rank0.popen.send_signal(signal.SIGTERM)
     assert rank0.popen.wait(120) == 0, rank0.log_tail()
@@ -74,7 +48,7 @@ def test_sigterm_finishes_the_step_leaves_the_job_saves_the_model_and_exits_0(tm
     stats = fetch_stat(shard.address)
     assert list(stats.live_ranks) == [1] and stats.counters["leaves"] == 1
     at_leave = last_step(tmp_path / "trainer1.jsonl")
-    wait_for(lambda: last_step(tmp_path / "trainer1.jsonl") > at_leave + 3, "rank 1 training on alone")
+    wait_until(lambda: last_step(tmp_path / "trainer1.jsonl") > at_leave + 3, "rank 1 training on alone")
 
     rank1.popen.send_signal(signal.SIGTERM)
     assert rank1.popen.wait(120) == 0, rank1.log_tail()
@@ -88,7 +62,7 @@ def test_sigterm_while_waiting_for_peers_leaves_at_once_with_128_plus_the_signal
     trainer = start_trainer(0, shard.address, tmp_path / "trainer0.log",
                             ["--num-trainers", "2", "--threads", "1", "--no-progress", "--connect-timeout", "600"])
     procs.append(trainer)
-    wait_for(lambda: list(fetch_stat(shard.address).live_ranks) == [0], "rank 0 to register")
+    wait_until(lambda: list(fetch_stat(shard.address).live_ranks) == [0], "rank 0 to register")
     trainer.popen.send_signal(signal.SIGTERM)
     assert trainer.popen.wait(60) == 128 + signal.SIGTERM, trainer.log_tail()
     # The message claims no more than the shard answered, and the shard agrees: rank 0 is gone, by a Leave

@@ -5,7 +5,6 @@ so the expected status follows from which field was broken (README, "Status code
 """
 
 import grpc
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -13,38 +12,13 @@ from hypothesis import strategies as st
 from psserver.protocol.codec import encode, wire_tensor
 from psserver.protocol.limits import MAX_ID_CHARS, MAX_TOTAL_PARAMS, MAX_TRAINERS
 from psserver.protocol.proto import ps_pb2 as pb
-from psserver.server import ServerConfig, ShardServer
-from psserver.service import ServiceLimits
-from tests.conftest import P, RawShard, make_spec
+from tests.conftest import OPEN_ROUND_MAX_PUSH as MAX_PUSH
+from tests.conftest import P, make_spec
+from tests.helpers import refused
 
 FP = "f" * 16
-MAX_PUSH = 1 << 20
 SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
 C = grpc.StatusCode
-
-
-@pytest.fixture(scope="module")
-def shard():
-    """Sync job of 2 trainers; rank 0 registered and initialised; one open round (rank 0 pushed at version 0)."""
-    # Leases off: a lease running out would close the open round mid-test and change the state on its own.
-    server = ShardServer(ServerConfig(shard=0, host="127.0.0.1", port=0, max_push_bytes=MAX_PUSH,
-                                      lease_timeout=0, limits=ServiceLimits(min_chunk_bytes=256))).start()
-    s = RawShard(server)
-    s.register(rank=0, spec=make_spec(num_trainers=2))
-    s.register(rank=1, spec=make_spec(num_trainers=2))
-    s.init(torch.zeros(P))
-    s.push(torch.ones(P), rank=0)  # accepted into round 0: the open round is part of the hashed state
-    yield s
-    server.stop(grace=0)
-
-
-def expect(shard, call, code):
-    before = shard.digest()
-    with pytest.raises(grpc.RpcError) as e:
-        call()
-    assert e.value.code() == code, (e.value.code(), e.value.details())
-    assert e.value.details(), "every refusal carries a message"
-    assert shard.digest() == before
 
 
 def good_header(**overrides):
@@ -90,24 +64,27 @@ def send_push(shard, chunks, rpc):
 
 @SETTINGS
 @given(fault=header_faults, rpc=PUSH_RPCS)
-def test_push_with_a_broken_header_field(shard, fault, rpc):
+def test_push_with_a_broken_header_field(open_round_shard, fault, rpc):
     overrides, code = fault
-    expect(shard, lambda: send_push(shard, chunks_for(good_header(**overrides)), rpc), code)
+    chunks = chunks_for(good_header(**overrides))
+    refused(lambda: send_push(open_round_shard, chunks, rpc), code, unchanged=open_round_shard)
 
 
 @SETTINGS
 @given(dtype=st.integers(0, 2**31 - 1).filter(lambda d: d != pb.FLOAT32),
        length=st.integers(0, 2**40))
-def test_push_with_a_wrong_dtype_or_length(shard, dtype, length):
-    expect(shard, lambda: shard.push_chunks(chunks_for(good_header(dtype=dtype))), C.INVALID_ARGUMENT)
+def test_push_with_a_wrong_dtype_or_length(open_round_shard, dtype, length):
+    wrong_dtype = chunks_for(good_header(dtype=dtype))
+    refused(lambda: open_round_shard.push_chunks(wrong_dtype), C.INVALID_ARGUMENT, unchanged=open_round_shard)
     if length != P:
         code = C.RESOURCE_EXHAUSTED if length * 4 > MAX_PUSH else C.INVALID_ARGUMENT
-        expect(shard, lambda: shard.push_chunks(chunks_for(good_header(length=length))), code)
+        wrong_length = chunks_for(good_header(length=length))
+        refused(lambda: open_round_shard.push_chunks(wrong_length), code, unchanged=open_round_shard)
 
 
 @SETTINGS
 @given(data=st.data(), rpc=PUSH_RPCS)
-def test_push_with_broken_chunk_tiling(shard, data, rpc):
+def test_push_with_broken_chunk_tiling(open_round_shard, data, rpc):
     chunks = chunks_for(good_header(), chunk_bytes=data.draw(st.sampled_from([64, 400, 1000])))
     kind = data.draw(st.sampled_from(["drop", "duplicate", "swap", "offset", "odd bytes", "no header", "extra header"]))
     i = data.draw(st.integers(1, len(chunks) - 1))
@@ -129,36 +106,36 @@ def test_push_with_broken_chunk_tiling(shard, data, rpc):
         chunks = chunks[1:]
     else:
         chunks[i].header.CopyFrom(chunks[0].header)
-    expect(shard, lambda: send_push(shard, chunks, rpc), C.INVALID_ARGUMENT)
+    refused(lambda: send_push(open_round_shard, chunks, rpc), C.INVALID_ARGUMENT, unchanged=open_round_shard)
 
 
 @SETTINGS
 @given(index=st.integers(0, P - 1), bad=st.sampled_from([float("nan"), float("inf"), float("-inf")]), rpc=PUSH_RPCS)
-def test_push_with_a_non_finite_value(shard, index, bad, rpc):
+def test_push_with_a_non_finite_value(open_round_shard, index, bad, rpc):
     values = torch.ones(P)
     values[index] = bad
-    expect(shard, lambda: send_push(shard, chunks_for(good_header(), values), rpc), C.INVALID_ARGUMENT)
+    chunks = chunks_for(good_header(), values)
+    refused(lambda: send_push(open_round_shard, chunks, rpc), C.INVALID_ARGUMENT, unchanged=open_round_shard)
 
 
 @SETTINGS
 @given(fault=header_faults.filter(lambda f: "version" not in f[0] and "num_samples" not in f[0]))
-def test_init_leave_heartbeat_pull_with_a_broken_identity(shard, fault):
+def test_init_leave_heartbeat_pull_with_a_broken_identity(open_round_shard, fault):
     overrides, code = fault
-    h = good_header(**overrides)
-    expect(shard, lambda: shard.stub.Init(iter(chunks_for(h)), timeout=5), code)
-    expect(shard, lambda: shard.stub.Leave(pb.LeaveRequest(rank=h.rank, trainer_id=h.trainer_id,
-                                                           fingerprint=h.fingerprint), timeout=5), code)
-    expect(shard, lambda: shard.stub.Heartbeat(pb.HeartbeatRequest(rank=h.rank, trainer_id=h.trainer_id,
-                                                                   fingerprint=h.fingerprint), timeout=5), code)
-    expect(shard, lambda: list(shard.stub.Pull(pb.PullRequest(rank=h.rank, trainer_id=h.trainer_id,
-                                                              fingerprint=h.fingerprint), timeout=5)), code)
+    h, stub = good_header(**overrides), open_round_shard.stub
+    who = dict(rank=h.rank, trainer_id=h.trainer_id, fingerprint=h.fingerprint)
+    refused(lambda: stub.Init(iter(chunks_for(h)), timeout=5), code, unchanged=open_round_shard)
+    refused(lambda: stub.Leave(pb.LeaveRequest(**who), timeout=5), code, unchanged=open_round_shard)
+    refused(lambda: stub.Heartbeat(pb.HeartbeatRequest(**who), timeout=5), code, unchanged=open_round_shard)
+    refused(lambda: list(stub.Pull(pb.PullRequest(**who), timeout=5)), code, unchanged=open_round_shard)
 
 
 @SETTINGS
 @given(dtype=st.integers(2, 2**31 - 1).filter(lambda d: d != pb.FLOAT32))
-def test_pull_with_an_unknown_dtype(shard, dtype):
-    expect(shard, lambda: list(shard.stub.Pull(pb.PullRequest(rank=1, trainer_id="t1", fingerprint=FP,
-                                                              dtype=dtype), timeout=5)), C.INVALID_ARGUMENT)
+def test_pull_with_an_unknown_dtype(open_round_shard, dtype):
+    request = pb.PullRequest(rank=1, trainer_id="t1", fingerprint=FP, dtype=dtype)
+    refused(lambda: list(open_round_shard.stub.Pull(request, timeout=5)), C.INVALID_ARGUMENT,
+            unchanged=open_round_shard)
 
 
 mode_strategy = st.one_of(st.text(max_size=12).filter(lambda m: m not in ("sync", "async", "stale-timeout")))
@@ -166,7 +143,7 @@ mode_strategy = st.one_of(st.text(max_size=12).filter(lambda m: m not in ("sync"
 
 @SETTINGS
 @given(data=st.data())
-def test_register_with_a_broken_field(shard, data):
+def test_register_with_a_broken_field(open_round_shard, data):
     job = make_spec(num_trainers=2).to_proto()
     kind = data.draw(st.sampled_from(["shard", "rank", "mode", "trainers", "optimizer", "lr", "staleness",
                                       "tensor", "policy"]))
@@ -195,4 +172,4 @@ def test_register_with_a_broken_field(shard, data):
         job.stale_policy, code = data.draw(st.text(max_size=6).filter(lambda p: p not in ("drop", "scale"))), \
             C.INVALID_ARGUMENT
     req = pb.RegisterRequest(rank=rank, trainer_id="t1", expected_shard=expected_shard, job=job)
-    expect(shard, lambda: shard.stub.Register(req, timeout=5), code)
+    refused(lambda: open_round_shard.stub.Register(req, timeout=5), code, unchanged=open_round_shard)

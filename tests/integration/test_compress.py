@@ -13,9 +13,8 @@ from torch.nn import functional as F
 
 from psserver.protocol.codec import encode, encode_topk_raw, wire_tensor
 from psserver.protocol.proto import ps_pb2 as pb
-from psserver.server import ServerConfig, ShardServer
-from psserver.service import ServiceLimits
-from tests.conftest import P, RawShard, make_spec
+from tests.conftest import P, make_spec
+from tests.helpers import refused
 from trainer.api import connect
 from trainer.data import epoch_order, load_dataset, local_batch_indices
 from trainer.models import build_model
@@ -46,28 +45,8 @@ def send(shard, chunks, rpc):
     return list(shard.stub.PushPull(iter(chunks), timeout=10))
 
 
-@pytest.fixture(scope="module")
-def shard():
-    """Sync job of 2 trainers, initialised to zeros; rank 0 pushed ones densely: round 0 is open."""
-    server = ShardServer(ServerConfig(shard=0, host="127.0.0.1", port=0, max_push_bytes=1 << 20, lease_timeout=0,
-                                      limits=ServiceLimits(min_chunk_bytes=256))).start()
-    s = RawShard(server)
-    s.register(rank=0, spec=make_spec(num_trainers=2))
-    s.register(rank=1, spec=make_spec(num_trainers=2))
-    s.init(torch.zeros(P))
-    s.push(torch.ones(P), rank=0)
-    yield s
-    s.close()
-    server.stop(grace=0)
-
-
 def expect_refused(shard, chunks, rpc, words):
-    before = shard.digest()
-    with pytest.raises(grpc.RpcError) as e:
-        send(shard, chunks, rpc)
-    assert e.value.code() == C.INVALID_ARGUMENT, (e.value.code(), e.value.details())
-    assert words in e.value.details()
-    assert shard.digest() == before
+    refused(lambda: send(shard, chunks, rpc), C.INVALID_ARGUMENT, words, unchanged=shard)
 
 
 BAD = [
@@ -89,18 +68,18 @@ BAD = [
 
 @pytest.mark.parametrize("rpc", ["Push", "PushPull"])
 @pytest.mark.parametrize("name,push,words", BAD, ids=[b[0] for b in BAD])
-def test_a_bad_top_k_push_is_refused_and_changes_nothing(shard, rpc, name, push, words):
+def test_a_bad_top_k_push_is_refused_and_changes_nothing(open_round_shard, rpc, name, push, words):
     push = dict(push)
     length = push.pop("length", None)
     chunks = topk_chunks(**push)
     if length is not None:
         chunks[0].header.length = length
-    expect_refused(shard, chunks, rpc, words)
+    expect_refused(open_round_shard, chunks, rpc, words)
 
 
 @SETTINGS
 @given(data=st.data(), rpc=st.sampled_from(["Push", "PushPull"]))
-def test_generated_broken_indices_are_refused_and_change_nothing(shard, data, rpc):
+def test_generated_broken_indices_are_refused_and_change_nothing(open_round_shard, data, rpc):
     """Sorted in-range indices with one broken in a generated way: unsorted, repeated or out of range."""
     good = sorted(data.draw(st.sets(st.integers(0, P - 1), min_size=2, max_size=40)))
     i = data.draw(st.integers(0, len(good) - 1))
@@ -108,20 +87,20 @@ def test_generated_broken_indices_are_refused_and_change_nothing(shard, data, rp
                               st.sampled_from([good[i - 1]] if i else [good[1]])))  # repeats a neighbour
     indices = list(good)
     indices[i] = bad
-    expect_refused(shard, topk_chunks(indices, [1.0] * len(indices)), rpc, "top-k ")
+    expect_refused(open_round_shard, topk_chunks(indices, [1.0] * len(indices)), rpc, "top-k ")
 
 
-def test_the_shard_still_serves_after_refusals_and_applies_a_top_k_push_exactly(shard):
+def test_the_shard_still_serves_after_refusals_and_applies_a_top_k_push_exactly(open_round_shard):
     """Rank 1 closes the open round with 3 pairs: the average is (ones*4 + pairs*4) / 8, stepped by SGD."""
-    test_a_bad_top_k_push_is_refused_and_changes_nothing(shard, "Push", *BAD[0])  # refusals came first
-    reply = shard.push_chunks(topk_chunks([0, 7, 999], [2.0, -6.0, 0.5]))
+    test_a_bad_top_k_push_is_refused_and_changes_nothing(open_round_shard, "Push", *BAD[0])  # refusals came first
+    reply = open_round_shard.push_chunks(topk_chunks([0, 7, 999], [2.0, -6.0, 0.5]))
     assert reply.outcome == pb.APPLIED and reply.version == 1
-    version, weights = shard.pull(min_version=1)
+    version, weights = open_round_shard.pull(min_version=1)
     sparse = torch.zeros(P)
     sparse[[0, 7, 999]] = torch.tensor([2.0, -6.0, 0.5])
     want = torch.zeros(P) - 0.5 * ((torch.ones(P) * 4 + sparse * 4) / 8)  # sgd lr 0.5, first momentum step
     assert version == 1 and torch.equal(weights, want)
-    assert shard.stats().counters["topk_pushes"] >= 1
+    assert open_round_shard.stats().counters["topk_pushes"] >= 1
 
 
 @pytest.mark.parametrize("dtype", [pb.FLOAT16, pb.BFLOAT16])
@@ -142,13 +121,10 @@ def test_a_top_k_push_in_a_narrow_wire_dtype_equals_the_dense_push_of_its_pairs(
 def test_init_refuses_a_top_k_header(shard_server):
     s = shard_server()
     s.register(rank=0)
-    before = s.digest()
     chunks = topk_chunks([1, 2], [1.0, 2.0], rank=0)
-    with pytest.raises(grpc.RpcError) as e:
-        s.stub.Init(iter(chunks), timeout=10)
-    assert e.value.code() == C.INVALID_ARGUMENT
-    assert "topk is 2 but this stream carries dense values" in e.value.details()
-    assert s.digest() == before and not s.stats().initialized
+    refused(lambda: s.stub.Init(iter(chunks), timeout=10), C.INVALID_ARGUMENT,
+            "topk is 2 but this stream carries dense values", unchanged=s)
+    assert not s.stats().initialized
 
 
 def test_a_non_finite_top_k_push_is_skipped_under_nonfinite_skip(shard_server):

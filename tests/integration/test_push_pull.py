@@ -6,7 +6,7 @@ import torch
 
 from psserver.protocol.proto import ps_pb2 as pb
 from tests.conftest import P, make_spec
-from tests.integration.test_refusals import refused
+from tests.helpers import refused
 
 
 def started(shard_server, mode="sync", **spec):

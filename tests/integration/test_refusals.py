@@ -10,6 +10,7 @@ from psserver.protocol.job import OptimizerConfig
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.service import ServiceLimits
 from tests.conftest import P, make_spec
+from tests.helpers import refused
 
 
 @pytest.fixture
@@ -20,15 +21,6 @@ def ready(shard_server):
     shard.init(torch.randn(P, generator=torch.Generator().manual_seed(1)))
     assert shard.push(torch.ones(P)).outcome == pb.APPLIED
     return shard
-
-
-def refused(call, code, *fragments):
-    with pytest.raises(grpc.RpcError) as e:
-        call()
-    assert e.value.code() == code, e.value.details()
-    for f in fragments:
-        assert f in e.value.details()
-    return e.value
 
 
 CASES = {
@@ -116,10 +108,8 @@ def test_register_refuses_a_malformed_job_spec(shard_server):
     shard = shard_server()
     bad = make_spec().to_proto()
     bad.mode = "bulk"
-    with pytest.raises(grpc.RpcError) as e:
-        shard.stub.Register(pb.RegisterRequest(rank=0, trainer_id="t0", job=bad), timeout=10)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "job spec: The mode ('bulk')" in e.value.details()
+    refused(lambda: shard.stub.Register(pb.RegisterRequest(rank=0, trainer_id="t0", job=bad), timeout=10),
+            grpc.StatusCode.INVALID_ARGUMENT, "job spec: The mode ('bulk')")
     assert shard.stats().mode == ""
 
 

@@ -9,14 +9,9 @@ import torch
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.schedules import LrSchedule, lr_at
 from tests.conftest import P, make_spec
+from tests.helpers import refused
 
 SCHEDULE = LrSchedule(kind="cosine", cosine_steps=10, min_lr=0.05, warmup_steps=2)
-
-
-def refused(call, code, fragment):
-    with pytest.raises(grpc.RpcError) as e:
-        call()
-    assert e.value.code() == code and fragment in e.value.details(), e.value.details()
 
 
 @pytest.mark.parametrize("field,value,fragment", [

@@ -9,9 +9,9 @@ naming the field and values, an unchanged state hash, and a shard that still ser
 a legitimate trainer afterwards.
 
 Where a test must know that the shard has reached a state it cannot be told about
-(N pulls parked on the shard), it polls that state with ``wait_until``: a bounded
-check of a condition, which fails naming the condition; never a sleep standing in
-for one.
+(N pulls parked on the shard), it polls that state with tests/helpers.py's ``wait_until``:
+a bounded check of a condition, which fails naming the condition; never a sleep standing
+in for one.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from psserver.server import ServerConfig, ShardServer
 from psserver.service import ServiceLimits
 from psserver.sparse.serving import Tables
 from tests.conftest import P, make_spec
+from tests.helpers import refused, wait_until
 
 C = grpc.StatusCode
 FP = "f" * 16
@@ -48,26 +49,6 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def refused(call, code, *fragments) -> grpc.RpcError:
-    """``call()`` fails with ``code`` and a message holding every fragment."""
-    with pytest.raises(grpc.RpcError) as e:
-        call()
-    assert e.value.code() == code, (e.value.code(), e.value.details())
-    for f in fragments:
-        assert f in (e.value.details() or ""), (f, e.value.details())
-    return e.value
-
-
-def wait_until(condition, what: str, timeout: float = 60.0) -> None:
-    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout`` s.  The short pause
-    between checks only paces the polling: the test goes on when the condition holds, not after a time."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"still not {what} after {timeout:.0f} s")
-        time.sleep(0.005)
-
-
 def own_channel(address: str) -> grpc.Channel:
     """A channel on a TCP connection of its own.  By default gRPC shares one connection between channels
     to the same address, and the shard's per-connection limit counts calls per connection."""
@@ -230,7 +211,7 @@ def test_stalled_streams_from_a_stranger_leave_health_and_a_real_job_served(shar
     shard = shard_server(lease_timeout=0, limits=ServiceLimits(min_chunk_bytes=256, stream_idle_timeout=600))
     with stalled_streams(shard.server.address) as (stranger, stub, release, calls):
         # the shard holds all 64: the stranger's connection has no slot left (default limit 64)
-        wait_until(lambda: probe_stranger(stub) == C.RESOURCE_EXHAUSTED, "holding the 64 stalled streams")
+        wait_until(lambda: probe_stranger(stub) == C.RESOURCE_EXHAUSTED, "the shard to hold the 64 stalled streams")
         with own_channel(shard.server.address) as prober:
             assert health(prober) == SERVING
             assert health(prober, "psgrpc.v1.ParameterServer") == SERVING
@@ -281,14 +262,12 @@ def test_a_call_abandoned_while_waiting_keeps_nothing_on_the_shard(shard_server,
     else:
         call = shard.stub.PushPull(iter(gradient_chunks(shard, torch.ones(P), rank=0)), timeout=120)
     try:
-        wait_until(lambda: waiting_pulls(shard) == 1, f"waiting in the {rpc}")
+        wait_until(lambda: waiting_pulls(shard) == 1, f"the pull to wait in the {rpc}")
         call.cancel()
     finally:
         call.cancel()
-    with pytest.raises(grpc.RpcError) as e:
-        list(call)
-    assert e.value.code() == C.CANCELLED
-    wait_until(lambda: waiting_pulls(shard) == 0, "forgetting the abandoned wait")
+    refused(lambda: list(call), C.CANCELLED)
+    wait_until(lambda: waiting_pulls(shard) == 0, "the shard to forget the abandoned wait")
     assert shard.stats().counters["pulls"] == 0  # no snapshot was taken for it
     # the shard still serves, on the same connection: rank 1's push closes the round
     grad1 = torch.full((P,), 3.0)
@@ -318,7 +297,7 @@ def test_a_fifth_call_on_one_connection_is_refused_while_four_are_in_flight(shar
     pulls = []
     try:
         pulls = [stub.Pull(pull_request(rank=0, min_version=1), timeout=120) for _ in range(4)]
-        wait_until(lambda: waiting_pulls(shard) == 4, "holding the four pulls")
+        wait_until(lambda: waiting_pulls(shard) == 4, "the shard to hold the four pulls")
         before = shard.digest()  # over the fixture's own connection
         refused(lambda: FIFTH_CALL[fifth](stub, shard), C.RESOURCE_EXHAUSTED,
                 "already has 4 calls in flight, the limit is 4", "--max-calls-per-peer")
@@ -685,10 +664,8 @@ STRANGERS = {
 def test_a_digest_is_refused_to_a_stranger_with_permission_denied_and_changes_nothing(shard_server, who):
     shard, _ = initialised(shard_server)
     before = shard.digest()
-    with pytest.raises(grpc.RpcError) as e:
-        shard.stub.GetStats(pb.StatsRequest(with_digest=True, **STRANGERS[who]), timeout=10)
-    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert "with_digest is set but rank" in e.value.details() and "is not a member of the job" in e.value.details()
+    refused(lambda: shard.stub.GetStats(pb.StatsRequest(with_digest=True, **STRANGERS[who]), timeout=10),
+            C.PERMISSION_DENIED, "with_digest is set but rank", "is not a member of the job")
     assert shard.stub.GetStats(pb.StatsRequest(**STRANGERS[who]), timeout=10).initialized  # counters: anyone
     assert shard.digest() == before
     assert shard.stats().counters["refused_PERMISSION_DENIED"] == 1

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from psserver.protocol.stubs import fetch_stat as stats
-from tests.cluster.test_membership import wait_until
+from tests.helpers import wait_until
 from trainer import connect
 from trainer.embedding import ShardedEmbedding
 from trainer.procs import start_shard
@@ -50,7 +50,7 @@ def test_a_shard_killed_and_restarted_is_rejoined_for_the_table_and_the_loss_is_
         with connect(shard.address, model, optimizer={"name": "sgd", "lr": 0.1}, trainer_id="t0",
                      retry_budget=30, embedding_mode=table_mode) as ps:
             train(ps, model, 4)
-            wait_until(lambda: stats(shard.address).counters["checkpoints_written"] >= 1, 30, "the checkpoint")
+            wait_until(lambda: stats(shard.address).counters["checkpoints_written"] >= 1, "the checkpoint")
             assert stats(shard.address).counters["table.emb.version"] == 4
             shard.kill()
             port = int(shard.address.rsplit(":", 1)[1])

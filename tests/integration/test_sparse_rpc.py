@@ -14,7 +14,7 @@ from psserver.protocol.rows.placement import shard_of
 from psserver.protocol.rows.table import RowStore, TableSpec
 from psserver.protocol.rows.wire import row_chunks
 from tests.conftest import P, make_spec
-from tests.integration.test_refusals import refused
+from tests.helpers import refused
 from trainer.client import RetryPolicy, ShardedClient
 from trainer.sparse_client import RowsCallFailed, RowsPushFailed, ShardedRows
 

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import torch
 
 from psserver.protocol.proto import ps_pb2 as pb
-from tests.cluster.test_membership import wait_until
+from tests.helpers import wait_until
 from tests.conftest import P, RawShard
 from tests.integration.test_sparse_rpc import job, pull_rows, push_rows, rows_chunks
 from trainer.procs import start_shard
@@ -28,7 +28,7 @@ def test_a_killed_shard_restored_from_its_checkpoint_serves_the_same_rows(tmp_pa
                 assert push_rows(raw, rows_chunks(ids, grads, seq=seq, base=seq - 1)).outcome == pb.APPLIED
             raw.push(torch.ones(P), sequence=1, chunk_bytes=ONE_CHUNK)  # a dense step: checkpoint at version 1
             wait_until(lambda: raw.stub.GetStats(pb.StatsRequest(), timeout=10).counters["checkpoints_written"] >= 1,
-                       30, "the checkpoint of version 1")
+                       "the checkpoint of version 1")
             version, rows = pull_rows(raw, ids)
             digest = raw.digest()
         assert version == 2

@@ -1,11 +1,11 @@
 """Per-layer waits of a pipelined step (trainer.pipeline), with threads and no network."""
 
 import threading
-import time
 
 import pytest
 import torch
 
+from tests.helpers import wait_until
 from trainer.pipeline import LayerWaits, module_slots
 
 
@@ -56,13 +56,11 @@ def test_a_forward_runs_its_first_layer_while_the_second_layers_slots_are_still_
 
     t = threading.Thread(target=forward)
     t.start()
-    # The first layer's slots landed: it runs; the second blocks for slot 2.  Poll until it is blocked, not
+    # The first layer's slots landed: it runs; the second blocks for slot 2.  Wait until it is blocked, not
     # merely until the first layer ran: landing slot 2 before the second layer looks would let it through
     # without waiting (the race that failed ~1 run in 10).  ``waits`` counts under the lock that landed()
     # takes, so once it reads 1 the forward is inside wait_for and landed(2) wakes it.
-    give_up = time.monotonic() + 60  # a hang fails the test instead of stalling the suite
-    while waits.waits == 0 and time.monotonic() < give_up:
-        done.wait(0.01)
+    wait_until(lambda: waits.waits > 0, "the second layer to block on slot 2")
     assert waits.waits == 1 and not done.is_set() and order[-1] == ("first runs",)
     waits.landed(2)
     t.join(10)
@@ -110,13 +108,12 @@ def test_the_gate_starts_slots_in_order_and_never_more_than_its_width_at_once():
             inflight[0] -= 1
         gate.leave()
 
-    def until(condition) -> None:  # polls what the threads did; bounded, not a sleep standing in for an event
-        for _ in range(2000):
+    def until(condition) -> None:  # what the threads did, read under their lock
+        def holds():
             with lock:
-                if condition():
-                    return
-            threading.Event().wait(0.005)
-        raise AssertionError(f"never happened; started {started}")
+                return condition()
+
+        wait_until(holds, "the gate to start the next slot")
 
     threads = [threading.Thread(target=slot, args=(s,)) for s in (3, 2, 1, 0)]  # threads start in reverse
     for t in threads:
