@@ -66,6 +66,7 @@ from trainer.early_push import EarlyPusher
 from trainer.embedding import sharded_tables
 from trainer.pipeline import LayerWaits, OrderedGate
 from trainer.staging import DeviceStaging
+from trainer.stepper import StepInfo
 from trainer.torchrun import rank_and_world
 
 log = logging.getLogger(__name__)
@@ -223,17 +224,6 @@ class _StepAttempt:
         """Shards known to hold this gradient (applied now or in a round): not lost, stale or skipped."""
         known = {**{i: a.outcome for i, a in self.acks.items()}, **self.outcomes}
         return sorted(i for i, o in known.items() if o in ("applied", "accepted", "duplicate", "scaled"))
-
-
-@dataclass
-class StepInfo:
-    versions: list[int]
-    outcomes: list[str]
-    push_seconds: float  # slowest shard's push
-    pull_seconds: float  # slowest shard's pull, less the time the shard waited for the round
-    wait_seconds: float  # longest wait for a round to close (sync, stale-timeout)
-    stale: int = field(default=0)  # shards that dropped this gradient as stale
-    staleness: int = field(default=0)  # the most versions a shard's push was behind
 
 
 def split_exchange(timings: list[tuple[float, float, float]], wall: float, partitioned: bool

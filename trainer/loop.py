@@ -36,6 +36,7 @@ from trainer.data import epoch_order, load_dataset, local_batch_indices, steps_p
 from trainer.models import build_model
 from trainer.recmodels import REC_MODELS
 from trainer.rectrain import REC_DATASETS, REC_L2, build_ratings_model, load_ratings_dataset, pairs_rmse
+from trainer.stepper import Stepper
 
 log = logging.getLogger(__name__)
 WARMUP_STEPS = 2  # left out of the steady throughput (see SteadyClock)
@@ -463,7 +464,7 @@ class Run:
         self.metrics = MetricsWriter(cfg.metrics_file, cfg.rank)
         self.board = ScalarLog(os.path.join(cfg.tensorboard, f"trainer{cfg.rank}") if cfg.tensorboard else "")
         self.staleness = 0  # summed over the logged steps' shards, for the mean staleness per push
-        self.ps = None
+        self.ps: Stepper | None = None
         self.t_start = 0.0
 
     def start(self) -> None:
@@ -488,7 +489,7 @@ class Run:
             time.sleep(cfg.step_delay)  # simulated slow compute, not synchronisation
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        forward_wait = self.ps.take_forward_wait() if hasattr(self.ps, "take_forward_wait") else 0.0
+        forward_wait = self.ps.take_forward_wait()
         self.timing["compute"] += time.perf_counter() - t0 - forward_wait  # --pipeline: layers waiting for weights
         info = self.ps.step(num_samples=len(idx))
         self.timing["push"] += info.push_seconds
@@ -621,8 +622,7 @@ def train(cfg: TrainConfig, stop: StopRequest | None = None) -> dict:
         if run.ps is not None:
             run.ps.close(leave=True, best_effort=True)
             if isinstance(e, Interrupted):
-                e.left, e.leave_outcome = (run.ps.left, run.ps.leave_outcome()) if hasattr(run.ps, "leave_outcome") \
-                    else (True, f"no shards to leave (the {cfg.backend} baseline)")
+                e.left, e.leave_outcome = run.ps.left, run.ps.leave_outcome()
         raise
     finally:
         stop.steps_running = False
@@ -682,26 +682,6 @@ def build_run_model(cfg: TrainConfig, data) -> torch.nn.Module:
     return build_ratings_model(cfg.model, data, cfg.embedding_dim or 32, cfg.seed, **factories)
 
 
-class LocalTables:
-    """A baseline stepper (--backend local) for a model with tables: their rows in this process (LocalRows),
-    pushed before the dense step as ps.step() does."""
-
-    def __init__(self, inner, model: torch.nn.Module):
-        from trainer.embedding import bind_local, sharded_tables
-
-        self.inner, self.tables, self.rows = inner, sharded_tables(model), bind_local(model)
-        self.describe = f"{inner.describe}, {len(self.tables)} tables on LocalRows"
-
-    def step(self, num_samples: int = 1):
-        from trainer.embedding import flush_all
-
-        flush_all(self.tables, num_samples)
-        return self.inner.step(num_samples)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-
 def lr_schedule(cfg: TrainConfig, total_steps: int) -> LrSchedule:
     """The schedule of the flags; a cosine without its length spans the run's versions after the warm-up
     (async mode takes a version per push: N per step).  Other kinds keep the default length, so trainers
@@ -731,7 +711,7 @@ def check_job_settings(cfg: TrainConfig) -> None:
             lr_schedule=lr_schedule(cfg, total_steps=1), **{k: v for k, v in mode_knobs(cfg).items()})
 
 
-def make_stepper(cfg: TrainConfig, model: torch.nn.Module, total_steps: int):
+def make_stepper(cfg: TrainConfig, model: torch.nn.Module, total_steps: int) -> Stepper:
     """What exchanges gradients: the parameter servers, or a ps-bench baseline."""
     optimizer = cfg.optimizer_config()
     schedule, clip = lr_schedule(cfg, total_steps), cfg.clip_grad_norm
@@ -744,7 +724,7 @@ def make_stepper(cfg: TrainConfig, model: torch.nn.Module, total_steps: int):
                        lr_schedule=schedule, clip_grad_norm=clip, compress=cfg.compress,
                        embedding_mode=cfg.embedding_mode, partition_bytes=cfg.partition_bytes,
                        pipeline=cfg.pipeline)
-    from trainer.baselines import DDPStepper, LocalStepper
+    from trainer.baselines import DDPStepper, LocalStepper, LocalTables
 
     if cfg.backend in ("ddp", "ddp-nccl"):
         return DDPStepper(model, optimizer, cfg.ps, cfg.rank, cfg.num_trainers, schedule, clip,
