@@ -185,7 +185,7 @@ def config_from_args(args, env: dict | None = None):
     --num-trainers not given come from RANK and WORLD_SIZE in ``env`` (os.environ), as torchrun sets them."""
     rank, num_trainers = rank_and_world(args.rank, args.num_trainers, ("--rank", "--num-trainers"), env)
     args = argparse.Namespace(**{**vars(args), "rank": rank, "num_trainers": num_trainers})
-    from trainer.loop import TrainConfig  # torch: after the flags are checked
+    from trainer.config import TrainConfig  # torch: after the flags are checked
 
     return TrainConfig(
         ps=args.ps, rank=args.rank, num_trainers=args.num_trainers, mode=args.mode,
@@ -209,7 +209,7 @@ def install_signal_handlers(stop) -> None:
     """SIGTERM (what Kubernetes and ps-cluster send) and SIGINT: the first ends the run after the current
     step -- the trainer leaves, rank 0 writes --output, exit 0; a second, or one while still connecting,
     abandons at once (the trainer still leaves; exit 128 + the signal's number).  ``stop``: a StopRequest."""
-    from trainer.loop import Interrupted
+    from trainer.stopping import Interrupted
 
     def handle(signum, frame):
         if stop.steps_running and not stop.is_set():
@@ -228,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level)
     logging.getLogger("trainer.client").setLevel(max(logging.getLogger().level, logging.INFO))
     cfg = config_from_args(args)
-    from trainer.loop import Interrupted, StopRequest, finite_json, train  # torch: after the flags are checked
+    from trainer.loop import train  # torch: after the flags are checked
+    from trainer.reporting import finite_json
+    from trainer.stopping import Interrupted, StopRequest
 
     stop = StopRequest()
     install_signal_handlers(stop)

@@ -151,7 +151,7 @@ def trainer_args(args, rank: int, run: Path) -> list[str]:
 
 def trainer_env(rank: int, trainers: int) -> dict:
     """Every trainer runs on this host: its local rank is its rank, so --device auto/cuda spreads the trainers
-    over the visible GPUs (trainer.loop.pick_device), as torchrun sets it."""
+    over the visible GPUs (trainer.config.pick_device), as torchrun sets it."""
     return {"LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(trainers)}
 
 

@@ -4,422 +4,51 @@ Every way out of ``train()`` -- the last step, an exception, a stop request
 (SIGTERM/SIGINT from the CLI) -- leaves the job, so no shard keeps waiting on
 this trainer.  A stop request finishes the current step, then rank 0 writes
 ``--output`` and the run ends normally, its summary saying ``stopped``.
+
+The run's settings and their checks are trainer.config's, what it reports trainer.reporting's, how it is
+stopped from outside trainer.stopping's; their names are importable from here as before.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
-import sys
-import threading
 import time
-from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from torch.nn import functional as F
 
 from psserver.common.tboard import ScalarLog
-from psserver.protocol.job import MODES, JobSpec, OptimizerConfig
-from psserver.protocol.rows.optim import SparseOptimizerConfig
-from psserver.protocol.rules import Mode
-from psserver.protocol.schedules import LrSchedule
-from psserver.protocol.security import parse_addresses
 from trainer.api import connect
-from trainer.client import LOOPBACK_HOSTS
-from trainer.clipping import check_max_norm
-from trainer.compress import parse_compress
+from trainer.config import (  # noqa: F401 -- re-exported: trainer.loop's names before the split
+    DEVICE_HELP,
+    REC_FLAGS,
+    TrainConfig,
+    check_compress,
+    check_job_settings,
+    config_problem,
+    default_threads,
+    device_problem,
+    effective_lr,
+    ignored_flags,
+    local_rank,
+    lr_schedule,
+    mode_knobs,
+    pick_device,
+    rec_table_specs,
+    recommender_checks,
+)
 from trainer.data import epoch_order, load_dataset, local_batch_indices, steps_per_epoch
 from trainer.models import build_model
-from trainer.recmodels import REC_MODELS
-from trainer.rectrain import REC_DATASETS, REC_L2, build_ratings_model, load_ratings_dataset, pairs_rmse
+from trainer.rectrain import REC_L2, build_ratings_model, load_ratings_dataset, pairs_rmse
+from trainer.reporting import MetricsWriter, Progress, SteadyClock, finite_json, score_name  # noqa: F401
+from trainer.stepper import Stepper
+from trainer.stopping import Interrupted, StopRequest
 
 log = logging.getLogger(__name__)
 WARMUP_STEPS = 2  # left out of the steady throughput (see SteadyClock)
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    ps: str
-    rank: int = 0
-    num_trainers: int = 1
-    mode: str = "sync"
-    model: str = "cnn"
-    dataset: str = "mnist5k"
-    batch_size: int = 32
-    epochs: int = 1
-    steps: int = 0  # when > 0: run this many steps (over as many epochs as needed) instead of --epochs
-    optimizer: str = "sgd"
-    lr: float | None = None  # None: 0.05, divided by the number of trainers in async mode (see effective_lr)
-    momentum: float = 0.9
-    nesterov: bool = False
-    weight_decay: float = 0.0
-    seed: int = 0
-    device: str = "auto"
-    output: str = ""  # rank 0 writes the trained state dict here
-    save_every: int = 0  # rank 0 also writes --output every N steps (0: at the end only)
-    metrics_file: str = ""  # JSON lines
-    tensorboard: str = ""  # TensorBoard scalars in DIR/trainer<rank> (loss, accuracy, samples/s, staleness)
-    max_staleness: int | None = None
-    sync_timeout: float = 0.0
-    replicas_to_aggregate: int = 0
-    stale_policy: str = "drop"
-    wire_dtype: str = "float32"
-    step_delay: float = 0.0  # extra seconds per step: simulates a slow trainer (a straggler)
-    threads: int = 0  # torch intra-op threads (0: see default_threads)
-    log_every: int = 20
-    eval_every: int = 0  # also evaluate every N steps (0: at the end of each epoch only)
-    progress: bool | None = None  # None: a bar on a terminal, log lines otherwise
-    connect_timeout: float = 120.0
-    retry_budget: float = 60.0  # seconds a call to a shard is retried before the step fails
-    overlap: bool = False  # async: pull the next weights while computing
-    push_during_backward: bool = False  # push each shard's slice as soon as backward has produced it
-    backend: str = "ps"  # "ps"; or the ps-bench baselines "ddp" (gloo), "ddp-nccl" (--ps: the master), "local"
-    security: object = None  # psserver.protocol.security.ClientSecurity; None: plaintext, no token
-    job_id: str = ""  # names this run of the job; every trainer of it passes the same
-    # The learning-rate schedule the shards apply by version (psserver.protocol.schedules; async: a version per push).
-    lr_schedule: str = "constant"  # constant | step | cosine
-    warmup_steps: int = 0  # linear warm-up over the first versions (0: none)
-    warmup_start_factor: float = 0.1  # the warm-up starts at lr * this
-    lr_step_size: int = 1  # step: the rate is multiplied by lr_gamma every lr_step_size versions
-    lr_gamma: float = 0.1
-    lr_cosine_steps: int = 0  # cosine: versions from lr down to lr_min (0: the rest of the run after warm-up)
-    lr_min: float = 0.0  # cosine: the floor
-    clip_grad_norm: float | None = None  # clip this trainer's own gradient to this 2-norm (not the round's average)
-    compress: str = ""  # "topk:RATIO": push the largest RATIO of each slice, the rest kept for later (trainer.compress)
-    partition_bytes: int = 0  # partitions of each shard's slice of at most this many bytes (0: one per shard)
-    pipeline: bool = False  # the exchange runs behind the next forward, each layer waiting for its partitions
-    # Recommender datasets (movielens100k): the tables of --model mf / ncf live on the shards (trainer.embedding).
-    embedding_dim: int | None = None  # None: 32
-    sparse_optimizer: str | None = None  # the tables' per-row optimizer (psserver.protocol.rows.optim); None: adam
-    sparse_lr: float | None = None  # None: 0.01
-    embedding_mode: str = ""  # "": the tables follow --mode; "async": async tables next to sync dense layers
-    admit_after: int = 0  # a row is stored once its id was seen more than this many times
-    max_rows: int | None = None  # live rows per table per shard (least recently used evicted past it)
-
-    def __post_init__(self) -> None:
-        problem = config_problem(self)
-        if problem:
-            raise ValueError(problem)
-
-    @property
-    def recommender(self) -> bool:
-        return self.dataset in REC_DATASETS
-
-    def sparse_optimizer_config(self) -> SparseOptimizerConfig:
-        """The tables' optimizer; raises ValueError naming a bad hyper-parameter."""
-        return SparseOptimizerConfig(name=self.sparse_optimizer or "adam",
-                                     lr=0.01 if self.sparse_lr is None else self.sparse_lr)
-
-    def optimizer_config(self) -> OptimizerConfig:
-        """The shards' optimizer; raises ValueError naming a bad hyper-parameter."""
-        extra = dict(momentum=self.momentum, nesterov=self.nesterov) if self.optimizer == "sgd" else {}
-        return OptimizerConfig(name=self.optimizer, lr=effective_lr(self), weight_decay=self.weight_decay, **extra)
-
-
-def config_problem(cfg: TrainConfig) -> str:
-    """The first thing wrong with ``cfg``, as one sentence naming the flag and its value; "" if nothing."""
-    device = device_problem(cfg.device, torch.cuda.device_count())
-    checks = [
-        (cfg.num_trainers >= 1, f"--num-trainers ({cfg.num_trainers}) must be at least 1"),
-        (0 <= cfg.rank < cfg.num_trainers,
-         f"--rank ({cfg.rank}) must be between 0 and --num-trainers - 1 ({cfg.num_trainers - 1})"),
-        (cfg.batch_size >= 1, f"--batch-size ({cfg.batch_size}) must be at least 1"),
-        (cfg.steps >= 0, f"--steps ({cfg.steps}) must be zero (use --epochs) or more"),
-        (cfg.epochs >= 0, f"--epochs ({cfg.epochs}) must be zero or more"),
-        (cfg.epochs >= 1 or cfg.steps >= 1, f"give --epochs >= 1 or --steps >= 1 (got {cfg.epochs} and {cfg.steps})"),
-        (cfg.eval_every >= 0, f"--eval-every ({cfg.eval_every}) must be zero (each epoch only) or more"),
-        (cfg.log_every >= 1, f"--log-every ({cfg.log_every}) must be at least 1"),
-        (cfg.save_every >= 0, f"--save-every ({cfg.save_every}) must be zero (at the end only) or more"),
-        (not cfg.save_every or cfg.output, f"--save-every ({cfg.save_every}) needs --output"),
-        (cfg.threads >= 0, f"--threads ({cfg.threads}) must be zero (automatic) or more"),
-        (math.isfinite(cfg.step_delay) and cfg.step_delay >= 0,
-         f"--step-delay ({cfg.step_delay}) must be zero or more seconds"),
-        (math.isfinite(cfg.connect_timeout) and cfg.connect_timeout > 0,
-         f"--connect-timeout ({cfg.connect_timeout}) must be more than zero seconds"),
-        (math.isfinite(cfg.retry_budget) and cfg.retry_budget >= 0,
-         f"--retry-budget ({cfg.retry_budget}) must be zero or more seconds"),
-        (cfg.mode in MODES, f"--mode ({cfg.mode}) must be one of {', '.join(MODES)}"),
-        (cfg.mode == Mode.ASYNC or not cfg.overlap, f"--overlap applies to --mode async only, not {cfg.mode}"),
-        (cfg.partition_bytes >= 0, f"--partition-bytes ({cfg.partition_bytes}) must be zero (one partition per "
-                                   "shard) or more bytes"),
-        (not (cfg.pipeline and cfg.overlap), "--pipeline and --overlap both hide the pull behind compute: choose one"),
-        (not (cfg.pipeline and cfg.recommender),
-         f"--pipeline does not apply to --dataset {cfg.dataset}: its embedding tables live on the shards"),
-        (cfg.backend == "ps" or not (cfg.pipeline or cfg.partition_bytes),
-         f"--pipeline and --partition-bytes apply to --backend ps only, not {cfg.backend}"),
-        (cfg.optimizer == "sgd" or not cfg.nesterov, f"--nesterov applies to --optimizer sgd only, not {cfg.optimizer}"),
-        (not device, device),
-        (cfg.backend != "ddp-nccl" or (cfg.device != "cpu" and torch.cuda.device_count() > 0),
-         f"--backend ddp-nccl needs a GPU (--device {cfg.device}, {torch.cuda.device_count()} visible); "
-         "use --backend ddp (gloo) on the CPU"),
-    ]
-    for ok, message in checks + recommender_checks(cfg):
-        if not ok:
-            return message
-    try:
-        if cfg.backend == "ps":
-            check_job_settings(cfg)
-        else:
-            cfg.optimizer_config()
-            rec_table_specs(cfg)
-            lr_schedule(cfg, total_steps=1)  # the run's length only fills in a cosine's default length
-        check_max_norm(cfg.clip_grad_norm, cfg.push_during_backward)
-        check_compress(cfg)
-    except ValueError as e:
-        return str(e)
-    return ""
-
-
-def check_compress(cfg: TrainConfig) -> None:
-    """--compress: a valid value, and only with the parameter servers (the baselines push nothing)."""
-    if parse_compress(cfg.compress) is not None and cfg.backend != "ps":
-        raise ValueError(f"--compress ({cfg.compress}) applies to --backend ps only, not {cfg.backend}")
-
-
-REC_FLAGS = ("embedding_dim", "sparse_optimizer", "sparse_lr", "embedding_mode", "admit_after", "max_rows")
-
-
-def recommender_checks(cfg: TrainConfig) -> list[tuple[bool, str]]:
-    """The dataset, the model and the table flags must go together (image models take no tables)."""
-    rec = f"--dataset {' or '.join(REC_DATASETS)}"
-    defaults = TrainConfig.__dataclass_fields__
-    given = [f for f in REC_FLAGS if getattr(cfg, f) != defaults[f].default]
-    return [
-        (not cfg.recommender or cfg.model in REC_MODELS,
-         f"--model {cfg.model} does not fit --dataset {cfg.dataset}: choose one of {', '.join(REC_MODELS)}"),
-        (cfg.recommender or cfg.model not in REC_MODELS,
-         f"--model {cfg.model} is a recommender model: it needs {rec}, not --dataset {cfg.dataset}"),
-        (cfg.recommender or not given,
-         f"--{given[0].replace('_', '-') if given else ''} applies to {rec} only, not --dataset {cfg.dataset}"),
-        (not cfg.recommender or not cfg.backend.startswith("ddp"),
-         f"--backend {cfg.backend} cannot train the tables of {rec}"),
-        (cfg.embedding_dim is None or cfg.embedding_dim >= 1, f"--embedding-dim ({cfg.embedding_dim}) must be at least 1"),
-        (cfg.admit_after >= 0, f"--admit-after ({cfg.admit_after}) must be zero (store every row) or more"),
-        (cfg.max_rows is None or cfg.max_rows >= 1, f"--max-rows ({cfg.max_rows}) must be at least 1"),
-        (cfg.sparse_lr is None or (math.isfinite(cfg.sparse_lr) and cfg.sparse_lr > 0),
-         f"--sparse-lr ({cfg.sparse_lr}) must be more than zero"),
-        (cfg.embedding_mode != Mode.STALE_TIMEOUT or cfg.mode == Mode.STALE_TIMEOUT,  # the job's timeout is its knob
-         f"--embedding-mode stale-timeout needs --mode stale-timeout (for its --sync-timeout), not {cfg.mode}"),
-    ]
-
-
-def rec_table_specs(cfg: TrainConfig) -> tuple:
-    """Stand-ins for the job's tables, so their settings are checked with the job's rules before anything starts."""
-    if not cfg.recommender:
-        return ()
-    from psserver.protocol.rows.table import TableSpec
-
-    return (TableSpec(name="check", dim=cfg.embedding_dim or 32, optimizer=cfg.sparse_optimizer_config(),
-                      admit_after=cfg.admit_after, max_rows=cfg.max_rows, mode=cfg.embedding_mode),)
-
-
-def ignored_flags(cfg: TrainConfig) -> list[str]:
-    """Knobs of another mode that were set: warned about and left out of the job, not refused.
-
-    Not an error because deployments set them once for every mode (the compose file's
-    PS_TRAINER_SYNC_TIMEOUT) and switch only the mode.
-    """
-    knobs = [("--sync-timeout", cfg.sync_timeout, 0.0, "stale-timeout"),
-             ("--replicas-to-aggregate", cfg.replicas_to_aggregate, 0, "stale-timeout"),
-             ("--stale-policy", cfg.stale_policy, "drop", "stale-timeout"),
-             ("--max-staleness", cfg.max_staleness, None, "async")]
-    return [f"{flag} ({value}) applies to --mode {mode} only, not {cfg.mode}: ignored"
-            for flag, value, default, mode in knobs if cfg.mode != mode and value != default]
-
-
-def effective_lr(cfg: TrainConfig) -> float:
-    """The learning rate to use: the one given, else 0.05 -- over N in async mode.
-
-    In sync modes one step averages N*b samples; in async mode every push is a
-    step on b samples, N times as many steps, so by the linear scaling rule the
-    learning rate is divided by N (with momentum 0.9, async at the sync rate diverges).
-    """
-    if cfg.lr is not None:
-        return cfg.lr
-    if cfg.recommender:
-        return 0.001  # Adam on the dense layers, as trainer.rectrain's baseline
-    return 0.05 / cfg.num_trainers if cfg.mode == Mode.ASYNC else 0.05
-
-
-def default_threads(cfg: TrainConfig, cores: int | None = None) -> int:
-    """torch threads when --threads is not given: the cores divided by the trainers on this host.
-
-    Trainers on one host that each take every core run several times slower than
-    trainers sharing them (measured: 122 against 973-1,320 samples/s for two CNN
-    trainers on 2 cores).  The trainers on this host are ``LOCAL_WORLD_SIZE`` (as
-    torchrun sets it) when given, else all of them when every shard is on loopback
-    (a one-machine job), else just this one -- then torch's default (0) is kept.
-    """
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    if local.isdigit() and int(local) > 0:
-        trainers = int(local)
-    elif not cfg.backend.startswith("ddp") and all(a.startswith(LOOPBACK_HOSTS) for a in parse_addresses(cfg.ps)):
-        trainers = cfg.num_trainers
-    else:
-        return 0
-    return max(1, cores // trainers) if trainers > 1 else 0
-
-
-DEVICE_HELP = "auto, cpu, cuda or cuda:N"
-
-
-def device_problem(name: str, count: int) -> str:
-    """What is wrong with ``--device NAME`` when ``count`` GPUs are visible, as one sentence with a hint; "" if nothing."""
-    if name in ("auto", "cpu"):
-        return ""
-    index = name.partition(":")[2] if name.startswith("cuda:") else ""
-    if name != "cuda" and not index.isdigit():
-        return f"--device ({name}) must be {DEVICE_HELP}"
-    if count == 0:
-        return f"--device {name} was asked for but no CUDA device is visible; use --device auto or cpu"
-    if index and int(index) >= count:
-        return (f"--device {name} names GPU {index} but {count} {'is' if count == 1 else 'are'} visible "
-                f"(cuda:0 to cuda:{count - 1}); pick one of those or check CUDA_VISIBLE_DEVICES")
-    return ""
-
-
-def local_rank(cfg: TrainConfig, env: dict | None = None) -> int:
-    """This trainer's index among the trainers on its host, to choose its GPU.
-
-    ``LOCAL_RANK`` when set (torchrun and ps-cluster set it), else the rank modulo the trainers on this host as
-    default_threads counts them: ``LOCAL_WORLD_SIZE``, or all of them when every address is on loopback (a
-    one-machine job), else this one alone (0).
-    """
-    env = os.environ if env is None else env
-    given, local = env.get("LOCAL_RANK", ""), env.get("LOCAL_WORLD_SIZE", "")
-    if given.isdigit():
-        return int(given)
-    if local.isdigit() and int(local) > 0:
-        return cfg.rank % int(local)
-    if all(a.startswith(LOOPBACK_HOSTS) for a in parse_addresses(cfg.ps)):
-        return cfg.rank
-    return 0
-
-
-def pick_device(name: str, local: int = 0, count: int | None = None) -> torch.device:
-    """The device of ``--device``: auto and cuda take GPU ``local % count`` so trainers on one host spread over
-    its GPUs (as torchrun and DDP users expect), auto falls back to the CPU; cuda:N is checked against ``count``
-    (the visible GPUs; torch's count when None)."""
-    count = torch.cuda.device_count() if count is None else count
-    problem = device_problem(name, count)
-    if problem:
-        raise ValueError(problem)
-    if name == "cpu" or (name == "auto" and count == 0):
-        return torch.device("cpu")
-    if name in ("auto", "cuda"):
-        return torch.device("cuda", local % count)
-    return torch.device(name)
-
-
-def finite_json(value):
-    """``value`` with every NaN or infinite float replaced by None: JSON has no NaN (a diverged loss is null)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: finite_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite_json(v) for v in value]
-    return value
-
-
-class MetricsWriter:
-    """JSON lines, flushed per record so a watcher (ps-cluster) can follow the run live.
-
-    Written with ``allow_nan=False``: every line is valid JSON (a value never measured is null).
-    """
-
-    def __init__(self, path: str, rank: int):
-        self.rank = rank
-        self.f = open(path, "a", buffering=1) if path else None
-
-    def write(self, event: str, **fields) -> None:
-        if self.f:
-            record = {"event": event, "rank": self.rank, "time": time.time(), **fields}
-            self.f.write(json.dumps(finite_json(record), allow_nan=False) + "\n")
-
-    def close(self) -> None:
-        if self.f:
-            self.f.close()
-
-
-class SteadyClock:
-    """Throughput over the steady part of a run, the number ps-bench compares across systems.
-
-    The first ``warmup`` steps (lazy initialisation, first allocations, connection set-up) and every
-    evaluation are left out: a short benchmark run would otherwise be dominated by them, and they
-    cost every system about the same, which pulls all ratios towards 1.
-    """
-
-    def __init__(self, warmup: int):
-        self.warmup = warmup
-        self.eval_seconds = 0.0
-        self._start: tuple[float, float, dict] | None = None  # (time, eval seconds, timing) after warm-up
-        self._last: tuple[int, float, float, dict] | None = None  # (step, time, eval seconds, timing)
-
-    def after_step(self, step: int, timing: dict) -> None:
-        now = time.perf_counter()
-        if step == self.warmup:
-            self._start = (now, self.eval_seconds, dict(timing))
-        self._last = (step, now, self.eval_seconds, dict(timing))
-
-    def summary(self, batch_size: int) -> dict:
-        """steady_steps, steady_samples_per_sec and per-step compute/push/pull/wait seconds (empty if too short)."""
-        if self._start is None or self._last[0] <= self.warmup:
-            return {}
-        t0, e0, timing0 = self._start
-        step, t1, e1, timing1 = self._last
-        n = step - self.warmup
-        seconds = (t1 - t0) - (e1 - e0)
-        return dict(steady_steps=n, steady_samples_per_sec=n * batch_size / seconds,
-                    **{f"steady_{k}_seconds": (timing1[k] - timing0[k]) / n for k in timing1})
-
-
-class Progress:
-    """What a person watching sees: a bar on a terminal (log lines go above it), log lines otherwise.
-
-    Shows the latest training loss and the latest *evaluated* accuracy -- none until the first evaluation.
-    """
-
-    def __init__(self, cfg: TrainConfig, total_steps: int):
-        self.cfg, self.total = cfg, total_steps
-        self.accuracy: float | None = None
-        self.bar = None
-        self._redirect = nullcontext()
-        if sys.stderr.isatty() if cfg.progress is None else cfg.progress:
-            from tqdm import tqdm
-            from tqdm.contrib.logging import logging_redirect_tqdm
-
-            self.bar = tqdm(total=total_steps, desc=f"rank {cfg.rank}", unit="step", dynamic_ncols=True)
-            self._redirect = logging_redirect_tqdm()  # log records are written above the bar, not into it
-        self._redirect.__enter__()
-
-    def step(self, step: int, epoch: int, loss: float, rate: float, stale_steps: int, versions: list[int]) -> None:
-        if self.bar is not None:
-            self.bar.update(1)
-            shown = dict(loss=f"{loss:.3f}", samples_s=f"{rate:.0f}", stale_steps=stale_steps)
-            if self.accuracy is not None:
-                shown["rmse" if self.cfg.recommender else "acc"] = f"{self.accuracy:.3f}"
-            self.bar.set_postfix(shown, refresh=False)
-        elif step % self.cfg.log_every == 0 or step == self.total:
-            log.info("rank %d: step %d/%d epoch %d loss %.4f versions %s %.1f samples/s, %d stale steps",
-                     self.cfg.rank, step, self.total, epoch, loss, versions, rate, stale_steps)
-
-    def evaluated(self, step: int, epoch: int, accuracy: float, end_of_epoch: bool) -> None:
-        """``accuracy``: the test accuracy, or for a recommender dataset the test RMSE."""
-        self.accuracy = accuracy
-        where = f"epoch {epoch} done at step {step}" if end_of_epoch else f"step {step} (epoch {epoch})"
-        log.info("rank %d: %s: test %s %.4f", self.cfg.rank, where, score_name(self.cfg)[1], accuracy)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        self._redirect.__exit__(None, None, None)
 
 
 @torch.no_grad()
@@ -463,7 +92,7 @@ class Run:
         self.metrics = MetricsWriter(cfg.metrics_file, cfg.rank)
         self.board = ScalarLog(os.path.join(cfg.tensorboard, f"trainer{cfg.rank}") if cfg.tensorboard else "")
         self.staleness = 0  # summed over the logged steps' shards, for the mean staleness per push
-        self.ps = None
+        self.ps: Stepper | None = None
         self.t_start = 0.0
 
     def start(self) -> None:
@@ -488,7 +117,7 @@ class Run:
             time.sleep(cfg.step_delay)  # simulated slow compute, not synchronisation
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        forward_wait = self.ps.take_forward_wait() if hasattr(self.ps, "take_forward_wait") else 0.0
+        forward_wait = self.ps.take_forward_wait()
         self.timing["compute"] += time.perf_counter() - t0 - forward_wait  # --pipeline: layers waiting for weights
         info = self.ps.step(num_samples=len(idx))
         self.timing["push"] += info.push_seconds
@@ -580,26 +209,6 @@ class Run:
         )
 
 
-class StopRequest(threading.Event):
-    """Set (from a signal handler) to end the run after the current step.
-
-    ``steps_running`` tells the handler whether steps have begun: before that
-    (loading, connecting) there is no step to finish and it interrupts at once.
-    """
-
-    steps_running = False
-
-
-class Interrupted(BaseException):
-    """Raised by a signal handler to abandon the run now; like KeyboardInterrupt, not an Exception."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"signal {signum}")
-        self.signum = signum
-        self.left = True  # set False when a shard that knew the trainer could not be told it left
-        self.leave_outcome = "before it registered with any shard"  # what the shards answered (set by train())
-
-
 def train(cfg: TrainConfig, stop: StopRequest | None = None) -> dict:
     """Train as one trainer of the job; returns the summary also written as the last metrics line.
 
@@ -621,8 +230,7 @@ def train(cfg: TrainConfig, stop: StopRequest | None = None) -> dict:
         if run.ps is not None:
             run.ps.close(leave=True, best_effort=True)
             if isinstance(e, Interrupted):
-                e.left, e.leave_outcome = (run.ps.left, run.ps.leave_outcome()) if hasattr(run.ps, "leave_outcome") \
-                    else (True, f"no shards to leave (the {cfg.backend} baseline)")
+                e.left, e.leave_outcome = run.ps.left, run.ps.leave_outcome()
         raise
     finally:
         stop.steps_running = False
@@ -665,11 +273,6 @@ def run_steps(run: Run, stop: StopRequest) -> str:
         progress.close()
 
 
-def score_name(cfg: TrainConfig) -> tuple[str, str]:
-    """(metrics key, words) of what evaluation measures: test accuracy, or test RMSE for a ratings dataset."""
-    return ("test_rmse", "RMSE") if cfg.recommender else ("test_accuracy", "accuracy")
-
-
 def build_run_model(cfg: TrainConfig, data) -> torch.nn.Module:
     """The model of --model; for a ratings dataset with its tables as trainer.embedding modules (their rows
     live on the shards, or in this process with --backend local)."""
@@ -682,56 +285,7 @@ def build_run_model(cfg: TrainConfig, data) -> torch.nn.Module:
     return build_ratings_model(cfg.model, data, cfg.embedding_dim or 32, cfg.seed, **factories)
 
 
-class LocalTables:
-    """A baseline stepper (--backend local) for a model with tables: their rows in this process (LocalRows),
-    pushed before the dense step as ps.step() does."""
-
-    def __init__(self, inner, model: torch.nn.Module):
-        from trainer.embedding import bind_local, sharded_tables
-
-        self.inner, self.tables, self.rows = inner, sharded_tables(model), bind_local(model)
-        self.describe = f"{inner.describe}, {len(self.tables)} tables on LocalRows"
-
-    def step(self, num_samples: int = 1):
-        from trainer.embedding import flush_all
-
-        flush_all(self.tables, num_samples)
-        return self.inner.step(num_samples)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-
-def lr_schedule(cfg: TrainConfig, total_steps: int) -> LrSchedule:
-    """The schedule of the flags; a cosine without its length spans the run's versions after the warm-up
-    (async mode takes a version per push: N per step).  Other kinds keep the default length, so trainers
-    that run different numbers of steps (a restarted one) still agree on the job."""
-    versions = total_steps * (cfg.num_trainers if cfg.mode == Mode.ASYNC else 1)
-    cosine = cfg.lr_cosine_steps or (max(1, versions - cfg.warmup_steps) if cfg.lr_schedule == "cosine" else 1)
-    return LrSchedule(kind=cfg.lr_schedule, warmup_steps=cfg.warmup_steps,
-                      warmup_start_factor=cfg.warmup_start_factor, step_size=cfg.lr_step_size, gamma=cfg.lr_gamma,
-                      cosine_steps=cosine, min_lr=cfg.lr_min)
-
-
-def mode_knobs(cfg: TrainConfig) -> dict:
-    """The job spec's mode settings of ``cfg``, those of another mode left out (see ignored_flags)."""
-    stale_timeout = cfg.mode == Mode.STALE_TIMEOUT
-    return dict(mode=cfg.mode, num_trainers=cfg.num_trainers, wire_dtype=cfg.wire_dtype, job_id=cfg.job_id,
-                max_staleness=cfg.max_staleness if cfg.mode == Mode.ASYNC else None,
-                sync_timeout=cfg.sync_timeout if stale_timeout else 0.0,
-                replicas_to_aggregate=cfg.replicas_to_aggregate if stale_timeout else 0,
-                stale_policy=cfg.stale_policy if stale_timeout else "drop")
-
-
-def check_job_settings(cfg: TrainConfig) -> None:
-    """The job spec the shards will be sent, on a stand-in layout: its rules (ranges, combinations) refuse a
-    bad setting here, before the data is loaded or anything is started (ps-cluster calls this too)."""
-    JobSpec(num_shards=len(parse_addresses(cfg.ps)), total_params=1, fingerprint="0" * 16,
-            tensors=(("check", (1,), "float32"),), optimizer=cfg.optimizer_config(), tables=rec_table_specs(cfg),
-            lr_schedule=lr_schedule(cfg, total_steps=1), **{k: v for k, v in mode_knobs(cfg).items()})
-
-
-def make_stepper(cfg: TrainConfig, model: torch.nn.Module, total_steps: int):
+def make_stepper(cfg: TrainConfig, model: torch.nn.Module, total_steps: int) -> Stepper:
     """What exchanges gradients: the parameter servers, or a ps-bench baseline."""
     optimizer = cfg.optimizer_config()
     schedule, clip = lr_schedule(cfg, total_steps), cfg.clip_grad_norm
@@ -744,7 +298,7 @@ def make_stepper(cfg: TrainConfig, model: torch.nn.Module, total_steps: int):
                        lr_schedule=schedule, clip_grad_norm=clip, compress=cfg.compress,
                        embedding_mode=cfg.embedding_mode, partition_bytes=cfg.partition_bytes,
                        pipeline=cfg.pipeline)
-    from trainer.baselines import DDPStepper, LocalStepper
+    from trainer.baselines import DDPStepper, LocalStepper, LocalTables
 
     if cfg.backend in ("ddp", "ddp-nccl"):
         return DDPStepper(model, optimizer, cfg.ps, cfg.rank, cfg.num_trainers, schedule, clip,

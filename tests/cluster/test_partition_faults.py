@@ -109,12 +109,12 @@ class Record:
 
 
 class SlotLog:
-    """Wraps one trainer's per-slot exchange and re-registration (trainer.api) to record every slot's outcome;
+    """Wraps one trainer's per-slot exchange and re-registration (trainer.exchange, trainer.session) to record every slot's outcome;
     ``hold(slot, step)`` runs before a slot's exchange starts (``step``: the dense steps completed before it)."""
 
     def __init__(self, ps, records: list, hold=None):
         self.rejoins = Counter()
-        exchange, register_again = ps._exchange_slot, ps._register_again
+        exchange, register_again = ps.exchange.exchange_slot, ps.session.register_again
 
         def recorded(s, grad, num_samples, attempt):
             start, end = ps.ranges[s.slot]
@@ -133,7 +133,7 @@ class SlotLog:
             self.rejoins[s.slot] += 1
             register_again(s, cause)
 
-        ps._exchange_slot, ps._register_again = recorded, counted
+        ps.exchange.exchange_slot, ps.session.register_again = recorded, counted
 
 
 def run_trainer(rank, addresses, pipeline, out, errors, hold):

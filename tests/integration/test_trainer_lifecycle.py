@@ -54,7 +54,7 @@ def test_a_connect_that_fails_on_one_shard_leaves_the_shard_that_accepted_it(sha
 def test_a_trainer_whose_peer_never_comes_logs_whom_it_waits_for_then_leaves(shard_server, caplog):
     s = shard_server(0)
     address = s.server.address
-    caplog.set_level(logging.INFO, logger="trainer.api")
+    caplog.set_level(logging.INFO, logger="trainer")
     with pytest.raises(StartTimeout) as e:
         connect(address, model(), num_trainers=2, connect_timeout=7)
     assert f"shard 0 at {address}" in str(e.value) and "ranks [1]" in str(e.value)

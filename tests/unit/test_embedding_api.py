@@ -7,6 +7,7 @@ from torch import nn
 
 from trainer.api import ParameterServerTrainer, connect, make_job
 from trainer.embedding import LocalRows, ShardedEmbedding, ShardedEmbeddingBag
+from trainer.table_push import TablePush
 
 class Tower(nn.Module):
     def __init__(self, **modes):
@@ -72,20 +73,27 @@ class Counter:
         self.counts[name] = self.counts.get(name, 0) + n
 
 
+class StandInExchange:
+    """The dense part of a step, counted: nothing fails there."""
+
+    def __init__(self):
+        self.attempt, self.dense_steps = None, 0
+
+    def dense_step(self, num_samples):
+        self.dense_steps += 1
+        return "dense done"
+
+    def abandon(self):
+        return []
+
+
 def stepper(model, rows):
     """A ParameterServerTrainer with only what step() needs for its tables; the dense part is a stand-in."""
     ps = ParameterServerTrainer.__new__(ParameterServerTrainer)
     ps.tables = sorted([m for m in model.modules() if isinstance(m, (ShardedEmbedding, ShardedEmbeddingBag))],
                        key=lambda t: t.name)
-    ps._tables_pushed, ps.rank, ps.client, ps._attempt, ps.rows = set(), 0, Counter(), None, rows
-    ps._waits, ps._running = None, None  # not pipelined
-    ps.dense_steps = 0
-
-    def dense_step(num_samples):
-        ps.dense_steps += 1
-        return "dense done"
-
-    ps._dense_step = dense_step
+    ps.rank, ps.client, ps.rows, ps.pipelined = 0, Counter(), rows, None  # not pipelined
+    ps.table_push, ps.exchange = TablePush(ps.tables, ps.client, 0), StandInExchange()
     for t in ps.tables:
         t.bind(rows)
     return ps
@@ -98,12 +106,12 @@ def test_a_table_push_that_fails_raises_and_the_retry_pushes_only_that_table_the
     model(torch.tensor([1, 2]), torch.tensor([5, 6, 5]), torch.tensor([0, 1])).sum().backward()
     with pytest.raises(grpc.RpcError):
         ps.step(num_samples=2)
-    assert rows.log == [("items", [5, 6]), ("users", [1, 2])] and ps.dense_steps == 0
+    assert rows.log == [("items", [5, 6]), ("users", [1, 2])] and ps.exchange.dense_steps == 0
     assert ps.client.counts == {"table_pushes_failed": 1}
     with pytest.raises(RuntimeError, match="zero_grad\\(\\) while a failed step waits"):
         ps.zero_grad()
     assert ps.step(num_samples=2) == "dense done"
-    assert rows.log[2:] == [("users", [1, 2])] and ps.dense_steps == 1
+    assert rows.log[2:] == [("users", [1, 2])] and ps.exchange.dense_steps == 1
     assert rows.versions() == {"items": 1, "users": 1}
     ps.step(num_samples=2)  # a step with no forward still pushes every table (no ids): one version each
     assert rows.log[3:] == [("items", []), ("users", [])] and rows.versions() == {"items": 2, "users": 2}

@@ -34,7 +34,7 @@ import torch
 
 from psserver.common.cli_support import EnvArgumentParser, ensure_malloc_tunables, run_cli, setup_logging
 from psserver.common.logsafe import counted
-from trainer.loop import device_problem, pick_device
+from trainer.config import device_problem, pick_device
 from trainer.procs import Proc, start_shard, start_trainer, wait_all
 from trainer.tools.floors import measure as measure_floors
 from trainer.tools.procstat import free_port, memory
@@ -171,7 +171,7 @@ def train_run(name: str, run_dir: Path, workload: dict, backend: str, mode: str,
     evals = [e for e in records[0] if e["event"] == "eval"]
     # time to the bar on rank 0's clock, its own evaluations left out (they cost every system the same per step)
     reached = next((e["train_elapsed"] for e in evals if e["test_accuracy"] >= ACCURACY_BAR), None)
-    # Steady state (after warm-up, evaluation left out; trainer.loop.SteadyClock), summed over trainers.
+    # Steady state (after warm-up, evaluation left out; trainer.reporting.SteadyClock), summed over trainers.
     return dict(
         name=name, backend=backend, mode=mode if backend == "ps" else "", trainers=n, wall_seconds=wall,
         samples_per_sec=sum(d["steady_samples_per_sec"] for d in done), steps=done[0]["steps"],
@@ -453,7 +453,7 @@ def straggler_section(opts: BenchOptions, runs: list[dict], run_dir: Path) -> di
     steps = 4 * (4000 // (3 * 32))
     # stale-timeout twice: rounds cut by a timeout (half the straggler's extra time after the first
     # gradient), and rounds that close at 2 of 3 gradients (one backup trainer, as TF's SyncReplicas).
-    # async at its own default rate (the sync rate over N: linear scaling, see trainer.loop.effective_lr).
+    # async at its own default rate (the sync rate over N: linear scaling, see trainer.config.effective_lr).
     configs = (("psgrpc sync", "ps", "sync", []),
                ("psgrpc stale-timeout (T)", "ps", "stale-timeout", ["--sync-timeout", f"{delay / 2:.4f}"]),
                ("psgrpc stale-timeout (K=2, T)", "ps", "stale-timeout",

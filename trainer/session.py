@@ -1,0 +1,234 @@
+"""A trainer's membership of the job: register with every slot, keep the lease, rejoin a restarted shard, leave.
+
+What the shards know of this trainer is decided here and nowhere else: ``registered`` (the slots close() must
+leave), the dense slices due to resume after a table call rejoined their shard, and what each Leave was answered.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+from typing import Callable
+
+import grpc
+
+from trainer.client import WAIT_LOG_SECONDS, ShardClient
+from trainer.slots import DenseSlots
+
+log = logging.getLogger(__name__)
+
+LEFT, NOT_LISTED = "left", "not listed"  # what a shard answered a Leave: OK, or NOT_FOUND (it never knew us)
+
+
+class StartTimeout(TimeoutError):
+    """The job did not start within the connect timeout; the message says what was still awaited."""
+
+
+class Session:
+    """Registration, heartbeats, rejoining and leaving for one trainer over ``slots``."""
+
+    def __init__(self, slots: DenseSlots, rank: int, connect_timeout: float, refused_limit: float | None,
+                 before_rejoin: Callable[[int], None] = lambda slot: None):
+        """``before_rejoin(slot)``: drops what the exchange still expects from a shard that restarted."""
+        self.slots, self.client, self.job, self.rank = slots, slots.client, slots.job, rank
+        self.connect_timeout = connect_timeout
+        self._refused_limit = refused_limit  # see ShardClient.register
+        self._before_rejoin = before_rejoin
+        self.rows = None  # the tables' client, once bound (track_rows): resynced after a restart
+        self.registered: set[int] = set()  # slots that know this trainer: close() leaves exactly these
+        self.resume_dense: dict[int, int] = {}  # slot -> dense version before a restart a table call found
+        self.left = False  # every shard that knew this trainer was told it left
+        self.leave_answers: dict[int, str] = {}  # slot -> LEFT, NOT_LISTED or the error its Leave got
+        self._stop_heartbeat = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+
+    def track_rows(self, rows) -> None:
+        self.rows = rows
+
+    # ------------------------------------------------------------------ joining
+    def join(self, timeout: float) -> None:
+        """Register with every shard, start heartbeats, initialise (rank 0), and take the first weights --
+        all within one ``timeout``."""
+        give_up = time.monotonic() + timeout
+        results = self._register_everywhere(timeout)
+        self.registered = {i for i, r in enumerate(results) if not isinstance(r, Exception)}
+        errors = [r for r in results if isinstance(r, Exception)]
+        if errors:
+            raise errors[0]
+        for i, r in enumerate(results):
+            if (r.start, r.end) != self.slots.ranges[i]:
+                raise ValueError(f"{self.client.parts[i].name} owns [{r.start}, {r.end}) but this trainer expected "
+                                 f"{self.slots.ranges[i]}")
+        leases = [r.lease_seconds for r in results if r.lease_seconds > 0]
+        if leases:
+            self._heartbeat = threading.Thread(target=self._heartbeat_loop, args=(min(leases) / 4,),
+                                               name="ps-heartbeat", daemon=True)
+            self._heartbeat.start()
+        if self.rank == 0:
+            ready = self.slots.produced()
+            self.client.map(lambda s: self.slots.initialise(s, ready) if not results[s.slot].initialized else None,
+                            parts=True)
+        self._wait_for_start(give_up - time.monotonic(), timeout)
+        self.slots.staging.settle()  # the first forward waits for the first weights
+
+    def _register_everywhere(self, timeout: float) -> list:
+        """Each slot's RegisterReply, or the Exception its registering raised.
+
+        Interrupted meanwhile (a signal on this thread), the other slots' attempts are abandoned and waited
+        for, and every slot whose registering did not fail stays in ``registered``: a shard may have
+        registered this trainer although its answer never arrived, and close() must leave it."""
+        abandon, inflight = threading.Event(), []
+        self.registered = set(range(self.slots.num_parts))  # until their answers say otherwise
+        try:
+            return self.client.map_settled(lambda s: s.register(self.job, timeout, abandon, self._refused_limit),
+                                           parts=True, inflight=inflight)
+        except BaseException:
+            abandon.set()
+            futures_wait(inflight)
+            self.registered -= {i + 1 for i, f in enumerate(inflight) if isinstance(f.result(), Exception)}
+            raise
+
+    def _wait_for_start(self, timeout: float, connect_timeout: float) -> None:
+        """The first pull, which returns once every shard is initialised and (sync modes) every trainer has
+        registered.  Polled in short calls so that what is awaited -- the shard's own words, e.g. "still
+        waits for ranks [1] to register" -- is logged every few seconds instead of a silent wait."""
+        give_up = time.monotonic() + timeout
+
+        def first_pull(s: ShardClient) -> None:
+            while True:
+                poll = max(0.5, min(give_up - time.monotonic(), WAIT_LOG_SECONDS))
+                try:
+                    self.slots.versions[s.slot] = self.slots.pull_into(s, 0, poll)
+                    return
+                except grpc.RpcError as e:
+                    if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                        raise
+                    if time.monotonic() >= give_up:
+                        raise StartTimeout(f"rank {self.rank} gave up waiting after {connect_timeout:g} s "
+                                           f"(--connect-timeout): {s.name} at {s.address}: {e.details()}"
+                                           ) from None
+                    log.info("rank %d waiting to start: %s at %s: %s", self.rank, s.name, s.address,
+                             e.details())
+
+        self.client.map(first_pull, parts=True)
+
+    # ------------------------------------------------------------------ a shard restarted
+    def rejoin(self, s: ShardClient, cause: grpc.RpcError) -> bool:
+        """The shard restarted (it no longer knows us, or is behind us): register again and resume from it.
+
+        Rank 0 re-initialises a shard that came back empty (no checkpoint) with
+        its current weights.  The steps the shard lost are logged and counted.
+        Returns whether this step's gradient is to be pushed to it again (see trainer.exchange).
+        """
+        before = self.slots.versions[s.slot]
+        again = s.resend_after_restart()
+        self.register_again(s, cause)
+        self.resume_dense[s.slot] = before
+        self.resume_dense_slice(s, dropped=not again)
+        return again
+
+    def rejoin_for_tables(self, s: ShardClient, cause: grpc.RpcError) -> None:
+        """A table call found shard ``s`` restarted (ShardedRows.on_restart): register again and resync the
+        tables now; the dense slice resumes at this step's dense exchange, not here -- a pull inside the
+        forward would overwrite weights the forward may already have used."""
+        self.resume_dense.setdefault(s.slot, self.slots.versions[s.slot])  # a second restart keeps the first
+        s.abandon_push()  # the restarted shard does not know it: the next push gets a new number
+        self.register_again(s, cause)
+
+    def resume_dense_slice(self, s: ShardClient, dropped: bool = False) -> None:
+        """Pull shard ``s``'s weights after it was rejoined and count what it lost (see rejoin)."""
+        i = s.slot
+        before = self.resume_dense.pop(i)
+        v = self.slots.versions[i] = self.slots.pull_into(s, 0, self.connect_timeout)
+        # Lost: the versions the shard rolled back, plus this step's gradient if it could not be pushed again.
+        lost = max(0, before - v) + dropped
+        self.client.count("steps_lost", lost)
+        log.warning("rank %d resumed %s at version %d (was %d): %d steps lost", self.rank, s.name, v, before, lost)
+
+    def register_again(self, s: ShardClient, cause: grpc.RpcError) -> None:
+        """Register with a restarted shard (rank 0 re-initialises it if it came back empty) and resync the
+        tables from it; counted in ``reconnects``."""
+        self._before_rejoin(s.slot)
+        log.warning("%s (%s) answered %s (%s): it restarted; registering again", s.name, s.address,
+                    cause.code().name, cause.details())
+        reply = s.register(self.job, self.connect_timeout)
+        if not reply.initialized and self.rank == 0:
+            self.slots.initialise(s)
+            log.warning("%s came back without parameters: re-initialised it from rank 0's weights", s.name)
+        self.client.count("reconnects")
+        if self.rows is not None and s.partition == 0:  # the tables live on partition 0
+            self._resync_tables(s)
+
+    def _resync_tables(self, s: ShardClient) -> None:
+        counters = s.stats().counters
+        versions = {name: int(counters.get(f"table.{name}.version", 0)) for name in self.rows.tables}
+        before = {name: v[s.index] for name, v in self.rows.versions().items()}
+        lost = sum(max(0, before[name] - v) for name, v in versions.items())
+        self.rows.resync(s.index, versions)
+        log.warning("rank %d resumed the tables on shard %d at versions %s (was %s): %d table versions lost",
+                    self.rank, s.index, versions, before, lost)
+
+    # ------------------------------------------------------------------ the lease
+    def _heartbeat_loop(self, interval: float) -> None:
+        """Keeps this trainer's lease while it computes or waits; a dead process stops sending.
+
+        Every slot's channel is probed, side by side: a heartbeat on a connection that died half-open (a
+        dropped link) fails it at once, so a call in flight on it is retried instead of waiting ~30 s for
+        keepalive (measured: without them, the partition fault soak stalled 30 s per dropped connection);
+        side by side, one hung shard delays no other shard's heartbeats.  (Partition 0's also renews the
+        lease on every partition of its shard: psserver.host.)"""
+        with ThreadPoolExecutor(max_workers=min(16, len(self.client.parts)), thread_name_prefix="ps-beat") as beats:
+            while not self._stop_heartbeat.wait(interval):
+                futures_wait([beats.submit(self._heartbeat_once, s, interval) for s in self.client.parts])
+
+    def _heartbeat_once(self, s: ShardClient, timeout: float) -> None:
+        try:
+            s.heartbeat(timeout=timeout)
+        except grpc.RpcError as e:
+            self.client.count("heartbeat_failures")
+            log.warning("heartbeat to %s (%s) failed: %s %s", s.name, s.address, e.code().name, e.details())
+
+    def stop_heartbeats(self) -> None:
+        """Before the channels close under them."""
+        self._stop_heartbeat.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
+
+    # ------------------------------------------------------------------ leaving
+    def leave(self, best_effort: bool) -> None:
+        """Tell every slot that knows this trainer that it left; best effort: one quick try each, from this
+        thread, failures recorded in ``leave_answers`` instead of raised."""
+        mine = [s for s in self.client.parts if s.slot in self.registered]
+        if not best_effort:
+            self.client.map(lambda s: s.leave() if s.slot in self.registered else None, parts=True)
+            self.leave_answers = {s.slot: LEFT for s in mine}
+            self.left = True
+            return
+        for s in mine:
+            try:
+                s.leave(quick=True)
+                self.leave_answers[s.slot] = LEFT
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.NOT_FOUND:  # it does not list this trainer: nothing to leave
+                    self.leave_answers[s.slot] = NOT_LISTED
+                    continue
+                self.leave_answers[s.slot] = f"{e.code().name}: {e.details()}"
+                log.warning("rank %d could not leave %s (%s): %s %s", self.rank, s.name, s.address,
+                            e.code().name, e.details())
+        self.left = all(a in (LEFT, NOT_LISTED) for a in self.leave_answers.values())
+
+    def leave_outcome(self) -> str:
+        """What closing told the shards, in words that claim no more than their answers (for ps-trainer's last
+        line): left, had registered nowhere, or could not leave which shard and why."""
+        failed = {i: a for i, a in self.leave_answers.items() if a not in (LEFT, NOT_LISTED)}
+        if failed:
+            names = "; ".join(f"{self.client.parts[i].name} at {self.client.parts[i].address} ({a})"
+                              for i, a in sorted(failed.items()))
+            return f"could not leave {names}: its lease there runs out instead"
+        told = sorted(self.client.parts[i].name for i, a in self.leave_answers.items() if a == LEFT)
+        if told:
+            return f"left the job ({', '.join(told)} answered its Leave)"
+        return "had registered with no shard: nothing to leave"

@@ -1,0 +1,55 @@
+"""The tables' part of a step: each shard-backed table's gradient rows, pushed before the dense exchange.
+
+Once per step: a table whose push failed keeps its rows (the error propagates out of step()); the retry pushes
+the tables not yet done, and of those only to the shards that did not finish (ShardedRows keeps that).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+
+class TablePush:
+    def __init__(self, tables: list, counter, rank: int):
+        """``counter``: what counts failures and abandons (the sharded client's ``count``)."""
+        self.tables, self._counter, self.rank = tables, counter, rank
+        self._pushed: set[str] = set()  # tables whose push of the current step is done
+
+    def push(self, num_samples: int) -> None:
+        for t in self.tables:
+            if t.name in self._pushed:
+                continue
+            try:
+                t.flush_gradients(num_samples)
+            except grpc.RpcError as e:
+                self._counter.count("table_pushes_failed")
+                log.warning("rank %d: the push of table %r failed (%s); step() again retries it", self.rank,
+                            t.name, e)
+                raise
+            self._pushed.add(t.name)
+
+    def done(self) -> None:
+        """The step's dense part is done too: the next push is the next step's."""
+        self._pushed.clear()
+
+    def pending(self) -> bool:
+        """A table's failed push waits to be retried."""
+        return any(t.push_pending for t in self.tables)
+
+    def abandon(self) -> None:
+        """The shards that did not answer a table's push: new numbers there too (ShardedRows.abandon; a local
+        backend keeps no failed push)."""
+        for t in self.tables:
+            abandon = getattr(t.backend, "abandon", None)
+            if t.push_pending and abandon is not None and abandon(t.name):
+                self._counter.count("table_pushes_abandoned")
+
+    def zero(self) -> None:
+        """Forget the tables' rows and gradients of this step (and any failed push of them)."""
+        for t in self.tables:
+            t.zero_grad_rows()
+        self._pushed.clear()
