@@ -61,7 +61,7 @@ from psserver.protocol.job import JobSpec
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rows.errors import WrongShape
 from psserver.protocol.rows.wire import row_chunks
-from psserver.runtime import Runtime, VersionWaiters
+from psserver.runtime import Runtime
 from psserver.shard import PushResult, Shard
 from psserver.sparse.serving import RowsPush
 
@@ -226,17 +226,6 @@ class ParameterServerService:
         self.refusal_log = RateLimitedLog(log)
         self._per_peer: dict[str, int] = {}
         self._per_rank: dict[tuple[int, int], int] = {}  # (rank, partition) -> calls in flight
-        self._table_waiters: dict[str, VersionWaiters] = {}  # PullRows waiting for a table's version, by table
-        shard = self.shard
-        dense_changed = shard.on_change
-
-        def changed() -> None:  # a shard change may be a table's: wake its waiting PullRows too
-            dense_changed()
-            if not runtime.loop.is_closed():
-                for waiters in list(self._table_waiters.values()):
-                    waiters.changed_threadsafe()
-
-        shard.on_change = changed
 
     # ------------------------------------------------------------------ limits
     @asynccontextmanager
@@ -479,10 +468,7 @@ class ParameterServerService:
 
     async def _wait_table(self, name: str, min_version: int, context) -> float:
         """Wait (an awaited future, no thread) until table ``name`` reaches ``min_version``; seconds waited."""
-        waiters = self._table_waiters.get(name)
-        if waiters is None:
-            waiters = self._table_waiters[name] = VersionWaiters(asyncio.get_running_loop(),
-                                                                 functools.partial(self._table_ready, name))
+        waiters = self.runtime.table_waiters(name, functools.partial(self._table_ready, name))
         loop = asyncio.get_running_loop()
         timeout = min(max(0.0, self._deadline(context) - loop.time() - 0.25), self.cfg.max_pull_wait)
         t0 = loop.time()
