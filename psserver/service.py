@@ -207,6 +207,16 @@ def _check_identity(request) -> None:
     limits.check_id("fingerprint", request.fingerprint)
 
 
+def _is_member(part: Shard, request) -> bool:
+    """Whether the request names a member of ``part``'s job; identity strings past their bounds name none
+    (a read for the caller's own benefit: not refused, nothing stored or logged)."""
+    try:
+        _check_identity(request)
+    except InvalidRequest:
+        return False
+    return part.is_member(request.rank, request.trainer_id, request.fingerprint)
+
+
 def _check_header_fields(h: _pb.ChunkHeader) -> None:
     _check_identity(h)
     if h.num_samples > limits.MAX_NUM_SAMPLES:
@@ -292,6 +302,10 @@ class ParameterServerService:
 
     @_refusals
     async def GetStats(self, request, context):
+        """Counters, version, mode, slice and live ranks for anyone; the job's spec -- its identity (job id,
+        fingerprint) and all a trainer needs to register as one of its ranks -- only for a member of the job
+        (``rank``, ``trainer_id`` and ``fingerprint`` of a registered trainer) or, on a shard that authenticates
+        every caller (a token or mutual TLS), for any caller.  Withheld, not refused: the reply has no ``job``."""
         request = _decoded(request)
         part = self.host.part(request.partition)
         s = self.host.snapshot(request.partition)
@@ -299,7 +313,7 @@ class ParameterServerService:
         reply = _pb.StatsReply(shard=s.shard, initialized=s.initialized, version=s.version, mode=s.mode,
                                start=s.start, end=s.end, live_ranks=s.live_ranks, counters=s.counters,
                                state_digest=digest, lr=s.lr, partitions=len(self.host.parts))
-        if s.job is not None:
+        if s.job is not None and (self.authenticated or _is_member(part, request)):
             reply.job.CopyFrom(s.job.to_proto())
         return reply
 

@@ -237,12 +237,17 @@ class Shard(PushTarget):
         if need_params and self.params is None:
             raise NotReady(f"{self.label} is not initialised yet: rank 0 sends Init first")
 
+    def is_member(self, rank: int, trainer_id: str, fingerprint: str) -> bool:
+        """Is the caller a registered trainer of the running job (its rank, trainer id and the job's
+        fingerprint)?  A read: no lease is renewed, nothing is counted.  Safe on the event loop."""
+        job = self.job
+        return job is not None and fingerprint == job.fingerprint and self.members.holds(rank, trainer_id)
+
     def check_digest_caller(self, rank: int, trainer_id: str, fingerprint: str) -> None:
         """Refuse a state digest to all but the job's members: it is a pass over the whole state, tables
         included, so not work a stranger may ask for.  A read (no lease is renewed); with no job there is
         nothing to hash.  Safe on the event loop."""
-        job = self.job
-        if job is None or (fingerprint == job.fingerprint and self.members.holds(rank, trainer_id)):
+        if self.job is None or self.is_member(rank, trainer_id, fingerprint):
             return
         raise NotPermitted(
             f"with_digest is set but rank {rank} as {shorten(trainer_id)} with fingerprint {shorten(fingerprint)} "
