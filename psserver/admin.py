@@ -16,7 +16,7 @@ from psserver.common.cli_support import EnvArgumentParser
 from psserver.common.logsafe import shorten
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.security import ClientSecurity, add_client_flags, client_security, parse_addresses
-from psserver.protocol.stubs import stub
+from psserver.protocol.stubs import STATS_CHANNEL_OPTIONS, stub
 
 DETAILS_SHOWN = 200  # characters of gRPC's details shown for a shard that is down
 
@@ -45,7 +45,7 @@ def fetch_stats(addresses: list[str], timeout: float,
     with ExitStack() as stack:
         calls = []
         for address in addresses:
-            channel = stack.enter_context(security.channel(address))
+            channel = stack.enter_context(security.channel(address, options=STATS_CHANNEL_OPTIONS))
             calls.append(stub(channel).GetStats.future(_pb.StatsRequest(), timeout=timeout))
         results = []
         for call in calls:

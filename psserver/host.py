@@ -27,10 +27,12 @@ from pathlib import Path
 from typing import Callable
 
 from psserver.checkpoint import Checkpointer
+from psserver.metrics import ShardMetrics
 from psserver.protocol.errors import InvalidRequest, JobMismatch, NotReady, PsError
 from psserver.protocol.job import JobSpec
 from psserver.protocol.limits import MAX_PARTITIONS
-from psserver.shard import Shard, StatsSnapshot
+from psserver.shard import Shard
+from psserver.stats import StatsSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -42,17 +44,21 @@ class ShardHost:
     """Partition 0 and the partitions a job added; routes calls by partition index."""
 
     def __init__(self, shard_id: int, clock: Callable[[], float] = time.monotonic, lease_timeout: float = 5.0,
-                 checkpoint_dir: str = "", checkpoint_every: int = 100):
-        self.shard_id, self._clock, self.lease_timeout = shard_id, clock, lease_timeout
+                 checkpoint_dir: str = "", checkpoint_every: int = 100,
+                 on_change: Callable[[Shard], None] = lambda part: None):
+        """``on_change(part)``: handed to every partition this host makes (see ``Shard``); the server's
+        wake-up for the calls waiting on ``part``.  The metrics registry is made here, over ``snapshot``:
+        it counts every partition."""
+        self.shard_id, self.clock, self.lease_timeout = shard_id, clock, lease_timeout
         self._checkpoint_dir, self._checkpoint_every = checkpoint_dir, checkpoint_every
-        self.parts: list[Shard] = [Shard(shard_id, clock, lease_timeout, self._checkpointer(0))]
-        self.parts[0].stats_view = self.snapshot  # the metrics registry counts every partition
-        self.on_new_part: Callable[[Shard], None] = lambda part: None  # the runtime wires waiters to it
+        self._on_change = on_change
+        self.metrics = ShardMetrics(shard_id, self.snapshot)
+        self.parts: list[Shard] = [self._fresh(0)]
 
     # ------------------------------------------------------------------ partitions
     @property
     def head(self) -> Shard:
-        """Partition 0: the sparse tables, the metrics registry, the version a tool shows first."""
+        """Partition 0: the sparse tables, the version a tool shows first."""
         return self.parts[0]
 
     def part(self, index: int) -> Shard:
@@ -93,13 +99,11 @@ class ShardHost:
     def _grow(self, count: int) -> None:
         count = min(count, MAX_PARTITIONS)  # the job spec bounds it too
         while len(self.parts) < count:
-            part = self._fresh(len(self.parts))
-            self.parts.append(part)
-            self.on_new_part(part)
+            self.parts.append(self._fresh(len(self.parts)))
 
     def _fresh(self, k: int) -> Shard:
-        return Shard(self.shard_id, self._clock, self.lease_timeout, self._checkpointer(k), partition=k,
-                     metrics=self.head.metrics)
+        return Shard(self.shard_id, self.clock, self.lease_timeout, self._checkpointer(k), partition=k,
+                     metrics=self.metrics, on_change=self._on_change)
 
     def _checkpointer(self, k: int) -> Checkpointer | None:
         if not self._checkpoint_dir:
@@ -165,10 +169,6 @@ class ShardHost:
     @property
     def version(self) -> int:
         return self.head.version
-
-    @property
-    def metrics(self):
-        return self.head.metrics
 
     def job_done(self) -> bool:
         return self.head.job_done() and all(p.job_done() or p.job is None for p in self.parts[1:])

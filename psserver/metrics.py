@@ -8,20 +8,19 @@ prometheus-client histograms the shard observes directly.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-if TYPE_CHECKING:
-    from psserver.shard import StatsSnapshot
+from psserver.stats import StatsSnapshot
 
 ROUND_REASONS = ("all_arrived", "quorum", "timeout", "membership")
 PUSH_OUTCOMES = {"applied": "pushes_applied", "stale_dropped": "stale_dropped", "stale_scaled": "stale_scaled",
                  "duplicate": "duplicates"}
 
 
-def board_scalars(s: "StatsSnapshot") -> dict[str, float]:
+def board_scalars(s: StatsSnapshot) -> dict[str, float]:
     """The shard's TensorBoard scalars (``ps-server --tensorboard``), named as its Prometheus families are."""
     c = s.counters
     out = {"version": s.version, "optimizer_steps": c.get("steps", 0), "live_trainers": len(s.live_ranks)}
@@ -34,9 +33,12 @@ def board_scalars(s: "StatsSnapshot") -> dict[str, float]:
 
 
 class ShardMetrics:
-    """The registry of one shard: histograms it observes, plus a collector over its counters."""
+    """The registry of one shard: histograms it observes, plus a collector over its counters.
 
-    def __init__(self, shard: int) -> None:
+    ``snapshot``: what the collector reads at each scrape (the shard's, or its host's summed over partitions).
+    """
+
+    def __init__(self, shard: int, snapshot: Callable[[], StatsSnapshot]) -> None:
         self.registry = CollectorRegistry()
         # Every family carries ``shard``, so metrics of several shards merged by one Prometheus stay apart.
         label = str(shard)
@@ -49,8 +51,6 @@ class ShardMetrics:
             labelnames=["shard"], buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
             registry=self.registry,
         ).labels(label)
-
-    def bind(self, snapshot: Callable[[], "StatsSnapshot"]) -> None:
         self.registry.register(_CounterCollector(snapshot))
 
     def serve(self, port: int, host: str) -> int:
@@ -60,7 +60,7 @@ class ShardMetrics:
 
 
 class _CounterCollector:
-    def __init__(self, snapshot: Callable[[], "StatsSnapshot"]):
+    def __init__(self, snapshot: Callable[[], StatsSnapshot]):
         self.snapshot = snapshot
 
     def collect(self):
@@ -118,7 +118,7 @@ TABLE_GAUGES = {
 }
 
 
-def _table_families(s: "StatsSnapshot"):
+def _table_families(s: StatsSnapshot):
     tables = s.tables or {}
     shard = str(s.shard)
     for metric, (key, doc) in TABLE_COUNTERS.items():

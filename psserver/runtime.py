@@ -50,9 +50,9 @@ INLINE_STATE_ELEMENTS = 1 << 14
 class VersionWaiters:
     """Futures waiting for ``ready(min_version)``; woken from any thread with ``changed_threadsafe``."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, ready: Callable[[int], bool]):
+    def __init__(self, loop: asyncio.AbstractEventLoop, ready: Callable[[int], bool], loop_thread: int | None = None):
         self._loop, self._ready = loop, ready
-        self._loop_thread = threading.get_ident()  # made on the loop
+        self._loop_thread = threading.get_ident() if loop_thread is None else loop_thread  # default: made on the loop
         self._waiting: dict[int, set[asyncio.Future]] = {}  # sets: a waiter leaves in O(1), whoever wakes it
         self._scheduled = False
 
@@ -188,41 +188,78 @@ class ReceiveBuffers:
                 return
 
 
-class Runtime:
-    """Created on the event loop; owns the threads the servicer hands work to."""
+class Wakeups:
+    """What a shard's change wakes: pulls waiting for a partition's version, PullRows waiting for a table's,
+    and the round timer of a stale-timeout job.
 
-    def __init__(self, host: ShardHost, receive_buffers: int):
-        self.loop = asyncio.get_running_loop()
-        self.loop_thread = threading.get_ident()
-        self.host = host
-        self.state = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shard{host.shard_id}-state")
-        self.buffers = ReceiveBuffers(receive_buffers)  # shared by the partitions: memory is the process's
-        self.stopping = False
-        self._offloaded = 0  # calls handed to the state worker by ``offload`` and not finished
-        self.changes = asyncio.Event()  # set on every shard change: wakes the round timer in stale-timeout mode
-        self._waiters: list[VersionWaiters] = []  # one per partition, by index
-        for part in host.parts:
-            self._wire(part)
-        host.on_new_part = self._wire
+    Made first (psserver.server.build_shard_process): its ``changed`` is the ``on_change`` every partition is
+    made with, called from whichever thread changed the partition.  Waiters are made on the loop by the calls
+    that wait (``pulls``, ``table``); a change that finds none wakes nobody, for nobody waited before it.
+    """
 
-    def _wire(self, part: Shard) -> None:
-        """Waiters for ``part``'s versions, woken by its changes (partitions are created on the loop or before)."""
-        waiters = VersionWaiters(self.loop, part.pull_ready)
-        self._waiters.append(waiters)
-        part.on_change = lambda: self._changed_threadsafe(part, waiters)
+    def __init__(self, loop: asyncio.AbstractEventLoop, loop_thread: int):
+        self.loop, self.loop_thread = loop, loop_thread
+        self.timer = asyncio.Event()  # set on every change of a stale-timeout job: wakes the round timer
+        self._pulls: dict[int, VersionWaiters] = {}  # by partition index (a host's partitions are never replaced)
+        self._tables: dict[str, VersionWaiters] = {}  # by table name (partition 0 holds the tables)
 
-    def waiters(self, partition: int = 0) -> VersionWaiters:
-        return self._waiters[partition]
+    def pulls(self, part: Shard) -> VersionWaiters:
+        """The waiters for ``part``'s versions (on the loop)."""
+        waiters = self._pulls.get(part.partition)
+        if waiters is None:
+            waiters = self._pulls[part.partition] = VersionWaiters(self.loop, part.pull_ready, self.loop_thread)
+        return waiters
 
-    def _changed_threadsafe(self, part: Shard, waiters: VersionWaiters) -> None:
+    def table(self, name: str, ready: Callable[[int], bool]) -> VersionWaiters:
+        """The waiters for table ``name``'s versions, ``ready`` their predicate (on the loop)."""
+        waiters = self._tables.get(name)
+        if waiters is None:
+            waiters = self._tables[name] = VersionWaiters(self.loop, ready, self.loop_thread)
+        return waiters
+
+    def changed(self, part: Shard) -> None:
+        """``part`` changed (from any thread): wake what may wait on it."""
         if self.loop.is_closed():  # the server stopped: nobody waits any more
             return
-        waiters.changed_threadsafe()
+        waiters = self._pulls.get(part.partition)
+        if waiters is not None:
+            waiters.changed_threadsafe()
+        if part.partition == 0:  # a change of partition 0 may be a table's: wake its waiting PullRows too
+            for waiters in list(self._tables.values()):
+                waiters.changed_threadsafe()
         if part.mode() == Mode.STALE_TIMEOUT:
             if threading.get_ident() == self.loop_thread:
-                self.changes.set()
+                self.timer.set()
             else:
-                self.loop.call_soon_threadsafe(self.changes.set)
+                self.loop.call_soon_threadsafe(self.timer.set)
+
+
+class Runtime:
+    """The threads the servicer hands work to, for ``host``'s partitions; woken through ``wakeups``."""
+
+    def __init__(self, host: ShardHost, wakeups: Wakeups, receive_buffers: int):
+        self.loop, self.loop_thread = wakeups.loop, wakeups.loop_thread
+        self.host, self.wakeups = host, wakeups
+        self.state = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shard{host.shard_id}-state")
+        self.buffers = ReceiveBuffers(receive_buffers)  # shared by the partitions: memory is the process's
+        self._stopping = False
+        self._offloaded = 0  # calls handed to the state worker by ``offload`` and not finished
+
+    @property
+    def stopping(self) -> bool:
+        """The server is stopping: waits that end say so (UNAVAILABLE) and the round timer ends."""
+        return self._stopping
+
+    def begin_stopping(self) -> None:
+        self._stopping = True
+
+    def waiters(self, partition: int = 0) -> VersionWaiters:
+        """Pulls waiting for partition ``partition``'s versions (on the loop)."""
+        return self.wakeups.pulls(self.host.parts[partition])
+
+    def table_waiters(self, name: str, ready: Callable[[int], bool]) -> VersionWaiters:
+        """PullRows waiting for table ``name``'s versions (on the loop)."""
+        return self.wakeups.table(name, ready)
 
     def inline(self) -> bool:
         """Every partition's slice is small (a partitioned job's are at least 256 elements apart at most) and
@@ -270,7 +307,7 @@ class Runtime:
 
     async def round_timer(self) -> None:
         """Expires leases and closes stale-timeout rounds at their deadlines (Shard.tick on the state worker)."""
-        clock = self.host._clock
+        clock = self.host.clock
         while not self.stopping:
             try:
                 next_at = await self.run_state(self.host.tick)
@@ -278,9 +315,9 @@ class Runtime:
                 log.exception("shard %d: round timer tick failed", self.host.shard_id)
                 next_at = None
             delay = 1.0 if next_at is None else min(1.0, max(0.001, next_at - clock()))
-            self.changes.clear()
+            self.wakeups.timer.clear()
             try:
-                await asyncio.wait_for(self.changes.wait(), delay)
+                await asyncio.wait_for(self.wakeups.timer.wait(), delay)
             except asyncio.TimeoutError:
                 pass
 

@@ -26,7 +26,7 @@ from psserver.protocol.codec import DEFAULT_CHUNK_BYTES
 from psserver.protocol.optim import warm_up
 from psserver.protocol.security import ServerSecurity
 from psserver.protocol.stubs import SERVICE_NAME
-from psserver.runtime import Runtime
+from psserver.runtime import Runtime, Wakeups
 from psserver.service import ParameterServerService, ServiceLimits, add_service
 
 log = logging.getLogger(__name__)
@@ -92,18 +92,46 @@ def tune_gc() -> None:
     gc.set_threshold(20_000, 20, 20)
 
 
+@dataclass(frozen=True)
+class ShardProcess:
+    """What one ps-server process serves with (``build_shard_process``)."""
+
+    host: ShardHost  # every partition this process serves, and the metrics registry over them
+    runtime: Runtime  # the state worker, receive buffers, waiters, round timer
+    service: ParameterServerService  # the gRPC servicer over both
+
+
+def build_shard_process(cfg: ServerConfig, loop: asyncio.AbstractEventLoop, loop_thread: int) -> ShardProcess:
+    """The one place a shard's parts are made, each handed what it calls when it is made.
+
+    In the order of what calls what: the wake-ups first (every partition calls them on a change), then the
+    host with them (it makes the partitions and the metrics registry over its own snapshot), restored from
+    its checkpoints if asked, then the runtime over the host and the wake-ups, then the servicer over both.
+    ``loop`` runs on thread ``loop_thread`` and serves the process's calls.
+    """
+    wakeups = Wakeups(loop, loop_thread)
+    host = ShardHost(cfg.shard, lease_timeout=cfg.lease_timeout, checkpoint_dir=cfg.checkpoint_dir,
+                     checkpoint_every=cfg.checkpoint_every, on_change=wakeups.changed)
+    if cfg.restore:
+        host.restore()
+    limits = ServiceLimits(**{**vars(cfg.limits), "max_push_bytes": cfg.max_push_bytes,
+                              "chunk_bytes": cfg.chunk_bytes, "nonfinite": cfg.nonfinite})
+    runtime = Runtime(host, wakeups, limits.receive_buffers)
+    security = cfg.security
+    service = ParameterServerService(host, runtime, limits,
+                                     authenticated=bool(security.token or security.tls_client_ca))
+    return ShardProcess(host, runtime, service)
+
+
 class ShardServer:
     """A running shard: ``ShardServer(cfg).start()`` then ``.port``, ``.stop()``."""
 
     def __init__(self, cfg: ServerConfig):
         self.cfg = cfg
-        # ``shard``: every partition this process serves (psserver.host); unpartitioned jobs use one.
-        self.shard = ShardHost(cfg.shard, lease_timeout=cfg.lease_timeout, checkpoint_dir=cfg.checkpoint_dir,
-                               checkpoint_every=cfg.checkpoint_every)
-        if cfg.restore:
-            self.shard.restore()
-        self.limits = ServiceLimits(**{**vars(cfg.limits), "max_push_bytes": cfg.max_push_bytes,
-                                       "chunk_bytes": cfg.chunk_bytes, "nonfinite": cfg.nonfinite})
+        # Made by ``start`` (build_shard_process): ``shard`` is every partition this process serves
+        # (psserver.host; unpartitioned jobs use one), ``runtime`` what its calls run on.
+        self.shard: ShardHost | None = None
+        self.runtime: Runtime | None = None
         self.port = 0
         self.health_port = -1
         self.probe_port: ProbePort | None = None
@@ -120,13 +148,15 @@ class ShardServer:
         if self.cfg.torch_threads:
             torch.set_num_threads(self.cfg.torch_threads)
         warm_up()
-        tune_gc()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"shard{self.cfg.shard}-loop",
                                         daemon=True)
         self._thread.start()
         try:
-            self.port = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(START_TIMEOUT)
+            process = build_shard_process(self.cfg, self._loop, self._thread.ident)  # a --restore's reading too
+            self.shard, self.runtime = process.host, process.runtime
+            tune_gc()
+            self.port = asyncio.run_coroutine_threadsafe(self._start(process.service), self._loop).result(START_TIMEOUT)
             if self.cfg.health_port >= 0:
                 self.probe_port = ProbePort(self.cfg.host, self.cfg.health_port)
                 self._watch = LoopWatch(self._loop, self.probe_port.publish_tick)
@@ -144,7 +174,7 @@ class ShardServer:
         log.info("shard %d serving on %s:%d", self.cfg.shard, self.cfg.host, self.port)
         return self
 
-    async def _start(self) -> int:
+    async def _start(self, service: ParameterServerService) -> int:
         opts = [
             ("grpc.max_receive_message_length", self.cfg.max_message_bytes),
             ("grpc.max_send_message_length", self.cfg.max_message_bytes),
@@ -159,11 +189,7 @@ class ShardServer:
             options=opts,
             interceptors=self.cfg.security.aio_interceptors(lambda method: self.shard.count("refused_UNAUTHENTICATED")),
         )
-        self.runtime = Runtime(self.shard, self.limits.receive_buffers)
-        security = self.cfg.security
-        add_service(ParameterServerService(self.shard, self.runtime, self.limits,
-                                           authenticated=bool(security.token or security.tls_client_ca)),
-                    self.server)
+        add_service(service, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         address = f"{self.cfg.host}:{self.cfg.port}"
@@ -206,7 +232,7 @@ class ShardServer:
 
     async def _stop(self, grace: float) -> None:
         await self.health.enter_graceful_shutdown()
-        self.runtime.stopping = True
+        self.runtime.begin_stopping()
         self.shard.stop()  # pulls waiting for a round return UNAVAILABLE: their trainers retry elsewhere/later
         self._timer.cancel()
         await self.server.stop(grace)

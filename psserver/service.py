@@ -61,7 +61,7 @@ from psserver.protocol.job import JobSpec
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rows.errors import WrongShape
 from psserver.protocol.rows.wire import row_chunks
-from psserver.runtime import Runtime, VersionWaiters
+from psserver.runtime import Runtime
 from psserver.shard import PushResult, Shard
 from psserver.sparse.serving import RowsPush
 
@@ -207,6 +207,16 @@ def _check_identity(request) -> None:
     limits.check_id("fingerprint", request.fingerprint)
 
 
+def _is_member(part: Shard, request) -> bool:
+    """Whether the request names a member of ``part``'s job; identity strings past their bounds name none
+    (a read for the caller's own benefit: not refused, nothing stored or logged)."""
+    try:
+        _check_identity(request)
+    except InvalidRequest:
+        return False
+    return part.is_member(request.rank, request.trainer_id, request.fingerprint)
+
+
 def _check_header_fields(h: _pb.ChunkHeader) -> None:
     _check_identity(h)
     if h.num_samples > limits.MAX_NUM_SAMPLES:
@@ -226,17 +236,6 @@ class ParameterServerService:
         self.refusal_log = RateLimitedLog(log)
         self._per_peer: dict[str, int] = {}
         self._per_rank: dict[tuple[int, int], int] = {}  # (rank, partition) -> calls in flight
-        self._table_waiters: dict[str, VersionWaiters] = {}  # PullRows waiting for a table's version, by table
-        shard = self.shard
-        dense_changed = shard.on_change
-
-        def changed() -> None:  # a shard change may be a table's: wake its waiting PullRows too
-            dense_changed()
-            if not runtime.loop.is_closed():
-                for waiters in list(self._table_waiters.values()):
-                    waiters.changed_threadsafe()
-
-        shard.on_change = changed
 
     # ------------------------------------------------------------------ limits
     @asynccontextmanager
@@ -303,6 +302,10 @@ class ParameterServerService:
 
     @_refusals
     async def GetStats(self, request, context):
+        """Counters, version, mode, slice and live ranks for anyone; the job's spec -- its identity (job id,
+        fingerprint) and all a trainer needs to register as one of its ranks -- only for a member of the job
+        (``rank``, ``trainer_id`` and ``fingerprint`` of a registered trainer) or, on a shard that authenticates
+        every caller (a token or mutual TLS), for any caller.  Withheld, not refused: the reply has no ``job``."""
         request = _decoded(request)
         part = self.host.part(request.partition)
         s = self.host.snapshot(request.partition)
@@ -310,7 +313,7 @@ class ParameterServerService:
         reply = _pb.StatsReply(shard=s.shard, initialized=s.initialized, version=s.version, mode=s.mode,
                                start=s.start, end=s.end, live_ranks=s.live_ranks, counters=s.counters,
                                state_digest=digest, lr=s.lr, partitions=len(self.host.parts))
-        if s.job is not None:
+        if s.job is not None and (self.authenticated or _is_member(part, request)):
             reply.job.CopyFrom(s.job.to_proto())
         return reply
 
@@ -479,10 +482,7 @@ class ParameterServerService:
 
     async def _wait_table(self, name: str, min_version: int, context) -> float:
         """Wait (an awaited future, no thread) until table ``name`` reaches ``min_version``; seconds waited."""
-        waiters = self._table_waiters.get(name)
-        if waiters is None:
-            waiters = self._table_waiters[name] = VersionWaiters(asyncio.get_running_loop(),
-                                                                 functools.partial(self._table_ready, name))
+        waiters = self.runtime.table_waiters(name, functools.partial(self._table_ready, name))
         loop = asyncio.get_running_loop()
         timeout = min(max(0.0, self._deadline(context) - loop.time() - 0.25), self.cfg.max_pull_wait)
         t0 = loop.time()

@@ -10,7 +10,7 @@ Threads: every method that touches tensors or the round is synchronous and is
 meant to run on the server's one *state worker* thread (psserver.server), so
 they never contend; ``_lock`` still guards them for tests and the checkpoint
 writer.  Nothing here waits: a pull that needs a newer version is waited for by
-the async server, which ``on_change`` wakes.  Membership (leases, heartbeats)
+the async server, which ``on_change`` (a constructor argument) wakes.  Membership (leases, heartbeats)
 has its own lock (psserver.membership) so the event loop can renew a lease
 without waiting behind a step.  Lock order: ``_lock`` then the membership's.
 
@@ -54,6 +54,7 @@ from psserver.protocol.rules import Mode
 from psserver.protocol.schedules import lr_at
 from psserver.rounds import OpenRound
 from psserver.snapshots import SnapshotPool
+from psserver.stats import StatsSnapshot
 from psserver.sparse.serving import Membership as TableMembers
 from psserver.sparse.serving import RowsPush, RowsResult, Tables
 
@@ -68,28 +69,16 @@ class PushResult:
     staleness: int
 
 
-@dataclass(frozen=True)
-class StatsSnapshot:
-    """What GetStats and the metrics exporter read: a copy, taken without the shard's lock."""
-
-    shard: int
-    initialized: bool
-    version: int
-    mode: str
-    start: int
-    end: int
-    live_ranks: list
-    counters: dict
-    job: JobSpec | None
-    lr: float = 0.0  # the rate the next optimizer step uses (0.0 before a job)
-    tables: dict = None  # sparse tables: name -> their counters (psserver.sparse.serving.STAT_KEYS)
-
-
 class Shard(PushTarget):
     """State of shard ``shard_id``."""
 
     def __init__(self, shard_id: int, clock: Callable[[], float] = time.monotonic, lease_timeout: float = 5.0,
-                 checkpointer: Checkpointer | None = None, partition: int = 0, metrics: ShardMetrics | None = None):
+                 checkpointer: Checkpointer | None = None, partition: int = 0, metrics: ShardMetrics | None = None,
+                 on_change: Callable[["Shard"], None] = lambda part: None):
+        """``metrics``: the registry this shard observes into (its host's, shared by every partition; a shard of
+        its own makes one over its own snapshot).  ``on_change(shard)``: called on every change of the state a
+        waiting pull or the round timer may be waiting for, from the thread that made it (the server wakes its
+        waiters with it, psserver.runtime.Wakeups)."""
         self.shard_id = shard_id
         # Partition k > 0 of a partitioned job (psserver.host) is a Shard of its own for the range of its piece;
         # only partition 0 holds the sparse tables, and all share partition 0's metrics registry.
@@ -99,7 +88,7 @@ class Shard(PushTarget):
         self._clock = clock
         self.lease_timeout = lease_timeout
         self.checkpointer = checkpointer
-        self.on_change: Callable[[], None] = lambda: None  # the server's wake-up for waiting pulls
+        self._on_change = on_change
         self._lock = threading.RLock()
         # Guards the snapshot pool, ``_stepping`` and the (version, parameters) pair a pull reads.  Held only
         # for bookkeeping, never for tensor work, so the event loop may try it without waiting
@@ -108,12 +97,7 @@ class Shard(PushTarget):
         self._stepping = False  # an optimizer step is writing the parameters
         self.members = Membership(clock, lease_timeout)
         self.counters: Counter[str] = Counter()
-        self.stats_view: Callable[[], StatsSnapshot] = self.snapshot  # what the metrics collector reads
-        if metrics is None:
-            self.metrics = ShardMetrics(shard_id)
-            self.metrics.bind(lambda: self.stats_view())
-        else:
-            self.metrics = metrics
+        self.metrics = metrics if metrics is not None else ShardMetrics(shard_id, self.snapshot)
         self._writer = (CheckpointWriter(checkpointer, self._checkpoint_written) if checkpointer is not None
                         else None)
         if checkpointer is not None and checkpointer.orphans_removed:
@@ -255,12 +239,17 @@ class Shard(PushTarget):
         if need_params and self.params is None:
             raise NotReady(f"{self.label} is not initialised yet: rank 0 sends Init first")
 
+    def is_member(self, rank: int, trainer_id: str, fingerprint: str) -> bool:
+        """Is the caller a registered trainer of the running job (its rank, trainer id and the job's
+        fingerprint)?  A read: no lease is renewed, nothing is counted.  Safe on the event loop."""
+        job = self.job
+        return job is not None and fingerprint == job.fingerprint and self.members.holds(rank, trainer_id)
+
     def check_digest_caller(self, rank: int, trainer_id: str, fingerprint: str) -> None:
         """Refuse a state digest to all but the job's members: it is a pass over the whole state, tables
         included, so not work a stranger may ask for.  A read (no lease is renewed); with no job there is
         nothing to hash.  Safe on the event loop."""
-        job = self.job
-        if job is None or (fingerprint == job.fingerprint and self.members.holds(rank, trainer_id)):
+        if self.job is None or self.is_member(rank, trainer_id, fingerprint):
             return
         raise NotPermitted(
             f"with_digest is set but rank {rank} as {shorten(trainer_id)} with fingerprint {shorten(fingerprint)} "
@@ -541,7 +530,7 @@ class Shard(PushTarget):
             group["lr"] = lr
 
     def _changed(self) -> None:
-        self.on_change()
+        self._on_change(self)
 
     # ------------------------------------------------------------------ checkpoints
     def _capture(self) -> ShardState:

@@ -420,8 +420,10 @@ class ShardClient:
         self._call("Leave", lambda: self.stub.Leave(req, timeout=self.call_timeout))
 
     def stats(self) -> _pb.StatsReply:
-        return self._call("GetStats", lambda: self.stub.GetStats(_pb.StatsRequest(partition=self.partition),
-                                                                       timeout=self.call_timeout))
+        """GetStats asked as this trainer (a member: the reply carries the job's spec too)."""
+        req = _pb.StatsRequest(partition=self.partition, rank=self.rank, trainer_id=self.trainer_id,
+                               fingerprint=self.fingerprint)
+        return self._call("GetStats", lambda: self.stub.GetStats(req, timeout=self.call_timeout))
 
     def close(self) -> None:
         self.channel.close()

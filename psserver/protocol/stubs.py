@@ -28,7 +28,14 @@ def stub(channel) -> _grpc.ParameterServerStub:
     return _grpc.ParameterServerStub(channel)
 
 
+# A GetStats reply is as big as the shard makes it: counters of up to limits.MAX_TABLES tables and, for a member
+# or on a shard with a token, the job's spec -- which may be as big as the shard's own message limit
+# (ServerConfig.max_message_bytes, 16 MB by default), past gRPC's default receive limit of 4 MB.
+# The tools that read it accept a reply of any size the shard sends.
+STATS_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1)]
+
+
 def fetch_stat(address: str, timeout: float = 10.0, security: ClientSecurity = ClientSecurity()) -> _pb.StatsReply:
     """One shard's GetStats over a channel of its own (for tools and tests; trainers use their client)."""
-    with security.channel(address) as ch:
+    with security.channel(address, options=STATS_CHANNEL_OPTIONS) as ch:
         return stub(ch).GetStats(_pb.StatsRequest(), timeout=timeout)

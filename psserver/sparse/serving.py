@@ -116,7 +116,7 @@ class ServedTable(PushTarget):
         """Whether a call moving ``elements`` row values may run on the event loop: besides its own rows, a
         call can copy or scan the whole table (capacity growth, LRU and stale eviction, an index rebuild) and
         a push can close a round over the union of every trainer's ids -- so only when all of that is small."""
-        capacity = len(self.store._ids)
+        capacity = self.store.capacity
         return (elements <= limit and capacity * self.spec.dim <= limit
                 and (len(self.round.ids) + elements // self.spec.dim + 1) * self.spec.dim <= limit)
 
@@ -146,13 +146,13 @@ class ServedTable(PushTarget):
     # -- checks (before any change) ---------------------------------------------------------------
     def check_ids(self, ids: torch.Tensor) -> None:
         """Refuse too many ids, ids outside a bounded table, or repeated ids (the trainer deduplicates)."""
-        self.store._check_ids(ids)
+        self.store.check_ids(ids)
         if not strictly_increasing(ids) and len(torch.unique(ids)) != len(ids):
             uniq, counts = torch.unique(ids, return_counts=True)
             dup = counts > 1
             raise errors.DuplicateIds(f"id {uniq[dup][0].item()} appears {counts[dup][0].item()} times in one "
                                       f"call on table {self.spec.name!r}: send each id once")
-        self.store._check_fits(len(ids))
+        self.store.check_fits(len(ids))
         if self.num_shards > 1 and len(ids):
             owner = shard_of(ids, self.num_shards)
             wrong = owner != self.shard
@@ -246,7 +246,7 @@ class ServedTable(PushTarget):
         if len(union) > limits.MAX_IDS_PER_CALL:
             raise errors.TooManyIds(f"the round of table {self.spec.name!r} would hold {len(union)} ids, over the "
                                     f"limit of {limits.MAX_IDS_PER_CALL} for one step")
-        self.store._check_fits(len(union))
+        self.store.check_fits(len(union))
         r = self.round
         r.ids, r.sum, r.weight = union, total, r.weight + weight
         self.counts["pushes_applied"] += 1
@@ -271,7 +271,7 @@ class ServedTable(PushTarget):
             self.updated_at.update(dict.fromkeys(ids.tolist(), self.version))
             if len(self.updated_at) > 2 * max(len(self.store), 1024):  # forget evicted rows (they start afresh)
                 held = torch.tensor(list(self.updated_at), dtype=torch.int64)
-                live = set(held[self.store._index.find(held) >= 0].tolist())
+                live = set(held[self.store.holds(held)].tolist())
                 self.updated_at = {i: v for i, v in self.updated_at.items() if i in live}
 
     def close_round(self, reason: modes.CloseReason) -> None:

@@ -37,11 +37,11 @@ def last_step(path: Path) -> int:
     return max((r["step"] for r in records(path) if r["event"] == "step"), default=0)
 
 
-def restart_on_its_port(shard: Proc, index: int, log: Path, extra_args: list[str]) -> Proc:
+def restart_on_its_port(shard: Proc, index: int, log: Path, extra_args: list[str], env: dict | None = None) -> Proc:
     """Shard ``index`` started again with ``--restore`` on the port of ``shard`` (which the test has killed or
-    stopped), so the trainers' addresses reach the new process."""
+    stopped), so the trainers' addresses reach the new process (``env``: e.g. the job's token)."""
     port = int(shard.address.rsplit(":", 1)[1])
-    return start_shard(index, log, port=port, extra_args=list(extra_args) + ["--restore"])
+    return start_shard(index, log, port=port, extra_args=list(extra_args) + ["--restore"], env=env)
 
 
 @dataclass
@@ -134,10 +134,10 @@ def exact_sgd(by_base: dict, mode: str) -> torch.Tensor:
     return -sum(torch.stack(gs).mean(0) for gs in by_base.values())
 
 
-def pull_params(address: str, trainer_id: str, partition: int = 0) -> torch.Tensor:
+def pull_params(address: str, trainer_id: str, fingerprint: str, partition: int = 0) -> torch.Tensor:
     """A shard's current parameters (of one partition), pulled as rank 0 with ``trainer_id``: a member, so the
-    test reads them as a trainer would."""
-    fingerprint = fetch_stat(address).job.fingerprint
+    test reads them as a trainer would.  ``fingerprint``: the test's own model's (make_job), since GetStats shows
+    the job only to members."""
     with grpc.insecure_channel(address) as ch:
         chunks = list(pb_grpc.ParameterServerStub(ch).Pull(
             pb.PullRequest(rank=0, trainer_id=trainer_id, fingerprint=fingerprint, partition=partition), timeout=30))

@@ -18,6 +18,7 @@ from psserver.protocol.rows.placement import shard_of
 from psserver.protocol.stubs import fetch_stat as stats
 from tests.cluster.helpers import exact_sgd, pull_params, trainers_through_faults
 from trainer import connect
+from trainer.api import make_job
 from trainer.client import ShardedClient
 from trainer.embedding import ShardedEmbeddingBag
 from trainer.sparse_client import ShardedRows
@@ -65,7 +66,7 @@ def test_final_parameters_equal_the_sum_of_acknowledged_gradients(tmp_path, mode
                 for bases, outcomes, grad in rank_records[:-1]:
                     if outcomes[shard] in ACKED:
                         by_base[bases[shard]].append(grad[start:end])
-            got = pull_params(shards[shard].address, "soak-0")
+            got = pull_params(shards[shard].address, "soak-0", make_job(Flat(), len(shards)).fingerprint)
             expected = exact_sgd(by_base, mode)
             assert torch.equal(got, expected), (got - expected).abs().max()
             st = stats(shards[shard].address)

@@ -18,13 +18,13 @@ version, sequence numbers and checkpoint, so a crash or a restart must come out 
 
 from __future__ import annotations
 
+import functools
 import json
 import signal
 import threading
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-import grpc
 import pytest
 import torch
 
@@ -32,25 +32,28 @@ from psserver.checkpoint import list_checkpoints, load_newest
 from psserver.protocol.job import JobSpec
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.proto import ps_pb2_grpc as pb_grpc
+from psserver.protocol.security import TOKEN_ENV, ClientSecurity
 from tests.cluster.faultproxy import FaultProxy
 from tests.cluster.helpers import pull_params, restart_on_its_port
 from tests.helpers import wait_until
 from tests.integration.switchproxy import SwitchProxy
 from trainer import connect
+from trainer.api import make_job
 from trainer.client import ShardedClient
 from trainer.procs import start_shard, start_trainer, wait_all
 
 ACKED = {"applied", "accepted", "duplicate"}
 
 
-def part_stats(address: str, partition: int, digest_as: "Gate | None" = None) -> pb.StatsReply:
+def part_stats(address: str, partition: int, digest_as: "Gate | None" = None,
+               security: ClientSecurity = ClientSecurity()) -> pb.StatsReply:
     """GetStats of one partition (its version, range, round; counters summed over partitions), with its digest
     when ``digest_as`` names the member that asks for it (the shard refuses digests to strangers)."""
     request = pb.StatsRequest(partition=partition)
     if digest_as is not None:
         request.with_digest, request.rank, request.trainer_id = True, digest_as.rank, digest_as.trainer_id
         request.fingerprint = digest_as.job.fingerprint
-    with grpc.insecure_channel(address) as ch:
+    with security.channel(address) as ch:
         return pb_grpc.ParameterServerStub(ch).GetStats(request, timeout=30)
 
 
@@ -181,7 +184,7 @@ def check_partitions(address: str, shard: int, outs: list[dict], restored: list[
         for base, pushed in by_base.items():  # exactly once: no trainer twice in a round
             assert len({rank for rank, _ in pushed}) == len(pushed), (slot, base)
         expected = -sum(torch.stack([g for _, g in gs]).mean(0) for gs in by_base.values())
-        got = pull_params(address, "soak-0", k)
+        got = pull_params(address, "soak-0", make_job(Pieces(), num_shards=2).fingerprint, k)
         assert torch.equal(got, expected), (slot, (got - expected).abs().max())
         st = part_stats(address, k)
         assert (st.start, st.end) == tuple(outs[0]["ranges"][slot]) and st.partitions == PARTS
@@ -350,19 +353,24 @@ def test_a_trainer_that_rejoins_pushes_its_step_again_so_a_peer_retrying_into_th
 
 # -- SIGTERM with a round open, then --restore: every partition back as it was ------------------------------------
 
+GATE_TOKEN = "partition-faults-token"  # the shards of the gate's test require it of every caller
 HELD, TOTAL = 8, 16  # the gate lets rounds 0-7 close, holds round 8 open until shard 1 is back, then goes on
 MLP_PARTS = 3  # the mlp's 134,661-element slices in partitions of at most 200,000 bytes
 
 
 class Gate:
     """A third trainer in the test process: it pushes zero gradients (one sample each, against the real
-    trainers' 32) into every partition's round, so each round closes only when the test lets it push."""
+    trainers' 32) into every partition's round, so each round closes only when the test lets it push.
 
-    def __init__(self, addresses: list[str]):
-        st = part_stats(addresses[0], 0)
+    It learns the job the real trainers registered from GetStats as a holder of the shards' token: on a shard
+    with a token every caller proved itself, and sees the job's spec (a stranger sees counters only)."""
+
+    def __init__(self, addresses: list[str], security: ClientSecurity):
+        st = part_stats(addresses[0], 0, security=security)
         self.job = JobSpec.from_proto(st.job)
         self.rank, self.trainer_id = 2, "gate"
-        self.client = ShardedClient(addresses, self.job, rank=self.rank, trainer_id=self.trainer_id)
+        self.client = ShardedClient(addresses, self.job, rank=self.rank, trainer_id=self.trainer_id,
+                                    security=security)
         try:
             replies = self.client.map(lambda s: s.register(self.job, 60), parts=True)
             self.lengths = [r.end - r.start for r in replies]
@@ -390,36 +398,38 @@ class Gate:
 def test_sigterm_of_a_partitioned_shard_with_its_rounds_open_restores_every_partition_as_it_was(tmp_path):
     ckpt = tmp_path / "ckpt"
     args = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "1000", "--lease-timeout", "0"]
-    shards = [start_shard(0, tmp_path / "shard0.log", extra_args=["--lease-timeout", "0"]),
-              start_shard(1, tmp_path / "shard1.log", extra_args=args)]
+    env, security = {TOKEN_ENV: GATE_TOKEN}, ClientSecurity(token=GATE_TOKEN)  # shards, trainers and the gate
+    shards = [start_shard(0, tmp_path / "shard0.log", extra_args=["--lease-timeout", "0"], env=env),
+              start_shard(1, tmp_path / "shard1.log", extra_args=args, env=env)]
     procs, gate = list(shards), None
+    stats = functools.partial(part_stats, security=security)
     try:
         addresses = [s.address for s in shards]
         metrics = [tmp_path / f"t{r}.jsonl" for r in range(2)]
         trainers = [start_trainer(r, ",".join(addresses), tmp_path / f"t{r}.log",
                                   ["--num-trainers", "3", "--mode", "sync", "--model", "mlp", "--dataset", "synthetic",
                                    "--steps", str(TOTAL), "--partition-bytes", "200000", "--pipeline",
-                                   "--metrics-file", str(metrics[r]), "--no-progress", "--threads", "1"])
+                                   "--metrics-file", str(metrics[r]), "--no-progress", "--threads", "1"], env=env)
                     for r in range(2)]
         procs += trainers
-        wait_until(lambda: all(part_stats(a, 0).HasField("job") for a in addresses), "rank 0 to register")
-        gate = Gate(addresses)
+        wait_until(lambda: all(stats(a, 0).HasField("job") for a in addresses), "rank 0 to register")
+        gate = Gate(addresses, security)
         assert gate.job.partitions == MLP_PARTS
         for _ in range(HELD):
             assert set(gate.step()) <= {"accepted", "applied"}
         # Rounds 8 hold both trainers' gradients, waiting for the gate's: nothing changes until it pushes.
-        wait_until(lambda: part_stats(addresses[1], 0).counters["pushes_applied"] == MLP_PARTS * (3 * HELD + 2),
+        wait_until(lambda: stats(addresses[1], 0).counters["pushes_applied"] == MLP_PARTS * (3 * HELD + 2),
                    "both trainers' pushes of step 9 on shard 1")
-        before = [part_stats(addresses[1], k, digest_as=gate) for k in range(MLP_PARTS)]
+        before = [stats(addresses[1], k, digest_as=gate) for k in range(MLP_PARTS)]
         assert [b.version for b in before] == [HELD] * MLP_PARTS
 
         shards[1].popen.send_signal(signal.SIGTERM)
         assert shards[1].popen.wait(60) == 0
         assert [newest_version(ckpt, 1, k) for k in range(MLP_PARTS)] == [HELD] * MLP_PARTS  # one final each
-        restarted = restart_on_its_port(shards[1], 1, tmp_path / "shard1-restarted.log", args)
+        restarted = restart_on_its_port(shards[1], 1, tmp_path / "shard1-restarted.log", args, env=env)
         procs.append(restarted)
         # The trainers' retries reach it now, answered DUPLICATE: they change no partition's state.
-        after = [part_stats(addresses[1], k, digest_as=gate) for k in range(MLP_PARTS)]
+        after = [stats(addresses[1], k, digest_as=gate) for k in range(MLP_PARTS)]
         for k, (b, a) in enumerate(zip(before, after)):
             assert (a.version, a.start, a.end) == (b.version, b.start, b.end), k
             assert a.state_digest == b.state_digest, f"partition {k}: parameters, optimizer, version or round differ"
@@ -438,7 +448,7 @@ def test_sigterm_of_a_partitioned_shard_with_its_rounds_open_restores_every_part
             assert done["reconnects"] == 0 and done["steps_lost"] == 0  # the shard came back with everything
             assert done["duplicate_pushes"] == MLP_PARTS  # step 9's push to each partition, answered again
         for address in addresses:
-            assert [part_stats(address, k).version for k in range(MLP_PARTS)] == [TOTAL] * MLP_PARTS
+            assert [stats(address, k).version for k in range(MLP_PARTS)] == [TOTAL] * MLP_PARTS
         log = restarted.log_path.read_text()
         assert "restored version 8" in log and "open round with 2 gradients" in log
         assert "final checkpoint" in shards[1].log_path.read_text()

@@ -5,6 +5,9 @@
   process helpers in ``psserver.common``): trainer imports psserver only through those two.
 * The contract is self-contained: ``psserver.protocol`` imports no shard internals, ``psserver.common`` nothing
   else of psserver.
+* Arrows run one way: no import cycle among psserver's modules (type-only and deferred imports included).
+* Collaborators are handed what they call and offer public methods: no psserver method reaches through an
+  object it holds (``self.x._y``) into that object's private members.
 """
 
 import ast
@@ -82,4 +85,90 @@ def test_the_old_sparse_optim_path_still_imports_and_warns_where_it_moved():
 def test_the_library_never_imports_its_measuring_tools():
     offenders = [f"{f}:{line} {m}" for f, line, m in imported_modules(trainer)
                  if not f.startswith("trainer/tools/") and inside(m, "trainer.tools")]
+    assert offenders == []
+
+
+def module_graph(package) -> dict[str, set[str]]:
+    """Module -> the modules of ``package`` it imports (anywhere in the file: under TYPE_CHECKING, in a function)."""
+    root = Path(package.__file__).parent
+    modules = {}
+    for path in sorted(root.rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def owner(name: str) -> str:  # the module a dotted name lives in: itself, or the nearest enclosing module
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {}
+    for module, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            targets |= {owner(n) for n in names if inside(n, package.__name__)}
+        graph[module] = targets - {module, ""}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every cycle's modules (the strongly connected components with more than one module; Tarjan's)."""
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_psserver_has_no_import_cycle():
+    assert import_cycles(module_graph(psserver)) == []
+
+
+def test_the_cycle_finder_finds_a_cycle_and_the_graph_holds_the_arrows_it_checks():
+    """The test above passes vacuously if the scan sees no arrows or the finder misses cycles."""
+    graph = module_graph(psserver)
+    assert "psserver.metrics" in graph["psserver.shard"] and "psserver.stats" in graph["psserver.metrics"]
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_psserver_method_reaches_into_a_collaborators_private_members():
+    root = Path(psserver.__file__).parent
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        if "__pycache__" in path.parts or "proto" in path.relative_to(root).parts:
+            continue  # generated code
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and isinstance(node.value, ast.Attribute) and isinstance(node.value.value, ast.Name)
+                    and node.value.value.id == "self"):
+                offenders.append(f"{path.relative_to(root.parent)}:{node.lineno} {ast.unparse(node)}")
     assert offenders == []

@@ -15,8 +15,8 @@ from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.rows import errors
 from psserver.protocol.rows.optim import SparseOptimizerConfig
 from psserver.protocol.rows.table import RowStore, TableSpec
-from psserver.shard import StatsSnapshot
 from psserver.sparse.serving import Membership, RowsPush, ServedTable, Tables, UnknownTable
+from psserver.stats import StatsSnapshot
 
 DIM = 3
 BOTH = Membership(frozenset({0, 1}), started=True)
@@ -164,8 +164,7 @@ def test_table_numbers_reach_prometheus_and_ps_server_stats():
     tables.get("emb").push(push(0, [1, 2]), BOTH, now=0.0)
     snap = StatsSnapshot(shard=0, initialized=True, version=0, mode="async", start=0, end=10, live_ranks=[0],
                          counters=tables.counters(), job=None, tables=tables.stats())
-    metrics = ShardMetrics(0)
-    metrics.bind(lambda: snap)
+    metrics = ShardMetrics(0, lambda: snap)
     text = generate_latest(metrics.registry).decode()
     assert 'psgrpc_table_live_rows{shard="0",table="emb"} 2.0' in text
     assert 'psgrpc_table_pushes_total{outcome="applied",shard="0",table="emb"} 1.0' in text

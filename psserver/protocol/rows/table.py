@@ -120,6 +120,15 @@ class RowStore:
     def __len__(self) -> int:
         return len(self._index)
 
+    @property
+    def capacity(self) -> int:
+        """Row slots allocated now (live rows, free slots and room to grow)."""
+        return len(self._ids)
+
+    def holds(self, ids: torch.Tensor) -> torch.Tensor:
+        """A bool per id: whether its row is stored now."""
+        return self._index.find(ids) >= 0
+
     # -- storage -------------------------------------------------------------------------
 
     def _alloc(self, capacity: int) -> None:
@@ -219,7 +228,7 @@ class RowStore:
 
     # -- checks (before any change) ------------------------------------------------------
 
-    def _check_ids(self, ids: torch.Tensor) -> None:
+    def check_ids(self, ids: torch.Tensor) -> None:
         """Refuse malformed ids, too many of them, or ids outside a bounded table."""
         try:
             check_ids(ids)
@@ -234,7 +243,7 @@ class RowStore:
                 raise errors.IdOutOfRange(f"id {bad[0].item()} is out of range for table {self.spec.name!r} "
                                           f"with num_embeddings {n} (ids 0..{n - 1})")
 
-    def _check_fits(self, n_unique: int) -> None:
+    def check_fits(self, n_unique: int) -> None:
         """Refuse a call whose rows could not all be live at once."""
         if self.spec.max_rows and n_unique > self.spec.max_rows:
             raise errors.TooManyIds(f"ids has {n_unique} unique ids, over the max_rows of table "
@@ -298,9 +307,9 @@ class RowStore:
         Raises:
             BadIds, IdOutOfRange, TooManyIds: nothing changed.
         """
-        self._check_ids(ids)
+        self.check_ids(ids)
         uniq, inverse = (ids, None) if strictly_increasing(ids) else torch.unique(ids, return_inverse=True)
-        self._check_fits(len(uniq))
+        self.check_fits(len(uniq))
         self.tick += 1
         slots = self._resolve(uniq, sighting=True)
         if self.sketch is None:  # without admission every id has a row now
@@ -323,9 +332,9 @@ class RowStore:
         Raises:
             BadIds, WrongShape, DuplicateIds, NonFinite, IdOutOfRange, TooManyIds: nothing changed.
         """
-        self._check_ids(ids)
+        self.check_ids(ids)
         self._check_grads(ids, grad_rows)
-        self._check_fits(len(ids))
+        self.check_fits(len(ids))
         self.version += 1
         self.tick += 1
         slots = self._resolve(ids, sighting=False)
