@@ -43,8 +43,13 @@ def test_kill_9_shard_restore_and_trainers_carry_on_to_the_accuracy_bar(tmp_path
             done = json.loads(metrics[r].read_text().splitlines()[-1])
             assert done["event"] == "done" and done["steps"] == 3 * 62  # not restarted: every step made
             assert done["test_accuracy"] > 0.90
-            assert done["reconnects"] >= 1
+            # The dead shard's calls were retried until the new process answered.  It restores the members with
+            # the newest checkpoint, so a trainer registers again only when that checkpoint is behind the version
+            # it had reached (those steps are lost); a kill just after a checkpoint loses none and needs no new
+            # Register (seen: killed at version 50, restored 50).
+            assert done["retries"] >= 1
             assert 0 <= done["steps_lost"] <= EVERY
+            assert done["reconnects"] >= 1 or done["steps_lost"] == 0
         st = stats(restarted.address)
         assert 45 - EVERY <= st.counters["restored_version"] <= st.version
         assert "restored version" in restarted.log_path.read_text()
