@@ -53,7 +53,8 @@ def test_kill_9_shard_restore_and_trainers_carry_on_to_the_accuracy_bar(tmp_path
         st = stats(restarted.address)
         assert 45 - EVERY <= st.counters["restored_version"] <= st.version
         assert "restored version" in restarted.log_path.read_text()
-        assert "steps lost" in (tmp_path / "t0.log").read_text()
+        if json.loads(metrics[0].read_text().splitlines()[-1])["reconnects"]:  # a rejoin logs what it lost
+            assert "steps lost" in (tmp_path / "t0.log").read_text()
     finally:
         for p in procs:
             p.kill()
