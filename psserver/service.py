@@ -18,6 +18,9 @@ chunks of anyone's stream.  The rules of the house:
   waits end at once.
 * Every refusal goes through ``_refusals``: counted in full, logged at a
   bounded rate, aborted with its one documented status code.
+
+Why it is long (630 lines): one method per RPC, each decoding and bounding its own message; the table RPCs'
+logic still partly lives here rather than in psserver/sparse/serving.py (issue 19 names that as the next step).
 """
 
 from __future__ import annotations

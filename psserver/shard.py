@@ -6,6 +6,9 @@ the membership of trainers.  It knows nothing of the model's code, nor of gRPC.
 A push is decided by psserver.modes and carried out by psserver.executor, for
 which the shard is a ``PushTarget`` (the hooks say what a dense gradient is).
 
+Why ``Shard`` is long (~600 lines): membership, the dense slice, its checkpoints and its stats share one lock
+and one state; splitting them is the next step of issue 19 (the lifecycle, the slice, checkpoint/restore).
+
 Threads: every method that touches tensors or the round is synchronous and is
 meant to run on the server's one *state worker* thread (psserver.server), so
 they never contend; ``_lock`` still guards them for tests and the checkpoint

@@ -8,6 +8,9 @@ shard restart.  Retrying is safe: Register and Init are idempotent, Pull is a
 read, and a retried Push carries the same sequence number, so the shard
 acknowledges it as a duplicate instead of applying it twice.  Every retry and
 every stale push is counted in ``counters`` and logged.
+
+Why it is over 500 lines: the dense chunk streams (fastwire, push-pull, one-chunk unary pushes) and the retry
+discipline are one piece; the session (trainer.session) and the step (trainer.exchange) are rooms of their own.
 """
 
 from __future__ import annotations

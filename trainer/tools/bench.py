@@ -14,6 +14,10 @@ Measures, side by side and with the same models, data and batch sizes:
 * a straggler scenario: 3 trainers, one slowed to half speed, time to the mnist5k accuracy bar.
 
 Writes bench.json and bench.md to --out and prints the Markdown.
+
+Why it is one long module (630 lines): its sections are the sections of one report (comm, floors, throughput,
+straggler, wire, sparse) and share the report's options; the transport floors and the sparse rows are rooms
+of their own (floors.py, sparsebench.py).
 """
 
 from __future__ import annotations
