@@ -38,6 +38,7 @@ from trainer.cli import (
 from trainer.procs import Proc, start_shard, start_trainer
 
 log = logging.getLogger("ps-cluster")
+DEFAULT_SYNC_TIMEOUT = 0.1  # stale-timeout: seconds a round waits unless --sync-timeout says otherwise
 
 
 def build_parser() -> EnvArgumentParser:
@@ -60,7 +61,8 @@ def build_parser() -> EnvArgumentParser:
     add_compress_flag(p)
     add_partition_flags(p)
     add_table_flags(p)
-    p.add_argument("--sync-timeout", type=float, default=0.1, help="stale-timeout: seconds a round waits")
+    p.add_argument("--sync-timeout", type=float, default=None,
+                   help=f"stale-timeout: seconds a round waits (default {DEFAULT_SYNC_TIMEOUT})")
     p.add_argument("--replicas-to-aggregate", type=int, default=0)
     p.add_argument("--stale-policy", choices=STALE_POLICIES, default="drop")
     p.add_argument("--max-staleness", type=int, default=None, help="async only")
@@ -138,7 +140,8 @@ def trainer_args(args, rank: int, run: Path) -> list[str]:
         a += ["--pipeline"]
     a += table_argv(args)
     if args.mode == Mode.STALE_TIMEOUT:
-        a += ["--sync-timeout", str(args.sync_timeout), "--replicas-to-aggregate", str(args.replicas_to_aggregate),
+        timeout = DEFAULT_SYNC_TIMEOUT if args.sync_timeout is None else args.sync_timeout
+        a += ["--sync-timeout", str(timeout), "--replicas-to-aggregate", str(args.replicas_to_aggregate),
               "--stale-policy", args.stale_policy]
     if args.mode == Mode.ASYNC and args.max_staleness is not None:
         a += ["--max-staleness", str(args.max_staleness)]
@@ -147,6 +150,16 @@ def trainer_args(args, rank: int, run: Path) -> list[str]:
     if args.straggler_delay and rank == args.trainers - 1:
         a += ["--step-delay", str(args.straggler_delay)]
     return a
+
+
+def ignored_knobs(args) -> list[str]:
+    """Knobs of another mode that were given: each named in a warning (as ps-trainer does), none passed on."""
+    knobs = [("--sync-timeout", args.sync_timeout, None, Mode.STALE_TIMEOUT),
+             ("--replicas-to-aggregate", args.replicas_to_aggregate, 0, Mode.STALE_TIMEOUT),
+             ("--stale-policy", args.stale_policy, "drop", Mode.STALE_TIMEOUT),
+             ("--max-staleness", args.max_staleness, None, Mode.ASYNC)]
+    return [f"{flag} ({value}) applies to --mode {mode} only, not {args.mode}: ignored"
+            for flag, value, default, mode in knobs if args.mode != mode and value != default]
 
 
 def trainer_env(rank: int, trainers: int) -> dict:
@@ -239,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--timeout ({args.timeout}) must be more than zero seconds")
     run = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{args.mode}")
     check_trainer_flags(args, run)
+    for note in ignored_knobs(args):
+        log.warning("%s", note)
     run.mkdir(parents=True, exist_ok=True)
     shards: list[Proc] = []
     trainers: list[Proc] = []

@@ -4,6 +4,7 @@ abbreviate flags, share the cores between trainers, and report what happened wit
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -222,3 +223,23 @@ def test_a_bad_server_setting_is_refused_before_the_shard_starts(field, value, m
     with pytest.raises(ValueError) as e:
         ServerConfig(shard=0, **{field: value})
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--mode", "sync", "--sync-timeout", "1"], "--sync-timeout (1.0) applies to --mode stale-timeout only, not sync"),
+    (["--mode", "async", "--stale-policy", "scale"], "--stale-policy (scale) applies to --mode stale-timeout only"),
+    (["--mode", "sync", "--max-staleness", "2"], "--max-staleness (2) applies to --mode async only, not sync"),
+])
+def test_ps_cluster_names_a_knob_of_another_mode_in_a_warning_and_passes_it_on_to_no_trainer(argv, named):
+    args = cluster.build_parser().parse_args(argv)
+    assert [n for n in cluster.ignored_knobs(args) if named in n]
+    flag = named.split()[0]
+    assert flag not in cluster.trainer_args(args, 0, Path("/tmp/run"))
+
+
+def test_ps_cluster_warns_of_nothing_when_the_knobs_fit_the_mode_and_stale_timeout_keeps_its_default_timeout():
+    assert cluster.ignored_knobs(cluster.build_parser().parse_args(["--mode", "sync"])) == []
+    args = cluster.build_parser().parse_args(["--mode", "stale-timeout"])
+    assert cluster.ignored_knobs(args) == []
+    argv = cluster.trainer_args(args, 0, Path("/tmp/run"))
+    assert argv[argv.index("--sync-timeout") + 1] == str(cluster.DEFAULT_SYNC_TIMEOUT)
