@@ -180,6 +180,8 @@ def summarize(args, run: Path, progress: Progress, stats: list, codes: dict, wal
         mode=args.mode, model=args.model, dataset=args.dataset, shards=args.shards, trainers=args.trainers,
         straggler_delay=args.straggler_delay, wall_seconds=wall,
         test_accuracy=progress.latest[0].get("test_accuracy") if progress.latest else None,
+        # every trainer's final figure: in async and stale-timeout modes a straggler ends apart from rank 0
+        test_accuracy_by_rank=[p.get("test_accuracy") for p in progress.latest],
         **({"test_rmse": progress.latest[0].get("test_rmse") if progress.latest else None}
            if args.dataset in REC_DATASETS else {}),
         samples_per_sec=sum(p.get("samples_per_sec", 0) for p in done),
@@ -202,6 +204,14 @@ def summarize(args, run: Path, progress: Progress, stats: list, codes: dict, wal
     )
 
 
+def by_rank_row(s: dict) -> tuple:
+    """A row with every trainer's final test accuracy when they differ (async, stale-timeout), else none."""
+    accs = s.get("test_accuracy_by_rank") or []
+    if len({a for a in accs}) <= 1:
+        return ()
+    return (("test accuracy (by rank)", ", ".join("n/a" if a is None else f"{a:.4f}" for a in accs)),)
+
+
 def print_summary(s: dict) -> None:
     acc = s["test_accuracy"]
     score = (("test RMSE (rank 0)", "n/a" if s["test_rmse"] is None else f"{s['test_rmse']:.4f}") if "test_rmse" in s
@@ -211,6 +221,7 @@ def print_summary(s: dict) -> None:
         ("shards x trainers", f"{s['shards']} x {s['trainers']}"),
         *((("stopped early by", ", ".join(s["stopped"])),) if s.get("stopped") else ()),
         score,
+        *by_rank_row(s),
         ("samples/s (all trainers)", f"{s['samples_per_sec']:.1f}"),
         ("wall time", f"{s['wall_seconds']:.1f} s"),
         *((("versions (shard 0)", s["rounds"]), ("gradients applied (all shards)", s["pushes_applied"]))

@@ -135,6 +135,20 @@ def test_the_async_summary_reports_applied_gradients_not_rounds(capsys):
     assert "rounds closed by" in capsys.readouterr().out
 
 
+def test_the_summary_shows_every_trainers_final_accuracy_when_a_straggler_ends_apart_from_rank_0(capsys):
+    args = SimpleNamespace(mode="stale-timeout", model="cnn", dataset="mnist5k", shards=2, trainers=2,
+                           straggler_delay=0.5)
+    stats = [SimpleNamespace(version=40, counters={"rounds_timeout": 40.0})]
+    progress = SimpleNamespace(latest=[{"event": "done", "test_accuracy": 0.944, "steps": 40},
+                                       {"event": "done", "test_accuracy": 0.955, "steps": 40}])
+    cluster.print_summary(cluster.summarize(args, "run", progress, stats, {}, 1.0))
+    lines = [line.strip() for line in capsys.readouterr().out.splitlines()]
+    assert any(x.startswith("test accuracy (rank 0)") and x.endswith(" 0.9440") for x in lines)
+    assert any(x.startswith("test accuracy (by rank)") and x.endswith(" 0.9440, 0.9550") for x in lines)
+    cluster.print_summary(summary("sync"))  # one trainer (or all equal): no such row
+    assert "by rank" not in capsys.readouterr().out
+
+
 class FakeBar:
     def __init__(self):
         self.total, self.n, self.shown = 1, 0, []
