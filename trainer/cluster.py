@@ -26,7 +26,18 @@ from psserver.common.cli_support import EnvArgumentParser, run_cli, setup_loggin
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rules import Mode
 from psserver.protocol.stubs import fetch_stat
-from trainer.choices import DATASETS, MODELS, MODES, OPTIMIZERS, REC_BATCH, REC_DATASETS, REC_MODELS, STALE_POLICIES
+from trainer.choices import (
+    DATASETS,
+    KNOB_DEFAULTS,
+    MODELS,
+    MODES,
+    OPTIMIZERS,
+    REC_BATCH,
+    REC_DATASETS,
+    REC_MODELS,
+    STALE_POLICIES,
+    knobs_of_other_modes,
+)
 from trainer.cli import (
     add_compress_flag,
     add_partition_flags,
@@ -153,13 +164,9 @@ def trainer_args(args, rank: int, run: Path) -> list[str]:
 
 
 def ignored_knobs(args) -> list[str]:
-    """Knobs of another mode that were given: each named in a warning (as ps-trainer does), none passed on."""
-    knobs = [("--sync-timeout", args.sync_timeout, None, Mode.STALE_TIMEOUT),
-             ("--replicas-to-aggregate", args.replicas_to_aggregate, 0, Mode.STALE_TIMEOUT),
-             ("--stale-policy", args.stale_policy, "drop", Mode.STALE_TIMEOUT),
-             ("--max-staleness", args.max_staleness, None, Mode.ASYNC)]
-    return [f"{flag} ({value}) applies to --mode {mode} only, not {args.mode}: ignored"
-            for flag, value, default, mode in knobs if args.mode != mode and value != default]
+    """Knobs of another mode that were given: each named in a warning (as ps-trainer does), none passed on.
+    --sync-timeout's default is None here (its value is chosen only for stale-timeout)."""
+    return knobs_of_other_modes(args, dict(KNOB_DEFAULTS, sync_timeout=None))
 
 
 def trainer_env(rank: int, trainers: int) -> dict:

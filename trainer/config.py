@@ -18,6 +18,7 @@ from psserver.protocol.rows.optim import SparseOptimizerConfig
 from psserver.protocol.rules import Mode
 from psserver.protocol.schedules import LrSchedule
 from psserver.protocol.security import parse_addresses
+from trainer.choices import knobs_of_other_modes
 from trainer.client import LOOPBACK_HOSTS
 from trainer.clipping import check_max_norm
 from trainer.compress import parse_compress
@@ -202,17 +203,8 @@ def rec_table_specs(cfg: TrainConfig) -> tuple:
 
 
 def ignored_flags(cfg: TrainConfig) -> list[str]:
-    """Knobs of another mode that were set: warned about and left out of the job, not refused.
-
-    Not an error because deployments set them once for every mode (the compose file's
-    PS_TRAINER_SYNC_TIMEOUT) and switch only the mode.
-    """
-    knobs = [("--sync-timeout", cfg.sync_timeout, 0.0, "stale-timeout"),
-             ("--replicas-to-aggregate", cfg.replicas_to_aggregate, 0, "stale-timeout"),
-             ("--stale-policy", cfg.stale_policy, "drop", "stale-timeout"),
-             ("--max-staleness", cfg.max_staleness, None, "async")]
-    return [f"{flag} ({value}) applies to --mode {mode} only, not {cfg.mode}: ignored"
-            for flag, value, default, mode in knobs if cfg.mode != mode and value != default]
+    """Knobs of another mode that were set (trainer.choices.knobs_of_other_modes, shared with ps-cluster)."""
+    return knobs_of_other_modes(cfg)
 
 
 def effective_lr(cfg: TrainConfig) -> float:

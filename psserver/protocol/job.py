@@ -32,12 +32,10 @@ from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rows.init import Initializer
 from psserver.protocol.rows.optim import SparseOptimizerConfig
 from psserver.protocol.rows.table import TableSpec
-from psserver.protocol.rules import MODES, Mode  # noqa: F401 (re-exported: a job names its mode)
+from psserver.protocol.rules import MODES, OPTIMIZERS, STALE_POLICIES, WIRE_DTYPE_CHOICES, Mode  # noqa: F401
 from psserver.protocol.schedules import LrSchedule
 
-OPTIMIZERS = ("sgd", "adam", "adamw")
-STALE_POLICIES = ("drop", "scale")
-WIRE_DTYPES = {"float32": _pb.FLOAT32, "float16": _pb.FLOAT16, "bfloat16": _pb.BFLOAT16}
+WIRE_DTYPES = dict(zip(WIRE_DTYPE_CHOICES, (_pb.FLOAT32, _pb.FLOAT16, _pb.BFLOAT16)))
 WIRE_DTYPE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
 SHOWN_CHARS = 160  # how much of each value a difference message shows: validated names fit whole
 

@@ -28,6 +28,12 @@ class Mode(str, enum.Enum):
 
 
 MODES = tuple(m.value for m in Mode)
+# The rest of a job's vocabulary, here because this module imports no torch: the CLIs offer these as choices
+# before they import anything heavy (trainer.choices), and the job spec checks them (psserver.protocol.job).
+OPTIMIZERS = ("sgd", "adam", "adamw")
+STALE_POLICIES = ("drop", "scale")
+WIRE_DTYPE_CHOICES = ("float32", "float16", "bfloat16")
+SPARSE_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 STALE = "stale"  # the outcome of a push refused as too stale (dropped; the trainer catches up)
 
 

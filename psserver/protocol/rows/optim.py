@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-SPARSE_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+from psserver.protocol.rules import SPARSE_OPTIMIZERS  # noqa: F401 (the names, owned by the contract's rules)
+
 # torch's defaults for Adagrad and SparseAdam; FBGEMM's for row-wise Adagrad.
 DEFAULT_EPS = {"sgd": 0.0, "adagrad": 1e-10, "rowwise_adagrad": 1e-8, "adam": 1e-8}
 
