@@ -12,9 +12,10 @@ from psserver.checkpoint import Checkpointer
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.stubs import fetch_stat as stats
 from tests.cluster.helpers import last_step, restart_on_its_port
-from tests.helpers import wait_until
 from tests.conftest import P, RawShard, make_spec
+from tests.helpers import wait_until
 from trainer.procs import start_shard, start_trainer, wait_all
+from trainer.tools.procstat import free_port
 
 EVERY = 10
 ONE_CHUNK = 1 << 20  # the whole test slice in one chunk (a real shard's minimum chunk size applies)
@@ -120,11 +121,7 @@ def test_sigterm_with_a_half_full_round_then_restore_keeps_the_acknowledged_push
 
 def test_the_health_port_process_goes_when_its_shard_is_killed(tmp_path):
     """kill -9 of ps-server leaves no probe process behind: it watches a pipe from the shard."""
-    import socket
-
-    with socket.socket() as s:  # a free port for --health-port (ps-server logs, not prints, the one it got)
-        s.bind(("127.0.0.1", 0))
-        health_port = s.getsockname()[1]
+    health_port = free_port()  # for --health-port (ps-server logs, not prints, the one it got)
     shard = start_shard(0, tmp_path / "shard0.log", extra_args=["--health-port", str(health_port)])
     try:
         with grpc.insecure_channel(f"127.0.0.1:{health_port}") as ch:

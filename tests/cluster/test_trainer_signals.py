@@ -4,7 +4,6 @@ for its peers, and a wrong --ps address."""
 from __future__ import annotations
 
 import signal
-import socket
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from psserver.protocol.stubs import fetch_stat
 from tests.cluster.helpers import last_step, records
 from tests.helpers import wait_until
 from trainer.procs import Proc, start_shard, start_trainer
+from trainer.tools.procstat import free_port
 
 pytestmark = pytest.mark.cluster
 
@@ -73,9 +73,7 @@ def test_sigterm_while_waiting_for_peers_leaves_at_once_with_128_plus_the_signal
 
 
 def test_a_wrong_port_is_named_with_its_address_and_ends_in_one_line(tmp_path, procs):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # released: nothing listens there
+    port = free_port()  # nothing listens there
     trainer = start_trainer(0, f"127.0.0.1:{port}", tmp_path / "trainer0.log",
                             ["--threads", "1", "--no-progress", "--connect-timeout", "3"])
     procs.append(trainer)
@@ -88,9 +86,7 @@ def test_a_wrong_port_is_named_with_its_address_and_ends_in_one_line(tmp_path, p
 
 
 def test_a_refused_port_on_loopback_ends_in_seconds_not_after_the_connect_timeout(tmp_path, procs):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # released: nothing listens there
+    port = free_port()  # nothing listens there
     trainer = start_trainer(0, f"127.0.0.1:{port}", tmp_path / "trainer0.log",
                             ["--threads", "1", "--no-progress", "--connect-timeout", "600"])
     procs.append(trainer)

@@ -4,7 +4,6 @@ error, and a step that failed on some shards is retried without any shard applyi
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 
@@ -15,6 +14,7 @@ import torch
 from tests.integration.switchproxy import SwitchProxy
 from trainer.api import StartTimeout, StepFailed, connect
 from trainer.client import RefusalClock, ShardClient, ShardUnreachable, on_loopback
+from trainer.tools.procstat import free_port
 
 LR = 0.1
 
@@ -29,20 +29,13 @@ def backward(m: torch.nn.Module) -> None:
     m(x).pow(2).mean().backward()
 
 
-def closed_port() -> int:
-    """A loopback port nothing listens on (bound, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def heartbeat_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "ps-heartbeat"]
 
 
 def test_a_connect_that_fails_on_one_shard_leaves_the_shard_that_accepted_it(shard_server):
     good = shard_server(0)
-    port = closed_port()
+    port = free_port()
     with pytest.raises(ShardUnreachable, match=f"shard 1 at 127.0.0.1:{port} did not answer within 2 s"):
         connect(f"{good.server.address},127.0.0.1:{port}", model(), connect_timeout=2)
     stats = good.stats()
@@ -208,7 +201,7 @@ def test_an_interrupt_abandons_the_other_shards_attempts_and_names_only_the_shar
     s = shard_server(0)
     monkeypatch.setattr(ShardClient, "register", register_then_interrupt(0))
     with pytest.raises(Interrupt) as e:
-        connect(f"{s.server.address},127.0.0.1:{closed_port()}", model(), connect_timeout=600)
+        connect(f"{s.server.address},127.0.0.1:{free_port()}", model(), connect_timeout=600)
     assert list(s.stats().live_ranks) == [] and s.stats().counters["leaves"] == 1
     assert e.value.left and e.value.leave_outcome == "left the job (shard 0 answered its Leave)"
 
@@ -224,7 +217,7 @@ def test_an_interrupt_whose_leave_fails_says_it_could_not_leave_and_why(shard_se
 
 
 def test_connect_gives_up_on_a_refused_loopback_port_in_seconds_with_the_usual_error(shard_server):
-    good, port = shard_server(0), closed_port()
+    good, port = shard_server(0), free_port()
     t0 = time.monotonic()
     with pytest.raises(ShardUnreachable, match=f"shard 1 at 127.0.0.1:{port} did not answer within 5 s "
                                                r"\(every address is on loopback and it refuses connections"):
