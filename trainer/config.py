@@ -19,7 +19,7 @@ from psserver.protocol.rules import Mode
 from psserver.protocol.schedules import LrSchedule
 from psserver.protocol.security import parse_addresses
 from trainer.choices import knobs_of_other_modes
-from trainer.client import LOOPBACK_HOSTS
+from trainer.client import on_loopback
 from trainer.clipping import check_max_norm
 from trainer.compress import parse_compress
 from trainer.recmodels import REC_MODELS
@@ -235,7 +235,7 @@ def default_threads(cfg: TrainConfig, cores: int | None = None) -> int:
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
     if local.isdigit() and int(local) > 0:
         trainers = int(local)
-    elif not cfg.backend.startswith("ddp") and all(a.startswith(LOOPBACK_HOSTS) for a in parse_addresses(cfg.ps)):
+    elif not cfg.backend.startswith("ddp") and on_loopback(parse_addresses(cfg.ps)):
         trainers = cfg.num_trainers
     else:
         return 0
@@ -273,7 +273,7 @@ def local_rank(cfg: TrainConfig, env: dict | None = None) -> int:
         return int(given)
     if local.isdigit() and int(local) > 0:
         return cfg.rank % int(local)
-    if all(a.startswith(LOOPBACK_HOSTS) for a in parse_addresses(cfg.ps)):
+    if on_loopback(parse_addresses(cfg.ps)):
         return cfg.rank
     return 0
 
