@@ -90,14 +90,11 @@ def comm_step(model: str, optimizer: str, repeats: int, run_dir: Path, wire_dtyp
     seconds (with ``partition_bytes``: the slice in partitions, each pushed, applied and pulled on its own,
     concurrently).  On a GPU the step includes the copies to and from the device."""
     from trainer import connect
-    from trainer.data import load_dataset
-    from trainer.models import build_model
 
     shard = start_shard(0, run_dir / f"comm-{model}-{optimizer}-{wire_dtype}-{partition_bytes}.log")
     baseline_rss = memory(shard.popen.pid)["VmRSS"]  # interpreter, torch and gRPC, before any job
     try:
-        shape = load_dataset("synthetic", model).shape if model == "resnet18" else (1, 28, 28)
-        net = build_model(model, shape).to(device)
+        net = bench_model(model).to(device)
         opt = {"name": optimizer, "lr": 1e-3} if optimizer != "sgd" else {"name": "sgd", "lr": 1e-3, "momentum": 0.9}
         ps = connect(shard.address, net, optimizer=opt, wire_dtype=wire_dtype, partition_bytes=partition_bytes)
         grad = (torch.randn(ps.num_params) * 1e-3).to(device)
@@ -212,17 +209,18 @@ def nccl_reason(error: str) -> str:
     return (said or lines or ["failed"])[0][:300]
 
 
-def model_sizes(opts: "BenchOptions") -> dict[str, int]:
-    """Parameters of each throughput workload's model (for the floors when the comm section is not run)."""
+def bench_model(model: str) -> torch.nn.Module:
+    """``model`` as the bench builds it: ResNet-18 for the synthetic images' shape, the others for MNIST's."""
     from trainer.data import load_dataset
     from trainer.models import build_model
 
-    sizes = {}
-    for name in opts.workloads:
-        model = WORKLOADS[name]["model"]
-        shape = load_dataset("synthetic", model).shape if model == "resnet18" else (1, 28, 28)
-        sizes[model] = sum(t.numel() for t in build_model(model, shape).parameters())
-    return sizes
+    return build_model(model, load_dataset("synthetic", model).shape if model == "resnet18" else (1, 28, 28))
+
+
+def model_sizes(opts: "BenchOptions") -> dict[str, int]:
+    """Parameters of each throughput workload's model (for the floors when the comm section is not run)."""
+    models = {WORKLOADS[name]["model"] for name in opts.workloads}
+    return {m: sum(t.numel() for t in bench_model(m).parameters()) for m in models}
 
 
 def overlap_efficiency(step: float, compute: float, push: float, pull: float, wait: float) -> float:
