@@ -64,6 +64,7 @@ from psserver.protocol.job import JobSpec
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rows.errors import WrongShape
 from psserver.protocol.rows.wire import row_chunks
+from psserver.protocol.rules import STALE
 from psserver.runtime import Runtime
 from psserver.shard import PushResult, Shard
 from psserver.sparse.serving import RowsPush
@@ -377,7 +378,7 @@ class ParameterServerService:
             except StaleGradient as e:
                 if not stale_as_result:
                     raise
-                result = PushResult("stale", e.version, e.staleness)  # counted by the shard; the reply catches up
+                result = PushResult(STALE, e.version, e.staleness)  # counted by the shard; the reply catches up
             else:
                 held.buffer = spare
         return h, result

@@ -339,7 +339,7 @@ class ShardClient:
         self._count("bytes_out", nbytes)
         self._count("push_bytes_sent", nbytes)
         self._count("push_bytes_dense", dense_bytes)  # what the same pushes would have sent uncompressed
-        if outcome == "stale":
+        if outcome == STALE:
             self._count("stale_pushes")
             log.info("%s dropped a stale gradient (base %d, now %d): catching up", self.name, base, version)
         elif outcome in ("duplicate", "skipped"):

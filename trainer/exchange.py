@@ -16,7 +16,7 @@ from concurrent.futures import wait as futures_wait
 import grpc
 import torch
 
-from psserver.protocol.rules import reply_version
+from psserver.protocol.rules import STALE, reply_version
 from trainer.attempt import Move, StepAttempt, StepFailed, after_rejoin, rejoins_on, slot_move, split_exchange
 from trainer.client import PushOutcome, ShardClient
 from trainer.clipping import clip_local_
@@ -109,7 +109,7 @@ class DenseExchange:
         outcomes = [attempt.outcomes[i] for i in range(self.slots.num_parts)]
         push, pull, wait = split_exchange(list(attempt.timings.values()), wall, self.slots.job.partitions > 1)
         return StepInfo(versions=list(self.slots.versions), outcomes=outcomes, push_seconds=push,
-                        pull_seconds=pull, wait_seconds=wait, stale=outcomes.count("stale"),
+                        pull_seconds=pull, wait_seconds=wait, stale=outcomes.count(STALE),
                         staleness=max(attempt.staleness.values(), default=0))
 
     def _exchange(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: StepAttempt,
