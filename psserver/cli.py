@@ -66,6 +66,11 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--receive-buffers", type=int, default=8,
                    help="slice-sized receive buffers; pushes beyond this wait their turn (bounds memory)")
     p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="bytes per streamed chunk")
+    p.add_argument("--max-memory", default="", metavar="BYTES",
+                   help="memory a job may hold on this shard, e.g. 8G or 512M: a Register whose dense slice, "
+                        "optimizer state and tables do not fit is refused (RESOURCE_EXHAUSTED), and tables without "
+                        "max_rows share what is left as row limits (unset: half the memory available at start-up, "
+                        "cgroup limit included; see docs/memory.md)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return p
 
@@ -100,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.tensorboard_every > 0:
         parser.error(f"--tensorboard-every must be more than 0 seconds (got {args.tensorboard_every})")
+    from psserver.common.cli_support import parse_bytes
+
+    try:
+        max_memory = parse_bytes(args.max_memory) if args.max_memory else None
+    except ValueError as e:
+        parser.error(f"--max-memory: {e}")
     setup_logging(args.log_level)
     # Imported after parsing, not at the top: they import torch, which --help, a flag error, `ps-server stats`
     # and `health` need not wait for.
@@ -113,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                        torch_threads=args.torch_threads,
                        chunk_bytes=args.chunk_bytes, lease_timeout=args.lease_timeout,
                        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                       restore=args.restore, nonfinite=args.nonfinite,
+                       restore=args.restore, nonfinite=args.nonfinite, max_memory=max_memory,
                        security=ServerSecurity(args.tls_cert, args.tls_key, args.tls_client_ca,
                                                read_token(args.auth_token_file)))
     # Opened before the shard serves: a missing tensorboard package is a start-up error, not a late one.

@@ -26,12 +26,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
+import torch
+
+from psserver.budget import MemoryBudget, Plan
 from psserver.checkpoint import Checkpointer
+from psserver.common.logsafe import shorten
 from psserver.metrics import ShardMetrics
-from psserver.protocol.errors import InvalidRequest, JobMismatch, NotReady, PsError
+from psserver.protocol.errors import InvalidRequest, JobMismatch, NotReady, OutOfMemory, PsError, is_out_of_memory
 from psserver.protocol.job import JobSpec
+from psserver.protocol.layout import partition_range
 from psserver.protocol.limits import MAX_PARTITIONS
-from psserver.shard import Shard
+from psserver.shard import Prepared, Shard
+from psserver.sparse.serving import Tables
 from psserver.stats import StatsSnapshot
 
 log = logging.getLogger(__name__)
@@ -40,16 +46,25 @@ log = logging.getLogger(__name__)
 OWN_VALUES = ("restored_version",)  # the version its checkpoint brought back (Shard.restore)
 
 
+def allocate_slice(elements: int) -> torch.Tensor:
+    """A partition's parameter memory, uninitialised (Init fills it): made at Register, so a slice the machine
+    cannot give fails there, as RESOURCE_EXHAUSTED, not half-way through a job.  A function of its own so a test
+    can make it fail."""
+    return torch.empty(elements, dtype=torch.float32)
+
+
 class ShardHost:
     """Partition 0 and the partitions a job added; routes calls by partition index."""
 
     def __init__(self, shard_id: int, clock: Callable[[], float] = time.monotonic, lease_timeout: float = 5.0,
                  checkpoint_dir: str = "", checkpoint_every: int = 100,
-                 on_change: Callable[[Shard], None] = lambda part: None):
+                 on_change: Callable[[Shard], None] = lambda part: None, budget: MemoryBudget | None = None):
         """``on_change(part)``: handed to every partition this host makes (see ``Shard``); the server's
         wake-up for the calls waiting on ``part``.  The metrics registry is made here, over ``snapshot``:
-        it counts every partition."""
+        it counts every partition.  ``budget``: what a job may hold here (``--max-memory``; psserver.budget)."""
         self.shard_id, self.clock, self.lease_timeout = shard_id, clock, lease_timeout
+        self.budget = budget if budget is not None else MemoryBudget()
+        self.plan: Plan | None = None  # the running (or admitted) job's: the bytes it reserved
         self._checkpoint_dir, self._checkpoint_every = checkpoint_dir, checkpoint_every
         self._on_change = on_change
         self.metrics = ShardMetrics(shard_id, self.snapshot)
@@ -93,8 +108,42 @@ class ShardHost:
         diff = running.difference(job) if running is not None and not self.head.job_ended() else ""
         if diff:
             raise JobMismatch(f"job spec differs from the one this shard runs: {diff}")
+        if running is None or self.head.job_ended():
+            self._admit(job)
         self._grow(job.partitions)
         return self.parts[index]
+
+    def _admit(self, job: JobSpec) -> None:
+        """Fit the job that this Register may fix in the memory budget and make everything it needs -- every
+        partition's slice memory, the tables -- before any of it is recorded: a refusal or an allocation that
+        fails leaves the shard as it was (no partition, plan or job more) and is RESOURCE_EXHAUSTED naming what
+        did not fit.  The partitions take what was made when their first Register fixes the job there."""
+        pending = self.head.prepared
+        if pending is not None and not pending.job.difference(job):
+            return  # admitted by an earlier Register whose state-worker half has not run yet
+        plan = self.budget.plan(job, self.shard_id)
+        made = self._prepare(job, plan)
+        self._grow(job.partitions)
+        for part, prep in zip(self.parts, made):
+            part.prepared = prep
+        self.plan = plan
+
+    def _prepare(self, job: JobSpec, plan: Plan) -> list[Prepared]:
+        """Allocate the job's slice memory (each partition's) and its tables; nothing is kept if one fails."""
+        made, k = [], 0
+        try:
+            for k in range(job.partitions):
+                start, end = partition_range(job.total_params, job.num_shards, job.partitions, self.shard_id, k)
+                made.append(Prepared(job, allocate_slice(end - start)))
+        except (MemoryError, RuntimeError) as e:
+            if not is_out_of_memory(e):
+                raise
+            raise OutOfMemory(f"total_params needs {plan.needs['total_params']} bytes on this shard (the shard's memory "
+                              f"budget is {plan.limit} bytes) but partition {k}'s slice could not be allocated: "
+                              f"{shorten(str(e), 200)}") from None
+        tables = Tables.for_job(job, self.shard_id, plan.row_limits)  # OutOfMemory naming the table
+        made[0] = Prepared(job, made[0].buffer, tables)
+        return made
 
     def _grow(self, count: int) -> None:
         count = min(count, MAX_PARTITIONS)  # the job spec bounds it too
@@ -117,6 +166,9 @@ class ShardHost:
         whose newest checkpoint is of another job (or missing) starts empty, counted and logged: rank 0
         initialises it again, and the trainers resume it from there."""
         version = self.head.restore()
+        if version is not None:  # made already: planned to bound its tables, never refused
+            self.plan = self.budget.plan(self.head.job, self.shard_id, strict=False)
+            self.head.tables.set_row_limits(self.plan.row_limits)
         if version is not None and self.head.job.partitions > 1:
             self._grow(self.head.job.partitions)
             for k, part in enumerate(self.parts[1:], start=1):
@@ -141,7 +193,7 @@ class ShardHost:
         but for OWN_VALUES, which are partition ``index``'s."""
         snap = self.parts[index].snapshot()
         if len(self.parts) == 1:
-            return snap
+            return self._with_memory(snap)
         total: Counter = Counter()
         for p in self.parts:
             total.update(p.snapshot().counters if p is not self.parts[index] else snap.counters)
@@ -149,7 +201,16 @@ class ShardHost:
             total.pop(key, None)
             if key in snap.counters:
                 total[key] = snap.counters[key]
-        return replace(snap, counters=dict(total))
+        return self._with_memory(replace(snap, counters=dict(total)))
+
+    def _with_memory(self, snap: StatsSnapshot) -> StatsSnapshot:
+        """Add the budget's numbers: its limit, what the job reserved, the tables' share and what they hold now
+        (the shard's own accounting, not RSS)."""
+        plan = self.plan
+        memory = {"memory_budget_bytes": self.budget.limit, "memory_reserved_bytes": plan.total if plan else 0,
+                  "memory_tables_budget_bytes": plan.tables_bytes if plan else 0,
+                  "memory_tables_bytes": self.head.tables.memory_bytes()}
+        return replace(snap, counters={**snap.counters, **memory})
 
     def heartbeat(self, index: int, rank: int, trainer_id: str, fingerprint: str) -> tuple[int, int]:
         """Renew ``rank``'s lease on partition ``index`` -- and, from partition 0, on every partition it is a

@@ -19,6 +19,7 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from psserver.budget import MemoryBudget
 from psserver.health import LoopWatch, ProbePort
 from psserver.host import ShardHost
 from psserver.ports import check_bindable
@@ -55,6 +56,7 @@ class ServerConfig:
     # of a 2-trainer CNN run's throughput (ps-bench A/B); raise it on a shard host with idle cores and big slices.
     torch_threads: int = 1
     health_port: int = -1  # also answer Health on this port from a thread of its own (-1: no; 0: pick one)
+    max_memory: int | None = None  # bytes a job may hold (psserver.budget; None: a share of the machine's memory)
 
     def __post_init__(self) -> None:
         if self.shard < 0:
@@ -111,7 +113,8 @@ def build_shard_process(cfg: ServerConfig, loop: asyncio.AbstractEventLoop, loop
     """
     wakeups = Wakeups(loop, loop_thread)
     host = ShardHost(cfg.shard, lease_timeout=cfg.lease_timeout, checkpoint_dir=cfg.checkpoint_dir,
-                     checkpoint_every=cfg.checkpoint_every, on_change=wakeups.changed)
+                     checkpoint_every=cfg.checkpoint_every, on_change=wakeups.changed,
+                     budget=MemoryBudget(cfg.max_memory))
     if cfg.restore:
         host.restore()
     limits = ServiceLimits(**{**vars(cfg.limits), "max_push_bytes": cfg.max_push_bytes,

@@ -66,6 +66,16 @@ MAX_MISSING_LISTED = 10  # ranks named in a "still waiting for" message; the res
 
 
 @dataclass(frozen=True)
+class Prepared:
+    """What a job's first Register made for this partition before the job was recorded (psserver.host):
+    its dense slice's memory, and on partition 0 its tables."""
+
+    job: JobSpec
+    buffer: torch.Tensor  # the slice's parameters, uninitialised: Init copies into it
+    tables: Tables | None = None
+
+
+@dataclass(frozen=True)
 class PushResult:
     outcome: str  # "applied" | "accepted" | "duplicate" | "scaled" | "skipped"
     version: int
@@ -106,12 +116,14 @@ class Shard(PushTarget):
         if checkpointer is not None and checkpointer.orphans_removed:
             self.counters["checkpoint_orphans_removed"] += checkpointer.orphans_removed
         self._stopped = False
+        self.prepared: Prepared | None = None  # set by the host when a job is admitted, taken by _set_job
         self._clear_job()
 
     def _clear_job(self) -> None:
         """No job: the state a shard starts in, and returns to when a job ended."""
         self.params: torch.nn.Parameter | None = None  # first: lock-free readers test it before the job
         self.job: JobSpec | None = None
+        self._buffer: torch.Tensor | None = None  # the slice's memory, made at Register, filled by Init
         self._cfg: modes.ModeConfig | None = None
         self.start = self.end = 0
         self.optimizer: torch.optim.Optimizer | None = None
@@ -181,8 +193,16 @@ class Shard(PushTarget):
 
     def _set_job(self, job: JobSpec) -> None:
         """Fix ``job``: everything it needs is made before any of it is recorded, so a failure (a table that
-        does not fit, RESOURCE_EXHAUSTED) leaves the shard without a job, not with half of one."""
-        tables = Tables.for_job(job, self.shard_id) if self.partition == 0 else Tables()
+        does not fit, RESOURCE_EXHAUSTED) leaves the shard without a job, not with half of one.  What the host
+        prepared for ``job`` (``Prepared``: made at admission, under the memory budget) is taken, not made again."""
+        prep, self.prepared = self.prepared, None
+        if prep is not None and prep.job.difference(job):
+            prep = None
+        if prep is not None and prep.tables is not None:
+            tables = prep.tables
+        else:
+            tables = Tables.for_job(job, self.shard_id) if self.partition == 0 else Tables()
+        self._buffer = prep.buffer if prep is not None else None
         cfg = modes.ModeConfig.from_job(job)
         start, end = partition_range(job.total_params, job.num_shards, job.partitions, self.shard_id, self.partition)
         self.job, self.tables, self._cfg, self.start, self.end = job, tables, cfg, start, end
@@ -289,9 +309,13 @@ class Shard(PushTarget):
             if self.params is not None:
                 return False, self.version
             owned = take and values.dtype == torch.float32 and values.is_contiguous()
-            params = torch.nn.Parameter(values if owned else values.float().clone(), requires_grad=False)
+            if self._buffer is not None and self._buffer.numel() == values.numel():
+                data = self._buffer.copy_(values)  # the memory admitted at Register
+            else:
+                data = values if owned else values.float().clone()
+            params = torch.nn.Parameter(data, requires_grad=False)
             optimizer = build_optimizer(self.job.optimizer, [params], fused=True)
-            self.params, self.optimizer = params, optimizer
+            self.params, self.optimizer, self._buffer = params, optimizer, None
             self._info("shard %d: initialised by rank %d with %d parameters", self.shard_id, rank, values.numel())
             self._changed()
             return True, self.version

@@ -124,3 +124,19 @@ def run_cli(prog: str, main: Callable[[], int | None]) -> None:
         sys.stderr.write(f"{prog}: error: {e}\nhint: run '{prog} --help' for the flags\n")
         sys.exit(1)
     sys.exit(code or 0)
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"8G"``, ``"512M"``, ``"1.5g"``, ``"4096"`` (binary units, an optional trailing B or iB) as bytes.
+
+    Raises:
+        ValueError: naming the text and the forms accepted.
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", str(text), re.IGNORECASE)
+    if not m or not float(m.group(1)) * _UNITS[m.group(2).lower()] >= 1:
+        raise ValueError(f"memory size {text!r} must be a positive number of bytes, optionally with K, M, G or T "
+                         "(binary units), e.g. 8G or 512M")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])

@@ -48,7 +48,7 @@ from psserver.rounds import TableRound
 # Counters of a table, as GetStats names them: ``table.<name>.<counter>``.
 STAT_KEYS = ("version", "live_rows", "rows_created", "zero_reads", "dropped_grads", "evicted_lru",
              "evicted_stale", "pushes_applied", "pushes_duplicate", "pushes_stale", "pushes_skipped",
-             "rows_pushed", "rows_stale", "rows_pulled", "bytes_in", "bytes_out", "memory_bytes", "rounds")
+             "rows_pushed", "rows_stale", "rows_pulled", "bytes_in", "bytes_out", "memory_bytes", "rounds", "row_limit")
 
 
 class UnknownTable(InvalidRequest):
@@ -95,11 +95,12 @@ def mode_config(spec: TableSpec, job: JobSpec) -> modes.ModeConfig:
 class ServedTable(PushTarget):
     """One table on one shard."""
 
-    def __init__(self, spec: TableSpec, job: JobSpec, shard: int = 0):
+    def __init__(self, spec: TableSpec, job: JobSpec, shard: int = 0, row_limit: int | None = None):
+        """``row_limit``: the rows a table without max_rows may hold here (the shard's memory budget)."""
         self.spec = spec
         self.shard, self.num_shards = shard, job.num_shards
         self.cfg = mode_config(spec, job)
-        self.store = RowStore(spec)
+        self.store = RowStore(spec, row_limit=row_limit)
         self.version = 0
         self.round = TableRound(spec.dim)
         self.acked: dict[int, tuple[str, int, RowsResult]] = {}  # rank -> (trainer id, sequence, result)
@@ -167,6 +168,7 @@ class ServedTable(PushTarget):
         if p.grads.dtype != torch.float32 or tuple(p.grads.shape) != want:
             raise errors.WrongShape(f"grad rows are {p.grads.dtype} {tuple(p.grads.shape)}, table "
                                     f"{self.spec.name!r} needs float32 {want}")
+        self.store.check_room(p.ids)
         finite = all_finite(p.grads)
         if refuse_nonfinite and not finite:
             bad = (~torch.isfinite(p.grads)).any(dim=1)
@@ -306,7 +308,7 @@ class ServedTable(PushTarget):
 
     def restore(self, saved: dict, now: float) -> None:
         """Take a checkpoint's state of this table (raises BadTableState if it does not fit the spec)."""
-        self.store = RowStore.restore(self.spec, saved["rows"])
+        self.store = RowStore.restore(self.spec, saved["rows"], self.store.row_limit)
         self.version = saved["version"]
         self.round.reset()
         self.round.restore(saved["round"], now)
@@ -331,7 +333,8 @@ class ServedTable(PushTarget):
         stats = dict(self.counts)
         stats.update(version=self.version, live_rows=len(self.store), rows_created=c.rows_created,
                      zero_reads=c.zero_reads, dropped_grads=c.dropped_grads, evicted_lru=c.evicted_lru,
-                     evicted_stale=c.evicted_stale, memory_bytes=self.store.memory()["total"])
+                     evicted_stale=c.evicted_stale, memory_bytes=self.store.memory()["total"],
+                     row_limit=self.store.row_limit or self.spec.max_rows or 0)
         self.stats = {k: float(stats.get(k, 0)) for k in STAT_KEYS}
 
 
@@ -342,13 +345,14 @@ class Tables:
     by_name: dict[str, ServedTable] = field(default_factory=dict)
 
     @staticmethod
-    def for_job(job: JobSpec | None, shard: int = 0) -> "Tables":
+    def for_job(job: JobSpec | None, shard: int = 0, row_limits: dict | None = None) -> "Tables":
         """The job's tables, allocated here (each its first rows and their optimizer state); a table that does
-        not fit is RESOURCE_EXHAUSTED naming it, and the ones made before it are dropped with this call."""
+        not fit is RESOURCE_EXHAUSTED naming it, and the ones made before it are dropped with this call.
+        ``row_limits``: name -> rows for tables without max_rows (psserver.budget.Plan)."""
         tables = {}
         for t in job.tables if job is not None else ():
             try:
-                tables[t.name] = ServedTable(t, job, shard)
+                tables[t.name] = ServedTable(t, job, shard, (row_limits or {}).get(t.name))
             except (MemoryError, RuntimeError) as e:
                 if not is_out_of_memory(e):
                     raise
@@ -384,6 +388,17 @@ class Tables:
         for name in sorted(self.by_name):
             self.by_name[name].digest(h)
         return h.digest()
+
+    def set_row_limits(self, row_limits: dict) -> None:
+        """Bound tables made without a plan (a restored job): name -> rows, for tables without max_rows."""
+        for name, t in self.by_name.items():
+            if t.spec.max_rows is None and name in row_limits:
+                t.store.row_limit = row_limits[name]
+                t._refresh()
+
+    def memory_bytes(self) -> int:
+        """Bytes every table holds now (their own accounting, RowStore.memory)."""
+        return int(sum(t.stats.get("memory_bytes", 0) for t in self.by_name.values()))
 
     def counters(self) -> dict[str, float]:
         """``table.<name>.<counter>`` for every table: what GetStats adds to its counters."""

@@ -41,3 +41,8 @@ class BadTableState(SparseRefusal):
 
 class TooManyIds(TooLarge, ValueError):
     """More ids in one call than the cap (or than the table may hold at once)."""
+
+
+class TableFull(TooLarge, ValueError):
+    """A call would add rows to a table past the row limit the shard's memory budget gave it (tables without
+    max_rows; with max_rows the least recently used rows are evicted instead)."""

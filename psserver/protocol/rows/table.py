@@ -1,9 +1,11 @@
 """One sparse table's live rows on one shard: lookup, apply, admission, eviction, state.
 
-Rows, optimizer state and bookkeeping sit in preallocated tensors indexed by a
-slot; an IdIndex (psserver.protocol.rows.index) maps each live id to its slot.  Capacity doubles as rows are created
-and never exceeds ``max_rows``, so with eviction on, memory is bounded whatever
-stream of ids arrives.  A row that is not stored (never seen, evicted, or not yet
+Rows, optimizer state and bookkeeping sit in tensors indexed by a slot; an IdIndex
+(psserver.protocol.rows.index) maps each live id to its slot.  A new store holds room for at most START_BYTES
+of rows (one row of a dim-65,536 Adam table, not 1,024 of them: 769 MB before any row existed); capacity
+doubles as rows are created and never exceeds its cap -- ``max_rows`` (past it the least recently used rows
+are evicted) or else the ``row_limit`` the shard's memory budget gives the table (psserver.budget; past it a
+call that would add rows is refused, TableFull) -- so memory is bounded whatever stream of ids arrives.  A row that is not stored (never seen, evicted, or not yet
 admitted) costs nothing: it is recreated from (seed, id) when it comes back.
 
 Clocks: ``version`` counts pushes applied (Adam's t; "unseen for T versions"
@@ -31,6 +33,10 @@ TABLE_MODES = ("", "sync", "async", "stale-timeout")  # "": the job's mode
 # LRU eviction frees this fraction of max_rows beyond what a call needs, so that at the cap a
 # scan of all rows' last use is paid once per max_rows/64 new rows, not on every call.
 EVICT_SLACK = 1 / 64
+START_BYTES = 256 << 10  # room for rows a new store allocates: more comes by doubling as rows arrive
+# Bytes a live row costs besides its values: id and two clocks (24), and its share of the id index
+# (2 to 4 positions of 21 bytes, psserver.protocol.rows.index) -- the budget counts the most.
+ROW_OVERHEAD_BYTES = 24 + 4 * 21
 
 
 def strictly_increasing(ids: torch.Tensor) -> bool:
@@ -89,6 +95,23 @@ class TableSpec:
                 raise ValueError(f"table {name} ({getattr(self, name)!r}) must be a {cls.__name__}")
 
 
+def row_bytes(spec: TableSpec) -> int:
+    """Bytes one live row of ``spec`` costs at most: its values, its optimizer state, its bookkeeping."""
+    return (spec.dim + state_width(spec.optimizer, spec.dim)) * 4 + ROW_OVERHEAD_BYTES
+
+
+def start_bytes(spec: TableSpec) -> int:
+    """Bytes a store of ``spec`` holds before any row: its first slots, the id index, the admission sketch."""
+    sketch = admission.DEPTH * admission.WIDTH * 4 if spec.admit_after else 0
+    return _start_capacity(spec, None) * row_bytes(spec) + 64 * 21 + sketch
+
+
+def _start_capacity(spec: TableSpec, row_limit: int | None) -> int:
+    """Slots a new store allocates: at most START_BYTES of rows (at least one), never past its cap."""
+    cap = spec.max_rows or row_limit or limits.MAX_TABLE_ROWS
+    return max(1, min(1024, START_BYTES // row_bytes(spec), cap))
+
+
 @dataclass
 class TableCounts:
     """What happened to rows, for metrics: each only grows."""
@@ -103,8 +126,10 @@ class TableCounts:
 class RowStore:
     """The live rows of one table on one shard (not thread-safe: the servicer serialises calls)."""
 
-    def __init__(self, spec: TableSpec, initial_capacity: int = 1024):
+    def __init__(self, spec: TableSpec, initial_capacity: int | None = None, row_limit: int | None = None):
+        """``row_limit``: rows this store may hold when ``spec`` sets no max_rows (None: no limit)."""
         self.spec = spec
+        self.row_limit = None if spec.max_rows else row_limit
         self.width = state_width(spec.optimizer, spec.dim)
         self.version = 0
         self.tick = 0
@@ -115,7 +140,7 @@ class RowStore:
         self._evictions = 0  # calls of _evict: a slot found before one may hold another row after it
         self._last: tuple | None = None  # (ids, slots, _evictions) of the last lookup: see _resolve
         self._used = 0  # slots ever handed out; slots at and above it were never used
-        self._alloc(min(initial_capacity, spec.max_rows or initial_capacity))
+        self._alloc(_start_capacity(spec, row_limit) if initial_capacity is None else initial_capacity)
 
     def __len__(self) -> int:
         return len(self._index)
@@ -156,7 +181,8 @@ class RowStore:
         extra = n - (0 if reuse is None else len(reuse))
         if self._used + extra > len(self._ids):
             cap = max(self._used + extra, 2 * len(self._ids))
-            self._alloc(min(cap, self.spec.max_rows) if self.spec.max_rows else cap)
+            bound = self.spec.max_rows or self.row_limit
+            self._alloc(max(min(cap, bound), self._used + extra) if bound else cap)
         fresh = torch.arange(self._used, self._used + extra, dtype=torch.int64)
         self._used += extra
         return fresh if reuse is None else torch.cat([reuse, fresh])
@@ -248,6 +274,25 @@ class RowStore:
         if self.spec.max_rows and n_unique > self.spec.max_rows:
             raise errors.TooManyIds(f"ids has {n_unique} unique ids, over the max_rows of table "
                                     f"{self.spec.name!r} ({self.spec.max_rows})")
+        if self.row_limit and n_unique > self.row_limit:
+            raise errors.TooManyIds(f"ids has {n_unique} unique ids, over the row limit of table "
+                                    f"{self.spec.name!r} ({self.row_limit}, from the shard's --max-memory)")
+
+    def new_rows(self, uniq: torch.Tensor) -> int:
+        """How many of the unique ids ``uniq`` have no row now: what a call on them may add."""
+        return int((self._index.find(uniq) < 0).sum())
+
+    def check_room(self, uniq: torch.Tensor) -> None:
+        """Refuse a call whose new rows (of the unique ids ``uniq``) would take a table without max_rows past its
+        row limit.  Costs a find only near the limit."""
+        if self.row_limit is None or len(self) + len(uniq) <= self.row_limit:
+            return
+        new = self.new_rows(uniq)
+        if len(self) + new > self.row_limit:
+            raise errors.TableFull(
+                f"table {self.spec.name!r} holds {len(self)} rows and its row limit is {self.row_limit} (its share of "
+                f"the shard's --max-memory, {row_bytes(self.spec)} bytes a row); this call would add {new}: "
+                "give the table a max_rows to evict least recently used rows instead, or raise --max-memory")
 
     def _check_grads(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """Refuse gradient rows of the wrong shape or dtype, repeated ids, or non-finite values."""
@@ -293,6 +338,8 @@ class RowStore:
         # touched before creating: with max_rows, touched rows are safe from LRU eviction
         self._touch(slots[slots >= 0])
         admitted = missing[self._admit(ids[missing], sighting)]
+        if self.row_limit is not None:  # lookups were checked (check_room); a round's apply keeps what fits
+            admitted = admitted[: max(0, self.row_limit - len(self))]
         if len(admitted):
             slots[admitted] = self._create(ids[admitted])
             self._touch(slots[admitted])
@@ -310,6 +357,7 @@ class RowStore:
         self.check_ids(ids)
         uniq, inverse = (ids, None) if strictly_increasing(ids) else torch.unique(ids, return_inverse=True)
         self.check_fits(len(uniq))
+        self.check_room(uniq)
         self.tick += 1
         slots = self._resolve(uniq, sighting=True)
         if self.sketch is None:  # without admission every id has a row now
@@ -326,7 +374,8 @@ class RowStore:
         """One optimizer step on the rows of ``ids`` (unique) with their summed gradient rows.
 
         Every call is one version, even an empty one: Adam's bias correction counts the
-        table's steps as torch.optim.SparseAdam does.  Gradients of ids not admitted are
+        table's steps as torch.optim.SparseAdam does.  Gradients of ids not admitted, or of new
+        ids past the row limit (a sync round's union, checked push by push, may pass it), are
         counted and dropped.
 
         Raises:
@@ -338,7 +387,7 @@ class RowStore:
         self.version += 1
         self.tick += 1
         slots = self._resolve(ids, sighting=False)
-        if self.sketch is not None:
+        if self.sketch is not None or self.row_limit is not None:
             keep = slots >= 0
             self.counts.dropped_grads += int((~keep).sum())
             slots, grad_rows = slots[keep], grad_rows[keep]
@@ -363,14 +412,14 @@ class RowStore:
         }
 
     @classmethod
-    def restore(cls, spec: TableSpec, state: dict) -> "RowStore":
+    def restore(cls, spec: TableSpec, state: dict, row_limit: int | None = None) -> "RowStore":
         """A store holding exactly what ``state()`` saved, for ``spec``.
 
         Raises:
             BadTableState: the state does not fit the spec (naming the field and both values).
         """
         n = _check_state(spec, state)
-        store = cls(spec, initial_capacity=max(n, 1))
+        store = cls(spec, initial_capacity=max(n, 1), row_limit=row_limit)
         slots = store._take_slots(n)
         for name in ("ids", "rows", "optimizer_state", "last_tick", "last_version"):
             attr = {"ids": "_ids", "rows": "_rows", "optimizer_state": "_state"}.get(name, "_" + name)
