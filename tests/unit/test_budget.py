@@ -1,0 +1,103 @@
+"""The memory budget's pure parts (psserver.budget) and the row store's growth and row limit, without a network."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import psserver.budget as budget
+from psserver.budget import MemoryBudget, dense_bytes
+from psserver.common.cli_support import parse_bytes
+from psserver.protocol.errors import OutOfMemory
+from psserver.protocol.job import JobSpec, OptimizerConfig
+from psserver.protocol.rows import errors
+from psserver.protocol.rows.optim import SparseOptimizerConfig
+from psserver.protocol.rows.table import START_BYTES, RowStore, TableSpec, row_bytes, start_bytes
+
+
+def spec(params=1000, partitions=1, optimizer="adam", mode="sync", tables=()):
+    return JobSpec(mode=mode, num_trainers=1, num_shards=1, total_params=params, fingerprint="f" * 16,
+                   optimizer=OptimizerConfig(optimizer, lr=0.1), tensors=(("w", (params,), "float32"),),
+                   partitions=partitions, tables=tables)
+
+
+@pytest.mark.parametrize("text, value", [("8G", 8 << 30), ("512M", 512 << 20), ("1.5g", 3 << 29), ("4096", 4096),
+                                         ("64KiB", 64 << 10), ("2TB", 2 << 40), (" 3 m ", 3 << 20)])
+def test_memory_sizes_take_binary_suffixes(text, value):
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "8X", "-1G", "G", "0", "1e9", "0.1"])
+def test_a_memory_size_that_is_not_one_is_refused_naming_it_and_the_forms(text):
+    with pytest.raises(ValueError, match=r"memory size .* must be a positive number of bytes.*e\.g\. 8G"):
+        parse_bytes(text)
+
+
+def test_the_dense_estimate_counts_parameters_optimizer_state_round_sum_and_a_snapshot():
+    assert dense_bytes(spec(1000, optimizer="adam"), 0) == 1000 * 4 * 5
+    assert dense_bytes(spec(1000, optimizer="sgd"), 0) == 1000 * 4 * 3
+    assert dense_bytes(spec(1000, optimizer="adam", mode="async"), 0) == 1000 * 4 * 4
+    assert dense_bytes(spec(4096, partitions=4, optimizer="sgd"), 0) == 4096 * 4 * 3  # partitions tile the slice
+
+
+def test_a_default_budget_is_half_the_smaller_of_memavailable_and_the_cgroups_room(monkeypatch):
+    files = {"/proc/meminfo": "MemTotal: 100 kB\nMemAvailable:    8388608 kB\n",
+             "/sys/fs/cgroup/memory.max": "4294967296\n", "/sys/fs/cgroup/memory.current": "1073741824\n"}
+    monkeypatch.setattr(budget, "_read", files.get)
+    assert budget.available_memory() == 3 << 30 and budget.default_max_memory() == 3 << 29
+    files["/sys/fs/cgroup/memory.max"] = "max\n"
+    assert budget.available_memory() == 8 << 30
+    monkeypatch.setattr(budget, "_read", lambda path: None)
+    assert budget.default_max_memory() == budget.FALLBACK_BYTES
+
+
+def test_a_plan_refuses_the_first_field_that_does_not_fit_naming_its_bytes_and_the_budget():
+    with pytest.raises(OutOfMemory, match=r"total_params needs 20000 bytes .* budget is 19999 bytes with 19999 left"):
+        MemoryBudget(19_999).plan(spec(1000), 0)
+    t = TableSpec("emb", 8, max_rows=1000)
+    with pytest.raises(OutOfMemory, match=r"tables\[emb\]\.max_rows needs \d+ bytes \(1000 rows of 140 bytes"):
+        MemoryBudget(50_000).plan(spec(1000, tables=(t,)), 0)
+
+
+def test_tables_without_max_rows_share_what_the_rest_of_the_job_leaves_as_row_limits():
+    a, b = TableSpec("a", 8), TableSpec("b", 64, SparseOptimizerConfig("adam"))
+    limit = 10 << 20
+    plan = MemoryBudget(limit).plan(spec(1000, tables=(a, b)), 0)
+    left = limit - 20_000 - start_bytes(a) - start_bytes(b)
+    assert plan.row_limits == {"a": left // 2 // row_bytes(a), "b": left // 2 // row_bytes(b)}
+    assert plan.total <= limit and plan.tables_bytes == plan.total - 20_000
+    with pytest.raises(OutOfMemory, match=r"tables\[b\] needs \d+ bytes \(at least 1 row of dim 64"):
+        MemoryBudget(20_000 + start_bytes(a) + start_bytes(b) + 400).plan(spec(1000, tables=(a, b)), 0)
+    assert MemoryBudget(1).plan(spec(1000, tables=(a,)), 0, strict=False).row_limits == {"a": 1}
+
+
+def test_a_wide_adam_store_starts_with_one_row_of_room_and_grows_by_doubling():
+    store = RowStore(TableSpec("wide", 1 << 16, SparseOptimizerConfig("adam")))
+    assert store.capacity == 1 and store.memory()["total"] < row_bytes(store.spec) + (1 << 20)
+    store.lookup(torch.tensor([1, 2, 3]))
+    assert store.capacity == 3
+    store.lookup(torch.tensor([4]))
+    assert store.capacity == 6
+    narrow = RowStore(TableSpec("narrow", 4))
+    assert narrow.capacity == 1024 and narrow.capacity * row_bytes(narrow.spec) <= START_BYTES
+
+
+def test_a_lookup_past_the_row_limit_is_refused_before_anything_changes():
+    store = RowStore(TableSpec("emb", 4), row_limit=10)
+    store.lookup(torch.arange(8))
+    before = store.state()
+    with pytest.raises(errors.TableFull, match=r"table 'emb' holds 8 rows and its row limit is 10 .* would add 3"):
+        store.lookup(torch.tensor([5, 8, 9, 10]))
+    after = store.state()
+    assert all(torch.equal(before[k], after[k]) for k in ("ids", "rows", "last_tick")) and after["tick"] == before["tick"]
+    with pytest.raises(errors.TooManyIds, match=r"over the row limit of table 'emb' \(10"):
+        store.lookup(torch.arange(11))
+    store.lookup(torch.tensor([0, 8, 9]))  # exactly to the limit
+    assert len(store) == 10 and store.capacity == 10
+
+
+def test_an_apply_past_the_row_limit_drops_and_counts_the_rows_that_do_not_fit():
+    store = RowStore(TableSpec("emb", 4), row_limit=4)
+    store.lookup(torch.arange(3))
+    store.apply(torch.tensor([0, 7, 8]), torch.ones(3, 4))  # a sync round's union may pass the limit
+    assert len(store) == 4 and store.counts.dropped_grads == 1 and store.version == 1
