@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from psserver.stats import StatsSnapshot
 
 ROUND_REASONS = ("all_arrived", "quorum", "timeout", "membership")
+MEMORY_KINDS = ("budget", "reserved", "tables_budget", "tables")  # GetStats' memory_<kind>_bytes (psserver.host)
 PUSH_OUTCOMES = {"applied": "pushes_applied", "stale_dropped": "stale_dropped", "stale_scaled": "stale_scaled",
                  "duplicate": "duplicates"}
 
@@ -97,6 +98,12 @@ class _CounterCollector:
         live = GaugeMetricFamily("psgrpc_live_trainers", "Trainers currently live.", labels=["shard"])
         live.add_metric(label, len(s.live_ranks))
         yield live
+        memory = GaugeMetricFamily("psgrpc_memory_bytes", "The memory budget (--max-memory), what the job reserved "
+                                   "of it, the tables' share, and the bytes the tables hold now (the shard's own "
+                                   "accounting; docs/memory.md).", labels=["shard", "kind"])
+        for kind in MEMORY_KINDS:
+            memory.add_metric(label + [kind], c.get(f"memory_{kind}_bytes", 0))
+        yield memory
         yield from _table_families(s)
 
 
@@ -105,7 +112,8 @@ class _CounterCollector:
 TABLE_COUNTERS = {
     "rows_created": ("rows_created", "Rows created (first use, or back after an eviction)."),
     "zero_reads": ("zero_reads", "Ids read as zeros because they were not admitted yet."),
-    "dropped_grads": ("dropped_grads", "Gradient rows of ids not admitted yet: counted, not stored."),
+    "dropped_grads": ("dropped_grads", "Gradient rows of ids not admitted yet, or new past the table's row "
+                      "limit at a round's close: counted, not stored."),
     "rows_pulled": ("rows_pulled", "Rows sent by PullRows."),
     "rows_pushed": ("rows_pushed", "Gradient rows applied or added to a round."),
     "rows_stale": ("rows_stale", "Gradient rows dropped as too stale (async tables with max_staleness)."),
@@ -115,6 +123,7 @@ TABLE_GAUGES = {
     "live_rows": ("live_rows", "Rows stored now."),
     "version": ("version", "The table's version (its optimizer steps)."),
     "memory_bytes": ("memory_bytes", "Bytes the table holds (RowStore.memory total)."),
+    "row_limit": ("row_limit", "Rows the table may hold: its max_rows, or its share of --max-memory (0: none)."),
 }
 
 

@@ -87,7 +87,9 @@ def check_num_samples(num_samples: int) -> None:
 MAX_EMBEDDING_DIM = 1 << 16
 # Live rows one table may keep on one shard (its max_rows): 2**32 rows of dim 1 are already 16 GiB.
 MAX_TABLE_ROWS = 1 << 32
-# Ids in one lookup or push: 2**20 rows of dim 64 are 256 MiB of fp32.
+# Ids in one lookup or push: 2**20 rows of dim 64 are 256 MiB of fp32.  A call this big is checked, its rows
+# created and gathered on the state worker, never on the event loop (psserver.service: ServedTable.small_work
+# decides); docs/memory.md.
 MAX_IDS_PER_CALL = 1 << 20
 # Sightings an id needs before its row is stored (admit_after).
 MAX_ADMIT_AFTER = 1 << 16

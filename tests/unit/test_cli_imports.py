@@ -35,6 +35,7 @@ def test_help_is_printed_without_importing_torch(prog):
     ("ps-trainer", ["--mode", "sync"], "the following arguments are required: --ps"),
     ("ps-server", ["--shard", "0", "--port", "x"], "argument --port: invalid int value: 'x'"),
     ("ps-server", ["--shard", "0", "--tensorboard-every", "0"], "--tensorboard-every must be more than 0 seconds"),
+    ("ps-server", ["--shard", "0", "--max-memory", "8X"], "--max-memory: memory size '8X' must be a positive number"),
     ("ps-cluster", ["--model", "bert"], "argument --model: invalid choice: 'bert'"),
     ("ps-cluster", ["--shards", "0"], "--shards (0) and --trainers (2) must be at least 1"),
 ])
