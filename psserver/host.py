@@ -141,7 +141,11 @@ class ShardHost:
             raise OutOfMemory(f"total_params needs {plan.needs['total_params']} bytes on this shard (the shard's memory "
                               f"budget is {plan.limit} bytes) but partition {k}'s slice could not be allocated: "
                               f"{shorten(str(e), 200)}") from None
-        tables = Tables.for_job(job, self.shard_id, plan.row_limits)  # OutOfMemory naming the table
+        try:
+            tables = Tables.for_job(job, self.shard_id, plan.row_limits)
+        except OutOfMemory as e:  # names the table; add what the plan gave the tables
+            raise OutOfMemory(f"{e} (the job's tables were given {plan.tables_bytes} bytes of the shard's memory "
+                              f"budget of {plan.limit} bytes)") from None
         made[0] = Prepared(job, made[0].buffer, tables)
         return made
 

@@ -387,8 +387,8 @@ class RowStore:
         self.version += 1
         self.tick += 1
         slots = self._resolve(ids, sighting=False)
-        if self.sketch is not None or self.row_limit is not None:
-            keep = slots >= 0
+        keep = slots >= 0  # all of them unless admission or the row limit left some out
+        if not bool(keep.all()):
             self.counts.dropped_grads += int((~keep).sum())
             slots, grad_rows = slots[keep], grad_rows[keep]
         rows, state = self._rows.index_select(0, slots), self._state.index_select(0, slots)
