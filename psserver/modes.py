@@ -69,10 +69,12 @@ class ModeConfig:
     sync_timeout: float = 0.0
     replicas_to_aggregate: int = 0
     stale_policy: str = "drop"
+    num_trainers: int = 0  # the job's first epoch's size: what replicas_to_aggregate was set for
 
     @staticmethod
     def from_job(job: JobSpec) -> "ModeConfig":
-        return ModeConfig(job.mode, job.max_staleness, job.sync_timeout, job.replicas_to_aggregate, job.stale_policy)
+        return ModeConfig(job.mode, job.max_staleness, job.sync_timeout, job.replicas_to_aggregate, job.stale_policy,
+                          job.num_trainers)
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,8 @@ class RoundView:
     stale_in_round: AbstractSet[tuple[int, int]] = frozenset()  # (rank, base) scaled into the open round
     opened_at: float | None = None  # clock time of the open round's first gradient
     last_base: Mapping[int, int] = field(default_factory=dict)  # async: newest base applied per rank
+    held: bool = False  # a join is pending (psserver.epochs): this round may take gradients but not close
+    members: int = 0  # the size of this round's membership epoch (0: the job's num_trainers)
 
 
 @dataclass(frozen=True)
@@ -209,6 +213,8 @@ def _close_reason(cfg: ModeConfig, view: RoundView, now: float, adding: int | No
     contributors as live ranks (with 1,024 trainers a per-push set comparison was O(N^2) a round).
     Rounds that only hold scaled stale gradients close only by timeout.
     """
+    if view.held:
+        return None
     fresh = view.contributors
     added = adding is not None and adding not in fresh
     n_fresh = len(fresh) + added
@@ -217,12 +223,20 @@ def _close_reason(cfg: ModeConfig, view: RoundView, now: float, adding: int | No
         return CloseReason.ALL_ARRIVED
     if cfg.mode != Mode.STALE_TIMEOUT:
         return None
-    if cfg.replicas_to_aggregate and n_fresh >= cfg.replicas_to_aggregate:
+    if cfg.replicas_to_aggregate and n_fresh >= quorum(cfg, view.members):
         return CloseReason.QUORUM
     opened_at = now if view.opened_at is None and added else view.opened_at
     if opened_at is not None and now >= opened_at + cfg.sync_timeout:
         return CloseReason.TIMEOUT
     return None
+
+
+def quorum(cfg: ModeConfig, members: int) -> int:
+    """stale-timeout's K for an epoch of ``members`` trainers: the job's K keeps its number of backup workers
+    (num_trainers - K) as the membership changes, and is at least 1 and at most the epoch's size."""
+    if not members or not cfg.num_trainers:
+        return cfg.replicas_to_aggregate
+    return max(1, min(members, cfg.replicas_to_aggregate + members - cfg.num_trainers))
 
 
 # ---------------------------------------------------------------------------------------------- membership

@@ -115,3 +115,9 @@ class TooBusy(PsError):
     """One connection or one rank holds more calls in flight than the shard allows it."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class JobFull(PsError):
+    """A join finds no free rank below the job's max_trainers (or the rank it names is taken)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -118,6 +118,7 @@ class JobSpec:
     lr_schedule: LrSchedule = field(default_factory=LrSchedule)  # the rate at each version (psserver.protocol.schedules)
     tables: tuple[TableSpec, ...] = ()  # sparse embedding tables (psserver.sparse), names unique
     partitions: int = 1  # pieces of each shard's slice with their own rounds (psserver.protocol.layout.partition_range)
+    max_trainers: int = 0  # elastic jobs: admit joiners up to this many members (0: none; docs/elastic.md)
 
     def __post_init__(self) -> None:
         _text("job_id", self.job_id, MAX_ID_CHARS)
@@ -156,6 +157,12 @@ class JobSpec:
             raise ValueError(f"The wire dtype ({shorten(self.wire_dtype)}) must be one of {', '.join(WIRE_DTYPES)}.")
         if not 1 <= self.partitions <= MAX_PARTITIONS:
             raise ValueError(f"The partitions per shard ({self.partitions}) must be between 1 and {MAX_PARTITIONS}.")
+        if self.max_trainers and not self.num_trainers <= self.max_trainers <= MAX_TRAINERS:
+            raise ValueError(f"The maximum number of trainers ({self.max_trainers}) must be 0 or between the number "
+                             f"of trainers ({self.num_trainers}) and {MAX_TRAINERS}.")
+        if self.max_trainers > self.num_trainers and self.tables:
+            raise ValueError(f"max_trainers ({self.max_trainers}) with sparse tables: elastic jobs serve dense "
+                             "parameters only (docs/elastic.md)")
         _check_tensors(self.tensors, self.total_params)
         _check_tables(self.tables, self)
         if self.lr_schedule.kind == "cosine" and self.lr_schedule.min_lr > self.optimizer.lr:
@@ -185,6 +192,7 @@ class JobSpec:
             lr_schedule=_pb.LrSchedule(**{f.name: getattr(self.lr_schedule, f.name) for f in fields(LrSchedule)}),
             tables=[table_to_proto(t) for t in self.tables],
             partitions=self.partitions,
+            max_trainers=self.max_trainers,
         )
 
     @staticmethod
@@ -214,6 +222,7 @@ class JobSpec:
                          if msg.HasField("lr_schedule") else LrSchedule()),  # an older trainer's or checkpoint's
             tables=tuple(table_from_proto(t) for t in msg.tables),
             partitions=msg.partitions or 1,  # 0: an older trainer's or checkpoint's, one partition
+            max_trainers=msg.max_trainers,
         )
 
     def difference(self, other: "JobSpec") -> str | None:

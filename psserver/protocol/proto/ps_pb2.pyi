@@ -124,7 +124,7 @@ class SparseTable(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., eps: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., initial_accumulator_value: _Optional[float] = ..., initializer: _Optional[str] = ..., init_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_embeddings: _Optional[int] = ..., admit_after: _Optional[int] = ..., max_rows: _Optional[int] = ..., evict_after: _Optional[int] = ..., mode: _Optional[str] = ..., max_staleness: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("mode", "num_trainers", "num_shards", "total_params", "fingerprint", "max_staleness", "sync_timeout", "replicas_to_aggregate", "stale_policy", "optimizer", "wire_dtype", "tensors", "job_id", "lr_schedule", "tables", "partitions")
+    __slots__ = ("mode", "num_trainers", "num_shards", "total_params", "fingerprint", "max_staleness", "sync_timeout", "replicas_to_aggregate", "stale_policy", "optimizer", "wire_dtype", "tensors", "job_id", "lr_schedule", "tables", "partitions", "max_trainers")
     MODE_FIELD_NUMBER: _ClassVar[int]
     NUM_TRAINERS_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,7 @@ class JobSpec(_message.Message):
     LR_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TRAINERS_FIELD_NUMBER: _ClassVar[int]
     mode: str
     num_trainers: int
     num_shards: int
@@ -157,24 +158,39 @@ class JobSpec(_message.Message):
     lr_schedule: LrSchedule
     tables: _containers.RepeatedCompositeFieldContainer[SparseTable]
     partitions: int
-    def __init__(self, mode: _Optional[str] = ..., num_trainers: _Optional[int] = ..., num_shards: _Optional[int] = ..., total_params: _Optional[int] = ..., fingerprint: _Optional[str] = ..., max_staleness: _Optional[int] = ..., sync_timeout: _Optional[float] = ..., replicas_to_aggregate: _Optional[int] = ..., stale_policy: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., job_id: _Optional[str] = ..., lr_schedule: _Optional[_Union[LrSchedule, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[SparseTable, _Mapping]]] = ..., partitions: _Optional[int] = ...) -> None: ...
+    max_trainers: int
+    def __init__(self, mode: _Optional[str] = ..., num_trainers: _Optional[int] = ..., num_shards: _Optional[int] = ..., total_params: _Optional[int] = ..., fingerprint: _Optional[str] = ..., max_staleness: _Optional[int] = ..., sync_timeout: _Optional[float] = ..., replicas_to_aggregate: _Optional[int] = ..., stale_policy: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., job_id: _Optional[str] = ..., lr_schedule: _Optional[_Union[LrSchedule, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[SparseTable, _Mapping]]] = ..., partitions: _Optional[int] = ..., max_trainers: _Optional[int] = ...) -> None: ...
+
+class MembershipEpoch(_message.Message):
+    __slots__ = ("number", "round", "members")
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    number: int
+    round: int
+    members: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, number: _Optional[int] = ..., round: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("rank", "trainer_id", "expected_shard", "job", "partition")
+    __slots__ = ("rank", "trainer_id", "expected_shard", "job", "partition", "join", "join_round")
     RANK_FIELD_NUMBER: _ClassVar[int]
     TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_SHARD_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
+    JOIN_FIELD_NUMBER: _ClassVar[int]
+    JOIN_ROUND_FIELD_NUMBER: _ClassVar[int]
     rank: int
     trainer_id: str
     expected_shard: int
     job: JobSpec
     partition: int
-    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., expected_shard: _Optional[int] = ..., job: _Optional[_Union[JobSpec, _Mapping]] = ..., partition: _Optional[int] = ...) -> None: ...
+    join: bool
+    join_round: int
+    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., expected_shard: _Optional[int] = ..., job: _Optional[_Union[JobSpec, _Mapping]] = ..., partition: _Optional[int] = ..., join: _Optional[bool] = ..., join_round: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("shard", "start", "end", "initialized", "version", "registered", "lease_seconds")
+    __slots__ = ("shard", "start", "end", "initialized", "version", "registered", "lease_seconds", "rank", "join_round", "membership_epoch")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +198,9 @@ class RegisterReply(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    JOIN_ROUND_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     shard: int
     start: int
     end: int
@@ -189,10 +208,13 @@ class RegisterReply(_message.Message):
     version: int
     registered: int
     lease_seconds: float
-    def __init__(self, shard: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., registered: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    rank: int
+    join_round: int
+    membership_epoch: int
+    def __init__(self, shard: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., registered: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., rank: _Optional[int] = ..., join_round: _Optional[int] = ..., membership_epoch: _Optional[int] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
-    __slots__ = ("rank", "trainer_id", "fingerprint", "dtype", "length", "version", "num_samples", "wait_seconds", "sequence", "outcome", "staleness", "topk", "partition")
+    __slots__ = ("rank", "trainer_id", "fingerprint", "dtype", "length", "version", "num_samples", "wait_seconds", "sequence", "outcome", "staleness", "topk", "partition", "membership_epoch")
     RANK_FIELD_NUMBER: _ClassVar[int]
     TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +228,7 @@ class ChunkHeader(_message.Message):
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     rank: int
     trainer_id: str
     fingerprint: str
@@ -219,7 +242,8 @@ class ChunkHeader(_message.Message):
     staleness: int
     topk: int
     partition: int
-    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., length: _Optional[int] = ..., version: _Optional[int] = ..., num_samples: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., sequence: _Optional[int] = ..., outcome: _Optional[_Union[PushOutcome, str]] = ..., staleness: _Optional[int] = ..., topk: _Optional[int] = ..., partition: _Optional[int] = ...) -> None: ...
+    membership_epoch: int
+    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., length: _Optional[int] = ..., version: _Optional[int] = ..., num_samples: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., sequence: _Optional[int] = ..., outcome: _Optional[_Union[PushOutcome, str]] = ..., staleness: _Optional[int] = ..., topk: _Optional[int] = ..., partition: _Optional[int] = ..., membership_epoch: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("header", "offset", "data")
@@ -318,7 +342,7 @@ class StatsRequest(_message.Message):
     def __init__(self, with_digest: _Optional[bool] = ..., partition: _Optional[int] = ..., rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("shard", "initialized", "version", "mode", "start", "end", "live_ranks", "counters", "job", "state_digest", "lr", "partitions")
+    __slots__ = ("shard", "initialized", "version", "mode", "start", "end", "live_ranks", "counters", "job", "state_digest", "lr", "partitions", "epochs")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -338,6 +362,7 @@ class StatsReply(_message.Message):
     STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
     shard: int
     initialized: bool
     version: int
@@ -350,7 +375,8 @@ class StatsReply(_message.Message):
     state_digest: str
     lr: float
     partitions: int
-    def __init__(self, shard: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., mode: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., live_ranks: _Optional[_Iterable[int]] = ..., counters: _Optional[_Mapping[str, float]] = ..., job: _Optional[_Union[JobSpec, _Mapping]] = ..., state_digest: _Optional[str] = ..., lr: _Optional[float] = ..., partitions: _Optional[int] = ...) -> None: ...
+    epochs: _containers.RepeatedCompositeFieldContainer[MembershipEpoch]
+    def __init__(self, shard: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., mode: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., live_ranks: _Optional[_Iterable[int]] = ..., counters: _Optional[_Mapping[str, float]] = ..., job: _Optional[_Union[JobSpec, _Mapping]] = ..., state_digest: _Optional[str] = ..., lr: _Optional[float] = ..., partitions: _Optional[int] = ..., epochs: _Optional[_Iterable[_Union[MembershipEpoch, _Mapping]]] = ...) -> None: ...
 
 class PullRowsRequest(_message.Message):
     __slots__ = ("rank", "trainer_id", "fingerprint", "table", "min_version", "ids")

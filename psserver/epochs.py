@@ -1,0 +1,185 @@
+"""A shard's membership epochs as pure decisions: who each round expects, joins and leaves (docs/elastic.md).
+
+No lock, no clock of its own (``now`` is passed in), no network: psserver.shard holds one ``EpochBook`` per
+partition, asks it, and carries the answer out; tests drive it with a fake clock.  The rules both sides share
+(the join window, the timeline's shape) are psserver.protocol.epochs.
+
+* prepare -- a joiner asks to be admitted; the shard names a rank (the lowest free one below
+  ``max_trainers``, or the one partition 0 of shard 0 gave it) and proposes ``version + JOIN_LEAD``.  While
+  the join is pending the shard closes no round past ``version`` (``held_from``): the round open now closes
+  as usual, later ones wait for the commit (one round trip), so every shard still has version < E when it
+  commits.  A pending join the joiner never commits is dropped after ``patience`` seconds (counted).
+* commit -- the joiner names the round ``E`` (the largest proposal of every shard): a new epoch from ``E``.
+  Taken without a prepare too (a shard that restarted meanwhile) while ``version < E``.
+* leave -- the rank is out of the epoch from round ``at`` on.
+* a lease that runs out is not an epoch change: the rank stays a member (it may come back) and rounds stop
+  waiting for it through the live set (``expected``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from psserver.common.logsafe import counted, shorten
+from psserver.protocol.epochs import JOIN_LEAD, MAX_EPOCHS, MAX_JOIN_AHEAD, Epoch, commit_window, epoch_at
+from psserver.protocol.errors import FutureVersion, InvalidRequest, JobFull, JobMismatch
+
+
+@dataclass(frozen=True)
+class PendingJoin:
+    trainer_id: str
+    proposal: int  # the round this shard proposed
+    held_from: int  # rounds at or past this version do not close until the join is settled
+    deadline: float  # clock time after which an uncommitted join is dropped
+
+
+class EpochBook:
+    """The timeline of one shard (partition) and its pending joins."""
+
+    def __init__(self, num_trainers: int, max_trainers: int, label: str = "shard"):
+        self.num_trainers, self.max_trainers, self.label = num_trainers, max_trainers, label
+        self.timeline: list[Epoch] = [Epoch(0, 0, frozenset(range(num_trainers)))]
+        self.pending: dict[int, PendingJoin] = {}
+
+    # ------------------------------------------------------------------ reads
+    @property
+    def current(self) -> Epoch:
+        return self.timeline[-1]
+
+    def members_at(self, round_: int) -> frozenset[int]:
+        return epoch_at(self.timeline, round_).members
+
+    def expected(self, live: frozenset[int], round_: int) -> frozenset[int]:
+        """The ranks round ``round_`` waits for: members of its epoch whose lease holds."""
+        members = self.members_at(round_)
+        return live if live <= members else live & members
+
+    def held_from(self) -> int | None:
+        """The first version whose round may not close yet (a join is pending), or None."""
+        return min((p.held_from for p in self.pending.values()), default=None)
+
+    def next_deadline(self) -> float | None:
+        return min((p.deadline for p in self.pending.values()), default=None)
+
+    # ------------------------------------------------------------------ joins
+    def free_rank(self) -> int:
+        """The lowest rank below max_trainers that is neither a member from now on nor pending."""
+        self._check_elastic()
+        taken = self.current.members | self.pending.keys()
+        for rank in range(self.max_trainers):
+            if rank not in taken:
+                return rank
+        raise JobFull(f"the job is full: {counted(len(taken), 'member')} (pending joins included) of max_trainers "
+                      f"{self.max_trainers}; start it with a larger --max-trainers")
+
+    def prepare(self, rank: int | None, trainer_id: str, version: int, now: float, patience: float) -> PendingJoin:
+        """Hold a place for ``trainer_id`` (at ``rank``, or a free one); returns what was promised.
+        The same joiner asking again gets the same answer (a retry after a lost reply)."""
+        self._check_elastic()
+        if rank is None:
+            rank = next((r for r, p in self.pending.items() if p.trainer_id == trainer_id), None)
+            rank = self.free_rank() if rank is None else rank
+        previous = self.pending.get(rank)
+        if previous is not None and previous.trainer_id == trainer_id:
+            return previous
+        self._check_rank_free(rank, trainer_id)
+        if len(self.timeline) >= MAX_EPOCHS:
+            raise JobFull(f"the job's membership timeline holds {MAX_EPOCHS} epochs, its limit: no more joins")
+        pending = PendingJoin(trainer_id, version + JOIN_LEAD, version + 1, now + patience)
+        self.pending[rank] = pending
+        return pending
+
+    def rank_of(self, trainer_id: str) -> int | None:
+        return next((r for r, p in self.pending.items() if p.trainer_id == trainer_id), None)
+
+    def commit(self, rank: int, trainer_id: str, join_round: int, version: int) -> Epoch:
+        """Admit ``rank`` from round ``join_round``; refused (changing nothing) outside the join window."""
+        self._check_elastic()
+        pending = self.pending.get(rank)
+        if pending is None or pending.trainer_id != trainer_id:
+            self._check_rank_free(rank, trainer_id)
+        why = commit_window(version, join_round)
+        if why == "late":
+            raise JobMismatch(f"join_round is {join_round} but {self.label} is at version {version}: that round "
+                              "was already served without this trainer; join again")
+        if why == "ahead":
+            raise FutureVersion(f"join_round is {join_round} but {self.label} is at version {version}: at most "
+                                f"{version + MAX_JOIN_AHEAD} (an epoch from the future)")
+        if pending is not None and join_round < pending.proposal:
+            raise InvalidRequest(f"join_round is {join_round} but {self.label} proposed {pending.proposal}: the "
+                                 "round must be the largest proposal of every shard")
+        self.pending.pop(rank, None)
+        return self._change(join_round, self.members_at(join_round) | {rank})
+
+    def abandon(self, rank: int, trainer_id: str) -> bool:
+        """Drop ``trainer_id``'s pending join (it gave up); True if there was one."""
+        pending = self.pending.get(rank)
+        if pending is None or pending.trainer_id != trainer_id:
+            return False
+        del self.pending[rank]
+        return True
+
+    def expire(self, now: float) -> list[tuple[int, PendingJoin]]:
+        """Drop pending joins past their deadline (the joiner died between prepare and commit)."""
+        gone = [(r, p) for r, p in self.pending.items() if now >= p.deadline]
+        for rank, _ in gone:
+            del self.pending[rank]
+        return sorted(gone)
+
+    # ------------------------------------------------------------------ leaves and plain registrations
+    def leave(self, rank: int, at: int) -> Epoch | None:
+        """``rank`` is out from round ``at`` on; None if it was not a member then."""
+        self.pending.pop(rank, None)
+        members = self.members_at(at)
+        if rank not in members:
+            return None
+        return self._change(at, members - {rank})
+
+    def registered(self, rank: int, at: int) -> Epoch | None:
+        """A plain (non-join) registration of a rank outside the epoch: a member from round ``at`` (the
+        round open now -- what a re-registration always meant); None if it is a member already."""
+        members = self.members_at(at)
+        if rank in members:
+            return None
+        return self._change(at, members | {rank})
+
+    def _change(self, at: int, members: frozenset[int]) -> Epoch:
+        """A new epoch from round ``at``; one at the same round as the last replaces it (two joins in one
+        round make one epoch).  Rounds are never rewritten backwards: ``at`` is at least the last's round."""
+        last = self.current
+        at = max(at, last.round)
+        epoch = Epoch(last.number + 1, at, frozenset(members))
+        if last.round == at and len(self.timeline) > 1:
+            self.timeline[-1] = epoch
+        else:
+            self.timeline.append(epoch)
+        return epoch
+
+    # ------------------------------------------------------------------ checks
+    def _check_elastic(self) -> None:
+        if not self.max_trainers:
+            raise JobMismatch(f"join is set but the job's max_trainers is 0 (num_trainers {self.num_trainers}): it "
+                              f"admits no joiners (start it with --max-trainers K >= {self.num_trainers})")
+
+    def _check_rank_free(self, rank: int, trainer_id: str) -> None:
+        if not 0 <= rank < self.max_trainers:
+            raise InvalidRequest(f"rank is {rank} but the job admits ranks 0..{self.max_trainers - 1} "
+                                 f"(max_trainers {self.max_trainers})")
+        if rank in self.current.members:
+            raise JobFull(f"rank {rank} is already a member of the job (epoch {self.current.number}): "
+                          f"{shorten(trainer_id)} cannot join as it")
+        other = self.pending.get(rank)
+        if other is not None and other.trainer_id != trainer_id:
+            raise JobFull(f"rank {rank} is being joined by {shorten(other.trainer_id)}, not {shorten(trainer_id)}")
+
+    # ------------------------------------------------------------------ checkpoints
+    def state(self) -> list[tuple[int, int, list[int]]]:
+        return [(e.number, e.round, sorted(e.members)) for e in self.timeline]
+
+    def restore(self, saved: list | None) -> None:
+        """The checkpoint's timeline; pending joins are not kept (their joiner commits without, or again)."""
+        if saved:
+            self.timeline = [Epoch(n, r, frozenset(m)) for n, r, m in saved]
+        self.pending.clear()
+
+

@@ -1,0 +1,135 @@
+"""Membership epochs as pure decisions (psserver.epochs): joins, leaves and lease expiry at round boundaries,
+with a fake clock and no network."""
+
+import pytest
+
+from psserver import modes
+from psserver.epochs import EpochBook
+from psserver.protocol.epochs import JOIN_LEAD, Epoch, commit_window, epoch_at
+from psserver.protocol.errors import FutureVersion, InvalidRequest, JobFull, JobMismatch
+
+PATIENCE = 5.0
+
+
+def elastic(n=2, k=4) -> EpochBook:
+    return EpochBook(n, k, "shard 0")
+
+
+def test_a_join_is_admitted_from_the_largest_proposal_and_earlier_rounds_keep_the_old_epoch():
+    shard_a, shard_b = elastic(), elastic()
+    pa = shard_a.prepare(None, "t2", version=5, now=0.0, patience=PATIENCE)
+    pb = shard_b.prepare(2, "t2", version=6, now=0.0, patience=PATIENCE)  # one round ahead
+    assert (pa.proposal, pb.proposal) == (5 + JOIN_LEAD, 6 + JOIN_LEAD)
+    join_round = max(pa.proposal, pb.proposal)
+    for book, version in ((shard_a, 6), (shard_b, 7)):
+        epoch = book.commit(2, "t2", join_round, version)
+        assert epoch == Epoch(1, join_round, frozenset({0, 1, 2}))
+        assert book.members_at(join_round - 1) == {0, 1}
+        assert book.members_at(join_round) == {0, 1, 2}
+        assert book.pending == {}
+
+
+def test_a_pending_join_holds_rounds_after_the_open_one_until_it_is_settled():
+    book = elastic()
+    book.prepare(None, "t2", version=5, now=0.0, patience=PATIENCE)
+    assert book.held_from() == 6  # round 5 (open now) closes as usual
+    cfg = modes.ModeConfig("sync")
+    open_round = modes.RoundView(version=5, live=frozenset({0, 1}), contributors=frozenset({0}), held=False)
+    assert modes.decide_push(cfg, open_round, 1, 5, 0.0).close is modes.CloseReason.ALL_ARRIVED
+    held = modes.RoundView(version=6, live=frozenset({0, 1}), contributors=frozenset({0}), held=True)
+    d = modes.decide_push(cfg, held, 1, 6, 0.0)
+    assert d.action is modes.Action.ACCUMULATE and d.close is None
+    book.commit(2, "t2", 7, version=6)
+    assert book.held_from() is None
+
+
+def test_a_join_never_committed_is_dropped_at_its_deadline_on_the_fake_clock():
+    book = elastic()
+    book.prepare(None, "t2", version=3, now=10.0, patience=PATIENCE)
+    assert book.next_deadline() == 15.0
+    assert book.expire(14.9) == []
+    assert [r for r, _ in book.expire(15.0)] == [2]
+    assert book.held_from() is None and book.current.number == 0
+
+
+def test_two_joins_in_one_round_make_one_epoch_with_both_and_distinct_ranks():
+    book = elastic()
+    a = book.prepare(None, "ta", version=4, now=0.0, patience=PATIENCE)
+    b = book.prepare(None, "tb", version=4, now=0.0, patience=PATIENCE)
+    ranks = sorted(book.pending)
+    assert ranks == [2, 3] and a.proposal == b.proposal == 6
+    book.commit(2, "ta", 6, version=5)
+    book.commit(3, "tb", 6, version=5)
+    assert [e.round for e in book.timeline] == [0, 6]
+    assert book.members_at(6) == {0, 1, 2, 3}
+    assert book.current.number == 2
+
+
+def test_join_leave_and_lease_expiry_at_the_same_boundary():
+    book = elastic(3, 4)
+    book.prepare(None, "t3", version=8, now=0.0, patience=PATIENCE)
+    book.commit(3, "t3", 10, version=9)
+    book.leave(1, at=10)  # rank 1 said goodbye after its step 9
+    assert book.members_at(9) == {0, 1, 2}
+    assert book.members_at(10) == {0, 2, 3}
+    # rank 2's lease ran out: still a member (it may come back) but round 10 does not wait for it
+    live = frozenset({0, 3})
+    assert book.expected(live, 10) == {0, 3}
+    assert book.expected(frozenset({0, 1, 2, 3}), 9) == {0, 1, 2}  # the joiner is not expected before 10
+
+
+def test_a_join_during_a_shard_restart_commits_without_a_prepare_while_the_round_is_not_served():
+    before = elastic()
+    before.prepare(None, "t2", version=5, now=0.0, patience=PATIENCE)
+    restarted = elastic()
+    restarted.restore(before.state())  # the checkpoint has the timeline, not the pending join
+    assert restarted.pending == {}
+    assert restarted.commit(2, "t2", 7, version=6).members == {0, 1, 2}
+    late = elastic()
+    late.restore(before.state())
+    with pytest.raises(JobMismatch, match="join_round is 7 but shard 0 is at version 7"):
+        late.commit(2, "t2", 7, version=7)
+    assert late.current.number == 0
+
+
+def test_refusals_change_nothing():
+    closed = EpochBook(2, 0)
+    with pytest.raises(JobMismatch, match="max_trainers is 0 \\(num_trainers 2\\)"):
+        closed.prepare(None, "t", 0, 0.0, PATIENCE)
+    full = elastic(2, 3)
+    full.prepare(None, "t2", 0, 0.0, PATIENCE)
+    with pytest.raises(JobFull, match="max_trainers 3"):
+        full.prepare(None, "t3", 0, 0.0, PATIENCE)
+    with pytest.raises(JobFull, match="rank 0 is already a member"):
+        full.prepare(0, "t9", 0, 0.0, PATIENCE)
+    with pytest.raises(FutureVersion, match="join_round is 9 but shard 0 is at version 1: at most 4"):
+        full.commit(2, "t2", 9, version=1)
+    with pytest.raises(InvalidRequest, match="join_round is 1 but shard 0 proposed 2"):
+        full.commit(2, "t2", 1, version=0)
+    assert full.current.number == 0 and list(full.pending) == [2]
+
+
+def test_a_retried_admission_gets_the_same_rank_and_proposal():
+    book = elastic()
+    first = book.prepare(None, "t2", version=3, now=0.0, patience=PATIENCE)
+    again = book.prepare(None, "t2", version=4, now=1.0, patience=PATIENCE)
+    assert again == first and list(book.pending) == [2]
+
+
+def test_a_left_rank_is_free_again_and_the_lowest_free_rank_is_given():
+    book = elastic(3, 3)
+    book.leave(1, at=4)
+    book.prepare(None, "new", version=4, now=0.0, patience=PATIENCE)
+    assert list(book.pending) == [1]
+
+
+def test_commit_window_and_epoch_at():
+    assert commit_window(5, 5) == "late" and commit_window(5, 6) == "" and commit_window(5, 9) == "ahead"
+    timeline = [Epoch(0, 0, frozenset({0})), Epoch(1, 4, frozenset({0, 1}))]
+    assert epoch_at(timeline, 3).number == 0 and epoch_at(timeline, 4).number == 1
+
+
+@pytest.mark.parametrize("members,expected", [(2, 1), (3, 2), (4, 3), (1, 1)])
+def test_stale_timeout_quorum_keeps_the_number_of_backup_workers(members, expected):
+    cfg = modes.ModeConfig("stale-timeout", sync_timeout=1.0, replicas_to_aggregate=2, num_trainers=3)
+    assert modes.quorum(cfg, members) == expected
