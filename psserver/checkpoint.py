@@ -59,13 +59,15 @@ class ShardState:
     open_round: dict | None = None  # sync modes: {"sum", "weight", "contributors", "stale", "last_base"}
     tables: dict | None = None  # sparse tables: name -> ServedTable.state() (live rows only, round, acks)
     partition: int = 0  # which partition of the shard's slice (JobSpec.partitions); each has its own files
+    epochs: list | None = None  # the membership timeline (psserver.epochs.EpochBook.state)
 
     def to_bytes(self) -> bytes:
         buf = io.BytesIO()
         torch.save(
             dict(shard=self.shard, version=self.version, job=self.job.to_proto().SerializeToString(),
                  params=self.params, optimizer=self.optimizer, counters=self.counters, members=self.members,
-                 acked=self.acked, open_round=self.open_round, tables=self.tables, partition=self.partition),
+                 acked=self.acked, open_round=self.open_round, tables=self.tables, partition=self.partition,
+                 epochs=self.epochs),
             buf,
         )
         payload = buf.getvalue()
@@ -90,7 +92,7 @@ class ShardState:
         job.ParseFromString(d["job"])
         return ShardState(d["shard"], d["version"], JobSpec.from_proto(job), d["params"], d["optimizer"],
                           d.get("counters", {}), d.get("members", {}), d.get("acked", {}), d.get("open_round"),
-                          d.get("tables"), d.get("partition", 0))
+                          d.get("tables"), d.get("partition", 0), d.get("epochs"))
 
 
 def _fsync_dir(directory: Path) -> None:

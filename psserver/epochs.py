@@ -109,7 +109,7 @@ class EpochBook:
             raise InvalidRequest(f"join_round is {join_round} but {self.label} proposed {pending.proposal}: the "
                                  "round must be the largest proposal of every shard")
         self.pending.pop(rank, None)
-        return self._change(join_round, self.members_at(join_round) | {rank})
+        return self._change(join_round, rank, add=True)
 
     def abandon(self, rank: int, trainer_id: str) -> bool:
         """Drop ``trainer_id``'s pending join (it gave up); True if there was one."""
@@ -128,32 +128,33 @@ class EpochBook:
 
     # ------------------------------------------------------------------ leaves and plain registrations
     def leave(self, rank: int, at: int) -> Epoch | None:
-        """``rank`` is out from round ``at`` on; None if it was not a member then."""
+        """``rank`` is out from round ``at`` on (a pending or future admission is withdrawn); None if it was
+        not a member then or later."""
         self.pending.pop(rank, None)
-        members = self.members_at(at)
-        if rank not in members:
+        if not any(rank in e.members for e in self.timeline if e.round >= at) and rank not in self.members_at(at):
             return None
-        return self._change(at, members - {rank})
+        return self._change(at, rank, add=False)
 
     def registered(self, rank: int, at: int) -> Epoch | None:
         """A plain (non-join) registration of a rank outside the epoch: a member from round ``at`` (the
         round open now -- what a re-registration always meant); None if it is a member already."""
-        members = self.members_at(at)
-        if rank in members:
+        if rank in self.members_at(at) or rank in self.current.members:
             return None
-        return self._change(at, members | {rank})
+        return self._change(at, rank, add=True)
 
-    def _change(self, at: int, members: frozenset[int]) -> Epoch:
-        """A new epoch from round ``at``; one at the same round as the last replaces it (two joins in one
-        round make one epoch).  Rounds are never rewritten backwards: ``at`` is at least the last's round."""
-        last = self.current
-        at = max(at, last.round)
-        epoch = Epoch(last.number + 1, at, frozenset(members))
-        if last.round == at and len(self.timeline) > 1:
-            self.timeline[-1] = epoch
-        else:
-            self.timeline.append(epoch)
-        return epoch
+    def _change(self, at: int, rank: int, add: bool) -> Epoch:
+        """Add ``rank`` to (or take it from) the epoch at round ``at`` and every later one; an epoch starts at
+        ``at`` if none did.  Each epoch changed gets a new number, so a trainer that knows the old one sees the
+        change (two joins in one round make one epoch with both).  Returns the epoch at ``at``."""
+        i = next((k for k, e in enumerate(self.timeline) if e.round >= at), len(self.timeline))
+        if i == len(self.timeline) or self.timeline[i].round != at:
+            self.timeline.insert(i, Epoch(-1, at, epoch_at(self.timeline, at).members))
+        number = max(e.number for e in self.timeline)
+        for k in range(i, len(self.timeline)):
+            e = self.timeline[k]
+            number += 1
+            self.timeline[k] = Epoch(number, e.round, e.members | {rank} if add else e.members - {rank})
+        return self.timeline[i]
 
     # ------------------------------------------------------------------ checks
     def _check_elastic(self) -> None:

@@ -92,7 +92,8 @@ class ShardHost:
                                  f"{'s' if count != 1 else ''} (0..{count - 1})")
         return self.parts[index]
 
-    def part_for_register(self, index: int, rank: int, expected_shard: int, job: JobSpec) -> Shard:
+    def part_for_register(self, index: int, rank: int, expected_shard: int, job: JobSpec,
+                          join: bool = False) -> Shard:
         """Partition ``index`` of ``job``, created (with the ones before it) when the job is the first to have it.
 
         Everything ``Shard.register`` would refuse on the request alone (partition, shard order, rank, a spec
@@ -103,7 +104,7 @@ class ShardHost:
         if not 0 <= index < job.partitions:
             raise InvalidRequest(f"partition is {index} but the job has {job.partitions} partition"
                                  f"{'s' if job.partitions != 1 else ''} per shard (0..{job.partitions - 1})")
-        self.head.check_register(rank, expected_shard, job)
+        self.head.check_register(rank, expected_shard, job, join)
         running = self.head.job
         diff = running.difference(job) if running is not None and not self.head.job_ended() else ""
         if diff:

@@ -281,9 +281,10 @@ class ParameterServerService:
             job = JobSpec.from_proto(request.job)
         except ValueError as e:
             raise InvalidRequest(f"job spec: {e}") from None
-        part = self.host.part_for_register(request.partition, request.rank, request.expected_shard, job)
+        part = self.host.part_for_register(request.partition, request.rank, request.expected_shard, job,
+                                           request.join)
         r = await self.runtime.run_state(part.register, request.rank, request.trainer_id,
-                                         request.expected_shard, job)
+                                         request.expected_shard, job, request.join, request.join_round)
         return _pb.RegisterReply(**r)
 
     @_refusals
@@ -316,7 +317,8 @@ class ParameterServerService:
         digest = await self._digest(part, request) if request.with_digest else ""
         reply = _pb.StatsReply(shard=s.shard, initialized=s.initialized, version=s.version, mode=s.mode,
                                start=s.start, end=s.end, live_ranks=s.live_ranks, counters=s.counters,
-                               state_digest=digest, lr=s.lr, partitions=len(self.host.parts))
+                               state_digest=digest, lr=s.lr, partitions=len(self.host.parts),
+                               epochs=[e.to_proto() for e in part.epoch_timeline()])
         if s.job is not None and (self.authenticated or _is_member(part, request)):
             reply.job.CopyFrom(s.job.to_proto())
         return reply
@@ -452,7 +454,7 @@ class ParameterServerService:
         try:
             self.shard.count("bytes_out", snapshot.numel() * snapshot.element_size())
             header = _pb.ChunkHeader(dtype=wire, length=snapshot.numel(), version=version, wait_seconds=waited,
-                                     **reply_fields)
+                                     membership_epoch=part.epoch_number(version), **reply_fields)
             for chunk in encode_raw(snapshot, header, self.cfg.chunk_bytes):
                 await context.write(chunk)
         finally:

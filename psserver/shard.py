@@ -37,10 +37,12 @@ import torch
 from psserver import modes
 from psserver.checkpoint import Checkpointer, CheckpointWriter, ShardState
 from psserver.common.logsafe import counted, shorten
+from psserver.epochs import EpochBook
 from psserver.executor import PushInfo, PushTarget, check_sequence, execute, record_ack
 from psserver.membership import Membership
 from psserver.metrics import ShardMetrics
 from psserver.protocol.codec import TORCH_DTYPES
+from psserver.protocol.epochs import epoch_at
 from psserver.protocol.errors import (
     FutureVersion,
     InvalidRequest,
@@ -134,17 +136,22 @@ class Shard(PushTarget):
         self._acked: dict[int, tuple[str, int, PushResult]] = {}  # rank -> (trainer id, sequence, result)
         self.snapshots = SnapshotPool()
         self.tables = Tables()  # sparse tables (psserver.sparse.serving): their own versions and rounds
+        self.epochs: EpochBook | None = None  # the membership timeline and pending joins (psserver.epochs)
         self.members.reset()
 
     # ------------------------------------------------------------------ membership and job
-    def register(self, rank: int, trainer_id: str, expected_shard: int, job: JobSpec) -> dict:
+    def register(self, rank: int, trainer_id: str, expected_shard: int, job: JobSpec, join: bool = False,
+                 join_round: int = 0) -> dict:
         """Join ``rank`` to the job; the first registration fixes the job spec.
 
         A job whose every trainer registered and then left has ended: the next
         registration starts a new job from scratch (the shard does not carry the
         old weights into it).  A refused registration changes nothing.
+        ``join``: a trainer joining a running elastic job (``join_elastic``).
         """
-        self.check_register(rank, expected_shard, job)
+        self.check_register(rank, expected_shard, job, join)
+        if join:
+            return self.join_elastic(rank, trainer_id, job, join_round)
         with self._lock:
             if self.job is not None and self._job_done():
                 self._info("shard %d: job %s ended (every trainer left); %s starts a new job from scratch",
@@ -164,6 +171,9 @@ class Shard(PushTarget):
                 self._acked.pop(rank, None)  # a new process: its sequence numbers start afresh
                 self._info("shard %d: rank %d re-registered as %s (was %s)", self.shard_id, rank,
                          shorten(trainer_id), shorten(previous))
+            epoch = self.epochs.registered(rank, at=self.version)
+            if epoch is not None:
+                self._epoch_changed(epoch, f"rank {rank} registered without --join")
             view = self.members.view()
             if not self.started and len(view.registered) >= job.num_trainers:
                 self.started = True
@@ -176,7 +186,56 @@ class Shard(PushTarget):
                 version=self.version, registered=len(view.registered), lease_seconds=self.lease_timeout,
             )
 
-    def check_register(self, rank: int, expected_shard: int, job: JobSpec) -> None:
+    def join_elastic(self, rank: int, trainer_id: str, job: JobSpec, join_round: int) -> dict:
+        """A join (docs/elastic.md): ``join_round`` 0 asks for admission -- a rank (partition 0 of shard 0 hands
+        one out; elsewhere ``rank`` names it) and this shard's proposed round, holding later rounds until the
+        join is settled; ``join_round`` E commits it from round E.  Refused, changing nothing, by the job
+        (not elastic, full) or an E outside the window (psserver.protocol.epochs.commit_window)."""
+        with self._lock:
+            if self.job is None or self._job_done():
+                raise NotReady(f"{self.label} runs no job to join: start the job first (its trainers register "
+                               "without --join)")
+            diff = self.job.difference(job)
+            if diff:
+                raise JobMismatch(f"job spec differs from the one this shard runs: {diff}")
+            if join_round == 0:
+                hands_out = self.shard_id == 0 and self.partition == 0
+                pending = self.epochs.prepare(None if hands_out else rank, trainer_id, self.version,
+                                              self._clock(), self.lease_timeout)
+                rank = self.epochs.rank_of(trainer_id)
+                self.counters["join_requests"] += 1
+                self._info("shard %d: %s asks to join as rank %d: proposed round %d, rounds from %d held",
+                           self.shard_id, shorten(trainer_id), rank, pending.proposal, pending.held_from)
+                answer = pending.proposal
+            else:
+                epoch = self.epochs.commit(rank, trainer_id, join_round, self.version)
+                self.counters["joins"] += 1
+                self._epoch_changed(epoch, f"rank {rank} joined")
+                answer = join_round
+            if self.members.register(rank, trainer_id) not in (None, trainer_id):
+                self._acked.pop(rank, None)  # a new process on a rank that left: its sequence numbers start afresh
+            self._close_if_due()
+            self._changed()
+            view = self.members.view()
+            return dict(shard=self.shard_id, start=self.start, end=self.end, initialized=self.params is not None,
+                        version=self.version, registered=len(view.registered), lease_seconds=self.lease_timeout,
+                        rank=rank, join_round=answer, membership_epoch=self.epochs.current.number)
+
+    def _epoch_changed(self, epoch, why: str) -> None:
+        self.counters["membership_epochs"] += 1
+        self._info("shard %d: %s: membership epoch %d from round %d: ranks %s", self.shard_id, why, epoch.number,
+                   epoch.round, sorted(epoch.members)[:MAX_MISSING_LISTED])
+
+    def epoch_timeline(self) -> list:
+        book = self.epochs
+        return list(book.timeline) if book is not None else []
+
+    def epoch_number(self, version: int) -> int:
+        """The membership epoch in effect at round ``version`` (what a pull of that version tells)."""
+        book = self.epochs
+        return epoch_at(book.timeline, version).number if book is not None else 0
+
+    def check_register(self, rank: int, expected_shard: int, job: JobSpec, join: bool = False) -> None:
         """Refuse a registration on what it says alone (shard order, shard count, rank), before anything of it
         is made -- here or, by ShardHost, the partitions of its job."""
         if expected_shard != self.shard_id:
@@ -186,6 +245,8 @@ class Shard(PushTarget):
             )
         if job.num_shards <= self.shard_id:
             raise JobMismatch(f"this is shard {self.shard_id} but the job has only {counted(job.num_shards, 'shard')}")
+        if join or (job.max_trainers and 0 <= rank < job.max_trainers):
+            return  # the job's epochs decide (psserver.epochs)
         if not 0 <= rank < job.num_trainers:
             raise InvalidRequest(
                 f"rank is {rank} but the job has {counted(job.num_trainers, 'trainer')} "
@@ -206,6 +267,7 @@ class Shard(PushTarget):
         cfg = modes.ModeConfig.from_job(job)
         start, end = partition_range(job.total_params, job.num_shards, job.partitions, self.shard_id, self.partition)
         self.job, self.tables, self._cfg, self.start, self.end = job, tables, cfg, start, end
+        self.epochs = EpochBook(job.num_trainers, job.max_trainers, self.label)
         if job.total_params < job.num_shards:
             log.warning("shard %d: the job has fewer parameters (%d) than shards (%d)", self.shard_id,
                         job.total_params, job.num_shards)
@@ -217,6 +279,11 @@ class Shard(PushTarget):
         """``rank`` is done and forgotten; rounds stop waiting for it. Returns the live count left."""
         with self._lock:
             self.check_member(rank, trainer_id, fingerprint)
+            # Out from the round after its last gradient: the open one if it is in it, else the open one
+            at = self.version + 1 if rank in self.round.contributors else self.version
+            epoch = self.epochs.leave(rank, at)
+            if epoch is not None:
+                self._epoch_changed(epoch, f"rank {rank} left")
             remaining = self.members.leave(rank)
             self._acked.pop(rank, None)
             self._last_base.pop(rank, None)
@@ -474,6 +541,11 @@ class Shard(PushTarget):
         with self._lock:
             if self.job is None:
                 return None
+            for rank, pending in self.epochs.expire(self._clock()):
+                self.counters["joins_abandoned"] += 1
+                self.members.leave(rank)
+                log.warning("shard %d: %s asked to join as rank %d but did not commit within %.1f s: dropped",
+                            self.shard_id, shorten(pending.trainer_id), rank, self.lease_timeout)
             gone = self.members.expire()
             for rank, silent in gone:
                 self.counters["lease_expired"] += 1
@@ -483,7 +555,8 @@ class Shard(PushTarget):
                 self._close_if_due()
             if self.tables.close_due(self._table_members(), self._clock()) or gone:
                 self._changed()
-            deadlines = [self.members.next_expiry(), *self.tables.deadlines(self._table_members())]
+            deadlines = [self.members.next_expiry(), self.epochs.next_deadline(),
+                         *self.tables.deadlines(self._table_members())]
             if self.params is not None:
                 deadlines.append(modes.round_deadline(self._cfg, self._view()))
             deadlines = [d for d in deadlines if d is not None]
@@ -498,7 +571,7 @@ class Shard(PushTarget):
         """Average the open round (weighted by samples) and take one optimizer step -- or, when every
         gradient in it was skipped, advance the version without one, so its waiters go on."""
         n = len(self.round.contributors)
-        missing = (sorted(self.members.view().live - self.round.contributors)
+        missing = (sorted(self._view().live - self.round.contributors)
                    if reason is not modes.CloseReason.ALL_ARRIVED else [])
         average = self.round.average() if modes.round_takes_step(self.round.weight) else None
         # Reset before the step: a checkpoint the step takes must not hold this round as still open (a
@@ -572,7 +645,7 @@ class Shard(PushTarget):
         acked = {r: (tid, seq, res.outcome, res.version, res.staleness) for r, (tid, seq, res) in self._acked.items()}
         return ShardState(self.shard_id, self.version, self.job, self.params.detach().clone(), opt_copy,
                           dict(self.counters), members=self.members.members(), acked=acked, open_round=open_round,
-                          tables=self.tables.state(), partition=self.partition)
+                          tables=self.tables.state(), partition=self.partition, epochs=self.epochs.state())
 
     def _checkpoint_written(self, ok: bool) -> None:
         self.count("checkpoints_written" if ok else "checkpoint_failures")
@@ -602,6 +675,7 @@ class Shard(PushTarget):
             self.optimizer.load_state_dict(state.optimizer)
             self.version = state.version
             self.members.restore(state.members)
+            self.epochs.restore(state.epochs)
             self.started = len(state.members) >= self.job.num_trainers
             self._acked = {r: (tid, seq, PushResult(outcome, version, staleness))
                            for r, (tid, seq, outcome, version, staleness) in state.acked.items()}
@@ -616,9 +690,13 @@ class Shard(PushTarget):
             return state.version
 
     def _view(self) -> modes.RoundView:
+        book, v = self.epochs, self.version
+        held = book.held_from()
         return modes.RoundView(
-            version=self.version,
-            live=self.members.view().live,
+            version=v,
+            live=book.expected(self.members.view().live, v),  # the live members of this round's epoch
+            held=held is not None and v >= held,
+            members=len(book.members_at(v)),
             started=self.started,
             contributors=self.round.contributors,  # not copied: decisions only read them
             stale_in_round=self.round.stale,

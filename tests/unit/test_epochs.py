@@ -133,3 +133,21 @@ def test_commit_window_and_epoch_at():
 def test_stale_timeout_quorum_keeps_the_number_of_backup_workers(members, expected):
     cfg = modes.ModeConfig("stale-timeout", sync_timeout=1.0, replicas_to_aggregate=2, num_trainers=3)
     assert modes.quorum(cfg, members) == expected
+
+
+def test_a_join_committed_at_an_earlier_round_after_a_later_one_is_inserted_before_it():
+    book = elastic(2, 4)
+    book.prepare(None, "b", version=4, now=0.0, patience=PATIENCE)  # proposes 6
+    book.prepare(None, "a", version=5, now=0.0, patience=PATIENCE)  # proposes 7 (asked a round later)
+    book.commit(3, "a", 7, version=5)
+    book.commit(2, "b", 6, version=5)
+    assert [(e.round, sorted(e.members)) for e in book.timeline] == [(0, [0, 1]), (6, [0, 1, 2]), (7, [0, 1, 2, 3])]
+    assert len({e.number for e in book.timeline}) == 3
+
+
+def test_a_joiner_that_gives_up_after_committing_is_withdrawn_from_the_epoch_it_was_admitted_to():
+    book = elastic()
+    book.prepare(None, "t2", version=3, now=0.0, patience=PATIENCE)
+    book.commit(2, "t2", 5, version=4)
+    book.leave(2, at=4)
+    assert book.members_at(5) == {0, 1} and book.current.number > 1
