@@ -42,7 +42,7 @@ from psserver.executor import PushInfo, PushTarget, check_sequence, execute, rec
 from psserver.membership import Membership
 from psserver.metrics import ShardMetrics
 from psserver.protocol.codec import TORCH_DTYPES
-from psserver.protocol.epochs import epoch_at
+from psserver.protocol.epochs import epoch_at, lr_factor
 from psserver.protocol.errors import (
     FutureVersion,
     InvalidRequest,
@@ -445,6 +445,11 @@ class Shard(PushTarget):
         check_num_samples(num_samples)
         if base > self.version:
             raise FutureVersion(f"base version is {base} but {self.label} is at version {self.version}")
+        book = self.epochs
+        if self.job.max_trainers and rank not in book.members_at(base) and rank in book.current.members:
+            raise JobMismatch(f"base version is {base} but rank {rank} is a member of this job from round "
+                              f"{min(e.round for e in book.timeline if rank in e.members and e.round > base)} "
+                              "(its join): pull that version first")
 
     def push(self, rank: int, trainer_id: str, fingerprint: str, base: int, num_samples: int,
              grad: torch.Tensor, sequence: int = 0, finite: bool = True) -> tuple[PushResult, torch.Tensor]:
@@ -626,6 +631,7 @@ class Shard(PushTarget):
         """The schedule's rate for the step about to be taken at ``self.version``: derived from the version
         alone, so a restored shard resumes the schedule and every trainer sees the same rate."""
         lr = lr_at(self.job.lr_schedule, self.job.optimizer.lr, self.version)
+        lr *= lr_factor(self.job.lr_scaling, len(self.epochs.members_at(self.version)), self.job.num_trainers)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 

@@ -37,6 +37,7 @@ from typing import Sequence
 import grpc
 import torch
 
+from psserver.protocol.epochs import Epoch, epoch_at
 from psserver.protocol.job import JobSpec, OptimizerConfig
 from psserver.protocol.layout import Layout, partitions_for
 from psserver.protocol.limits import MAX_PARTITIONS
@@ -67,7 +68,8 @@ def make_job(model: torch.nn.Module, num_shards: int, *, mode: str = "sync", num
              sync_timeout: float = 0.0, replicas_to_aggregate: int = 0, stale_policy: str = "drop",
              wire_dtype: str = "float32", job_id: str = "",
              lr_schedule: LrSchedule | dict | None = None, embedding_mode: str = "",
-             partition_bytes: int = 0, partitions: int | None = None) -> JobSpec:
+             partition_bytes: int = 0, partitions: int | None = None, max_trainers: int = 0,
+             lr_scaling: str = "none") -> JobSpec:
     """The job spec for training ``model`` (its shard-backed tables included); raises ValueError naming a
     bad setting."""
     layout = model_layout(model, num_shards)
@@ -83,7 +85,8 @@ def make_job(model: torch.nn.Module, num_shards: int, *, mode: str = "sync", num
         sync_timeout=sync_timeout, replicas_to_aggregate=replicas_to_aggregate, stale_policy=stale_policy,
         wire_dtype=wire_dtype, tensors=tuple((s.name, s.shape, s.dtype) for s in layout.slots), job_id=job_id,
         lr_schedule=lr_schedule, tables=table_specs(model, embedding_mode),
-        partitions=partitions or job_partitions(layout, partition_bytes),
+        partitions=partitions or job_partitions(layout, partition_bytes), max_trainers=max_trainers,
+        lr_scaling=lr_scaling,
     )
 
 
@@ -123,7 +126,8 @@ class ParameterServerTrainer:
                  trainer_id: str, connect_timeout: float, round_timeout: float, chunk_bytes: int,
                  security: ClientSecurity = ClientSecurity(), overlap: bool = False,
                  push_during_backward: bool = False, retry: RetryPolicy = RetryPolicy(),
-                 clip_grad_norm: float | None = None, compress: str | None = None, pipeline: bool = False):
+                 clip_grad_norm: float | None = None, compress: str | None = None, pipeline: bool = False,
+                 join: bool = False):
         self.tables = sharded_tables(model)  # bound to the shards once joined (_bind_tables)
         check_variants(job, bool(self.tables), overlap, pipeline)
         self.clip_grad_norm = check_max_norm(clip_grad_norm, push_during_backward)
@@ -157,8 +161,12 @@ class ParameterServerTrainer:
         self.table_push = TablePush(self.tables, self.client, rank)
         self.rows = None
         self._closed = False
+        self.timeline: list[Epoch] = []  # the job's membership epochs, as far as this trainer needs them
+        self.joined_at = 0  # the round this trainer's first step computes (a join: the round it was admitted at)
         try:
-            self.session.join(connect_timeout)
+            self.session.join(connect_timeout, running=join)
+            self.rank = self.exchange.rank = self.table_push.rank = self.session.rank
+            self.joined_at = self.versions[0] if join else 0
             self._bind_tables()
         except BaseException as e:
             # Leave and close, or this trainer would stay registered (and, with heartbeats, live): sync
@@ -183,6 +191,22 @@ class ParameterServerTrainer:
     def steps(self) -> int:
         """Dense steps completed."""
         return self.exchange.steps
+
+    def members_at(self, round_: int) -> list[int]:
+        """The ranks of the job's membership epoch at ``round_``, sorted (docs/elastic.md).  The timeline is
+        fetched again only when the weights received name an epoch this trainer does not know yet."""
+        newest = max(s.epoch_seen for s in self.client.parts)
+        if not self.timeline or newest not in {e.number for e in self.timeline}:
+            s = max(self.client.parts, key=lambda p: p.epoch_seen)
+            self.timeline = [Epoch.from_proto(e) for e in s.stats().epochs]
+            self.client.count("timeline_fetches")
+        if not self.timeline:  # a shard from before epochs: the job's ranks
+            return list(range(self.job.num_trainers))
+        return sorted(epoch_at(self.timeline, round_).members)
+
+    def leave(self) -> None:
+        """Leave the job now, at a step boundary (rounds from the next on expect one fewer) and close."""
+        self.close(leave=True)
 
     @property
     def left(self) -> bool:
@@ -363,7 +387,8 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
             retry_budget: float = 60.0, lr_schedule: LrSchedule | dict | None = None,
             clip_grad_norm: float | None = None, compress: str | None = None,
             embedding_mode: str = "", partition_bytes: int = 0, partitions: int | None = None,
-            pipeline: bool = False) -> ParameterServerTrainer:
+            pipeline: bool = False, join: bool = False, max_trainers: int = 0,
+            lr_scaling: str = "none") -> ParameterServerTrainer:
     """Register ``model`` with the shards at ``ps`` and return a handle whose ``step()`` trains it.
 
     ``rank`` and ``num_trainers`` not given are read from ``RANK`` and ``WORLD_SIZE``
@@ -394,6 +419,11 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
     only for the partitions holding its parameters (trainer.pipeline); ``step()`` then returns the previous
     step's StepInfo.  In sync mode both leave the parameters bit-identical to the plain exchange.
 
+    Elastic jobs (docs/elastic.md): ``max_trainers=K`` lets trainers join the running job up to K members;
+    ``join=True`` joins one (``rank`` is ignored: the job hands one out, ``ps.rank`` after connecting) from
+    the next round every shard agrees on; ``ps.leave()`` leaves at a step boundary.  ``lr_scaling="linear"``
+    scales the rate with the members of each round.
+
     Tables: the model's ShardedEmbedding / ShardedEmbeddingBag modules (trainer.embedding)
     join the job as its sparse tables (sorted by name) and are bound to their rows on
     the shards; ``step()`` pushes their gradient rows too.  ``embedding_mode="async"``
@@ -402,15 +432,17 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
     """
     if retry_budget < 0:
         raise ValueError(f"retry_budget is {retry_budget} but must be zero or more seconds")
-    rank, num_trainers = rank_and_world(rank, num_trainers)
+    rank, num_trainers = rank_and_world(0 if join else rank, num_trainers)
     parse_compress(compress)  # a bad value is refused before anything starts
     addresses = parse_addresses(ps)
     job = make_job(model, len(addresses), mode=mode, num_trainers=num_trainers, optimizer=optimizer,
                    max_staleness=max_staleness, sync_timeout=sync_timeout,
                    replicas_to_aggregate=replicas_to_aggregate, stale_policy=stale_policy, wire_dtype=wire_dtype,
                    job_id=job_id, lr_schedule=lr_schedule, embedding_mode=embedding_mode,
-                   partition_bytes=partition_bytes, partitions=partitions)
-    return ParameterServerTrainer(addresses, model, job, rank, trainer_id or default_trainer_id(rank),
+                   partition_bytes=partition_bytes, partitions=partitions, max_trainers=max_trainers,
+                   lr_scaling=lr_scaling)
+    trainer_id = trainer_id or (default_trainer_id(rank) if not join else default_trainer_id(-1).replace("rank-1", "join"))
+    return ParameterServerTrainer(addresses, model, job, rank, trainer_id,
                                   connect_timeout, round_timeout, chunk_bytes, security or ClientSecurity(), overlap,
                                   push_during_backward, RetryPolicy(budget_seconds=retry_budget),
-                                  clip_grad_norm=clip_grad_norm, compress=compress, pipeline=pipeline)
+                                  clip_grad_norm=clip_grad_norm, compress=compress, pipeline=pipeline, join=join)

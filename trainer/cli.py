@@ -34,6 +34,12 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--num-trainers", type=int, default=None,
                    help="trainers in the job (default: $WORLD_SIZE as torchrun sets it, else 1)")
     p.add_argument("--mode", choices=MODES, default="sync", help="consistency mode")
+    p.add_argument("--join", action="store_true", help="join a running elastic job (no --rank: the job hands one "
+                   "out; docs/elastic.md)")
+    p.add_argument("--max-trainers", type=int, default=0, help="let up to this many trainers be members of the job "
+                   "at once, joiners included (0: no joins); every trainer of the job gives the same value")
+    p.add_argument("--lr-scaling", choices=("none", "linear"), default="none",
+                   help="the rate as trainers join and leave: none keeps it, linear scales it with the members")
     p.add_argument("--max-staleness", type=int, default=None, help="async: refuse gradients older than this")
     p.add_argument("--sync-timeout", type=float, default=0.0,
                    help="stale-timeout: seconds a round waits after its first gradient")
@@ -188,7 +194,8 @@ def config_from_args(args, env: dict | None = None):
     from trainer.config import TrainConfig  # torch: after the flags are checked
 
     return TrainConfig(
-        ps=args.ps, rank=args.rank, num_trainers=args.num_trainers, mode=args.mode,
+        ps=args.ps, rank=args.rank, num_trainers=args.num_trainers, mode=args.mode, join=args.join,
+        max_trainers=args.max_trainers, lr_scaling=args.lr_scaling,
         dataset=args.dataset, epochs=args.epochs, steps=args.steps, **dataset_defaults(args),
         **table_config(args), lr=args.lr, momentum=args.momentum, nesterov=args.nesterov,
         weight_decay=args.weight_decay, seed=args.seed, device=args.device, output=args.output,

@@ -163,6 +163,7 @@ class ShardClient:
         # step) reuses its number, so a shard that applied it answers DUPLICATE instead of applying it twice.
         self.unanswered = False
         self.last_answer: tuple[int, PushOutcome] | None = None  # (sequence, outcome) of the last answered push
+        self.epoch_seen = 0  # the membership epoch of the newest weights received (docs/elastic.md)
         self._lock = counters_lock or threading.Lock()  # the one lock of ``counters``, which shards share
         self.channel = security.channel(
             address,
@@ -216,7 +217,7 @@ class ShardClient:
                 delay = min(delay * 2, self.retry.max_backoff)
 
     def register(self, job: JobSpec, connect_timeout: float, abandon: threading.Event | None = None,
-                 refused_limit: float | None = None) -> _pb.RegisterReply:
+                 refused_limit: float | None = None, join: bool = False, join_round: int = 0) -> _pb.RegisterReply:
         """Register with the shard, waiting up to ``connect_timeout`` for it to answer.
 
         Each attempt fails fast (no wait_for_ready) and has a short deadline, so an
@@ -227,9 +228,10 @@ class ShardClient:
         interrupted and must know no attempt is left that could register it later.
         ``refused_limit``: give up once the connection has been refused this many seconds in a row (the caller
         passes it when every address is on loopback: a wrong port, not a shard that is late).
+        ``join``/``join_round``: a join's admission (0) or commit (trainer.session.Session.join_running).
         """
         req = _pb.RegisterRequest(rank=self.rank, trainer_id=self.trainer_id, expected_shard=self.index,
-                                  job=job.to_proto(), partition=self.partition)
+                                  job=job.to_proto(), partition=self.partition, join=join, join_round=join_round)
         give_up = time.monotonic() + connect_timeout
         next_log = 0.0
         abandon = abandon or threading.Event()
@@ -292,6 +294,7 @@ class ShardClient:
             reader = ChunkReader(self._pull(req, timeout=timeout))
             values = reader.read(length, wire, max_bytes=1 << 40, require_finite=False, out=out)
             self._count("bytes_in", reader.bytes_read)
+            self.epoch_seen = reader.header.membership_epoch
             return reader.header.version, values, reader.header.wait_seconds
 
         return self._call("Pull", once)
@@ -382,6 +385,7 @@ class ShardClient:
             return reader.header, values, t_first - t0
 
         h, values, until_reply = self._call("PushPull", once, retry_on=PUSH_RETRYABLE)
+        self.epoch_seen = h.membership_epoch
         outcome = self._acknowledged(_pb.PushOutcome.Name(h.outcome).lower(), h.version, h.staleness, base, nbytes,
                                      dense_bytes)
         return outcome, values, max(0.0, until_reply - h.wait_seconds), h.wait_seconds

@@ -32,6 +32,9 @@ class TrainConfig:
     rank: int = 0
     num_trainers: int = 1
     mode: str = "sync"
+    join: bool = False  # join a running elastic job: the job hands out the rank (docs/elastic.md)
+    max_trainers: int = 0  # the job admits joiners up to this many members (0: none)
+    lr_scaling: str = "none"  # the rate as the membership changes: none | linear
     model: str = "cnn"
     dataset: str = "mnist5k"
     batch_size: int = 32
@@ -110,7 +113,7 @@ def config_problem(cfg: TrainConfig) -> str:
     device = device_problem(cfg.device, torch.cuda.device_count())
     checks = [
         (cfg.num_trainers >= 1, f"--num-trainers ({cfg.num_trainers}) must be at least 1"),
-        (0 <= cfg.rank < cfg.num_trainers,
+        (cfg.join or 0 <= cfg.rank < cfg.num_trainers,
          f"--rank ({cfg.rank}) must be between 0 and --num-trainers - 1 ({cfg.num_trainers - 1})"),
         (cfg.batch_size >= 1, f"--batch-size ({cfg.batch_size}) must be at least 1"),
         (cfg.steps >= 0, f"--steps ({cfg.steps}) must be zero (use --epochs) or more"),
@@ -308,6 +311,7 @@ def mode_knobs(cfg: TrainConfig) -> dict:
     """The job spec's mode settings of ``cfg``, those of another mode left out (see ignored_flags)."""
     stale_timeout = cfg.mode == Mode.STALE_TIMEOUT
     return dict(mode=cfg.mode, num_trainers=cfg.num_trainers, wire_dtype=cfg.wire_dtype, job_id=cfg.job_id,
+                max_trainers=cfg.max_trainers, lr_scaling=cfg.lr_scaling,
                 max_staleness=cfg.max_staleness if cfg.mode == Mode.ASYNC else None,
                 sync_timeout=cfg.sync_timeout if stale_timeout else 0.0,
                 replicas_to_aggregate=cfg.replicas_to_aggregate if stale_timeout else 0,

@@ -96,3 +96,37 @@ def local_batch_indices(order: torch.Tensor, step: int, rank: int, num_trainers:
     """Indices trainer ``rank`` uses for global batch ``step`` of an epoch."""
     start = step * num_trainers * batch_size + rank * batch_size
     return order[start : start + batch_size]
+
+
+def round_batch(n_samples: int, batch_size: int, timeline: list[tuple[int, int]], round_: int) -> tuple[int, int, int]:
+    """Where round ``round_``'s global batch lies when the number of trainers changes (docs/elastic.md).
+
+    ``timeline``: (first round, members) of each membership epoch, by round, the first at round 0.  Each
+    round takes the next members x ``batch_size`` samples of its data epoch's order; a data epoch ends when
+    its remaining samples cannot fill a round's global batch (the remainder is dropped, as with a fixed
+    number of trainers).  Returns (data epoch, offset of the global batch in that epoch's order, members):
+    member i of the round (by rank) takes ``order[offset + i*b : offset + (i+1)*b]``.  So within a data epoch
+    no sample is skipped or taken twice across a change, and with one epoch this is ``local_batch_indices``.
+    """
+    epoch = offset = 0
+    for k, (start, members) in enumerate(timeline):
+        end = min(timeline[k + 1][0] if k + 1 < len(timeline) else round_ + 1, round_ + 1)
+        r, g = start, members * batch_size
+        while r < end and g:
+            fit = (n_samples - offset) // g
+            if fit == 0:
+                epoch, offset = epoch + 1, 0
+                if n_samples < g:
+                    raise ValueError(f"{n_samples} samples cannot fill one global batch of {members} x {batch_size}")
+                continue
+            take = min(fit, end - r)
+            if round_ < r + take:
+                return epoch, offset + (round_ - r) * g, members
+            offset, r = offset + take * g, r + take
+    raise ValueError(f"round {round_} is before the timeline's first epoch or in an epoch without members")
+
+
+def member_batch_indices(order: torch.Tensor, offset: int, index: int, batch_size: int) -> torch.Tensor:
+    """Member ``index`` (its position among the round's ranks, sorted) of a global batch at ``offset``."""
+    start = offset + index * batch_size
+    return order[start : start + batch_size]

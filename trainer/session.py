@@ -49,12 +49,17 @@ class Session:
         self.rows = rows
 
     # ------------------------------------------------------------------ joining
-    def join(self, timeout: float) -> None:
+    def join(self, timeout: float, running: bool = False) -> None:
         """Register with every shard, start heartbeats, initialise (rank 0), and take the first weights --
-        all within one ``timeout``."""
+        all within one ``timeout``.  ``running``: join a running elastic job (``join_running``) and start from
+        the weights of the round it is admitted at."""
         give_up = time.monotonic() + timeout
-        results = self._register_everywhere(timeout)
-        self.registered = {i for i, r in enumerate(results) if not isinstance(r, Exception)}
+        first_version = 0
+        if running:
+            results, first_version = self.join_running(timeout)
+        else:
+            results = self._register_everywhere(timeout)
+            self.registered = {i for i, r in enumerate(results) if not isinstance(r, Exception)}
         errors = [r for r in results if isinstance(r, Exception)]
         if errors:
             raise errors[0]
@@ -71,8 +76,41 @@ class Session:
             ready = self.slots.produced()
             self.client.map(lambda s: self.slots.initialise(s, ready) if not results[s.slot].initialized else None,
                             parts=True)
-        self._wait_for_start(give_up - time.monotonic(), timeout)
+        self._wait_for_start(give_up - time.monotonic(), timeout, first_version)
         self.slots.staging.settle()  # the first forward waits for the first weights
+
+    def join_running(self, timeout: float) -> tuple[list, int]:
+        """The join protocol (docs/elastic.md): ask partition 0 of shard 0 for admission (it hands out the
+        rank), then every other slot with that rank; commit everywhere at the largest round proposed.
+        Returns (each slot's commit reply or error, the round admitted at).  On an error the caller closes,
+        and the Leave withdraws the join from every slot that took it."""
+        head = self.client.parts[0]
+        self.registered = {head.slot}
+        first = head.register(self.job, timeout, None, self._refused_limit, join=True)
+        self.set_rank(first.rank)
+        self.registered = set(range(self.slots.num_parts))
+        asked = self.client.map_settled(
+            lambda s: first if s is head else s.register(self.job, timeout, None, self._refused_limit, join=True),
+            parts=True)
+        errors = [r for r in asked if isinstance(r, Exception)]
+        self.registered = {i for i, r in enumerate(asked) if not isinstance(r, Exception)}
+        if errors:
+            return asked, 0
+        join_round = max(r.join_round for r in asked)
+        committed = self.client.map_settled(
+            lambda s: s.register(self.job, timeout, None, self._refused_limit, join=True, join_round=join_round),
+            parts=True)
+        log.info("rank %d joined the running job from round %d (proposals %s)", self.rank, join_round,
+                 sorted({r.join_round for r in asked}))
+        self.client.count("joins")
+        return committed, join_round
+
+    def set_rank(self, rank: int) -> None:
+        """The rank the job gave this trainer (a join): every call from now on carries it."""
+        self.rank = rank
+        for s in self.client.parts:
+            s.rank = rank
+        self.client.rank = rank
 
     def _register_everywhere(self, timeout: float) -> list:
         """Each slot's RegisterReply, or the Exception its registering raised.
@@ -91,7 +129,7 @@ class Session:
             self.registered -= {i + 1 for i, f in enumerate(inflight) if isinstance(f.result(), Exception)}
             raise
 
-    def _wait_for_start(self, timeout: float, connect_timeout: float) -> None:
+    def _wait_for_start(self, timeout: float, connect_timeout: float, min_version: int = 0) -> None:
         """The first pull, which returns once every shard is initialised and (sync modes) every trainer has
         registered.  Polled in short calls so that what is awaited -- the shard's own words, e.g. "still
         waits for ranks [1] to register" -- is logged every few seconds instead of a silent wait."""
@@ -101,7 +139,7 @@ class Session:
             while True:
                 poll = max(0.5, min(give_up - time.monotonic(), WAIT_LOG_SECONDS))
                 try:
-                    self.slots.versions[s.slot] = self.slots.pull_into(s, 0, poll)
+                    self.slots.versions[s.slot] = self.slots.pull_into(s, min_version, poll)
                     return
                 except grpc.RpcError as e:
                     if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -55,3 +55,11 @@ def commit_window(version: int, join_round: int) -> str:
     if join_round > version + MAX_JOIN_AHEAD:
         return "ahead"
     return ""
+
+
+def lr_factor(scaling: str, members: int, num_trainers: int) -> float:
+    """The factor on the job's rate for a round of ``members`` trainers: "linear" scales it with the global
+    batch (Goyal et al.'s rule, relative to the job's first epoch); "none" keeps the per-sample rate's mean."""
+    if scaling != "linear" or not members or not num_trainers:
+        return 1.0
+    return members / num_trainers

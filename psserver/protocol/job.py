@@ -28,6 +28,7 @@ from psserver.protocol.limits import (
     MAX_TRAINERS,
     text_problem,
 )
+from psserver.protocol.epochs import LR_SCALINGS
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rows.init import Initializer
 from psserver.protocol.rows.optim import SparseOptimizerConfig
@@ -119,6 +120,7 @@ class JobSpec:
     tables: tuple[TableSpec, ...] = ()  # sparse embedding tables (psserver.sparse), names unique
     partitions: int = 1  # pieces of each shard's slice with their own rounds (psserver.protocol.layout.partition_range)
     max_trainers: int = 0  # elastic jobs: admit joiners up to this many members (0: none; docs/elastic.md)
+    lr_scaling: str = "none"  # the rate as the membership changes: "none" or "linear" (protocol.epochs.lr_factor)
 
     def __post_init__(self) -> None:
         _text("job_id", self.job_id, MAX_ID_CHARS)
@@ -163,6 +165,8 @@ class JobSpec:
         if self.max_trainers > self.num_trainers and self.tables:
             raise ValueError(f"max_trainers ({self.max_trainers}) with sparse tables: elastic jobs serve dense "
                              "parameters only (docs/elastic.md)")
+        if self.lr_scaling not in LR_SCALINGS:
+            raise ValueError(f"The lr scaling ({shorten(self.lr_scaling)}) must be one of {', '.join(LR_SCALINGS)}.")
         _check_tensors(self.tensors, self.total_params)
         _check_tables(self.tables, self)
         if self.lr_schedule.kind == "cosine" and self.lr_schedule.min_lr > self.optimizer.lr:
@@ -193,6 +197,7 @@ class JobSpec:
             tables=[table_to_proto(t) for t in self.tables],
             partitions=self.partitions,
             max_trainers=self.max_trainers,
+            lr_scaling=self.lr_scaling,
         )
 
     @staticmethod
@@ -223,6 +228,7 @@ class JobSpec:
             tables=tuple(table_from_proto(t) for t in msg.tables),
             partitions=msg.partitions or 1,  # 0: an older trainer's or checkpoint's, one partition
             max_trainers=msg.max_trainers,
+            lr_scaling=msg.lr_scaling or "none",
         )
 
     def difference(self, other: "JobSpec") -> str | None:

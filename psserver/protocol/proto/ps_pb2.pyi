@@ -124,7 +124,7 @@ class SparseTable(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., optimizer: _Optional[str] = ..., lr: _Optional[float] = ..., eps: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., initial_accumulator_value: _Optional[float] = ..., initializer: _Optional[str] = ..., init_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_embeddings: _Optional[int] = ..., admit_after: _Optional[int] = ..., max_rows: _Optional[int] = ..., evict_after: _Optional[int] = ..., mode: _Optional[str] = ..., max_staleness: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("mode", "num_trainers", "num_shards", "total_params", "fingerprint", "max_staleness", "sync_timeout", "replicas_to_aggregate", "stale_policy", "optimizer", "wire_dtype", "tensors", "job_id", "lr_schedule", "tables", "partitions", "max_trainers")
+    __slots__ = ("mode", "num_trainers", "num_shards", "total_params", "fingerprint", "max_staleness", "sync_timeout", "replicas_to_aggregate", "stale_policy", "optimizer", "wire_dtype", "tensors", "job_id", "lr_schedule", "tables", "partitions", "max_trainers", "lr_scaling")
     MODE_FIELD_NUMBER: _ClassVar[int]
     NUM_TRAINERS_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,7 @@ class JobSpec(_message.Message):
     TABLES_FIELD_NUMBER: _ClassVar[int]
     PARTITIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_TRAINERS_FIELD_NUMBER: _ClassVar[int]
+    LR_SCALING_FIELD_NUMBER: _ClassVar[int]
     mode: str
     num_trainers: int
     num_shards: int
@@ -159,7 +160,8 @@ class JobSpec(_message.Message):
     tables: _containers.RepeatedCompositeFieldContainer[SparseTable]
     partitions: int
     max_trainers: int
-    def __init__(self, mode: _Optional[str] = ..., num_trainers: _Optional[int] = ..., num_shards: _Optional[int] = ..., total_params: _Optional[int] = ..., fingerprint: _Optional[str] = ..., max_staleness: _Optional[int] = ..., sync_timeout: _Optional[float] = ..., replicas_to_aggregate: _Optional[int] = ..., stale_policy: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., job_id: _Optional[str] = ..., lr_schedule: _Optional[_Union[LrSchedule, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[SparseTable, _Mapping]]] = ..., partitions: _Optional[int] = ..., max_trainers: _Optional[int] = ...) -> None: ...
+    lr_scaling: str
+    def __init__(self, mode: _Optional[str] = ..., num_trainers: _Optional[int] = ..., num_shards: _Optional[int] = ..., total_params: _Optional[int] = ..., fingerprint: _Optional[str] = ..., max_staleness: _Optional[int] = ..., sync_timeout: _Optional[float] = ..., replicas_to_aggregate: _Optional[int] = ..., stale_policy: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., job_id: _Optional[str] = ..., lr_schedule: _Optional[_Union[LrSchedule, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[SparseTable, _Mapping]]] = ..., partitions: _Optional[int] = ..., max_trainers: _Optional[int] = ..., lr_scaling: _Optional[str] = ...) -> None: ...
 
 class MembershipEpoch(_message.Message):
     __slots__ = ("number", "round", "members")
