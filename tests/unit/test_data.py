@@ -28,3 +28,32 @@ def test_epoch_orders_differ_by_epoch_and_repeat_by_seed():
     assert torch.equal(epoch_order(50, 1, 0), epoch_order(50, 1, 0))
     assert not torch.equal(epoch_order(50, 1, 0), epoch_order(50, 1, 1))
     assert sorted(epoch_order(50, 1, 3).tolist()) == list(range(50))
+
+
+def test_round_batches_cover_a_data_epoch_once_across_membership_changes():
+    from trainer.data import round_batch
+
+    n, b = 100, 3
+    timeline = [(0, 2), (4, 3), (7, 1)]  # 2 trainers, a third joins at round 4, two leave at round 7
+    seen: dict[int, list[int]] = {}
+    for r in range(40):
+        epoch, offset, members = round_batch(n, b, timeline, r)
+        seen.setdefault(epoch, []).extend(range(offset, offset + members * b))
+    for epoch, positions in seen.items():
+        assert len(positions) == len(set(positions)), f"data epoch {epoch} took a sample twice"
+    first = seen[0]
+    assert sorted(first) == list(range(len(first)))  # nothing skipped before the epoch's dropped remainder
+    assert n - len(first) < 3 * b  # the remainder dropped is less than one global batch
+
+
+def test_round_batches_with_one_epoch_are_the_fixed_split():
+    from trainer.data import local_batch_indices, member_batch_indices, round_batch, steps_per_epoch
+
+    order = epoch_order(50, 0, 0)
+    spe = steps_per_epoch(50, 2, 4)
+    for k in range(spe):
+        epoch, offset, members = round_batch(50, 4, [(0, 2)], k)
+        assert (epoch, members) == (0, 2)
+        for rank in range(2):
+            assert torch.equal(member_batch_indices(order, offset, rank, 4), local_batch_indices(order, k, rank, 2, 4))
+    assert round_batch(50, 4, [(0, 2)], spe)[:2] == (1, 0)

@@ -1,0 +1,75 @@
+"""Refusals of the elastic-job fields over real gRPC: a join to a job that admits none or is full, a commit
+from the future or already served, a joiner's push before its round -- each one status, a message naming the
+field and both values, the shard's state digest unchanged, and the shard still serving."""
+
+import grpc
+import pytest
+import torch
+
+from psserver.protocol.proto import ps_pb2 as pb
+from tests.conftest import P, make_spec
+from tests.helpers import refused
+
+ELASTIC = make_spec(num_trainers=1, max_trainers=2)
+
+
+def join(shard, spec=ELASTIC, join_round=0, rank=0, trainer_id="joiner"):
+    return shard.stub.Register(pb.RegisterRequest(rank=rank, trainer_id=trainer_id, job=spec.to_proto(), join=True,
+                                                  join_round=join_round), timeout=10)
+
+
+@pytest.fixture
+def running(shard_server):
+    """An elastic sync shard (1 trainer, up to 2) after one applied round."""
+    shard = shard_server()
+    shard.register(spec=ELASTIC)
+    shard.init(torch.randn(P, generator=torch.Generator().manual_seed(1)))
+    assert shard.push(torch.ones(P)).outcome == pb.APPLIED
+    return shard
+
+
+def still_serves(shard, version):
+    assert shard.push(torch.ones(P), version=version).outcome == pb.APPLIED
+
+
+def test_a_join_to_a_job_that_admits_none_is_failed_precondition(shard_server):
+    shard = shard_server()
+    shard.register()
+    shard.init(torch.zeros(P))
+    refused(lambda: join(shard, make_spec()), grpc.StatusCode.FAILED_PRECONDITION,
+            "max_trainers is 0 (num_trainers 1)", unchanged=shard)
+    assert shard.push(torch.ones(P)).outcome == pb.APPLIED
+
+
+def test_a_join_to_a_full_job_is_resource_exhausted(running):
+    assert join(running).rank == 1
+    refused(lambda: join(running, trainer_id="another"), grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "max_trainers 2", "2 members", unchanged=running)
+    still_serves(running, 1)
+
+
+def test_a_commit_from_the_future_is_out_of_range(running):
+    join(running)
+    refused(lambda: join(running, join_round=9, rank=1), grpc.StatusCode.OUT_OF_RANGE,
+            "join_round is 9 but shard 0 is at version 1: at most 4", unchanged=running)
+    still_serves(running, 1)
+
+
+def test_a_commit_of_a_round_already_served_is_failed_precondition(running):
+    refused(lambda: join(running, join_round=1, rank=1), grpc.StatusCode.FAILED_PRECONDITION,
+            "join_round is 1 but shard 0 is at version 1", unchanged=running)
+    still_serves(running, 1)
+
+
+def test_a_joiner_is_admitted_from_its_round_and_a_push_before_it_is_refused(running):
+    proposal = join(running).join_round
+    assert proposal == 3
+    still_serves(running, 1)  # the open round closes as usual; round 2 is held until the commit
+    reply = join(running, join_round=proposal, rank=1)
+    assert reply.membership_epoch == 1 and reply.rank == 1
+    refused(lambda: running.push(torch.ones(P), rank=1, trainer_id="joiner", version=2),
+            grpc.StatusCode.FAILED_PRECONDITION, "base version is 2 but rank 1 is a member of this job from round 3",
+            unchanged=running)
+    still_serves(running, 2)
+    epochs = running.stub.GetStats(pb.StatsRequest(), timeout=10).epochs
+    assert [(e.round, list(e.members)) for e in epochs] == [(0, [0]), (3, [0, 1])]
