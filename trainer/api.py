@@ -27,6 +27,7 @@ averaged gradient a DDP user clips.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -52,6 +53,7 @@ from trainer.compress import parse_compress
 from trainer.early_push import EarlyPusher
 from trainer.embedding import sharded_tables
 from trainer.exchange import DenseExchange
+from trainer.lookahead import default_forward, look_ahead, probe_ids
 from trainer.overlap import Prefetcher
 from trainer.pipeline import LayerWaits
 from trainer.pipelined import PipelinedExchange
@@ -244,6 +246,28 @@ class ParameterServerTrainer:
         info = self.exchange.dense_step(num_samples)
         self.table_push.done()
         return info
+
+    def prefetch(self, ids: dict, ahead: int = 1) -> None:
+        """Announce the ids ({table name: ids}) the forward of the batch after the current one will look up:
+        their rows are pulled in the background (trainer.row_prefetch) -- a sync table's once this step's
+        push is answered, at the version it leads to (exact); an async table's at once.  ``ahead=0``: the
+        current batch's, before its forward.  Ids not announced are pulled by the forward as before."""
+        if self.rows is None:
+            return
+        for name, table_ids in ids.items():
+            self.rows.prefetch(name, table_ids, ahead)
+
+    def prefetching(self, batches, ids_of=None, forward=None):
+        """``batches`` (any iterable: a DataLoader, a list) with each batch's rows prefetched one batch ahead.
+
+        ``ids_of(batch) -> {table name: ids}`` says which ids a batch looks up; without it they are found by
+        running ``forward(model, batch)`` (default: ``model(*batch)``) with the tables only recording ids
+        (trainer.lookahead)."""
+        if self.rows is None:
+            return iter(batches)
+        if ids_of is None:
+            ids_of = functools.partial(probe_ids, self.model, forward=forward or default_forward)
+        return look_ahead(batches, self.prefetch, ids_of)
 
     def _join_exchange(self) -> StepInfo | None:
         """A pipelined exchange's result, once it ended; its failure raised here as StepFailed."""

@@ -84,6 +84,7 @@ class _ShardedTable(nn.Module):
         self._held_ids = torch.empty(0, dtype=torch.int64)  # sorted ids pulled this step
         self._held_rows = torch.empty(0, embedding_dim)  # their values (detached, on the module's device)
         self._outgoing: tuple[torch.Tensor, torch.Tensor] | None = None  # a push that failed, kept for the retry
+        self._probe: list[torch.Tensor] | None = None  # recording ids (trainer.lookahead): no rows pulled
 
     @property
     def name(self) -> str:
@@ -113,6 +114,9 @@ class _ShardedTable(nn.Module):
             raise TypeError(f"table {self.name!r} takes int64 or int32 ids, not {ids.dtype}")
         uniq, inverse = torch.unique(ids.detach().to("cpu", torch.int64), return_inverse=True)
         inverse = inverse.to(self._device_probe.device)
+        if self._probe is not None:  # only the ids are wanted: zeros stand in for the rows
+            self._probe.append(uniq)
+            return torch.zeros(len(uniq), self.embedding_dim, device=self._device_probe.device), inverse
         if not torch.is_grad_enabled():
             return self._pull(uniq), inverse  # evaluation: nothing kept
         rows = self._rows_this_step(uniq).requires_grad_(True)

@@ -52,6 +52,7 @@ from psserver.protocol.rows.wire import row_chunks
 from psserver.protocol.rules import STALE, Mode, refused_stale, reply_version, version_of_refusal
 from psserver.protocol.stubs import method
 from trainer.client import PUSH_RETRYABLE, RESTART_CODES, ShardCallsFailed, ShardClient, ShardedClient
+from trainer.row_prefetch import RowPrefetch
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,10 @@ class ShardedRows:
                                              _pb.RowsChunk.FromString) for s in sharded_client.shards]
         self._push = [s.channel.stream_unary(method("PushRows"), _pb.RowsChunk.SerializeToString,
                                              _pb.PushRowsReply.FromString) for s in sharded_client.shards]
+        # The next batches' rows, pulled ahead (trainer.row_prefetch); used by pull(), moved on by push().
+        self.ahead = RowPrefetch({n: t.dim for n, t in self.tables.items()},
+                                 {n: m != Mode.ASYNC for n, m in self.modes.items()}, m, self._split,
+                                 self._fetch_ahead, self._adopt, self._count)
 
     def _count(self, **amounts: int) -> None:
         with self._lock:
@@ -153,6 +158,16 @@ class ShardedRows:
         """float32 rows ``(len(ids), dim)`` of unique int64 CPU ``ids``, in their order, from the shards in
         parallel; in sync modes each shard's at the version after this trainer's last push there."""
         spec = self._spec(table)
+        ahead = self.ahead.take(table, ids)
+        if ahead is not None:  # rows prefetched for this step: pull only the others
+            out, known = ahead
+            if not bool(known.all()):
+                missing = ~known
+                out[missing] = self._pull_now(table, spec, ids[missing])
+            return out
+        return self._pull_now(table, spec, ids)
+
+    def _pull_now(self, table: str, spec: TableSpec, ids: torch.Tensor) -> torch.Tensor:
         parts = self._split(ids)
         out = torch.empty(len(ids), spec.dim)
 
@@ -178,6 +193,20 @@ class ShardedRows:
         return self._pull_once(s, table, dim, ids)
 
     def _pull_once(self, s: ShardClient, table: str, dim: int, ids: torch.Tensor) -> torch.Tensor:
+        rows, version = self._fetch(s, table, dim, ids)
+        self._adopt(s.index, table, version)
+        return rows
+
+    def _fetch_ahead(self, shard: int, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """A prefetch's pull (trainer.row_prefetch): rows and version, the push's base left alone."""
+        return self._fetch(self.client.shards[shard], table, self.tables[table].dim, ids)
+
+    def _adopt(self, shard: int, table: str, version: int) -> None:
+        """Rows read at ``version`` are used by this step's forward: its push's base."""
+        self._lanes[(shard, table)].base = version
+
+    def _fetch(self, s: ShardClient, table: str, dim: int, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """One shard's rows and the table version they reflect (sync: after this trainer's last push)."""
         lane = self._lanes[(s.index, table)]
         sync = self.modes[table] != Mode.ASYNC
         req = _pb.PullRowsRequest(rank=s.rank, trainer_id=s.trainer_id, fingerprint=s.fingerprint, table=table,
@@ -193,16 +222,16 @@ class ShardedRows:
         version, raw = self._call(s, "PullRows", once)
         if len(raw) != len(ids) * dim * 4:
             raise ValueError(f"shard {s.index} sent {len(raw)} bytes of rows for {len(ids)} ids of dim {dim}")
-        if version < lane.version:  # a running shard never goes back: it was restored from an older checkpoint
-            self._count(versions_lost=lane.version - version)
-            log.warning("table %r on shard %d is at version %d, behind the %d this trainer saw: the shard was "
-                        "restored from an older checkpoint; %d versions lost", table, s.index, version,
-                        lane.version, lane.version - version)
-            lane.version = version
-        lane.version = max(lane.version, version)
-        lane.base = version
-        self._count(bytes_pulled=len(raw) + len(req.ids), rows_pulled=len(ids))
-        return torch.from_numpy(np.frombuffer(raw, dtype=np.float32).copy()).view(len(ids), dim)
+        with self._lock:
+            if version < lane.version:  # a running shard never goes back: restored from an older checkpoint
+                self.counters["versions_lost"] += lane.version - version
+                log.warning("table %r on shard %d is at version %d, behind the %d this trainer saw: the shard "
+                            "was restored from an older checkpoint; %d versions lost", table, s.index, version,
+                            lane.version, lane.version - version)
+                lane.version = version
+            lane.version = max(lane.version, version)
+            self.counters.update(bytes_pulled=len(raw) + len(req.ids), rows_pulled=len(ids))
+        return torch.from_numpy(np.frombuffer(raw, dtype=np.float32).copy()).view(len(ids), dim), version
 
     # -- push ---------------------------------------------------------------------------------------
     def push(self, table: str, ids: torch.Tensor, grads: torch.Tensor, num_samples: int) -> None:
@@ -228,6 +257,7 @@ class ShardedRows:
             self._pending[table] = pending
             raise RowsPushFailed(table, sorted(pending.done), failed, [s.address for s in self.client.shards])
         self._pending.pop(table, None)
+        self.ahead.pushed(table)
 
     def _push_shard(self, s: ShardClient, table: str, ids: torch.Tensor, grads: torch.Tensor,
                     num_samples: int) -> str:
@@ -313,6 +343,7 @@ class ShardedRows:
                     pending.done.append(shard)
                     self.counters["pushes_lost"] += 1
             self.counters["restarts"] += 1
+        self.ahead.drop()
 
     def abandon(self, table: str) -> bool:
         """Drop ``table``'s failed push instead of retrying it (trainer.api's abandon_step): the shards that
@@ -334,6 +365,15 @@ class ShardedRows:
         m = len(self.client.shards)
         return {name: [self._lanes[(s, name)].version for s in range(m)] for name in self.tables}
 
+    def prefetch(self, table: str, ids: torch.Tensor, ahead: int = 1) -> None:
+        """Pull ``table``'s rows of ``ids`` ahead for the step ``ahead`` steps from now (trainer.row_prefetch)."""
+        self.ahead.announce(table, ids, ahead)
+
+    def step_dropped(self, table: str) -> None:
+        """This step's push of ``table`` will not be made (the step was abandoned): its prefetches move on."""
+        self.ahead.pushed(table)
+
     def close(self) -> None:
-        """Nothing to release: the channels belong to the ShardedClient."""
+        """The prefetch threads end; the channels belong to the ShardedClient."""
+        self.ahead.close()
 

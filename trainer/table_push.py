@@ -47,6 +47,9 @@ class TablePush:
             abandon = getattr(t.backend, "abandon", None)
             if t.push_pending and abandon is not None and abandon(t.name):
                 self._counter.count("table_pushes_abandoned")
+            dropped = getattr(t.backend, "step_dropped", None)
+            if t.name not in self._pushed and dropped is not None:
+                dropped(t.name)  # the rows prefetched for the next step (trainer.row_prefetch) move on
 
     def zero(self) -> None:
         """Forget the tables' rows and gradients of this step (and any failed push of them)."""

@@ -91,12 +91,13 @@ def _batches(log, steps: int, batch: int):
         yield log.take(torch.arange(i * batch, (i + 1) * batch))
 
 
-def _train(model, log, steps: int, batch: int, step_fn) -> tuple[float, int, int]:
-    """Seconds for ``steps`` click-model steps (forward, BCE, backward, ``step_fn``); ids and unique ids seen."""
+def _train(model, log, steps: int, batch: int, step_fn, wrap=lambda batches: batches) -> tuple[float, int, int]:
+    """Seconds for ``steps`` click-model steps (forward, BCE, backward, ``step_fn``); ids and unique ids seen.
+    ``wrap``: what the batches go through (ps.prefetching)."""
     loss_fn = torch.nn.BCEWithLogitsLoss()
     seen = unique = 0
     t0 = time.perf_counter()
-    for b in _batches(log, steps, batch):
+    for b in wrap(_batches(log, steps, batch)):
         loss = loss_fn(model(b.ids, b.offsets, b.weights), b.labels)
         loss.backward()
         step_fn(len(b.labels))
@@ -120,9 +121,12 @@ def single_process_rate(log, steps: int, batch: int, dim: int, lr: float) -> dic
     return {"seconds": seconds, "ids_per_s": seen / seconds, "unique_ids_per_s": unique / seconds}
 
 
-def sharded_rate(log, steps: int, batch: int, dim: int, lr: float, shards: int, run_dir) -> dict:
+def sharded_rate(log, steps: int, batch: int, dim: int, lr: float, shards: int, run_dir, embedding_mode: str = "",
+                 prefetch: bool = False) -> dict:
     """The same model with its bag on ``shards`` ps-server processes (row-wise exchange, Adagrad on
-    the shards), one trainer in this process; bytes per step from the row client's counters."""
+    the shards), one trainer in this process; bytes per step from the row client's counters.
+    ``embedding_mode="async"``: async rows next to the sync dense head; ``prefetch``: each batch's rows pulled
+    one batch ahead (``ps.prefetching``)."""
     from psserver.protocol.rows.optim import SparseOptimizerConfig
     from trainer.api import connect
     from trainer.procs import start_shard
@@ -131,9 +135,11 @@ def sharded_rate(log, steps: int, batch: int, dim: int, lr: float, shards: int, 
     try:
         model = ClickModel(log.id_space, dim, embedding_bag=sharded_factories(
             SparseOptimizerConfig("adagrad", lr=lr))["embedding_bag"])
-        with connect([p.address for p in procs], model, optimizer={"name": "sgd", "lr": lr}) as ps:
-            seconds, seen, unique = _train(model, log, steps, batch, lambda n: (ps.step(n), ps.zero_grad()))
-            rows = ps.rows.counters if getattr(ps, "rows", None) is not None else {}
+        with connect([p.address for p in procs], model, optimizer={"name": "sgd", "lr": lr},
+                     embedding_mode=embedding_mode) as ps:
+            wrap = (lambda bs: ps.prefetching(bs, ids_of=lambda b: {"bag": b.ids})) if prefetch else (lambda bs: bs)
+            seconds, seen, unique = _train(model, log, steps, batch, lambda n: (ps.step(n), ps.zero_grad()), wrap)
+            rows = dict(ps.rows.counters) if getattr(ps, "rows", None) is not None else {}
             shard_rss = [memory(p.popen.pid)["VmRSS"] for p in procs]
     finally:
         for p in procs:
@@ -141,7 +147,9 @@ def sharded_rate(log, steps: int, batch: int, dim: int, lr: float, shards: int, 
     nbytes = rows.get("bytes_pulled", 0) + rows.get("bytes_pushed", 0)
     return {"seconds": seconds, "ids_per_s": seen / seconds, "unique_ids_per_s": unique / seconds,
             "bytes_per_step": nbytes / steps, "row_bytes_per_step": unique * dim * 4 * 2 / steps,
-            "shard_rss_bytes": shard_rss}
+            "shard_rss_bytes": shard_rss,
+            "prefetch_hit_rate": rows.get("prefetch_hits", 0) / max(1, rows.get("prefetch_hits", 0)
+                                                                     + rows.get("prefetch_misses", 0))}
 
 
 # ----------------------------------------------------------------------------- shard memory, for real

@@ -1,0 +1,147 @@
+"""Rows of the next batch, pulled before its forward asks for them (issue 21 item 1).
+
+A training loop knows its next batch while the current one computes.  ``RowPrefetch`` keeps, per table, a
+short queue of announced batches (their unique ids) and pulls their rows in the background, so the forward
+finds them already here instead of making a round trip per shard:
+
+* an async table's rows are pulled at once (the version the shard has now: what "async" allows);
+* a sync (or stale-timeout) table's rows are pulled once this step's push of the table is answered, with the
+  pull waiting for the close of that push's round -- exactly the version a forward's own pull would read, so
+  N trainers x batch b still equal one process on batch N.b bit for bit.
+
+An announced batch belongs to a step: the one about to be computed (``ahead=0``) or the next (``ahead=1``).
+It can be used once the table's pushes reach that step, and is dropped when that step's push is done.  Rows
+the forward asks for that were not announced are pulled as before (``ShardedRows.pull``); a prefetch that
+failed (a shard restarting) is counted and its ids pulled as before too -- nothing here raises into a step.
+The version a shard answered is adopted as the push's base only when a forward uses the rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Batch:
+    """An announced batch of one table: its sorted unique ids, split by shard, and their pulls."""
+
+    ids: torch.Tensor
+    after: int  # usable once the table's pushes reach this count
+    parts: list[torch.Tensor]  # per shard: positions in ``ids`` it owns
+    owner: torch.Tensor  # per id: its shard
+    pulls: dict[int, Future] = field(default_factory=dict)  # shard -> Future of (rows, version)
+    rows: torch.Tensor | None = None  # gathered on first use
+    known: torch.Tensor | None = None  # bool per id: its row arrived
+    adopted: set = field(default_factory=set)  # shards whose version is this step's push base
+
+
+class RowPrefetch:
+    """The announced batches of every table of one ``ShardedRows``.
+
+    ``fetch(shard, table, ids) -> (rows, version)`` pulls without touching push bookkeeping (sync tables: at
+    the version after this trainer's last push); ``adopt(shard, table, version)`` makes a used pull's version
+    the next push's base; ``split(ids)`` gives each shard's positions; ``count(**n)`` counts.
+    """
+
+    def __init__(self, tables: dict[str, int], sync: dict[str, bool], num_shards: int, split: Callable,
+                 fetch: Callable, adopt: Callable, count: Callable):
+        self.dims, self.sync, self.num_shards = tables, sync, num_shards
+        self._split, self._fetch, self._adopt, self._count = split, fetch, adopt, count
+        self._queues: dict[str, deque[_Batch]] = {t: deque() for t in tables}
+        self._pushes = dict.fromkeys(tables, 0)
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=max(1, num_shards), thread_name_prefix="ps-rows-ahead")
+
+    # -- announcing --------------------------------------------------------------------------------
+    def announce(self, table: str, ids: torch.Tensor, ahead: int = 1) -> None:
+        """The ids ``table`` will be asked for in the step ``ahead`` steps from now (0: the current one)."""
+        if table not in self._queues:
+            raise KeyError(f"table {table!r} is not in the job (its tables: {', '.join(self._queues) or 'none'})")
+        uniq = torch.unique(ids.detach().reshape(-1).to("cpu", torch.int64))
+        with self._lock:
+            parts = self._split(uniq)
+            owner = torch.empty(len(uniq), dtype=torch.int64)
+            for s, pos in enumerate(parts):
+                owner[pos] = s
+            b = _Batch(uniq, self._pushes[table] + ahead, parts, owner)
+            self._queues[table].append(b)
+            if not self.sync[table] or b.after <= self._pushes[table]:
+                self._start(table, b)
+        self._count(prefetch_ids=len(uniq))
+
+    def _start(self, table: str, b: _Batch) -> None:
+        for s, pos in enumerate(b.parts):
+            if len(pos) and s not in b.pulls:
+                b.pulls[s] = self._pool.submit(self._fetch, s, table, b.ids[pos])
+
+    # -- using ---------------------------------------------------------------------------------------
+    def take(self, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, known): the prefetched rows of the sorted unique ``ids`` where ``known``; None when nothing
+        usable was announced for this step.  Waits for the pulls still under way."""
+        with self._lock:
+            b = next((b for b in self._queues.get(table, ()) if b.after <= self._pushes[table]), None)
+            if b is not None and self.sync[table]:
+                self._start(table, b)  # (announced and used in one step: pulled now)
+        if b is None or not len(b.ids):
+            return None
+        if b.rows is None:
+            self._gather(table, b)
+        pos = torch.searchsorted(b.ids, ids).clamp_(max=len(b.ids) - 1)
+        known = (b.ids[pos] == ids) & b.known[pos]
+        for s in b.owner[pos[known]].unique().tolist():  # the shards this forward reads: their versions are its base
+            if s not in b.adopted:
+                b.adopted.add(s)
+                self._adopt(s, table, b.pulls[s].result()[1])
+        self._count(prefetch_hits=int(known.sum()), prefetch_misses=int((~known).sum()))
+        return b.rows[pos], known
+
+    def _gather(self, table: str, b: _Batch) -> None:
+        b.rows = torch.empty(len(b.ids), self.dims[table])
+        b.known = torch.zeros(len(b.ids), dtype=torch.bool)
+        for s, fut in list(b.pulls.items()):
+            try:
+                rows, _ = fut.result()
+            except Exception as e:  # the forward pulls these ids itself (and rejoins a restarted shard there)
+                del b.pulls[s]
+                self._count(prefetch_failed=1)
+                log.warning("prefetch of table %r from shard %d failed (%s); the forward pulls its rows", table,
+                            s, e)
+                continue
+            b.rows[b.parts[s]] = rows
+            b.known[b.parts[s]] = True
+
+    # -- the step moves on ---------------------------------------------------------------------------
+    def pushed(self, table: str) -> None:
+        """``table``'s push of this step is done (or the step was dropped): forget this step's batch and
+        start the pulls of the next one's sync rows (they wait for the round this push is in)."""
+        with self._lock:
+            if table not in self._pushes:
+                return
+            n = self._pushes[table] = self._pushes[table] + 1
+            q = self._queues[table]
+            while q and q[0].after < n:
+                q.popleft()
+            for b in q:
+                if b.after <= n:
+                    self._start(table, b)
+
+    def drop(self) -> None:
+        """Forget every announced batch (a shard restarted: rows pulled before it may be of an older state);
+        the forwards pull their rows as before."""
+        with self._lock:
+            dropped = sum(len(q) for q in self._queues.values())
+            for q in self._queues.values():
+                q.clear()
+        self._count(prefetch_dropped=dropped)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)  # closing the channels ends pulls under way
