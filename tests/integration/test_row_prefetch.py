@@ -1,5 +1,6 @@
-"""Prefetching rows one batch ahead over real shards on loopback changes no bit: 2 sync trainers x 2 shards with
-``ps.prefetching`` end with exactly the rows and weights of the same job without it (sgd, adagrad, adam tables;
+"""Prefetching rows one batch ahead over real shards on loopback changes no row bit: 2 sync trainers x 2 shards with
+``ps.prefetching`` end with exactly the rows (and the dense weights up to the dense round's arrival order) of the
+same job without it (sgd, adagrad, adam tables;
 two lookups of a table per step; a table whose ids all live on one shard), every row taken from the prefetch."""
 
 from __future__ import annotations
@@ -89,7 +90,10 @@ def test_sync_trainers_with_prefetch_end_with_the_same_bits_as_without(shard_ser
     for name, rows in plain["rows"].items():
         assert torch.equal(ahead["rows"][name], rows), name
     for name, value in plain["dense"].items():
-        assert torch.equal(ahead["dense"][name], value), name
+        # Within an ulp, not bit for bit: the shard's dense round sum is g_first*w then sum + w*g_second
+        # (psserver/rounds.py, add with alpha), which can round differently by arrival order -- measured:
+        # the same job without prefetch, run twice, differs in out.weight by 4.7e-10.  The rows are exact.
+        torch.testing.assert_close(ahead["dense"][name], value, rtol=1e-6, atol=1e-9)
     assert ahead["region_live_rows"][1] == 0 and ahead["region_live_rows"][0] > 0  # a table on one shard only
     for rank in range(2):
         c = ahead[f"counters{rank}"]
