@@ -8,7 +8,7 @@ would, and the shards then average N clipped gradients.  The two agree when no
 gradient is clipped (or N = 1); otherwise each trainer's step is bounded, not
 the round's.  Clipping the round's average exactly needs the global norm of the
 average -- every shard's part of it -- before any shard steps: a second phase
-per round, which psgrpc does not have (NOTES-FOR-LEAD.md / the README say more).
+per round, which psgrpc does not have (docs/modes.md says more).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 No dropout anywhere and no BatchNorm outside ResNet-18, so that sync mode with
 N trainers x batch b computes exactly what one process computes with batch N*b
 (BatchNorm's statistics depend on the batch; ResNet-18 keeps its running
-statistics local to each trainer, see README).
+statistics local to each trainer, see docs/how-it-works.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Shard logic raises these; the servicer turns each into ``context.abort(code,
 message)`` in one place.  Messages name the field and both values so a person
-can act on them.  The table is in README.md ("Status codes").
+can act on them.  The table is in docs/status-codes.md.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ class ServerSecurity:
     def warn_if_exposed(self, host: str) -> None:
         if not is_loopback(host) and not self.tls_cert and not self.token:
             log.warning("listening on %s beyond loopback with neither TLS nor a token: anyone who can reach "
-                        "this port can push gradients (see README, 'Running securely')", host)
+                        "this port can push gradients (see docs/security.md)", host)
 
 
 @dataclass(frozen=True)

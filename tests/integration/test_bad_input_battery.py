@@ -1,7 +1,7 @@
 """Property-based bad input for every RPC: the documented status, and the shard's state hash unchanged.
 
 Each generated request is a valid one with one field broken in a generated way,
-so the expected status follows from which field was broken (README, "Status codes").
+so the expected status follows from which field was broken (docs/status-codes.md).
 """
 
 import grpc

@@ -1,4 +1,4 @@
-"""The sparse-table example in README.md runs as written against two real shards and learns."""
+"""The sparse-table example in docs/sparse.md runs as written against two real shards and learns."""
 
 import re
 
@@ -9,7 +9,7 @@ from psserver.codegen import REPO_ROOT
 
 
 def readme_sparse_example() -> str:
-    blocks = re.findall(r"```python\n(.*?)```", (REPO_ROOT / "README.md").read_text(), re.S)
+    blocks = re.findall(r"```python\n(.*?)```", (REPO_ROOT / "docs" / "sparse.md").read_text(), re.S)
     return next(b for b in blocks if "ShardedEmbeddingBag" in b and "connect(" in b)
 
 
@@ -19,7 +19,7 @@ def test_readme_sparse_example_trains_a_table_on_two_shards_and_beats_the_consta
     assert '"127.0.0.1:7000,127.0.0.1:7001"' in code
     code = code.replace("127.0.0.1:7000,127.0.0.1:7001", ",".join(s.server.address for s in shards))
     namespace: dict = {}
-    exec(compile(code, "README.md", "exec"), namespace)
+    exec(compile(code, "docs/sparse.md", "exec"), namespace)
     held_out, logits = namespace["held_out"], namespace["logits"]
     learned = F.binary_cross_entropy_with_logits(logits, held_out.labels).item()
     rate = held_out.labels.mean()
