@@ -9,7 +9,6 @@ non-zero if any process failed.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -46,6 +45,7 @@ from trainer.cli import (
     schedule_argv,
     table_argv,
 )
+from trainer import console
 from trainer.procs import Proc, start_shard, start_trainer
 
 log = logging.getLogger("ps-cluster")
@@ -276,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     shards: list[Proc] = []
     trainers: list[Proc] = []
     t0 = time.monotonic()
+    log.info("starting %s on %s (run folder %s) ...", plural(args.shards, "shard"), args.host, run)
     try:
         for i in range(args.shards):
             shards.append(start_shard(i, run / f"shard{i}.log", host=args.host))
@@ -333,66 +334,71 @@ def terminate_all(procs: list[Proc], timeout: float = 30.0) -> None:
         p.terminate(timeout, signalled=True)
 
 
-def show(rec: dict, progress: Progress, bars) -> None:
-    """One metrics record on the bars (the latest loss and the latest evaluated accuracy) or as a log line."""
-    rank = rec["rank"]
-    if bars:
-        b, latest = bars[rank], progress.latest[rank]
-        b.total = progress.total_steps[rank] or b.total
-        if "step" in rec:
-            b.n = rec["step"]
-        shown = {}
-        if latest.get("loss") is not None:
-            shown["loss"] = f"{latest['loss']:.3f}"
-        if latest.get("test_accuracy") is not None:
-            shown["acc"] = f"{latest['test_accuracy']:.3f}"
-        if latest.get("test_rmse") is not None:
-            shown["rmse"] = f"{latest['test_rmse']:.3f}"
-        b.set_postfix(shown, refresh=False)
-        b.refresh()
-    elif rec["event"] == "eval":
-        where = (f"epoch {rec['epoch']} done at step {rec['step']}" if rec.get("end_of_epoch") else
-                 f"step {rec['step']} (epoch {rec['epoch']})")
-        if "test_rmse" in rec:
-            log.info("trainer %d: %s: test RMSE %.4f", rank, where, rec["test_rmse"])
-        else:
-            log.info("trainer %d: %s: test accuracy %.4f", rank, where, rec["test_accuracy"])
-    elif rec["event"] == "step":
-        log.info("trainer %d: step %d loss %.4f %.0f samples/s", rank, rec["step"], rec["loss"], rec["samples_per_sec"])
+class Console:
+    """What ps-cluster shows while the trainers run: one status line per trainer, redrawn in place on a terminal,
+    a compact line every few seconds otherwise, and each trainer's end-of-epoch evaluation; the per-step lines
+    stay in the run folder's logs (trainer.console formats)."""
+
+    def __init__(self, progress: Progress, tty: bool, stream=None, clock=time.monotonic,
+                 every: float = console.COMPACT_EVERY):
+        self.progress, self.tty, self.clock = progress, tty, clock
+        self.t0 = clock()
+        self.periodic = console.Periodic(every, self.t0)
+        self.block = console.LiveBlock(stream or sys.stderr) if tty else None
+        self._handlers: list[logging.Handler] = []
+
+    def __enter__(self) -> "Console":
+        if self.block is not None:  # log lines go above the block, never through it
+            root = logging.getLogger()
+            self._handlers = [h for h in root.handlers if isinstance(h, logging.StreamHandler)
+                              and getattr(h, "stream", None) is self.block.stream]
+            formatter = self._handlers[0].formatter if self._handlers else None
+            for h in self._handlers:
+                root.removeHandler(h)
+            self._above = console.AboveBlock(self.block, formatter)
+            root.addHandler(self._above)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.block is not None:
+            root = logging.getLogger()
+            root.removeHandler(self._above)
+            for h in self._handlers:
+                root.addHandler(h)
+
+    def record(self, rec: dict) -> None:
+        line = console.epoch_line(rec)
+        if line:
+            log.info("%s", line)
+
+    def refresh(self) -> None:
+        lines = console.status_lines(self.progress.latest, self.progress.total_steps)
+        if self.block is not None:
+            self.block.update(lines)
+        elif self.periodic.due(self.clock(), " | ".join(lines)):
+            log.info("%s", console.compact_line(self.clock() - self.t0, lines))
 
 
 def follow(trainers: list[Proc], shards: list[Proc], progress: Progress, timeout: float, t0: float) -> dict:
     """Show progress until every trainer has exited; stop early if a process fails."""
-    bars, redirect = None, contextlib.nullcontext()
-    if sys.stderr.isatty():
-        from tqdm import tqdm
-        from tqdm.contrib.logging import logging_redirect_tqdm
-
-        bars = [tqdm(total=1, desc=f"trainer {r}", position=r, unit="step", dynamic_ncols=True)
-                for r in range(len(trainers))]
-        redirect = logging_redirect_tqdm()  # log lines above the bars, not through them
-    with redirect:
-        return _follow(trainers, shards, progress, timeout, t0, bars)
-
-
-def _follow(trainers: list[Proc], shards: list[Proc], progress: Progress, timeout: float, t0: float,
-            bars) -> dict:
-    try:
-        while any(t.alive() for t in trainers):
-            if time.monotonic() - t0 > timeout:
-                raise TimeoutError(f"the run took longer than --timeout {timeout:.0f} s")
-            dead = [p for p in shards if not p.alive()] + [p for p in trainers if not p.alive() and p.popen.returncode]
-            if dead:
-                log.error("%s exited with %s; stopping the cluster", dead[0].name, dead[0].popen.returncode)
-                break
+    with Console(progress, sys.stderr.isatty()) as view:
+        try:
+            while any(t.alive() for t in trainers):
+                if time.monotonic() - t0 > timeout:
+                    raise TimeoutError(f"the run took longer than --timeout {timeout:.0f} s")
+                dead = ([p for p in shards if not p.alive()]
+                        + [p for p in trainers if not p.alive() and p.popen.returncode])
+                if dead:
+                    log.error("%s exited with %s; stopping the cluster", dead[0].name, dead[0].popen.returncode)
+                    break
+                for rec in progress.poll():
+                    view.record(rec)
+                view.refresh()
+                time.sleep(0.2)  # refresh rate of the display
+        finally:
             for rec in progress.poll():
-                show(rec, progress, bars)
-            time.sleep(0.2)  # refresh rate of the progress display
-        progress.poll()
-    finally:
-        if bars:
-            for b in bars:
-                b.close()
+                view.record(rec)
+            view.refresh()
     return {t.name: (t.popen.poll() if t.popen.poll() is not None else -1) for t in trainers}
 
 

@@ -149,34 +149,6 @@ def test_the_summary_shows_every_trainers_final_accuracy_when_a_straggler_ends_a
     assert "by rank" not in capsys.readouterr().out
 
 
-class FakeBar:
-    def __init__(self):
-        self.total, self.n, self.shown = 1, 0, []
-
-    def set_postfix(self, values, refresh=True):
-        self.shown.append(dict(values))
-
-    def refresh(self):
-        pass
-
-
-def test_the_progress_bar_keeps_the_latest_loss_and_shows_accuracy_only_once_evaluated(tmp_path):
-    path = tmp_path / "trainer0.jsonl"
-    records = [{"event": "start", "rank": 0, "total_steps": 10},
-               {"event": "step", "rank": 0, "step": 5, "loss": 0.953},
-               {"event": "eval", "rank": 0, "step": 5, "epoch": 0, "test_accuracy": 0.659, "test_loss": 1.2},
-               {"event": "step", "rank": 0, "step": 10, "loss": 0.5}]
-    progress, bar = cluster.Progress([path]), FakeBar()
-    for record in records:  # as the trainer writes them, one at a time
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        for rec in progress.poll():
-            cluster.show(rec, progress, [bar])
-    assert bar.shown[1] == {"loss": "0.953"}  # no accuracy before the first evaluation, never "nan"
-    assert bar.shown[2] == {"loss": "0.953", "acc": "0.659"}  # an evaluation keeps the latest loss
-    assert bar.shown[3] == {"loss": "0.500", "acc": "0.659"}
-
-
 @pytest.mark.parametrize("argv, message", [
     (["--mode", "async", "--max-staleness", "-3"], "The maximum staleness (-3) must be between 0"),
     (["--mode", "stale-timeout"], "stale-timeout mode needs a sync timeout > 0 seconds (got 0.0)"),
