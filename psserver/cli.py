@@ -48,14 +48,28 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--tls-client-ca", default="", help="require client certificates signed by this CA (mutual TLS)")
     p.add_argument("--auth-token-file", default="",
                    help="require this shared token from every caller but the health service (or set $PS_AUTH_TOKEN)")
+    p.add_argument("--insecure", action="store_true",
+                   help="serve beyond loopback with neither a token nor mutual TLS (refused without this flag; "
+                        "see docs/security.md for what a stranger on the network can then do)")
     p.add_argument("--nonfinite", choices=("refuse", "skip"), default="refuse",
                    help="a gradient with NaN/Inf: refuse it (INVALID_ARGUMENT) or skip it (acknowledged, counted)")
     p.add_argument("--stream-idle-timeout", type=float, default=30.0,
                    help="end a stream that sends nothing for this many seconds")
     p.add_argument("--max-call-seconds", type=float, default=900.0,
-                   help="no call lives longer than this, whatever deadline its client set")
+                   help="no call lives longer than this, whatever deadline its client set; a reply stream counts "
+                        "until its reader took the last chunk, and one still unread then is cut (DEADLINE_EXCEEDED)")
     p.add_argument("--max-pull-wait", type=float, default=600.0, help="longest a pull waits for a version")
-    p.add_argument("--max-calls-per-peer", type=int, default=64, help="data calls in flight on one connection")
+    p.add_argument("--max-calls-per-peer", type=int, default=64,
+                   help="data calls and health Watch streams in flight on one connection")
+    p.add_argument("--max-connections", type=int, default=4096,
+                   help="connections with calls in flight; a call from one more is refused RESOURCE_EXHAUSTED")
+    p.add_argument("--max-watch-streams", type=int, default=64,
+                   help="health Watch streams open at once on the main port (Check is not limited)")
+    p.add_argument("--max-reply-bytes", type=int, default=1 << 30,
+                   help="bytes unread replies (pulls being streamed) may hold on this shard; a pull past it is "
+                        "refused RESOURCE_EXHAUSTED (one reply is always allowed)")
+    p.add_argument("--max-reply-bytes-per-peer", type=int, default=256 << 20,
+                   help="bytes unread replies may hold on one connection (one reply is always allowed)")
     p.add_argument("--max-calls-per-rank", type=int, default=8, help="data calls in flight naming one rank")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="intra-op threads for the shard's tensor work (0: torch's default); more pays only on a "
@@ -119,12 +133,15 @@ def main(argv: list[str] | None = None) -> int:
 
     limits = ServiceLimits(max_pull_wait=args.max_pull_wait, stream_idle_timeout=args.stream_idle_timeout,
                            max_call_seconds=args.max_call_seconds, max_calls_per_peer=args.max_calls_per_peer,
-                           max_calls_per_rank=args.max_calls_per_rank, receive_buffers=args.receive_buffers)
+                           max_calls_per_rank=args.max_calls_per_rank, receive_buffers=args.receive_buffers,
+                           max_connections=args.max_connections, max_watch_streams=args.max_watch_streams,
+                           max_reply_bytes=args.max_reply_bytes,
+                           max_reply_bytes_per_peer=args.max_reply_bytes_per_peer)
     cfg = ServerConfig(shard=args.shard, host=args.host, port=args.port, limits=limits, health_port=args.health_port,
                        torch_threads=args.torch_threads,
                        chunk_bytes=args.chunk_bytes, lease_timeout=args.lease_timeout,
                        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                       restore=args.restore, nonfinite=args.nonfinite, max_memory=max_memory,
+                       restore=args.restore, nonfinite=args.nonfinite, max_memory=max_memory, insecure=args.insecure,
                        security=ServerSecurity(args.tls_cert, args.tls_key, args.tls_client_ca,
                                                read_token(args.auth_token_file)))
     # Opened before the shard serves: a missing tensorboard package is a start-up error, not a late one.

@@ -58,13 +58,17 @@ class ShardHost:
 
     def __init__(self, shard_id: int, clock: Callable[[], float] = time.monotonic, lease_timeout: float = 5.0,
                  checkpoint_dir: str = "", checkpoint_every: int = 100,
-                 on_change: Callable[[Shard], None] = lambda part: None, budget: MemoryBudget | None = None):
+                 on_change: Callable[[Shard], None] = lambda part: None, budget: MemoryBudget | None = None,
+                 gauges: Callable[[], dict] = dict):
         """``on_change(part)``: handed to every partition this host makes (see ``Shard``); the server's
         wake-up for the calls waiting on ``part``.  The metrics registry is made here, over ``snapshot``:
-        it counts every partition.  ``budget``: what a job may hold here (``--max-memory``; psserver.budget)."""
+        it counts every partition.  ``budget``: what a job may hold here (``--max-memory``; psserver.budget).
+        ``gauges()``: the serving process's own numbers now (the loop's stall, connections, bytes of unread
+        replies), shown with the counters."""
         self.shard_id, self.clock, self.lease_timeout = shard_id, clock, lease_timeout
         self.budget = budget if budget is not None else MemoryBudget()
         self.plan: Plan | None = None  # the running (or admitted) job's: the bytes it reserved
+        self._gauges = gauges
         self._checkpoint_dir, self._checkpoint_every = checkpoint_dir, checkpoint_every
         self._on_change = on_change
         self.metrics = ShardMetrics(shard_id, self.snapshot)
@@ -195,7 +199,7 @@ class ShardHost:
 
     def snapshot(self, index: int = 0) -> StatsSnapshot:
         """Partition ``index``'s stats with every partition's counters summed (one shard's work, however cut),
-        but for OWN_VALUES, which are partition ``index``'s."""
+        but for OWN_VALUES, which are partition ``index``'s; and the process's gauges."""
         snap = self.parts[index].snapshot()
         if len(self.parts) == 1:
             return self._with_memory(snap)
@@ -210,12 +214,12 @@ class ShardHost:
 
     def _with_memory(self, snap: StatsSnapshot) -> StatsSnapshot:
         """Add the budget's numbers: its limit, what the job reserved, the tables' share and what they hold now
-        (the shard's own accounting, not RSS)."""
+        (the shard's own accounting, not RSS); and the serving process's gauges."""
         plan = self.plan
         memory = {"memory_budget_bytes": self.budget.limit, "memory_reserved_bytes": plan.total if plan else 0,
                   "memory_tables_budget_bytes": plan.tables_bytes if plan else 0,
                   "memory_tables_bytes": self.head.tables.memory_bytes()}
-        return replace(snap, counters={**snap.counters, **memory})
+        return replace(snap, counters={**snap.counters, **memory, **self._gauges()})
 
     def heartbeat(self, index: int, rank: int, trainer_id: str, fingerprint: str) -> tuple[int, int]:
         """Renew ``rank``'s lease on partition ``index`` -- and, from partition 0, on every partition it is a

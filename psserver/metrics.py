@@ -104,7 +104,37 @@ class _CounterCollector:
         for kind in MEMORY_KINDS:
             memory.add_metric(label + [kind], c.get(f"memory_{kind}_bytes", 0))
         yield memory
+        yield from _serving_families(s, label)
         yield from _table_families(s)
+
+
+# The serving process's own numbers (psserver.server.build_shard_process's gauges, the counters of
+# psserver.replies): psgrpc_<name>{shard}.
+SERVING_GAUGES = {
+    "loop_stall_seconds": "Longest stall of the event loop over the last 10 to 20 s (the watchdog: a tick every "
+                          "50 ms, how late it ran); the health port turns NOT_SERVING past 10 s.",
+    "loop_stall_worst_seconds": "Longest stall of the event loop since the shard started.",
+    "reply_bytes_held": "Bytes held by reply streams not yet read (capped by --max-reply-bytes).",
+    "connections": "Connections with calls in flight (capped by --max-connections).",
+    "watch_streams": "Health Watch streams open on the main port (capped by --max-watch-streams).",
+}
+SERVING_COUNTERS = {
+    "reply_streams_cut": "Reply streams cut because their reader did not take them within --max-call-seconds.",
+    "refused_connections": "Calls refused because --max-connections connections had calls in flight.",
+    "refused_watch_streams": "Health Watch streams refused past --max-watch-streams.",
+}
+
+
+def _serving_families(s: StatsSnapshot, label: list[str]):
+    c = s.counters
+    for key, doc in SERVING_GAUGES.items():
+        family = GaugeMetricFamily(f"psgrpc_{key}", doc, labels=["shard"])
+        family.add_metric(label, c.get(key, 0))
+        yield family
+    for key, doc in SERVING_COUNTERS.items():
+        family = CounterMetricFamily(f"psgrpc_{key}", doc, labels=["shard"])
+        family.add_metric(label, c.get(key, 0))
+        yield family
 
 
 # psgrpc_table_<name>{shard, table}: the per-table numbers of psserver.sparse.serving (GetStats names them

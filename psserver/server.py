@@ -17,16 +17,17 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from psserver.budget import MemoryBudget
-from psserver.health import LoopWatch, ProbePort
+from psserver.health import CappedHealth, LoopWatch, ProbePort
 from psserver.host import ShardHost
 from psserver.ports import check_bindable
 from psserver.protocol.codec import DEFAULT_CHUNK_BYTES
 from psserver.protocol.optim import warm_up
 from psserver.protocol.security import ServerSecurity
 from psserver.protocol.stubs import SERVICE_NAME
+from psserver.replies import Connections, ReplyLedger
 from psserver.runtime import Runtime, Wakeups
 from psserver.service import ParameterServerService, ServiceLimits, add_service
 
@@ -57,8 +58,10 @@ class ServerConfig:
     torch_threads: int = 1
     health_port: int = -1  # also answer Health on this port from a thread of its own (-1: no; 0: pick one)
     max_memory: int | None = None  # bytes a job may hold (psserver.budget; None: a share of the machine's memory)
+    insecure: bool = False  # serve beyond loopback with neither a token nor mutual TLS (refused otherwise)
 
     def __post_init__(self) -> None:
+        self.security.check_exposed(self.host, self.insecure)
         if self.shard < 0:
             raise ValueError(f"The shard index ({self.shard}) must be zero or more.")
         if not 0 <= self.port < 65536:
@@ -101,29 +104,40 @@ class ShardProcess:
     host: ShardHost  # every partition this process serves, and the metrics registry over them
     runtime: Runtime  # the state worker, receive buffers, waiters, round timer
     service: ParameterServerService  # the gRPC servicer over both
+    watch: LoopWatch  # the event loop's watchdog (and the health port's tick)
 
 
-def build_shard_process(cfg: ServerConfig, loop: asyncio.AbstractEventLoop, loop_thread: int) -> ShardProcess:
+def build_shard_process(cfg: ServerConfig, loop: asyncio.AbstractEventLoop, loop_thread: int,
+                        publish_tick=lambda t: None) -> ShardProcess:
     """The one place a shard's parts are made, each handed what it calls when it is made.
 
-    In the order of what calls what: the wake-ups first (every partition calls them on a change), then the
+    In the order of what calls what: the wake-ups and the serving process's own gauges first (the loop's
+    watchdog, the connections, the bytes held by unread replies: the host's snapshot reads them), then the
     host with them (it makes the partitions and the metrics registry over its own snapshot), restored from
-    its checkpoints if asked, then the runtime over the host and the wake-ups, then the servicer over both.
-    ``loop`` runs on thread ``loop_thread`` and serves the process's calls.
+    its checkpoints if asked, then the runtime over the host and the wake-ups, then the servicer over all.
+    ``loop`` runs on thread ``loop_thread`` and serves the process's calls; ``publish_tick``: the health port's.
     """
     wakeups = Wakeups(loop, loop_thread)
-    host = ShardHost(cfg.shard, lease_timeout=cfg.lease_timeout, checkpoint_dir=cfg.checkpoint_dir,
-                     checkpoint_every=cfg.checkpoint_every, on_change=wakeups.changed,
-                     budget=MemoryBudget(cfg.max_memory))
-    if cfg.restore:
-        host.restore()
+    watch = LoopWatch(loop, publish_tick)
     limits = ServiceLimits(**{**vars(cfg.limits), "max_push_bytes": cfg.max_push_bytes,
                               "chunk_bytes": cfg.chunk_bytes, "nonfinite": cfg.nonfinite})
+    connections = Connections(limits.max_calls_per_peer, limits.max_connections, limits.max_watch_streams,
+                              count=lambda name: host.head.count(name))  # refusals are counted by partition 0
+    replies = ReplyLedger(limits.max_reply_bytes_per_peer, limits.max_reply_bytes)
+
+    def gauges() -> dict[str, float]:
+        return {"reply_bytes_held": replies.held_bytes, "connections": len(connections.calls),
+                "watch_streams": connections.watch_streams, **watch.gauges()}
+
+    host = ShardHost(cfg.shard, lease_timeout=cfg.lease_timeout, checkpoint_dir=cfg.checkpoint_dir,
+                     checkpoint_every=cfg.checkpoint_every, on_change=wakeups.changed,
+                     budget=MemoryBudget(cfg.max_memory), gauges=gauges)
+    if cfg.restore:
+        host.restore()
     runtime = Runtime(host, wakeups, limits.receive_buffers)
-    security = cfg.security
-    service = ParameterServerService(host, runtime, limits,
-                                     authenticated=bool(security.token or security.tls_client_ca))
-    return ShardProcess(host, runtime, service)
+    service = ParameterServerService(host, runtime, limits, authenticated=cfg.security.authenticates,
+                                     connections=connections, replies=replies)
+    return ShardProcess(host, runtime, service, watch)
 
 
 class ShardServer:
@@ -143,7 +157,6 @@ class ShardServer:
         self._stopped = False
 
     def start(self) -> "ShardServer":
-        self.cfg.security.warn_if_exposed(self.cfg.host)
         # Our one line for a port in use, before gRPC's C core logs its own (add_port.cc) and anything starts.
         check_bindable(self.cfg.host, self.cfg.port, "--port")
         if self.cfg.health_port > 0:
@@ -156,13 +169,14 @@ class ShardServer:
                                         daemon=True)
         self._thread.start()
         try:
-            process = build_shard_process(self.cfg, self._loop, self._thread.ident)  # a --restore's reading too
-            self.shard, self.runtime = process.host, process.runtime
+            if self.cfg.health_port >= 0:  # started first: the loop's watchdog publishes its ticks to it
+                self.probe_port = ProbePort(self.cfg.host, self.cfg.health_port)
+            process = build_shard_process(self.cfg, self._loop, self._thread.ident,  # a --restore's reading too
+                                          self.probe_port.publish_tick if self.probe_port else lambda t: None)
+            self.shard, self.runtime, self._watch = process.host, process.runtime, process.watch
             tune_gc()
             self.port = asyncio.run_coroutine_threadsafe(self._start(process.service), self._loop).result(START_TIMEOUT)
-            if self.cfg.health_port >= 0:
-                self.probe_port = ProbePort(self.cfg.host, self.cfg.health_port)
-                self._watch = LoopWatch(self._loop, self.probe_port.publish_tick)
+            if self.probe_port is not None:
                 self.probe_port.set_serving(True)
                 self.health_port = self.probe_port.port
                 log.info("shard %d answers health checks on %s:%d too (a process of its own)", self.cfg.shard,
@@ -193,7 +207,7 @@ class ShardServer:
             interceptors=self.cfg.security.aio_interceptors(lambda method: self.shard.count("refused_UNAUTHENTICATED")),
         )
         add_service(service, self.server)
-        self.health = health.aio.HealthServicer()
+        self.health = CappedHealth(service.connections)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         address = f"{self.cfg.host}:{self.cfg.port}"
         creds = self.cfg.security.credentials()
@@ -226,8 +240,7 @@ class ShardServer:
         try:
             asyncio.run_coroutine_threadsafe(self._stop(grace), self._loop).result(grace + START_TIMEOUT)
         finally:
-            if self.probe_port is not None:
-                self._watch.stop()
+            self._watch.stop()
             self._close_loop(before_close=self.runtime.shutdown)  # the state worker finishes what it runs
             if self.probe_port is not None:
                 self.probe_port.stop()

@@ -65,6 +65,7 @@ from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rows.errors import WrongShape
 from psserver.protocol.rows.wire import row_chunks
 from psserver.protocol.rules import STALE
+from psserver.replies import Connections, ReplyCut, ReplyLedger, ReplyStream
 from psserver.runtime import Runtime
 from psserver.shard import PushResult, Shard
 from psserver.sparse.serving import RowsPush
@@ -88,7 +89,11 @@ class ServiceLimits:
     max_pull_wait: float = 600.0  # longest a pull waits for a version
     stream_idle_timeout: float = 30.0  # a stream that sends nothing this long is ended
     max_call_seconds: float = 900.0  # no call lives longer, whatever deadline its client set
-    max_calls_per_peer: int = 64  # data calls in flight on one connection
+    max_calls_per_peer: int = 64  # data calls (and health Watch streams) in flight on one connection
+    max_connections: int = 4096  # connections with calls in flight (MAX_TRAINERS: one connection per trainer)
+    max_watch_streams: int = 64  # health Watch streams open on the main port
+    max_reply_bytes_per_peer: int = 256 << 20  # bytes of unread replies one connection may hold (one always)
+    max_reply_bytes: int = 1 << 30  # bytes of unread replies the shard may hold (one reply always)
     max_calls_per_rank: int = 8  # data calls in flight naming one rank
     min_chunk_bytes: int = limits.MIN_CHUNK_BYTES  # every chunk of a stream but the last carries at least this
     receive_buffers: int = 8  # slice-sized receive buffers at least (more while they fit in 256 MB); pushes beyond
@@ -103,7 +108,8 @@ class ServiceLimits:
             if not 0 < value <= limits.MAX_SYNC_TIMEOUT:
                 raise ValueError(f"The {name.replace('_', ' ')} ({value} s) must be between 0 and "
                                  f"{limits.MAX_SYNC_TIMEOUT:.0f} seconds.")
-        for name in ("max_calls_per_peer", "max_calls_per_rank", "receive_buffers"):
+        for name in ("max_calls_per_peer", "max_calls_per_rank", "receive_buffers", "max_connections",
+                     "max_watch_streams", "max_reply_bytes_per_peer", "max_reply_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"The {name.replace('_', ' ')} ({getattr(self, name)}) must be at least 1.")
 
@@ -155,6 +161,30 @@ def _refusals(method):
                 self.refusal_log.warning(f"{method.__name__}:{code.name}", "shard %d: %s refused with %s: %s",
                                          self.shard.shard_id, method.__name__, code.name, e)
             await context.abort(code, str(e))
+
+    return wrapper
+
+
+def _reply_stream(method):
+    """Every server-streaming handler (Pull, PullRows, PushPull; wrap new ones the same way, inside
+    ``_refusals``): a call of its connection, a ``ReplyStream`` for a context -- writes that end at the call's
+    deadline, bytes held counted per connection and for the shard -- and, when a reader stalled past the
+    deadline, DEADLINE_EXCEEDED, counted (``reply_streams_cut``) and logged at a bounded rate.  The connection's
+    call and the message gRPC still holds stay counted until that status is out (or the client is gone)."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        with self._peer_slot(context):
+            stream = ReplyStream(context, self._deadline(context), self.replies)
+            try:
+                return await method(self, request, stream)
+            except ReplyCut as e:
+                self.shard.count("reply_streams_cut")
+                self.refusal_log.warning(f"{method.__name__}:cut", "shard %d: %s reply to %s cut: %s",
+                                         self.shard.shard_id, method.__name__, shorten(stream.peer_name), e)
+                await context.abort(e.code, str(e))
+            finally:
+                stream.close()
 
     return wrapper
 
@@ -231,14 +261,19 @@ def _check_header_fields(h: _pb.ChunkHeader) -> None:
 
 class ParameterServerService:
     def __init__(self, host: ShardHost, runtime: Runtime, cfg: ServiceLimits = ServiceLimits(),
-                 authenticated: bool = False):
+                 authenticated: bool = False, connections: Connections | None = None,
+                 replies: ReplyLedger | None = None):
         # Dense calls go to the partition they name (psserver.host); counters, refusals and the sparse tables
         # are partition 0's, ``self.shard``.  ``authenticated``: every caller proved itself before reaching
         # here (a token or mutual TLS), so members-only answers (a state digest) need no membership.
         self.host, self.shard, self.runtime, self.cfg = host, host.head, runtime, cfg
         self.authenticated = authenticated
         self.refusal_log = RateLimitedLog(log)
-        self._per_peer: dict[str, int] = {}
+        # Calls per connection and connections (shared with the health service's Watch streams), and the bytes
+        # unread replies hold (psserver.replies; made by psserver.server.build_shard_process, which reads them).
+        self.connections = connections or Connections(cfg.max_calls_per_peer, cfg.max_connections,
+                                                      cfg.max_watch_streams, self.shard.count)
+        self.replies = replies or ReplyLedger(cfg.max_reply_bytes_per_peer, cfg.max_reply_bytes)
         self._per_rank: dict[tuple[int, int], int] = {}  # (rank, partition) -> calls in flight
 
     # ------------------------------------------------------------------ limits
@@ -256,9 +291,8 @@ class ParameterServerService:
                 del table[key]
 
     def _peer_slot(self, context):
-        peer = context.peer() or "?"
-        return self._slot(self._per_peer, peer, self.cfg.max_calls_per_peer,
-                          f"connection {shorten(peer)} (--max-calls-per-peer)")
+        """One call of the caller's connection (--max-calls-per-peer, --max-connections)."""
+        return self.connections.call(context.peer() or "?")
 
     def _rank_slot(self, rank: int, partition: int = 0):
         """Per rank and partition: a trainer of a partitioned job has one push in flight per partition."""
@@ -335,7 +369,7 @@ class ParameterServerService:
     # ------------------------------------------------------------------ streams in
     @_refusals
     async def Init(self, request_iterator, context):
-        async with self._peer_slot(context):
+        with self._peer_slot(context):
             reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self._deadline(context))
             first, h = await reader.first_header()
             _check_header_fields(h)
@@ -349,20 +383,20 @@ class ParameterServerService:
 
     @_refusals
     async def Push(self, request_iterator, context):
-        async with self._peer_slot(context):
+        with self._peer_slot(context):
             _, r = await self._receive_push(request_iterator, context, stale_as_result=False)
             return _pb.PushReply(outcome=_OUTCOMES[r.outcome], version=r.version, staleness=r.staleness)
 
     @_refusals
-    async def PushPull(self, request_iterator, context):
+    @_reply_stream
+    async def PushPull(self, request_iterator, context: ReplyStream):
         """Push, then stream the weights of the version the trainer waits for next (see ps.proto)."""
-        async with self._peer_slot(context):
-            h, r = await self._receive_push(request_iterator, context, stale_as_result=True)
-            part = self.host.part(h.partition)
-            wanted = modes.reply_version(part.mode_config(), r.outcome, h.version, r.version)
-            await self._stream_weights(part, h.rank, h.trainer_id, h.fingerprint, wanted, part.wire_dtype(),
-                                       context, outcome=_OUTCOMES[r.outcome], staleness=r.staleness,
-                                       partition=h.partition)
+        h, r = await self._receive_push(request_iterator, context, stale_as_result=True)
+        part = self.host.part(h.partition)
+        wanted = modes.reply_version(part.mode_config(), r.outcome, h.version, r.version)
+        await self._stream_weights(part, h.rank, h.trainer_id, h.fingerprint, wanted, part.wire_dtype(),
+                                   context, outcome=_OUTCOMES[r.outcome], staleness=r.staleness,
+                                   partition=h.partition)
 
     async def _receive_push(self, request_iterator, context, stale_as_result: bool):
         """Bound, identify, read and hand one pushed gradient to the shard: (header, PushResult)."""
@@ -424,20 +458,20 @@ class ParameterServerService:
 
     # ------------------------------------------------------------------ streams out
     @_refusals
-    async def Pull(self, request, context):
+    @_reply_stream
+    async def Pull(self, request, context: ReplyStream):
         request = _decoded(request)
-        async with self._peer_slot(context):
-            _check_identity(request)
-            part = self.host.part(request.partition)
-            wire = request.dtype or part.wire_dtype()
-            if wire not in (_pb.FLOAT32, part.wire_dtype()):
-                raise InvalidRequest(
-                    f"pull dtype is {wire} but this job sends {part.wire_dtype()} (or FLOAT32)")
-            await self._stream_weights(part, request.rank, request.trainer_id, request.fingerprint,
-                                       request.min_version, wire, context, partition=request.partition)
+        _check_identity(request)
+        part = self.host.part(request.partition)
+        wire = request.dtype or part.wire_dtype()
+        if wire not in (_pb.FLOAT32, part.wire_dtype()):
+            raise InvalidRequest(
+                f"pull dtype is {wire} but this job sends {part.wire_dtype()} (or FLOAT32)")
+        await self._stream_weights(part, request.rank, request.trainer_id, request.fingerprint,
+                                   request.min_version, wire, context, partition=request.partition)
 
     async def _stream_weights(self, part: Shard, rank: int, trainer_id: str, fingerprint: str, min_version: int,
-                              wire: int, context, **reply_fields) -> None:
+                              wire: int, context: ReplyStream, **reply_fields) -> None:
         """Wait (an awaited future, no thread) for ``min_version``, then stream the weights in chunks."""
         part.check_member(rank, trainer_id, fingerprint)
         loop = asyncio.get_running_loop()
@@ -452,39 +486,44 @@ class ParameterServerService:
             raise ShuttingDown(f"shard {self.shard.shard_id} is shutting down")
         version, snapshot = await self.runtime.acquire_snapshot(part, rank, trainer_id, fingerprint, wire)
         try:
-            self.shard.count("bytes_out", snapshot.numel() * snapshot.element_size())
+            nbytes = snapshot.numel() * snapshot.element_size()
+            # One buffer however many pulls stream it: counted once for the shard (and once per connection).
+            context.hold(("snapshot", snapshot.data_ptr(), nbytes), nbytes)
+            self.shard.count("bytes_out", nbytes)
             header = _pb.ChunkHeader(dtype=wire, length=snapshot.numel(), version=version, wait_seconds=waited,
                                      membership_epoch=part.epoch_number(version), **reply_fields)
             for chunk in encode_raw(snapshot, header, self.cfg.chunk_bytes):
-                await context.write(chunk)
+                await context.write(chunk, self.cfg.chunk_bytes)
         finally:
             part.release_snapshot(snapshot)
 
     # ------------------------------------------------------------------ sparse tables
     @_refusals
-    async def PullRows(self, request, context):
+    @_reply_stream
+    async def PullRows(self, request, context: ReplyStream):
         """The rows of unique ids of one table, in request order, once the table reached min_version."""
         request = _decoded(request)
-        async with self._peer_slot(context):
-            _check_identity(request)
-            self.shard.check_member(request.rank, request.trainer_id, request.fingerprint)
-            table = self.shard.tables.get(request.table)
-            ids = _decode_ids(request.ids)
-            _check_pull_bytes(len(ids), table.spec.dim, self.cfg.max_push_bytes)  # the reply, before any row exists
-            if table.small_work(len(ids) * table.spec.dim, INLINE_ROW_ELEMENTS):
-                table.check_ids(ids)  # before waiting: a refusal is not worth a wait
-            else:  # unique + placement of up to 2^20 ids: off the loop
-                await self.runtime.offload(table.check_ids, ids)
-            table.check_wait(request.rank, request.min_version)  # a restarted shard would never answer
-            waited = await self._wait_table(request.table, request.min_version, context)
-            table = self.shard.tables.get(request.table)  # a new job may have replaced the tables meanwhile
-            version, rows = await self._run_rows(
-                table, len(ids) * table.spec.dim, self.shard.pull_rows, request.rank, request.trainer_id,
-                request.fingerprint, request.table, ids)
-            header = _pb.RowsHeader(table=request.table, version=version, num_ids=len(ids), dim=table.spec.dim,
-                                    wait_seconds=waited)
-            for chunk in row_chunks(rows, header, self.cfg.chunk_bytes):
-                await context.write(chunk)
+        _check_identity(request)
+        self.shard.check_member(request.rank, request.trainer_id, request.fingerprint)
+        table = self.shard.tables.get(request.table)
+        ids = _decode_ids(request.ids)
+        # the reply, before any row exists (and under the cap a trainer splits its pulls by)
+        _check_pull_bytes(len(ids), table.spec.dim, min(self.cfg.max_push_bytes, limits.MAX_ROWS_REPLY_BYTES))
+        if table.small_work(len(ids) * table.spec.dim, INLINE_ROW_ELEMENTS):
+            table.check_ids(ids)  # before waiting: a refusal is not worth a wait
+        else:  # unique + placement of up to 2^20 ids: off the loop
+            await self.runtime.offload(table.check_ids, ids)
+        table.check_wait(request.rank, request.min_version)  # a restarted shard would never answer
+        waited = await self._wait_table(request.table, request.min_version, context)
+        table = self.shard.tables.get(request.table)  # a new job may have replaced the tables meanwhile
+        context.hold(("rows", id(request)), len(ids) * table.spec.dim * 4)  # before the rows are gathered
+        version, rows = await self._run_rows(
+            table, len(ids) * table.spec.dim, self.shard.pull_rows, request.rank, request.trainer_id,
+            request.fingerprint, request.table, ids)
+        header = _pb.RowsHeader(table=request.table, version=version, num_ids=len(ids), dim=table.spec.dim,
+                                wait_seconds=waited)
+        for chunk in row_chunks(rows, header, self.cfg.chunk_bytes):
+            await context.write(chunk, self.cfg.chunk_bytes)
 
     async def _wait_table(self, name: str, min_version: int, context) -> float:
         """Wait (an awaited future, no thread) until table ``name`` reaches ``min_version``; seconds waited."""
@@ -518,7 +557,7 @@ class ParameterServerService:
     @_refusals
     async def PushRows(self, request_iterator, context):
         """Summed gradient rows of unique ids for one table (see ps.proto and psserver.sparse.serving)."""
-        async with self._peer_slot(context):
+        with self._peer_slot(context):
             reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self._deadline(context))
             first = _decoded(await reader.next() or _Undecodable(ValueError("the stream is empty")))
             if not first.HasField("header"):
@@ -570,10 +609,11 @@ def _decode_ids(raw: bytes) -> torch.Tensor:
 
 
 def _check_pull_bytes(n: int, dim: int, max_bytes: int) -> None:
-    """Refuse a row pull whose reply (and the rows it may create) would pass the shard's per-call byte limit."""
+    """Refuse a row pull whose reply (and the rows it may create) would pass the shard's per-call byte limit
+    (limits.MAX_ROWS_REPLY_BYTES, or --max-push-bytes if lower)."""
     if n * dim * 4 > max_bytes:
         raise TooLarge(f"the pull asks for {n} rows of dim {dim} ({n * dim * 4} bytes), over this shard's limit "
-                       f"of {max_bytes} bytes")
+                       f"of {max_bytes} bytes for one PullRows reply: split the ids")
 
 
 def _check_rows_declared(h: _pb.RowsHeader, dim: int, max_bytes: int) -> None:

@@ -91,5 +91,9 @@ MAX_TABLE_ROWS = 1 << 32
 # created and gathered on the state worker, never on the event loop (psserver.service: ServedTable.small_work
 # decides); docs/memory.md.
 MAX_IDS_PER_CALL = 1 << 20
+# Bytes of rows in one PullRows reply (ids x dim x 4): a reply is held whole until its reader took it, so a
+# few stalled readers must not pin gigabytes.  2**20 ids of dim 16 fit; a trainer splits a bigger pull
+# (trainer.sparse_client), and a shard refuses one RESOURCE_EXHAUSTED naming both sizes.
+MAX_ROWS_REPLY_BYTES = 64 << 20
 # Sightings an id needs before its row is stored (admit_after).
 MAX_ADMIT_AFTER = 1 << 16

@@ -82,10 +82,25 @@ class ServerSecurity:
         """The same check for a grpc.aio server."""
         return [AioTokenInterceptor(self.token, on_refusal)] if self.token else []
 
-    def warn_if_exposed(self, host: str) -> None:
-        if not is_loopback(host) and not self.tls_cert and not self.token:
-            log.warning("listening on %s beyond loopback with neither TLS nor a token: anyone who can reach "
-                        "this port can push gradients (see docs/security.md)", host)
+    @property
+    def authenticates(self) -> bool:
+        """Every caller proves itself: a shared token or a client certificate (mutual TLS)."""
+        return bool(self.token or self.tls_client_ca)
+
+    def check_exposed(self, host: str, insecure: bool) -> None:
+        """Refuse to serve beyond loopback without authenticating callers, unless ``insecure`` says so (then warn).
+
+        Raises:
+            ValueError: one line naming the host and what to give (ps-server prints it as its error).
+        """
+        if is_loopback(host) or self.authenticates:
+            return
+        if not insecure:
+            raise ValueError(f"--host {host} listens beyond loopback but no caller is authenticated: give "
+                             "--auth-token-file (or $PS_AUTH_TOKEN) or mutual TLS (--tls-client-ca), or --insecure "
+                             "on a network you trust (docs/security.md says what a stranger can do then)")
+        log.warning("listening on %s beyond loopback with neither a token nor mutual TLS (--insecure): anyone "
+                    "who can reach this port can join the job and push gradients (docs/security.md)", host)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,206 @@
+"""Reply streams, bounded in time and in memory, and the connections that may open them.
+
+Why a room of its own: a server-streaming reply (Pull, PullRows, PushPull, any new one) holds memory -- the
+snapshot it streams, the rows it gathered -- until its client has taken the last chunk.  A client that stops
+reading would hold it for ever: ``await context.write`` waits on HTTP/2 flow control, and no deadline of the
+shard's ran past that point.  Here:
+
+* ``ReplyStream`` wraps a call's context: each ``write`` is bounded by the call's deadline (``--max-call-seconds``
+  or the client's, the earlier), so a stalled reader is cut with DEADLINE_EXCEEDED (``ReplyCut``) and the
+  handler's ``finally`` releases what it held.
+* ``ReplyLedger`` counts the bytes reply streams hold, per connection and for the shard, with caps: a reply
+  that would pass one is refused RESOURCE_EXHAUSTED (``OverReplyCap``) naming the cap and the bytes held.  A
+  snapshot streamed by many pulls is one buffer, so it is counted once (by key); a connection or a shard that
+  holds nothing is always allowed one reply, so a slice larger than a cap can still be pulled.
+* ``Connections`` counts the calls in flight per connection (``--max-calls-per-peer``), the connections with
+  calls in flight (``--max-connections``) and health ``Watch`` streams (``--max-watch-streams``).
+
+Refused, not queued: a legitimate trainer holds one reply per connection (a partitioned trainer has a
+connection per partition), so a cap is reached only by clients that do not read what they asked for.
+This module must not import torch (psserver.health, which imports nothing heavy, uses ``Connections``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import contextmanager
+from typing import Callable, Hashable
+
+from psserver.common.logsafe import counted, shorten
+from psserver.protocol.errors import StreamTimeout, TooBusy
+
+
+class ReplyCut(StreamTimeout):
+    """A reply stream's reader did not take its chunks before the call's deadline (DEADLINE_EXCEEDED)."""
+
+
+class OverReplyCap(TooBusy):
+    """A reply would pass a cap on bytes held for unread replies (RESOURCE_EXHAUSTED)."""
+
+
+class TooManyConnections(TooBusy):
+    """A call from a further connection while ``--max-connections`` have calls in flight (RESOURCE_EXHAUSTED)."""
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+class ReplyLedger:
+    """Bytes held by reply streams not yet read, per connection and for the shard (on the event loop only)."""
+
+    def __init__(self, per_peer_cap: int, shard_cap: int):
+        self.per_peer_cap, self.shard_cap = per_peer_cap, shard_cap
+        self.held_bytes = 0
+        self._keys: dict[Hashable, list] = {}  # key -> [bytes, holds] for the shard
+        self._peers: dict[str, dict[Hashable, int]] = {}  # peer -> key -> holds
+        self._peer_bytes: dict[str, int] = {}
+
+    def peer_bytes(self, peer: str) -> int:
+        return self._peer_bytes.get(peer, 0)
+
+    def hold(self, peer: str, key: Hashable, nbytes: int, force: bool = False) -> tuple[str, Hashable]:
+        """Count ``nbytes`` under ``key`` for ``peer`` (nothing more if the key is held already); hand the
+        result back to ``release``.  Raises OverReplyCap naming the cap and the bytes held (unless ``force``:
+        memory already held, counted so that it shows)."""
+        mine = self._peers.get(peer, {})
+        new_shard = 0 if key in self._keys else nbytes
+        new_peer = 0 if key in mine else nbytes
+        held_peer = self.peer_bytes(peer)
+        if not force and new_peer and held_peer and held_peer + new_peer > self.per_peer_cap:
+            raise OverReplyCap(
+                f"connection {shorten(peer)} holds {_mib(held_peer)} of unread replies; {_mib(new_peer)} more "
+                f"would pass the cap of {_mib(self.per_peer_cap)} (--max-reply-bytes-per-peer): read the replies "
+                "you asked for first")
+        if not force and new_shard and self.held_bytes and self.held_bytes + new_shard > self.shard_cap:
+            raise OverReplyCap(
+                f"the shard holds {_mib(self.held_bytes)} of unread replies; {_mib(new_shard)} more would pass "
+                f"the cap of {_mib(self.shard_cap)} (--max-reply-bytes)")
+        entry = self._keys.setdefault(key, [nbytes, 0])
+        entry[1] += 1
+        self.held_bytes += new_shard
+        mine = self._peers.setdefault(peer, mine)
+        mine[key] = mine.get(key, 0) + 1
+        self._peer_bytes[peer] = held_peer + new_peer
+        return peer, key
+
+    def release(self, token: tuple[str, Hashable]) -> None:
+        peer, key = token
+        entry, mine = self._keys[key], self._peers[peer]
+        mine[key] -= 1
+        if not mine[key]:
+            del mine[key]
+            self._peer_bytes[peer] -= entry[0]
+            if not mine:
+                del self._peers[peer], self._peer_bytes[peer]
+        entry[1] -= 1
+        if not entry[1]:
+            del self._keys[key]
+            self.held_bytes -= entry[0]
+
+
+class ReplyStream:
+    """A server-streaming call's context whose writes end at ``deadline`` (loop time) and whose held bytes are
+    counted in ``ledger`` until ``close``.  Everything else (``peer``, ``abort``, metadata) is the context's."""
+
+    def __init__(self, context, deadline: float, ledger: ReplyLedger):
+        self._context, self._deadline, self._ledger = context, deadline, ledger
+        self.peer_name = context.peer() or "?"
+        self._holds: list = []
+        self._fired = False
+
+    def __getattr__(self, name):
+        return getattr(self._context, name)
+
+    def hold(self, key: Hashable, nbytes: int, force: bool = False):
+        """Count ``nbytes`` of memory this reply pins (see ReplyLedger.hold); released by ``release`` or
+        ``close``, whichever comes first."""
+        token = self._ledger.hold(self.peer_name, key, nbytes, force)
+        self._holds.append(token)
+        return token
+
+    def release(self, token) -> None:
+        if token in self._holds:
+            self._holds.remove(token)
+            self._ledger.release(token)
+
+    def close(self) -> None:
+        while self._holds:
+            self._ledger.release(self._holds.pop())
+
+    def _fire(self, task: asyncio.Task) -> None:
+        self._fired = True
+        task.cancel()
+
+    async def write(self, message, nbytes: int = 0) -> None:
+        """``context.write`` that ends at the deadline: the reader stalled (flow control held the write) or the
+        call is past its time.  ``nbytes``: the message's size, counted as held while gRPC holds it after a cut."""
+        loop = asyncio.get_running_loop()
+        left = self._deadline - loop.time()
+        if left <= 0:
+            raise ReplyCut(self._cut_message())
+        timer = loop.call_later(left, self._fire, asyncio.current_task())
+        try:
+            await self._context.write(message)
+        except asyncio.CancelledError:
+            if not self._fired:
+                raise  # the client went away: gRPC cancelled the call
+            task = asyncio.current_task()
+            if hasattr(task, "uncancel"):  # Python 3.11+: clear the cancellation this timer requested
+                task.uncancel()
+            # gRPC still holds the message it could not send; it is counted until the status goes out.
+            self.hold(("in-flight", id(self)), nbytes, force=True)
+            raise ReplyCut(self._cut_message()) from None
+        finally:
+            timer.cancel()
+
+    def _cut_message(self) -> str:
+        return ("the reader did not take the reply before the call's deadline: the shard ends reply streams "
+                "still unread at --max-call-seconds (or the client's deadline, if earlier)")
+
+
+class Connections:
+    """Calls in flight per connection, connections with calls in flight, and health Watch streams (on the
+    event loop only).  ``count(name)``: the shard's counter, for each refusal."""
+
+    def __init__(self, max_calls_per_peer: int, max_connections: int, max_watch_streams: int,
+                 count: Callable[[str], None] = lambda name: None):
+        self.max_calls_per_peer, self.max_connections = max_calls_per_peer, max_connections
+        self.max_watch_streams, self._count = max_watch_streams, count
+        self.calls: dict[str, int] = {}
+        self.watch_streams = 0
+
+    @contextmanager
+    def call(self, peer: str):
+        """One call of ``peer`` in flight: refused TooBusy past the per-connection cap, TooManyConnections when
+        ``peer`` is a further connection past ``--max-connections``."""
+        held = self.calls.get(peer, 0)
+        if held >= self.max_calls_per_peer:
+            self._count("refused_over_limit")
+            raise TooBusy(f"connection {shorten(peer)} already has {counted(held, 'call')} in flight, the limit is "
+                          f"{self.max_calls_per_peer} (--max-calls-per-peer)")
+        if not held and len(self.calls) >= self.max_connections:
+            self._count("refused_connections")
+            raise TooManyConnections(f"{len(self.calls)} connections have calls in flight, the limit is "
+                                     f"{self.max_connections} (--max-connections): call again later")
+        self.calls[peer] = held + 1
+        try:
+            yield
+        finally:
+            self.calls[peer] -= 1
+            if not self.calls[peer]:
+                del self.calls[peer]
+
+    @contextmanager
+    def watch(self, peer: str):
+        """One health Watch stream of ``peer``: a call of its connection too, and one of ``--max-watch-streams``."""
+        if self.watch_streams >= self.max_watch_streams:
+            self._count("refused_watch_streams")
+            raise TooBusy(f"{counted(self.watch_streams, 'health Watch stream')} are open, the limit is "
+                          f"{self.max_watch_streams} (--max-watch-streams): use Check, or Watch later")
+        with self.call(peer):
+            self.watch_streams += 1
+            try:
+                yield
+            finally:
+                self.watch_streams -= 1
