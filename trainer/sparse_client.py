@@ -45,6 +45,7 @@ import torch
 
 from psserver.protocol.codec import DEFAULT_CHUNK_BYTES
 from psserver.protocol.job import JobSpec, table_mode
+from psserver.protocol.limits import MAX_ROWS_REPLY_BYTES
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rows.placement import shard_of
 from psserver.protocol.rows.table import TableSpec
@@ -206,8 +207,29 @@ class ShardedRows:
         self._lanes[(shard, table)].base = version
 
     def _fetch(self, s: ShardClient, table: str, dim: int, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """One shard's rows and the table version they reflect (sync: after this trainer's last push)."""
+        """One shard's rows and the table version they reflect (sync: after this trainer's last push), in calls
+        of at most MAX_ROWS_REPLY_BYTES of rows each (the shard refuses a bigger reply); the version is then the
+        oldest of the calls' (a push's base: staleness is not understated)."""
         lane = self._lanes[(s.index, table)]
+        per_call = max(1, MAX_ROWS_REPLY_BYTES // (dim * 4))
+        pieces = [self._pull_piece(s, table, lane, ids[i:i + per_call]) for i in range(0, len(ids), per_call)]
+        version, raw = min(v for v, _ in pieces), b"".join(r for _, r in pieces)
+        if len(raw) != len(ids) * dim * 4:
+            raise ValueError(f"shard {s.index} sent {len(raw)} bytes of rows for {len(ids)} ids of dim {dim}")
+        with self._lock:
+            if version < lane.version:  # a running shard never goes back: restored from an older checkpoint
+                self.counters["versions_lost"] += lane.version - version
+                log.warning("table %r on shard %d is at version %d, behind the %d this trainer saw: the shard "
+                            "was restored from an older checkpoint; %d versions lost", table, s.index, version,
+                            lane.version, lane.version - version)
+                lane.version = version
+            lane.version = max(lane.version, version)
+            self.counters.update(bytes_pulled=len(raw) + 8 * len(ids), rows_pulled=len(ids),
+                                 row_pull_calls=len(pieces))
+        return torch.from_numpy(np.frombuffer(raw, dtype=np.float32).copy()).view(len(ids), dim), version
+
+    def _pull_piece(self, s: ShardClient, table: str, lane: _Lane, ids: torch.Tensor) -> tuple[int, bytes]:
+        """One PullRows call: (the table's version, the rows' bytes)."""
         sync = self.modes[table] != Mode.ASYNC
         req = _pb.PullRowsRequest(rank=s.rank, trainer_id=s.trainer_id, fingerprint=s.fingerprint, table=table,
                                   min_version=lane.wait_for if sync else 0,
@@ -219,19 +241,7 @@ class ShardedRows:
             raw = b"".join([first.rows, *(c.rows for c in chunks)])
             return first.header.version, raw
 
-        version, raw = self._call(s, "PullRows", once)
-        if len(raw) != len(ids) * dim * 4:
-            raise ValueError(f"shard {s.index} sent {len(raw)} bytes of rows for {len(ids)} ids of dim {dim}")
-        with self._lock:
-            if version < lane.version:  # a running shard never goes back: restored from an older checkpoint
-                self.counters["versions_lost"] += lane.version - version
-                log.warning("table %r on shard %d is at version %d, behind the %d this trainer saw: the shard "
-                            "was restored from an older checkpoint; %d versions lost", table, s.index, version,
-                            lane.version, lane.version - version)
-                lane.version = version
-            lane.version = max(lane.version, version)
-            self.counters.update(bytes_pulled=len(raw) + len(req.ids), rows_pulled=len(ids))
-        return torch.from_numpy(np.frombuffer(raw, dtype=np.float32).copy()).view(len(ids), dim), version
+        return self._call(s, "PullRows", once)
 
     # -- push ---------------------------------------------------------------------------------------
     def push(self, table: str, ids: torch.Tensor, grads: torch.Tensor, num_samples: int) -> None:
