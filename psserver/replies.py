@@ -107,6 +107,7 @@ class ReplyStream:
         self._context, self._deadline, self._ledger = context, deadline, ledger
         self.peer_name = context.peer() or "?"
         self._holds: list = []
+        self._in_flight = None  # the message gRPC still holds after a cut, counted until the status is out
         self._fired = False
 
     def __getattr__(self, name):
@@ -124,9 +125,16 @@ class ReplyStream:
             self._holds.remove(token)
             self._ledger.release(token)
 
-    def close(self) -> None:
+    def release_held(self) -> None:
+        """The handler ended: what it held is free (its snapshot, its rows), all but a cut's in-flight message."""
         while self._holds:
             self._ledger.release(self._holds.pop())
+
+    def close(self) -> None:
+        self.release_held()
+        if self._in_flight is not None:
+            self._ledger.release(self._in_flight)
+            self._in_flight = None
 
     def _fire(self, task: asyncio.Task) -> None:
         self._fired = True
@@ -149,7 +157,7 @@ class ReplyStream:
             if hasattr(task, "uncancel"):  # Python 3.11+: clear the cancellation this timer requested
                 task.uncancel()
             # gRPC still holds the message it could not send; it is counted until the status goes out.
-            self.hold(("in-flight", id(self)), nbytes, force=True)
+            self._in_flight = self._ledger.hold(self.peer_name, ("in-flight", id(self)), nbytes, force=True)
             raise ReplyCut(self._cut_message()) from None
         finally:
             timer.cancel()

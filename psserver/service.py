@@ -179,6 +179,7 @@ def _reply_stream(method):
             try:
                 return await method(self, request, stream)
             except ReplyCut as e:
+                stream.release_held()  # the handler's snapshot or rows are free now; the status may wait
                 self.shard.count("reply_streams_cut")
                 self.refusal_log.warning(f"{method.__name__}:cut", "shard %d: %s reply to %s cut: %s",
                                          self.shard.shard_id, method.__name__, shorten(stream.peer_name), e)

@@ -121,10 +121,18 @@ def test_trainer_api_over_mutual_tls_with_token(pki, start):
     assert not torch.equal(before, model.fc1.weight)
 
 
-def test_listening_beyond_loopback_without_protection_warns(start, caplog):
+def test_listening_beyond_loopback_without_a_token_or_mutual_tls_is_refused_unless_insecure(start, caplog):
+    with pytest.raises(ValueError, match="listens beyond loopback but no caller is authenticated"):
+        start(ServerSecurity(), host="0.0.0.0")
     caplog.set_level(logging.WARNING)
-    start(ServerSecurity(), host="0.0.0.0")
-    assert "beyond loopback with neither TLS nor a token" in caplog.text
+    s = ShardServer(ServerConfig(shard=0, host="0.0.0.0", port=0, insecure=True,
+                                 limits=ServiceLimits(min_chunk_bytes=256))).start()
+    try:
+        assert "beyond loopback with neither a token nor mutual TLS (--insecure)" in caplog.text
+        with grpc.insecure_channel(f"127.0.0.1:{s.port}") as channel:
+            assert stats(channel).shard == 0
+    finally:
+        s.stop(grace=0)
     caplog.clear()
     start(ServerSecurity(token=TOKEN), host="0.0.0.0")
     assert "beyond loopback" not in caplog.text
