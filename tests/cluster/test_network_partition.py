@@ -23,7 +23,7 @@ def test_cut_trainer_is_dropped_after_the_lease_and_rejoins_when_the_link_heals(
     try:
         for i in range(2):
             procs.append(start_shard(i, tmp_path / f"shard{i}.log", host="0.0.0.0", port=7000,
-                                     extra_args=["--lease-timeout", str(LEASE)], prefix=hosts.prefix(f"shard{i}")))
+                                     extra_args=["--lease-timeout", str(LEASE), "--insecure"], prefix=hosts.prefix(f"shard{i}")))
         metrics = [tmp_path / f"t{r}.jsonl" for r in range(2)]
         trainers = [start_trainer(r, "shard0:7000,shard1:7000", tmp_path / f"t{r}.log",
                                   ["--num-trainers", "2", "--mode", "sync", "--model", "mlp", "--dataset", "synthetic",

@@ -94,3 +94,31 @@ def test_every_variable_the_kubernetes_manifests_set_names_a_flag_of_the_cli_the
         env = {e["name"] for e in docs[kind]["spec"]["template"]["spec"]["containers"][0]["env"]}
         unknown = {n for n in env if n.startswith("PS_")} - flag_variables(prog)
         assert not unknown, f"the {kind} sets {sorted(unknown)}, which {prog} does not read"
+
+
+def _starts_beyond_loopback(env: dict) -> bool:
+    """Whether a shard with these variables passes ps-server's check for a host beyond loopback
+    (ServerSecurity.check_exposed): loopback, a token, mutual TLS or --insecure."""
+    from psserver.protocol.security import ServerSecurity
+
+    security = ServerSecurity(token="t" if env.get("PS_SERVER_AUTH_TOKEN_FILE") else "",
+                              tls_cert=env.get("PS_SERVER_TLS_CERT", ""), tls_key=env.get("PS_SERVER_TLS_KEY", ""),
+                              tls_client_ca=env.get("PS_SERVER_TLS_CLIENT_CA", ""))
+    try:
+        security.check_exposed(env.get("PS_SERVER_HOST", "127.0.0.1"), env.get("PS_SERVER_INSECURE") == "1")
+    except ValueError:
+        return False
+    return True
+
+
+def test_kubernetes_shards_start_beyond_loopback():
+    docs = {d["kind"]: d for _, d in k8s_documents()}
+    env = {e["name"]: e.get("value") for e in docs["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert _starts_beyond_loopback(env)
+
+
+@needs_compose
+def test_compose_shards_start_beyond_loopback():
+    for name, service in resolved_compose()["services"].items():
+        if name.startswith("ps-shard-"):
+            assert _starts_beyond_loopback(service["environment"]), name
