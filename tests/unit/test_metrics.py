@@ -19,3 +19,19 @@ def test_every_exported_sample_carries_the_shard_label():
             "psgrpc_version", "psgrpc_rounds_closed_total"} <= names
     unlabelled = [(name, labels) for name, labels in samples if labels.get("shard") != "3"]
     assert unlabelled == []
+
+
+def test_the_serving_gauges_and_counters_are_exported_from_the_hosts_snapshot():
+    from psserver.host import ShardHost
+
+    gauges = {"loop_stall_seconds": 0.25, "loop_stall_worst_seconds": 1.5, "reply_bytes_held": 4096,
+              "connections": 3, "watch_streams": 1}
+    host = ShardHost(2, gauges=lambda: dict(gauges))
+    host.head.count("reply_streams_cut")
+    assert host.snapshot().counters["loop_stall_seconds"] == 0.25  # GetStats shows them with the counters
+    text = generate_latest(host.metrics.registry).decode()
+    values = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    assert values["psgrpc_loop_stall_seconds"] == 0.25 and values["psgrpc_loop_stall_worst_seconds"] == 1.5
+    assert values["psgrpc_reply_bytes_held"] == 4096 and values["psgrpc_connections"] == 3
+    assert values["psgrpc_watch_streams"] == 1 and values["psgrpc_reply_streams_cut_total"] == 1
+    assert values["psgrpc_refused_connections_total"] == 0
