@@ -108,7 +108,9 @@ class ReplyStream:
         self.peer_name = context.peer() or "?"
         self._holds: list = []
         self._in_flight = None  # the message gRPC still holds after a cut, counted until the status is out
-        self._fired = False
+        self._timer = None  # fires at the deadline (armed at the first write)
+        self._armed = self._fired = False
+        self._writer: asyncio.Task | None = None  # the task waiting in a write now
 
     def __getattr__(self, name):
         return getattr(self._context, name)
@@ -131,36 +133,45 @@ class ReplyStream:
             self._ledger.release(self._holds.pop())
 
     def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self.release_held()
         if self._in_flight is not None:
             self._ledger.release(self._in_flight)
             self._in_flight = None
 
-    def _fire(self, task: asyncio.Task) -> None:
-        self._fired = True
-        task.cancel()
+    def _fire(self) -> None:
+        """The deadline: a write still waiting is cut now; a later one is refused when it starts."""
+        self._timer = None
+        if self._writer is not None:
+            self._fired = True
+            self._writer.cancel()
 
     async def write(self, message, nbytes: int = 0) -> None:
         """``context.write`` that ends at the deadline: the reader stalled (flow control held the write) or the
-        call is past its time.  ``nbytes``: the message's size, counted as held while gRPC holds it after a cut."""
+        call is past its time.  ``nbytes``: the message's size, counted as held while gRPC holds it after a cut.
+        One timer per stream, armed at the first write: a timer per chunk cost more than the rest of the bounds."""
         loop = asyncio.get_running_loop()
         left = self._deadline - loop.time()
         if left <= 0:
             raise ReplyCut(self._cut_message())
-        timer = loop.call_later(left, self._fire, asyncio.current_task())
+        if self._timer is None and not self._armed:
+            self._armed = True
+            self._timer = loop.call_later(left, self._fire)
+        self._writer = asyncio.current_task()
         try:
             await self._context.write(message)
         except asyncio.CancelledError:
             if not self._fired:
                 raise  # the client went away: gRPC cancelled the call
-            task = asyncio.current_task()
-            if hasattr(task, "uncancel"):  # Python 3.11+: clear the cancellation this timer requested
-                task.uncancel()
+            if hasattr(self._writer, "uncancel"):  # Python 3.11+: clear the cancellation the timer requested
+                self._writer.uncancel()
             # gRPC still holds the message it could not send; it is counted until the status goes out.
             self._in_flight = self._ledger.hold(self.peer_name, ("in-flight", id(self)), nbytes, force=True)
             raise ReplyCut(self._cut_message()) from None
         finally:
-            timer.cancel()
+            self._writer = None
 
     def _cut_message(self) -> str:
         return ("the reader did not take the reply before the call's deadline: the shard ends reply streams "
