@@ -152,6 +152,12 @@ def test_ps_server_beyond_loopback_without_a_token_exits_with_one_line_and_a_hin
 
     for env in ("PS_AUTH_TOKEN", "PS_SERVER_INSECURE", "PS_SERVER_AUTH_TOKEN_FILE", "PS_SERVER_HOST"):
         monkeypatch.delenv(env, raising=False)
+    import psserver.server
+
+    def serve_nothing(self):  # had the shard got this far it would serve: fail at once rather than wait for a signal
+        raise AssertionError("ps-server started a shard beyond loopback without a token or --insecure")
+
+    monkeypatch.setattr(psserver.server.ShardServer, "start", serve_nothing)
     with pytest.raises(SystemExit) as e:
         run_cli("ps-server", lambda: main(["--shard", "0", "--host", "0.0.0.0", "--port", "0"]))
     assert e.value.code == 1
