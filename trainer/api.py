@@ -199,12 +199,17 @@ class ParameterServerTrainer:
         fetched again only when the weights received name an epoch this trainer does not know yet."""
         newest = max(s.epoch_seen for s in self.client.parts)
         if not self.timeline or newest not in {e.number for e in self.timeline}:
-            s = max(self.client.parts, key=lambda p: p.epoch_seen)
-            self.timeline = [Epoch.from_proto(e) for e in s.stats().epochs]
-            self.client.count("timeline_fetches")
+            self.fetch_timeline(max(self.client.parts, key=lambda p: p.epoch_seen))
         if not self.timeline:  # a shard from before epochs: the job's ranks
             return list(range(self.job.num_trainers))
         return sorted(epoch_at(self.timeline, round_).members)
+
+    def fetch_timeline(self, part=None) -> list[Epoch]:
+        """The job's membership timeline as ``part`` (default: partition 0 of shard 0) knows it now."""
+        part = part or self.client.parts[0]
+        self.timeline = [Epoch.from_proto(e) for e in part.stats().epochs]
+        self.client.count("timeline_fetches")
+        return self.timeline
 
     def leave(self) -> None:
         """Leave the job now, at a step boundary (rounds from the next on expect one fewer) and close."""

@@ -40,6 +40,8 @@ def build_parser() -> EnvArgumentParser:
                    "at once, joiners included (0: no joins); every trainer of the job gives the same value")
     p.add_argument("--lr-scaling", choices=("none", "linear"), default="none",
                    help="the rate as trainers join and leave: none keeps it, linear scales it with the members")
+    p.add_argument("--hold-at-round", type=int, default=0, help="elastic jobs, for demos and tests: before round "
+                   "N wait until the job's membership changes (a join or a leave) or this trainer is stopped")
     p.add_argument("--max-staleness", type=int, default=None, help="async: refuse gradients older than this")
     p.add_argument("--sync-timeout", type=float, default=0.0,
                    help="stale-timeout: seconds a round waits after its first gradient")
@@ -195,7 +197,7 @@ def config_from_args(args, env: dict | None = None):
 
     return TrainConfig(
         ps=args.ps, rank=args.rank, num_trainers=args.num_trainers, mode=args.mode, join=args.join,
-        max_trainers=args.max_trainers, lr_scaling=args.lr_scaling,
+        max_trainers=args.max_trainers, lr_scaling=args.lr_scaling, hold_at_round=args.hold_at_round,
         dataset=args.dataset, epochs=args.epochs, steps=args.steps, **dataset_defaults(args),
         **table_config(args), lr=args.lr, momentum=args.momentum, nesterov=args.nesterov,
         weight_decay=args.weight_decay, seed=args.seed, device=args.device, output=args.output,

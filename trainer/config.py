@@ -35,6 +35,7 @@ class TrainConfig:
     join: bool = False  # join a running elastic job: the job hands out the rank (docs/elastic.md)
     max_trainers: int = 0  # the job admits joiners up to this many members (0: none)
     lr_scaling: str = "none"  # the rate as the membership changes: none | linear
+    hold_at_round: int = 0  # elastic: wait before this round until the membership changes (demos, tests)
     model: str = "cnn"
     dataset: str = "mnist5k"
     batch_size: int = 32
@@ -115,6 +116,9 @@ def config_problem(cfg: TrainConfig) -> str:
         (cfg.num_trainers >= 1, f"--num-trainers ({cfg.num_trainers}) must be at least 1"),
         (cfg.join or 0 <= cfg.rank < cfg.num_trainers,
          f"--rank ({cfg.rank}) must be between 0 and --num-trainers - 1 ({cfg.num_trainers - 1})"),
+        (cfg.hold_at_round >= 0, f"--hold-at-round ({cfg.hold_at_round}) must be zero (no hold) or more"),
+        (not cfg.hold_at_round or cfg.join or cfg.max_trainers,
+         f"--hold-at-round ({cfg.hold_at_round}) waits for a membership change: give --max-trainers K (an elastic job)"),
         (cfg.batch_size >= 1, f"--batch-size ({cfg.batch_size}) must be at least 1"),
         (cfg.steps >= 0, f"--steps ({cfg.steps}) must be zero (use --epochs) or more"),
         (cfg.epochs >= 0, f"--epochs ({cfg.epochs}) must be zero or more"),

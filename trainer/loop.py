@@ -40,15 +40,7 @@ from trainer.config import (  # noqa: F401 -- re-exported: trainer.loop's names 
     rec_table_specs,
     recommender_checks,
 )
-from psserver.protocol.rules import Mode
-from trainer.data import (
-    epoch_order,
-    load_dataset,
-    local_batch_indices,
-    member_batch_indices,
-    round_batch,
-    steps_per_epoch,
-)
+from trainer.data import epoch_order, load_dataset, local_batch_indices, steps_per_epoch
 from trainer.models import build_model
 from trainer.rectrain import REC_L2, build_ratings_model, load_ratings_dataset, pairs_rmse
 from trainer.reporting import MetricsWriter, Progress, SteadyClock, finite_json, score_name  # noqa: F401
@@ -230,7 +222,12 @@ def train(cfg: TrainConfig, stop: StopRequest | None = None) -> dict:
         run.start()
         stop.steps_running = True
         elastic = cfg.backend == "ps" and (cfg.join or cfg.max_trainers)
-        stopped = run_elastic_steps(run, stop) if elastic else run_steps(run, stop)
+        if elastic:
+            from trainer.elastic import run_elastic_steps  # the loop of elastic jobs (docs/elastic.md)
+
+            stopped = run_elastic_steps(run, stop)
+        else:
+            stopped = run_steps(run, stop)
         run.save()
         summary = run.summary(stopped)
         run.ps.close()
@@ -277,49 +274,6 @@ def run_steps(run: Run, stop: StopRequest) -> str:
             acc = run.evaluate(train_loss=sum(epoch_losses) / max(1, len(epoch_losses)), end_of_epoch=whole)
             progress.evaluated(run.step, run.epoch, acc, end_of_epoch=whole)
             run.epoch += whole
-        return ""
-    finally:
-        progress.close()
-
-
-def run_elastic_steps(run: Run, stop: StopRequest) -> str:
-    """The steps of an elastic job (docs/elastic.md): each round's batch is this trainer's part of the round's
-    global batch as the membership timeline places it (trainer.data.round_batch), so a join or a leave
-    re-splits the data epoch's remaining samples over the members.  The round is the version pulled (sync;
-    in the other modes, the steps taken since the trainer joined).  Runs until the job's round --steps."""
-    cfg, ps = run.cfg, run.ps
-    progress = Progress(cfg, run.total_steps)
-    orders: dict[int, torch.Tensor] = {}
-    losses: list[float] = []
-    try:
-        while True:
-            round_ = ps.versions[0] if cfg.mode == Mode.SYNC else ps.joined_at + run.step
-            if round_ >= run.total_steps:
-                break
-            if stop.is_set():
-                return "signal"
-            members = ps.members_at(round_)
-            if ps.rank not in members:
-                raise RuntimeError(f"rank {ps.rank} is not a member of the job at round {round_} (members "
-                                   f"{members[:10]}): it left or was never admitted")
-            timeline = [(e.round, len(e.members)) for e in ps.timeline] or [(0, cfg.num_trainers)]
-            epoch, offset, _ = round_batch(len(run.data.x_train), cfg.batch_size, timeline, round_)
-            if epoch != run.epoch:
-                if losses:
-                    acc = run.evaluate(train_loss=sum(losses) / len(losses), end_of_epoch=True)
-                    progress.evaluated(run.step, run.epoch, acc, end_of_epoch=True)
-                run.epoch, losses = epoch, []
-            if epoch not in orders:
-                orders = {epoch: epoch_order(len(run.data.x_train), cfg.seed, epoch)}
-            loss = run.train_step(member_batch_indices(orders[epoch], offset, members.index(ps.rank),
-                                                       cfg.batch_size))
-            losses.append(loss)
-            run.record_step(loss)
-            elapsed = time.perf_counter() - run.t_start
-            progress.step(run.step, run.epoch, loss, run.step * cfg.batch_size / elapsed, run.stale_steps,
-                          run.versions)
-        acc = run.evaluate(train_loss=sum(losses) / max(1, len(losses)), end_of_epoch=False)
-        progress.evaluated(run.step, run.epoch, acc, end_of_epoch=False)
         return ""
     finally:
         progress.close()

@@ -94,14 +94,16 @@ def start_shard(shard: int, log_path: Path, host: str = "127.0.0.1", port: int =
     return proc
 
 
-def start_trainer(rank: int, ps: str, log_path: Path, args: list[str], env: dict | None = None,
-                  prefix: list[str] | None = None) -> Proc:
-    """Start ``ps-trainer --ps PS --rank R ARGS`` with its output in ``log_path``."""
+def start_trainer(rank: int | None, ps: str, log_path: Path, args: list[str], env: dict | None = None,
+                  prefix: list[str] | None = None, name: str = "") -> Proc:
+    """Start ``ps-trainer --ps PS --rank R ARGS`` with its output in ``log_path`` (``rank`` None: no --rank,
+    as a joiner of an elastic job is started; ``name`` then names it)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    rank_args = [] if rank is None else ["--rank", str(rank)]
     with open(log_path, "ab") as log:
-        popen = subprocess.Popen((prefix or []) + cli("trainer.cli") + ["--ps", ps, "--rank", str(rank)] + args,
+        popen = subprocess.Popen((prefix or []) + cli("trainer.cli") + ["--ps", ps, *rank_args] + args,
                                  stdout=log, stderr=subprocess.STDOUT, env=child_env(env), start_new_session=True)
-    return Proc(f"trainer{rank}", popen, log_path)
+    return Proc(name or f"trainer{rank}", popen, log_path)
 
 
 def wait_all(procs: list[Proc], timeout: float | None = None) -> dict[str, int]:

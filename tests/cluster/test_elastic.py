@@ -1,22 +1,29 @@
 """Elastic jobs over real processes: a trainer joins a running sync job and the parameters equal one process
 stepping on each round's global batch (N_e x b), epoch by epoch; a trainer SIGTERMed mid-job leaves and the
-rounds go on without waiting for its lease."""
+rounds go on without waiting for its lease.
+
+No timing: the trainer that is to see the change runs with ``--hold-at-round H`` and waits before round H
+until the membership changes, so the job cannot end before a slow joiner starts or a SIGTERM lands.  The
+test waits on the shard's version (it reaches H and stays there) before it starts the joiner or signals.
+"""
 
 import signal
 
 import torch
 from torch.nn import functional as F
 
-from tests.cluster.helpers import last_step
+from psserver.protocol.epochs import JOIN_LEAD
+from psserver.protocol.stubs import fetch_stat
 from tests.helpers import wait_until
 from trainer.data import epoch_order, load_dataset, member_batch_indices, round_batch
 from trainer.models import build_model
-from trainer.procs import start_trainer
+from trainer.procs import start_shard, start_trainer, wait_all
 
-STEPS, B, LR = 40, 8, 0.1  # long enough (step-delay) for a joiner process to start inside the job
+STEPS, B, LR, HOLD = 12, 8, 0.1, 3
+LONG_LEASE = "600"  # seconds: a continuation that waited for a lease would outlast wait_all's bound
 COMMON = ["--mode", "sync", "--model", "mlp", "--dataset", "synthetic", "--batch-size", str(B), "--steps",
           str(STEPS), "--optimizer", "sgd", "--lr", str(LR), "--momentum", "0.9", "--seed", "0",
-          "--max-trainers", "3", "--step-delay", "0.3", "--log-every", "1"]
+          "--max-trainers", "3", "--log-every", "1", "--no-progress", "--threads", "1", "--device", "cpu"]
 
 
 def reference(timeline: list[tuple[int, int]]) -> dict:
@@ -38,44 +45,80 @@ def reference(timeline: list[tuple[int, int]]) -> dict:
         torch.set_num_threads(threads)
 
 
-def joiner(job_dir, ps: str, extra=()):
-    return start_trainer(2, ps, job_dir / "trainer2.log",
-                         ["--num-trainers", "2", "--join", "--metrics-file", str(job_dir / "trainer2.jsonl"),
-                          "--no-progress", "--threads", "1", "--device", "cpu", *COMMON, *extra])
+def assert_equals_reference(out, epochs: list[tuple[int, list[int]]]) -> None:
+    got = torch.load(out)
+    expected = reference([(r, len(m)) for r, m in epochs if m and r < STEPS])
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6)
+
+
+def start_job(tmp_path, num_trainers: int, hold: dict[int, int], lease: str = "5") -> tuple[list, list, str]:
+    """Two shards and ``num_trainers`` trainers (rank r with ``--hold-at-round hold[r]``); rank 0 writes the
+    model.  Returns (shards, trainers, the --ps list)."""
+    shards = [start_shard(i, tmp_path / f"shard{i}.log", extra_args=["--lease-timeout", lease]) for i in range(2)]
+    ps = ",".join(s.address for s in shards)
+    trainers = []
+    try:
+        for r in range(num_trainers):
+            extra = (["--output", str(tmp_path / "model.pt")] if r == 0 else []) + (
+                ["--hold-at-round", str(hold[r])] if r in hold else [])
+            trainers.append(start_trainer(r, ps, tmp_path / f"trainer{r}.log",
+                                          ["--num-trainers", str(num_trainers), *COMMON, *extra]))
+    except BaseException:
+        for p in shards + trainers:
+            p.kill()
+        raise
+    return shards, trainers, ps
+
+
+def timeline(address: str) -> list[tuple[int, list[int]]]:
+    return [(e.round, sorted(e.members)) for e in fetch_stat(address).epochs]
+
+
+def held_at(address: str, round_: int):
+    """True once the shard is at version ``round_`` (rounds before it closed; the held trainer keeps it there)."""
+    return fetch_stat(address).version == round_
 
 
 def test_a_third_trainer_joining_a_running_sync_job_equals_one_process_on_each_rounds_global_batch(tmp_path):
-    from trainer.procs import start_shard, wait_all
-
-    out = tmp_path / "model.pt"
-    procs = []
+    shards, trainers, ps = start_job(tmp_path, 2, hold={0: HOLD})
+    procs = shards + trainers
     try:
-        shards = [start_shard(i, tmp_path / f"shard{i}.log") for i in range(2)]
-        procs += shards
-        ps = ",".join(s.address for s in shards)
-        for r in range(2):
-            procs.append(start_trainer(r, ps, tmp_path / f"trainer{r}.log",
-                                       ["--num-trainers", "2", "--metrics-file", str(tmp_path / f"trainer{r}.jsonl"),
-                                        "--no-progress", "--threads", "1", "--device", "cpu", *COMMON]
-                                       + (["--output", str(out)] if r == 0 else [])))
-        wait_until(lambda: last_step(tmp_path / "trainer0.jsonl") >= 2 or None, "two steps of the 2-trainer job")
-        procs.append(joiner(tmp_path, ps))
+        wait_until(lambda: held_at(shards[0].address, HOLD), f"the 2-trainer job to reach round {HOLD}")
+        procs.append(start_trainer(None, ps, tmp_path / "joiner.log", ["--num-trainers", "2", "--join", *COMMON],
+                                   name="joiner"))
         codes = wait_all(procs[2:], 300)
-        assert codes == {"trainer0": 0, "trainer1": 0, "trainer2": 0}, procs[4].log_tail()
-        from psserver.protocol.stubs import fetch_stat
-        epochs = [(e.round, sorted(e.members)) for e in fetch_stat(shards[0].address).epochs]
-        assert epochs == [(e.round, sorted(e.members)) for e in fetch_stat(shards[1].address).epochs]
-        joined = [r for r, m in epochs if m == [0, 1, 2]]
-        assert epochs[0] == (0, [0, 1]) and len(joined) == 1 and 2 <= joined[0] < STEPS, epochs
+        assert codes == {"trainer0": 0, "trainer1": 0, "joiner": 0}, procs[4].log_tail()
+        epochs = timeline(shards[0].address)
+        assert epochs == timeline(shards[1].address)
         counters = fetch_stat(shards[0].address).counters
-        assert counters["joins"] == 1 and counters["rounds_all_arrived"] + counters.get("rounds_membership", 0) >= STEPS
     finally:
         for p in procs:
             p.kill()
-    got = torch.load(out)
-    expected = reference([(r, len(m)) for r, m in epochs if m])
-    for name in expected:
-        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6)
+    # admitted JOIN_LEAD rounds after the round the job was held at, as every shard proposed
+    assert epochs[:2] == [(0, [0, 1]), (HOLD + JOIN_LEAD, [0, 1, 2])], epochs
+    assert counters["joins"] == 1 and counters["rounds_all_arrived"] >= STEPS, dict(counters)
+    assert_equals_reference(tmp_path / "model.pt", epochs)
     # and not what a job that never grew computes
-    fixed = reference([(0, 2)])
+    got, fixed = torch.load(tmp_path / "model.pt"), reference([(0, 2)])
     assert any(not torch.allclose(got[n], fixed[n], rtol=1e-5, atol=1e-6) for n in fixed)
+
+
+def test_a_trainer_sigtermed_mid_job_leaves_and_the_rounds_go_on_without_waiting_for_its_lease(tmp_path):
+    shards, trainers, ps = start_job(tmp_path, 3, hold={1: HOLD}, lease=LONG_LEASE)
+    procs = shards + trainers
+    try:
+        wait_until(lambda: held_at(shards[0].address, HOLD), f"the 3-trainer job to reach round {HOLD}")
+        trainers[1].signal(signal.SIGTERM)
+        codes = wait_all(trainers, 300)  # well inside the 600 s lease: the rounds did not wait for it
+        assert codes == {"trainer0": 0, "trainer1": 0, "trainer2": 0}, trainers[1].log_tail()
+        epochs = timeline(shards[0].address)
+        assert epochs == timeline(shards[1].address)
+        counters = fetch_stat(shards[0].address).counters
+    finally:
+        for p in procs:
+            p.kill()
+    left = [r for r, m in epochs if m == [0, 2]]
+    assert epochs[0] == (0, [0, 1, 2]) and left and left[0] == HOLD, epochs
+    assert counters.get("lease_expired", 0) == 0 and counters["leaves"] >= 1, dict(counters)
+    assert counters["rounds_membership"] == 1, dict(counters)  # round HOLD closed by the Leave
