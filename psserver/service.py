@@ -455,7 +455,8 @@ class ParameterServerService:
             finite = True
         else:
             finite = bool(torch.isfinite(grad).all())
-        return part.push(h.rank, h.trainer_id, h.fingerprint, h.version, h.num_samples, grad, h.sequence, finite)
+        return part.push(h.rank, h.trainer_id, h.fingerprint, h.version, h.num_samples, grad, h.sequence, finite,
+                         leaving=h.leaving)
 
     # ------------------------------------------------------------------ streams out
     @_refusals

@@ -452,7 +452,8 @@ class Shard(PushTarget):
                               "(its join): pull that version first")
 
     def push(self, rank: int, trainer_id: str, fingerprint: str, base: int, num_samples: int,
-             grad: torch.Tensor, sequence: int = 0, finite: bool = True) -> tuple[PushResult, torch.Tensor]:
+             grad: torch.Tensor, sequence: int = 0, finite: bool = True,
+             leaving: bool = False) -> tuple[PushResult, torch.Tensor]:
         """Hand a validated gradient to the mode logic and carry out its decision (psserver.executor).
 
         Returns the result and the buffer the caller may reuse for its next
@@ -462,6 +463,7 @@ class Shard(PushTarget):
         A push whose (trainer id, sequence) was already acknowledged is a retry
         after a lost reply: it gets DUPLICATE, whatever the version is now
         (the round it was in may have closed since), and is not applied again.
+        ``leaving``: the trainer's last gradient (``_leaving_with``).
         """
         with self._lock:
             self.check_push_header(rank, trainer_id, fingerprint, base, num_samples)
@@ -478,10 +480,32 @@ class Shard(PushTarget):
             d = modes.decide_push(self._cfg, self._view(), rank, base, now, finite=finite, sequenced=bool(sequence))
             if d.action is not modes.Action.DUPLICATE:
                 self.metrics.staleness.observe(d.staleness)
-            result, spare = execute(self, d, info, now)
+            undo = self._leaving_with(rank, d) if leaving else None
+            try:
+                result, spare = execute(self, d, info, now)
+            except BaseException:
+                if undo is not None:
+                    self.epochs.timeline = undo  # a refused push changes nothing
+                raise
             if sequence:
                 record_ack(self._acked, rank, trainer_id, sequence, result)
             return result, grad if spare is None else spare
+
+    def _leaving_with(self, rank: int, d: modes.PushDecision) -> list | None:
+        """A push announcing the trainer's leave (docs/elastic.md): the rank is out of the epoch from the round
+        after this one.  Done before the push is carried out, so no reply of the next version -- the one this
+        push may close the round into -- names the old epoch, and the others split that round's data without
+        the leaver.  Returns the timeline before (to put back if the push is refused), or None if nothing
+        changed (a duplicate, a dropped gradient, already out)."""
+        if d.action not in (modes.Action.ACCUMULATE, modes.Action.APPLY, modes.Action.SKIP_IN_ROUND):
+            return None
+        before = list(self.epochs.timeline)
+        epoch = self.epochs.leave(rank, self.version + 1)
+        if epoch is None:
+            return None
+        self.counters["leaves_announced"] += 1
+        self._epoch_changed(epoch, f"rank {rank} pushed its last gradient")
+        return before
 
     # ---------------------------------------------------------- what the executor does to a dense slice
     _EVENT_COUNTERS = {"stale_dropped": "stale_dropped", "skipped": "nonfinite_skipped"}

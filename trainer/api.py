@@ -211,6 +211,14 @@ class ParameterServerTrainer:
         self.client.count("timeline_fetches")
         return self.timeline
 
+    def announce_leave(self) -> None:
+        """Say with the next push that it is this trainer's last (docs/elastic.md): the shards take it out of
+        the membership from the round after that one, before serving it, so the others split that round's data
+        without it.  Then ``leave()``.  (``leave()`` alone takes effect from the round open when it arrives,
+        whose data the others may already have split with this trainer in.)"""
+        for s in self.client.parts:
+            s.leaving = True
+
     def leave(self) -> None:
         """Leave the job now, at a step boundary (rounds from the next on expect one fewer) and close."""
         self.close(leave=True)

@@ -164,6 +164,7 @@ class ShardClient:
         self.unanswered = False
         self.last_answer: tuple[int, PushOutcome] | None = None  # (sequence, outcome) of the last answered push
         self.epoch_seen = 0  # the membership epoch of the newest weights received (docs/elastic.md)
+        self.leaving = False  # pushes from now on say this trainer's last gradient (ChunkHeader.leaving)
         self._lock = counters_lock or threading.Lock()  # the one lock of ``counters``, which shards share
         self.channel = security.channel(
             address,
@@ -269,7 +270,7 @@ class ShardClient:
                 sequence: int = 0) -> _pb.ChunkHeader:
         return _pb.ChunkHeader(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.fingerprint,
                                dtype=wire, length=length, version=version, num_samples=num_samples,
-                               sequence=sequence, partition=self.partition)
+                               sequence=sequence, partition=self.partition, leaving=self.leaving)
 
     def init(self, values: torch.Tensor, wire: int) -> _pb.InitReply:
         payload = wire_tensor(values, wire)

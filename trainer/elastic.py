@@ -30,6 +30,7 @@ def run_elastic_steps(run, stop: StopRequest) -> str:
     progress = Progress(cfg, run.total_steps)
     orders: dict[int, torch.Tensor] = {}
     losses: list[float] = []
+    last = False  # this round's push announces the leave
     try:
         while True:
             round_ = ps.versions[0] if cfg.mode == Mode.SYNC else ps.joined_at + run.step
@@ -38,7 +39,11 @@ def run_elastic_steps(run, stop: StopRequest) -> str:
             if cfg.hold_at_round and round_ == cfg.hold_at_round:
                 hold_for_membership(ps, stop, round_)
             if stop.is_set():
-                return "signal"
+                if last:
+                    return "signal"
+                last = True  # one more step, whose push says it is the last: no round's data is left untaken
+                ps.announce_leave()
+                log.info("rank %d: stopping: round %d is its last; it leaves after it", ps.rank, round_)
             members = ps.members_at(round_)
             if ps.rank not in members:
                 raise RuntimeError(f"rank {ps.rank} is not a member of the job at round {round_} (members "
