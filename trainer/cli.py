@@ -191,6 +191,9 @@ def dataset_defaults(args) -> dict:
 def config_from_args(args, env: dict | None = None):
     """The run's TrainConfig; raises ValueError naming the first bad flag (nothing has started yet).  --rank and
     --num-trainers not given come from RANK and WORLD_SIZE in ``env`` (os.environ), as torchrun sets them."""
+    if args.join and args.rank is not None:
+        raise ValueError(f"--rank ({args.rank}) does not go with --join: the job hands a joiner the lowest free "
+                         "rank (docs/elastic.md); drop --rank")
     rank, num_trainers = rank_and_world(args.rank, args.num_trainers, ("--rank", "--num-trainers"), env)
     args = argparse.Namespace(**{**vars(args), "rank": rank, "num_trainers": num_trainers})
     from trainer.config import TrainConfig  # torch: after the flags are checked

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -220,6 +220,9 @@ def train(cfg: TrainConfig, stop: StopRequest | None = None) -> dict:
     stop = stop or StopRequest()
     try:
         run.start()
+        if cfg.join:  # the rank the job handed out: in the metrics, the summary, and who writes --output
+            cfg = run.cfg = replace(cfg, rank=run.ps.rank)
+            run.metrics.rank = cfg.rank
         stop.steps_running = True
         elastic = cfg.backend == "ps" and (cfg.join or cfg.max_trainers)
         if elastic:
