@@ -45,7 +45,7 @@ from trainer.cli import (
     schedule_argv,
     table_argv,
 )
-from trainer import console
+from trainer import console, elastic_cluster
 from trainer.procs import Proc, start_shard, start_trainer
 
 log = logging.getLogger("ps-cluster")
@@ -79,6 +79,9 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--max-staleness", type=int, default=None, help="async only")
     p.add_argument("--straggler-delay", type=float, default=0.0,
                    help="extra seconds per step for the last trainer, to show what stale-timeout buys")
+    p.add_argument("--elastic", action="store_true",
+                   help="sync: start --trainers, add one a third of the way through --steps, stop rank 1 two thirds "
+                        "of the way; the summary shows the membership timeline (docs/elastic.md)")
     p.add_argument("--eval-every", type=int, default=20, help="rank 0 evaluates every N steps (for the plot)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--job-id", default="", help="names the run's job (default: a fresh id per run)")
@@ -160,6 +163,8 @@ def trainer_args(args, rank: int, run: Path) -> list[str]:
         a += ["--output", str(run / "model.pt"), "--eval-every", str(args.eval_every)]
     if args.straggler_delay and rank == args.trainers - 1:
         a += ["--step-delay", str(args.straggler_delay)]
+    if getattr(args, "elastic", False):
+        a += elastic_cluster.trainer_flags(args, rank)
     return a
 
 
@@ -208,7 +213,18 @@ def summarize(args, run: Path, progress: Progress, stats: list, codes: dict, wal
         push_bytes_dense=sum(p.get("push_bytes_dense", 0) for p in done),  # what dense pushes would have sent
         stopped=sorted({p["stopped"] for p in done if p.get("stopped")}) or None,
         exit_codes=codes, run_dir=str(run),
+        **({"membership": elastic_cluster.membership_rows(stats[0] if stats else None,
+                                                          read_records(Path(run) / "trainer0.jsonl"),
+                                                          args.steps, args.batch_size or 32)}
+           if getattr(args, "elastic", False) else {}),
     )
+
+
+def read_records(path: Path) -> list[dict]:
+    """A metrics file's complete JSON lines (none if it is missing)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
 def by_rank_row(s: dict) -> tuple:
@@ -225,7 +241,8 @@ def print_summary(s: dict) -> None:
              else ("test accuracy (rank 0)", "n/a" if acc is None else f"{acc:.4f}"))
     rows = [
         ("mode", s["mode"]), ("model / data", f"{s['model']} / {s['dataset']}"),
-        ("shards x trainers", f"{s['shards']} x {s['trainers']}"),
+        ("shards x trainers", f"{s['shards']} x {s['trainers']}"
+                              + (" (+1 joined, rank 1 left)" if "membership" in s else "")),
         *((("stopped early by", ", ".join(s["stopped"])),) if s.get("stopped") else ()),
         score,
         *by_rank_row(s),
@@ -240,6 +257,8 @@ def print_summary(s: dict) -> None:
         ("steps lost to restarts", s["steps_lost"]),
         ("bytes pushed / dense", f"{s['push_bytes_sent']:,} / {s['push_bytes_dense']:,}"),
         ("duplicates / refused", f"{s['duplicates']} / {s['refused']}"),
+        *((("membership epochs", len(s["membership"])), *elastic_cluster.summary_rows(s["membership"]))
+          if "membership" in s else ()),
         ("run folder", s["run_dir"]),
     ]
     width = max(len(k) for k, _ in rows)
@@ -257,6 +276,9 @@ def check_trainer_flags(args, run: Path) -> None:
     for rank in range(args.trainers):
         config_from_args(trainer_parser().parse_args(["--ps", placeholder, "--rank", str(rank),
                                                       *trainer_args(args, rank, run)]))
+    if args.elastic:
+        config_from_args(trainer_parser().parse_args(["--ps", placeholder, "--join",
+                                                      *trainer_args(args, args.trainers, run)]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--shards ({args.shards}) and --trainers ({args.trainers}) must be at least 1")
     if not args.timeout > 0:
         raise ValueError(f"--timeout ({args.timeout}) must be more than zero seconds")
+    if args.elastic:
+        elastic_cluster.check(args)
     run = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{args.mode}")
     check_trainer_flags(args, run)
     for note in ignored_knobs(args):
@@ -286,8 +310,12 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.trainers):
             trainers.append(start_trainer(r, ps, run / f"trainer{r}.log", trainer_args(args, r, run),
                                           env=trainer_env(r, args.trainers)))
-        progress = Progress([run / f"trainer{r}.jsonl" for r in range(args.trainers)])
-        codes = follow(trainers, shards, progress, args.timeout, t0)
+        ranks = args.trainers + args.elastic  # --elastic: the joiner is rank N
+        progress = Progress([run / f"trainer{r}.jsonl" for r in range(ranks)])
+        scenario = elastic_cluster.ElasticScenario(
+            args, run, ps, trainers, trainer_args(args, args.trainers, run),
+            trainer_env(args.trainers, ranks)) if args.elastic else None
+        codes = follow(trainers, shards, progress, args.timeout, t0, scenario.poll if scenario else None)
         wall = time.monotonic() - t0
         stats = [shard_stats(s.address) for s in shards]
     finally:
@@ -379,8 +407,10 @@ class Console:
             log.info("%s", console.compact_line(self.clock() - self.t0, lines))
 
 
-def follow(trainers: list[Proc], shards: list[Proc], progress: Progress, timeout: float, t0: float) -> dict:
-    """Show progress until every trainer has exited; stop early if a process fails."""
+def follow(trainers: list[Proc], shards: list[Proc], progress: Progress, timeout: float, t0: float,
+           on_poll=None) -> dict:
+    """Show progress until every trainer has exited; stop early if a process fails.  ``on_poll``: called at
+    each refresh (``ps-cluster --elastic``'s scenario, which may add a trainer to ``trainers``)."""
     with Console(progress, sys.stderr.isatty()) as view:
         try:
             while any(t.alive() for t in trainers):
@@ -394,6 +424,8 @@ def follow(trainers: list[Proc], shards: list[Proc], progress: Progress, timeout
                 for rec in progress.poll():
                     view.record(rec)
                 view.refresh()
+                if on_poll is not None:
+                    on_poll()
                 time.sleep(0.2)  # refresh rate of the display
         finally:
             for rec in progress.poll():
