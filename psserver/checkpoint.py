@@ -60,6 +60,7 @@ class ShardState:
     tables: dict | None = None  # sparse tables: name -> ServedTable.state() (live rows only, round, acks)
     partition: int = 0  # which partition of the shard's slice (JobSpec.partitions); each has its own files
     epochs: list | None = None  # the membership timeline (psserver.epochs.EpochBook.state)
+    holes: dict = field(default_factory=dict)  # rank -> sequence numbers below its newest not seen yet
 
     def to_bytes(self) -> bytes:
         buf = io.BytesIO()
@@ -67,7 +68,7 @@ class ShardState:
             dict(shard=self.shard, version=self.version, job=self.job.to_proto().SerializeToString(),
                  params=self.params, optimizer=self.optimizer, counters=self.counters, members=self.members,
                  acked=self.acked, open_round=self.open_round, tables=self.tables, partition=self.partition,
-                 epochs=self.epochs),
+                 epochs=self.epochs, holes=self.holes),
             buf,
         )
         payload = buf.getvalue()
@@ -92,7 +93,7 @@ class ShardState:
         job.ParseFromString(d["job"])
         return ShardState(d["shard"], d["version"], JobSpec.from_proto(job), d["params"], d["optimizer"],
                           d.get("counters", {}), d.get("members", {}), d.get("acked", {}), d.get("open_round"),
-                          d.get("tables"), d.get("partition", 0), d.get("epochs"))
+                          d.get("tables"), d.get("partition", 0), d.get("epochs"), d.get("holes", {}))
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from psserver import modes
 from psserver.protocol.errors import InvalidRequest
+from psserver.protocol.limits import MAX_PUSH_WINDOW
 
 # What a target counts, by event: the names are the target's own (they are public: GetStats, Prometheus).
 EVENTS = ("stale_dropped", "skipped")
@@ -131,21 +132,36 @@ def _join_round(target: PushTarget, push: PushInfo, now: float, fresh: bool = Tr
 
 
 # --------------------------------------------------------------------------------------- exactly once
-def check_sequence(acked: dict, rank: int, trainer_id: str, sequence: int, where: str = "") -> bool:
-    """Exactly-once for sequenced pushes: True if ``sequence`` is the rank's acknowledged push sent again
-    (answer DUPLICATE, apply nothing), False if it is new; InvalidRequest for a number out of order.
-    ``acked`` maps rank -> (trainer id, sequence, result); ``where`` names the target in the message."""
+def check_sequence(acked: dict, rank: int, trainer_id: str, sequence: int, where: str = "",
+                   holes: dict | None = None) -> bool:
+    """Exactly-once for sequenced pushes: True if ``sequence`` is one of the rank's acknowledged pushes sent
+    again (answer DUPLICATE, apply nothing), False if it is new; InvalidRequest for a number out of order.
+    ``acked`` maps rank -> (trainer id, newest sequence, result); ``holes`` rank -> the numbers below the
+    newest not seen yet (a push window's, psserver.modes.decide_sequence); ``where`` names the target."""
     entry = acked.get(rank)
     last = entry[1] if entry and entry[0] == trainer_id else None
-    action = modes.decide_sequence(last, sequence)
+    unseen = (holes or {}).get(rank, frozenset()) if last is not None else frozenset()
+    action = modes.decide_sequence(last, sequence, unseen)
     if action is modes.SequenceAction.REFUSE:
         raise InvalidRequest(f"sequence is {sequence} but rank {rank}'s last acknowledged push{where} was "
                              f"{'none' if last is None else last}: it must be the next few, up to "
-                             f"{modes.MAX_SEQUENCE_GAP} ahead (numbers start at 1)")
+                             f"{modes.MAX_SEQUENCE_GAP} ahead, or one of the {MAX_PUSH_WINDOW} before it still "
+                             f"in flight (numbers start at 1)")
     return action is modes.SequenceAction.DUPLICATE
 
 
-def record_ack(acked: dict, rank: int, trainer_id: str, sequence: int, result) -> None:
-    """Remember the answer to a new sequenced push (a duplicate's answer is not a new acknowledgement)."""
-    if result.outcome != "duplicate":
+def record_ack(acked: dict, rank: int, trainer_id: str, sequence: int, result, holes: dict | None = None) -> None:
+    """Remember the answer to a new sequenced push (a duplicate's answer is not a new acknowledgement); a push
+    overtaken in flight fills its hole and leaves the newest as it was."""
+    if result.outcome == "duplicate":
+        return
+    entry = acked.get(rank)
+    last = entry[1] if entry and entry[0] == trainer_id else None
+    if holes is not None:
+        unseen = modes.holes_after(last, holes.get(rank, frozenset()) if last is not None else frozenset(), sequence)
+        if unseen:
+            holes[rank] = unseen
+        else:
+            holes.pop(rank, None)
+    if last is None or sequence > last:
         acked[rank] = (trainer_id, sequence, result)

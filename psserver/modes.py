@@ -37,7 +37,7 @@ from typing import AbstractSet, Mapping
 
 from psserver.protocol import rules
 from psserver.protocol.job import JobSpec
-from psserver.protocol.limits import MAX_SEQUENCE
+from psserver.protocol.limits import MAX_PUSH_WINDOW, MAX_SEQUENCE
 from psserver.protocol.rules import Mode
 
 # A sequenced push may skip ahead of the last acknowledged one by at most this much (a trainer whose
@@ -185,18 +185,32 @@ class SequenceAction(enum.Enum):
     REFUSE = "refuse"  # older than the acknowledged one, or implausibly far ahead: refuse, change nothing
 
 
-def decide_sequence(last_acked: int | None, sequence: int) -> SequenceAction:
+def decide_sequence(last_acked: int | None, sequence: int, holes: AbstractSet[int] = frozenset()) -> SequenceAction:
     """Exactly-once for sequenced pushes: ``last_acked`` is the rank's newest acknowledged sequence (None
-    before its first).  A trainer sends one push at a time per shard, so only the last one can be retried."""
+    before its first); ``holes`` the numbers below it, within MAX_PUSH_WINDOW, not seen yet (an async trainer
+    keeps up to that many pushes in flight, and a later one may overtake an earlier one on the way)."""
     if not 0 < sequence <= MAX_SEQUENCE:
         return SequenceAction.REFUSE
     if last_acked is None:
         return SequenceAction.NEW
     if sequence == last_acked:
         return SequenceAction.DUPLICATE
-    if sequence < last_acked or sequence - last_acked > MAX_SEQUENCE_GAP:
-        return SequenceAction.REFUSE
-    return SequenceAction.NEW
+    if sequence > last_acked:
+        return SequenceAction.NEW if sequence - last_acked <= MAX_SEQUENCE_GAP else SequenceAction.REFUSE
+    if sequence in holes:
+        return SequenceAction.NEW  # overtaken in flight: new here
+    if last_acked - sequence < MAX_PUSH_WINDOW:
+        return SequenceAction.DUPLICATE  # seen within the window: a retry after a lost reply
+    return SequenceAction.REFUSE
+
+
+def holes_after(last_acked: int | None, holes: AbstractSet[int], sequence: int) -> frozenset[int]:
+    """The unseen numbers below the newest once ``sequence`` is acknowledged as new: the numbers it skipped
+    are added, it is removed, and those fallen out of the window are forgotten."""
+    newest = sequence if last_acked is None else max(last_acked, sequence)
+    skipped = range(max(last_acked + 1, sequence - MAX_PUSH_WINDOW + 1), sequence) if (
+        last_acked is not None and sequence > last_acked) else ()
+    return frozenset(h for h in (*holes, *skipped) if h != sequence and newest - h < MAX_PUSH_WINDOW)
 
 
 def round_deadline(cfg: ModeConfig, view: RoundView) -> float | None:

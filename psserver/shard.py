@@ -134,6 +134,7 @@ class Shard(PushTarget):
         self.round = OpenRound()  # sync modes only
         self._last_base: dict[int, int] = {}
         self._acked: dict[int, tuple[str, int, PushResult]] = {}  # rank -> (trainer id, sequence, result)
+        self._holes: dict[int, frozenset[int]] = {}  # rank -> numbers below its newest not seen yet (push window)
         self.snapshots = SnapshotPool()
         self.tables = Tables()  # sparse tables (psserver.sparse.serving): their own versions and rounds
         self.epochs: EpochBook | None = None  # the membership timeline and pending joins (psserver.epochs)
@@ -169,6 +170,7 @@ class Shard(PushTarget):
             if previous is not None and previous != trainer_id:
                 self.counters["re_registrations"] += 1
                 self._acked.pop(rank, None)  # a new process: its sequence numbers start afresh
+                self._holes.pop(rank, None)
                 self._info("shard %d: rank %d re-registered as %s (was %s)", self.shard_id, rank,
                          shorten(trainer_id), shorten(previous))
             epoch = self.epochs.registered(rank, at=self.version)
@@ -286,6 +288,7 @@ class Shard(PushTarget):
                 self._epoch_changed(epoch, f"rank {rank} left")
             remaining = self.members.leave(rank)
             self._acked.pop(rank, None)
+            self._holes.pop(rank, None)
             self._last_base.pop(rank, None)
             self.counters["leaves"] += 1
             self._info("shard %d: rank %d left; %d live", self.shard_id, rank, remaining)
@@ -470,7 +473,7 @@ class Shard(PushTarget):
             if grad.numel() != self.end - self.start:
                 raise InvalidRequest(f"length is {grad.numel()} elements but this shard's slice has "
                                      f"{self.end - self.start}")
-            if sequence and check_sequence(self._acked, rank, trainer_id, sequence):
+            if sequence and check_sequence(self._acked, rank, trainer_id, sequence, holes=self._holes):
                 self.counters["duplicates"] += 1
                 log.info("shard %d: push #%d from rank %d was already acknowledged (%s); not applied again",
                          self.shard_id, sequence, rank, self._acked[rank][2].outcome)
@@ -488,7 +491,7 @@ class Shard(PushTarget):
                     self.epochs.timeline = undo  # a refused push changes nothing
                 raise
             if sequence:
-                record_ack(self._acked, rank, trainer_id, sequence, result)
+                record_ack(self._acked, rank, trainer_id, sequence, result, holes=self._holes)
             return result, grad if spare is None else spare
 
     def _leaving_with(self, rank: int, d: modes.PushDecision) -> list | None:
@@ -675,7 +678,8 @@ class Shard(PushTarget):
         acked = {r: (tid, seq, res.outcome, res.version, res.staleness) for r, (tid, seq, res) in self._acked.items()}
         return ShardState(self.shard_id, self.version, self.job, self.params.detach().clone(), opt_copy,
                           dict(self.counters), members=self.members.members(), acked=acked, open_round=open_round,
-                          tables=self.tables.state(), partition=self.partition, epochs=self.epochs.state())
+                          tables=self.tables.state(), partition=self.partition, epochs=self.epochs.state(),
+                          holes={r: sorted(h) for r, h in self._holes.items()})
 
     def _checkpoint_written(self, ok: bool) -> None:
         self.count("checkpoints_written" if ok else "checkpoint_failures")
@@ -709,6 +713,7 @@ class Shard(PushTarget):
             self.started = len(state.members) >= self.job.num_trainers
             self._acked = {r: (tid, seq, PushResult(outcome, version, staleness))
                            for r, (tid, seq, outcome, version, staleness) in state.acked.items()}
+            self._holes = {r: frozenset(h) for r, h in state.holes.items()}
             self.round.restore(state.open_round, self._clock())
             self.tables.restore(state.tables, self._clock())
             self.counters.update({k: v for k, v in state.counters.items() if not k.startswith("checkpoints_")})

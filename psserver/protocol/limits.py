@@ -40,6 +40,9 @@ MAX_STALENESS = 1 << 31
 MAX_TABLES = 64  # sparse embedding tables in one job
 # A push's per-trainer sequence number: at a million pushes a second, 2**48 lasts nine years.
 MAX_SEQUENCE = 1 << 48
+# Pushes one trainer may have in flight to one shard at once (async --push-window): the shard remembers this
+# many numbers below the newest it acknowledged, so one overtaken in flight is still applied once.
+MAX_PUSH_WINDOW = 64
 # Versions in a learning-rate schedule (warm-up, step size, cosine period): past any real run.
 MAX_SCHEDULE_STEPS = 1 << 48
 # Samples behind one gradient: it weights the gradient when rounds are averaged.

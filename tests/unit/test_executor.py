@@ -122,3 +122,15 @@ def test_exactly_once_a_sequence_sent_again_is_a_duplicate_and_one_out_of_order_
         check_sequence(acked, 0, "t0", 0, where=" to table 'emb'")
     record_ack(acked, 0, "t0", 2, Answer("duplicate"))  # a duplicate's answer is no new acknowledgement
     assert acked[0][1] == 1
+
+
+def test_exactly_once_a_push_overtaken_in_its_window_is_applied_once_and_then_answered_duplicate():
+    acked, holes = {}, {}
+    record_ack(acked, 0, "t0", 1, Answer("applied"), holes)
+    assert not check_sequence(acked, 0, "t0", 3, holes=holes)
+    record_ack(acked, 0, "t0", 3, Answer("applied"), holes)  # 3 overtook 2 on the way
+    assert holes == {0: {2}} and acked[0][1] == 3
+    assert not check_sequence(acked, 0, "t0", 2, holes=holes)  # 2 arrives: new, applied once
+    record_ack(acked, 0, "t0", 2, Answer("applied"), holes)
+    assert holes == {} and acked[0][1] == 3  # the newest stays 3
+    assert check_sequence(acked, 0, "t0", 2, holes=holes)  # its retry after a lost reply: a duplicate

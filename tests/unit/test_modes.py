@@ -127,10 +127,11 @@ from psserver.modes import (  # noqa: E402
     MAX_SEQUENCE_GAP,
     SequenceAction,
     decide_sequence,
+    holes_after,
     reply_version,
     round_takes_step,
 )
-from psserver.protocol.limits import MAX_SEQUENCE  # noqa: E402
+from psserver.protocol.limits import MAX_PUSH_WINDOW, MAX_SEQUENCE  # noqa: E402
 
 
 def test_sequence_first_push_is_new_and_its_retry_a_duplicate():
@@ -139,10 +140,24 @@ def test_sequence_first_push_is_new_and_its_retry_a_duplicate():
     assert decide_sequence(1, 2) is SequenceAction.NEW
 
 
-def test_sequence_older_than_the_acknowledged_one_or_implausibly_far_ahead_is_refused():
-    assert decide_sequence(5, 4) is SequenceAction.REFUSE
+def test_sequence_older_than_the_window_or_implausibly_far_ahead_is_refused():
+    assert decide_sequence(100, 100 - MAX_PUSH_WINDOW) is SequenceAction.REFUSE
     assert decide_sequence(5, 5 + MAX_SEQUENCE_GAP) is SequenceAction.NEW
     assert decide_sequence(5, 6 + MAX_SEQUENCE_GAP) is SequenceAction.REFUSE
+
+
+def test_sequence_overtaken_in_flight_is_new_once_and_a_seen_one_below_the_newest_a_duplicate():
+    assert decide_sequence(7, 5, holes=frozenset({5, 6})) is SequenceAction.NEW  # 7 overtook 5 and 6
+    assert decide_sequence(7, 4, holes=frozenset({5, 6})) is SequenceAction.DUPLICATE  # 4 was acknowledged
+    assert holes_after(4, frozenset(), 7) == {5, 6}
+    assert holes_after(7, frozenset({5, 6}), 5) == {6}  # 5 arrived late: applied once, its hole filled
+    assert holes_after(7, frozenset({6}), 6) == frozenset()
+
+
+def test_sequence_holes_are_bounded_by_the_window_even_after_a_long_gap():
+    holes = holes_after(1, frozenset(), 1 + 10 * MAX_PUSH_WINDOW)
+    assert len(holes) == MAX_PUSH_WINDOW - 1 and max(holes) == 10 * MAX_PUSH_WINDOW
+    assert holes_after(1 + 10 * MAX_PUSH_WINDOW, holes, 1 + 11 * MAX_PUSH_WINDOW).isdisjoint(holes)
 
 
 def test_sequence_zero_or_past_the_cap_is_refused_even_as_a_first_push():
