@@ -206,10 +206,11 @@ def decide_sequence(last_acked: int | None, sequence: int, holes: AbstractSet[in
 
 def holes_after(last_acked: int | None, holes: AbstractSet[int], sequence: int) -> frozenset[int]:
     """The unseen numbers below the newest once ``sequence`` is acknowledged as new: the numbers it skipped
-    are added, it is removed, and those fallen out of the window are forgotten."""
-    newest = sequence if last_acked is None else max(last_acked, sequence)
-    skipped = range(max(last_acked + 1, sequence - MAX_PUSH_WINDOW + 1), sequence) if (
-        last_acked is not None and sequence > last_acked) else ()
+    (from 1 before the rank's first acknowledgement) are added, it is removed, and those fallen out of the
+    window are forgotten."""
+    last = last_acked or 0
+    newest = max(last, sequence)
+    skipped = range(max(last + 1, sequence - MAX_PUSH_WINDOW + 1), sequence)
     return frozenset(h for h in (*holes, *skipped) if h != sequence and newest - h < MAX_PUSH_WINDOW)
 
 

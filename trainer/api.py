@@ -41,7 +41,7 @@ import torch
 from psserver.protocol.epochs import Epoch, epoch_at
 from psserver.protocol.job import JobSpec, OptimizerConfig
 from psserver.protocol.layout import Layout, partitions_for
-from psserver.protocol.limits import MAX_PARTITIONS
+from psserver.protocol.limits import MAX_PARTITIONS, MAX_PUSH_WINDOW
 from psserver.protocol.rows.table import TableSpec
 from psserver.protocol.rules import Mode
 from psserver.protocol.schedules import LrSchedule
@@ -62,6 +62,7 @@ from trainer.slots import DenseSlots, FlatModel, model_layout
 from trainer.stepper import StepInfo
 from trainer.table_push import TablePush
 from trainer.torchrun import rank_and_world
+from trainer.windowed import WindowedExchange
 
 log = logging.getLogger(__name__)
 
@@ -129,9 +130,11 @@ class ParameterServerTrainer:
                  security: ClientSecurity = ClientSecurity(), overlap: bool = False,
                  push_during_backward: bool = False, retry: RetryPolicy = RetryPolicy(),
                  clip_grad_norm: float | None = None, compress: str | None = None, pipeline: bool = False,
-                 join: bool = False):
+                 join: bool = False, push_window: int = 1):
         self.tables = sharded_tables(model)  # bound to the shards once joined (_bind_tables)
         check_variants(job, bool(self.tables), overlap, pipeline)
+        check_window(job, push_window, overlap=overlap, pipeline=pipeline, push_during_backward=push_during_backward,
+                     compress=compress)
         self.clip_grad_norm = check_max_norm(clip_grad_norm, push_during_backward)
         self.model, self.job, self.rank, self.overlap = model, job, rank, overlap
         self.forward_module = model  # what the training loop calls forward on
@@ -160,6 +163,9 @@ class ParameterServerTrainer:
         self.exchange = DenseExchange(self.slots, self.session, rank, round_timeout, self.clip_grad_norm,
                                       self._prefetch, self._early, self._waits)
         self.pipelined = PipelinedExchange(self.exchange, self._waits, self._early) if pipeline else None
+        # push_window > 1: async steps return before their push is acknowledged (trainer.windowed)
+        self.windowed = WindowedExchange(self.slots, self.session, push_window, round_timeout,
+                                         self.clip_grad_norm) if push_window > 1 else None
         self.table_push = TablePush(self.tables, self.client, rank)
         self.rows = None
         self._closed = False
@@ -191,8 +197,8 @@ class ParameterServerTrainer:
 
     @property
     def steps(self) -> int:
-        """Dense steps completed."""
-        return self.exchange.steps
+        """Dense steps completed (windowed: handed to the window)."""
+        return self.windowed.steps if self.windowed is not None else self.exchange.steps
 
     def members_at(self, round_: int) -> list[int]:
         """The ranks of the job's membership epoch at ``round_``, sorted (docs/elastic.md).  The timeline is
@@ -256,7 +262,8 @@ class ParameterServerTrainer:
         if self.pipelined is not None:
             return self.pipelined.step(num_samples, self.table_push)
         self.table_push.push(num_samples)
-        info = self.exchange.dense_step(num_samples)
+        info = self.windowed.step(num_samples) if self.windowed is not None else \
+            self.exchange.dense_step(num_samples)
         self.table_push.done()
         return info
 
@@ -293,7 +300,8 @@ class ParameterServerTrainer:
         if self.pipelined is not None and self.pipelined.under_way():
             return
         self._join_exchange()  # one that ended: a failure is raised here, as StepFailed
-        if self.exchange.attempt is not None or self.table_push.pending():
+        if self.exchange.attempt is not None or self.table_push.pending() or (
+                self.windowed is not None and self.windowed.pending()):
             raise RuntimeError(f"{what} while a failed step waits: call step() to retry it (same gradient, "
                                f"same sequence numbers) or abandon_step() to drop it")
 
@@ -304,6 +312,8 @@ class ParameterServerTrainer:
             self._join_exchange()  # pipelined: wait for it; only a failed one has anything to drop
         except grpc.RpcError:
             pass
+        if self.windowed is not None and self.windowed.pending():
+            log.warning("rank %d abandoned failed windowed pushes %s", self.rank, self.windowed.abandon())
         if self.exchange.attempt is None and not self.table_push.pending():
             return
         todo = self.exchange.abandon()
@@ -324,6 +334,8 @@ class ParameterServerTrainer:
         """Bring in the weights still being pulled in the background (before evaluating or saving); a
         pipelined exchange's failure is raised here as StepFailed."""
         self._join_exchange()
+        if self.windowed is not None:  # every push in flight acknowledged, the newest weights in the model
+            self.windowed.flush()
         if self._prefetch is not None:
             self._prefetch.collect_all()
 
@@ -377,6 +389,8 @@ class ParameterServerTrainer:
             self.pipelined.close()
         if self._early is not None:
             self._early.close()
+        if self.windowed is not None:
+            self.windowed.close()
 
     def leave_outcome(self) -> str:
         """What closing told the shards, in words that claim no more than their answers (for ps-trainer's last
@@ -403,6 +417,27 @@ def check_variants(job: JobSpec, has_tables: bool, overlap: bool, pipeline: bool
         raise ValueError(f"overlap (pulling the next weights while computing) needs async mode, not {job.mode}")
 
 
+def check_window(job: JobSpec, push_window: int, overlap: bool = False, pipeline: bool = False,
+                 push_during_backward: bool = False, compress: str | None = None) -> None:
+    """What a push window of ``push_window`` cannot go with; raises ValueError saying why (trainer.windowed)."""
+    if not 1 <= push_window <= MAX_PUSH_WINDOW:
+        raise ValueError(f"push_window is {push_window} but must be 1 to {MAX_PUSH_WINDOW} (pushes in flight)")
+    if push_window == 1:
+        return
+    if job.mode != Mode.ASYNC:
+        raise ValueError(f"push_window {push_window} needs mode async, not {job.mode}: a sync round waits for "
+                         f"every trainer's push, so a second one in flight could only wait for the next round")
+    clash = [n for n, on in (("overlap", overlap), ("pipeline", pipeline),
+                             ("push_during_backward", push_during_backward), ("compress", compress)) if on]
+    if clash:
+        raise ValueError(f"push_window {push_window} does not go with {clash[0]}: the window already keeps the "
+                         f"pushes off the step's path (use push_window=1 with {clash[0]})")
+    if job.max_staleness is not None and push_window > job.max_staleness + 1:
+        raise ValueError(f"push_window is {push_window} but max_staleness is {job.max_staleness}: this trainer's "
+                         f"own pushes in flight make a push up to {push_window - 1} versions stale, so the window "
+                         f"must be at most max_staleness + 1 = {job.max_staleness + 1}")
+
+
 def describe(job: JobSpec) -> str:
     """The few words the training loop's start line says of the job."""
     return f"{job.num_shards} shards, mode {job.mode}" + (
@@ -425,7 +460,7 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
             clip_grad_norm: float | None = None, compress: str | None = None,
             embedding_mode: str = "", partition_bytes: int = 0, partitions: int | None = None,
             pipeline: bool = False, join: bool = False, max_trainers: int = 0,
-            lr_scaling: str = "none") -> ParameterServerTrainer:
+            lr_scaling: str = "none", push_window: int = 1) -> ParameterServerTrainer:
     """Register ``model`` with the shards at ``ps`` and return a handle whose ``step()`` trains it.
 
     ``rank`` and ``num_trainers`` not given are read from ``RANK`` and ``WORLD_SIZE``
@@ -455,6 +490,8 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
     ``pipeline=True`` returns from ``step()`` while the exchange goes on: each module's next forward waits
     only for the partitions holding its parameters (trainer.pipeline); ``step()`` then returns the previous
     step's StepInfo.  In sync mode both leave the parameters bit-identical to the plain exchange.
+    ``push_window=W`` (async only): ``step()`` returns once at most W-1 of this trainer's pushes are
+    unacknowledged (trainer.windowed); ``flush()`` and ``close()`` wait for all of them.
 
     Elastic jobs (docs/elastic.md): ``max_trainers=K`` lets trainers join the running job up to K members;
     ``join=True`` joins one (``rank`` is ignored: the job hands one out, ``ps.rank`` after connecting) from
@@ -482,4 +519,5 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
     return ParameterServerTrainer(addresses, model, job, rank, trainer_id,
                                   connect_timeout, round_timeout, chunk_bytes, security or ClientSecurity(), overlap,
                                   push_during_backward, RetryPolicy(budget_seconds=retry_budget),
-                                  clip_grad_norm=clip_grad_norm, compress=compress, pipeline=pipeline, join=join)
+                                  clip_grad_norm=clip_grad_norm, compress=compress, pipeline=pipeline, join=join,
+                                  push_window=push_window)

@@ -391,6 +391,40 @@ class ShardClient:
                                      dense_bytes)
         return outcome, values, max(0.0, until_reply - h.wait_seconds), h.wait_seconds
 
+    def take_sequence(self) -> int:
+        """A number of its own for a windowed push (trainer.windowed): never reused, whatever became of it."""
+        with self._lock:
+            if self.unanswered:  # a plain push's unanswered number is not taken over
+                self.unanswered, self._encoded = False, None
+            self.sequence += 1
+            return self.sequence
+
+    def push_pull_numbered(self, grad: torch.Tensor, base: int, num_samples: int, wire: int, sequence: int,
+                           timeout: float, out: torch.Tensor) -> PushOutcome:
+        """A windowed push under ``sequence`` (already taken), whose reply's weights land in ``out``.  Retried
+        like any push; sent again later by the window under the same number, a shard that applied it answers
+        DUPLICATE.  Touches none of the plain push's state, so several may be in flight at once."""
+        payload = wire_tensor(grad, wire)
+        chunks = list(encode_raw(payload, self._header(wire, grad.numel(), base, num_samples, sequence),
+                                 self.chunk_bytes))
+
+        def once():
+            replies = (self._push_pull_one(chunks[0], timeout=timeout) if len(chunks) == 1 else
+                       self._push_pull(iter(chunks), timeout=timeout))
+            reader = ChunkReader(replies)
+            reader.read(grad.numel(), wire, max_bytes=1 << 40, require_finite=False, out=out)
+            self._count("bytes_in", reader.bytes_read)
+            return reader.header
+
+        h = self._call("PushPull", once, retry_on=PUSH_RETRYABLE)
+        nbytes = payload.numel() * payload.element_size()
+        for name in ("bytes_out", "push_bytes_sent", "push_bytes_dense"):
+            self._count(name, nbytes)
+        outcome = _pb.PushOutcome.Name(h.outcome).lower()
+        if outcome in ("stale", "duplicate", "skipped"):
+            self._count("stale_pushes" if outcome == "stale" else f"{outcome}_pushes")
+        return PushOutcome(outcome, h.version, h.staleness)
+
     def next_sequence(self) -> int:
         """The number the next push will carry (the unanswered one again, if there is one)."""
         return self.sequence if self.unanswered else self.sequence + 1

@@ -7,8 +7,9 @@ before handing it over (the shards answer a number they already applied DUPLICAT
 retries; what a push carries and what an acknowledgement means belong to the caller (trainer.windowed for the
 dense exchange; a fused step RPC can hand in its own ``send``).
 
-W=1 is the plain step: ``submit`` returns once its own push was acknowledged.  W>1: ``submit`` returns once
-at most W-1 pushes are unacknowledged; the W-th waits (``full_waits``) for the oldest.  A push that failed
+``submit`` sends a push and returns once at most W-1 pushes are unacknowledged, so at most W are ever on the
+wire: W=1 is the plain step (its own push acknowledged before it returns); with W>1 a submit that finds W
+unacknowledged waits (``full_waits``) for one of them.  A push that failed
 stays in the window, holding its place, until ``retry_failed`` sends it again under the same numbers or
 ``abandon_failed`` drops it; ``drain`` waits for every push (flush, close, leave).
 """
@@ -76,20 +77,21 @@ class PushWindow:
         return [p for p in self._pushes if p.error is not None]
 
     def submit(self, send: Callable[[], object]) -> int:
-        """Send a new push once there is room; returns its number.  A failure found while waiting for room is
-        raised (WindowFailed) before the new push is sent: the caller still holds what it was to push."""
+        """Send a new push, then wait until at most W-1 pushes are unacknowledged; returns its number.  A failure
+        found before it is sent is raised (WindowFailed) without sending it: the caller still holds it; so is
+        one raised before and neither retried nor abandoned since (no new push overtakes a failed one)."""
         self._collect(block=False)
-        if len(self._pushes) >= self.size:
-            self.stats.full_waits += 1
-            while len(self._pushes) >= self.size:
-                self._collect(block=True)
+        if self.failed():
+            raise WindowFailed({p.number: p.error for p in self.failed()})
         self.stats.submitted += 1
         push = Push(self.stats.submitted, send)
         self._pushes.append(push)
         push.future = self._start(send)
         self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._pushes))
-        if self.size == 1:  # the plain step: its own push acknowledged before it returns
-            self.drain()
+        if len(self._pushes) >= self.size:
+            self.stats.full_waits += self.size > 1  # (W=1 always waits: that is the plain step, not a full window)
+            while len(self._pushes) >= self.size:
+                self._collect(block=True)
         return push.number
 
     def drain(self) -> None:

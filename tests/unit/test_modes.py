@@ -152,6 +152,7 @@ def test_sequence_overtaken_in_flight_is_new_once_and_a_seen_one_below_the_newes
     assert holes_after(4, frozenset(), 7) == {5, 6}
     assert holes_after(7, frozenset({5, 6}), 5) == {6}  # 5 arrived late: applied once, its hole filled
     assert holes_after(7, frozenset({6}), 6) == frozenset()
+    assert holes_after(None, frozenset(), 3) == {1, 2}  # a first push that overtook the two before it
 
 
 def test_sequence_holes_are_bounded_by_the_window_even_after_a_long_gap():

@@ -7,6 +7,8 @@ from concurrent.futures import Future
 
 import pytest
 
+from tests.helpers import wait_until
+
 from trainer.push_window import PushWindow, WindowFailed
 
 
@@ -29,36 +31,40 @@ class FakeSends:
         self.started[i][1].set_exception(error)
 
 
+def wait_for(condition) -> None:
+    wait_until(condition, "the window's thread to get there")
+
+
 def numbered(n):
     return lambda: ("ack", n)
 
 
-def test_window_fills_to_its_size_without_waiting_and_counts_what_is_in_flight():
+def test_window_fills_to_w_minus_one_without_waiting_and_counts_what_is_in_flight():
     fake, acks = FakeSends(), []
     w = PushWindow(4, fake.start, on_ack=lambda n, r: acks.append((n, r)))
-    for n in range(4):
+    for n in range(3):
         assert w.submit(numbered(n)) == n + 1
-    assert w.in_flight == 4 and w.stats.full_waits == 0 and w.stats.max_in_flight == 4 and acks == []
+    assert w.in_flight == 3 and w.stats.full_waits == 0 and w.stats.max_in_flight == 3 and acks == []
 
 
-def test_a_full_window_blocks_the_next_push_until_one_is_acknowledged():
+def test_a_full_window_blocks_until_one_push_is_acknowledged_never_more_than_w_on_the_wire():
     fake = FakeSends()
-    w = PushWindow(2, fake.start)
+    w = PushWindow(3, fake.start)
     w.submit(numbered(0))
     w.submit(numbered(1))
     done = threading.Event()
     t = threading.Thread(target=lambda: (w.submit(numbered(2)), done.set()))
     t.start()
-    assert not done.wait(0.05)  # (a bounded look: it must still be blocked; no sleep used as synchronisation)
-    assert len(fake.started) == 2
+    wait_for(lambda: len(fake.started) == 3)  # the third is sent, then waits for room
+    assert not done.is_set() and w.in_flight == 3 and w.stats.max_in_flight == 3
     fake.ack(1)  # a later push acknowledged first frees a place too
     t.join(timeout=10)
-    assert done.is_set() and len(fake.started) == 3 and w.stats.full_waits == 1 and w.in_flight == 2
+    assert done.is_set() and w.stats.full_waits == 1 and w.in_flight == 2
 
 
 def test_drain_waits_for_every_push_and_reports_each_acknowledgement_once():
     fake, acks = FakeSends(), []
-    w = PushWindow(3, fake.start, on_ack=lambda n, r: acks.append(n))
+    w = PushWindow(4, fake.start, on_ack=lambda n, r: acks.append(n))
     for n in range(3):
         w.submit(numbered(n))
     t = threading.Thread(target=w.drain)
@@ -71,7 +77,7 @@ def test_drain_waits_for_every_push_and_reports_each_acknowledgement_once():
 
 def test_a_failed_push_keeps_its_place_and_is_retried_with_the_same_send():
     fake, acks = FakeSends(), []
-    w = PushWindow(2, fake.start, on_ack=lambda n, r: acks.append(r))
+    w = PushWindow(3, fake.start, on_ack=lambda n, r: acks.append(r))
     first, second = numbered("seq-7"), numbered("seq-8")
     w.submit(first)
     w.submit(second)
