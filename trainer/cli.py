@@ -96,6 +96,9 @@ def build_parser() -> EnvArgumentParser:
                    help="async mode: pull the next weights in the background while computing")
     p.add_argument("--push-during-backward", action="store_true",
                    help="any mode: push each shard its gradient slice as soon as backward has produced it")
+    p.add_argument("--push-window", type=int, default=1, metavar="W",
+                   help="async mode: up to W pushes in flight, acknowledged in the background (1: each step waits "
+                        "for its own; docs/push-window.md)")
     p.add_argument("--backend", choices=("ps", "ddp", "ddp-nccl", "local"), default="ps",
                    help="ps: the parameter servers; ddp (gloo) / ddp-nccl / local: the baselines ps-bench compares "
                         "against (ddp reads --ps as the process group's master HOST:PORT)")
@@ -210,7 +213,7 @@ def config_from_args(args, env: dict | None = None):
         eval_every=args.eval_every,
         progress=False if args.no_progress else None, connect_timeout=args.connect_timeout,
         security=client_security(args), backend=args.backend, overlap=args.overlap,
-        push_during_backward=args.push_during_backward, job_id=args.job_id, save_every=args.save_every,
+        push_during_backward=args.push_during_backward, push_window=args.push_window, job_id=args.job_id, save_every=args.save_every,
         retry_budget=args.retry_budget, tensorboard=args.tensorboard, compress=args.compress,
         partition_bytes=args.partition_bytes, pipeline=args.pipeline,
         **{name: getattr(args, name) for name in SCHEDULE_FLAGS},

@@ -77,6 +77,8 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--replicas-to-aggregate", type=int, default=0)
     p.add_argument("--stale-policy", choices=STALE_POLICIES, default="drop")
     p.add_argument("--max-staleness", type=int, default=None, help="async only")
+    p.add_argument("--push-window", type=int, default=1, metavar="W",
+                   help="async only: each trainer keeps up to W pushes in flight (docs/push-window.md)")
     p.add_argument("--straggler-delay", type=float, default=0.0,
                    help="extra seconds per step for the last trainer, to show what stale-timeout buys")
     p.add_argument("--elastic", action="store_true",
@@ -152,6 +154,8 @@ def trainer_args(args, rank: int, run: Path) -> list[str]:
         a += ["--partition-bytes", str(args.partition_bytes)]
     if args.pipeline:
         a += ["--pipeline"]
+    if args.push_window != 1:
+        a += ["--push-window", str(args.push_window)]
     a += table_argv(args)
     if args.mode == Mode.STALE_TIMEOUT:
         timeout = DEFAULT_SYNC_TIMEOUT if args.sync_timeout is None else args.sync_timeout

@@ -204,6 +204,7 @@ class Run:
             versions=list(self.ps.versions), bytes_out=counters.get("bytes_out", 0),
             bytes_in=counters.get("bytes_in", 0), push_bytes_sent=counters.get("push_bytes_sent", 0),
             push_bytes_dense=counters.get("push_bytes_dense", 0),
+            **{k: v for k, v in counters.items() if k.startswith("window_")},  # --push-window (trainer.windowed)
             **{k: v for k, v in counters.items() if k.startswith("rows_")},  # the tables' client (trainer.sparse_client)
             stopped=stopped or None,
         )
@@ -306,7 +307,7 @@ def make_stepper(cfg: TrainConfig, model: torch.nn.Module, total_steps: int) -> 
                        push_during_backward=cfg.push_during_backward, retry_budget=cfg.retry_budget,
                        lr_schedule=schedule, clip_grad_norm=clip, compress=cfg.compress,
                        embedding_mode=cfg.embedding_mode, partition_bytes=cfg.partition_bytes,
-                       pipeline=cfg.pipeline, join=cfg.join)
+                       pipeline=cfg.pipeline, join=cfg.join, push_window=cfg.push_window)
     from trainer.baselines import DDPStepper, LocalStepper, LocalTables
 
     if cfg.backend in ("ddp", "ddp-nccl"):

@@ -120,6 +120,9 @@ class WindowedExchange:
             c = self.client.counters
             c["window_pushes_in_flight_max"] = max(c["window_pushes_in_flight_max"], self.window.stats.max_in_flight)
             c["window_pushes_in_flight"] = self.window.in_flight
+            c["window_pushes_sent"] = self.window.stats.submitted
+            c["window_pushes_acknowledged"] = self.window.stats.acknowledged
+            c["window_pushes_retried"] = self.window.stats.retried
 
     # ------------------------------------------------------------------ on the window's threads
     def _send(self, push: WindowedPush) -> WindowedPush:

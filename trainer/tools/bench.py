@@ -236,7 +236,8 @@ VARIANT_FLAGS = {"overlap": "--overlap", "early": "--push-during-backward"}
 PARTITION = 4 << 20  # BytePS's partition size; ps-bench's partitioned rows use it
 DEFAULT_EXTRA_ROWS = ("sync:--wire-dtype bfloat16", "sync:--compress topk:0.01", "sync:--pipeline",
                       f"sync:--partition-bytes {PARTITION} --pipeline",
-                      f"sync+early:--partition-bytes {PARTITION} --pipeline")
+                      f"sync+early:--partition-bytes {PARTITION} --pipeline",
+                      "async:--push-window 4")  # trainer.windowed: four pushes in flight
 
 
 def parse_extra_row(spec: str) -> tuple[str, list[str]]:
