@@ -108,3 +108,10 @@ def test_open_round_members_and_acknowledgements_round_trip(tmp_path):
     assert torch.equal(loaded.open_round["sum"], s.open_round["sum"])
     assert (loaded.open_round["weight"], loaded.open_round["contributors"], loaded.open_round["stale"]) == \
         (4.0, [0], [(1, 3)])
+
+
+def test_the_push_windows_holes_survive_a_checkpoint_and_an_old_file_has_none():
+    s = state(5)
+    s.holes = {0: [3, 4], 2: [9]}
+    assert ShardState.from_bytes(s.to_bytes()).holes == {0: [3, 4], 2: [9]}
+    assert ShardState.from_bytes(state(6).to_bytes()).holes == {}
