@@ -125,6 +125,8 @@ class ParameterServerTrainer:
     make the steps; this class builds them, and holds what a step must refuse or undo.
     """
 
+    windowed: WindowedExchange | None = None  # push_window > 1 (trainer.windowed); None: the plain exchange
+
     def __init__(self, addresses: Sequence[str], model: torch.nn.Module, job: JobSpec, rank: int,
                  trainer_id: str, connect_timeout: float, round_timeout: float, chunk_bytes: int,
                  security: ClientSecurity = ClientSecurity(), overlap: bool = False,

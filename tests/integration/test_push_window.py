@@ -132,3 +132,41 @@ def test_a_window_that_cannot_hold_is_refused_before_connecting(kw, message):
 def test_a_window_beyond_the_shards_limit_is_refused_naming_both():
     with pytest.raises(ValueError, match="push_window is 65 but must be 1 to 64"):
         connect("127.0.0.1:1", Vec(3), mode="async", push_window=65)
+
+
+def test_a_shard_killed_and_restored_under_a_window_of_pushes_applies_none_twice(tmp_path):
+    """kill -9 with pushes about to be in flight, --restore on the same port: every push the shard holds was
+    applied once (its version counts them, the weights are the sum of exactly those), none lost unlogged."""
+    from trainer.procs import start_shard
+
+    args = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1"]
+    shard = start_shard(0, tmp_path / "shard0.log", extra_args=args)
+    procs = [shard]
+    model = Vec()
+    init = model.w.detach().clone()
+    ps = connect(shard.address, model, mode="async", push_window=4, optimizer={"name": "sgd", "lr": 1.0},
+                 retry_budget=60)
+    try:
+        for step in range(3):
+            model.w.grad = grad(step)
+            ps.step()
+        ps.flush()
+        wait_until(lambda: (tmp_path / "ckpt" / f"shard0-v{3:012d}.ckpt").exists(), "the checkpoint of version 3")
+        shard.kill()
+        for step in range(3, 6):  # the shard is down: these wait in the window, retried under their numbers
+            model.w.grad = grad(step)
+            ps.step()
+        procs.append(start_shard(0, tmp_path / "shard0-restarted.log", port=int(shard.address.rsplit(":", 1)[1]),
+                                 extra_args=args + ["--restore"]))
+        ps.flush()
+        stats = ps.shard_stats()[0]
+        lost = ps.counters.get("steps_lost", 0)
+        assert stats.version == 6 - lost and ps.versions == [stats.version]
+        assert stats.counters.get("duplicates", 0) == 0
+        applied_grads = [grad(k) for k in range(6)]
+        if lost == 0:  # the restored shard still knew the trainer: every push applied exactly once
+            assert torch.equal(model.w.detach(), init - sum(applied_grads))
+    finally:
+        ps.close(best_effort=True)
+        for p in procs:
+            p.kill()
