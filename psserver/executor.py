@@ -137,11 +137,12 @@ def check_sequence(acked: dict, rank: int, trainer_id: str, sequence: int, where
     """Exactly-once for sequenced pushes: True if ``sequence`` is one of the rank's acknowledged pushes sent
     again (answer DUPLICATE, apply nothing), False if it is new; InvalidRequest for a number out of order.
     ``acked`` maps rank -> (trainer id, newest sequence, result); ``holes`` rank -> the numbers below the
-    newest not seen yet (a push window's, psserver.modes.decide_sequence); ``where`` names the target."""
+    newest not seen yet (a push window's, psserver.modes.decide_sequence; None -- the tables -- keeps the
+    one-push-at-a-time rule: anything older than the newest is refused); ``where`` names the target."""
     entry = acked.get(rank)
     last = entry[1] if entry and entry[0] == trainer_id else None
     unseen = (holes or {}).get(rank, frozenset()) if last is not None else frozenset()
-    action = modes.decide_sequence(last, sequence, unseen)
+    action = modes.decide_sequence(last, sequence, unseen, window=MAX_PUSH_WINDOW if holes is not None else 0)
     if action is modes.SequenceAction.REFUSE:
         raise InvalidRequest(f"sequence is {sequence} but rank {rank}'s last acknowledged push{where} was "
                              f"{'none' if last is None else last}: it must be the next few, up to "

@@ -185,10 +185,12 @@ class SequenceAction(enum.Enum):
     REFUSE = "refuse"  # older than the acknowledged one, or implausibly far ahead: refuse, change nothing
 
 
-def decide_sequence(last_acked: int | None, sequence: int, holes: AbstractSet[int] = frozenset()) -> SequenceAction:
+def decide_sequence(last_acked: int | None, sequence: int, holes: AbstractSet[int] = frozenset(),
+                    window: int = MAX_PUSH_WINDOW) -> SequenceAction:
     """Exactly-once for sequenced pushes: ``last_acked`` is the rank's newest acknowledged sequence (None
     before its first); ``holes`` the numbers below it, within MAX_PUSH_WINDOW, not seen yet (an async trainer
-    keeps up to that many pushes in flight, and a later one may overtake an earlier one on the way)."""
+    keeps up to that many pushes in flight, and a later one may overtake an earlier one on the way).  A target
+    that keeps no holes passes ``window=0``: only its newest may be sent again, anything older is refused."""
     if not 0 < sequence <= MAX_SEQUENCE:
         return SequenceAction.REFUSE
     if last_acked is None:
@@ -199,7 +201,7 @@ def decide_sequence(last_acked: int | None, sequence: int, holes: AbstractSet[in
         return SequenceAction.NEW if sequence - last_acked <= MAX_SEQUENCE_GAP else SequenceAction.REFUSE
     if sequence in holes:
         return SequenceAction.NEW  # overtaken in flight: new here
-    if last_acked - sequence < MAX_PUSH_WINDOW:
+    if last_acked - sequence < window:
         return SequenceAction.DUPLICATE  # seen within the window: a retry after a lost reply
     return SequenceAction.REFUSE
 

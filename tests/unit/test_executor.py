@@ -134,3 +134,5 @@ def test_exactly_once_a_push_overtaken_in_its_window_is_applied_once_and_then_an
     record_ack(acked, 0, "t0", 2, Answer("applied"), holes)
     assert holes == {} and acked[0][1] == 3  # the newest stays 3
     assert check_sequence(acked, 0, "t0", 2, holes=holes)  # its retry after a lost reply: a duplicate
+    with pytest.raises(InvalidRequest, match="sequence is 2 but rank 0's last acknowledged push was 3"):
+        check_sequence(acked, 0, "t0", 2)  # a target that keeps no holes (the tables): one push at a time
