@@ -177,6 +177,11 @@ class EpochBook:
     def state(self) -> list[tuple[int, int, list[int]]]:
         return [(e.number, e.round, sorted(e.members)) for e in self.timeline]
 
+    def digest_text(self) -> str:
+        """The timeline and the pending joins (not their clock deadlines), for the shard's state digest."""
+        pending = sorted((r, p.trainer_id, p.proposal, p.held_from) for r, p in self.pending.items())
+        return f"epochs={self.state()};pending={pending}"
+
     def restore(self, saved: list | None) -> None:
         """The checkpoint's timeline; pending joins are not kept (their joiner commits without, or again)."""
         if saved:

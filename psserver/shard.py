@@ -790,7 +790,8 @@ class Shard(PushTarget):
         )
 
     def state_digest(self) -> str:
-        """Hash of parameters, optimizer state, version and round buffers (tests assert refusals leave it unchanged)."""
+        """Hash of parameters, optimizer state, version, round buffers and membership epochs with pending joins
+        (tests assert refusals leave it unchanged)."""
         with self._lock:
             r = self.round
             h = hashlib.sha256(f"v={self.version};acc_w={r.weight};c={sorted(r.contributors)}".encode())
@@ -803,6 +804,8 @@ class Shard(PushTarget):
                         h.update(k.encode())
                         h.update(t.numpy().tobytes() if torch.is_tensor(t) else repr(t).encode())
             h.update(self.tables.digest())
+            if self.epochs is not None:  # who rounds wait for is state too: a refused join must not change it
+                h.update(self.epochs.digest_text().encode())
             return h.hexdigest()
 
     def stop(self) -> None:

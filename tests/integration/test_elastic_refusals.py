@@ -73,3 +73,14 @@ def test_a_joiner_is_admitted_from_its_round_and_a_push_before_it_is_refused(run
     still_serves(running, 2)
     epochs = running.stub.GetStats(pb.StatsRequest(), timeout=10).epochs
     assert [(e.round, list(e.members)) for e in epochs] == [(0, [0]), (3, [0, 1])]
+
+
+def test_the_state_digest_changes_with_a_pending_join_and_a_committed_epoch(running):
+    """The refusals above assert the digest unchanged: that means something only if it covers the membership
+    timeline and the pending joins (which hold rounds), not just the parameters."""
+    before = running.digest()
+    proposal = join(running).join_round
+    pending = running.digest()
+    assert pending != before, "a pending join (it holds the job's rounds) is not in the state digest"
+    join(running, join_round=proposal, rank=1)
+    assert running.digest() not in (before, pending), "a new membership epoch is not in the state digest"
