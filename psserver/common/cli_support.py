@@ -22,6 +22,8 @@ from typing import Callable
 
 import grpc
 
+from psserver.common.logsafe import shorten
+
 TRUE_WORDS = ("1", "true", "yes", "on")
 
 
@@ -136,7 +138,8 @@ def parse_bytes(text: str) -> int:
         ValueError: naming the text and the forms accepted.
     """
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", str(text), re.IGNORECASE)
-    if not m or not float(m.group(1)) * _UNITS[m.group(2).lower()] >= 1:
-        raise ValueError(f"memory size {text!r} must be a positive number of bytes, optionally with K, M, G or T "
-                         "(binary units), e.g. 8G or 512M")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    size = float(m.group(1)) * _UNITS[m.group(2).lower()] if m else 0.0
+    if not 1 <= size < 2.0 ** 63:  # 400 nines are infinity as a float: no traceback, the same one line
+        raise ValueError(f"memory size {shorten(str(text), 40)} must be a positive number of bytes (below 2**63), "
+                         "optionally with K, M, G or T (binary units), e.g. 8G or 512M")
+    return int(size)
