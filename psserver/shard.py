@@ -449,10 +449,18 @@ class Shard(PushTarget):
         if base > self.version:
             raise FutureVersion(f"base version is {base} but {self.label} is at version {self.version}")
         book = self.epochs
-        if self.job.max_trainers and rank not in book.members_at(base) and rank in book.current.members:
+        if self.job.max_trainers and rank not in book.members_at(base):
+            self._check_in_an_epoch(rank, base)
             raise JobMismatch(f"base version is {base} but rank {rank} is a member of this job from round "
                               f"{min(e.round for e in book.timeline if rank in e.members and e.round > base)} "
                               "(its join): pull that version first")
+
+    def _check_in_an_epoch(self, rank: int, base: int) -> None:
+        """A joiner admitted but not committed (or one that never commits) is in no epoch: its gradients are
+        no round's (they were summed into one); refused until its commit names its round."""
+        if rank not in self.epochs.current.members:
+            raise JobMismatch(f"rank {rank} is in no membership epoch of this job (base version is {base}): a "
+                              "joiner pushes only after its commit (Register with join_round, docs/elastic.md)")
 
     def push(self, rank: int, trainer_id: str, fingerprint: str, base: int, num_samples: int,
              grad: torch.Tensor, sequence: int = 0, finite: bool = True,

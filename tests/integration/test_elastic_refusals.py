@@ -84,3 +84,15 @@ def test_the_state_digest_changes_with_a_pending_join_and_a_committed_epoch(runn
     assert pending != before, "a pending join (it holds the job's rounds) is not in the state digest"
     join(running, join_round=proposal, rank=1)
     assert running.digest() not in (before, pending), "a new membership epoch is not in the state digest"
+
+
+def test_a_push_from_a_joiner_that_has_not_committed_is_failed_precondition(running):
+    """Admitted but not committed, a joiner is in no epoch: its gradient must not enter a round (it did, and was
+    averaged into the job's weights, from anyone who asked to join and never committed)."""
+    assert join(running).rank == 1
+    refused(lambda: running.push(torch.full((P,), 1000.0), rank=1, trainer_id="joiner", version=1),
+            grpc.StatusCode.FAILED_PRECONDITION, "rank 1 is in no membership epoch of this job",
+            "join_round", unchanged=running)
+    still_serves(running, 1)
+    version, weights = running.pull(min_version=2)
+    assert version == 2 and torch.isfinite(weights).all() and weights.abs().max() < 100
