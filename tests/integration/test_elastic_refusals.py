@@ -96,3 +96,17 @@ def test_a_push_from_a_joiner_that_has_not_committed_is_failed_precondition(runn
     still_serves(running, 1)
     version, weights = running.pull(min_version=2)
     assert version == 2 and torch.isfinite(weights).all() and weights.abs().max() < 100
+
+
+def test_a_join_to_a_shard_without_a_job_is_failed_precondition_and_creates_no_partition_or_reservation(
+        shard_server):
+    shard = shard_server()
+    spec = make_spec(num_trainers=1, max_trainers=2, partitions=4)
+    request = pb.RegisterRequest(rank=0, trainer_id="joiner", job=spec.to_proto(), join=True, partition=3)
+    refused(lambda: shard.stub.Register(request, timeout=10), grpc.StatusCode.FAILED_PRECONDITION,
+            "runs no job to join", unchanged=shard)
+    stats = shard.stats()
+    assert stats.partitions == 1 and stats.counters["memory_reserved_bytes"] == 0
+    shard.register(spec=ELASTIC)  # the job that comes next is planned and served as it is
+    shard.init(torch.zeros(P))
+    assert shard.push(torch.ones(P)).outcome == pb.APPLIED and shard.stats().partitions == 1
