@@ -583,7 +583,8 @@ class Shard(PushTarget):
                 return None
             for rank, pending in self.epochs.expire(self._clock()):
                 self.counters["joins_abandoned"] += 1
-                self.members.leave(rank)
+                if self.members.holds(rank, pending.trainer_id):  # not a trainer that registered the rank since
+                    self.members.leave(rank)
                 log.warning("shard %d: %s asked to join as rank %d but did not commit within %.1f s: dropped",
                             self.shard_id, shorten(pending.trainer_id), rank, self.lease_timeout)
             gone = self.members.expire()

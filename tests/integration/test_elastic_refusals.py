@@ -8,7 +8,7 @@ import torch
 
 from psserver.protocol.proto import ps_pb2 as pb
 from tests.conftest import P, make_spec
-from tests.helpers import refused
+from tests.helpers import refused, wait_until
 
 ELASTIC = make_spec(num_trainers=1, max_trainers=2)
 
@@ -110,3 +110,17 @@ def test_a_join_to_a_shard_without_a_job_is_failed_precondition_and_creates_no_p
     shard.register(spec=ELASTIC)  # the job that comes next is planned and served as it is
     shard.init(torch.zeros(P))
     assert shard.push(torch.ones(P)).outcome == pb.APPLIED and shard.stats().partitions == 1
+
+
+def test_a_dropped_join_does_not_expel_the_member_that_registered_its_rank_meanwhile(shard_server):
+    """A joiner dies between admission and commit; its rank is then registered by a trainer of its own (a plain
+    Register).  Dropping the dead join at its deadline must drop only what the joiner made, not that member."""
+    shard = shard_server(lease_timeout=1.0)
+    spec = make_spec(mode="async", num_trainers=1, max_trainers=3)
+    shard.register(spec=spec)
+    shard.init(torch.zeros(P))
+    assert join(shard, spec, trainer_id="ghost").rank == 1
+    shard.register(rank=1, spec=spec, trainer_id="real")
+    wait_until(lambda: shard.stats().counters["joins_abandoned"] == 1, "the ghost's join to be dropped")
+    version = shard.stats().version
+    assert shard.push(torch.ones(P), rank=1, trainer_id="real", version=version).outcome == pb.APPLIED
