@@ -64,7 +64,7 @@ from psserver.protocol.job import JobSpec
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rows.errors import WrongShape
 from psserver.protocol.rows.wire import row_chunks
-from psserver.protocol.rules import STALE
+from psserver.protocol.rules import STALE, reply_version
 from psserver.replies import Connections, ReplyCut, ReplyLedger, ReplyStream
 from psserver.runtime import Runtime
 from psserver.shard import PushResult, Shard
@@ -561,26 +561,66 @@ class ParameterServerService:
         """Summed gradient rows of unique ids for one table (see ps.proto and psserver.sparse.serving)."""
         with self._peer_slot(context):
             reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self._deadline(context))
-            first = _decoded(await reader.next() or _Undecodable(ValueError("the stream is empty")))
-            if not first.HasField("header"):
-                raise InvalidRequest("the first chunk has no header")
-            h = first.header
-            _check_header_fields(h)
-            # who is asking and what they declare, before a byte of the payload is read
-            self.shard.check_member(h.rank, h.trainer_id, h.fingerprint)
-            table = self.shard.tables.get(h.table)
-            _check_rows_declared(h, table.spec.dim, self.cfg.max_push_bytes)
-            async with self._rank_slot(h.rank):
-                ids, grads = await self._read_rows(reader, first, h)
-                push = RowsPush(h.rank, h.trainer_id, h.version, h.num_samples, h.sequence, ids, grads)
-                try:
-                    r = await self._run_rows(table, grads.numel(), self.shard.push_rows, h.fingerprint, h.table, push,
-                                             self.cfg.nonfinite == "refuse")
-                except StaleGradient:
-                    self.shard.count("row_pushes_stale")
-                    raise
-            return _pb.PushRowsReply(outcome=_OUTCOMES[r.outcome], version=r.version, staleness=r.staleness,
-                                     rows_applied=r.rows_applied, rows_stale=r.rows_stale)
+            h, table, first = await self._rows_header(reader)
+            r = await self._push_rows(reader, first, h, table)
+            return _push_reply(r)
+
+    @_refusals
+    @_reply_stream
+    async def PushPullRows(self, request_iterator, context: ReplyStream):
+        """PushRows, then the rows of the header's ``pull_ids`` at the version the push leads to (PullRows'
+        wait, bounds and gather), in one call: a sync step's push and its next batch's prefetch cross the wire
+        once.  The pull ids are checked before the push, so a refused call changes nothing."""
+        reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self._deadline(context))
+        h, table, first = await self._rows_header(reader)
+        ids = _decode_ids(h.pull_ids)
+        _check_pull_bytes(len(ids), table.spec.dim, min(self.cfg.max_push_bytes, limits.MAX_ROWS_REPLY_BYTES))
+        await self._check_ids(table, ids)
+        r = await self._push_rows(reader, first, h, table)
+        min_version = reply_version(table.mode, r.outcome, h.version, r.version)
+        table.check_wait(h.rank, min_version)
+        waited = await self._wait_table(h.table, min_version, context)
+        table = self.shard.tables.get(h.table)  # a new job may have replaced the tables meanwhile
+        context.hold(("rows", id(h)), len(ids) * table.spec.dim * 4)  # before the rows are gathered
+        version, rows = await self._run_rows(
+            table, len(ids) * table.spec.dim, self.shard.pull_rows, h.rank, h.trainer_id, h.fingerprint,
+            h.table, ids)
+        self.shard.count("row_push_pulls")
+        header = _pb.RowsHeader(table=h.table, version=version, num_ids=len(ids), dim=table.spec.dim,
+                                wait_seconds=waited, push=_push_reply(r))
+        for chunk in row_chunks(rows, header, self.cfg.chunk_bytes):
+            await context.write(chunk, self.cfg.chunk_bytes)
+
+    async def _check_ids(self, table, ids: torch.Tensor) -> None:
+        """A pull's ids checked before anything waits or changes (unique + placement of many ids: off the loop)."""
+        if table.small_work(len(ids) * table.spec.dim, INLINE_ROW_ELEMENTS):
+            table.check_ids(ids)
+        else:
+            await self.runtime.offload(table.check_ids, ids)
+
+    async def _rows_header(self, reader: _StreamReader):
+        """A row push's first chunk: who is asking and what they declare, before a byte of the payload is read."""
+        first = _decoded(await reader.next() or _Undecodable(ValueError("the stream is empty")))
+        if not first.HasField("header"):
+            raise InvalidRequest("the first chunk has no header")
+        h = first.header
+        _check_header_fields(h)
+        self.shard.check_member(h.rank, h.trainer_id, h.fingerprint)
+        table = self.shard.tables.get(h.table)
+        _check_rows_declared(h, table.spec.dim, self.cfg.max_push_bytes)
+        return h, table, first
+
+    async def _push_rows(self, reader: _StreamReader, first, h: _pb.RowsHeader, table):
+        """Read the push's rows and hand it to the table's executor (psserver.sparse.serving): its RowsResult."""
+        async with self._rank_slot(h.rank):
+            ids, grads = await self._read_rows(reader, first, h)
+            push = RowsPush(h.rank, h.trainer_id, h.version, h.num_samples, h.sequence, ids, grads)
+            try:
+                return await self._run_rows(table, grads.numel(), self.shard.push_rows, h.fingerprint, h.table,
+                                            push, self.cfg.nonfinite == "refuse")
+            except StaleGradient:
+                self.shard.count("row_pushes_stale")
+                raise
 
     async def _read_rows(self, reader: _StreamReader, first, h: _pb.RowsHeader) -> tuple[torch.Tensor, torch.Tensor]:
         """The stream's ids and rows, checked chunk by chunk as they arrive (tiling, sizes) and copied."""
@@ -599,6 +639,11 @@ class ParameterServerService:
             raise InvalidRequest(f"the chunks cover ids [0, {pos}) but num_ids is {n}")
         self.shard.count("bytes_in", n * (8 + 4 * dim))
         return ids, grads
+
+
+def _push_reply(r) -> _pb.PushRowsReply:
+    return _pb.PushRowsReply(outcome=_OUTCOMES[r.outcome], version=r.version, staleness=r.staleness,
+                             rows_applied=r.rows_applied, rows_stale=r.rows_stale)
 
 
 def _decode_ids(raw: bytes) -> torch.Tensor:
@@ -675,6 +720,8 @@ def add_service(servicer: ParameterServerService, server) -> None:
                                                          _pb.RowsChunk.SerializeToString),
         "PushRows": grpc.stream_unary_rpc_method_handler(servicer.PushRows, _safe(_pb.RowsChunk.FromString),
                                                          _pb.PushRowsReply.SerializeToString),
+        "PushPullRows": grpc.stream_stream_rpc_method_handler(
+            servicer.PushPullRows, _safe(_pb.RowsChunk.FromString), _pb.RowsChunk.SerializeToString),
     }
     missing = set(stubs.METHODS) - set(handlers)
     if missing:

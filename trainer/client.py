@@ -205,6 +205,7 @@ class ShardClient:
         attempt = 0
         while True:
             attempt += 1
+            self._count("round_trips")  # every data call's attempt (heartbeats aside): what a step costs in calls
             try:
                 return fn()
             except grpc.RpcError as e:

@@ -44,6 +44,17 @@ class _Batch:
     adopted: set = field(default_factory=set)  # shards whose version is this step's push base
 
 
+@dataclass
+class Claim:
+    """The next step's batch of a sync table whose rows this step's push asks for (PushPullRows): per shard,
+    the ids it carries and the pull slot its reply fills (``RowPrefetch.deliver``) or gives back (``unclaim``)."""
+
+    table: str
+    batch: _Batch
+    ids: dict[int, torch.Tensor]
+    futures: dict[int, Future]
+
+
 class RowPrefetch:
     """The announced batches of every table of one ``ShardedRows``.
 
@@ -118,6 +129,36 @@ class RowPrefetch:
                 continue
             b.rows[b.parts[s]] = rows
             b.known[b.parts[s]] = True
+
+    # -- pushed and pulled in one call (PushPullRows) ---------------------------------------------------
+    def claim(self, table: str) -> Claim | None:
+        """A sync table's batch that this step's push makes usable (the next step's) and whose pulls have not
+        started: the push carries its ids, one shard each, and the replies deliver the rows -- the version a
+        pull started by ``pushed`` would wait for (the close of this push's round), without its round trip."""
+        with self._lock:
+            if not self.sync.get(table):
+                return None
+            n = self._pushes[table] + 1
+            b = next((b for b in self._queues[table] if b.after == n), None)
+            if b is None:
+                return None
+            ids, futures = {}, {}
+            for s, pos in enumerate(b.parts):
+                if len(pos) and s not in b.pulls:
+                    ids[s], futures[s] = b.ids[pos], Future()
+                    b.pulls[s] = futures[s]
+        return Claim(table, b, ids, futures) if ids else None
+
+    @staticmethod
+    def deliver(claim: Claim, shard: int, rows: torch.Tensor, version: int) -> None:
+        claim.futures[shard].set_result((rows, version))
+
+    def unclaim(self, claim: Claim, shard: int) -> None:
+        """The push to ``shard`` brought no rows (failed, stale, lost): its pull is started by ``pushed`` as
+        without the fused call (or claimed again by the push's retry)."""
+        with self._lock:
+            if claim.batch.pulls.get(shard) is claim.futures[shard]:
+                del claim.batch.pulls[shard]
 
     # -- the step moves on ---------------------------------------------------------------------------
     def pushed(self, table: str) -> None:

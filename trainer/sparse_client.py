@@ -53,7 +53,7 @@ from psserver.protocol.rows.wire import row_chunks
 from psserver.protocol.rules import STALE, Mode, refused_stale, reply_version, version_of_refusal
 from psserver.protocol.stubs import method
 from trainer.client import PUSH_RETRYABLE, RESTART_CODES, ShardCallsFailed, ShardClient, ShardedClient
-from trainer.row_prefetch import RowPrefetch
+from trainer.row_prefetch import Claim, RowPrefetch
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,11 @@ class ShardedRows:
                                              _pb.RowsChunk.FromString) for s in sharded_client.shards]
         self._push = [s.channel.stream_unary(method("PushRows"), _pb.RowsChunk.SerializeToString,
                                              _pb.PushRowsReply.FromString) for s in sharded_client.shards]
+        self._push_pull = [s.channel.stream_stream(method("PushPullRows"), _pb.RowsChunk.SerializeToString,
+                                                   _pb.RowsChunk.FromString) for s in sharded_client.shards]
+        # A sync table's push carries the next batch's prefetched ids and its reply their rows (PushPullRows):
+        # one round trip instead of a push and a pull.  False: PushRows, then the prefetch's own PullRows.
+        self.fuse = True
         # The next batches' rows, pulled ahead (trainer.row_prefetch); used by pull(), moved on by push().
         self.ahead = RowPrefetch({n: t.dim for n, t in self.tables.items()},
                                  {n: m != Mode.ASYNC for n, m in self.modes.items()}, m, self._split,
@@ -260,7 +265,14 @@ class ShardedRows:
             grads = grads.detach().to("cpu", torch.float32)
             pending = _Pending({s: (ids[pos], grads[pos], num_samples) for s, pos in enumerate(self._split(ids))})
         todo = [s for s in pending.payloads if s not in pending.done]
-        results = self.client.map_settled(lambda s: self._push_shard(s, table, *pending.payloads[s.index]), todo)
+        claim = self.ahead.claim(table) if self.fuse else None
+        try:
+            results = self.client.map_settled(
+                lambda s: self._push_shard(s, table, *pending.payloads[s.index], claim), todo)
+        finally:
+            for shard, fut in (claim.futures.items() if claim else ()):
+                if not fut.done():  # no rows came back with the push: pulled as without the fused call
+                    self.ahead.unclaim(claim, shard)
         failed = {s: r for s, r in zip(todo, results) if isinstance(r, Exception)}
         pending.done.extend(s for s in todo if s not in failed and s not in pending.done)
         if failed:
@@ -270,10 +282,11 @@ class ShardedRows:
         self.ahead.pushed(table)
 
     def _push_shard(self, s: ShardClient, table: str, ids: torch.Tensor, grads: torch.Tensor,
-                    num_samples: int) -> str:
-        """One shard's push; on a shard found restarted it is dropped ("lost") once the shard is rejoined."""
+                    num_samples: int, claim: Claim | None = None) -> str:
+        """One shard's push (with ``claim``'s ids of this shard, a PushPullRows delivering their rows); on a
+        shard found restarted it is dropped ("lost") once the shard is rejoined."""
         try:
-            return self._push_once(s, table, ids, grads, num_samples)
+            return self._push_once(s, table, ids, grads, num_samples, claim)
         except grpc.RpcError as e:
             if not self._restarted(s, e):
                 raise
@@ -281,23 +294,31 @@ class ShardedRows:
         return "lost"
 
     def _push_once(self, s: ShardClient, table: str, ids: torch.Tensor, grads: torch.Tensor,
-                   num_samples: int) -> str:
+                   num_samples: int, claim: Claim | None = None) -> str:
         lane = self._lanes[(s.index, table)]
         if not lane.unanswered:
             lane.sequence += 1
             lane.unanswered = True
+        pull_ids = claim.ids.get(s.index) if claim is not None else None
         header = _pb.RowsHeader(rank=s.rank, trainer_id=s.trainer_id, fingerprint=s.fingerprint, table=table,
                                 version=lane.base, num_samples=num_samples, sequence=lane.sequence,
                                 num_ids=len(ids), dim=grads.shape[1])
+        if pull_ids is not None:
+            header.pull_ids = pull_ids.contiguous().numpy().tobytes()
         chunks = list(row_chunks(grads, header, self.chunk_bytes, ids))
         sent = []  # one entry per attempt: a DUPLICATE to the first one is not a lost reply's retry
 
         def send():
             sent.append(1)
-            return self._push[s.index](iter(chunks), timeout=s.call_timeout)
+            if pull_ids is None:
+                return self._push[s.index](iter(chunks), timeout=s.call_timeout), None
+            replies = iter(self._push_pull[s.index](iter(chunks), timeout=s.call_timeout))
+            first = next(replies)  # the whole reply is read here: a cut stream is retried as a lost reply
+            return first.header.push, (first.header.version, b"".join([first.rows, *(c.rows for c in replies)]))
 
         try:
-            reply = self._call(s, "PushRows", send, retry_on=PUSH_RETRYABLE)
+            reply, pulled = self._call(s, "PushPullRows" if pull_ids is not None else "PushRows", send,
+                                       retry_on=PUSH_RETRYABLE)
         except grpc.RpcError as e:
             if not refused_stale(e):
                 raise
@@ -316,7 +337,26 @@ class ShardedRows:
             lane.wait_for = lane.base
         self._count(bytes_pushed=len(ids) * (8 + 4 * grads.shape[1]), rows_pushed=len(ids),
                     rows_stale=reply.rows_stale, **{f"{outcome}_pushes": 1})
+        rows = self._rows_read(s, table, lane, pull_ids, *pulled) if pulled is not None else None
+        if rows is not None:
+            self.ahead.deliver(claim, s.index, rows, pulled[0])
         return outcome
+
+    def _rows_read(self, s: ShardClient, table: str, lane: _Lane, ids: torch.Tensor, version: int,
+                   raw: bytes) -> torch.Tensor | None:
+        """A fused call's rows (their version is the push's round close: nothing to check against a restore).
+        Rows of the wrong size are counted and dropped, not raised: the push was answered, and raising would
+        resend its gradient under a new number; the prefetch pulls them again instead."""
+        dim = self.tables[table].dim
+        if len(raw) != len(ids) * dim * 4:
+            self._count(fused_rows_refused=1)
+            log.warning("shard %d sent %d bytes of rows for %d ids of dim %d in a PushPullRows reply; pulled "
+                        "again", s.index, len(raw), len(ids), dim)
+            return None
+        with self._lock:
+            lane.version = max(lane.version, version)
+            self.counters.update(bytes_pulled=len(raw) + 8 * len(ids), rows_pulled=len(ids), fused_pulls=1)
+        return torch.from_numpy(np.frombuffer(raw, dtype=np.float32).copy()).view(len(ids), dim)
 
     def _push_outcome(self, lane: _Lane, outcome: str, attempts: int) -> str:
         """The reply's outcome -- except the first push after a resync that a sync round answered DUPLICATE

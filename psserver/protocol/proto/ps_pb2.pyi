@@ -399,7 +399,7 @@ class PullRowsRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., table: _Optional[str] = ..., min_version: _Optional[int] = ..., ids: _Optional[bytes] = ...) -> None: ...
 
 class RowsHeader(_message.Message):
-    __slots__ = ("rank", "trainer_id", "fingerprint", "table", "version", "num_samples", "sequence", "num_ids", "dim", "wait_seconds")
+    __slots__ = ("rank", "trainer_id", "fingerprint", "table", "version", "num_samples", "sequence", "num_ids", "dim", "wait_seconds", "pull_ids", "push")
     RANK_FIELD_NUMBER: _ClassVar[int]
     TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -410,6 +410,8 @@ class RowsHeader(_message.Message):
     NUM_IDS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PULL_IDS_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
     rank: int
     trainer_id: str
     fingerprint: str
@@ -420,7 +422,9 @@ class RowsHeader(_message.Message):
     num_ids: int
     dim: int
     wait_seconds: float
-    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., table: _Optional[str] = ..., version: _Optional[int] = ..., num_samples: _Optional[int] = ..., sequence: _Optional[int] = ..., num_ids: _Optional[int] = ..., dim: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+    pull_ids: bytes
+    push: PushRowsReply
+    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., table: _Optional[str] = ..., version: _Optional[int] = ..., num_samples: _Optional[int] = ..., sequence: _Optional[int] = ..., num_ids: _Optional[int] = ..., dim: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., pull_ids: _Optional[bytes] = ..., push: _Optional[_Union[PushRowsReply, _Mapping]] = ...) -> None: ...
 
 class RowsChunk(_message.Message):
     __slots__ = ("header", "offset", "ids", "rows")

@@ -84,6 +84,11 @@ class ParameterServerStub:
                 request_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.RowsChunk.SerializeToString,
                 response_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.PushRowsReply.FromString,
                 _registered_method=True)
+        self.PushPullRows = channel.stream_stream(
+                '/psgrpc.v1.ParameterServer/PushPullRows',
+                request_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.RowsChunk.SerializeToString,
+                response_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.RowsChunk.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -157,6 +162,16 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushPullRows(self, request_iterator, context):
+        """Sparse tables: PushRows, then PullRows of the header's pull_ids in the same call, at the version this push
+        leads to (sync, stale-timeout: its round closed; async: its own step), as PullRows with that min_version.
+        A retry under the same sequence is answered DUPLICATE and still streams the rows.  A stale push is refused
+        ABORTED as PushRows is (no rows).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -209,6 +224,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.PushRows,
                     request_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.RowsChunk.FromString,
                     response_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.PushRowsReply.SerializeToString,
+            ),
+            'PushPullRows': grpc.stream_stream_rpc_method_handler(
+                    servicer.PushPullRows,
+                    request_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.RowsChunk.FromString,
+                    response_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.RowsChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -481,6 +501,33 @@ class ParameterServer:
             '/psgrpc.v1.ParameterServer/PushRows',
             psserver_dot_protocol_dot_proto_dot_ps__pb2.RowsChunk.SerializeToString,
             psserver_dot_protocol_dot_proto_dot_ps__pb2.PushRowsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushPullRows(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/psgrpc.v1.ParameterServer/PushPullRows',
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.RowsChunk.SerializeToString,
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.RowsChunk.FromString,
             options,
             channel_credentials,
             insecure,
