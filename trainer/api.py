@@ -169,6 +169,7 @@ class ParameterServerTrainer:
         self.windowed = WindowedExchange(self.slots, self.session, push_window, round_timeout,
                                          self.clip_grad_norm) if push_window > 1 else None
         self.table_push = TablePush(self.tables, self.client, rank)
+        self._dense_done: StepInfo | None = None  # this step's dense part, done while a table push failed
         self.rows = None
         self._closed = False
         self.timeline: list[Epoch] = []  # the job's membership epochs, as far as this trainer needs them
@@ -263,9 +264,21 @@ class ParameterServerTrainer:
         """
         if self.pipelined is not None:
             return self.pipelined.step(num_samples, self.table_push)
-        self.table_push.push(num_samples)
-        info = self.windowed.step(num_samples) if self.windowed is not None else \
-            self.exchange.dense_step(num_samples)
+        self.session.step_begins()
+        try:
+            tables = self.table_push.start(num_samples) if self.table_push.side_by_side else None
+            if tables is None:
+                self.table_push.push(num_samples)
+            try:
+                if self._dense_done is None:  # (a retry after only a table push failed: the dense part is done)
+                    self._dense_done = self.windowed.step(num_samples) if self.windowed is not None else \
+                        self.exchange.dense_step(num_samples)
+            finally:
+                if tables is not None:
+                    tables.result()  # a table push's failure is raised first, as when tables went first
+        finally:
+            self.session.step_ends()
+        info, self._dense_done = self._dense_done, None
         self.table_push.done()
         return info
 
@@ -276,6 +289,7 @@ class ParameterServerTrainer:
         current batch's, before its forward.  Ids not announced are pulled by the forward as before."""
         if self.rows is None:
             return
+        self.table_push.side_by_side = True  # see trainer.table_push
         for name, table_ids in ids.items():
             self.rows.prefetch(name, table_ids, ahead)
 
@@ -320,6 +334,7 @@ class ParameterServerTrainer:
             return
         todo = self.exchange.abandon()
         self.table_push.abandon()
+        self._dense_done = None
         log.warning("rank %d abandoned a failed step on shards %s", self.rank, todo)
         if self.pipelined is not None:
             self.pipelined.abandoned()
@@ -385,6 +400,7 @@ class ParameterServerTrainer:
         if self.rows is not None:
             self.rows.close()
         self.client.close()  # channels first: cancels calls still in flight, so the pools below drain
+        self.table_push.close()
         if self._prefetch is not None:
             self._prefetch.close()
         if self.pipelined is not None:

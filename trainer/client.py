@@ -502,7 +502,9 @@ class ShardedClient:
             for j in range(len(addresses) * k)
         ]
         self.shards = self.parts[::k]
-        self._pool = ThreadPoolExecutor(max_workers=len(self.parts), thread_name_prefix="ps-io")
+        # A worker for every partition's call and every shard's table call: a step's table calls and dense
+        # exchange run side by side (trainer.table_push), and neither may wait behind the other's calls.
+        self._pool = ThreadPoolExecutor(max_workers=len(self.parts) + len(self.shards), thread_name_prefix="ps-io")
 
     def map(self, fn: Callable[[ShardClient], T], parts: bool = False) -> list[T]:
         """``fn`` on every shard (every partition: ``parts``) in parallel; results in order; the first error

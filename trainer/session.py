@@ -44,6 +44,12 @@ class Session:
         self.leave_answers: dict[int, str] = {}  # slot -> LEFT, NOT_LISTED or the error its Leave got
         self._stop_heartbeat = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        # A step's table calls and dense exchange run side by side (trainer.table_push): both may find one
+        # restarted shard.  Its rejoins take the slot's lock, and within a step the second finder does not
+        # register again (see rejoin, rejoin_for_tables).
+        self._rejoin_locks = {s.slot: threading.Lock() for s in self.client.parts}
+        self._in_step = False
+        self._rejoined: set[int] = set()  # slots registered again during the current step
 
     def track_rows(self, rows) -> None:
         self.rows = rows
@@ -154,27 +160,44 @@ class Session:
         self.client.map(first_pull, parts=True)
 
     # ------------------------------------------------------------------ a shard restarted
+    def step_begins(self) -> None:
+        self._in_step, self._rejoined = True, set()
+
+    def step_ends(self) -> None:
+        self._in_step, self._rejoined = False, set()
+
     def rejoin(self, s: ShardClient, cause: grpc.RpcError) -> bool:
         """The shard restarted (it no longer knows us, or is behind us): register again and resume from it.
 
         Rank 0 re-initialises a shard that came back empty (no checkpoint) with
         its current weights.  The steps the shard lost are logged and counted.
         Returns whether this step's gradient is to be pushed to it again (see trainer.exchange).
+        A table call of this step that rejoined the shard meanwhile left its weights due: they are resumed
+        here without registering twice.
         """
-        before = self.slots.versions[s.slot]
-        again = s.resend_after_restart()
-        self.register_again(s, cause)
-        self.resume_dense[s.slot] = before
-        self.resume_dense_slice(s, dropped=not again)
-        return again
+        with self._rejoin_locks[s.slot]:
+            if self._in_step and s.slot in self._rejoined and s.slot in self.resume_dense:
+                again = s.resend_after_restart()
+                self.resume_dense_slice(s, dropped=not again)
+                return again
+            before = self.slots.versions[s.slot]
+            again = s.resend_after_restart()
+            self.register_again(s, cause)
+            self.resume_dense[s.slot] = before
+            self.resume_dense_slice(s, dropped=not again)
+            return again
 
     def rejoin_for_tables(self, s: ShardClient, cause: grpc.RpcError) -> None:
         """A table call found shard ``s`` restarted (ShardedRows.on_restart): register again and resync the
         tables now; the dense slice resumes at this step's dense exchange, not here -- a pull inside the
-        forward would overwrite weights the forward may already have used."""
-        self.resume_dense.setdefault(s.slot, self.slots.versions[s.slot])  # a second restart keeps the first
-        s.abandon_push()  # the restarted shard does not know it: the next push gets a new number
-        self.register_again(s, cause)
+        forward would overwrite weights the forward may already have used.  If this step's dense exchange
+        already rejoined it (and resynced the tables), nothing is left to do."""
+        with self._rejoin_locks[s.slot]:
+            if self._in_step and s.slot in self._rejoined and s.slot not in self.resume_dense:
+                return
+            self.resume_dense.setdefault(s.slot, self.slots.versions[s.slot])  # a second restart keeps the first
+            s.abandon_push()  # the restarted shard does not know it: the next push gets a new number
+            self.register_again(s, cause)
 
     def resume_dense_slice(self, s: ShardClient, dropped: bool = False) -> None:
         """Pull shard ``s``'s weights after it was rejoined and count what it lost (see rejoin)."""
@@ -190,6 +213,7 @@ class Session:
         """Register with a restarted shard (rank 0 re-initialises it if it came back empty) and resync the
         tables from it; counted in ``reconnects``."""
         self._before_rejoin(s.slot)
+        self._rejoined.add(s.slot)
         log.warning("%s (%s) answered %s (%s): it restarted; registering again", s.name, s.address,
                     cause.code().name, cause.details())
         reply = s.register(self.job, self.connect_timeout)

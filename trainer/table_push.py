@@ -1,12 +1,18 @@
-"""The tables' part of a step: each shard-backed table's gradient rows, pushed before the dense exchange.
+"""The tables' part of a step: each shard-backed table's gradient rows, pushed while the dense exchange runs.
 
-Once per step: a table whose push failed keeps its rows (the error propagates out of step()); the retry pushes
+Once the loop prefetches rows (``side_by_side``, set by ``ps.prefetch``), ``start`` pushes on a thread of its own
+while step() runs the dense exchange, so a step's table calls and its dense calls to a shard are in flight
+together (one round trip's wait instead of two); a restarted shard that both find is rejoined once
+(trainer.session's per-slot rejoin lock).  Without prefetch the tables still go first: a shard's checkpoint
+taken at a dense version then holds every table pushed in that step, which side by side it may not (the table
+one version behind; each restores and is resynced at its own version).  Once per step: a table whose push failed keeps its rows (the error propagates out of step()); the retry pushes
 the tables not yet done, and of those only to the shards that did not finish (ShardedRows keeps that).
 """
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 
@@ -18,6 +24,19 @@ class TablePush:
         """``counter``: what counts failures and abandons (the sharded client's ``count``)."""
         self.tables, self._counter, self.rank = tables, counter, rank
         self._pushed: set[str] = set()  # tables whose push of the current step is done
+        self.side_by_side = False
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-tables") if tables else None
+
+    def start(self, num_samples: int) -> Future | None:
+        """``push`` on the tables' thread (None when there is nothing to push); ``Future.result()`` raises
+        what ``push`` would."""
+        if self._thread is None or all(t.name in self._pushed for t in self.tables):
+            return None
+        return self._thread.submit(self.push, num_samples)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
 
     def push(self, num_samples: int) -> None:
         for t in self.tables:
