@@ -40,9 +40,10 @@ def batch(rank: int, step: int):
             torch.randn(B, generator=g))
 
 
-def train(addresses: str, rank: int, model: Rec, prefetch: bool, out: dict) -> None:
+def train(addresses: str, rank: int, model: Rec, prefetch: bool, out: dict, fuse: bool = True) -> None:
     with connect(addresses, model, mode="sync", rank=rank, num_trainers=2,
                  optimizer={"name": "sgd", "lr": 0.1}) as ps:
+        ps.rows.fuse = fuse  # the next batch's ids ride on the push (PushPullRows), or a pull of their own
         batches = [batch(rank, k) for k in range(STEPS)]
         if prefetch:  # ids found by probing the model's own forward
             batches = ps.prefetching(batches, forward=lambda m, b: m(*b[:3]))
@@ -59,7 +60,7 @@ def train(addresses: str, rank: int, model: Rec, prefetch: bool, out: dict) -> N
         out[f"counters{rank}"] = ps.counters
 
 
-def run_job(shard_server, optimizer: str, prefetch: bool) -> dict:
+def run_job(shard_server, optimizer: str, prefetch: bool, fuse: bool = True) -> dict:
     shards = [shard_server(shard=i) for i in range(2)]
     out, errors, models = {}, [], []
     for _ in range(2):  # here, not in the threads: torch's generator is one for the process
@@ -68,7 +69,7 @@ def run_job(shard_server, optimizer: str, prefetch: bool) -> dict:
 
     def one(rank):
         try:
-            train(",".join(s.server.address for s in shards), rank, models[rank], prefetch, out)
+            train(",".join(s.server.address for s in shards), rank, models[rank], prefetch, out, fuse)
         except BaseException as e:  # noqa: BLE001 -- reported by the test
             errors.append(e)
 
@@ -99,3 +100,15 @@ def test_sync_trainers_with_prefetch_end_with_the_same_bits_as_without(shard_ser
         c = ahead[f"counters{rank}"]
         assert c["rows_prefetch_hits"] > 0 and c.get("rows_prefetch_misses", 0) == 0, c
         assert plain[f"counters{rank}"].get("rows_prefetch_hits", 0) == 0
+
+
+def test_prefetch_riding_on_the_push_ends_with_the_same_rows_as_its_own_pulls_and_saves_their_calls(shard_server):
+    separate = run_job(shard_server, "adagrad", prefetch=True, fuse=False)
+    fused = run_job(shard_server, "adagrad", prefetch=True, fuse=True)
+    for name, rows in separate["rows"].items():
+        assert torch.equal(fused["rows"][name], rows), name
+    for rank in range(2):
+        f, s = fused[f"counters{rank}"], separate[f"counters{rank}"]
+        assert f["rows_fused_pulls"] > 0 and s.get("rows_fused_pulls", 0) == 0
+        assert f["rows_prefetch_hits"] == s["rows_prefetch_hits"] and f.get("rows_prefetch_misses", 0) == 0
+        assert f["round_trips"] < s["round_trips"], (f["round_trips"], s["round_trips"])
