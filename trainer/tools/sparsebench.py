@@ -122,11 +122,12 @@ def single_process_rate(log, steps: int, batch: int, dim: int, lr: float) -> dic
 
 
 def sharded_rate(log, steps: int, batch: int, dim: int, lr: float, shards: int, run_dir, embedding_mode: str = "",
-                 prefetch: bool = False) -> dict:
+                 prefetch: bool = False, fused: bool = True) -> dict:
     """The same model with its bag on ``shards`` ps-server processes (row-wise exchange, Adagrad on
     the shards), one trainer in this process; bytes per step from the row client's counters.
     ``embedding_mode="async"``: async rows next to the sync dense head; ``prefetch``: each batch's rows pulled
-    one batch ahead (``ps.prefetching``)."""
+    one batch ahead (``ps.prefetching``); ``fused=False``: with prefetch, a sync table's push and its next batch's
+    pull stay two calls and the tables go before the dense exchange (the behaviour before PushPullRows)."""
     from psserver.protocol.rows.optim import SparseOptimizerConfig
     from trainer.api import connect
     from trainer.procs import start_shard
@@ -138,7 +139,12 @@ def sharded_rate(log, steps: int, batch: int, dim: int, lr: float, shards: int, 
         with connect([p.address for p in procs], model, optimizer={"name": "sgd", "lr": lr},
                      embedding_mode=embedding_mode) as ps:
             wrap = (lambda bs: ps.prefetching(bs, ids_of=lambda b: {"bag": b.ids})) if prefetch else (lambda bs: bs)
+            if not fused:
+                ps.rows.fuse = False
+                ps.prefetch = _announce_only(ps)
+            trips = ps.client.counters["round_trips"]
             seconds, seen, unique = _train(model, log, steps, batch, lambda n: (ps.step(n), ps.zero_grad()), wrap)
+            trips = ps.client.counters["round_trips"] - trips
             rows = dict(ps.rows.counters) if getattr(ps, "rows", None) is not None else {}
             shard_rss = [memory(p.popen.pid)["VmRSS"] for p in procs]
     finally:
@@ -147,9 +153,17 @@ def sharded_rate(log, steps: int, batch: int, dim: int, lr: float, shards: int, 
     nbytes = rows.get("bytes_pulled", 0) + rows.get("bytes_pushed", 0)
     return {"seconds": seconds, "ids_per_s": seen / seconds, "unique_ids_per_s": unique / seconds,
             "bytes_per_step": nbytes / steps, "row_bytes_per_step": unique * dim * 4 * 2 / steps,
-            "shard_rss_bytes": shard_rss,
+            "shard_rss_bytes": shard_rss, "round_trips_per_step": trips / steps,
             "prefetch_hit_rate": rows.get("prefetch_hits", 0) / max(1, rows.get("prefetch_hits", 0)
                                                                      + rows.get("prefetch_misses", 0))}
+
+
+def _announce_only(ps):
+    """``ps.prefetch`` without putting the tables beside the dense exchange (the step before PushPullRows)."""
+    def prefetch(ids: dict, ahead: int = 1) -> None:
+        for name, table_ids in ids.items():
+            ps.rows.prefetch(name, table_ids, ahead)
+    return prefetch
 
 
 # ----------------------------------------------------------------------------- shard memory, for real
