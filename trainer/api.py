@@ -264,11 +264,19 @@ class ParameterServerTrainer:
         """
         if self.pipelined is not None:
             return self.pipelined.step(num_samples, self.table_push)
+        if self.table_push.side_by_side:
+            return self._step_beside(num_samples)
+        self.table_push.push(num_samples)
+        info = self.exchange.dense_step(num_samples)
+        self.table_push.done()
+        return info
+
+    def _step_beside(self, num_samples: int) -> StepInfo:
+        """step() with the tables pushed on their own thread while the dense exchange runs (trainer.table_push);
+        a restart both find is rejoined once (trainer.session)."""
         self.session.step_begins()
         try:
-            tables = self.table_push.start(num_samples) if self.table_push.side_by_side else None
-            if tables is None:
-                self.table_push.push(num_samples)
+            tables = self.table_push.start(num_samples)
             try:
                 if self._dense_done is None:  # (a retry after only a table push failed: the dense part is done)
                     self._dense_done = self.windowed.step(num_samples) if self.windowed is not None else \

@@ -266,9 +266,13 @@ class ShardedRows:
             pending = _Pending({s: (ids[pos], grads[pos], num_samples) for s, pos in enumerate(self._split(ids))})
         todo = [s for s in pending.payloads if s not in pending.done]
         claim = self.ahead.claim(table) if self.fuse else None
+        for shard, pull_ids in (list(claim.ids.items()) if claim else ()):
+            if len(pull_ids) * spec.dim * 4 > MAX_ROWS_REPLY_BYTES:  # past one reply's cap: pulled in pieces
+                self.ahead.unclaim(claim, shard)
+                del claim.ids[shard], claim.futures[shard]
         try:
             results = self.client.map_settled(
-                lambda s: self._push_shard(s, table, *pending.payloads[s.index], claim), todo)
+                lambda s: self._push_shard(s, table, *pending.payloads[s.index], *((claim,) if claim else ())), todo)
         finally:
             for shard, fut in (claim.futures.items() if claim else ()):
                 if not fut.done():  # no rows came back with the push: pulled as without the fused call
