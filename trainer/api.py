@@ -267,9 +267,13 @@ class ParameterServerTrainer:
         if self.table_push.side_by_side:
             return self._step_beside(num_samples)
         self.table_push.push(num_samples)
-        info = self.exchange.dense_step(num_samples)
+        info = self._dense_step(num_samples)
         self.table_push.done()
         return info
+
+    def _dense_step(self, num_samples: int) -> StepInfo:
+        """The dense exchange: through the async push window (trainer.windowed) when there is one."""
+        return self.windowed.step(num_samples) if self.windowed is not None else self.exchange.dense_step(num_samples)
 
     def _step_beside(self, num_samples: int) -> StepInfo:
         """step() with the tables pushed on their own thread while the dense exchange runs (trainer.table_push);
@@ -279,8 +283,7 @@ class ParameterServerTrainer:
             tables = self.table_push.start(num_samples)
             try:
                 if self._dense_done is None:  # (a retry after only a table push failed: the dense part is done)
-                    self._dense_done = self.windowed.step(num_samples) if self.windowed is not None else \
-                        self.exchange.dense_step(num_samples)
+                    self._dense_done = self._dense_step(num_samples)
             finally:
                 if tables is not None:
                     tables.result()  # a table push's failure is raised first, as when tables went first
