@@ -88,6 +88,8 @@ class ShardHost:
         is INVALID_ARGUMENT naming both numbers (partitions of an earlier job with more are not served).
         """
         job = self.head.job
+        if job is None and 0 < index < len(self.parts):  # a rejoin registers partitions in parallel: this one
+            job = self.parts[index].job                   # may hold its job before partition 0 does
         if job is None and index > 0:
             raise NotReady(f"shard {self.shard_id} has no job yet (partition is {index}): register first")
         count = min(job.partitions if job is not None else 1, len(self.parts))

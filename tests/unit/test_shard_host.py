@@ -40,6 +40,18 @@ def test_an_empty_shard_asks_a_caller_of_another_partition_to_register_and_refus
         host.part(3)
 
 
+def test_a_partition_registered_before_partition_0_serves_its_job_at_once():
+    """A trainer's rejoin registers every partition in parallel: partition 1 may register and Init before
+    partition 0 has fixed the job, and must then serve it, not answer "register first" again."""
+    host = ShardHost(0)
+    spec = make_spec(partitions=3)
+    host.part_for_register(1, 0, 0, spec).register(0, "t0", 0, spec)
+    assert host.head.job is None
+    assert host.part(1).partition == 1 and host.part(1).job is not None
+    with pytest.raises(NotReady, match="no job yet"):  # one that has not registered still asks for it
+        host.part(2)
+
+
 def test_partitions_of_an_ended_job_with_more_are_not_served_to_the_next():
     host = ShardHost(0)
     first = make_spec(partitions=3, job_id="a")
