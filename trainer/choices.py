@@ -12,9 +12,18 @@ from psserver.protocol.rules import WIRE_DTYPE_CHOICES as WIRE_DTYPE_NAMES  # no
 
 DATASETS = ("mnist5k", "synthetic")  # trainer.data
 MODELS = ("mlp", "cnn", "resnet18", "widemlp")  # trainer.models
-REC_MODELS = ("mf", "ncf")  # trainer.recmodels
-REC_DATASETS = ("movielens100k",)  # trainer.rectrain
+REC_MODELS = ("mf", "ncf", "dlrm")  # trainer.recmodels
+REC_DATASETS = ("movielens100k", "criteo-synth")  # trainer.rectrain
 REC_BATCH = 1024  # trainer.rectrain
+CRITEO_BATCH = 2048  # trainer.criteo
+# Each recommender dataset's models, the first its default (trainer.rectrain.DATASET_MODELS).
+DATASET_MODELS = {"movielens100k": ("mf", "ncf"), "criteo-synth": ("dlrm",)}
+
+
+def rec_defaults(dataset: str, num_trainers: int) -> tuple[str, int]:
+    """(default model, default per-trainer batch) of a recommender dataset: its global batch over the trainers."""
+    batch = CRITEO_BATCH if dataset == "criteo-synth" else REC_BATCH
+    return DATASET_MODELS[dataset][0], max(1, batch // max(num_trainers, 1))
 
 # A mode's own knobs: (flag, the config's / the parsed flags' attribute, the mode it belongs to).
 MODE_KNOBS = (("--sync-timeout", "sync_timeout", Mode.STALE_TIMEOUT),

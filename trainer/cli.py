@@ -12,6 +12,7 @@ from psserver.common.cli_support import EnvArgumentParser, ensure_malloc_tunable
 from psserver.protocol.schedules import KINDS
 from psserver.protocol.security import add_client_flags, client_security
 from trainer.choices import (
+    CRITEO_BATCH,
     DATASETS,
     MODELS,
     MODES,
@@ -22,6 +23,7 @@ from trainer.choices import (
     SPARSE_OPTIMIZERS,
     STALE_POLICIES,
     WIRE_DTYPE_NAMES,
+    rec_defaults,
 )
 from trainer.torchrun import rank_and_world
 
@@ -50,16 +52,18 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--stale-policy", choices=STALE_POLICIES, default="drop",
                    help="stale-timeout: drop late gradients, or scale them by 1/(1+staleness)")
     p.add_argument("--model", choices=MODELS + REC_MODELS, default=None,
-                   help="cnn (default), mlp, widemlp, resnet18; mf or ncf (the default) for --dataset movielens100k")
+                   help="cnn (default), mlp, widemlp, resnet18; mf (the default) or ncf for --dataset movielens100k; "
+                        "dlrm for --dataset criteo-synth")
     p.add_argument("--dataset", choices=DATASETS + REC_DATASETS, default="mnist5k")
     p.add_argument("--batch-size", type=int, default=None,
-                   help=f"samples per trainer per step (default 32; {REC_BATCH} // num-trainers for movielens100k)")
+                   help=f"samples per trainer per step (default 32; {REC_BATCH} // num-trainers for movielens100k, "
+                        f"{CRITEO_BATCH} // num-trainers for criteo-synth)")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--steps", type=int, default=0, help="run this many steps instead of --epochs")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
-                   help="the dense parameters' optimizer on the shards (default sgd; adam for movielens100k)")
+                   help="the dense parameters' optimizer on the shards (default sgd; adam for the recommender datasets)")
     p.add_argument("--lr", type=float, default=None,
-                   help="learning rate (default 0.05; 0.05/num-trainers in async mode; 0.001 for movielens100k)")
+                   help="learning rate (default 0.05; 0.05/num-trainers in async mode; 0.001 for the recommender datasets)")
     p.add_argument("--momentum", type=float, default=0.9, help="sgd only")
     p.add_argument("--nesterov", action="store_true", help="sgd only")
     p.add_argument("--weight-decay", type=float, default=0.0)
@@ -149,19 +153,20 @@ TABLE_FLAGS = ("embedding_dim", "sparse_optimizer", "sparse_lr", "embedding_mode
 
 
 def add_table_flags(p: EnvArgumentParser) -> None:
-    """The embedding tables of --dataset movielens100k (trainer.embedding), shared by ps-trainer and ps-cluster.
-    Defaults are None so that only flags given are passed on (and refused with an image dataset)."""
-    p.add_argument("--embedding-dim", type=int, default=None, help="movielens100k: width of the user/item rows (32)")
+    """The embedding tables of --dataset movielens100k and criteo-synth (trainer.embedding), shared by ps-trainer
+    and ps-cluster.  Defaults are None so that only flags given are passed on (and refused with an image dataset)."""
+    p.add_argument("--embedding-dim", type=int, default=None,
+                   help="width of the rows (32 for movielens100k, 16 for criteo-synth)")
     p.add_argument("--sparse-optimizer", choices=SPARSE_OPTIMIZERS, default=None,
-                   help="movielens100k: the tables' per-row optimizer on the shards (adam: torch's SparseAdam)")
-    p.add_argument("--sparse-lr", type=float, default=None, help="movielens100k: the tables' learning rate (0.01)")
+                   help="the tables' per-row optimizer on the shards (adam: torch's SparseAdam)")
+    p.add_argument("--sparse-lr", type=float, default=None, help="the tables' learning rate (0.01)")
     p.add_argument("--embedding-mode", choices=MODES, default=None,
-                   help="movielens100k: the tables' mode (default: --mode); --mode sync --embedding-mode async "
+                   help="the tables' mode (default: --mode); --mode sync --embedding-mode async "
                         "gives async embeddings next to sync dense layers")
     p.add_argument("--admit-after", type=int, default=None,
-                   help="movielens100k: store a row only after its id was seen more than N times (0)")
+                   help="store a row only after its id was seen more than N times (0)")
     p.add_argument("--max-rows", type=int, default=None,
-                   help="movielens100k: live rows per table per shard; least recently used evicted past it")
+                   help="live rows per table per shard; least recently used evicted past it")
 
 
 def table_argv(args) -> list[str]:
@@ -184,10 +189,11 @@ def schedule_argv(args) -> list[str]:
 
 
 def dataset_defaults(args) -> dict:
-    """Model, batch size and dense optimizer when not given: a ratings dataset has its own (trainer.rectrain's)."""
+    """Model, batch size and dense optimizer when not given: a recommender dataset has its own (trainer.rectrain's,
+    trainer.criteo's)."""
     rec = args.dataset in REC_DATASETS
-    batch = max(1, REC_BATCH // max(args.num_trainers, 1)) if rec else 32
-    return dict(model=args.model or ("mf" if rec else "cnn"), optimizer=args.optimizer or ("adam" if rec else "sgd"),
+    model, batch = rec_defaults(args.dataset, args.num_trainers) if rec else ("cnn", 32)
+    return dict(model=args.model or model, optimizer=args.optimizer or ("adam" if rec else "sgd"),
                 batch_size=batch if args.batch_size is None else args.batch_size)
 
 

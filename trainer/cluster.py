@@ -26,6 +26,7 @@ from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rules import Mode
 from psserver.protocol.stubs import fetch_stat
 from trainer.choices import (
+    CRITEO_BATCH,
     DATASETS,
     KNOB_DEFAULTS,
     MODELS,
@@ -36,6 +37,7 @@ from trainer.choices import (
     REC_MODELS,
     STALE_POLICIES,
     knobs_of_other_modes,
+    rec_defaults,
 )
 from trainer.cli import (
     add_compress_flag,
@@ -58,12 +60,14 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--trainers", type=int, default=2)
     p.add_argument("--mode", choices=MODES, default="sync")
     p.add_argument("--model", choices=MODELS + REC_MODELS, default=None,
-                   help="cnn (default), mlp, widemlp, resnet18; mf (the default) or ncf for --dataset movielens100k")
+                   help="cnn (default), mlp, widemlp, resnet18; mf (the default) or ncf for --dataset movielens100k; "
+                        "dlrm for --dataset criteo-synth")
     p.add_argument("--dataset", choices=DATASETS + REC_DATASETS, default="mnist5k")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--steps", type=int, default=0, help="run this many steps instead of --epochs")
     p.add_argument("--batch-size", type=int, default=None,
-                   help=f"per trainer (default 32; {REC_BATCH} // trainers for movielens100k)")
+                   help=f"per trainer (default 32; {REC_BATCH} // trainers for movielens100k, {CRITEO_BATCH} // trainers "
+                        "for criteo-synth)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
                    help="the dense parameters' optimizer (default sgd; adam for movielens100k)")
     p.add_argument("--lr", type=float, default=None,
@@ -198,7 +202,7 @@ def summarize(args, run: Path, progress: Progress, stats: list, codes: dict, wal
         test_accuracy=progress.latest[0].get("test_accuracy") if progress.latest else None,
         # every trainer's final figure: in async and stale-timeout modes a straggler ends apart from rank 0
         test_accuracy_by_rank=[p.get("test_accuracy") for p in progress.latest],
-        **({"test_rmse": progress.latest[0].get("test_rmse") if progress.latest else None}
+        **({score_key(args.dataset): progress.latest[0].get(score_key(args.dataset)) if progress.latest else None}
            if args.dataset in REC_DATASETS else {}),
         samples_per_sec=sum(p.get("samples_per_sec", 0) for p in done),
         steps=[p.get("steps") for p in progress.latest],
@@ -231,6 +235,11 @@ def read_records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
+def score_key(dataset: str) -> str:
+    """The metrics key of a recommender dataset's test score (trainer.reporting.score_name's, torch-free)."""
+    return "test_logloss" if dataset == "criteo-synth" else "test_rmse"
+
+
 def by_rank_row(s: dict) -> tuple:
     """A row with every trainer's final test accuracy when they differ (async, stale-timeout), else none."""
     accs = s.get("test_accuracy_by_rank") or []
@@ -240,9 +249,9 @@ def by_rank_row(s: dict) -> tuple:
 
 
 def print_summary(s: dict) -> None:
-    acc = s["test_accuracy"]
-    score = (("test RMSE (rank 0)", "n/a" if s["test_rmse"] is None else f"{s['test_rmse']:.4f}") if "test_rmse" in s
-             else ("test accuracy (rank 0)", "n/a" if acc is None else f"{acc:.4f}"))
+    key = next((k for k in ("test_rmse", "test_logloss") if k in s), "test_accuracy")
+    words = {"test_rmse": "test RMSE", "test_logloss": "test log-loss", "test_accuracy": "test accuracy"}[key]
+    score = (f"{words} (rank 0)", "n/a" if s[key] is None else f"{s[key]:.4f}")
     rows = [
         ("mode", s["mode"]), ("model / data", f"{s['model']} / {s['dataset']}"),
         ("shards x trainers", f"{s['shards']} x {s['trainers']}"
@@ -288,7 +297,7 @@ def check_trainer_flags(args, run: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.job_id = args.job_id or f"cluster-{uuid.uuid4().hex[:12]}"
-    args.model = args.model or ("mf" if args.dataset in REC_DATASETS else "cnn")
+    args.model = args.model or (rec_defaults(args.dataset, 1)[0] if args.dataset in REC_DATASETS else "cnn")
     setup_logging(args.log_level)
     if args.shards < 1 or args.trainers < 1:
         raise ValueError(f"--shards ({args.shards}) and --trainers ({args.trainers}) must be at least 1")

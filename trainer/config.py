@@ -24,7 +24,7 @@ from trainer.client import on_loopback
 from trainer.clipping import check_max_norm
 from trainer.compress import parse_compress
 from trainer.recmodels import REC_MODELS
-from trainer.rectrain import REC_DATASETS
+from trainer.rectrain import DATASET_MODELS, REC_DATASETS
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,8 @@ class TrainConfig:
     compress: str = ""  # "topk:RATIO": push the largest RATIO of each slice, the rest kept for later (trainer.compress)
     partition_bytes: int = 0  # partitions of each shard's slice of at most this many bytes (0: one per shard)
     pipeline: bool = False  # the exchange runs behind the next forward, each layer waiting for its partitions
-    # Recommender datasets (movielens100k): the tables of --model mf / ncf live on the shards (trainer.embedding).
-    embedding_dim: int | None = None  # None: 32
+    # Recommender datasets (movielens100k, criteo-synth): the tables of --model mf / ncf / dlrm live on the shards.
+    embedding_dim: int | None = None  # None: 32 (movielens100k), 16 (criteo-synth)
     sparse_optimizer: str | None = None  # the tables' per-row optimizer (psserver.protocol.rows.optim); None: adam
     sparse_lr: float | None = None  # None: 0.01
     embedding_mode: str = ""  # "": the tables follow --mode; "async": async tables next to sync dense layers
@@ -201,8 +201,9 @@ def recommender_checks(cfg: TrainConfig) -> list[tuple[bool, str]]:
     defaults = TrainConfig.__dataclass_fields__
     given = [f for f in REC_FLAGS if getattr(cfg, f) != defaults[f].default]
     return [
-        (not cfg.recommender or cfg.model in REC_MODELS,
-         f"--model {cfg.model} does not fit --dataset {cfg.dataset}: choose one of {', '.join(REC_MODELS)}"),
+        (not cfg.recommender or cfg.model in DATASET_MODELS[cfg.dataset],
+         f"--model {cfg.model} does not fit --dataset {cfg.dataset}: choose one of "
+         f"{', '.join(DATASET_MODELS.get(cfg.dataset, REC_MODELS))}"),
         (cfg.recommender or cfg.model not in REC_MODELS,
          f"--model {cfg.model} is a recommender model: it needs {rec}, not --dataset {cfg.dataset}"),
         (cfg.recommender or not given,

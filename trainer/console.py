@@ -33,6 +33,8 @@ def trainer_status(rank: int, latest: dict, total_steps: int) -> str:
         parts.append(f"acc {latest['test_accuracy']:.3f}")
     if latest.get("test_rmse") is not None:
         parts.append(f"rmse {latest['test_rmse']:.3f}")
+    if latest.get("test_logloss") is not None:
+        parts.append(f"logloss {latest['test_logloss']:.3f}")
     if latest.get("samples_per_sec"):
         parts.append(f"{latest['samples_per_sec']:.0f} samples/s")
     if latest.get("stale_steps"):
@@ -54,6 +56,7 @@ def epoch_line(rec: dict) -> str | None:
     if rec.get("event") != "eval" or not rec.get("end_of_epoch"):
         return None
     score = (f"test RMSE {rec['test_rmse']:.4f}" if rec.get("test_rmse") is not None
+             else f"test log-loss {rec['test_logloss']:.4f}" if rec.get("test_logloss") is not None
              else f"test accuracy {rec['test_accuracy']:.4f}")
     return f"trainer {rec['rank']}: epoch {rec['epoch']} done at step {rec['step']}: {score}"
 

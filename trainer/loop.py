@@ -42,7 +42,7 @@ from trainer.config import (  # noqa: F401 -- re-exported: trainer.loop's names 
 )
 from trainer.data import epoch_order, load_dataset, local_batch_indices, steps_per_epoch
 from trainer.models import build_model
-from trainer.rectrain import REC_L2, build_ratings_model, load_ratings_dataset, pairs_rmse
+from trainer.rectrain import REC_L2, build_rec_model, load_rec_dataset
 from trainer.reporting import MetricsWriter, Progress, SteadyClock, finite_json, score_name  # noqa: F401
 from trainer.stepper import Stepper
 from trainer.stopping import Interrupted, StopRequest
@@ -74,7 +74,7 @@ class Run:
         self.device = pick_device(cfg.device, local_rank(cfg))
         if self.device.type == "cuda":  # streams, synchronize() and allocations without a device go to this GPU
             torch.cuda.set_device(self.device)
-        self.data = load_ratings_dataset(cfg.dataset) if cfg.recommender else load_dataset(cfg.dataset, cfg.model)
+        self.data = load_rec_dataset(cfg.dataset, cfg.seed) if cfg.recommender else load_dataset(cfg.dataset, cfg.model)
         self.spe = steps_per_epoch(len(self.data.x_train), cfg.num_trainers, cfg.batch_size)
         if self.spe == 0:
             raise ValueError(
@@ -147,9 +147,8 @@ class Run:
         t_eval = time.perf_counter()
         self.ps.flush()
         key, _ = score_name(self.cfg)
-        if self.cfg.recommender:
-            score = pairs_rmse(self.model, self.data.x_test.to(self.device), self.data.y_test.to(self.device))
-            test_loss = score ** 2
+        if self.cfg.recommender:  # RMSE of ratings, log-loss of clicks (the model wrapper's score)
+            score, test_loss = self.model.score(self.data.x_test.to(self.device), self.data.y_test.to(self.device))
         else:
             score, test_loss = evaluate(self.model, self.data.x_test, self.data.y_test, self.device)
         self.metrics.write("eval", step=self.step, epoch=self.epoch, **fields, **{key: score},
@@ -187,7 +186,8 @@ class Run:
         counters = self.ps.counters
         tail = self.losses[-min(len(self.losses), self.spe):]
         # test_accuracy holds a ratings run's RMSE under its own name (test_rmse), accuracy then None
-        scores = (dict(test_accuracy=None, test_rmse=self.accuracy, test_rmse_step=self.accuracy_step)
+        key = score_name(self.cfg)[0]
+        scores = (dict(test_accuracy=None, **{key: self.accuracy, f"{key}_step": self.accuracy_step})
                   if self.cfg.recommender else dict(test_accuracy=self.accuracy, test_accuracy_step=self.accuracy_step))
         return dict(
             steps=self.step, epochs=self.epoch, seconds=elapsed,
@@ -292,7 +292,7 @@ def build_run_model(cfg: TrainConfig, data) -> torch.nn.Module:
 
     factories = sharded_factories(cfg.sparse_optimizer_config(), seed=cfg.seed, admit_after=cfg.admit_after,
                                   max_rows=cfg.max_rows)
-    return build_ratings_model(cfg.model, data, cfg.embedding_dim or 32, cfg.seed, **factories)
+    return build_rec_model(cfg.model, data, cfg.embedding_dim, cfg.seed, **factories)
 
 
 def make_stepper(cfg: TrainConfig, model: torch.nn.Module, total_steps: int) -> Stepper:

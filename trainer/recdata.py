@@ -204,3 +204,82 @@ def make_click_log(n_samples: int, seed: int = 0, max_bag: int = 8, a: float = 1
     labels = (rng.random(n_samples) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
     return ClickLog(torch.from_numpy(ids), torch.from_numpy(offsets), torch.from_numpy(weights),
                     torch.from_numpy(labels), id_space)
+
+
+# --- synthetic Criteo-shaped log ---------------------------------------------------------------------------------
+
+# The 26 categorical cardinalities of Criteo's Kaggle display-advertising log, the largest (over 10^6) taken up to
+# 10^9: a hashed id space as production pipelines have, most of it never touched.
+CRITEO_CARDINALITIES = (1460, 583, 10**9, 10**8, 305, 24, 12517, 633, 3, 93145, 5683, 10**9, 3194, 27, 14992,
+                        10**8, 10, 5652, 2173, 4, 10**9, 18, 15, 286181, 105, 142572)
+CRITEO_DENSE = 13
+
+
+@dataclass
+class CriteoLog:
+    """Criteo-shaped samples: 13 dense features, one id per categorical table (26), a 0/1 label."""
+
+    dense: torch.Tensor  # float32 (n, 13)
+    ids: torch.Tensor  # int64 (n, tables): column t in [0, cardinalities[t])
+    labels: torch.Tensor  # float32 (n,)
+    cardinalities: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, rows) -> "CriteoLog":
+        """The samples ``rows`` (an index tensor or a slice), as a log of their own: a batch."""
+        return CriteoLog(self.dense[rows], self.ids[rows], self.labels[rows], self.cardinalities)
+
+    def to(self, device) -> "CriteoLog":
+        return CriteoLog(self.dense.to(device), self.ids.to(device), self.labels.to(device), self.cardinalities)
+
+    def compact(self) -> "CriteoLog":
+        """Ids renumbered 0..u_t-1 per table (u_t distinct in column t), for local ``nn.Embedding`` tables of u_t
+        rows; a 10^9-row table would not fit one process."""
+        columns, sizes = [], []
+        for t in range(self.ids.shape[1]):
+            uniq, inverse = torch.unique(self.ids[:, t], return_inverse=True)
+            columns.append(inverse)
+            sizes.append(len(uniq))
+        return CriteoLog(self.dense, torch.stack(columns, dim=1), self.labels, tuple(sizes))
+
+
+def hashed_ids(ranks: np.ndarray, table: int, cardinality: int) -> np.ndarray:
+    """Zipf ranks as ids of table ``table``: a 64-bit mix of (table, rank) modulo the cardinality -- the hashing
+    trick, so hot ids are spread over the id space and a few ranks may share an id, as in a hashed log."""
+    return (hidden_bits(ranks, 0x51ED + table) % np.uint64(cardinality)).astype(np.int64)
+
+
+def hidden_bits(values: np.ndarray, seed: int) -> np.ndarray:
+    """splitmix64's mix of (seed, value) as uint64 (the bits behind ``hidden_weight``)."""
+    with np.errstate(over="ignore"):
+        z = values.astype(np.uint64) + np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def make_criteo_synth(n_samples: int, seed: int = 0, a: float = 1.05,
+                      cardinalities: tuple[int, ...] = CRITEO_CARDINALITIES, scale: float = 4.0,
+                      base_logit: float = -1.2) -> CriteoLog:
+    """A learnable, seeded Criteo-shaped log, generated here (nothing is downloaded).
+
+    Dense features: ``log1p`` of exponential counts (Criteo's integer features, as DLRM's preprocessing takes
+    them).  Ids: Zipf(a) ranks per table, hashed into the table's id space.  Label: Bernoulli(sigmoid(logit)),
+    logit = base_logit + scale * (mean over tables of hidden(id) + a hidden linear map of the dense features):
+    a hidden model of the kind a DLRM tower can recover, with a click rate near Criteo's ~25%.
+    """
+    if n_samples < 1 or not cardinalities:
+        raise ValueError(f"n_samples={n_samples} and {len(cardinalities)} tables must both be at least 1")
+    rng = np.random.default_rng(seed)
+    counts = rng.exponential(np.geomspace(0.5, 200.0, CRITEO_DENSE), size=(n_samples, CRITEO_DENSE))
+    dense = np.log1p(np.floor(counts)).astype(np.float32)
+    ids = np.stack([hashed_ids(zipf_ranks(n_samples, a, card, rng), t, card)
+                    for t, card in enumerate(cardinalities)], axis=1)
+    id_part = np.mean([hidden_weight(ids[:, t], seed * 131 + t) for t in range(len(cardinalities))], axis=0)
+    w_dense = hidden_weight(np.arange(CRITEO_DENSE), seed + 7) / CRITEO_DENSE
+    centred = dense - dense.mean(axis=0)
+    logit = base_logit + scale * (2.0 * id_part + centred @ w_dense)
+    labels = (rng.random(n_samples) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
+    return CriteoLog(torch.from_numpy(dense), torch.from_numpy(ids), torch.from_numpy(labels), tuple(cardinalities))

@@ -1,4 +1,5 @@
-"""Recommender models over embedding tables: mf and ncf for ratings, a bag model for the click log.
+"""Recommender models over embedding tables: mf and ncf for ratings, a bag model for the click log, DLRM for the
+Criteo-shaped log.
 
 Every table is built by one factory argument (``embedding`` / ``bias`` /
 ``embedding_bag``) called with the table's name, size and width: plain
@@ -19,7 +20,7 @@ from torch import nn
 from psserver.protocol.rows.init import Initializer
 from psserver.protocol.rows.optim import SparseOptimizerConfig
 
-REC_MODELS = ("mf", "ncf")
+REC_MODELS = ("mf", "ncf", "dlrm")
 EMBED_STD = 0.1  # small initial rows: N(0, 1) rows make the first dot products swamp the 1..5 ratings
 
 EmbeddingFactory = Callable[[str, int, int], nn.Module]  # (table name, rows, dim)
@@ -114,6 +115,50 @@ class ClickModel(nn.Module):
         if weights is not None and self.mode != "sum":
             raise ValueError(f"per-sample weights need mode 'sum', this model pools with {self.mode!r}")
         return self.head(self.bag(ids, offsets, per_sample_weights=weights)).squeeze(-1)
+
+
+def mlp(widths: tuple[int, ...], last_relu: bool) -> nn.Sequential:
+    """Linear layers through ``widths`` with ReLUs between them (and after the last if ``last_relu``)."""
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(widths, widths[1:])):
+        layers.append(nn.Linear(a, b))
+        if last_relu or i < len(widths) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class DLRM(nn.Module):
+    """DLRM (Naumov et al. 2019): a bottom MLP takes the dense features to a ``dim`` vector; one table per
+    categorical feature looks up a ``dim`` row; the interaction is every pairwise dot product of those vectors
+    (``"dot"``) or their concatenation (``"cat"``); a top MLP over [bottom, interaction] gives one click logit.
+
+    Tables are named ``c0``..``c25`` and made by the ``embedding`` factory (sharded ones via sharded_factories).
+    """
+
+    def __init__(self, cardinalities: tuple[int, ...], num_dense: int = 13, dim: int = 16,
+                 bottom: tuple[int, ...] = (64,), top: tuple[int, ...] = (64, 32), interaction: str = "dot",
+                 embedding: EmbeddingFactory = sparse_embedding):
+        super().__init__()
+        if interaction not in ("dot", "cat"):
+            raise ValueError(f"interaction {interaction!r} is not one of dot, cat")
+        self.interaction = interaction
+        self.bottom = mlp((num_dense, *bottom, dim), last_relu=True)
+        self.tables = nn.ModuleList(embedding(f"c{t}", n, dim) for t, n in enumerate(cardinalities))
+        vectors = len(cardinalities) + 1
+        width = dim + (vectors * (vectors - 1) // 2 if interaction == "dot" else (vectors - 1) * dim)
+        self.top = mlp((width, *top, 1), last_relu=False)
+        self._pairs = torch.triu_indices(vectors, vectors, offset=1)
+
+    def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        x = self.bottom(dense)
+        rows = [table(ids[:, t]) for t, table in enumerate(self.tables)]
+        if self.interaction == "cat":
+            z = torch.cat([x, *rows], dim=1)
+        else:
+            v = torch.stack([x, *rows], dim=1)  # (b, vectors, dim)
+            dots = torch.bmm(v, v.transpose(1, 2))
+            z = torch.cat([x, dots[:, self._pairs[0], self._pairs[1]]], dim=1)
+        return self.top(z).squeeze(-1)
 
 
 def table_seed(seed: int, name: str) -> int:

@@ -20,9 +20,11 @@ from torch import nn
 
 from trainer.data import Dataset, epoch_order, local_batch_indices, steps_per_epoch
 from trainer.recdata import ClickLog, Ratings, RatingsSplit, load_movielens100k
-from trainer.recmodels import REC_MODELS, ClickModel, make_rec_model, split_parameters
+from trainer.criteo import CRITEO_DATASETS, CRITEO_DIM, build_criteo_model, load_criteo_dataset
+from trainer.recmodels import ClickModel, make_rec_model, split_parameters
 
 SPARSE_OPTIMIZERS = ("sparse_adam", "adagrad", "sgd")
+RATINGS_MODELS = ("mf", "ncf")  # what this baseline trains (recmodels.REC_MODELS also has dlrm: trainer.criteo)
 
 
 @dataclass(frozen=True)
@@ -40,8 +42,8 @@ class RecTrainConfig:
     seed: int = 0  # model initialisation and sample order
 
     def __post_init__(self) -> None:
-        if self.model not in REC_MODELS:
-            raise ValueError(f"model is {self.model!r}, expected one of {', '.join(REC_MODELS)}")
+        if self.model not in RATINGS_MODELS:
+            raise ValueError(f"model is {self.model!r}, expected one of {', '.join(RATINGS_MODELS)}")
         if self.sparse_optimizer not in SPARSE_OPTIMIZERS:
             raise ValueError(f"sparse_optimizer is {self.sparse_optimizer!r}, expected one of "
                              f"{', '.join(SPARSE_OPTIMIZERS)}")
@@ -148,7 +150,10 @@ def train_clicks(model: ClickModel, log: ClickLog, epochs: int = 2, batch_size: 
 
 # -- the recommender workload inside ps-trainer / ps-cluster (trainer.loop) ---------------------------------------
 
-REC_DATASETS = ("movielens100k",)
+RATINGS_DATASETS = ("movielens100k",)
+REC_DATASETS = RATINGS_DATASETS + CRITEO_DATASETS
+# Each recommender dataset's models, the first its default (trainer.choices.DATASET_MODELS is a torch-free copy).
+DATASET_MODELS = {"movielens100k": ("mf", "ncf"), "criteo-synth": ("dlrm",)}
 REC_L2 = RecTrainConfig.l2  # the loop trains with the baseline's regulariser, so the two are comparable
 REC_BATCH = 1024  # the global batch the baseline's defaults reach RMSE 0.91 with: N trainers take 1024 // N each
 
@@ -162,9 +167,21 @@ class RatingsDataset(Dataset):
     train_mean: float = 0.0
 
 
+def load_rec_dataset(name: str, seed: int = 0):
+    """A recommender dataset of the loop: MovieLens ratings, or the Criteo-shaped log generated from ``seed``."""
+    return load_criteo_dataset(name, seed) if name in CRITEO_DATASETS else load_ratings_dataset(name)
+
+
+def build_rec_model(name: str, data, dim: int | None, seed: int, **factories) -> nn.Module:
+    """The loop's recommender model (``dim`` None: the dataset's default width)."""
+    if name in DATASET_MODELS["criteo-synth"]:
+        return build_criteo_model(data, dim or CRITEO_DIM, seed, **factories)
+    return build_ratings_model(name, data, dim or 32, seed, **factories)
+
+
 def load_ratings_dataset(name: str) -> RatingsDataset:
-    if name != "movielens100k":
-        raise ValueError(f"unknown ratings dataset {name!r}: choose one of {', '.join(REC_DATASETS)}")
+    if name not in RATINGS_DATASETS:
+        raise ValueError(f"unknown ratings dataset {name!r}: choose one of {', '.join(RATINGS_DATASETS)}")
     split = load_movielens100k()
 
     def pairs(side: Ratings) -> torch.Tensor:
@@ -193,6 +210,11 @@ class RatingsNet(nn.Module):
             return mse, mse
         return mse + l2 * touched_rows_l2(self.net, pairs[:, 0], pairs[:, 1]), mse
 
+    def score(self, pairs: torch.Tensor, ratings: torch.Tensor) -> tuple[float, float]:
+        """(test RMSE, test MSE): what the loop's evaluation reports."""
+        rmse_ = pairs_rmse(self, pairs, ratings)
+        return rmse_, rmse_ ** 2
+
 
 def build_ratings_model(name: str, data: RatingsDataset, dim: int, seed: int, **factories) -> RatingsNet:
     """``name`` (mf or ncf) over ``data``'s users and items; ``factories`` as recmodels.sharded_factories gives."""
@@ -216,7 +238,7 @@ def pairs_rmse(model: nn.Module, pairs: torch.Tensor, ratings: torch.Tensor, bat
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer.rectrain", description=__doc__.splitlines()[0])
     defaults = RecTrainConfig()
-    p.add_argument("--model", default=defaults.model, choices=REC_MODELS)
+    p.add_argument("--model", default=defaults.model, choices=RATINGS_MODELS)
     p.add_argument("--epochs", type=int, default=defaults.epochs)
     p.add_argument("--batch-size", type=int, default=defaults.batch_size)
     p.add_argument("--dim", type=int, default=defaults.dim)

@@ -102,7 +102,7 @@ class Progress:
             self.bar.update(1)
             shown = dict(loss=f"{loss:.3f}", samples_s=f"{rate:.0f}", stale_steps=stale_steps)
             if self.accuracy is not None:
-                shown["rmse" if self.cfg.recommender else "acc"] = f"{self.accuracy:.3f}"
+                shown[score_name(self.cfg)[1].lower()] = f"{self.accuracy:.3f}"
             self.bar.set_postfix(shown, refresh=False)
         elif step % self.cfg.log_every == 0 or step == self.total:
             log.info("rank %d: step %d/%d epoch %d loss %.4f versions %s %.1f samples/s, %d stale steps",
@@ -121,5 +121,7 @@ class Progress:
 
 
 def score_name(cfg: TrainConfig) -> tuple[str, str]:
-    """(metrics key, words) of what evaluation measures: test accuracy, or test RMSE for a ratings dataset."""
+    """(metrics key, words) of what evaluation measures: test accuracy, test RMSE of ratings, test log-loss of clicks."""
+    if cfg.dataset == "criteo-synth":
+        return "test_logloss", "log-loss"
     return ("test_rmse", "RMSE") if cfg.recommender else ("test_accuracy", "accuracy")

@@ -48,7 +48,7 @@ def test_a_flag_error_is_refused_in_one_line_without_importing_torch(prog, argv,
 def test_the_torch_free_choices_equal_their_owners():
     from psserver.protocol import job
     from psserver.protocol.rows import optim
-    from trainer import choices, data, models, recmodels, rectrain
+    from trainer import choices, criteo, data, models, recmodels, rectrain
 
     assert (choices.MODES, choices.OPTIMIZERS, choices.STALE_POLICIES) == (job.MODES, job.OPTIMIZERS,
                                                                            job.STALE_POLICIES)
@@ -57,3 +57,4 @@ def test_the_torch_free_choices_equal_their_owners():
     assert (choices.DATASETS, choices.MODELS, choices.REC_MODELS) == (data.DATASETS, models.MODELS,
                                                                       recmodels.REC_MODELS)
     assert (choices.REC_DATASETS, choices.REC_BATCH) == (rectrain.REC_DATASETS, rectrain.REC_BATCH)
+    assert (choices.DATASET_MODELS, choices.CRITEO_BATCH) == (rectrain.DATASET_MODELS, criteo.CRITEO_BATCH)
