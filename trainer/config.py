@@ -205,11 +205,12 @@ def recommender_checks(cfg: TrainConfig) -> list[tuple[bool, str]]:
          f"--model {cfg.model} does not fit --dataset {cfg.dataset}: choose one of "
          f"{', '.join(DATASET_MODELS.get(cfg.dataset, REC_MODELS))}"),
         (cfg.recommender or cfg.model not in REC_MODELS,
-         f"--model {cfg.model} is a recommender model: it needs {rec}, not --dataset {cfg.dataset}"),
+         f"--model {cfg.model} is a recommender model: it needs --dataset "
+         f"{' or '.join(d for d, models in DATASET_MODELS.items() if cfg.model in models)}, not --dataset {cfg.dataset}"),
         (cfg.recommender or not given,
          f"--{given[0].replace('_', '-') if given else ''} applies to {rec} only, not --dataset {cfg.dataset}"),
         (not cfg.recommender or not cfg.backend.startswith("ddp"),
-         f"--backend {cfg.backend} cannot train the tables of {rec}"),
+         f"--backend {cfg.backend} cannot train the tables of --dataset {cfg.dataset}"),
         (cfg.embedding_dim is None or cfg.embedding_dim >= 1, f"--embedding-dim ({cfg.embedding_dim}) must be at least 1"),
         (cfg.admit_after >= 0, f"--admit-after ({cfg.admit_after}) must be zero (store every row) or more"),
         (cfg.max_rows is None or cfg.max_rows >= 1, f"--max-rows ({cfg.max_rows}) must be at least 1"),

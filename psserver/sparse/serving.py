@@ -44,6 +44,7 @@ from psserver.protocol.rows.placement import shard_of
 from psserver.protocol.rows.table import RowStore, TableSpec, all_finite, strictly_increasing
 from psserver.protocol.rules import Mode
 from psserver.rounds import TableRound
+from psserver.sparse.versions import RowVersions
 
 # Counters of a table, as GetStats names them: ``table.<name>.<counter>``.
 STAT_KEYS = ("version", "live_rows", "rows_created", "zero_reads", "dropped_grads", "evicted_lru",
@@ -104,7 +105,7 @@ class ServedTable(PushTarget):
         self.version = 0
         self.round = TableRound(spec.dim)
         self.acked: dict[int, tuple[str, int, RowsResult]] = {}  # rank -> (trainer id, sequence, result)
-        self.updated_at: dict[int, int] = {}  # async with max_staleness: id -> version of its last update
+        self.updated_at = RowVersions(self.store)  # async with max_staleness: each row's last update
         self.counts: Counter[str] = Counter()
         self.stats: dict[str, float] = {}
         self._refresh()
@@ -262,19 +263,14 @@ class ServedTable(PushTarget):
         s = self.spec.max_staleness
         if s is None or self.version - p.base <= s or not len(p.ids):
             return torch.ones(len(p.ids), dtype=torch.bool)
-        get = self.updated_at.get
-        return torch.tensor([get(i, -1) <= p.base for i in p.ids.tolist()], dtype=torch.bool)
+        return self.updated_at.get(p.ids) <= p.base
 
     def _apply(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """One optimizer step of the table (one version), then note when its rows were updated."""
-        self.store.apply(ids, grads)
+        slots = self.store.apply(ids, grads)
         self.version += 1
         if self.spec.max_staleness is not None and self.mode == Mode.ASYNC:
-            self.updated_at.update(dict.fromkeys(ids.tolist(), self.version))
-            if len(self.updated_at) > 2 * max(len(self.store), 1024):  # forget evicted rows (they start afresh)
-                held = torch.tensor(list(self.updated_at), dtype=torch.int64)
-                live = set(held[self.store.holds(held)].tolist())
-                self.updated_at = {i: v for i, v in self.updated_at.items() if i in live}
+            self.updated_at.set(ids, slots, self.version)
 
     def close_round(self, reason: modes.CloseReason) -> None:
         """Apply the round's weighted average as one step -- or, when it holds no weight (every push
@@ -304,7 +300,7 @@ class ServedTable(PushTarget):
     def state(self) -> dict:
         acked = {r: (tid, seq, res.outcome, res.version, res.staleness) for r, (tid, seq, res) in self.acked.items()}
         return dict(rows=self.store.state(), version=self.version, round=self.round.state(), acked=acked,
-                    updated_at=dict(self.updated_at), counts=dict(self.counts))
+                    updated_at=self.updated_at.to_dict(), counts=dict(self.counts))
 
     def restore(self, saved: dict, now: float) -> None:
         """Take a checkpoint's state of this table (raises BadTableState if it does not fit the spec)."""
@@ -313,7 +309,8 @@ class ServedTable(PushTarget):
         self.round.reset()
         self.round.restore(saved["round"], now)
         self.acked = {r: (tid, seq, RowsResult(o, v, s)) for r, (tid, seq, o, v, s) in saved["acked"].items()}
-        self.updated_at = dict(saved["updated_at"])
+        self.updated_at = RowVersions(self.store)
+        self.updated_at.restore(saved["updated_at"])
         self.counts = Counter(saved["counts"])
         self._refresh()
 

@@ -276,7 +276,7 @@ WORKLOADS = {
 }
 
 
-SECTIONS = ("comm", "floors", "throughput", "straggler", "wire", "sparse")  # --sections; straggler, wire: not --quick
+SECTIONS = ("comm", "floors", "throughput", "straggler", "wire", "sparse", "rows")  # --sections; straggler, wire: not --quick
 
 
 @dataclass(frozen=True)
@@ -324,6 +324,10 @@ def run_bench(out: Path, opts: BenchOptions) -> dict:
     # 3. sparse tables (issue 12): lookups+updates per second against one process, bytes, shard memory
     if "sparse" in want:
         results["sparse"] = sparse_section(opts.quick, run_dir)
+    # 4. the shard's row work per 2,048-row pull and push (issue 21), in this process
+    if "rows" in want:
+        from trainer.tools import sparsebench
+        results["rows"] = sparsebench.row_work(calls=40 if opts.quick else 200)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "bench.md").write_text(to_markdown(results))
@@ -544,7 +548,21 @@ def to_markdown(r: dict) -> str:
         for w in r["wire_dtype_accuracy"]:
             lines.append(f"| {w['wire_dtype']} | {w['test_accuracy']:.3f} | {w['samples_per_sec']:.0f} |")
     lines += sparse_markdown(r.get("sparse"))
+    lines += rows_markdown(r.get("rows"))
     return "\n".join(lines) + "\n"
+
+
+def rows_markdown(rows: list[dict] | None) -> list[str]:
+    if not rows:
+        return []
+    lines = ["", "**Shard row work** (one table, dim 16, unique Zipf ids over 10^9, one torch thread; the table's "
+                 "calls under the shard's lock, gRPC framing not included; medians)", "",
+             "| mode | optimizer | rows per call | new rows per pull | pull ms (CPU ms) | push ms (CPU ms) |",
+             "|---|---|---|---|---|---|"]
+    for w in rows:
+        lines.append(f"| {w['mode']} | {w['optimizer']} | {w['rows']:,} | {w['new_rows_per_pull']:,.0f} | "
+                     f"{w['pull_ms']:.2f} ({w['pull_cpu_ms']:.2f}) | {w['push_ms']:.2f} ({w['push_cpu_ms']:.2f}) |")
+    return lines
 
 
 def resnet18_line(c: dict | None) -> list[str]:

@@ -1,5 +1,6 @@
-"""Sparse-table measurements for `ps-bench --sparse` (issue 12): memory against live rows, and
-lookups+updates per second against one process with ``nn.EmbeddingBag(sparse=True)``.
+"""Sparse-table measurements for `ps-bench --sections sparse,rows` (issues 12, 21): memory against live rows,
+lookups+updates per second against one process with ``nn.EmbeddingBag(sparse=True)``, and the shard's own time
+per 2,048-row pull and push (``row_work``).
 
 ``table_memory`` streams Zipf-distributed ids over 10^9 possible ids through one
 table (lookup, then an optimizer step on the same rows, as a training step does)
@@ -10,6 +11,9 @@ table must stop growing once the cap is reached: the samples after that show it.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -203,3 +207,12 @@ def shard_table_memory(run_dir, max_rows: int = 1_000_000, dim: int = 32, batche
             "samples": rows, "rss_growth_over_payload": rows[-1]["rss_growth_bytes"] / rows[-1]["payload_bytes"],
             "table_over_payload": rows[-1]["table_bytes"] / rows[-1]["payload_bytes"],
             **_after_cap(capped)}
+
+
+# ------------------------------------------------------------------- the shard's row work, per call
+def row_work(calls: int = 200) -> list[dict]:
+    """The shard's own time per 2,048-row pull and push: psserver.sparse.rowbench, run as a process of its own
+    (the shard's table code is not the trainer's to import; see docs/architecture.md)."""
+    proc = subprocess.run([sys.executable, "-m", "psserver.sparse.rowbench", "--calls", str(calls)],
+                          capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout)

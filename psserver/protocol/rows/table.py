@@ -191,6 +191,11 @@ class RowStore:
         """The slot of each id, -1 where it has no row."""
         return self._index.find(ids)
 
+    def slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """The slot of each id, -1 where it has no row: where per-row data kept beside the store sits
+        (psserver.sparse.versions); a slot is valid until the next call that creates or evicts rows."""
+        return self._index.find(ids)
+
     def _touch(self, slots: torch.Tensor) -> None:
         """Mark rows as used now, for both eviction clocks."""
         self._last_tick[slots] = self.tick
@@ -370,8 +375,9 @@ class RowStore:
             out[have] = self._rows[slots[have]]
         return out if inverse is None else out[inverse]
 
-    def apply(self, ids: torch.Tensor, grad_rows: torch.Tensor) -> None:
-        """One optimizer step on the rows of ``ids`` (unique) with their summed gradient rows.
+    def apply(self, ids: torch.Tensor, grad_rows: torch.Tensor) -> torch.Tensor:
+        """One optimizer step on the rows of ``ids`` (unique) with their summed gradient rows; the slot
+        each id's row was updated in (-1: its gradient dropped -- not admitted, or past the row limit).
 
         Every call is one version, even an empty one: Adam's bias correction counts the
         table's steps as torch.optim.SparseAdam does.  Gradients of ids not admitted, or of new
@@ -386,7 +392,7 @@ class RowStore:
         self.check_fits(len(ids))
         self.version += 1
         self.tick += 1
-        slots = self._resolve(ids, sighting=False)
+        slots = every = self._resolve(ids, sighting=False)
         keep = slots >= 0  # all of them unless admission or the row limit left some out
         if not bool(keep.all()):
             self.counts.dropped_grads += int((~keep).sum())
@@ -394,7 +400,9 @@ class RowStore:
         rows, state = self._rows.index_select(0, slots), self._state.index_select(0, slots)
         update_rows(self.spec.optimizer, rows, state, grad_rows, self.version)
         self._rows[slots], self._state[slots] = rows, state
-        self.evict_stale()
+        if self.evict_stale():  # a slot evicted now holds no row
+            every = self._slots(ids)
+        return every
 
     # -- checkpoints and accounting ----------------------------------------------------
 
