@@ -143,3 +143,25 @@ def test_a_skipped_baseline_is_named_in_the_markdown():
 def test_an_unknown_section_or_workload_is_refused_naming_the_flag_and_the_choices(flag, text):
     with pytest.raises(ValueError, match=rf"{flag} \({text}\) must be names separated by commas, of "):
         bench.main([flag, text])
+
+
+def test_the_rows_section_prints_pull_and_push_milliseconds_with_their_cpu_time():
+    md = "\n".join(bench.rows_markdown([{"mode": "sync", "optimizer": "adagrad", "rows": 2048, "pull_ms": 1.5,
+                                          "pull_cpu_ms": 1.25, "push_ms": 0.75, "push_cpu_ms": 0.5,
+                                          "new_rows_per_pull": 1221.0}]))
+    assert "| sync | adagrad | 2,048 | 1,221 | 1.50 (1.25) | 0.75 (0.50) |" in md
+
+
+def test_the_sparse_grid_prints_one_process_as_ratio_1_and_each_sharded_row_with_its_ratio_and_bytes():
+    grid = [{"workload": "click", "batch": 512, "system": "one process", "shards": 0, "trainers": 1,
+             "steps_per_s": 100.0, "ids_per_s": 230_000.0},
+            {"workload": "click", "batch": 512, "system": "psgrpc sync", "shards": 2, "trainers": 2, "ratio": 0.25,
+             "steps_per_s": 12.5, "ids_per_s": 57_500.0, "row_bytes_per_step": 200_000.0,
+             "unique_bytes_per_step": 180_000.0}]
+    md = "\n".join(bench.sparse_grid_markdown(grid))
+    assert "| click | 512 | one process | 0 | 1 | 100.00 | 230,000 | 1.00 | - | - |" in md
+    assert "| click | 512 | psgrpc sync | 2 | 2 | 12.50 | 57,500 | 0.25 | 200,000 | 180,000 |" in md
+
+
+def test_sections_rows_and_sparse_grid_are_known_to_ps_bench():
+    assert bench.names_from("--sections", "rows,sparse-grid", bench.SECTIONS) == ("rows", "sparse-grid")

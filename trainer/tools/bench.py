@@ -276,7 +276,7 @@ WORKLOADS = {
 }
 
 
-SECTIONS = ("comm", "floors", "throughput", "straggler", "wire", "sparse", "rows")  # --sections; straggler, wire: not --quick
+SECTIONS = ("comm", "floors", "throughput", "straggler", "wire", "sparse", "rows", "sparse-grid")  # --sections; straggler, wire: not --quick
 
 
 @dataclass(frozen=True)
@@ -328,6 +328,9 @@ def run_bench(out: Path, opts: BenchOptions) -> dict:
     if "rows" in want:
         from trainer.tools import sparsebench
         results["rows"] = sparsebench.row_work(calls=40 if opts.quick else 200)
+    # 5. the sparse grid (issue 21): click and Criteo-shaped models x shards x trainers x modes, against one process
+    if "sparse-grid" in want:
+        results["sparse_grid"] = sparse_grid_section(opts.quick, run_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "bench.md").write_text(to_markdown(results))
@@ -351,6 +354,36 @@ def sparse_section(quick: bool, run_dir: Path) -> dict:
     memory = (sparsebench.shard_table_memory(run_dir / "sparse-memory", max_rows=20_000, batches=30, batch=4096)
               if quick else sparsebench.shard_table_memory(run_dir / "sparse-memory", batches=400))
     return {"steps": steps, "batch": batch, "dim": dim, "throughput": rows, "memory": memory}
+
+
+GRID_CELLS = {("click", 512): 30, ("click", 8192): 12, ("criteo", 2048): 10}  # (workload, batch): steps
+
+
+def sparse_grid_section(quick: bool, run_dir: Path) -> list[dict]:
+    """Each workload of GRID_CELLS in one process and on 1 and 2 shards x 1 and 2 trainers x full sync and sync
+    dense layers with async tables (--quick: the click model at batch 512 on one shard and one trainer)."""
+    from trainer.tools import sparsebench
+    if quick:
+        return sparsebench.sparse_grid(run_dir, [("click", 512)], shards=(1,), trainers=(1,),
+                                       steps={("click", 512): 8})
+    return sparsebench.sparse_grid(run_dir, list(GRID_CELLS), steps=GRID_CELLS)
+
+
+def sparse_grid_markdown(grid: list[dict] | None) -> list[str]:
+    if not grid:
+        return []
+    lines = ["", "**Sparse grid** (click model: bags of 1..8 Zipf ids over 10^9, one EmbeddingBag; criteo: DLRM, 13 "
+                 "dense features, 26 tables up to 10^9 ids; dim 16, Adagrad rows, SGD dense; one torch thread per "
+                 "process; N trainers' ids/s summed, against one process at the same per-trainer batch)", "",
+             "| workload | batch | system | shards | trainers | steps/s (per trainer) | ids/s | ratio to one process | "
+             "row bytes/step | unique ids x dim x 4 x 2 |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for g in grid:
+        ratio = f"{g['ratio']:.2f}" if "ratio" in g else "1.00"
+        nbytes = (f"{g['row_bytes_per_step']:,.0f} | {g['unique_bytes_per_step']:,.0f}" if "row_bytes_per_step" in g
+                  else "- | -")
+        lines.append(f"| {g['workload']} | {g['batch']:,} | {g['system']} | {g['shards']} | {g['trainers']} | "
+                     f"{g['steps_per_s']:.2f} | {g['ids_per_s']:,.0f} | {ratio} | {nbytes} |")
+    return lines
 
 
 def sparse_markdown(sp: dict | None) -> list[str]:
@@ -549,6 +582,7 @@ def to_markdown(r: dict) -> str:
             lines.append(f"| {w['wire_dtype']} | {w['test_accuracy']:.3f} | {w['samples_per_sec']:.0f} |")
     lines += sparse_markdown(r.get("sparse"))
     lines += rows_markdown(r.get("rows"))
+    lines += sparse_grid_markdown(r.get("sparse_grid"))
     return "\n".join(lines) + "\n"
 
 

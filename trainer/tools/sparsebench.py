@@ -216,3 +216,142 @@ def row_work(calls: int = 200) -> list[dict]:
     proc = subprocess.run([sys.executable, "-m", "psserver.sparse.rowbench", "--calls", str(calls)],
                           capture_output=True, text=True, check=True)
     return json.loads(proc.stdout)
+
+
+# ------------------------------------------------------- the grid of issue 21: workloads x shards x trainers x modes
+GRID_MODES = {"sync": "", "sync dense, async tables": "async"}  # label -> the tables' embedding_mode
+GRID_LR, GRID_DIM, GRID_WARMUP = 0.05, 16, 3  # the first steps (connect, first allocations) are not timed
+
+
+def _grid_data(workload: str, samples: int, compact: bool):
+    """The workload's samples: the click log (bags of 1..8 Zipf ids over 10^9) or the Criteo-shaped log."""
+    from trainer.recdata import make_click_log, make_criteo_synth
+    log = make_click_log(samples, seed=0) if workload == "click" else make_criteo_synth(samples, seed=0)
+    return log.compact() if compact else log
+
+
+def _grid_batch(workload: str, log, index: int, batch: int):
+    rows = torch.arange(index * batch, (index + 1) * batch)
+    return log.take(rows) if workload == "click" else log[rows]
+
+
+def _grid_model(workload: str, log, factories: dict | None):
+    """The click model (an EmbeddingBag and a small head) or DLRM (26 tables, dot interaction)."""
+    from trainer.recmodels import DLRM, ClickModel
+    torch.manual_seed(0)
+    if workload == "click":
+        kw = {"embedding_bag": factories["embedding_bag"]} if factories else {}
+        return ClickModel(log.id_space, GRID_DIM, **kw)
+    kw = {"embedding": factories["embedding"]} if factories else {}
+    return DLRM(log.cardinalities, dim=GRID_DIM, **kw)
+
+
+def _grid_loss(workload: str, model, b) -> torch.Tensor:
+    logits = model(b.ids, b.offsets, b.weights) if workload == "click" else model(b.dense, b.ids)
+    return torch.nn.functional.binary_cross_entropy_with_logits(logits, b.labels)
+
+
+def _grid_ids(workload: str, b) -> tuple[int, int]:
+    """(ids looked up, unique ids per table summed): what one step pulls and pushes."""
+    if workload == "click":
+        return len(b.ids), len(torch.unique(b.ids))
+    return b.ids.numel(), sum(len(torch.unique(b.ids[:, t])) for t in range(b.ids.shape[1]))
+
+
+def _grid_steps(workload: str, model, log, steps: int, batch: int, rank: int, trainers: int, step_fn) -> dict:
+    """Run ``steps`` steps of this rank's batches (rank r takes global batches r, r + N, ...); time the steady ones."""
+    seen = unique = 0
+    t0 = time.perf_counter()
+    for i in range(steps):
+        if i == GRID_WARMUP:
+            t0, seen, unique = time.perf_counter(), 0, 0
+        b = _grid_batch(workload, log, i * trainers + rank, batch)
+        _grid_loss(workload, model, b).backward()
+        step_fn(batch)
+        n, u = _grid_ids(workload, b)
+        seen, unique = seen + n, unique + u
+    seconds, timed = time.perf_counter() - t0, steps - GRID_WARMUP
+    return {"seconds": seconds, "steps": timed, "steps_per_s": timed / seconds, "ids_per_s": seen / seconds,
+            "unique_per_step": unique / timed}
+
+
+def grid_one_process(workload: str, batch: int, steps: int) -> dict:
+    """One process: ``nn.EmbeddingBag``/``nn.Embedding(sparse=True)`` with torch's sparse Adagrad, the dense layers
+    by SGD -- what the sharded runs are compared with."""
+    from trainer.recmodels import split_parameters
+    torch.set_num_threads(1)
+    log = _grid_data(workload, steps * batch, compact=True)
+    model = _grid_model(workload, log, None)
+    sparse, dense = split_parameters(model)
+    opts = [torch.optim.Adagrad(sparse, lr=GRID_LR), torch.optim.SGD(dense, lr=GRID_LR)]
+
+    def step(_n):
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    return _grid_steps(workload, model, log, steps, batch, 0, 1, step)
+
+
+def _grid_trainer(args: tuple) -> dict:
+    """One trainer of a sharded grid run (in this process, or a spawned one for N > 1)."""
+    workload, batch, steps, addresses, rank, trainers, embedding_mode, job_id = args
+    from psserver.protocol.rows.optim import SparseOptimizerConfig
+    from trainer.api import connect
+    from trainer.recmodels import sharded_factories
+    torch.set_num_threads(1)
+    log = _grid_data(workload, steps * batch * trainers, compact=False)
+    model = _grid_model(workload, log, sharded_factories(SparseOptimizerConfig("adagrad", lr=GRID_LR)))
+    with connect(addresses, model, rank=rank, num_trainers=trainers, optimizer={"name": "sgd", "lr": GRID_LR},
+                 embedding_mode=embedding_mode, job_id=job_id) as ps:
+        before = dict(ps.rows.counters) if getattr(ps, "rows", None) is not None else {}
+        out = _grid_steps(workload, model, log, steps, batch, rank, trainers, lambda n: (ps.step(n), ps.zero_grad()))
+        rows = ps.rows.counters if getattr(ps, "rows", None) is not None else {}
+    moved = sum(rows.get(k, 0) - before.get(k, 0) for k in ("bytes_pulled", "bytes_pushed"))
+    return {**out, "row_bytes_per_step": moved / steps}
+
+
+def grid_sharded(workload: str, batch: int, steps: int, shards: int, trainers: int, embedding_mode: str,
+                 run_dir: Path) -> dict:
+    """The same model with its tables on ``shards`` ps-server processes and ``trainers`` trainers (this process
+    for one, spawned processes for more); Adagrad on the shards, dense layers by SGD on the shards."""
+    import multiprocessing
+    import uuid
+    from trainer.procs import start_shard
+    run_dir.mkdir(parents=True, exist_ok=True)
+    procs = [start_shard(i, run_dir / f"shard{i}.log", extra_args=["--torch-threads", "1"]) for i in range(shards)]
+    try:
+        addresses, job = [p.address for p in procs], f"grid-{uuid.uuid4().hex[:8]}"
+        jobs = [(workload, batch, steps, addresses, r, trainers, embedding_mode, job) for r in range(trainers)]
+        if trainers == 1:
+            per = [_grid_trainer(jobs[0])]
+        else:
+            with multiprocessing.get_context("spawn").Pool(trainers) as pool:
+                per = pool.map(_grid_trainer, jobs)
+    finally:
+        for p in procs:
+            p.terminate()
+    unique = sum(p["unique_per_step"] for p in per) / trainers
+    return {"steps_per_s": sum(p["steps_per_s"] for p in per) / trainers,
+            "ids_per_s": sum(p["ids_per_s"] for p in per),
+            "row_bytes_per_step": sum(p["row_bytes_per_step"] for p in per) / trainers,
+            "unique_bytes_per_step": unique * GRID_DIM * 4 * 2, "unique_per_step": unique}
+
+
+def sparse_grid(run_dir: Path, cells: list[tuple[str, int]], shards=(1, 2), trainers=(1, 2),
+                modes=tuple(GRID_MODES), steps: dict | None = None) -> list[dict]:
+    """Every (workload, batch) of ``cells`` in one process, then on each shards x trainers x mode; each sharded
+    row with its ratio of ids/s to the one process (N trainers' ids/s summed against one process's)."""
+    out = []
+    for workload, batch in cells:
+        n = (steps or {}).get((workload, batch), 20)
+        single = grid_one_process(workload, batch, n)
+        out.append({"workload": workload, "batch": batch, "system": "one process", "shards": 0, "trainers": 1,
+                    **single})
+        for s in shards:
+            for t in trainers:
+                for label in modes:
+                    r = grid_sharded(workload, batch, n, s, t, GRID_MODES[label],
+                                     run_dir / f"grid-{workload}-{batch}-{s}x{t}-{GRID_MODES[label] or 'sync'}")
+                    out.append({"workload": workload, "batch": batch, "system": f"psgrpc {label}", "shards": s,
+                                "trainers": t, "ratio": r["ids_per_s"] / single["ids_per_s"], **r})
+    return out
