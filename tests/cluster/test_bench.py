@@ -45,3 +45,11 @@ def test_ps_bench_quick_writes_json_and_markdown(tmp_path):
     assert sharded["bytes_per_step"] > sharded["row_bytes_per_step"] > 0
     assert sparse["memory"]["samples"][-1]["live_rows"] <= 20_000  # the cap held
     assert "**Sparse tables**" in md
+    rows = results["rows"]  # the shard's own time per 2,048-row pull and push (psserver.sparse.rowbench)
+    assert [r["mode"] for r in rows] == ["sync", "async, max_staleness 2"]
+    assert all(r["rows"] == 2048 and r["pull_cpu_ms"] > 0 < r["push_cpu_ms"] for r in rows)
+    grid = results["sparse_grid"]  # --quick: the click model at batch 512, one process then 1 shard x 1 trainer
+    assert [(g["system"], g["shards"], g["trainers"]) for g in grid] == [
+        ("one process", 0, 1), ("psgrpc sync", 1, 1), ("psgrpc sync dense, async tables", 1, 1)]
+    assert all(g["ratio"] > 0 and g["row_bytes_per_step"] > g["unique_bytes_per_step"] > 0 for g in grid[1:])
+    assert "**Shard row work**" in md and "**Sparse grid**" in md
