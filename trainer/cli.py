@@ -61,9 +61,9 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--steps", type=int, default=0, help="run this many steps instead of --epochs")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
-                   help="the dense parameters' optimizer on the shards (default sgd; adam for the recommender datasets)")
+                   help="the dense parameters' optimizer on the shards (default sgd; adam for recommender datasets)")
     p.add_argument("--lr", type=float, default=None,
-                   help="learning rate (default 0.05; 0.05/num-trainers in async mode; 0.001 for the recommender datasets)")
+                   help="learning rate (default 0.05; 0.05/num-trainers in async mode; 0.001 for recommender data)")
     p.add_argument("--momentum", type=float, default=0.9, help="sgd only")
     p.add_argument("--nesterov", action="store_true", help="sgd only")
     p.add_argument("--weight-decay", type=float, default=0.0)

@@ -66,8 +66,8 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--steps", type=int, default=0, help="run this many steps instead of --epochs")
     p.add_argument("--batch-size", type=int, default=None,
-                   help=f"per trainer (default 32; {REC_BATCH} // trainers for movielens100k, {CRITEO_BATCH} // trainers "
-                        "for criteo-synth)")
+                   help=f"per trainer (default 32; {REC_BATCH} // trainers for movielens100k, "
+                        f"{CRITEO_BATCH} // trainers for criteo-synth)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
                    help="the dense parameters' optimizer (default sgd; adam for movielens100k)")
     p.add_argument("--lr", type=float, default=None,

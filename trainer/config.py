@@ -206,7 +206,8 @@ def recommender_checks(cfg: TrainConfig) -> list[tuple[bool, str]]:
          f"{', '.join(DATASET_MODELS.get(cfg.dataset, REC_MODELS))}"),
         (cfg.recommender or cfg.model not in REC_MODELS,
          f"--model {cfg.model} is a recommender model: it needs --dataset "
-         f"{' or '.join(d for d, models in DATASET_MODELS.items() if cfg.model in models)}, not --dataset {cfg.dataset}"),
+         f"{' or '.join(d for d, models in DATASET_MODELS.items() if cfg.model in models)}, "
+         f"not --dataset {cfg.dataset}"),
         (cfg.recommender or not given,
          f"--{given[0].replace('_', '-') if given else ''} applies to {rec} only, not --dataset {cfg.dataset}"),
         (not cfg.recommender or not cfg.backend.startswith("ddp"),

@@ -121,7 +121,7 @@ class Progress:
 
 
 def score_name(cfg: TrainConfig) -> tuple[str, str]:
-    """(metrics key, words) of what evaluation measures: test accuracy, test RMSE of ratings, test log-loss of clicks."""
+    """(metrics key, words) of what evaluation measures: test accuracy, ratings' test RMSE, clicks' test log-loss."""
     if cfg.dataset == "criteo-synth":
         return "test_logloss", "log-loss"
     return ("test_rmse", "RMSE") if cfg.recommender else ("test_accuracy", "accuracy")

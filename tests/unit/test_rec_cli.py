@@ -25,7 +25,8 @@ def trainer_config(*argv: str) -> TrainConfig:
 @pytest.mark.parametrize("argv, message", [
     ([*ML, "--model", "cnn"], "--model cnn does not fit --dataset movielens100k: choose one of mf, ncf"),
     (["--model", "mf"], "--model mf is a recommender model: it needs --dataset movielens100k, not --dataset mnist5k"),
-    (["--embedding-dim", "8"], "--embedding-dim applies to --dataset movielens100k or criteo-synth only, not --dataset mnist5k"),
+    (["--embedding-dim", "8"],
+     "--embedding-dim applies to --dataset movielens100k or criteo-synth only, not --dataset mnist5k"),
     (["--embedding-mode", "async"], "--embedding-mode applies to --dataset movielens100k or criteo-synth only"),
     ([*ML, "--embedding-dim", "0"], "--embedding-dim (0) must be at least 1"),
     ([*ML, "--sparse-lr", "0"], "--sparse-lr (0.0) must be more than zero"),

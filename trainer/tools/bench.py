@@ -276,7 +276,8 @@ WORKLOADS = {
 }
 
 
-SECTIONS = ("comm", "floors", "throughput", "straggler", "wire", "sparse", "rows", "sparse-grid")  # --sections; straggler, wire: not --quick
+# --sections; straggler, wire: not --quick
+SECTIONS = ("comm", "floors", "throughput", "straggler", "wire", "sparse", "rows", "sparse-grid")
 
 
 @dataclass(frozen=True)
