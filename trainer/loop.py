@@ -185,7 +185,7 @@ class Run:
         elapsed = time.perf_counter() - self.t_start
         counters = self.ps.counters
         tail = self.losses[-min(len(self.losses), self.spe):]
-        # test_accuracy holds a ratings run's RMSE under its own name (test_rmse), accuracy then None
+        # a recommender run's score goes under its own name (test_rmse, test_logloss), test_accuracy then None
         key = score_name(self.cfg)[0]
         scores = (dict(test_accuracy=None, **{key: self.accuracy, f"{key}_step": self.accuracy_step})
                   if self.cfg.recommender else dict(test_accuracy=self.accuracy, test_accuracy_step=self.accuracy_step))
