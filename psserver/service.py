@@ -49,6 +49,7 @@ from psserver.protocol.codec import (
     first_header,
 )
 from psserver.protocol.errors import (
+    REASON_METADATA_KEY,
     VERSION_METADATA_KEY,
     InvalidRequest,
     PsError,
@@ -151,6 +152,8 @@ def _refusals(method):
             raise
         except PsError as e:
             code = e.code
+            if e.reason:  # what the client acts on (a joiner before the job waits): psserver.protocol.rules
+                context.set_trailing_metadata(((REASON_METADATA_KEY, e.reason),))
             if isinstance(e, StaleGradient):  # counted and logged by the shard as stale_dropped
                 context.set_trailing_metadata(((VERSION_METADATA_KEY, str(e.version)),))
             elif isinstance(e, WaitTimeout):  # a wait that ended, not bad input: trainers poll while peers start

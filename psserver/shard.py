@@ -47,6 +47,7 @@ from psserver.protocol.errors import (
     FutureVersion,
     InvalidRequest,
     JobMismatch,
+    NoJobToJoin,
     NotPermitted,
     NotReady,
     StaleGradient,
@@ -195,7 +196,7 @@ class Shard(PushTarget):
         (not elastic, full) or an E outside the window (psserver.protocol.epochs.commit_window)."""
         with self._lock:
             if self.job is None or self._job_done():
-                raise NotReady(f"{self.label} runs no job to join: start the job first (its trainers register "
+                raise NoJobToJoin(f"{self.label} runs no job to join: start the job first (its trainers register "
                                "without --join)")
             diff = self.job.difference(job)
             if diff:

@@ -34,7 +34,7 @@ from psserver.protocol.fastwire import parse_chunk, serialize_chunk
 from psserver.protocol.job import WIRE_DTYPES, JobSpec
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.proto import ps_pb2_grpc as _grpc
-from psserver.protocol.rules import STALE, refused_stale, version_of_refusal
+from psserver.protocol.rules import STALE, refused_no_job, refused_stale, version_of_refusal
 from psserver.protocol.security import ClientSecurity, parse_addresses  # noqa: F401 (re-exported for trainers)
 from psserver.protocol.stubs import method
 from trainer.compress import TopK, parse_compress
@@ -113,6 +113,26 @@ class ShardCallsFailed(grpc.RpcError, RuntimeError):
 
     def details(self) -> str:
         return self.message
+
+
+class NoJobToJoin(ConnectionError):
+    """A joiner waited ``--connect-timeout`` and the shard still ran no job: rank 0 never registered."""
+
+
+CONNECT_RETRY, JOIN_WAIT = "connect_retries", "join_waits"  # what a Register attempt is retried for (counters)
+
+
+def register_retry(error: grpc.RpcError, join: bool, join_round: int) -> str:
+    """Whether a failed Register attempt is tried again, and counted as what: ``CONNECT_RETRY`` (the shard is
+    not answering yet), ``JOIN_WAIT`` (a join's admission reached a shard that runs no job yet: the joiner
+    started before rank 0 registered the job, as a scaled service's replicas may), or '' (raise it).
+    A commit (``join_round`` > 0) that finds no job is not waited out: that shard restarted empty since
+    admitting it, and the joiner leaves and joins again (docs/elastic.md)."""
+    if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return CONNECT_RETRY
+    if join and join_round == 0 and refused_no_job(error):
+        return JOIN_WAIT
+    return ""
 
 
 def _connect_cause(e: grpc.RpcError) -> str:
@@ -230,7 +250,9 @@ class ShardClient:
         interrupted and must know no attempt is left that could register it later.
         ``refused_limit``: give up once the connection has been refused this many seconds in a row (the caller
         passes it when every address is on loopback: a wrong port, not a shard that is late).
-        ``join``/``join_round``: a join's admission (0) or commit (trainer.session.Session.join_running).
+        ``join``/``join_round``: a join's admission (0) or commit (trainer.session.Session.join_running).  An
+        admission that finds no job yet waits for it within the same timeout (``register_retry``), so joiners
+        may start before the job's rank 0; still none then raises NoJobToJoin.
         """
         req = _pb.RegisterRequest(rank=self.rank, trainer_id=self.trainer_id, expected_shard=self.index,
                                   job=job.to_proto(), partition=self.partition, join=join, join_round=join_round)
@@ -246,26 +268,40 @@ class ShardClient:
             try:
                 return self.stub.Register(req, timeout=max(0.01, min(left, CONNECT_ATTEMPT_SECONDS)))
             except grpc.RpcError as e:
-                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                retry = register_retry(e, join, join_round)
+                if not retry:
                     raise
-                cause = _connect_cause(e)
+                cause = _connect_cause(e) if retry == CONNECT_RETRY else e.details()
                 now = time.monotonic()
-                if now >= give_up:
-                    raise ShardUnreachable(f"shard {self.index} at {self.address} did not answer within "
-                                           f"{connect_timeout:g} s (--connect-timeout): {cause}") from None
-                if refusals.exhausted(cause, now):
-                    raise ShardUnreachable(
-                        f"shard {self.index} at {self.address} did not answer within {refusals.limit:g} s (every "
-                        f"address is on loopback and it refuses connections: check the port, or start the shard "
-                        f"first; --connect-timeout waits only for remote shards or ones that answer): {cause}"
-                    ) from None
-                self._count("connect_retries")
+                self._give_up_if_due(retry, cause, now, give_up, connect_timeout, refusals)
+                self._count(retry)
                 if now >= next_log:
-                    log.warning("shard %d at %s is not answering yet (%s); still trying for %.0f s",
-                                self.index, self.address, cause, give_up - now)
+                    if retry == JOIN_WAIT:
+                        log.warning("shard %d at %s runs no job yet: waiting for the job's rank 0 to register it; "
+                                    "still trying for %.0f s", self.index, self.address, give_up - now)
+                    else:
+                        log.warning("shard %d at %s is not answering yet (%s); still trying for %.0f s",
+                                    self.index, self.address, cause, give_up - now)
                     next_log = now + WAIT_LOG_SECONDS
                 if abandon.wait(min(CONNECT_RETRY_PAUSE, max(0.0, give_up - now))):  # the pause between attempts
                     raise ConnectAbandoned(f"{self.name} at {self.address}: registering was abandoned")
+
+    def _give_up_if_due(self, retry: str, cause: str, now: float, give_up: float, connect_timeout: float,
+                        refusals: RefusalClock) -> None:
+        """Raise once ``--connect-timeout`` has passed (or a loopback shard refused connections too long)."""
+        if now >= give_up and retry == JOIN_WAIT:
+            raise NoJobToJoin(f"shard {self.index} at {self.address} still ran no job to join after "
+                              f"{connect_timeout:g} s (--connect-timeout): start the job's rank 0 (ps-trainer "
+                              f"--rank 0, no --join), or give the joiner a longer --connect-timeout")
+        if now >= give_up:
+            raise ShardUnreachable(f"shard {self.index} at {self.address} did not answer within "
+                                   f"{connect_timeout:g} s (--connect-timeout): {cause}") from None
+        if refusals.exhausted(cause, now):  # a join's wait is an answer: it resets the clock
+            raise ShardUnreachable(
+                f"shard {self.index} at {self.address} did not answer within {refusals.limit:g} s (every "
+                f"address is on loopback and it refuses connections: check the port, or start the shard "
+                f"first; --connect-timeout waits only for remote shards or ones that answer): {cause}"
+            ) from None
 
     def _header(self, wire: int, length: int, version: int = 0, num_samples: int = 0,
                 sequence: int = 0) -> _pb.ChunkHeader:

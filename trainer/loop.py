@@ -190,6 +190,7 @@ class Run:
         scores = (dict(test_accuracy=None, **{key: self.accuracy, f"{key}_step": self.accuracy_step})
                   if self.cfg.recommender else dict(test_accuracy=self.accuracy, test_accuracy_step=self.accuracy_step))
         return dict(
+            rank=self.cfg.rank,  # a joiner's: the one the job handed it (ps-trainer's done line would say None)
             steps=self.step, epochs=self.epoch, seconds=elapsed,
             samples_per_sec=self.step * self.cfg.batch_size / elapsed if elapsed > 0 else 0.0,
             **scores, final_loss=sum(tail) / len(tail) if tail else None,
@@ -197,7 +198,7 @@ class Run:
             retries=counters.get("retries", 0), duplicate_pushes=counters.get("duplicate_pushes", 0),
             reconnects=counters.get("reconnects", 0), steps_lost=counters.get("steps_lost", 0),
             steps_failed=counters.get("steps_failed", 0), connect_retries=counters.get("connect_retries", 0),
-            heartbeat_failures=counters.get("heartbeat_failures", 0),
+            heartbeat_failures=counters.get("heartbeat_failures", 0), join_waits=counters.get("join_waits", 0),
             compute_seconds=self.timing["compute"], push_seconds=self.timing["push"],
             pull_seconds=self.timing["pull"], wait_seconds=self.timing["wait"],
             **self.clock.summary(self.cfg.batch_size),

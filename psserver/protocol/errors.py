@@ -14,6 +14,7 @@ class PsError(Exception):
     """Base class: a refusal with a gRPC status code and an actionable message."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    reason: str = ""  # a refusal a client acts on by more than its code: sent as REASON_METADATA_KEY
 
 
 class InvalidRequest(PsError):
@@ -57,6 +58,19 @@ class NotReady(PsError):
     """The shard has no job or no parameters yet (rank 0 has not registered or initialised)."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+REASON_METADATA_KEY = "ps-reason"  # trailing metadata of a refusal with a reason (PsError.reason)
+NO_JOB = "no-job"
+
+
+class NoJobToJoin(NotReady):
+    """A join reached a shard that runs no job (its rank 0 has not registered yet, or the job ended).
+
+    FAILED_PRECONDITION like any NotReady, with the reason ``no-job`` in the trailers: a joiner started
+    before the job waits and asks again (trainer.client.register_retry) instead of failing."""
+
+    reason = NO_JOB
 
 
 class FutureVersion(PsError):

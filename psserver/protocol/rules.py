@@ -11,7 +11,7 @@ import enum
 
 import grpc
 
-from psserver.protocol.errors import VERSION_METADATA_KEY
+from psserver.protocol.errors import NO_JOB, REASON_METADATA_KEY, VERSION_METADATA_KEY
 
 
 class Mode(str, enum.Enum):
@@ -54,3 +54,9 @@ def refused_stale(error: grpc.RpcError) -> bool:
 def version_of_refusal(error: grpc.RpcError, default: int) -> int:
     """The shard's current version, as a stale refusal's trailing metadata carries it (``default`` if not)."""
     return int(dict(error.trailing_metadata() or ()).get(VERSION_METADATA_KEY, default))
+
+
+def refused_no_job(error: grpc.RpcError) -> bool:
+    """Whether a Register was refused because the shard runs no job yet (FAILED_PRECONDITION, reason no-job)."""
+    return (error.code() == grpc.StatusCode.FAILED_PRECONDITION
+            and dict(error.trailing_metadata() or ()).get(REASON_METADATA_KEY) == NO_JOB)

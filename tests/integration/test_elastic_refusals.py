@@ -124,3 +124,27 @@ def test_a_dropped_join_does_not_expel_the_member_that_registered_its_rank_meanw
     wait_until(lambda: shard.stats().counters["joins_abandoned"] == 1, "the ghost's join to be dropped")
     version = shard.stats().version
     assert shard.push(torch.ones(P), rank=1, trainer_id="real", version=version).outcome == pb.APPLIED
+
+
+def test_a_join_before_the_job_is_failed_precondition_with_the_no_job_reason_and_the_job_then_starts(shard_server):
+    """A joiner that reaches a shard before rank 0 registered the job: refused, changing nothing, with the
+    reason a joiner waits on (trainer.client.register_retry) -- and rank 0 then starts the job as usual."""
+    from psserver.protocol.rules import refused_no_job
+
+    shard = shard_server()
+    error = refused(lambda: join(shard), grpc.StatusCode.FAILED_PRECONDITION, "runs no job to join",
+                    unchanged=shard)
+    assert refused_no_job(error)
+    shard.register(spec=ELASTIC)
+    shard.init(torch.zeros(P))
+    assert shard.push(torch.ones(P)).outcome == pb.APPLIED
+    assert join(shard).rank == 1
+
+
+def test_other_join_refusals_carry_no_no_job_reason(shard_server):
+    from psserver.protocol.rules import refused_no_job
+
+    shard = shard_server()
+    shard.register()
+    error = refused(lambda: join(shard, make_spec()), grpc.StatusCode.FAILED_PRECONDITION, "max_trainers is 0")
+    assert not refused_no_job(error)

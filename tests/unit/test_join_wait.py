@@ -1,0 +1,102 @@
+"""A joiner started before the job: which failed Register attempts it waits out (trainer.client.register_retry),
+and that ShardClient.register counts the waits and names rank 0 when --connect-timeout runs out -- with a fake
+stub, no network."""
+
+from collections import Counter
+
+import grpc
+import pytest
+
+from psserver.protocol.errors import NO_JOB, REASON_METADATA_KEY
+from tests.conftest import make_spec
+from trainer.client import CONNECT_RETRY, JOIN_WAIT, NoJobToJoin, ShardClient, register_retry
+
+
+class FakeError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str = "", reason: str = ""):
+        self._code, self._details = code, details
+        self._trailers = ((REASON_METADATA_KEY, reason),) if reason else ()
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+    def trailing_metadata(self):
+        return self._trailers
+
+
+NO_JOB_YET = FakeError(grpc.StatusCode.FAILED_PRECONDITION, "shard 0 runs no job to join", NO_JOB)
+
+
+def test_an_admission_that_finds_no_job_waits():
+    assert register_retry(NO_JOB_YET, join=True, join_round=0) == JOIN_WAIT
+
+
+def test_a_commit_that_finds_no_job_is_raised_the_shard_restarted_since_admitting_it():
+    assert register_retry(NO_JOB_YET, join=True, join_round=5) == ""
+
+
+def test_a_plain_register_never_waits_on_the_no_job_reason():
+    assert register_retry(NO_JOB_YET, join=False, join_round=0) == ""
+
+
+def test_a_failed_precondition_without_the_reason_is_raised():
+    assert register_retry(FakeError(grpc.StatusCode.FAILED_PRECONDITION, "max_trainers is 0"), True, 0) == ""
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED])
+def test_a_shard_not_answering_is_a_connect_retry(code):
+    assert register_retry(FakeError(code), join=True, join_round=0) == CONNECT_RETRY
+
+
+class FakeStub:
+    """Refuses ``refusals`` Registers with ``error``, then answers."""
+
+    def __init__(self, error, refusals: int):
+        self.error, self.left, self.calls = error, refusals, 0
+
+    def Register(self, req, timeout):  # noqa: N802 -- the gRPC method's name
+        self.calls += 1
+        if self.left:
+            self.left -= 1
+            raise self.error
+        return "registered"
+
+
+def client(stub) -> ShardClient:
+    c = ShardClient("127.0.0.1:1", 0, 0, "joiner", "fp", Counter())
+    c.stub = stub
+    return c
+
+
+def test_register_waits_out_no_job_refusals_and_counts_each(monkeypatch):
+    monkeypatch.setattr("trainer.client.CONNECT_RETRY_PAUSE", 0.0)  # the pause only paces; no timing asserted
+    c = client(FakeStub(NO_JOB_YET, refusals=3))
+    try:
+        assert c.register(make_spec(num_trainers=1, max_trainers=3), connect_timeout=600, join=True) == "registered"
+    finally:
+        c.channel.close()
+    assert c.counters["join_waits"] == 3 and c.counters["connect_retries"] == 0
+
+
+def test_register_gives_up_after_the_connect_timeout_naming_rank_0():
+    c = client(FakeStub(NO_JOB_YET, refusals=1))
+    try:
+        with pytest.raises(NoJobToJoin, match=r"still ran no job to join after 0 s \(--connect-timeout\): "
+                                              r"start the job's rank 0"):
+            c.register(make_spec(num_trainers=1, max_trainers=3), connect_timeout=0, join=True)
+    finally:
+        c.channel.close()
+
+
+def test_a_plain_register_raises_the_no_job_refusal_at_once():
+    stub = FakeStub(NO_JOB_YET, refusals=1)
+    c = client(stub)
+    try:
+        with pytest.raises(FakeError):
+            c.register(make_spec(), connect_timeout=600)
+    finally:
+        c.channel.close()
+    assert stub.calls == 1
