@@ -7,6 +7,7 @@ until the membership changes, so the job cannot end before a slow joiner starts 
 test waits on the shard's version (it reaches H and stays there) before it starts the joiner or signals.
 """
 
+import json
 import signal
 
 import torch
@@ -126,4 +127,34 @@ def test_a_trainer_sigtermed_mid_job_announces_its_leave_with_its_last_push_and_
     assert epochs[:2] == [(0, [0, 1, 2]), (HOLD + 1, [0, 2])], epochs
     assert counters.get("lease_expired", 0) == 0 and counters["leaves_announced"] == 1, dict(counters)
     assert counters.get("rounds_membership", 0) == 0 and counters["rounds_all_arrived"] >= STEPS, dict(counters)
+    assert_equals_reference(tmp_path / "model.pt", epochs)
+
+
+def test_a_joiner_started_before_the_job_waits_for_rank_0_and_joins_once_the_job_is_registered(tmp_path):
+    """A scaled service's replicas start in any order: a joiner that reaches the shards before rank 0 has
+    registered the job is refused (no job yet) and asks again within --connect-timeout, counted.  Rank 0 of a
+    2-trainer job then registers it; the joiner is admitted while the job still waits for rank 1 (so it is in
+    from round JOIN_LEAD, with no hold and no timing), and the parameters equal one process epoch by epoch."""
+    shards = [start_shard(i, tmp_path / f"shard{i}.log", extra_args=["--lease-timeout", "5"]) for i in range(2)]
+    ps = ",".join(s.address for s in shards)
+    procs = list(shards)
+    try:
+        procs.append(start_trainer(None, ps, tmp_path / "joiner.log", ["--num-trainers", "2", "--join",
+                                   "--connect-timeout", "600", *COMMON], name="joiner"))
+        wait_until(lambda: fetch_stat(shards[0].address).counters.get("refused_FAILED_PRECONDITION", 0) >= 1,
+                   "the joiner to be refused for want of a job")
+        procs.append(start_trainer(0, ps, tmp_path / "trainer0.log", ["--num-trainers", "2", *COMMON, "--output",
+                                                                       str(tmp_path / "model.pt")]))
+        wait_until(lambda: all(len(timeline(s.address)) == 2 for s in shards), "the joiner to be admitted everywhere")
+        procs.append(start_trainer(1, ps, tmp_path / "trainer1.log", ["--num-trainers", "2", *COMMON]))
+        codes = wait_all(procs[2:], 300)
+        assert codes == {"joiner": 0, "trainer0": 0, "trainer1": 0}, procs[2].log_tail()
+        epochs = timeline(shards[0].address)
+    finally:
+        for p in procs:
+            p.kill()
+    assert epochs[:2] == [(0, [0, 1]), (JOIN_LEAD, [0, 1, 2])], epochs
+    done = json.loads((tmp_path / "joiner.log").read_text().strip().splitlines()[-1])
+    assert done["event"] == "done" and done["rank"] == 2 and done["join_waits"] >= 1, done
+    assert "runs no job yet: waiting for the job's rank 0" in (tmp_path / "joiner.log").read_text()
     assert_equals_reference(tmp_path / "model.pt", epochs)
