@@ -3,7 +3,7 @@
 
 From a machine with no registry to pull from: start a Docker engine if none answers, build the image
 offline (a debootstrapped Debian base, a wheelhouse filled by pip on the host), `docker-compose up` the
-demo, optionally SIGKILL a shard's process mid-run, print every container's exit code and the accuracy,
+demo (rank 0 and `--scale ps-trainer=N` joiners, which take their ranks from the job), optionally SIGKILL a shard's process mid-run, print every container's exit code and the accuracy,
 tear down (containers, network, volume) and check that the host's network reads as it did before.
 
 The engine this starts runs in a network namespace of its own: every iptables chain, bridge and the FORWARD
@@ -130,8 +130,12 @@ def trainer_result(stdout: str) -> dict:
 
 
 def verdict(containers: dict[str, dict], bar: float, killed: str | None) -> list[str]:
-    """Why the run failed (empty when it passed): exit codes, the accuracy bar, the restart of the killed shard."""
+    """Why the run failed (empty when it passed): exit codes, the accuracy bar, a rank held by two trainers
+    (ranks come from the job, one each), the restart of the killed shard."""
     problems = []
+    ranks = sorted(c.get("rank") for c in containers.values() if c["role"] == "trainer" and c.get("rank") is not None)
+    if len(set(ranks)) != len(ranks):
+        problems.append(f"trainer ranks {ranks} repeat: the job hands each trainer its own")
     for name, c in sorted(containers.items()):
         if c["exit_code"] != 0:
             problems.append(f"{name} exited {c['exit_code']}")
@@ -335,6 +339,14 @@ class Compose:
     def container(self, service: str) -> str:
         return self("ps", "-q", service).stdout.strip()
 
+    def containers(self, service: str) -> dict[str, str]:
+        """A service's containers by name: the service's own, or ``service.N`` for the replicas of a scaled one."""
+        ids = self("ps", "-q", service).stdout.split()
+        if len(ids) == 1:
+            return {service: ids[0]}
+        label = '{{index .Config.Labels "com.docker.compose.container-number"}}'
+        return {f"{service}.{self.inspect(cid, label)}": cid for cid in ids}
+
     def inspect(self, cid: str, fmt: str) -> str:
         return run(["docker", "inspect", "-f", fmt, cid], env=self.env).stdout.strip()
 
@@ -396,22 +408,23 @@ def kill_shard(compose: Compose, service: str, timeout: float) -> dict:
 
 
 def wait_and_collect(compose: Compose, services: list[str]) -> dict[str, dict]:
-    """Wait for the trainers, then the shards (they leave once every trainer has); each one's result."""
-    ids = {s: compose.container(s) for s in services}
-    trainers = [s for s in services if "trainer" in s]
-    shards = [s for s in services if s not in trainers]
+    """Wait for the trainers, then the shards (they leave once every trainer has); each one's result, by
+    container (``ps-trainer.N``: the Nth replica of the joiners; its ``rank`` is the one the job handed it)."""
+    ids = {name: cid for service in services for name, cid in compose.containers(service).items()}
+    trainers = [s for s in ids if "trainer" in s]
+    shards = [s for s in ids if s not in trainers]
     run(["docker", "wait", *[ids[s] for s in trainers]], env=compose.env, timeout=compose.cfg.train_timeout)
     run(["docker", "wait", *[ids[s] for s in shards]], env=compose.env, timeout=120)
     compose.cfg.logs.mkdir(parents=True, exist_ok=True)
     results = {}
-    for s in services:
+    for s in ids:
         logs = run(["docker", "logs", ids[s]], env=compose.env)
         (compose.cfg.logs / f"{s}.log").write_text(logs.stdout + logs.stderr)
         code, restarts = compose.inspect(ids[s], "{{.State.ExitCode}} {{.RestartCount}}").split()
         c = {"role": "trainer" if s in trainers else "shard", "exit_code": int(code), "restarts": int(restarts)}
         if s in trainers:
             done = trainer_result(logs.stdout)
-            c.update({k: done.get(k) for k in ("test_accuracy", "steps_lost", "reconnects")})
+            c.update({k: done.get(k) for k in ("rank", "test_accuracy", "steps_lost", "reconnects", "join_waits")})
         else:
             c["restored"] = "restored version" in logs.stderr + logs.stdout
         results[s] = c
@@ -420,14 +433,16 @@ def wait_and_collect(compose: Compose, services: list[str]) -> dict[str, dict]:
 
 def print_summary(results: dict[str, dict]) -> None:
     for s, c in sorted(results.items()):
-        extra = (f"test accuracy {c['test_accuracy']:.4f}, steps lost {c['steps_lost']}" if c["role"] == "trainer"
+        extra = (f"rank {c['rank']}, test accuracy {c['test_accuracy']:.4f}, steps lost {c['steps_lost']}"
+                 if c["role"] == "trainer"
                  and c.get("test_accuracy") is not None else f"restarts {c['restarts']}"
                  + (", restored from its checkpoint" if c.get("restored") else ""))
-        say(f"  {s:<13} exit {c['exit_code']}  {extra}")
+        say(f"  {s:<14} exit {c['exit_code']}  {extra}")
 
 
-def demo(cfg: Settings, engine: Engine, kill: str | None, summary: dict) -> None:
-    """Build, up, (kill), wait, collect; the caller tears down whatever happens here."""
+def demo(cfg: Settings, engine: Engine, kill: str | None, summary: dict, scale: int | None = None) -> None:
+    """Build, up (``scale`` joiners: ``--scale ps-trainer=N``; None: the file's), (kill), wait, collect; the
+    caller tears down whatever happens here."""
     fill_wheelhouse()
     base = base_image(cfg, engine.env)
     compose = Compose(cfg, {**engine.env})
@@ -437,8 +452,9 @@ def demo(cfg: Settings, engine: Engine, kill: str | None, summary: dict) -> None
     compose.started = True
     compose("down", "--volumes", "--remove-orphans", timeout=300)  # what a run killed mid-way left in the engine
     t0 = time.monotonic()
-    compose("up", "-d", "--no-build", timeout=300)  # returns once the trainers start: the shards are healthy
-    say(f"up: {len(services)} containers ({', '.join(services)})")
+    scaled = ["--scale", f"ps-trainer={scale}"] if scale is not None else []
+    compose("up", "-d", "--no-build", *scaled, timeout=300)  # returns once the trainers start: the shards are healthy
+    say(f"up: services {', '.join(services)}" + (f" (ps-trainer scaled to {scale})" if scale is not None else ""))
     if kill:
         summary["killed"] = kill_shard(compose, kill, timeout=cfg.train_timeout)
     results = wait_and_collect(compose, services)
@@ -448,11 +464,12 @@ def demo(cfg: Settings, engine: Engine, kill: str | None, summary: dict) -> None
     print_summary(results)
 
 
-def run_and_tear_down(cfg: Settings, engine: Engine, kill: str | None, before: dict, summary: dict) -> None:
+def run_and_tear_down(cfg: Settings, engine: Engine, kill: str | None, before: dict, summary: dict,
+                      scale: int | None = None) -> None:
     """The demo, then whatever happened: compose down, the engine stopped, the host's network compared."""
     try:
         engine.start()
-        demo(cfg, engine, kill, summary)
+        demo(cfg, engine, kill, summary, scale)
     finally:
         with contextlib.suppress(DemoError):
             if "compose" in summary:
@@ -479,8 +496,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="compose-demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--kill-shard", nargs="?", const="ps-shard-0", default=None, metavar="SERVICE",
                    help="SIGKILL this shard's process mid-run (default ps-shard-0); compose restarts it")
+    p.add_argument("--scale", type=int, default=None, metavar="N",
+                   help="run N joining trainers besides rank 0 (docker-compose up --scale ps-trainer=N; N <= "
+                   "PS_MAX_TRAINERS - 1, 7 by default); default: the compose file's 2")
     p.add_argument("--json", action="store_true", help="end with the summary as one JSON line")
     args = p.parse_args(argv)
+    if args.scale is not None and args.scale < 0:
+        p.error(f"--scale is {args.scale} but must be 0 or more (the joiners besides rank 0)")
     cfg = Settings()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a TERM tears down like an error does
     t0 = time.monotonic()
@@ -490,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         with demo_lock():
             before = host_network()
             engine = Engine(cfg)
-            run_and_tear_down(cfg, engine, args.kill_shard, before, summary)
+            run_and_tear_down(cfg, engine, args.kill_shard, before, summary, args.scale)
     except KeyboardInterrupt:
         summary["error"], code = "interrupted", 130
     except DemoError as e:

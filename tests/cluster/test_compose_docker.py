@@ -1,7 +1,7 @@
 """The compose demo in real containers: `deploy/compose_demo.py`, the one command, run as a person runs it.
 
 It starts its own Docker engine in a network namespace, builds the image without a registry, trains with
-2 shard and 3 trainer containers, SIGKILLs a shard mid-run (Docker restarts it, it restores from its
+2 shard and 3 trainer containers (rank 0 and the scalable service's 2 joiners, ranked by the job), SIGKILLs a shard mid-run (Docker restarts it, it restores from its
 checkpoint volume), tears everything down and checks the host's network. Skipped with the reason where no
 engine can be started (no root, no cgroups), or, outside CI, where Docker's Debian packages are missing.
 """
@@ -59,7 +59,8 @@ def test_compose_demo_trains_through_a_killed_shard_and_leaves_the_host_as_it_wa
     containers = summary["containers"]
     trainers = {n: c for n, c in containers.items() if c["role"] == "trainer"}
     shards = {n: c for n, c in containers.items() if c["role"] == "shard"}
-    assert sorted(trainers) == ["ps-trainer-0", "ps-trainer-1", "ps-trainer-2"]
+    assert sorted(trainers) == ["ps-trainer-0", "ps-trainer.1", "ps-trainer.2"]
+    assert trainers["ps-trainer-0"]["rank"] == 0 and sorted(c["rank"] for c in trainers.values()) == [0, 1, 2]
     assert sorted(shards) == ["ps-shard-0", "ps-shard-1"]
     for name, c in trainers.items():  # no trainer was restarted: each rode out the shard's restart
         assert (c["exit_code"], c["restarts"]) == (0, 0), name

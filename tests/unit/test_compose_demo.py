@@ -48,9 +48,11 @@ def test_the_trainer_result_is_its_last_done_line():
 
 def _containers(**overrides):
     c = {"ps-shard-0": {"role": "shard", "exit_code": 0, "restarts": 1},
-         "ps-trainer-0": {"role": "trainer", "exit_code": 0, "restarts": 0, "test_accuracy": 0.95}}
+         "ps-trainer-0": {"role": "trainer", "exit_code": 0, "restarts": 0, "test_accuracy": 0.95, "rank": 0},
+         "ps-trainer.1": {"role": "trainer", "exit_code": 0, "restarts": 0, "test_accuracy": 0.95, "rank": 1}}
     for name, fields in overrides.items():
-        c[name.replace("_", "-")] = {**c[name.replace("_", "-")], **fields}
+        key = name.replace("_", "-").replace("-r", ".")  # ps_trainer_r1: the replica ps-trainer.1
+        c[key] = {**c[key], **fields}
     return c
 
 
@@ -64,9 +66,16 @@ def test_a_run_passes_with_every_exit_0_the_bar_met_and_the_killed_shard_restart
     ({"ps_trainer_0": {"test_accuracy": 0.89}}, "ps-trainer-0 reached test accuracy 0.89 (bar 0.9)"),
     ({"ps_trainer_0": {"test_accuracy": None}}, "ps-trainer-0 reached test accuracy None (bar 0.9)"),
     ({"ps_shard_0": {"restarts": 0}}, "ps-shard-0 was killed but never restarted"),
+    ({"ps_trainer_r1": {"rank": 0}}, "trainer ranks [0, 0] repeat: the job hands each trainer its own"),
 ])
 def test_a_run_fails_naming_what_went_wrong(overrides, problem):
     assert demo.verdict(_containers(**overrides), 0.90, killed="ps-shard-0") == [problem]
+
+
+def test_scale_below_zero_is_a_one_line_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        demo.main(["--scale", "-1"])
+    assert e.value.code == 2 and "--scale is -1 but must be 0 or more" in capsys.readouterr().err
 
 
 def test_without_root_no_engine_can_be_started_and_the_reason_says_so(monkeypatch):

@@ -13,20 +13,27 @@ needs_compose = pytest.mark.skipif(
 
 
 @needs_compose
-def test_compose_file_validates_and_has_2_shards_and_3_trainers():
+def test_compose_file_validates_and_has_2_shards_rank_0_and_a_scalable_service_of_2_joiners():
     cfg = resolved_compose()
     services = cfg["services"]
     shards = sorted(s for s in services if s.startswith("ps-shard-"))
-    trainers = sorted(s for s in services if s.startswith("ps-trainer-"))
-    assert shards == ["ps-shard-0", "ps-shard-1"] and len(trainers) == 3
+    trainers = sorted(s for s in services if s.startswith("ps-trainer"))
+    assert shards == ["ps-shard-0", "ps-shard-1"] and trainers == ["ps-trainer", "ps-trainer-0"]
+    rank0, joiners = services["ps-trainer-0"], services["ps-trainer"]
+    assert rank0["environment"]["PS_TRAINER_RANK"] == "0" and "PS_TRAINER_JOIN" not in rank0["environment"]
+    assert joiners["environment"]["PS_TRAINER_JOIN"] == "1" and "PS_TRAINER_RANK" not in joiners["environment"]
+    assert joiners.get("scale") == 2 and "container_name" not in joiners  # a fixed name could not be scaled
     for name in trainers:
         env = services[name]["environment"]
         assert env["PS_TRAINER_PS"] == "ps-shard-0:7000,ps-shard-1:7000"
-        assert int(env["PS_TRAINER_NUM_TRAINERS"]) == len(trainers)
+        assert env["PS_TRAINER_NUM_TRAINERS"] == "1"  # rank 0 starts the job; the joiners come in as they start
+        assert int(env["PS_TRAINER_MAX_TRAINERS"]) >= 1 + joiners["scale"]
         assert env["PS_TRAINER_MODE"] == "sync"  # the default mode
         assert {d: c["condition"] for d, c in services[name]["depends_on"].items()} == {
             s: "service_healthy" for s in shards}
-    assert sorted(int(services[t]["environment"]["PS_TRAINER_RANK"]) for t in trainers) == [0, 1, 2]
+    job_flags = {k: v for k, v in rank0["environment"].items() if k not in (
+        "PS_TRAINER_RANK", "PS_TRAINER_OUTPUT", "PS_TRAINER_STEP_DELAY")}
+    assert job_flags == {k: v for k, v in joiners["environment"].items() if k != "PS_TRAINER_JOIN"}
     for i, name in enumerate(shards):
         assert int(services[name]["environment"]["PS_SERVER_SHARD"]) == i
         assert services[name]["healthcheck"]["test"][:3] == ["CMD", "ps-server", "health"]
@@ -35,10 +42,13 @@ def test_compose_file_validates_and_has_2_shards_and_3_trainers():
 
 
 @needs_compose
-def test_compose_mode_and_straggler_come_from_one_environment_variable_each():
-    services = resolved_compose({"PS_MODE": "stale-timeout", "PS_STRAGGLER_DELAY": "0.3"})["services"]
-    assert {services[t]["environment"]["PS_TRAINER_MODE"] for t in services if t.startswith("ps-trainer")} == {"stale-timeout"}
-    assert services["ps-trainer-2"]["environment"]["PS_TRAINER_STEP_DELAY"] == "0.3"
+def test_compose_mode_straggler_and_max_trainers_come_from_one_environment_variable_each():
+    services = resolved_compose({"PS_MODE": "stale-timeout", "PS_STRAGGLER_DELAY": "0.3",
+                                 "PS_MAX_TRAINERS": "12"})["services"]
+    trainers = [t for t in services if t.startswith("ps-trainer")]
+    assert {services[t]["environment"]["PS_TRAINER_MODE"] for t in trainers} == {"stale-timeout"}
+    assert {services[t]["environment"]["PS_TRAINER_MAX_TRAINERS"] for t in trainers} == {"12"}
+    assert services["ps-trainer-0"]["environment"]["PS_TRAINER_STEP_DELAY"] == "0.3"
 
 
 def test_kubernetes_manifests_validate_against_the_schema():
