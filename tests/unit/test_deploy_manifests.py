@@ -54,21 +54,22 @@ def test_compose_mode_straggler_and_max_trainers_come_from_one_environment_varia
 def test_kubernetes_manifests_validate_against_the_schema():
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     docs = k8s_documents()
-    assert {d["kind"] for _, d in docs} == {"Service", "StatefulSet", "Job"}
+    assert {d["kind"] for _, d in docs} == {"Service", "StatefulSet", "Job", "Deployment"}
     for name, doc in docs:
         kubernetes_validate.validate(doc, "1.30.0", strict=True)
+
+
+def _env(doc: dict) -> dict:
+    return {e["name"]: e for e in doc["spec"]["template"]["spec"]["containers"][0]["env"]}
 
 
 def test_kubernetes_shards_and_trainers_agree():
     docs = {d["kind"]: d for _, d in k8s_documents()}
     sts, job, svc = docs["StatefulSet"], docs["Job"], docs["Service"]
     assert svc["spec"]["clusterIP"] == "None" and sts["spec"]["serviceName"] == svc["metadata"]["name"]
-    env = {e["name"]: e for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
-    addresses = env["PS_TRAINER_PS"]["value"].split(",")
-    assert addresses == [f"ps-shard-{i}.ps-shard:7000" for i in range(sts["spec"]["replicas"])]
-    assert int(env["PS_TRAINER_NUM_TRAINERS"]["value"]) == job["spec"]["completions"] == job["spec"]["parallelism"]
-    assert job["spec"]["completionMode"] == "Indexed"
-    assert "job-completion-index" in env["PS_TRAINER_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
+    for trainers in (job, docs["Deployment"]):
+        addresses = _env(trainers)["PS_TRAINER_PS"]["value"].split(",")
+        assert addresses == [f"ps-shard-{i}.ps-shard:7000" for i in range(sts["spec"]["replicas"])]
     shard_env = {e["name"]: e for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert "pod-index" in shard_env["PS_SERVER_SHARD"]["valueFrom"]["fieldRef"]["fieldPath"]
     container = sts["spec"]["template"]["spec"]["containers"][0]
@@ -78,6 +79,24 @@ def test_kubernetes_shards_and_trainers_agree():
     assert container["livenessProbe"]["grpc"]["port"] == health_port
     assert health_port in {p["containerPort"] for p in container["ports"]}
     assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "checkpoints"
+
+
+def test_kubernetes_rank_0_is_one_job_pod_and_the_joiners_a_scalable_deployment_of_the_same_job():
+    docs = {d["kind"]: d for _, d in k8s_documents()}
+    job, deployment = docs["Job"], docs["Deployment"]
+    rank0, joiner = _env(job), _env(deployment)
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == 1 and "completionMode" not in job["spec"]
+    assert rank0["PS_TRAINER_RANK"]["value"] == "0" and rank0["PS_TRAINER_NUM_TRAINERS"]["value"] == "1"
+    assert "PS_TRAINER_JOIN" not in rank0
+    assert joiner["PS_TRAINER_JOIN"]["value"] == "1" and "PS_TRAINER_RANK" not in joiner  # the job ranks it
+    assert deployment["metadata"]["name"] == "ps-trainer"  # kubectl scale deployment/ps-trainer (docs/elastic.md)
+    assert int(rank0["PS_TRAINER_MAX_TRAINERS"]["value"]) >= 1 + deployment["spec"]["replicas"]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert not job["spec"]["template"]["metadata"]["labels"].items() >= deployment["spec"]["selector"][
+        "matchLabels"].items()  # the Deployment does not adopt rank 0's pod
+    job_flags = {k: v for k, v in rank0.items() if k != "PS_TRAINER_RANK"}
+    assert job_flags == {k: v for k, v in joiner.items() if k != "PS_TRAINER_JOIN"}
 
 
 def flag_variables(prog: str) -> set[str]:
@@ -100,7 +119,7 @@ def test_every_variable_the_compose_file_sets_names_a_flag_of_the_cli_it_runs():
 
 def test_every_variable_the_kubernetes_manifests_set_names_a_flag_of_the_cli_they_run():
     docs = {d["kind"]: d for _, d in k8s_documents()}
-    for kind, prog in (("StatefulSet", "ps-server"), ("Job", "ps-trainer")):
+    for kind, prog in (("StatefulSet", "ps-server"), ("Job", "ps-trainer"), ("Deployment", "ps-trainer")):
         env = {e["name"] for e in docs[kind]["spec"]["template"]["spec"]["containers"][0]["env"]}
         unknown = {n for n in env if n.startswith("PS_")} - flag_variables(prog)
         assert not unknown, f"the {kind} sets {sorted(unknown)}, which {prog} does not read"
