@@ -113,8 +113,8 @@ class ShardHost:
         self.head.check_register(rank, expected_shard, job, join)
         running = self.head.job
         if join and (running is None or self.head.job_ended()):  # a join fixes no job: nothing is planned or made
-            raise NoJobToJoin(f"shard {self.shard_id} runs no job to join: start the job first (its trainers register "
-                           "without --join)")
+            raise NoJobToJoin(f"shard {self.shard_id} runs no job to join: start the job first (its trainers "
+                              "register without --join)")
         diff = running.difference(job) if running is not None and not self.head.job_ended() else ""
         if diff:
             raise JobMismatch(f"job spec differs from the one this shard runs: {diff}")
