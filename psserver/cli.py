@@ -43,6 +43,17 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--checkpoint-dir", default="", help="write checkpoints here (atomic, checksummed)")
     p.add_argument("--checkpoint-every", type=int, default=100, help="versions between checkpoints")
     p.add_argument("--restore", action="store_true", help="resume from the newest valid checkpoint")
+    p.add_argument("--restore-from", default="", metavar="DIR[,DIR...]",
+                   help="re-shard on restore: read the old shards' checkpoint folders (all of them; one folder may "
+                        "hold several shards) and serve this shard's part of the job on --num-shards shards "
+                        "(docs/reshard.md)")
+    p.add_argument("--num-shards", type=int, default=None,
+                   help="with --restore-from: the job's new number of shards (default: as before)")
+    p.add_argument("--partitions", type=int, default=None,
+                   help="with --restore-from: partitions per shard from now on (default: as before)")
+    p.add_argument("--partition-bytes", type=int, default=None, metavar="BYTES",
+                   help="with --restore-from: partitions per shard as a trainer's --partition-bytes BYTES "
+                        "computes them for the new shard count")
     p.add_argument("--tls-cert", default="", help="server certificate (PEM): turns on TLS")
     p.add_argument("--tls-key", default="", help="server private key (PEM)")
     p.add_argument("--tls-client-ca", default="", help="require client certificates signed by this CA (mutual TLS)")
@@ -117,6 +128,8 @@ def start_board(args, shard, scalar_log: ScalarLog) -> Sampler | None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.partitions is not None and args.partition_bytes is not None:
+        parser.error("pass --partitions or --partition-bytes, not both")
     if not args.tensorboard_every > 0:
         parser.error(f"--tensorboard-every must be more than 0 seconds (got {args.tensorboard_every})")
     from psserver.common.cli_support import parse_bytes
@@ -142,13 +155,23 @@ def main(argv: list[str] | None = None) -> int:
                        chunk_bytes=args.chunk_bytes, lease_timeout=args.lease_timeout,
                        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                        restore=args.restore, nonfinite=args.nonfinite, max_memory=max_memory, insecure=args.insecure,
+                       restore_from=tuple(d.strip() for d in args.restore_from.split(",") if d.strip()),
+                       num_shards=args.num_shards, partitions=args.partitions, partition_bytes=args.partition_bytes,
                        security=ServerSecurity(args.tls_cert, args.tls_key, args.tls_client_ca,
                                                read_token(args.auth_token_file)))
     # Opened before the shard serves: a missing tensorboard package is a start-up error, not a late one.
     scalar_log = ScalarLog(os.path.join(args.tensorboard, f"shard{args.shard}") if args.tensorboard else "")
     if args.metrics_port:
         check_bindable(args.host, args.metrics_port, "--metrics-port")  # before the shard serves, not after
-    server = ShardServer(cfg).start()
+    try:
+        server = ShardServer(cfg).start()
+    except ValueError as e:
+        from psserver.reshard import HINT, ReshardError
+
+        if not isinstance(e, ReshardError):
+            raise
+        print(f"ps-server: error: cannot re-shard: {e}\nhint: {HINT} (docs/reshard.md)", file=sys.stderr)
+        return 1
     if args.metrics_port is not None:
         port = server.shard.metrics.serve(args.metrics_port, args.host)
         log.info("shard %d: Prometheus metrics on http://%s:%d/metrics", cfg.shard, args.host, port)

@@ -197,6 +197,15 @@ class ShardHost:
                     self.parts[k] = self._fresh(k)
         return version
 
+    def restore_states(self, states: list, source: str) -> int:
+        """Take the partitions' states re-cut from another shard count (psserver.reshard), partition 0 first;
+        returns the version."""
+        self._grow(len(states))
+        for part, state in zip(self.parts, states):
+            part.restore_state(state, source)
+        self.count("reshard_restores")
+        return states[0].version
+
     def tick(self) -> float | None:
         """Every partition's leases and due rounds; the earliest next deadline."""
         deadlines = [d for d in (p.tick() for p in self.parts) if d is not None]

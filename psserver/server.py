@@ -48,6 +48,12 @@ class ServerConfig:
     checkpoint_dir: str = ""  # where checkpoints go ("" : none)
     checkpoint_every: int = 100  # versions between checkpoints
     restore: bool = False  # resume from the newest valid checkpoint in checkpoint_dir
+    # Re-shard on restore (psserver.reshard): the old job's checkpoint folders, and the new shard count and
+    # partitions per shard (None: as before).
+    restore_from: tuple[str, ...] = ()
+    num_shards: int | None = None
+    partitions: int | None = None
+    partition_bytes: int | None = None
     shutdown_grace: float = 5.0  # seconds in-flight calls get to finish on stop
     security: ServerSecurity = ServerSecurity()
     nonfinite: str = "refuse"  # NaN/Inf in a gradient: "refuse" (INVALID_ARGUMENT) or "skip" (counted, not applied)
@@ -66,6 +72,15 @@ class ServerConfig:
             raise ValueError(f"The shard index ({self.shard}) must be zero or more.")
         if not 0 <= self.port < 65536:
             raise ValueError(f"The port ({self.port}) must be between 0 and 65535.")
+        if self.num_shards is not None and not 0 <= self.shard < self.num_shards:
+            raise ValueError(f"--shard is {self.shard} but --num-shards is {self.num_shards} "
+                             f"(shards 0..{self.num_shards - 1})")
+        if (self.num_shards, self.partitions, self.partition_bytes) != (None, None, None) and not self.restore_from:
+            raise ValueError("--num-shards, --partitions and --partition-bytes re-shard a job on restore: they "
+                             "need --restore-from (the old shards' checkpoint folders)")
+        if self.restore and self.restore_from:
+            raise ValueError("--restore resumes from --checkpoint-dir, --restore-from from the old shards' "
+                             "folders: pass one of them")
         if self.restore and not self.checkpoint_dir:
             raise ValueError("--restore needs --checkpoint-dir: where should the checkpoint come from?")
         if not -1 <= self.health_port < 65536:
@@ -107,6 +122,14 @@ class ShardProcess:
     watch: LoopWatch  # the event loop's watchdog (and the health port's tick)
 
 
+def reshard_states(cfg: ServerConfig) -> list:
+    """This shard's partitions re-cut from the old job's checkpoints (ReshardError: a one-line refusal)."""
+    from psserver.reshard_files import check_target, states_for
+
+    check_target(cfg.checkpoint_dir, list(cfg.restore_from), cfg.shard)
+    return states_for(list(cfg.restore_from), cfg.num_shards, cfg.shard, cfg.partitions, cfg.partition_bytes)
+
+
 def build_shard_process(cfg: ServerConfig, loop: asyncio.AbstractEventLoop, loop_thread: int,
                         publish_tick=lambda t: None) -> ShardProcess:
     """The one place a shard's parts are made, each handed what it calls when it is made.
@@ -134,6 +157,8 @@ def build_shard_process(cfg: ServerConfig, loop: asyncio.AbstractEventLoop, loop
                      budget=MemoryBudget(cfg.max_memory), gauges=gauges)
     if cfg.restore:
         host.restore()
+    elif cfg.restore_from:
+        host.restore_states(reshard_states(cfg), ",".join(cfg.restore_from))
     runtime = Runtime(host, wakeups, limits.receive_buffers)
     service = ParameterServerService(host, runtime, limits, authenticated=cfg.security.authenticates,
                                      connections=connections, replies=replies)

@@ -55,7 +55,7 @@ from psserver.protocol.errors import (
 from psserver.protocol.job import WIRE_DTYPES, JobSpec
 from psserver.protocol.layout import partition_range
 from psserver.protocol.limits import check_num_samples
-from psserver.protocol.optim import build_optimizer
+from psserver.slice_optim import SliceOptimizer
 from psserver.protocol.rules import Mode
 from psserver.protocol.schedules import lr_at
 from psserver.rounds import OpenRound
@@ -129,7 +129,7 @@ class Shard(PushTarget):
         self._buffer: torch.Tensor | None = None  # the slice's memory, made at Register, filled by Init
         self._cfg: modes.ModeConfig | None = None
         self.start = self.end = 0
-        self.optimizer: torch.optim.Optimizer | None = None
+        self.optimizer: SliceOptimizer | None = None
         self.version = 0
         self.started = False  # every trainer of the job has registered at least once
         self.round = OpenRound()  # sync modes only
@@ -385,7 +385,7 @@ class Shard(PushTarget):
             else:
                 data = values if owned else values.float().clone()
             params = torch.nn.Parameter(data, requires_grad=False)
-            optimizer = build_optimizer(self.job.optimizer, [params], fused=True)
+            optimizer = SliceOptimizer(self.job.optimizer, params)
             self.params, self.optimizer, self._buffer = params, optimizer, None
             self._info("shard %d: initialised by rank %d with %d parameters", self.shard_id, rank, values.numel())
             self._changed()
@@ -645,12 +645,11 @@ class Shard(PushTarget):
                 with self._snap_lock:
                     self.snapshots.keep(live)  # reusable once its pulls end
                 self.params.data = spare  # the optimizer's state is keyed by the Parameter, not its memory
+                self.optimizer.rebind()
                 self.counters["params_moved_for_pulls"] += 1
             t0 = time.perf_counter()
             self._set_lr()
-            self.params.grad = grad
-            self.optimizer.step()
-            self.params.grad = None
+            self.optimizer.step(grad)
             elapsed = time.perf_counter() - t0
         finally:
             with self._snap_lock:
@@ -707,15 +706,21 @@ class Shard(PushTarget):
     def restore(self) -> int | None:
         """Resume from the newest valid checkpoint; returns its version, or None if there is none."""
         state, skipped = self.checkpointer.load_latest()
+        self.counters["checkpoints_skipped_damaged"] += len(skipped)
+        if state is None:
+            log.warning("shard %d: --restore found no valid checkpoint in %s; starting empty",
+                        self.shard_id, self.checkpointer.directory)
+            return None
+        self.restore_state(state, str(self.checkpointer.directory), f"{counted(len(skipped), 'damaged file')} skipped")
+        return state.version
+
+    def restore_state(self, state: ShardState, source: str, note: str = "") -> None:
+        """Take ``state`` as this shard's: a checkpoint of its own, or one re-cut from another shard count
+        (psserver.reshard).  The checkpointer, if any, writes nothing older than it."""
         with self._lock:
-            self.counters["checkpoints_skipped_damaged"] += len(skipped)
-            if state is None:
-                log.warning("shard %d: --restore found no valid checkpoint in %s; starting empty",
-                            self.shard_id, self.checkpointer.directory)
-                return None
             self._set_job(state.job)
             self.params = torch.nn.Parameter(state.params.clone(), requires_grad=False)
-            self.optimizer = build_optimizer(self.job.optimizer, [self.params], fused=True)
+            self.optimizer = SliceOptimizer(self.job.optimizer, self.params)
             self.optimizer.load_state_dict(state.optimizer)
             self.version = state.version
             self.members.restore(state.members)
@@ -728,11 +733,11 @@ class Shard(PushTarget):
             self.tables.restore(state.tables, self._clock())
             self.counters.update({k: v for k, v in state.counters.items() if not k.startswith("checkpoints_")})
             self.counters["restored_version"] = state.version
-            log.warning("shard %d: restored version %d from %s (%s skipped, %s, open round with %s)",
-                        self.shard_id, state.version, self.checkpointer.directory,
-                        counted(len(skipped), "damaged file"), counted(len(state.members), "member"),
+            if self.checkpointer is not None:
+                self.checkpointer.last_written = max(self.checkpointer.last_written, state.version - 1)
+            log.warning("shard %d: restored version %d from %s (%s, %s, open round with %s)",
+                        self.shard_id, state.version, source, note or "re-cut", counted(len(state.members), "member"),
                         counted(len(self.round.contributors), "gradient"))
-            return state.version
 
     def _view(self) -> modes.RoundView:
         book, v = self.epochs, self.version
@@ -809,10 +814,9 @@ class Shard(PushTarget):
                 h.update(self.params.detach().numpy().tobytes())
                 if r.weight:
                     h.update(r.sum.numpy().tobytes())
-                for state in self.optimizer.state.values():
-                    for k, t in sorted(state.items()):
-                        h.update(k.encode())
-                        h.update(t.numpy().tobytes() if torch.is_tensor(t) else repr(t).encode())
+                for k, t in self.optimizer.state_items():
+                    h.update(k.encode())
+                    h.update(t.numpy().tobytes() if torch.is_tensor(t) else repr(t).encode())
             h.update(self.tables.digest())
             if self.epochs is not None:  # who rounds wait for is state too: a refused join must not change it
                 h.update(self.epochs.digest_text().encode())
