@@ -75,7 +75,8 @@ class SliceOptimizer:
                 tail[key] = torch.cat([value[self.split:], value.new_zeros(LANE_PAD - self.rest)]) if self.rest \
                     else value.new_zeros(0)
             else:
-                body[key] = tail[key] = value.clone() if torch.is_tensor(value) else value
+                # One copy each: a fused step counts each parameter's step tensor in place.
+                body[key], tail[key] = ((value.clone(), value.clone()) if torch.is_tensor(value) else (value, value))
         groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [0, 1]} for g in saved["param_groups"]]
         self.inner.load_state_dict({"state": {0: body, 1: tail} if one else {}, "param_groups": groups})
 

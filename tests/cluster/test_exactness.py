@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from psserver.slice_optim import LANE_PAD
 from trainer.data import epoch_order, load_dataset, local_batch_indices
 from trainer.models import build_model
 
@@ -56,6 +57,8 @@ def replica_adam_run(lr: float) -> dict:
     ``numel % vector width`` elements of a tensor in a scalar loop whose rounding
     differs from the vector body's, so stepping per-tensor parameters instead
     differs from the shards in a few thousand elements by ~1 ulp after 6 steps.
+    A shard pads its slice's tail with zeros so every element takes the vector
+    path (psserver/slice_optim.py); so does this replica.
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the trainers run: GEMM rounding can depend on the thread count
@@ -66,7 +69,9 @@ def replica_adam_run(lr: float) -> dict:
         flat = torch.cat([p.detach().reshape(-1) for p in params])
         total = flat.numel()
         ranges = [(total * i // SHARDS, total * (i + 1) // SHARDS) for i in range(SHARDS)]
-        slices = [torch.nn.Parameter(flat[a:e].clone(), requires_grad=False) for a, e in ranges]
+        pad = [-(e - a) % LANE_PAD for a, e in ranges]
+        slices = [torch.nn.Parameter(torch.cat([flat[a:e], torch.zeros(z)]), requires_grad=False)
+                  for (a, e), z in zip(ranges, pad)]
         opts = [torch.optim.Adam([s], lr=lr, fused=True) for s in slices]
         order = epoch_order(len(data.x_train), seed=0, epoch=0)
         for k in range(STEPS):
@@ -80,10 +85,10 @@ def replica_adam_run(lr: float) -> dict:
                 acc = g * n if acc is None else torch.add(acc, g, alpha=n)
                 weight += n
             acc.div_(weight)
-            for s, opt, (a, e) in zip(slices, opts, ranges):
-                s.grad = acc[a:e].clone()
+            for s, opt, (a, e), z in zip(slices, opts, ranges, pad):
+                s.grad = torch.cat([acc[a:e], torch.zeros(z)])
                 opt.step()
-            flat = torch.cat([s.detach() for s in slices])  # what the trainers pull
+            flat = torch.cat([s.detach()[: e - a] for s, (a, e) in zip(slices, ranges)])  # what the trainers pull
             with torch.no_grad():
                 offset = 0
                 for p in params:
