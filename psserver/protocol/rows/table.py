@@ -60,6 +60,14 @@ def _check_int(field_name: str, value, low: int, high: int, optional: bool = Fal
         raise ValueError(f"table {field_name} ({value!r}) must be an integer from {low} to {high}{none}")
 
 
+# An update's rows are padded to a multiple of this many rows.  Why: torch's element-wise kernels run a
+# tensor in SIMD vectors and its last ``numel % width`` elements in a scalar loop whose rounding may differ
+# (FMA or not); which rows fall there would depend on which other rows the batch touched on this shard, so a
+# row's value would depend on the shard count (a re-shard, psserver.reshard).  Padded, every real row's
+# elements take the vector path: a row is a function of its own gradients alone.
+LANE_ROWS = 64
+
+
 @dataclass(frozen=True)
 class TableSpec:
     """What a table is; fixed for the life of a job and checked against a checkpoint on restore."""
@@ -398,8 +406,12 @@ class RowStore:
             self.counts.dropped_grads += int((~keep).sum())
             slots, grad_rows = slots[keep], grad_rows[keep]
         rows, state = self._rows.index_select(0, slots), self._state.index_select(0, slots)
+        n = len(slots)
+        pad = -n % LANE_ROWS
+        if pad:  # zero rows with zero gradients: every real row's elements on the kernels' vector path
+            rows, state, grad_rows = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (rows, state, grad_rows))
         update_rows(self.spec.optimizer, rows, state, grad_rows, self.version)
-        self._rows[slots], self._state[slots] = rows, state
+        self._rows[slots], self._state[slots] = rows[:n], state[:n]
         if self.evict_stale():  # a slot evicted now holds no row
             every = self._slots(ids)
         return every
