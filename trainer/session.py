@@ -52,7 +52,13 @@ class Session:
         self._rejoined: set[int] = set()  # slots registered again during the current step
 
     def track_rows(self, rows) -> None:
+        """Bind the tables' client, its lanes starting at the tables' versions on each shard.  Why: a trainer
+        joining a job whose tables moved on (a restored or re-sharded one) would otherwise push a shard whose
+        rows it did not pull as from version 0 -- dropped as stale, and a sync round would close without it."""
         self.rows = rows
+        for s in rows.client.shards:
+            counters = s.stats().counters
+            rows.start_at(s.index, {name: int(counters.get(f"table.{name}.version", 0)) for name in rows.tables})
 
     # ------------------------------------------------------------------ joining
     def join(self, timeout: float, running: bool = False) -> None:

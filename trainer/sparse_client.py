@@ -399,6 +399,13 @@ class ShardedRows:
             self.counters["restarts"] += 1
         self.ahead.drop()
 
+    def start_at(self, shard: int, versions: dict[str, int]) -> None:
+        """A new trainer's lanes of shard ``shard`` go on from the tables' ``versions`` there (nothing lost)."""
+        with self._lock:
+            for name in self.tables:
+                lane = self._lanes[(shard, name)]
+                lane.version = lane.base = lane.wait_for = int(versions.get(name, 0))
+
     def abandon(self, table: str) -> bool:
         """Drop ``table``'s failed push instead of retrying it (trainer.api's abandon_step): the shards that
         did not answer may or may not have applied it, so their next push gets a new number.  Returns
