@@ -8,7 +8,7 @@ What moves, and how (docs/reshard.md says it for users):
   the param groups are the same on every piece and are copied;
 * table rows, with their optimizer state and clocks, go to shard ``splitmix64(id) mod M'``
   (psserver.protocol.rows.placement); so do an open table round's rows and the async staleness clocks;
-* versions (the dense one, each table's, each row store's) are the same on every old piece -- that is
+* versions (the dense one, each table's, each row store's) and the membership epochs are the same on every old piece -- that is
   checked, not chosen -- so the new shards agree with each other and a sync round expects what it did;
   the learning-rate schedule is a function of the version, so it resumes where it was;
 * every rank's acknowledged-push record (trainer id, sequence number, answer) of every old piece a new piece
@@ -95,8 +95,16 @@ def check(pieces: list[list[ShardState]]) -> JobSpec:
                 raise ReshardError(f"shard {i} partition {k} is at version {s.version} but shard 0 at version "
                                    f"{first.version}: the checkpoints are of different moments")
             _same_round(s.open_round, first.open_round, f"shard {i} partition {k}")
+            if _timeline(s) != _timeline(first):
+                raise ReshardError(f"shard {i} partition {k}'s membership epochs are {_timeline(s)} but shard 0's "
+                                   f"are {_timeline(first)}: the checkpoints are of different moments")
     _check_tables([parts[0] for parts in pieces])
     return job
+
+
+def _timeline(s: ShardState) -> list:
+    return [tuple(map(lambda x: sorted(x) if isinstance(x, (list, set, frozenset)) else x, e))
+            for e in (s.epochs or [])]
 
 
 def _book(r: dict | None) -> tuple:
@@ -212,7 +220,7 @@ def recut_dense(pieces: list[list[ShardState]], job: JobSpec, shard: int) -> lis
         out.append(ShardState(shard, flat[0].version, job, params[a:b].clone(),
                               _cut_optimizer(elementwise, scalars, groups, a, b), counters={}, members=dict(members),
                               acked=merge_books([s.acked for s in sources], f" to shard {shard}"),
-                              open_round=round_, tables=None, partition=k))
+                              open_round=round_, tables=None, partition=k, epochs=flat[0].epochs))
     return out
 
 

@@ -206,6 +206,15 @@ def test_different_versions_are_refused_as_different_moments():
         recut(pieces, 3, 0)
 
 
+def test_the_membership_epochs_move_with_the_state_and_different_ones_are_refused():
+    pieces = capture(start(job(2, 1), torch.zeros(P)))
+    pieces = [[replace(s, epochs=[(0, 0, [0, 1]), (1, 4, [0, 1, 2])]) for s in parts] for parts in pieces]
+    assert recut(pieces, 3, 2)[0].epochs == [(0, 0, [0, 1]), (1, 4, [0, 1, 2])]
+    pieces[1][0] = replace(pieces[1][0], epochs=[(0, 0, [0, 1])])
+    with pytest.raises(ReshardError, match="shard 1 partition 0's membership epochs are .* but shard 0's"):
+        recut(pieces, 3, 0)
+
+
 def test_another_jobs_checkpoint_is_refused_naming_the_field():
     pieces = capture(start(job(2, 1), torch.zeros(P)))
     pieces[1][0] = replace(pieces[1][0], job=replace(pieces[1][0].job, job_id="other"))
