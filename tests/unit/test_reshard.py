@@ -297,3 +297,14 @@ def test_the_new_shard_writes_into_a_folder_of_its_own(tmp_path):
     with pytest.raises(ReshardError, match="already holds checkpoints of shard 1"):
         check_target(dirs[1], [str(tmp_path / "elsewhere")], 1)
     check_target(str(tmp_path / "new"), dirs, 0)
+
+
+def test_reshard_flags_without_restore_from_or_with_restore_are_refused_naming_the_flags():
+    from psserver.server import ServerConfig
+
+    with pytest.raises(ValueError, match="--num-shards, --partitions and --partition-bytes .* need --restore-from"):
+        ServerConfig(shard=0, num_shards=3)
+    with pytest.raises(ValueError, match="--shard is 3 but --num-shards is 3"):
+        ServerConfig(shard=3, num_shards=3, restore_from=("old",))
+    with pytest.raises(ValueError, match="pass one of them"):
+        ServerConfig(shard=0, restore=True, checkpoint_dir="x", restore_from=("old",))
