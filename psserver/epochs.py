@@ -182,6 +182,10 @@ class EpochBook:
         pending = sorted((r, p.trainer_id, p.proposal, p.held_from) for r, p in self.pending.items())
         return f"epochs={self.state()};pending={pending}"
 
+    def restore_timeline(self, timeline: list[Epoch]) -> None:
+        """Put back the timeline a refused push changed (pending joins are left as they are)."""
+        self.timeline = list(timeline)
+
     def restore(self, saved: list | None) -> None:
         """The checkpoint's timeline; pending joins are not kept (their joiner commits without, or again)."""
         if saved:

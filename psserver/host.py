@@ -135,7 +135,7 @@ class ShardHost:
         made = self._prepare(job, plan)
         self._grow(job.partitions)
         for part, prep in zip(self.parts, made):
-            part.prepared = prep
+            part.hold_prepared(prep)
         self.plan = plan
 
     def _prepare(self, job: JobSpec, plan: Plan) -> list[Prepared]:

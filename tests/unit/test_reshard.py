@@ -81,7 +81,7 @@ def step(shards: list[list[Shard]], k: int, seq: int) -> None:
 
 
 def capture(shards) -> list[list]:
-    return [[s._capture() for s in parts] for parts in shards]
+    return [[s.capture() for s in parts] for parts in shards]
 
 
 def dense(shards) -> tuple[torch.Tensor, dict]:
@@ -249,7 +249,7 @@ def write(shards, root, split: bool) -> list[str]:
     for parts in shards:
         d = root / (f"shard{parts[0].shard_id}" if split else "all")
         for s in parts:
-            Checkpointer(d if s.partition == 0 else d / f"partition-{s.partition}", s.shard_id, 1).write(s._capture())
+            Checkpointer(d if s.partition == 0 else d / f"partition-{s.partition}", s.shard_id, 1).write(s.capture())
         dirs.append(str(d))
     return sorted(set(dirs))
 

@@ -1,0 +1,253 @@
+"""Who is in a shard's job: registrations, elastic joins, leaves, leases and the membership epochs.
+
+The room of ``Shard`` (psserver.shard) that decides membership: it owns the leases (psserver.membership), the
+epoch timeline with its pending joins (psserver.epochs) and whether every trainer has registered, refuses
+strangers, and logs and counts each change.  What a membership change does to the slice -- forgetting a
+process's sequence numbers, closing a round that no longer waits for anyone -- stays with the shard, which
+calls this under its lock.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Callable
+
+from psserver import modes
+from psserver.common.logsafe import counted, shorten
+from psserver.epochs import EpochBook
+from psserver.membership import Membership
+from psserver.protocol.epochs import epoch_at
+from psserver.protocol.errors import InvalidRequest, JobMismatch, NotPermitted, NotReady
+from psserver.protocol.job import JobSpec
+from psserver.sparse.serving import Membership as TableMembers
+
+log = logging.getLogger("psserver.shard")  # the shard's lines, as before the split
+MAX_MISSING_LISTED = 10  # ranks named in a "still waiting for" message; the rest are counted
+
+
+class Enrolment:
+    """The membership of shard ``shard_id`` (partition ``partition``): handed the shard's counters and its
+    ``changed`` callback (wakes waiters) at construction."""
+
+    def __init__(self, shard_id: int, partition: int, label: str, clock: Callable[[], float],
+                 lease_timeout: float, counters: Counter, changed: Callable[[], None]):
+        self.shard_id, self.partition, self.label = shard_id, partition, label
+        self._info = log.info if partition == 0 else log.debug  # lifecycle lines once per shard, not per partition
+        self._clock = clock
+        self.lease_timeout = lease_timeout
+        self._counters = counters
+        self._changed = changed
+        self.members = Membership(clock, lease_timeout)
+        self.reset()
+
+    def reset(self) -> None:
+        """No job: nobody registered, no timeline."""
+        self.started = False  # every trainer of the job has registered at least once
+        self.epochs: EpochBook | None = None  # the membership timeline and pending joins (psserver.epochs)
+        self.members.reset()
+
+    def start(self, job: JobSpec) -> None:
+        self.epochs = EpochBook(job.num_trainers, job.max_trainers, self.label)
+
+    # ------------------------------------------------------------------ refusals
+    def check_register(self, rank: int, expected_shard: int, job: JobSpec, join: bool = False) -> None:
+        """Refuse a registration on what it says alone (shard order, shard count, rank), before anything of it
+        is made -- here or, by ShardHost, the partitions of its job."""
+        if expected_shard != self.shard_id:
+            raise JobMismatch(
+                f"this is shard {self.shard_id} but the trainer listed it as shard {expected_shard}: "
+                "--ps must list the shards in shard order"
+            )
+        if job.num_shards <= self.shard_id:
+            raise JobMismatch(f"this is shard {self.shard_id} but the job has only {counted(job.num_shards, 'shard')}")
+        if join or (job.max_trainers and 0 <= rank < job.max_trainers):
+            return  # the job's epochs decide (psserver.epochs)
+        if not 0 <= rank < job.num_trainers:
+            raise InvalidRequest(
+                f"rank is {rank} but the job has {counted(job.num_trainers, 'trainer')} "
+                f"(ranks 0..{job.num_trainers - 1})")
+
+    def check_member(self, job: JobSpec | None, rank: int, trainer_id: str, fingerprint: str) -> None:
+        """Refuse strangers and other jobs' trainers; renew the caller's lease.  Safe on the event loop: only
+        the membership's lock is taken."""
+        if job is None:
+            raise NotReady(f"{self.label} has no job yet: register first")
+        if fingerprint != job.fingerprint:
+            raise JobMismatch(
+                f"fingerprint is {shorten(fingerprint)} but the job's is {shorten(job.fingerprint)}: a different "
+                "model or shard count"
+            )
+        if self.members.check(rank, trainer_id, self.shard_id):
+            self._counters["rejoins"] += 1
+            log.info("shard %d: rank %d is heard from again after its lease expired: live again", self.shard_id, rank)
+            self._changed()
+
+    def is_member(self, job: JobSpec | None, rank: int, trainer_id: str, fingerprint: str) -> bool:
+        """A read: no lease is renewed, nothing is counted.  Safe on the event loop."""
+        return job is not None and fingerprint == job.fingerprint and self.members.holds(rank, trainer_id)
+
+    def check_digest_caller(self, job: JobSpec | None, rank: int, trainer_id: str, fingerprint: str) -> None:
+        """Refuse a state digest to all but the job's members: it is a pass over the whole state, tables
+        included, so not work a stranger may ask for.  A read (no lease is renewed); with no job there is
+        nothing to hash.  Safe on the event loop."""
+        if job is None or self.is_member(job, rank, trainer_id, fingerprint):
+            return
+        raise NotPermitted(
+            f"with_digest is set but rank {rank} as {shorten(trainer_id)} with fingerprint {shorten(fingerprint)} "
+            f"is not a member of the job on {self.label}: a digest needs membership (rank, trainer_id and "
+            "fingerprint of a registered trainer) or the shard's token")
+
+    def check_base(self, job: JobSpec, rank: int, base: int) -> None:
+        """In an elastic job a push's base must be a round of the rank's membership."""
+        book = self.epochs
+        if job.max_trainers and rank not in book.members_at(base):
+            if rank not in book.current.members:
+                # A joiner admitted but not committed (or one that never commits) is in no epoch: its gradients
+                # are no round's (they were summed into one); refused until its commit names its round.
+                raise JobMismatch(f"rank {rank} is in no membership epoch of this job (base version is {base}): a "
+                                  "joiner pushes only after its commit (Register with join_round, docs/elastic.md)")
+            raise JobMismatch(f"base version is {base} but rank {rank} is a member of this job from round "
+                              f"{min(e.round for e in book.timeline if rank in e.members and e.round > base)} "
+                              "(its join): pull that version first")
+
+    # ------------------------------------------------------------------ changes
+    def register(self, rank: int, trainer_id: str, job: JobSpec, version: int) -> tuple[bool, int]:
+        """Record a registration; returns (a new process took over the rank, registered count)."""
+        previous = self.members.register(rank, trainer_id)
+        self._counters["registrations"] += 1
+        replaced = previous is not None and previous != trainer_id
+        if replaced:
+            self._counters["re_registrations"] += 1
+            self._info("shard %d: rank %d re-registered as %s (was %s)", self.shard_id, rank,
+                       shorten(trainer_id), shorten(previous))
+        epoch = self.epochs.registered(rank, at=version)
+        if epoch is not None:
+            self.epoch_changed(epoch, f"rank {rank} registered without --join")
+        view = self.members.view()
+        if not self.started and len(view.registered) >= job.num_trainers:
+            self.started = True
+        if previous is None:
+            self._info("shard %d: rank %d registered as %s (%d/%d)", self.shard_id, rank, shorten(trainer_id),
+                       len(view.registered), job.num_trainers)
+        return replaced, len(view.registered)
+
+    def join(self, rank: int, trainer_id: str, join_round: int, version: int) -> tuple[int, int, bool]:
+        """An elastic join's step (docs/elastic.md): ``join_round`` 0 asks for admission, E commits it.
+        Returns (rank, the round answered, a new process took over the rank)."""
+        if join_round == 0:
+            hands_out = self.shard_id == 0 and self.partition == 0
+            pending = self.epochs.prepare(None if hands_out else rank, trainer_id, version,
+                                          self._clock(), self.lease_timeout)
+            rank = self.epochs.rank_of(trainer_id)
+            self._counters["join_requests"] += 1
+            self._info("shard %d: %s asks to join as rank %d: proposed round %d, rounds from %d held",
+                       self.shard_id, shorten(trainer_id), rank, pending.proposal, pending.held_from)
+            answer = pending.proposal
+        else:
+            epoch = self.epochs.commit(rank, trainer_id, join_round, version)
+            self._counters["joins"] += 1
+            self.epoch_changed(epoch, f"rank {rank} joined")
+            answer = join_round
+        replaced = self.members.register(rank, trainer_id) not in (None, trainer_id)
+        return rank, answer, replaced
+
+    def leave(self, rank: int, at: int) -> int:
+        """``rank`` said goodbye; out of the epochs from round ``at``.  Returns the live count left."""
+        epoch = self.epochs.leave(rank, at)
+        if epoch is not None:
+            self.epoch_changed(epoch, f"rank {rank} left")
+        remaining = self.members.leave(rank)
+        self._counters["leaves"] += 1
+        self._info("shard %d: rank %d left; %d live", self.shard_id, rank, remaining)
+        return remaining
+
+    def leaving_with(self, rank: int, version: int) -> list | None:
+        """A push announcing its trainer's leave: out of the epoch from round ``version + 1``.  Returns the
+        timeline before (``put_back`` if the push is refused), or None if nothing changed (already out)."""
+        before = list(self.epochs.timeline)
+        epoch = self.epochs.leave(rank, version + 1)
+        if epoch is None:
+            return None
+        self._counters["leaves_announced"] += 1
+        self.epoch_changed(epoch, f"rank {rank} pushed its last gradient")
+        return before
+
+    def put_back(self, timeline: list) -> None:
+        self.epochs.restore_timeline(timeline)
+
+    def expire(self) -> list:
+        """Drop joins not committed in time and silent trainers' leases; returns the (rank, silence) dropped."""
+        for rank, pending in self.epochs.expire(self._clock()):
+            self._counters["joins_abandoned"] += 1
+            if self.members.holds(rank, pending.trainer_id):  # not a trainer that registered the rank since
+                self.members.leave(rank)
+            log.warning("shard %d: %s asked to join as rank %d but did not commit within %.1f s: dropped",
+                        self.shard_id, shorten(pending.trainer_id), rank, self.lease_timeout)
+        gone = self.members.expire()
+        for rank, silent in gone:
+            self._counters["lease_expired"] += 1
+            log.warning("shard %d: rank %d silent for %.1f s (lease %.1f s): dropped from the live set",
+                        self.shard_id, rank, silent, self.lease_timeout)
+        return gone
+
+    def epoch_changed(self, epoch, why: str) -> None:
+        self._counters["membership_epochs"] += 1
+        self._info("shard %d: %s: membership epoch %d from round %d: ranks %s", self.shard_id, why, epoch.number,
+                   epoch.round, sorted(epoch.members)[:MAX_MISSING_LISTED])
+
+    # ------------------------------------------------------------------ reads
+    def done(self, job: JobSpec | None) -> bool:
+        """Every trainer of the job registered and all have left (said goodbye, not merely gone silent)."""
+        if job is None or not self.started:
+            return False
+        view = self.members.view()
+        return not view.live and view.registered <= view.left
+
+    def deadlines(self) -> list:
+        return [self.members.next_expiry(), self.epochs.next_deadline()]
+
+    def table_members(self) -> TableMembers:
+        return TableMembers(frozenset(self.members.view().live), self.started)
+
+    def round_view(self, version: int, round_, last_base: dict) -> modes.RoundView:
+        book = self.epochs
+        held = book.held_from()
+        return modes.RoundView(
+            version=version,
+            live=book.expected(self.members.view().live, version),  # the live members of this round's epoch
+            held=held is not None and version >= held,
+            members=len(book.members_at(version)),
+            started=self.started,
+            contributors=round_.contributors,  # not copied: decisions only read them
+            stale_in_round=round_.stale,
+            opened_at=round_.opened_at,
+            last_base=last_base,
+        )
+
+    def timeline(self) -> list:
+        book = self.epochs
+        return list(book.timeline) if book is not None else []
+
+    def epoch_number(self, version: int) -> int:
+        """The membership epoch in effect at round ``version`` (what a pull of that version tells)."""
+        book = self.epochs
+        return epoch_at(book.timeline, version).number if book is not None else 0
+
+    def members_at(self, version: int) -> int:
+        return len(self.epochs.members_at(version))
+
+    def missing_registrations(self, num_trainers: int) -> str:
+        """The ranks not registered yet, named up to ``MAX_MISSING_LISTED``."""
+        missing = sorted(set(range(num_trainers)) - self.members.view().registered)
+        named = ", ".join(map(str, missing[:MAX_MISSING_LISTED]))
+        more = f" and {len(missing) - MAX_MISSING_LISTED} more" if len(missing) > MAX_MISSING_LISTED else ""
+        return f"[{named}]{more}"
+
+    def digest_text(self) -> str:
+        return self.epochs.digest_text() if self.epochs is not None else ""
+
+    def restore(self, members: dict, epochs: list | None, num_trainers: int) -> None:
+        self.members.restore(members)
+        self.epochs.restore(epochs)
+        self.started = len(members) >= num_trainers

@@ -1,0 +1,62 @@
+"""A shard's checkpoints: when one is due, the writer thread that writes it, the final one at shutdown, and
+finding the newest valid one at ``--restore``.
+
+A room of ``Shard`` (psserver.shard): the shard captures its state (each of its rooms saves its own part) and
+restores it; this room decides when and where, and counts what it wrote, superseded or skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Callable
+
+from psserver.checkpoint import Checkpointer, CheckpointWriter, ShardState
+from psserver.common.logsafe import counted
+
+log = logging.getLogger("psserver.shard")  # the shard's lines, as before the split
+
+
+class ShardCheckpoints:
+    """The checkpoints of shard ``shard_id`` (none when ``checkpointer`` is None)."""
+
+    def __init__(self, shard_id: int, checkpointer: Checkpointer | None, counters: Counter):
+        self.shard_id = shard_id
+        self.checkpointer = checkpointer
+        self._counters = counters
+        self._writer = CheckpointWriter(checkpointer, self._written) if checkpointer is not None else None
+        if checkpointer is not None and checkpointer.orphans_removed:
+            counters["checkpoint_orphans_removed"] += checkpointer.orphans_removed
+
+    def _written(self, ok: bool) -> None:
+        self._counters["checkpoints_written" if ok else "checkpoint_failures"] += 1  # atomic under the GIL
+
+    def after_step(self, version: int, capture: Callable[[], ShardState]) -> None:
+        """A step made ``version``: hand a capture of the state to the writer if a checkpoint is due."""
+        if self._writer is not None and self.checkpointer.due(version):
+            if self._writer.submit(capture()):
+                self._counters["checkpoints_superseded"] += 1
+
+    @property
+    def enabled(self) -> bool:
+        return self._writer is not None
+
+    def final(self, state: ShardState | None) -> None:
+        """On shutdown: stop the writer, then write ``state`` (None: nothing to write) at once."""
+        self._writer.stop()
+        if state is not None:
+            self._writer.write_now(state)
+
+    def load_latest(self) -> tuple[ShardState | None, str]:
+        """The newest valid checkpoint (None if there is none) and a note of the damaged files skipped."""
+        state, skipped = self.checkpointer.load_latest()
+        self._counters["checkpoints_skipped_damaged"] += len(skipped)
+        if state is None:
+            log.warning("shard %d: --restore found no valid checkpoint in %s; starting empty",
+                        self.shard_id, self.checkpointer.directory)
+        return state, f"{counted(len(skipped), 'damaged file')} skipped"
+
+    def restored(self, version: int) -> None:
+        """The shard took a state of ``version``: write nothing older than it."""
+        if self.checkpointer is not None:
+            self.checkpointer.last_written = max(self.checkpointer.last_written, version - 1)
