@@ -69,13 +69,10 @@ from psserver.protocol.rules import STALE, reply_version
 from psserver.replies import Connections, ReplyCut, ReplyLedger, ReplyStream
 from psserver.runtime import Runtime
 from psserver.shard import PushResult, Shard
+from psserver.sparse.calls import RowCalls
 from psserver.sparse.serving import RowsPush
 
 log = logging.getLogger(__name__)
-# Row calls up to this many row elements (ids x dim: 4,096 ids of dim 16) run on the loop when the dense slice's
-# work does: a row call's table work is ~0.3-1 us per id, so the loop is held a few ms at most, and the hop to the
-# state worker and back cost ~0.1-0.3 ms of a ~1.5 ms PullRows of 1,300 ids (measured on 2 loaded cores).
-INLINE_ROW_ELEMENTS = 1 << 16
 
 _OUTCOMES = {"applied": _pb.APPLIED, "accepted": _pb.ACCEPTED, "duplicate": _pb.DUPLICATE, "scaled": _pb.SCALED,
              "skipped": _pb.SKIPPED, "stale": _pb.STALE}
@@ -279,6 +276,7 @@ class ParameterServerService:
                                                       cfg.max_watch_streams, self.shard.count)
         self.replies = replies or ReplyLedger(cfg.max_reply_bytes_per_peer, cfg.max_reply_bytes)
         self._per_rank: dict[tuple[int, int], int] = {}  # (rank, partition) -> calls in flight
+        self.rows = RowCalls(self.shard, runtime, cfg.max_pull_wait)  # the row calls' table steps
 
     # ------------------------------------------------------------------ limits
     @asynccontextmanager
@@ -502,7 +500,7 @@ class ParameterServerService:
         finally:
             part.release_snapshot(snapshot)
 
-    # ------------------------------------------------------------------ sparse tables
+    # ------------------------------------------------------------------ sparse tables (psserver.sparse.calls)
     @_refusals
     @_reply_stream
     async def PullRows(self, request, context: ReplyStream):
@@ -514,50 +512,14 @@ class ParameterServerService:
         ids = _decode_ids(request.ids)
         # the reply, before any row exists (and under the cap a trainer splits its pulls by)
         _check_pull_bytes(len(ids), table.spec.dim, min(self.cfg.max_push_bytes, limits.MAX_ROWS_REPLY_BYTES))
-        if table.small_work(len(ids) * table.spec.dim, INLINE_ROW_ELEMENTS):
-            table.check_ids(ids)  # before waiting: a refusal is not worth a wait
-        else:  # unique + placement of up to 2^20 ids: off the loop
-            await self.runtime.offload(table.check_ids, ids)
-        table.check_wait(request.rank, request.min_version)  # a restarted shard would never answer
-        waited = await self._wait_table(request.table, request.min_version, context)
-        table = self.shard.tables.get(request.table)  # a new job may have replaced the tables meanwhile
-        context.hold(("rows", id(request)), len(ids) * table.spec.dim * 4)  # before the rows are gathered
-        version, rows = await self._run_rows(
-            table, len(ids) * table.spec.dim, self.shard.pull_rows, request.rank, request.trainer_id,
-            request.fingerprint, request.table, ids)
+        checked = await self.rows.check_ids(table, ids)  # before waiting: a refusal is not worth a wait
+        waited, table, version, rows = await self.rows.pull(
+            table, request.table, request.rank, request.trainer_id, request.fingerprint, request.min_version,
+            checked, self._deadline(context), functools.partial(context.hold, ("rows", id(request))))
         header = _pb.RowsHeader(table=request.table, version=version, num_ids=len(ids), dim=table.spec.dim,
                                 wait_seconds=waited)
         for chunk in row_chunks(rows, header, self.cfg.chunk_bytes):
             await context.write(chunk, self.cfg.chunk_bytes)
-
-    async def _wait_table(self, name: str, min_version: int, context) -> float:
-        """Wait (an awaited future, no thread) until table ``name`` reaches ``min_version``; seconds waited."""
-        waiters = self.runtime.table_waiters(name, functools.partial(self._table_ready, name))
-        loop = asyncio.get_running_loop()
-        timeout = min(max(0.0, self._deadline(context) - loop.time() - 0.25), self.cfg.max_pull_wait)
-        t0 = loop.time()
-        if not await waiters.wait(min_version, timeout):
-            table = self.shard.tables.by_name.get(name)
-            raise WaitTimeout(f"table {shorten(name)} on shard {self.shard.shard_id} is at version "
-                              f"{table.version if table else 'none'}; min_version {min_version} was not reached "
-                              f"within {timeout:.1f} s")
-        if self.runtime.stopping:
-            raise ShuttingDown(f"shard {self.shard.shard_id} is shutting down")
-        return loop.time() - t0
-
-    def _table_ready(self, name: str, min_version: int) -> bool:
-        """Wait predicate: the table reached ``min_version`` -- or is gone (a new job) or the shard stops, when
-        the waiting pull ends and says why."""
-        table = self.shard.tables.by_name.get(name)
-        return self.runtime.stopping or table is None or table.ready(min_version)
-
-    def _run_rows(self, table, elements: int, fn, *args) -> asyncio.Future:
-        """``fn`` on the state worker -- or on the loop where the dense slice's work runs there too and all the
-        work the call can do (its rows, the table, the open round: ``ServedTable.small_work``) is at most
-        INLINE_ROW_ELEMENTS values."""
-        if self.runtime.inline() and table.small_work(elements, INLINE_ROW_ELEMENTS):
-            return self.runtime.run_state(fn, *args)
-        return self.runtime.offload(fn, *args)
 
     @_refusals
     async def PushRows(self, request_iterator, context):
@@ -578,28 +540,17 @@ class ParameterServerService:
         h, table, first = await self._rows_header(reader)
         ids = _decode_ids(h.pull_ids)
         _check_pull_bytes(len(ids), table.spec.dim, min(self.cfg.max_push_bytes, limits.MAX_ROWS_REPLY_BYTES))
-        await self._check_ids(table, ids)
+        checked = await self.rows.check_ids(table, ids)
         r = await self._push_rows(reader, first, h, table)
         min_version = reply_version(table.mode, r.outcome, h.version, r.version)
-        table.check_wait(h.rank, min_version)
-        waited = await self._wait_table(h.table, min_version, context)
-        table = self.shard.tables.get(h.table)  # a new job may have replaced the tables meanwhile
-        context.hold(("rows", id(h)), len(ids) * table.spec.dim * 4)  # before the rows are gathered
-        version, rows = await self._run_rows(
-            table, len(ids) * table.spec.dim, self.shard.pull_rows, h.rank, h.trainer_id, h.fingerprint,
-            h.table, ids)
+        waited, table, version, rows = await self.rows.pull(
+            table, h.table, h.rank, h.trainer_id, h.fingerprint, min_version, checked, self._deadline(context),
+            functools.partial(context.hold, ("rows", id(h))))
         self.shard.count("row_push_pulls")
         header = _pb.RowsHeader(table=h.table, version=version, num_ids=len(ids), dim=table.spec.dim,
                                 wait_seconds=waited, push=_push_reply(r))
         for chunk in row_chunks(rows, header, self.cfg.chunk_bytes):
             await context.write(chunk, self.cfg.chunk_bytes)
-
-    async def _check_ids(self, table, ids: torch.Tensor) -> None:
-        """A pull's ids checked before anything waits or changes (unique + placement of many ids: off the loop)."""
-        if table.small_work(len(ids) * table.spec.dim, INLINE_ROW_ELEMENTS):
-            table.check_ids(ids)
-        else:
-            await self.runtime.offload(table.check_ids, ids)
 
     async def _rows_header(self, reader: _StreamReader):
         """A row push's first chunk: who is asking and what they declare, before a byte of the payload is read."""
@@ -619,8 +570,8 @@ class ParameterServerService:
             ids, grads = await self._read_rows(reader, first, h)
             push = RowsPush(h.rank, h.trainer_id, h.version, h.num_samples, h.sequence, ids, grads)
             try:
-                return await self._run_rows(table, grads.numel(), self.shard.push_rows, h.fingerprint, h.table,
-                                            push, self.cfg.nonfinite == "refuse")
+                return await self.rows.run(table, grads.numel(), self.shard.push_rows, h.fingerprint, h.table,
+                                           push, self.cfg.nonfinite == "refuse")
             except StaleGradient:
                 self.shard.count("row_pushes_stale")
                 raise

@@ -57,6 +57,15 @@ class UnknownTable(InvalidRequest):
 
 
 @dataclass(frozen=True)
+class CheckedIds:
+    """Ids that passed ``table.check_ids`` (psserver.sparse.calls checks a call's ids once, at its entry): the
+    table they were checked against trusts them; any other table (a new job's, after a wait) checks them again."""
+
+    ids: torch.Tensor
+    table: object
+
+
+@dataclass(frozen=True)
 class RowsPush:
     """One decoded PushRows: who, which base version, and the (unique) ids with their summed gradient rows."""
 
@@ -146,8 +155,9 @@ class ServedTable(PushTarget):
                                 "an older checkpoint; register again and resume from its version")
 
     # -- checks (before any change) ---------------------------------------------------------------
-    def check_ids(self, ids: torch.Tensor) -> None:
-        """Refuse too many ids, ids outside a bounded table, or repeated ids (the trainer deduplicates)."""
+    def check_ids(self, ids: torch.Tensor) -> CheckedIds:
+        """Refuse too many ids, ids outside a bounded table, or repeated ids (the trainer deduplicates); the ids,
+        marked checked against this table."""
         self.store.check_ids(ids)
         if not strictly_increasing(ids) and len(torch.unique(ids)) != len(ids):
             uniq, counts = torch.unique(ids, return_counts=True)
@@ -161,6 +171,7 @@ class ServedTable(PushTarget):
             if bool(wrong.any()):
                 raise errors.SparseRefusal(f"id {ids[wrong][0].item()} lives on shard {owner[wrong][0].item()}, "
                                            f"not on this shard {self.shard} (splitmix64(id) mod {self.num_shards})")
+        return CheckedIds(ids, self)
 
     def check_push(self, p: RowsPush, refuse_nonfinite: bool) -> bool:
         """Refuse a malformed push; returns whether its values are all finite (under --nonfinite skip)."""
@@ -181,10 +192,13 @@ class ServedTable(PushTarget):
         return finite
 
     # -- calls --------------------------------------------------------------------------------------
-    def lookup(self, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """(table version, rows of the unique ``ids``) -- creating rows met for the first time."""
-        self.check_ids(ids)
-        rows = self.store.lookup(ids)
+    def lookup(self, ids: torch.Tensor | CheckedIds) -> tuple[int, torch.Tensor]:
+        """(table version, rows of the unique ``ids``) -- creating rows met for the first time.  Ids checked
+        against this table (``CheckedIds``) are not checked again."""
+        if not (isinstance(ids, CheckedIds) and ids.table is self):
+            ids = self.check_ids(ids.ids if isinstance(ids, CheckedIds) else ids)
+        rows = self.store.lookup(ids.ids, checked=True)
+        ids = ids.ids
         self.counts["rows_pulled"] += len(ids)
         self.counts["bytes_out"] += rows.numel() * 4
         self._refresh()

@@ -360,16 +360,20 @@ class RowStore:
 
     # -- the calls ---------------------------------------------------------------------
 
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+    def lookup(self, ids: torch.Tensor, checked: bool = False) -> torch.Tensor:
         """The rows of ``ids`` (repeats allowed), float32 (len(ids), dim): stored rows, new rows
         for ids seen for the first time (or admitted now), zeros for ids not admitted yet.
+        ``checked``: the caller checked ``ids`` (``check_ids`` and ``check_fits``, as a shard's served table
+        does at a call's entry), so they are not checked again.
 
         Raises:
             BadIds, IdOutOfRange, TooManyIds: nothing changed.
         """
-        self.check_ids(ids)
+        if not checked:
+            self.check_ids(ids)
         uniq, inverse = (ids, None) if strictly_increasing(ids) else torch.unique(ids, return_inverse=True)
-        self.check_fits(len(uniq))
+        if not checked:
+            self.check_fits(len(uniq))
         self.check_room(uniq)
         self.tick += 1
         slots = self._resolve(uniq, sighting=True)
