@@ -22,7 +22,16 @@ from dataclasses import dataclass
 
 from psserver.common.logsafe import counted, shorten
 from psserver.protocol.epochs import JOIN_LEAD, MAX_EPOCHS, MAX_JOIN_AHEAD, Epoch, commit_window, epoch_at
-from psserver.protocol.errors import FutureVersion, InvalidRequest, JobFull, JobMismatch
+from psserver.protocol.errors import FutureVersion, InvalidRequest, JobEnded, JobFull, JobMismatch, NoJobToJoin
+
+
+def no_job_to_join(label: str, ended: bool) -> NoJobToJoin:
+    """The refusal of a join to a shard without a running job: ``ended`` (its job's trainers all registered and
+    left) says the job is over -- the joiner stops -- else none started yet and the joiner waits for rank 0."""
+    if ended:
+        return JobEnded(f"{label}'s job ended (every trainer left): there is nothing to join until a new job's "
+                        "rank 0 registers (ps-trainer without --join)")
+    return NoJobToJoin(f"{label} runs no job to join: start the job first (its trainers register without --join)")
 
 
 @dataclass(frozen=True)

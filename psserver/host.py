@@ -31,8 +31,9 @@ import torch
 from psserver.budget import MemoryBudget, Plan
 from psserver.checkpoint import Checkpointer
 from psserver.common.logsafe import shorten
+from psserver.epochs import no_job_to_join
 from psserver.metrics import ShardMetrics
-from psserver.protocol.errors import InvalidRequest, JobMismatch, NoJobToJoin, NotReady, OutOfMemory, PsError, is_out_of_memory
+from psserver.protocol.errors import InvalidRequest, JobMismatch, NotReady, OutOfMemory, PsError, is_out_of_memory
 from psserver.protocol.job import JobSpec
 from psserver.protocol.layout import partition_range
 from psserver.protocol.limits import MAX_PARTITIONS
@@ -113,8 +114,7 @@ class ShardHost:
         self.head.check_register(rank, expected_shard, job, join)
         running = self.head.job
         if join and (running is None or self.head.job_ended()):  # a join fixes no job: nothing is planned or made
-            raise NoJobToJoin(f"shard {self.shard_id} runs no job to join: start the job first (its trainers "
-                              "register without --join)")
+            raise no_job_to_join(f"shard {self.shard_id}", ended=running is not None)
         diff = running.difference(job) if running is not None and not self.head.job_ended() else ""
         if diff:
             raise JobMismatch(f"job spec differs from the one this shard runs: {diff}")

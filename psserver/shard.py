@@ -44,10 +44,11 @@ from psserver.common.logsafe import counted, shorten
 from psserver.dense_hooks import DenseHooks
 from psserver.dense_slice import DenseSlice
 from psserver.enrolment import MAX_MISSING_LISTED, Enrolment
+from psserver.epochs import no_job_to_join
 from psserver.executor import PushInfo, execute
 from psserver.metrics import ShardMetrics
 from psserver.protocol.epochs import lr_factor
-from psserver.protocol.errors import InvalidRequest, JobMismatch, NoJobToJoin, NotReady
+from psserver.protocol.errors import InvalidRequest, JobMismatch, NotReady
 from psserver.protocol.job import WIRE_DTYPES, JobSpec
 from psserver.protocol.layout import partition_range
 from psserver.protocol.limits import check_num_samples
@@ -187,8 +188,7 @@ class Shard:
         (not elastic, full) or an E outside the window (psserver.protocol.epochs.commit_window)."""
         with self._lock:
             if self.job is None or self._job_done():
-                raise NoJobToJoin(f"{self.label} runs no job to join: start the job first (its trainers register "
-                                  "without --join)")
+                raise no_job_to_join(self.label, ended=self.job is not None)
             self._check_same_job(job)
             rank, answer, replaced = self.enrolment.join(rank, trainer_id, join_round, self.version)
             if replaced:

@@ -249,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level)
     logging.getLogger("trainer.client").setLevel(max(logging.getLogger().level, logging.INFO))
     cfg = config_from_args(args)
+    from trainer.client import JobEnded
     from trainer.loop import train  # torch: after the flags are checked
     from trainer.reporting import finite_json
     from trainer.stopping import Interrupted, StopRequest
@@ -260,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as e:
         sys.stderr.write(f"ps-trainer: stopped by {signal.Signals(e.signum).name}; {e.leave_outcome}\n")
         return 128 + e.signum
+    except JobEnded as e:  # a joiner after the job's end: nothing to do, not a failure (docs/elastic.md)
+        print(f"ps-trainer: the job has ended; nothing to join: {e}", flush=True)
+        return 0
     print(json.dumps(finite_json({"event": "done", "rank": cfg.rank, **summary}), allow_nan=False))
     return 0
 

@@ -34,7 +34,7 @@ from psserver.protocol.fastwire import parse_chunk, serialize_chunk
 from psserver.protocol.job import WIRE_DTYPES, JobSpec
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.proto import ps_pb2_grpc as _grpc
-from psserver.protocol.rules import STALE, refused_no_job, refused_stale, version_of_refusal
+from psserver.protocol.rules import STALE, refused_job_ended, refused_no_job, refused_stale, version_of_refusal
 from psserver.protocol.security import ClientSecurity, parse_addresses  # noqa: F401 (re-exported for trainers)
 from psserver.protocol.stubs import method
 from trainer.compress import TopK, parse_compress
@@ -119,19 +119,28 @@ class NoJobToJoin(ConnectionError):
     """A joiner waited ``--connect-timeout`` and the shard still ran no job: rank 0 never registered."""
 
 
+class JobEnded(NoJobToJoin):
+    """A joiner found the job ended (every trainer left): nothing to join, and nothing will be (ps-trainer
+    exits 0 with this message: a Deployment's replicas that outlive rank 0's Job complete, not crash-loop)."""
+
+
 CONNECT_RETRY, JOIN_WAIT = "connect_retries", "join_waits"  # what a Register attempt is retried for (counters)
+JOB_OVER = "job_ended"  # register_retry's answer for a join to a job that ended: not retried, JobEnded raised
 
 
 def register_retry(error: grpc.RpcError, join: bool, join_round: int) -> str:
     """Whether a failed Register attempt is tried again, and counted as what: ``CONNECT_RETRY`` (the shard is
     not answering yet), ``JOIN_WAIT`` (a join's admission reached a shard that runs no job yet: the joiner
-    started before rank 0 registered the job, as a scaled service's replicas may), or '' (raise it).
+    started before rank 0 registered the job, as a scaled service's replicas may), ``JOB_OVER`` (a join's
+    admission found the job ended: raise JobEnded, not retried), or '' (raise it).
     A commit (``join_round`` > 0) that finds no job is not waited out: that shard restarted empty since
     admitting it, and the joiner leaves and joins again (docs/elastic.md)."""
     if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return CONNECT_RETRY
     if join and join_round == 0 and refused_no_job(error):
         return JOIN_WAIT
+    if join and join_round == 0 and refused_job_ended(error):
+        return JOB_OVER
     return ""
 
 
@@ -269,6 +278,9 @@ class ShardClient:
                 return self.stub.Register(req, timeout=max(0.01, min(left, CONNECT_ATTEMPT_SECONDS)))
             except grpc.RpcError as e:
                 retry = register_retry(e, join, join_round)
+                if retry == JOB_OVER:
+                    self._count(JOB_OVER)
+                    raise JobEnded(f"shard {self.index} at {self.address}: {e.details()}") from None
                 if not retry:
                     raise
                 cause = _connect_cause(e) if retry == CONNECT_RETRY else e.details()

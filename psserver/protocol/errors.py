@@ -65,12 +65,24 @@ NO_JOB = "no-job"
 
 
 class NoJobToJoin(NotReady):
-    """A join reached a shard that runs no job (its rank 0 has not registered yet, or the job ended).
+    """A join reached a shard that runs no job (its rank 0 has not registered yet; one whose
+    job ended is JobEnded).
 
     FAILED_PRECONDITION like any NotReady, with the reason ``no-job`` in the trailers: a joiner started
     before the job waits and asks again (trainer.client.register_retry) instead of failing."""
 
     reason = NO_JOB
+
+
+JOB_ENDED = "job-ended"
+
+
+class JobEnded(NoJobToJoin):
+    """A join reached a shard whose job ended (every trainer registered, then left): none will start again
+    until a new rank 0 registers one.  Reason ``job-ended``: a joiner stops (exit 0) instead of waiting --
+    a scaled Deployment's replicas outliving rank 0's Job then complete instead of crash-looping."""
+
+    reason = JOB_ENDED
 
 
 class FutureVersion(PsError):

@@ -11,7 +11,7 @@ import enum
 
 import grpc
 
-from psserver.protocol.errors import NO_JOB, REASON_METADATA_KEY, VERSION_METADATA_KEY
+from psserver.protocol.errors import JOB_ENDED, NO_JOB, REASON_METADATA_KEY, VERSION_METADATA_KEY
 
 
 class Mode(str, enum.Enum):
@@ -56,7 +56,18 @@ def version_of_refusal(error: grpc.RpcError, default: int) -> int:
     return int(dict(error.trailing_metadata() or ()).get(VERSION_METADATA_KEY, default))
 
 
+def refusal_reason(error: grpc.RpcError) -> str:
+    """The reason a FAILED_PRECONDITION refusal carries in its trailers ('' if none)."""
+    if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
+        return ""
+    return str(dict(error.trailing_metadata() or ()).get(REASON_METADATA_KEY, ""))
+
+
 def refused_no_job(error: grpc.RpcError) -> bool:
     """Whether a Register was refused because the shard runs no job yet (FAILED_PRECONDITION, reason no-job)."""
-    return (error.code() == grpc.StatusCode.FAILED_PRECONDITION
-            and dict(error.trailing_metadata() or ()).get(REASON_METADATA_KEY) == NO_JOB)
+    return refusal_reason(error) == NO_JOB
+
+
+def refused_job_ended(error: grpc.RpcError) -> bool:
+    """Whether a join was refused because the shard's job ended (FAILED_PRECONDITION, reason job-ended)."""
+    return refusal_reason(error) == JOB_ENDED

@@ -148,3 +148,39 @@ def test_other_join_refusals_carry_no_no_job_reason(shard_server):
     shard.register()
     error = refused(lambda: join(shard, make_spec()), grpc.StatusCode.FAILED_PRECONDITION, "max_trainers is 0")
     assert not refused_no_job(error)
+
+
+def test_a_join_to_a_job_that_ended_carries_the_job_ended_reason_and_changes_nothing(running):
+    from psserver.protocol.rules import refused_job_ended, refused_no_job
+
+    running.stub.Leave(pb.LeaveRequest(rank=0, trainer_id="t0", fingerprint="f" * 16), timeout=10)
+    before = running.stats()  # no member is left to ask for a digest: the public state then
+    error = refused(lambda: join(running), grpc.StatusCode.FAILED_PRECONDITION, "job ended (every trainer left)")
+    assert refused_job_ended(error) and not refused_no_job(error)
+    after = running.stats()
+    assert (after.version, list(after.live_ranks), after.epochs) == (before.version, [], before.epochs)
+    running.register(spec=ELASTIC)  # a new job starts as usual
+    running.init(torch.zeros(P))
+    assert running.push(torch.ones(P)).outcome == pb.APPLIED
+
+
+def test_a_ps_trainer_joining_a_job_that_ended_exits_0_with_one_line(shard_server, tmp_path):
+    """A Deployment's replica that outlives rank 0's Job: the real ps-trainer --join finds the job ended,
+    prints why and exits 0 at once (it does not wait --connect-timeout), so the replica completes."""
+    from trainer.procs import start_trainer, wait_all
+
+    shard = shard_server()
+    shard.register(spec=ELASTIC)
+    shard.stub.Leave(pb.LeaveRequest(rank=0, trainer_id="t0", fingerprint="f" * 16), timeout=10)
+    joiner = start_trainer(None, shard.server.address, tmp_path / "joiner.log",
+                           ["--join", "--num-trainers", "1", "--max-trainers", "2", "--connect-timeout", "600",
+                            "--model", "mlp", "--dataset", "synthetic", "--steps", "5", "--no-progress",
+                            "--threads", "1", "--device", "cpu"], name="joiner")
+    try:
+        codes = wait_all([joiner], 300)
+    finally:
+        joiner.kill()
+    log = (tmp_path / "joiner.log").read_text()
+    assert codes == {"joiner": 0}, log
+    assert "ps-trainer: the job has ended; nothing to join: shard 0 at" in log, log
+    assert "job ended (every trainer left)" in log and "Traceback" not in log, log

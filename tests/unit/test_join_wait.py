@@ -7,9 +7,9 @@ from collections import Counter
 import grpc
 import pytest
 
-from psserver.protocol.errors import NO_JOB, REASON_METADATA_KEY
+from psserver.protocol.errors import JOB_ENDED, NO_JOB, REASON_METADATA_KEY
 from tests.conftest import make_spec
-from trainer.client import CONNECT_RETRY, JOIN_WAIT, NoJobToJoin, ShardClient, register_retry
+from trainer.client import CONNECT_RETRY, JOB_OVER, JOIN_WAIT, JobEnded, NoJobToJoin, ShardClient, register_retry
 
 
 class FakeError(grpc.RpcError):
@@ -32,6 +32,18 @@ NO_JOB_YET = FakeError(grpc.StatusCode.FAILED_PRECONDITION, "shard 0 runs no job
 
 def test_an_admission_that_finds_no_job_waits():
     assert register_retry(NO_JOB_YET, join=True, join_round=0) == JOIN_WAIT
+
+
+ENDED = FakeError(grpc.StatusCode.FAILED_PRECONDITION, "shard 0's job ended", JOB_ENDED)
+
+
+def test_an_admission_that_finds_the_job_ended_is_not_waited_out():
+    assert register_retry(ENDED, join=True, join_round=0) == JOB_OVER
+
+
+def test_a_plain_register_or_a_commit_does_not_read_the_job_ended_reason():
+    assert register_retry(ENDED, join=False, join_round=0) == ""
+    assert register_retry(ENDED, join=True, join_round=5) == ""
 
 
 def test_a_commit_that_finds_no_job_is_raised_the_shard_restarted_since_admitting_it():
@@ -100,3 +112,14 @@ def test_a_plain_register_raises_the_no_job_refusal_at_once():
     finally:
         c.channel.close()
     assert stub.calls == 1
+
+
+def test_register_stops_at_once_with_job_ended_when_the_job_is_over():
+    stub = FakeStub(ENDED, refusals=1)
+    c = client(stub)
+    try:
+        with pytest.raises(JobEnded, match="shard 0 at 127.0.0.1:1: shard 0's job ended"):
+            c.register(make_spec(num_trainers=1, max_trainers=3), connect_timeout=600, join=True)
+    finally:
+        c.channel.close()
+    assert stub.calls == 1 and c.counters["job_ended"] == 1 and c.counters["join_waits"] == 0
