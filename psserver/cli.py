@@ -40,6 +40,9 @@ def build_parser() -> EnvArgumentParser:
                    help="seconds between TensorBoard samples")
     p.add_argument("--lease-timeout", type=float, default=5.0,
                    help="seconds of silence after which a trainer is dropped from the live set (0: never)")
+    p.add_argument("--join-timeout", type=float, default=0.0, metavar="SECONDS",
+                   help="seconds a joiner's admission holds the next round for its commit before it is dropped "
+                        "(0: 3 s, or --lease-timeout if shorter; docs/elastic.md)")
     p.add_argument("--checkpoint-dir", default="", help="write checkpoints here (atomic, checksummed)")
     p.add_argument("--checkpoint-every", type=int, default=100, help="versions between checkpoints")
     p.add_argument("--restore", action="store_true", help="resume from the newest valid checkpoint")
@@ -152,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                            max_reply_bytes_per_peer=args.max_reply_bytes_per_peer)
     cfg = ServerConfig(shard=args.shard, host=args.host, port=args.port, limits=limits, health_port=args.health_port,
                        torch_threads=args.torch_threads,
-                       chunk_bytes=args.chunk_bytes, lease_timeout=args.lease_timeout,
+                       chunk_bytes=args.chunk_bytes, lease_timeout=args.lease_timeout, join_timeout=args.join_timeout,
                        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                        restore=args.restore, nonfinite=args.nonfinite, max_memory=max_memory, insecure=args.insecure,
                        restore_from=tuple(d.strip() for d in args.restore_from.split(",") if d.strip()),

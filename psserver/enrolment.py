@@ -15,10 +15,10 @@ from typing import Callable
 
 from psserver import modes
 from psserver.common.logsafe import counted, shorten
-from psserver.epochs import EpochBook
+from psserver.epochs import EpochBook, join_patience
 from psserver.membership import Membership
 from psserver.protocol.epochs import epoch_at
-from psserver.protocol.errors import InvalidRequest, JobMismatch, NotPermitted, NotReady
+from psserver.protocol.errors import InvalidRequest, JobMismatch, NotPermitted, NotReady, TooBusy
 from psserver.protocol.job import JobSpec
 from psserver.sparse.serving import Membership as TableMembers
 
@@ -31,11 +31,12 @@ class Enrolment:
     ``changed`` callback (wakes waiters) at construction."""
 
     def __init__(self, shard_id: int, partition: int, label: str, clock: Callable[[], float],
-                 lease_timeout: float, counters: Counter, changed: Callable[[], None]):
+                 lease_timeout: float, counters: Counter, changed: Callable[[], None], join_timeout: float = 0.0):
         self.shard_id, self.partition, self.label = shard_id, partition, label
         self._info = log.info if partition == 0 else log.debug  # lifecycle lines once per shard, not per partition
         self._clock = clock
         self.lease_timeout = lease_timeout
+        self.join_timeout = join_patience(join_timeout, lease_timeout)  # a pending join's hold (psserver.epochs)
         self._counters = counters
         self._changed = changed
         self.members = Membership(clock, lease_timeout)
@@ -137,8 +138,12 @@ class Enrolment:
         Returns (rank, the round answered, a new process took over the rank)."""
         if join_round == 0:
             hands_out = self.shard_id == 0 and self.partition == 0
-            pending = self.epochs.prepare(None if hands_out else rank, trainer_id, version,
-                                          self._clock(), self.lease_timeout)
+            try:
+                pending = self.epochs.prepare(None if hands_out else rank, trainer_id, version,
+                                              self._clock(), self.join_timeout)
+            except TooBusy:
+                self._counters["joins_refused_pending"] += 1
+                raise
             rank = self.epochs.rank_of(trainer_id)
             self._counters["join_requests"] += 1
             self._info("shard %d: %s asks to join as rank %d: proposed round %d, rounds from %d held",
@@ -183,7 +188,7 @@ class Enrolment:
             if self.members.holds(rank, pending.trainer_id):  # not a trainer that registered the rank since
                 self.members.leave(rank)
             log.warning("shard %d: %s asked to join as rank %d but did not commit within %.1f s: dropped",
-                        self.shard_id, shorten(pending.trainer_id), rank, self.lease_timeout)
+                        self.shard_id, shorten(pending.trainer_id), rank, self.join_timeout)
         gone = self.members.expire()
         for rank, silent in gone:
             self._counters["lease_expired"] += 1

@@ -22,7 +22,23 @@ from dataclasses import dataclass
 
 from psserver.common.logsafe import counted, shorten
 from psserver.protocol.epochs import JOIN_LEAD, MAX_EPOCHS, MAX_JOIN_AHEAD, Epoch, commit_window, epoch_at
-from psserver.protocol.errors import FutureVersion, InvalidRequest, JobEnded, JobFull, JobMismatch, NoJobToJoin
+from psserver.protocol.errors import FutureVersion, InvalidRequest, JobEnded, JobFull, JobMismatch, NoJobToJoin, TooBusy
+
+
+# How long a shard holds a pending join for its commit (--join-timeout 0: this, or the lease if shorter).  The
+# commit is one round trip, so seconds are plenty; a stranger who asks and never commits holds a sync job's
+# rounds at most this long per request (docs/security.md).  Not the lease: leases may be off (0).
+DEFAULT_JOIN_TIMEOUT = 3.0
+# Joins one job holds pending at once (each shard): a stranger cannot hold every free rank (docs/security.md).
+MAX_PENDING_JOINS = 4
+
+
+def join_patience(join_timeout: float, lease_timeout: float) -> float:
+    """Seconds a pending join is held for its commit: ``join_timeout`` if set (> 0), else DEFAULT_JOIN_TIMEOUT
+    or the lease if that is shorter -- never 0, so leases off (0) do not drop a join at the next tick."""
+    if join_timeout > 0:
+        return join_timeout
+    return min(DEFAULT_JOIN_TIMEOUT, lease_timeout) if lease_timeout > 0 else DEFAULT_JOIN_TIMEOUT
 
 
 def no_job_to_join(label: str, ended: bool) -> NoJobToJoin:
@@ -92,6 +108,9 @@ class EpochBook:
         if previous is not None and previous.trainer_id == trainer_id:
             return previous
         self._check_rank_free(rank, trainer_id)
+        if len(self.pending) >= MAX_PENDING_JOINS:
+            raise TooBusy(f"the job has {len(self.pending)} joins pending (not yet committed), its limit "
+                          f"{MAX_PENDING_JOINS}: ask again once one is settled (within its --join-timeout)")
         if len(self.timeline) >= MAX_EPOCHS:
             raise JobFull(f"the job's membership timeline holds {MAX_EPOCHS} epochs, its limit: no more joins")
         pending = PendingJoin(trainer_id, version + JOIN_LEAD, version + 1, now + patience)

@@ -60,13 +60,14 @@ class ShardHost:
     def __init__(self, shard_id: int, clock: Callable[[], float] = time.monotonic, lease_timeout: float = 5.0,
                  checkpoint_dir: str = "", checkpoint_every: int = 100,
                  on_change: Callable[[Shard], None] = lambda part: None, budget: MemoryBudget | None = None,
-                 gauges: Callable[[], dict] = dict):
+                 gauges: Callable[[], dict] = dict, join_timeout: float = 0.0):
         """``on_change(part)``: handed to every partition this host makes (see ``Shard``); the server's
         wake-up for the calls waiting on ``part``.  The metrics registry is made here, over ``snapshot``:
         it counts every partition.  ``budget``: what a job may hold here (``--max-memory``; psserver.budget).
         ``gauges()``: the serving process's own numbers now (the loop's stall, connections, bytes of unread
         replies), shown with the counters."""
         self.shard_id, self.clock, self.lease_timeout = shard_id, clock, lease_timeout
+        self.join_timeout = join_timeout  # a pending join's hold; 0: the default (psserver.epochs.join_patience)
         self.budget = budget if budget is not None else MemoryBudget()
         self.plan: Plan | None = None  # the running (or admitted) job's: the bytes it reserved
         self._gauges = gauges
@@ -166,7 +167,7 @@ class ShardHost:
 
     def _fresh(self, k: int) -> Shard:
         return Shard(self.shard_id, self.clock, self.lease_timeout, self._checkpointer(k), partition=k,
-                     metrics=self.metrics, on_change=self._on_change)
+                     metrics=self.metrics, on_change=self._on_change, join_timeout=self.join_timeout)
 
     def _checkpointer(self, k: int) -> Checkpointer | None:
         if not self._checkpoint_dir:

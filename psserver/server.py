@@ -24,6 +24,7 @@ from psserver.health import CappedHealth, LoopWatch, ProbePort
 from psserver.host import ShardHost
 from psserver.ports import check_bindable
 from psserver.protocol.codec import DEFAULT_CHUNK_BYTES
+from psserver.protocol.limits import MAX_JOIN_TIMEOUT
 from psserver.protocol.optim import warm_up
 from psserver.protocol.security import ServerSecurity
 from psserver.protocol.stubs import SERVICE_NAME
@@ -45,6 +46,7 @@ class ServerConfig:
     max_message_bytes: int = 16 << 20  # per gRPC message; larger ones get RESOURCE_EXHAUSTED from gRPC
     max_push_bytes: int = 4 << 30  # whole Init/Push stream
     lease_timeout: float = 5.0  # seconds of silence after which a trainer leaves the live set
+    join_timeout: float = 0.0  # seconds a pending join is held for its commit; 0: 3 s or the lease if shorter
     checkpoint_dir: str = ""  # where checkpoints go ("" : none)
     checkpoint_every: int = 100  # versions between checkpoints
     restore: bool = False  # resume from the newest valid checkpoint in checkpoint_dir
@@ -87,6 +89,9 @@ class ServerConfig:
             raise ValueError(f"The health port ({self.health_port}) must be between 0 and 65535 (or -1: none).")
         if not (self.lease_timeout >= 0 and math.isfinite(self.lease_timeout)):
             raise ValueError(f"The lease timeout ({self.lease_timeout} s) must be zero (never) or more seconds.")
+        if not (0 <= self.join_timeout <= MAX_JOIN_TIMEOUT):
+            raise ValueError(f"The join timeout ({self.join_timeout} s) must be between 0 (the default: 3 s, or the "
+                             f"lease if shorter) and {MAX_JOIN_TIMEOUT:g} s.")
         if self.checkpoint_every < 1:
             raise ValueError(f"The checkpoint interval ({self.checkpoint_every} versions) must be at least 1.")
         if self.torch_threads < 0:
@@ -152,7 +157,8 @@ def build_shard_process(cfg: ServerConfig, loop: asyncio.AbstractEventLoop, loop
         return {"reply_bytes_held": replies.held_bytes, "connections": len(connections.calls),
                 "watch_streams": connections.watch_streams, **watch.gauges()}
 
-    host = ShardHost(cfg.shard, lease_timeout=cfg.lease_timeout, checkpoint_dir=cfg.checkpoint_dir,
+    host = ShardHost(cfg.shard, lease_timeout=cfg.lease_timeout, join_timeout=cfg.join_timeout,
+                     checkpoint_dir=cfg.checkpoint_dir,
                      checkpoint_every=cfg.checkpoint_every, on_change=wakeups.changed,
                      budget=MemoryBudget(cfg.max_memory), gauges=gauges)
     if cfg.restore:

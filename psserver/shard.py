@@ -80,7 +80,7 @@ class Shard:
 
     def __init__(self, shard_id: int, clock: Callable[[], float] = time.monotonic, lease_timeout: float = 5.0,
                  checkpointer: Checkpointer | None = None, partition: int = 0, metrics: ShardMetrics | None = None,
-                 on_change: Callable[["Shard"], None] = lambda part: None):
+                 on_change: Callable[["Shard"], None] = lambda part: None, join_timeout: float = 0.0):
         """``metrics``: the registry this shard observes into (its host's, shared by every partition; a shard of
         its own makes one over its own snapshot).  ``on_change(shard)``: called on every change of the state a
         waiting pull or the round timer may be waiting for, from the thread that made it (the server wakes its
@@ -97,7 +97,7 @@ class Shard:
         self._lock = threading.RLock()
         self.counters: Counter[str] = Counter()
         self.enrolment = Enrolment(shard_id, partition, self.label, clock, lease_timeout, self.counters,
-                                   self._changed)
+                                   self._changed, join_timeout)
         self.members = self.enrolment.members
         self.metrics = metrics if metrics is not None else ShardMetrics(shard_id, self.snapshot)
         self.checkpoints = ShardCheckpoints(shard_id, checkpointer, self.counters)

@@ -35,6 +35,8 @@ MAX_NAME_CHARS = 256
 MAX_DIMS = 8
 # stale-timeout's round deadline, in seconds (one day): larger values overflow timers.
 MAX_SYNC_TIMEOUT = 86400.0
+# A pending join's hold for its commit (ps-server --join-timeout), in seconds: it holds a sync job's rounds.
+MAX_JOIN_TIMEOUT = 3600.0
 # async mode's staleness bound, in versions.
 MAX_STALENESS = 1 << 31
 MAX_TABLES = 64  # sparse embedding tables in one job

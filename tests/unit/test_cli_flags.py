@@ -212,6 +212,8 @@ def test_a_run_ending_inside_an_epoch_evaluates_its_last_step_once_and_counts_no
 
 @pytest.mark.parametrize("field, value, message", [
     ("lease_timeout", -1.0, "The lease timeout (-1.0 s) must be zero (never) or more seconds"),
+    ("join_timeout", -1.0, "The join timeout (-1.0 s) must be between 0 (the default: 3 s, or the lease if shorter)"),
+    ("join_timeout", float("nan"), "The join timeout (nan s) must be between 0"),
     ("checkpoint_every", 0, "The checkpoint interval (0 versions) must be at least 1"),
     ("health_port", 99999, "The health port (99999) must be between 0 and 65535 (or -1: none)"),
     ("torch_threads", -2, "The torch threads (-2) must be zero (torch's default) or more"),

@@ -1,12 +1,15 @@
 """Membership epochs as pure decisions (psserver.epochs): joins, leaves and lease expiry at round boundaries,
 with a fake clock and no network."""
 
+import grpc
 import pytest
 
 from psserver import modes
-from psserver.epochs import EpochBook
+from psserver.epochs import DEFAULT_JOIN_TIMEOUT, MAX_PENDING_JOINS, EpochBook, join_patience
+from psserver.shard import Shard
+from tests.conftest import make_spec
 from psserver.protocol.epochs import JOIN_LEAD, Epoch, commit_window, epoch_at
-from psserver.protocol.errors import FutureVersion, InvalidRequest, JobFull, JobMismatch
+from psserver.protocol.errors import FutureVersion, InvalidRequest, JobFull, JobMismatch, TooBusy
 
 PATIENCE = 5.0
 
@@ -151,3 +154,42 @@ def test_a_joiner_that_gives_up_after_committing_is_withdrawn_from_the_epoch_it_
     book.commit(2, "t2", 5, version=4)
     book.leave(2, at=4)
     assert book.members_at(5) == {0, 1} and book.current.number > 1
+
+
+@pytest.mark.parametrize("join_timeout, lease, expected", [
+    (0.0, 0.0, DEFAULT_JOIN_TIMEOUT),  # leases off: the default, never 0
+    (0.0, 5.0, DEFAULT_JOIN_TIMEOUT),  # shorter than the default lease: the hold needs one round trip
+    (0.0, 1.0, 1.0),  # a lease shorter than the default
+    (10.0, 0.0, 10.0),  # --join-timeout given
+])
+def test_join_patience_is_never_zero_and_defaults_below_the_lease(join_timeout, lease, expected):
+    assert join_patience(join_timeout, lease) == expected
+
+
+def test_with_leases_off_a_pending_join_is_held_until_its_join_timeout_on_the_fake_clock():
+    clock = [100.0]
+    shard = Shard(0, clock=lambda: clock[0], lease_timeout=0.0, join_timeout=4.0)
+    spec = make_spec(num_trainers=1, max_trainers=3)
+    shard.register(0, "t0", 0, spec)
+    assert shard.register(1, "j", 0, spec, join=True)["rank"] == 1
+    shard.tick()
+    clock[0] += 3.9
+    shard.tick()
+    assert shard.epochs.pending and shard.counters["joins_abandoned"] == 0
+    clock[0] += 0.1
+    shard.tick()
+    assert not shard.epochs.pending and shard.counters["joins_abandoned"] == 1
+
+
+def test_joins_pending_at_once_are_capped_resource_exhausted_counted_and_change_nothing():
+    shard = Shard(0, clock=lambda: 0.0, lease_timeout=5.0)
+    spec = make_spec(num_trainers=1, max_trainers=MAX_PENDING_JOINS + 3)
+    shard.register(0, "t0", 0, spec)
+    for k in range(MAX_PENDING_JOINS):
+        shard.register(0, f"stranger{k}", 0, spec, join=True)
+    before = shard.state_digest()
+    with pytest.raises(TooBusy, match=f"has {MAX_PENDING_JOINS} joins pending .* its limit {MAX_PENDING_JOINS}"):
+        shard.register(0, "late", 0, spec, join=True)
+    assert shard.state_digest() == before and shard.counters["joins_refused_pending"] == 1
+    assert TooBusy.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert shard.register(0, "stranger0", 0, spec, join=True)["rank"] == 1  # a retry is still answered
