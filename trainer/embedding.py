@@ -71,8 +71,18 @@ class _ShardedTable(nn.Module):
     def __init__(self, name: str, embedding_dim: int, *, num_embeddings: int | None = None,
                  optimizer: SparseOptimizerConfig | None = None, initializer: Initializer | None = None,
                  seed: int = 0, admit_after: int = 0, max_rows: int | None = None, evict_after: int | None = None,
-                 mode: str = "", max_staleness: int | None = None):
+                 mode: str = "", max_staleness: int | None = None, cache_rows: int = 0, cache_staleness: int = 0):
+        """``cache_rows``/``cache_staleness``: a worker-side cache of up to that many rows, served while at most
+        that many versions old (trainer.row_cache; 0 rows: none).  Not part of the table's spec: the shards
+        never see it.  ``max_staleness`` is the shard's bound on an async push; a cache may not exceed it."""
         super().__init__()
+        if cache_rows < 0 or cache_staleness < 0:
+            raise ValueError(f"table {name!r}: cache_rows ({cache_rows}) and cache_staleness ({cache_staleness}) "
+                             f"must be at least 0")
+        if max_staleness is not None and cache_staleness > max_staleness:
+            raise ValueError(f"table {name!r}: cache_staleness ({cache_staleness}) is above max_staleness "
+                             f"({max_staleness}): pushes computed on such rows would be refused as stale")
+        self.cache_rows, self.cache_staleness = cache_rows, cache_staleness
         self.spec = TableSpec(name=name, dim=embedding_dim, optimizer=optimizer or SparseOptimizerConfig(),
                               initializer=initializer or Initializer(), seed=seed, num_embeddings=num_embeddings,
                               admit_after=admit_after, max_rows=max_rows, evict_after=evict_after, mode=mode,
@@ -96,6 +106,8 @@ class _ShardedTable(nn.Module):
 
     def bind(self, backend: RowBackend) -> None:
         self.backend = backend
+        if self.cache_rows and hasattr(backend, "use_cache"):  # the shards' client; LocalRows needs none
+            backend.use_cache(self.name, self.cache_rows, self.cache_staleness)
 
     def extra_repr(self) -> str:
         s = self.spec

@@ -41,6 +41,7 @@ class _Batch:
     pulls: dict[int, Future] = field(default_factory=dict)  # shard -> Future of (rows, version)
     rows: torch.Tensor | None = None  # gathered on first use
     known: torch.Tensor | None = None  # bool per id: its row arrived
+    versions: torch.Tensor | None = None  # per id: the version its shard answered
     adopted: set = field(default_factory=set)  # shards whose version is this step's push base
 
 
@@ -95,9 +96,10 @@ class RowPrefetch:
                 b.pulls[s] = self._pool.submit(self._fetch, s, table, b.ids[pos])
 
     # -- using ---------------------------------------------------------------------------------------
-    def take(self, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def take(self, table: str, ids: torch.Tensor, with_versions: bool = False) -> tuple | None:
         """(rows, known): the prefetched rows of the sorted unique ``ids`` where ``known``; None when nothing
-        usable was announced for this step.  Waits for the pulls still under way."""
+        usable was announced for this step.  Waits for the pulls still under way.  ``with_versions``: also
+        the version each row was read at (trainer.row_cache)."""
         with self._lock:
             b = next((b for b in self._queues.get(table, ()) if b.after <= self._pushes[table]), None)
             if b is not None and self.sync[table]:
@@ -113,14 +115,15 @@ class RowPrefetch:
                 b.adopted.add(s)
                 self._adopt(s, table, b.pulls[s].result()[1])
         self._count(prefetch_hits=int(known.sum()), prefetch_misses=int((~known).sum()))
-        return b.rows[pos], known
+        return (b.rows[pos], known, b.versions[pos]) if with_versions else (b.rows[pos], known)
 
     def _gather(self, table: str, b: _Batch) -> None:
         b.rows = torch.empty(len(b.ids), self.dims[table])
         b.known = torch.zeros(len(b.ids), dtype=torch.bool)
+        b.versions = torch.zeros(len(b.ids), dtype=torch.int64)
         for s, fut in list(b.pulls.items()):
             try:
-                rows, _ = fut.result()
+                rows, version = fut.result()
             except Exception as e:  # the forward pulls these ids itself (and rejoins a restarted shard there)
                 del b.pulls[s]
                 self._count(prefetch_failed=1)
@@ -129,6 +132,7 @@ class RowPrefetch:
                 continue
             b.rows[b.parts[s]] = rows
             b.known[b.parts[s]] = True
+            b.versions[b.parts[s]] = version
 
     # -- pushed and pulled in one call (PushPullRows) ---------------------------------------------------
     def claim(self, table: str) -> Claim | None:

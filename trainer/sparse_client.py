@@ -53,6 +53,7 @@ from psserver.protocol.rows.wire import row_chunks
 from psserver.protocol.rules import STALE, Mode, refused_stale, reply_version, version_of_refusal
 from psserver.protocol.stubs import method
 from trainer.client import PUSH_RETRYABLE, RESTART_CODES, ShardCallsFailed, ShardClient, ShardedClient
+from trainer.row_cache import RowCache, pull_through
 from trainer.row_prefetch import Claim, RowPrefetch
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,7 @@ class ShardedRows:
         # again and call resync().  None: the error is raised (nothing here can register).
         self.on_restart = None
         self._lock = threading.Lock()
+        self.caches: dict[str, RowCache] = {}  # tables with a worker-side row cache (use_cache)
         self._pull = [s.channel.unary_stream(method("PullRows"), _pb.PullRowsRequest.SerializeToString,
                                              _pb.RowsChunk.FromString) for s in sharded_client.shards]
         self._push = [s.channel.stream_unary(method("PushRows"), _pb.RowsChunk.SerializeToString,
@@ -159,37 +161,71 @@ class ShardedRows:
 
         return shard._call(what, once, retry_on=retry_on)
 
+    # -- the row cache (trainer.row_cache) -------------------------------------------------------------
+    def use_cache(self, table: str, rows: int, max_staleness: int = 0) -> None:
+        """Cache up to ``rows`` of ``table``'s rows here, served while at most ``max_staleness`` versions old."""
+        self.caches[table] = RowCache(rows, self._spec(table).dim, max_staleness,
+                                      count=lambda **n: self._count(**{f"cache_{k}": v for k, v in n.items()}))
+
+    def known_versions(self, table: str) -> torch.Tensor:
+        """Per shard, the newest version of ``table`` this trainer knows of: in sync modes at least the close of
+        its last push's round (what its next pull waits for)."""
+        sync = self.modes[table] != Mode.ASYNC
+        lanes = [self._lanes[(s, table)] for s in range(len(self.client.shards))]
+        return torch.tensor([max(ln.version, ln.wait_for) if sync else ln.version for ln in lanes])
+
+    def _pull_cached(self, table: str, spec: TableSpec, ids: torch.Tensor) -> torch.Tensor:
+        cache = self.caches[table]
+        owner = shard_of(ids, len(self.client.shards))
+        out, look = pull_through(cache, ids, owner, self.known_versions(table),
+                                 lambda miss: self._pull_rows(table, spec, miss))
+        if self.modes[table] == Mode.ASYNC and bool(look.hit.any()):
+            # the push's base is the oldest version this forward read from each shard: staleness not understated
+            hit_owner = owner[look.hit]
+            for s in hit_owner.unique().tolist():
+                lane = self._lanes[(s, table)]
+                lane.base = min(lane.base, int(look.versions[hit_owner == s].min()))
+        return out
+
     # -- pull ---------------------------------------------------------------------------------------
     def pull(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """float32 rows ``(len(ids), dim)`` of unique int64 CPU ``ids``, in their order, from the shards in
-        parallel; in sync modes each shard's at the version after this trainer's last push there."""
+        parallel; in sync modes each shard's at the version after this trainer's last push there.  A table
+        with a row cache serves the rows it holds within its bound and pulls only the others."""
         spec = self._spec(table)
-        ahead = self.ahead.take(table, ids)
+        if table in self.caches:
+            return self._pull_cached(table, spec, ids)
+        return self._pull_rows(table, spec, ids)[0]
+
+    def _pull_rows(self, table: str, spec: TableSpec, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, the version each was read at): prefetched where announced, pulled now otherwise."""
+        ahead = self.ahead.take(table, ids, with_versions=True)
         if ahead is not None:  # rows prefetched for this step: pull only the others
-            out, known = ahead
+            out, known, versions = ahead
             if not bool(known.all()):
                 missing = ~known
-                out[missing] = self._pull_now(table, spec, ids[missing])
-            return out
+                out[missing], versions[missing] = self._pull_now(table, spec, ids[missing])
+            return out, versions
         return self._pull_now(table, spec, ids)
 
-    def _pull_now(self, table: str, spec: TableSpec, ids: torch.Tensor) -> torch.Tensor:
+    def _pull_now(self, table: str, spec: TableSpec, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         parts = self._split(ids)
         out = torch.empty(len(ids), spec.dim)
+        versions = torch.zeros(len(ids), dtype=torch.int64)
 
         def one(s: ShardClient):
             pos = parts[s.index]
             if len(pos):
-                out[pos] = self._pull_shard(s, table, spec.dim, ids[pos])
+                out[pos], versions[pos] = self._pull_shard(s, table, spec.dim, ids[pos])
 
         results = self.client.map_settled(one)
         failed = {i: r for i, r in enumerate(results) if isinstance(r, Exception)}
         if failed:
             raise RowsCallFailed(table, [i for i in range(len(results)) if i not in failed], failed,
                                  [s.address for s in self.client.shards])
-        return out
+        return out, versions
 
-    def _pull_shard(self, s: ShardClient, table: str, dim: int, ids: torch.Tensor) -> torch.Tensor:
+    def _pull_shard(self, s: ShardClient, table: str, dim: int, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
         """One shard's rows; a shard found restarted is rejoined (on_restart) and asked again."""
         try:
             return self._pull_once(s, table, dim, ids)
@@ -198,10 +234,10 @@ class ShardedRows:
                 raise
         return self._pull_once(s, table, dim, ids)
 
-    def _pull_once(self, s: ShardClient, table: str, dim: int, ids: torch.Tensor) -> torch.Tensor:
+    def _pull_once(self, s: ShardClient, table: str, dim: int, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
         rows, version = self._fetch(s, table, dim, ids)
         self._adopt(s.index, table, version)
-        return rows
+        return rows, version
 
     def _fetch_ahead(self, shard: int, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
         """A prefetch's pull (trainer.row_prefetch): rows and version, the push's base left alone."""
@@ -221,6 +257,7 @@ class ShardedRows:
         version, raw = min(v for v, _ in pieces), b"".join(r for _, r in pieces)
         if len(raw) != len(ids) * dim * 4:
             raise ValueError(f"shard {s.index} sent {len(raw)} bytes of rows for {len(ids)} ids of dim {dim}")
+        went_back = False
         with self._lock:
             if version < lane.version:  # a running shard never goes back: restored from an older checkpoint
                 self.counters["versions_lost"] += lane.version - version
@@ -228,9 +265,12 @@ class ShardedRows:
                             "was restored from an older checkpoint; %d versions lost", table, s.index, version,
                             lane.version, lane.version - version)
                 lane.version = version
+                went_back = True
             lane.version = max(lane.version, version)
             self.counters.update(bytes_pulled=len(raw) + 8 * len(ids), rows_pulled=len(ids),
                                  row_pull_calls=len(pieces))
+        if went_back and table in self.caches:  # rows cached before the restore are of a state that is gone
+            self.caches[table].drop_shard(s.index)
         return torch.from_numpy(np.frombuffer(raw, dtype=np.float32).copy()).view(len(ids), dim), version
 
     def _pull_piece(self, s: ShardClient, table: str, lane: _Lane, ids: torch.Tensor) -> tuple[int, bytes]:
@@ -284,6 +324,8 @@ class ShardedRows:
             raise RowsPushFailed(table, sorted(pending.done), failed, [s.address for s in self.client.shards])
         self._pending.pop(table, None)
         self.ahead.pushed(table)
+        if table in self.caches:
+            self.caches[table].pushed(torch.cat([p[0] for p in pending.payloads.values()]))
 
     def _push_shard(self, s: ShardClient, table: str, ids: torch.Tensor, grads: torch.Tensor,
                     num_samples: int, claim: Claim | None = None) -> str:
@@ -397,6 +439,8 @@ class ShardedRows:
                     pending.done.append(shard)
                     self.counters["pushes_lost"] += 1
             self.counters["restarts"] += 1
+        for cache in self.caches.values():  # (not under the lock: the caches count through it)
+            cache.drop_shard(shard)
         self.ahead.drop()
 
     def start_at(self, shard: int, versions: dict[str, int]) -> None:
