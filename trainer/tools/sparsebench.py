@@ -126,12 +126,13 @@ def single_process_rate(log, steps: int, batch: int, dim: int, lr: float) -> dic
 
 
 def sharded_rate(log, steps: int, batch: int, dim: int, lr: float, shards: int, run_dir, embedding_mode: str = "",
-                 prefetch: bool = False, fused: bool = True) -> dict:
+                 prefetch: bool = False, fused: bool = True, cache_rows: int = 0, cache_staleness: int = 0) -> dict:
     """The same model with its bag on ``shards`` ps-server processes (row-wise exchange, Adagrad on
     the shards), one trainer in this process; bytes per step from the row client's counters.
     ``embedding_mode="async"``: async rows next to the sync dense head; ``prefetch``: each batch's rows pulled
     one batch ahead (``ps.prefetching``); ``fused=False``: with prefetch, a sync table's push and its next batch's
-    pull stay two calls and the tables go before the dense exchange (the behaviour before PushPullRows)."""
+    pull stay two calls and the tables go before the dense exchange (the behaviour before PushPullRows);
+    ``cache_rows``/``cache_staleness``: the bag's worker-side row cache (trainer.row_cache; 0 rows: none)."""
     from psserver.protocol.rows.optim import SparseOptimizerConfig
     from trainer.api import connect
     from trainer.procs import start_shard
@@ -139,7 +140,8 @@ def sharded_rate(log, steps: int, batch: int, dim: int, lr: float, shards: int, 
     procs = [start_shard(i, run_dir / f"shard{i}.log", extra_args=["--torch-threads", "1"]) for i in range(shards)]
     try:
         model = ClickModel(log.id_space, dim, embedding_bag=sharded_factories(
-            SparseOptimizerConfig("adagrad", lr=lr))["embedding_bag"])
+            SparseOptimizerConfig("adagrad", lr=lr), cache_rows=cache_rows,
+            cache_staleness=cache_staleness)["embedding_bag"])
         with connect([p.address for p in procs], model, optimizer={"name": "sgd", "lr": lr},
                      embedding_mode=embedding_mode) as ps:
             wrap = (lambda bs: ps.prefetching(bs, ids_of=lambda b: {"bag": b.ids})) if prefetch else (lambda bs: bs)
@@ -159,7 +161,10 @@ def sharded_rate(log, steps: int, batch: int, dim: int, lr: float, shards: int, 
             "bytes_per_step": nbytes / steps, "row_bytes_per_step": unique * dim * 4 * 2 / steps,
             "shard_rss_bytes": shard_rss, "round_trips_per_step": trips / steps,
             "prefetch_hit_rate": rows.get("prefetch_hits", 0) / max(1, rows.get("prefetch_hits", 0)
-                                                                     + rows.get("prefetch_misses", 0))}
+                                                                     + rows.get("prefetch_misses", 0)),
+            "cache_hit_rate": rows.get("cache_hits", 0) / max(1, sum(rows.get(f"cache_{k}", 0)
+                                                                     for k in ("hits", "misses", "stale"))),
+            "cache_counts": {k: v for k, v in rows.items() if k.startswith("cache_")}}
 
 
 def _announce_only(ps):
