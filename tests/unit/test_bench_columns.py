@@ -40,6 +40,13 @@ def test_an_extra_row_with_flags_ps_trainer_has_runs():
     assert bench.extra_row_skip_reason("sync:--wire-dtype bfloat16", ["--wire-dtype", "bfloat16"]) == ""
 
 
+def test_every_default_extra_row_passes_ps_trainers_checks_under_its_own_mode():
+    """An async-only flag (--push-window 4) must be checked as the async row runs it, not as a sync job."""
+    for spec in bench.DEFAULT_EXTRA_ROWS:
+        mode, flags = bench.parse_extra_row(spec)
+        assert bench.extra_row_skip_reason(spec, flags, mode) == "", spec
+
+
 def test_an_extra_row_with_a_bad_value_is_an_error_not_a_skip():
     with pytest.raises(ValueError, match=r"--extra-row \(sync:--wire-dtype int3\): ps-trainer says: .*int3"):
         bench.extra_row_skip_reason("sync:--wire-dtype int3", ["--wire-dtype", "int3"])

@@ -251,9 +251,10 @@ def parse_extra_row(spec: str) -> tuple[str, list[str]]:
     return mode, shlex.split(flags)
 
 
-def extra_row_skip_reason(spec: str, flags: list[str]) -> str:
+def extra_row_skip_reason(spec: str, flags: list[str], mode: str = "sync") -> str:
     """Why the row ``spec`` cannot run ("" if it can): a flag ps-trainer does not have yet.  Flags it has are
-    checked with its own rules, and a bad value is an error (ValueError), not a skipped row."""
+    checked with its own rules -- under the row's own mode and variants, as the row runs them -- and a bad
+    value is an error (ValueError), not a skipped row."""
     from trainer.cli import build_parser, config_from_args
 
     parser = build_parser()
@@ -262,7 +263,8 @@ def extra_row_skip_reason(spec: str, flags: list[str]) -> str:
         raise ValueError(f"--extra-row ({spec}): ps-trainer says: {message}")
 
     parser.error = refuse  # argparse's usage-and-exit, as one line
-    argv = ["--ps", "127.0.0.1:1", *flags]
+    base, *variants = mode.split("+")
+    argv = ["--ps", "127.0.0.1:1", "--mode", base, *(VARIANT_FLAGS[v] for v in variants), *flags]
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         return f"ps-trainer has no {unknown[0].split('=')[0]} flag yet"
@@ -296,7 +298,7 @@ class BenchOptions:
 
 def run_bench(out: Path, opts: BenchOptions) -> dict:
     # (spec, mode, flags, why it is skipped): a bad spec or value fails here, before any run
-    extra_rows = [(spec, mode, flags, extra_row_skip_reason(spec, flags))
+    extra_rows = [(spec, mode, flags, extra_row_skip_reason(spec, flags, mode))
                   for spec in opts.extra_rows for mode, flags in [parse_extra_row(spec)]]
     run_dir = Path(tempfile.mkdtemp(prefix="ps-bench-"))
     gpus = torch.cuda.device_count()
