@@ -59,11 +59,16 @@ class OpenRound(RoundBook):
         replaces the old one (no extra buffer, one extra pass).  Returns a buffer
         the caller may reuse for its next receive: the old sum's memory, which
         ``grad``'s now replaces.
+
+        Every contribution is scaled by the same operation, rounded on its own (``grad * weight``), and only
+        then added: ``sum + grad * weight`` in one call would fuse the multiply into the add (one rounding
+        instead of two) for every gradient but the first, so two trainers' sum would depend on which arrived
+        first.  Scaled alike, two contributions are ``fl(a) + fl(b)``, which commutes bit for bit
+        (docs/modes.md, "The round's sum").
         """
-        if self.weight == 0:
-            grad.mul_(weight)  # the round's first gradient: no zeroing pass
-        else:
-            torch.add(self.sum, grad, alpha=weight, out=grad)
+        grad.mul_(weight)
+        if self.weight != 0:
+            grad.add_(self.sum)  # fl(sum + fl(grad * weight)): the round's first gradient needs no zeroing pass
         if not math.isfinite(float(grad.sum())) and not bool(torch.isfinite(grad).all()):
             raise InvalidRequest(
                 f"adding this gradient (weight {weight:g}) to the round's sum overflows float32: refused; "

@@ -48,8 +48,9 @@ def replica_adam_run(lr: float) -> dict:
     Each trainer (``--threads 1``) takes the mean cross-entropy gradient of its
     half batch (trainer/loop.py); each shard owns the flat slice
     [P*i//M, P*(i+1)//M) (psserver/protocol/layout.py), sums the trainers' slices
-    weighted by num_samples -- ``acc = g0 * b``, then ``acc = acc + b * g1``
-    (commutative, so arrival order does not matter) -- divides by the total
+    weighted by num_samples -- ``acc = g0 * b``, then ``acc = (g1 * b) + acc``,
+    each product rounded on its own (so the sum of two commutes: arrival order
+    does not matter; psserver/rounds.py ``OpenRound.add``) -- divides by the total
     weight and steps torch.optim.Adam(fused=True) on that one flat tensor
     (psserver/shard.py ``_accumulate``/``_close_round``, psserver/protocol/optim.py).
 
@@ -82,7 +83,7 @@ def replica_adam_run(lr: float) -> dict:
                 F.cross_entropy(model(data.x_train[idx]), data.y_train[idx]).backward()
                 g = torch.cat([p.grad.reshape(-1) for p in params])
                 n = float(len(idx))
-                acc = g * n if acc is None else torch.add(acc, g, alpha=n)
+                acc = g * n if acc is None else (g * n).add_(acc)
                 weight += n
             acc.div_(weight)
             for s, opt, (a, e), z in zip(slices, opts, ranges, pad):
