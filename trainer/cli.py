@@ -270,4 +270,4 @@ def main(argv: list[str] | None = None) -> int:
 
 def entrypoint() -> None:
     ensure_malloc_tunables("trainer.cli")
-    run_cli("ps-trainer", main)
+    run_cli("ps-trainer", main, skip_teardown=True)  # its work is done: no second spent freeing torch

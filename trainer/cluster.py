@@ -48,7 +48,7 @@ from trainer.cli import (
     table_argv,
 )
 from trainer import console, elastic_cluster
-from trainer.procs import Proc, start_shard, start_trainer
+from trainer.procs import Proc, start_shards, start_trainer
 
 log = logging.getLogger("ps-cluster")
 DEFAULT_SYNC_TIMEOUT = 0.1  # stale-timeout: seconds a round waits unless --sync-timeout says otherwise
@@ -315,11 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     log.info("starting %s on %s (run folder %s) ...", plural(args.shards, "shard"), args.host, run)
     try:
-        for i in range(args.shards):
-            shards.append(start_shard(i, run / f"shard{i}.log", host=args.host))
+        shards += start_shards(args.shards, run, host=args.host,
+                               on_up=lambda s: log.info("%s up at %s after %.1f s", s.name, s.address,
+                                                        time.monotonic() - t0))
         ps = ",".join(s.address for s in shards)
-        log.info("%s up at %s; starting %s (%s mode); run folder %s", plural(args.shards, "shard"), ps,
-                 plural(args.trainers, "trainer"), args.mode, run)
+        log.info("%s up; starting %s (%s mode) with --ps %s", plural(args.shards, "shard"),
+                 plural(args.trainers, "trainer"), args.mode, ps)
         for r in range(args.trainers):
             trainers.append(start_trainer(r, ps, run / f"trainer{r}.log", trainer_args(args, r, run),
                                           env=trainer_env(r, args.trainers)))
@@ -448,4 +449,4 @@ def follow(trainers: list[Proc], shards: list[Proc], progress: Progress, timeout
 
 
 def entrypoint() -> None:
-    run_cli("ps-cluster", main)
+    run_cli("ps-cluster", main, skip_teardown=True)  # the summary is out: no second spent freeing torch

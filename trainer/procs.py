@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from psserver.common.cli_support import MALLOC_TUNABLES
 
@@ -78,20 +79,60 @@ def start_shard(shard: int, log_path: Path, host: str = "127.0.0.1", port: int =
 
     ``prefix`` runs it through another command (``ip netns exec NS`` in the tests).
     """
+    proc = launch_shard(shard, log_path, host, port, extra_args, env, prefix)
+    await_ready([proc], timeout)
+    return proc
+
+
+def start_shards(count: int, log_dir: Path, host: str = "127.0.0.1", timeout: float = 60.0,
+                 on_up: Callable[[Proc], None] | None = None) -> list[Proc]:
+    """Start shards 0..count-1 at once and return them (in shard order) once every one serves.
+
+    Started together because each spends seconds importing torch: one after another, a cluster's start
+    waits for the sum.  ``on_up`` is called with each shard as soon as it serves, in the order they do.
+    """
+    procs = [launch_shard(i, log_dir / f"shard{i}.log", host) for i in range(count)]
+    await_ready(procs, timeout, on_up)
+    return procs
+
+
+def launch_shard(shard: int, log_path: Path, host: str = "127.0.0.1", port: int = 0,
+                 extra_args: list[str] | None = None, env: dict | None = None,
+                 prefix: list[str] | None = None) -> Proc:
+    """The ``ps-server`` process, not yet known to serve (``await_ready`` reads its address)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     args = (prefix or []) + cli("psserver.cli") + ["--shard", str(shard), "--host", host, "--port", str(port),
                                                    "--ready-file", "-"]
     with open(log_path, "ab") as log:
         popen = subprocess.Popen(args + (extra_args or []), stdout=subprocess.PIPE, stderr=log,
                                  env=child_env(env), start_new_session=True)
-    proc = Proc(f"shard{shard}", popen, log_path)
-    ready, _, _ = select.select([popen.stdout], [], [], timeout)
-    line = popen.stdout.readline().decode().strip() if ready else ""
-    if not line:
-        proc.kill()
-        raise RuntimeError(f"shard {shard} did not start within {timeout:.0f} s; its log says:\n{proc.log_tail()}")
-    proc.address = line
-    return proc
+    return Proc(f"shard{shard}", popen, log_path)
+
+
+def await_ready(procs: list[Proc], timeout: float, on_up: Callable[[Proc], None] | None = None) -> None:
+    """Wait until every shard has printed its address; on a shard that does not (exits, or ``timeout``
+    passes), kill them all and raise naming it with its log's tail."""
+    deadline = time.monotonic() + timeout
+    waiting = {p.popen.stdout: p for p in procs}
+    try:
+        while waiting:
+            ready, _, _ = select.select(list(waiting), [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                late = next(iter(waiting.values()))
+                raise RuntimeError(f"{late.name.replace('shard', 'shard ')} did not start within {timeout:.0f} s; "
+                                   f"its log says:\n{late.log_tail()}")
+            for pipe in ready:
+                proc = waiting.pop(pipe)
+                proc.address = pipe.readline().decode().strip()
+                if not proc.address:  # end of file: it exited before serving
+                    raise RuntimeError(f"{proc.name.replace('shard', 'shard ')} did not start (it exited); its log "
+                                       f"says:\n{proc.log_tail()}")
+                if on_up is not None:
+                    on_up(proc)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
 
 
 def start_trainer(rank: int | None, ps: str, log_path: Path, args: list[str], env: dict | None = None,

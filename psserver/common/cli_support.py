@@ -14,10 +14,12 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import re
 import sys
+import threading
 from typing import Callable
 
 import grpc
@@ -106,8 +108,41 @@ def ensure_malloc_tunables(module: str) -> None:
                                *sys.argv[1:]], env)
 
 
-def run_cli(prog: str, main: Callable[[], int | None]) -> None:
-    """Run ``main`` and turn expected failures into a one-line message and an exit code."""
+def run_cli(prog: str, main: Callable[[], int | None], skip_teardown: bool = False) -> None:
+    """Run ``main`` and turn expected failures into a one-line message and an exit code.
+
+    ``skip_teardown``: leave through ``exit_now`` (for a CLI's entrypoint; tests that call this expect
+    SystemExit)."""
+    try:
+        _run_cli(prog, main)
+    except SystemExit as e:
+        if skip_teardown and (e.code is None or isinstance(e.code, int)):
+            exit_now(e.code or 0)
+        raise
+
+
+def exit_now(code: int) -> None:
+    """Exit with ``code`` without the interpreter's teardown, once nothing is left to finish.
+
+    Freeing every module of a process that imported torch takes ~1 s (measured: 0.6-1 s on a loaded 2-core
+    machine for ``import torch`` alone), which a trainer used to spend after its done line.  Safe only when
+    the work is over: the atexit handlers still run (logging's flush among them) and stdout/stderr are
+    flushed; files the program wrote were closed by it.  While a non-daemon thread is still running, the
+    normal exit (which waits for it) is taken instead.
+    """
+    main = threading.main_thread()
+    if any(t is not main and not t.daemon and t.is_alive() for t in threading.enumerate()):
+        sys.exit(code)
+    atexit._run_exitfuncs()  # CPython's; what the normal exit would run
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more can be said on it
+            pass
+    os._exit(code)
+
+
+def _run_cli(prog: str, main: Callable[[], int | None]) -> None:
     try:
         code = main()
     except KeyboardInterrupt:
