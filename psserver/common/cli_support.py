@@ -111,12 +111,12 @@ def ensure_malloc_tunables(module: str) -> None:
 def run_cli(prog: str, main: Callable[[], int | None], skip_teardown: bool = False) -> None:
     """Run ``main`` and turn expected failures into a one-line message and an exit code.
 
-    ``skip_teardown``: leave through ``exit_now`` (for a CLI's entrypoint; tests that call this expect
-    SystemExit)."""
+    ``skip_teardown``: leave through ``exit_now`` once torch is loaded -- the teardown it skips is torch's;
+    --help and flag errors exit as usual (for a CLI's entrypoint; tests that call this expect SystemExit)."""
     try:
         _run_cli(prog, main)
     except SystemExit as e:
-        if skip_teardown and (e.code is None or isinstance(e.code, int)):
+        if skip_teardown and "torch" in sys.modules and (e.code is None or isinstance(e.code, int)):
             exit_now(e.code or 0)
         raise
 

@@ -9,6 +9,7 @@ import textwrap
 def run_child(body: str, **kwargs) -> subprocess.Popen:
     code = textwrap.dedent("""
         import atexit, sys, threading
+        import torch  # the quick exit is taken once torch is loaded (the teardown it skips is torch's)
         from psserver.common.cli_support import run_cli
     """) + textwrap.dedent(body)
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
