@@ -21,7 +21,7 @@ def test_ps_bench_quick_writes_json_and_markdown(tmp_path):
         ("ps", "sync", ""), ("ps", "sync+early", ""), ("ps", "async", ""), ("ps", "async+overlap", ""),
         ("ps", "stale-timeout", ""), ("ps", "sync", "--wire-dtype bfloat16"), ("ps", "sync", "--compress topk:0.01"),
         ("ps", "sync", "--pipeline"), ("ps", "sync", partitioned), ("ps", "sync+early", partitioned),
-        ("ddp", "", ""), ("local", "", "")}
+        ("ps", "async", "--push-window 4"), ("ddp", "", ""), ("local", "", "")}
     assert [k for k in results["skipped_rows"] if "extra_row" in k] == []  # ps-trainer has every extra row's flags
     for r in results["throughput"]:
         assert r["samples_per_sec"] > 0 and r["steps"] == 15 and r["steady_steps"] == 13
