@@ -27,7 +27,6 @@ averaged gradient a DDP user clips.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import socket
@@ -38,7 +37,7 @@ from typing import Sequence
 import grpc
 import torch
 
-from psserver.protocol.epochs import Epoch, epoch_at
+from psserver.protocol.epochs import Epoch
 from psserver.protocol.job import JobSpec, OptimizerConfig
 from psserver.protocol.layout import Layout, partitions_for
 from psserver.protocol.limits import MAX_PARTITIONS, MAX_PUSH_WINDOW
@@ -53,12 +52,13 @@ from trainer.compress import parse_compress
 from trainer.early_push import EarlyPusher
 from trainer.embedding import sharded_tables
 from trainer.exchange import DenseExchange
-from trainer.lookahead import default_forward, look_ahead, probe_ids
+from trainer.lookahead import prefetching
 from trainer.overlap import Prefetcher
 from trainer.pipeline import LayerWaits
 from trainer.pipelined import PipelinedExchange
-from trainer.session import LEFT, NOT_LISTED, Session, StartTimeout  # noqa: F401 -- re-exported
+from trainer.session import LEFT, NOT_LISTED, Membership, Session, StartTimeout  # noqa: F401 -- re-exported
 from trainer.slots import DenseSlots, FlatModel, model_layout
+from trainer.step import StepRunner
 from trainer.stepper import StepInfo
 from trainer.table_push import TablePush
 from trainer.torchrun import rank_and_world
@@ -120,12 +120,11 @@ def sharded_rows_class():
 class ParameterServerTrainer:
     """A connected trainer; create it with :func:`connect`.
 
-    A facade: the session (trainer.session) joins, keeps the lease, rejoins and leaves; the dense exchange
-    (trainer.exchange, with trainer.overlap and trainer.pipelined) and the tables' push (trainer.table_push)
-    make the steps; this class builds them, and holds what a step must refuse or undo.
+    A facade: the session (trainer.session) joins, keeps the lease, rejoins and leaves and knows the membership;
+    the dense exchange (trainer.exchange, with trainer.overlap, trainer.pipelined and trainer.windowed) and the
+    tables' push (trainer.table_push) make the steps, which trainer.step runs; this class builds them and hands
+    each what it calls.
     """
-
-    windowed: WindowedExchange | None = None  # push_window > 1 (trainer.windowed); None: the plain exchange
 
     def __init__(self, addresses: Sequence[str], model: torch.nn.Module, job: JobSpec, rank: int,
                  trainer_id: str, connect_timeout: float, round_timeout: float, chunk_bytes: int,
@@ -138,7 +137,7 @@ class ParameterServerTrainer:
         check_window(job, push_window, overlap=overlap, pipeline=pipeline, push_during_backward=push_during_backward,
                      compress=compress)
         self.clip_grad_norm = check_max_norm(clip_grad_norm, push_during_backward)
-        self.model, self.job, self.rank, self.overlap = model, job, rank, overlap
+        self.model, self.job, self.overlap = model, job, overlap
         self.forward_module = model  # what the training loop calls forward on
         self.round_timeout, self.connect_timeout = round_timeout, connect_timeout
         self.layout = model_layout(model, job.num_shards)
@@ -152,31 +151,31 @@ class ParameterServerTrainer:
         self.slots = DenseSlots(job, self.flat, self.client, self.num_params)
         self.num_parts, self.ranges, self.versions = self.slots.num_parts, self.slots.ranges, self.slots.versions
         self.staging = self.slots.staging
-        self._prefetch = Prefetcher(self.slots, round_timeout) if overlap else None
+        prefetch = Prefetcher(self.slots, round_timeout) if overlap else None
         self.session = Session(self.slots, rank, connect_timeout,
                                LOOPBACK_REFUSED_SECONDS if on_loopback(addresses) else None,
-                               self._prefetch.discard if overlap else lambda slot: None)
+                               prefetch.discard if overlap else lambda slot: None)
+        self.membership = Membership(self.client, job.num_trainers)
         self._early = EarlyPusher(self.flat.params, self.flat.grad_views, self.flat.ranges, self.ranges,
                                   self.slots.push, self.staging.produced if self.staging.active else None
                                   ) if push_during_backward else None
         # pipeline: step() hands the dense exchange to a thread; each module's forward waits for its own slots
         self._waits = LayerWaits(model, {id(p): r for p, r in zip(self.flat.params, self.flat.ranges)},
                                  self.ranges, self.staging.settle) if pipeline else None
-        self.exchange = DenseExchange(self.slots, self.session, rank, round_timeout, self.clip_grad_norm,
-                                      self._prefetch, self._early, self._waits)
+        self.exchange = DenseExchange(self.slots, self.session, round_timeout, self.clip_grad_norm,
+                                      prefetch, self._early, self._waits)
         self.pipelined = PipelinedExchange(self.exchange, self._waits, self._early) if pipeline else None
         # push_window > 1: async steps return before their push is acknowledged (trainer.windowed)
         self.windowed = WindowedExchange(self.slots, self.session, push_window, round_timeout,
                                          self.clip_grad_norm) if push_window > 1 else None
-        self.table_push = TablePush(self.tables, self.client, rank)
-        self._dense_done: StepInfo | None = None  # this step's dense part, done while a table push failed
+        self.table_push = TablePush(self.tables, self.client, lambda: self.session.rank)
+        self.runner = StepRunner(self.exchange, self.table_push, self.session, self.flat, self.client.count,
+                               self.windowed, self.pipelined, self._early, prefetch)
         self.rows = None
         self._closed = False
-        self.timeline: list[Epoch] = []  # the job's membership epochs, as far as this trainer needs them
         self.joined_at = 0  # the round this trainer's first step computes (a join: the round it was admitted at)
         try:
             self.session.join(connect_timeout, running=join)
-            self.rank = self.exchange.rank = self.table_push.rank = self.session.rank
             self.joined_at = self.versions[0] if join else 0
             self._bind_tables()
         except BaseException as e:
@@ -192,41 +191,40 @@ class ParameterServerTrainer:
         """Point the model's tables at their rows on the shards."""
         if not self.tables:
             return
-        self.rows = sharded_rows_class()(self.client, self.job)
-        self.rows.on_restart = self.session.rejoin_for_tables
+        self.rows = sharded_rows_class()(self.client, self.job, on_restart=self.session.rejoin_for_tables)
         self.session.track_rows(self.rows)
         for t in self.tables:
             t.bind(self.rows)
 
     @property
+    def rank(self) -> int:
+        """This trainer's rank (a join: the one the job handed out)."""
+        return self.session.rank
+
+    @property
     def steps(self) -> int:
         """Dense steps completed (windowed: handed to the window)."""
-        return self.windowed.steps if self.windowed is not None else self.exchange.steps
+        return self.runner.steps
+
+    @property
+    def timeline(self) -> list[Epoch]:
+        """The job's membership epochs, as far as this trainer needs them (docs/elastic.md)."""
+        return self.membership.timeline
 
     def members_at(self, round_: int) -> list[int]:
-        """The ranks of the job's membership epoch at ``round_``, sorted (docs/elastic.md).  The timeline is
-        fetched again only when the weights received name an epoch this trainer does not know yet."""
-        newest = max(s.epoch_seen for s in self.client.parts)
-        if not self.timeline or newest not in {e.number for e in self.timeline}:
-            self.fetch_timeline(max(self.client.parts, key=lambda p: p.epoch_seen))
-        if not self.timeline:  # a shard from before epochs: the job's ranks
-            return list(range(self.job.num_trainers))
-        return sorted(epoch_at(self.timeline, round_).members)
+        """The ranks of the job's membership epoch at ``round_``, sorted (docs/elastic.md)."""
+        return self.membership.members_at(round_)
 
     def fetch_timeline(self, part=None) -> list[Epoch]:
         """The job's membership timeline as ``part`` (default: partition 0 of shard 0) knows it now."""
-        part = part or self.client.parts[0]
-        self.timeline = [Epoch.from_proto(e) for e in part.stats().epochs]
-        self.client.count("timeline_fetches")
-        return self.timeline
+        return self.membership.fetch_timeline(part)
 
     def announce_leave(self) -> None:
         """Say with the next push that it is this trainer's last (docs/elastic.md): the shards take it out of
         the membership from the round after that one, before serving it, so the others split that round's data
         without it.  Then ``leave()``.  (``leave()`` alone takes effect from the round open when it arrives,
         whose data the others may already have split with this trainer in.)"""
-        for s in self.client.parts:
-            s.leaving = True
+        self.membership.announce_leave()
 
     def leave(self) -> None:
         """Leave the job now, at a step boundary (rounds from the next on expect one fewer) and close."""
@@ -248,9 +246,7 @@ class ParameterServerTrainer:
         With ``push_during_backward`` this lets each shard's push start as soon as
         backward has produced its slice; without it (or if never called) it does nothing.
         """
-        self._no_pending_step("prepare_step()")
-        if self._early is not None:
-            self._early.prepare(num_samples)
+        self.runner.prepare(num_samples)
 
     def step(self, num_samples: int = 1) -> StepInfo:
         """Push the gradients in ``.grad`` and the tables' gradient rows, pull fresh weights into the model,
@@ -260,38 +256,9 @@ class ParameterServerTrainer:
         the shards that applied the gradient, the gradients stay, and calling
         ``step()`` again retries only the rest, under the same sequence numbers.
         A table push that fails raises its grpc.RpcError; the retry pushes only
-        the tables (and shards) not done, then the dense step.
+        the tables (and shards) not done, then the dense step (trainer.step).
         """
-        if self.pipelined is not None:
-            return self.pipelined.step(num_samples, self.table_push)
-        if self.table_push.side_by_side:
-            return self._step_beside(num_samples)
-        self.table_push.push(num_samples)
-        info = self._dense_step(num_samples)
-        self.table_push.done()
-        return info
-
-    def _dense_step(self, num_samples: int) -> StepInfo:
-        """The dense exchange: through the async push window (trainer.windowed) when there is one."""
-        return self.windowed.step(num_samples) if self.windowed is not None else self.exchange.dense_step(num_samples)
-
-    def _step_beside(self, num_samples: int) -> StepInfo:
-        """step() with the tables pushed on their own thread while the dense exchange runs (trainer.table_push);
-        a restart both find is rejoined once (trainer.session)."""
-        self.session.step_begins()
-        try:
-            tables = self.table_push.start(num_samples)
-            try:
-                if self._dense_done is None:  # (a retry after only a table push failed: the dense part is done)
-                    self._dense_done = self._dense_step(num_samples)
-            finally:
-                if tables is not None:
-                    tables.result()  # a table push's failure is raised first, as when tables went first
-        finally:
-            self.session.step_ends()
-        info, self._dense_done = self._dense_done, None
-        self.table_push.done()
-        return info
+        return self.runner.step(num_samples)
 
     def prefetch(self, ids: dict, ahead: int = 1) -> None:
         """Announce the ids ({table name: ids}) the forward of the batch after the current one will look up:
@@ -300,7 +267,7 @@ class ParameterServerTrainer:
         current batch's, before its forward.  Ids not announced are pulled by the forward as before."""
         if self.rows is None:
             return
-        self.table_push.side_by_side = True  # see trainer.table_push
+        self.table_push.push_beside()  # see trainer.table_push
         for name, table_ids in ids.items():
             self.rows.prefetch(name, table_ids, ahead)
 
@@ -312,66 +279,25 @@ class ParameterServerTrainer:
         (trainer.lookahead)."""
         if self.rows is None:
             return iter(batches)
-        if ids_of is None:
-            ids_of = functools.partial(probe_ids, self.model, forward=forward or default_forward)
-        return look_ahead(batches, self.prefetch, ids_of)
-
-    def _join_exchange(self) -> StepInfo | None:
-        """A pipelined exchange's result, once it ended; its failure raised here as StepFailed."""
-        return self.pipelined.join() if self.pipelined is not None else None
-
-    def _no_pending_step(self, what: str) -> None:
-        """A failed step's gradient is waiting to be retried: anything that changes it first is refused
-        (a retry would push the changed gradient under the old sequence numbers).  A pipelined exchange still
-        running is not a failed step."""
-        if self.pipelined is not None and self.pipelined.under_way():
-            return
-        self._join_exchange()  # one that ended: a failure is raised here, as StepFailed
-        if self.exchange.attempt is not None or self.table_push.pending() or (
-                self.windowed is not None and self.windowed.pending()):
-            raise RuntimeError(f"{what} while a failed step waits: call step() to retry it (same gradient, "
-                               f"same sequence numbers) or abandon_step() to drop it")
+        return prefetching(self.model, batches, self.prefetch, ids_of, forward)
 
     def abandon_step(self) -> None:
         """Drop a failed step instead of retrying it: the shards that did not answer may or may not have
         applied it (counted in ``steps_abandoned``); the gradients are zeroed and the next step is a new one."""
-        try:
-            self._join_exchange()  # pipelined: wait for it; only a failed one has anything to drop
-        except grpc.RpcError:
-            pass
-        if self.windowed is not None and self.windowed.pending():
-            log.warning("rank %d abandoned failed windowed pushes %s", self.rank, self.windowed.abandon())
-        if self.exchange.attempt is None and not self.table_push.pending():
-            return
-        todo = self.exchange.abandon()
-        self.table_push.abandon()
-        self._dense_done = None
-        log.warning("rank %d abandoned a failed step on shards %s", self.rank, todo)
-        if self.pipelined is not None:
-            self.pipelined.abandoned()
-        self.client.count("steps_abandoned")
-        self.flat.zero_grad()
-        self.table_push.zero()
+        self.runner.abandon()
 
     def take_forward_wait(self) -> float:
         """Seconds forwards spent waiting for pipelined slots since the last call (0 unpipelined): the training
         loop counts them as waiting for the exchange, not as compute."""
-        return self.pipelined.take_forward_wait() if self.pipelined is not None else 0.0
+        return self.runner.take_forward_wait()
 
     def flush(self) -> None:
         """Bring in the weights still being pulled in the background (before evaluating or saving); a
         pipelined exchange's failure is raised here as StepFailed."""
-        self._join_exchange()
-        if self.windowed is not None:  # every push in flight acknowledged, the newest weights in the model
-            self.windowed.flush()
-        if self._prefetch is not None:
-            self._prefetch.collect_all()
+        self.runner.flush()
 
     def zero_grad(self) -> None:
-        self._join_exchange()
-        self._no_pending_step("zero_grad()")
-        self.flat.zero_grad()
-        self.table_push.zero()
+        self.runner.zero_grad()
 
     @property
     def counters(self) -> dict:
@@ -405,21 +331,10 @@ class ParameterServerTrainer:
                 self.session.leave(best_effort)
         finally:
             self._closed = True
-            self._release()
-
-    def _release(self) -> None:
-        if self.rows is not None:
-            self.rows.close()
-        self.client.close()  # channels first: cancels calls still in flight, so the pools below drain
-        self.table_push.close()
-        if self._prefetch is not None:
-            self._prefetch.close()
-        if self.pipelined is not None:
-            self.pipelined.close()
-        if self._early is not None:
-            self._early.close()
-        if self.windowed is not None:
-            self.windowed.close()
+            if self.rows is not None:
+                self.rows.close()
+            self.client.close()  # channels first: cancels calls still in flight, so the pools below drain
+            self.runner.close()
 
     def leave_outcome(self) -> str:
         """What closing told the shards, in words that claim no more than their answers (for ps-trainer's last

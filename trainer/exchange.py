@@ -34,10 +34,10 @@ class DenseExchange:
     """Runs, and retries, the dense part of steps; ``attempt`` is a step that failed on some slots until
     ``step()`` retries or abandons it."""
 
-    def __init__(self, slots: DenseSlots, session: Session, rank: int, round_timeout: float,
+    def __init__(self, slots: DenseSlots, session: Session, round_timeout: float,
                  clip_grad_norm: float | None, prefetch: Prefetcher | None = None, early: EarlyPusher | None = None,
                  waits: LayerWaits | None = None):
-        self.slots, self.session, self.client, self.rank = slots, session, slots.client, rank
+        self.slots, self.session, self.client = slots, session, slots.client
         self.round_timeout, self.clip_grad_norm = round_timeout, clip_grad_norm
         self.prefetch, self.early, self.waits = prefetch, early, waits
         self.attempt: StepAttempt | None = None
@@ -102,7 +102,7 @@ class DenseExchange:
         failed = {i: r for i, r in results.items() if isinstance(r, Exception)}
         error = StepFailed(self.steps + 1, attempt.applied(), failed, [s.address for s in self.client.parts],
                            [s.name for s in self.client.parts])
-        log.warning("rank %d: %s", self.rank, error)
+        log.warning("rank %d: %s", self.session.rank, error)
         raise error from next(iter(failed.values()))
 
     def _info(self, attempt: StepAttempt, wall: float) -> StepInfo:

@@ -9,6 +9,7 @@ real forward will ask for, found through the modules themselves, whatever the mo
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator
 
@@ -65,3 +66,12 @@ def look_ahead(batches: Iterable, announce: Callable[[dict, int], None], ids_of:
         yield current
         current = upcoming
     yield current
+
+
+def prefetching(model: nn.Module, batches: Iterable, announce: Callable[[dict, int], None], ids_of: IdsOf | None = None,
+                forward: Callable | None = None) -> Iterator:
+    """``batches`` with each one's ids announced one batch ahead (``ps.prefetching``): by ``ids_of`` when given,
+    else found by ``forward(model, batch)`` (default: ``model(*batch)``) with the tables only recording ids."""
+    if ids_of is None:
+        ids_of = functools.partial(probe_ids, model, forward=forward or default_forward)
+    return look_ahead(batches, announce, ids_of)

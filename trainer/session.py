@@ -15,7 +15,8 @@ from typing import Callable
 
 import grpc
 
-from trainer.client import WAIT_LOG_SECONDS, ShardClient
+from psserver.protocol.epochs import Epoch, epoch_at
+from trainer.client import WAIT_LOG_SECONDS, ShardClient, ShardedClient
 from trainer.slots import DenseSlots
 
 log = logging.getLogger(__name__)
@@ -303,3 +304,34 @@ class Session:
         if told:
             return f"left the job ({', '.join(told)} answered its Leave)"
         return "had registered with no shard: nothing to leave"
+
+
+class Membership:
+    """The job's membership epochs as far as this trainer needs them (docs/elastic.md): who trains which round,
+    and the leave announced with the next push."""
+
+    def __init__(self, client: ShardedClient, num_trainers: int):
+        self.client, self.num_trainers = client, num_trainers
+        self.timeline: list[Epoch] = []
+
+    def members_at(self, round_: int) -> list[int]:
+        """The ranks of the job's membership epoch at ``round_``, sorted.  The timeline is fetched again only
+        when the weights received name an epoch this trainer does not know yet."""
+        newest = max(s.epoch_seen for s in self.client.parts)
+        if not self.timeline or newest not in {e.number for e in self.timeline}:
+            self.fetch_timeline(max(self.client.parts, key=lambda p: p.epoch_seen))
+        if not self.timeline:  # a shard from before epochs: the job's ranks
+            return list(range(self.num_trainers))
+        return sorted(epoch_at(self.timeline, round_).members)
+
+    def fetch_timeline(self, part=None) -> list[Epoch]:
+        """The job's membership timeline as ``part`` (default: partition 0 of shard 0) knows it now."""
+        part = part or self.client.parts[0]
+        self.timeline = [Epoch.from_proto(e) for e in part.stats().epochs]
+        self.client.count("timeline_fetches")
+        return self.timeline
+
+    def announce_leave(self) -> None:
+        """Mark every partition's next push as this trainer's last."""
+        for s in self.client.parts:
+            s.leaving = True

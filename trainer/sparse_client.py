@@ -38,6 +38,7 @@ import logging
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable
 
 import grpc
 import numpy as np
@@ -106,7 +107,8 @@ class _Pending:
 class ShardedRows:
     """Sparse tables of ``job`` over the shards of ``sharded_client``."""
 
-    def __init__(self, sharded_client: ShardedClient, job: JobSpec, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+    def __init__(self, sharded_client: ShardedClient, job: JobSpec, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 on_restart: Callable | None = None):
         self.client, self.job, self.chunk_bytes = sharded_client, job, chunk_bytes
         self.tables: dict[str, TableSpec] = {t.name: t for t in job.tables}
         self.modes = {t.name: table_mode(t, job) for t in job.tables}
@@ -116,7 +118,7 @@ class ShardedRows:
         self.counters: Counter = Counter()
         # Called as on_restart(shard_client, error) when a row call finds the shard restarted; it must register
         # again and call resync().  None: the error is raised (nothing here can register).
-        self.on_restart = None
+        self.on_restart = on_restart
         self._lock = threading.Lock()
         self.caches: dict[str, RowCache] = {}  # tables with a worker-side row cache (use_cache)
         self._pull = [s.channel.unary_stream(method("PullRows"), _pb.PullRowsRequest.SerializeToString,

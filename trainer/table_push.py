@@ -1,6 +1,6 @@
 """The tables' part of a step: each shard-backed table's gradient rows, pushed while the dense exchange runs.
 
-Once the loop prefetches rows (``side_by_side``, set by ``ps.prefetch``), ``start`` pushes on a thread of its own
+Once the loop prefetches rows (``side_by_side``, set by ``push_beside()`` from ``ps.prefetch``), ``start`` pushes on a thread of its own
 while step() runs the dense exchange, so a step's table calls and its dense calls to a shard are in flight
 together (one round trip's wait instead of two); a restarted shard that both find is rejoined once
 (trainer.session's per-slot rejoin lock).  Without prefetch the tables still go first: a shard's checkpoint
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 import grpc
 
@@ -20,9 +21,10 @@ log = logging.getLogger(__name__)
 
 
 class TablePush:
-    def __init__(self, tables: list, counter, rank: int):
-        """``counter``: what counts failures and abandons (the sharded client's ``count``)."""
-        self.tables, self._counter, self.rank = tables, counter, rank
+    def __init__(self, tables: list, counter, rank_of: Callable[[], int] = lambda: 0):
+        """``counter``: what counts failures and abandons (the sharded client's ``count``); ``rank_of``: this
+        trainer's rank for the log (the session's, which a join hands out)."""
+        self.tables, self._counter, self._rank_of = tables, counter, rank_of
         self._pushed: set[str] = set()  # tables whose push of the current step is done
         self.side_by_side = False
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-tables") if tables else None
@@ -33,6 +35,10 @@ class TablePush:
         if self._thread is None or all(t.name in self._pushed for t in self.tables):
             return None
         return self._thread.submit(self.push, num_samples)
+
+    def push_beside(self) -> None:
+        """From the next step on, push on the tables' thread beside the dense exchange (rows are prefetched)."""
+        self.side_by_side = True
 
     def close(self) -> None:
         if self._thread is not None:
@@ -46,7 +52,7 @@ class TablePush:
                 t.flush_gradients(num_samples)
             except grpc.RpcError as e:
                 self._counter.count("table_pushes_failed")
-                log.warning("rank %d: the push of table %r failed (%s); step() again retries it", self.rank,
+                log.warning("rank %d: the push of table %r failed (%s); step() again retries it", self._rank_of(),
                             t.name, e)
                 raise
             self._pushed.add(t.name)

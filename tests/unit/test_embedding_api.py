@@ -1,13 +1,17 @@
 """connect()/make_job()/step() with shard-backed tables, without a network: the job's tables and the step's order."""
 
+from types import SimpleNamespace
+
 import grpc
 import pytest
 import torch
 from torch import nn
 
-from trainer.api import ParameterServerTrainer, connect, make_job
+from trainer.api import connect, make_job
 from trainer.embedding import LocalRows, ShardedEmbedding, ShardedEmbeddingBag
+from trainer.step import StepRunner
 from trainer.table_push import TablePush
+
 
 class Tower(nn.Module):
     def __init__(self, **modes):
@@ -87,45 +91,44 @@ class StandInExchange:
         return []
 
 
-def stepper(model, rows):
-    """A ParameterServerTrainer with only what step() needs for its tables; the dense part is a stand-in."""
-    ps = ParameterServerTrainer.__new__(ParameterServerTrainer)
-    ps.tables = sorted([m for m in model.modules() if isinstance(m, (ShardedEmbedding, ShardedEmbeddingBag))],
-                       key=lambda t: t.name)
-    ps.rank, ps.client, ps.rows, ps.pipelined = 0, Counter(), rows, None  # not pipelined
-    ps.table_push, ps.exchange = TablePush(ps.tables, ps.client, 0), StandInExchange()
-    for t in ps.tables:
+def stepper(model, rows, flat=None):
+    """trainer.step's runner with only what step() needs for its tables (the facade's step() delegates to it);
+    the dense part is a stand-in.  Returns the runner and what it counts with."""
+    tables = sorted([m for m in model.modules() if isinstance(m, (ShardedEmbedding, ShardedEmbeddingBag))],
+                    key=lambda t: t.name)
+    client = Counter()
+    runner = StepRunner(StandInExchange(), TablePush(tables, client), SimpleNamespace(rank=0), flat, client.count)
+    for t in tables:
         t.bind(rows)
-    return ps
+    return runner, client
 
 
 def test_a_table_push_that_fails_raises_and_the_retry_pushes_only_that_table_then_the_dense_step():
     model = Tower()
     rows = FlakyRows([t.spec for t in (model.items, model.users)], fail={"users"})
-    ps = stepper(model, rows)
+    runner, client = stepper(model, rows)
     model(torch.tensor([1, 2]), torch.tensor([5, 6, 5]), torch.tensor([0, 1])).sum().backward()
     with pytest.raises(grpc.RpcError):
-        ps.step(num_samples=2)
-    assert rows.log == [("items", [5, 6]), ("users", [1, 2])] and ps.exchange.dense_steps == 0
-    assert ps.client.counts == {"table_pushes_failed": 1}
+        runner.step(num_samples=2)
+    assert rows.log == [("items", [5, 6]), ("users", [1, 2])] and runner.exchange.dense_steps == 0
+    assert client.counts == {"table_pushes_failed": 1}
     with pytest.raises(RuntimeError, match="zero_grad\\(\\) while a failed step waits"):
-        ps.zero_grad()
-    assert ps.step(num_samples=2) == "dense done"
-    assert rows.log[2:] == [("users", [1, 2])] and ps.exchange.dense_steps == 1
+        runner.zero_grad()
+    assert runner.step(num_samples=2) == "dense done"
+    assert rows.log[2:] == [("users", [1, 2])] and runner.exchange.dense_steps == 1
     assert rows.versions() == {"items": 1, "users": 1}
-    ps.step(num_samples=2)  # a step with no forward still pushes every table (no ids): one version each
+    runner.step(num_samples=2)  # a step with no forward still pushes every table (no ids): one version each
     assert rows.log[3:] == [("items", []), ("users", [])] and rows.versions() == {"items": 2, "users": 2}
 
 
 def test_abandoning_a_failed_table_push_drops_its_rows_and_the_next_step_starts_afresh():
     model = Tower()
     rows = FlakyRows([t.spec for t in (model.items, model.users)], fail={"items"})
-    ps = stepper(model, rows)
-    ps.flat = type("Flat", (), {"zero_grad": lambda self: None})()
+    runner, client = stepper(model, rows, flat=type("Flat", (), {"zero_grad": lambda self: None})())
     model(torch.tensor([3]), torch.tensor([4]), torch.tensor([0])).sum().backward()
     with pytest.raises(grpc.RpcError):
-        ps.step(num_samples=1)
-    ps.abandon_step()
-    assert ps.client.counts["steps_abandoned"] == 1
-    ps.step(num_samples=1)
+        runner.step(num_samples=1)
+    runner.abandon()
+    assert client.counts["steps_abandoned"] == 1
+    runner.step(num_samples=1)
     assert rows.log[1:] == [("items", []), ("users", [])]

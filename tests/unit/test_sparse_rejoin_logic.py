@@ -117,11 +117,10 @@ class AbandoningRows(FlakyRows):
 def test_abandon_step_after_a_failed_table_push_drops_that_tables_push_in_the_row_client_too():
     model = Tower()
     rows = AbandoningRows([t.spec for t in (model.items, model.users)], fail={"users"})
-    ps = stepper(model, rows)
-    ps.flat = type("Flat", (), {"zero_grad": lambda self: None})()
+    runner, client = stepper(model, rows, flat=type("Flat", (), {"zero_grad": lambda self: None})())
     model(torch.tensor([1]), torch.tensor([5]), torch.tensor([0])).sum().backward()
     with pytest.raises(grpc.RpcError):
-        ps.step(num_samples=1)
-    ps.abandon_step()
+        runner.step(num_samples=1)
+    runner.abandon()
     assert rows.abandoned == ["users"]  # items was pushed: nothing of it is kept
-    assert ps.client.counts["table_pushes_abandoned"] == 1 and ps.client.counts["steps_abandoned"] == 1
+    assert client.counts["table_pushes_abandoned"] == 1 and client.counts["steps_abandoned"] == 1

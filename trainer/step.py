@@ -1,0 +1,141 @@
+"""How one step runs, whichever exchange variant the trainer was built with, and what a failed step refuses.
+
+The variants: plain (the tables pushed, then the dense exchange), beside (the tables on their own thread while
+the dense exchange runs: once rows are prefetched, trainer.table_push), pipelined (the dense exchange behind the
+next forward, trainer.pipelined) and windowed (async pushes acknowledged later, trainer.windowed).  A step is
+all or nothing from the caller's view: while a failed one waits, anything that would change its gradient is
+refused until ``step()`` retries it or ``abandon()`` drops it.  trainer.api's facade delegates here.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from trainer.early_push import EarlyPusher
+from trainer.exchange import DenseExchange
+from trainer.overlap import Prefetcher
+from trainer.pipelined import PipelinedExchange
+from trainer.session import Session
+from trainer.slots import FlatModel
+from trainer.stepper import StepInfo
+from trainer.table_push import TablePush
+from trainer.windowed import WindowedExchange
+
+log = logging.getLogger(__name__)
+
+
+class StepRunner:
+    """Runs steps over the exchange variant it is handed (None: that variant is off)."""
+
+    def __init__(self, exchange: DenseExchange, table_push: TablePush, session: Session, flat: FlatModel,
+                 count, windowed: WindowedExchange | None = None, pipelined: PipelinedExchange | None = None,
+                 early: EarlyPusher | None = None, prefetch: Prefetcher | None = None):
+        """``count``: what counts abandoned steps (the sharded client's ``count``)."""
+        self.exchange, self.table_push, self.session, self.flat, self._count = (exchange, table_push, session,
+                                                                                 flat, count)
+        self.windowed, self.pipelined, self.early, self.prefetch = windowed, pipelined, early, prefetch
+        self._dense_done: StepInfo | None = None  # this step's dense part, done while a table push failed
+
+    @property
+    def steps(self) -> int:
+        """Dense steps completed (windowed: handed to the window)."""
+        return self.windowed.steps if self.windowed is not None else self.exchange.steps
+
+    def prepare(self, num_samples: int) -> None:
+        self.no_pending_step("prepare_step()")
+        if self.early is not None:
+            self.early.prepare(num_samples)
+
+    def step(self, num_samples: int) -> StepInfo:
+        if self.pipelined is not None:
+            return self.pipelined.step(num_samples, self.table_push)
+        if self.table_push.side_by_side:
+            return self._step_beside(num_samples)
+        self.table_push.push(num_samples)
+        info = self._dense_step(num_samples)
+        self.table_push.done()
+        return info
+
+    def _dense_step(self, num_samples: int) -> StepInfo:
+        """The dense exchange: through the async push window (trainer.windowed) when there is one."""
+        return self.windowed.step(num_samples) if self.windowed is not None else self.exchange.dense_step(num_samples)
+
+    def _step_beside(self, num_samples: int) -> StepInfo:
+        """step() with the tables pushed on their own thread while the dense exchange runs (trainer.table_push);
+        a restart both find is rejoined once (trainer.session)."""
+        self.session.step_begins()
+        try:
+            tables = self.table_push.start(num_samples)
+            try:
+                if self._dense_done is None:  # (a retry after only a table push failed: the dense part is done)
+                    self._dense_done = self._dense_step(num_samples)
+            finally:
+                if tables is not None:
+                    tables.result()  # a table push's failure is raised first, as when tables went first
+        finally:
+            self.session.step_ends()
+        info, self._dense_done = self._dense_done, None
+        self.table_push.done()
+        return info
+
+    def join_exchange(self) -> StepInfo | None:
+        """A pipelined exchange's result, once it ended; its failure raised here as StepFailed."""
+        return self.pipelined.join() if self.pipelined is not None else None
+
+    def no_pending_step(self, what: str) -> None:
+        """A failed step's gradient is waiting to be retried: anything that changes it first is refused
+        (a retry would push the changed gradient under the old sequence numbers).  A pipelined exchange still
+        running is not a failed step."""
+        if self.pipelined is not None and self.pipelined.under_way():
+            return
+        self.join_exchange()  # one that ended: a failure is raised here, as StepFailed
+        if self.exchange.attempt is not None or self.table_push.pending() or (
+                self.windowed is not None and self.windowed.pending()):
+            raise RuntimeError(f"{what} while a failed step waits: call step() to retry it (same gradient, "
+                               f"same sequence numbers) or abandon_step() to drop it")
+
+    def abandon(self) -> None:
+        """Drop a failed step (counted in ``steps_abandoned``); the gradients are zeroed."""
+        try:
+            self.join_exchange()  # pipelined: wait for it; only a failed one has anything to drop
+        except grpc.RpcError:
+            pass
+        if self.windowed is not None and self.windowed.pending():
+            log.warning("rank %d abandoned failed windowed pushes %s", self.session.rank, self.windowed.abandon())
+        if self.exchange.attempt is None and not self.table_push.pending():
+            return
+        todo = self.exchange.abandon()
+        self.table_push.abandon()
+        self._dense_done = None
+        log.warning("rank %d abandoned a failed step on shards %s", self.session.rank, todo)
+        if self.pipelined is not None:
+            self.pipelined.abandoned()
+        self._count("steps_abandoned")
+        self.flat.zero_grad()
+        self.table_push.zero()
+
+    def take_forward_wait(self) -> float:
+        return self.pipelined.take_forward_wait() if self.pipelined is not None else 0.0
+
+    def flush(self) -> None:
+        """Every weight in flight in the model; a pipelined exchange's failure is raised here as StepFailed."""
+        self.join_exchange()
+        if self.windowed is not None:  # every push in flight acknowledged, the newest weights in the model
+            self.windowed.flush()
+        if self.prefetch is not None:
+            self.prefetch.collect_all()
+
+    def zero_grad(self) -> None:
+        self.join_exchange()
+        self.no_pending_step("zero_grad()")
+        self.flat.zero_grad()
+        self.table_push.zero()
+
+    def close(self) -> None:
+        """The variants' threads (after the channels closed: calls still in flight are cancelled)."""
+        self.table_push.close()
+        for part in (self.prefetch, self.pipelined, self.early, self.windowed):
+            if part is not None:
+                part.close()
