@@ -1,7 +1,7 @@
 """The tables' part of a step: each shard-backed table's gradient rows, pushed while the dense exchange runs.
 
-Once the loop prefetches rows (``side_by_side``, set by ``push_beside()`` from ``ps.prefetch``), ``start`` pushes on a thread of its own
-while step() runs the dense exchange, so a step's table calls and its dense calls to a shard are in flight
+Once the loop prefetches rows (``side_by_side``, set by ``push_beside()`` from ``ps.prefetch``), ``start``
+pushes on a thread of its own while step() runs the dense exchange, so a step's table calls and its dense calls to a shard are in flight
 together (one round trip's wait instead of two); a restarted shard that both find is rejoined once
 (trainer.session's per-slot rejoin lock).  Without prefetch the tables still go first: a shard's checkpoint
 taken at a dense version then holds every table pushed in that step, which side by side it may not (the table

@@ -16,7 +16,7 @@ from trainer.embedding import LocalRows, ShardedEmbedding
 class StandInRows(LocalRows):
     made = []
 
-    def __init__(self, client, job):
+    def __init__(self, client, job, on_restart=None):  # on_restart: as ShardedRows (never called here)
         super().__init__(job.tables)
         self.job, self.closed = job, False
         StandInRows.made.append(self)
