@@ -294,6 +294,17 @@ def check_trainer_flags(args, run: Path) -> None:
                                                       *trainer_args(args, args.trainers, run)]))
 
 
+def set_aside_old_metrics(run: Path) -> list[Path]:
+    """A reused run folder's trainer metrics files, renamed ``trainerR.previous.jsonl``: trainers append, so this
+    run's console and summary would otherwise start from the last run's records.  Returns the new names."""
+    moved = []
+    for f in sorted(run.glob("trainer*.jsonl")):
+        if f.name.endswith(".previous.jsonl"):
+            continue
+        moved.append(f.replace(f.with_name(f.name[: -len(".jsonl")] + ".previous.jsonl")))
+    return moved
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.job_id = args.job_id or f"cluster-{uuid.uuid4().hex[:12]}"
@@ -310,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     for note in ignored_knobs(args):
         log.warning("%s", note)
     run.mkdir(parents=True, exist_ok=True)
+    for old in set_aside_old_metrics(run):
+        log.warning("run folder %s was used before: its %s is now %s (trainers append to their metrics files, and "
+                    "the console and summary read them from the start)", run, old.name.replace(".previous", ""),
+                    old.name)
     shards: list[Proc] = []
     trainers: list[Proc] = []
     t0 = time.monotonic()
