@@ -281,7 +281,7 @@ class ServedTable(PushTarget):
 
     def _apply(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """One optimizer step of the table (one version), then note when its rows were updated."""
-        slots = self.store.apply(ids, grads)
+        slots = self.store.apply(ids, grads, checked=True)  # a push's ids are checked at its entry (check_push)
         self.version += 1
         if self.spec.max_staleness is not None and self.mode == Mode.ASYNC:
             self.updated_at.set(ids, slots, self.version)

@@ -307,19 +307,23 @@ class RowStore:
                 f"the shard's --max-memory, {row_bytes(self.spec)} bytes a row); this call would add {new}: "
                 "give the table a max_rows to evict least recently used rows instead, or raise --max-memory")
 
-    def _check_grads(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
-        """Refuse gradient rows of the wrong shape or dtype, repeated ids, or non-finite values."""
-        want = (len(ids), self.spec.dim)
-        if not isinstance(grads, torch.Tensor) or grads.dtype != torch.float32 or tuple(grads.shape) != want:
-            got = f"{grads.dtype} {tuple(grads.shape)}" if isinstance(grads, torch.Tensor) else type(grads).__name__
-            raise errors.WrongShape(f"grad_rows is {got}, table {self.spec.name!r} needs float32 {want} "
-                                    f"(one row of dim {self.spec.dim} per id)")
+    @staticmethod
+    def _check_unique(ids: torch.Tensor) -> None:
+        """Refuse repeated ids in one push."""
         if not strictly_increasing(ids):
             uniq, counts = torch.unique(ids, return_counts=True)
             if len(uniq) < len(ids):
                 dup = counts > 1
                 raise errors.DuplicateIds(f"id {uniq[dup][0].item()} appears {counts[dup][0].item()} times "
                                           f"in one push; sum its gradient rows first")
+
+    def _check_grads(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """Refuse gradient rows of the wrong shape or dtype, or non-finite values."""
+        want = (len(ids), self.spec.dim)
+        if not isinstance(grads, torch.Tensor) or grads.dtype != torch.float32 or tuple(grads.shape) != want:
+            got = f"{grads.dtype} {tuple(grads.shape)}" if isinstance(grads, torch.Tensor) else type(grads).__name__
+            raise errors.WrongShape(f"grad_rows is {got}, table {self.spec.name!r} needs float32 {want} "
+                                    f"(one row of dim {self.spec.dim} per id)")
         if not all_finite(grads):
             bad = (~torch.isfinite(grads)).any(dim=1)
             raise errors.NonFinite(f"grad_rows for id {ids[bad][0].item()} holds a non-finite value")
@@ -387,9 +391,12 @@ class RowStore:
             out[have] = self._rows[slots[have]]
         return out if inverse is None else out[inverse]
 
-    def apply(self, ids: torch.Tensor, grad_rows: torch.Tensor) -> torch.Tensor:
+    def apply(self, ids: torch.Tensor, grad_rows: torch.Tensor, checked: bool = False) -> torch.Tensor:
         """One optimizer step on the rows of ``ids`` (unique) with their summed gradient rows; the slot
         each id's row was updated in (-1: its gradient dropped -- not admitted, or past the row limit).
+
+        ``checked``: the caller checked ``ids`` already (a shard's served table checks every push's ids at the
+        call's entry, and a round's union is of checked pushes), so only the gradient rows are checked here.
 
         Every call is one version, even an empty one: Adam's bias correction counts the
         table's steps as torch.optim.SparseAdam does.  Gradients of ids not admitted, or of new
@@ -399,7 +406,9 @@ class RowStore:
         Raises:
             BadIds, WrongShape, DuplicateIds, NonFinite, IdOutOfRange, TooManyIds: nothing changed.
         """
-        self.check_ids(ids)
+        if not checked:
+            self.check_ids(ids)
+            self._check_unique(ids)
         self._check_grads(ids, grad_rows)
         self.check_fits(len(ids))
         self.version += 1
