@@ -19,8 +19,9 @@ chunks of anyone's stream.  The rules of the house:
 * Every refusal goes through ``_refusals``: counted in full, logged at a
   bounded rate, aborted with its one documented status code.
 
-Why it is long (630 lines): one method per RPC, each decoding and bounding its own message; the table RPCs'
-logic still partly lives here rather than in psserver/sparse/serving.py (issue 19 names that as the next step).
+Why it is long (~680 lines): one method per RPC (eleven), each decoding and bounding its own message, plus
+the chunk-stream reader and the checks of a row stream's tiling that must run on the loop as chunks arrive.
+The table RPCs' logic (ids checked once, waits, where the work runs) lives in psserver/sparse/calls.py.
 """
 
 from __future__ import annotations
