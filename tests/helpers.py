@@ -1,9 +1,10 @@
-"""The two checks many tests make the same way: a call refused over gRPC, and a condition that comes true in its
-own time.  (The shared fixtures -- a shard on loopback, the sync job with an open round -- are in conftest.py;
+"""What many tests do the same way: a call refused over gRPC, a condition that comes true in its own time, and
+trainers run as threads of the test.  (The shared fixtures -- a shard on loopback, the sync job with an open round -- are in conftest.py;
 real processes for cluster tests in tests/cluster/helpers.py.)"""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Callable, TypeVar
 
@@ -52,3 +53,25 @@ def wait_until(condition: Callable[[], T], what: str, timeout: float = WAIT_TIME
             pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(pause)
         pause = min(2 * pause, 0.1)
+
+
+def run_ranks(trainer: Callable[[int], object], ranks: int, timeout: float | None = WAIT_TIMEOUT) -> None:
+    """``trainer(rank)`` for every rank, each in a thread of its own; waits for all (each up to ``timeout`` s) and
+    fails the test with the first error any raised, or naming a thread still running."""
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            trainer(rank)
+        except BaseException as e:  # noqa: BLE001 -- reported in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"rank{r}") for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if errors:
+        raise errors[0]
+    alive = [t.name for t in threads if t.is_alive()]
+    assert not alive, f"{alive} did not finish within {timeout} s"

@@ -4,12 +4,12 @@ state and table rows equal, bit for bit, those of the same job continued on 2 sh
 
 import shutil
 import subprocess
-import threading
 
 import torch
 from torch import nn
 
 from psserver.reshard_files import load_pieces
+from tests.helpers import run_ranks
 from trainer import connect
 from trainer.embedding import ShardedEmbedding
 from trainer.procs import cli, start_shard
@@ -35,29 +35,17 @@ def batch(step: int, rank: int):
 
 def train(addresses: list[str], first: int) -> None:
     """STEPS sync steps from ``first`` by two trainers (threads), each connecting with the shards' list."""
-    errors = []
-
     def trainer(rank: int) -> None:
-        try:
-            model = Net()
-            with connect(",".join(addresses), model, rank=rank, num_trainers=RANKS, partitions=2, job_id="reshard",
-                         optimizer={"name": "adam", "lr": 0.01}, round_timeout=120, connect_timeout=120) as ps:
-                for k in range(first, first + STEPS):
-                    ids, x, y = batch(k, rank)
-                    nn.functional.mse_loss(model(ids, x), y).backward()
-                    ps.step(num_samples=B)
-                    ps.zero_grad()
-        except BaseException as e:  # re-raised below, in the test's thread
-            errors.append(e)
+        model = Net()
+        with connect(",".join(addresses), model, rank=rank, num_trainers=RANKS, partitions=2, job_id="reshard",
+                     optimizer={"name": "adam", "lr": 0.01}, round_timeout=120, connect_timeout=120) as ps:
+            for k in range(first, first + STEPS):
+                ids, x, y = batch(k, rank)
+                nn.functional.mse_loss(model(ids, x), y).backward()
+                ps.step(num_samples=B)
+                ps.zero_grad()
 
-    threads = [threading.Thread(target=trainer, args=(r,)) for r in range(RANKS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert not any(t.is_alive() for t in threads), "a trainer did not finish within 300 s"
-    if errors:
-        raise errors[0]
+    run_ranks(trainer, RANKS, timeout=300)
 
 
 def phase(tmp_path, name: str, count: int, first: int, extra) -> list[str]:

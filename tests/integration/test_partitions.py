@@ -7,8 +7,6 @@ also when steps return before the exchange ends and each layer waits for its own
 
 from __future__ import annotations
 
-import threading
-
 import grpc
 import pytest
 import torch
@@ -16,7 +14,7 @@ from torch.nn import functional as F
 
 from psserver.protocol.proto import ps_pb2 as pb
 from tests.conftest import P, make_spec
-from tests.helpers import refused
+from tests.helpers import refused, run_ranks
 from trainer import connect
 
 STEPS = 5
@@ -61,32 +59,24 @@ def train_cluster(addresses: str, optimizer: dict, num_trainers: int = 2, model_
     """``num_trainers`` trainers (threads) run STEPS sync steps; every trainer's parameters after them, and
     what they saw of the job."""
     features, classes = (12, 10) if model_cls is Net else (2, 2)
-    results, errors, seen = {}, [], {}
+    results, seen = {}, {}
 
     models = [model_cls() for _ in range(num_trainers)]  # here: a model seeds torch's global generator
 
     def run(rank: int) -> None:
         model = models[rank]
-        try:
-            with connect(addresses, model, mode="sync", rank=rank, num_trainers=num_trainers, optimizer=optimizer,
-                         connect_timeout=30, **options) as ps:
-                seen[rank] = (ps.job.partitions, ps.num_parts)
-                for x, y in batches(rank, STEPS, features, classes):
-                    ps.prepare_step(len(x))
-                    F.cross_entropy(model(x), y).backward()
-                    ps.step(num_samples=len(x))
-                ps.flush()
-                seen[rank] += (ps._waits.waits if ps._waits is not None else 0,)
-                results[rank] = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
-        except BaseException as e:  # noqa: BLE001 -- reported by the test
-            errors.append(e)
+        with connect(addresses, model, mode="sync", rank=rank, num_trainers=num_trainers, optimizer=optimizer,
+                     connect_timeout=30, **options) as ps:
+            seen[rank] = (ps.job.partitions, ps.num_parts)
+            for x, y in batches(rank, STEPS, features, classes):
+                ps.prepare_step(len(x))
+                F.cross_entropy(model(x), y).backward()
+                ps.step(num_samples=len(x))
+            ps.flush()
+            seen[rank] += (ps._waits.waits if ps._waits is not None else 0,)
+            results[rank] = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(num_trainers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_ranks(run, num_trainers, timeout=None)
     return results, seen
 
 

@@ -4,13 +4,12 @@ an async job with bound 4 trains, serves hits and reports hits, misses and stale
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from torch import nn
 
 from psserver.protocol.rows.optim import SparseOptimizerConfig
+from tests.helpers import run_ranks
 from trainer.api import connect
 from trainer.embedding import ShardedEmbedding, ShardedEmbeddingBag
 
@@ -53,30 +52,21 @@ def train(ps, model: Rec, rank: int, prefetch: bool) -> torch.Tensor:
 def sync_job(shard_server, cache_rows: int, prefetch: bool = False) -> dict:
     shards = [shard_server(shard=i) for i in range(2)]
     addresses = ",".join(s.server.address for s in shards)
-    out, errors, models = {}, [], []
+    out, models = {}, []
     for _ in range(2):
         torch.manual_seed(0)
         models.append(Rec(cache_rows, 0))
 
     def one(rank):
-        try:
-            with connect(addresses, models[rank], mode="sync", rank=rank, num_trainers=2,
-                         optimizer={"name": "sgd", "lr": 0.1}) as ps:
-                train(ps, models[rank], rank, prefetch)
-                if rank == 0:
-                    out["rows"] = {n: ps.rows.pull(n, torch.arange(N)) for n in ("user", "item")}
-                    out["dense"] = {k: v.clone() for k, v in models[rank].state_dict().items()}
-                out[f"counters{rank}"] = ps.counters
-        except BaseException as e:  # noqa: BLE001 -- reported by the test
-            errors.append(e)
+        with connect(addresses, models[rank], mode="sync", rank=rank, num_trainers=2,
+                     optimizer={"name": "sgd", "lr": 0.1}) as ps:
+            train(ps, models[rank], rank, prefetch)
+            if rank == 0:
+                out["rows"] = {n: ps.rows.pull(n, torch.arange(N)) for n in ("user", "item")}
+                out["dense"] = {k: v.clone() for k, v in models[rank].state_dict().items()}
+            out[f"counters{rank}"] = ps.counters
 
-    threads = [threading.Thread(target=one, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors, errors
-    assert not any(t.is_alive() for t in threads)
+    run_ranks(one, 2, timeout=120)
     return out
 
 

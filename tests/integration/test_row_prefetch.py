@@ -5,14 +5,13 @@ two lookups of a table per step; a table whose ids all live on one shard), every
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from torch import nn
 
 from psserver.protocol.rows.optim import SparseOptimizerConfig
 from psserver.protocol.rows.placement import shard_of
+from tests.helpers import run_ranks
 from trainer.api import connect
 from trainer.embedding import ShardedEmbedding, ShardedEmbeddingBag
 
@@ -62,24 +61,13 @@ def train(addresses: str, rank: int, model: Rec, prefetch: bool, out: dict, fuse
 
 def run_job(shard_server, optimizer: str, prefetch: bool, fuse: bool = True) -> dict:
     shards = [shard_server(shard=i) for i in range(2)]
-    out, errors, models = {}, [], []
+    out, models = {}, []
     for _ in range(2):  # here, not in the threads: torch's generator is one for the process
         torch.manual_seed(0)
         models.append(Rec(optimizer))
 
-    def one(rank):
-        try:
-            train(",".join(s.server.address for s in shards), rank, models[rank], prefetch, out, fuse)
-        except BaseException as e:  # noqa: BLE001 -- reported by the test
-            errors.append(e)
-
-    threads = [threading.Thread(target=one, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors, errors
-    assert not any(t.is_alive() for t in threads)
+    addresses = ",".join(s.server.address for s in shards)
+    run_ranks(lambda rank: train(addresses, rank, models[rank], prefetch, out, fuse), 2, timeout=120)
     out["region_live_rows"] = [s.stats().counters["table.region.live_rows"] for s in shards]
     return out
 
