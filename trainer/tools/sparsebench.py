@@ -109,11 +109,9 @@ def _train(model, log, steps: int, batch: int, step_fn, wrap=lambda batches: bat
     return time.perf_counter() - t0, seen, unique
 
 
-def single_process_rate(log, steps: int, batch: int, dim: int, lr: float) -> dict:
-    """One process: ``nn.EmbeddingBag(sparse=True)`` with torch's sparse Adagrad, dense head by SGD."""
-    from trainer.recmodels import ClickModel, split_parameters
-    torch.manual_seed(0)
-    model = ClickModel(log.id_space, dim)
+def one_process_step(model, lr: float):
+    """The one-process baseline's step: torch's sparse Adagrad on the embedding bags, SGD on the dense layers."""
+    from trainer.recmodels import split_parameters
     sparse, dense = split_parameters(model)
     opts = [torch.optim.Adagrad(sparse, lr=lr), torch.optim.SGD(dense, lr=lr)]
 
@@ -121,7 +119,15 @@ def single_process_rate(log, steps: int, batch: int, dim: int, lr: float) -> dic
         for o in opts:
             o.step()
             o.zero_grad()
-    seconds, seen, unique = _train(model, log, steps, batch, step)
+    return step
+
+
+def single_process_rate(log, steps: int, batch: int, dim: int, lr: float) -> dict:
+    """One process: ``nn.EmbeddingBag(sparse=True)`` with torch's sparse Adagrad, dense head by SGD."""
+    from trainer.recmodels import ClickModel
+    torch.manual_seed(0)
+    model = ClickModel(log.id_space, dim)
+    seconds, seen, unique = _train(model, log, steps, batch, one_process_step(model, lr))
     return {"seconds": seconds, "ids_per_s": seen / seconds, "unique_ids_per_s": unique / seconds}
 
 
@@ -283,18 +289,10 @@ def _grid_steps(workload: str, model, log, steps: int, batch: int, rank: int, tr
 def grid_one_process(workload: str, batch: int, steps: int) -> dict:
     """One process: ``nn.EmbeddingBag``/``nn.Embedding(sparse=True)`` with torch's sparse Adagrad, the dense layers
     by SGD -- what the sharded runs are compared with."""
-    from trainer.recmodels import split_parameters
     torch.set_num_threads(1)
     log = _grid_data(workload, steps * batch, compact=True)
     model = _grid_model(workload, log, None)
-    sparse, dense = split_parameters(model)
-    opts = [torch.optim.Adagrad(sparse, lr=GRID_LR), torch.optim.SGD(dense, lr=GRID_LR)]
-
-    def step(_n):
-        for o in opts:
-            o.step()
-            o.zero_grad()
-    return _grid_steps(workload, model, log, steps, batch, 0, 1, step)
+    return _grid_steps(workload, model, log, steps, batch, 0, 1, one_process_step(model, GRID_LR))
 
 
 def _grid_trainer(args: tuple) -> dict:
@@ -321,6 +319,7 @@ def grid_sharded(workload: str, batch: int, steps: int, shards: int, trainers: i
     for one, spawned processes for more); Adagrad on the shards, dense layers by SGD on the shards."""
     import multiprocessing
     import uuid
+
     from trainer.procs import start_shard
     run_dir.mkdir(parents=True, exist_ok=True)
     procs = [start_shard(i, run_dir / f"shard{i}.log", extra_args=["--torch-threads", "1"]) for i in range(shards)]
