@@ -15,7 +15,7 @@ from typing import Callable
 
 from psserver import modes
 from psserver.common.logsafe import counted, shorten
-from psserver.epochs import EpochBook, join_patience
+from psserver.epochs import EpochBook, TimelineFull, join_patience
 from psserver.membership import Membership
 from psserver.protocol.epochs import epoch_at
 from psserver.protocol.errors import InvalidRequest, JobMismatch, NotPermitted, NotReady, TooBusy
@@ -115,6 +115,7 @@ class Enrolment:
     # ------------------------------------------------------------------ changes
     def register(self, rank: int, trainer_id: str, job: JobSpec, version: int) -> tuple[bool, int]:
         """Record a registration; returns (a new process took over the rank, registered count)."""
+        epoch = self.epochs.registered(rank, at=version)  # first: refused past MAX_EPOCHS, nothing changed
         previous = self.members.register(rank, trainer_id)
         self._counters["registrations"] += 1
         replaced = previous is not None and previous != trainer_id
@@ -122,7 +123,6 @@ class Enrolment:
             self._counters["re_registrations"] += 1
             self._info("shard %d: rank %d re-registered as %s (was %s)", self.shard_id, rank,
                        shorten(trainer_id), shorten(previous))
-        epoch = self.epochs.registered(rank, at=version)
         if epoch is not None:
             self.epoch_changed(epoch, f"rank {rank} registered without --join")
         view = self.members.view()
@@ -159,7 +159,7 @@ class Enrolment:
 
     def leave(self, rank: int, at: int) -> int:
         """``rank`` said goodbye; out of the epochs from round ``at``.  Returns the live count left."""
-        epoch = self.epochs.leave(rank, at)
+        epoch = self._leave_epoch(rank, at)
         if epoch is not None:
             self.epoch_changed(epoch, f"rank {rank} left")
         remaining = self.members.leave(rank)
@@ -171,12 +171,23 @@ class Enrolment:
         """A push announcing its trainer's leave: out of the epoch from round ``version + 1``.  Returns the
         timeline before (``put_back`` if the push is refused), or None if nothing changed (already out)."""
         before = list(self.epochs.timeline)
-        epoch = self.epochs.leave(rank, version + 1)
+        epoch = self._leave_epoch(rank, version + 1)
         if epoch is None:
             return None
         self._counters["leaves_announced"] += 1
         self.epoch_changed(epoch, f"rank {rank} pushed its last gradient")
         return before
+
+    def _leave_epoch(self, rank: int, at: int):
+        """The epoch a leave starts, or None.  A leave is never refused: past MAX_EPOCHS it starts no epoch and
+        is taken as a lease expiry would be (the rank stays a member; rounds stop waiting for it through the
+        live set), counted in ``leaves_past_max_epochs`` and logged."""
+        try:
+            return self.epochs.leave(rank, at)
+        except TimelineFull as e:
+            self._counters["leaves_past_max_epochs"] += 1
+            log.warning("shard %d: rank %d leaves without a new membership epoch: %s", self.shard_id, rank, e)
+            return None
 
     def put_back(self, timeline: list) -> None:
         self.epochs.restore_timeline(timeline)

@@ -14,6 +14,8 @@ partition, asks it, and carries the answer out; tests drive it with a fake clock
 * leave -- the rank is out of the epoch from round ``at`` on.
 * a lease that runs out is not an epoch change: the rank stays a member (it may come back) and rounds stop
   waiting for it through the live set (``expected``).
+* the timeline holds at most MAX_EPOCHS epochs: a change that would start one more is refused (``TimelineFull``);
+  psserver.enrolment takes a leave refused so as a lease expiry (a departing trainer is never kept).
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ def no_job_to_join(label: str, ended: bool) -> NoJobToJoin:
         return JobEnded(f"{label}'s job ended (every trainer left): there is nothing to join until a new job's "
                         "rank 0 registers (ps-trainer without --join)")
     return NoJobToJoin(f"{label} runs no job to join: start the job first (its trainers register without --join)")
+
+
+class TimelineFull(JobFull):
+    """A membership change would start an epoch past MAX_EPOCHS (RESOURCE_EXHAUSTED)."""
 
 
 @dataclass(frozen=True)
@@ -112,7 +118,8 @@ class EpochBook:
             raise TooBusy(f"the job has {len(self.pending)} joins pending (not yet committed), its limit "
                           f"{MAX_PENDING_JOINS}: ask again once one is settled (within its --join-timeout)")
         if len(self.timeline) >= MAX_EPOCHS:
-            raise JobFull(f"the job's membership timeline holds {MAX_EPOCHS} epochs, its limit: no more joins")
+            raise TimelineFull(f"join is set but the job's membership timeline holds {len(self.timeline)} epochs, "
+                               f"MAX_EPOCHS {MAX_EPOCHS}: no more joins")
         pending = PendingJoin(trainer_id, version + JOIN_LEAD, version + 1, now + patience)
         self.pending[rank] = pending
         return pending
@@ -136,6 +143,7 @@ class EpochBook:
         if pending is not None and join_round < pending.proposal:
             raise InvalidRequest(f"join_round is {join_round} but {self.label} proposed {pending.proposal}: the "
                                  "round must be the largest proposal of every shard")
+        self._check_room(join_round, f"join_round {join_round}")
         self.pending.pop(rank, None)
         return self._change(join_round, rank, add=True)
 
@@ -157,17 +165,21 @@ class EpochBook:
     # ------------------------------------------------------------------ leaves and plain registrations
     def leave(self, rank: int, at: int) -> Epoch | None:
         """``rank`` is out from round ``at`` on (a pending or future admission is withdrawn); None if it was
-        not a member then or later."""
+        not a member then or later.  Refused (``TimelineFull``, the pending join withdrawn all the same) if it
+        would start an epoch past MAX_EPOCHS."""
         self.pending.pop(rank, None)
         if not any(rank in e.members for e in self.timeline if e.round >= at) and rank not in self.members_at(at):
             return None
+        self._check_room(at, f"rank {rank}'s leave from round {at}")
         return self._change(at, rank, add=False)
 
     def registered(self, rank: int, at: int) -> Epoch | None:
         """A plain (non-join) registration of a rank outside the epoch: a member from round ``at`` (the
-        round open now -- what a re-registration always meant); None if it is a member already."""
+        round open now -- what a re-registration always meant); None if it is a member already.  Refused
+        (``TimelineFull``, nothing changed) if it would start an epoch past MAX_EPOCHS."""
         if rank in self.members_at(at) or rank in self.current.members:
             return None
+        self._check_room(at, f"rank {rank} registering (not a member since it left) from round {at}")
         return self._change(at, rank, add=True)
 
     def _change(self, at: int, rank: int, add: bool) -> Epoch:
@@ -185,6 +197,14 @@ class EpochBook:
         return self.timeline[i]
 
     # ------------------------------------------------------------------ checks
+    def _check_room(self, at: int, what: str) -> None:
+        """Every change that starts an epoch counts against MAX_EPOCHS (joins, plain re-registrations, leaves):
+        otherwise leave-and-register loops would grow the timeline -- and GetStats, checkpoints, digests -- for
+        ever.  A change at a round where an epoch starts already adds none."""
+        if len(self.timeline) >= MAX_EPOCHS and all(e.round != at for e in self.timeline):
+            raise TimelineFull(f"{what} would start membership epoch {len(self.timeline) + 1} but the job's "
+                               f"timeline holds at most MAX_EPOCHS {MAX_EPOCHS} (docs/limits.md)")
+
     def _check_elastic(self) -> None:
         if not self.max_trainers:
             raise JobMismatch(f"join is set but the job's max_trainers is 0 (num_trainers {self.num_trainers}): it "

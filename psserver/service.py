@@ -49,6 +49,7 @@ from psserver.protocol.codec import (
     encode_raw,
     first_header,
 )
+from psserver.protocol.epochs import timeline_to_proto
 from psserver.protocol.errors import (
     REASON_METADATA_KEY,
     VERSION_METADATA_KEY,
@@ -355,7 +356,7 @@ class ParameterServerService:
         reply = _pb.StatsReply(shard=s.shard, initialized=s.initialized, version=s.version, mode=s.mode,
                                start=s.start, end=s.end, live_ranks=s.live_ranks, counters=s.counters,
                                state_digest=digest, lr=s.lr, partitions=len(self.host.parts),
-                               epochs=[e.to_proto() for e in part.epoch_timeline()])
+                               epochs=timeline_to_proto(part.epoch_timeline(), request.members_from_round))
         if s.job is not None and (self.authenticated or _is_member(part, request)):
             reply.job.CopyFrom(s.job.to_proto())
         return reply

@@ -510,10 +510,11 @@ class ShardClient:
             return
         self._call("Leave", lambda: self.stub.Leave(req, timeout=self.call_timeout))
 
-    def stats(self) -> _pb.StatsReply:
-        """GetStats asked as this trainer (a member: the reply carries the job's spec too)."""
+    def stats(self, members_from_round: int = 0) -> _pb.StatsReply:
+        """GetStats asked as this trainer (a member: the reply carries the job's spec too); the membership
+        epochs' member lists from ``members_from_round`` on (every epoch's round and size regardless)."""
         req = _pb.StatsRequest(partition=self.partition, rank=self.rank, trainer_id=self.trainer_id,
-                               fingerprint=self.fingerprint)
+                               fingerprint=self.fingerprint, members_from_round=members_from_round)
         return self._call("GetStats", lambda: self.stub.GetStats(req, timeout=self.call_timeout))
 
     def close(self) -> None:

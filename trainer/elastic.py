@@ -48,7 +48,7 @@ def run_elastic_steps(run, stop: StopRequest) -> str:
             if ps.rank not in members:
                 raise RuntimeError(f"rank {ps.rank} is not a member of the job at round {round_} (members "
                                    f"{members[:10]}): it left or was never admitted")
-            timeline = [(e.round, len(e.members)) for e in ps.timeline] or [(0, cfg.num_trainers)]
+            timeline = [(e.round, e.size) for e in ps.timeline] or [(0, cfg.num_trainers)]
             epoch, offset, _ = round_batch(len(run.data.x_train), cfg.batch_size, timeline, round_)
             if epoch != run.epoch:
                 if losses:

@@ -316,18 +316,26 @@ class Membership:
 
     def members_at(self, round_: int) -> list[int]:
         """The ranks of the job's membership epoch at ``round_``, sorted.  The timeline is fetched again only
-        when the weights received name an epoch this trainer does not know yet."""
+        when the weights received name an epoch this trainer does not know yet, or its list was not sent (a
+        reply lists members only from the round asked for, within a byte bound: docs/limits.md)."""
         newest = max(s.epoch_seen for s in self.client.parts)
-        if not self.timeline or newest not in {e.number for e in self.timeline}:
-            self.fetch_timeline(max(self.client.parts, key=lambda p: p.epoch_seen))
+        if (not self.timeline or newest not in {e.number for e in self.timeline}
+                or not epoch_at(self.timeline, round_).listed):
+            self.fetch_timeline(max(self.client.parts, key=lambda p: p.epoch_seen), from_round=round_)
         if not self.timeline:  # a shard from before epochs: the job's ranks
             return list(range(self.num_trainers))
-        return sorted(epoch_at(self.timeline, round_).members)
+        epoch = epoch_at(self.timeline, round_)
+        if not epoch.listed:
+            raise RuntimeError(f"the shard sent epoch {epoch.number}'s size ({epoch.size}) without its members "
+                               f"although round {round_} was asked for")
+        return sorted(epoch.members)
 
-    def fetch_timeline(self, part=None) -> list[Epoch]:
-        """The job's membership timeline as ``part`` (default: partition 0 of shard 0) knows it now."""
+    def fetch_timeline(self, part=None, from_round: int = 0) -> list[Epoch]:
+        """The job's membership timeline as ``part`` (default: partition 0 of shard 0) knows it now: every
+        epoch's round and size, the member lists of the epochs from ``from_round`` on (as many as the reply's
+        bound holds; docs/limits.md)."""
         part = part or self.client.parts[0]
-        self.timeline = [Epoch.from_proto(e) for e in part.stats().epochs]
+        self.timeline = [Epoch.from_proto(e) for e in part.stats(members_from_round=from_round).epochs]
         self.client.count("timeline_fetches")
         return self.timeline
 

@@ -164,14 +164,16 @@ class JobSpec(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., num_trainers: _Optional[int] = ..., num_shards: _Optional[int] = ..., total_params: _Optional[int] = ..., fingerprint: _Optional[str] = ..., max_staleness: _Optional[int] = ..., sync_timeout: _Optional[float] = ..., replicas_to_aggregate: _Optional[int] = ..., stale_policy: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., job_id: _Optional[str] = ..., lr_schedule: _Optional[_Union[LrSchedule, _Mapping]] = ..., tables: _Optional[_Iterable[_Union[SparseTable, _Mapping]]] = ..., partitions: _Optional[int] = ..., max_trainers: _Optional[int] = ..., lr_scaling: _Optional[str] = ...) -> None: ...
 
 class MembershipEpoch(_message.Message):
-    __slots__ = ("number", "round", "members")
+    __slots__ = ("number", "round", "members", "size")
     NUMBER_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
     number: int
     round: int
     members: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, number: _Optional[int] = ..., round: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ...) -> None: ...
+    size: int
+    def __init__(self, number: _Optional[int] = ..., round: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., size: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("rank", "trainer_id", "expected_shard", "job", "partition", "join", "join_round")
@@ -332,18 +334,20 @@ class HeartbeatReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., live: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ("with_digest", "partition", "rank", "trainer_id", "fingerprint")
+    __slots__ = ("with_digest", "partition", "rank", "trainer_id", "fingerprint", "members_from_round")
     WITH_DIGEST_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FROM_ROUND_FIELD_NUMBER: _ClassVar[int]
     with_digest: bool
     partition: int
     rank: int
     trainer_id: str
     fingerprint: str
-    def __init__(self, with_digest: _Optional[bool] = ..., partition: _Optional[int] = ..., rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    members_from_round: int
+    def __init__(self, with_digest: _Optional[bool] = ..., partition: _Optional[int] = ..., rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., members_from_round: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("shard", "initialized", "version", "mode", "start", "end", "live_ranks", "counters", "job", "state_digest", "lr", "partitions", "epochs")
