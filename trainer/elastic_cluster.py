@@ -87,8 +87,8 @@ def membership_rows(stats0, records: list[dict], steps: int, batch: int) -> list
     for k, e in enumerate(epochs):
         stop = epochs[k + 1].round if k + 1 < len(epochs) else steps
         seconds = [ends[r + 1] - ends[r] for r in range(e.round, stop) if r in ends and r + 1 in ends]
-        rate = max(e.size, len(e.members)) * batch / statistics.median(seconds) if seconds and statistics.median(seconds) > 0 \
-            else None
+        median = statistics.median(seconds) if seconds else 0.0
+        rate = max(e.size, len(e.members)) * batch / median if median > 0 else None  # size: sent for every epoch
         rows.append(dict(epoch=e.number, round=e.round, rounds=stop - e.round, members=sorted(e.members),
                          samples_per_sec=rate))
     return rows
