@@ -29,15 +29,16 @@ import grpc
 import grpc.experimental
 import torch
 
-from psserver.protocol.codec import DEFAULT_CHUNK_BYTES, ChunkReader, encode_raw, encode_topk_raw, wire_tensor
+from psserver.protocol.codec import DEFAULT_CHUNK_BYTES, ChunkReader, encode_raw, wire_tensor
 from psserver.protocol.fastwire import parse_chunk, serialize_chunk
 from psserver.protocol.job import WIRE_DTYPES, JobSpec
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.proto import ps_pb2_grpc as _grpc
-from psserver.protocol.rules import STALE, refused_job_ended, refused_no_job, refused_stale, version_of_refusal
+from psserver.protocol.rules import STALE, refused_job_ended, refused_no_job, stale_version
 from psserver.protocol.security import ClientSecurity, parse_addresses  # noqa: F401 (re-exported for trainers)
 from psserver.protocol.stubs import method
 from trainer.compress import TopK, parse_compress
+from trainer.dense_push import OutgoingPush
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -156,6 +157,25 @@ def _connect_cause(e: grpc.RpcError) -> str:
     return f"UNAVAILABLE: {details[:200]}"
 
 
+def _give_up_if_due(where: str, retry: str, cause: str, now: float, give_up: float, connect_timeout: float,
+                    refusals: RefusalClock) -> None:
+    """Raise once ``--connect-timeout`` has passed (or a loopback shard refused connections too long);
+    ``where``: "shard I at ADDRESS"."""
+    if now >= give_up and retry == JOIN_WAIT:
+        raise NoJobToJoin(f"{where} still ran no job to join after "
+                          f"{connect_timeout:g} s (--connect-timeout): start the job's rank 0 (ps-trainer "
+                          f"--rank 0, no --join), or give the joiner a longer --connect-timeout")
+    if now >= give_up:
+        raise ShardUnreachable(f"{where} did not answer within "
+                               f"{connect_timeout:g} s (--connect-timeout): {cause}") from None
+    if refusals.exhausted(cause, now):  # a join's wait is an answer: it resets the clock
+        raise ShardUnreachable(
+            f"{where} did not answer within {refusals.limit:g} s (every "
+            f"address is on loopback and it refuses connections: check the port, or start the shard "
+            f"first; --connect-timeout waits only for remote shards or ones that answer): {cause}"
+        ) from None
+
+
 @dataclass(frozen=True)
 class PushOutcome:
     outcome: str  # "applied" | "accepted" | "duplicate" | "scaled" | "stale"
@@ -184,13 +204,9 @@ class ShardClient:
         self.partition, self.slot = partition, index if slot is None else slot
         self.name = f"shard {index}" + (f" partition {partition}" if partition else "")  # in messages
         self.compressor = compressor  # top-k with error feedback for this shard's slice (trainer.compress)
-        self._encoded: tuple[int, int, list] | None = None  # the unanswered compressed push, resent as it was
+        self.outgoing = OutgoingPush(chunk_bytes, compressor)  # the next push's number and kept pairs
         self.fingerprint, self.counters, self.chunk_bytes = fingerprint, counters, chunk_bytes
         self.call_timeout, self.retry = call_timeout, retry
-        self.sequence = 0  # pushes sent to this shard by this trainer
-        # True while the push under ``sequence`` has had no answer: the next push (the caller retrying a failed
-        # step) reuses its number, so a shard that applied it answers DUPLICATE instead of applying it twice.
-        self.unanswered = False
         self.last_answer: tuple[int, PushOutcome] | None = None  # (sequence, outcome) of the last answered push
         self.epoch_seen = 0  # the membership epoch of the newest weights received (docs/elastic.md)
         self.leaving = False  # pushes from now on say this trainer's last gradient (ChunkHeader.leaving)
@@ -285,7 +301,8 @@ class ShardClient:
                     raise
                 cause = _connect_cause(e) if retry == CONNECT_RETRY else e.details()
                 now = time.monotonic()
-                self._give_up_if_due(retry, cause, now, give_up, connect_timeout, refusals)
+                _give_up_if_due(f"shard {self.index} at {self.address}", retry, cause, now, give_up, connect_timeout,
+                                refusals)
                 self._count(retry)
                 if now >= next_log:
                     if retry == JOIN_WAIT:
@@ -297,23 +314,6 @@ class ShardClient:
                     next_log = now + WAIT_LOG_SECONDS
                 if abandon.wait(min(CONNECT_RETRY_PAUSE, max(0.0, give_up - now))):  # the pause between attempts
                     raise ConnectAbandoned(f"{self.name} at {self.address}: registering was abandoned")
-
-    def _give_up_if_due(self, retry: str, cause: str, now: float, give_up: float, connect_timeout: float,
-                        refusals: RefusalClock) -> None:
-        """Raise once ``--connect-timeout`` has passed (or a loopback shard refused connections too long)."""
-        if now >= give_up and retry == JOIN_WAIT:
-            raise NoJobToJoin(f"shard {self.index} at {self.address} still ran no job to join after "
-                              f"{connect_timeout:g} s (--connect-timeout): start the job's rank 0 (ps-trainer "
-                              f"--rank 0, no --join), or give the joiner a longer --connect-timeout")
-        if now >= give_up:
-            raise ShardUnreachable(f"shard {self.index} at {self.address} did not answer within "
-                                   f"{connect_timeout:g} s (--connect-timeout): {cause}") from None
-        if refusals.exhausted(cause, now):  # a join's wait is an answer: it resets the clock
-            raise ShardUnreachable(
-                f"shard {self.index} at {self.address} did not answer within {refusals.limit:g} s (every "
-                f"address is on loopback and it refuses connections: check the port, or start the shard "
-                f"first; --connect-timeout waits only for remote shards or ones that answer): {cause}"
-            ) from None
 
     def _header(self, wire: int, length: int, version: int = 0, num_samples: int = 0,
                 sequence: int = 0) -> _pb.ChunkHeader:
@@ -351,44 +351,20 @@ class ShardClient:
 
     def _gradient_chunks(self, grad: torch.Tensor, base: int, num_samples: int,
                          wire: int) -> tuple[int, int, list]:
-        """(bytes, dense-equivalent bytes, chunks) of a push under the next sequence number; the chunks are
-        views into the gradient (the slice itself when fp32 on the CPU), and a retry resends the same list."""
-        if self.compressor is not None and grad.numel() and (
-                self._encoded is not None if self.unanswered else not self.compressor.take_warmup_push()):
-            return self._compressed_chunks(grad, base, num_samples, wire)  # (a retry resends a dense warm-up push)
-        payload = wire_tensor(grad, wire)
-        if not self.unanswered:
-            self.sequence += 1
-            self.unanswered = True
-        header = self._header(wire, grad.numel(), base, num_samples, self.sequence)
-        nbytes = payload.numel() * payload.element_size()
-        return nbytes, nbytes, list(encode_raw(payload, header, self.chunk_bytes))
+        """(bytes, dense-equivalent bytes, chunks) of a push under the next number (trainer.dense_push)."""
+        return self.outgoing.chunks(grad, self._header(wire, grad.numel(), base, num_samples), wire)
 
-    def _compressed_chunks(self, grad: torch.Tensor, base: int, num_samples: int,
-                           wire: int) -> tuple[int, int, list]:
-        """A top-k push of ``grad``; while it is unanswered (a retried step) the same encoded push is resent:
-        compressing again would add the gradient to the residual twice."""
-        if self.unanswered and self._encoded is not None:
-            header = self._encoded[2][0].header  # the same values on a retry; new ones when sent again (resend)
-            header.sequence, header.version = self.sequence, base
-            return self._encoded
-        indices, values = self.compressor.compress(grad, wire)
-        self.sequence += 1
-        self.unanswered = True
-        header = self._header(wire, grad.numel(), base, num_samples, self.sequence)
-        header.topk = values.numel()
-        nbytes = indices.numel() * indices.element_size() + values.numel() * values.element_size()
-        self._encoded = (nbytes, grad.numel() * values.element_size(),
-                         encode_topk_raw(indices, values, header, self.chunk_bytes))
-        return self._encoded
+    @property
+    def unanswered(self) -> bool:
+        """Whether the last push has had no answer (the next push reuses its number)."""
+        return self.outgoing.numbers.unanswered
 
     def _acknowledged(self, outcome: str, version: int, staleness: int, base: int, nbytes: int,
                       dense_bytes: int) -> PushOutcome:
         """Count and log what became of a push (the gradient crossed the wire whatever the outcome)."""
-        self.unanswered = False
-        self._encoded = None
+        self.outgoing.answered()
         result = PushOutcome(outcome, version, staleness)
-        self.last_answer = (self.sequence, result)
+        self.last_answer = (self.outgoing.numbers.sequence, result)
         self._count("bytes_out", nbytes)
         self._count("push_bytes_sent", nbytes)
         self._count("push_bytes_dense", dense_bytes)  # what the same pushes would have sent uncompressed
@@ -406,9 +382,9 @@ class ShardClient:
         try:
             reply = self._call("Push", send, retry_on=PUSH_RETRYABLE)
         except grpc.RpcError as e:
-            if not refused_stale(e):
+            version = stale_version(e, base)
+            if version is None:
                 raise
-            version = version_of_refusal(e, base)
             return self._acknowledged(STALE, version, version - base, base, nbytes, dense_bytes)
         return self._acknowledged(_pb.PushOutcome.Name(reply.outcome).lower(), reply.version, reply.staleness, base,
                                   nbytes, dense_bytes)
@@ -443,10 +419,7 @@ class ShardClient:
     def take_sequence(self) -> int:
         """A number of its own for a windowed push (trainer.windowed): never reused, whatever became of it."""
         with self._lock:
-            if self.unanswered:  # a plain push's unanswered number is not taken over
-                self.unanswered, self._encoded = False, None
-            self.sequence += 1
-            return self.sequence
+            return self.outgoing.take()  # a plain push's unanswered number is not taken over
 
     def push_pull_numbered(self, grad: torch.Tensor, base: int, num_samples: int, wire: int, sequence: int,
                            timeout: float, out: torch.Tensor) -> PushOutcome:
@@ -476,25 +449,16 @@ class ShardClient:
 
     def next_sequence(self) -> int:
         """The number the next push will carry (the unanswered one again, if there is one)."""
-        return self.sequence if self.unanswered else self.sequence + 1
+        return self.outgoing.numbers.upcoming()
 
     def resend_after_restart(self) -> bool:
-        """The shard restarted and forgot the last push: the next one carries the same gradient again, under a
-        new number (for a compressed push its same pairs: compressing the gradient again would add it to the
-        residual twice).  False when that cannot be done exactly -- a compressed push already answered, whose
-        pairs are gone -- and the push is abandoned instead."""
-        if self.compressor is not None and not self.unanswered:
-            self.abandon_push()
-            return False
-        if self.unanswered:
-            self.sequence += 1  # stays unanswered: the next push sends it under this number
-        return True
+        """The shard restarted and forgot the last push: True if the next push sends it again under a new
+        number, False if it was abandoned (trainer.dense_push.OutgoingPush.after_restart)."""
+        return self.outgoing.after_restart()
 
     def abandon_push(self) -> None:
-        """Give up on the unanswered push (the shard restarted and forgot it): the next push gets a new number.
-        A compressed push is dropped with it, as a dense one would be; the residual keeps what it did not send."""
-        self.unanswered = False
-        self._encoded = None
+        """Give up on the unanswered push (the shard restarted and forgot it): the next push gets a new number."""
+        self.outgoing.abandon()
 
     def heartbeat(self, timeout: float) -> _pb.HeartbeatReply:
         req = _pb.HeartbeatRequest(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.fingerprint,

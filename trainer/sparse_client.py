@@ -37,7 +37,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Callable
 
 import grpc
@@ -51,10 +50,11 @@ from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rows.placement import shard_of
 from psserver.protocol.rows.table import TableSpec
 from psserver.protocol.rows.wire import row_chunks
-from psserver.protocol.rules import STALE, Mode, refused_stale, reply_version, version_of_refusal
-from psserver.protocol.stubs import method
-from trainer.client import PUSH_RETRYABLE, RESTART_CODES, ShardCallsFailed, ShardClient, ShardedClient
+from psserver.protocol.rules import STALE, Mode, stale_version
+from trainer.client import RESTART_CODES, ShardCallsFailed, ShardClient, ShardedClient
 from trainer.row_cache import RowCache, pull_through
+from trainer.row_calls import RowCalls
+from trainer.row_lanes import Lane, Pending, RowLanes
 from trainer.row_prefetch import Claim, RowPrefetch
 
 log = logging.getLogger(__name__)
@@ -84,26 +84,6 @@ class RowsPushFailed(RowsCallFailed):
     advice = "call push() again to retry the others with the same gradients"
 
 
-@dataclass
-class _Lane:
-    """One (shard, table): its version as this trainer knows it, what a pull must wait for, push numbering."""
-
-    version: int = 0  # newest table version this trainer saw on the shard (pull reply or push reply)
-    base: int = 0  # the base of the next push: the version of the latest pull (sync: the round it is in)
-    wait_for: int = 0  # sync modes: the version a pull must reach (the close of our last push's round)
-    sequence: int = 0
-    unanswered: bool = False  # the push under ``sequence`` has had no answer: a retry reuses the number
-    resumed: bool = False  # resynced after a restart, no push answered since (see _push_outcome)
-
-
-@dataclass
-class _Pending:
-    """A push that failed on some shards: its per-shard payloads, kept for the retry."""
-
-    payloads: dict[int, tuple]  # shard -> (ids, grads, num_samples)
-    done: list[int] = field(default_factory=list)
-
-
 class ShardedRows:
     """Sparse tables of ``job`` over the shards of ``sharded_client``."""
 
@@ -113,20 +93,14 @@ class ShardedRows:
         self.tables: dict[str, TableSpec] = {t.name: t for t in job.tables}
         self.modes = {t.name: table_mode(t, job) for t in job.tables}
         m = len(sharded_client.shards)
-        self._lanes = {(s, name): _Lane() for s in range(m) for name in self.tables}
-        self._pending: dict[str, _Pending] = {}
         self.counters: Counter = Counter()
+        self._lock = threading.Lock()  # of ``counters``, which the lanes' book counts into too
+        self.book = RowLanes(self.modes, m, self.counters, self._lock)  # versions, numbering, kept pushes
         # Called as on_restart(shard_client, error) when a row call finds the shard restarted; it must register
         # again and call resync().  None: the error is raised (nothing here can register).
         self.on_restart = on_restart
-        self._lock = threading.Lock()
         self.caches: dict[str, RowCache] = {}  # tables with a worker-side row cache (use_cache)
-        self._pull = [s.channel.unary_stream(method("PullRows"), _pb.PullRowsRequest.SerializeToString,
-                                             _pb.RowsChunk.FromString) for s in sharded_client.shards]
-        self._push = [s.channel.stream_unary(method("PushRows"), _pb.RowsChunk.SerializeToString,
-                                             _pb.PushRowsReply.FromString) for s in sharded_client.shards]
-        self._push_pull = [s.channel.stream_stream(method("PushPullRows"), _pb.RowsChunk.SerializeToString,
-                                                   _pb.RowsChunk.FromString) for s in sharded_client.shards]
+        self.calls = RowCalls(sharded_client.shards, self._count)  # one row call to one shard, retried
         # A sync table's push carries the next batch's prefetched ids and its reply their rows (PushPullRows):
         # one round trip instead of a push and a pull.  False: PushRows, then the prefetch's own PullRows.
         self.fuse = True
@@ -134,6 +108,16 @@ class ShardedRows:
         self.ahead = RowPrefetch({n: t.dim for n, t in self.tables.items()},
                                  {n: m != Mode.ASYNC for n, m in self.modes.items()}, m, self._split,
                                  self._fetch_ahead, self._adopt, self._count)
+
+    @property
+    def _lanes(self) -> dict:
+        """(shard, table) -> its Lane (trainer.row_lanes); read by tests and the accounting soak."""
+        return self.book.lanes
+
+    @property
+    def _pending(self) -> dict:
+        """table -> its failed push kept for the retry (trainer.row_lanes.Pending)."""
+        return self.book.pending
 
     def _count(self, **amounts: int) -> None:
         with self._lock:
@@ -150,19 +134,6 @@ class ShardedRows:
         owner = shard_of(ids, len(self.client.shards))
         return [(owner == s).nonzero().flatten() for s in range(len(self.client.shards))]
 
-    def _call(self, shard: ShardClient, what: str, fn, retry_on=(grpc.StatusCode.UNAVAILABLE,)):
-        """ShardClient's retry loop (policy, backoff, logging), with row retries also counted here."""
-        attempts = 0
-
-        def once():
-            nonlocal attempts
-            attempts += 1
-            if attempts > 1:
-                self._count(retries=1)
-            return fn()
-
-        return shard._call(what, once, retry_on=retry_on)
-
     # -- the row cache (trainer.row_cache) -------------------------------------------------------------
     def use_cache(self, table: str, rows: int, max_staleness: int = 0) -> None:
         """Cache up to ``rows`` of ``table``'s rows here, served while at most ``max_staleness`` versions old."""
@@ -170,11 +141,8 @@ class ShardedRows:
                                       count=lambda **n: self._count(**{f"cache_{k}": v for k, v in n.items()}))
 
     def known_versions(self, table: str) -> torch.Tensor:
-        """Per shard, the newest version of ``table`` this trainer knows of: in sync modes at least the close of
-        its last push's round (what its next pull waits for)."""
-        sync = self.modes[table] != Mode.ASYNC
-        lanes = [self._lanes[(s, table)] for s in range(len(self.client.shards))]
-        return torch.tensor([max(ln.version, ln.wait_for) if sync else ln.version for ln in lanes])
+        """Per shard, the newest version of ``table`` this trainer knows of (RowLanes.known_versions)."""
+        return torch.tensor(self.book.known_versions(table))
 
     def _pull_cached(self, table: str, spec: TableSpec, ids: torch.Tensor) -> torch.Tensor:
         cache = self.caches[table]
@@ -185,7 +153,7 @@ class ShardedRows:
             # the push's base is the oldest version this forward read from each shard: staleness not understated
             hit_owner = owner[look.hit]
             for s in hit_owner.unique().tolist():
-                lane = self._lanes[(s, table)]
+                lane = self.book.lanes[(s, table)]
                 lane.base = min(lane.base, int(look.versions[hit_owner == s].min()))
         return out
 
@@ -247,48 +215,27 @@ class ShardedRows:
 
     def _adopt(self, shard: int, table: str, version: int) -> None:
         """Rows read at ``version`` are used by this step's forward: its push's base."""
-        self._lanes[(shard, table)].base = version
+        self.book.lanes[(shard, table)].base = version
 
     def _fetch(self, s: ShardClient, table: str, dim: int, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
         """One shard's rows and the table version they reflect (sync: after this trainer's last push), in calls
         of at most MAX_ROWS_REPLY_BYTES of rows each (the shard refuses a bigger reply); the version is then the
         oldest of the calls' (a push's base: staleness is not understated)."""
-        lane = self._lanes[(s.index, table)]
+        lane = self.book.lanes[(s.index, table)]
         per_call = max(1, MAX_ROWS_REPLY_BYTES // (dim * 4))
         pieces = [self._pull_piece(s, table, lane, ids[i:i + per_call]) for i in range(0, len(ids), per_call)]
         version, raw = min(v for v, _ in pieces), b"".join(r for _, r in pieces)
         if len(raw) != len(ids) * dim * 4:
             raise ValueError(f"shard {s.index} sent {len(raw)} bytes of rows for {len(ids)} ids of dim {dim}")
-        went_back = False
-        with self._lock:
-            if version < lane.version:  # a running shard never goes back: restored from an older checkpoint
-                self.counters["versions_lost"] += lane.version - version
-                log.warning("table %r on shard %d is at version %d, behind the %d this trainer saw: the shard "
-                            "was restored from an older checkpoint; %d versions lost", table, s.index, version,
-                            lane.version, lane.version - version)
-                lane.version = version
-                went_back = True
-            lane.version = max(lane.version, version)
-            self.counters.update(bytes_pulled=len(raw) + 8 * len(ids), rows_pulled=len(ids),
-                                 row_pull_calls=len(pieces))
+        went_back = self.book.pulled(s.index, table, version, bytes_pulled=len(raw) + 8 * len(ids),
+                                     rows_pulled=len(ids), row_pull_calls=len(pieces))
         if went_back and table in self.caches:  # rows cached before the restore are of a state that is gone
             self.caches[table].drop_shard(s.index)
         return torch.from_numpy(np.frombuffer(raw, dtype=np.float32).copy()).view(len(ids), dim), version
 
-    def _pull_piece(self, s: ShardClient, table: str, lane: _Lane, ids: torch.Tensor) -> tuple[int, bytes]:
-        """One PullRows call: (the table's version, the rows' bytes)."""
-        sync = self.modes[table] != Mode.ASYNC
-        req = _pb.PullRowsRequest(rank=s.rank, trainer_id=s.trainer_id, fingerprint=s.fingerprint, table=table,
-                                  min_version=lane.wait_for if sync else 0,
-                                  ids=ids.contiguous().numpy().tobytes())
-
-        def once():
-            chunks = iter(self._pull[s.index](req, timeout=s.call_timeout))
-            first = next(chunks)
-            raw = b"".join([first.rows, *(c.rows for c in chunks)])
-            return first.header.version, raw
-
-        return self._call(s, "PullRows", once)
+    def _pull_piece(self, s: ShardClient, table: str, lane: Lane, ids: torch.Tensor) -> tuple[int, bytes]:
+        """One PullRows call (sync: at the close of this trainer's last push's round)."""
+        return self.calls.pull(s, table, lane.wait_for if self.modes[table] != Mode.ASYNC else 0, ids)
 
     # -- push ---------------------------------------------------------------------------------------
     def push(self, table: str, ids: torch.Tensor, grads: torch.Tensor, num_samples: int) -> None:
@@ -299,13 +246,13 @@ class ShardedRows:
                 table retries the unfinished shards with them (its own arguments are then not read).
         """
         spec = self._spec(table)
-        pending = self._pending.get(table)
+        pending = self.book.pending.get(table)
         if pending is None:
             if grads.shape != (len(ids), spec.dim):
                 raise ValueError(f"grads has shape {tuple(grads.shape)}, table {table!r} needs "
                                  f"({len(ids)}, {spec.dim})")
             grads = grads.detach().to("cpu", torch.float32)
-            pending = _Pending({s: (ids[pos], grads[pos], num_samples) for s, pos in enumerate(self._split(ids))})
+            pending = Pending({s: (ids[pos], grads[pos], num_samples) for s, pos in enumerate(self._split(ids))})
         todo = [s for s in pending.payloads if s not in pending.done]
         claim = self.ahead.claim(table) if self.fuse else None
         for shard, pull_ids in (list(claim.ids.items()) if claim else ()):
@@ -322,9 +269,9 @@ class ShardedRows:
         failed = {s: r for s, r in zip(todo, results) if isinstance(r, Exception)}
         pending.done.extend(s for s in todo if s not in failed and s not in pending.done)
         if failed:
-            self._pending[table] = pending
+            self.book.pending[table] = pending
             raise RowsPushFailed(table, sorted(pending.done), failed, [s.address for s in self.client.shards])
-        self._pending.pop(table, None)
+        self.book.pending.pop(table, None)
         self.ahead.pushed(table)
         if table in self.caches:
             self.caches[table].pushed(torch.cat([p[0] for p in pending.payloads.values()]))
@@ -343,46 +290,26 @@ class ShardedRows:
 
     def _push_once(self, s: ShardClient, table: str, ids: torch.Tensor, grads: torch.Tensor,
                    num_samples: int, claim: Claim | None = None) -> str:
-        lane = self._lanes[(s.index, table)]
-        if not lane.unanswered:
-            lane.sequence += 1
-            lane.unanswered = True
+        lane = self.book.lanes[(s.index, table)]
+        sequence = lane.number()  # the unanswered push's again (a retried step), else a new one
         pull_ids = claim.ids.get(s.index) if claim is not None else None
         header = _pb.RowsHeader(rank=s.rank, trainer_id=s.trainer_id, fingerprint=s.fingerprint, table=table,
-                                version=lane.base, num_samples=num_samples, sequence=lane.sequence,
+                                version=lane.base, num_samples=num_samples, sequence=sequence,
                                 num_ids=len(ids), dim=grads.shape[1])
         if pull_ids is not None:
             header.pull_ids = pull_ids.contiguous().numpy().tobytes()
         chunks = list(row_chunks(grads, header, self.chunk_bytes, ids))
-        sent = []  # one entry per attempt: a DUPLICATE to the first one is not a lost reply's retry
-
-        def send():
-            sent.append(1)
-            if pull_ids is None:
-                return self._push[s.index](iter(chunks), timeout=s.call_timeout), None
-            replies = iter(self._push_pull[s.index](iter(chunks), timeout=s.call_timeout))
-            first = next(replies)  # the whole reply is read here: a cut stream is retried as a lost reply
-            return first.header.push, (first.header.version, b"".join([first.rows, *(c.rows for c in replies)]))
-
         try:
-            reply, pulled = self._call(s, "PushPullRows" if pull_ids is not None else "PushRows", send,
-                                       retry_on=PUSH_RETRYABLE)
+            reply, pulled, sent = self.calls.push(s, chunks, fused=pull_ids is not None)
         except grpc.RpcError as e:
-            if not refused_stale(e):
+            version = stale_version(e, lane.base)
+            if version is None:
                 raise
-            lane.unanswered = False  # stale: answered (dropped); go on from the shard's version
-            version = version_of_refusal(e, lane.base)
-            lane.version = lane.base = lane.wait_for = max(lane.version, version)
+            self.book.stale(lane, version)  # answered (dropped): go on from the shard's version
             self._count(stale_pushes=1)
             return STALE
-        lane.unanswered = False
-        outcome = self._push_outcome(lane, _pb.PushOutcome.Name(reply.outcome).lower(), len(sent))
-        lane.version = max(lane.version, reply.version)
-        # async: go on from this push's own step; sync: the round it is in closes at base + 1, the next pull
-        # waits for it (the reply's rule, psserver.protocol.rules)
-        lane.base = reply_version(self.modes[table], outcome, header.version, lane.version)
-        if self.modes[table] != Mode.ASYNC:
-            lane.wait_for = lane.base
+        outcome = self.book.answered(lane, table, _pb.PushOutcome.Name(reply.outcome).lower(), header.version,
+                                     reply.version, sent)
         self._count(bytes_pushed=len(ids) * (8 + 4 * grads.shape[1]), rows_pushed=len(ids),
                     rows_stale=reply.rows_stale, **{f"{outcome}_pushes": 1})
         rows = self._rows_read(s, table, lane, pull_ids, *pulled) if pulled is not None else None
@@ -390,7 +317,7 @@ class ShardedRows:
             self.ahead.deliver(claim, s.index, rows, pulled[0])
         return outcome
 
-    def _rows_read(self, s: ShardClient, table: str, lane: _Lane, ids: torch.Tensor, version: int,
+    def _rows_read(self, s: ShardClient, table: str, lane: Lane, ids: torch.Tensor, version: int,
                    raw: bytes) -> torch.Tensor | None:
         """A fused call's rows (their version is the push's round close: nothing to check against a restore).
         Rows of the wrong size are counted and dropped, not raised: the push was answered, and raising would
@@ -406,15 +333,9 @@ class ShardedRows:
             self.counters.update(bytes_pulled=len(raw) + 8 * len(ids), rows_pulled=len(ids), fused_pulls=1)
         return torch.from_numpy(np.frombuffer(raw, dtype=np.float32).copy()).view(len(ids), dim)
 
-    def _push_outcome(self, lane: _Lane, outcome: str, attempts: int) -> str:
-        """The reply's outcome -- except the first push after a resync that a sync round answered DUPLICATE
-        on its first attempt: the restored round already held this rank's push from before the restart, so
-        this new gradient is dropped ("lost", counted), and the pull waits for that round as usual."""
-        resumed, lane.resumed = lane.resumed, False
-        if resumed and outcome == "duplicate" and attempts == 1:
-            self._count(pushes_lost=1)
-            return "lost"
-        return outcome
+    def _push_outcome(self, lane: Lane, outcome: str, attempts: int) -> str:
+        """RowLanes.push_outcome (the first DUPLICATE after a resync is a lost push)."""
+        return self.book.push_outcome(lane, outcome, attempts)
 
     # -- faults -------------------------------------------------------------------------------------
     def _restarted(self, s: ShardClient, e: grpc.RpcError) -> bool:
@@ -426,51 +347,26 @@ class ShardedRows:
 
     def resync(self, shard: int, versions: dict[str, int]) -> None:
         """Shard ``shard`` restarted and this trainer registered again: every table goes on from ``versions``
-        (the shard's, by table; a missing one is 0).  Unanswered numbers are abandoned and failed pushes
-        kept for the shard dropped -- the shard may have acknowledged either before its restart, and
-        a restored one would answer DUPLICATE to a new gradient under that number."""
-        with self._lock:
-            for name in self.tables:
-                lane = self._lanes[(shard, name)]
-                v = int(versions.get(name, 0))
-                self.counters["versions_lost"] += max(0, lane.version - v)
-                lane.version = lane.base = lane.wait_for = v
-                lane.unanswered, lane.resumed = False, True
-                pending = self._pending.get(name)
-                if pending is not None and shard in pending.payloads and shard not in pending.done:
-                    pending.done.append(shard)
-                    self.counters["pushes_lost"] += 1
-            self.counters["restarts"] += 1
+        (the shard's, by table; RowLanes.resync), and the rows cached or prefetched from it are dropped."""
+        self.book.resync(shard, versions)
         for cache in self.caches.values():  # (not under the lock: the caches count through it)
             cache.drop_shard(shard)
         self.ahead.drop()
 
     def start_at(self, shard: int, versions: dict[str, int]) -> None:
         """A new trainer's lanes of shard ``shard`` go on from the tables' ``versions`` there (nothing lost)."""
-        with self._lock:
-            for name in self.tables:
-                lane = self._lanes[(shard, name)]
-                lane.version = lane.base = lane.wait_for = int(versions.get(name, 0))
+        self.book.start_at(shard, versions)
 
     def abandon(self, table: str) -> bool:
         """Drop ``table``'s failed push instead of retrying it (trainer.api's abandon_step): the shards that
-        did not answer may or may not have applied it, so their next push gets a new number.  Returns
-        whether there was one; counted in ``pushes_abandoned`` (one per shard not done)."""
+        did not answer get new numbers (RowLanes.abandon).  Returns whether there was one."""
         self._spec(table)
-        pending = self._pending.pop(table, None)
-        if pending is None:
-            return False
-        undone = [s for s in pending.payloads if s not in pending.done]
-        for s in undone:
-            self._lanes[(s, table)].unanswered = False
-        self._count(pushes_abandoned=len(undone))
-        return True
+        return self.book.abandon(table)
 
     # -- the rest -----------------------------------------------------------------------------------
     def versions(self) -> dict[str, list[int]]:
         """Each table's version on each shard, as this trainer last saw it."""
-        m = len(self.client.shards)
-        return {name: [self._lanes[(s, name)].version for s in range(m)] for name in self.tables}
+        return self.book.versions()
 
     def prefetch(self, table: str, ids: torch.Tensor, ahead: int = 1) -> None:
         """Pull ``table``'s rows of ``ids`` ahead for the step ``ahead`` steps from now (trainer.row_prefetch)."""

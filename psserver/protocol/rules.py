@@ -56,6 +56,12 @@ def version_of_refusal(error: grpc.RpcError, default: int) -> int:
     return int(dict(error.trailing_metadata() or ()).get(VERSION_METADATA_KEY, default))
 
 
+def stale_version(error: grpc.RpcError, base: int) -> int | None:
+    """The shard's version if ``error`` refuses a push as too stale (``base`` when the refusal carries none),
+    else None: the trainer's one decode of a stale refusal, for dense slices and tables alike."""
+    return version_of_refusal(error, base) if refused_stale(error) else None
+
+
 def refusal_reason(error: grpc.RpcError) -> str:
     """The reason a FAILED_PRECONDITION refusal carries in its trailers ('' if none)."""
     if error.code() != grpc.StatusCode.FAILED_PRECONDITION:

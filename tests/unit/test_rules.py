@@ -5,7 +5,7 @@ import grpc
 import pytest
 
 from psserver.protocol.errors import VERSION_METADATA_KEY
-from psserver.protocol.rules import MODES, STALE, Mode, refused_stale, reply_version, version_of_refusal
+from psserver.protocol.rules import MODES, STALE, Mode, refused_stale, reply_version, stale_version, version_of_refusal
 
 
 def test_a_mode_equals_its_name_so_a_specs_string_compares_as_is_and_prints_as_its_name():
@@ -42,3 +42,10 @@ def test_a_stale_refusal_is_aborted_and_carries_the_shards_version_in_its_traile
     assert refused_stale(stale) and version_of_refusal(stale, default=3) == 41
     assert version_of_refusal(Refusal(grpc.StatusCode.ABORTED), default=3) == 3  # no trailer: stay where it is
     assert not refused_stale(Refusal(grpc.StatusCode.UNAVAILABLE))
+
+
+def test_the_stale_decode_gives_the_shards_version_for_a_stale_refusal_and_none_for_any_other_error():
+    stale = Refusal(grpc.StatusCode.ABORTED, ((VERSION_METADATA_KEY, "41"),))
+    assert stale_version(stale, base=3) == 41
+    assert stale_version(Refusal(grpc.StatusCode.ABORTED), base=3) == 3  # no trailer: stay where it is
+    assert stale_version(Refusal(grpc.StatusCode.UNAVAILABLE, ((VERSION_METADATA_KEY, "41"),)), base=3) is None

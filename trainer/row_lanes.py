@@ -1,0 +1,150 @@
+"""The book of a trainer's table lanes: per (shard, table), the versions it knows and its push numbering.
+
+``ShardedRows`` (trainer.sparse_client) makes the calls; this room keeps what they leave behind and decides
+from it, so the exactly-once and restart rules of tables read in one place (trainer.sparse_client's docstring
+tells them whole):
+
+* a lane numbers its pushes like a dense slice does (trainer.push_numbers): a lost reply's retry keeps the
+  number, an answer or an ``abandon`` moves on;
+* a push that failed on some shards is kept (``pending``) with its per-shard payloads for the retry;
+* after a shard restart (``resync``) every lane of that shard goes on from the versions the shard reports,
+  its unanswered number abandoned and any push kept for it dropped, counted in ``pushes_lost``; the first
+  push a restored sync round answers DUPLICATE at once held this rank's push from before (``push_outcome``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+from psserver.protocol.rules import Mode, reply_version
+from trainer.push_numbers import PushNumbers
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Lane(PushNumbers):
+    """One (shard, table): its version as this trainer knows it, what a pull must wait for, push numbering."""
+
+    version: int = 0  # newest table version this trainer saw on the shard (pull reply or push reply)
+    base: int = 0  # the base of the next push: the version of the latest pull (sync: the round it is in)
+    wait_for: int = 0  # sync modes: the version a pull must reach (the close of our last push's round)
+    resumed: bool = False  # resynced after a restart, no push answered since (see push_outcome)
+
+
+@dataclass
+class Pending:
+    """A push that failed on some shards: its per-shard payloads, kept for the retry."""
+
+    payloads: dict[int, tuple]  # shard -> (ids, grads, num_samples)
+    done: list[int] = field(default_factory=list)
+
+
+class RowLanes:
+    """Every lane of a trainer's tables over ``num_shards`` shards, and the table pushes kept for a retry.
+
+    ``counters`` and ``lock`` are ShardedRows' (one lock for the counters, which both count into)."""
+
+    def __init__(self, modes: dict[str, str], num_shards: int, counters: Counter, lock: threading.Lock):
+        self.modes, self.num_shards, self.counters, self._lock = modes, num_shards, counters, lock
+        self.lanes = {(s, name): Lane() for s in range(num_shards) for name in modes}
+        self.pending: dict[str, Pending] = {}
+
+    def known_versions(self, table: str) -> list[int]:
+        """Per shard, the newest version of ``table`` this trainer knows of: in sync modes at least the close of
+        its last push's round (what its next pull waits for)."""
+        sync = self.modes[table] != Mode.ASYNC
+        lanes = [self.lanes[(s, table)] for s in range(self.num_shards)]
+        return [max(ln.version, ln.wait_for) if sync else ln.version for ln in lanes]
+
+    def pulled(self, shard: int, table: str, version: int, **counts: int) -> bool:
+        """A pull of ``table`` from ``shard`` read ``version`` (``counts`` added to the counters); whether the
+        shard went back -- restored from an older checkpoint: the versions lost are counted."""
+        lane = self.lanes[(shard, table)]
+        went_back = False
+        with self._lock:
+            if version < lane.version:  # a running shard never goes back
+                self.counters["versions_lost"] += lane.version - version
+                log.warning("table %r on shard %d is at version %d, behind the %d this trainer saw: the shard "
+                            "was restored from an older checkpoint; %d versions lost", table, shard, version,
+                            lane.version, lane.version - version)
+                lane.version = version
+                went_back = True
+            lane.version = max(lane.version, version)
+            self.counters.update(counts)
+        return went_back
+
+    def stale(self, lane: Lane, version: int) -> None:
+        """The push was refused as too stale (answered: dropped): go on from the shard's ``version``."""
+        lane.answered()
+        lane.version = lane.base = lane.wait_for = max(lane.version, version)
+
+    def answered(self, lane: Lane, table: str, outcome: str, base: int, version: int, attempts: int) -> str:
+        """A push from ``base`` was answered ``outcome`` at ``version`` after ``attempts`` sends: the lane moves
+        on, and the outcome to count is returned (see push_outcome)."""
+        lane.answered()
+        outcome = self.push_outcome(lane, outcome, attempts)
+        lane.version = max(lane.version, version)
+        # async: go on from this push's own step; sync: the round it is in closes at base + 1, the next pull
+        # waits for it (the reply's rule, psserver.protocol.rules)
+        lane.base = reply_version(self.modes[table], outcome, base, lane.version)
+        if self.modes[table] != Mode.ASYNC:
+            lane.wait_for = lane.base
+        return outcome
+
+    def push_outcome(self, lane: Lane, outcome: str, attempts: int) -> str:
+        """The reply's outcome -- except the first push after a resync that a sync round answered DUPLICATE
+        on its first attempt: the restored round already held this rank's push from before the restart, so
+        this new gradient is dropped ("lost", counted), and the pull waits for that round as usual."""
+        resumed, lane.resumed = lane.resumed, False
+        if resumed and outcome == "duplicate" and attempts == 1:
+            with self._lock:
+                self.counters["pushes_lost"] += 1
+            return "lost"
+        return outcome
+
+    def resync(self, shard: int, versions: dict[str, int]) -> None:
+        """Shard ``shard`` restarted: every lane of it goes on from ``versions`` (by table; a missing one is 0),
+        its unanswered number abandoned, and a failed push kept for it dropped -- the shard may have
+        acknowledged either before its restart, and a restored one would answer DUPLICATE to a new gradient
+        under that number."""
+        with self._lock:
+            for name in self.modes:
+                lane = self.lanes[(shard, name)]
+                v = int(versions.get(name, 0))
+                self.counters["versions_lost"] += max(0, lane.version - v)
+                lane.version = lane.base = lane.wait_for = v
+                lane.abandon()
+                lane.resumed = True
+                pending = self.pending.get(name)
+                if pending is not None and shard in pending.payloads and shard not in pending.done:
+                    pending.done.append(shard)
+                    self.counters["pushes_lost"] += 1
+            self.counters["restarts"] += 1
+
+    def start_at(self, shard: int, versions: dict[str, int]) -> None:
+        """A new trainer's lanes of shard ``shard`` go on from the tables' ``versions`` there (nothing lost)."""
+        with self._lock:
+            for name in self.modes:
+                lane = self.lanes[(shard, name)]
+                lane.version = lane.base = lane.wait_for = int(versions.get(name, 0))
+
+    def abandon(self, table: str) -> bool:
+        """Drop ``table``'s failed push: the shards that did not answer may or may not have applied it, so their
+        next push gets a new number.  Whether there was one; counted in ``pushes_abandoned`` (per shard not done)."""
+        pending = self.pending.pop(table, None)
+        if pending is None:
+            return False
+        undone = [s for s in pending.payloads if s not in pending.done]
+        for s in undone:
+            self.lanes[(s, table)].abandon()
+        with self._lock:
+            self.counters["pushes_abandoned"] += len(undone)
+        return True
+
+    def versions(self) -> dict[str, list[int]]:
+        """Each table's version on each shard, as this trainer last saw it."""
+        return {name: [self.lanes[(s, name)].version for s in range(self.num_shards)] for name in self.modes}
