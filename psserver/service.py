@@ -22,6 +22,8 @@ chunks of anyone's stream.  The rules of the house:
 Why it is long (~680 lines): one method per RPC (eleven), each decoding and bounding its own message, plus
 the chunk-stream reader and the checks of a row stream's tiling that must run on the loop as chunks arrive.
 The table RPCs' logic (ids checked once, waits, where the work runs) lives in psserver/sparse/calls.py.
+``ParameterServerService`` itself is ~335 lines for the same reason: it is those eleven methods and their
+stream readers, and splitting the RPCs among classes would split the one place errors become status codes.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ acknowledges it as a duplicate instead of applying it twice.  Every retry and
 every stale push is counted in ``counters`` and logged.
 
 Why it is over 500 lines: the dense chunk streams (fastwire, push-pull, one-chunk unary pushes) and the retry
-discipline are one piece; the session (trainer.session) and the step (trainer.exchange) are rooms of their own.
+discipline are one piece; the session (trainer.session), the step (trainer.exchange) and what the next push
+sends -- its number and encoding (trainer.dense_push over trainer.push_numbers) -- are rooms of their own.
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ after the last push).  In sync and stale-timeout modes a pull waits for the vers
 after this trainer's last push to that table on that shard -- the round it was in
 closed; in async mode it waits for nothing.
 
+Where it lives: this module splits ids and fans calls out; one call to one shard is trainer.row_calls; the
+lanes' versions, numbering and kept pushes are trainer.row_lanes (numbering: trainer.push_numbers, shared
+with the dense slices).
+
 Exactly once: each (shard, table) numbers its pushes from 1; a push whose reply was
 lost (UNAVAILABLE, DEADLINE_EXCEEDED) is retried with the same number and the shard
 answers DUPLICATE instead of applying it twice.  A push that failed for good on some

@@ -11,6 +11,11 @@ admitted) costs nothing: it is recreated from (seed, id) when it comes back.
 Clocks: ``version`` counts pushes applied (Adam's t; "unseen for T versions"
 eviction); ``tick`` counts calls (lookups and pushes) and orders rows for LRU.
 Every refusal is raised before anything changes.
+
+Why ``RowStore`` is ~345 lines: its slots, index, row and state tensors and LRU ticks must change together or
+not at all (a refusal leaves no trace), so the checks, the slot allocation and eviction, lookup/apply and the
+checkpoint form stay in one class; the pieces with no share in that invariant are rooms of their own
+(``index``, ``admission``, ``init``, ``optim``, ``placement``).
 """
 
 from __future__ import annotations
