@@ -224,7 +224,19 @@ class Enrolment:
         return [self.members.next_expiry(), self.epochs.next_deadline()]
 
     def table_members(self) -> TableMembers:
-        return TableMembers(frozenset(self.members.view().live), self.started)
+        """The membership a table's round reads: the live set, and the timeline that says who each round expects
+        (one boundary for the dense round and the tables, psserver.sparse.serving.Membership)."""
+        return TableMembers(frozenset(self.members.view().live), self.started, self.epochs)
+
+    def joins_at(self, rank: int, round_: int) -> bool:
+        """Whether ``rank`` is a member from round ``round_`` and was not in the round before (a joiner's first
+        round: its table pulls wait for the close of the one before).  Lock-free callers (a pull's check on
+        the event loop) read a copy of the timeline."""
+        book = self.epochs
+        if book is None or round_ <= 0:
+            return False
+        timeline = list(book.timeline)
+        return rank in epoch_at(timeline, round_).members and rank not in epoch_at(timeline, round_ - 1).members
 
     def round_view(self, version: int, round_, last_base: dict) -> modes.RoundView:
         book = self.epochs

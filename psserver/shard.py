@@ -194,6 +194,7 @@ class Shard:
             if replaced:
                 self.pushes.new_process(rank, holes=False)  # a new process on a rank that left
             self._close_if_due()
+            self.tables.close_due(self.enrolment.table_members(), self._clock())  # a table round it held
             self._changed()
             view = self.members.view()
             return dict(shard=self.shard_id, start=self.start, end=self.end, initialized=self.params is not None,

@@ -192,7 +192,7 @@ class ParameterServerTrainer:
         if not self.tables:
             return
         self.rows = sharded_rows_class()(self.client, self.job, on_restart=self.session.rejoin_for_tables)
-        self.session.track_rows(self.rows)
+        self.session.track_rows(self.rows, self.joined_at)
         for t in self.tables:
             t.bind(self.rows)
 

@@ -16,6 +16,7 @@ from typing import Callable
 import grpc
 
 from psserver.protocol.epochs import Epoch, epoch_at
+from psserver.protocol.rules import Mode
 from trainer.client import WAIT_LOG_SECONDS, ShardClient, ShardedClient
 from trainer.slots import DenseSlots
 
@@ -26,6 +27,12 @@ LEFT, NOT_LISTED = "left", "not listed"  # what a shard answered a Leave: OK, or
 
 class StartTimeout(TimeoutError):
     """The job did not start within the connect timeout; the message says what was still awaited."""
+
+
+def joined_round(version: int, mode: str, joined_at: int) -> int:
+    """Where a table's lane starts on a shard whose table is at ``version``: a sync table's at the round the
+    trainer joined at, if later (async and stale-timeout tables' versions do not follow the job's rounds)."""
+    return max(version, joined_at) if mode == Mode.SYNC else version
 
 
 class Session:
@@ -52,17 +59,23 @@ class Session:
         self._in_step = False
         self._rejoined: set[int] = set()  # slots registered again during the current step
 
-    def track_rows(self, rows) -> None:
+    def track_rows(self, rows, joined_at: int = 0) -> None:
         """Bind the tables' client, its lanes starting at the tables' versions on each shard.  Why: a trainer
         joining a job whose tables moved on (a restored or re-sharded one) would otherwise push a shard whose
-        rows it did not pull as from version 0 -- dropped as stale, and a sync round would close without it."""
+        rows it did not pull as from version 0 -- dropped as stale, and a sync round would close without it.
+        ``joined_at``: the round an elastic join admitted this trainer at.  A sync table's round r is the job's
+        round r (docs/elastic.md), so its lanes start there: the first pull waits for the round before it to
+        close (a shard may read one behind when the others' table pushes of that round are still in flight)
+        and the first push lands in round ``joined_at``, never in a round of the epoch before."""
         self.rows = rows
         start_at = getattr(rows, "start_at", None)  # a stand-in client (tests: trainer.embedding.LocalRows) has none
         if start_at is None:
             return
+        modes = getattr(rows, "modes", {})
         for s in self.client.shards:
             counters = s.stats().counters
-            start_at(s.index, {name: int(counters.get(f"table.{name}.version", 0)) for name in rows.tables})
+            start_at(s.index, {name: joined_round(int(counters.get(f"table.{name}.version", 0)),
+                                                  modes.get(name, Mode.ASYNC), joined_at) for name in rows.tables})
 
     # ------------------------------------------------------------------ joining
     def join(self, timeout: float, running: bool = False) -> None:

@@ -162,9 +162,6 @@ class JobSpec:
         if self.max_trainers and not self.num_trainers <= self.max_trainers <= MAX_TRAINERS:
             raise ValueError(f"The maximum number of trainers ({self.max_trainers}) must be 0 or between the number "
                              f"of trainers ({self.num_trainers}) and {MAX_TRAINERS}.")
-        if self.max_trainers > self.num_trainers and self.tables:
-            raise ValueError(f"max_trainers ({self.max_trainers}) with sparse tables: elastic jobs serve dense "
-                             "parameters only (docs/elastic.md)")
         if self.lr_scaling not in LR_SCALINGS:
             raise ValueError(f"The lr scaling ({shorten(self.lr_scaling)}) must be one of {', '.join(LR_SCALINGS)}.")
         _check_tensors(self.tensors, self.total_params)

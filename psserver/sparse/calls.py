@@ -70,7 +70,9 @@ class RowCalls:
                    ids: CheckedIds, deadline: float, hold) -> tuple[float, object, int, torch.Tensor]:
         """A pull's second half, once its ids are checked: refuse a version this shard will not reach, wait for
         it, ``hold(bytes)`` the reply's memory, gather.  Returns (seconds waited, the table, version, rows)."""
-        table.check_wait(rank, min_version)  # a restarted shard would never answer
+        # a restarted shard would never answer; a joiner waits for the round before its first
+        table.check_wait(rank, min_version, min_version > table.version
+                         and self.shard.enrolment.joins_at(rank, min_version))
         waited = await self.wait_table(name, min_version, deadline)
         table = self.shard.tables.get(name)  # a new job may have replaced the tables meanwhile
         n = len(ids.ids)

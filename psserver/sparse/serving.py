@@ -89,17 +89,31 @@ class RowsResult:
 
 @dataclass(frozen=True)
 class Membership:
-    """What the table decisions need of the shard's membership."""
+    """What the table decisions need of the shard's membership.  ``epochs``: the shard's membership timeline
+    (psserver.epochs.EpochBook of partition 0) in an elastic job, else None -- a sync table's round r is the
+    job's round r (every trainer pushes every table on every shard once per step, so a table's version moves
+    with the dense one), so it expects the members of the epoch in effect at r, as the dense round does."""
 
     live: frozenset = frozenset()
     started: bool = True
+    epochs: object = None
+
+    def at(self, round_: int) -> tuple[frozenset, int, bool]:
+        """(the ranks round ``round_`` waits for, the size of its epoch (0: the job's), whether a pending join
+        holds it): the live members of its epoch, as psserver.enrolment.round_view says for the dense round."""
+        book = self.epochs
+        if book is None:
+            return self.live, 0, False
+        held = book.held_from()
+        return (book.expected(self.live, round_), len(book.members_at(round_)),
+                held is not None and round_ >= held)
 
 
 def mode_config(spec: TableSpec, job: JobSpec) -> modes.ModeConfig:
     """The dense decisions' knobs for a table: the table's mode, the job's timeout knobs.  An async table's
     staleness bound is per row (``ServedTable._stale_rows``), so the push-level one stays unbounded."""
     return modes.ModeConfig(table_mode(spec, job), None, job.sync_timeout, job.replicas_to_aggregate,
-                            job.stale_policy)
+                            job.stale_policy, job.num_trainers)
 
 
 class ServedTable(PushTarget):
@@ -134,19 +148,21 @@ class ServedTable(PushTarget):
     def ready(self, min_version: int) -> bool:
         return self.version >= min_version
 
-    def check_wait(self, rank: int, min_version: int) -> None:
+    def check_wait(self, rank: int, min_version: int, joins: bool = False) -> None:
         """Refuse (OUT_OF_RANGE, the restart signal) a pull waiting for a version this shard will not reach.
 
         A healthy trainer waits for at most the close of the round it pushed into: ``version + 1``, and
         only while it is in that round.  Anything further means the shard came back from an older
         checkpoint without the trainer's push; waiting would hang every trainer of a sync round until
-        its call timed out.  Lock-free: the round is read before the version, and a closing round bumps
-        the version before it forgets its contributors, so a round closing meanwhile is never refused.
+        its call timed out.  A joiner (``joins``: ``rank`` is a member from round ``min_version`` on, not
+        before) waits for the close of the round before its first, which it is in no part of.  Lock-free: the
+        round is read before the version, and a closing round bumps the version before it forgets its
+        contributors, so a round closing meanwhile is never refused.
         """
         if self.mode == Mode.ASYNC or min_version <= self.version:
             return
         r = self.round
-        in_round = rank in r.contributors or any(s[0] == rank for s in r.stale)
+        in_round = joins or rank in r.contributors or any(s[0] == rank for s in r.stale)
         version = self.version
         if min_version > version + (1 if in_round else 0):
             held = "holds a push" if in_round else "holds no push"
@@ -219,8 +235,11 @@ class ServedTable(PushTarget):
         return result
 
     def _view(self, members: Membership) -> modes.RoundView:
+        """The open round as psserver.modes sees it: its expected members are those of the epoch in effect at
+        its round (the table's version; async tables wait for no one, so it does not matter there)."""
         r = self.round
-        return modes.RoundView(version=self.version, live=members.live, started=members.started,
+        live, size, held = members.at(self.version)
+        return modes.RoundView(version=self.version, live=live, started=members.started, held=held, members=size,
                                contributors=r.contributors, stale_in_round=r.stale, opened_at=r.opened_at)
 
     # ------------------------------------------------------------ what the executor does to a table
