@@ -90,9 +90,10 @@ class RowsResult:
 @dataclass(frozen=True)
 class Membership:
     """What the table decisions need of the shard's membership.  ``epochs``: the shard's membership timeline
-    (psserver.epochs.EpochBook of partition 0) in an elastic job, else None -- a sync table's round r is the
-    job's round r (every trainer pushes every table on every shard once per step, so a table's version moves
-    with the dense one), so it expects the members of the epoch in effect at r, as the dense round does."""
+    (psserver.epochs.EpochBook of partition 0, where the tables live; None: every live trainer is expected).
+    A sync table's round r is the job's round r (every trainer pushes every table on every shard once per
+    step, so a table's version moves with the dense one): it expects the members of the epoch in effect at r,
+    as the dense round does.  In a job that never changes that is every live trainer, as before."""
 
     live: frozenset = frozenset()
     started: bool = True
