@@ -186,15 +186,17 @@ class EpochBook:
         """Add ``rank`` to (or take it from) the epoch at round ``at`` and every later one; an epoch starts at
         ``at`` if none did.  Each epoch changed gets a new number, so a trainer that knows the old one sees the
         change (two joins in one round make one epoch with both).  Returns the epoch at ``at``."""
-        i = next((k for k, e in enumerate(self.timeline) if e.round >= at), len(self.timeline))
-        if i == len(self.timeline) or self.timeline[i].round != at:
-            self.timeline.insert(i, Epoch(-1, at, epoch_at(self.timeline, at).members))
-        number = max(e.number for e in self.timeline)
-        for k in range(i, len(self.timeline)):
-            e = self.timeline[k]
+        timeline = list(self.timeline)  # built aside, then swapped in: readers without the lock never see half
+        i = next((k for k, e in enumerate(timeline) if e.round >= at), len(timeline))
+        if i == len(timeline) or timeline[i].round != at:
+            timeline.insert(i, Epoch(-1, at, epoch_at(timeline, at).members))
+        number = max(e.number for e in timeline)
+        for k in range(i, len(timeline)):
+            e = timeline[k]
             number += 1
-            self.timeline[k] = Epoch(number, e.round, e.members | {rank} if add else e.members - {rank})
-        return self.timeline[i]
+            timeline[k] = Epoch(number, e.round, e.members | {rank} if add else e.members - {rank})
+        self.timeline = timeline
+        return timeline[i]
 
     # ------------------------------------------------------------------ checks
     def _check_room(self, at: int, what: str) -> None:
