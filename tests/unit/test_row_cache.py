@@ -150,3 +150,48 @@ def test_cache_sizes_are_refused_when_negative_or_past_the_tables_push_bound():
         ShardedEmbeddingBag("t", 4, cache_rows=10, cache_staleness=-1)
     with pytest.raises(ValueError, match=r"cache_staleness \(3\) is above max_staleness \(2\)"):
         ShardedEmbeddingBag("t", 4, table_mode="async", max_staleness=2, cache_rows=10, cache_staleness=3)
+
+
+def test_the_index_answers_hits_and_misses_and_a_dropped_or_evicted_id_misses_again():
+    cache = RowCache(8, DIM, max_staleness=5)
+    ids = torch.tensor([10, 20, 30])
+    cache.insert(ids, torch.arange(6.0).view(3, DIM), torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64))
+    look = cache.lookup(torch.tensor([30, 11, 10]), known=torch.tensor([0]))
+    assert look.hit.tolist() == [True, False, True] and look.rows.tolist() == [[4.0, 5.0], [0.0, 1.0]]
+    cache.drop(torch.tensor([30, 99]))
+    assert cache.lookup(torch.tensor([30, 20]), known=torch.tensor([0])).hit.tolist() == [False, True]
+    assert cache.counts["dropped"] == 1 and len(cache) == 2
+
+
+def test_at_capacity_an_insert_evicts_least_recently_used_rows_never_one_it_refreshes():
+    cache = RowCache(128, DIM, max_staleness=100)
+    zeros = lambda n: torch.zeros(n, dtype=torch.int64)  # noqa: E731
+    cache.insert(torch.arange(128), torch.zeros(128, DIM), zeros(128), zeros(128))
+    cache.lookup(torch.arange(64, 128), known=torch.tensor([0]))  # 64..127 used again: 0..63 least recent
+    # 4 ids held (refreshed) and 10 new: 10 slots or more freed from 0..63, never from the refreshed 0..3
+    cache.insert(torch.cat([torch.arange(4), torch.arange(1000, 1010)]), torch.ones(14, DIM), zeros(14), zeros(14))
+    held = set(cache.keys.tolist())
+    assert set(range(1000, 1010)) <= held and set(range(4)) <= held and set(range(64, 128)) <= held
+    assert len(cache) <= 128 and cache.counts["evicted"] == 128 + 10 - len(cache)
+    assert len(set(cache.slots.tolist())) == len(cache)  # one slot per id held
+
+
+def test_memory_stays_within_its_bound_and_flat_through_a_long_stream_of_new_ids():
+    capacity, dim = 1000, 16
+    cache = RowCache(capacity, dim, max_staleness=2)
+    gen = torch.Generator().manual_seed(0)
+    bound = capacity * (dim * 4 + 5 * 8) + 8 * 21 * capacity + 64 * 21  # slots, free stack, index (<= 8 positions)
+    sizes = []
+    for step in range(300):
+        ids = torch.unique(torch.randint(0, 10**9, (400,), generator=gen))
+        look = cache.lookup(ids, known=torch.tensor([step]))
+        miss = ids[~look.hit]
+        n = len(miss)
+        cache.insert(miss, torch.zeros(n, dim), torch.full((n,), step), torch.zeros(n, dtype=torch.int64))
+        if step % 4 == 3:
+            cache.pushed(ids)
+            cache.drop(ids[: len(ids) // 2])
+        assert len(cache) <= capacity
+        sizes.append(cache.nbytes())
+    assert max(sizes) <= bound
+    assert len(set(sizes[150:])) <= 3  # the index settles at a size or two: memory does not creep

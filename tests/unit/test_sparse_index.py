@@ -50,3 +50,10 @@ def test_extreme_ids_and_zero_are_ordinary_keys_and_absent_ones_read_minus_one()
     assert torch.equal(index.find(ids.flip(0)), torch.tensor([14, 13, 12, 11, 10]))
     index.remove(torch.tensor([INT64_MIN]))
     assert index.find(torch.tensor([INT64_MIN, INT64_MAX])).tolist() == [-1, 13]
+
+
+def test_remove_answers_the_slot_each_id_had_and_minus_one_for_ids_not_held():
+    index = IdIndex()
+    index.insert(torch.tensor([5, 7, 9]), torch.tensor([0, 1, 2]))
+    assert index.remove(torch.tensor([7, 8, 5])).tolist() == [1, -1, 0]
+    assert len(index) == 1 and index.find(torch.tensor([5, 7, 9])).tolist() == [-1, -1, 2]

@@ -232,3 +232,19 @@ def test_a_store_fed_lookups_and_pushes_trains_exactly_like_a_torch_sparse_embed
         grad = emb.weight.grad.coalesce()
         store.apply(table_ids[grad.indices()[0]], grad.values())
     assert torch.equal(store.lookup(table_ids), emb.weight.detach())
+
+
+def test_an_update_after_a_bigger_one_equals_the_same_update_on_a_fresh_store():
+    # the update's padded scratch is kept between pushes: the rows, state and gradients a bigger push left
+    # there (and eps 0's 0/0 in its padding) must not reach a later, smaller push
+    cfg = SparseOptimizerConfig("adagrad", lr=0.1, eps=0.0)
+    used, fresh = RowStore(spec(optimizer=cfg)), RowStore(spec(optimizer=cfg))
+    big, small = torch.arange(100), torch.tensor([3, 50, 70])
+    used.apply(big, torch.full((100, DIM), 0.5))
+    fresh.apply(big, torch.full((100, DIM), 0.5))
+    grads = torch.randn(3, DIM, generator=torch.Generator().manual_seed(1))
+    used.apply(small, grads)
+    fresh2 = RowStore.restore(fresh.spec, fresh.state())  # its scratch never held the bigger push
+    fresh2.apply(small, grads)
+    assert torch.equal(used.lookup(big), fresh2.lookup(big))
+    assert torch.isfinite(used.lookup(big)).all()

@@ -162,14 +162,17 @@ class IdIndex:
         if not inside.all():
             self._place(ids[order[~inside]], slots[order[~inside]])
 
-    def remove(self, ids: torch.Tensor) -> None:
-        """Forget ``ids`` (each present)."""
+    def remove(self, ids: torch.Tensor) -> torch.Tensor:
+        """Forget ``ids`` (unique); the slot each one had, -1 for ids not in the index (one probe pass where a
+        find and a remove would take two)."""
         pos = self._positions(_np(ids))
+        out = np.where(pos >= 0, self._slots[pos], -1)
         pos = pos[pos >= 0]
         self._state[pos] = GONE
         self._slots[pos] = -1
         self.size -= len(pos)
         self.tombstones += len(pos)
+        return torch.from_numpy(out)
 
     def items(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every (id, slot) held, in table order."""
