@@ -155,7 +155,8 @@ def test_cache_sizes_are_refused_when_negative_or_past_the_tables_push_bound():
 def test_the_index_answers_hits_and_misses_and_a_dropped_or_evicted_id_misses_again():
     cache = RowCache(8, DIM, max_staleness=5)
     ids = torch.tensor([10, 20, 30])
-    cache.insert(ids, torch.arange(6.0).view(3, DIM), torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64))
+    zeros = torch.zeros(3, dtype=torch.int64)
+    cache.insert(ids, torch.arange(6.0).view(3, DIM), zeros, zeros)
     look = cache.lookup(torch.tensor([30, 11, 10]), known=torch.tensor([0]))
     assert look.hit.tolist() == [True, False, True] and look.rows.tolist() == [[4.0, 5.0], [0.0, 1.0]]
     cache.drop(torch.tensor([30, 99]))

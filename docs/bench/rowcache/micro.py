@@ -1,7 +1,7 @@
 """The row cache's own cost per step (issue 21 item 3), no network: ``RowCache`` alone, one torch thread, fed
 the click log's batches (batch 512, ~1,330 unique ids a step): a lookup, an insert of the misses (as
-``pull_through`` does after its fetch), then every id ``pushed``: what a training step asks of it.  Prints one JSON line of median microseconds of this
-thread's CPU time (steadier than wall time on a loaded machine) per
+``pull_through`` does after its fetch), then every id ``pushed``: what a training step asks of it.  Prints one
+JSON line of median microseconds of this thread's CPU time (steadier than wall time on a loaded machine) per
 step of lookup, insert, pushed (drop) and the whole step, after the cache has filled.
 
     PYTHONPATH=$PWD python docs/bench/rowcache/micro.py [CACHE_ROWS] [STALENESS] [STEPS]
