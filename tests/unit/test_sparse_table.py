@@ -248,3 +248,16 @@ def test_an_update_after_a_bigger_one_equals_the_same_update_on_a_fresh_store():
     fresh2.apply(small, grads)
     assert torch.equal(used.lookup(big), fresh2.lookup(big))
     assert torch.isfinite(used.lookup(big)).all()
+
+
+def test_a_push_bigger_than_the_kept_scratch_updates_like_smaller_ones_and_the_scratch_kept_stays_bounded():
+    cfg = SparseOptimizerConfig("sgd", lr=0.1)  # rows independent: one push or two give the same rows
+    whole, halves = RowStore(spec(optimizer=cfg)), RowStore(spec(optimizer=cfg))
+    n = whole._scratch.keep_rows + 100
+    ids, grads = torch.arange(n), torch.randn(n, DIM, generator=torch.Generator().manual_seed(2))
+    whole.apply(ids, grads)
+    halves.apply(ids[: n // 2], grads[: n // 2])
+    halves.apply(ids[n // 2:], grads[n // 2:])
+    assert torch.equal(whole.lookup(ids), halves.lookup(ids))
+    assert whole._scratch.nbytes() <= whole._scratch.KEEP_BYTES
+    assert halves._scratch.nbytes() <= halves._scratch.KEEP_BYTES

@@ -76,27 +76,37 @@ LANE_ROWS = 64
 class UpdateScratch:
     """Buffers an update works in, padded to LANE_ROWS and kept between pushes: a push gathers its rows, their
     state and its gradients into them (``index_select(out=)``, ``copy_``) instead of concatenating fresh tensors
-    (three allocations and copies a push, ~100-400 KB each at a few thousand rows).  Grown by doubling, never
-    past the largest push seen (bounded by limits.MAX_IDS_PER_CALL)."""
+    (three allocations and copies a push, ~100-400 KB each at a few thousand rows).  What is kept grows by
+    doubling up to KEEP_BYTES; a bigger push gets buffers of its own, freed after it, as before."""
+
+    KEEP_BYTES = 4 << 20
 
     def __init__(self, dim: int, width: int):
         self.dim, self.width = dim, width
-        self._rows, self._state, self._grads = torch.zeros(0, dim), torch.zeros(0, width), torch.zeros(0, dim)
+        self.keep_rows = max(LANE_ROWS, self.KEEP_BYTES // ((2 * dim + width) * 4) // LANE_ROWS * LANE_ROWS)
+        self._rows, self._state, self._grads = self._new(0)
 
-    def _fit(self, m: int) -> None:
+    def _new(self, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return torch.zeros(m, self.dim), torch.zeros(m, self.width), torch.zeros(m, self.dim)
+
+    def _buffers(self, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Three buffers of ``m`` rows: views of the kept ones, or new ones past ``keep_rows``."""
+        if m > self.keep_rows:
+            return self._new(m)
         if m > len(self._rows):
-            m = max(m, 2 * len(self._rows))
-            self._rows, self._grads = torch.zeros(m, self.dim), torch.zeros(m, self.dim)
-            self._state = torch.zeros(m, self.width)
+            self._rows, self._state, self._grads = self._new(min(max(m, 2 * len(self._rows)), self.keep_rows))
+        return self._rows[:m], self._state[:m], self._grads[:m]
+
+    def nbytes(self) -> int:
+        """Bytes kept between pushes: at most KEEP_BYTES."""
+        return 4 * (self._rows.numel() + self._state.numel() + self._grads.numel())
 
     def gather(self, rows: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
                grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows and state at ``slots`` and ``grads``, each padded with zero rows to a multiple of LANE_ROWS
         (why: LANE_ROWS); views of the scratch, valid until the next call."""
         n = len(slots)
-        m = n + (-n % LANE_ROWS)
-        self._fit(m)
-        out = self._rows[:m], self._state[:m], self._grads[:m]
+        out = self._buffers(n + (-n % LANE_ROWS))
         torch.index_select(rows, 0, slots, out=out[0][:n])
         out[2][:n].copy_(grads)
         if self.width:
