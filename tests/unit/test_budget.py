@@ -101,3 +101,19 @@ def test_an_apply_past_the_row_limit_drops_and_counts_the_rows_that_do_not_fit()
     store.lookup(torch.arange(3))
     store.apply(torch.tensor([0, 7, 8]), torch.ones(3, 4))  # a sync round's union may pass the limit
     assert len(store) == 4 and store.counts.dropped_grads == 1 and store.version == 1
+
+
+def test_a_tables_update_buffers_are_counted_in_its_memory_and_never_outgrow_its_rows():
+    table = TableSpec("t", 16, SparseOptimizerConfig("adam"))
+    store = RowStore(table)
+    ids = torch.arange(5000)
+    store.lookup(ids)
+    before = store.memory()
+    store.apply(ids, torch.ones(5000, 16))
+    after = store.memory()
+    assert after["scratch"] > 0 and after["total"] - before["total"] == after["scratch"] - before["scratch"]
+    assert after["scratch"] <= 2 * after["tensors"]
+    small = RowStore(TableSpec("s", 16, SparseOptimizerConfig("adam"), max_rows=10))
+    small.lookup(torch.arange(10))
+    small.apply(torch.arange(10), torch.ones(10, 16))
+    assert small.memory()["scratch"] <= 64 * (2 * 16 + small.width) * 4  # one LANE_ROWS block, not 4 MB

@@ -89,12 +89,16 @@ class UpdateScratch:
     def _new(self, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return torch.zeros(m, self.dim), torch.zeros(m, self.width), torch.zeros(m, self.dim)
 
-    def _buffers(self, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Three buffers of ``m`` rows: views of the kept ones, or new ones past ``keep_rows``."""
-        if m > self.keep_rows:
+    def _buffers(self, m: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Three buffers of ``m`` rows: views of the kept ones, or new ones past what is kept.  What is kept
+        stops at ``keep_rows`` and at the store's own ``capacity`` (rounded up to LANE_ROWS), so a table's
+        scratch is never more than about twice the rows it holds: the memory budget's row limits, which
+        bound the rows, bound it too."""
+        keep = min(self.keep_rows, capacity + (-capacity % LANE_ROWS))
+        if m > keep:
             return self._new(m)
         if m > len(self._rows):
-            self._rows, self._state, self._grads = self._new(min(max(m, 2 * len(self._rows)), self.keep_rows))
+            self._rows, self._state, self._grads = self._new(min(max(m, 2 * len(self._rows)), keep))
         return self._rows[:m], self._state[:m], self._grads[:m]
 
     def nbytes(self) -> int:
@@ -106,7 +110,7 @@ class UpdateScratch:
         """Rows and state at ``slots`` and ``grads``, each padded with zero rows to a multiple of LANE_ROWS
         (why: LANE_ROWS); views of the scratch, valid until the next call."""
         n = len(slots)
-        out = self._buffers(n + (-n % LANE_ROWS))
+        out = self._buffers(n + (-n % LANE_ROWS), len(rows))
         torch.index_select(rows, 0, slots, out=out[0][:n])
         out[2][:n].copy_(grads)
         if self.width:
@@ -515,14 +519,15 @@ class RowStore:
 
     def memory(self) -> dict[str, int]:
         """Bytes held: ``tensors`` (allocated slots), ``index`` (the id -> slot index and the free
-        list), ``admission`` (the sketch), ``total``; and ``live_payload``, the bytes of live rows
+        list), ``admission`` (the sketch), ``scratch`` (the update buffers kept between pushes), ``total``; and ``live_payload``, the bytes of live rows
         and their optimizer state alone."""
         tensors = sum(t.numel() * t.element_size()
                       for t in (self._ids, self._rows, self._state, self._last_tick, self._last_version))
         index = self._index.nbytes() + self._free.numel() * self._free.element_size()
         admission = 0 if self.sketch is None else self.sketch.nbytes()
-        return {"tensors": tensors, "index": index, "admission": admission,
-                "total": tensors + index + admission,
+        scratch = self._scratch.nbytes()
+        return {"tensors": tensors, "index": index, "admission": admission, "scratch": scratch,
+                "total": tensors + index + admission + scratch,
                 "live_payload": len(self) * (self.spec.dim + self.width) * 4}
 
 
