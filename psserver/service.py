@@ -197,41 +197,74 @@ def _reply_stream(method):
 class _StreamReader:
     """A request stream read with the server's idle and total deadlines.
 
-    A timer armed for each read cancels the handler's task when it fires -- cheaper
-    than ``asyncio.wait_for``, which wraps every read in a task of its own.
+    One timer per stream, armed at the first read and re-armed only when it fires early: a read notes when it
+    began, and the timer, at its time, cancels the handler's task if a read has waited ``idle`` (or the call
+    reached its deadline) -- or moves itself to that read's due time.  Cheaper than ``asyncio.wait_for`` (a
+    task per read) and than a timer per read (two per one-chunk push: arm and cancel each).
     """
 
     def __init__(self, iterator, idle: float, deadline: float):
         self._it = iterator.__aiter__()
         self._idle, self._deadline = idle, deadline
         self._fired = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._task: asyncio.Task | None = None  # the task in a read now (None between reads)
+        self._since = 0.0  # loop time the read now waiting began
+        self._watched = False  # the handler's task cancels the timer when it ends (a handler that stops early)
 
-    def _fire(self, task: asyncio.Task) -> None:
-        self._fired = True
-        task.cancel()
+    def _due(self) -> float:
+        return min(self._since + self._idle, self._deadline)
+
+    def _check(self) -> None:
+        """The timer: cut the read now waiting if it is due, else wait for it (or for the next read)."""
+        self._timer = None
+        if self._task is None:
+            return  # between reads: the next read arms it again
+        loop = self._task.get_loop()
+        if loop.time() >= self._due() - 1e-3:  # (call_at may run a hair early)
+            self._fired = True
+            self._task.cancel()
+        else:
+            self._timer = loop.call_at(self._due(), self._check)
+
+    def _close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     async def next(self):
         loop = asyncio.get_running_loop()
-        left = self._deadline - loop.time()
-        if left <= 0:
+        now = loop.time()
+        if self._deadline - now <= 0:
+            self._close()
             raise StreamTimeout("the call outlived the shard's limit on one call's duration (--max-call-seconds)")
-        wait = min(self._idle, left)
-        timer = loop.call_later(wait, self._fire, asyncio.current_task())
+        self._since, self._task = now, asyncio.current_task()
+        if self._timer is None:
+            self._timer = loop.call_at(self._due(), self._check)
+            if not self._watched:
+                self._watched = True
+                self._task.add_done_callback(lambda _task: self._close())
         try:
-            return await self._it.__anext__()
+            chunk = await self._it.__anext__()
         except StopAsyncIteration:
+            self._close()
             return None
         except asyncio.CancelledError:
+            self._close()
             if not self._fired:
                 raise  # the client went away: gRPC cancelled the call
             task = asyncio.current_task()
             if hasattr(task, "uncancel"):  # Python 3.11+: clear the cancellation this timer requested
                 task.uncancel()
             raise StreamTimeout(
-                f"no chunk arrived for {wait:.1f} s: the shard ends idle streams (--stream-idle-timeout) and "
-                "calls past --max-call-seconds") from None
+                f"no chunk arrived for {self._due() - self._since:.1f} s: the shard ends idle streams "
+                "(--stream-idle-timeout) and calls past --max-call-seconds") from None
+        except BaseException:
+            self._close()
+            raise
         finally:
-            timer.cancel()
+            self._task = None
+        return chunk
 
     async def first_header(self):
         first = await self.next()
