@@ -45,6 +45,10 @@ WAKE_BATCH = 16  # waiters resolved per turn of the event loop
 # torch's parallel grain (32K elements): a larger op runs on OpenMP threads that the loop's thread would then
 # own and keep spinning -- which halved a 2-trainer CNN run's throughput when the bound was 64K.
 INLINE_STATE_ELEMENTS = 1 << 14
+# With one intra-op thread (ps-server's default, --torch-threads 1) there are no OpenMP threads to spin, and a
+# dense slice's step runs on the loop up to this bound: 1 MB of fp32, an apply of a few hundred microseconds
+# on one core, less than the hop to the worker and back costs a small model's step under load (issue 21).
+INLINE_DENSE_ELEMENTS_ONE_THREAD = 1 << 18
 
 
 class VersionWaiters:
@@ -254,6 +258,9 @@ class Runtime:
         self.buffers = ReceiveBuffers(receive_buffers)  # shared by the partitions: memory is the process's
         self._stopping = False
         self._offloaded = 0  # calls handed to the state worker by ``offload`` and not finished
+        # The bound for run_state's work on the loop (read once: the process's intra-op threads are set before).
+        self.inline_elements = INLINE_DENSE_ELEMENTS_ONE_THREAD if torch.get_num_threads() == 1 else \
+            INLINE_STATE_ELEMENTS
 
     @property
     def stopping(self) -> bool:
@@ -277,6 +284,10 @@ class Runtime:
         wait for on the loop."""
         return not self._offloaded and max(p.slice_length() for p in self.host.parts) <= INLINE_STATE_ELEMENTS
 
+    def _inline_state(self) -> bool:
+        """As ``inline`` with ``inline_elements`` for the bound: where ``run_state`` runs its call."""
+        return not self._offloaded and max(p.slice_length() for p in self.host.parts) <= self.inline_elements
+
     def offload(self, fn, *args) -> asyncio.Future:
         """``fn(*args)`` on the state worker whatever the slice: for work that costs more than the slice's
         (a digest of the tables, a big row call), which would stall every call and health check on the loop."""
@@ -289,10 +300,10 @@ class Runtime:
         self._offloaded -= 1
 
     def run_state(self, fn, *args) -> asyncio.Future:
-        """``fn(*args)`` on the state worker -- or at once on the loop for a small slice (see INLINE_STATE_ELEMENTS);
-        a future either way."""
+        """``fn(*args)`` on the state worker -- or at once on the loop for a small slice (see INLINE_STATE_ELEMENTS
+        and INLINE_DENSE_ELEMENTS_ONE_THREAD); a future either way."""
         fut = self.loop.create_future()
-        if not self.inline():
+        if not self._inline_state():
             # Not run_in_executor: its wrapped future, chained both ways, cost more per push than the rest of
             # the hop; the result comes back in one call_soon_threadsafe.  A call cancelled before the worker
             # reaches it is not run, as with run_in_executor.
