@@ -19,8 +19,9 @@ chunks of anyone's stream.  The rules of the house:
 * Every refusal goes through ``_refusals``: counted in full, logged at a
   bounded rate, aborted with its one documented status code.
 
-Why it is long (~680 lines): one method per RPC (eleven), each decoding and bounding its own message, plus
+Why it is long (~830 lines): one method per RPC (twelve), each decoding and bounding its own message, plus
 the chunk-stream reader and the checks of a row stream's tiling that must run on the loop as chunks arrive.
+Step runs the other handlers' halves on its parts, so it lives beside them; its envelope is psserver.step_parts.
 The table RPCs' logic (ids checked once, waits, where the work runs) lives in psserver/sparse/calls.py.
 ``ParameterServerService`` itself is ~335 lines for the same reason: it is those eleven methods and their
 stream readers, and splitting the RPCs among classes would split the one place errors become status codes.
@@ -70,11 +71,13 @@ from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rows.errors import WrongShape
 from psserver.protocol.rows.wire import row_chunks
 from psserver.protocol.rules import STALE, reply_version
+from psserver.protocol.stepwire import StepMessage, parse_step, serialize_step
 from psserver.replies import Connections, ReplyCut, ReplyLedger, ReplyStream
 from psserver.runtime import Runtime
 from psserver.shard import PushResult, Shard
 from psserver.sparse.calls import RowCalls
 from psserver.sparse.serving import RowsPush
+from psserver.step_parts import DENSE, ROWS, StepParts
 
 log = logging.getLogger(__name__)
 
@@ -430,23 +433,21 @@ class ParameterServerService:
     @_reply_stream
     async def PushPull(self, request_iterator, context: ReplyStream):
         """Push, then stream the weights of the version the trainer waits for next (see ps.proto)."""
-        h, r = await self._receive_push(request_iterator, context, stale_as_result=True)
-        part = self.host.part(h.partition)
-        wanted = modes.reply_version(part.mode_config(), r.outcome, h.version, r.version)
-        await self._stream_weights(part, h.rank, h.trainer_id, h.fingerprint, wanted, part.wire_dtype(),
-                                   context, outcome=_OUTCOMES[r.outcome], staleness=r.staleness,
-                                   partition=h.partition)
+        await self._push_pull(request_iterator, context)
 
-    async def _receive_push(self, request_iterator, context, stale_as_result: bool):
+    async def _push_pull(self, request_iterator, context, slot: bool = True) -> None:
+        """PushPull's work (also a Step's dense part, whose call holds the rank's slot: ``slot`` False)."""
+        h, r = await self._receive_push(request_iterator, context, stale_as_result=True, slot=slot)
+        await self._pull_pushed(h, r, context)
+
+    async def _receive_push(self, request_iterator, context, stale_as_result: bool, slot: bool = True):
         """Bound, identify, read and hand one pushed gradient to the shard: (header, PushResult)."""
         reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self._deadline(context))
         first, h = await reader.first_header()
-        _check_header_fields(h)
-        part = self.host.part(h.partition)
-        part.check_push_header(h.rank, h.trainer_id, h.fingerprint, h.version, h.num_samples)
+        part = self._check_push_first(h)
         length = part.slice_length()
-        check_stream_header(h, length, part.wire_dtype(), self.cfg.max_push_bytes)  # before any allocation
-        async with self._rank_slot(h.rank, h.partition), self.runtime.buffers.take(length) as held:
+        async with (self._rank_slot(h.rank, h.partition) if slot else _no_slot()), \
+                self.runtime.buffers.take(length) as held:
             grad = await self._read_tensor(part, reader, first, h, out=held.buffer, sparse=True)
             try:
                 result, spare = await held.hand_over(self.runtime.run_state(self._check_and_push, part, h, grad))
@@ -457,6 +458,14 @@ class ParameterServerService:
             else:
                 held.buffer = spare
         return h, result
+
+    def _check_push_first(self, h: _pb.ChunkHeader) -> Shard:
+        """A dense push's header, checked before a byte of its payload is read: the partition it names."""
+        _check_header_fields(h)
+        part = self.host.part(h.partition)
+        part.check_push_header(h.rank, h.trainer_id, h.fingerprint, h.version, h.num_samples)
+        check_stream_header(h, part.slice_length(), part.wire_dtype(), self.cfg.max_push_bytes)  # before allocating
+        return part
 
     async def _read_tensor(self, part: Shard, reader: _StreamReader, first, h: _pb.ChunkHeader,
                            out: torch.Tensor | None = None, sparse: bool = False) -> torch.Tensor:
@@ -575,10 +584,21 @@ class ParameterServerService:
         once.  The pull ids are checked before the push, so a refused call changes nothing."""
         reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self._deadline(context))
         h, table, first = await self._rows_header(reader)
+        checked = await self._check_pull_ids(h, table)
+        await self._push_pull_rows(reader, first, h, table, checked, context)
+
+    async def _check_pull_ids(self, h: _pb.RowsHeader, table):
+        """A push-pull's ``pull_ids``, checked before the push (count, reply bytes, repeats, placement)."""
         ids = _decode_ids(h.pull_ids)
         _check_pull_bytes(len(ids), table.spec.dim, min(self.cfg.max_push_bytes, limits.MAX_ROWS_REPLY_BYTES))
-        checked = await self.rows.check_ids(table, ids)
-        r = await self._push_rows(reader, first, h, table)
+        return await self.rows.check_ids(table, ids)
+
+    async def _push_pull_rows(self, reader, first, h: _pb.RowsHeader, table, checked, context,
+                              slot: bool = True, read: tuple | None = None) -> None:
+        """PushPullRows' work once its header and pull ids are checked (also a Step's table part, ``slot``
+        False: the Step holds the rank's slot; ``read``: its rows, read and checked)."""
+        r = await self._push_rows(reader, first, h, table, slot, read)
+        ids = checked.ids
         min_version = reply_version(table.mode, r.outcome, h.version, r.version)
         waited, table, version, rows = await self.rows.pull(
             table, h.table, h.rank, h.trainer_id, h.fingerprint, min_version, checked, self._deadline(context),
@@ -589,22 +609,80 @@ class ParameterServerService:
         for chunk in row_chunks(rows, header, self.cfg.chunk_bytes):
             await context.write(chunk, self.cfg.chunk_bytes)
 
+    # ------------------------------------------------------------------ a step in one call (psserver.step_parts)
+    @_refusals
+    @_reply_stream
+    async def Step(self, request_iterator, context: ReplyStream):
+        """A step's dense PushPull and table PushPullRows in one call (see ps.proto).  Every part's header, pull
+        ids, row tiling and row checks come first; then the dense push is decided; only then do the tables push
+        -- so a refusal before then changes nothing -- while the dense weights stream."""
+        reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self._deadline(context))
+        collected = StepParts(self.cfg.max_push_bytes)
+        while (msg := await reader.next()) is not None:
+            collected.add(msg)
+        parts = collected.finish()
+        dense = next((p for p in parts if p.kind == DENSE), None)
+        if dense is not None:
+            self._check_push_first(dense.header)
+        tables = [await self._step_table(p, self._deadline(context)) for p in parts if p.kind == ROWS]
+        self.shard.count("step_calls")
+        turn = asyncio.Lock()
+        async with self._rank_slot(parts[0].header.rank):
+            runs = []
+            if dense is not None:
+                h, r = await self._receive_push(_replay(dense.chunks), context, stale_as_result=True, slot=False)
+                runs.append(self._pull_pushed(h, r, _PartStream(context, dense.index, turn)))
+            runs += [run(_PartStream(context, index, turn)) for index, run in tables]
+            await _first_error(runs)
+
+    async def _step_table(self, p, deadline: float):
+        """A Step's table part checked whole (header, pull ids, tiling, ids and rows) before any part is applied:
+        (its number, a function of its reply stream that pushes it and streams its reply)."""
+        first, h = p.chunks[0], p.header
+        table = self._check_rows_first(h)
+        checked = await self._check_pull_ids(h, table) if h.pull_ids else None
+        read = await self._read_rows(_StreamReader(_replay(p.chunks[1:]), self.cfg.stream_idle_timeout, deadline),
+                                     first, h)
+        push = RowsPush(h.rank, h.trainer_id, h.version, h.num_samples, h.sequence, *read)
+        await self.rows.run(table, read[1].numel(), table.check_push, push, self.cfg.nonfinite == "refuse")
+
+        async def run(context) -> None:
+            if checked is not None:
+                return await self._push_pull_rows(None, first, h, table, checked, context, slot=False, read=read)
+            r = await self._push_rows(None, first, h, table, slot=False, read=read)
+            await context.write(_pb.RowsChunk(header=_pb.RowsHeader(table=h.table, dim=h.dim, push=_push_reply(r))))
+
+        return p.index, run
+
+    async def _pull_pushed(self, h: _pb.ChunkHeader, r, context) -> None:
+        """A pushed dense gradient's reply: the weights of the version to go on from (PushPull's second half)."""
+        part = self.host.part(h.partition)
+        wanted = modes.reply_version(part.mode_config(), r.outcome, h.version, r.version)
+        await self._stream_weights(part, h.rank, h.trainer_id, h.fingerprint, wanted, part.wire_dtype(),
+                                   context, outcome=_OUTCOMES[r.outcome], staleness=r.staleness,
+                                   partition=h.partition)
+
     async def _rows_header(self, reader: _StreamReader):
         """A row push's first chunk: who is asking and what they declare, before a byte of the payload is read."""
         first = _decoded(await reader.next() or _Undecodable(ValueError("the stream is empty")))
         if not first.HasField("header"):
             raise InvalidRequest("the first chunk has no header")
-        h = first.header
+        return first.header, self._check_rows_first(first.header), first
+
+    def _check_rows_first(self, h: _pb.RowsHeader):
+        """A row push's header: the caller a member, the table known, the declared sizes bounded; the table."""
         _check_header_fields(h)
         self.shard.check_member(h.rank, h.trainer_id, h.fingerprint)
         table = self.shard.tables.get(h.table)
         _check_rows_declared(h, table.spec.dim, self.cfg.max_push_bytes)
-        return h, table, first
+        return table
 
-    async def _push_rows(self, reader: _StreamReader, first, h: _pb.RowsHeader, table):
-        """Read the push's rows and hand it to the table's executor (psserver.sparse.serving): its RowsResult."""
-        async with self._rank_slot(h.rank):
-            ids, grads = await self._read_rows(reader, first, h)
+    async def _push_rows(self, reader: _StreamReader, first, h: _pb.RowsHeader, table, slot: bool = True,
+                         read: tuple | None = None):
+        """Read the push's rows and hand it to the table's executor (psserver.sparse.serving): its RowsResult.
+        ``read``: the (ids, grads) a Step's check already read."""
+        async with self._rank_slot(h.rank) if slot else _no_slot():
+            ids, grads = read if read is not None else await self._read_rows(reader, first, h)
             push = RowsPush(h.rank, h.trainer_id, h.version, h.num_samples, h.sequence, ids, grads)
             try:
                 return await self.rows.run(table, grads.numel(), self.shard.push_rows, h.fingerprint, h.table,
@@ -630,6 +708,51 @@ class ParameterServerService:
             raise InvalidRequest(f"the chunks cover ids [0, {pos}) but num_ids is {n}")
         self.shard.count("bytes_in", n * (8 + 4 * dim))
         return ids, grads
+
+
+class _PartStream:
+    """A Step part's reply stream: its messages go out as StepChunks of its number, through the call's
+    ReplyStream (whose deadline and held bytes bound them all), one part's write at a time (``turn``, the
+    call's); anything else is the call's."""
+
+    def __init__(self, stream: ReplyStream, index: int, turn: asyncio.Lock):
+        self._stream, self._index, self._turn = stream, index, turn
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+    async def write(self, message, nbytes: int = 0) -> None:
+        wrapped = StepMessage(part=self._index, rows=message) if isinstance(message, _pb.RowsChunk) else \
+            StepMessage(part=self._index, dense=message)
+        async with self._turn:  # gRPC takes one write at a time on a call
+            await self._stream.write(wrapped, nbytes)
+
+
+async def _replay(chunks):
+    """A part's chunks, already received, as the request stream its RPC's handler reads."""
+    for chunk in chunks:
+        yield chunk
+
+
+async def _first_error(coros: list) -> None:
+    """Run ``coros`` side by side; the first that raises cancels the others and is raised (the call's status)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for t in tasks:
+        if t.done() and not t.cancelled() and t.exception() is not None:
+            raise t.exception()
+
+
+@asynccontextmanager
+async def _no_slot():
+    """In place of a rank slot a Step's part does not take (the Step holds one for all its parts)."""
+    yield
 
 
 def _push_reply(r) -> _pb.PushRowsReply:
@@ -713,6 +836,7 @@ def add_service(servicer: ParameterServerService, server) -> None:
                                                          _pb.PushRowsReply.SerializeToString),
         "PushPullRows": grpc.stream_stream_rpc_method_handler(
             servicer.PushPullRows, _safe(_pb.RowsChunk.FromString), _pb.RowsChunk.SerializeToString),
+        "Step": grpc.stream_stream_rpc_method_handler(servicer.Step, parse_step, serialize_step),
     }
     missing = set(stubs.METHODS) - set(handlers)
     if missing:

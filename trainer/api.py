@@ -59,6 +59,7 @@ from trainer.pipelined import PipelinedExchange
 from trainer.session import LEFT, NOT_LISTED, Membership, Session, StartTimeout  # noqa: F401 -- re-exported
 from trainer.slots import DenseSlots, FlatModel, model_layout
 from trainer.step import StepRunner
+from trainer.step_call import StepCall
 from trainer.stepper import StepInfo
 from trainer.table_push import TablePush
 from trainer.torchrun import rank_and_world
@@ -169,8 +170,9 @@ class ParameterServerTrainer:
         self.windowed = WindowedExchange(self.slots, self.session, push_window, round_timeout,
                                          self.clip_grad_norm) if push_window > 1 else None
         self.table_push = TablePush(self.tables, self.client, lambda: self.session.rank)
+        self.step_call = StepCall(self.exchange, self.table_push, lambda: self.rows)  # trainer.step_call
         self.runner = StepRunner(self.exchange, self.table_push, self.session, self.flat, self.client.count,
-                               self.windowed, self.pipelined, self._early, prefetch)
+                               self.windowed, self.pipelined, self._early, prefetch, self.step_call)
         self.rows = None
         self._closed = False
         self.joined_at = 0  # the round this trainer's first step computes (a join: the round it was admitted at)

@@ -175,11 +175,20 @@ class _ShardedTable(nn.Module):
         If the push raises, what it was to send is kept: calling again pushes the same
         ids and gradients (the backend retries only what did not finish).
         """
+        ids, grads = self.take_outgoing()
+        self.backend.push(self.name, ids, grads, num_samples)
+        self._outgoing = None
+
+    def take_outgoing(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's (ids, gradient rows) to push, kept until ``outgoing_pushed`` (a failed push is retried
+        with them)."""
         if self._outgoing is None:
             self._outgoing = self.pending_gradients()
             self._forget()
-        ids, grads = self._outgoing
-        self.backend.push(self.name, ids, grads, num_samples)
+        return self._outgoing
+
+    def outgoing_pushed(self) -> None:
+        """The push of ``take_outgoing``'s rows was answered by every shard."""
         self._outgoing = None
 
     def zero_grad_rows(self) -> None:

@@ -97,6 +97,13 @@ class DenseExchange:
                     self.early.finish_step()
                 self.slots.staging.settle()  # the next forward, on the caller's stream, waits for the new weights
 
+    def finished(self, attempt: StepAttempt, wall: float) -> StepInfo:
+        """A step every slot answered outside ``dense_step`` (trainer.step_call): the gradients zeroed, counted."""
+        self.attempt = None
+        self.slots.flat.zero_grad()
+        self.steps += 1
+        return self._info(attempt, wall)
+
     def _fail(self, attempt: StepAttempt, results: dict[int, object]) -> None:
         self.client.count("steps_failed")
         failed = {i: r for i, r in results.items() if isinstance(r, Exception)}

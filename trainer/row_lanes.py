@@ -52,6 +52,9 @@ class RowLanes:
         self.modes, self.num_shards, self.counters, self._lock = modes, num_shards, counters, lock
         self.lanes = {(s, name): Lane() for s in range(num_shards) for name in modes}
         self.pending: dict[str, Pending] = {}
+        # (shard, table) whose kept push a resync dropped and counted: the call of it that found the restart (or
+        # was in flight then) does not count it again (count_lost)
+        self._counted_lost: set[tuple[int, str]] = set()
 
     def known_versions(self, table: str) -> list[int]:
         """Per shard, the newest version of ``table`` this trainer knows of: in sync modes at least the close of
@@ -106,6 +109,20 @@ class RowLanes:
             return "lost"
         return outcome
 
+    def count_lost(self, shard: int, table: str) -> None:
+        """A push of ``table`` to ``shard`` found the shard restarted and was dropped: counted in ``pushes_lost``
+        unless the resync already counted it as the push kept for a retry."""
+        with self._lock:
+            if (shard, table) in self._counted_lost:
+                self._counted_lost.discard((shard, table))
+            else:
+                self.counters["pushes_lost"] += 1
+
+    def fresh_push(self, table: str) -> None:
+        """A new push of ``table`` (not a kept one): what a resync counted of the last one is done with."""
+        with self._lock:
+            self._counted_lost -= {k for k in self._counted_lost if k[1] == table}
+
     def resync(self, shard: int, versions: dict[str, int]) -> None:
         """Shard ``shard`` restarted: every lane of it goes on from ``versions`` (by table; a missing one is 0),
         its unanswered number abandoned, and a failed push kept for it dropped -- the shard may have
@@ -123,6 +140,7 @@ class RowLanes:
                 if pending is not None and shard in pending.payloads and shard not in pending.done:
                     pending.done.append(shard)
                     self.counters["pushes_lost"] += 1
+                    self._counted_lost.add((shard, name))
             self.counters["restarts"] += 1
 
     def start_at(self, shard: int, versions: dict[str, int]) -> None:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
+from dataclasses import dataclass
 from typing import Callable
 
 import grpc
@@ -86,6 +87,30 @@ class RowsPushFailed(RowsCallFailed):
 
     what = "push"
     advice = "call push() again to retry the others with the same gradients"
+
+
+@dataclass
+class PushPlan:
+    """A table's push of one step: its payloads by shard, the shards still to do, the rows it pulls back."""
+
+    table: str
+    pending: Pending
+    todo: list[int]
+    claim: Claim | None
+
+
+@dataclass
+class RowsPart:
+    """One shard's push of a table, numbered and encoded: its chunks, and what its answer is taken into."""
+
+    table: str
+    lane: Lane
+    header: _pb.RowsHeader
+    pull_ids: torch.Tensor | None
+    claim: Claim | None
+    num_ids: int
+    dim: int
+    chunks: list
 
 
 class ShardedRows:
@@ -249,9 +274,22 @@ class ShardedRows:
             RowsPushFailed: some shard failed for good; the gradients are kept and the next ``push`` of this
                 table retries the unfinished shards with them (its own arguments are then not read).
         """
+        plan = self.begin_push(table, ids, grads, num_samples)
+        try:
+            results = self.client.map_settled(
+                lambda s: self._push_shard(s, table, *plan.pending.payloads[s.index],
+                                           *((plan.claim,) if plan.claim else ())), plan.todo)
+        finally:
+            self.unclaim_rest(plan)
+        self.end_push(plan, results)
+
+    def begin_push(self, table: str, ids: torch.Tensor, grads: torch.Tensor, num_samples: int) -> PushPlan:
+        """A push's payloads by shard (a failed push's kept ones), the shards still to do, and the next batch's
+        rows it asks for (a sync table's claim, trainer.row_prefetch)."""
         spec = self._spec(table)
         pending = self.book.pending.get(table)
         if pending is None:
+            self.book.fresh_push(table)
             if grads.shape != (len(ids), spec.dim):
                 raise ValueError(f"grads has shape {tuple(grads.shape)}, table {table!r} needs "
                                  f"({len(ids)}, {spec.dim})")
@@ -263,15 +301,21 @@ class ShardedRows:
             if len(pull_ids) * spec.dim * 4 > MAX_ROWS_REPLY_BYTES:  # past one reply's cap: pulled in pieces
                 self.ahead.unclaim(claim, shard)
                 del claim.ids[shard], claim.futures[shard]
-        try:
-            results = self.client.map_settled(
-                lambda s: self._push_shard(s, table, *pending.payloads[s.index], *((claim,) if claim else ())), todo)
-        finally:
-            for shard, fut in (claim.futures.items() if claim else ()):
-                if not fut.done():  # no rows came back with the push: pulled as without the fused call
-                    self.ahead.unclaim(claim, shard)
-        failed = {s: r for s, r in zip(todo, results) if isinstance(r, Exception)}
-        pending.done.extend(s for s in todo if s not in failed and s not in pending.done)
+        return PushPlan(table, pending, todo, claim)
+
+    def unclaim_rest(self, plan: PushPlan) -> None:
+        """The claimed shards whose push brought no rows back: their rows are pulled as without the fused call."""
+        claim = plan.claim
+        for shard, fut in (claim.futures.items() if claim else ()):
+            if not fut.done():
+                self.ahead.unclaim(claim, shard)
+
+    def end_push(self, plan: PushPlan, results: list) -> None:
+        """Each shard's result of ``plan.todo`` (an outcome or the Exception): RowsPushFailed keeps the push for a
+        retry of the shards not done; done, the prefetches and the row cache move on."""
+        table, pending = plan.table, plan.pending
+        failed = {s: r for s, r in zip(plan.todo, results) if isinstance(r, Exception)}
+        pending.done.extend(s for s in plan.todo if s not in failed and s not in pending.done)
         if failed:
             self.book.pending[table] = pending
             raise RowsPushFailed(table, sorted(pending.done), failed, [s.address for s in self.client.shards])
@@ -285,15 +329,21 @@ class ShardedRows:
         """One shard's push (with ``claim``'s ids of this shard, a PushPullRows delivering their rows); on a
         shard found restarted it is dropped ("lost") once the shard is rejoined."""
         try:
-            return self._push_once(s, table, ids, grads, num_samples, claim)
+            return self._push_once(s, self._part(s, table, ids, grads, num_samples, claim))
         except grpc.RpcError as e:
             if not self._restarted(s, e):
                 raise
-        self._count(pushes_lost=1)
+        self.book.count_lost(s.index, table)
         return "lost"
 
-    def _push_once(self, s: ShardClient, table: str, ids: torch.Tensor, grads: torch.Tensor,
-                   num_samples: int, claim: Claim | None = None) -> str:
+    def part_request(self, s: ShardClient, plan: PushPlan) -> RowsPart:
+        """Shard ``s``'s push of ``plan`` (trainer.step_call sends it as a part of a Step call)."""
+        return self._part(s, plan.table, *plan.pending.payloads[s.index], plan.claim)
+
+    def _part(self, s: ShardClient, table: str, ids: torch.Tensor, grads: torch.Tensor, num_samples: int,
+              claim: Claim | None) -> RowsPart:
+        """Shard ``s``'s push under its lane's number (the unanswered one again on a retry): the request's
+        chunks, and what its answer needs."""
         lane = self.book.lanes[(s.index, table)]
         sequence = lane.number()  # the unanswered push's again (a retried step), else a new one
         pull_ids = claim.ids.get(s.index) if claim is not None else None
@@ -302,23 +352,39 @@ class ShardedRows:
                                 num_ids=len(ids), dim=grads.shape[1])
         if pull_ids is not None:
             header.pull_ids = pull_ids.contiguous().numpy().tobytes()
-        chunks = list(row_chunks(grads, header, self.chunk_bytes, ids))
+        return RowsPart(table, lane, header, pull_ids, claim, len(ids), grads.shape[1],
+                        list(row_chunks(grads, header, self.chunk_bytes, ids)))
+
+    def _push_once(self, s: ShardClient, part: RowsPart) -> str:
         try:
-            reply, pulled, sent = self.calls.push(s, chunks, fused=pull_ids is not None)
+            reply, pulled, sent = self.calls.push(s, part.chunks, fused=part.pull_ids is not None)
         except grpc.RpcError as e:
-            version = stale_version(e, lane.base)
-            if version is None:
+            if self.part_stale(part, e) is None:
                 raise
-            self.book.stale(lane, version)  # answered (dropped): go on from the shard's version
-            self._count(stale_pushes=1)
             return STALE
-        outcome = self.book.answered(lane, table, _pb.PushOutcome.Name(reply.outcome).lower(), header.version,
-                                     reply.version, sent)
-        self._count(bytes_pushed=len(ids) * (8 + 4 * grads.shape[1]), rows_pushed=len(ids),
+        return self.part_answered(s, part, reply, pulled, sent)
+
+    def part_stale(self, part: RowsPart, e: grpc.RpcError) -> str | None:
+        """STALE when ``e`` refused the push as too stale -- answered (dropped): the lane goes on from the
+        shard's version -- else None."""
+        version = stale_version(e, part.lane.base)
+        if version is None:
+            return None
+        self.book.stale(part.lane, version)
+        self._count(stale_pushes=1)
+        return STALE
+
+    def part_answered(self, s: ShardClient, part: RowsPart, reply: _pb.PushRowsReply, pulled: tuple | None,
+                      attempts: int) -> str:
+        """What the shard answered to ``part`` (and the rows it pulled: (version, bytes)), taken into its lane."""
+        lane, table = part.lane, part.table
+        outcome = self.book.answered(lane, table, _pb.PushOutcome.Name(reply.outcome).lower(), part.header.version,
+                                     reply.version, attempts)
+        self._count(bytes_pushed=part.num_ids * (8 + 4 * part.dim), rows_pushed=part.num_ids,
                     rows_stale=reply.rows_stale, **{f"{outcome}_pushes": 1})
-        rows = self._rows_read(s, table, lane, pull_ids, *pulled) if pulled is not None else None
+        rows = self._rows_read(s, table, lane, part.pull_ids, *pulled) if pulled is not None else None
         if rows is not None:
-            self.ahead.deliver(claim, s.index, rows, pulled[0])
+            self.ahead.deliver(part.claim, s.index, rows, pulled[0])
         return outcome
 
     def _rows_read(self, s: ShardClient, table: str, lane: Lane, ids: torch.Tensor, version: int,

@@ -1,7 +1,8 @@
 """How one step runs, whichever exchange variant the trainer was built with, and what a failed step refuses.
 
-The variants: plain (the tables pushed, then the dense exchange), beside (the tables on their own thread while
-the dense exchange runs: once rows are prefetched, trainer.table_push), pipelined (the dense exchange behind the
+The variants: plain (the tables pushed, then the dense exchange), beside (once rows are prefetched: the dense
+slice and every table in one Step call a shard, trainer.step_call; what it leaves to do, the tables on their own
+thread while the dense exchange runs, trainer.table_push), pipelined (the dense exchange behind the
 next forward, trainer.pipelined) and windowed (async pushes acknowledged later, trainer.windowed).  A step is
 all or nothing from the caller's view: while a failed one waits, anything that would change its gradient is
 refused until ``step()`` retries it or ``abandon()`` drops it.  trainer.api's facade delegates here.
@@ -19,6 +20,7 @@ from trainer.overlap import Prefetcher
 from trainer.pipelined import PipelinedExchange
 from trainer.session import Session
 from trainer.slots import FlatModel
+from trainer.step_call import StepCall
 from trainer.stepper import StepInfo
 from trainer.table_push import TablePush
 from trainer.windowed import WindowedExchange
@@ -31,11 +33,14 @@ class StepRunner:
 
     def __init__(self, exchange: DenseExchange, table_push: TablePush, session: Session, flat: FlatModel,
                  count, windowed: WindowedExchange | None = None, pipelined: PipelinedExchange | None = None,
-                 early: EarlyPusher | None = None, prefetch: Prefetcher | None = None):
-        """``count``: what counts abandoned steps (the sharded client's ``count``)."""
+                 early: EarlyPusher | None = None, prefetch: Prefetcher | None = None,
+                 step_call: StepCall | None = None):
+        """``count``: what counts abandoned steps (the sharded client's ``count``); ``step_call``: the beside
+        variant's one call a shard (trainer.step_call), tried first."""
         self.exchange, self.table_push, self.session, self.flat, self._count = (exchange, table_push, session,
                                                                                  flat, count)
         self.windowed, self.pipelined, self.early, self.prefetch = windowed, pipelined, early, prefetch
+        self.step_call = step_call
         self._dense_done: StepInfo | None = None  # this step's dense part, done while a table push failed
 
     @property
@@ -67,6 +72,13 @@ class StepRunner:
         a restart both find is rejoined once (trainer.session)."""
         self.session.step_begins()
         try:
+            if self.step_call is not None and self._dense_done is None and self.step_call.usable(
+                    self.windowed is None and self.pipelined is None):
+                self._dense_done = self.step_call.step(num_samples)  # None: dense parts left to do
+                if self._dense_done is not None and not self.table_push.pending():
+                    info, self._dense_done = self._dense_done, None
+                    self.table_push.done()
+                    return info
             tables = self.table_push.start(num_samples)
             try:
                 if self._dense_done is None:  # (a retry after only a table push failed: the dense part is done)

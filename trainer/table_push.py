@@ -57,6 +57,14 @@ class TablePush:
                 raise
             self._pushed.add(t.name)
 
+    def mark_pushed(self, name: str) -> None:
+        """Table ``name``'s push of this step was made elsewhere (trainer.step_call's one call a shard)."""
+        self._pushed.add(name)
+
+    def any_pushed(self) -> bool:
+        """Some table's push of this step is done (a retry of a step whose other parts failed)."""
+        return bool(self._pushed)
+
     def done(self) -> None:
         """The step's dense part is done too: the next push is the next step's."""
         self._pushed.clear()

@@ -39,10 +39,12 @@ def batch(rank: int, step: int):
             torch.randn(B, generator=g))
 
 
-def train(addresses: str, rank: int, model: Rec, prefetch: bool, out: dict, fuse: bool = True) -> None:
+def train(addresses: str, rank: int, model: Rec, prefetch: bool, out: dict, fuse: bool = True,
+          one_call: bool = True) -> None:
     with connect(addresses, model, mode="sync", rank=rank, num_trainers=2,
                  optimizer={"name": "sgd", "lr": 0.1}) as ps:
         ps.rows.fuse = fuse  # the next batch's ids ride on the push (PushPullRows), or a pull of their own
+        ps.step_call.enabled = one_call  # a shard's parts of a step in one Step call (trainer.step_call), or two
         batches = [batch(rank, k) for k in range(STEPS)]
         if prefetch:  # ids found by probing the model's own forward
             batches = ps.prefetching(batches, forward=lambda m, b: m(*b[:3]))
@@ -59,7 +61,7 @@ def train(addresses: str, rank: int, model: Rec, prefetch: bool, out: dict, fuse
         out[f"counters{rank}"] = ps.counters
 
 
-def run_job(shard_server, optimizer: str, prefetch: bool, fuse: bool = True) -> dict:
+def run_job(shard_server, optimizer: str, prefetch: bool, fuse: bool = True, one_call: bool = True) -> dict:
     shards = [shard_server(shard=i) for i in range(2)]
     out, models = {}, []
     for _ in range(2):  # here, not in the threads: torch's generator is one for the process
@@ -67,7 +69,7 @@ def run_job(shard_server, optimizer: str, prefetch: bool, fuse: bool = True) -> 
         models.append(Rec(optimizer))
 
     addresses = ",".join(s.server.address for s in shards)
-    run_ranks(lambda rank: train(addresses, rank, models[rank], prefetch, out, fuse), 2, timeout=120)
+    run_ranks(lambda rank: train(addresses, rank, models[rank], prefetch, out, fuse, one_call), 2, timeout=120)
     out["region_live_rows"] = [s.stats().counters["table.region.live_rows"] for s in shards]
     return out
 

@@ -89,6 +89,11 @@ class ParameterServerStub:
                 request_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.RowsChunk.SerializeToString,
                 response_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.RowsChunk.FromString,
                 _registered_method=True)
+        self.Step = channel.stream_stream(
+                '/psgrpc.v1.ParameterServer/Step',
+                request_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.StepChunk.SerializeToString,
+                response_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.StepChunk.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -172,6 +177,15 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Step(self, request_iterator, context):
+        """A step's every exchange with this shard in one call: the dense PushPull and each table's PushPullRows
+        (or PushRows), as parts of one stream (StepChunk); the reply streams each part's reply.  The trainer's
+        steady-state step when it prefetches rows: one round trip per shard and step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -229,6 +243,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.PushPullRows,
                     request_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.RowsChunk.FromString,
                     response_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.RowsChunk.SerializeToString,
+            ),
+            'Step': grpc.stream_stream_rpc_method_handler(
+                    servicer.Step,
+                    request_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.StepChunk.FromString,
+                    response_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.StepChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -528,6 +547,33 @@ class ParameterServer:
             '/psgrpc.v1.ParameterServer/PushPullRows',
             psserver_dot_protocol_dot_proto_dot_ps__pb2.RowsChunk.SerializeToString,
             psserver_dot_protocol_dot_proto_dot_ps__pb2.RowsChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Step(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/psgrpc.v1.ParameterServer/Step',
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.StepChunk.SerializeToString,
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.StepChunk.FromString,
             options,
             channel_credentials,
             insecure,

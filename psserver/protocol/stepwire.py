@@ -1,0 +1,107 @@
+"""StepChunk messages (the Step RPC) without copying a dense part's tensor bytes.
+
+A StepChunk is a part number and either a dense ``Chunk`` or a ``RowsChunk`` (ps.proto).  The dense chunk is
+written and read with psserver.protocol.fastwire (its data stays a view until the reader copies it); the rows
+chunk goes through the generated class (a few KB of rows a table and step).  The bytes are protobuf's, so a
+peer built from the generated ``StepChunk`` reads them (tests/unit/test_stepwire.py checks both ways).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from psserver.protocol.fastwire import RawChunk, _read_varint, _varint, parse_chunk, serialize_chunk
+from psserver.protocol.proto import ps_pb2 as _pb
+
+_TAG_PART, _TAG_DENSE, _TAG_ROWS, _TAG_MORE = 0x08, 0x12, 0x1A, 0x22
+
+
+@dataclass
+class StepMessage:
+    """One StepChunk: ``part``, and ``dense`` (a RawChunk or generated Chunk) or ``rows`` (a RowsChunk).
+    ``more``: the chunks after it in the same message (a small step in one message; one level only).
+    ``malformed``: why the received bytes could not be read (parse_step never raises); ``nbytes``: their size."""
+
+    part: int = 0
+    dense: object | None = None
+    rows: _pb.RowsChunk | None = None
+    malformed: str = ""
+    nbytes: int = 0
+    more: list = field(default_factory=list)
+
+    def flat(self) -> list:
+        """This chunk, then the ones it carries, in order."""
+        return [self, *self.more]
+
+
+def serialize_step(msg: StepMessage) -> bytes:
+    """A StepMessage as protobuf wire bytes (one copy of a dense chunk's data)."""
+    if msg.dense is not None:
+        tag, body = _TAG_DENSE, serialize_chunk(msg.dense)
+    elif msg.rows is not None:
+        tag, body = _TAG_ROWS, msg.rows.SerializeToString()
+    else:
+        tag, body = None, b""
+    head = [bytes((_TAG_PART,)), _varint(msg.part)] if msg.part else []
+    if tag is not None:
+        head += [bytes((tag,)), _varint(len(body))]
+    parts = [*head, body]
+    for m in msg.more:
+        inner = serialize_step(m)
+        parts += [bytes((_TAG_MORE,)), _varint(len(inner)), inner]
+    return b"".join(parts)
+
+
+def one_message(msgs: list[StepMessage]) -> StepMessage:
+    """``msgs`` as one message: the first, carrying the rest in ``more``."""
+    return StepMessage(msgs[0].part, msgs[0].dense, msgs[0].rows, more=list(msgs[1:]))
+
+
+def parse_step(message: bytes, nested: bool = False) -> StepMessage:
+    """Protobuf wire bytes of a StepChunk -> StepMessage (a dense chunk's data a view into ``message``); the
+    chunks of its ``more`` parsed too, which may carry no ``more`` of their own (``nested``)."""
+    buf = memoryview(message)
+    msg = StepMessage(nbytes=len(buf))
+    pos = 0
+    try:
+        while pos < len(buf):
+            key, pos = _read_varint(buf, pos)
+            field, wire_type = key >> 3, key & 7
+            if field == 1 and wire_type == 0:
+                msg.part, pos = _read_varint(buf, pos)
+            elif field == 4 and wire_type == 2:
+                if nested:
+                    raise ValueError("a chunk in `more` carries `more` of its own")
+                size, pos = _read_varint(buf, pos)
+                if pos + size > len(buf):
+                    raise ValueError("field 4 runs past the end of the message")
+                inner = parse_step(buf[pos:pos + size], nested=True)
+                pos += size
+                if inner.malformed:
+                    raise ValueError(inner.malformed)
+                msg.more.append(inner)
+            elif field in (2, 3) and wire_type == 2:
+                size, pos = _read_varint(buf, pos)
+                if pos + size > len(buf):
+                    raise ValueError(f"field {field} runs past the end of the message")
+                body = buf[pos:pos + size]
+                pos += size
+                if field == 2:
+                    msg.dense, msg.rows = parse_chunk(body), None
+                    if msg.dense.malformed:
+                        raise ValueError(msg.dense.malformed)
+                else:
+                    msg.rows, msg.dense = _pb.RowsChunk.FromString(bytes(body)), None
+            else:
+                raise ValueError(f"field {field} with wire type {wire_type} is not a StepChunk field")
+    except Exception as e:  # noqa: BLE001 -- the client's malformed bytes: refused INVALID_ARGUMENT, not INTERNAL
+        msg.malformed = f"malformed StepChunk message: {e}"
+    return msg
+
+
+def dense_chunk(part: int, chunk: RawChunk) -> StepMessage:
+    return StepMessage(part=part, dense=chunk)
+
+
+def rows_chunk(part: int, chunk: _pb.RowsChunk) -> StepMessage:
+    return StepMessage(part=part, rows=chunk)

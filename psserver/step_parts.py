@@ -1,0 +1,102 @@
+"""A Step call's request, split into its parts and checked as an envelope before any part is looked at.
+
+Why a room of its own: the Step RPC (ps.proto) carries a step's dense PushPull and each table's PushPullRows in
+one stream, so the shard can answer a trainer's whole step in one round trip.  What makes such a stream well
+formed -- parts numbered from 0 in order, each of one kind, every chunk bounded, at most one dense part and one
+part a table, one caller -- is pure and checked here, without a network; psserver.service then hands each part
+to the handler its own RPC uses, so the shard's decisions (exactly-once, rounds, modes) are the same calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from psserver.common.logsafe import shorten
+from psserver.protocol import limits
+from psserver.protocol.errors import InvalidRequest, TooLarge
+from psserver.protocol.stepwire import StepMessage
+
+DENSE, ROWS = "dense", "rows"
+
+
+@dataclass
+class StepPart:
+    """One part: its number, kind (DENSE or ROWS) and chunks (the RPC's own messages), in order."""
+
+    index: int
+    kind: str
+    chunks: list = field(default_factory=list)
+
+    @property
+    def header(self):
+        first = self.chunks[0]
+        return first.header if first.HasField("header") else None
+
+
+class StepParts:
+    """Collects a Step stream's messages into parts, refusing a malformed envelope as each arrives.
+
+    ``max_bytes``: the stream's bytes at most (the shard's --max-push-bytes); ``max_parts``: a dense part and
+    one part a table at most (1 + limits.MAX_TABLES)."""
+
+    def __init__(self, max_bytes: int, max_parts: int = 1 + limits.MAX_TABLES):
+        self.max_bytes, self.max_parts = max_bytes, max_parts
+        self.parts: list[StepPart] = []
+        self.nbytes = 0
+
+    def add(self, msg: StepMessage) -> None:
+        """One received message: its chunk, then those it carries (``more``)."""
+        if msg.malformed:
+            raise InvalidRequest(msg.malformed)
+        self.nbytes += msg.nbytes
+        if self.nbytes > self.max_bytes:
+            raise TooLarge(f"the Step stream holds {self.nbytes} bytes so far, over this shard's limit of "
+                           f"{self.max_bytes} bytes (--max-push-bytes)")
+        for chunk in msg.flat():
+            self._add_chunk(chunk)
+
+    def _add_chunk(self, msg: StepMessage) -> None:
+        kind = DENSE if msg.dense is not None else ROWS if msg.rows is not None else None
+        if kind is None:
+            raise InvalidRequest(f"a chunk of part {msg.part} carries neither dense nor rows")
+        current = self.parts[-1].index if self.parts else -1
+        if msg.part == current + 1:
+            if len(self.parts) >= self.max_parts:
+                raise TooLarge(f"part is {msg.part}, past the limit of {self.max_parts} parts (one dense part and "
+                               f"one a table)")
+            self.parts.append(StepPart(msg.part, kind))
+        elif msg.part != current:
+            raise InvalidRequest(f"part is {msg.part} but {current} or {current + 1} was expected: parts are "
+                                 "numbered from 0 in order and each one's chunks are contiguous")
+        last = self.parts[-1]
+        if kind != last.kind:
+            raise InvalidRequest(f"part {msg.part} is {last.kind} but a chunk of it carries {kind}")
+        last.chunks.append(msg.dense if kind == DENSE else msg.rows)
+
+    def finish(self) -> list[StepPart]:
+        """The parts, once the stream ended: each opening with a header, one caller, one dense part and one
+        part a table at most."""
+        if not self.parts:
+            raise InvalidRequest("the Step stream is empty: it must carry at least one part")
+        dense, tables, caller = 0, {}, None
+        for p in self.parts:
+            h = p.header
+            if h is None:
+                raise InvalidRequest(f"part {p.index}'s first chunk has no header")
+            who = (h.rank, h.trainer_id, h.fingerprint)
+            if caller is None:
+                caller = who
+            elif who != caller:
+                raise InvalidRequest(f"part {p.index} names rank {h.rank} trainer_id {shorten(h.trainer_id)} but "
+                                     f"part 0 names rank {caller[0]} trainer_id {shorten(caller[1])}: one caller a "
+                                     "Step")
+            if p.kind == DENSE:
+                dense += 1
+                if dense > 1:
+                    raise InvalidRequest(f"part {p.index} is a second dense part: a Step carries one at most")
+            elif h.table in tables:
+                raise InvalidRequest(f"part {p.index} names table {shorten(h.table)}, as part {tables[h.table]} "
+                                     "did: one part a table")
+            else:
+                tables[h.table] = p.index
+        return self.parts

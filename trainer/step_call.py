@@ -1,0 +1,175 @@
+"""A step's whole exchange with each shard in one call (the Step RPC): the dense gradient slice, every table's
+gradient rows and the next batch's ids out; the weights and those rows back.
+
+Why: with prefetch on, a step used to make two calls a shard side by side (PushPull and a table's PushPullRows
+on the tables' thread, trainer.table_push); each crossed gRPC Python's fixed costs on both ends.  Here one
+stream carries both as parts (psserver.protocol.stepwire), the shard runs each part through the handler of its
+own RPC, and the replies come back on the same stream.
+
+Nothing here decides anything new.  The numbers are the parts' own (the dense slot's sequence, each table
+lane's), taken exactly as the two-call path takes them, and each reply is taken in by the same code
+(ShardClient._acknowledged, ShardedRows.part_answered).  A lost reply is retried as a Step under the same
+numbers (the shard answers DUPLICATE to each part and still streams the weights and rows).  Whatever else fails
+on a shard -- a restart, a refusal, a stale table push -- leaves that shard's parts unanswered under their
+numbers, and step() goes on with the two-call path, which retries just those parts and handles each case as it
+always has (trainer.step).  Used only unpartitioned, without the overlap, early-push, pipelined or windowed
+variants, and while a step's payload to a shard stays under MAX_STEP_BYTES.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from psserver.protocol.codec import ChunkReader
+from psserver.protocol.proto import ps_pb2 as _pb
+from psserver.protocol.stepwire import StepMessage, one_message, parse_step, serialize_step
+from psserver.protocol.stubs import method
+from trainer.attempt import StepAttempt
+from trainer.client import PUSH_RETRYABLE, ShardClient
+from trainer.clipping import clip_local_
+from trainer.exchange import DenseExchange
+from trainer.stepper import StepInfo
+from trainer.table_push import TablePush
+
+# A step's payload to one shard above this goes the two-call way: a Step's request is held whole by the shard
+# before any part runs (psserver.service.Step), which suits a step's rows and a small dense slice, not a big one.
+MAX_STEP_BYTES = 64 << 20
+
+
+class StepReplyBroken(Exception):
+    """A Step reply the trainer could not take in (a part missing or malformed): the two-call path retries."""
+
+
+class StepCall:
+    """The one-call step over ``exchange``'s slots and ``table_push``'s tables; ``rows()``: the ShardedRows
+    (bound after joining), ``enabled`` False: always two calls."""
+
+    def __init__(self, exchange: DenseExchange, table_push: TablePush, rows: Callable[[], object]):
+        self.exchange, self.table_push, self._rows = exchange, table_push, rows
+        self.client = exchange.client
+        self.enabled = True
+        self._stubs = [s.channel.stream_stream(method("Step"), serialize_step, parse_step) for s in self.client.shards]
+        # A step of at most one chunk's bytes goes as one message (StepChunk.more) on the same method: the bytes
+        # are those of a one-message stream, but gRPC Python starts no request-consuming thread for it.
+        self._one = [s.channel.unary_stream(method("Step"), serialize_step, parse_step) for s in self.client.shards]
+
+    def usable(self, variants_off: bool) -> bool:
+        """Whether this step can go as one call a shard: nothing half done from a failed step, one slot a shard."""
+        ex = self.exchange
+        return (self.enabled and variants_off and self._rows() is not None and ex.prefetch is None
+                and ex.early is None and ex.slots.job.partitions == 1 and ex.attempt is None
+                and not self.table_push.pending() and not self.table_push.any_pushed()
+                and not ex.session.resume_dense
+                and ex.slots.num_parts and max(e - s for s, e in ex.slots.ranges) * 4 <= MAX_STEP_BYTES // 2)
+
+    def step(self, num_samples: int) -> StepInfo | None:
+        """One Step call a shard, side by side.  Returns the dense part's info once every slot answered, else
+        None; a table some shard did not answer keeps its push (``table_push.pending()``).  Either way the
+        caller goes on with the two-call path for what is left."""
+        rows, ex = self._rows(), self.exchange
+        plans = []
+        for t in self.table_push.tables:
+            ids, grads = t.take_outgoing()
+            plans.append((t, rows.begin_push(t.name, ids, grads, num_samples)))
+        grad = ex.slots.flat.gather_grads()
+        clip_local_(ex.slots.flat.params, ex.clip_grad_norm)
+        attempt = ex.attempt = StepAttempt(todo=set(range(ex.slots.num_parts)))
+        attempt.produced = ex.slots.produced()
+        t0 = time.perf_counter()
+        try:
+            results = self.client.map_settled(lambda s: self._shard(s, grad, num_samples, attempt, plans), None,
+                                              attempt.inflight)
+        finally:  # (also on an interrupt: a claimed batch's rows are then pulled by the prefetch itself)
+            for _, plan in plans:
+                rows.unclaim_rest(plan)
+            ex.slots.staging.settle()
+        tables_left = False
+        for j, (t, plan) in enumerate(plans):
+            try:
+                rows.end_push(plan, [results[s][j] for s in plan.todo])
+            except Exception:  # noqa: BLE001 -- kept for the two-call retry (trainer.table_push), which raises it
+                tables_left = True
+                continue
+            t.outgoing_pushed()
+            self.table_push.mark_pushed(t.name)
+        if attempt.todo or tables_left:
+            self.client.count("step_calls_fallen_back")
+        return None if attempt.todo else ex.finished(attempt, time.perf_counter() - t0)
+
+    def _shard(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: StepAttempt,
+               plans: list) -> list:
+        """One shard's Step: each table's outcome there, or the Exception that left its part to do."""
+        try:
+            return self._shard_call(s, grad, num_samples, attempt, plans)
+        except Exception as e:  # noqa: BLE001 -- before or after the call: this shard's parts stay to do
+            return [e] * len(plans)
+
+    def _shard_call(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: StepAttempt,
+                    plans: list) -> list:
+        slots, i = self.exchange.slots, s.slot
+        attempt.sequences.setdefault(i, s.next_sequence())
+        base = slots.versions[i]
+        nbytes, dense_bytes, chunks = s._gradient_chunks(
+            slots.staging.to_host(i, slots.slice(grad, i), attempt.produced), base, num_samples, slots.client.wire)
+        rows = self._rows()
+        parts = [rows.part_request(s, plan) for _, plan in plans]
+        msgs = [StepMessage(0, dense=c) for c in chunks]
+        for k, part in enumerate(parts, 1):
+            msgs += [StepMessage(k, rows=c) for c in part.chunks]
+        tries = []
+        timeout = max(self.exchange.round_timeout, s.call_timeout)
+        small = nbytes + sum(len(c.ids) + len(c.rows) for p in parts for c in p.chunks) <= s.chunk_bytes
+
+        def once() -> dict[int, list]:
+            tries.append(1)
+            replies: dict[int, list] = {k: [] for k in range(len(parts) + 1)}
+            call = (self._one[s.index](one_message(msgs), timeout=timeout) if small else
+                    self._stubs[s.index](iter(msgs), timeout=timeout))
+            for m in call:
+                if m.malformed or m.part not in replies:
+                    raise StepReplyBroken(m.malformed or f"a reply part {m.part} that was not asked for")
+                replies[m.part].append(m.dense if m.dense is not None else m.rows)
+            return replies
+
+        t0 = time.perf_counter()
+        replies = s._call("Step", once, retry_on=PUSH_RETRYABLE)  # raised: this shard's parts stay to do
+        s._count("step_calls")
+        try:
+            self._dense_answer(s, replies[0], nbytes, dense_bytes, base, attempt, t0)
+        except Exception:  # noqa: BLE001 -- left to do: the retry is answered DUPLICATE, with the weights
+            self.client.count("step_replies_broken")
+        return [self._table_answer(s, part, replies[k], len(tries)) for k, part in enumerate(parts, 1)]
+
+    def _dense_answer(self, s: ShardClient, chunks: list, nbytes: int, dense_bytes: int, base: int,
+                      attempt: StepAttempt, t0: float) -> None:
+        """The dense part's reply taken in as PushPull's (trainer.exchange._push_pull)."""
+        slots, i = self.exchange.slots, s.slot
+        if not chunks:
+            raise StepReplyBroken("the reply has no dense part")
+        target = slots.slice(slots.flat.flat, i)
+        reader = ChunkReader(iter(chunks))
+        reader.read(target.numel(), slots.client.wire, max_bytes=1 << 40, require_finite=False,
+                    out=slots.staging.weights_buffer(i, target))
+        s._count("bytes_in", reader.bytes_read)
+        h = reader.header
+        s.epoch_seen = h.membership_epoch
+        out = s._acknowledged(_pb.PushOutcome.Name(h.outcome).lower(), h.version, h.staleness, base, nbytes,
+                              dense_bytes)
+        with torch.no_grad():
+            slots.staging.weights_to_device(i, target)
+        slots.versions[i] = out.version
+        attempt.staleness[i] = out.staleness
+        attempt.timings[i] = (0.0, time.perf_counter() - t0 - h.wait_seconds, h.wait_seconds)
+        attempt.record(i, out.outcome)
+
+    def _table_answer(self, s: ShardClient, part, chunks: list, tries: int) -> str | Exception:
+        """A table part's reply taken in as PushPullRows' (or PushRows'); a missing one leaves it to do."""
+        if not chunks or not chunks[0].HasField("header"):
+            self.client.count("step_replies_broken")
+            return StepReplyBroken(f"the reply of table {part.table!r} is missing")
+        first = chunks[0]
+        pulled = None if part.pull_ids is None else (first.header.version, b"".join(c.rows for c in chunks))
+        return self._rows().part_answered(s, part, first.header.push, pulled, tries)
