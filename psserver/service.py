@@ -23,7 +23,7 @@ Why it is long (~830 lines): one method per RPC (twelve), each decoding and boun
 the chunk-stream reader and the checks of a row stream's tiling that must run on the loop as chunks arrive.
 Step runs the other handlers' halves on its parts, so it lives beside them; its envelope is psserver.step_parts.
 The table RPCs' logic (ids checked once, waits, where the work runs) lives in psserver/sparse/calls.py.
-``ParameterServerService`` itself is ~335 lines for the same reason: it is those eleven methods and their
+``ParameterServerService`` itself is ~400 lines for the same reason: it is those twelve methods and their
 stream readers, and splitting the RPCs among classes would split the one place errors become status codes.
 """
 
