@@ -53,10 +53,13 @@ def assert_equals_reference(out, epochs: list[tuple[int, list[int]]]) -> None:
         torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6)
 
 
-def start_job(tmp_path, num_trainers: int, hold: dict[int, int], lease: str = "5") -> tuple[list, list, str]:
-    """Two shards and ``num_trainers`` trainers (rank r with ``--hold-at-round hold[r]``); rank 0 writes the
-    model.  Returns (shards, trainers, the --ps list)."""
-    shards = [start_shard(i, tmp_path / f"shard{i}.log", extra_args=["--lease-timeout", lease]) for i in range(2)]
+def start_job(tmp_path, num_trainers: int, hold: dict[int, int], lease: str = "5", common: list | None = None,
+              shard_args=lambda j: []) -> tuple[list, list, str]:
+    """Two shards and ``num_trainers`` trainers (rank r with ``--hold-at-round hold[r]``), every trainer with
+    ``common`` (COMMON by default), shard j with ``shard_args(j)``; rank 0 writes the model.  Returns (shards,
+    trainers, the --ps list); on any failure nothing started is left running."""
+    shards = [start_shard(i, tmp_path / f"shard{i}.log", extra_args=["--lease-timeout", lease, *shard_args(i)])
+              for i in range(2)]
     ps = ",".join(s.address for s in shards)
     trainers = []
     try:
@@ -64,7 +67,7 @@ def start_job(tmp_path, num_trainers: int, hold: dict[int, int], lease: str = "5
             extra = (["--output", str(tmp_path / "model.pt")] if r == 0 else []) + (
                 ["--hold-at-round", str(hold[r])] if r in hold else [])
             trainers.append(start_trainer(r, ps, tmp_path / f"trainer{r}.log",
-                                          ["--num-trainers", str(num_trainers), *COMMON, *extra]))
+                                          ["--num-trainers", str(num_trainers), *(common or COMMON), *extra]))
     except BaseException:
         for p in shards + trainers:
             p.kill()

@@ -18,10 +18,11 @@ from psserver.protocol.epochs import JOIN_LEAD
 from psserver.protocol.stubs import fetch_stat
 from psserver.reshard_files import load_pieces
 from tests.cluster.test_elastic import LONG_LEASE, held_at, timeline
+from tests.cluster.test_elastic import start_job as elastic_job
 from tests.helpers import wait_until
 from trainer.data import epoch_order, member_batch_indices, round_batch
 from trainer.loop import Run, TrainConfig
-from trainer.procs import start_shard, start_trainer, wait_all
+from trainer.procs import start_trainer, wait_all
 
 pytestmark = pytest.mark.cluster
 
@@ -85,20 +86,9 @@ def assert_equals_reference(tmp_path, dirs: list[str], sparse_optimizer: str, ep
 def start_job(tmp_path, num_trainers: int, hold: dict, sparse_optimizer: str, lease: str = "5"):
     """Two shards (checkpointing into tmp_path/ckptJ) and ``num_trainers`` trainers; rank 0 writes the model."""
     dirs = [str(tmp_path / f"ckpt{j}") for j in range(2)]
-    shards = [start_shard(j, tmp_path / f"shard{j}.log", extra_args=["--lease-timeout", lease, "--checkpoint-dir",
-                                                                      dirs[j]]) for j in range(2)]
-    ps = ",".join(s.address for s in shards)
-    trainers = []
-    try:
-        for r in range(num_trainers):
-            extra = (["--output", str(tmp_path / "model.pt")] if r == 0 else []) + (
-                ["--hold-at-round", str(hold[r])] if r in hold else [])
-            trainers.append(start_trainer(r, ps, tmp_path / f"trainer{r}.log", [
-                "--num-trainers", str(num_trainers), "--sparse-optimizer", sparse_optimizer, *COMMON, *extra]))
-    except BaseException:
-        for p in shards + trainers:
-            p.kill()
-        raise
+    shards, trainers, ps = elastic_job(tmp_path, num_trainers, hold, lease,
+                                       common=["--sparse-optimizer", sparse_optimizer, *COMMON],
+                                       shard_args=lambda j: ["--checkpoint-dir", dirs[j]])
     return shards, trainers, ps, dirs
 
 
