@@ -20,6 +20,7 @@ from psserver.membership import Membership
 from psserver.protocol.epochs import epoch_at
 from psserver.protocol.errors import InvalidRequest, JobMismatch, NotPermitted, NotReady, TooBusy
 from psserver.protocol.job import JobSpec
+from psserver.protocol.rules import Mode
 from psserver.sparse.serving import Membership as TableMembers
 
 log = logging.getLogger("psserver.shard")  # the shard's lines, as before the split
@@ -106,11 +107,22 @@ class Enrolment:
             if rank not in book.current.members:
                 # A joiner admitted but not committed (or one that never commits) is in no epoch: its gradients
                 # are no round's (they were summed into one); refused until its commit names its round.
-                raise JobMismatch(f"rank {rank} is in no membership epoch of this job (base version is {base}): a "
-                                  "joiner pushes only after its commit (Register with join_round, docs/elastic.md)")
+                raise _in_no_epoch(rank, base)
             raise JobMismatch(f"base version is {base} but rank {rank} is a member of this job from round "
                               f"{min(e.round for e in book.timeline if rank in e.members and e.round > base)} "
                               "(its join): pull that version first")
+
+    def check_table_base(self, job: JobSpec, rank: int, base: int, mode: str) -> None:
+        """A table push must come from a rank of the epoch of the round it enters, as a dense push must
+        (``check_base``): a sync table's version is the job's round, so its base is checked as a dense base is;
+        an async or stale-timeout table's version is not, so there only a joiner not yet committed (in no
+        epoch) is refused -- before, its rows were summed into the round (docs/security.md)."""
+        if not job.max_trainers:
+            return
+        if mode == Mode.SYNC:
+            self.check_base(job, rank, base)
+        elif rank in self.epochs.pending:
+            raise _in_no_epoch(rank, base)
 
     # ------------------------------------------------------------------ changes
     def register(self, rank: int, trainer_id: str, job: JobSpec, version: int) -> tuple[bool, int]:
@@ -279,3 +291,8 @@ class Enrolment:
         self.members.restore(members)
         self.epochs.restore(epochs)
         self.started = len(members) >= num_trainers
+
+
+def _in_no_epoch(rank: int, base: int) -> JobMismatch:
+    return JobMismatch(f"rank {rank} is in no membership epoch of this job (base version is {base}): a joiner "
+                       "pushes only after its commit (Register with join_round, docs/elastic.md)")

@@ -215,6 +215,11 @@ class _StreamReader:
         self._since = 0.0  # loop time the read now waiting began
         self._watched = False  # the handler's task cancels the timer when it ends (a handler that stops early)
 
+    @property
+    def deadline(self) -> float:
+        """The call's deadline (loop time): what a wait inside the call is bounded by."""
+        return self._deadline
+
     def _due(self) -> float:
         return min(self._since + self._idle, self._deadline)
 
@@ -640,6 +645,7 @@ class ParameterServerService:
         (its number, a function of its reply stream that pushes it and streams its reply)."""
         first, h = p.chunks[0], p.header
         table = self._check_rows_first(h)
+        table = await self.rows.wait_push_base(table, h.table, h.rank, h.version, deadline)  # before check_push
         checked = await self._check_pull_ids(h, table) if h.pull_ids else None
         read = await self._read_rows(_StreamReader(_replay(p.chunks[1:]), self.cfg.stream_idle_timeout, deadline),
                                      first, h)
@@ -667,7 +673,11 @@ class ParameterServerService:
         first = _decoded(await reader.next() or _Undecodable(ValueError("the stream is empty")))
         if not first.HasField("header"):
             raise InvalidRequest("the first chunk has no header")
-        return first.header, self._check_rows_first(first.header), first
+        h = first.header
+        table = self._check_rows_first(h)
+        # a sync push one round ahead from a trainer in the open round waits for its close (psserver.sparse.calls)
+        table = await self.rows.wait_push_base(table, h.table, h.rank, h.version, reader.deadline)
+        return h, table, first
 
     def _check_rows_first(self, h: _pb.RowsHeader):
         """A row push's header: the caller a member, the table known, the declared sizes bounded; the table."""

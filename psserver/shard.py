@@ -522,7 +522,9 @@ class Shard:
         """Hand one row push to its table (which checks, deduplicates and decides); wakes waiting pulls."""
         with self._lock:
             self.check_member(push.rank, push.trainer_id, fingerprint)
-            result = self.tables.get(table).push(push, self.enrolment.table_members(), self._clock(),
+            served = self.tables.get(table)
+            self.enrolment.check_table_base(self.job, push.rank, push.base, served.mode)
+            result = served.push(push, self.enrolment.table_members(), self._clock(),
                                                  refuse_nonfinite)
             self.counters["row_pushes"] += 1
             self._changed()

@@ -52,6 +52,16 @@ class RowCalls:
             raise ShuttingDown(f"shard {self.shard.shard_id} is shutting down")
         return loop.time() - t0
 
+    async def wait_push_base(self, table, name: str, rank: int, base: int, deadline: float):
+        """A push one round ahead of the table that ``ServedTable.push_waits`` allows waits (as a pull would) for
+        the open round to close, then goes on -- refusing it as from the future told its trainer the shard had
+        restarted (a spurious restart, with prefetch); any other push goes on at once.  Returns the table."""
+        if base <= table.version or not table.push_waits(rank, base, self.shard.enrolment.joins_at(rank, base)):
+            return table
+        self.shard.count("row_pushes_waited")
+        await self.wait_table(name, base, deadline)
+        return self.shard.tables.get(name)  # a new job may have replaced the tables meanwhile
+
     def _table_ready(self, name: str, min_version: int) -> bool:
         """Wait predicate: the table reached ``min_version`` -- or is gone (a new job) or the shard stops, when
         the waiting pull ends and says why."""

@@ -171,6 +171,19 @@ class ServedTable(PushTarget):
                                 f"{version} and its open round {held} of rank {rank}: this shard restarted from "
                                 "an older checkpoint; register again and resume from its version")
 
+    def push_waits(self, rank: int, base: int, joins: bool = False) -> bool:
+        """Whether a push on ``base`` one round ahead waits for the open round's close instead of being refused
+        as from the future: only in a sync or stale-timeout table, only one ahead, and only from a rank the open
+        round holds a push of (or a joiner whose first round ``base`` is) -- a trainer that pulled no rows of
+        this shard for its next step (prefetch) pushes without a pull that waited for the close.  Anything
+        else ahead is refused (``check_push``: a shard restarted from an older checkpoint).  Lock-free, read as
+        ``check_wait`` reads: the round before the version."""
+        if self.mode == Mode.ASYNC:
+            return False
+        r = self.round
+        in_round = joins or rank in r.contributors or any(s[0] == rank for s in r.stale)
+        return in_round and base == self.version + 1
+
     # -- checks (before any change) ---------------------------------------------------------------
     def check_ids(self, ids: torch.Tensor) -> CheckedIds:
         """Refuse too many ids, ids outside a bounded table, or repeated ids (the trainer deduplicates); the ids,
