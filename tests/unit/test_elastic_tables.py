@@ -8,7 +8,7 @@ import torch
 
 from psserver import modes
 from psserver.epochs import EpochBook
-from psserver.protocol.errors import FutureVersion
+from psserver.protocol.errors import FutureVersion, JobMismatch
 from psserver.protocol.rules import Mode
 from psserver.shard import Shard
 from psserver.sparse.serving import Membership, RowsPush, ServedTable
@@ -137,3 +137,34 @@ def test_a_shards_table_round_follows_its_epoch_and_the_commit_closes_the_round_
     shard.push_rows(FP, name, push(0, 2, seq=3), True)
     assert shard.push_rows(FP, name, push(1, 2, seq=3), True).outcome == "accepted"  # waits for rank 2
     assert shard.push_rows(FP, name, push(2, 2), True).outcome == "applied"
+
+
+def test_a_sync_push_waits_only_one_round_ahead_and_only_from_a_rank_the_open_round_holds():
+    """The prefetch race's decision: waiting is for the close of the open round, never a refusal of a healthy
+    trainer -- and nothing a stranger or a restarted shard's trainer can park a call on."""
+    job = elastic_job()
+    t, members = ServedTable(job.tables[0], job), Membership(frozenset({0, 1}), True, EpochBook(2, 3))
+    t.push(push(0, 0), members, 0.0)
+    assert t.push_waits(0, 1)  # rank 0 is in round 0
+    assert not t.push_waits(0, 2)  # two ahead: a restart
+    assert not t.push_waits(1, 1)  # not in the round
+    assert t.push_waits(2, 1, joins=True)  # a joiner whose first round is 1
+    async_job = elastic_job("async")
+    a = ServedTable(async_job.tables[0], async_job)
+    a.push(push(0, 0), members, 0.0)
+    assert not a.push_waits(0, 2)
+
+
+def test_a_shards_table_push_from_outside_its_rounds_epoch_is_refused_and_changes_nothing():
+    shard, job = shard_with_table(), elastic_job()
+    name = job.tables[0].name
+    shard.register(0, "t2", 0, job, join=True)  # admitted, not committed
+    before = shard.state_digest()
+    with pytest.raises(JobMismatch, match="rank 2 is in no membership epoch"):
+        shard.push_rows(FP, name, push(2, 0), True)
+    assert shard.state_digest() == before
+    shard.register(2, "t2", 0, job, join=True, join_round=2)
+    before = shard.state_digest()
+    with pytest.raises(JobMismatch, match="base version is 0 but rank 2 is a member of this job from round 2"):
+        shard.push_rows(FP, name, push(2, 0), True)
+    assert shard.state_digest() == before
