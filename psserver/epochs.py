@@ -31,6 +31,9 @@ from psserver.protocol.errors import FutureVersion, InvalidRequest, JobEnded, Jo
 # commit is one round trip, so seconds are plenty; a stranger who asks and never commits holds a sync job's
 # rounds at most this long per request (docs/security.md).  Not the lease: leases may be off (0).
 DEFAULT_JOIN_TIMEOUT = 3.0
+# Members listed by a job's timeline, summed over its epochs (~50 bytes each held: ~100 MB at most a partition):
+# a job of 512 trainers or fewer never reaches it before MAX_EPOCHS; one of 4,096 has 512 epochs (docs/limits.md).
+MAX_MEMBER_ENTRIES = 1 << 21
 # Joins one job holds pending at once (each shard): a stranger cannot hold every free rank (docs/security.md).
 MAX_PENDING_JOINS = 4
 
@@ -143,9 +146,9 @@ class EpochBook:
         if pending is not None and join_round < pending.proposal:
             raise InvalidRequest(f"join_round is {join_round} but {self.label} proposed {pending.proposal}: the "
                                  "round must be the largest proposal of every shard")
-        self._check_room(join_round, f"join_round {join_round}")
+        epoch = self._change(join_round, rank, add=True, what=f"join_round {join_round}")  # refused: nothing changed
         self.pending.pop(rank, None)
-        return self._change(join_round, rank, add=True)
+        return epoch
 
     def abandon(self, rank: int, trainer_id: str) -> bool:
         """Drop ``trainer_id``'s pending join (it gave up); True if there was one."""
@@ -170,8 +173,7 @@ class EpochBook:
         self.pending.pop(rank, None)
         if not any(rank in e.members for e in self.timeline if e.round >= at) and rank not in self.members_at(at):
             return None
-        self._check_room(at, f"rank {rank}'s leave from round {at}")
-        return self._change(at, rank, add=False)
+        return self._change(at, rank, add=False, what=f"rank {rank}'s leave from round {at}")
 
     def registered(self, rank: int, at: int) -> Epoch | None:
         """A plain (non-join) registration of a rank outside the epoch: a member from round ``at`` (the
@@ -179,13 +181,14 @@ class EpochBook:
         (``TimelineFull``, nothing changed) if it would start an epoch past MAX_EPOCHS."""
         if rank in self.members_at(at) or rank in self.current.members:
             return None
-        self._check_room(at, f"rank {rank} registering (not a member since it left) from round {at}")
-        return self._change(at, rank, add=True)
+        return self._change(at, rank, add=True, what=f"rank {rank} registering (not a member since it left) from "
+                                                     f"round {at}")
 
-    def _change(self, at: int, rank: int, add: bool) -> Epoch:
+    def _change(self, at: int, rank: int, add: bool, what: str) -> Epoch:
         """Add ``rank`` to (or take it from) the epoch at round ``at`` and every later one; an epoch starts at
         ``at`` if none did.  Each epoch changed gets a new number, so a trainer that knows the old one sees the
-        change (two joins in one round make one epoch with both).  Returns the epoch at ``at``."""
+        change (two joins in one round make one epoch with both).  Returns the epoch at ``at``.  Refused
+        (``TimelineFull``, nothing changed) past the timeline's bounds (``_check_room``)."""
         timeline = list(self.timeline)  # built aside, then swapped in: readers without the lock never see half
         i = next((k for k, e in enumerate(timeline) if e.round >= at), len(timeline))
         if i == len(timeline) or timeline[i].round != at:
@@ -195,17 +198,25 @@ class EpochBook:
             e = timeline[k]
             number += 1
             timeline[k] = Epoch(number, e.round, e.members | {rank} if add else e.members - {rank})
+        self._check_room(timeline, what)
         self.timeline = timeline
         return timeline[i]
 
     # ------------------------------------------------------------------ checks
-    def _check_room(self, at: int, what: str) -> None:
+    def _check_room(self, timeline: list[Epoch], what: str) -> None:
         """Every change that starts an epoch counts against MAX_EPOCHS (joins, plain re-registrations, leaves):
         otherwise leave-and-register loops would grow the timeline -- and GetStats, checkpoints, digests -- for
-        ever.  A change at a round where an epoch starts already adds none."""
-        if len(self.timeline) >= MAX_EPOCHS and all(e.round != at for e in self.timeline):
-            raise TimelineFull(f"{what} would start membership epoch {len(self.timeline) + 1} but the job's "
+        ever.  A change at a round where an epoch starts already adds none.  The member lists of every epoch
+        together count against MAX_MEMBER_ENTRIES: MAX_EPOCHS epochs of MAX_TRAINERS members each held ~770 MB
+        a partition (measured, docs/security.md)."""
+        if len(timeline) > MAX_EPOCHS:
+            raise TimelineFull(f"{what} would start membership epoch {len(timeline)} but the job's "
                                f"timeline holds at most MAX_EPOCHS {MAX_EPOCHS} (docs/limits.md)")
+        entries = sum(len(e.members) for e in timeline)
+        if entries > MAX_MEMBER_ENTRIES:
+            raise TimelineFull(f"{what} would make the job's membership timeline list {entries} members over its "
+                               f"{len(timeline)} epochs but it holds at most MAX_MEMBER_ENTRIES {MAX_MEMBER_ENTRIES} "
+                               "(docs/limits.md)")
 
     def _check_elastic(self) -> None:
         if not self.max_trainers:

@@ -193,3 +193,25 @@ def test_joins_pending_at_once_are_capped_resource_exhausted_counted_and_change_
     assert shard.state_digest() == before and shard.counters["joins_refused_pending"] == 1
     assert TooBusy.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert shard.register(0, "stranger0", 0, spec, join=True)["rank"] == 1  # a retry is still answered
+
+
+
+def test_changes_past_max_member_entries_are_refused_timeline_full_and_change_nothing(monkeypatch):
+    """The timeline's memory is bounded by the members it lists, not only by its epochs: MAX_EPOCHS epochs of
+    MAX_TRAINERS members each held ~770 MB (docs/security.md)."""
+    monkeypatch.setattr("psserver.epochs.MAX_MEMBER_ENTRIES", 7)
+    book = elastic(n=2, k=4)  # epoch 0 lists 2 members
+    book.leave(1, at=1)  # + 1 = 3
+    book.registered(1, at=2)  # + 2 = 5
+    book.leave(1, at=3)  # + 1 = 6
+    before = book.digest_text()
+    with pytest.raises(JobFull, match=r"rank 1 registering \(not a member since it left\) from round 4 would make "
+                                      "the job's membership timeline list 8 members over its 5 epochs but it holds "
+                                      "at most MAX_MEMBER_ENTRIES 7"):
+        book.registered(1, at=4)
+    assert book.digest_text() == before
+    book.prepare(None, "t2", version=3, now=0.0, patience=PATIENCE)
+    before = book.digest_text()
+    with pytest.raises(JobFull, match="join_round 5 would make the job's membership timeline list 8 members"):
+        book.commit(1, "t2", 5, version=4)
+    assert book.digest_text() == before, "a refused commit withdrew the pending join or changed the timeline"
