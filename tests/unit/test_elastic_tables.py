@@ -168,3 +168,25 @@ def test_a_shards_table_push_from_outside_its_rounds_epoch_is_refused_and_change
     with pytest.raises(JobMismatch, match="base version is 0 but rank 2 is a member of this job from round 2"):
         shard.push_rows(FP, name, push(2, 0), True)
     assert shard.state_digest() == before
+
+
+def test_a_join_never_committed_holds_a_table_round_only_until_its_join_timeout():
+    """An attacker asks to join and never commits: the held table round closes at the join's deadline (the tick
+    drops the join), as the dense round does -- not at a lease's, and not never."""
+    now = [100.0]
+    shard, job = Shard(0, clock=lambda: now[0], lease_timeout=600.0, join_timeout=3.0), elastic_job()
+    name = job.tables[0].name
+    for r in range(2):
+        shard.register(r, f"t{r}", 0, job)
+    shard.init(0, "t0", FP, torch.zeros(P))
+    shard.register(0, "t2", 0, job, join=True)  # holds rounds from 1
+    for base in (0, 1):
+        for r in (0, 1):
+            shard.push_rows(FP, name, push(r, base, seq=base + 1), True)
+    assert shard.tables.get(name).version == 1 and shard.tick() == 103.0
+    now[0] = 102.9
+    shard.tick()
+    assert shard.tables.get(name).version == 1
+    now[0] = 103.0
+    shard.tick()
+    assert shard.tables.get(name).version == 2 and shard.counters["joins_abandoned"] == 1
