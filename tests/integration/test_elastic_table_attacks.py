@@ -3,6 +3,8 @@ rank outside its round's epoch, a sync push one round ahead (the prefetch race),
 stranger or from the far future.  Each refusal: one status, a message naming the field and both values, the shard's
 state digest unchanged, and the shard still serving."""
 
+import concurrent.futures
+
 import grpc
 import pytest
 import torch
@@ -11,6 +13,7 @@ from psserver.protocol.codec import encode, wire_tensor
 from psserver.protocol.proto import ps_pb2 as pb
 from tests.conftest import P, make_spec
 from tests.helpers import refused, wait_until
+from tests.integration.test_step_rpc import rows as step_rows, step
 from tests.integration.test_sparse_rpc import DIM, pull_rows, push_rows, rows_chunks, table
 
 
@@ -113,3 +116,19 @@ def test_get_stats_from_a_stranger_past_every_epoch_lists_the_last_epoch_and_wit
     assert [(e.round, e.size, list(e.members)) for e in reply.epochs] == [(0, 1, []), (2, 2, [0, 1])]
     assert not reply.HasField("job")
     assert push_rows(shard, rows_chunks([1])).outcome == pb.APPLIED
+
+
+def test_a_step_calls_table_part_one_round_ahead_waits_for_the_open_rounds_close(shard_server):
+    """The same race through the Step RPC: its table part was checked (and refused as from the future) before
+    any part is applied; it now waits there first, holding nothing of the rank's."""
+    spec = make_spec(num_trainers=2, tables=(table(),))
+    shard = started(shard_server, spec)
+    assert push_rows(shard, rows_chunks([1])).outcome == pb.ACCEPTED
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        early = pool.submit(step, shard, step_rows(0, rows_chunks([], seq=2, base=1)))
+        wait_until(lambda: shard.stats().counters.get("row_pushes_waited", 0) >= 1, what="the Step to wait")
+        assert not early.done()
+        assert push_rows(shard, rows_chunks([2], rank=1)).outcome == pb.APPLIED
+        reply = early.result()[0][0].header.push
+    assert (reply.outcome, reply.version) == (pb.ACCEPTED, 1)
+    assert push_rows(shard, rows_chunks([2], rank=1, seq=2, base=1)).outcome == pb.APPLIED
