@@ -17,7 +17,7 @@ from psserver import modes
 from psserver.common.logsafe import counted, shorten
 from psserver.epochs import EpochBook, TimelineFull, join_patience
 from psserver.membership import Membership
-from psserver.protocol.epochs import epoch_at
+from psserver.protocol.epochs import epoch_at, epoch_index, timeline_to_proto
 from psserver.protocol.errors import InvalidRequest, JobMismatch, NotPermitted, NotReady, TooBusy
 from psserver.protocol.job import JobSpec
 from psserver.protocol.rules import Mode
@@ -47,6 +47,7 @@ class Enrolment:
         """No job: nobody registered, no timeline."""
         self.started = False  # every trainer of the job has registered at least once
         self.epochs: EpochBook | None = None  # the membership timeline and pending joins (psserver.epochs)
+        self._timeline_protos: tuple | None = None  # (the timeline, {first listed epoch: its GetStats epochs})
         self.members.reset()
 
     def start(self, job: JobSpec) -> None:
@@ -268,6 +269,24 @@ class Enrolment:
     def timeline(self) -> list:
         book = self.epochs
         return list(book.timeline) if book is not None else []
+
+    def timeline_proto(self, members_from_round: int) -> list:
+        """GetStats' ``epochs`` (psserver.protocol.epochs.timeline_to_proto), kept until the timeline changes:
+        building it for a full timeline holds the event loop 10-20 ms, and anyone may ask for it.  Safe to key by
+        the list itself because EpochBook swaps a new list in on every change, never edits one in place."""
+        book = self.epochs
+        if book is None:
+            return []
+        timeline = book.timeline
+        first = epoch_index(timeline, members_from_round)
+        cached = self._timeline_protos
+        if cached is None or cached[0] is not timeline:
+            cached = self._timeline_protos = (timeline, {})
+        if first not in cached[1]:
+            if len(cached[1]) >= 16:  # a handful of callers' rounds at a time
+                cached[1].clear()
+            cached[1][first] = timeline_to_proto(timeline, members_from_round)
+        return cached[1][first]
 
     def epoch_number(self, version: int) -> int:
         """The membership epoch in effect at round ``version`` (what a pull of that version tells)."""

@@ -52,7 +52,6 @@ from psserver.protocol.codec import (
     encode_raw,
     first_header,
 )
-from psserver.protocol.epochs import timeline_to_proto
 from psserver.protocol.errors import (
     REASON_METADATA_KEY,
     VERSION_METADATA_KEY,
@@ -399,7 +398,7 @@ class ParameterServerService:
         reply = _pb.StatsReply(shard=s.shard, initialized=s.initialized, version=s.version, mode=s.mode,
                                start=s.start, end=s.end, live_ranks=s.live_ranks, counters=s.counters,
                                state_digest=digest, lr=s.lr, partitions=len(self.host.parts),
-                               epochs=timeline_to_proto(part.epoch_timeline(), request.members_from_round))
+                               epochs=part.epoch_timeline_proto(request.members_from_round))
         if s.job is not None and (self.authenticated or _is_member(part, request)):
             reply.job.CopyFrom(s.job.to_proto())
         return reply
@@ -831,7 +830,8 @@ def add_service(servicer: ParameterServerService, server) -> None:
     requests reach the handler (to be refused as INVALID_ARGUMENT, not INTERNAL)."""
     unary = grpc.unary_unary_rpc_method_handler
     handlers = {
-        "Register": unary(servicer.Register, _safe(_pb.RegisterRequest.FromString), _pb.RegisterReply.SerializeToString),
+        "Register": unary(servicer.Register, _safe(_pb.RegisterRequest.FromString),
+                          _pb.RegisterReply.SerializeToString),
         "Init": grpc.stream_unary_rpc_method_handler(servicer.Init, parse_chunk, _pb.InitReply.SerializeToString),
         "Pull": grpc.unary_stream_rpc_method_handler(servicer.Pull, _safe(_pb.PullRequest.FromString), serialize_chunk),
         "Push": grpc.stream_unary_rpc_method_handler(servicer.Push, parse_chunk, _pb.PushReply.SerializeToString),

@@ -57,8 +57,8 @@ from psserver.protocol.schedules import lr_at
 from psserver.push_book import PushBook, PushResult
 from psserver.rounds import OpenRound
 from psserver.shard_checkpoints import ShardCheckpoints
-from psserver.stats import StatsSnapshot
 from psserver.sparse.serving import RowsPush, RowsResult, Tables
+from psserver.stats import StatsSnapshot
 
 __all__ = ["MAX_MISSING_LISTED", "Prepared", "PushResult", "Shard"]
 
@@ -208,6 +208,9 @@ class Shard:
 
     def epoch_timeline(self) -> list:
         return self.enrolment.timeline()
+
+    def epoch_timeline_proto(self, members_from_round: int) -> list:
+        return self.enrolment.timeline_proto(members_from_round)
 
     def epoch_number(self, version: int) -> int:
         """The membership epoch in effect at round ``version`` (what a pull of that version tells)."""

@@ -65,7 +65,7 @@ def timeline_to_proto(timeline: list[Epoch], members_from_round: int = 0,
     effect at ``members_from_round`` and later, oldest first, while they fit in ``budget`` bytes (the first
     always does: MAX_TRAINERS ranks).  Why bounded: MAX_EPOCHS epochs of MAX_TRAINERS members each would be
     tens of MB -- past gRPC's message limit -- and a trainer needs only the lists of the rounds it computes."""
-    first = max(0, bisect.bisect_right([e.round for e in timeline], members_from_round) - 1)
+    first = epoch_index(timeline, members_from_round)
     out, spent = [], 0
     for k, e in enumerate(timeline):
         msg = e.to_proto(with_members=False)
@@ -78,6 +78,11 @@ def timeline_to_proto(timeline: list[Epoch], members_from_round: int = 0,
                 spent = budget  # the lists stay contiguous: none after the first left out
         out.append(msg)
     return out
+
+
+def epoch_index(timeline: list[Epoch], round_: int) -> int:
+    """The position in ``timeline`` of the epoch in effect at ``round_``."""
+    return max(0, bisect.bisect_right([e.round for e in timeline], round_) - 1)
 
 
 def epoch_at(timeline: list[Epoch], round_: int) -> Epoch:

@@ -32,3 +32,23 @@ def test_a_full_timeline_of_the_largest_epochs_fits_the_documented_reply_bound()
     assert all(e.size == MAX_TRAINERS for e in sent.epochs) and len(sent.epochs) == MAX_EPOCHS
     bound = MAX_EPOCHS * EPOCH_ENTRY_BYTES + MEMBER_LISTS_BYTES
     assert sent.ByteSize() <= bound, (sent.ByteSize(), bound)
+
+
+def test_a_shards_getstats_epochs_are_built_once_per_timeline_and_anew_after_any_change():
+    from collections import Counter
+
+    from psserver.enrolment import Enrolment
+    from psserver.protocol.job import JobSpec
+
+    enrolment = Enrolment(0, 0, "shard 0", clock=lambda: 0.0, lease_timeout=5.0, counters=Counter(),
+                          changed=lambda: None)
+    enrolment.start(JobSpec(mode="sync", total_params=4, num_trainers=2, num_shards=1, fingerprint="f", max_trainers=4))
+    first = enrolment.timeline_proto(0)
+    assert enrolment.timeline_proto(0) is first  # the same timeline: not built again
+    enrolment.epochs.leave(1, at=3)
+    after = enrolment.timeline_proto(0)
+    assert after is not first
+    assert [(e.round, e.size) for e in after] == [(0, 2), (3, 1)]
+    assert [list(e.members) for e in after] == [[0, 1], [0]]
+    assert [(e.round, e.size) for e in enrolment.timeline_proto(3)] == [(0, 2), (3, 1)]
+    assert [list(e.members) for e in enrolment.timeline_proto(3)] == [[], [0]]
