@@ -20,7 +20,11 @@ slice's.  The decisions are the dense ones (``psserver.modes``) asked with a
 * stale-timeout -- as for the dense slice (timeout, quorum, drop or scale).
 
 A push carries a per-(trainer, table) sequence number (from 1): the retry of the
-acknowledged push answers DUPLICATE and is not applied again.  Every refusal is
+acknowledged push answers DUPLICATE and is not applied again.  An async table also keeps
+each rank's *holes* (numbers below its newest not seen yet, within MAX_PUSH_WINDOW): a
+trainer's push window (trainer.table_window) sends several pushes at once and a later one
+may overtake an earlier one; the overtaken one is applied once when it arrives, a number
+older than the window is refused.  Sync tables keep the one-at-a-time rule.  Every refusal is
 raised before anything changes.  Not thread-safe: the shard's lock serialises
 calls (``pull_rows``/``push_rows`` below take it).
 """
@@ -129,6 +133,8 @@ class ServedTable(PushTarget):
         self.version = 0
         self.round = TableRound(spec.dim)
         self.acked: dict[int, tuple[str, int, RowsResult]] = {}  # rank -> (trainer id, sequence, result)
+        # async: rank -> numbers below its newest not seen yet (a push window's); None: sync, no holes kept
+        self.holes: dict[int, frozenset[int]] | None = {} if self.cfg.mode == Mode.ASYNC else None
         self.updated_at = RowVersions(self.store)  # async with max_staleness: each row's last update
         self.counts: Counter[str] = Counter()
         self.stats: dict[str, float] = {}
@@ -237,13 +243,14 @@ class ServedTable(PushTarget):
     def push(self, p: RowsPush, members: Membership, now: float, refuse_nonfinite: bool = True) -> RowsResult:
         """Check, deduplicate, decide (psserver.modes) and act (psserver.executor) on one push."""
         finite = self.check_push(p, refuse_nonfinite)
-        if check_sequence(self.acked, p.rank, p.trainer_id, p.sequence, where=f" to table {self.spec.name!r}"):
+        if check_sequence(self.acked, p.rank, p.trainer_id, p.sequence, where=f" to table {self.spec.name!r}",
+                          holes=self.holes):
             self.counts["pushes_duplicate"] += 1
             self._refresh()
             return RowsResult("duplicate", self.version, 0)
         d = modes.decide_push(self.cfg, self._view(members), p.rank, p.base, now, finite=finite, sequenced=True)
         result, _ = execute(self, d, PushInfo(p.rank, p.base, p.num_samples, sequenced=True, payload=p), now)
-        record_ack(self.acked, p.rank, p.trainer_id, p.sequence, result)
+        record_ack(self.acked, p.rank, p.trainer_id, p.sequence, result, holes=self.holes)
         self.counts["bytes_in"] += p.grads.numel() * 4 + len(p.ids) * 8
         self._refresh()
         return result
@@ -346,8 +353,9 @@ class ServedTable(PushTarget):
     # -- checkpoints, digest, stats ----------------------------------------------------------------
     def state(self) -> dict:
         acked = {r: (tid, seq, res.outcome, res.version, res.staleness) for r, (tid, seq, res) in self.acked.items()}
+        holes = {r: sorted(h) for r, h in (self.holes or {}).items()}
         return dict(rows=self.store.state(), version=self.version, round=self.round.state(), acked=acked,
-                    updated_at=self.updated_at.to_dict(), counts=dict(self.counts))
+                    updated_at=self.updated_at.to_dict(), counts=dict(self.counts), holes=holes)
 
     def restore(self, saved: dict, now: float) -> None:
         """Take a checkpoint's state of this table (raises BadTableState if it does not fit the spec)."""
@@ -356,6 +364,8 @@ class ServedTable(PushTarget):
         self.round.reset()
         self.round.restore(saved["round"], now)
         self.acked = {r: (tid, seq, RowsResult(o, v, s)) for r, (tid, seq, o, v, s) in saved["acked"].items()}
+        if self.holes is not None:  # (a checkpoint from before holes were kept has none)
+            self.holes = {r: frozenset(h) for r, h in saved.get("holes", {}).items()}
         self.updated_at = RowVersions(self.store)
         self.updated_at.restore(saved["updated_at"])
         self.counts = Counter(saved["counts"])
@@ -368,6 +378,8 @@ class ServedTable(PushTarget):
         h.update(f"table={self.spec.name};v={self.version};sv={st['version']};w={self.round.weight};"
                  f"c={sorted(self.round.contributors)};acked={sorted((r, a[1]) for r, a in self.acked.items())}"
                  .encode())
+        if self.holes:  # (none kept: the digest reads as before holes existed)
+            h.update(f"holes={sorted((r, sorted(n)) for r, n in self.holes.items())}".encode())
         for t in (st["ids"][order], st["rows"][order], st["optimizer_state"][order], self.round.ids, self.round.sum):
             h.update(t.numpy().tobytes())
 

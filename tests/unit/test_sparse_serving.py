@@ -189,3 +189,49 @@ def test_only_calls_whose_whole_work_is_small_may_run_on_the_event_loop():
     assert not table.small_work((1 << 16) + 16, 1 << 16)  # the call's own rows
     table.store.lookup(torch.arange(5000))  # capacity grows past 4096 rows of 16: scans and copies get big
     assert not table.small_work(16, 1 << 16)
+
+
+# -- an async table's holes: a trainer's push window (trainer.table_window) sends pushes that overtake each other
+def test_an_async_table_applies_an_overtaken_push_once_and_its_retry_is_a_duplicate():
+    t = served("async")
+    assert t.push(push(0, [1], seq=3), BOTH, now=0.0).outcome == "applied"  # 1 and 2 still on the way
+    assert t.push(push(0, [2], seq=1), BOTH, now=0.0).outcome == "applied"  # overtaken: new here
+    assert t.push(push(0, [2], seq=1), BOTH, now=0.0).outcome == "duplicate"  # its lost reply's retry
+    assert t.push(push(0, [3], seq=2, base=1), BOTH, now=0.0).outcome == "applied"
+    assert t.push(push(0, [1], seq=3), BOTH, now=0.0).outcome == "duplicate"
+    assert t.version == 3 and t.counts["pushes_applied"] == 3 and t.counts["pushes_duplicate"] == 2
+    assert not t.holes
+
+
+def test_an_async_table_refuses_a_number_older_than_the_window_and_changes_nothing():
+    t = served("async")
+    t.push(push(0, [1], seq=1), BOTH, now=0.0)
+    t.push(push(0, [1], seq=70), BOTH, now=0.0)  # 2..69 skipped: only 7..69 (within 64 of 70) stay holes
+    before = digest(t)
+    with pytest.raises(InvalidRequest, match="sequence is 6 but rank 0's last acknowledged push to table 'emb' "
+                                             "was 70"):
+        t.push(push(0, [2], seq=6), BOTH, now=0.0)
+    assert digest(t) == before and t.version == 2
+    assert t.push(push(0, [2], seq=7), BOTH, now=0.0).outcome == "applied"  # still serves; a hole inside it
+
+
+def test_a_sync_table_keeps_no_holes_and_refuses_an_older_number():
+    t = served("sync", num_trainers=1)
+    one = Membership(frozenset({0}), started=True)
+    t.push(push(0, [1], seq=2), one, now=0.0)
+    with pytest.raises(InvalidRequest, match="sequence is 1"):
+        t.push(push(0, [1], seq=1, base=1), one, now=0.0)
+    assert t.holes is None
+
+
+def test_an_async_tables_holes_survive_state_and_restore():
+    t = served("async")
+    t.push(push(0, [1], seq=3), BOTH, now=0.0)
+    copy = served("async")
+    copy.restore(t.state(), now=0.0)
+    assert digest(copy) == digest(t) and copy.holes == {0: frozenset({1, 2})}
+    assert copy.push(push(0, [1], seq=2), BOTH, now=0.0).outcome == "applied"
+    old = t.state()
+    del old["holes"]  # a checkpoint written before holes were kept
+    copy.restore(old, now=0.0)
+    assert copy.holes == {}
