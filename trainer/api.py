@@ -38,7 +38,7 @@ import grpc
 import torch
 
 from psserver.protocol.epochs import Epoch
-from psserver.protocol.job import JobSpec, OptimizerConfig
+from psserver.protocol.job import JobSpec, OptimizerConfig, table_mode
 from psserver.protocol.layout import Layout, partitions_for
 from psserver.protocol.limits import MAX_PARTITIONS, MAX_PUSH_WINDOW
 from psserver.protocol.rows.table import TableSpec
@@ -167,8 +167,10 @@ class ParameterServerTrainer:
                                       prefetch, self._early, self._waits)
         self.pipelined = PipelinedExchange(self.exchange, self._waits, self._early) if pipeline else None
         # push_window > 1: async steps return before their push is acknowledged (trainer.windowed)
+        # (a sync job whose tables are async windows those only: trainer.table_window, bound in _bind_tables)
         self.windowed = WindowedExchange(self.slots, self.session, push_window, round_timeout,
-                                         self.clip_grad_norm) if push_window > 1 else None
+                                         self.clip_grad_norm) if push_window > 1 and job.mode == Mode.ASYNC else None
+        self.push_window = push_window
         self.table_push = TablePush(self.tables, self.client, lambda: self.session.rank)
         self.step_call = StepCall(self.exchange, self.table_push, lambda: self.rows)  # trainer.step_call
         self.runner = StepRunner(self.exchange, self.table_push, self.session, self.flat, self.client.count,
@@ -195,6 +197,8 @@ class ParameterServerTrainer:
             return
         self.rows = sharded_rows_class()(self.client, self.job, on_restart=self.session.rejoin_for_tables)
         self.session.track_rows(self.rows, self.joined_at)
+        if self.push_window > 1:
+            self.rows.use_window(self.push_window)
         for t in self.tables:
             t.bind(self.rows)
 
@@ -370,9 +374,10 @@ def check_window(job: JobSpec, push_window: int, overlap: bool = False, pipeline
         raise ValueError(f"push_window is {push_window} but must be 1 to {MAX_PUSH_WINDOW} (pushes in flight)")
     if push_window == 1:
         return
-    if job.mode != Mode.ASYNC:
-        raise ValueError(f"push_window {push_window} needs mode async, not {job.mode}: a sync round waits for "
-                         f"every trainer's push, so a second one in flight could only wait for the next round")
+    if job.mode != Mode.ASYNC and not any(table_mode(t, job) == Mode.ASYNC for t in job.tables):
+        raise ValueError(f"push_window {push_window} needs mode async (or async tables), not {job.mode}: a sync "
+                         f"round waits for every trainer's push, so a second one in flight could only wait for "
+                         f"the next round")
     clash = [n for n, on in (("overlap", overlap), ("pipeline", pipeline),
                              ("push_during_backward", push_during_backward), ("compress", compress)) if on]
     if clash:

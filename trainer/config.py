@@ -118,8 +118,9 @@ def window_checks(cfg) -> list[tuple[bool, str]]:
                                   ("--compress", cfg.compress), ("--pipeline", cfg.pipeline)) if on), None)
     return [
         (1 <= w <= MAX_PUSH_WINDOW, f"--push-window ({w}) must be 1 to {MAX_PUSH_WINDOW} pushes in flight"),
-        (w == 1 or cfg.mode == Mode.ASYNC, f"--push-window {w} applies to --mode async only, not {cfg.mode}: a "
-                                           "sync round waits for every trainer's push (use --push-window 1)"),
+        (w == 1 or Mode.ASYNC in (cfg.mode, cfg.embedding_mode),
+         f"--push-window {w} applies to --mode async (or --embedding-mode async) only, not {cfg.mode}: a sync "
+         "round waits for every trainer's push (use --push-window 1)"),
         (w == 1 or cfg.backend == "ps", f"--push-window applies to --backend ps only, not {cfg.backend}"),
         (w == 1 or clash is None, f"--push-window {w} does not go with {clash}: choose one"),
         (w == 1 or s is None or w <= s + 1, f"--push-window {w} with --max-staleness {s}: this trainer's own "

@@ -94,6 +94,11 @@ class PushWindow:
                 self._collect(block=True)
         return push.number
 
+    def wait_room(self) -> None:
+        """Wait until at most W-1 pushes are unacknowledged (a submit's wait, for a push already handed in)."""
+        while len(self._pushes) >= self.size:
+            self._collect(block=True)
+
     def drain(self) -> None:
         """Wait for every push in flight; WindowFailed if some failed (they stay, to be retried)."""
         while any(p.error is None for p in self._pushes):

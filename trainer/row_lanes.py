@@ -85,12 +85,16 @@ class RowLanes:
         lane.answered()
         lane.version = lane.base = lane.wait_for = max(lane.version, version)
 
-    def answered(self, lane: Lane, table: str, outcome: str, base: int, version: int, attempts: int) -> str:
+    def answered(self, lane: Lane, table: str, outcome: str, base: int, version: int, attempts: int,
+                 windowed: bool = False) -> str:
         """A push from ``base`` was answered ``outcome`` at ``version`` after ``attempts`` sends: the lane moves
-        on, and the outcome to count is returned (see push_outcome)."""
+        on, and the outcome to count is returned (see push_outcome).  ``windowed`` (trainer.table_window): the
+        answer came in the background, the lane's base stays the version of the rows the next push was read at."""
         lane.answered()
         outcome = self.push_outcome(lane, outcome, attempts)
         lane.version = max(lane.version, version)
+        if windowed:
+            return outcome
         # async: go on from this push's own step; sync: the round it is in closes at base + 1, the next pull
         # waits for it (the reply's rule, psserver.protocol.rules)
         lane.base = reply_version(self.modes[table], outcome, base, lane.version)

@@ -38,6 +38,7 @@ rolled back (``versions_lost``).  A pull that found it is made again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import Counter
@@ -57,6 +58,7 @@ from psserver.protocol.rows.table import TableSpec
 from psserver.protocol.rows.wire import row_chunks
 from psserver.protocol.rules import STALE, Mode, stale_version
 from trainer.client import RESTART_CODES, ShardCallsFailed, ShardClient, ShardedClient
+from trainer.push_window import WindowFailed
 from trainer.row_cache import RowCache, pull_through
 from trainer.row_calls import RowCalls
 from trainer.row_lanes import Lane, Pending, RowLanes
@@ -111,6 +113,7 @@ class RowsPart:
     num_ids: int
     dim: int
     chunks: list
+    windowed: bool = False  # a push window's (trainer.table_window): answered on its thread, base left alone
 
 
 class ShardedRows:
@@ -129,6 +132,8 @@ class ShardedRows:
         # again and call resync().  None: the error is raised (nothing here can register).
         self.on_restart = on_restart
         self.caches: dict[str, RowCache] = {}  # tables with a worker-side row cache (use_cache)
+        self.window = None  # async tables' push window (use_window; trainer.table_window)
+        self._answer_lock = threading.Lock()  # windowed answers of one lane come on several threads
         self.calls = RowCalls(sharded_client.shards, self._count)  # one row call to one shard, retried
         # A sync table's push carries the next batch's prefetched ids and its reply their rows (PushPullRows):
         # one round trip instead of a push and a pull.  False: PushRows, then the prefetch's own PullRows.
@@ -170,8 +175,35 @@ class ShardedRows:
                                       count=lambda **n: self._count(**{f"cache_{k}": v for k, v in n.items()}))
 
     def known_versions(self, table: str) -> torch.Tensor:
-        """Per shard, the newest version of ``table`` this trainer knows of (RowLanes.known_versions)."""
-        return torch.tensor(self.book.known_versions(table))
+        """Per shard, the newest version of ``table`` this trainer knows of (RowLanes.known_versions), plus its
+        own pushes still in flight there (trainer.table_window): a cached row ages by them too."""
+        known = self.book.known_versions(table)
+        if self.window is not None and table in self.window.windows:
+            known = [k + n for k, n in zip(known, self.window.in_flight_of(table))]
+        return torch.tensor(known)
+
+    def use_window(self, size: int) -> None:
+        """Async tables' pushes: up to ``size`` each in flight, acknowledged in the background
+        (trainer.table_window); sync tables are pushed as before."""
+        from trainer.table_window import TableWindows
+        self.window = TableWindows(self, [n for n, m in self.modes.items() if m == Mode.ASYNC], size)
+
+    def flush(self) -> None:
+        """Wait for every table push in flight (RowsPushFailed if some failed for good: flush again retries)."""
+        if self.window is None:
+            return
+        try:
+            self.window.flush()
+        except WindowFailed as e:
+            raise self._window_failed(next(iter(self.window.windows)), e) from e
+
+    def window_failed(self, table: str) -> bool:
+        """A windowed push of ``table`` failed for good and waits to be retried (or abandoned)."""
+        return self.window is not None and table in self.window.windows and self.window.failed(table)
+
+    def _window_failed(self, table: str, e: WindowFailed) -> RowsPushFailed:
+        first = e.errors[min(e.errors)]
+        return RowsPushFailed(table, [], {0: first}, [s.address for s in self.client.shards])
 
     def _pull_cached(self, table: str, spec: TableSpec, ids: torch.Tensor) -> torch.Tensor:
         cache = self.caches[table]
@@ -287,6 +319,8 @@ class ShardedRows:
         """A push's payloads by shard (a failed push's kept ones), the shards still to do, and the next batch's
         rows it asks for (a sync table's claim, trainer.row_prefetch)."""
         spec = self._spec(table)
+        if self.window is not None and table in self.window.windows:
+            return self._push_windowed(table, spec, ids, grads, num_samples)
         pending = self.book.pending.get(table)
         if pending is None:
             self.book.fresh_push(table)
@@ -324,6 +358,21 @@ class ShardedRows:
         if table in self.caches:
             self.caches[table].pushed(torch.cat([p[0] for p in pending.payloads.values()]))
 
+    def _push_windowed(self, table: str, spec: TableSpec, ids: torch.Tensor, grads: torch.Tensor,
+                       num_samples: int) -> None:
+        """An async table's push handed to its window (trainer.table_window); the step goes on."""
+        if grads.shape != (len(ids), spec.dim):
+            raise ValueError(f"grads has shape {tuple(grads.shape)}, table {table!r} needs ({len(ids)}, {spec.dim})")
+        grads = grads.detach().to("cpu", torch.float32)
+        payloads = {s: (ids[pos], grads[pos], num_samples) for s, pos in enumerate(self._split(ids))}
+        try:
+            self.window.push(table, payloads)
+        except WindowFailed as e:
+            raise self._window_failed(table, e) from e
+        self.ahead.pushed(table)
+        if table in self.caches:
+            self.caches[table].pushed(ids)
+
     def _push_shard(self, s: ShardClient, table: str, ids: torch.Tensor, grads: torch.Tensor,
                     num_samples: int, claim: Claim | None = None) -> str:
         """One shard's push (with ``claim``'s ids of this shard, a PushPullRows delivering their rows); on a
@@ -341,19 +390,21 @@ class ShardedRows:
         return self._part(s, plan.table, *plan.pending.payloads[s.index], plan.claim)
 
     def _part(self, s: ShardClient, table: str, ids: torch.Tensor, grads: torch.Tensor, num_samples: int,
-              claim: Claim | None) -> RowsPart:
+              claim: Claim | None, numbered: tuple[int, int] | None = None) -> RowsPart:
         """Shard ``s``'s push under its lane's number (the unanswered one again on a retry): the request's
-        chunks, and what its answer needs."""
+        chunks, and what its answer needs.  ``numbered``: a windowed push's (sequence, base), fixed when it was
+        made (trainer.table_window); its answer leaves the lane's base alone."""
         lane = self.book.lanes[(s.index, table)]
-        sequence = lane.number()  # the unanswered push's again (a retried step), else a new one
+        # the unanswered push's number again (a retried step), else a new one
+        sequence, base = numbered if numbered is not None else (lane.number(), lane.base)
         pull_ids = claim.ids.get(s.index) if claim is not None else None
         header = _pb.RowsHeader(rank=s.rank, trainer_id=s.trainer_id, fingerprint=s.fingerprint, table=table,
-                                version=lane.base, num_samples=num_samples, sequence=sequence,
+                                version=base, num_samples=num_samples, sequence=sequence,
                                 num_ids=len(ids), dim=grads.shape[1])
         if pull_ids is not None:
             header.pull_ids = pull_ids.contiguous().numpy().tobytes()
         return RowsPart(table, lane, header, pull_ids, claim, len(ids), grads.shape[1],
-                        list(row_chunks(grads, header, self.chunk_bytes, ids)))
+                        list(row_chunks(grads, header, self.chunk_bytes, ids)), numbered is not None)
 
     def _push_once(self, s: ShardClient, part: RowsPart) -> str:
         try:
@@ -378,8 +429,9 @@ class ShardedRows:
                       attempts: int) -> str:
         """What the shard answered to ``part`` (and the rows it pulled: (version, bytes)), taken into its lane."""
         lane, table = part.lane, part.table
-        outcome = self.book.answered(lane, table, _pb.PushOutcome.Name(reply.outcome).lower(), part.header.version,
-                                     reply.version, attempts)
+        with self._answer_lock if part.windowed else contextlib.nullcontext():  # (a window's answer on its thread)
+            outcome = self.book.answered(lane, table, _pb.PushOutcome.Name(reply.outcome).lower(),
+                                         part.header.version, reply.version, attempts, windowed=part.windowed)
         self._count(bytes_pushed=part.num_ids * (8 + 4 * part.dim), rows_pushed=part.num_ids,
                     rows_stale=reply.rows_stale, **{f"{outcome}_pushes": 1})
         rows = self._rows_read(s, table, lane, part.pull_ids, *pulled) if pulled is not None else None
@@ -419,6 +471,8 @@ class ShardedRows:
         """Shard ``shard`` restarted and this trainer registered again: every table goes on from ``versions``
         (the shard's, by table; RowLanes.resync), and the rows cached or prefetched from it are dropped."""
         self.book.resync(shard, versions)
+        if self.window is not None:
+            self.window.resynced(shard)
         for cache in self.caches.values():  # (not under the lock: the caches count through it)
             cache.drop_shard(shard)
         self.ahead.drop()
@@ -431,6 +485,9 @@ class ShardedRows:
         """Drop ``table``'s failed push instead of retrying it (trainer.api's abandon_step): the shards that
         did not answer get new numbers (RowLanes.abandon).  Returns whether there was one."""
         self._spec(table)
+        if self.window is not None and table in self.window.windows and self.window.failed(table):
+            self._count(pushes_abandoned=self.window.abandon(table))
+            return True
         return self.book.abandon(table)
 
     # -- the rest -----------------------------------------------------------------------------------
@@ -447,6 +504,8 @@ class ShardedRows:
         self.ahead.pushed(table)
 
     def close(self) -> None:
-        """The prefetch threads end; the channels belong to the ShardedClient."""
+        """The prefetch (and push window) threads end; the channels belong to the ShardedClient."""
         self.ahead.close()
+        if self.window is not None:
+            self.window.close()
 

@@ -134,6 +134,7 @@ class StepRunner:
     def flush(self) -> None:
         """Every weight in flight in the model; a pipelined exchange's failure is raised here as StepFailed."""
         self.join_exchange()
+        self.table_push.flush()  # async tables' pushes in flight (trainer.table_window)
         if self.windowed is not None:  # every push in flight acknowledged, the newest weights in the model
             self.windowed.flush()
         if self.prefetch is not None:

@@ -13,7 +13,7 @@ numbers (the shard answers DUPLICATE to each part and still streams the weights 
 on a shard -- a restart, a refusal, a stale table push -- leaves that shard's parts unanswered under their
 numbers, and step() goes on with the two-call path, which retries just those parts and handles each case as it
 always has (trainer.step).  Used only unpartitioned, without the overlap, early-push, pipelined or windowed
-variants, and while a step's payload to a shard stays under MAX_STEP_BYTES.
+variants (dense or tables: trainer.table_window), and while a step's payload to a shard stays under MAX_STEP_BYTES.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ class StepCall:
     def usable(self, variants_off: bool) -> bool:
         """Whether this step can go as one call a shard: nothing half done from a failed step, one slot a shard."""
         ex = self.exchange
-        return (self.enabled and variants_off and self._rows() is not None and ex.prefetch is None
+        rows = self._rows()
+        return (self.enabled and variants_off and rows is not None and rows.window is None and ex.prefetch is None
                 and ex.early is None and ex.slots.job.partitions == 1 and ex.attempt is None
                 and not self.table_push.pending() and not self.table_push.any_pushed()
                 and not ex.session.resume_dense

@@ -70,15 +70,22 @@ class TablePush:
         self._pushed.clear()
 
     def pending(self) -> bool:
-        """A table's failed push waits to be retried."""
-        return any(t.push_pending for t in self.tables)
+        """A table's failed push waits to be retried (a windowed one too: trainer.table_window)."""
+        return any(t.push_pending or _window_failed(t) for t in self.tables)
+
+    def flush(self) -> None:
+        """Wait for the tables' pushes still in flight (an async push window's: trainer.table_window)."""
+        for backend in {id(t.backend): t.backend for t in self.tables}.values():
+            flush = getattr(backend, "flush", None)
+            if flush is not None:
+                flush()
 
     def abandon(self) -> None:
         """The shards that did not answer a table's push: new numbers there too (ShardedRows.abandon; a local
         backend keeps no failed push)."""
         for t in self.tables:
             abandon = getattr(t.backend, "abandon", None)
-            if t.push_pending and abandon is not None and abandon(t.name):
+            if (t.push_pending or _window_failed(t)) and abandon is not None and abandon(t.name):
                 self._counter.count("table_pushes_abandoned")
             dropped = getattr(t.backend, "step_dropped", None)
             if t.name not in self._pushed and dropped is not None:
@@ -89,3 +96,9 @@ class TablePush:
         for t in self.tables:
             t.zero_grad_rows()
         self._pushed.clear()
+
+
+def _window_failed(t) -> bool:
+    """``t``'s windowed push failed and waits (ShardedRows.window_failed; a local backend has no window)."""
+    failed = getattr(t.backend, "window_failed", None)
+    return failed is not None and failed(t.name)

@@ -1,0 +1,163 @@
+"""Async table pushes that do not wait for their acknowledgement: up to W per table in flight (``push_window=W``).
+
+``ShardedRows.push`` of an async table hands its per-shard payloads here: each (shard, table) lane gives the
+push a number of its own (``PushNumbers.take``) and its base (the version of the rows this step read), fixed
+now, and the push goes to the table's window (trainer.push_window), which sends it on a thread of its own and
+returns once at most W-1 of the table's pushes are unacknowledged -- so at most W per (shard, table) are on
+the wire.  Exactly once: a lost reply is retried inside the call under the same number (the shard answers
+DUPLICATE where it applied it; an async table keeps holes for pushes overtaken on the way,
+psserver.sparse.serving); a push that failed for good stays in the window, the next ``push`` of the table
+(or ``flush``) sends it again under its numbers, to the shards that did not answer, before anything new.
+
+A shard found restarted is rejoined once (``on_restart``; the pushes in flight that find it later are lost
+there, not rejoined again) and the pushes to it that found it are lost, counted in ``pushes_lost``, as
+without a window.  An acknowledgement moves the lane's known version on, not its base: the next push's base
+stays the version its own rows were read at, so the shard counts this trainer's pushes in flight in its
+staleness.  ``in_flight`` per lane is what a row cache adds to the version it knows (trainer.row_cache must
+not serve a row older than its bound counting the pushes still on the way).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+
+import grpc
+
+from trainer.client import RESTART_CODES
+from trainer.push_window import PushWindow, WindowFailed
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class TablePushParts:
+    """One step's push of one table: shard -> (ids, grads, num_samples, sequence, base, restart generation);
+    ``done`` (shard -> outcome) survives a failure, so sending again skips the shards that answered."""
+
+    table: str
+    parts: dict[int, tuple]
+    done: dict[int, str] = field(default_factory=dict)
+
+
+class TableWindows:
+    """The async tables' windows of ``rows`` (a trainer.sparse_client.ShardedRows), ``size`` pushes each."""
+
+    def __init__(self, rows, tables: list[str], size: int):
+        self.rows, self.size = rows, size
+        m = len(rows.client.shards)
+        self._sends = ThreadPoolExecutor(max_workers=size * max(1, len(tables)), thread_name_prefix="ps-tw")
+        self._io = ThreadPoolExecutor(max_workers=min(64, size * m * max(1, len(tables))),
+                                      thread_name_prefix="ps-tw-io")
+        self.windows = {t: PushWindow(size, self._sends.submit) for t in tables}
+        self.in_flight: Counter = Counter()  # (shard, table) -> parts sent and not yet answered
+        self._lock = threading.Lock()  # of in_flight and the lanes' known versions, written by the senders
+        self._generation = [0] * m  # shard -> rejoins so far (a push made before one does not rejoin again)
+        self._restart_locks = [threading.Lock() for _ in range(m)]
+        self._handed: set[str] = set()  # tables whose failed push() call's gradient is in the window already
+
+    # ------------------------------------------------------------------ the caller's thread
+    def push(self, table: str, payloads: dict[int, tuple]) -> None:
+        """Hand one step's push (shard -> (ids, grads, num_samples)) to the table's window; WindowFailed if a
+        push of the table failed for good (the caller keeps its gradient and calls again: that call retries
+        the failed ones and does not send the gradient twice)."""
+        w = self.windows[table]
+        if w.failed():  # a failed push goes again under its numbers before anything new
+            w.retry_failed()
+            self.rows._count(window_pushes_retried=1)
+        if table in self._handed:  # the call that failed had handed its gradient in: wait for room only
+            w.wait_room()
+            self._handed.discard(table)
+            return
+        parts = {}
+        for s, (ids, grads, n) in payloads.items():
+            lane = self.rows.book.lanes[(s, table)]
+            parts[s] = (ids, grads, n, lane.take(), lane.base, self._generation[s])
+        with self._lock:
+            self.in_flight.update({(s, table): 1 for s in parts})
+        before, waits = w.stats.submitted, w.stats.full_waits
+        try:
+            w.submit(partial(self._send, TablePushParts(table, parts)))
+        except WindowFailed:
+            if w.stats.submitted > before:
+                self._handed.add(table)
+            else:  # not sent: its numbers are given up (the shard keeps them as holes that age out)
+                with self._lock:
+                    self.in_flight.subtract({(s, table): 1 for s in parts})
+            raise
+        finally:
+            self.rows._count(window_pushes_sent=w.stats.submitted - before,
+                             window_full_waits=w.stats.full_waits - waits)
+
+    def flush(self) -> None:
+        """Wait for every table push in flight; failed ones are sent again first (WindowFailed if some fail)."""
+        for w in self.windows.values():
+            if w.failed():
+                w.retry_failed()
+            w.drain()
+
+    def failed(self, table: str) -> bool:
+        return bool(self.windows[table].failed()) or table in self._handed
+
+    def abandon(self, table: str) -> int:
+        """Drop the table's failed pushes; returns how many shards' parts were given up (maybe applied there)."""
+        w = self.windows[table]
+        failed = [p.send.args[0] for p in w.failed()]
+        w.abandon_failed()
+        self._handed.discard(table)
+        undone = [(s, p.table) for p in failed for s in p.parts if s not in p.done]
+        with self._lock:
+            self.in_flight.subtract(Counter(undone))
+        return len(undone)
+
+    def in_flight_of(self, table: str) -> list[int]:
+        with self._lock:
+            return [self.in_flight[(s, table)] for s in range(len(self._generation))]
+
+    def resynced(self, shard: int) -> None:
+        """Shard ``shard`` was rejoined: pushes made before this that find it restarted do not rejoin again."""
+        self._generation[shard] += 1
+
+    def close(self) -> None:
+        self._sends.shutdown(wait=False, cancel_futures=True)
+        self._io.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ the window's threads
+    def _send(self, push: TablePushParts) -> TablePushParts:
+        todo = [s for s in push.parts if s not in push.done]
+        futures = {s: self._io.submit(self._send_part, push, s) for s in todo}
+        failed = {}
+        for s, f in futures.items():
+            try:
+                push.done[s] = f.result()
+            except Exception as e:  # noqa: BLE001 -- kept by shard; the push stays in the window
+                failed[s] = e
+                continue
+            with self._lock:
+                self.in_flight[(s, push.table)] -= 1
+        if failed:
+            first = failed[min(failed)]
+            log.warning("push of table %r failed on shards %s (%s); sent again under the same numbers",
+                        push.table, sorted(failed), first)
+            raise first
+        return push
+
+    def _send_part(self, push: TablePushParts, s: int) -> str:
+        ids, grads, n, sequence, base, generation = push.parts[s]
+        shard = self.rows.client.shards[s]
+        try:
+            return self.rows._push_once(shard, self.rows._part(shard, push.table, ids, grads, n, None,
+                                                               numbered=(sequence, base)))
+        except grpc.RpcError as e:
+            if e.code() not in RESTART_CODES or self.rows.on_restart is None:
+                raise
+            with self._restart_locks[s]:
+                if generation == self._generation[s]:  # the first to find this restart: rejoin (resync)
+                    self.rows.on_restart(shard, e)
+        self.rows.book.count_lost(s, push.table)
+        log.warning("a push of table %r to shard %d was lost with its restart", push.table, s)
+        return "lost"
