@@ -202,8 +202,13 @@ class ShardedRows:
         return self.window is not None and table in self.window.windows and self.window.failed(table)
 
     def _window_failed(self, table: str, e: WindowFailed) -> RowsPushFailed:
-        first = e.errors[min(e.errors)]
-        return RowsPushFailed(table, [], {0: first}, [s.address for s in self.client.shards])
+        """The window's failure as the unwindowed push raises it: by shard, with what answered."""
+        failed, done = {}, None
+        for err in e.errors.values():
+            parts = getattr(err, "failed", {0: err})
+            failed.update({s: x for s, x in parts.items() if s not in failed})
+            done = set(getattr(err, "done", ())) if done is None else done & set(getattr(err, "done", ()))
+        return RowsPushFailed(table, sorted(done or ()), failed, [s.address for s in self.client.shards])
 
     def _pull_cached(self, table: str, spec: TableSpec, ids: torch.Tensor) -> torch.Tensor:
         cache = self.caches[table]

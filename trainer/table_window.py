@@ -44,6 +44,15 @@ class TablePushParts:
     done: dict[int, str] = field(default_factory=dict)
 
 
+class PartsFailed(Exception):
+    """A windowed table push failed on some shards for good: ``failed`` shard -> error, ``done`` the shards
+    that answered."""
+
+    def __init__(self, failed: dict[int, BaseException], done: list[int]):
+        self.failed, self.done = failed, done
+        super().__init__(f"shards {sorted(failed)} failed: {failed[min(failed)]}")
+
+
 class TableWindows:
     """The async tables' windows of ``rows`` (a trainer.sparse_client.ShardedRows), ``size`` pushes each."""
 
@@ -66,9 +75,7 @@ class TableWindows:
         push of the table failed for good (the caller keeps its gradient and calls again: that call retries
         the failed ones and does not send the gradient twice)."""
         w = self.windows[table]
-        if w.failed():  # a failed push goes again under its numbers before anything new
-            w.retry_failed()
-            self.rows._count(window_pushes_retried=1)
+        self._retry(w)  # a failed push goes again under its numbers before anything new
         if table in self._handed:  # the call that failed had handed its gradient in: wait for room only
             w.wait_room()
             self._handed.discard(table)
@@ -96,9 +103,13 @@ class TableWindows:
     def flush(self) -> None:
         """Wait for every table push in flight; failed ones are sent again first (WindowFailed if some fail)."""
         for w in self.windows.values():
-            if w.failed():
-                w.retry_failed()
+            self._retry(w)
             w.drain()
+
+    def _retry(self, w: PushWindow) -> None:
+        """Send ``w``'s failed pushes again, under their numbers (counted in ``window_pushes_retried``)."""
+        if w.failed():
+            self.rows._count(window_pushes_retried=w.retry_failed())
 
     def failed(self, table: str) -> bool:
         return bool(self.windows[table].failed()) or table in self._handed
@@ -140,10 +151,9 @@ class TableWindows:
             with self._lock:
                 self.in_flight[(s, push.table)] -= 1
         if failed:
-            first = failed[min(failed)]
-            log.warning("push of table %r failed on shards %s (%s); sent again under the same numbers",
-                        push.table, sorted(failed), first)
-            raise first
+            log.warning("a push of table %r failed on shards %s (%s); kept, to be sent again under its numbers",
+                        push.table, sorted(failed), failed[min(failed)])
+            raise PartsFailed(failed, sorted(push.done))
         return push
 
     def _send_part(self, push: TablePushParts, s: int) -> str:
