@@ -133,7 +133,7 @@ def single_process_rate(log, steps: int, batch: int, dim: int, lr: float) -> dic
 
 def sharded_rate(log, steps: int, batch: int, dim: int, lr: float, shards: int, run_dir, embedding_mode: str = "",
                  prefetch: bool = False, fused: bool = True, cache_rows: int = 0, cache_staleness: int = 0,
-                 one_call: bool = True) -> dict:
+                 one_call: bool = True, push_window: int = 1) -> dict:
     """The same model with its bag on ``shards`` ps-server processes (row-wise exchange, Adagrad on
     the shards), one trainer in this process; bytes per step from the row client's counters.
     ``embedding_mode="async"``: async rows next to the sync dense head; ``prefetch``: each batch's rows pulled
@@ -141,7 +141,8 @@ def sharded_rate(log, steps: int, batch: int, dim: int, lr: float, shards: int, 
     pull stay two calls and the tables go before the dense exchange (the behaviour before PushPullRows);
     ``cache_rows``/``cache_staleness``: the bag's worker-side row cache (trainer.row_cache; 0 rows: none);
     ``one_call=False``: with prefetch, a shard's dense exchange and table push stay two calls side by side (the
-    step before the Step RPC, trainer.step_call)."""
+    step before the Step RPC, trainer.step_call);
+    ``push_window``: async tables' pushes in flight (trainer.table_window; 1: each waited for)."""
     from psserver.protocol.rows.optim import SparseOptimizerConfig
     from trainer.api import connect
     from trainer.procs import start_shard
@@ -152,7 +153,7 @@ def sharded_rate(log, steps: int, batch: int, dim: int, lr: float, shards: int, 
             SparseOptimizerConfig("adagrad", lr=lr), cache_rows=cache_rows,
             cache_staleness=cache_staleness)["embedding_bag"])
         with connect([p.address for p in procs], model, optimizer={"name": "sgd", "lr": lr},
-                     embedding_mode=embedding_mode) as ps:
+                     embedding_mode=embedding_mode, push_window=push_window) as ps:
             wrap = (lambda bs: ps.prefetching(bs, ids_of=lambda b: {"bag": b.ids})) if prefetch else (lambda bs: bs)
             ps.step_call.enabled = one_call
             if not fused:
