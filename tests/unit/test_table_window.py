@@ -192,3 +192,23 @@ def test_abandon_drops_the_failed_push_and_the_next_gets_new_numbers():
     w.flush()
     assert sorted(rows.calls) == [(0, 1, 0), (0, 2, 0), (1, 1, 0), (1, 2, 0)]  # 1 not sent again
     w.close()
+
+
+def test_a_cached_row_ages_by_this_trainers_pushes_still_in_flight():
+    """A row cache compares a row's version with the version the trainer knows (ShardedRows.known_versions):
+    with pushes in flight that is the lane's version plus them, so a row is never served past its bound."""
+    from tests.integration.test_sparse_rpc import job
+    from trainer.client import ShardedClient
+    from trainer.sparse_client import ShardedRows
+
+    spec = job(num_shards=2, mode="async")
+    client = ShardedClient(["127.0.0.1:1", "127.0.0.1:2"], spec, 0, "t0")
+    r = ShardedRows(client, spec)
+    try:
+        r.use_window(4)
+        r._lanes[(0, "emb")].version = 7
+        r.window.in_flight.update({(0, "emb"): 3, (1, "emb"): 1})
+        assert r.known_versions("emb").tolist() == [10, 1]
+    finally:
+        r.close()
+        client.close()
