@@ -63,17 +63,20 @@ class RowLanes:
         lanes = [self.lanes[(s, table)] for s in range(self.num_shards)]
         return [max(ln.version, ln.wait_for) if sync else ln.version for ln in lanes]
 
-    def pulled(self, shard: int, table: str, version: int, **counts: int) -> bool:
+    def pulled(self, shard: int, table: str, version: int, seen: int | None = None, **counts: int) -> bool:
         """A pull of ``table`` from ``shard`` read ``version`` (``counts`` added to the counters); whether the
-        shard went back -- restored from an older checkpoint: the versions lost are counted."""
+        shard went back -- restored from an older checkpoint: the versions lost are counted.  ``seen``: the
+        lane's version when the pull was sent (default: now) -- an answer to a push in flight beside the pull
+        (a push window's, a prefetch's pull) may have moved it on since, which is no going back."""
         lane = self.lanes[(shard, table)]
         went_back = False
         with self._lock:
-            if version < lane.version:  # a running shard never goes back
-                self.counters["versions_lost"] += lane.version - version
+            seen = lane.version if seen is None else seen
+            if version < seen:  # a running shard never goes back
+                self.counters["versions_lost"] += seen - version
                 log.warning("table %r on shard %d is at version %d, behind the %d this trainer saw: the shard "
                             "was restored from an older checkpoint; %d versions lost", table, shard, version,
-                            lane.version, lane.version - version)
+                            seen, seen - version)
                 lane.version = version
                 went_back = True
             lane.version = max(lane.version, version)

@@ -289,11 +289,12 @@ class ShardedRows:
         oldest of the calls' (a push's base: staleness is not understated)."""
         lane = self.book.lanes[(s.index, table)]
         per_call = max(1, MAX_ROWS_REPLY_BYTES // (dim * 4))
+        seen = lane.version  # (pushes answered while the pull is out move it on: no going back, RowLanes.pulled)
         pieces = [self._pull_piece(s, table, lane, ids[i:i + per_call]) for i in range(0, len(ids), per_call)]
         version, raw = min(v for v, _ in pieces), b"".join(r for _, r in pieces)
         if len(raw) != len(ids) * dim * 4:
             raise ValueError(f"shard {s.index} sent {len(raw)} bytes of rows for {len(ids)} ids of dim {dim}")
-        went_back = self.book.pulled(s.index, table, version, bytes_pulled=len(raw) + 8 * len(ids),
+        went_back = self.book.pulled(s.index, table, version, seen, bytes_pulled=len(raw) + 8 * len(ids),
                                      rows_pulled=len(ids), row_pull_calls=len(pieces))
         if went_back and table in self.caches:  # rows cached before the restore are of a state that is gone
             self.caches[table].drop_shard(s.index)

@@ -212,3 +212,11 @@ def test_a_cached_row_ages_by_this_trainers_pushes_still_in_flight():
     finally:
         r.close()
         client.close()
+
+
+def test_a_pull_answered_before_a_push_beside_it_is_not_a_shard_going_back():
+    book = RowLanes({"t": "async"}, 1, Counter(), threading.Lock())
+    lane = book.lanes[(0, "t")]
+    lane.version = 5  # a windowed push was answered at 5 while a pull sent at 4 was out
+    assert not book.pulled(0, "t", 4, seen=4) and lane.version == 5 and book.counters["versions_lost"] == 0
+    assert book.pulled(0, "t", 2, seen=4) and lane.version == 2 and book.counters["versions_lost"] == 2
