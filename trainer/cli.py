@@ -101,7 +101,8 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--push-during-backward", action="store_true",
                    help="any mode: push each shard its gradient slice as soon as backward has produced it")
     p.add_argument("--push-window", type=int, default=1, metavar="W",
-                   help="async mode: up to W pushes in flight, acknowledged in the background (1: each step waits "
+                   help="async mode (or --embedding-mode async tables): up to W pushes in flight, acknowledged in the "
+                        "background (1: each step waits "
                         "for its own; docs/push-window.md)")
     p.add_argument("--backend", choices=("ps", "ddp", "ddp-nccl", "local"), default="ps",
                    help="ps: the parameter servers; ddp (gloo) / ddp-nccl / local: the baselines ps-bench compares "

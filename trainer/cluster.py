@@ -82,7 +82,7 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--stale-policy", choices=STALE_POLICIES, default="drop")
     p.add_argument("--max-staleness", type=int, default=None, help="async only")
     p.add_argument("--push-window", type=int, default=1, metavar="W",
-                   help="async only: each trainer keeps up to W pushes in flight (docs/push-window.md)")
+                   help="async (or --embedding-mode async tables) only: each trainer keeps up to W pushes in flight (docs/push-window.md)")
     p.add_argument("--straggler-delay", type=float, default=0.0,
                    help="extra seconds per step for the last trainer, to show what stale-timeout buys")
     p.add_argument("--elastic", action="store_true",

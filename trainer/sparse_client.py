@@ -58,7 +58,6 @@ from psserver.protocol.rows.table import TableSpec
 from psserver.protocol.rows.wire import row_chunks
 from psserver.protocol.rules import STALE, Mode, stale_version
 from trainer.client import RESTART_CODES, ShardCallsFailed, ShardClient, ShardedClient
-from trainer.push_window import WindowFailed
 from trainer.row_cache import RowCache, pull_through
 from trainer.row_calls import RowCalls
 from trainer.row_lanes import Lane, Pending, RowLanes
@@ -190,25 +189,12 @@ class ShardedRows:
 
     def flush(self) -> None:
         """Wait for every table push in flight (RowsPushFailed if some failed for good: flush again retries)."""
-        if self.window is None:
-            return
-        try:
+        if self.window is not None:
             self.window.flush()
-        except WindowFailed as e:
-            raise self._window_failed(next(iter(self.window.windows)), e) from e
 
     def window_failed(self, table: str) -> bool:
         """A windowed push of ``table`` failed for good and waits to be retried (or abandoned)."""
-        return self.window is not None and table in self.window.windows and self.window.failed(table)
-
-    def _window_failed(self, table: str, e: WindowFailed) -> RowsPushFailed:
-        """The window's failure as the unwindowed push raises it: by shard, with what answered."""
-        failed, done = {}, None
-        for err in e.errors.values():
-            parts = getattr(err, "failed", {0: err})
-            failed.update({s: x for s, x in parts.items() if s not in failed})
-            done = set(getattr(err, "done", ())) if done is None else done & set(getattr(err, "done", ()))
-        return RowsPushFailed(table, sorted(done or ()), failed, [s.address for s in self.client.shards])
+        return self.window is not None and self.window.failed(table)
 
     def _pull_cached(self, table: str, spec: TableSpec, ids: torch.Tensor) -> torch.Tensor:
         cache = self.caches[table]
@@ -325,8 +311,8 @@ class ShardedRows:
         """A push's payloads by shard (a failed push's kept ones), the shards still to do, and the next batch's
         rows it asks for (a sync table's claim, trainer.row_prefetch)."""
         spec = self._spec(table)
-        if self.window is not None and table in self.window.windows:
-            return self._push_windowed(table, spec, ids, grads, num_samples)
+        if self.window is not None and table in self.window.windows:  # async: handed over, the step goes on
+            return self.window.push(table, spec, ids, grads, num_samples)
         pending = self.book.pending.get(table)
         if pending is None:
             self.book.fresh_push(table)
@@ -363,21 +349,6 @@ class ShardedRows:
         self.ahead.pushed(table)
         if table in self.caches:
             self.caches[table].pushed(torch.cat([p[0] for p in pending.payloads.values()]))
-
-    def _push_windowed(self, table: str, spec: TableSpec, ids: torch.Tensor, grads: torch.Tensor,
-                       num_samples: int) -> None:
-        """An async table's push handed to its window (trainer.table_window); the step goes on."""
-        if grads.shape != (len(ids), spec.dim):
-            raise ValueError(f"grads has shape {tuple(grads.shape)}, table {table!r} needs ({len(ids)}, {spec.dim})")
-        grads = grads.detach().to("cpu", torch.float32)
-        payloads = {s: (ids[pos], grads[pos], num_samples) for s, pos in enumerate(self._split(ids))}
-        try:
-            self.window.push(table, payloads)
-        except WindowFailed as e:
-            raise self._window_failed(table, e) from e
-        self.ahead.pushed(table)
-        if table in self.caches:
-            self.caches[table].pushed(ids)
 
     def _push_shard(self, s: ShardClient, table: str, ids: torch.Tensor, grads: torch.Tensor,
                     num_samples: int, claim: Claim | None = None) -> str:
@@ -491,7 +462,7 @@ class ShardedRows:
         """Drop ``table``'s failed push instead of retrying it (trainer.api's abandon_step): the shards that
         did not answer get new numbers (RowLanes.abandon).  Returns whether there was one."""
         self._spec(table)
-        if self.window is not None and table in self.window.windows and self.window.failed(table):
+        if self.window_failed(table):
             self._count(pushes_abandoned=self.window.abandon(table))
             return True
         return self.book.abandon(table)

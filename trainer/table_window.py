@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import grpc
+import torch
 
 from trainer.client import RESTART_CODES
 from trainer.push_window import PushWindow, WindowFailed
@@ -70,10 +71,24 @@ class TableWindows:
         self._handed: set[str] = set()  # tables whose failed push() call's gradient is in the window already
 
     # ------------------------------------------------------------------ the caller's thread
-    def push(self, table: str, payloads: dict[int, tuple]) -> None:
-        """Hand one step's push (shard -> (ids, grads, num_samples)) to the table's window; WindowFailed if a
-        push of the table failed for good (the caller keeps its gradient and calls again: that call retries
-        the failed ones and does not send the gradient twice)."""
+    def push(self, table: str, spec, ids: torch.Tensor, grads: torch.Tensor, num_samples: int) -> None:
+        """Hand one step's push of ``table`` to its window and go on; RowsPushFailed if a push of the table
+        failed for good (the caller keeps its gradient and calls again: that call sends the failed ones again
+        and not this gradient twice)."""
+        if grads.shape != (len(ids), spec.dim):
+            raise ValueError(f"grads has shape {tuple(grads.shape)}, table {table!r} needs ({len(ids)}, {spec.dim})")
+        grads = grads.detach().to("cpu", torch.float32)
+        try:
+            self.hand_in(table, {s: (ids[pos], grads[pos], num_samples) for s, pos in enumerate(self.rows._split(ids))})
+        except WindowFailed as e:
+            raise self.rows_failure(table, e) from e
+        self.rows.ahead.pushed(table)
+        if table in self.rows.caches:
+            self.rows.caches[table].pushed(ids)
+
+    def hand_in(self, table: str, payloads: dict[int, tuple]) -> None:
+        """Hand one step's push (shard -> (ids, grads, num_samples)) to the table's window; WindowFailed as
+        ``push`` says."""
         w = self.windows[table]
         self._retry(w)  # a failed push goes again under its numbers before anything new
         if table in self._handed:  # the call that failed had handed its gradient in: wait for room only
@@ -101,10 +116,22 @@ class TableWindows:
                              window_full_waits=w.stats.full_waits - waits)
 
     def flush(self) -> None:
-        """Wait for every table push in flight; failed ones are sent again first (WindowFailed if some fail)."""
-        for w in self.windows.values():
+        """Wait for every table push in flight; failed ones are sent again first (RowsPushFailed if some fail)."""
+        for table, w in self.windows.items():
             self._retry(w)
-            w.drain()
+            try:
+                w.drain()
+            except WindowFailed as e:
+                raise self.rows_failure(table, e) from e
+
+    def rows_failure(self, table: str, e: WindowFailed):
+        """The window's failure as an unwindowed push raises it (RowsPushFailed): by shard, with what answered."""
+        from trainer.sparse_client import RowsPushFailed
+        failed, done = {}, None
+        for err in e.errors.values():
+            failed.update({s: x for s, x in getattr(err, "failed", {0: err}).items() if s not in failed})
+            done = set(getattr(err, "done", ())) if done is None else done & set(getattr(err, "done", ()))
+        return RowsPushFailed(table, sorted(done or ()), failed, [s.address for s in self.rows.client.shards])
 
     def _retry(self, w: PushWindow) -> None:
         """Send ``w``'s failed pushes again, under their numbers (counted in ``window_pushes_retried``)."""
@@ -112,7 +139,8 @@ class TableWindows:
             self.rows._count(window_pushes_retried=w.retry_failed())
 
     def failed(self, table: str) -> bool:
-        return bool(self.windows[table].failed()) or table in self._handed
+        """A push of ``table`` (windowed) failed for good and waits to be sent again or abandoned."""
+        return table in self.windows and (bool(self.windows[table].failed()) or table in self._handed)
 
     def abandon(self, table: str) -> int:
         """Drop the table's failed pushes; returns how many shards' parts were given up (maybe applied there)."""

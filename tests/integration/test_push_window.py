@@ -117,8 +117,9 @@ def test_a_windowed_push_that_failed_for_good_is_raised_kept_and_retried_by_the_
 
 
 @pytest.mark.parametrize("kw,message", [
-    (dict(mode="sync"), "push_window 4 needs mode async, not sync"),
-    (dict(mode="stale-timeout", sync_timeout=1.0), "push_window 4 needs mode async, not stale-timeout"),
+    (dict(mode="sync"), r"push_window 4 needs mode async \(or async tables\), not sync"),
+    (dict(mode="stale-timeout", sync_timeout=1.0),
+     r"push_window 4 needs mode async \(or async tables\), not stale-timeout"),
     (dict(mode="async", max_staleness=2), "push_window is 4 but max_staleness is 2: .* at most max_staleness "
                                           r"\+ 1 = 3"),
     (dict(mode="async", overlap=True), "push_window 4 does not go with overlap"),

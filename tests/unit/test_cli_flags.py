@@ -33,9 +33,9 @@ def trainer_config(*argv: str) -> TrainConfig:
     (["--rank", "2", "--num-trainers", "2"], "--rank (2) must be between 0 and --num-trainers - 1 (1)"),
     (["--connect-timeout", "0"], "--connect-timeout (0.0) must be more than zero seconds"),
     (["--optimizer", "adam", "--nesterov"], "--nesterov applies to --optimizer sgd only, not adam"),
-    (["--push-window", "4"], "--push-window 4 applies to --mode async only, not sync"),
+    (["--push-window", "4"], "--push-window 4 applies to --mode async (or --embedding-mode async) only, not sync"),
     (["--push-window", "4", "--mode", "stale-timeout", "--sync-timeout", "1"],
-     "--push-window 4 applies to --mode async only, not stale-timeout"),
+     "--push-window 4 applies to --mode async (or --embedding-mode async) only, not stale-timeout"),
     (["--push-window", "0", "--mode", "async"], "--push-window (0) must be 1 to 64 pushes in flight"),
     (["--push-window", "4", "--mode", "async", "--max-staleness", "2"],
      "--push-window 4 with --max-staleness 2: this trainer's own pushes in flight alone make a push 3 versions "
@@ -51,6 +51,12 @@ def test_a_bad_trainer_flag_is_refused_naming_the_flag_and_its_value(argv, messa
 def test_an_async_push_window_within_the_staleness_bound_is_accepted_and_its_default_lr_counts_the_window():
     cfg = trainer_config("--push-window", "3", "--mode", "async", "--max-staleness", "2", "--num-trainers", "2")
     assert cfg.push_window == 3 and cfg.optimizer_config().lr == pytest.approx(0.05 / 6)
+
+
+def test_a_push_window_beside_sync_dense_layers_is_accepted_for_async_embeddings():
+    cfg = trainer_config("--push-window", "4", "--embedding-mode", "async", "--dataset", "movielens100k")
+    same = trainer_config("--embedding-mode", "async", "--dataset", "movielens100k")
+    assert cfg.push_window == 4 and cfg.optimizer_config().lr == same.optimizer_config().lr  # the dense round is sync
 
 
 def test_a_knob_of_another_mode_is_named_as_ignored_and_left_out_of_the_job():

@@ -13,7 +13,8 @@ import torch
 from tests.helpers import wait_until
 from trainer.push_window import WindowFailed
 from trainer.row_lanes import RowLanes
-from trainer.table_window import PartsFailed, TableWindows
+from trainer.sparse_client import RowsPushFailed
+from trainer.table_window import TableWindows
 
 
 class Code(grpc.RpcError):
@@ -29,7 +30,7 @@ class Code(grpc.RpcError):
 
 class Shard:
     def __init__(self, index: int):
-        self.index = index
+        self.index, self.address = index, f"127.0.0.1:{1 + index}"
 
 
 class FakeRows:
@@ -97,8 +98,8 @@ def test_each_push_takes_numbers_of_its_own_and_the_base_its_rows_were_read_at()
     rows.free = True
     for s in range(2):
         rows.book.lanes[(s, "t")].base = 5
-    w.push("t", payloads())
-    w.push("t", payloads())
+    w.hand_in("t", payloads())
+    w.hand_in("t", payloads())
     w.flush()
     assert sorted(rows.calls) == [(0, 1, 5), (0, 2, 5), (1, 1, 5), (1, 2, 5)]
     assert w.in_flight_of("t") == [0, 0] and rows.counters["window_pushes_sent"] == 2
@@ -117,9 +118,9 @@ def test_an_answer_in_the_background_leaves_the_lanes_base_at_the_rows_read():
 
 def test_a_full_window_blocks_the_push_until_one_is_answered_and_counts_in_flight_per_lane():
     rows, w = windows(2)
-    w.push("t", payloads())  # one in flight: returns at once
+    w.hand_in("t", payloads())  # one in flight: returns at once
     assert w.in_flight_of("t") == [1, 1]
-    second = in_background(lambda: w.push("t", payloads()))
+    second = in_background(lambda: w.hand_in("t", payloads()))
     wait_until(lambda: w.windows["t"].stats.full_waits == 1, "the second push to find the window full")
     assert second.is_alive() and w.in_flight_of("t") == [2, 2]
     rows.release(1)
@@ -135,11 +136,10 @@ def test_a_failed_push_is_sent_again_under_its_numbers_to_the_shards_that_did_no
     rows, w = windows(4)
     rows.free = True
     rows.answers[(1, 1)] = [Code(grpc.StatusCode.UNAVAILABLE)]
-    w.push("t", payloads())
-    with pytest.raises(WindowFailed) as e:
+    w.hand_in("t", payloads())
+    with pytest.raises(RowsPushFailed) as e:
         w.flush()
-    err = e.value.errors[1]
-    assert isinstance(err, PartsFailed) and list(err.failed) == [1] and err.done == [0]
+    assert list(e.value.failed) == [1] and e.value.done == [0] and e.value.code() == grpc.StatusCode.UNAVAILABLE
     assert w.failed("t") and w.in_flight_of("t") == [0, 1]
     w.flush()  # sent again: shard 1 only, number 1 again
     assert sorted(rows.calls) == [(0, 1, 0), (1, 1, 0), (1, 1, 0)]
@@ -152,11 +152,11 @@ def test_a_push_call_that_raised_after_handing_its_push_in_does_not_send_it_twic
     rows.free = True
     rows.answers[(0, 1)] = [Code(grpc.StatusCode.UNAVAILABLE)]
     with pytest.raises(WindowFailed):
-        w.push("t", payloads())
+        w.hand_in("t", payloads())
     assert w.failed("t")
-    w.push("t", payloads())  # the caller's retry with the same gradient: the failed push again, nothing new
+    w.hand_in("t", payloads())  # the caller's retry with the same gradient: the failed push again, nothing new
     assert sorted(rows.calls) == [(0, 1, 0), (0, 1, 0), (1, 1, 0)] and not w.failed("t")
-    w.push("t", payloads())  # the next step: new numbers
+    w.hand_in("t", payloads())  # the next step: new numbers
     w.flush()
     assert sorted(rows.calls) == [(0, 1, 0), (0, 1, 0), (0, 2, 0), (1, 1, 0), (1, 2, 0)]
     w.close()
@@ -166,14 +166,14 @@ def test_a_restart_is_rejoined_once_and_every_push_to_it_that_found_it_is_lost_a
     rows, w = windows(4)
     for seq in (1, 2):
         rows.answers[(1, seq)] = [Code(grpc.StatusCode.NOT_FOUND)]
-    w.push("t", payloads())
-    w.push("t", payloads())  # both made before the restart is found
+    w.hand_in("t", payloads())
+    w.hand_in("t", payloads())  # both made before the restart is found
     rows.release(1)
     rows.release(2)
     w.flush()
     assert rows.restarts == [1] and rows.counters["pushes_lost"] == 2 and w.in_flight_of("t") == [0, 0]
     rows.answers[(1, 3)] = [Code(grpc.StatusCode.NOT_FOUND)]  # a second restart, found by a later push
-    w.push("t", payloads())
+    w.hand_in("t", payloads())
     rows.release(3)
     w.flush()
     assert rows.restarts == [1, 1] and rows.counters["pushes_lost"] == 3
@@ -184,11 +184,11 @@ def test_abandon_drops_the_failed_push_and_the_next_gets_new_numbers():
     rows, w = windows(4)
     rows.free = True
     rows.answers[(1, 1)] = [Code(grpc.StatusCode.UNAVAILABLE)]
-    w.push("t", payloads())
-    with pytest.raises(WindowFailed):
+    w.hand_in("t", payloads())
+    with pytest.raises(RowsPushFailed):
         w.flush()
     assert w.abandon("t") == 1 and not w.failed("t") and w.in_flight_of("t") == [0, 0]
-    w.push("t", payloads())
+    w.hand_in("t", payloads())
     w.flush()
     assert sorted(rows.calls) == [(0, 1, 0), (0, 2, 0), (1, 1, 0), (1, 2, 0)]  # 1 not sent again
     w.close()
