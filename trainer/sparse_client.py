@@ -298,6 +298,8 @@ class ShardedRows:
             RowsPushFailed: some shard failed for good; the gradients are kept and the next ``push`` of this
                 table retries the unfinished shards with them (its own arguments are then not read).
         """
+        if self.window is not None and table in self.window.windows:  # async: handed over, the step goes on
+            return self.window.push(table, self._spec(table), ids, grads, num_samples)
         plan = self.begin_push(table, ids, grads, num_samples)
         try:
             results = self.client.map_settled(
@@ -311,8 +313,6 @@ class ShardedRows:
         """A push's payloads by shard (a failed push's kept ones), the shards still to do, and the next batch's
         rows it asks for (a sync table's claim, trainer.row_prefetch)."""
         spec = self._spec(table)
-        if self.window is not None and table in self.window.windows:  # async: handed over, the step goes on
-            return self.window.push(table, spec, ids, grads, num_samples)
         pending = self.book.pending.get(table)
         if pending is None:
             self.book.fresh_push(table)
