@@ -65,7 +65,7 @@ class TableWindows:
                                       thread_name_prefix="ps-tw-io")
         self.windows = {t: PushWindow(size, self._sends.submit) for t in tables}
         self.in_flight: Counter = Counter()  # (shard, table) -> parts sent and not yet answered
-        self._lock = threading.Lock()  # of in_flight and the lanes' known versions, written by the senders
+        self._lock = threading.Lock()  # of in_flight, written by the senders
         self._generation = [0] * m  # shard -> rejoins so far (a push made before one does not rejoin again)
         self._restart_locks = [threading.Lock() for _ in range(m)]
         self._handed: set[str] = set()  # tables whose failed push() call's gradient is in the window already
