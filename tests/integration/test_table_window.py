@@ -187,3 +187,14 @@ def test_a_shard_killed_and_restored_under_a_table_window_applies_no_push_twice(
     finally:
         for p in procs:
             p.kill()
+
+
+def test_close_without_flush_waits_for_every_table_push_in_flight(shard_server):
+    servers = [shard_server(shard=i) for i in range(2)]
+    model = Linear()
+    ps = connect(",".join(s.server.address for s in servers), model, mode="async", push_window=4,
+                 optimizer={"name": "sgd", "lr": 0.1})
+    for step in range(6):
+        one_step(ps, model, step)
+    ps.close()  # no flush(): close waits for the window, then leaves
+    assert table_stat(servers, "pushes_applied") == [6, 6] == table_stat(servers, "version")
