@@ -61,6 +61,7 @@ class ShardState:
     partition: int = 0  # which partition of the shard's slice (JobSpec.partitions); each has its own files
     epochs: list | None = None  # the membership timeline (psserver.epochs.EpochBook.state)
     holes: dict = field(default_factory=dict)  # rank -> sequence numbers below its newest not seen yet
+    cursor: dict | None = None  # the async data cursor (psserver.data_cursor.DataCursor.state)
 
     def to_bytes(self) -> bytes:
         buf = io.BytesIO()
@@ -68,7 +69,7 @@ class ShardState:
             dict(shard=self.shard, version=self.version, job=self.job.to_proto().SerializeToString(),
                  params=self.params, optimizer=self.optimizer, counters=self.counters, members=self.members,
                  acked=self.acked, open_round=self.open_round, tables=self.tables, partition=self.partition,
-                 epochs=self.epochs, holes=self.holes),
+                 epochs=self.epochs, holes=self.holes, cursor=self.cursor),
             buf,
         )
         payload = buf.getvalue()
@@ -93,7 +94,8 @@ class ShardState:
         job.ParseFromString(d["job"])
         return ShardState(d["shard"], d["version"], JobSpec.from_proto(job), d["params"], d["optimizer"],
                           d.get("counters", {}), d.get("members", {}), d.get("acked", {}), d.get("open_round"),
-                          d.get("tables"), d.get("partition", 0), d.get("epochs"), d.get("holes", {}))
+                          d.get("tables"), d.get("partition", 0), d.get("epochs"), d.get("holes", {}),
+                          d.get("cursor"))
 
 
 def _fsync_dir(directory: Path) -> None:

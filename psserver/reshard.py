@@ -220,7 +220,8 @@ def recut_dense(pieces: list[list[ShardState]], job: JobSpec, shard: int) -> lis
         out.append(ShardState(shard, flat[0].version, job, params[a:b].clone(),
                               _cut_optimizer(elementwise, scalars, groups, a, b), counters={}, members=dict(members),
                               acked=merge_books([s.acked for s in sources], f" to shard {shard}"),
-                              open_round=round_, tables=None, partition=k, epochs=flat[0].epochs))
+                              open_round=round_, tables=None, partition=k, epochs=flat[0].epochs,
+                              cursor=flat[0].cursor if shard == 0 and k == 0 else None))  # the job's one cursor
     return out
 
 

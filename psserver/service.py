@@ -386,6 +386,16 @@ class ParameterServerService:
         return _pb.HeartbeatReply(version=version, live=live)
 
     @_refusals
+    async def ClaimBatch(self, request, context):
+        """The job's data cursor (psserver.data_cursor): the next batch of an async or stale-timeout trainer."""
+        request = _decoded(request)
+        _check_identity(request)
+        grant = await self.runtime.run_state(self.host.part(0).claim_batch, request.rank, request.trainer_id,
+                                             request.fingerprint, request.claim, request.batches_per_epoch,
+                                             request.release)
+        return _pb.ClaimReply(batch=grant.batch or 0, granted=grant.batch is not None, reissued=grant.reissued)
+
+    @_refusals
     async def GetStats(self, request, context):
         """Counters, version, mode, slice and live ranks for anyone; the job's spec -- its identity (job id,
         fingerprint) and all a trainer needs to register as one of its ranks -- only for a member of the job
@@ -839,6 +849,7 @@ def add_service(servicer: ParameterServerService, server) -> None:
         "Leave": unary(servicer.Leave, _safe(_pb.LeaveRequest.FromString), _pb.LeaveReply.SerializeToString),
         "Heartbeat": unary(servicer.Heartbeat, _safe(_pb.HeartbeatRequest.FromString),
                            _pb.HeartbeatReply.SerializeToString),
+        "ClaimBatch": unary(servicer.ClaimBatch, _safe(_pb.ClaimRequest.FromString), _pb.ClaimReply.SerializeToString),
         "GetStats": unary(servicer.GetStats, _safe(_pb.StatsRequest.FromString), _pb.StatsReply.SerializeToString),
         "PullRows": grpc.unary_stream_rpc_method_handler(servicer.PullRows, _safe(_pb.PullRowsRequest.FromString),
                                                          _pb.RowsChunk.SerializeToString),

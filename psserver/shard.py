@@ -42,6 +42,7 @@ from psserver import modes
 from psserver.checkpoint import Checkpointer, ShardState
 from psserver.common.logsafe import counted, shorten
 from psserver.dense_hooks import DenseHooks
+from psserver.data_cursor import DataCursor, Grant
 from psserver.dense_slice import DenseSlice
 from psserver.enrolment import MAX_MISSING_LISTED, Enrolment
 from psserver.epochs import no_job_to_join
@@ -114,6 +115,7 @@ class Shard:
         self.start = self.end = 0
         self.round = OpenRound()  # sync modes only
         self.pushes = PushBook()
+        self.cursor = DataCursor(self.counters)  # async elastic data (psserver.data_cursor); shard 0 partition 0
         self.tables = Tables()  # sparse tables (psserver.sparse.serving): their own versions and rounds
         self.enrolment.reset()
 
@@ -251,6 +253,7 @@ class Shard:
             at = self.version + 1 if rank in self.round.contributors else self.version
             remaining = self.enrolment.leave(rank, at)
             self.pushes.forget(rank)
+            self.cursor.leave(rank)
             self._close_if_due()
             self.tables.close_due(self.enrolment.table_members(), self._clock())
             self._changed()
@@ -393,6 +396,20 @@ class Shard:
                 self.pushes.record(rank, trainer_id, sequence, result)
             return result, grad if spare is None else spare
 
+    def claim_batch(self, rank: int, trainer_id: str, fingerprint: str, number: int, per_epoch: int,
+                    release: bool = False) -> Grant:
+        """The job's data cursor (psserver.data_cursor): grant a member its next batch, async and stale-timeout
+        only, here on shard 0 partition 0 only (the one cursor of the job)."""
+        with self._lock:
+            self.check_member(rank, trainer_id, fingerprint)
+            if self.shard_id != 0 or self.partition != 0:
+                raise JobMismatch(f"this is {self.label} but claims go to shard 0 partition 0 (the job's one data "
+                                  "cursor)")
+            if self.job.mode == Mode.SYNC:
+                raise JobMismatch(f"mode is {self.job.mode}: a sync round's batch is placed by the membership "
+                                  "timeline (trainer.data.round_batch), not claimed")
+            return self.cursor.claim(rank, trainer_id, number, per_epoch, release)
+
     def _leaving_with(self, rank: int, d: modes.PushDecision) -> list | None:
         """A push announcing the trainer's leave (docs/elastic.md): the rank is out of the epoch from the round
         after this one.  Done before the push is carried out, so no reply of the next version -- the one this
@@ -476,7 +493,7 @@ class Shard:
         return ShardState(self.shard_id, self.version, self.job, params, opt_copy,
                           dict(self.counters), members=self.members.members(), acked=acked,
                           open_round=self.round.to_checkpoint(), tables=self.tables.state(), partition=self.partition,
-                          epochs=self.epochs.state(), holes=holes)
+                          epochs=self.epochs.state(), holes=holes, cursor=self.cursor.state())
 
     def final_checkpoint(self) -> None:
         """On shutdown, after in-flight calls have drained: write the current state, open round included."""
@@ -502,6 +519,7 @@ class Shard:
             self.slice.restore(state.params, state.optimizer, state.version, self.job.optimizer)
             self.enrolment.restore(state.members, state.epochs, self.job.num_trainers)
             self.pushes.restore(state.acked, state.holes)
+            self.cursor.restore(state.cursor)
             self.round.restore(state.open_round, self._clock())
             self.tables.restore(state.tables, self._clock())
             self.counters.update({k: v for k, v in state.counters.items() if not k.startswith("checkpoints_")})
@@ -577,6 +595,7 @@ class Shard:
             h.update(self.tables.digest())
             # who rounds wait for is state too: a refused join must not change it
             h.update(self.enrolment.digest_text().encode())
+            h.update(self.cursor.digest_text().encode())
             return h.hexdigest()
 
     def stop(self) -> None:

@@ -466,6 +466,13 @@ class ShardClient:
                                    partition=self.partition)
         return self.stub.Heartbeat(req, timeout=timeout)
 
+    def claim_batch(self, claim: int, batches_per_epoch: int, release: bool, timeout: float) -> _pb.ClaimReply:
+        """Shard 0 partition 0's data cursor (trainer.data_claims); a lost reply is retried under the same
+        claim number, which the cursor answers with the same batch."""
+        req = _pb.ClaimRequest(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.fingerprint, claim=claim,
+                               batches_per_epoch=batches_per_epoch, release=release)
+        return self._call("ClaimBatch", lambda: self.stub.ClaimBatch(req, timeout=timeout), retry_on=PUSH_RETRYABLE)
+
     def leave(self, quick: bool = False) -> None:
         """Leave the job; ``quick``: one try with a short deadline (closing after another failure)."""
         req = _pb.LeaveRequest(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.fingerprint,

@@ -138,3 +138,10 @@ def member_batch_indices(order: torch.Tensor, offset: int, index: int, batch_siz
     """Member ``index`` (its position among the round's ranks, sorted) of a global batch at ``offset``."""
     start = offset + index * batch_size
     return order[start : start + batch_size]
+
+
+def batch_place(batch: int, batches_per_epoch: int, batch_size: int) -> tuple[int, int]:
+    """(data epoch, offset in that epoch's order) of global batch ``batch`` granted by the job's data cursor
+    (async and stale-timeout, docs/elastic.md): a data epoch is ``batches_per_epoch`` disjoint batches of
+    ``batch_size`` samples (``samples // batch_size``; the remainder is dropped)."""
+    return batch // batches_per_epoch, (batch % batches_per_epoch) * batch_size

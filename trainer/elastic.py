@@ -12,7 +12,8 @@ import time
 import torch
 
 from psserver.protocol.rules import Mode
-from trainer.data import epoch_order, member_batch_indices, round_batch
+from trainer.data import batch_place, epoch_order, member_batch_indices, round_batch
+from trainer.data_claims import BatchClaims
 from trainer.reporting import Progress
 from trainer.stopping import StopRequest
 
@@ -22,18 +23,22 @@ HOLD_POLL_SECONDS = 0.25  # --hold-at-round: how often the held trainer asks a s
 
 
 def run_elastic_steps(run, stop: StopRequest) -> str:
-    """The steps of an elastic job: each round's batch is this trainer's part of the round's global batch as
-    the membership timeline places it (trainer.data.round_batch), so a join or a leave re-splits the data
-    epoch's remaining samples over the members.  The round is the version pulled (sync; in the other modes,
-    the steps taken since the trainer joined).  Runs until the job's round --steps.  ``run``: trainer.loop.Run."""
+    """The steps of an elastic job: each step's batch is this trainer's part of the data epoch's remaining
+    samples, so a join or a leave re-splits them over the members.  Sync: the round's global batch as the
+    membership timeline places it (trainer.data.round_batch), the round being the version pulled.  Async and
+    stale-timeout: the batch the job's data cursor grants (trainer.data_claims), the round only counting the
+    steps taken since the trainer joined.  Runs until the job's round --steps.  ``run``: trainer.loop.Run."""
     cfg, ps = run.cfg, run.ps
+    n = len(run.data.x_train)
+    claims = None if cfg.mode == Mode.SYNC else BatchClaims(ps.client.parts[0], max(1, n // cfg.batch_size))
+    run.claims = claims
     progress = Progress(cfg, run.total_steps)
     orders: dict[int, torch.Tensor] = {}
     losses: list[float] = []
     last = False  # this round's push announces the leave
     try:
         while True:
-            round_ = ps.versions[0] if cfg.mode == Mode.SYNC else ps.joined_at + run.step
+            round_ = ps.versions[0] if claims is None else ps.joined_at + run.step
             if round_ >= run.total_steps:
                 break
             if cfg.hold_at_round and round_ == cfg.hold_at_round:
@@ -44,21 +49,15 @@ def run_elastic_steps(run, stop: StopRequest) -> str:
                 last = True  # one more step, whose push says it is the last: no round's data is left untaken
                 ps.announce_leave()
                 log.info("rank %d: stopping: round %d is its last; it leaves after it", ps.rank, round_)
-            members = ps.members_at(round_)
-            if ps.rank not in members:
-                raise RuntimeError(f"rank {ps.rank} is not a member of the job at round {round_} (members "
-                                   f"{members[:10]}): it left or was never admitted")
-            timeline = [(e.round, e.size) for e in ps.timeline] or [(0, cfg.num_trainers)]
-            epoch, offset, _ = round_batch(len(run.data.x_train), cfg.batch_size, timeline, round_)
-            if epoch != run.epoch:
+            epoch, start = step_batch(run, ps, claims, round_)
+            if epoch > run.epoch:
                 if losses:
                     acc = run.evaluate(train_loss=sum(losses) / len(losses), end_of_epoch=True)
                     progress.evaluated(run.step, run.epoch, acc, end_of_epoch=True)
                 run.epoch, losses = epoch, []
             if epoch not in orders:
-                orders = {epoch: epoch_order(len(run.data.x_train), cfg.seed, epoch)}
-            loss = run.train_step(member_batch_indices(orders[epoch], offset, members.index(ps.rank),
-                                                       cfg.batch_size))
+                orders = {**{e: o for e, o in orders.items() if e == run.epoch}, epoch: epoch_order(n, cfg.seed, epoch)}
+            loss = run.train_step(member_batch_indices(orders[epoch], start, 0, cfg.batch_size))
             losses.append(loss)
             run.record_step(loss)
             elapsed = time.perf_counter() - run.t_start
@@ -67,8 +66,28 @@ def run_elastic_steps(run, stop: StopRequest) -> str:
         acc = run.evaluate(train_loss=sum(losses) / max(1, len(losses)), end_of_epoch=False)
         progress.evaluated(run.step, run.epoch, acc, end_of_epoch=False)
         return ""
+    except BaseException:
+        claims = None  # a step that failed: its batch is re-issued at the Leave, not released
+        raise
     finally:
+        if claims is not None and not ps.left:
+            claims.release()  # the last batch was trained: nothing of it is re-issued at the Leave
         progress.close()
+
+
+def step_batch(run, ps, claims: BatchClaims | None, round_: int) -> tuple[int, int]:
+    """(data epoch, offset in its order) of this trainer's batch for this step."""
+    cfg = run.cfg
+    if claims is not None:
+        batch = claims.next()
+        return batch_place(batch, claims.batches_per_epoch, cfg.batch_size)
+    members = ps.members_at(round_)
+    if ps.rank not in members:
+        raise RuntimeError(f"rank {ps.rank} is not a member of the job at round {round_} (members "
+                           f"{members[:10]}): it left or was never admitted")
+    timeline = [(e.round, e.size) for e in ps.timeline] or [(0, cfg.num_trainers)]
+    epoch, offset, _ = round_batch(len(run.data.x_train), cfg.batch_size, timeline, round_)
+    return epoch, offset + members.index(ps.rank) * cfg.batch_size
 
 
 def hold_for_membership(ps, stop: StopRequest, round_: int) -> bool:

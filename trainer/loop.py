@@ -83,6 +83,7 @@ class Run:
         self.total_steps = cfg.steps or cfg.epochs * self.spe  # --steps, when given, overrides --epochs
         self.model = build_run_model(cfg, self.data).to(self.device)
         self.step, self.epoch, self.stale_steps = 0, 0, 0
+        self.claims = None  # async/stale-timeout elastic jobs: this trainer's claims on the data cursor
         self.versions: list[int] = []
         self.accuracy: float | None = None
         self.accuracy_step: int | None = None  # the step whose weights the accuracy is of
@@ -208,6 +209,9 @@ class Run:
             **{k: v for k, v in counters.items() if k.startswith("window_")},  # --push-window (trainer.windowed)
             **{k: v for k, v in counters.items() if k.startswith("rows_")},  # the tables' client (trainer.sparse_client)
             stopped=stopped or None,
+            # async/stale-timeout elastic: the global batches this trainer trained (docs/elastic.md)
+            batches=list(self.claims.claimed) if self.claims is not None else None,
+            batches_reissued=self.claims.reissued if self.claims is not None else None,
         )
 
 

@@ -313,6 +313,32 @@ class LeaveReply(_message.Message):
     remaining: int
     def __init__(self, remaining: _Optional[int] = ...) -> None: ...
 
+class ClaimRequest(_message.Message):
+    __slots__ = ("rank", "trainer_id", "fingerprint", "claim", "batches_per_epoch", "release")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_PER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    trainer_id: str
+    fingerprint: str
+    claim: int
+    batches_per_epoch: int
+    release: bool
+    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., claim: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., release: _Optional[bool] = ...) -> None: ...
+
+class ClaimReply(_message.Message):
+    __slots__ = ("batch", "granted", "reissued")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    GRANTED_FIELD_NUMBER: _ClassVar[int]
+    REISSUED_FIELD_NUMBER: _ClassVar[int]
+    batch: int
+    granted: bool
+    reissued: bool
+    def __init__(self, batch: _Optional[int] = ..., granted: _Optional[bool] = ..., reissued: _Optional[bool] = ...) -> None: ...
+
 class HeartbeatRequest(_message.Message):
     __slots__ = ("rank", "trainer_id", "fingerprint", "partition")
     RANK_FIELD_NUMBER: _ClassVar[int]

@@ -69,6 +69,11 @@ class ParameterServerStub:
                 request_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.HeartbeatReply.FromString,
                 _registered_method=True)
+        self.ClaimBatch = channel.unary_unary(
+                '/psgrpc.v1.ParameterServer/ClaimBatch',
+                request_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.ClaimRequest.SerializeToString,
+                response_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.ClaimReply.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/psgrpc.v1.ParameterServer/GetStats',
                 request_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.StatsRequest.SerializeToString,
@@ -140,7 +145,13 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
-        """any RPC renews the lease; this one does nothing else
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ClaimBatch(self, request, context):
+        """shard 0 partition 0 only; async and stale-timeout  // any RPC renews the lease; this one does nothing else
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -223,6 +234,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.HeartbeatRequest.FromString,
                     response_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.HeartbeatReply.SerializeToString,
+            ),
+            'ClaimBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClaimBatch,
+                    request_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.ClaimRequest.FromString,
+                    response_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.ClaimReply.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -439,6 +455,33 @@ class ParameterServer:
             '/psgrpc.v1.ParameterServer/Heartbeat',
             psserver_dot_protocol_dot_proto_dot_ps__pb2.HeartbeatRequest.SerializeToString,
             psserver_dot_protocol_dot_proto_dot_ps__pb2.HeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClaimBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psgrpc.v1.ParameterServer/ClaimBatch',
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.ClaimRequest.SerializeToString,
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.ClaimReply.FromString,
             options,
             channel_credentials,
             insecure,
