@@ -1,0 +1,58 @@
+"""Async elastic data over real processes: the job's data cursor (shard 0 partition 0, psserver.data_cursor)
+grants every batch of the data epochs once, across two trainers at different paces, a joiner and a leaver.
+
+No timing: rank 0 holds before its step 4 and rank 1 before its step 8 (``--hold-at-round``, async: the
+trainer's own step count) until the membership changes, so the two have trained unevenly when the joiner is
+started; once the joiner is in, rank 1 is SIGTERMed (it leaves at its next step boundary, or has finished its
+steps and left).  The
+batches each trainer trained are in its summary (the last line of its log).
+"""
+
+import json
+import signal
+
+from psserver.protocol.stubs import fetch_stat
+from tests.helpers import wait_until
+from trainer.procs import start_shard, start_trainer, wait_all
+
+STEPS, B = 40, 64  # synthetic: 2048 samples -> 32 batches of 64 a data epoch; ~2 data epochs in all
+COMMON = ["--mode", "async", "--model", "mlp", "--dataset", "synthetic", "--batch-size", str(B), "--steps",
+          str(STEPS), "--optimizer", "sgd", "--lr", "0.05", "--seed", "0", "--max-trainers", "3", "--num-trainers",
+          "2", "--log-every", "1", "--no-progress", "--threads", "1", "--device", "cpu"]
+
+
+def summary(path) -> dict:
+    done = json.loads(path.read_text().strip().splitlines()[-1])
+    assert done["event"] == "done", done
+    return done
+
+
+def test_two_async_trainers_a_joiner_and_a_leaver_train_each_batch_of_the_data_epochs_exactly_once(tmp_path):
+    shards = [start_shard(i, tmp_path / f"shard{i}.log") for i in range(2)]
+    procs = list(shards)
+    try:
+        ps = ",".join(s.address for s in shards)
+        for rank, hold in ((0, 4), (1, 8)):
+            procs.append(start_trainer(rank, ps, tmp_path / f"trainer{rank}.log",
+                                       [*COMMON, "--hold-at-round", str(hold)]))
+        wait_until(lambda: fetch_stat(shards[0].address).counters.get("batches_claimed") == 12,
+                   "rank 0 to hold after 4 batches and rank 1 after 8")
+        procs.append(start_trainer(None, ps, tmp_path / "joiner.log", ["--join", *COMMON], name="joiner"))
+        wait_until(lambda: len(fetch_stat(shards[0].address).epochs) >= 2, "the joiner to be admitted")
+        procs[3].signal(signal.SIGTERM)
+        codes = wait_all(procs[2:], 300)
+        assert codes == {"trainer0": 0, "trainer1": 0, "joiner": 0}, procs[4].log_tail()
+        counters = fetch_stat(shards[0].address).counters
+        other = fetch_stat(shards[1].address).counters
+    finally:
+        for p in procs:
+            p.kill()
+    done = {name: summary(tmp_path / f"{name}.log") for name in ("trainer0", "trainer1", "joiner")}
+    trained = [b for d in done.values() for b in d["batches"]]
+    assert done["joiner"]["batches"], done["joiner"]  # the joiner trained part of the data
+    assert len(done["trainer1"]["batches"]) > len(done["trainer0"]["batches"][:4])  # the uneven start
+    # every batch index from 0 up to the last granted, each once: no sample skipped or seen twice in an epoch
+    assert sorted(trained) == list(range(len(trained))), done
+    assert len(trained) > 32, "the job should run into a second data epoch"
+    assert counters["batches_claimed"] == len(trained) and counters.get("batches_to_reissue", 0) == 0, dict(counters)
+    assert "batches_claimed" not in other  # the one cursor is shard 0's

@@ -1,0 +1,125 @@
+"""The async data cursor's decisions (psserver.data_cursor): pure, no network, no clock needed."""
+
+from collections import Counter
+
+import pytest
+
+from psserver.data_cursor import MAX_BATCHES_PER_EPOCH, DataCursor
+from psserver.protocol.errors import InvalidRequest, JobMismatch
+from trainer.data import batch_place
+
+P = 4  # batches per data epoch
+
+
+def cursor():
+    return DataCursor(Counter())
+
+
+def test_claims_of_two_ranks_get_consecutive_batches_each_once():
+    c = cursor()
+    got = [c.claim(0, "a", 1, P).batch, c.claim(1, "b", 1, P).batch, c.claim(0, "a", 2, P).batch,
+           c.claim(1, "b", 2, P).batch]
+    assert got == [0, 1, 2, 3]
+
+
+def test_a_retried_claim_gets_the_same_batch_and_grants_nothing_new():
+    c = cursor()
+    first = c.claim(0, "a", 1, P)
+    before = c.state()
+    assert c.claim(0, "a", 1, P) == first
+    assert c.state() == before and c._counters["claim_retries"] == 1
+    assert c.claim(1, "b", 1, P).batch == 1
+
+
+def test_a_claim_number_skipping_ahead_or_going_back_is_refused_naming_both_and_changes_nothing():
+    c = cursor()
+    c.claim(0, "a", 1, P)
+    c.claim(0, "a", 2, P)
+    before = c.state()
+    for bad in (4, 1):
+        with pytest.raises(InvalidRequest, match=rf"claim is {bad} but rank 0's next claim is 3 \(or 2"):
+            c.claim(0, "a", bad, P)
+    assert c.state() == before
+
+
+def test_batches_per_epoch_out_of_bounds_or_unlike_the_jobs_is_refused_naming_both():
+    c = cursor()
+    for bad in (0, MAX_BATCHES_PER_EPOCH + 1):
+        with pytest.raises(InvalidRequest, match=f"batches_per_epoch is {bad} but must be 1.."):
+            c.claim(0, "a", 1, bad)
+    c.claim(0, "a", 1, P)
+    before = c.state()
+    with pytest.raises(JobMismatch, match=f"batches_per_epoch is {P + 1} but the job's is {P}"):
+        c.claim(1, "b", 1, P + 1)
+    assert c.state() == before
+
+
+def test_a_rank_leaving_with_a_claimed_batch_has_it_reissued_first_to_the_next_claim():
+    c = cursor()
+    c.claim(0, "a", 1, P)  # 0
+    c.claim(1, "b", 1, P)  # 1
+    assert c.leave(1) == 1
+    c.claim(0, "a", 2, P)  # batch 0 trained; gets the leaver's batch
+    assert c.claims[0].batch == 1 and c.claims[0].reissued
+    assert c.claim(0, "a", 3, P).batch == 2
+    assert c._counters["batches_reissued"] == 1
+
+
+def test_a_released_claim_is_not_reissued_at_the_leave():
+    c = cursor()
+    c.claim(0, "a", 1, P)
+    assert c.claim(0, "a", 2, P, release=True).batch is None
+    assert c.claim(0, "a", 2, P, release=True).batch is None  # a retried release
+    assert c.leave(0) is None and c.reissue == []
+    assert c.claim(1, "b", 1, P).batch == 1
+
+
+def test_a_new_process_on_a_rank_reissues_the_old_ones_batch_and_starts_at_claim_1():
+    c = cursor()
+    c.claim(0, "old", 1, P)  # 0
+    with pytest.raises(InvalidRequest, match="claim is 2 but rank 0's next claim is 1"):
+        c.claim(0, "new", 2, P)
+    assert c.claim(0, "new", 1, P).batch == 0  # the old process's batch, re-issued to it
+    assert c._counters["batches_reissued"] == 1
+
+
+def test_every_batch_of_two_data_epochs_is_granted_once_across_a_join_a_leave_and_uneven_speeds():
+    c = cursor()
+    trained = []
+    numbers = Counter()
+
+    def step(rank):
+        numbers[rank] += 1
+        held = c.claims.get(rank)
+        if held is not None and held.batch is not None:
+            trained.append(held.batch)
+        return c.claim(rank, f"t{rank}", numbers[rank], P).batch
+
+    for _ in range(2):
+        step(0)
+    step(1)  # rank 1 is slower
+    step(0)
+    step(2)  # a joiner
+    c.leave(1)  # rank 1 leaves with its batch untrained
+    while len(trained) + 2 < 2 * P:
+        step(0)
+        step(2)
+    trained += [c.claims[0].batch, c.claims[2].batch]
+    assert sorted(trained)[: 2 * P] == list(range(2 * P))
+    assert len(trained) == len(set(trained))
+
+
+def test_state_survives_a_checkpoint_round_trip_and_changes_the_digest():
+    c = cursor()
+    empty = c.digest_text()
+    c.claim(0, "a", 1, P)
+    c.claim(1, "b", 1, P)
+    c.leave(1)
+    again = cursor()
+    again.restore(c.state())
+    assert again.state() == c.state() and again.digest_text() == c.digest_text() != empty
+    assert again.claim(2, "c", 1, P).batch == 1
+
+
+def test_batch_place_rolls_over_into_the_next_data_epoch():
+    assert [batch_place(k, P, 8) for k in (0, 3, 4, 9)] == [(0, 0), (0, 24), (1, 0), (2, 8)]
