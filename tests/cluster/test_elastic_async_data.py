@@ -1,4 +1,4 @@
-"""Async elastic data over real processes: the job's data cursor (shard 0 partition 0, psserver.data_cursor)
+"""Async and stale-timeout elastic data over real processes: the job's data cursor (shard 0 partition 0, psserver.data_cursor)
 grants every batch of the data epochs once, across two trainers at different paces, a joiner and a leaver.
 
 No timing: rank 0 holds before its step 4 and rank 1 before its step 8 (``--hold-at-round``, async: the
@@ -11,12 +11,14 @@ batches each trainer trained are in its summary (the last line of its log).
 import json
 import signal
 
+import pytest
+
 from psserver.protocol.stubs import fetch_stat
 from tests.helpers import wait_until
 from trainer.procs import start_shard, start_trainer, wait_all
 
 STEPS, B = 40, 64  # synthetic: 2048 samples -> 32 batches of 64 a data epoch; ~2 data epochs in all
-COMMON = ["--mode", "async", "--model", "mlp", "--dataset", "synthetic", "--batch-size", str(B), "--steps",
+COMMON = ["--model", "mlp", "--dataset", "synthetic", "--batch-size", str(B), "--steps",
           str(STEPS), "--optimizer", "sgd", "--lr", "0.05", "--seed", "0", "--max-trainers", "3", "--num-trainers",
           "2", "--log-every", "1", "--no-progress", "--threads", "1", "--device", "cpu"]
 
@@ -27,17 +29,23 @@ def summary(path) -> dict:
     return done
 
 
-def test_two_async_trainers_a_joiner_and_a_leaver_train_each_batch_of_the_data_epochs_exactly_once(tmp_path):
+MODES = {"async": ["--mode", "async"], "stale-timeout": ["--mode", "stale-timeout", "--sync-timeout", "0.05"]}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_two_trainers_at_different_paces_a_joiner_and_a_leaver_train_each_batch_of_the_data_epochs_exactly_once(
+        tmp_path, mode):
+    common = [*MODES[mode], *COMMON]
     shards = [start_shard(i, tmp_path / f"shard{i}.log") for i in range(2)]
     procs = list(shards)
     try:
         ps = ",".join(s.address for s in shards)
         for rank, hold in ((0, 4), (1, 8)):
             procs.append(start_trainer(rank, ps, tmp_path / f"trainer{rank}.log",
-                                       [*COMMON, "--hold-at-round", str(hold)]))
+                                       [*common, "--hold-at-round", str(hold)]))
         wait_until(lambda: fetch_stat(shards[0].address).counters.get("batches_claimed") == 12,
                    "rank 0 to hold after 4 batches and rank 1 after 8")
-        procs.append(start_trainer(None, ps, tmp_path / "joiner.log", ["--join", *COMMON], name="joiner"))
+        procs.append(start_trainer(None, ps, tmp_path / "joiner.log", ["--join", *common], name="joiner"))
         wait_until(lambda: len(fetch_stat(shards[0].address).epochs) >= 2, "the joiner to be admitted")
         procs[3].signal(signal.SIGTERM)
         codes = wait_all(procs[2:], 300)
