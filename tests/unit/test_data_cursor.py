@@ -1,6 +1,7 @@
 """The async data cursor's decisions (psserver.data_cursor): pure, no network, no clock needed."""
 
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
@@ -123,3 +124,37 @@ def test_state_survives_a_checkpoint_round_trip_and_changes_the_digest():
 
 def test_batch_place_rolls_over_into_the_next_data_epoch():
     assert [batch_place(k, P, 8) for k in (0, 3, 4, 9)] == [(0, 0), (0, 24), (1, 0), (2, 8)]
+
+
+class FakeCursorShard:
+    """Shard 0 partition 0's ClaimBatch as the trainer's client sees it, answered by a real DataCursor."""
+
+    def __init__(self, cursor_):
+        self.cursor, self.sent = cursor_, []
+
+    def claim_batch(self, claim, batches_per_epoch, release, timeout):
+        self.sent.append((claim, release))
+        grant = self.cursor.claim(0, "t0", claim, batches_per_epoch, release)
+        return SimpleNamespace(batch=grant.batch or 0, granted=grant.batch is not None, reissued=grant.reissued)
+
+
+def test_a_trainers_claims_are_numbered_in_turn_and_its_release_follows_its_last_claim():
+    from trainer.data_claims import BatchClaims
+
+    c = cursor()
+    c.claim(1, "t1", 1, P)
+    c.leave(1)  # batch 0 waits to be re-issued
+    shard = FakeCursorShard(c)
+    claims = BatchClaims(shard, P)
+    assert [claims.next(), claims.next(), claims.next()] == [0, 1, 2]
+    claims.release()
+    assert shard.sent == [(1, False), (2, False), (3, False), (4, True)]
+    assert claims.claimed == [0, 1, 2] and claims.reissued == 1 and c.leave(0) is None
+
+
+def test_a_trainer_that_claimed_nothing_sends_no_release():
+    from trainer.data_claims import BatchClaims
+
+    shard = FakeCursorShard(cursor())
+    BatchClaims(shard, P).release()
+    assert shard.sent == []
