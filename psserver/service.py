@@ -296,6 +296,15 @@ def _is_member(part: Shard, request) -> bool:
     return part.is_member(request.rank, request.trainer_id, request.fingerprint)
 
 
+def _claim_answer(part: Shard, h: _pb.ChunkHeader) -> dict:
+    """A PushPull reply's grant of the claim its push carried (none if the push was dropped as stale: the
+    trainer asks again with ClaimBatch, under the same number)."""
+    held = part.cursor.claims.get(h.rank) if h.claim else None
+    if held is None or held.trainer_id != h.trainer_id or held.number != h.claim or held.batch is None:
+        return {}
+    return dict(batch=held.batch, batch_granted=True, batch_reissued=held.reissued)
+
+
 def _check_header_fields(h: _pb.ChunkHeader) -> None:
     _check_identity(h)
     if h.num_samples > limits.MAX_NUM_SAMPLES:
@@ -517,7 +526,7 @@ class ParameterServerService:
         else:
             finite = bool(torch.isfinite(grad).all())
         return part.push(h.rank, h.trainer_id, h.fingerprint, h.version, h.num_samples, grad, h.sequence, finite,
-                         leaving=h.leaving)
+                         leaving=h.leaving, claim=(h.claim, h.batches_per_epoch) if h.claim else None)
 
     # ------------------------------------------------------------------ streams out
     @_refusals
@@ -675,7 +684,7 @@ class ParameterServerService:
         wanted = modes.reply_version(part.mode_config(), r.outcome, h.version, r.version)
         await self._stream_weights(part, h.rank, h.trainer_id, h.fingerprint, wanted, part.wire_dtype(),
                                    context, outcome=_OUTCOMES[r.outcome], staleness=r.staleness,
-                                   partition=h.partition)
+                                   partition=h.partition, **_claim_answer(part, h))
 
     async def _rows_header(self, reader: _StreamReader):
         """A row push's first chunk: who is asking and what they declare, before a byte of the payload is read."""

@@ -360,7 +360,7 @@ class Shard:
 
     def push(self, rank: int, trainer_id: str, fingerprint: str, base: int, num_samples: int,
              grad: torch.Tensor, sequence: int = 0, finite: bool = True,
-             leaving: bool = False) -> tuple[PushResult, torch.Tensor]:
+             leaving: bool = False, claim: tuple[int, int] | None = None) -> tuple[PushResult, torch.Tensor]:
         """Hand a validated gradient to the mode logic and carry out its decision (psserver.executor).
 
         Returns the result and the buffer the caller may reuse for its next receive: ``grad`` itself, or the
@@ -368,10 +368,14 @@ class Shard:
 
         A push whose (trainer id, sequence) was already acknowledged is a retry after a lost reply: it gets
         DUPLICATE, whatever the version is now (the round it was in may have closed since), and is not applied
-        again.  ``leaving``: the trainer's last gradient (``_leaving_with``).
+        again.  ``leaving``: the trainer's last gradient (``_leaving_with``).  ``claim``: (claim number, batches
+        per epoch) of the trainer's next batch, granted by the data cursor once this gradient is taken (read it
+        from ``cursor.claims[rank]``); one the cursor would refuse is left out, not the push refused
+        (``_claim_offer``).
         """
         with self._lock:
             self.check_push_header(rank, trainer_id, fingerprint, base, num_samples)
+            claim = self._claim_offer(rank, trainer_id, claim)
             if grad.numel() != self.end - self.start:
                 raise InvalidRequest(f"length is {grad.numel()} elements but this shard's slice has "
                                      f"{self.end - self.start}")
@@ -379,6 +383,8 @@ class Shard:
                 self.counters["duplicates"] += 1
                 log.info("shard %d: push #%d from rank %d was already acknowledged (%s); not applied again",
                          self.shard_id, sequence, rank, self.pushes.outcome(rank))
+                if claim is not None:
+                    self.cursor.claim(rank, trainer_id, *claim)  # a retried claim: the same batch
                 return PushResult("duplicate", self.version, 0), grad
             info = PushInfo(rank, base, num_samples, sequenced=bool(sequence), payload=grad)
             now = self._clock()
@@ -394,6 +400,8 @@ class Shard:
                 raise
             if sequence:
                 self.pushes.record(rank, trainer_id, sequence, result)
+            if claim is not None:
+                self.cursor.claim(rank, trainer_id, *claim)
             return result, grad if spare is None else spare
 
     def claim_batch(self, rank: int, trainer_id: str, fingerprint: str, number: int, per_epoch: int,
@@ -402,13 +410,31 @@ class Shard:
         only, here on shard 0 partition 0 only (the one cursor of the job)."""
         with self._lock:
             self.check_member(rank, trainer_id, fingerprint)
-            if self.shard_id != 0 or self.partition != 0:
-                raise JobMismatch(f"this is {self.label} but claims go to shard 0 partition 0 (the job's one data "
-                                  "cursor)")
-            if self.job.mode == Mode.SYNC:
-                raise JobMismatch(f"mode is {self.job.mode}: a sync round's batch is placed by the membership "
-                                  "timeline (trainer.data.round_batch), not claimed")
+            self._check_claim(rank, trainer_id, number, per_epoch)
             return self.cursor.claim(rank, trainer_id, number, per_epoch, release)
+
+    def _claim_offer(self, rank: int, trainer_id: str, claim: tuple[int, int] | None) -> tuple[int, int] | None:
+        """A push's claim, or None if the cursor would refuse it: a push is never refused for its claim (a
+        windowed push sent again after the trainer claimed on may carry an old number); the trainer asks with
+        ClaimBatch instead, which refuses it properly.  Counted in ``push_claims_ignored``."""
+        if claim is None:
+            return None
+        try:
+            self._check_claim(rank, trainer_id, *claim)
+        except (JobMismatch, InvalidRequest) as e:
+            self.counters["push_claims_ignored"] += 1
+            log.debug("shard %d: rank %d's push claims a batch that is not granted: %s", self.shard_id, rank, e)
+            return None
+        return claim
+
+    def _check_claim(self, rank: int, trainer_id: str, number: int, per_epoch: int) -> None:
+        if self.shard_id != 0 or self.partition != 0:
+            raise JobMismatch(f"claim is {number} but this is {self.label}: claims go to shard 0 partition 0 (the "
+                              "job's one data cursor)")
+        if self.job.mode == Mode.SYNC:
+            raise JobMismatch(f"claim is {number} but mode is {self.job.mode}: a sync round's batch is placed by "
+                              "the membership timeline (trainer.data.round_batch), not claimed")
+        self.cursor.check(rank, trainer_id, number, per_epoch)
 
     def _leaving_with(self, rank: int, d: modes.PushDecision) -> list | None:
         """A push announcing the trainer's leave (docs/elastic.md): the rank is out of the epoch from the round

@@ -130,6 +130,10 @@ CONNECT_RETRY, JOIN_WAIT = "connect_retries", "join_waits"  # what a Register at
 JOB_OVER = "job_ended"  # register_retry's answer for a join to a job that ended: not retried, JobEnded raised
 
 
+def claim_fields(ask: tuple[int, int] | None) -> dict:
+    return {} if ask is None else dict(claim=ask[0], batches_per_epoch=ask[1])
+
+
 def register_retry(error: grpc.RpcError, join: bool, join_round: int) -> str:
     """Whether a failed Register attempt is tried again, and counted as what: ``CONNECT_RETRY`` (the shard is
     not answering yet), ``JOIN_WAIT`` (a join's admission reached a shard that runs no job yet: the joiner
@@ -211,6 +215,10 @@ class ShardClient:
         self.last_answer: tuple[int, PushOutcome] | None = None  # (sequence, outcome) of the last answered push
         self.epoch_seen = 0  # the membership epoch of the newest weights received (docs/elastic.md)
         self.leaving = False  # pushes from now on say this trainer's last gradient (ChunkHeader.leaving)
+        # shard 0 partition 0 of an async elastic job (trainer.data_claims): (claim number, batches per epoch) the
+        # next push also claims, and (claim number, batch, re-issued) a PushPull reply granted
+        self.claim_ask: tuple[int, int] | None = None
+        self.claim_answer: tuple[int, int, bool] | None = None
         self._lock = counters_lock or threading.Lock()  # the one lock of ``counters``, which shards share
         self.channel = security.channel(
             address,
@@ -320,7 +328,8 @@ class ShardClient:
                 sequence: int = 0) -> _pb.ChunkHeader:
         return _pb.ChunkHeader(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.fingerprint,
                                dtype=wire, length=length, version=version, num_samples=num_samples,
-                               sequence=sequence, partition=self.partition, leaving=self.leaving)
+                               sequence=sequence, partition=self.partition, leaving=self.leaving,
+                               **claim_fields(self.claim_ask))
 
     def init(self, values: torch.Tensor, wire: int) -> _pb.InitReply:
         payload = wire_tensor(values, wire)
@@ -413,6 +422,8 @@ class ShardClient:
 
         h, values, until_reply = self._call("PushPull", once, retry_on=PUSH_RETRYABLE)
         self.epoch_seen = h.membership_epoch
+        if h.batch_granted and self.claim_ask is not None:
+            self.claim_answer = (self.claim_ask[0], h.batch, h.batch_reissued)
         outcome = self._acknowledged(_pb.PushOutcome.Name(h.outcome).lower(), h.version, h.staleness, base, nbytes,
                                      dense_bytes)
         return outcome, values, max(0.0, until_reply - h.wait_seconds), h.wait_seconds

@@ -57,6 +57,8 @@ def run_elastic_steps(run, stop: StopRequest) -> str:
                 run.epoch, losses = epoch, []
             if epoch not in orders:
                 orders = {**{e: o for e, o in orders.items() if e == run.epoch}, epoch: epoch_order(n, cfg.seed, epoch)}
+            if claims is not None and not last and round_ + 1 < run.total_steps:
+                claims.arm()  # this step's push claims the next batch (trainer.data_claims)
             loss = run.train_step(member_batch_indices(orders[epoch], start, 0, cfg.batch_size))
             losses.append(loss)
             run.record_step(loss)

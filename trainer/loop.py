@@ -212,6 +212,7 @@ class Run:
             # async/stale-timeout elastic: the global batches this trainer trained (docs/elastic.md)
             batches=list(self.claims.claimed) if self.claims is not None else None,
             batches_reissued=self.claims.reissued if self.claims is not None else None,
+            claims_with_push=self.claims.with_push if self.claims is not None else None,
         )
 
 

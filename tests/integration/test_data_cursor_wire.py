@@ -1,4 +1,4 @@
-"""The data cursor's ClaimBatch over real gRPC (psserver.data_cursor, docs/elastic.md): grants, a retried claim
+"""The data cursor's ClaimBatch, and a claim carried by a PushPull, over real gRPC (psserver.data_cursor, docs/elastic.md): grants, a retried claim
 answered the same batch, a leaver's batch re-issued, and each refusal one status with a message naming the
 field and both values, the shard's state digest unchanged, and the shard still serving."""
 
@@ -6,6 +6,7 @@ import grpc
 import pytest
 import torch
 
+from psserver.protocol.codec import encode, wire_tensor
 from psserver.protocol.proto import ps_pb2 as pb
 from tests.conftest import P, make_spec
 from tests.helpers import refused
@@ -76,3 +77,27 @@ def test_a_claim_from_a_stranger_is_refused_and_changes_nothing(running):
     refused(lambda: claim(running, 1, rank=2), grpc.StatusCode.NOT_FOUND, "rank 2 is not registered",
             unchanged=running)
     still_serves(running)
+
+
+def push_pull_claiming(shard, number, sequence, per_epoch=4):
+    """A PushPull from rank 0 whose header also claims (ChunkHeader.claim): the reply's header."""
+    h = shard.header(sequence=sequence)
+    h.claim, h.batches_per_epoch = number, per_epoch
+    return list(shard.stub.PushPull(encode(wire_tensor(torch.ones(P), pb.FLOAT32), h, 1024), timeout=10))[0].header
+
+
+def test_a_push_pull_carrying_a_claim_is_answered_its_batch_and_a_retry_of_it_the_same(running):
+    assert claim(running, 1).batch == 0
+    reply = push_pull_claiming(running, 2, sequence=1)
+    assert (reply.outcome, reply.batch_granted, reply.batch) == (pb.APPLIED, True, 1)
+    again = push_pull_claiming(running, 2, sequence=1)  # the same push sent again after a lost reply
+    assert (again.outcome, again.batch_granted, again.batch) == (pb.DUPLICATE, True, 1)
+    assert claim(running, 1, rank=1).batch == 2
+
+
+def test_a_push_carrying_a_claim_out_of_turn_is_applied_without_a_grant_and_counted(running):
+    claim(running, 1)
+    reply = push_pull_claiming(running, 7, sequence=1)
+    assert (reply.outcome, reply.batch_granted) == (pb.APPLIED, False)
+    assert running.stats().counters["push_claims_ignored"] == 1
+    assert claim(running, 2).batch == 1  # the cursor did not move

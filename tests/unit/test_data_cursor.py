@@ -131,6 +131,13 @@ class FakeCursorShard:
 
     def __init__(self, cursor_):
         self.cursor, self.sent = cursor_, []
+        self.claim_ask = self.claim_answer = None
+
+    def push_pull(self):
+        """What ShardClient.push_pull does with an armed claim: the shard grants it with the push's reply."""
+        if self.claim_ask is not None:
+            grant = self.cursor.claim(0, "t0", *self.claim_ask)
+            self.claim_answer = (self.claim_ask[0], grant.batch, grant.reissued)
 
     def claim_batch(self, claim, batches_per_epoch, release, timeout):
         self.sent.append((claim, release))
@@ -158,3 +165,17 @@ def test_a_trainer_that_claimed_nothing_sends_no_release():
     shard = FakeCursorShard(cursor())
     BatchClaims(shard, P).release()
     assert shard.sent == []
+
+
+def test_a_claim_armed_on_a_push_is_taken_from_its_reply_without_a_call_and_falls_back_to_one_otherwise():
+    from trainer.data_claims import BatchClaims
+
+    shard = FakeCursorShard(cursor())
+    claims = BatchClaims(shard, P)
+    assert claims.next() == 0  # the first claim: a call
+    claims.arm()
+    shard.push_pull()  # the step's push carries claim 2
+    assert claims.next() == 1 and claims.with_push == 1
+    claims.arm()  # this step's push does not bring the grant back (say, dropped as stale)
+    assert claims.next() == 2
+    assert shard.sent == [(1, False), (3, False)] and claims.number == 3 and shard.claim_ask is None

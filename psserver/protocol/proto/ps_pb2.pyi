@@ -218,7 +218,7 @@ class RegisterReply(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., registered: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., rank: _Optional[int] = ..., join_round: _Optional[int] = ..., membership_epoch: _Optional[int] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
-    __slots__ = ("rank", "trainer_id", "fingerprint", "dtype", "length", "version", "num_samples", "wait_seconds", "sequence", "outcome", "staleness", "topk", "partition", "membership_epoch", "leaving")
+    __slots__ = ("rank", "trainer_id", "fingerprint", "dtype", "length", "version", "num_samples", "wait_seconds", "sequence", "outcome", "staleness", "topk", "partition", "membership_epoch", "leaving", "claim", "batches_per_epoch", "batch", "batch_granted", "batch_reissued")
     RANK_FIELD_NUMBER: _ClassVar[int]
     TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +234,11 @@ class ChunkHeader(_message.Message):
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_PER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    BATCH_GRANTED_FIELD_NUMBER: _ClassVar[int]
+    BATCH_REISSUED_FIELD_NUMBER: _ClassVar[int]
     rank: int
     trainer_id: str
     fingerprint: str
@@ -249,7 +254,12 @@ class ChunkHeader(_message.Message):
     partition: int
     membership_epoch: int
     leaving: bool
-    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., length: _Optional[int] = ..., version: _Optional[int] = ..., num_samples: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., sequence: _Optional[int] = ..., outcome: _Optional[_Union[PushOutcome, str]] = ..., staleness: _Optional[int] = ..., topk: _Optional[int] = ..., partition: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., leaving: _Optional[bool] = ...) -> None: ...
+    claim: int
+    batches_per_epoch: int
+    batch: int
+    batch_granted: bool
+    batch_reissued: bool
+    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., length: _Optional[int] = ..., version: _Optional[int] = ..., num_samples: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., sequence: _Optional[int] = ..., outcome: _Optional[_Union[PushOutcome, str]] = ..., staleness: _Optional[int] = ..., topk: _Optional[int] = ..., partition: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., leaving: _Optional[bool] = ..., claim: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., batch: _Optional[int] = ..., batch_granted: _Optional[bool] = ..., batch_reissued: _Optional[bool] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("header", "offset", "data")
