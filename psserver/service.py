@@ -19,11 +19,11 @@ chunks of anyone's stream.  The rules of the house:
 * Every refusal goes through ``_refusals``: counted in full, logged at a
   bounded rate, aborted with its one documented status code.
 
-Why it is long (~830 lines): one method per RPC (twelve), each decoding and bounding its own message, plus
+Why it is long (~870 lines): one method per RPC (thirteen), each decoding and bounding its own message, plus
 the chunk-stream reader and the checks of a row stream's tiling that must run on the loop as chunks arrive.
 Step runs the other handlers' halves on its parts, so it lives beside them; its envelope is psserver.step_parts.
 The table RPCs' logic (ids checked once, waits, where the work runs) lives in psserver/sparse/calls.py.
-``ParameterServerService`` itself is ~400 lines for the same reason: it is those twelve methods and their
+``ParameterServerService`` itself is ~400 lines for the same reason: it is those thirteen methods and their
 stream readers, and splitting the RPCs among classes would split the one place errors become status codes.
 """
 
