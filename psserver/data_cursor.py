@@ -13,7 +13,11 @@ Exactly-once is decided here, pure (no clock, no network; tests/unit/test_data_c
   is answered the same batch, so a retry never skips a batch;
 * a trainer that leaves (Leave) or is replaced by a new process on its rank (a claim with another trainer id)
   with a batch claimed and not released has that batch **re-issued**: the next claim by anyone gets it first;
-* a release (``ClaimRequest.release``, sent after a trainer's last step, before its Leave) closes its claim.
+* a release (``ClaimRequest.release``, sent after a trainer's last step, before its Leave) closes its claim;
+* a cursor restored from a checkpoint (shard 0 restarted) is behind its trainers: each rank's first claim
+  after the restore is taken as it comes, whatever its number (a resume), and the batches granted after the
+  checkpoint are granted again -- trained twice, as a restored shard's versions since its checkpoint are lost
+  (docs/failure.md) -- counted in ``claims_resumed_after_restore`` and logged.
 
 State is bounded by the job's ranks: one claim per rank, and a re-issued batch per rank at most (a claim takes
 re-issued batches first), freed when the rank leaves.
@@ -59,6 +63,8 @@ class DataCursor:
         self.per_epoch = 0  # batches per data epoch, set by the job's first claim
         self.reissue: list[int] = []  # granted to trainers that left before training them; sorted
         self.claims: dict[int, Claim] = {}
+        self.restored = False  # restored from a checkpoint: each rank's first claim since then resumes
+        self.resumed: set[int] = set()
 
     # ------------------------------------------------------------------ decisions
     def check(self, rank: int, trainer_id: str, number: int, per_epoch: int) -> None:
@@ -68,6 +74,8 @@ class DataCursor:
         if self.per_epoch and per_epoch != self.per_epoch:
             raise JobMismatch(f"batches_per_epoch is {per_epoch} but the job's is {self.per_epoch}: every trainer "
                               "of the job needs the same data set and --batch-size")
+        if self._resumes(rank, number):
+            return
         held = self.claims.get(rank)
         expected = (held.number, held.number + 1) if held and held.trainer_id == trainer_id else (1, 1)
         if number not in expected:
@@ -77,6 +85,12 @@ class DataCursor:
     def claim(self, rank: int, trainer_id: str, number: int, per_epoch: int, release: bool = False) -> Grant:
         """Grant ``rank``'s claim ``number`` (or answer its retry); ``release``: want nothing more."""
         self.check(rank, trainer_id, number, per_epoch)
+        if self._resumes(rank, number):
+            self.resumed.add(rank)
+            self._counters["claims_resumed_after_restore"] += 1
+            log.info("data cursor: rank %d resumes at claim %d after the shard's restore; batches granted since "
+                     "the checkpoint are granted again", rank, number)
+            self.claims.pop(rank, None)  # its claim of the checkpoint was trained, or re-issued, since
         held = self.claims.get(rank)
         if held is not None and held.trainer_id == trainer_id and held.number == number:
             self._counters["claim_retries"] += 1
@@ -97,6 +111,13 @@ class DataCursor:
         self._counters["batches_claimed"] += 1
         self.claims[rank] = Claim(trainer_id, number, batch, reissued)
         return Grant(batch, reissued)
+
+    def _resumes(self, rank: int, number: int) -> bool:
+        """Whether ``rank``'s claim ``number`` is its first since a restore, ahead of what the checkpoint held."""
+        if not self.restored or rank in self.resumed:
+            return False
+        held = self.claims.get(rank)
+        return number > (held.number + 1 if held else 1)
 
     def leave(self, rank: int) -> int | None:
         """``rank`` left: its batch claimed and not released is re-issued.  Returns that batch, if any."""
@@ -123,6 +144,7 @@ class DataCursor:
         if state:
             self.next, self.per_epoch, self.reissue = state["next"], state["per_epoch"], list(state["reissue"])
             self.claims = {r: Claim(*c) for r, c in state["claims"].items()}
+            self.restored = True
 
     def digest_text(self) -> str:
         return repr(sorted(self.state().items(), key=lambda kv: kv[0]))

@@ -122,6 +122,26 @@ def test_state_survives_a_checkpoint_round_trip_and_changes_the_digest():
     assert again.claim(2, "c", 1, P).batch == 1
 
 
+def test_after_a_restore_each_ranks_first_claim_resumes_once_and_out_of_turn_is_refused_again_after():
+    c = cursor()
+    c.claim(0, "a", 1, P)
+    checkpoint = c.state()
+    for n in (2, 3, 4):  # granted after the checkpoint: the restore forgets them
+        c.claim(0, "a", n, P)
+    counters = Counter()
+    restored = DataCursor(counters)
+    restored.restore(checkpoint)
+    with pytest.raises(InvalidRequest, match="claim is 9"):
+        cursor().claim(0, "a", 9, P)  # a cursor never restored refuses a claim out of turn
+    grant = restored.claim(0, "a", 5, P)  # the trainer is at claim 5: taken as it comes
+    assert grant.batch == 1 and counters["claims_resumed_after_restore"] == 1
+    assert restored.claim(0, "a", 5, P).batch == 1  # its retry is a retry
+    assert restored.claim(0, "a", 6, P).batch == 2
+    with pytest.raises(InvalidRequest, match="claim is 9"):
+        restored.claim(0, "a", 9, P)  # only the first claim since the restore resumes
+    assert restored.claim(1, "b", 3, P).batch == 3  # a rank the checkpoint did not hold resumes too
+
+
 def test_batch_place_rolls_over_into_the_next_data_epoch():
     assert [batch_place(k, P, 8) for k in (0, 3, 4, 9)] == [(0, 0), (0, 24), (1, 0), (2, 8)]
 
