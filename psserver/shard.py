@@ -11,9 +11,10 @@ psserver.push_book), the executor's hooks (``hooks``, psserver.dense_hooks), and
 (``checkpoints``, psserver.shard_checkpoints).  What stays here is what crosses them: the job, the round, the
 tables, ticks, and capture/restore of the whole.
 
-Why ``Shard`` is still ~500 lines: most of it is the public surface its callers (host, service, tests) call,
-each a few lines that take the lock and hand on to a room; the push path (header checks, dedupe, the leave
-announced with a push) and the row calls are next to move (issue 19).
+Why ``Shard`` is still ~550 lines: most of it is the public surface its callers (host, service, tests) call,
+each a few lines that take the lock and hand on to a room (the job's data cursor, the elastic table checks and
+the timeline's GetStats reply among the newest); the push path (header checks, dedupe, the leave announced
+with a push) and the row calls are next to move into rooms of their own.
 
 Threads: every method that touches tensors or the round is synchronous and is meant to run on the server's one
 *state worker* thread (psserver.server), so they never contend; ``_lock`` still guards them for tests and the

@@ -14,7 +14,13 @@ closed; in async mode it waits for nothing.
 
 Where it lives: this module splits ids and fans calls out; one call to one shard is trainer.row_calls; the
 lanes' versions, numbering and kept pushes are trainer.row_lanes (numbering: trainer.push_numbers, shared
-with the dense slices).
+with the dense slices); async tables' windows are trainer.table_window.
+
+Why ``ShardedRows`` is ~370 lines: it is the one object the embeddings, the prefetch, the row cache, the
+table window and the Step call (trainer.step_call: ``begin_push``/``part_request``/``part_answered``/
+``end_push``) all hold, so its public surface is wide; each method is a few lines that split ids and hand on
+to a lane, a call or the cache.  The pull path (``pull`` .. ``_pull_piece``) is the next to move into a room of
+its own.
 
 Exactly once: each (shard, table) numbers its pushes from 1; a push whose reply was
 lost (UNAVAILABLE, DEADLINE_EXCEEDED) is retried with the same number and the shard
