@@ -617,10 +617,11 @@ class ParameterServerService:
         return await self.rows.check_ids(table, ids)
 
     async def _push_pull_rows(self, reader, first, h: _pb.RowsHeader, table, checked, context,
-                              slot: bool = True, read: tuple | None = None) -> None:
+                              slot: bool = True, read: tuple | None = None, pushed=None) -> None:
         """PushPullRows' work once its header and pull ids are checked (also a Step's table part, ``slot``
-        False: the Step holds the rank's slot; ``read``: its rows, read and checked)."""
-        r = await self._push_rows(reader, first, h, table, slot, read)
+        False: the Step holds the rank's slot; ``read``: its rows, read and checked; ``pushed``: their ids'
+        CheckedIds)."""
+        r = await self._push_rows(reader, first, h, table, slot, read, pushed)
         ids = checked.ids
         min_version = reply_version(table.mode, r.outcome, h.version, r.version)
         waited, table, version, rows = await self.rows.pull(
@@ -664,16 +665,23 @@ class ParameterServerService:
         first, h = p.chunks[0], p.header
         table = self._check_rows_first(h)
         table = await self.rows.wait_push_base(table, h.table, h.rank, h.version, deadline)  # before check_push
-        checked = await self._check_pull_ids(h, table) if h.pull_ids else None
+        pull_ids = None
+        if h.pull_ids:
+            pull_ids = _decode_ids(h.pull_ids)
+            _check_pull_bytes(len(pull_ids), table.spec.dim,
+                              min(self.cfg.max_push_bytes, limits.MAX_ROWS_REPLY_BYTES))
         read = await self._read_rows(_StreamReader(_replay(p.chunks[1:]), self.cfg.stream_idle_timeout, deadline),
                                      first, h)
         push = RowsPush(h.rank, h.trainer_id, h.version, h.num_samples, h.sequence, *read)
-        await self.rows.run(table, read[1].numel(), table.check_push, push, self.cfg.nonfinite == "refuse")
+        # one hop for the push's and the pull's checks; the push and the pull then trust them (CheckedIds)
+        pushed, checked = await self.rows.run(table, read[1].numel() + (0 if pull_ids is None else len(pull_ids)),
+                                              table.check_step_part, push, self.cfg.nonfinite == "refuse", pull_ids)
 
         async def run(context) -> None:
             if checked is not None:
-                return await self._push_pull_rows(None, first, h, table, checked, context, slot=False, read=read)
-            r = await self._push_rows(None, first, h, table, slot=False, read=read)
+                return await self._push_pull_rows(None, first, h, table, checked, context, slot=False, read=read,
+                                                  pushed=pushed)
+            r = await self._push_rows(None, first, h, table, slot=False, read=read, pushed=pushed)
             await context.write(_pb.RowsChunk(header=_pb.RowsHeader(table=h.table, dim=h.dim, push=_push_reply(r))))
 
         return p.index, run
@@ -706,15 +714,15 @@ class ParameterServerService:
         return table
 
     async def _push_rows(self, reader: _StreamReader, first, h: _pb.RowsHeader, table, slot: bool = True,
-                         read: tuple | None = None):
+                         read: tuple | None = None, pushed=None):
         """Read the push's rows and hand it to the table's executor (psserver.sparse.serving): its RowsResult.
-        ``read``: the (ids, grads) a Step's check already read."""
+        ``read``: the (ids, grads) a Step's check already read, ``pushed``: its ids as checked (CheckedIds)."""
         async with self._rank_slot(h.rank) if slot else _no_slot():
             ids, grads = read if read is not None else await self._read_rows(reader, first, h)
             push = RowsPush(h.rank, h.trainer_id, h.version, h.num_samples, h.sequence, ids, grads)
             try:
                 return await self.rows.run(table, grads.numel(), self.shard.push_rows, h.fingerprint, h.table,
-                                           push, self.cfg.nonfinite == "refuse")
+                                           push, self.cfg.nonfinite == "refuse", pushed)
             except StaleGradient:
                 self.shard.count("row_pushes_stale")
                 raise

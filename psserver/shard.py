@@ -566,14 +566,15 @@ class Shard:
             self.counters["row_pulls"] += 1
             return result
 
-    def push_rows(self, fingerprint: str, table: str, push: RowsPush, refuse_nonfinite: bool) -> RowsResult:
-        """Hand one row push to its table (which checks, deduplicates and decides); wakes waiting pulls."""
+    def push_rows(self, fingerprint: str, table: str, push: RowsPush, refuse_nonfinite: bool,
+                  checked=None) -> RowsResult:
+        """Hand one row push to its table (which checks, deduplicates and decides); wakes waiting pulls.
+        ``checked``: the push's ids as the table checked them already (a Step's part: CheckedIds)."""
         with self._lock:
             self.check_member(push.rank, push.trainer_id, fingerprint)
             served = self.tables.get(table)
             self.enrolment.check_table_base(self.job, push.rank, push.base, served.mode)
-            result = served.push(push, self.enrolment.table_members(), self._clock(),
-                                                 refuse_nonfinite)
+            result = served.push(push, self.enrolment.table_members(), self._clock(), refuse_nonfinite, checked)
             self.counters["row_pushes"] += 1
             self._changed()
             return result

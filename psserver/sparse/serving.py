@@ -209,9 +209,11 @@ class ServedTable(PushTarget):
                                            f"not on this shard {self.shard} (splitmix64(id) mod {self.num_shards})")
         return CheckedIds(ids, self)
 
-    def check_push(self, p: RowsPush, refuse_nonfinite: bool) -> bool:
-        """Refuse a malformed push; returns whether its values are all finite (under --nonfinite skip)."""
-        self.check_ids(p.ids)
+    def check_push(self, p: RowsPush, refuse_nonfinite: bool, checked: CheckedIds | None = None) -> bool:
+        """Refuse a malformed push; returns whether its values are all finite (under --nonfinite skip).
+        ``checked``: ``p.ids`` as this table already checked them (a Step's part), not checked again."""
+        if not (checked is not None and checked.table is self and checked.ids is p.ids):
+            self.check_ids(p.ids)
         want = (len(p.ids), self.spec.dim)
         if p.grads.dtype != torch.float32 or tuple(p.grads.shape) != want:
             raise errors.WrongShape(f"grad rows are {p.grads.dtype} {tuple(p.grads.shape)}, table "
@@ -240,9 +242,19 @@ class ServedTable(PushTarget):
         self._refresh()
         return self.version, rows
 
-    def push(self, p: RowsPush, members: Membership, now: float, refuse_nonfinite: bool = True) -> RowsResult:
-        """Check, deduplicate, decide (psserver.modes) and act (psserver.executor) on one push."""
-        finite = self.check_push(p, refuse_nonfinite)
+    def check_step_part(self, p: RowsPush, refuse_nonfinite: bool, pull_ids: torch.Tensor | None
+                        ) -> tuple[CheckedIds, CheckedIds | None]:
+        """A Step's table part checked whole in one go (its push, then its pull ids): (the push's ids, the pull's
+        ids) marked checked, so neither the push nor the pull checks them again."""
+        pushed = self.check_ids(p.ids)
+        self.check_push(p, refuse_nonfinite, pushed)
+        return pushed, None if pull_ids is None else self.check_ids(pull_ids)
+
+    def push(self, p: RowsPush, members: Membership, now: float, refuse_nonfinite: bool = True,
+             checked: CheckedIds | None = None) -> RowsResult:
+        """Check, deduplicate, decide (psserver.modes) and act (psserver.executor) on one push; ``checked``: its
+        ids, already checked against this table."""
+        finite = self.check_push(p, refuse_nonfinite, checked)
         if check_sequence(self.acked, p.rank, p.trainer_id, p.sequence, where=f" to table {self.spec.name!r}",
                           holes=self.holes):
             self.counts["pushes_duplicate"] += 1
