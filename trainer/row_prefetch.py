@@ -71,6 +71,10 @@ class RowPrefetch:
         self._queues: dict[str, deque[_Batch]] = {t: deque() for t in tables}
         self._pushes = dict.fromkeys(tables, 0)
         self._lock = threading.Lock()
+        # Set while each step goes as one Step call a shard (trainer.step_call): an async table's next batch is
+        # then not pulled on its own at announce but claimed by the step's push (its part carries the ids and the
+        # shard answers at once); a push that brings no rows back leaves them to ``pushed``/``take``, as for sync.
+        self.fold_async = False
         self._pool = ThreadPoolExecutor(max_workers=max(1, num_shards), thread_name_prefix="ps-rows-ahead")
 
     # -- announcing --------------------------------------------------------------------------------
@@ -86,7 +90,7 @@ class RowPrefetch:
                 owner[pos] = s
             b = _Batch(uniq, self._pushes[table] + ahead, parts, owner)
             self._queues[table].append(b)
-            if not self.sync[table] or b.after <= self._pushes[table]:
+            if b.after <= self._pushes[table] or not (self.sync[table] or self.fold_async):
                 self._start(table, b)
         self._count(prefetch_ids=len(uniq))
 
@@ -102,8 +106,8 @@ class RowPrefetch:
         the version each row was read at (trainer.row_cache)."""
         with self._lock:
             b = next((b for b in self._queues.get(table, ()) if b.after <= self._pushes[table]), None)
-            if b is not None and self.sync[table]:
-                self._start(table, b)  # (announced and used in one step: pulled now)
+            if b is not None and (self.sync[table] or self.fold_async):
+                self._start(table, b)  # (announced and used in one step, or a folded one not claimed: pulled now)
         if b is None or not len(b.ids):
             return None
         if b.rows is None:
@@ -138,9 +142,10 @@ class RowPrefetch:
     def claim(self, table: str) -> Claim | None:
         """A sync table's batch that this step's push makes usable (the next step's) and whose pulls have not
         started: the push carries its ids, one shard each, and the replies deliver the rows -- the version a
-        pull started by ``pushed`` would wait for (the close of this push's round), without its round trip."""
+        pull started by ``pushed`` would wait for (the close of this push's round), without its round trip.
+        An async table's too while ``fold_async``: the shard answers at once, as the pull at announce would."""
         with self._lock:
-            if not self.sync.get(table):
+            if table not in self.sync or not (self.sync[table] or self.fold_async):
                 return None
             n = self._pushes[table] + 1
             b = next((b for b in self._queues[table] if b.after == n), None)

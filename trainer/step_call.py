@@ -14,6 +14,8 @@ on a shard -- a restart, a refusal, a stale table push -- leaves that shard's pa
 numbers, and step() goes on with the two-call path, which retries just those parts and handles each case as it
 always has (trainer.step).  Used only unpartitioned, without the overlap, early-push, pipelined or windowed
 variants (dense or tables: trainer.table_window), and while a step's payload to a shard stays under MAX_STEP_BYTES.
+While it is used, an async table's next batch rides on the step too (trainer.row_prefetch ``fold_async``): its
+part carries the ids and the shard answers at once, so sync dense + async tables also make one call a shard a step.
 """
 
 from __future__ import annotations
@@ -58,13 +60,15 @@ class StepCall:
 
     def usable(self, variants_off: bool) -> bool:
         """Whether this step can go as one call a shard: nothing half done from a failed step, one slot a shard."""
-        ex = self.exchange
-        rows = self._rows()
-        return (self.enabled and variants_off and rows is not None and rows.window is None and ex.prefetch is None
-                and ex.early is None and ex.slots.job.partitions == 1 and ex.attempt is None
-                and not self.table_push.pending() and not self.table_push.any_pushed()
-                and not ex.session.resume_dense
-                and ex.slots.num_parts and max(e - s for s, e in ex.slots.ranges) * 4 <= MAX_STEP_BYTES // 2)
+        ex, rows = self.exchange, self._rows()
+        usable = (self.enabled and variants_off and rows is not None and rows.window is None and ex.prefetch is None
+                  and ex.early is None and ex.slots.job.partitions == 1 and ex.attempt is None
+                  and not self.table_push.pending() and not self.table_push.any_pushed()
+                  and not ex.session.resume_dense
+                  and ex.slots.num_parts and max(e - s for s, e in ex.slots.ranges) * 4 <= MAX_STEP_BYTES // 2)
+        if rows is not None:  # the next batches' async rows ride on the steps' pushes while steps go as one call
+            rows.ahead.fold_async = bool(usable)
+        return usable
 
     def step(self, num_samples: int) -> StepInfo | None:
         """One Step call a shard, side by side.  Returns the dense part's info once every slot answered, else

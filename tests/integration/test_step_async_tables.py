@@ -1,0 +1,48 @@
+"""Sync dense layers beside async tables, with prefetch, over real shards on loopback: while steps go as one Step
+call a shard, the async tables' next batch rides on the step's push (the shard answers its rows at once), so a
+steady-state step makes one call a shard; with the Step call off, those rows are pulled on their own as before."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.integration.test_row_prefetch import B, Rec, batch
+from trainer.api import connect
+
+STEPS = 6
+
+
+def _run(addresses: str, one_call: bool) -> tuple[list, dict]:
+    """One trainer, sync dense + async tables, prefetching: (round trips of each step, row counters)."""
+    torch.manual_seed(0)
+    model = Rec("adagrad")
+    trips = []
+    with connect(addresses, model, mode="sync", embedding_mode="async", optimizer={"name": "sgd", "lr": 0.1},
+                 retry_budget=60.0) as ps:
+        ps.step_call.enabled = one_call
+        batches = ps.prefetching([batch(0, k) for k in range(STEPS)], forward=lambda m, b: m(*b[:3]))
+        for users, items, regions, y in batches:
+            ((model(users, items, regions) - y).pow(2).mean()).backward()
+            before = ps.counters["round_trips"]
+            ps.step(num_samples=B)
+            trips.append(ps.counters["round_trips"] - before)
+        counters = {**ps.counters, **{f"rows_{k}": v for k, v in ps.rows.counters.items()}}
+    return trips, counters
+
+
+def test_sync_dense_with_async_tables_makes_one_call_per_shard_per_step_with_prefetch(shard_server):
+    addresses = ",".join(shard_server(shard=i).server.address for i in range(2))
+    trips, counters = _run(addresses, one_call=True)
+    # from step 2 on, the next batch's async rows come back in the step's own call (step 1's were announced
+    # before any Step was made and pulled on their own)
+    assert trips[1:] == [2] * (STEPS - 1), trips
+    assert counters.get("step_calls_fallen_back", 0) == 0
+    assert counters["rows_fused_pulls"] > 0
+    assert counters.get("rows_prefetch_misses", 0) == 0 and counters["rows_prefetch_hits"] > 0
+
+
+def test_with_the_step_call_off_async_rows_are_still_prefetched_on_their_own(shard_server):
+    addresses = ",".join(shard_server(shard=i).server.address for i in range(2))
+    trips, counters = _run(addresses, one_call=False)
+    assert counters.get("step_calls", 0) == 0 and counters.get("rows_fused_pulls", 0) == 0
+    assert counters.get("rows_prefetch_misses", 0) == 0 and counters["rows_prefetch_hits"] > 0
