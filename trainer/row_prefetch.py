@@ -4,7 +4,8 @@ A training loop knows its next batch while the current one computes.  ``RowPrefe
 short queue of announced batches (their unique ids) and pulls their rows in the background, so the forward
 finds them already here instead of making a round trip per shard:
 
-* an async table's rows are pulled at once (the version the shard has now: what "async" allows);
+* an async table's rows are pulled at once (the version the shard has now: what "async" allows) -- or, while
+  steps go as one Step call a shard (``fold_async``), carried by the step's push, answered at once after it;
 * a sync (or stale-timeout) table's rows are pulled once this step's push of the table is answered, with the
   pull waiting for the close of that push's round -- exactly the version a forward's own pull would read, so
   N trainers x batch b still equal one process on batch N.b bit for bit.
