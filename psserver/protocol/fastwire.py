@@ -64,6 +64,14 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
+def _read_bytes(buf: memoryview, pos: int, field: int) -> tuple[memoryview, int]:
+    """A length-delimited field's body at ``pos`` (a view, no copy) and the position after it."""
+    size, pos = _read_varint(buf, pos)
+    if pos + size > len(buf):
+        raise ValueError(f"field {field} runs past the end of the message")
+    return buf[pos : pos + size], pos + size
+
+
 def serialize_chunk(chunk) -> bytes:
     """A RawChunk (or a generated Chunk) as protobuf wire bytes, with one copy of the data."""
     if not isinstance(chunk, RawChunk):
@@ -93,11 +101,7 @@ def parse_chunk(message: bytes) -> RawChunk:
                 if field == 2:
                     chunk.offset = value
             elif wire_type == 2:
-                size, pos = _read_varint(buf, pos)
-                if pos + size > len(buf):
-                    raise ValueError(f"field {field} runs past the end of the message")
-                body = buf[pos : pos + size]
-                pos += size
+                body, pos = _read_bytes(buf, pos, field)
                 if field == 1:
                     header = chunk.header or _pb.ChunkHeader()
                     header.MergeFromString(bytes(body))  # repeated sub-messages merge, as protobuf does

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from psserver.protocol.fastwire import RawChunk, _read_varint, _varint, parse_chunk, serialize_chunk
+from psserver.protocol.fastwire import RawChunk, _read_bytes, _read_varint, _varint, parse_chunk, serialize_chunk
 from psserver.protocol.proto import ps_pb2 as _pb
 
 _TAG_PART, _TAG_DENSE, _TAG_ROWS, _TAG_MORE = 0x08, 0x12, 0x1A, 0x22
@@ -72,20 +72,13 @@ def parse_step(message: bytes, nested: bool = False) -> StepMessage:
             elif field == 4 and wire_type == 2:
                 if nested:
                     raise ValueError("a chunk in `more` carries `more` of its own")
-                size, pos = _read_varint(buf, pos)
-                if pos + size > len(buf):
-                    raise ValueError("field 4 runs past the end of the message")
-                inner = parse_step(buf[pos:pos + size], nested=True)
-                pos += size
+                body, pos = _read_bytes(buf, pos, field)
+                inner = parse_step(body, nested=True)
                 if inner.malformed:
                     raise ValueError(inner.malformed)
                 msg.more.append(inner)
             elif field in (2, 3) and wire_type == 2:
-                size, pos = _read_varint(buf, pos)
-                if pos + size > len(buf):
-                    raise ValueError(f"field {field} runs past the end of the message")
-                body = buf[pos:pos + size]
-                pos += size
+                body, pos = _read_bytes(buf, pos, field)
                 if field == 2:
                     msg.dense, msg.rows = parse_chunk(body), None
                     if msg.dense.malformed:
