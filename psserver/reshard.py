@@ -140,13 +140,19 @@ def _flat(pieces: list[ShardState], get) -> torch.Tensor:
 def _optimizer_tensors(pieces: list[ShardState]) -> tuple[dict, dict, list]:
     """(element-wise name -> whole flat tensor, scalar name -> value, param groups) of the pieces' optimizers;
     a scalar (Adam's step) or a missing state that differs between pieces is refused."""
-    states = [s.optimizer["state"].get(0, {}) for s in pieces]
-    keys = set(states[0])
-    if any(set(st) != keys for st in states):
+    return join_optimizer_states([s.optimizer for s in pieces])
+
+
+def join_optimizer_states(states: list[dict]) -> tuple[dict, dict, list]:
+    """``_optimizer_tensors`` of one-tensor optimizer state dicts laid end to end (also live re-shard's
+    assembly of a new piece from its parts, psserver.forward_log)."""
+    ones = [st["state"].get(0, {}) for st in states]
+    keys = set(ones[0])
+    if any(set(st) != keys for st in ones):
         raise ReshardError("the pieces' optimizer states hold different entries (some never took a step)")
     elementwise, scalars = {}, {}
     for key in sorted(keys):
-        values = [st[key] for st in states]
+        values = [st[key] for st in ones]
         if torch.is_tensor(values[0]) and values[0].dim() > 0:
             elementwise[key] = torch.cat([v.reshape(-1) for v in values])
         elif any(not _equal(v, values[0]) for v in values):
@@ -154,7 +160,7 @@ def _optimizer_tensors(pieces: list[ShardState]) -> tuple[dict, dict, list]:
                                f"{sorted({repr(v) for v in values})[:3]}")
         else:
             scalars[key] = values[0]
-    return elementwise, scalars, pieces[0].optimizer["param_groups"]
+    return elementwise, scalars, states[0]["param_groups"]
 
 
 def _equal(a, b) -> bool:
@@ -163,7 +169,8 @@ def _equal(a, b) -> bool:
     return a == b
 
 
-def _cut_optimizer(elementwise: dict, scalars: dict, groups: list, a: int, b: int) -> dict:
+def cut_optimizer(elementwise: dict, scalars: dict, groups: list, a: int, b: int) -> dict:
+    """The one-tensor optimizer state of [a, b) of a joined state (``join_optimizer_states``)."""
     state = {k: v[a:b].clone() for k, v in elementwise.items()}
     state.update({k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalars.items()})
     return {"state": {0: state} if state else {}, "param_groups": [dict(g) for g in groups]}
@@ -218,7 +225,7 @@ def recut_dense(pieces: list[list[ShardState]], job: JobSpec, shard: int) -> lis
         sources = _overlapping(ranged, a, b)
         round_ = None if rounds[0] is None else {**rounds[0], "sum": total[a:b].clone() if carried else None}
         out.append(ShardState(shard, flat[0].version, job, params[a:b].clone(),
-                              _cut_optimizer(elementwise, scalars, groups, a, b), counters={}, members=dict(members),
+                              cut_optimizer(elementwise, scalars, groups, a, b), counters={}, members=dict(members),
                               acked=merge_books([s.acked for s in sources], f" to shard {shard}"),
                               open_round=round_, tables=None, partition=k, epochs=flat[0].epochs,
                               cursor=flat[0].cursor if shard == 0 and k == 0 else None))  # the job's one cursor
