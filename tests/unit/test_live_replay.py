@@ -199,3 +199,16 @@ def test_parts_at_different_versions_are_not_assembled():
     b.apply(Forward(0, None, None))
     with pytest.raises(InvalidRequest, match="versions \\[0, 1\\]"):
         assemble([a, b], cfg)
+
+
+def test_the_votes_digest_differs_when_the_membership_timeline_at_R_differs_or_one_element_does():
+    cfg = OPTIMIZERS["adam"]
+    dense, rounds = dense_source(cfg, 0, 100, seed=3)
+    close(dense, None, 0, *rounds[0])
+    copy = copy_range(dense, 0, 10, 50)
+    same = range_digest(copy.params, copy.optimizer, "epochs=[(0, 0, [0, 1])]")
+    assert range_digest(copy.params.clone(), copy.optimizer, "epochs=[(0, 0, [0, 1])]") == same
+    assert range_digest(copy.params, copy.optimizer, "epochs=[(0, 0, [0, 1]), (1, 12, [0])]") != same
+    nudged = copy.params.clone()
+    nudged[7] = torch.nextafter(nudged[7], torch.tensor(float("inf")))
+    assert range_digest(nudged, copy.optimizer, "epochs=[(0, 0, [0, 1])]") != same
