@@ -1,7 +1,7 @@
 """A new piece's destination side of a live re-shard as a pure machine (docs/live-reshard.md).
 
-    EMPTY ─PREPARE (budget checked)─► RECEIVING ─every part copied─► REPLAYING   (FORWARD v of a part: one step)
-    REPLAYING(R) ─every source's vote, digests equal─► READY(R) ─DECIDE switch─► SERVING (calls in the new layout)
+    EMPTY ─PREPARE (budget checked)─► RECEIVING ─every part copied─► REPLAYING (FORWARD v of a part: a step)
+    REPLAYING(R) ─every source's vote, digests equal─► READY(R) ─DECIDE switch─► SERVING  (the new layout)
     READY: a base-R push in the new layout (a source heard DECIDE first) waits for DECIDE
     any state before SERVING ─DECIDE abort (or a vote of its own to abort)─► DROPPED
 
@@ -83,9 +83,12 @@ class DestPiece:
             if s.version == self.round:
                 return replace(s, state=DestState.SERVING), [h.LoadPart(e.part, e.version), h.Serve(self.round)]
             return s, [h.LoadPart(e.part, e.version)]
+        have = self.versions[e.part] if self.versions else None
+        if have is not None and e.version <= have:  # a retried stream: acknowledged, the part kept as replayed
+            return self, [h.AckCopy(e.part, e.version)]
         if self.state not in (DestState.RECEIVING, DestState.REPLAYING):
             raise NotReady(f"a copy of part {e.part} reached {self.label}'s new piece in state {self.state.value}")
-        s = self._with_version(e.part, e.version)  # a copy taken again replaces the part
+        s = self._with_version(e.part, e.version)  # a copy taken again (a newer version) replaces the part
         s = replace(s, voted=s.voted - {e.part})
         if None not in s.versions:
             s = replace(s, state=DestState.REPLAYING)
@@ -93,14 +96,14 @@ class DestPiece:
 
     def _on_Forwarded(self, e: h.Forwarded, now: float):
         self._check_part(e.part)
-        have = self.versions[e.part]
-        if self.state not in (DestState.RECEIVING, DestState.REPLAYING) or have is None:
-            raise NotReady(f"a forward of round {e.version} for part {e.part} reached {self.label} in state "
-                           f"{self.state.value} (part copied: {have is not None})")
-        if e.version < have:  # a repeated forward (a retried stream): acknowledged, not applied again
+        have = self.versions[e.part] if self.versions else None
+        if have is not None and e.version < have:  # a repeated forward (a retried stream): acknowledged only
             return self, [h.AckForward(e.part, e.version), h.Count(
                 "handoff_forwards_repeated", f"round {e.version} of part {e.part} was forwarded again to "
                                              f"{self.label} (at {have}): acknowledged, not applied")]
+        if self.state not in (DestState.RECEIVING, DestState.REPLAYING) or have is None:
+            raise NotReady(f"a forward of round {e.version} for part {e.part} reached {self.label} in state "
+                           f"{self.state.value} (part copied: {have is not None})")
         if e.version > have:
             raise InvalidRequest(f"forward version is {e.version} but {self.label}'s part {e.part} is at {have}: "
                                  f"rounds {have}..{e.version - 1} were never forwarded")

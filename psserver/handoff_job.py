@@ -1,7 +1,7 @@
 """A hand-off's job-level phase as the coordinator sees it, read from the shards' records (pure).
 
-    PLANNED ─prepare ok everywhere─► COPYING ─every move TAILING─► PROPOSED ─commit R everywhere─► BLOCKING
-    BLOCKING ─every source BLOCKED, every destination READY(R)─► decide switch ─► SWITCHED ─retired─► DONE
+    PLANNED ─prepare ok everywhere─► COPYING ─every move TAILING─► PROPOSED ─commit R everywhere─►
+    BLOCKING ─every source BLOCKED, every destination READY(R): decide switch─► SWITCHED ─retired─► DONE
     any phase before SWITCHED ─abort─► ABORTED
 
 ``ps-server reshard`` keeps no state: a run (or a re-run after a crash) reads every move's and piece's record

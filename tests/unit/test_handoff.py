@@ -275,6 +275,13 @@ def test_a_repeated_forward_is_acknowledged_not_applied_and_counted():
     assert not [a for a in actions if isinstance(a, h.ApplyForward)]
 
 
+def test_a_retried_forward_or_copy_at_a_ready_piece_is_acknowledged_and_changes_nothing():
+    d = ready()
+    assert run(d, h.Forwarded(0, 11))[1][0] == h.AckForward(0, 11)
+    assert run(d, h.PartCopied(1, 10)) == (d, [h.AckCopy(1, 10)])
+    assert run(replaying(), h.PartCopied(0, 10)) == (replaying(), [h.AckCopy(0, 10)])  # not rolled back to 10
+
+
 def test_a_forward_with_a_gap_is_refused_naming_both_versions():
     refused(replaying(), h.Forwarded(0, 13), grpc.StatusCode.INVALID_ARGUMENT, "forward version is 13", "at 12")
 
