@@ -1,6 +1,7 @@
 """The live re-shard's hand-off as pure machines (psserver.handoff*): one test per row of docs/live-reshard.md's
 state table and failure table, with a fake clock and no network."""
 
+import copy
 from dataclasses import replace
 
 import grpc
@@ -49,8 +50,11 @@ def blocked(v=10, now=0.0) -> SourceMove:
 
 
 def refused(machine, event, code, *words, now=0.0):
+    """The refusal's one status, a message naming the values, and the machine unchanged (still takes events)."""
+    before = copy.deepcopy(machine)
     with pytest.raises(PsError) as e:
         machine.on(event, now)
+    assert machine == before
     assert e.value.code is code, e.value
     for word in words:
         assert str(word) in str(e.value), (word, str(e.value))
