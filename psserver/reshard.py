@@ -31,7 +31,8 @@ import torch
 
 from psserver.checkpoint import ShardState
 from psserver.protocol.job import JobSpec
-from psserver.protocol.layout import Layout, partition_range, partitions_for, shard_range
+from psserver.protocol.layout import partition_range, partitions_for, shard_range
+from psserver.protocol.layouts import LayoutError, new_job
 from psserver.protocol.limits import MAX_PARTITIONS
 from psserver.protocol.rows.placement import shard_of
 
@@ -39,25 +40,11 @@ HINT = ("re-shard from the checkpoints of one moment: stop the trainers (they fi
         "shard, and pass every old shard's --checkpoint-dir")
 
 
-class ReshardError(ValueError):
+class ReshardError(LayoutError):
     """Old checkpoints that cannot be re-cut: incomplete, of different jobs or of different moments."""
 
 
 # --------------------------------------------------------------------------------------- the new job
-def new_job(job: JobSpec, num_shards: int, partitions: int | None = None) -> JobSpec:
-    """``job`` on ``num_shards`` shards: the shard count and the fingerprint a trainer with the new ``--ps`` list
-    computes (psserver.protocol.layout), and ``partitions`` per shard (None: as before)."""
-    if not job.tensors and job.total_params:
-        raise ReshardError("the job lists no tensors, so its fingerprint for another shard count cannot be "
-                           "computed (it was not started by a ps-trainer or connect())")
-    old = Layout.from_shapes(job.tensors, job.num_shards)
-    if job.tensors and old.fingerprint() != job.fingerprint:
-        raise ReshardError(f"the job's fingerprint {job.fingerprint} is not the one its tensors give "
-                           f"({old.fingerprint()}): it cannot be recomputed for {num_shards} shards")
-    fingerprint = Layout.from_shapes(job.tensors, num_shards).fingerprint() if job.tensors else job.fingerprint
-    return replace(job, num_shards=num_shards, fingerprint=fingerprint, partitions=partitions or job.partitions)
-
-
 def partitions_for_bytes(job: JobSpec, num_shards: int, partition_bytes: int) -> int:
     """The partitions per shard a trainer with ``--partition-bytes`` computes for ``num_shards`` shards
     (trainer.api.job_partitions: the largest slice cut into pieces of at most that many bytes)."""
@@ -276,7 +263,10 @@ def recut(pieces: list[list[ShardState]], num_shards: int, shard: int, partition
     old = check(pieces)
     if not 0 <= shard < num_shards:
         raise ReshardError(f"shard is {shard} but the job will have {num_shards} shards (0..{num_shards - 1})")
-    job = new_job(old, num_shards, partitions)
+    try:
+        job = new_job(old, num_shards, partitions)  # psserver.protocol.layouts: the trainer computes it too
+    except LayoutError as e:
+        raise ReshardError(str(e)) from None
     out = recut_dense(pieces, job, shard)
     heads = [parts[0] for parts in pieces]
     if heads[0].tables:

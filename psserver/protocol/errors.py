@@ -16,6 +16,10 @@ class PsError(Exception):
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
     reason: str = ""  # a refusal a client acts on by more than its code: sent as REASON_METADATA_KEY
 
+    def trailers(self) -> tuple[tuple[str, str], ...]:
+        """The trailing metadata the refusal carries: its reason, and what a subclass adds."""
+        return ((REASON_METADATA_KEY, self.reason),) if self.reason else ()
+
 
 class InvalidRequest(PsError):
     """Malformed request: chunk tiling, length, dtype, non-finite values, bad field values."""
@@ -103,6 +107,37 @@ class StaleGradient(PsError):
         super().__init__(message)
         self.version = version
         self.staleness = staleness
+
+    def trailers(self) -> tuple[tuple[str, str], ...]:
+        return ((VERSION_METADATA_KEY, str(self.version)),)
+
+
+LAYOUT_MOVED = "layout-moved"  # reason of a call whose (layout epoch, base) another layout owns
+LAYOUT_AHEAD = "layout-ahead"  # reason of a call naming a layout epoch the shard has no record of
+LAYOUT_METADATA_KEY = "ps-layout"  # trailer of a layout-moved refusal: the newest layout epoch the shard serves
+
+
+class LayoutMoved(PsError):
+    """A call whose (layout epoch, base or version) another layout owns (docs/live-reshard.md): changes
+    nothing; the trainer re-routes the step in the newest layout, named in the ``ps-layout`` trailer."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = LAYOUT_MOVED
+
+    def __init__(self, message: str, newest: int):
+        super().__init__(message)
+        self.newest = newest
+
+    def trailers(self) -> tuple[tuple[str, str], ...]:
+        return super().trailers() + ((LAYOUT_METADATA_KEY, str(self.newest)),)
+
+
+class LayoutAhead(PsError):
+    """A call naming a layout epoch this shard has no record of (it restarted from an older record): the
+    trainer retries within its retry budget."""
+
+    code = grpc.StatusCode.OUT_OF_RANGE
+    reason = LAYOUT_AHEAD
 
 
 class TooLarge(PsError):

@@ -11,7 +11,15 @@ import enum
 
 import grpc
 
-from psserver.protocol.errors import JOB_ENDED, NO_JOB, REASON_METADATA_KEY, VERSION_METADATA_KEY
+from psserver.protocol.errors import (
+    JOB_ENDED,
+    LAYOUT_AHEAD,
+    LAYOUT_METADATA_KEY,
+    LAYOUT_MOVED,
+    NO_JOB,
+    REASON_METADATA_KEY,
+    VERSION_METADATA_KEY,
+)
 
 
 class Mode(str, enum.Enum):
@@ -67,6 +75,21 @@ def refusal_reason(error: grpc.RpcError) -> str:
     if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
         return ""
     return str(dict(error.trailing_metadata() or ()).get(REASON_METADATA_KEY, ""))
+
+
+def refused_layout_moved(error: grpc.RpcError) -> int | None:
+    """The newest layout epoch the shard serves if ``error`` refuses a call as layout-moved (its ``ps-layout``
+    trailer), else None: the call changed nothing and is sent again whole in that layout (docs/live-reshard.md)."""
+    if refusal_reason(error) != LAYOUT_MOVED:
+        return None
+    return int(dict(error.trailing_metadata() or ()).get(LAYOUT_METADATA_KEY, 0))
+
+
+def refused_layout_ahead(error: grpc.RpcError) -> bool:
+    """Whether a call named a layout epoch the shard has no record of (OUT_OF_RANGE, reason layout-ahead): the
+    shard restarted from an older record; the trainer retries within its budget."""
+    return (error.code() == grpc.StatusCode.OUT_OF_RANGE
+            and dict(error.trailing_metadata() or ()).get(REASON_METADATA_KEY) == LAYOUT_AHEAD)
 
 
 def refused_no_job(error: grpc.RpcError) -> bool:

@@ -175,8 +175,47 @@ class MembershipEpoch(_message.Message):
     size: int
     def __init__(self, number: _Optional[int] = ..., round: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., size: _Optional[int] = ...) -> None: ...
 
+class LayoutEpoch(_message.Message):
+    __slots__ = ("number", "round", "table_rounds", "num_shards", "partitions", "addresses", "fingerprint")
+    class TableRoundsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TABLE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    number: int
+    round: int
+    table_rounds: _containers.ScalarMap[str, int]
+    num_shards: int
+    partitions: int
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    fingerprint: str
+    def __init__(self, number: _Optional[int] = ..., round: _Optional[int] = ..., table_rounds: _Optional[_Mapping[str, int]] = ..., num_shards: _Optional[int] = ..., partitions: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class HandoffState(_message.Message):
+    __slots__ = ("plan", "move", "phase", "version", "bytes")
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    MOVE_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    plan: str
+    move: int
+    phase: str
+    version: int
+    bytes: int
+    def __init__(self, plan: _Optional[str] = ..., move: _Optional[int] = ..., phase: _Optional[str] = ..., version: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
 class RegisterRequest(_message.Message):
-    __slots__ = ("rank", "trainer_id", "expected_shard", "job", "partition", "join", "join_round")
+    __slots__ = ("rank", "trainer_id", "expected_shard", "job", "partition", "join", "join_round", "layout_epoch", "follows_layouts")
     RANK_FIELD_NUMBER: _ClassVar[int]
     TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_SHARD_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +223,8 @@ class RegisterRequest(_message.Message):
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     JOIN_FIELD_NUMBER: _ClassVar[int]
     JOIN_ROUND_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWS_LAYOUTS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     trainer_id: str
     expected_shard: int
@@ -191,10 +232,12 @@ class RegisterRequest(_message.Message):
     partition: int
     join: bool
     join_round: int
-    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., expected_shard: _Optional[int] = ..., job: _Optional[_Union[JobSpec, _Mapping]] = ..., partition: _Optional[int] = ..., join: _Optional[bool] = ..., join_round: _Optional[int] = ...) -> None: ...
+    layout_epoch: int
+    follows_layouts: bool
+    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., expected_shard: _Optional[int] = ..., job: _Optional[_Union[JobSpec, _Mapping]] = ..., partition: _Optional[int] = ..., join: _Optional[bool] = ..., join_round: _Optional[int] = ..., layout_epoch: _Optional[int] = ..., follows_layouts: _Optional[bool] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("shard", "start", "end", "initialized", "version", "registered", "lease_seconds", "rank", "join_round", "membership_epoch")
+    __slots__ = ("shard", "start", "end", "initialized", "version", "registered", "lease_seconds", "rank", "join_round", "membership_epoch", "layout_epoch")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +248,7 @@ class RegisterReply(_message.Message):
     RANK_FIELD_NUMBER: _ClassVar[int]
     JOIN_ROUND_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     shard: int
     start: int
     end: int
@@ -215,10 +259,11 @@ class RegisterReply(_message.Message):
     rank: int
     join_round: int
     membership_epoch: int
-    def __init__(self, shard: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., registered: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., rank: _Optional[int] = ..., join_round: _Optional[int] = ..., membership_epoch: _Optional[int] = ...) -> None: ...
+    layout_epoch: int
+    def __init__(self, shard: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., registered: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., rank: _Optional[int] = ..., join_round: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
-    __slots__ = ("rank", "trainer_id", "fingerprint", "dtype", "length", "version", "num_samples", "wait_seconds", "sequence", "outcome", "staleness", "topk", "partition", "membership_epoch", "leaving", "claim", "batches_per_epoch", "batch", "batch_granted", "batch_reissued")
+    __slots__ = ("rank", "trainer_id", "fingerprint", "dtype", "length", "version", "num_samples", "wait_seconds", "sequence", "outcome", "staleness", "topk", "partition", "membership_epoch", "leaving", "claim", "batches_per_epoch", "batch", "batch_granted", "batch_reissued", "layout_epoch")
     RANK_FIELD_NUMBER: _ClassVar[int]
     TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +284,7 @@ class ChunkHeader(_message.Message):
     BATCH_FIELD_NUMBER: _ClassVar[int]
     BATCH_GRANTED_FIELD_NUMBER: _ClassVar[int]
     BATCH_REISSUED_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     rank: int
     trainer_id: str
     fingerprint: str
@@ -259,7 +305,8 @@ class ChunkHeader(_message.Message):
     batch: int
     batch_granted: bool
     batch_reissued: bool
-    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., length: _Optional[int] = ..., version: _Optional[int] = ..., num_samples: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., sequence: _Optional[int] = ..., outcome: _Optional[_Union[PushOutcome, str]] = ..., staleness: _Optional[int] = ..., topk: _Optional[int] = ..., partition: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., leaving: _Optional[bool] = ..., claim: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., batch: _Optional[int] = ..., batch_granted: _Optional[bool] = ..., batch_reissued: _Optional[bool] = ...) -> None: ...
+    layout_epoch: int
+    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., length: _Optional[int] = ..., version: _Optional[int] = ..., num_samples: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., sequence: _Optional[int] = ..., outcome: _Optional[_Union[PushOutcome, str]] = ..., staleness: _Optional[int] = ..., topk: _Optional[int] = ..., partition: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., leaving: _Optional[bool] = ..., claim: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., batch: _Optional[int] = ..., batch_granted: _Optional[bool] = ..., batch_reissued: _Optional[bool] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("header", "offset", "data")
@@ -280,30 +327,34 @@ class InitReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., accepted: _Optional[bool] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("rank", "trainer_id", "fingerprint", "min_version", "dtype", "partition")
+    __slots__ = ("rank", "trainer_id", "fingerprint", "min_version", "dtype", "partition", "layout_epoch")
     RANK_FIELD_NUMBER: _ClassVar[int]
     TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     rank: int
     trainer_id: str
     fingerprint: str
     min_version: int
     dtype: DType
     partition: int
-    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., min_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., partition: _Optional[int] = ...) -> None: ...
+    layout_epoch: int
+    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., min_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., partition: _Optional[int] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("outcome", "version", "staleness")
+    __slots__ = ("outcome", "version", "staleness", "layout_epoch")
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     outcome: PushOutcome
     version: int
     staleness: int
-    def __init__(self, outcome: _Optional[_Union[PushOutcome, str]] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ...) -> None: ...
+    layout_epoch: int
+    def __init__(self, outcome: _Optional[_Union[PushOutcome, str]] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("rank", "trainer_id", "fingerprint", "partition")
@@ -362,12 +413,14 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., partition: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("version", "live")
+    __slots__ = ("version", "live", "layout_epoch")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LIVE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     version: int
     live: int
-    def __init__(self, version: _Optional[int] = ..., live: _Optional[int] = ...) -> None: ...
+    layout_epoch: int
+    def __init__(self, version: _Optional[int] = ..., live: _Optional[int] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("with_digest", "partition", "rank", "trainer_id", "fingerprint", "members_from_round")
@@ -386,7 +439,7 @@ class StatsRequest(_message.Message):
     def __init__(self, with_digest: _Optional[bool] = ..., partition: _Optional[int] = ..., rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., members_from_round: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("shard", "initialized", "version", "mode", "start", "end", "live_ranks", "counters", "job", "state_digest", "lr", "partitions", "epochs")
+    __slots__ = ("shard", "initialized", "version", "mode", "start", "end", "live_ranks", "counters", "job", "state_digest", "lr", "partitions", "epochs", "layouts", "handoffs")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -407,6 +460,8 @@ class StatsReply(_message.Message):
     LR_FIELD_NUMBER: _ClassVar[int]
     PARTITIONS_FIELD_NUMBER: _ClassVar[int]
     EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUTS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFFS_FIELD_NUMBER: _ClassVar[int]
     shard: int
     initialized: bool
     version: int
@@ -420,26 +475,30 @@ class StatsReply(_message.Message):
     lr: float
     partitions: int
     epochs: _containers.RepeatedCompositeFieldContainer[MembershipEpoch]
-    def __init__(self, shard: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., mode: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., live_ranks: _Optional[_Iterable[int]] = ..., counters: _Optional[_Mapping[str, float]] = ..., job: _Optional[_Union[JobSpec, _Mapping]] = ..., state_digest: _Optional[str] = ..., lr: _Optional[float] = ..., partitions: _Optional[int] = ..., epochs: _Optional[_Iterable[_Union[MembershipEpoch, _Mapping]]] = ...) -> None: ...
+    layouts: _containers.RepeatedCompositeFieldContainer[LayoutEpoch]
+    handoffs: _containers.RepeatedCompositeFieldContainer[HandoffState]
+    def __init__(self, shard: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., mode: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., live_ranks: _Optional[_Iterable[int]] = ..., counters: _Optional[_Mapping[str, float]] = ..., job: _Optional[_Union[JobSpec, _Mapping]] = ..., state_digest: _Optional[str] = ..., lr: _Optional[float] = ..., partitions: _Optional[int] = ..., epochs: _Optional[_Iterable[_Union[MembershipEpoch, _Mapping]]] = ..., layouts: _Optional[_Iterable[_Union[LayoutEpoch, _Mapping]]] = ..., handoffs: _Optional[_Iterable[_Union[HandoffState, _Mapping]]] = ...) -> None: ...
 
 class PullRowsRequest(_message.Message):
-    __slots__ = ("rank", "trainer_id", "fingerprint", "table", "min_version", "ids")
+    __slots__ = ("rank", "trainer_id", "fingerprint", "table", "min_version", "ids", "layout_epoch")
     RANK_FIELD_NUMBER: _ClassVar[int]
     TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     rank: int
     trainer_id: str
     fingerprint: str
     table: str
     min_version: int
     ids: bytes
-    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., table: _Optional[str] = ..., min_version: _Optional[int] = ..., ids: _Optional[bytes] = ...) -> None: ...
+    layout_epoch: int
+    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., table: _Optional[str] = ..., min_version: _Optional[int] = ..., ids: _Optional[bytes] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
 
 class RowsHeader(_message.Message):
-    __slots__ = ("rank", "trainer_id", "fingerprint", "table", "version", "num_samples", "sequence", "num_ids", "dim", "wait_seconds", "pull_ids", "push")
+    __slots__ = ("rank", "trainer_id", "fingerprint", "table", "version", "num_samples", "sequence", "num_ids", "dim", "wait_seconds", "pull_ids", "push", "layout_epoch")
     RANK_FIELD_NUMBER: _ClassVar[int]
     TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -452,6 +511,7 @@ class RowsHeader(_message.Message):
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PULL_IDS_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     rank: int
     trainer_id: str
     fingerprint: str
@@ -464,7 +524,8 @@ class RowsHeader(_message.Message):
     wait_seconds: float
     pull_ids: bytes
     push: PushRowsReply
-    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., table: _Optional[str] = ..., version: _Optional[int] = ..., num_samples: _Optional[int] = ..., sequence: _Optional[int] = ..., num_ids: _Optional[int] = ..., dim: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., pull_ids: _Optional[bytes] = ..., push: _Optional[_Union[PushRowsReply, _Mapping]] = ...) -> None: ...
+    layout_epoch: int
+    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., table: _Optional[str] = ..., version: _Optional[int] = ..., num_samples: _Optional[int] = ..., sequence: _Optional[int] = ..., num_ids: _Optional[int] = ..., dim: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., pull_ids: _Optional[bytes] = ..., push: _Optional[_Union[PushRowsReply, _Mapping]] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
 
 class RowsChunk(_message.Message):
     __slots__ = ("header", "offset", "ids", "rows")
@@ -479,18 +540,20 @@ class RowsChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[RowsHeader, _Mapping]] = ..., offset: _Optional[int] = ..., ids: _Optional[bytes] = ..., rows: _Optional[bytes] = ...) -> None: ...
 
 class PushRowsReply(_message.Message):
-    __slots__ = ("outcome", "version", "staleness", "rows_applied", "rows_stale")
+    __slots__ = ("outcome", "version", "staleness", "rows_applied", "rows_stale", "layout_epoch")
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     ROWS_APPLIED_FIELD_NUMBER: _ClassVar[int]
     ROWS_STALE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     outcome: PushOutcome
     version: int
     staleness: int
     rows_applied: int
     rows_stale: int
-    def __init__(self, outcome: _Optional[_Union[PushOutcome, str]] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., rows_applied: _Optional[int] = ..., rows_stale: _Optional[int] = ...) -> None: ...
+    layout_epoch: int
+    def __init__(self, outcome: _Optional[_Union[PushOutcome, str]] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., rows_applied: _Optional[int] = ..., rows_stale: _Optional[int] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
 
 class StepChunk(_message.Message):
     __slots__ = ("part", "dense", "rows", "more")
