@@ -76,6 +76,13 @@ class ShardHost:
         self.metrics = ShardMetrics(shard_id, self.snapshot)
         self.parts: list[Shard] = [self._fresh(0)]
 
+    def successor(self, shard_id: int) -> "ShardHost":
+        """An empty host for the next layout epoch (psserver.layout_host), where this process is shard
+        ``shard_id``: the same clock, leases, budget, gauges and wake-ups.  Without checkpoints: a later layout's
+        are named by epoch (docs/live-reshard.md), not built yet."""
+        return ShardHost(shard_id, self.clock, self.lease_timeout, on_change=self._on_change, budget=self.budget,
+                         gauges=self._gauges, join_timeout=self.join_timeout)
+
     # ------------------------------------------------------------------ partitions
     @property
     def head(self) -> Shard:

@@ -204,14 +204,14 @@ class Wakeups:
     def __init__(self, loop: asyncio.AbstractEventLoop, loop_thread: int):
         self.loop, self.loop_thread = loop, loop_thread
         self.timer = asyncio.Event()  # set on every change of a stale-timeout job: wakes the round timer
-        self._pulls: dict[int, VersionWaiters] = {}  # by partition index (a host's partitions are never replaced)
+        self._pulls: dict[Shard, VersionWaiters] = {}  # by partition (one of each layout's: psserver.layout_host)
         self._tables: dict[str, VersionWaiters] = {}  # by table name (partition 0 holds the tables)
 
     def pulls(self, part: Shard) -> VersionWaiters:
         """The waiters for ``part``'s versions (on the loop)."""
-        waiters = self._pulls.get(part.partition)
+        waiters = self._pulls.get(part)
         if waiters is None:
-            waiters = self._pulls[part.partition] = VersionWaiters(self.loop, part.pull_ready, self.loop_thread)
+            waiters = self._pulls[part] = VersionWaiters(self.loop, part.pull_ready, self.loop_thread)
         return waiters
 
     def table(self, name: str, ready: Callable[[int], bool]) -> VersionWaiters:
@@ -225,7 +225,7 @@ class Wakeups:
         """``part`` changed (from any thread): wake what may wait on it."""
         if self.loop.is_closed():  # the server stopped: nobody waits any more
             return
-        waiters = self._pulls.get(part.partition)
+        waiters = self._pulls.get(part)
         if waiters is not None:
             waiters.changed_threadsafe()
         if part.partition == 0:  # a change of partition 0 may be a table's: wake its waiting PullRows too
@@ -270,9 +270,9 @@ class Runtime:
     def begin_stopping(self) -> None:
         self._stopping = True
 
-    def waiters(self, partition: int = 0) -> VersionWaiters:
-        """Pulls waiting for partition ``partition``'s versions (on the loop)."""
-        return self.wakeups.pulls(self.host.parts[partition])
+    def waiters(self, part: Shard) -> VersionWaiters:
+        """Pulls waiting for ``part``'s versions (on the loop; a partition of any layout this process serves)."""
+        return self.wakeups.pulls(part)
 
     def table_waiters(self, name: str, ready: Callable[[int], bool]) -> VersionWaiters:
         """PullRows waiting for table ``name``'s versions (on the loop)."""

@@ -22,8 +22,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from psserver.budget import MemoryBudget
 from psserver.health import CappedHealth, LoopWatch, ProbePort
 from psserver.host import ShardHost
+from psserver.layout_host import LayoutHost
 from psserver.ports import check_bindable
 from psserver.protocol.codec import DEFAULT_CHUNK_BYTES
+from psserver.protocol.layouts import LayoutEpoch
 from psserver.protocol.limits import MAX_JOIN_TIMEOUT
 from psserver.protocol.optim import warm_up
 from psserver.protocol.security import ServerSecurity
@@ -180,6 +182,7 @@ class ShardServer:
         # (psserver.host; unpartitioned jobs use one), ``runtime`` what its calls run on.
         self.shard: ShardHost | None = None
         self.runtime: Runtime | None = None
+        self.layouts: LayoutHost | None = None  # the layout epochs served (psserver.layout_host)
         self.port = 0
         self.health_port = -1
         self.probe_port: ProbePort | None = None
@@ -205,6 +208,7 @@ class ShardServer:
             process = build_shard_process(self.cfg, self._loop, self._thread.ident,  # a --restore's reading too
                                           self.probe_port.publish_tick if self.probe_port else lambda t: None)
             self.shard, self.runtime, self._watch = process.host, process.runtime, process.watch
+            self.layouts = process.service.layouts
             tune_gc()
             self.port = asyncio.run_coroutine_threadsafe(self._start(process.service), self._loop).result(START_TIMEOUT)
             if self.probe_port is not None:
@@ -254,6 +258,15 @@ class ShardServer:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._timer = asyncio.ensure_future(self.runtime.round_timer())
         return port
+
+    def switch_layout_offline(self, num_shards: int, shard: int, partitions: int | None = None,
+                              pieces: list | None = None) -> LayoutEpoch:
+        """Install the next layout epoch in-process, at the round boundary the shard is at (LayoutHost.switch_offline,
+        on the state worker): what tests of layout routing switch with until the Reshard RPC is built."""
+        async def on_state_worker():
+            return await self.runtime.offload(self.layouts.switch_offline, num_shards, shard, partitions, pieces)
+
+        return asyncio.run_coroutine_threadsafe(on_state_worker(), self._loop).result(START_TIMEOUT)
 
     @property
     def address(self) -> str:

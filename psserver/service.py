@@ -42,6 +42,7 @@ import torch
 from psserver import modes
 from psserver.common.logsafe import RateLimitedLog, counted, shorten
 from psserver.host import ShardHost
+from psserver.layout_host import LayoutHost
 from psserver.protocol import limits, stubs
 from psserver.protocol.codec import (
     DEFAULT_CHUNK_BYTES,
@@ -53,8 +54,6 @@ from psserver.protocol.codec import (
     first_header,
 )
 from psserver.protocol.errors import (
-    REASON_METADATA_KEY,
-    VERSION_METADATA_KEY,
     InvalidRequest,
     PsError,
     ShuttingDown,
@@ -155,14 +154,12 @@ def _refusals(method):
             raise
         except PsError as e:
             code = e.code
-            if e.reason:  # what the client acts on (a joiner before the job waits): psserver.protocol.rules
-                context.set_trailing_metadata(((REASON_METADATA_KEY, e.reason),))
-            if isinstance(e, StaleGradient):  # counted and logged by the shard as stale_dropped
-                context.set_trailing_metadata(((VERSION_METADATA_KEY, str(e.version)),))
-            elif isinstance(e, WaitTimeout):  # a wait that ended, not bad input: trainers poll while peers start
+            if e.trailers():  # what the client acts on (a reason, a stale push's version): psserver.protocol.rules
+                context.set_trailing_metadata(e.trailers())
+            if isinstance(e, WaitTimeout):  # a wait that ended, not bad input: trainers poll while peers start
                 self.shard.count("pull_wait_timeouts")
                 self.refusal_log.log(logging.INFO, f"{method.__name__}:wait", "shard %d: %s", self.shard.shard_id, e)
-            else:
+            elif not isinstance(e, StaleGradient):  # a stale push is counted and logged by the shard (stale_dropped)
                 self.shard.count(f"refused_{code.name}")
                 self.refusal_log.warning(f"{method.__name__}:{code.name}", "shard %d: %s refused with %s: %s",
                                          self.shard.shard_id, method.__name__, code.name, e)
@@ -317,10 +314,10 @@ class ParameterServerService:
     def __init__(self, host: ShardHost, runtime: Runtime, cfg: ServiceLimits = ServiceLimits(),
                  authenticated: bool = False, connections: Connections | None = None,
                  replies: ReplyLedger | None = None):
-        # Dense calls go to the partition they name (psserver.host); counters, refusals and the sparse tables
-        # are partition 0's, ``self.shard``.  ``authenticated``: every caller proved itself before reaching
-        # here (a token or mutual TLS), so members-only answers (a state digest) need no membership.
-        self.host, self.shard, self.runtime, self.cfg = host, host.head, runtime, cfg
+        # Dense calls go to the partition of the layout they name (psserver.layout_host, psserver.host); counters,
+        # refusals and the sparse tables are layout 0's partition 0's, ``self.shard``.  ``authenticated``: every
+        # caller proved itself before reaching here (a token or mutual TLS), so members-only answers need no membership.
+        self.layouts, self.shard, self.runtime, self.cfg = LayoutHost(host), host.head, runtime, cfg
         self.authenticated = authenticated
         self.refusal_log = RateLimitedLog(log)
         # Calls per connection and connections (shared with the health service's Watch streams), and the bytes
@@ -330,6 +327,10 @@ class ParameterServerService:
         self.replies = replies or ReplyLedger(cfg.max_reply_bytes_per_peer, cfg.max_reply_bytes)
         self._per_rank: dict[tuple[int, int], int] = {}  # (rank, partition) -> calls in flight
         self.rows = RowCalls(self.shard, runtime, cfg.max_pull_wait)  # the row calls' table steps
+
+    @property
+    def host(self) -> ShardHost:
+        return self.layouts.current  # the newest layout's: Register, Leave, Heartbeat, ClaimBatch, GetStats
 
     # ------------------------------------------------------------------ limits
     @asynccontextmanager
@@ -370,11 +371,11 @@ class ParameterServerService:
             job = JobSpec.from_proto(request.job)
         except ValueError as e:
             raise InvalidRequest(f"job spec: {e}") from None
-        part = self.host.part_for_register(request.partition, request.rank, request.expected_shard, job,
-                                           request.join)
+        part = self.layouts.register_host(request.layout_epoch).part_for_register(
+            request.partition, request.rank, request.expected_shard, job, request.join)
         r = await self.runtime.run_state(part.register, request.rank, request.trainer_id,
                                          request.expected_shard, job, request.join, request.join_round)
-        return _pb.RegisterReply(**r)
+        return _pb.RegisterReply(**r, layout_epoch=self.layouts.newest)
 
     @_refusals
     async def Leave(self, request, context):
@@ -392,7 +393,7 @@ class ParameterServerService:
         _check_identity(request)
         version, live = self.host.heartbeat(request.partition, request.rank, request.trainer_id,
                                             request.fingerprint)
-        return _pb.HeartbeatReply(version=version, live=live)
+        return _pb.HeartbeatReply(version=version, live=live, layout_epoch=self.layouts.newest)
 
     @_refusals
     async def ClaimBatch(self, request, context):
@@ -417,7 +418,8 @@ class ParameterServerService:
         reply = _pb.StatsReply(shard=s.shard, initialized=s.initialized, version=s.version, mode=s.mode,
                                start=s.start, end=s.end, live_ranks=s.live_ranks, counters=s.counters,
                                state_digest=digest, lr=s.lr, partitions=len(self.host.parts),
-                               epochs=part.epoch_timeline_proto(request.members_from_round))
+                               epochs=part.epoch_timeline_proto(request.members_from_round),
+                               layouts=self.layouts.timeline_proto())
         if s.job is not None and (self.authenticated or _is_member(part, request)):
             reply.job.CopyFrom(s.job.to_proto())
         return reply
@@ -438,7 +440,7 @@ class ParameterServerService:
             reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self._deadline(context))
             first, h = await reader.first_header()
             _check_header_fields(h)
-            part = self.host.part(h.partition)
+            part = self.layouts.part(h.layout_epoch, h.partition)
             # who is asking, before a byte of the payload is read
             if not part.check_init_header(h.rank, h.trainer_id, h.fingerprint):
                 return _pb.InitReply(version=part.version, accepted=False)
@@ -450,7 +452,8 @@ class ParameterServerService:
     async def Push(self, request_iterator, context):
         with self._peer_slot(context):
             _, r = await self._receive_push(request_iterator, context, stale_as_result=False)
-            return _pb.PushReply(outcome=_OUTCOMES[r.outcome], version=r.version, staleness=r.staleness)
+            return _pb.PushReply(outcome=_OUTCOMES[r.outcome], version=r.version, staleness=r.staleness,
+                                 layout_epoch=self.layouts.newest)
 
     @_refusals
     @_reply_stream
@@ -485,7 +488,7 @@ class ParameterServerService:
     def _check_push_first(self, h: _pb.ChunkHeader) -> Shard:
         """A dense push's header, checked before a byte of its payload is read: the partition it names."""
         _check_header_fields(h)
-        part = self.host.part(h.partition)
+        part = self.layouts.push_part(h.layout_epoch, h.partition, h.version)  # the layout first, then its fingerprint
         part.check_push_header(h.rank, h.trainer_id, h.fingerprint, h.version, h.num_samples)
         check_stream_header(h, part.slice_length(), part.wire_dtype(), self.cfg.max_push_bytes)  # before allocating
         return part
@@ -534,7 +537,7 @@ class ParameterServerService:
     async def Pull(self, request, context: ReplyStream):
         request = _decoded(request)
         _check_identity(request)
-        part = self.host.part(request.partition)
+        part = self.layouts.pull_part(request.layout_epoch, request.partition, request.min_version)
         wire = request.dtype or part.wire_dtype()
         if wire not in (_pb.FLOAT32, part.wire_dtype()):
             raise InvalidRequest(
@@ -551,7 +554,7 @@ class ParameterServerService:
         # Give up a little before the caller's deadline so it gets our reason, not a bare DEADLINE_EXCEEDED.
         timeout = min(max(0.0, remaining - 0.25), self.cfg.max_pull_wait)
         t0 = loop.time()
-        if not await self.runtime.waiters(part.partition).wait(min_version, timeout):
+        if not await self.runtime.waiters(part).wait(min_version, timeout):
             raise WaitTimeout(part.pull_wait_message(min_version, timeout))
         waited = loop.time() - t0
         if self.runtime.stopping:
@@ -563,7 +566,8 @@ class ParameterServerService:
             context.hold(("snapshot", snapshot.data_ptr(), nbytes), nbytes)
             self.shard.count("bytes_out", nbytes)
             header = _pb.ChunkHeader(dtype=wire, length=snapshot.numel(), version=version, wait_seconds=waited,
-                                     membership_epoch=part.epoch_number(version), **reply_fields)
+                                     membership_epoch=part.epoch_number(version), layout_epoch=self.layouts.newest,
+                                     **reply_fields)
             for chunk in encode_raw(snapshot, header, self.cfg.chunk_bytes):
                 await context.write(chunk, self.cfg.chunk_bytes)
         finally:
@@ -576,6 +580,7 @@ class ParameterServerService:
         """The rows of unique ids of one table, in request order, once the table reached min_version."""
         request = _decoded(request)
         _check_identity(request)
+        self.layouts.check_rows(request.layout_epoch, request.table, request.min_version, pull=True)
         self.shard.check_member(request.rank, request.trainer_id, request.fingerprint)
         table = self.shard.tables.get(request.table)
         ids = _decode_ids(request.ids)
@@ -688,7 +693,7 @@ class ParameterServerService:
 
     async def _pull_pushed(self, h: _pb.ChunkHeader, r, context) -> None:
         """A pushed dense gradient's reply: the weights of the version to go on from (PushPull's second half)."""
-        part = self.host.part(h.partition)
+        part = self.layouts.part(h.layout_epoch, h.partition)
         wanted = modes.reply_version(part.mode_config(), r.outcome, h.version, r.version)
         await self._stream_weights(part, h.rank, h.trainer_id, h.fingerprint, wanted, part.wire_dtype(),
                                    context, outcome=_OUTCOMES[r.outcome], staleness=r.staleness,
@@ -708,6 +713,7 @@ class ParameterServerService:
     def _check_rows_first(self, h: _pb.RowsHeader):
         """A row push's header: the caller a member, the table known, the declared sizes bounded; the table."""
         _check_header_fields(h)
+        self.layouts.check_rows(h.layout_epoch, h.table, h.version)
         self.shard.check_member(h.rank, h.trainer_id, h.fingerprint)
         table = self.shard.tables.get(h.table)
         _check_rows_declared(h, table.spec.dim, self.cfg.max_push_bytes)

@@ -16,7 +16,14 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, replace
 
-from psserver.protocol.errors import LAYOUT_AHEAD, LAYOUT_METADATA_KEY, LAYOUT_MOVED  # noqa: F401 (re-exported)
+from psserver.protocol.errors import (  # noqa: F401 (LAYOUT_METADATA_KEY: re-exported)
+    LAYOUT_AHEAD,
+    LAYOUT_METADATA_KEY,
+    LAYOUT_MOVED,
+    LayoutAhead,
+    LayoutMoved,
+    PsError,
+)
 from psserver.protocol.job import JobSpec
 from psserver.protocol.layout import Layout, partition_range
 from psserver.protocol.proto import ps_pb2 as _pb
@@ -98,11 +105,26 @@ def route_pull(timeline: list[LayoutEpoch], epoch: int, version: int, table: str
     return LAYOUT_MOVED if i + 1 < len(timeline) and version > timeline[i + 1].start(table) else ""
 
 
-def moved_message(what: str, epoch: int, newest: LayoutEpoch, value: int, start: int, table: str = "") -> str:
-    """A layout-moved refusal's message: the field, the layout sent and the newest, the value and the round R."""
-    where = f"table {table!r}'s " if table else ""
-    return (f"layout_epoch is {epoch} but shard serves layout {newest.number} from {where}round {start}; "
-            f"{what} is {value}: route the call by the layout in effect at it (docs/live-reshard.md)")
+def refusal(timeline: list[LayoutEpoch], epoch: int, value: int, pull: bool = False,
+            table: str = "") -> PsError | None:
+    """None when layout ``epoch`` serves a push of base ``value`` (a pull of version ``value``: ``pull``), else the
+    refusal: LayoutAhead for an epoch the timeline does not hold, LayoutMoved naming the layout sent, the newest,
+    the base (or version) and the round R between the two layouts."""
+    why = (route_pull if pull else route_push)(timeline, epoch, value, table)
+    if not why:
+        return None
+    newest = timeline[-1].number
+    if why == LAYOUT_AHEAD:
+        return LayoutAhead(f"layout_epoch is {epoch} but this shard knows layouts {timeline[0].number} to {newest} "
+                           "(it may have restarted from an older record): retry, or register again")
+    i = _known(timeline, epoch)
+    later = pull or layout_at(timeline, value, table).number > epoch  # a pull moves only past the next start
+    boundary = timeline[i + 1].start(table) if later else timeline[i].start(table)
+    what, where = ("version" if pull else "base version"), (f"table {table!r}'s " if table else "")
+    side = ("past" if pull else "at or after", "ends") if later else ("before", "starts")
+    return LayoutMoved(f"layout_epoch is {epoch} but this shard's newest layout is {newest}, and {what} {value} is "
+                       f"{side[0]} {where}round {boundary}, where layout {epoch} {side[1]}: send it in the layout in "
+                       "effect at it (docs/live-reshard.md)", newest)
 
 
 # --------------------------------------------------------------------------------------- moves

@@ -171,3 +171,19 @@ def test_the_trainer_reads_a_layout_moved_refusals_newest_layout_from_its_traile
     ahead = _Refusal(LayoutAhead("layout_epoch is 9 ..."))
     assert ahead.code() == grpc.StatusCode.OUT_OF_RANGE
     assert refused_layout_ahead(ahead) and refused_layout_moved(ahead) is None
+
+
+def test_a_refusal_names_the_layout_sent_the_newest_the_base_and_the_round_between_them():
+    past = layouts.refusal(TIMELINE, 0, 12)
+    assert isinstance(past, LayoutMoved) and past.newest == 2
+    assert "layout_epoch is 0 but this shard's newest layout is 2, and base version 12 is at or after round 10, " \
+           "where layout 0 ends" in str(past)
+    early = layouts.refusal(TIMELINE, 2, 15)
+    assert "layout_epoch is 2" in str(early) and "base version 15 is before round 20, where layout 2 starts" in str(early)
+    pulled = layouts.refusal(TIMELINE, 1, 21, pull=True)
+    assert "version 21 is past round 20, where layout 1 ends" in str(pulled)
+    table = layouts.refusal(TIMELINE, 0, 12, table="emb")
+    assert "base version 12 is at or after table 'emb''s round 12" in str(table)
+    ahead = layouts.refusal(TIMELINE, 9, 0)
+    assert isinstance(ahead, LayoutAhead) and "layout_epoch is 9 but this shard knows layouts 0 to 2" in str(ahead)
+    assert layouts.refusal(TIMELINE, 1, 15) is None and layouts.refusal(TIMELINE, 0, 10, pull=True) is None

@@ -1,0 +1,146 @@
+"""The layouts one ps-server process serves: a ``ShardHost`` per layout epoch, calls routed by (epoch, partition).
+
+Stage 3 of a live re-shard (docs/live-reshard.md).  A call names the layout epoch it was built for (0, the
+default, is the job's first layout), and a push's base version decides which layout owns it
+(psserver.protocol.layouts.route_push): base < R goes to the old layout, base >= R to the new one.  The layout
+check runs before anything of the partition is looked at, so a trainer one layout behind is told
+``layout-moved`` (with the newest layout in the ``ps-layout`` trailer), not a bare fingerprint mismatch; the
+fingerprint is then checked by the partition of the layout the call named.
+
+The old layout's host stays after a switch as its tombstone: at version R with no round open, it answers
+retries of pushes with base < R from its books (DUPLICATE) or as stale, and pulls of versions up to R.
+
+In normal running there is one layout, epoch 0, and every lookup is the ShardHost's own (``part``'s first
+line).  What switches a layout live (the Reshard and Handoff RPCs) is not built yet; ``switch_offline`` installs
+the next layout in-process, re-cut from this process's own state with psserver.reshard, so the refusals and a
+trainer that follows a switch can be tested.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from psserver.host import ShardHost
+from psserver.protocol.errors import LayoutAhead, LayoutMoved, NotReady
+from psserver.protocol.layouts import LayoutEpoch, first_layout, new_job, next_layout, refusal
+from psserver.protocol.proto import ps_pb2 as _pb
+from psserver.reshard import ReshardError, recut
+from psserver.shard import Shard
+
+log = logging.getLogger(__name__)
+
+
+class LayoutHost:
+    """Layout epoch -> the ShardHost serving it here; epoch 0's is the process's host."""
+
+    def __init__(self, host: ShardHost):
+        self._hosts: dict[int, ShardHost] = {0: host}
+        self._later: list[LayoutEpoch] = []  # the layouts after epoch 0, oldest first
+
+    # ------------------------------------------------------------------ the timeline
+    def timeline(self) -> list[LayoutEpoch]:
+        """Epoch 0 (from the job epoch 0's host runs; an empty layout before a job) and every later one."""
+        job = self._hosts[0].head.job
+        first = first_layout(job) if job is not None else LayoutEpoch(0, 0, 0)
+        return [first, *self._later]
+
+    def timeline_proto(self) -> list[_pb.LayoutEpoch]:
+        return [e.to_proto() for e in self.timeline()]
+
+    @property
+    def newest(self) -> int:
+        """The newest layout epoch this process has switched to: what every reply names."""
+        return self._later[-1].number if self._later else 0
+
+    @property
+    def current(self) -> ShardHost:
+        """The host of the newest layout: Register, Heartbeat, Leave, stats and new jobs go to it."""
+        return self._hosts[self.newest]
+
+    # ------------------------------------------------------------------ routing
+    def host(self, epoch: int) -> ShardHost:
+        """The host of layout ``epoch`` (LayoutAhead, OUT_OF_RANGE, for one this process has no record of)."""
+        found = self._hosts.get(epoch)
+        if found is None:
+            raise refusal(self.timeline(), epoch, 0) or LayoutAhead(f"layout_epoch is {epoch} but this shard holds "
+                                                                    "nothing of that layout")
+        return found
+
+    def part(self, epoch: int, index: int) -> Shard:
+        """Partition ``index`` of layout ``epoch``, whatever the call's version (Init; a push's reply half)."""
+        if epoch == 0 and not self._later:  # the normal case: one layout
+            return self._hosts[0].part(index)
+        return self.host(epoch).part(index)
+
+    def push_part(self, epoch: int, index: int, base: int) -> Shard:
+        """The partition a push of base ``base`` sent in layout ``epoch`` goes to; refused if another layout owns
+        that base (LayoutMoved) or the epoch is unknown (LayoutAhead)."""
+        self._check(epoch, base, pull=False)
+        return self.part(epoch, index)
+
+    def pull_part(self, epoch: int, index: int, version: int) -> Shard:
+        """The partition a pull of ``version`` in layout ``epoch`` reads (a layout answers up to the next's start)."""
+        self._check(epoch, version, pull=True)
+        return self.part(epoch, index)
+
+    def check_rows(self, epoch: int, table: str, version: int, pull: bool = False) -> None:
+        """A row call's layout, routed by its table's own switch round.  Tables do not move yet (stage 6): a job
+        with tables never switches here, so a known epoch is epoch 0's."""
+        self._check(epoch, version, pull, table)
+
+    def _check(self, epoch: int, value: int, pull: bool, table: str = "") -> None:
+        if epoch == 0 and not self._later:
+            return
+        refused = refusal(self.timeline(), epoch, value, pull, table)
+        if refused is not None:
+            self.current.count("refused_layout_moved" if isinstance(refused, LayoutMoved) else
+                               "refused_layout_ahead")
+            raise refused
+
+    def register_host(self, epoch: int) -> ShardHost:
+        """The host a Register in layout ``epoch`` joins: only the newest layout takes members."""
+        host = self.host(epoch)
+        if epoch != self.newest:
+            start = self._later[-1].round
+            raise LayoutMoved(f"layout_epoch is {epoch} but this shard's newest layout is {self.newest}, from round "
+                              f"{start}: register in it (docs/live-reshard.md)", self.newest)
+        return host
+
+    # ------------------------------------------------------------------ switching
+    def install(self, layout: LayoutEpoch, host: ShardHost) -> None:
+        """Serve ``layout`` with ``host`` from its round on.  Only at a round boundary: every partition of the
+        current host at version ``layout.round`` with no round open, so no round is open across the switch."""
+        if layout.number != self.newest + 1:
+            raise ValueError(f"layout is {layout.number} but the next layout here is {self.newest + 1}")
+        job = self.current.head.job
+        for part in self.current.parts[:job.partitions if job is not None else 0]:
+            state = part.capture()
+            if state.version != layout.round or (state.open_round or {}).get("weight", 0):
+                raise ValueError(f"layout {layout.number} starts at round {layout.round} but partition "
+                                 f"{part.partition} is at version {state.version}"
+                                 f"{' with a round open' if state.version == layout.round else ''}")
+        self._hosts[layout.number] = host
+        self._later.append(layout)
+        host.count("layouts_switched")
+        log.warning("shard %d: serving layout %d (%d shards, %d partitions) from round %d", host.shard_id,
+                    layout.number, layout.num_shards, layout.partitions, layout.round)
+
+    def switch_offline(self, num_shards: int, shard: int, partitions: int | None = None,
+                       pieces: list | None = None) -> LayoutEpoch:
+        """Install the next layout -- the job on ``num_shards`` shards of which this process is ``shard`` -- re-cut
+        from ``pieces`` (every old shard's partitions' states; default: this process's own, which is all of them
+        for a one-shard job) at the round boundary the current host is at.  Run it on the state worker."""
+        old = self.current
+        job = old.head.job
+        if job is None:
+            raise NotReady(f"shard {old.shard_id} has no job to re-shard")
+        if job.tables:
+            raise ReshardError("a job with sparse tables cannot switch layouts yet (tables move in stage 6 of "
+                               "docs/live-reshard.md)")
+        pieces = pieces if pieces is not None else [[p.capture() for p in old.parts[:job.partitions]]]
+        states = recut(pieces, num_shards, shard, partitions)
+        layout = next_layout(self.timeline(), new_job(job, num_shards, partitions), states[0].version)
+        host = old.successor(shard)
+        host.restore_states(states, f"layout {layout.number}")
+        self.install(layout, host)
+        return layout
