@@ -270,8 +270,12 @@ class Runtime:
     def begin_stopping(self) -> None:
         self._stopping = True
 
-    def waiters(self, part: Shard) -> VersionWaiters:
-        """Pulls waiting for ``part``'s versions (on the loop; a partition of any layout this process serves)."""
+    def waiters(self, partition: int = 0) -> VersionWaiters:
+        """Pulls waiting for partition ``partition``'s versions (on the loop)."""
+        return self.wakeups.pulls(self.host.parts[partition])
+
+    def part_waiters(self, part: Shard) -> VersionWaiters:
+        """Pulls waiting for ``part``'s versions: a partition of any layout this process serves (on the loop)."""
         return self.wakeups.pulls(part)
 
     def table_waiters(self, name: str, ready: Callable[[int], bool]) -> VersionWaiters:

@@ -554,7 +554,7 @@ class ParameterServerService:
         # Give up a little before the caller's deadline so it gets our reason, not a bare DEADLINE_EXCEEDED.
         timeout = min(max(0.0, remaining - 0.25), self.cfg.max_pull_wait)
         t0 = loop.time()
-        if not await self.runtime.waiters(part).wait(min_version, timeout):
+        if not await self.runtime.part_waiters(part).wait(min_version, timeout):
             raise WaitTimeout(part.pull_wait_message(min_version, timeout))
         waited = loop.time() - t0
         if self.runtime.stopping:
