@@ -57,6 +57,11 @@ class LayoutHost:
         """The host of the newest layout: Register, Heartbeat, Leave, stats and new jobs go to it."""
         return self._hosts[self.newest]
 
+    def tick(self) -> float | None:
+        """Every layout's leases and due rounds (the round timer's work); the earliest next deadline."""
+        deadlines = [d for d in (h.tick() for h in list(self._hosts.values())) if d is not None]
+        return min(deadlines) if deadlines else None
+
     # ------------------------------------------------------------------ routing
     def host(self, epoch: int) -> ShardHost:
         """The host of layout ``epoch`` (LayoutAhead, OUT_OF_RANGE, for one this process has no record of)."""

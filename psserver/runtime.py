@@ -251,9 +251,12 @@ def _deliver(fut: asyncio.Future, result, error: BaseException | None) -> None:
 class Runtime:
     """The threads the servicer hands work to, for ``host``'s partitions; woken through ``wakeups``."""
 
-    def __init__(self, host: ShardHost, wakeups: Wakeups, receive_buffers: int):
+    def __init__(self, host: ShardHost, wakeups: Wakeups, receive_buffers: int,
+                 tick: Callable[[], float | None] | None = None):
+        """``tick``: what the round timer runs (default ``host.tick``; every layout's host: LayoutHost.tick)."""
         self.loop, self.loop_thread = wakeups.loop, wakeups.loop_thread
         self.host, self.wakeups = host, wakeups
+        self._tick = tick
         self.state = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shard{host.shard_id}-state")
         self.buffers = ReceiveBuffers(receive_buffers)  # shared by the partitions: memory is the process's
         self._stopping = False
@@ -351,7 +354,7 @@ class Runtime:
         clock = self.host.clock
         while not self.stopping:
             try:
-                next_at = await self.run_state(self.host.tick)
+                next_at = await self.run_state(self._tick or self.host.tick)
             except Exception:  # noqa: BLE001 -- the timer must outlive any one bad tick
                 log.exception("shard %d: round timer tick failed", self.host.shard_id)
                 next_at = None

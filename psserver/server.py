@@ -167,9 +167,10 @@ def build_shard_process(cfg: ServerConfig, loop: asyncio.AbstractEventLoop, loop
         host.restore()
     elif cfg.restore_from:
         host.restore_states(reshard_states(cfg), ",".join(cfg.restore_from))
-    runtime = Runtime(host, wakeups, limits.receive_buffers)
+    layouts = LayoutHost(host)  # the layout epochs served: layout 0 is ``host``
+    runtime = Runtime(host, wakeups, limits.receive_buffers, tick=layouts.tick)
     service = ParameterServerService(host, runtime, limits, authenticated=cfg.security.authenticates,
-                                     connections=connections, replies=replies)
+                                     connections=connections, replies=replies, layouts=layouts)
     return ShardProcess(host, runtime, service, watch)
 
 

@@ -313,11 +313,11 @@ def _check_header_fields(h: _pb.ChunkHeader) -> None:
 class ParameterServerService:
     def __init__(self, host: ShardHost, runtime: Runtime, cfg: ServiceLimits = ServiceLimits(),
                  authenticated: bool = False, connections: Connections | None = None,
-                 replies: ReplyLedger | None = None):
+                 replies: ReplyLedger | None = None, layouts: LayoutHost | None = None):
         # Dense calls go to the partition of the layout they name (psserver.layout_host, psserver.host); counters,
         # refusals and the sparse tables are layout 0's partition 0's, ``self.shard``.  ``authenticated``: every
         # caller proved itself before reaching here (a token or mutual TLS), so members-only answers need no membership.
-        self.layouts, self.shard, self.runtime, self.cfg = LayoutHost(host), host.head, runtime, cfg
+        self.layouts, self.shard, self.runtime, self.cfg = layouts or LayoutHost(host), host.head, runtime, cfg
         self.authenticated = authenticated
         self.refusal_log = RateLimitedLog(log)
         # Calls per connection and connections (shared with the health service's Watch streams), and the bytes

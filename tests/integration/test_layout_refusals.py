@@ -16,7 +16,7 @@ from psserver.protocol.layouts import new_job
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.rules import refused_layout_ahead, refused_layout_moved
 from tests.conftest import P, make_spec
-from tests.helpers import refused
+from tests.helpers import refused, wait_until
 
 OLD = make_spec()
 OLD = dataclasses.replace(OLD, fingerprint=Layout.from_shapes(OLD.tensors, 1).fingerprint())
@@ -180,3 +180,16 @@ def test_a_layout_switch_is_refused_while_a_round_is_open_and_changes_nothing(sh
     with pytest.raises(ValueError, match="layout 1 starts at round 1 but partition 0 is at version 1 with a round open"):
         shard.server.switch_layout_offline(2, 0)
     assert shard.digest(fingerprint=OLD.fingerprint) == before and shard.stats().layouts[-1].number == 0
+
+
+def test_the_round_timer_runs_the_leases_of_a_later_layout(shard_server):
+    """A member of layout 1 that goes silent is dropped there, as in layout 0: the round timer ticks every layout's
+    host (else a dead trainer would hold every sync round of the new layout forever)."""
+    shard = shard_server(lease_timeout=1.0)
+    shard.register(spec=OLD)
+    init(shard)
+    push(shard, 0, 0, OLD.fingerprint, P)
+    shard.server.switch_layout_offline(2, 0)
+    still_serves(shard, base=1)  # heard from in layout 1
+    wait_until(lambda: not shard.stats(fingerprint=NEW.fingerprint).live_ranks, "rank 0's lease in layout 1 to expire")
+    assert shard.stats(fingerprint=NEW.fingerprint).counters["lease_expired"] >= 1
