@@ -1,0 +1,99 @@
+"""The layouts one process serves (psserver.layout_host), without a network and on a fake clock: one layout
+routes as the ShardHost does; a switch at a round boundary adds a host, routes by base and keeps the old one as
+the tombstone; a switch off a boundary, or with tables, changes nothing; the timer ticks every layout."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from psserver.host import ShardHost
+from psserver.layout_host import LayoutHost
+from psserver.protocol.errors import LayoutAhead, LayoutMoved
+from psserver.protocol.job import TableSpec
+from psserver.protocol.layout import Layout
+from psserver.protocol.layouts import LayoutEpoch
+from psserver.reshard import ReshardError
+from tests.conftest import P, make_spec
+from tests.unit.test_shard_leases import LEASE, Clock
+
+JOB = make_spec()
+JOB = dataclasses.replace(JOB, fingerprint=Layout.from_shapes(JOB.tensors, 1).fingerprint())
+
+
+def running(job=JOB, rounds=2, clock=None):
+    """A one-shard host after ``rounds`` applied rounds of rank 0, and its LayoutHost."""
+    host = ShardHost(0, clock=clock or Clock(), lease_timeout=LEASE)
+    host.part_for_register(0, 0, 0, job).register(0, "t0", 0, job)
+    host.head.init(0, "t0", job.fingerprint, torch.zeros(P))
+    for base in range(rounds):
+        host.head.push(0, "t0", job.fingerprint, base, 1, torch.ones(P), sequence=base + 1)
+    return host, LayoutHost(host)
+
+
+def test_with_one_layout_every_base_and_version_routes_to_the_hosts_own_partition():
+    host, layouts = running()
+    for value in (0, 1, 2, 10**9):
+        assert layouts.push_part(0, 0, value) is host.part(0) and layouts.pull_part(0, 0, value) is host.part(0)
+    assert (layouts.newest, layouts.current) == (0, host)
+    assert layouts.timeline() == [LayoutEpoch(0, 0, 1, 1, (), JOB.fingerprint)]
+    with pytest.raises(LayoutAhead, match="layout_epoch is 1 but this shard knows layouts 0 to 0"):
+        layouts.push_part(1, 0, 0)
+
+
+def test_a_switch_at_a_round_boundary_routes_each_base_to_one_layout_and_keeps_the_old_host():
+    host, layouts = running()
+    layout = layouts.switch_offline(2, 0)
+    assert (layout.number, layout.round, layout.num_shards) == (1, 2, 2)
+    new = layouts.current
+    assert new is not host and layouts.host(0) is host and layouts.newest == 1
+    assert (new.head.version, new.head.slice_length(), host.head.version) == (2, P // 2, 2)
+    assert layouts.push_part(0, 0, 1) is host.part(0) and layouts.push_part(1, 0, 2) is new.part(0)
+    with pytest.raises(LayoutMoved, match="base version 2 is at or after round 2, where layout 0 ends"):
+        layouts.push_part(0, 0, 2)
+    with pytest.raises(LayoutMoved, match="base version 1 is before round 2, where layout 1 starts"):
+        layouts.push_part(1, 0, 1)
+    assert layouts.pull_part(0, 0, 2) is host.part(0)
+    with pytest.raises(LayoutMoved, match="layout_epoch is 0 but this shard's newest layout is 1, from round 2"):
+        layouts.register_host(0)
+    assert new.head.counters["refused_layout_moved"] == 2
+
+
+def test_a_switch_with_a_round_open_is_refused_and_installs_nothing():
+    job = dataclasses.replace(JOB, num_trainers=2)
+    host = ShardHost(0, clock=Clock(), lease_timeout=LEASE)
+    for rank in (0, 1):
+        host.part_for_register(0, rank, 0, job).register(rank, f"t{rank}", 0, job)
+    host.head.init(0, "t0", job.fingerprint, torch.zeros(P))
+    for rank in (0, 1):
+        host.head.push(rank, f"t{rank}", job.fingerprint, 0, 1, torch.ones(P))
+    host.head.push(0, "t0", job.fingerprint, 1, 1, torch.ones(P))
+    layouts = LayoutHost(host)
+    before = host.head.state_digest()
+    with pytest.raises(ValueError, match="partition 0 is at version 1 with a round open"):
+        layouts.switch_offline(2, 0)
+    assert (layouts.newest, layouts.current, host.head.state_digest()) == (0, host, before)
+
+
+def test_a_job_with_tables_does_not_switch_yet():
+    job = dataclasses.replace(JOB, tables=(TableSpec("emb", 4),))
+    _, layouts = running(job)
+    with pytest.raises(ReshardError, match="sparse tables cannot switch layouts yet"):
+        layouts.switch_offline(2, 0)
+    assert layouts.newest == 0
+
+
+def test_only_the_next_layout_number_is_installed():
+    host, layouts = running()
+    with pytest.raises(ValueError, match="layout is 2 but the next layout here is 1"):
+        layouts.install(LayoutEpoch(2, 2, 1), host.successor(0))
+
+
+def test_the_timer_expires_leases_in_every_layout():
+    clock = Clock()
+    host, layouts = running(clock=clock)
+    layouts.switch_offline(2, 0)
+    layouts.current.head.check_member(0, "t0", layouts.timeline()[1].fingerprint)  # heard from in layout 1
+    clock.now += 2 * LEASE
+    layouts.tick()
+    assert layouts.current.head.counters["lease_expired"] == 1 and host.head.counters["lease_expired"] == 1
