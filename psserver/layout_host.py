@@ -47,6 +47,11 @@ class LayoutHost:
     def timeline_proto(self) -> list[_pb.LayoutEpoch]:
         return [e.to_proto() for e in self.timeline()]
 
+    def heads(self) -> list[Shard]:
+        """Partition 0 of every layout: a member of any of them may read the timeline (GetStats), which a trainer
+        one layout behind needs to compute the newest layout's fingerprint."""
+        return [h.head for h in self._hosts.values()]
+
     @property
     def newest(self) -> int:
         """The newest layout epoch this process has switched to: what every reply names."""

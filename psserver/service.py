@@ -418,10 +418,11 @@ class ParameterServerService:
         reply = _pb.StatsReply(shard=s.shard, initialized=s.initialized, version=s.version, mode=s.mode,
                                start=s.start, end=s.end, live_ranks=s.live_ranks, counters=s.counters,
                                state_digest=digest, lr=s.lr, partitions=len(self.host.parts),
-                               epochs=part.epoch_timeline_proto(request.members_from_round),
-                               layouts=self.layouts.timeline_proto())
+                               epochs=part.epoch_timeline_proto(request.members_from_round))
         if s.job is not None and (self.authenticated or _is_member(part, request)):
             reply.job.CopyFrom(s.job.to_proto())
+        if self.authenticated or any(_is_member(head, request) for head in self.layouts.heads()):
+            reply.layouts.extend(self.layouts.timeline_proto())  # fingerprints: for a member of any layout
         return reply
 
     def _digest(self, part: Shard, request) -> asyncio.Future:
