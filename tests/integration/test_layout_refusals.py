@@ -15,6 +15,8 @@ from psserver.protocol.layout import Layout
 from psserver.protocol.layouts import new_job
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.rules import refused_layout_ahead, refused_layout_moved
+from psserver.protocol.stepwire import StepMessage, parse_step, serialize_step
+from psserver.protocol.stubs import method
 from tests.conftest import P, make_spec
 from tests.helpers import refused, wait_until
 
@@ -196,3 +198,21 @@ def test_the_round_timer_runs_the_leases_of_a_later_layout(shard_server):
     still_serves(shard, base=1)  # heard from in layout 1
     wait_until(lambda: not shard.stats(fingerprint=NEW.fingerprint).live_ranks, "rank 0's lease in layout 1 to expire")
     assert shard.stats(fingerprint=NEW.fingerprint).counters["lease_expired"] >= 1
+
+
+def step(shard, layout, base, fingerprint, n):
+    """One Step call with a dense part only: its reply chunks."""
+    h = shard.header(n=n, version=base, fingerprint=fingerprint, sequence=3)
+    h.layout_epoch = layout
+    msgs = [StepMessage(0, dense=c) for c in encode(wire_tensor(torch.ones(n), pb.FLOAT32), h, 1024)]
+    call = shard.channel.stream_stream(method("Step"), serialize_step, parse_step)
+    return [m.dense for m in call(iter(msgs), timeout=10)]
+
+
+def test_a_step_call_in_the_old_layout_at_the_switch_round_is_layout_moved_and_in_the_new_one_is_answered(switched):
+    error = refused(lambda: step(switched, 0, R, OLD.fingerprint, P), grpc.StatusCode.FAILED_PRECONDITION,
+                    "layout_epoch is 0", "base version 2 is at or after round 2", unchanged=BothLayouts(switched))
+    assert refused_layout_moved(error) == 1
+    chunks = step(switched, 1, R, NEW.fingerprint, HALF)
+    h = chunks[0].header
+    assert (h.outcome, h.version, h.length, h.layout_epoch) == (pb.APPLIED, R + 1, HALF, 1)
