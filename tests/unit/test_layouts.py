@@ -179,7 +179,8 @@ def test_a_refusal_names_the_layout_sent_the_newest_the_base_and_the_round_betwe
     assert "layout_epoch is 0 but this shard's newest layout is 2, and base version 12 is at or after round 10, " \
            "where layout 0 ends" in str(past)
     early = layouts.refusal(TIMELINE, 2, 15)
-    assert "layout_epoch is 2" in str(early) and "base version 15 is before round 20, where layout 2 starts" in str(early)
+    assert "layout_epoch is 2" in str(early)
+    assert "base version 15 is before round 20, where layout 2 starts" in str(early)
     pulled = layouts.refusal(TIMELINE, 1, 21, pull=True)
     assert "version 21 is past round 20, where layout 1 ends" in str(pulled)
     table = layouts.refusal(TIMELINE, 0, 12, table="emb")
