@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -75,7 +75,7 @@ from psserver.runtime import Runtime
 from psserver.shard import PushResult, Shard
 from psserver.sparse.calls import RowCalls
 from psserver.sparse.serving import RowsPush
-from psserver.step_parts import DENSE, ROWS, StepParts
+from psserver.step_parts import DENSE, ROWS, StepParts, check_caller
 
 log = logging.getLogger(__name__)
 
@@ -647,10 +647,7 @@ class ParameterServerService:
         ids, row tiling and row checks come first; then the dense push is decided; only then do the tables push
         -- so a refusal before then changes nothing -- while the dense weights stream."""
         reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self._deadline(context))
-        collected = StepParts(self.cfg.max_push_bytes)
-        while (msg := await reader.next()) is not None:
-            collected.add(msg)
-        parts = collected.finish()
+        parts = await self._step_parts(reader)
         dense = next((p for p in parts if p.kind == DENSE), None)
         if dense is not None:
             self._check_push_first(dense.header)
@@ -664,6 +661,32 @@ class ParameterServerService:
                 runs.append(self._pull_pushed(h, r, _PartStream(context, dense.index, turn)))
             runs += [run(_PartStream(context, index, turn)) for index, run in tables]
             await _first_error(runs)
+
+    async def _step_parts(self, reader: _StreamReader) -> list:
+        """A Step's parts, each part's header checked as it arrives (a member, one caller, the sizes it declares
+        bounded) and the rest read holding a call of part 0's rank: a stranger, a part over its bounds or a
+        stream held open is refused, or counted against --max-calls-per-rank, before it is read whole."""
+        collected = StepParts(self.cfg.max_push_bytes, min_chunk_bytes=self.cfg.min_chunk_bytes)
+        async with AsyncExitStack() as held:
+            while (msg := await reader.next()) is not None:
+                seen = len(collected.parts)
+                collected.add(msg)
+                for p in collected.parts[seen:]:
+                    self._check_step_header(p, collected.parts[0])
+                    if p.index == 0:
+                        await held.enter_async_context(self._rank_slot(p.header.rank))
+        return collected.finish()
+
+    def _check_step_header(self, p, first) -> None:
+        """A Step part's header as its first chunk arrives: what its own RPC checks before reading a payload."""
+        h = check_caller(p, first)
+        if p.kind == ROWS:
+            self._check_rows_first(h)
+            return
+        _check_header_fields(h)
+        part = self.host.part(h.partition)
+        part.check_member(h.rank, h.trainer_id, h.fingerprint)
+        check_stream_header(h, part.slice_length(), part.wire_dtype(), self.cfg.max_push_bytes)
 
     async def _step_table(self, p, deadline: float):
         """A Step's table part checked whole (header, pull ids, tiling, ids and rows) before any part is applied:

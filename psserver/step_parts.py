@@ -37,10 +37,14 @@ class StepParts:
     """Collects a Step stream's messages into parts, refusing a malformed envelope as each arrives.
 
     ``max_bytes``: the stream's bytes at most (the shard's --max-push-bytes); ``max_parts``: a dense part and
-    one part a table at most (1 + limits.MAX_TABLES)."""
+    one part a table at most (1 + limits.MAX_TABLES); ``min_chunk_bytes``: every chunk of a part but its last
+    carries at least this (--min-chunk-bytes' rule, checked as the next chunk arrives: the chunks are kept until
+    the stream ends, and a part of 4-byte chunks cost two Python objects every 4 bytes before its own RPC's
+    reader refused it)."""
 
-    def __init__(self, max_bytes: int, max_parts: int = 1 + limits.MAX_TABLES):
-        self.max_bytes, self.max_parts = max_bytes, max_parts
+    def __init__(self, max_bytes: int, max_parts: int = 1 + limits.MAX_TABLES,
+                 min_chunk_bytes: int = limits.MIN_CHUNK_BYTES):
+        self.max_bytes, self.max_parts, self.min_chunk_bytes = max_bytes, max_parts, min_chunk_bytes
         self.parts: list[StepPart] = []
         self.nbytes = 0
 
@@ -71,6 +75,8 @@ class StepParts:
         last = self.parts[-1]
         if kind != last.kind:
             raise InvalidRequest(f"part {msg.part} is {last.kind} but a chunk of it carries {kind}")
+        if last.chunks:
+            _check_not_short(last, self.min_chunk_bytes)
         last.chunks.append(msg.dense if kind == DENSE else msg.rows)
 
     def finish(self) -> list[StepPart]:
@@ -78,18 +84,9 @@ class StepParts:
         part a table at most."""
         if not self.parts:
             raise InvalidRequest("the Step stream is empty: it must carry at least one part")
-        dense, tables, caller = 0, {}, None
+        dense, tables = 0, {}
         for p in self.parts:
-            h = p.header
-            if h is None:
-                raise InvalidRequest(f"part {p.index}'s first chunk has no header")
-            who = (h.rank, h.trainer_id, h.fingerprint)
-            if caller is None:
-                caller = who
-            elif who != caller:
-                raise InvalidRequest(f"part {p.index} names rank {h.rank} trainer_id {shorten(h.trainer_id)} but "
-                                     f"part 0 names rank {caller[0]} trainer_id {shorten(caller[1])}: one caller a "
-                                     "Step")
+            h = check_caller(p, self.parts[0])
             if p.kind == DENSE:
                 dense += 1
                 if dense > 1:
@@ -100,3 +97,24 @@ class StepParts:
             else:
                 tables[h.table] = p.index
         return self.parts
+
+
+def check_caller(p: StepPart, first: StepPart):
+    """``p``'s header, refused if it has none or names another caller than part 0 (``first``): one caller a Step."""
+    h = p.header
+    if h is None:
+        raise InvalidRequest(f"part {p.index}'s first chunk has no header")
+    f = first.header
+    if (h.rank, h.trainer_id, h.fingerprint) != (f.rank, f.trainer_id, f.fingerprint):
+        raise InvalidRequest(f"part {p.index} names rank {h.rank} trainer_id {shorten(h.trainer_id)} but part 0 "
+                             f"names rank {f.rank} trainer_id {shorten(f.trainer_id)}: one caller a Step")
+    return h
+
+
+def _check_not_short(part: StepPart, min_chunk_bytes: int) -> None:
+    """Refuse a part whose chunk so far, now followed by another, carries fewer bytes than the minimum."""
+    prev = part.chunks[-1]
+    n = len(prev.data) if part.kind == DENSE else len(prev.ids) + len(prev.rows)
+    if n < min_chunk_bytes:
+        raise InvalidRequest(f"part {part.index}'s chunk at offset {prev.offset} carries {n} bytes, under the "
+                             f"minimum of {min_chunk_bytes} for every chunk but the last")
