@@ -57,7 +57,7 @@ def still_serves(raw, sequence=1):
 
 
 @pytest.mark.parametrize("who, code, fragment", [
-    ("trainer_id", grpc.StatusCode.NOT_FOUND, "rank 0"),
+    ("trainer_id", grpc.StatusCode.ALREADY_EXISTS, "rank 0 is registered as 't0', not 'x'"),
     ("fingerprint", grpc.StatusCode.FAILED_PRECONDITION, "fingerprint is 'eeeeeeeeeeeeeeee' but the job's is"),
 ])
 def test_a_stranger_step_is_refused_at_its_first_header_while_its_stream_is_still_open(shard_server, held_open, who,
@@ -109,8 +109,8 @@ def test_step_streams_held_open_count_against_max_calls_per_rank(shard_server, h
     from its first header on (it held none until it had been read whole), so a rank cannot pile them up past
     --max-calls-per-rank; the streams' own idle and total limits end them."""
     raw = patient(shard_server, max_calls_per_rank=2)
-    opened = [raw.channel.stream_stream(method("Step"), serialize_step, parse_step).future(
-        held_open(dense(raw, torch.ones(P), sequence=9)[:1]), timeout=CALL_TIMEOUT) for _ in range(2)]
+    call = raw.channel.stream_stream(method("Step"), serialize_step, parse_step)
+    opened = [call(held_open(dense(raw, torch.ones(P), sequence=9)[:1]), timeout=CALL_TIMEOUT) for _ in range(2)]
 
     def third_refused():
         try:
@@ -122,7 +122,7 @@ def test_step_streams_held_open_count_against_max_calls_per_rank(shard_server, h
     wait_until(third_refused, what="a third Step of rank 0 to be refused while two are held open")
     before = raw.stats().counters.get("refused_over_limit", 0)
     refused(lambda: step(raw, dense(raw, torch.ones(P), sequence=1)), grpc.StatusCode.RESOURCE_EXHAUSTED,
-            "rank 0 already has 2 calls in flight, the limit is 2", unchanged=raw)
+            "rank 0 (--max-calls-per-rank) already has 2 calls in flight, the limit is 2", unchanged=raw)
     assert raw.stats().counters["refused_over_limit"] == before + 1
     for call in opened:
         call.cancel()

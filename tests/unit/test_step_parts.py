@@ -58,8 +58,8 @@ def test_malformed_step_bytes_are_marked_not_raised():
     assert "not a StepChunk field" in parse_step(b"\x20\x01").malformed
 
 
-def _collect(msgs, max_bytes=1 << 20):
-    parts = StepParts(max_bytes)
+def _collect(msgs, max_bytes=1 << 20, min_chunk_bytes=1):
+    parts = StepParts(max_bytes, min_chunk_bytes=min_chunk_bytes)
     for m in msgs:
         parts.add(m)
     return parts.finish()
@@ -69,6 +69,23 @@ def test_parts_are_grouped_in_order_with_their_chunks():
     parts = _collect([_dense(0), _dense(0, header=False), _rows(1), _rows(2, "other")])
     assert [(p.index, p.kind, len(p.chunks)) for p in parts] == [(0, DENSE, 2), (1, ROWS, 1), (2, ROWS, 1)]
     assert parts[2].header.table == "other"
+
+
+def test_a_chunk_under_the_minimum_followed_by_another_of_its_part_is_refused_as_that_one_arrives():
+    parts = StepParts(1 << 20, min_chunk_bytes=8)
+    parts.add(_dense(0))  # 4 bytes: fine while it may be the part's last
+    with pytest.raises(InvalidRequest, match="part 0's chunk at offset 0 carries 4 bytes, under the minimum of 8"):
+        parts.add(_dense(0, header=False))
+    rows = StepParts(1 << 20, min_chunk_bytes=32)
+    rows.add(_rows(0))  # 8 bytes of ids and 16 of rows
+    with pytest.raises(InvalidRequest, match="carries 24 bytes, under the minimum of 32"):
+        rows.add(_rows(0, header=False))
+
+
+def test_a_short_last_chunk_of_each_part_is_taken():
+    parts = _collect([_dense(0, data=b"\0" * 8), _dense(0, header=False), _rows(1), _rows(2, "other")],
+                     min_chunk_bytes=8)
+    assert [len(p.chunks) for p in parts] == [2, 1, 1]
 
 
 @pytest.mark.parametrize("msgs, error, fragment", [
