@@ -794,10 +794,20 @@ class _PartStream:
             await self._stream.write(wrapped, nbytes)
 
 
+REPLAY_SLICE_BYTES = 4 << 20  # a replayed part hands the event loop back after this many bytes of its chunks
+
+
 async def _replay(chunks):
-    """A part's chunks, already received, as the request stream its RPC's handler reads."""
+    """A part's chunks, already received, as the request stream its RPC's handler reads -- handing the event loop
+    back every REPLAY_SLICE_BYTES: its reader copies each chunk on the loop, and a part received whole was copied
+    in one go (0.7 s of a loop stall for a table part of 10**6 rows of dim 64; heartbeats and health checks wait)."""
+    since = 0
     for chunk in chunks:
         yield chunk
+        since += len(chunk.data) if hasattr(chunk, "data") else len(chunk.ids) + len(chunk.rows)
+        if since >= REPLAY_SLICE_BYTES:
+            since = 0
+            await asyncio.sleep(0)
 
 
 async def _first_error(coros: list) -> None:
