@@ -135,3 +135,25 @@ def test_a_step_stream_that_goes_quiet_is_deadline_exceeded_counted_and_changes_
             grpc.StatusCode.DEADLINE_EXCEEDED, "no chunk arrived for", "--stream-idle-timeout", unchanged=raw)
     assert raw.stats().counters["refused_DEADLINE_EXCEEDED"] >= 1
     still_serves(raw)
+
+
+def _retiled(msgs, index, offset):
+    chunk = msgs[index].dense if msgs[index].dense is not None else msgs[index].rows
+    chunk.offset = offset
+    return msgs
+
+
+@pytest.mark.parametrize("case, fragment", [
+    ("dense gap", "offset is 300 but 256 was expected"),
+    ("dense overlap", "offset is 200 but 256 was expected"),
+    ("rows gap", "chunk offset is 12 but 11 was expected"),
+    ("rows overlap", "chunk offset is 10 but 11 was expected"),
+])
+def test_a_step_part_whose_chunks_leave_a_gap_or_overlap_is_refused_and_changes_nothing(shard_server, case, fragment):
+    raw = started(shard_server)
+    d, r = dense(raw, torch.ones(P), sequence=1), rows(1, rows_chunks(list(range(30)), chunk_bytes=256))
+    assert len(d) == 4 and len(r) == 3  # 256 floats, 11 rows a chunk
+    msgs = {"dense gap": lambda: _retiled(d, 1, 300) + r, "dense overlap": lambda: _retiled(d, 1, 200) + r,
+            "rows gap": lambda: d + _retiled(r, 1, 12), "rows overlap": lambda: d + _retiled(r, 1, 10)}[case]()
+    refused(lambda: step(raw, msgs), grpc.StatusCode.INVALID_ARGUMENT, fragment, unchanged=raw)
+    still_serves(raw)
