@@ -157,3 +157,12 @@ def test_a_step_part_whose_chunks_leave_a_gap_or_overlap_is_refused_and_changes_
             "rows gap": lambda: d + _retiled(r, 1, 12), "rows overlap": lambda: d + _retiled(r, 1, 10)}[case]()
     refused(lambda: step(raw, msgs), grpc.StatusCode.INVALID_ARGUMENT, fragment, unchanged=raw)
     still_serves(raw)
+
+
+def test_a_step_message_whose_more_carries_more_of_its_own_is_invalid_argument_and_changes_nothing(shard_server):
+    raw = started(shard_server)
+    d, r = dense(raw, torch.ones(P), sequence=1), rows(1, rows_chunks([1]))
+    nested = StepMessage(0, dense=d[0].dense, more=[one_message(d[1:] + r)])  # two levels: one is the most
+    refused(lambda: step(raw, [nested]), grpc.StatusCode.INVALID_ARGUMENT, "malformed StepChunk message",
+            "a chunk in `more` carries `more` of its own", unchanged=raw)
+    still_serves(raw)
