@@ -18,7 +18,7 @@ from psserver.common.logsafe import counted, shorten
 from psserver.epochs import EpochBook, TimelineFull, join_patience
 from psserver.membership import Membership
 from psserver.protocol.epochs import epoch_at, epoch_index, timeline_to_proto
-from psserver.protocol.errors import InvalidRequest, JobMismatch, NotPermitted, NotReady, TooBusy
+from psserver.protocol.errors import InvalidRequest, JobFull, JobMismatch, NotPermitted, NotReady, TooBusy
 from psserver.protocol.job import JobSpec
 from psserver.protocol.rules import Mode
 from psserver.sparse.serving import Membership as TableMembers
@@ -122,7 +122,7 @@ class Enrolment:
             return
         if mode == Mode.SYNC:
             self.check_base(job, rank, base)
-        elif rank in self.epochs.pending:
+        elif rank in self.epochs.pending and not self.epochs.pending[rank].committed:
             raise _in_no_epoch(rank, base)
 
     # ------------------------------------------------------------------ changes
@@ -146,9 +146,11 @@ class Enrolment:
                        len(view.registered), job.num_trainers)
         return replaced, len(view.registered)
 
-    def join(self, rank: int, trainer_id: str, join_round: int, version: int) -> tuple[int, int, bool]:
-        """An elastic join's step (docs/elastic.md): ``join_round`` 0 asks for admission, E commits it.
-        Returns (rank, the round answered, a new process took over the rank)."""
+    def join(self, rank: int, trainer_id: str, join_round: int, version: int,
+             confirm: bool = False) -> tuple[int, int, bool]:
+        """An elastic join's step (docs/elastic.md): ``join_round`` 0 asks for admission, E commits it, E with
+        ``confirm`` ends the hold once every shard committed.  Returns (rank, the round answered, a new process
+        took over the rank)."""
         if join_round == 0:
             hands_out = self.shard_id == 0 and self.partition == 0
             try:
@@ -163,12 +165,27 @@ class Enrolment:
                        self.shard_id, shorten(trainer_id), rank, pending.proposal, pending.held_from)
             answer = pending.proposal
         else:
-            epoch = self.epochs.commit(rank, trainer_id, join_round, version)
-            self._counters["joins"] += 1
-            self.epoch_changed(epoch, f"rank {rank} joined")
+            self._check_not_taken(rank, trainer_id)
+            before = self.epochs.timeline
+            if confirm:
+                self.epochs.confirm(rank, trainer_id, join_round, version, self._clock())
+                self._counters["joins_confirmed"] += 1
+            else:
+                self.epochs.commit(rank, trainer_id, join_round, version, self._clock(), self.join_timeout)
+            if self.epochs.timeline is not before:  # not a retry (or a confirm that the commit came before)
+                self._counters["joins"] += 1
+                self.epoch_changed(epoch_at(self.epochs.timeline, join_round), f"rank {rank} joined")
             answer = join_round
         replaced = self.members.register(rank, trainer_id) not in (None, trainer_id)
         return rank, answer, replaced
+
+    def _check_not_taken(self, rank: int, trainer_id: str) -> None:
+        """A commit or confirm answered again (its join is in the timeline already) only to the same process."""
+        holder = self.members.members().get(rank)
+        pending = self.epochs.pending.get(rank)
+        if pending is None and holder not in (None, trainer_id) and self.epochs.joined_at(rank) is not None:
+            raise JobFull(f"rank {rank} joined this job as {shorten(holder)}, not {shorten(trainer_id)}: "
+                          "ask for admission again (join_round 0)")
 
     def leave(self, rank: int, at: int) -> int:
         """``rank`` said goodbye; out of the epochs from round ``at``.  Returns the live count left."""
@@ -208,6 +225,13 @@ class Enrolment:
     def expire(self) -> list:
         """Drop joins not committed in time and silent trainers' leases; returns the (rank, silence) dropped."""
         for rank, pending in self.epochs.expire(self._clock()):
+            if pending.committed:
+                self._counters["joins_unconfirmed"] += 1
+                log.warning("shard %d: %s committed its join as rank %d from round %d but did not confirm within "
+                            "%.1f s: its epoch stays, round %d no longer held", self.shard_id,
+                            shorten(pending.trainer_id), rank, pending.committed, self.join_timeout,
+                            pending.committed - 1)
+                continue
             self._counters["joins_abandoned"] += 1
             if self.members.holds(rank, pending.trainer_id):  # not a trainer that registered the rank since
                 self.members.leave(rank)

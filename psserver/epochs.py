@@ -10,7 +10,13 @@ partition, asks it, and carries the answer out; tests drive it with a fake clock
   as usual, later ones wait for the commit (one round trip), so every shard still has version < E when it
   commits.  A pending join the joiner never commits is dropped after ``patience`` seconds (counted).
 * commit -- the joiner names the round ``E`` (the largest proposal of every shard): a new epoch from ``E``.
-  Taken without a prepare too (a shard that restarted meanwhile) while ``version < E``.
+  Taken without a prepare too (a shard that restarted meanwhile) while ``version < E``; a retry of the same
+  commit is answered again (idempotent).  The shard then holds round ``E - 1`` until the confirm: another shard
+  may refuse the commit (it restarted and served ``E`` meanwhile), and the joiner's Leave must then withdraw
+  an epoch no shard has served yet.
+* confirm -- every shard took the commit: the hold ends.  A shard that restarted since its commit (and lost
+  it) takes the confirm as its commit while ``version < E``.  A committed join never confirmed keeps its
+  epoch after ``patience`` (the joiner died after committing everywhere) and stops holding (counted).
 * leave -- the rank is out of the epoch from round ``at`` on.
 * a lease that runs out is not an epoch change: the rank stays a member (it may come back) and rounds stop
   waiting for it through the live set (``expected``).
@@ -64,7 +70,8 @@ class PendingJoin:
     trainer_id: str
     proposal: int  # the round this shard proposed
     held_from: int  # rounds at or past this version do not close until the join is settled
-    deadline: float  # clock time after which an uncommitted join is dropped
+    deadline: float  # clock time after which an unsettled join is dropped (uncommitted) or let go (committed)
+    committed: int = 0  # the join round once committed (its epoch is in the timeline): held until the confirm
 
 
 class EpochBook:
@@ -130,12 +137,22 @@ class EpochBook:
     def rank_of(self, trainer_id: str) -> int | None:
         return next((r for r, p in self.pending.items() if p.trainer_id == trainer_id), None)
 
-    def commit(self, rank: int, trainer_id: str, join_round: int, version: int) -> Epoch:
-        """Admit ``rank`` from round ``join_round``; refused (changing nothing) outside the join window."""
+    def commit(self, rank: int, trainer_id: str, join_round: int, version: int, now: float = 0.0,
+               patience: float = DEFAULT_JOIN_TIMEOUT) -> Epoch:
+        """Admit ``rank`` from round ``join_round``, holding round ``join_round - 1`` until the confirm (or
+        ``patience``); refused (changing nothing) outside the join window.  The same commit again (a retry after
+        a lost reply, or after this shard restarted from a checkpoint that has it) is answered the same."""
         self._check_elastic()
         pending = self.pending.get(rank)
+        if pending is not None and pending.trainer_id == trainer_id and pending.committed == join_round:
+            return epoch_at(self.timeline, join_round)
+        if pending is None and self.joined_at(rank) == join_round:
+            return epoch_at(self.timeline, join_round)
         if pending is None or pending.trainer_id != trainer_id:
             self._check_rank_free(rank, trainer_id)
+        if pending is not None and pending.committed:
+            raise InvalidRequest(f"join_round is {join_round} but {self.label} took this join's commit at round "
+                                 f"{pending.committed}: a join commits one round")
         why = commit_window(version, join_round)
         if why == "late":
             raise JobMismatch(f"join_round is {join_round} but {self.label} is at version {version}: that round "
@@ -147,8 +164,27 @@ class EpochBook:
             raise InvalidRequest(f"join_round is {join_round} but {self.label} proposed {pending.proposal}: the "
                                  "round must be the largest proposal of every shard")
         epoch = self._change(join_round, rank, add=True, what=f"join_round {join_round}")  # refused: nothing changed
+        proposal = pending.proposal if pending is not None else join_round
+        self.pending[rank] = PendingJoin(trainer_id, proposal, join_round - 1, now + patience, committed=join_round)
+        return epoch
+
+    def confirm(self, rank: int, trainer_id: str, join_round: int, version: int, now: float = 0.0) -> Epoch:
+        """Every shard took the commit: stop holding.  A shard that lost the commit (it restarted since) takes
+        this as its commit while ``version < join_round`` (refused, changing nothing, once it served that round);
+        a confirm again is answered the same."""
+        pending = self.pending.get(rank)
+        if pending is None or pending.trainer_id != trainer_id or pending.committed != join_round:
+            epoch = self.commit(rank, trainer_id, join_round, version, now)
+        else:
+            epoch = epoch_at(self.timeline, join_round)
         self.pending.pop(rank, None)
         return epoch
+
+    def joined_at(self, rank: int) -> int | None:
+        """The round of the epoch that took ``rank`` in last (it was out of the one before), or None."""
+        rounds = [e.round for k, e in enumerate(self.timeline)
+                  if k and rank in e.members and rank not in self.timeline[k - 1].members]
+        return rounds[-1] if rounds else None
 
     def abandon(self, rank: int, trainer_id: str) -> bool:
         """Drop ``trainer_id``'s pending join (it gave up); True if there was one."""
@@ -159,7 +195,9 @@ class EpochBook:
         return True
 
     def expire(self, now: float) -> list[tuple[int, PendingJoin]]:
-        """Drop pending joins past their deadline (the joiner died between prepare and commit)."""
+        """Drop pending joins past their deadline: an uncommitted one is gone (the joiner died between prepare
+        and commit); a committed one keeps its epoch (the joiner died after committing, perhaps after
+        confirming elsewhere: the other shards serve its round with it) and stops holding."""
         gone = [(r, p) for r, p in self.pending.items() if now >= p.deadline]
         for rank, _ in gone:
             del self.pending[rank]
@@ -240,7 +278,7 @@ class EpochBook:
 
     def digest_text(self) -> str:
         """The timeline and the pending joins (not their clock deadlines), for the shard's state digest."""
-        pending = sorted((r, p.trainer_id, p.proposal, p.held_from) for r, p in self.pending.items())
+        pending = sorted((r, p.trainer_id, p.proposal, p.held_from, p.committed) for r, p in self.pending.items())
         return f"epochs={self.state()};pending={pending}"
 
     def restore_timeline(self, timeline: list[Epoch]) -> None:

@@ -374,7 +374,8 @@ class ParameterServerService:
         part = self.layouts.register_host(request.layout_epoch).part_for_register(
             request.partition, request.rank, request.expected_shard, job, request.join)
         r = await self.runtime.run_state(part.register, request.rank, request.trainer_id,
-                                         request.expected_shard, job, request.join, request.join_round)
+                                         request.expected_shard, job, request.join, request.join_round,
+                                         request.join_confirm)
         return _pb.RegisterReply(**r, layout_epoch=self.layouts.newest)
 
     @_refusals

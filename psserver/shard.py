@@ -155,7 +155,7 @@ class Shard:
 
     # ------------------------------------------------------------------ membership and job
     def register(self, rank: int, trainer_id: str, expected_shard: int, job: JobSpec, join: bool = False,
-                 join_round: int = 0) -> dict:
+                 join_round: int = 0, join_confirm: bool = False) -> dict:
         """Join ``rank`` to the job; the first registration fixes the job spec.
 
         A job whose every trainer registered and then left has ended: the next registration starts a new job
@@ -164,7 +164,7 @@ class Shard:
         """
         self.check_register(rank, expected_shard, job, join)
         if join:
-            return self.join_elastic(rank, trainer_id, job, join_round)
+            return self.join_elastic(rank, trainer_id, job, join_round, join_confirm)
         with self._lock:
             if self.job is not None and self._job_done():
                 self._info("shard %d: job %s ended (every trainer left); %s starts a new job from scratch",
@@ -184,16 +184,17 @@ class Shard:
                 version=self.version, registered=registered, lease_seconds=self.lease_timeout,
             )
 
-    def join_elastic(self, rank: int, trainer_id: str, job: JobSpec, join_round: int) -> dict:
+    def join_elastic(self, rank: int, trainer_id: str, job: JobSpec, join_round: int, confirm: bool = False) -> dict:
         """A join (docs/elastic.md): ``join_round`` 0 asks for admission -- a rank (partition 0 of shard 0 hands
         one out; elsewhere ``rank`` names it) and this shard's proposed round, holding later rounds until the
-        join is settled; ``join_round`` E commits it from round E.  Refused, changing nothing, by the job
+        join is settled; ``join_round`` E commits it from round E (holding round E - 1) and ``confirm`` ends the
+        hold once every shard took the commit.  Refused, changing nothing, by the job
         (not elastic, full) or an E outside the window (psserver.protocol.epochs.commit_window)."""
         with self._lock:
             if self.job is None or self._job_done():
                 raise no_job_to_join(self.label, ended=self.job is not None)
             self._check_same_job(job)
-            rank, answer, replaced = self.enrolment.join(rank, trainer_id, join_round, self.version)
+            rank, answer, replaced = self.enrolment.join(rank, trainer_id, join_round, self.version, confirm)
             if replaced:
                 self.pushes.new_process(rank, holes=False)  # a new process on a rank that left
             self._close_if_due()

@@ -273,7 +273,8 @@ class ShardClient:
                 delay = min(delay * 2, self.retry.max_backoff)
 
     def register(self, job: JobSpec, connect_timeout: float, abandon: threading.Event | None = None,
-                 refused_limit: float | None = None, join: bool = False, join_round: int = 0) -> _pb.RegisterReply:
+                 refused_limit: float | None = None, join: bool = False, join_round: int = 0,
+                 join_confirm: bool = False) -> _pb.RegisterReply:
         """Register with the shard, waiting up to ``connect_timeout`` for it to answer.
 
         Each attempt fails fast (no wait_for_ready) and has a short deadline, so an
@@ -284,12 +285,14 @@ class ShardClient:
         interrupted and must know no attempt is left that could register it later.
         ``refused_limit``: give up once the connection has been refused this many seconds in a row (the caller
         passes it when every address is on loopback: a wrong port, not a shard that is late).
-        ``join``/``join_round``: a join's admission (0) or commit (trainer.session.Session.join_running).  An
+        ``join``/``join_round``: a join's admission (0) or commit (trainer.session.Session.join_running), and
+        with ``join_confirm`` its confirm.  An
         admission that finds no job yet waits for it within the same timeout (``register_retry``), so joiners
         may start before the job's rank 0; still none then raises NoJobToJoin.
         """
         req = _pb.RegisterRequest(rank=self.rank, trainer_id=self.trainer_id, expected_shard=self.index,
-                                  job=job.to_proto(), partition=self.partition, join=join, join_round=join_round)
+                                  job=job.to_proto(), partition=self.partition, join=join, join_round=join_round,
+                                  join_confirm=join_confirm)
         give_up = time.monotonic() + connect_timeout
         next_log = 0.0
         abandon = abandon or threading.Event()

@@ -23,6 +23,8 @@ from trainer.slots import DenseSlots
 log = logging.getLogger(__name__)
 
 LEFT, NOT_LISTED = "left", "not listed"  # what a shard answered a Leave: OK, or NOT_FOUND (it never knew us)
+# A join refused at its commit or confirm (a shard restarted meanwhile) is asked again, at most this many times.
+JOIN_ATTEMPTS = 3
 
 
 class StartTimeout(TimeoutError):
@@ -109,10 +111,30 @@ class Session:
         self.slots.staging.settle()  # the first forward waits for the first weights
 
     def join_running(self, timeout: float) -> tuple[list, int]:
-        """The join protocol (docs/elastic.md): ask partition 0 of shard 0 for admission (it hands out the
-        rank), then every other slot with that rank; commit everywhere at the largest round proposed.
-        Returns (each slot's commit reply or error, the round admitted at).  On an error the caller closes,
-        and the Leave withdraws the join from every slot that took it."""
+        """The join protocol (docs/elastic.md), asked again (``join_retries``, logged) up to JOIN_ATTEMPTS times
+        within ``timeout`` while a commit or confirm is refused FAILED_PRECONDITION -- a shard that restarted
+        since admitting this trainer and served the join round, or runs no job: the Leave withdraws the join
+        from every slot that took it (none served the round with it: they hold it until the confirm).
+        Returns (each slot's confirm reply or error, the round admitted at).  On an error the caller closes."""
+        give_up = time.monotonic() + timeout
+        for attempt in range(1, JOIN_ATTEMPTS + 1):
+            results, join_round = self._join_once(max(0.01, give_up - time.monotonic()))
+            refused = [r for r in results if isinstance(r, grpc.RpcError)
+                       and r.code() == grpc.StatusCode.FAILED_PRECONDITION]
+            if not join_round or not refused or attempt == JOIN_ATTEMPTS or time.monotonic() >= give_up:
+                return results, join_round
+            self.client.count("join_retries")
+            log.warning("rank %d's join from round %d was refused (%s): leaving and asking again (%d of %d)",
+                        self.rank, join_round, refused[0].details(), attempt + 1, JOIN_ATTEMPTS)
+            self.leave(best_effort=True)
+            self.left, self.leave_answers = False, {}
+        raise AssertionError("unreachable")
+
+    def _join_once(self, timeout: float) -> tuple[list, int]:
+        """Admission at partition 0 of shard 0 (it hands out the rank), then every other slot with that rank;
+        commit everywhere at the largest round proposed; then confirm everywhere (each slot holds the round
+        before it until then).  Returns (each slot's last reply or error, the join round; 0 if the admission
+        failed)."""
         head = self.client.parts[0]
         self.registered = {head.slot}
         # The other slots connect while shard 0 answers: their admissions then follow within a round trip, and
@@ -137,10 +159,17 @@ class Session:
         committed = self.client.map_settled(
             lambda s: s.register(self.job, timeout, None, self._refused_limit, join=True, join_round=join_round),
             parts=True)
+        if any(isinstance(r, Exception) for r in committed):
+            return committed, join_round
+        confirmed = self.client.map_settled(
+            lambda s: s.register(self.job, timeout, None, self._refused_limit, join=True, join_round=join_round,
+                                 join_confirm=True), parts=True)
+        if any(isinstance(r, Exception) for r in confirmed):
+            return confirmed, join_round
         log.info("rank %d joined the running job from round %d (proposals %s)", self.rank, join_round,
                  sorted({r.join_round for r in asked}))
         self.client.count("joins")
-        return committed, join_round
+        return confirmed, join_round
 
     def set_rank(self, rank: int) -> None:
         """The rank the job gave this trainer (a join): every call from now on carries it."""

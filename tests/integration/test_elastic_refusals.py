@@ -13,9 +13,9 @@ from tests.helpers import refused, wait_until
 ELASTIC = make_spec(num_trainers=1, max_trainers=2)
 
 
-def join(shard, spec=ELASTIC, join_round=0, rank=0, trainer_id="joiner"):
+def join(shard, spec=ELASTIC, join_round=0, rank=0, trainer_id="joiner", confirm=False):
     return shard.stub.Register(pb.RegisterRequest(rank=rank, trainer_id=trainer_id, job=spec.to_proto(), join=True,
-                                                  join_round=join_round), timeout=10)
+                                                  join_round=join_round, join_confirm=confirm), timeout=10)
 
 
 @pytest.fixture
@@ -67,6 +67,8 @@ def test_a_joiner_is_admitted_from_its_round_and_a_push_before_it_is_refused(run
     still_serves(running, 1)  # the open round closes as usual; round 2 is held until the commit
     reply = join(running, join_round=proposal, rank=1)
     assert reply.membership_epoch == 1 and reply.rank == 1
+    assert join(running, join_round=proposal, rank=1) == reply  # a retried commit is answered the same
+    join(running, join_round=proposal, rank=1, confirm=True)  # every shard took it: round 2 may close
     refused(lambda: running.push(torch.ones(P), rank=1, trainer_id="joiner", version=2),
             grpc.StatusCode.FAILED_PRECONDITION, "base version is 2 but rank 1 is a member of this job from round 3",
             unchanged=running)
@@ -184,3 +186,24 @@ def test_a_ps_trainer_joining_a_job_that_ended_exits_0_with_one_line(shard_serve
     assert codes == {"joiner": 0}, log
     assert "ps-trainer: the job has ended; nothing to join: shard 0 at" in log, log
     assert "job ended (every trainer left)" in log and "Traceback" not in log, log
+
+
+def test_a_commit_holds_the_round_before_its_join_round_until_the_joiners_confirm(running):
+    """Another shard may refuse the commit (it restarted and served the join round): until the confirm says every
+    shard took it, this one must not serve the join round with the joiner in (docs/elastic.md)."""
+    proposal = join(running).join_round
+    still_serves(running, 1)
+    join(running, join_round=proposal, rank=1)
+    assert running.push(torch.ones(P), version=2).outcome == pb.ACCEPTED  # round 2 is complete but held
+    assert running.stats().version == 2
+    join(running, join_round=proposal, rank=1, confirm=True)
+    assert running.pull(min_version=3)[0] == 3  # the confirm closes it
+    assert running.stats().counters["joins_confirmed"] == 1
+
+
+def test_a_confirm_of_a_round_already_served_is_failed_precondition(running):
+    """A shard that restarted after the commit (without it) and served the join round cannot take the confirm."""
+    join(running)
+    refused(lambda: join(running, join_round=1, rank=1, confirm=True), grpc.StatusCode.FAILED_PRECONDITION,
+            "join_round is 1 but shard 0 is at version 1", unchanged=running)
+    still_serves(running, 1)

@@ -45,7 +45,9 @@ def test_a_sync_table_round_expects_the_members_of_its_rounds_epoch_and_a_pendin
     assert t.push(push(1, 1, seq=2), members, 0.0).outcome == "accepted"  # round 1 is held by the join
     assert t.version == 1
     book.commit(2, "t2", 2, version=1)
-    assert t.close_if_due(members, 0.0) and t.version == 2  # the commit lets round 1 close, without rank 2
+    assert not t.close_if_due(members, 0.0)  # committed here, held until every shard took it
+    book.confirm(2, "t2", 2, version=1)
+    assert t.close_if_due(members, 0.0) and t.version == 2  # the confirm lets round 1 close, without rank 2
     t.push(push(0, 2, seq=3), members, 0.0)
     assert t.push(push(1, 2, seq=3), members, 0.0).outcome == "accepted"  # round 2 waits for the joiner
     assert t.push(push(2, 2), members, 0.0).outcome == "applied"
@@ -78,6 +80,7 @@ def test_a_stale_timeout_table_recomputes_its_quorum_for_the_epoch_of_its_round(
                     tables=(table(),))
     t, book = ServedTable(job.tables[0], job), EpochBook(2, 3)
     book.commit(2, "t2", 2, version=0)  # three members from round 2: K = 1 + 3 - 2 = 2
+    book.confirm(2, "t2", 2, version=0)
     members = Membership(frozenset({0, 1, 2}), True, book)
     assert t.push(push(0, 0), members, 0.0).outcome == "applied"  # round 0: two members, K = 1
     assert t.push(push(0, 1, seq=2), members, 0.0).outcome == "applied"
@@ -121,7 +124,7 @@ def shard_with_table() -> Shard:
     return shard
 
 
-def test_a_shards_table_round_follows_its_epoch_and_the_commit_closes_the_round_its_join_held():
+def test_a_shards_table_round_follows_its_epoch_and_the_confirm_closes_the_round_its_join_held():
     shard, job = shard_with_table(), elastic_job()
     name = job.tables[0].name
     reply = shard.register(0, "t2", 0, job, join=True)  # admitted as rank 2, rounds from 1 held
@@ -133,6 +136,8 @@ def test_a_shards_table_round_follows_its_epoch_and_the_commit_closes_the_round_
     assert shard.tables.get(name).version == 1  # round 1 held by the pending join
     shard.register(2, "t2", 0, job, join=True, join_round=2)
     assert shard.enrolment.joins_at(2, 2) and not shard.enrolment.joins_at(2, 1)
+    assert shard.tables.get(name).version == 1  # committed: held until the confirm
+    shard.register(2, "t2", 0, job, join=True, join_round=2, join_confirm=True)
     assert shard.tables.get(name).version == 2
     shard.push_rows(FP, name, push(0, 2, seq=3), True)
     assert shard.push_rows(FP, name, push(1, 2, seq=3), True).outcome == "accepted"  # waits for rank 2

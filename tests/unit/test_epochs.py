@@ -29,6 +29,8 @@ def test_a_join_is_admitted_from_the_largest_proposal_and_earlier_rounds_keep_th
         assert epoch == Epoch(1, join_round, frozenset({0, 1, 2}))
         assert book.members_at(join_round - 1) == {0, 1}
         assert book.members_at(join_round) == {0, 1, 2}
+        assert book.held_from() == join_round - 1  # committed: the round before is held until the confirm
+        book.confirm(2, "t2", join_round, version)
         assert book.pending == {}
 
 
@@ -43,6 +45,8 @@ def test_a_pending_join_holds_rounds_after_the_open_one_until_it_is_settled():
     d = modes.decide_push(cfg, held, 1, 6, 0.0)
     assert d.action is modes.Action.ACCUMULATE and d.close is None
     book.commit(2, "t2", 7, version=6)
+    assert book.held_from() == 6  # committed: round 6 closes only once every shard took the commit
+    book.confirm(2, "t2", 7, version=6)
     assert book.held_from() is None
 
 
@@ -215,3 +219,47 @@ def test_changes_past_max_member_entries_are_refused_timeline_full_and_change_no
     with pytest.raises(JobFull, match="join_round 5 would make the job's membership timeline list 8 members"):
         book.commit(1, "t2", 5, version=4)
     assert book.digest_text() == before, "a refused commit withdrew the pending join or changed the timeline"
+
+
+def test_a_retried_commit_is_answered_the_same_and_changes_nothing():
+    book = elastic()
+    book.prepare(None, "t2", version=3, now=0.0, patience=PATIENCE)
+    first = book.commit(2, "t2", 5, version=4, now=0.0, patience=PATIENCE)
+    before = book.digest_text()
+    assert book.commit(2, "t2", 5, version=4, now=1.0, patience=PATIENCE) == first  # its reply was lost
+    assert book.digest_text() == before
+    with pytest.raises(InvalidRequest, match="join_round is 6 but shard 0 took this join's commit at round 5"):
+        book.commit(2, "t2", 6, version=4)
+    assert book.digest_text() == before
+
+
+def test_a_commit_in_a_restored_checkpoint_is_answered_again_and_its_confirm_is_taken():
+    book = elastic()
+    book.prepare(None, "t2", version=3, now=0.0, patience=PATIENCE)
+    book.commit(2, "t2", 5, version=4)
+    restarted = elastic()
+    restarted.restore(book.state())  # checkpointed after the commit, restarted before the confirm
+    assert restarted.commit(2, "t2", 5, version=4).members == {0, 1, 2} and restarted.current.number == 1
+    assert restarted.confirm(2, "t2", 5, version=4).members == {0, 1, 2}
+    assert restarted.timeline == book.timeline and restarted.pending == {}
+
+
+def test_a_confirm_on_a_shard_that_lost_the_commit_is_its_commit_while_the_round_is_not_served():
+    book = elastic()
+    restarted = elastic()  # restarted after the commit from a checkpoint without it
+    assert restarted.confirm(2, "t2", 5, version=4).members == {0, 1, 2}
+    assert restarted.held_from() is None
+    late = elastic()
+    with pytest.raises(JobMismatch, match="join_round is 5 but shard 0 is at version 5"):
+        late.confirm(2, "t2", 5, version=5)
+    assert late.digest_text() == book.digest_text()
+
+
+def test_a_committed_join_never_confirmed_keeps_its_epoch_and_stops_holding_at_its_deadline():
+    book = elastic()
+    book.prepare(None, "t2", version=3, now=0.0, patience=PATIENCE)
+    book.commit(2, "t2", 5, version=4, now=1.0, patience=PATIENCE)
+    assert book.expire(5.9) == [] and book.held_from() == 4
+    gone = book.expire(6.0)
+    assert [(r, p.committed) for r, p in gone] == [(2, 5)]
+    assert book.held_from() is None and book.members_at(5) == {0, 1, 2}

@@ -10,9 +10,12 @@ reached it is never held, and E is JOIN_LEAD rounds after the round open at the 
 
 from __future__ import annotations
 
+import pytest
+
 from psserver import modes
 from psserver.epochs import EpochBook
 from psserver.protocol.epochs import JOIN_LEAD, MAX_JOIN_AHEAD
+from psserver.protocol.errors import JobMismatch
 
 CFG = modes.ModeConfig("sync")
 PATIENCE = 3.0
@@ -75,6 +78,8 @@ def commit_everywhere(shards, rank: int, trainer_id: str, join_round: int) -> No
     for s in shards:
         s.book.commit(rank, trainer_id, join_round, s.version)
         s.live.add(rank)
+    for s in shards:
+        s.book.confirm(rank, trainer_id, join_round, s.version)
         s.tick()  # a held round that is complete closes once the join is settled
 
 
@@ -133,6 +138,8 @@ def test_two_joins_in_one_round_reaching_the_shards_in_either_order_make_one_epo
         a.book.commit(ranks[t], t, join_round, a.version)
     for t in ("tb", "ta"):
         b.book.commit(ranks[t], t, join_round, b.version)
+    for t in ("ta", "tb"):
+        a.book.confirm(ranks[t], t, join_round, a.version), b.book.confirm(ranks[t], t, join_round, b.version)
     assert a.book.timeline == b.book.timeline  # numbers too: each commit renumbered the same epochs
     assert [(e.round, sorted(e.members)) for e in a.book.timeline] == [(0, [0, 1]), (join_round, [0, 1, 2, 3])]
 
@@ -152,3 +159,59 @@ def test_a_join_during_a_shard_restart_is_taken_by_the_restarted_shard_at_the_sa
     step([a, restarted])
     assert a.version == restarted.version == join_round
     assert_one_boundary([a, restarted], rank, join_round)
+
+
+def same_members_served(shards, upto: int) -> bool:
+    """Every round up to ``upto`` expects the same members on every shard, and every version both served was
+    served with the same members (no round's data split on one shard's word)."""
+    first = shards[0]
+    rounds_agree = all(s.book.members_at(r) == first.book.members_at(r) for s in shards for r in range(upto + 1))
+    served = all(s.served_with[v] == first.served_with[v] for s in shards for v in s.served_with
+                 if v in first.served_with)
+    return rounds_agree and served
+
+
+def test_a_join_during_a_shard_restart_that_served_the_join_round_is_refused_withdrawn_unserved_and_joins_again():
+    a, b = SimShard("shard 0"), SimShard("shard 1")
+    for _ in range(3):
+        step([a, b])
+    checkpoint = (b.version, b.book.state())
+    rank, join_round = prepare_everywhere([a, b], "t2")
+    restarted = SimShard("shard 1")  # shard 1 restarts: the pending join, and its hold, are gone
+    restarted.version = checkpoint[0]
+    restarted.book.restore(checkpoint[1])
+    step([a, restarted])  # round 3 (open at the Register) closes on both
+    step([a, restarted])  # round 4: shard 0 holds it for the join; the restarted shard serves version 5 = E
+    assert (a.version, restarted.version) == (join_round - 1, join_round)
+    a.book.commit(rank, "t2", join_round, a.version)  # the joiner's commits, side by side: shard 0 takes it ...
+    a.live.add(rank)
+    a.tick()
+    assert a.version == join_round - 1, "shard 0 served the join round before every shard took the commit"
+    with pytest.raises(JobMismatch, match=f"join_round is {join_round} but shard 1 is at version {join_round}"):
+        restarted.book.commit(rank, "t2", join_round, restarted.version)  # ... the restarted one cannot
+    a.book.leave(rank, at=a.version)  # so no confirm: the joiner leaves everywhere, withdrawing shard 0's epoch
+    a.live.discard(rank)
+    a.tick()
+    assert a.version == join_round and same_members_served([a, restarted], join_round)
+    rank, again = prepare_everywhere([a, restarted], "t2")  # and asks again: one boundary on both
+    step([a, restarted])
+    step([a, restarted])
+    commit_everywhere([a, restarted], rank, "t2", again)
+    step([a, restarted], ranks=(0, 1, rank))
+    assert a.version == restarted.version == again + 1
+    assert rank in a.served_with[again] and rank in restarted.served_with[again]
+    assert rank not in a.served_with[again - 1] and same_members_served([a, restarted], again + 1)
+
+
+def test_a_commit_is_held_until_every_shard_confirms_so_a_refusal_elsewhere_is_withdrawn_before_the_round_is_served():
+    a, b = SimShard("shard 0"), SimShard("shard 1")
+    rank, join_round = prepare_everywhere([a, b], "t2")
+    step([a, b])
+    step([a, b])  # round join_round - 1 is complete on both, held
+    a.book.commit(rank, "t2", join_round, a.version)
+    b.book.commit(rank, "t2", join_round, b.version)
+    a.tick(), b.tick()
+    assert a.version == b.version == join_round - 1 and a.open_round_held() and b.open_round_held()
+    a.book.confirm(rank, "t2", join_round, a.version)
+    a.tick()
+    assert a.version == join_round and b.version == join_round - 1  # shard 1 waits for its own confirm

@@ -215,7 +215,7 @@ class HandoffState(_message.Message):
     def __init__(self, plan: _Optional[str] = ..., move: _Optional[int] = ..., phase: _Optional[str] = ..., version: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("rank", "trainer_id", "expected_shard", "job", "partition", "join", "join_round", "layout_epoch", "follows_layouts")
+    __slots__ = ("rank", "trainer_id", "expected_shard", "job", "partition", "join", "join_round", "layout_epoch", "follows_layouts", "join_confirm")
     RANK_FIELD_NUMBER: _ClassVar[int]
     TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_SHARD_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +225,7 @@ class RegisterRequest(_message.Message):
     JOIN_ROUND_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     FOLLOWS_LAYOUTS_FIELD_NUMBER: _ClassVar[int]
+    JOIN_CONFIRM_FIELD_NUMBER: _ClassVar[int]
     rank: int
     trainer_id: str
     expected_shard: int
@@ -234,7 +235,8 @@ class RegisterRequest(_message.Message):
     join_round: int
     layout_epoch: int
     follows_layouts: bool
-    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., expected_shard: _Optional[int] = ..., job: _Optional[_Union[JobSpec, _Mapping]] = ..., partition: _Optional[int] = ..., join: _Optional[bool] = ..., join_round: _Optional[int] = ..., layout_epoch: _Optional[int] = ..., follows_layouts: _Optional[bool] = ...) -> None: ...
+    join_confirm: bool
+    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., expected_shard: _Optional[int] = ..., job: _Optional[_Union[JobSpec, _Mapping]] = ..., partition: _Optional[int] = ..., join: _Optional[bool] = ..., join_round: _Optional[int] = ..., layout_epoch: _Optional[int] = ..., follows_layouts: _Optional[bool] = ..., join_confirm: _Optional[bool] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("shard", "start", "end", "initialized", "version", "registered", "lease_seconds", "rank", "join_round", "membership_epoch", "layout_epoch")
