@@ -125,6 +125,19 @@ class Enrolment:
         elif rank in self.epochs.pending and not self.epochs.pending[rank].committed:
             raise _in_no_epoch(rank, base)
 
+    def check_row_pull(self, job: JobSpec | None, rank: int, min_version: int) -> None:
+        """A PullRows creates the rows it names (lazily): a joiner admitted but not committed (in no epoch, and
+        perhaps never in one) may not, as it may not push.  Lock-free: the pending joins and the timeline are
+        read as they are (each changed by one swap or one dict update under the shard's lock)."""
+        book = self.epochs
+        if job is None or not job.max_trainers or book is None:
+            return
+        pending = book.pending.get(rank)
+        if pending is not None and not pending.committed and rank not in book.current.members:
+            raise JobMismatch(f"rank {rank} is in no membership epoch of this job (min_version is {min_version}): "
+                              "a joiner pulls rows only after its commit (Register with join_round, "
+                              "docs/elastic.md)")
+
     # ------------------------------------------------------------------ changes
     def register(self, rank: int, trainer_id: str, job: JobSpec, version: int) -> tuple[bool, int]:
         """Record a registration; returns (a new process took over the rank, registered count)."""

@@ -584,6 +584,7 @@ class ParameterServerService:
         _check_identity(request)
         self.layouts.check_rows(request.layout_epoch, request.table, request.min_version, pull=True)
         self.shard.check_member(request.rank, request.trainer_id, request.fingerprint)
+        self.shard.check_row_pull(request.rank, request.min_version)  # before a wait, and before any row is made
         table = self.shard.tables.get(request.table)
         ids = _decode_ids(request.ids)
         # the reply, before any row exists (and under the cap a trainer splits its pulls by)

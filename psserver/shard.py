@@ -558,11 +558,16 @@ class Shard:
                         counted(len(self.round.contributors), "gradient"))
 
     # ------------------------------------------------------------------ sparse tables (psserver.sparse.serving)
+    def check_row_pull(self, rank: int, min_version: int) -> None:
+        """Refuse a PullRows from a joiner not yet committed (psserver.enrolment); safe on the event loop."""
+        self.enrolment.check_row_pull(self.job, rank, min_version)
+
     def pull_rows(self, rank: int, trainer_id: str, fingerprint: str, table: str,
-                  ids: torch.Tensor) -> tuple[int, torch.Tensor]:
+                  ids: torch.Tensor, min_version: int = 0) -> tuple[int, torch.Tensor]:
         """(table version, rows of the unique ``ids``) for a member; rows met for the first time are created."""
         with self._lock:
             self.check_member(rank, trainer_id, fingerprint)
+            self.enrolment.check_row_pull(self.job, rank, min_version)
             result = self.tables.get(table).lookup(ids)
             self.counters["row_pulls"] += 1
             return result

@@ -88,5 +88,5 @@ class RowCalls:
         n = len(ids.ids)
         hold(n * table.spec.dim * 4)  # before the rows are gathered
         version, rows = await self.run(table, n * table.spec.dim, self.shard.pull_rows, rank, trainer_id,
-                                       fingerprint, name, ids)
+                                       fingerprint, name, ids, min_version)
         return waited, table, version, rows

@@ -132,3 +132,22 @@ def test_a_step_calls_table_part_one_round_ahead_waits_for_the_open_rounds_close
         reply = early.result()[0][0].header.push
     assert (reply.outcome, reply.version) == (pb.ACCEPTED, 1)
     assert push_rows(shard, rows_chunks([2], rank=1, seq=2, base=1)).outcome == pb.APPLIED
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_row_pull_from_a_joiner_that_has_not_committed_is_failed_precondition_and_creates_no_row(
+        shard_server, mode):
+    """Admitted but never committed, a joiner is in no epoch: its PullRows created the rows it named (lazily), so
+    anyone who asked to join could grow the tables without ever joining (docs/elastic.md)."""
+    spec = elastic(mode)
+    shard = started(shard_server, spec)
+    assert join(shard, spec).rank == 1
+    created = shard.stats().counters.get("table.emb.rows_created", 0)
+    refused(lambda: pull_rows(shard, [11, 12, 13], rank=1), grpc.StatusCode.FAILED_PRECONDITION,
+            "rank 1 is in no membership epoch", "min_version is 0", unchanged=shard)
+    assert shard.stats().counters.get("table.emb.rows_created", 0) == created
+    assert push_rows(shard, rows_chunks([1, 2])).outcome == pb.APPLIED  # still serving
+    assert pull_rows(shard, [11], min_version=1)[0] == 1
+    proposal = join(shard, spec).join_round  # once committed, it pulls as any member
+    join(shard, spec, join_round=proposal, rank=1)
+    assert pull_rows(shard, [11, 12], rank=1)[1].shape == (2, DIM)
