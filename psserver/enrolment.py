@@ -139,8 +139,9 @@ class Enrolment:
                               "docs/elastic.md)")
 
     # ------------------------------------------------------------------ changes
-    def register(self, rank: int, trainer_id: str, job: JobSpec, version: int) -> tuple[bool, int]:
-        """Record a registration; returns (a new process took over the rank, registered count)."""
+    def register(self, rank: int, trainer_id: str, job: JobSpec, version: int) -> tuple[bool, int, int]:
+        """Record a registration; returns (a new process took over the rank, registered count, the round a rank
+        that was out of the epoch -- it left -- is a member from again, else 0)."""
         epoch = self.epochs.registered(rank, at=version)  # first: refused past MAX_EPOCHS, nothing changed
         previous = self.members.register(rank, trainer_id)
         self._counters["registrations"] += 1
@@ -157,7 +158,7 @@ class Enrolment:
         if previous is None:
             self._info("shard %d: rank %d registered as %s (%d/%d)", self.shard_id, rank, shorten(trainer_id),
                        len(view.registered), job.num_trainers)
-        return replaced, len(view.registered)
+        return replaced, len(view.registered), epoch.round if epoch is not None else 0
 
     def join(self, rank: int, trainer_id: str, join_round: int, version: int,
              confirm: bool = False) -> tuple[int, int, bool]:

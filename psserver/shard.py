@@ -175,13 +175,14 @@ class Shard:
                 self._set_job(job)
             else:
                 self._check_same_job(job)
-            replaced, registered = self.enrolment.register(rank, trainer_id, job, self.version)
+            replaced, registered, member_from = self.enrolment.register(rank, trainer_id, job, self.version)
             if replaced:
                 self.pushes.new_process(rank)
             self._changed()
             return dict(
                 shard=self.shard_id, start=self.start, end=self.end, initialized=self.params is not None,
                 version=self.version, registered=registered, lease_seconds=self.lease_timeout,
+                join_round=member_from,  # a rank that left, registered again: its first round (its table lanes')
             )
 
     def join_elastic(self, rank: int, trainer_id: str, job: JobSpec, join_round: int, confirm: bool = False) -> dict:

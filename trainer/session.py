@@ -37,6 +37,13 @@ def joined_round(version: int, mode: str, joined_at: int) -> int:
     return max(version, joined_at) if mode == Mode.SYNC else version
 
 
+def plain_member_from(parts, results: list) -> dict[int, int]:
+    """shard -> the round a plain Register of a rank that had left made it a member from again (partition 0's
+    reply: the tables live there); a shard that answered 0 (a member all along) or failed is left out."""
+    return {s.index: results[s.slot].join_round for s in parts
+            if s.partition == 0 and not isinstance(results[s.slot], Exception) and results[s.slot].join_round}
+
+
 class Session:
     """Registration, heartbeats, rejoining and leaving for one trainer over ``slots``."""
 
@@ -48,6 +55,7 @@ class Session:
         self._refused_limit = refused_limit  # see ShardClient.register
         self._before_rejoin = before_rejoin
         self.rows = None  # the tables' client, once bound (track_rows): resynced after a restart
+        self.member_from: dict[int, int] = {}  # shard -> the round a plain Register of this rank (it had left) took
         self.registered: set[int] = set()  # slots that know this trainer: close() leaves exactly these
         self.resume_dense: dict[int, int] = {}  # slot -> dense version before a restart a table call found
         self.left = False  # every shard that knew this trainer was told it left
@@ -65,10 +73,11 @@ class Session:
         """Bind the tables' client, its lanes starting at the tables' versions on each shard.  Why: a trainer
         joining a job whose tables moved on (a restored or re-sharded one) would otherwise push a shard whose
         rows it did not pull as from version 0 -- dropped as stale, and a sync round would close without it.
-        ``joined_at``: the round an elastic join admitted this trainer at.  A sync table's round r is the job's
-        round r (docs/elastic.md), so its lanes start there: the first pull waits for the round before it to
-        close (a shard may read one behind when the others' table pushes of that round are still in flight)
-        and the first push lands in round ``joined_at``, never in a round of the epoch before."""
+        ``joined_at``: the round an elastic join admitted this trainer at -- or, on each shard, the round a plain
+        Register of a rank that had left made it a member from again (``member_from``).  A sync table's round r
+        is the job's round r (docs/elastic.md), so its lanes start there: the first pull waits for the round
+        before it to close (a shard may read one behind when the others' table pushes of that round are still
+        in flight) and the first push lands in round ``joined_at``, never in a round of the epoch before."""
         self.rows = rows
         start_at = getattr(rows, "start_at", None)  # a stand-in client (tests: trainer.embedding.LocalRows) has none
         if start_at is None:
@@ -76,8 +85,9 @@ class Session:
         modes = getattr(rows, "modes", {})
         for s in self.client.shards:
             counters = s.stats().counters
+            first = max(joined_at, self.member_from.get(s.index, 0))
             start_at(s.index, {name: joined_round(int(counters.get(f"table.{name}.version", 0)),
-                                                  modes.get(name, Mode.ASYNC), joined_at) for name in rows.tables})
+                                                  modes.get(name, Mode.ASYNC), first) for name in rows.tables})
 
     # ------------------------------------------------------------------ joining
     def join(self, timeout: float, running: bool = False) -> None:
@@ -91,6 +101,7 @@ class Session:
         else:
             results = self._register_everywhere(timeout)
             self.registered = {i for i, r in enumerate(results) if not isinstance(r, Exception)}
+            self.member_from = plain_member_from(self.client.parts, results)
         errors = [r for r in results if isinstance(r, Exception)]
         if errors:
             raise errors[0]

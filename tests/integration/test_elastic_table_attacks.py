@@ -14,7 +14,7 @@ from psserver.protocol.proto import ps_pb2 as pb
 from tests.conftest import P, make_spec
 from tests.helpers import refused, wait_until
 from tests.integration.test_step_rpc import rows as step_rows, step
-from tests.integration.test_sparse_rpc import DIM, pull_rows, push_rows, rows_chunks, table
+from tests.integration.test_sparse_rpc import DIM, FP, pull_rows, push_rows, rows_chunks, table
 
 
 def elastic(mode="sync", num_trainers=1):
@@ -151,3 +151,24 @@ def test_a_row_pull_from_a_joiner_that_has_not_committed_is_failed_precondition_
     proposal = join(shard, spec).join_round  # once committed, it pulls as any member
     join(shard, spec, join_round=proposal, rank=1)
     assert pull_rows(shard, [11, 12], rank=1)[1].shape == (2, DIM)
+
+
+def test_a_plain_register_of_a_rank_that_left_answers_the_round_it_is_a_member_from_which_its_table_lanes_take(
+        shard_server):
+    """A rank that left and registers again without --join is a member from the round open at its Register; a
+    sync table may be a round behind then (the others' table pushes in flight).  Its lanes must start at that
+    round (trainer.session.track_rows reads ``join_round``), not at the table's version: round 1 is not its."""
+    spec = make_spec(num_trainers=2, max_trainers=2, tables=(table(),))
+    shard = started(shard_server, spec)
+    for rank in (0, 1):
+        shard.push(torch.ones(P), rank=rank)
+        push_rows(shard, rows_chunks([1], rank=rank))
+    shard.stub.Leave(pb.LeaveRequest(rank=1, trainer_id="t1", fingerprint=FP), timeout=10)  # out from round 1
+    assert shard.push(torch.ones(P), version=1).outcome == pb.APPLIED  # rank 0's dense round 1: version 2
+    assert shard.register(rank=0, spec=spec).join_round == 0  # a member all along: no round to start from
+    reply = shard.register(rank=1, spec=spec)  # rank 0's table push of round 1 is still in flight: table at 1
+    assert (reply.version, reply.join_round) == (2, 2)
+    refused(lambda: push_rows(shard, rows_chunks([1], rank=1, seq=2, base=1)), grpc.StatusCode.FAILED_PRECONDITION,
+            "base version is 1 but rank 1 is a member of this job from round 2", unchanged=shard)
+    assert push_rows(shard, rows_chunks([1], seq=2, base=1)).outcome == pb.APPLIED  # table round 1: rank 0 only
+    assert push_rows(shard, rows_chunks([1], rank=1, seq=2, base=2)).outcome == pb.ACCEPTED  # round 2 is its first

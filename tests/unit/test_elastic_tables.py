@@ -195,3 +195,27 @@ def test_a_join_never_committed_holds_a_table_round_only_until_its_join_timeout(
     now[0] = 103.0
     shard.tick()
     assert shard.tables.get(name).version == 2 and shard.counters["joins_abandoned"] == 1
+
+
+def test_a_plain_re_registered_leavers_sync_table_lanes_start_at_its_registration_round_on_each_shard():
+    """A rank that left and registered again without --join: each shard answers the round it is a member from
+    (RegisterReply.join_round); a sync table one round behind then must not get its first push (not its round)."""
+    from types import SimpleNamespace
+
+    from psserver.protocol.proto import ps_pb2 as pb
+    from trainer.session import Session, plain_member_from
+
+    parts = [SimpleNamespace(index=i, partition=p, slot=2 * i + p) for i in range(2) for p in range(2)]
+    replies = [pb.RegisterReply(join_round=7), pb.RegisterReply(join_round=7), OSError("down"),
+               pb.RegisterReply(join_round=0)]
+    assert plain_member_from(parts, replies) == {0: 7}
+    session = Session.__new__(Session)  # only what track_rows reads: the shards' stats and member_from
+    shards = [SimpleNamespace(index=i, stats=lambda: SimpleNamespace(counters={"table.emb.version": 6,
+                                                                               "table.asy.version": 6}))
+              for i in range(2)]
+    session.client, session.member_from = SimpleNamespace(shards=shards), {0: 7}
+    started = {}
+    rows = SimpleNamespace(tables=("emb", "asy"), modes={"emb": Mode.SYNC, "asy": Mode.ASYNC},
+                           start_at=lambda shard, versions: started.setdefault(shard, versions))
+    session.track_rows(rows, joined_at=0)
+    assert started == {0: {"emb": 7, "asy": 6}, 1: {"emb": 6, "asy": 6}}
