@@ -103,6 +103,7 @@ class Shard:
         self.members = self.enrolment.members
         self.metrics = metrics if metrics is not None else ShardMetrics(shard_id, self.snapshot)
         self.checkpoints = ShardCheckpoints(shard_id, checkpointer, self.counters)
+        self._steps_in_push: list[int] | None = None  # versions a push's step made: checkpointed after its books
         self.hooks = DenseHooks(self, self._changed)
         self._stopped = False
         self.prepared: Prepared | None = None  # handed by the host when a job is admitted, taken by _set_job
@@ -395,17 +396,27 @@ class Shard:
             if d.action is not modes.Action.DUPLICATE:
                 self.metrics.staleness.observe(d.staleness)
             undo = self._leaving_with(rank, d) if leaving else None
+            self._steps_in_push = []
             try:
                 result, spare = execute(self.hooks, d, info, now)
             except BaseException:
                 if undo is not None:
                     self.enrolment.put_back(undo)  # a refused push changes nothing
+                self._checkpoint_steps_in_push()
                 raise
             if sequence:
                 self.pushes.record(rank, trainer_id, sequence, result)
             if claim is not None:
                 self.cursor.claim(rank, trainer_id, *claim)
+            self._checkpoint_steps_in_push()
             return result, grad if spare is None else spare
+
+    def _checkpoint_steps_in_push(self) -> None:
+        """A checkpoint due at a version this push's step made, taken once the push's acknowledgement and claim
+        are booked: restored, that version is the state after the push (its retry DUPLICATE, its grant kept)."""
+        due, self._steps_in_push = self._steps_in_push or [], None
+        for version in due:
+            self.checkpoints.after_step(version, self.capture)
 
     def claim_batch(self, rank: int, trainer_id: str, fingerprint: str, number: int, per_epoch: int,
                     release: bool = False) -> Grant:
@@ -499,7 +510,10 @@ class Shard:
         self.metrics.apply_seconds.observe(elapsed)
         self.counters["apply_seconds"] += elapsed
         self.counters["steps"] += 1
-        self.checkpoints.after_step(self.version, self.capture)
+        if self._steps_in_push is not None:
+            self._steps_in_push.append(self.version)  # push() takes it after its books (_checkpoint_steps_in_push)
+        else:
+            self.checkpoints.after_step(self.version, self.capture)
         self._changed()
 
     def _lr(self) -> float:

@@ -199,3 +199,25 @@ def test_a_claim_armed_on_a_push_is_taken_from_its_reply_without_a_call_and_fall
     claims.arm()  # this step's push does not bring the grant back (say, dropped as stale)
     assert claims.next() == 2
     assert shard.sent == [(1, False), (3, False)] and claims.number == 3 and shard.claim_ask is None
+
+
+def test_a_checkpoint_taken_by_a_push_holds_that_pushs_claim_grant_and_acknowledgement():
+    """The checkpoint a push's step makes is restored as the state after that push: its gradient, so its claim
+    (granted once the gradient is taken) and its acknowledgement too -- else a restore from it re-grants that batch
+    (trained twice) and applies that push's retry again."""
+    import torch
+
+    from psserver.shard import Shard
+    from tests.conftest import P, make_spec
+
+    shard = Shard(0, clock=lambda: 100.0, lease_timeout=600.0)
+    shard.register(0, "t0", 0, make_spec(mode="async", num_trainers=1, max_trainers=2))
+    shard.init(0, "t0", "f" * 16, torch.zeros(P))
+    captured = []
+    shard.checkpoints.after_step = lambda version, capture: captured.append(capture())
+    assert shard.claim_batch(0, "t0", "f" * 16, 1, 8).batch == 0
+    shard.push(0, "t0", "f" * 16, 0, 1, torch.ones(P), sequence=1, claim=(2, 8))
+    state = captured[-1]
+    assert state.version == 1
+    assert state.cursor["claims"][0][1:3] == (2, 1) and state.cursor["next"] == 2, state.cursor
+    assert state.acked[0][:2] == ("t0", 1), state.acked
