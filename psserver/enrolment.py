@@ -161,10 +161,11 @@ class Enrolment:
         return replaced, len(view.registered), epoch.round if epoch is not None else 0
 
     def join(self, rank: int, trainer_id: str, join_round: int, version: int,
-             confirm: bool = False) -> tuple[int, int, bool]:
+             confirm: bool = False, exact: bool = True) -> tuple[int, int, bool]:
         """An elastic join's step (docs/elastic.md): ``join_round`` 0 asks for admission, E commits it, E with
-        ``confirm`` ends the hold once every shard committed.  Returns (rank, the round answered, a new process
-        took over the rank)."""
+        ``confirm`` ends the hold once every shard committed; ``exact`` (sync) keeps E to the window (else it
+        is clamped into it, psserver.epochs).  Returns (rank, the round answered -- a commit's: the round it
+        took -- and whether a new process took over the rank)."""
         if join_round == 0:
             hands_out = self.shard_id == 0 and self.partition == 0
             try:
@@ -182,14 +183,15 @@ class Enrolment:
             self._check_not_taken(rank, trainer_id)
             before = self.epochs.timeline
             if confirm:
-                self.epochs.confirm(rank, trainer_id, join_round, version, self._clock())
+                epoch = self.epochs.confirm(rank, trainer_id, join_round, version, self._clock(), exact)
                 self._counters["joins_confirmed"] += 1
             else:
-                self.epochs.commit(rank, trainer_id, join_round, version, self._clock(), self.join_timeout)
+                epoch = self.epochs.commit(rank, trainer_id, join_round, version, self._clock(), self.join_timeout,
+                                           exact)
             if self.epochs.timeline is not before:  # not a retry (or a confirm that the commit came before)
                 self._counters["joins"] += 1
-                self.epoch_changed(epoch_at(self.epochs.timeline, join_round), f"rank {rank} joined")
-            answer = join_round
+                self.epoch_changed(epoch, f"rank {rank} joined")
+            answer = epoch.round
         replaced = self.members.register(rank, trainer_id) not in (None, trainer_id)
         return rank, answer, replaced
 

@@ -17,6 +17,9 @@ partition, asks it, and carries the answer out; tests drive it with a fake clock
 * confirm -- every shard took the commit: the hold ends.  A shard that restarted since its commit (and lost
   it) takes the confirm as its commit while ``version < E``.  A committed join never confirmed keeps its
   epoch after ``patience`` (the joiner died after committing everywhere) and stops holding (counted).
+* async and stale-timeout (``exact`` False): a shard's versions are its own (a restored shard stays behind its
+  peers for good) and no data is split by the round (the job's data cursor places batches), so a commit is
+  never refused for its window: each shard takes it at ``E`` clamped into its own window.
 * leave -- the rank is out of the epoch from round ``at`` on.
 * a lease that runs out is not an epoch change: the rank stays a member (it may come back) and rounds stop
   waiting for it through the live set (``expected``).
@@ -138,22 +141,25 @@ class EpochBook:
         return next((r for r, p in self.pending.items() if p.trainer_id == trainer_id), None)
 
     def commit(self, rank: int, trainer_id: str, join_round: int, version: int, now: float = 0.0,
-               patience: float = DEFAULT_JOIN_TIMEOUT) -> Epoch:
-        """Admit ``rank`` from round ``join_round``, holding round ``join_round - 1`` until the confirm (or
-        ``patience``); refused (changing nothing) outside the join window.  The same commit again (a retry after
-        a lost reply, or after this shard restarted from a checkpoint that has it) is answered the same."""
+               patience: float = DEFAULT_JOIN_TIMEOUT, exact: bool = True) -> Epoch:
+        """Admit ``rank`` from round ``join_round``, holding the round before until the confirm (or
+        ``patience``); refused (changing nothing) outside the join window -- ``exact`` False (async,
+        stale-timeout): taken at ``join_round`` clamped into it instead.  The same commit again (a retry after a
+        lost reply, or after this shard restarted from a checkpoint that has it) is answered the same."""
         self._check_elastic()
         pending = self.pending.get(rank)
         if pending is not None and pending.trainer_id == trainer_id and pending.committed == join_round:
-            return epoch_at(self.timeline, join_round)
-        if pending is None and self.joined_at(rank) == join_round:
-            return epoch_at(self.timeline, join_round)
+            return epoch_at(self.timeline, pending.held_from + 1)
+        joined = self.joined_at(rank) if pending is None and rank in self.current.members else None
+        if joined is not None and (joined == join_round or not exact):
+            return epoch_at(self.timeline, joined)
         if pending is None or pending.trainer_id != trainer_id:
             self._check_rank_free(rank, trainer_id)
         if pending is not None and pending.committed:
             raise InvalidRequest(f"join_round is {join_round} but {self.label} took this join's commit at round "
                                  f"{pending.committed}: a join commits one round")
-        why = commit_window(version, join_round)
+        why = commit_window(version, join_round) if exact else ""
+        at = join_round if exact else min(max(join_round, version + 1), version + MAX_JOIN_AHEAD)
         if why == "late":
             raise JobMismatch(f"join_round is {join_round} but {self.label} is at version {version}: that round "
                               "was already served without this trainer; join again")
@@ -163,20 +169,21 @@ class EpochBook:
         if pending is not None and join_round < pending.proposal:
             raise InvalidRequest(f"join_round is {join_round} but {self.label} proposed {pending.proposal}: the "
                                  "round must be the largest proposal of every shard")
-        epoch = self._change(join_round, rank, add=True, what=f"join_round {join_round}")  # refused: nothing changed
+        epoch = self._change(at, rank, add=True, what=f"join_round {join_round}")  # refused: nothing changed
         proposal = pending.proposal if pending is not None else join_round
-        self.pending[rank] = PendingJoin(trainer_id, proposal, join_round - 1, now + patience, committed=join_round)
+        self.pending[rank] = PendingJoin(trainer_id, proposal, at - 1, now + patience, committed=join_round)
         return epoch
 
-    def confirm(self, rank: int, trainer_id: str, join_round: int, version: int, now: float = 0.0) -> Epoch:
+    def confirm(self, rank: int, trainer_id: str, join_round: int, version: int, now: float = 0.0,
+                exact: bool = True) -> Epoch:
         """Every shard took the commit: stop holding.  A shard that lost the commit (it restarted since) takes
-        this as its commit while ``version < join_round`` (refused, changing nothing, once it served that round);
-        a confirm again is answered the same."""
+        this as its commit (``commit``: refused, changing nothing, once it served that round); a confirm again
+        is answered the same."""
         pending = self.pending.get(rank)
         if pending is None or pending.trainer_id != trainer_id or pending.committed != join_round:
-            epoch = self.commit(rank, trainer_id, join_round, version, now)
+            epoch = self.commit(rank, trainer_id, join_round, version, now, exact=exact)
         else:
-            epoch = epoch_at(self.timeline, join_round)
+            epoch = epoch_at(self.timeline, pending.held_from + 1)
         self.pending.pop(rank, None)
         return epoch
 

@@ -196,7 +196,8 @@ class Shard:
             if self.job is None or self._job_done():
                 raise no_job_to_join(self.label, ended=self.job is not None)
             self._check_same_job(job)
-            rank, answer, replaced = self.enrolment.join(rank, trainer_id, join_round, self.version, confirm)
+            rank, answer, replaced = self.enrolment.join(rank, trainer_id, join_round, self.version, confirm,
+                                                         exact=self.job.mode == Mode.SYNC)
             if replaced:
                 self.pushes.new_process(rank, holes=False)  # a new process on a rank that left
             self._close_if_due()

@@ -95,9 +95,11 @@ class Session:
         all within one ``timeout``.  ``running``: join a running elastic job (``join_running``) and start from
         the weights of the round it is admitted at."""
         give_up = time.monotonic() + timeout
-        first_version = 0
+        first_versions: dict[int, int] = {}
         if running:
-            results, first_version = self.join_running(timeout)
+            results, _ = self.join_running(timeout)
+            # each slot's round taken (sync: the same everywhere; async: a restored shard's own, below its peers')
+            first_versions = {i: r.join_round for i, r in enumerate(results) if not isinstance(r, Exception)}
         else:
             results = self._register_everywhere(timeout)
             self.registered = {i for i, r in enumerate(results) if not isinstance(r, Exception)}
@@ -118,7 +120,7 @@ class Session:
             ready = self.slots.produced()
             self.client.map(lambda s: self.slots.initialise(s, ready) if not results[s.slot].initialized else None,
                             parts=True)
-        self._wait_for_start(give_up - time.monotonic(), timeout, first_version)
+        self._wait_for_start(give_up - time.monotonic(), timeout, first_versions)
         self.slots.staging.settle()  # the first forward waits for the first weights
 
     def join_running(self, timeout: float) -> tuple[list, int]:
@@ -206,7 +208,8 @@ class Session:
             self.registered -= {i + 1 for i, f in enumerate(inflight) if isinstance(f.result(), Exception)}
             raise
 
-    def _wait_for_start(self, timeout: float, connect_timeout: float, min_version: int = 0) -> None:
+    def _wait_for_start(self, timeout: float, connect_timeout: float,
+                        min_versions: dict[int, int] | None = None) -> None:
         """The first pull, which returns once every shard is initialised and (sync modes) every trainer has
         registered.  Polled in short calls so that what is awaited -- the shard's own words, e.g. "still
         waits for ranks [1] to register" -- is logged every few seconds instead of a silent wait."""
@@ -216,7 +219,8 @@ class Session:
             while True:
                 poll = max(0.5, min(give_up - time.monotonic(), WAIT_LOG_SECONDS))
                 try:
-                    self.slots.versions[s.slot] = self.slots.pull_into(s, min_version, poll)
+                    self.slots.versions[s.slot] = self.slots.pull_into(s, (min_versions or {}).get(s.slot, 0),
+                                                                       poll)
                     return
                 except grpc.RpcError as e:
                     if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:

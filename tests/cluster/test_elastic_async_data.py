@@ -10,10 +10,12 @@ batches each trainer trained are in its summary (the last line of its log).
 
 import json
 import signal
+from collections import Counter
 
 import pytest
 
 from psserver.protocol.stubs import fetch_stat
+from tests.cluster.helpers import restart_on_its_port
 from tests.helpers import wait_until
 from trainer.procs import start_shard, start_trainer, wait_all
 
@@ -70,3 +72,53 @@ def test_two_trainers_at_different_paces_a_joiner_and_a_leaver_train_each_batch_
     with_push = [d["claims_with_push"] for d in done.values()]
     assert (all(w >= len(d["batches"]) - 2 for w, d in zip(with_push, done.values())) if mode == "async"
             else sum(with_push) > 0), done
+
+
+HELD_VERSION = 12  # shard 0's version with rank 0 held before its step 4 and rank 1 before its step 8: 4 + 8 pushes
+
+
+@pytest.mark.parametrize("every, restored", [(12, 12), (5, 10)])
+def test_shard_0_killed_and_restored_mid_job_skips_no_batch_and_grants_again_only_what_its_checkpoint_lost(
+        tmp_path, every, restored):
+    """The cursor lives on shard 0 partition 0: kill -9 it mid-job (both trainers held, so the versions are known)
+    and restart it with --restore.  A checkpoint at the crash's version (``every`` 12) loses nothing: no claim
+    resumes, no batch is trained twice.  One two versions behind (``every`` 5: version 10) loses the two grants
+    its pushes 11 and 12 made: each rank whose push was lost resumes (``claims_resumed_after_restore``) and those
+    two batches -- and only those -- are granted again, trained twice (docs/elastic.md).  No batch is ever
+    skipped."""
+    ckpt = tmp_path / "ckpt"
+    args = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", str(every)]
+    common = [*MODES["async"], *COMMON]
+    shards = [start_shard(0, tmp_path / "shard0.log", extra_args=args), start_shard(1, tmp_path / "shard1.log")]
+    procs = list(shards)
+    try:
+        ps = ",".join(s.address for s in shards)
+        for rank, hold in ((0, 4), (1, 8)):
+            procs.append(start_trainer(rank, ps, tmp_path / f"trainer{rank}.log",
+                                       [*common, "--hold-at-round", str(hold)]))
+        wait_until(lambda: fetch_stat(shards[0].address).counters.get("batches_claimed") == 14,
+                   "rank 0 to hold after 4 batches and rank 1 after 8")
+        assert fetch_stat(shards[0].address).version == HELD_VERSION
+        wait_until(lambda: any(ckpt.rglob(f"shard0-v{restored:012d}.ckpt")), f"the checkpoint of version {restored}")
+        shards[0].kill()  # SIGKILL: no final checkpoint
+        procs.append(restart_on_its_port(shards[0], 0, tmp_path / "shard0-restarted.log", args))
+        st = fetch_stat(shards[0].address)
+        assert st.version == restored
+        regranted = set(range(int(st.counters["batches_claimed"]), 14))  # granted before the crash, not in it
+        assert len(regranted) == HELD_VERSION - restored  # one grant a lost push
+        procs.append(start_trainer(None, ps, tmp_path / "joiner.log", ["--join", *common], name="joiner"))
+        wait_until(lambda: len(fetch_stat(shards[0].address).epochs) >= 2, "the joiner to be admitted")
+        procs[3].signal(signal.SIGTERM)
+        codes = wait_all([p for p in procs if p.name.startswith(("trainer", "joiner"))], 300)
+        assert codes == {"trainer0": 0, "trainer1": 0, "joiner": 0}, codes
+        counters = fetch_stat(shards[0].address).counters
+    finally:
+        for p in procs:
+            p.kill()
+    done = {name: summary(tmp_path / f"{name}.log") for name in ("trainer0", "trainer1", "joiner")}
+    times = Counter(b for d in done.values() for b in d["batches"])
+    assert sorted(times) == list(range(len(times))), done  # none skipped
+    assert {b for b, n in times.items() if n > 1} == regranted and max(times.values()) <= 2, times
+    resumed = counters.get("claims_resumed_after_restore", 0)
+    assert (resumed == 0) if not regranted else (1 <= resumed <= 2), dict(counters)
+    assert counters.get("batches_to_reissue", 0) == 0, dict(counters)

@@ -263,3 +263,23 @@ def test_a_committed_join_never_confirmed_keeps_its_epoch_and_stops_holding_at_i
     gone = book.expire(6.0)
     assert [(r, p.committed) for r, p in gone] == [(2, 5)]
     assert book.held_from() is None and book.members_at(5) == {0, 1, 2}
+
+
+def test_an_async_commit_on_a_shard_restored_behind_its_peers_is_taken_in_its_own_window_never_refused():
+    """Async (and stale-timeout) shards keep their own versions: one restored from a checkpoint stays behind its
+    peers for good, so the largest proposal may be past its window.  Sync refuses that (an epoch from the
+    future); async takes it clamped into the window -- no data is split by the round there -- and answers retries
+    and the confirm alike."""
+    behind = elastic()
+    behind.prepare(2, "t2", version=10, now=0.0, patience=PATIENCE)  # proposes 12; its peer, at 12, proposed 14
+    with pytest.raises(FutureVersion, match="join_round is 14 but shard 0 is at version 10: at most 13"):
+        behind.commit(2, "t2", 14, version=10)
+    assert behind.current.number == 0
+    epoch = behind.commit(2, "t2", 14, version=10, exact=False)
+    assert epoch.round == 13 and behind.members_at(13) == {0, 1, 2} and behind.held_from() == 12
+    assert behind.commit(2, "t2", 14, version=10, exact=False) == epoch  # a retry
+    assert behind.confirm(2, "t2", 14, version=10, exact=False) == epoch and behind.pending == {}
+    assert behind.confirm(2, "t2", 14, version=11, exact=False) == epoch  # a confirm again
+    late = elastic()
+    late.prepare(2, "t2", version=3, now=0.0, patience=PATIENCE)
+    assert late.commit(2, "t2", 5, version=6, exact=False).round == 7  # pushes moved it on meanwhile
