@@ -586,7 +586,7 @@ class ParameterServerService:
         self.shard.check_member(request.rank, request.trainer_id, request.fingerprint)
         self.shard.check_row_pull(request.rank, request.min_version)  # before a wait, and before any row is made
         table = self.shard.tables.get(request.table)
-        ids = _decode_ids(request.ids)
+        ids = self.rows.pull_ids(request.ids, request.packed_ids)
         # the reply, before any row exists (and under the cap a trainer splits its pulls by)
         _check_pull_bytes(len(ids), table.spec.dim, min(self.cfg.max_push_bytes, limits.MAX_ROWS_REPLY_BYTES))
         checked = await self.rows.check_ids(table, ids)  # before waiting: a refusal is not worth a wait
@@ -595,6 +595,8 @@ class ParameterServerService:
             checked, self._deadline(context), functools.partial(context.hold, ("rows", id(request))))
         header = _pb.RowsHeader(table=request.table, version=version, num_ids=len(ids), dim=table.spec.dim,
                                 wait_seconds=waited)
+        if request.remember:  # (ids once: a push may name this pull instead of resending its ids)
+            header.pull_ref = self.rows.remember(request, checked)
         for chunk in row_chunks(rows, header, self.cfg.chunk_bytes):
             await context.write(chunk, self.cfg.chunk_bytes)
 
@@ -620,7 +622,7 @@ class ParameterServerService:
 
     async def _check_pull_ids(self, h: _pb.RowsHeader, table):
         """A push-pull's ``pull_ids``, checked before the push (count, reply bytes, repeats, placement)."""
-        ids = _decode_ids(h.pull_ids)
+        ids = self.rows.pull_ids(h.pull_ids, h.packed_pull_ids, "pull_ids")
         _check_pull_bytes(len(ids), table.spec.dim, min(self.cfg.max_push_bytes, limits.MAX_ROWS_REPLY_BYTES))
         return await self.rows.check_ids(table, ids)
 
@@ -637,7 +639,7 @@ class ParameterServerService:
             functools.partial(context.hold, ("rows", id(h))))
         self.shard.count("row_push_pulls")
         header = _pb.RowsHeader(table=h.table, version=version, num_ids=len(ids), dim=table.spec.dim,
-                                wait_seconds=waited, push=_push_reply(r))
+                                wait_seconds=waited, push=_push_reply(r), pull_ref=self.rows.remember(h, checked))
         for chunk in row_chunks(rows, header, self.cfg.chunk_bytes):
             await context.write(chunk, self.cfg.chunk_bytes)
 
@@ -697,8 +699,8 @@ class ParameterServerService:
         table = self._check_rows_first(h)
         table = await self.rows.wait_push_base(table, h.table, h.rank, h.version, deadline)  # before check_push
         pull_ids = None
-        if h.pull_ids:
-            pull_ids = _decode_ids(h.pull_ids)
+        if h.pull_ids or h.packed_pull_ids:
+            pull_ids = self.rows.pull_ids(h.pull_ids, h.packed_pull_ids, "pull_ids")
             _check_pull_bytes(len(pull_ids), table.spec.dim,
                               min(self.cfg.max_push_bytes, limits.MAX_ROWS_REPLY_BYTES))
         read = await self._read_rows(_StreamReader(_replay(p.chunks[1:]), self.cfg.stream_idle_timeout, deadline),
@@ -762,19 +764,21 @@ class ParameterServerService:
     async def _read_rows(self, reader: _StreamReader, first, h: _pb.RowsHeader) -> tuple[torch.Tensor, torch.Tensor]:
         """The stream's ids and rows, checked chunk by chunk as they arrive (tiling, sizes) and copied."""
         n, dim = h.num_ids, h.dim
-        ids, grads = torch.empty(n, dtype=torch.int64), torch.empty(n, dim)
+        named = self.rows.push_ids(h)  # the ids of the pulls the push names (ids once), or None: in the chunks
+        ids, grads = torch.empty(n, dtype=torch.int64) if named is None else named, torch.empty(n, dim)
         ids_raw, rows_raw = ids.view(torch.uint8).numpy(), grads.view(-1).view(torch.uint8).numpy()
         pos, chunks, chunk = 0, 0, first
         while chunk is not None:
             chunk = _decoded(chunk)
-            k = _check_rows_chunk(chunk, chunks, pos, n, dim, self.cfg.min_chunk_bytes)
-            ids_raw[pos * 8:(pos + k) * 8] = np.frombuffer(chunk.ids, dtype=np.uint8)
+            k = _check_rows_chunk(chunk, chunks, pos, n, dim, self.cfg.min_chunk_bytes, named is not None)
+            if named is None:
+                ids_raw[pos * 8:(pos + k) * 8] = np.frombuffer(chunk.ids, dtype=np.uint8)
             rows_raw[pos * dim * 4:(pos + k) * dim * 4] = np.frombuffer(chunk.rows, dtype=np.uint8)
             pos, chunks = pos + k, chunks + 1
             chunk = await reader.next()
         if pos != n:
             raise InvalidRequest(f"the chunks cover ids [0, {pos}) but num_ids is {n}")
-        self.shard.count("bytes_in", n * (8 + 4 * dim))
+        self.shard.count("bytes_in", n * (4 * dim + (8 if named is None else 0)))
         return ids, grads
 
 
@@ -838,15 +842,6 @@ def _push_reply(r) -> _pb.PushRowsReply:
                              rows_applied=r.rows_applied, rows_stale=r.rows_stale)
 
 
-def _decode_ids(raw: bytes) -> torch.Tensor:
-    """int64 ids from little-endian bytes, bounded before they are copied."""
-    if len(raw) % 8:
-        raise InvalidRequest(f"ids holds {len(raw)} bytes, not a multiple of 8 (int64 ids)")
-    if len(raw) // 8 > limits.MAX_IDS_PER_CALL:
-        raise TooLarge(f"ids has {len(raw) // 8} entries, over the limit of {limits.MAX_IDS_PER_CALL}")
-    return torch.frombuffer(bytearray(raw), dtype=torch.int64) if raw else torch.empty(0, dtype=torch.int64)
-
-
 def _check_pull_bytes(n: int, dim: int, max_bytes: int) -> None:
     """Refuse a row pull whose reply (and the rows it may create) would pass the shard's per-call byte limit
     (limits.MAX_ROWS_REPLY_BYTES, or --max-push-bytes if lower)."""
@@ -867,8 +862,10 @@ def _check_rows_declared(h: _pb.RowsHeader, dim: int, max_bytes: int) -> None:
         raise TooLarge(f"the stream declares {declared} bytes, over this shard's limit of {max_bytes} bytes")
 
 
-def _check_rows_chunk(chunk, index: int, pos: int, n: int, dim: int, min_chunk_bytes: int) -> int:
-    """Refuse a chunk that does not continue the tiling of [0, n) with whole rows; its number of ids."""
+def _check_rows_chunk(chunk, index: int, pos: int, n: int, dim: int, min_chunk_bytes: int,
+                      named: bool = False) -> int:
+    """Refuse a chunk that does not continue the tiling of [0, n) with whole rows; its number of ids.
+    ``named``: the header names the push's pulls (pull_refs), so the chunk carries rows only."""
     if index and chunk.HasField("header"):
         raise InvalidRequest(f"the chunk at offset {chunk.offset} repeats the header; only the first may")
     if index and pos == n:
@@ -876,10 +873,14 @@ def _check_rows_chunk(chunk, index: int, pos: int, n: int, dim: int, min_chunk_b
     if chunk.offset != pos:
         raise InvalidRequest(f"chunk offset is {chunk.offset} but {pos} was expected: chunks must tile "
                              f"[0, {n}) once, in order")
+    if named and (chunk.ids or len(chunk.rows) % (dim * 4)):
+        raise InvalidRequest(f"the chunk at offset {chunk.offset} has {len(chunk.ids)} bytes of ids and "
+                             f"{len(chunk.rows)} of rows, but the header names pull_refs: rows only, whole rows "
+                             f"of dim {dim}")
     if len(chunk.ids) % 8:
         raise InvalidRequest(f"the chunk at offset {chunk.offset} has {len(chunk.ids)} bytes of ids, not a "
                              "multiple of 8 (int64 ids)")
-    k = len(chunk.ids) // 8
+    k = len(chunk.rows) // (dim * 4) if named else len(chunk.ids) // 8
     if pos + k > n:
         raise InvalidRequest(f"the chunk at offset {chunk.offset} holds {k} ids, past the end of [0, {n})")
     if len(chunk.rows) != k * dim * 4:

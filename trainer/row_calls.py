@@ -13,6 +13,7 @@ from typing import Callable
 import grpc
 
 from psserver.protocol.proto import ps_pb2 as _pb
+from psserver.protocol.rows import idpack
 from psserver.protocol.stubs import method
 from trainer.client import PUSH_RETRYABLE, ShardClient
 
@@ -43,24 +44,29 @@ class RowCalls:
 
         return shard._call(what, once, retry_on=retry_on)
 
-    def pull(self, s: ShardClient, table: str, min_version: int, ids) -> tuple[int, bytes]:
-        """One PullRows call of ``ids`` (int64 CPU) at ``min_version`` or later: (the table's version, the rows'
-        bytes)."""
+    def pull(self, s: ShardClient, table: str, min_version: int, ids) -> tuple[int, bytes, int, int]:
+        """One PullRows call of ``ids`` (int64 CPU) at ``min_version`` or later, remembered by the shard (ids
+        once): (the table's version, the rows' bytes, the pull's reference (0: not kept), the ids' bytes sent --
+        packed when ascending, psserver.protocol.rows.idpack)."""
         req = _pb.PullRowsRequest(rank=s.rank, trainer_id=s.trainer_id, fingerprint=s.fingerprint, table=table,
-                                  min_version=min_version, ids=ids.contiguous().numpy().tobytes())
+                                  min_version=min_version, remember=True)
+        if idpack.packable(ids):
+            req.packed_ids = idpack.pack(ids)
+        else:
+            req.ids = ids.contiguous().numpy().tobytes()
 
         def once():
             chunks = iter(self._pull[s.index](req, timeout=s.call_timeout))
             first = next(chunks)
             raw = b"".join([first.rows, *(c.rows for c in chunks)])
-            return first.header.version, raw
+            return first.header.version, raw, first.header.pull_ref, len(req.ids) + len(req.packed_ids)
 
         return self.call(s, "PullRows", once)
 
     def push(self, s: ShardClient, chunks: list, fused: bool) -> tuple[_pb.PushRowsReply, tuple | None, int]:
         """One push of ``chunks`` (``fused``: a PushPullRows, its header naming the ids to pull), retried after
-        a lost reply: (the push's reply, (version, rows' bytes) or None, how many times it was sent -- a
-        DUPLICATE to the first send is not a lost reply's retry)."""
+        a lost reply: (the push's reply, (version, rows' bytes, the pull's reference) or None, how many times it
+        was sent -- a DUPLICATE to the first send is not a lost reply's retry)."""
         sent = 0
 
         def send():
@@ -70,7 +76,8 @@ class RowCalls:
                 return self._push[s.index](iter(chunks), timeout=s.call_timeout), None
             replies = iter(self._push_pull[s.index](iter(chunks), timeout=s.call_timeout))
             first = next(replies)  # the whole reply is read here: a cut stream is retried as a lost reply
-            return first.header.push, (first.header.version, b"".join([first.rows, *(c.rows for c in replies)]))
+            return first.header.push, (first.header.version, b"".join([first.rows, *(c.rows for c in replies)]),
+                                       first.header.pull_ref)
 
         reply, pulled = self.call(s, "PushPullRows" if fused else "PushRows", send, retry_on=PUSH_RETRYABLE)
         return reply, pulled, sent

@@ -20,6 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from psserver.protocol.rules import Mode, reply_version
+from trainer.pull_refs import RefBook
 from trainer.push_numbers import PushNumbers
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class Lane(PushNumbers):
     base: int = 0  # the base of the next push: the version of the latest pull (sync: the round it is in)
     wait_for: int = 0  # sync modes: the version a pull must reach (the close of our last push's round)
     resumed: bool = False  # resynced after a restart, no push answered since (see push_outcome)
+    refs: RefBook = field(default_factory=RefBook)  # pulls the shard remembered: a push names them (ids once)
 
 
 @dataclass
@@ -143,6 +145,7 @@ class RowLanes:
                 lane.version = lane.base = lane.wait_for = v
                 lane.abandon()
                 lane.resumed = True
+                lane.refs.forget()  # a restarted shard holds none of the pulls it remembered
                 pending = self.pending.get(name)
                 if pending is not None and shard in pending.payloads and shard not in pending.done:
                     pending.done.append(shard)

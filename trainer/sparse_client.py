@@ -59,10 +59,11 @@ from psserver.protocol.codec import DEFAULT_CHUNK_BYTES
 from psserver.protocol.job import JobSpec, table_mode
 from psserver.protocol.limits import MAX_ROWS_REPLY_BYTES
 from psserver.protocol.proto import ps_pb2 as _pb
+from psserver.protocol.rows import idpack
 from psserver.protocol.rows.placement import shard_of
 from psserver.protocol.rows.table import TableSpec
 from psserver.protocol.rows.wire import row_chunks
-from psserver.protocol.rules import STALE, Mode, stale_version
+from psserver.protocol.rules import STALE, Mode, refused_pull_ref, stale_version
 from trainer.client import RESTART_CODES, ShardCallsFailed, ShardClient, ShardedClient
 from trainer.row_cache import RowCache, pull_through
 from trainer.row_calls import RowCalls
@@ -119,6 +120,9 @@ class RowsPart:
     dim: int
     chunks: list
     windowed: bool = False  # a push window's (trainer.table_window): answered on its thread, base left alone
+    ids: torch.Tensor | None = None  # the push's ids and rows, kept to resend them with their ids when the shard
+    grads: torch.Tensor | None = None  # refuses the pulls it names (ids once)
+    id_bytes: int = 0  # bytes of ids (or pull references) the push sends
 
 
 class ShardedRows:
@@ -143,6 +147,9 @@ class ShardedRows:
         # A sync table's push carries the next batch's prefetched ids and its reply their rows (PushPullRows):
         # one round trip instead of a push and a pull.  False: PushRows, then the prefetch's own PullRows.
         self.fuse = True
+        # A push names the pulls its rows were read at instead of resending their ids (ids once; the shard
+        # remembers them, psserver.sparse.pull_refs).  False: every push sends its ids.
+        self.name_pulls = True
         # The next batches' rows, pulled ahead (trainer.row_prefetch); used by pull(), moved on by push().
         self.ahead = RowPrefetch({n: t.dim for n, t in self.tables.items()},
                                  {n: m != Mode.ASYNC for n, m in self.modes.items()}, m, self._split,
@@ -283,17 +290,19 @@ class ShardedRows:
         per_call = max(1, MAX_ROWS_REPLY_BYTES // (dim * 4))
         seen = lane.version  # (pushes answered while the pull is out move it on: no going back, RowLanes.pulled)
         pieces = [self._pull_piece(s, table, lane, ids[i:i + per_call]) for i in range(0, len(ids), per_call)]
-        version, raw = min(v for v, _ in pieces), b"".join(r for _, r in pieces)
+        version, raw = min(p[0] for p in pieces), b"".join(p[1] for p in pieces)
         if len(raw) != len(ids) * dim * 4:
             raise ValueError(f"shard {s.index} sent {len(raw)} bytes of rows for {len(ids)} ids of dim {dim}")
-        went_back = self.book.pulled(s.index, table, version, seen, bytes_pulled=len(raw) + 8 * len(ids),
+        for i, (_, _, ref, _) in zip(range(0, len(ids), per_call), pieces):
+            lane.refs.record(ref, ids[i:i + per_call])  # (ids once: the push names this pull)
+        went_back = self.book.pulled(s.index, table, version, seen, bytes_pulled=len(raw) + sum(p[3] for p in pieces),
                                      rows_pulled=len(ids), row_pull_calls=len(pieces))
         if went_back and table in self.caches:  # rows cached before the restore are of a state that is gone
             self.caches[table].drop_shard(s.index)
         return torch.from_numpy(np.frombuffer(raw, dtype=np.float32).copy()).view(len(ids), dim), version
 
-    def _pull_piece(self, s: ShardClient, table: str, lane: Lane, ids: torch.Tensor) -> tuple[int, bytes]:
-        """One PullRows call (sync: at the close of this trainer's last push's round)."""
+    def _pull_piece(self, s: ShardClient, table: str, lane: Lane, ids: torch.Tensor) -> tuple[int, bytes, int, int]:
+        """One PullRows call (sync: at the close of this trainer's last push's round): RowCalls.pull's answer."""
         return self.calls.pull(s, table, lane.wait_for if self.modes[table] != Mode.ASYNC else 0, ids)
 
     # -- push ---------------------------------------------------------------------------------------
@@ -385,13 +394,45 @@ class ShardedRows:
                                 version=base, num_samples=num_samples, sequence=sequence,
                                 num_ids=len(ids), dim=grads.shape[1])
         if pull_ids is not None:
-            header.pull_ids = pull_ids.contiguous().numpy().tobytes()
+            if idpack.packable(pull_ids):
+                header.packed_pull_ids = idpack.pack(pull_ids)
+            else:
+                header.pull_ids = pull_ids.contiguous().numpy().tobytes()
+        named = lane.refs.name(ids) if self.name_pulls and idpack.packable(ids) else None
+        if named is not None:  # ids once: the pulls this push's rows were read at, not their ids
+            header.pull_refs.extend(named[0])
+            header.extra_ids = idpack.pack(named[1])
+            id_bytes = len(header.extra_ids) + 10 * len(named[0])
+        else:
+            id_bytes = 8 * len(ids)
         return RowsPart(table, lane, header, pull_ids, claim, len(ids), grads.shape[1],
-                        list(row_chunks(grads, header, self.chunk_bytes, ids)), numbered is not None)
+                        list(row_chunks(grads, header, self.chunk_bytes, ids if named is None else None)),
+                        numbered is not None, ids, grads, id_bytes)
+
+    def with_ids(self, part: RowsPart) -> RowsPart:
+        """``part`` again -- same number, base and pull -- with its ids instead of the pulls it named: the shard
+        holds none of them (refused, reason pull-ref-unknown); counted (``pull_refs_refused``) and logged."""
+        part.lane.refs.forget()
+        self._count(pull_refs_refused=1)
+        log.info("table %r: the shard holds no pull this push named (%s); sent again with its %d ids", part.table,
+                 ", ".join(f"{r:#x}" for r in part.header.pull_refs), part.num_ids)
+        header = _pb.RowsHeader()
+        header.CopyFrom(part.header)
+        header.ClearField("pull_refs")
+        header.ClearField("extra_ids")
+        return RowsPart(part.table, part.lane, header, part.pull_ids, part.claim, part.num_ids, part.dim,
+                        list(row_chunks(part.grads, header, self.chunk_bytes, part.ids)), part.windowed, part.ids,
+                        part.grads, 8 * part.num_ids)
 
     def _push_once(self, s: ShardClient, part: RowsPart) -> str:
         try:
-            reply, pulled, sent = self.calls.push(s, part.chunks, fused=part.pull_ids is not None)
+            try:
+                reply, pulled, sent = self.calls.push(s, part.chunks, fused=part.pull_ids is not None)
+            except grpc.RpcError as e:
+                if not (part.header.pull_refs and refused_pull_ref(e)):
+                    raise
+                part = self.with_ids(part)
+                reply, pulled, sent = self.calls.push(s, part.chunks, fused=part.pull_ids is not None)
         except grpc.RpcError as e:
             if self.part_stale(part, e) is None:
                 raise
@@ -415,15 +456,18 @@ class ShardedRows:
         with self._answer_lock if part.windowed else contextlib.nullcontext():  # (a window's answer on its thread)
             outcome = self.book.answered(lane, table, _pb.PushOutcome.Name(reply.outcome).lower(),
                                          part.header.version, reply.version, attempts, windowed=part.windowed)
-        self._count(bytes_pushed=part.num_ids * (8 + 4 * part.dim), rows_pushed=part.num_ids,
-                    rows_stale=reply.rows_stale, **{f"{outcome}_pushes": 1})
-        rows = self._rows_read(s, table, lane, part.pull_ids, *pulled) if pulled is not None else None
+        self._count(bytes_pushed=part.num_ids * 4 * part.dim + part.id_bytes, rows_pushed=part.num_ids,
+                    rows_stale=reply.rows_stale, pushes_naming_pulls=int(bool(part.header.pull_refs)),
+                    **{f"{outcome}_pushes": 1})
+        rows = (self._rows_read(s, table, lane, part.pull_ids, *pulled,
+                                id_bytes=len(part.header.pull_ids) + len(part.header.packed_pull_ids))
+                if pulled is not None else None)
         if rows is not None:
             self.ahead.deliver(part.claim, s.index, rows, pulled[0])
         return outcome
 
     def _rows_read(self, s: ShardClient, table: str, lane: Lane, ids: torch.Tensor, version: int,
-                   raw: bytes) -> torch.Tensor | None:
+                   raw: bytes, ref: int = 0, id_bytes: int | None = None) -> torch.Tensor | None:
         """A fused call's rows (their version is the push's round close: nothing to check against a restore).
         Rows of the wrong size are counted and dropped, not raised: the push was answered, and raising would
         resend its gradient under a new number; the prefetch pulls them again instead."""
@@ -433,9 +477,11 @@ class ShardedRows:
             log.warning("shard %d sent %d bytes of rows for %d ids of dim %d in a PushPullRows reply; pulled "
                         "again", s.index, len(raw), len(ids), dim)
             return None
+        lane.refs.record(ref, ids)  # (ids once: the push of these rows names this pull)
         with self._lock:
             lane.version = max(lane.version, version)
-            self.counters.update(bytes_pulled=len(raw) + 8 * len(ids), rows_pulled=len(ids), fused_pulls=1)
+            self.counters.update(bytes_pulled=len(raw) + (8 * len(ids) if id_bytes is None else id_bytes),
+                                 rows_pulled=len(ids), fused_pulls=1)
         return torch.from_numpy(np.frombuffer(raw, dtype=np.float32).copy()).view(len(ids), dim)
 
     def _push_outcome(self, lane: Lane, outcome: str, attempts: int) -> str:

@@ -176,5 +176,6 @@ class StepCall:
             self.client.count("step_replies_broken")
             return StepReplyBroken(f"the reply of table {part.table!r} is missing")
         first = chunks[0]
-        pulled = None if part.pull_ids is None else (first.header.version, b"".join(c.rows for c in chunks))
+        pulled = None if part.pull_ids is None else (first.header.version, b"".join(c.rows for c in chunks),
+                                                     first.header.pull_ref)
         return self._rows().part_answered(s, part, first.header.push, pulled, tries)

@@ -89,6 +89,17 @@ class JobEnded(NoJobToJoin):
     reason = JOB_ENDED
 
 
+PULL_REF_UNKNOWN = "pull-ref-unknown"
+
+
+class UnknownPullRef(InvalidRequest):
+    """A push names a pull (RowsHeader.pull_refs) the shard holds no ids under for its caller and table: expired,
+    never given, or from before a restart.  INVALID_ARGUMENT with reason ``pull-ref-unknown``: the trainer sends the
+    same push again with its ids (docs/sparse.md, "Ids once")."""
+
+    reason = PULL_REF_UNKNOWN
+
+
 class FutureVersion(PsError):
     """A push claims a base version the shard has not reached."""
 

@@ -17,6 +17,7 @@ from psserver.protocol.errors import (
     LAYOUT_METADATA_KEY,
     LAYOUT_MOVED,
     NO_JOB,
+    PULL_REF_UNKNOWN,
     REASON_METADATA_KEY,
     VERSION_METADATA_KEY,
 )
@@ -90,6 +91,13 @@ def refused_layout_ahead(error: grpc.RpcError) -> bool:
     shard restarted from an older record; the trainer retries within its budget."""
     return (error.code() == grpc.StatusCode.OUT_OF_RANGE
             and dict(error.trailing_metadata() or ()).get(REASON_METADATA_KEY) == LAYOUT_AHEAD)
+
+
+def refused_pull_ref(error: grpc.RpcError) -> bool:
+    """Whether a push was refused for naming a pull the shard does not hold (INVALID_ARGUMENT, reason
+    pull-ref-unknown): the trainer sends it again with its ids."""
+    return (error.code() == grpc.StatusCode.INVALID_ARGUMENT
+            and dict(error.trailing_metadata() or ()).get(REASON_METADATA_KEY, "") == PULL_REF_UNKNOWN)
 
 
 def refused_no_job(error: grpc.RpcError) -> bool:

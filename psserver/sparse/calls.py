@@ -13,7 +13,10 @@ import functools
 import torch
 
 from psserver.common.logsafe import shorten
-from psserver.protocol.errors import ShuttingDown, WaitTimeout
+from psserver.protocol import limits
+from psserver.protocol.errors import InvalidRequest, ShuttingDown, TooLarge, WaitTimeout
+from psserver.protocol.rows import idpack
+from psserver.sparse.pull_refs import PullRefs
 from psserver.sparse.serving import CheckedIds
 
 # Row calls up to this many row elements (ids x dim: 4,096 ids of dim 16) run on the loop when the dense slice's
@@ -28,6 +31,53 @@ class RowCalls:
 
     def __init__(self, shard, runtime, max_pull_wait: float):
         self.shard, self.runtime, self.max_pull_wait = shard, runtime, max_pull_wait
+        self.refs = PullRefs()  # pulls a push may name instead of resending their ids (ids once)
+
+    # -- ids once (issue 21 item 4): packed ids, remembered pulls, pushes that name them --------------------
+    @staticmethod
+    def pull_ids(raw: bytes, packed: bytes, field: str = "ids") -> torch.Tensor:
+        """A pull's ids, sent raw (int64 LE) or packed (psserver.protocol.rows.idpack), bounded before a copy."""
+        if raw and packed:
+            raise InvalidRequest(f"{field} ({len(raw)} bytes) and packed_{field} ({len(packed)} bytes) are both "
+                                 "set: send one")
+        if packed:
+            if len(packed) > limits.MAX_IDS_PER_CALL * idpack.MAX_VARINT_BYTES:
+                raise TooLarge(f"packed_{field} holds {len(packed)} bytes, over the limit of "
+                               f"{limits.MAX_IDS_PER_CALL * idpack.MAX_VARINT_BYTES}")
+            try:
+                return idpack.unpack(packed, limits.MAX_IDS_PER_CALL)
+            except idpack.PackError as e:
+                raise InvalidRequest(f"packed_{field}: {e}") from None
+        return decode_ids(raw)
+
+    def remember(self, h, checked: CheckedIds) -> int:
+        """Keep a pull's checked ids for ``h``'s caller and table; the reference its reply names."""
+        ref = self.refs.keep((h.fingerprint, h.rank, h.trainer_id, h.table), checked.ids)
+        self._publish()
+        return ref
+
+    def push_ids(self, h) -> torch.Tensor | None:
+        """A push's ids named by ``h.pull_refs`` (and ``h.extra_ids``), ascending; None when it names no pull
+        (its chunks carry the ids).  Refused: a reference not held (UnknownPullRef), a count not ``num_ids``."""
+        if not h.pull_refs:
+            if h.extra_ids:
+                raise InvalidRequest(f"extra_ids holds {len(h.extra_ids)} bytes but pull_refs is empty: send the "
+                                     "ids in the chunks")
+            return None
+        extra = self.pull_ids(b"", h.extra_ids, "extra_ids") if h.extra_ids else torch.empty(0, dtype=torch.int64)
+        try:
+            return self.refs.resolve((h.fingerprint, h.rank, h.trainer_id, h.table), list(h.pull_refs), extra,
+                                     h.num_ids)
+        finally:
+            self._publish()
+
+    def _publish(self) -> None:
+        """The remembered pulls' numbers into the shard's counters (GetStats, metrics): a gauge of the bytes
+        held beside the counts."""
+        c, r = self.shard.counters, self.refs
+        c["memory_pull_refs_bytes"], c["pull_refs_held"] = r.held_bytes, r.held
+        for k, v in r.counts.items():
+            c[f"pull_refs_{k}"] = v
 
     async def check_ids(self, table, ids: torch.Tensor) -> CheckedIds:
         """A call's ids checked once, before anything waits or changes (unique + placement of many ids: off the
@@ -90,3 +140,12 @@ class RowCalls:
         version, rows = await self.run(table, n * table.spec.dim, self.shard.pull_rows, rank, trainer_id,
                                        fingerprint, name, ids, min_version)
         return waited, table, version, rows
+
+
+def decode_ids(raw: bytes) -> torch.Tensor:
+    """int64 ids from little-endian bytes, bounded before they are copied."""
+    if len(raw) % 8:
+        raise InvalidRequest(f"ids holds {len(raw)} bytes, not a multiple of 8 (int64 ids)")
+    if len(raw) // 8 > limits.MAX_IDS_PER_CALL:
+        raise TooLarge(f"ids has {len(raw) // 8} entries, over the limit of {limits.MAX_IDS_PER_CALL}")
+    return torch.frombuffer(bytearray(raw), dtype=torch.int64) if raw else torch.empty(0, dtype=torch.int64)

@@ -175,7 +175,9 @@ def sharded_rate(log, steps: int, batch: int, dim: int, lr: float, shards: int, 
                                                                      + rows.get("prefetch_misses", 0)),
             "cache_hit_rate": rows.get("cache_hits", 0) / max(1, sum(rows.get(f"cache_{k}", 0)
                                                                      for k in ("hits", "misses", "stale"))),
-            "cache_counts": {k: v for k, v in rows.items() if k.startswith("cache_")}}
+            "cache_counts": {k: v for k, v in rows.items() if k.startswith("cache_")},
+            "pushes_naming_pulls": rows.get("pushes_naming_pulls", 0), "pull_refs_refused": rows.get("pull_refs_refused", 0),
+            "rows_pushed": rows.get("rows_pushed", 0)}
 
 
 def _announce_only(ps):

@@ -482,7 +482,7 @@ class StatsReply(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., mode: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., live_ranks: _Optional[_Iterable[int]] = ..., counters: _Optional[_Mapping[str, float]] = ..., job: _Optional[_Union[JobSpec, _Mapping]] = ..., state_digest: _Optional[str] = ..., lr: _Optional[float] = ..., partitions: _Optional[int] = ..., epochs: _Optional[_Iterable[_Union[MembershipEpoch, _Mapping]]] = ..., layouts: _Optional[_Iterable[_Union[LayoutEpoch, _Mapping]]] = ..., handoffs: _Optional[_Iterable[_Union[HandoffState, _Mapping]]] = ...) -> None: ...
 
 class PullRowsRequest(_message.Message):
-    __slots__ = ("rank", "trainer_id", "fingerprint", "table", "min_version", "ids", "layout_epoch")
+    __slots__ = ("rank", "trainer_id", "fingerprint", "table", "min_version", "ids", "layout_epoch", "remember", "packed_ids")
     RANK_FIELD_NUMBER: _ClassVar[int]
     TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -490,6 +490,8 @@ class PullRowsRequest(_message.Message):
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REMEMBER_FIELD_NUMBER: _ClassVar[int]
+    PACKED_IDS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     trainer_id: str
     fingerprint: str
@@ -497,10 +499,12 @@ class PullRowsRequest(_message.Message):
     min_version: int
     ids: bytes
     layout_epoch: int
-    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., table: _Optional[str] = ..., min_version: _Optional[int] = ..., ids: _Optional[bytes] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
+    remember: bool
+    packed_ids: bytes
+    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., table: _Optional[str] = ..., min_version: _Optional[int] = ..., ids: _Optional[bytes] = ..., layout_epoch: _Optional[int] = ..., remember: _Optional[bool] = ..., packed_ids: _Optional[bytes] = ...) -> None: ...
 
 class RowsHeader(_message.Message):
-    __slots__ = ("rank", "trainer_id", "fingerprint", "table", "version", "num_samples", "sequence", "num_ids", "dim", "wait_seconds", "pull_ids", "push", "layout_epoch")
+    __slots__ = ("rank", "trainer_id", "fingerprint", "table", "version", "num_samples", "sequence", "num_ids", "dim", "wait_seconds", "pull_ids", "push", "layout_epoch", "pull_refs", "pull_ref", "extra_ids", "packed_pull_ids")
     RANK_FIELD_NUMBER: _ClassVar[int]
     TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -514,6 +518,10 @@ class RowsHeader(_message.Message):
     PULL_IDS_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PULL_REFS_FIELD_NUMBER: _ClassVar[int]
+    PULL_REF_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_PULL_IDS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     trainer_id: str
     fingerprint: str
@@ -527,7 +535,11 @@ class RowsHeader(_message.Message):
     pull_ids: bytes
     push: PushRowsReply
     layout_epoch: int
-    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., table: _Optional[str] = ..., version: _Optional[int] = ..., num_samples: _Optional[int] = ..., sequence: _Optional[int] = ..., num_ids: _Optional[int] = ..., dim: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., pull_ids: _Optional[bytes] = ..., push: _Optional[_Union[PushRowsReply, _Mapping]] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
+    pull_refs: _containers.RepeatedScalarFieldContainer[int]
+    pull_ref: int
+    extra_ids: bytes
+    packed_pull_ids: bytes
+    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., table: _Optional[str] = ..., version: _Optional[int] = ..., num_samples: _Optional[int] = ..., sequence: _Optional[int] = ..., num_ids: _Optional[int] = ..., dim: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., pull_ids: _Optional[bytes] = ..., push: _Optional[_Union[PushRowsReply, _Mapping]] = ..., layout_epoch: _Optional[int] = ..., pull_refs: _Optional[_Iterable[int]] = ..., pull_ref: _Optional[int] = ..., extra_ids: _Optional[bytes] = ..., packed_pull_ids: _Optional[bytes] = ...) -> None: ...
 
 class RowsChunk(_message.Message):
     __slots__ = ("header", "offset", "ids", "rows")
