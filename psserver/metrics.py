@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from psserver.stats import StatsSnapshot
 
 ROUND_REASONS = ("all_arrived", "quorum", "timeout", "membership")
-MEMORY_KINDS = ("budget", "reserved", "tables_budget", "tables")  # GetStats' memory_<kind>_bytes (psserver.host)
+MEMORY_KINDS = ("budget", "reserved", "tables_budget", "tables", "pull_refs")  # GetStats' memory_<kind>_bytes (psserver.host)
 PUSH_OUTCOMES = {"applied": "pushes_applied", "stale_dropped": "stale_dropped", "stale_scaled": "stale_scaled",
                  "duplicate": "duplicates"}
 
