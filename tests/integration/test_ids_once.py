@@ -196,3 +196,37 @@ def test_after_kill_9_and_restore_a_reference_from_before_is_refused_and_the_ids
     finally:
         for p in procs:
             p.kill()
+
+
+def _step_call_trainer(addresses: str, plant_at: int | None) -> tuple[dict, dict]:
+    """One sync trainer with prefetch (one Step a shard a step, tests/integration/test_step_call.py); before step
+    ``plant_at`` every lane names only a pull its shard never gave.  (counters, final rows and dense weights)."""
+    from tests.integration.test_row_prefetch import B, STEPS, Rec, batch
+    from trainer.api import connect
+
+    torch.manual_seed(0)
+    model = Rec("adagrad")
+    with connect(addresses, model, mode="sync", optimizer={"name": "sgd", "lr": 0.1}, retry_budget=60.0) as ps:
+        batches = ps.prefetching([batch(0, k) for k in range(STEPS)], forward=lambda m, b: m(*b[:3]))
+        for k, (users, items, regions, y) in enumerate(batches):
+            ((model(users, items, regions) - y).pow(2).mean()).backward()
+            if k == plant_at:
+                for (_, table), lane in ps.rows.book.lanes.items():
+                    pulled = [ids for _, ids in lane.refs._kept]
+                    lane.refs.forget()
+                    for ids in pulled:
+                        lane.refs.record(0x7E57 << 32 | 1, ids)  # the same ids under a reference never given
+            ps.step(num_samples=B)
+        out = {n: ps.rows.pull(n, torch.arange(40)) for n in ("user", "item")}
+        out.update({k: v.clone() for k, v in model.state_dict().items()})
+        return dict(ps.counters), out
+
+
+def test_a_step_call_naming_a_pull_the_shard_never_gave_falls_back_resends_the_ids_and_ends_with_the_same_bits(
+        shard_server):
+    clean_counters, clean = _step_call_trainer(",".join(shard_server(shard=i).server.address for i in range(2)), None)
+    counters, planted = _step_call_trainer(",".join(shard_server(shard=i).server.address for i in range(2)), 3)
+    assert clean_counters["rows_pushes_naming_pulls"] > 0 and clean_counters.get("rows_pull_refs_refused", 0) == 0
+    assert counters["rows_pull_refs_refused"] >= 1 and counters["step_calls_fallen_back"] >= 1
+    for name, value in clean.items():
+        assert torch.equal(planted[name], value), name
