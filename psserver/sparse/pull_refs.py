@@ -81,6 +81,9 @@ class PullRefs:
     def resolve(self, owner: tuple, refs, extra: torch.Tensor, num_ids: int) -> torch.Tensor:
         """A push's ids: those of ``refs`` (each ``owner``'s) and ``extra``, ascending; refused (UnknownPullRef)
         for a reference not held, or (InvalidRequest) when they are not ``num_ids`` ids."""
+        if len(refs) > self.per_owner:  # (no more can be held: refused before any is looked up)
+            raise InvalidRequest(f"pull_refs names {len(refs)} pulls, over the {self.per_owner} this shard keeps "
+                                 "for a trainer and table")
         parts = [extra]
         with self._lock:
             for ref in refs:

@@ -75,6 +75,14 @@ def test_a_restarted_shard_holds_none_of_the_references_it_gave_before():
         after.resolve(A, [r], NONE, 2)
 
 
+def test_a_push_naming_more_pulls_than_an_owner_keeps_is_refused_before_any_lookup():
+    refs = PullRefs(per_owner=2)
+    r = refs.keep(A, ids(1))
+    with pytest.raises(InvalidRequest, match="pull_refs names 3 pulls, over the 2 this shard keeps"):
+        refs.resolve(A, [r, r, r], NONE, 3)
+    assert refs.counts["resolved"] == 0
+
+
 def test_a_push_whose_named_ids_are_not_num_ids_is_refused_naming_both_counts():
     refs = PullRefs()
     r = refs.keep(A, ids(1, 2))
