@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from psserver.epochs import DEFAULT_JOIN_TIMEOUT
+from psserver.protocol.errors import InvalidRequest
 
 # How long a source holds rounds for the commit, and how long a BLOCKED source (or a READY destination with a
 # push waiting) waits for DECIDE before it asks its peers: --handoff-timeout, by default the join's (the commit
@@ -25,6 +26,15 @@ DEFAULT_HANDOFF_TIMEOUT = DEFAULT_JOIN_TIMEOUT
 # Rounds a source may have closed past what its destination acknowledged; past it the move copies again
 # (a destination that cannot keep up would otherwise make the source keep gradients without bound).
 MAX_FORWARD_LAG = 16
+
+
+def dispatch(machine, event, now: float, what: str, role: str):
+    """Run ``machine._on_<EventName>(event, now)``: the one entry point of each machine.  An event the machine
+    takes no handler for is refused (InvalidRequest) naming the event, ``what`` it reached and the ``role``."""
+    handler = getattr(machine, "_on_" + type(event).__name__, None)
+    if handler is None:
+        raise InvalidRequest(f"a {type(event).__name__} reached {what} but a {role} takes no such event")
+    return handler(event, now)
 
 
 # --------------------------------------------------------------------------------------------------- events

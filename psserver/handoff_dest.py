@@ -48,11 +48,7 @@ class DestPiece:
 
     def on(self, event, now: float) -> tuple["DestPiece", list]:
         """(new state, actions) for ``event`` at clock time ``now``; refusals raise and change nothing."""
-        handler = getattr(self, "_on_" + type(event).__name__, None)
-        if handler is None:
-            raise InvalidRequest(f"a {type(event).__name__} reached {self.label}'s new piece but a destination "
-                                 "takes no such event")
-        return handler(event, now)
+        return h.dispatch(self, event, now, f"{self.label}'s new piece", "destination")
 
     @property
     def version(self) -> int | None:

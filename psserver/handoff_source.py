@@ -57,11 +57,7 @@ class SourceMove:
     # ------------------------------------------------------------------ the one entry point
     def on(self, event, now: float) -> tuple["SourceMove", list]:
         """(new state, actions) for ``event`` at clock time ``now``; refusals raise and change nothing."""
-        handler = getattr(self, "_on_" + type(event).__name__, None)
-        if handler is None:
-            raise InvalidRequest(f"a {type(event).__name__} reached {self.label}'s move [{self.a}, {self.b}) but a "
-                                 "source takes no such event")
-        return handler(event, now)
+        return h.dispatch(self, event, now, f"{self.label}'s move [{self.a}, {self.b})", "source")
 
     # ------------------------------------------------------------------ copy and tail
     def _on_Prepare(self, e: h.Prepare, now: float):

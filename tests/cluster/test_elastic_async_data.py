@@ -1,5 +1,6 @@
 """Async and stale-timeout elastic data over real processes: the job's data cursor (shard 0 partition 0,
-psserver.data_cursor) grants every batch of the data epochs once, across two trainers at different paces, a joiner and a leaver.
+psserver.data_cursor) grants every batch of the data epochs once, across two trainers at different paces, a joiner
+and a leaver.
 
 No timing: rank 0 holds before its step 4 and rank 1 before its step 8 (``--hold-at-round``, async: the
 trainer's own step count) until the membership changes, so the two have trained unevenly when the joiner is
@@ -34,6 +35,15 @@ def summary(path) -> dict:
 MODES = {"async": ["--mode", "async"], "stale-timeout": ["--mode", "stale-timeout", "--sync-timeout", "0.05"]}
 
 
+def start_held_pair(procs: list, ps: str, tmp_path, common: list, shard0: str) -> None:
+    """Start ranks 0 and 1, held before their steps 4 and 8, and wait until both hold.  Each holds with the batch
+    of its next step already granted (its last push claimed it): 5 + 9 batches claimed on shard 0."""
+    for rank, hold in ((0, 4), (1, 8)):
+        procs.append(start_trainer(rank, ps, tmp_path / f"trainer{rank}.log", [*common, "--hold-at-round", str(hold)]))
+    wait_until(lambda: fetch_stat(shard0).counters.get("batches_claimed") == 14,
+               "rank 0 to hold after 4 batches and rank 1 after 8")
+
+
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_two_trainers_at_different_paces_a_joiner_and_a_leaver_train_each_batch_of_the_data_epochs_exactly_once(
         tmp_path, mode):
@@ -42,12 +52,7 @@ def test_two_trainers_at_different_paces_a_joiner_and_a_leaver_train_each_batch_
     procs = list(shards)
     try:
         ps = ",".join(s.address for s in shards)
-        for rank, hold in ((0, 4), (1, 8)):
-            procs.append(start_trainer(rank, ps, tmp_path / f"trainer{rank}.log",
-                                       [*common, "--hold-at-round", str(hold)]))
-        # each holds with the batch of its next step already granted (its last push claimed it): 5 + 9
-        wait_until(lambda: fetch_stat(shards[0].address).counters.get("batches_claimed") == 14,
-                   "rank 0 to hold after 4 batches and rank 1 after 8")
+        start_held_pair(procs, ps, tmp_path, common, shards[0].address)
         procs.append(start_trainer(None, ps, tmp_path / "joiner.log", ["--join", *common], name="joiner"))
         wait_until(lambda: len(fetch_stat(shards[0].address).epochs) >= 2, "the joiner to be admitted")
         procs[3].signal(signal.SIGTERM)
@@ -93,11 +98,7 @@ def test_shard_0_killed_and_restored_mid_job_skips_no_batch_and_grants_again_onl
     procs = list(shards)
     try:
         ps = ",".join(s.address for s in shards)
-        for rank, hold in ((0, 4), (1, 8)):
-            procs.append(start_trainer(rank, ps, tmp_path / f"trainer{rank}.log",
-                                       [*common, "--hold-at-round", str(hold)]))
-        wait_until(lambda: fetch_stat(shards[0].address).counters.get("batches_claimed") == 14,
-                   "rank 0 to hold after 4 batches and rank 1 after 8")
+        start_held_pair(procs, ps, tmp_path, common, shards[0].address)
         assert fetch_stat(shards[0].address).version == HELD_VERSION
         wait_until(lambda: any(ckpt.rglob(f"shard0-v{restored:012d}.ckpt")), f"the checkpoint of version {restored}")
         shards[0].kill()  # SIGKILL: no final checkpoint
