@@ -688,7 +688,7 @@ class ParameterServerService:
             self._check_rows_first(h)
             return
         _check_header_fields(h)
-        part = self.host.part(h.partition)
+        part = self.layouts.push_part(h.layout_epoch, h.partition, h.version)  # the layout first, as Push does
         part.check_member(h.rank, h.trainer_id, h.fingerprint)
         check_stream_header(h, part.slice_length(), part.wire_dtype(), self.cfg.max_push_bytes)
 
