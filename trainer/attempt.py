@@ -14,7 +14,7 @@ from typing import Sequence
 
 import grpc
 
-from trainer.client import RESTART_CODES, PushOutcome, ShardCallsFailed
+from trainer.client import PushOutcome, ShardCallsFailed, restarted
 
 LOST = "lost"  # a slot's outcome when its shard restarted and the gradient could not be pushed again
 
@@ -37,10 +37,11 @@ def slot_move(answered: bool, started: bool, overlap: bool) -> Move:
     return Move.PUSH if overlap else Move.PUSH_PULL
 
 
-def rejoins_on(code: grpc.StatusCode) -> bool:
-    """Whether a slot's call that failed with ``code`` found its shard restarted (rejoin it and go on) rather
-    than failed (the step fails there and is retried)."""
-    return code in RESTART_CODES
+def rejoins_on(error: grpc.RpcError) -> bool:
+    """Whether a slot's call that failed with ``error`` found its shard restarted (rejoin it and go on) rather
+    than failed (the step fails there and is retried).  A layout-moved refusal is no restart: the step goes
+    again whole in the new layout (trainer.relayout); layout-ahead was retried within the budget."""
+    return restarted(error)
 
 
 def after_rejoin(push_again: bool) -> str | None:

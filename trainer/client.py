@@ -35,7 +35,14 @@ from psserver.protocol.fastwire import parse_chunk, serialize_chunk
 from psserver.protocol.job import WIRE_DTYPES, JobSpec
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.proto import ps_pb2_grpc as _grpc
-from psserver.protocol.rules import STALE, refused_job_ended, refused_no_job, stale_version
+from psserver.protocol.rules import (
+    STALE,
+    refused_job_ended,
+    refused_layout_ahead,
+    refused_layout_moved,
+    refused_no_job,
+    stale_version,
+)
 from psserver.protocol.security import ClientSecurity, parse_addresses  # noqa: F401 (re-exported for trainers)
 from psserver.protocol.stubs import method
 from trainer.compress import TopK, parse_compress
@@ -89,6 +96,16 @@ class ConnectAbandoned(ConnectionError):
 # A shard answering these restarted: it no longer knows the trainer, came back empty, or is behind it.
 # The trainer registers again (dense slice: trainer.api; tables: trainer.sparse_client).
 RESTART_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION)
+
+
+def restarted(error: grpc.RpcError) -> bool:
+    """Whether ``error`` says the shard restarted (register again).  The reason trailer is read first: a
+    ``layout-moved`` refusal (FAILED_PRECONDITION) means the job switched layouts -- the call changed nothing and
+    goes again in the new layout (trainer.relayout) -- and ``layout-ahead`` (OUT_OF_RANGE) is retried within the
+    retry budget (ShardClient._call); neither is a restart (docs/live-reshard.md)."""
+    if error.code() not in RESTART_CODES:
+        return False
+    return refused_layout_moved(error) is None and not refused_layout_ahead(error)
 
 
 class ShardCallsFailed(grpc.RpcError, RuntimeError):
@@ -263,9 +280,12 @@ class ShardClient:
             try:
                 return fn()
             except grpc.RpcError as e:
-                if e.code() not in retry_on or time.monotonic() >= give_up:
+                ahead = refused_layout_ahead(e)  # a shard restarted from an older layout record: it catches up
+                if (e.code() not in retry_on and not ahead) or time.monotonic() >= give_up:
                     raise
                 self._count("retries")
+                if ahead:
+                    self._count("layout_ahead_retries")
                 pause = random.uniform(0, delay)
                 log.warning("%s to %s (%s) failed with %s (%s); retry %d in %.2f s", what, self.name,
                             self.address, e.code().name, e.details(), attempt, pause)

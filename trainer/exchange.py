@@ -143,7 +143,7 @@ class DenseExchange:
             else:
                 outcome = self._exchange_once(s, grad, num_samples, attempt)
         except grpc.RpcError as e:
-            if not rejoins_on(e.code()):
+            if not rejoins_on(e):
                 raise
             outcome = after_rejoin(self.session.rejoin(s, e))
         if outcome is None:  # rejoined: a push of its own, answered by the restarted shard

@@ -33,7 +33,7 @@ that did apply the dropped one must not answer DUPLICATE to a new gradient).
 Shard restarts: a pull answered a version older than one seen before counts the
 versions the restored shard lost (async tables go on from it as they are); a row
 call answered NOT_FOUND, FAILED_PRECONDITION or OUT_OF_RANGE
-(trainer.client.RESTART_CODES; a pull waiting past what a restored shard can
+(trainer.client.restarted; a pull waiting past what a restored shard can
 reach is refused OUT_OF_RANGE too) hands the shard to ``on_restart`` -- the trainer
 registers again there and calls ``resync`` with the tables' versions read from the
 shard.  Every lane of that shard then goes on from those versions under new
@@ -64,7 +64,7 @@ from psserver.protocol.rows.placement import shard_of
 from psserver.protocol.rows.table import TableSpec
 from psserver.protocol.rows.wire import row_chunks
 from psserver.protocol.rules import STALE, Mode, refused_pull_ref, stale_version
-from trainer.client import RESTART_CODES, ShardCallsFailed, ShardClient, ShardedClient
+from trainer.client import ShardCallsFailed, ShardClient, ShardedClient, restarted
 from trainer.row_cache import RowCache, pull_through
 from trainer.row_calls import RowCalls
 from trainer.row_lanes import Lane, Pending, RowLanes
@@ -491,7 +491,7 @@ class ShardedRows:
     # -- faults -------------------------------------------------------------------------------------
     def _restarted(self, s: ShardClient, e: grpc.RpcError) -> bool:
         """Whether ``e`` says the shard restarted and it was rejoined (on_restart, which calls resync)."""
-        if e.code() not in RESTART_CODES or self.on_restart is None:
+        if not restarted(e) or self.on_restart is None:
             return False
         self.on_restart(s, e)
         return True

@@ -29,7 +29,7 @@ from functools import partial
 import grpc
 import torch
 
-from trainer.client import RESTART_CODES
+from trainer.client import restarted
 from trainer.push_window import PushWindow, WindowFailed
 
 log = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ class TableWindows:
             return self.rows._push_once(shard, self.rows._part(shard, push.table, ids, grads, n, None,
                                                                numbered=(sequence, base)))
         except grpc.RpcError as e:
-            if e.code() not in RESTART_CODES or self.rows.on_restart is None:
+            if not restarted(e) or self.rows.on_restart is None:
                 raise
             with self._restart_locks[s]:
                 if generation == self._generation[s]:  # the first to find this restart: rejoin (resync)

@@ -174,7 +174,7 @@ class WindowedExchange:
         other: dict[int, BaseException] = {}
         for number, error in failure.errors.items():
             for slot, e in getattr(error, "failed", {0: error}).items():
-                if isinstance(e, grpc.RpcError) and rejoins_on(e.code()):
+                if isinstance(e, grpc.RpcError) and rejoins_on(e):
                     restarted.setdefault(slot, e)
                 else:
                     other[slot] = e

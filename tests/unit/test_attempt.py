@@ -2,6 +2,7 @@
 
 import grpc
 
+from psserver.protocol.errors import JobMismatch, LayoutAhead, LayoutMoved
 from trainer.attempt import LOST, Move, StepAttempt, after_rejoin, rejoins_on, slot_move
 from trainer.client import PushOutcome
 
@@ -24,11 +25,30 @@ def test_a_fresh_slot_pushes_and_pulls_in_one_call_unless_overlap_pulls_in_the_b
     assert slot_move(answered=False, started=False, overlap=True) == Move.PUSH
 
 
+class _Error(grpc.RpcError):
+    """An RpcError as a shard's refusal ``e`` arrives: its code and its trailers."""
+
+    def __init__(self, e=None, code=None):
+        self._code, self._trailers = (e.code, e.trailers()) if e is not None else (code, ())
+
+    def code(self):
+        return self._code
+
+    def trailing_metadata(self):
+        return self._trailers
+
+
 def test_only_the_restart_codes_rejoin_and_a_rejoined_slot_pushes_again_or_is_lost():
-    assert rejoins_on(grpc.StatusCode.NOT_FOUND) and rejoins_on(grpc.StatusCode.FAILED_PRECONDITION)
-    assert rejoins_on(grpc.StatusCode.OUT_OF_RANGE)
-    assert not rejoins_on(grpc.StatusCode.UNAVAILABLE) and not rejoins_on(grpc.StatusCode.ALREADY_EXISTS)
+    assert rejoins_on(_Error(code=grpc.StatusCode.NOT_FOUND)) and rejoins_on(_Error(JobMismatch("fingerprint")))
+    assert rejoins_on(_Error(code=grpc.StatusCode.OUT_OF_RANGE))
+    assert not rejoins_on(_Error(code=grpc.StatusCode.UNAVAILABLE)) and not rejoins_on(_Error(code=grpc.StatusCode.ALREADY_EXISTS))
     assert after_rejoin(push_again=True) is None and after_rejoin(push_again=False) == LOST
+
+
+def test_a_layout_moved_or_layout_ahead_refusal_is_not_a_restart_although_its_code_is_a_restart_code():
+    moved, ahead = _Error(LayoutMoved("layout_epoch is 0", newest=1)), _Error(LayoutAhead("layout_epoch is 3"))
+    assert (moved.code(), ahead.code()) == (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE)
+    assert not rejoins_on(moved) and not rejoins_on(ahead)
 
 
 def test_an_answer_that_arrived_before_an_interrupt_is_taken_only_if_it_is_this_steps_number():
