@@ -136,10 +136,11 @@ class LayoutHost:
                     layout.number, layout.num_shards, layout.partitions, layout.round)
 
     def switch_offline(self, num_shards: int, shard: int, partitions: int | None = None,
-                       pieces: list | None = None) -> LayoutEpoch:
+                       pieces: list | None = None, addresses: tuple[str, ...] = ()) -> LayoutEpoch:
         """Install the next layout -- the job on ``num_shards`` shards of which this process is ``shard`` -- re-cut
         from ``pieces`` (every old shard's partitions' states; default: this process's own, which is all of them
-        for a one-shard job) at the round boundary the current host is at.  Run it on the state worker."""
+        for a one-shard job) at the round boundary the current host is at; ``addresses``: the new layout's shard
+        addresses (empty: the job's --ps list, the shard index is the process).  Run it on the state worker."""
         old = self.current
         job = old.head.job
         if job is None:
@@ -149,7 +150,7 @@ class LayoutHost:
                                "docs/live-reshard.md)")
         pieces = pieces if pieces is not None else [[p.capture() for p in old.parts[:job.partitions]]]
         states = recut(pieces, num_shards, shard, partitions)
-        layout = next_layout(self.timeline(), new_job(job, num_shards, partitions), states[0].version)
+        layout = next_layout(self.timeline(), new_job(job, num_shards, partitions), states[0].version, addresses)
         host = old.successor(shard)
         host.restore_states(states, f"layout {layout.number}")
         self.install(layout, host)

@@ -56,6 +56,7 @@ from trainer.lookahead import prefetching
 from trainer.overlap import Prefetcher
 from trainer.pipeline import LayerWaits
 from trainer.pipelined import PipelinedExchange
+from trainer.relayout import Relayout
 from trainer.session import LEFT, NOT_LISTED, Membership, Session, StartTimeout  # noqa: F401 -- re-exported
 from trainer.slots import DenseSlots, FlatModel, model_layout
 from trainer.step import StepRunner
@@ -173,8 +174,12 @@ class ParameterServerTrainer:
         self.push_window = push_window
         self.table_push = TablePush(self.tables, self.client, lambda: self.session.rank)
         self.step_call = StepCall(self.exchange, self.table_push, lambda: self.rows)  # trainer.step_call
+        # a live re-shard: the slots follow a later layout at a step boundary (trainer.relayout)
+        self.relayout = Relayout(self.slots, self.session, self._relaid, unsupported=", ".join(
+            name for name, on in (("overlap", overlap), ("pipeline", pipeline), ("push_during_backward",
+                                  push_during_backward), ("tables", bool(self.tables))) if on))
         self.runner = StepRunner(self.exchange, self.table_push, self.session, self.flat, self.client.count,
-                               self.windowed, self.pipelined, self._early, prefetch, self.step_call)
+                                 self.windowed, self.pipelined, self._early, prefetch, self.step_call, self.relayout)
         self.rows = None
         self._closed = False
         self.joined_at = 0  # the round this trainer's first step computes (a join: the round it was admitted at)
@@ -190,6 +195,12 @@ class ParameterServerTrainer:
             e.left, e.leave_outcome = self.left, self.leave_outcome()
             raise
         log.info("rank %d connected to %d shards at versions %s", rank, job.num_shards, self.versions)
+
+    def _relaid(self) -> None:
+        """The slots followed a later layout (trainer.relayout): what this facade shows of them."""
+        self.job, self.num_parts, self.staging = self.client.job, self.slots.num_parts, self.slots.staging
+        self.layout = model_layout(self.model, self.job.num_shards)
+        self.describe = describe(self.job)
 
     def _bind_tables(self) -> None:
         """Point the model's tables at their rows on the shards."""

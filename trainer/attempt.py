@@ -14,6 +14,7 @@ from typing import Sequence
 
 import grpc
 
+from psserver.protocol.rules import refused_layout_moved
 from trainer.client import PushOutcome, ShardCallsFailed, restarted
 
 LOST = "lost"  # a slot's outcome when its shard restarted and the gradient could not be pushed again
@@ -69,6 +70,25 @@ class StepFailed(ShardCallsFailed):
         done = f"{what} {applied} applied the gradient" if applied else "no shard is known to have applied it"
         super().__init__(f"step {step} failed ({self.causes(failed, addresses, names)}); {done}; call step() again to "
                          f"retry the others (a shard that applied it answers DUPLICATE), or close()", failed)
+
+
+class StepMoved(StepFailed):
+    """Every slot refused the step ``layout-moved`` and none applied it: it changed nothing anywhere, and goes
+    again whole in layout ``newest`` (trainer.relayout) -- not a failed step, not an abandoned one."""
+
+    def __init__(self, newest: int, *args):
+        self.newest = newest
+        super().__init__(*args)
+
+
+def moved_everywhere(failed: dict, applied: Sequence[int]) -> int | None:
+    """The newest layout when every failure of a step is a ``layout-moved`` refusal and no slot applied the
+    gradient (it changed nothing anywhere: send it again whole); else None (a real failure, or a step split
+    between layouts, which the switch rule forbids -- raised as it is, never re-sent)."""
+    newest = [refused_layout_moved(e) if isinstance(e, grpc.RpcError) else None for e in failed.values()]
+    if not newest or applied or any(n is None for n in newest):
+        return None
+    return max(newest)
 
 
 @dataclass

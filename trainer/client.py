@@ -221,7 +221,8 @@ class ShardClient:
                  counters: Counter, chunk_bytes: int = DEFAULT_CHUNK_BYTES, call_timeout: float = 60.0,
                  retry: RetryPolicy = RetryPolicy(), security: ClientSecurity = ClientSecurity(),
                  counters_lock: threading.Lock | None = None, compressor: TopK | None = None,
-                 partition: int = 0, slot: int | None = None):
+                 partition: int = 0, slot: int | None = None, channel: grpc.Channel | None = None):
+        """``channel``: one to share (a layout switch reuses the old client's for the same address and partition)."""
         self.address, self.index, self.rank, self.trainer_id = address, index, rank, trainer_id
         self.partition, self.slot = partition, index if slot is None else slot
         self.name = f"shard {index}" + (f" partition {partition}" if partition else "")  # in messages
@@ -231,13 +232,16 @@ class ShardClient:
         self.call_timeout, self.retry = call_timeout, retry
         self.last_answer: tuple[int, PushOutcome] | None = None  # (sequence, outcome) of the last answered push
         self.epoch_seen = 0  # the membership epoch of the newest weights received (docs/elastic.md)
+        # the layout epoch this client's calls name, and the newest one any reply or layout-moved refusal named
+        # (docs/live-reshard.md; trainer.relayout follows it)
+        self.layout_epoch = self.layout_seen = 0
         self.leaving = False  # pushes from now on say this trainer's last gradient (ChunkHeader.leaving)
         # shard 0 partition 0 of an async elastic job (trainer.data_claims): (claim number, batches per epoch) the
         # next push also claims, and (claim number, batch, re-issued) a PushPull reply granted
         self.claim_ask: tuple[int, int] | None = None
         self.claim_answer: tuple[int, int, bool] | None = None
         self._lock = counters_lock or threading.Lock()  # the one lock of ``counters``, which shards share
-        self.channel = security.channel(
+        self.channel = channel or security.channel(
             address,
             options=[
                 ("grpc.max_receive_message_length", 64 << 20),
@@ -265,6 +269,11 @@ class ShardClient:
         self._push_pull = self.channel.stream_stream(method("PushPull"), serialize_chunk, parse_chunk)
         self._push_pull_one = self.channel.unary_stream(method("PushPull"), serialize_chunk, parse_chunk)
 
+    def saw_layout(self, number: int) -> int:
+        """A reply (or a layout-moved refusal) named layout ``number``: the newest seen is kept."""
+        self.layout_seen = max(self.layout_seen, number)
+        return number
+
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.counters[name] += n
@@ -280,6 +289,7 @@ class ShardClient:
             try:
                 return fn()
             except grpc.RpcError as e:
+                self.saw_layout(refused_layout_moved(e) or 0)  # a refused push teaches the newest layout too
                 ahead = refused_layout_ahead(e)  # a shard restarted from an older layout record: it catches up
                 if (e.code() not in retry_on and not ahead) or time.monotonic() >= give_up:
                     raise
@@ -312,7 +322,7 @@ class ShardClient:
         """
         req = _pb.RegisterRequest(rank=self.rank, trainer_id=self.trainer_id, expected_shard=self.index,
                                   job=job.to_proto(), partition=self.partition, join=join, join_round=join_round,
-                                  join_confirm=join_confirm)
+                                  join_confirm=join_confirm, layout_epoch=self.layout_epoch, follows_layouts=True)
         give_up = time.monotonic() + connect_timeout
         next_log = 0.0
         abandon = abandon or threading.Event()
@@ -323,7 +333,9 @@ class ShardClient:
                 raise ConnectAbandoned(f"{self.name} at {self.address}: registering was abandoned")
             left = give_up - time.monotonic()
             try:
-                return self.stub.Register(req, timeout=max(0.01, min(left, CONNECT_ATTEMPT_SECONDS)))
+                reply = self.stub.Register(req, timeout=max(0.01, min(left, CONNECT_ATTEMPT_SECONDS)))
+                self.saw_layout(reply.layout_epoch)
+                return reply
             except grpc.RpcError as e:
                 retry = register_retry(e, join, join_round)
                 if retry == JOB_OVER:
@@ -352,6 +364,7 @@ class ShardClient:
         return _pb.ChunkHeader(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.fingerprint,
                                dtype=wire, length=length, version=version, num_samples=num_samples,
                                sequence=sequence, partition=self.partition, leaving=self.leaving,
+                               layout_epoch=self.layout_epoch,
                                **claim_fields(self.claim_ask))
 
     def init(self, values: torch.Tensor, wire: int) -> _pb.InitReply:
@@ -371,13 +384,15 @@ class ShardClient:
         ``out`` (the model's flat CPU parameters) the weights land there directly.
         """
         req = _pb.PullRequest(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.fingerprint,
-                              min_version=min_version, dtype=wire, partition=self.partition)
+                              min_version=min_version, dtype=wire, partition=self.partition,
+                              layout_epoch=self.layout_epoch)
 
         def once():
             reader = ChunkReader(self._pull(req, timeout=timeout))
             values = reader.read(length, wire, max_bytes=1 << 40, require_finite=False, out=out)
             self._count("bytes_in", reader.bytes_read)
             self.epoch_seen = reader.header.membership_epoch
+            self.saw_layout(reader.header.layout_epoch)
             return reader.header.version, values, reader.header.wait_seconds
 
         return self._call("Pull", once)
@@ -419,6 +434,7 @@ class ShardClient:
             if version is None:
                 raise
             return self._acknowledged(STALE, version, version - base, base, nbytes, dense_bytes)
+        self.saw_layout(reply.layout_epoch)
         return self._acknowledged(_pb.PushOutcome.Name(reply.outcome).lower(), reply.version, reply.staleness, base,
                                   nbytes, dense_bytes)
 
@@ -445,6 +461,7 @@ class ShardClient:
 
         h, values, until_reply = self._call("PushPull", once, retry_on=PUSH_RETRYABLE)
         self.epoch_seen = h.membership_epoch
+        self.saw_layout(h.layout_epoch)
         if h.batch_granted and self.claim_ask is not None:
             self.claim_answer = (self.claim_ask[0], h.batch, h.batch_reissued)
         outcome = self._acknowledged(_pb.PushOutcome.Name(h.outcome).lower(), h.version, h.staleness, base, nbytes,
@@ -474,6 +491,7 @@ class ShardClient:
             return reader.header
 
         h = self._call("PushPull", once, retry_on=PUSH_RETRYABLE)
+        self.saw_layout(h.layout_epoch)
         nbytes = payload.numel() * payload.element_size()
         for name in ("bytes_out", "push_bytes_sent", "push_bytes_dense"):
             self._count(name, nbytes)
@@ -498,7 +516,9 @@ class ShardClient:
     def heartbeat(self, timeout: float) -> _pb.HeartbeatReply:
         req = _pb.HeartbeatRequest(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.fingerprint,
                                    partition=self.partition)
-        return self.stub.Heartbeat(req, timeout=timeout)
+        reply = self.stub.Heartbeat(req, timeout=timeout)
+        self.saw_layout(reply.layout_epoch)
+        return reply
 
     def claim_batch(self, claim: int, batches_per_epoch: int, release: bool, timeout: float) -> _pb.ClaimReply:
         """Shard 0 partition 0's data cursor (trainer.data_claims); a lost reply is retried under the same
@@ -545,6 +565,7 @@ class ShardedClient:
             raise ValueError(f"{len(addresses)} shard addresses given but the job has {job.num_shards} shards")
         topk = parse_compress(compress)
         self.job, self.rank, self.trainer_id = job, rank, trainer_id
+        self.addresses, self.security, self.compress = list(addresses), security, compress  # (trainer.relayout)
         self.wire = WIRE_DTYPES[job.wire_dtype]
         self.counters: Counter = Counter()
         self._count_lock = threading.Lock()
@@ -560,6 +581,15 @@ class ShardedClient:
         # A worker for every partition's call and every shard's table call: a step's table calls and dense
         # exchange run side by side (trainer.table_push), and neither may wait behind the other's calls.
         self._pool = ThreadPoolExecutor(max_workers=len(self.parts) + len(self.shards), thread_name_prefix="ps-io")
+
+    def replace_parts(self, job: JobSpec, addresses: Sequence[str], parts: list[ShardClient]) -> None:
+        """A layout switch (trainer.relayout), between steps: the new job's slots, in place (the session, the slots
+        and the exchange hold these lists), and I/O threads enough for them."""
+        self.job, self.addresses[:], self.parts[:] = job, addresses, parts
+        self.shards[:] = parts[::job.partitions]
+        old, self._pool = self._pool, ThreadPoolExecutor(max_workers=len(self.parts) + len(self.shards),
+                                                         thread_name_prefix="ps-io")
+        old.shutdown(wait=True)
 
     def map(self, fn: Callable[[ShardClient], T], parts: bool = False) -> list[T]:
         """``fn`` on every shard (every partition: ``parts``) in parallel; results in order; the first error

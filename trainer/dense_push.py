@@ -23,6 +23,8 @@ class OutgoingPush:
         self.chunk_bytes, self.compressor = chunk_bytes, compressor
         self.numbers = PushNumbers()
         self._encoded: tuple[int, int, list] | None = None  # the unanswered compressed push, resent as it was
+        self.sent: tuple[torch.Tensor, torch.Tensor] | None = None  # its (indices, values): a layout switch gives
+        # them back to the residual (trainer.relayout.give_back_topk)
 
     def chunks(self, grad: torch.Tensor, header: _pb.ChunkHeader, wire: int) -> tuple[int, int, list]:
         """(bytes, dense-equivalent bytes, chunks) of a push under the next number (``header`` is given its
@@ -43,6 +45,7 @@ class OutgoingPush:
             sent.sequence, sent.version = self.numbers.sequence, header.version
             return self._encoded
         indices, values = self.compressor.compress(grad, wire)
+        self.sent = (indices, values)
         header.sequence, header.topk = self.numbers.number(), values.numel()
         nbytes = indices.numel() * indices.element_size() + values.numel() * values.element_size()
         self._encoded = (nbytes, grad.numel() * values.element_size(),
@@ -52,17 +55,17 @@ class OutgoingPush:
     def answered(self) -> None:
         """The push was answered: the next one is a new push, under a new number."""
         self.numbers.answered()
-        self._encoded = None
+        self._encoded = self.sent = None
 
     def abandon(self) -> None:
         """Give up on the unanswered push: the next push gets a new number.  A compressed push is dropped with
         it, as a dense one would be; the residual keeps what it did not send."""
         self.numbers.abandon()
-        self._encoded = None
+        self._encoded = self.sent = None
 
     def take(self) -> int:
         """A number of its own for a windowed push: never reused, whatever became of it."""
-        self._encoded = None
+        self._encoded = self.sent = None
         return self.numbers.take()
 
     def after_restart(self) -> bool:

@@ -17,7 +17,17 @@ import grpc
 import torch
 
 from psserver.protocol.rules import STALE, reply_version
-from trainer.attempt import Move, StepAttempt, StepFailed, after_rejoin, rejoins_on, slot_move, split_exchange
+from trainer.attempt import (
+    Move,
+    StepAttempt,
+    StepFailed,
+    StepMoved,
+    after_rejoin,
+    moved_everywhere,
+    rejoins_on,
+    slot_move,
+    split_exchange,
+)
 from trainer.client import PushOutcome, ShardClient
 from trainer.clipping import clip_local_
 from trainer.early_push import EarlyPusher
@@ -104,9 +114,18 @@ class DenseExchange:
         self.steps += 1
         return self._info(attempt, wall)
 
+    def rerouted(self) -> None:
+        """A step refused layout-moved goes again whole on the new layout's slots (trainer.relayout): a fresh
+        attempt over them, the gradient as it was (already clipped)."""
+        self.attempt = StepAttempt(todo=set(range(self.slots.num_parts)))
+
     def _fail(self, attempt: StepAttempt, results: dict[int, object]) -> None:
-        self.client.count("steps_failed")
         failed = {i: r for i, r in results.items() if isinstance(r, Exception)}
+        newest = moved_everywhere(failed, attempt.applied())
+        if newest is not None:  # changed nothing anywhere: not a failed step (the runner re-routes it)
+            raise StepMoved(newest, self.steps + 1, [], failed, [s.address for s in self.client.parts],
+                            [s.name for s in self.client.parts])
+        self.client.count("steps_failed")
         error = StepFailed(self.steps + 1, attempt.applied(), failed, [s.address for s in self.client.parts],
                            [s.name for s in self.client.parts])
         log.warning("rank %d: %s", self.session.rank, error)

@@ -184,6 +184,14 @@ class Session:
         self.client.count("joins")
         return confirmed, join_round
 
+    def relaid(self, job) -> None:
+        """The slots were switched to a later layout (trainer.relayout): the new job, a rejoin lock per new slot.
+        The shards copied the members with the state, so every new slot knows this trainer (a NOT_FOUND there
+        registers again in the new layout, as after a restart)."""
+        self.job = job
+        self._rejoin_locks = {s.slot: threading.Lock() for s in self.client.parts}
+        self.registered = set(range(len(self.client.parts))) if self.registered else set()
+
     def set_rank(self, rank: int) -> None:
         """The rank the job gave this trainer (a join): every call from now on carries it."""
         self.rank = rank

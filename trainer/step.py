@@ -14,10 +14,12 @@ import logging
 
 import grpc
 
+from trainer.attempt import StepMoved
 from trainer.early_push import EarlyPusher
 from trainer.exchange import DenseExchange
 from trainer.overlap import Prefetcher
 from trainer.pipelined import PipelinedExchange
+from trainer.relayout import Relayout
 from trainer.session import Session
 from trainer.slots import FlatModel
 from trainer.step_call import StepCall
@@ -34,13 +36,13 @@ class StepRunner:
     def __init__(self, exchange: DenseExchange, table_push: TablePush, session: Session, flat: FlatModel,
                  count, windowed: WindowedExchange | None = None, pipelined: PipelinedExchange | None = None,
                  early: EarlyPusher | None = None, prefetch: Prefetcher | None = None,
-                 step_call: StepCall | None = None):
+                 step_call: StepCall | None = None, relayout: Relayout | None = None):
         """``count``: what counts abandoned steps (the sharded client's ``count``); ``step_call``: the beside
         variant's one call a shard (trainer.step_call), tried first."""
         self.exchange, self.table_push, self.session, self.flat, self._count = (exchange, table_push, session,
                                                                                  flat, count)
         self.windowed, self.pipelined, self.early, self.prefetch = windowed, pipelined, early, prefetch
-        self.step_call = step_call
+        self.step_call, self.relayout = step_call, relayout
         self._dense_done: StepInfo | None = None  # this step's dense part, done while a table push failed
 
     @property
@@ -64,8 +66,22 @@ class StepRunner:
         return info
 
     def _dense_step(self, num_samples: int) -> StepInfo:
-        """The dense exchange: through the async push window (trainer.windowed) when there is one."""
-        return self.windowed.step(num_samples) if self.windowed is not None else self.exchange.dense_step(num_samples)
+        """The dense exchange: through the async push window (trainer.windowed) when there is one.  A step whose
+        base reaches a later layout's round goes in that layout (trainer.relayout): switched to before the
+        exchange when a reply named it, else once the old layout refused the step layout-moved."""
+        if self.windowed is not None:
+            return self.windowed.step(num_samples)
+        if self.relayout is None:
+            return self.exchange.dense_step(num_samples)
+        base = min(self.exchange.slots.versions)
+        if self.exchange.attempt is None:  # (a retried step is switched only once its layout refuses it)
+            self.relayout.switch_if_due(base)
+        try:
+            return self.exchange.dense_step(num_samples)
+        except StepMoved as moved:
+            self.relayout.reroute(moved.newest, base, len(moved.failed))
+            self.exchange.rerouted()
+            return self.exchange.dense_step(num_samples)
 
     def _step_beside(self, num_samples: int) -> StepInfo:
         """step() with the tables pushed on their own thread while the dense exchange runs (trainer.table_push);

@@ -1,0 +1,95 @@
+"""A trainer follows a layout switch (stage 4 of docs/live-reshard.md), on real shards over gRPC.
+
+A sync job on two shards runs R rounds; then both processes switch offline (ShardServer.switch_layout_offline, at
+the round boundary) to layout 1: one shard -- the first process -- of two partitions, re-cut from both old shards'
+states; the second process is drained.  The trainer, one layout behind, sends its next step in layout 0, is
+refused ``layout-moved`` everywhere (nothing applied), learns layout 1, re-routes the step whole and goes on.  Its
+final parameters must equal bit for bit those of the same job that never switched: nothing lost, nothing twice.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.nn import functional as F
+
+from trainer import connect
+
+STEPS, R = 6, 3
+OPTIMIZER = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
+
+
+class Net(torch.nn.Module):
+    """Two layers of uneven sizes (1,034 parameters), so slot edges fall inside tensors."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(12, 60)
+        self.b = torch.nn.Linear(60, 4)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def batches():
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(8, 12, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(STEPS)]
+
+
+def switch_to_one_shard(servers) -> None:
+    """Layout 1 from the round both shards are at: one shard (the first process) of two partitions."""
+    pieces = [s.capture_layout_states() for s in servers]
+    first = (servers[0].address,)
+    for s in servers:
+        layout = s.switch_layout_offline(1, 0, 2, pieces, first)
+        assert (layout.number, layout.round, layout.num_shards, layout.partitions) == (1, R, 1, 2)
+
+
+def train(servers, switch_at=None, before_step=lambda ps: None):
+    """STEPS sync steps of one trainer; (its parameters, its counters, its job) after them."""
+    model = Net()
+    with connect(",".join(s.address for s in servers), model, mode="sync", rank=0, num_trainers=1,
+                 optimizer=OPTIMIZER, connect_timeout=30) as ps:
+        for i, (x, y) in enumerate(batches()):
+            if i == switch_at:
+                switch_to_one_shard(servers)
+                before_step(ps)
+            ps.prepare_step(len(x))
+            F.cross_entropy(model(x), y).backward()
+            ps.step(num_samples=len(x))
+        ps.flush()
+        params = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+        return params, Counter(ps.client.counters), ps.job, [s.address for s in ps.client.parts]
+
+
+def test_a_trainer_refused_layout_moved_learns_the_layout_reroutes_the_step_and_ends_bit_for_bit_as_without_a_switch(
+        shard_server):
+    reference, _, _, _ = train([shard_server(shard=i).server for i in range(2)])
+    servers = [shard_server(shard=i).server for i in range(2)]
+    params, counters, job, addresses = train(servers, switch_at=R)
+    assert torch.equal(params, reference)
+    assert (job.num_shards, job.partitions, addresses) == (1, 2, [servers[0].address] * 2)
+    assert counters["pushes_rerouted"] == 2  # both old slots refused the step at base R; it went again whole
+    assert (counters["layouts_followed"], counters["layout_fetches"]) == (1, 1)
+    assert counters["steps_failed"] == counters["steps_abandoned"] == counters["reconnects"] == 0
+    head = servers[0].layouts.current
+    assert [p.capture().version for p in head.parts[:2]] == [STEPS, STEPS]  # every step applied once, in its layout
+    assert servers[0].layouts.host(0).part(0).capture().version == R  # the tombstone: nothing after the switch
+
+
+def test_a_trainer_that_saw_the_new_layout_in_a_reply_switches_before_pushing_and_nothing_is_refused(shard_server):
+    reference, _, _, _ = train([shard_server(shard=i).server for i in range(2)])
+    servers = [shard_server(shard=i).server for i in range(2)]
+
+    def hear_of_it(ps):
+        """A pull of version R in layout 0 (the tombstone serves it) names layout 1 in its reply."""
+        s = ps.client.parts[1]
+        version, _, _ = s.pull(R, ps.client.wire, ps.ranges[1][1] - ps.ranges[1][0], timeout=10)
+        assert (version, s.layout_seen, s.layout_epoch) == (R, 1, 0)
+
+    params, counters, job, _ = train(servers, switch_at=R, before_step=hear_of_it)
+    assert torch.equal(params, reference)
+    assert (job.num_shards, job.partitions) == (1, 2)
+    assert counters["pushes_rerouted"] == 0 and counters["layouts_followed"] == 1
