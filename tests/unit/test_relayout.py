@@ -1,0 +1,146 @@
+"""The trainer's layout-switch decisions (trainer.relayout, trainer.attempt, trainer.client): pure, no network."""
+
+from collections import Counter
+from types import SimpleNamespace
+
+import grpc
+import pytest
+import torch
+
+from psserver.protocol.errors import JobMismatch, LayoutAhead, LayoutMoved
+from psserver.protocol.layout import partition_range
+from psserver.protocol.layouts import LayoutEpoch
+from psserver.protocol.proto import ps_pb2 as pb
+from tests.conftest import make_spec
+from trainer.attempt import moved_everywhere
+from trainer.client import RetryPolicy, ShardClient
+from trainer.compress import TopK
+from trainer.relayout import (
+    LayoutNotFollowed,
+    LayoutTimeline,
+    Relayout,
+    due,
+    give_back_topk,
+    layout_addresses,
+    recut_residuals,
+    slot_ranges,
+)
+
+TIMELINE = [LayoutEpoch(0, 0, 2), LayoutEpoch(1, 5, 1, 2, ("a:1",)), LayoutEpoch(2, 9, 3)]
+
+
+class _Error(grpc.RpcError):
+    def __init__(self, e):
+        self._e = e
+
+    def code(self):
+        return self._e.code
+
+    def details(self):
+        return str(self._e)
+
+    def trailing_metadata(self):
+        return self._e.trailers()
+
+
+def test_a_step_switches_to_the_layout_that_owns_its_base_and_only_to_a_later_one():
+    assert due(TIMELINE, 0, 4) is None  # base < R: still layout 0's
+    assert due(TIMELINE, 0, 5).number == 1 and due(TIMELINE, 0, 9).number == 2  # one behind, or two
+    assert due(TIMELINE, 1, 7) is None and due(TIMELINE, 2, 9) is None  # already there
+    assert due([], 0, 100) is None  # nothing fetched: stay
+
+
+@pytest.mark.parametrize("shards,partitions", [(1, 1), (1, 2), (2, 1), (3, 2)])
+def test_the_new_slots_tile_the_flat_vector_in_order_as_the_shards_cut_it(shards, partitions):
+    job = make_spec(num_shards=shards, partitions=partitions)
+    ranges = slot_ranges(1000, job)
+    assert len(ranges) == shards * partitions and ranges[0][0] == 0 and ranges[-1][1] == 1000
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert ranges[-1] == partition_range(1000, shards, partitions, shards - 1, partitions - 1)
+
+
+def test_a_layout_names_its_addresses_or_keeps_the_trainers_list_only_for_the_same_shard_count():
+    assert layout_addresses(TIMELINE[1], ["x:1", "y:2"]) == ["a:1"]
+    assert layout_addresses(TIMELINE[0], ["x:1", "y:2"]) == ["x:1", "y:2"]
+    with pytest.raises(LayoutNotFollowed, match="layout 2 has 3 shards and names no addresses, but this trainer "
+                                                "knows 2 \\(x:1, y:2\\)"):
+        layout_addresses(TIMELINE[2], ["x:1", "y:2"])
+
+
+def test_topk_residuals_are_laid_end_to_end_and_recut_by_the_new_ranges_losing_nothing():
+    old, new = [(0, 4), (4, 10)], [(0, 3), (3, 7), (7, 10)]
+    residuals = [torch.arange(4.0), torch.arange(4.0, 10.0)]
+    cut = recut_residuals(residuals, old, new)
+    assert [c.tolist() for c in cut] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0, 6.0], [7.0, 8.0, 9.0]]
+    assert recut_residuals([None, None], old, new) == [None, None, None]
+    assert torch.equal(torch.cat(recut_residuals([None, torch.ones(6)], old, new)), torch.tensor([0.0] * 4 + [1.0] * 6))
+
+
+def test_a_step_is_rerouted_only_when_every_failure_is_layout_moved_and_no_slot_applied_it():
+    moved = {0: _Error(LayoutMoved("x", newest=1)), 1: _Error(LayoutMoved("x", newest=2))}
+    assert moved_everywhere(moved, []) == 2
+    assert moved_everywhere(moved, [2]) is None  # a slot applied it: a split step, raised as it is
+    assert moved_everywhere({**moved, 2: _Error(JobMismatch("x"))}, []) is None
+    assert moved_everywhere({0: RuntimeError("x")}, []) is None and moved_everywhere({}, []) is None
+
+
+def test_a_refused_topk_push_gives_back_what_it_took_from_the_residual():
+    client = ShardClient("127.0.0.1:1", 0, 0, "t0", "f", Counter(), compressor=TopK(0.25))
+    grad = torch.tensor([1.0, -4.0, 0.5, 2.0, 0.25, -0.125, 3.0, 0.0])
+    client.outgoing.chunks(grad, pb.ChunkHeader(dtype=pb.FLOAT32, length=8), pb.FLOAT32)  # compressed: the residual keeps what was not sent
+    assert client.unanswered and client.compressor.residual.abs().sum() > 0
+    give_back_topk(client, grad)
+    assert torch.equal(client.compressor.residual, torch.zeros(8)) and not client.unanswered
+    client.close()
+
+
+def test_layout_ahead_is_retried_within_the_budget_and_layout_moved_is_raised_at_once_teaching_the_layout():
+    client = ShardClient("127.0.0.1:1", 0, 0, "t0", "f", Counter(),
+                         retry=RetryPolicy(budget_seconds=30, initial_backoff=0.001, max_backoff=0.001))
+    answers = [_Error(LayoutAhead("layout_epoch is 1")), "ok"]
+
+    def call():
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    assert client._call("Push", call) == "ok"
+    assert (client.counters["retries"], client.counters["layout_ahead_retries"]) == (1, 1)
+    with pytest.raises(grpc.RpcError):
+        client._call("Push", lambda: (_ for _ in ()).throw(_Error(LayoutMoved("layout_epoch is 0", newest=3))))
+    assert client.layout_seen == 3 and client.counters["retries"] == 1
+    client.close()
+
+
+class _Part(SimpleNamespace):
+    def stats(self):
+        self.fetched += 1
+        return pb.StatsReply(layouts=[e.to_proto() for e in TIMELINE])
+
+
+def _client(seen):
+    parts = [_Part(name=f"shard {i}", layout_seen=n, layout_epoch=0, fetched=0) for i, n in enumerate(seen)]
+    counters = Counter()
+    return SimpleNamespace(parts=parts, counters=counters, count=lambda k, n=1: counters.update({k: n}))
+
+
+def test_the_timeline_is_fetched_once_per_layout_a_reply_named_and_never_while_none_is_new():
+    client = _client([0, 0])
+    timeline = LayoutTimeline(client)
+    assert timeline.learn() == [] and client.counters["layout_fetches"] == 0
+    client.parts[1].layout_seen = 2
+    assert timeline.learn() == TIMELINE and client.parts[1].fetched == 1
+    timeline.learn()
+    assert client.counters["layout_fetches"] == 1  # known now: no second fetch
+
+
+def test_a_trainer_running_a_variant_that_cannot_follow_refuses_the_switch_naming_it_and_changes_nothing():
+    client = _client([1, 1])
+    slots = SimpleNamespace(client=client, ranges=[(0, 5), (5, 10)])
+    relayout = Relayout(slots, session=None, unsupported="overlap, tables")
+    assert relayout.switch_if_due(4) is False  # base < R: nothing to do, whatever the variant
+    with pytest.raises(LayoutNotFollowed, match="layout 1 takes over from round 5 but this trainer runs overlap, "
+                                                "tables, which cannot follow"):
+        relayout.switch_if_due(5)
+    assert slots.ranges == [(0, 5), (5, 10)] and relayout.epoch == 0
