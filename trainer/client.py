@@ -334,7 +334,7 @@ class ShardClient:
             left = give_up - time.monotonic()
             try:
                 reply = self.stub.Register(req, timeout=max(0.01, min(left, CONNECT_ATTEMPT_SECONDS)))
-                self.saw_layout(reply.layout_epoch)
+                self.saw_layout(getattr(reply, "layout_epoch", 0))  # (a stand-in stub's reply may carry none)
                 return reply
             except grpc.RpcError as e:
                 retry = register_retry(e, join, join_round)

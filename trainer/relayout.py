@@ -125,17 +125,25 @@ class Relayout:
         it changed nothing, so its pushes are taken back here and the step goes again whole in the new layout."""
         for s in self.client.parts:
             s.saw_layout(newest)
-            give_back_topk(s, self.slots.slice(self.slots.flat.grad, s.slot))
-        self.client.count("pushes_rerouted", refused)
-        if not self.switch_if_due(base):
+        layout = due(self.timeline.learn(), self.epoch, base)
+        if layout is None:
             raise LayoutNotFollowed(f"a step of base {base} was refused layout-moved (newest layout {newest}) but "
                                     f"the timeline {self.timeline.layouts} puts base {base} in layout {self.epoch}")
+        self._check_followable(layout)  # refused: the step stays as it is, to retry or abandon
+        for s in self.client.parts:
+            give_back_topk(s, self.slots.slice(self.slots.flat.grad, s.slot))
+        self.client.count("pushes_rerouted", refused)
+        self.switch(layout, base)
 
-    def switch(self, layout: LayoutEpoch, base: int) -> None:
+    def _check_followable(self, layout: LayoutEpoch) -> None:
         if self.unsupported:
             raise LayoutNotFollowed(f"layout {layout.number} takes over from round {layout.round} but this trainer "
                                     f"runs {self.unsupported}, which cannot follow a layout switch yet "
                                     "(docs/live-reshard.md): restart it on the new --ps list")
+
+    def switch(self, layout: LayoutEpoch, base: int) -> None:
+        """The slots, clients, staging and job of ``layout``, every slot at version ``base`` (its round R or later)."""
+        self._check_followable(layout)
         old_job, old_parts, old_ranges = self.client.job, list(self.client.parts), list(self.slots.ranges)
         job = new_job(old_job, layout.num_shards, layout.partitions)
         if layout.fingerprint and job.fingerprint != layout.fingerprint:
@@ -161,8 +169,8 @@ class Relayout:
 
     def _new_parts(self, job: JobSpec, layout: LayoutEpoch, addresses: list[str], old: list[ShardClient],
                    residuals: list) -> list[ShardClient]:
-        """One ShardClient per new slot, its pushes numbered on from the old slots'; the channel of an old client for the same
-        address and partition is reused (one connection per partition, as before)."""
+        """One ShardClient per new slot, its pushes numbered on from the old slots'; the channel of an old client
+        for the same address and partition is reused (one connection per partition, as before)."""
         channels = {(s.address, s.partition): s.channel for s in old}
         head, k = old[0], job.partitions
         parts = []

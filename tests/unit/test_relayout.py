@@ -87,7 +87,8 @@ def test_a_step_is_rerouted_only_when_every_failure_is_layout_moved_and_no_slot_
 def test_a_refused_topk_push_gives_back_what_it_took_from_the_residual():
     client = ShardClient("127.0.0.1:1", 0, 0, "t0", "f", Counter(), compressor=TopK(0.25))
     grad = torch.tensor([1.0, -4.0, 0.5, 2.0, 0.25, -0.125, 3.0, 0.0])
-    client.outgoing.chunks(grad, pb.ChunkHeader(dtype=pb.FLOAT32, length=8), pb.FLOAT32)  # compressed: the residual keeps what was not sent
+    # compressed: the residual keeps what was not sent
+    client.outgoing.chunks(grad, pb.ChunkHeader(dtype=pb.FLOAT32, length=8), pb.FLOAT32)
     assert client.unanswered and client.compressor.residual.abs().sum() > 0
     give_back_topk(client, grad)
     assert torch.equal(client.compressor.residual, torch.zeros(8)) and not client.unanswered
