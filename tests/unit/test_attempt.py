@@ -41,7 +41,8 @@ class _Error(grpc.RpcError):
 def test_only_the_restart_codes_rejoin_and_a_rejoined_slot_pushes_again_or_is_lost():
     assert rejoins_on(_Error(code=grpc.StatusCode.NOT_FOUND)) and rejoins_on(_Error(JobMismatch("fingerprint")))
     assert rejoins_on(_Error(code=grpc.StatusCode.OUT_OF_RANGE))
-    assert not rejoins_on(_Error(code=grpc.StatusCode.UNAVAILABLE)) and not rejoins_on(_Error(code=grpc.StatusCode.ALREADY_EXISTS))
+    assert not rejoins_on(_Error(code=grpc.StatusCode.UNAVAILABLE))
+    assert not rejoins_on(_Error(code=grpc.StatusCode.ALREADY_EXISTS))
     assert after_rejoin(push_again=True) is None and after_rejoin(push_again=False) == LOST
 
 
