@@ -9,11 +9,13 @@ final parameters must equal bit for bit those of the same job that never switche
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 
 import torch
 from torch.nn import functional as F
 
+from tests.helpers import WAIT_TIMEOUT, run_ranks
 from trainer import connect
 
 STEPS, R = 6, 3
@@ -93,3 +95,43 @@ def test_a_trainer_that_saw_the_new_layout_in_a_reply_switches_before_pushing_an
     assert torch.equal(params, reference)
     assert (job.num_shards, job.partitions) == (1, 2)
     assert counters["pushes_rerouted"] == 0 and counters["layouts_followed"] == 1
+
+
+def train_two(servers, switch_at=None):
+    """Two trainers (threads) of one sync job, STEPS steps each on their own data; with ``switch_at``, both stop
+    between steps (a barrier: every round up to R closed, none open) while the shards switch.  Their parameters."""
+    models, results, counters = [Net() for _ in range(2)], {}, {}
+    between = threading.Barrier(2, timeout=WAIT_TIMEOUT)
+
+    def run(rank):
+        g = torch.Generator().manual_seed(11 + rank)
+        with connect(",".join(s.address for s in servers), models[rank], mode="sync", rank=rank, num_trainers=2,
+                     optimizer=OPTIMIZER, connect_timeout=30) as ps:
+            for i in range(STEPS):
+                if i == switch_at:
+                    between.wait()
+                    if rank == 0:
+                        switch_to_one_shard(servers)
+                    between.wait()
+                x, y = torch.randn(8, 12, generator=g), torch.randint(0, 4, (8,), generator=g)
+                ps.prepare_step(len(x))
+                F.cross_entropy(models[rank](x), y).backward()
+                ps.step(num_samples=len(x))
+            ps.flush()
+            results[rank] = torch.cat([p.detach().reshape(-1).clone() for p in models[rank].parameters()])
+            counters[rank] = Counter(ps.client.counters)
+
+    run_ranks(run, 2)
+    return results, counters
+
+
+def test_two_sync_trainers_both_follow_the_switch_and_end_bit_for_bit_as_without_one(shard_server):
+    reference, _ = train_two([shard_server(shard=i).server for i in range(2)])
+    servers = [shard_server(shard=i).server for i in range(2)]
+    results, counters = train_two(servers, switch_at=R)
+    assert torch.equal(results[0], reference[0]) and torch.equal(results[1], reference[1])
+    assert torch.equal(results[0], results[1])  # sync: both hold the same weights
+    for rank in (0, 1):
+        assert (counters[rank]["pushes_rerouted"], counters[rank]["layouts_followed"]) == (2, 1)
+        assert counters[rank]["steps_failed"] == counters[rank]["steps_abandoned"] == 0
+    assert [p.capture().version for p in servers[0].layouts.current.parts[:2]] == [STEPS, STEPS]
