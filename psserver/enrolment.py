@@ -41,6 +41,7 @@ class Enrolment:
         self._counters = counters
         self._changed = changed
         self.members = Membership(clock, lease_timeout)
+        self.handoff_held_from: int | None = None  # a live re-shard's hold (psserver.handoff_io), beside the joins'
         self.reset()
 
     def reset(self) -> None:
@@ -294,6 +295,8 @@ class Enrolment:
     def round_view(self, version: int, round_, last_base: dict) -> modes.RoundView:
         book = self.epochs
         held = book.held_from()
+        if self.handoff_held_from is not None:
+            held = self.handoff_held_from if held is None else min(held, self.handoff_held_from)
         return modes.RoundView(
             version=version,
             live=book.expected(self.members.view().live, version),  # the live members of this round's epoch

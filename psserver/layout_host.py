@@ -36,12 +36,13 @@ class LayoutHost:
     def __init__(self, host: ShardHost):
         self._hosts: dict[int, ShardHost] = {0: host}
         self._later: list[LayoutEpoch] = []  # the layouts after epoch 0, oldest first
+        self._first: LayoutEpoch | None = None  # epoch 0 as a hand-off named it, for a host that never ran it
 
     # ------------------------------------------------------------------ the timeline
     def timeline(self) -> list[LayoutEpoch]:
         """Epoch 0 (from the job epoch 0's host runs; an empty layout before a job) and every later one."""
         job = self._hosts[0].head.job
-        first = first_layout(job) if job is not None else LayoutEpoch(0, 0, 0)
+        first = first_layout(job) if job is not None else self._first or LayoutEpoch(0, 0, 0)
         return [first, *self._later]
 
     def timeline_proto(self) -> list[_pb.LayoutEpoch]:
@@ -117,9 +118,10 @@ class LayoutHost:
         return host
 
     # ------------------------------------------------------------------ switching
-    def install(self, layout: LayoutEpoch, host: ShardHost) -> None:
+    def install(self, layout: LayoutEpoch, host: ShardHost, first: LayoutEpoch | None = None) -> None:
         """Serve ``layout`` with ``host`` from its round on.  Only at a round boundary: every partition of the
-        current host at version ``layout.round`` with no round open, so no round is open across the switch."""
+        current host at version ``layout.round`` with no round open, so no round is open across the switch.
+        ``first``: epoch 0, for a process that joined the job by a hand-off (its own epoch 0 ran no job)."""
         if layout.number != self.newest + 1:
             raise ValueError(f"layout is {layout.number} but the next layout here is {self.newest + 1}")
         job = self.current.head.job
@@ -131,6 +133,8 @@ class LayoutHost:
                                  f"{' with a round open' if state.version == layout.round else ''}")
         self._hosts[layout.number] = host
         self._later.append(layout)
+        if first is not None and self._hosts[0].head.job is None:
+            self._first = first
         host.count("layouts_switched")
         log.warning("shard %d: serving layout %d (%d shards, %d partitions) from round %d", host.shard_id,
                     layout.number, layout.num_shards, layout.partitions, layout.round)

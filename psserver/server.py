@@ -20,6 +20,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from psserver.budget import MemoryBudget
+from psserver.handoff_io import HandoffIO
 from psserver.health import CappedHealth, LoopWatch, ProbePort
 from psserver.host import ShardHost
 from psserver.layout_host import LayoutHost
@@ -169,8 +170,9 @@ def build_shard_process(cfg: ServerConfig, loop: asyncio.AbstractEventLoop, loop
         host.restore_states(reshard_states(cfg), ",".join(cfg.restore_from))
     layouts = LayoutHost(host)  # the layout epochs served: layout 0 is ``host``
     runtime = Runtime(host, wakeups, limits.receive_buffers, tick=layouts.tick)
+    handoffs = HandoffIO(layouts, runtime)  # a live re-shard's side on this shard
     service = ParameterServerService(host, runtime, limits, authenticated=cfg.security.authenticates,
-                                     connections=connections, replies=replies, layouts=layouts)
+                                     connections=connections, replies=replies, layouts=layouts, handoffs=handoffs)
     return ShardProcess(host, runtime, service, watch)
 
 
@@ -184,6 +186,7 @@ class ShardServer:
         self.shard: ShardHost | None = None
         self.runtime: Runtime | None = None
         self.layouts: LayoutHost | None = None  # the layout epochs served (psserver.layout_host)
+        self.handoffs: HandoffIO | None = None  # a live re-shard's side here (psserver.handoff_io)
         self.port = 0
         self.health_port = -1
         self.probe_port: ProbePort | None = None
@@ -209,7 +212,7 @@ class ShardServer:
             process = build_shard_process(self.cfg, self._loop, self._thread.ident,  # a --restore's reading too
                                           self.probe_port.publish_tick if self.probe_port else lambda t: None)
             self.shard, self.runtime, self._watch = process.host, process.runtime, process.watch
-            self.layouts = process.service.layouts
+            self.layouts, self.handoffs = process.service.layouts, process.service.handoffs
             tune_gc()
             self.port = asyncio.run_coroutine_threadsafe(self._start(process.service), self._loop).result(START_TIMEOUT)
             if self.probe_port is not None:
@@ -297,6 +300,7 @@ class ShardServer:
         finally:
             self._watch.stop()
             self._close_loop(before_close=self.runtime.shutdown)  # the state worker finishes what it runs
+            self.handoffs.join()  # a live re-shard's stream threads (stopped in _stop)
             if self.probe_port is not None:
                 self.probe_port.stop()
             self.shard.final_checkpoint()
@@ -304,6 +308,7 @@ class ShardServer:
     async def _stop(self, grace: float) -> None:
         await self.health.enter_graceful_shutdown()
         self.runtime.begin_stopping()
+        self.handoffs.stop()  # its streams' threads end
         self.shard.stop()  # pulls waiting for a round return UNAVAILABLE: their trainers retry elsewhere/later
         self._timer.cancel()
         await self.server.stop(grace)

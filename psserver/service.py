@@ -55,6 +55,7 @@ from psserver.protocol.codec import (
 )
 from psserver.protocol.errors import (
     InvalidRequest,
+    NotReady,
     PsError,
     ShuttingDown,
     StaleGradient,
@@ -313,7 +314,7 @@ def _check_header_fields(h: _pb.ChunkHeader) -> None:
 class ParameterServerService:
     def __init__(self, host: ShardHost, runtime: Runtime, cfg: ServiceLimits = ServiceLimits(),
                  authenticated: bool = False, connections: Connections | None = None,
-                 replies: ReplyLedger | None = None, layouts: LayoutHost | None = None):
+                 replies: ReplyLedger | None = None, layouts: LayoutHost | None = None, handoffs=None):
         # Dense calls go to the partition of the layout they name (psserver.layout_host, psserver.host); counters,
         # refusals and the sparse tables are layout 0's partition 0's, ``self.shard``.  ``authenticated``: every
         # caller proved itself before reaching here (a token or mutual TLS), so members-only answers need no membership.
@@ -327,6 +328,7 @@ class ParameterServerService:
         self.replies = replies or ReplyLedger(cfg.max_reply_bytes_per_peer, cfg.max_reply_bytes)
         self._per_rank: dict[tuple[int, int], int] = {}  # (rank, partition) -> calls in flight
         self.rows = RowCalls(self.shard, runtime, cfg.max_pull_wait)  # the row calls' table steps
+        self.handoffs = handoffs  # a live re-shard's Reshard and Handoff calls (psserver.handoff_io)
 
     @property
     def host(self) -> ShardHost:
@@ -424,7 +426,24 @@ class ParameterServerService:
             reply.job.CopyFrom(s.job.to_proto())
         if self.authenticated or any(_is_member(head, request) for head in self.layouts.heads()):
             reply.layouts.extend(self.layouts.timeline_proto())  # fingerprints: for a member of any layout
+        if self.handoffs is not None:
+            reply.handoffs.extend(self.handoffs.records())
         return reply
+
+    @_refusals
+    async def Reshard(self, request, context):
+        """A live re-shard's coordinator call (psserver.handoff_io)."""
+        return await self._handoffs().reshard(_decoded(request))
+
+    @_refusals
+    async def Handoff(self, request_iterator, context):
+        """A live re-shard's source streaming to this destination (psserver.handoff_io)."""
+        return await self._handoffs().handoff(_decoded(c) async for c in request_iterator)
+
+    def _handoffs(self):
+        if self.handoffs is None:
+            raise NotReady("handoffs is None but a live re-shard needs a shard process (psserver.server)")
+        return self.handoffs
 
     def _digest(self, part: Shard, request) -> asyncio.Future:
         """The partition's state digest, for members (or any caller of a shard that authenticates them all),
@@ -918,6 +937,9 @@ def add_service(servicer: ParameterServerService, server) -> None:
         "PushPullRows": grpc.stream_stream_rpc_method_handler(
             servicer.PushPullRows, _safe(_pb.RowsChunk.FromString), _pb.RowsChunk.SerializeToString),
         "Step": grpc.stream_stream_rpc_method_handler(servicer.Step, parse_step, serialize_step),
+        "Reshard": unary(servicer.Reshard, _safe(_pb.ReshardRequest.FromString), _pb.ReshardReply.SerializeToString),
+        "Handoff": grpc.stream_unary_rpc_method_handler(servicer.Handoff, _safe(_pb.HandoffChunk.FromString),
+                                                        _pb.HandoffAck.SerializeToString),
     }
     missing = set(stubs.METHODS) - set(handlers)
     if missing:

@@ -107,6 +107,8 @@ class Shard:
         self.hooks = DenseHooks(self, self._changed)
         self._stopped = False
         self.prepared: Prepared | None = None  # handed by the host when a job is admitted, taken by _set_job
+        # (shard, round, average or None, lr or None) for each closed round: a live re-shard's forward log
+        self.round_listener: Callable[..., None] | None = None  # (psserver.handoff_io)
         self._clear_job()
 
     def _clear_job(self) -> None:
@@ -493,6 +495,8 @@ class Shard:
         # Reset before the step: a checkpoint the step takes must not hold this round as still open (a
         # --restore would apply it a second time).
         self.round.reset()
+        if self.round_listener is not None:  # before the step, which may reuse the average's memory
+            self.round_listener(self, self.version, average, self._lr() if average is not None else None)
         if average is not None:
             self.apply_step(average)
         else:

@@ -214,6 +214,90 @@ class HandoffState(_message.Message):
     bytes: int
     def __init__(self, plan: _Optional[str] = ..., move: _Optional[int] = ..., phase: _Optional[str] = ..., version: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
+class ReshardRequest(_message.Message):
+    __slots__ = ("op", "plan", "old_addresses", "new_addresses", "partitions", "round", "switch", "you")
+    class Op(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        PREPARE: _ClassVar[ReshardRequest.Op]
+        PROPOSE: _ClassVar[ReshardRequest.Op]
+        COMMIT: _ClassVar[ReshardRequest.Op]
+        DECIDE: _ClassVar[ReshardRequest.Op]
+        RETIRE: _ClassVar[ReshardRequest.Op]
+        STATUS: _ClassVar[ReshardRequest.Op]
+    PREPARE: ReshardRequest.Op
+    PROPOSE: ReshardRequest.Op
+    COMMIT: ReshardRequest.Op
+    DECIDE: ReshardRequest.Op
+    RETIRE: ReshardRequest.Op
+    STATUS: ReshardRequest.Op
+    OP_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    OLD_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    NEW_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_FIELD_NUMBER: _ClassVar[int]
+    YOU_FIELD_NUMBER: _ClassVar[int]
+    op: ReshardRequest.Op
+    plan: str
+    old_addresses: _containers.RepeatedScalarFieldContainer[str]
+    new_addresses: _containers.RepeatedScalarFieldContainer[str]
+    partitions: int
+    round: int
+    switch: bool
+    you: str
+    def __init__(self, op: _Optional[_Union[ReshardRequest.Op, str]] = ..., plan: _Optional[str] = ..., old_addresses: _Optional[_Iterable[str]] = ..., new_addresses: _Optional[_Iterable[str]] = ..., partitions: _Optional[int] = ..., round: _Optional[int] = ..., switch: _Optional[bool] = ..., you: _Optional[str] = ...) -> None: ...
+
+class ReshardReply(_message.Message):
+    __slots__ = ("plan", "handoffs", "proposal", "version", "layout_epoch")
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    HANDOFFS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    plan: str
+    handoffs: _containers.RepeatedCompositeFieldContainer[HandoffState]
+    proposal: int
+    version: int
+    layout_epoch: int
+    def __init__(self, plan: _Optional[str] = ..., handoffs: _Optional[_Iterable[_Union[HandoffState, _Mapping]]] = ..., proposal: _Optional[int] = ..., version: _Optional[int] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
+
+class HandoffChunk(_message.Message):
+    __slots__ = ("kind", "plan", "source", "move", "version", "data")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        COPY: _ClassVar[HandoffChunk.Kind]
+        FORWARD: _ClassVar[HandoffChunk.Kind]
+        VOTE: _ClassVar[HandoffChunk.Kind]
+    COPY: HandoffChunk.Kind
+    FORWARD: HandoffChunk.Kind
+    VOTE: HandoffChunk.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    MOVE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    kind: HandoffChunk.Kind
+    plan: str
+    source: str
+    move: int
+    version: int
+    data: bytes
+    def __init__(self, kind: _Optional[_Union[HandoffChunk.Kind, str]] = ..., plan: _Optional[str] = ..., source: _Optional[str] = ..., move: _Optional[int] = ..., version: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class HandoffAck(_message.Message):
+    __slots__ = ("plan", "move", "version", "phase")
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    MOVE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    plan: str
+    move: int
+    version: int
+    phase: str
+    def __init__(self, plan: _Optional[str] = ..., move: _Optional[int] = ..., version: _Optional[int] = ..., phase: _Optional[str] = ...) -> None: ...
+
 class RegisterRequest(_message.Message):
     __slots__ = ("rank", "trainer_id", "expected_shard", "job", "partition", "join", "join_round", "layout_epoch", "follows_layouts", "join_confirm")
     RANK_FIELD_NUMBER: _ClassVar[int]

@@ -99,6 +99,16 @@ class ParameterServerStub:
                 request_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.StepChunk.SerializeToString,
                 response_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.StepChunk.FromString,
                 _registered_method=True)
+        self.Reshard = channel.unary_unary(
+                '/psgrpc.v1.ParameterServer/Reshard',
+                request_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.ReshardRequest.SerializeToString,
+                response_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.ReshardReply.FromString,
+                _registered_method=True)
+        self.Handoff = channel.stream_unary(
+                '/psgrpc.v1.ParameterServer/Handoff',
+                request_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.HandoffChunk.SerializeToString,
+                response_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.HandoffAck.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -197,6 +207,19 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reshard(self, request, context):
+        """A live re-shard (docs/live-reshard.md): the coordinator's calls, and a source's stream to a destination.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Handoff(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -264,6 +287,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Step,
                     request_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.StepChunk.FromString,
                     response_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.StepChunk.SerializeToString,
+            ),
+            'Reshard': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reshard,
+                    request_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.ReshardRequest.FromString,
+                    response_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.ReshardReply.SerializeToString,
+            ),
+            'Handoff': grpc.stream_unary_rpc_method_handler(
+                    servicer.Handoff,
+                    request_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.HandoffChunk.FromString,
+                    response_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.HandoffAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -617,6 +650,60 @@ class ParameterServer:
             '/psgrpc.v1.ParameterServer/Step',
             psserver_dot_protocol_dot_proto_dot_ps__pb2.StepChunk.SerializeToString,
             psserver_dot_protocol_dot_proto_dot_ps__pb2.StepChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reshard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psgrpc.v1.ParameterServer/Reshard',
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.ReshardRequest.SerializeToString,
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.ReshardReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Handoff(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/psgrpc.v1.ParameterServer/Handoff',
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.HandoffChunk.SerializeToString,
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.HandoffAck.FromString,
             options,
             channel_credentials,
             insecure,

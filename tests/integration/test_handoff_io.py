@@ -1,0 +1,182 @@
+"""A live re-shard carried out by the shards (stage 5 of docs/live-reshard.md, docs/handoff-io.md): three real
+shards over gRPC on loopback, the test as the coordinator, a sync dense job moved from two shards to three
+while pushes go on during the copy; and PREPARE's and Handoff's refusals, each with its one status, a message
+naming the field and both values, the state digest unchanged and the shard still serving."""
+
+import dataclasses
+
+import grpc
+import pytest
+import torch
+
+from psserver.forward_log import copy_range, range_digest
+from psserver.protocol.codec import encode, wire_tensor
+from psserver.protocol.layout import Layout, shard_range
+from psserver.protocol.layouts import new_job
+from psserver.protocol.proto import ps_pb2 as pb
+from tests.conftest import P, make_spec
+from tests.helpers import refused, wait_until
+
+Op = pb.ReshardRequest
+
+
+def spec(mode="sync", **kw):
+    s = make_spec(num_shards=2, mode=mode, **kw)
+    return dataclasses.replace(s, fingerprint=Layout.from_shapes(s.tensors, 2).fingerprint())
+
+
+OLD = spec()
+NEW = new_job(OLD, 3)
+OLD_RANGES = [shard_range(P, 2, i) for i in range(2)]
+NEW_RANGES = [shard_range(P, 3, i) for i in range(3)]
+
+
+class Job:
+    """Two shards running ``job`` for rank 0, plus an empty third; pushes numbered per shard and layout."""
+
+    def __init__(self, shard_server, job=OLD):
+        self.job = job
+        self.shards = [shard_server(shard=i, lease_timeout=0) for i in range(3)]  # no lease runs out mid-test
+        self.old = [s.server.address for s in self.shards[:2]]
+        self.new = [s.server.address for s in self.shards]
+        self.seq = {}
+        gen = torch.Generator().manual_seed(0)
+        self.gen = gen
+        for i, (a, b) in enumerate(OLD_RANGES):
+            self.shards[i].register(spec=job, expected_shard=i)
+            h = self.shards[i].header(n=b - a, fingerprint=job.fingerprint)
+            values = torch.randn(b - a, generator=gen)
+            assert self.shards[i].stub.Init(encode(wire_tensor(values, pb.FLOAT32), h, 1024), timeout=10).accepted
+
+    def push(self, i, base, layout=0):
+        a, b = (NEW_RANGES if layout else OLD_RANGES)[i]
+        key = (i, layout)
+        self.seq[key] = self.seq.get(key, 0) + 1
+        h = self.shards[i].header(n=b - a, version=base, sequence=self.seq[key],
+                                  fingerprint=NEW.fingerprint if layout else self.job.fingerprint)
+        h.layout_epoch = layout
+        grad = torch.randn(b - a, generator=self.gen)
+        return self.shards[i].stub.Push(encode(wire_tensor(grad, pb.FLOAT32), h, 1024), timeout=10)
+
+    def rounds(self, upto):
+        """Push on both old shards until each is at version ``upto``."""
+        for i in (0, 1):
+            while self.shards[i].stats(fingerprint=self.job.fingerprint).version < upto:
+                base = self.shards[i].stats(fingerprint=self.job.fingerprint).version
+                assert self.push(i, base).outcome == pb.APPLIED
+
+    def reshard(self, i, op, plan="p1", **kw):
+        return self.shards[i].stub.Reshard(pb.ReshardRequest(op=op, plan=plan, old_addresses=self.old,
+                                                             new_addresses=self.new, you=self.new[i], **kw),
+                                           timeout=10)
+
+    def phases(self):
+        return [r.phase for i in range(3) for r in self.reshard(i, Op.STATUS).handoffs]
+
+    def digest(self, i):
+        return self.shards[i].digest(fingerprint=self.job.fingerprint)
+
+
+def pull(shard, layout, version, fingerprint):
+    chunks = list(shard.stub.Pull(pb.PullRequest(rank=0, trainer_id="t0", fingerprint=fingerprint, min_version=version,
+                                                 dtype=pb.FLOAT32, layout_epoch=layout), timeout=10))
+    data = b"".join(c.data for c in chunks)
+    return chunks[0].header, torch.frombuffer(bytearray(data), dtype=torch.float32)
+
+
+def test_a_sync_dense_job_moves_from_two_shards_to_three_with_pushes_during_the_copy_and_serves_layout_1(
+        shard_server):
+    job = Job(shard_server)
+    job.rounds(2)
+    for i in (2, 0, 1):  # the destinations first: a source's stream to an unprepared shard is only retried
+        job.reshard(i, Op.PREPARE)
+    job.rounds(5)  # pushes go on during the copy: each closed round is forwarded
+    wait_until(lambda: all(p in ("source:tailing", "dest:replaying") for p in job.phases())
+               and len(job.phases()) == 4 + 3, "every move to tail and every new piece to replay")
+    proposals = [job.reshard(i, Op.PROPOSE).proposal for i in (0, 1)]
+    R = max(proposals)
+    for i in range(3):
+        job.reshard(i, Op.COMMIT, round=R)
+    job.rounds(R)
+    wait_until(lambda: sorted(set(job.phases())) == ["dest:ready", "source:blocked"], "every source blocked")
+
+    # the destinations' replayed parts equal the sources' ranges at R, bit for bit
+    old_parts = [s.server.layouts.current.part(0) for s in job.shards[:2]]
+    for dest in job.shards:
+        for piece in dest.server.handoffs.dests.values():
+            for replay in piece.replays.values():
+                src = old_parts[0] if replay.a < P // 2 else old_parts[1]
+                assert (src.version, replay.version) == (R, R)
+                want = copy_range(src.slice, src.start, replay.a, replay.b)
+                got = copy_range(replay.dense, replay.a, replay.a, replay.b)
+                assert torch.equal(got.params, want.params)
+                assert range_digest(got.params, got.optimizer) == range_digest(want.params, want.optimizer)
+    at_r = torch.cat([pull(s, 0, R, OLD.fingerprint)[1] for s in job.shards[:2]])
+
+    for i in range(3):
+        assert job.reshard(i, Op.DECIDE, switch=True).layout_epoch == 1
+    pulled = [pull(s, 1, R, NEW.fingerprint) for s in job.shards]
+    assert [(h.version, h.layout_epoch, len(w)) for h, w in pulled] == [
+        (R, 1, b - a) for a, b in NEW_RANGES]
+    assert torch.equal(torch.cat([w for _, w in pulled]), at_r)  # layout 1 serves the right ranges at R
+    for i in range(3):
+        reply = job.push(i, R, layout=1)
+        assert (reply.outcome, reply.version, reply.layout_epoch) == (pb.APPLIED, R + 1, 1)
+    for i in range(3):
+        job.reshard(i, Op.RETIRE)
+    assert set(job.phases()) == {"source:retired", "dest:serving"}
+
+
+@pytest.fixture
+def two(shard_server):
+    return Job(shard_server)
+
+
+def still_serves(job, i=0):
+    base = job.shards[i].stats(fingerprint=job.job.fingerprint).version
+    assert job.push(i, base).outcome == pb.APPLIED
+
+
+def test_prepare_on_an_async_job_is_failed_precondition_naming_the_mode(shard_server):
+    job = Job(shard_server, spec(mode="async"))
+    refused(lambda: job.reshard(0, Op.PREPARE), grpc.StatusCode.FAILED_PRECONDITION, "mode is async",
+            "mode sync", unchanged=_Shard(job, 0))
+    assert job.reshard(0, Op.STATUS).handoffs == []
+    still_serves(job)
+
+
+def test_prepare_under_another_plan_is_failed_precondition_naming_both_plans(two):
+    two.reshard(0, Op.PREPARE, plan="p1")
+    refused(lambda: two.reshard(0, Op.PREPARE, plan="p2"), grpc.StatusCode.FAILED_PRECONDITION,
+            "plan is 'p2'", "plan 'p1'", unchanged=_Shard(two, 0))
+    assert {r.plan for r in two.reshard(0, Op.STATUS, plan="p1").handoffs} == {"p1"}
+    still_serves(two)
+
+
+def test_prepare_while_a_join_is_pending_is_failed_precondition_naming_the_rank(shard_server):
+    job = Job(shard_server, spec(max_trainers=2))
+    job.shards[0].stub.Register(pb.RegisterRequest(rank=1, trainer_id="t1", expected_shard=0, join=True,
+                                                   job=job.job.to_proto()), timeout=10)
+    refused(lambda: job.reshard(0, Op.PREPARE), grpc.StatusCode.FAILED_PRECONDITION, "rank 1 has a pending join",
+            "rank None pending", unchanged=_Shard(job, 0))
+
+
+def test_a_handoff_from_a_caller_not_in_the_plan_is_permission_denied_naming_plan_and_caller(two):
+    two.reshard(1, Op.PREPARE)
+    stranger = pb.HandoffChunk(kind=pb.HandoffChunk.FORWARD, plan="p1", source="10.9.9.9:1", move=0, version=0)
+    refused(lambda: two.shards[1].stub.Handoff(iter([stranger]), timeout=10), grpc.StatusCode.PERMISSION_DENIED,
+            "source is '10.9.9.9:1'", "plan 'p1'", two.old[0], unchanged=_Shard(two, 1))
+    other = pb.HandoffChunk(kind=pb.HandoffChunk.FORWARD, plan="p9", source=two.old[0], move=0, version=0)
+    refused(lambda: two.shards[2].stub.Handoff(iter([other]), timeout=10), grpc.StatusCode.PERMISSION_DENIED,
+            "plan is 'p9'", "holds plan None")
+    still_serves(two, 1)
+
+
+class _Shard:
+    """What ``refused(unchanged=...)`` reads: shard ``i``'s state digest, asked as a member."""
+
+    def __init__(self, job, i):
+        self.job, self.i = job, i
+
+    def digest(self):
+        return self.job.digest(self.i)
