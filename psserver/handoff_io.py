@@ -144,7 +144,7 @@ class SourceSide:
     # ------------------------------------------------------------------ the stream (its own thread)
     def _pump(self) -> None:
         stub = None
-        while not self.io.stopping:
+        while not self.io.stopping and self in self.io.sources:  # a later plan's PREPARE ends this one's
             self.wake.wait(RETRY_SECONDS)
             self.wake.clear()
             try:
@@ -169,6 +169,7 @@ class SourceSide:
                                                       .SerializeToString().hex()))
             self.copy_sent = copy.version
             self.bytes += copy.params.numel() * 4 * (1 + len(copy.optimizer["state"].get(0, {})))
+            self.part.count("handoff_copies_sent")
             self.io.event(self, h.CopyAcked(copy.version))
         while True:
             with self.io.lock:
@@ -178,6 +179,8 @@ class SourceSide:
                 break
             f = due[0]
             self._send(stub, FORWARD, f.version, dict(lr=f.lr, grad=f.grad))
+            self.bytes += 0 if f.grad is None else f.grad.numel() * 4
+            self.part.count("handoff_forwards_sent")
             with self.io.lock:
                 self.log.ack(f.version)
             self.io.event(self, h.ForwardAcked(f.version))
@@ -229,8 +232,10 @@ class DestSide:
                 m = self.io.moves[self.moves[a.part]]
                 self.replays[a.part] = PartReplay(PartCopy(m.a, m.b, a.version, payload["params"],
                                                            payload["optimizer"]), self.job.optimizer)
+                self.io.count("handoff_copies_loaded")
             elif isinstance(a, h.ApplyForward):
                 self.replays[a.part].apply(Forward(a.version, payload["lr"], payload["grad"]))
+                self.io.count("handoff_forwards_replayed")
             elif isinstance(a, h.DropParts):
                 self.replays.clear()
             elif isinstance(a, h.Count):
@@ -276,7 +281,7 @@ class HandoffIO:
         self.moves: list[Move] = []
         self.sources: list[SourceSide] = []
         self.dests: dict[int, DestSide] = {}
-        self.switched = False
+        self.switched = self.aborted = False  # how the plan held ended (a new plan may start after either)
         self.stopping = False
 
     # ------------------------------------------------------------------ helpers the sides call
@@ -360,7 +365,7 @@ class HandoffIO:
         with self.lock:
             if self.plan is not None and self.plan.id == plan.id:
                 return  # asked twice
-            if self.plan is not None and not self.switched:
+            if self.plan is not None and not self.settled():
                 raise NotReady(f"plan is {plan.id!r} but this shard is already re-sharding under plan "
                                f"{self.plan.id!r}")
             job = self.layouts.current.head.job
@@ -369,9 +374,14 @@ class HandoffIO:
             elif plan.new_index is None:
                 raise InvalidRequest(f"you is {plan.you!r} but it is in neither --ps {list(plan.old)} nor --to "
                                      f"{list(plan.new)}")
-            self.plan, self.switched, self.sources, self.dests = plan, False, [], {}
+            self.plan, self.switched, self.aborted = plan, False, False
+            self.sources, self.dests, self.moves = [], {}, []
             if job is not None:
                 self._start_sources(job, plan)
+
+    def settled(self) -> bool:
+        """The plan held is over: switched, or aborted everywhere on this shard (a new plan may start)."""
+        return self.switched or self.aborted
 
     def _check_job(self, job: JobSpec, plan: Plan) -> None:
         """PREPARE's refusals (docs/status-codes.md): FAILED_PRECONDITION each, nothing changed."""
@@ -439,33 +449,41 @@ class HandoffIO:
             now, decide = self.clock(), h.Decide(request.switch)
             for m in [*self.sources, *self.dests.values()]:  # checked everywhere first: a refusal changes nothing
                 m.machine.on(decide, now)
+            new = self._new_layout() if request.switch and not self.switched else None
             for s in self.sources:
                 self.event(s, decide)
             for d in self.dests.values():
                 d.carry(d.machine_on(decide))
-            if request.switch and not self.switched:
-                self._install()
+            if new is not None:
+                self.layouts.install(*new)
+                self.switched = True
+            self.aborted = self.aborted or not request.switch
 
     def _retire(self, request) -> None:
         with self.lock:
             for s in self.sources:
                 self.event(s, h.Retire(None))
 
-    def _install(self) -> None:
-        """DECIDE switch: the new pieces (every one SERVING) installed as the next layout from R."""
+    def _new_layout(self) -> tuple:
+        """DECIDE switch: (the next layout from R, its host made from the new pieces, epoch 0); NotReady, changing
+        nothing, unless every new piece is READY and the old layout is at R with no round open."""
         plan, dests = self.plan, self.dests
-        if not dests or any(d.machine.state is not DestState.SERVING for d in dests.values()):
+        job = next(iter(dests.values())).job if dests else None
+        if job is None or len(dests) != plan.layouts(job)[2].partitions or any(
+                d.machine.state is not DestState.READY for d in dests.values()):
             raise NotReady(f"decide is switch but this shard's new pieces are "
-                           f"{[d.machine.state.value for d in dests.values()]}, not serving")
-        job = next(iter(dests.values())).job
+                           f"{[d.machine.state.value for d in dests.values()]}, not every one ready")
         _, _, job2 = plan.layouts(job)
         states = [dests[k].state(plan.new_index, job2) for k in range(job2.partitions)]
         timeline = self.layouts.timeline() if self.layouts.current.head.job is not None else [first_layout(job)]
         layout = next_layout(timeline, job2, states[0].version, plan.new)
+        try:
+            self.layouts.check_boundary(layout)
+        except ValueError as e:
+            raise NotReady(f"decide is switch but {e}: the old layout must stop at R (docs/handoff-io.md)") from None
         host = self.layouts.current.successor(plan.new_index)
         host.restore_states(states, f"layout {layout.number} (hand-off {plan.id})")
-        self.layouts.install(layout, host, first=timeline[0])
-        self.switched = True
+        return layout, host, timeline[0]
 
     # ------------------------------------------------------------------ the streams in
     async def handoff(self, request_iterator) -> _pb.HandoffAck:

@@ -122,6 +122,17 @@ class LayoutHost:
         """Serve ``layout`` with ``host`` from its round on.  Only at a round boundary: every partition of the
         current host at version ``layout.round`` with no round open, so no round is open across the switch.
         ``first``: epoch 0, for a process that joined the job by a hand-off (its own epoch 0 ran no job)."""
+        self.check_boundary(layout)
+        self._hosts[layout.number] = host
+        self._later.append(layout)
+        if first is not None and self._hosts[0].head.job is None:
+            self._first = first
+        host.count("layouts_switched")
+        log.warning("shard %d: serving layout %d (%d shards, %d partitions) from round %d", host.shard_id,
+                    layout.number, layout.num_shards, layout.partitions, layout.round)
+
+    def check_boundary(self, layout: LayoutEpoch) -> None:
+        """ValueError unless ``layout`` could be installed now (``install``'s check, changing nothing)."""
         if layout.number != self.newest + 1:
             raise ValueError(f"layout is {layout.number} but the next layout here is {self.newest + 1}")
         job = self.current.head.job
@@ -131,13 +142,6 @@ class LayoutHost:
                 raise ValueError(f"layout {layout.number} starts at round {layout.round} but partition "
                                  f"{part.partition} is at version {state.version}"
                                  f"{' with a round open' if state.version == layout.round else ''}")
-        self._hosts[layout.number] = host
-        self._later.append(layout)
-        if first is not None and self._hosts[0].head.job is None:
-            self._first = first
-        host.count("layouts_switched")
-        log.warning("shard %d: serving layout %d (%d shards, %d partitions) from round %d", host.shard_id,
-                    layout.number, layout.num_shards, layout.partitions, layout.round)
 
     def switch_offline(self, num_shards: int, shard: int, partitions: int | None = None,
                        pieces: list | None = None, addresses: tuple[str, ...] = ()) -> LayoutEpoch:

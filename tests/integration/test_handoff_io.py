@@ -12,6 +12,7 @@ import torch
 from psserver.forward_log import copy_range, range_digest
 from psserver.protocol.codec import encode, wire_tensor
 from psserver.protocol.layout import Layout, shard_range
+from psserver.protocol.rows.table import TableSpec
 from psserver.protocol.layouts import new_job
 from psserver.protocol.proto import ps_pb2 as pb
 from tests.conftest import P, make_spec
@@ -99,6 +100,12 @@ def test_a_sync_dense_job_moves_from_two_shards_to_three_with_pushes_during_the_
         job.reshard(i, Op.COMMIT, round=R)
     job.rounds(R)
     wait_until(lambda: sorted(set(job.phases())) == ["dest:ready", "source:blocked"], "every source blocked")
+    counters = [s.stats(fingerprint=OLD.fingerprint).counters for s in job.shards[:2]]
+    assert [c["handoff_copies_sent"] for c in counters] == [2, 2]  # each old shard: two moves, copied once
+    # every round closed after the copy (at version 2) was forwarded on each move and replayed
+    assert [c["handoff_forwards_sent"] for c in counters] == [2 * (R - 2)] * 2
+    replayed = job.shards[2].stats().counters["handoff_forwards_replayed"]
+    assert replayed == R - 2 and R - 2 >= 3
 
     # the destinations' replayed parts equal the sources' ranges at R, bit for bit
     old_parts = [s.server.layouts.current.part(0) for s in job.shards[:2]]
@@ -137,12 +144,43 @@ def still_serves(job, i=0):
     assert job.push(i, base).outcome == pb.APPLIED
 
 
-def test_prepare_on_an_async_job_is_failed_precondition_naming_the_mode(shard_server):
-    job = Job(shard_server, spec(mode="async"))
-    refused(lambda: job.reshard(0, Op.PREPARE), grpc.StatusCode.FAILED_PRECONDITION, "mode is async",
-            "mode sync", unchanged=_Shard(job, 0))
+@pytest.mark.parametrize("job_spec, fragments", [
+    (spec(mode="async"), ("mode is async", "mode sync")),
+    (spec(mode="stale-timeout", sync_timeout=30.0), ("mode is stale-timeout", "mode sync")),
+    (spec(tables=(TableSpec("emb", 4, seed=7),)), ("tables is ['emb']", "tables []")),
+], ids=["async", "stale-timeout", "tables"])
+def test_prepare_on_a_job_that_is_not_sync_dense_is_failed_precondition_naming_the_field(shard_server, job_spec,
+                                                                                         fragments):
+    job = Job(shard_server, job_spec)
+    refused(lambda: job.reshard(0, Op.PREPARE), grpc.StatusCode.FAILED_PRECONDITION, *fragments,
+            unchanged=_Shard(job, 0))
     assert job.reshard(0, Op.STATUS).handoffs == []
     still_serves(job)
+
+
+def test_prepare_that_drains_this_shard_is_failed_precondition_naming_it_and_the_new_list(two):
+    request = pb.ReshardRequest(op=Op.PREPARE, plan="p1", old_addresses=two.old, new_addresses=two.old[:1],
+                                you=two.old[1])
+    refused(lambda: two.shards[1].stub.Reshard(request, timeout=10), grpc.StatusCode.FAILED_PRECONDITION,
+            f"you is '{two.old[1]}'", f"--to is ['{two.old[0]}']", unchanged=_Shard(two, 1))
+    still_serves(two, 1)
+
+
+def test_commit_past_the_commit_window_is_out_of_range_and_decide_before_the_votes_is_failed_precondition(two):
+    for i in (2, 0, 1):
+        two.reshard(i, Op.PREPARE)
+    wait_until(lambda: all(p in ("source:tailing", "dest:replaying") for p in two.phases())
+               and len(two.phases()) == 7, "every move to tail")
+    version = two.shards[0].stats(fingerprint=OLD.fingerprint).version
+    refused(lambda: two.reshard(0, Op.COMMIT, round=version + 9), grpc.StatusCode.OUT_OF_RANGE,
+            f"commit round is {version + 9}", f"at version {version}", unchanged=_Shard(two, 0))
+    refused(lambda: two.reshard(0, Op.DECIDE, switch=True), grpc.StatusCode.FAILED_PRECONDITION,
+            "decide is switch", "not blocked", unchanged=_Shard(two, 0))
+    for i in range(3):  # an abort: the old layout goes on
+        assert two.reshard(i, Op.DECIDE, switch=False).layout_epoch == 0
+    assert set(two.phases()) == {"source:owner", "dest:dropped"}
+    assert two.reshard(0, Op.PREPARE, plan="p2").plan == "p2"  # an aborted plan leaves room for the next
+    still_serves(two)
 
 
 def test_prepare_under_another_plan_is_failed_precondition_naming_both_plans(two):
