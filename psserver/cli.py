@@ -23,7 +23,8 @@ def build_parser() -> EnvArgumentParser:
         description="Serve one shard of a psgrpc parameter server. "
         "Also: 'ps-server stats --ps HOST:PORT[,...]' prints shards' state; 'ps-server health --ps HOST:PORT' "
         "exits 0 iff the shard is SERVING; 'ps-server export --checkpoint-dir DIR[,...] --output model.pt' "
-        "assembles a state dict from the shards' newest checkpoints.",
+        "assembles a state dict from the shards' newest checkpoints; 'ps-server reshard --ps A,B --to A,B,C' "
+        "moves a running sync job to more shards (docs/handoff-io.md).",
     )
     p.add_argument("--shard", type=int, required=True, help="index of the shard this process serves (0-based)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def dispatch() -> int:
-    """`ps-server [serve flags]`, or the tools `stats`, `health`, `export`."""
+    """`ps-server [serve flags]`, or the tools `stats`, `health`, `export`, `reshard`."""
     from psserver import admin
 
     argv = sys.argv[1:]
@@ -206,6 +207,10 @@ def dispatch() -> int:
         return admin.stats_main(argv[1:])
     if argv[:1] == ["health"]:
         return admin.health_main(argv[1:])
+    if argv[:1] == ["reshard"]:
+        from psserver.reshard_cmd import reshard_main
+
+        return reshard_main(argv[1:])
     if argv[:1] == ["export"]:
         from psserver.export import export_main
 

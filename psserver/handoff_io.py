@@ -353,8 +353,9 @@ class HandoffIO:
             await self.runtime.offload(fn, request)
         head = self.layouts.current.head
         proposal = max((s.machine.proposal or 0 for s in self.sources), default=0)
+        committed = max((s.machine.round or 0 for s in self.sources), default=0)
         return _pb.ReshardReply(plan=self.plan.id if self.plan else "", handoffs=self.records(), proposal=proposal,
-                                version=head.version, layout_epoch=self.layouts.newest)
+                                version=head.version, layout_epoch=self.layouts.newest, round=committed)
 
     def _check_plan(self, plan: str) -> None:
         if self.plan is None or self.plan.id != plan:

@@ -1,0 +1,138 @@
+"""`ps-server reshard --ps A,B --to A,B,C`: a live re-shard's coordinator (docs/handoff-io.md).
+
+It keeps no state: every step is a Reshard call the shards record before they act, and each is idempotent, so a
+run -- or a re-run after a crash -- reads where the shards are (Reshard STATUS: their moves' phases and R) and
+goes on from there.  The plan id is derived from the two address lists and the partitions, so a re-run names
+the same plan.  Data never passes through the command: sources stream to destinations directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import time
+from typing import Callable
+
+import grpc
+
+from psserver.common.cli_support import EnvArgumentParser
+from psserver.protocol import stubs
+from psserver.protocol.proto import ps_pb2 as _pb
+from psserver.protocol.security import ClientSecurity, add_client_flags, client_security, parse_addresses
+
+Op = _pb.ReshardRequest
+TAILING = {"source:tailing", "source:holding", "source:blocking", "source:blocked"}
+POLL_SECONDS = 0.2
+
+
+class CoordinatorError(Exception):
+    """A step that did not complete: one line, said with a hint (a re-run resumes)."""
+
+
+def plan_id(old: list[str], new: list[str], partitions: int) -> str:
+    text = f"{','.join(old)}>{','.join(new)}/{partitions}"
+    return "reshard-" + hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+class Coordinator:
+    """The calls of one plan to every shard of both lists."""
+
+    def __init__(self, old: list[str], new: list[str], partitions: int = 0,
+                 security: ClientSecurity = ClientSecurity(), timeout: float = 10.0, wait: float = 600.0,
+                 say: Callable[[str], None] = print):
+        self.old, self.new, self.partitions = old, new, partitions
+        self.plan = plan_id(old, new, partitions)
+        self.everyone = [a for a in new if a not in old] + old  # destinations only first: nothing to retry
+        self.timeout, self.wait_s, self.say = timeout, wait, say
+        self.channels = {a: security.channel(a) for a in self.everyone}
+
+    def close(self) -> None:
+        for ch in self.channels.values():
+            ch.close()
+
+    def call(self, address: str, op: int, **kw) -> _pb.ReshardReply:
+        request = _pb.ReshardRequest(op=op, plan=self.plan, old_addresses=self.old, new_addresses=self.new,
+                                     partitions=self.partitions, you=address, **kw)
+        try:
+            return stubs.stub(self.channels[address]).Reshard(request, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise CoordinatorError(f"{address} answered {Op.Op.Name(op)} with {e.code().name}: {e.details()}") \
+                from None
+
+    def call_all(self, op: int, **kw) -> dict[str, _pb.ReshardReply]:
+        return {a: self.call(a, op, **kw) for a in self.everyone}
+
+    def phases(self, replies: dict[str, _pb.ReshardReply]) -> list[str]:
+        return [r.phase for reply in replies.values() if reply.plan == self.plan for r in reply.handoffs]
+
+    def wait(self, done: Callable[[dict], bool], what: str) -> dict[str, _pb.ReshardReply]:
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            replies = self.call_all(Op.STATUS)
+            if done(replies):
+                return replies
+            if time.monotonic() > deadline:
+                raise CoordinatorError(f"waited {self.wait_s:g} s for {what}; the shards' phases are "
+                                       f"{sorted(set(self.phases(replies)))}")
+            time.sleep(POLL_SECONDS)
+
+    def run(self) -> int:
+        t0 = time.monotonic()
+        replies = self.call_all(Op.STATUS)
+        switched = any(p in ("source:handed", "source:retired", "dest:serving") for p in self.phases(replies))
+        if not switched:
+            self.say(f"plan {self.plan}: {','.join(self.old)} -> {','.join(self.new)}")
+            self.call_all(Op.PREPARE)
+            self.say("prepared: copying while training goes on")
+            replies = self.wait(lambda r: (ph := [p for p in self.phases(r) if p.startswith("source:")])
+                                and set(ph) <= TAILING, "every move's copy to be acknowledged")
+            R = max(r.round for r in replies.values())
+            if not R:
+                R = max(self.call(a, Op.PROPOSE).proposal for a in self.old)
+            self.call_all(Op.COMMIT, round=R)
+            self.say(f"committed: the new layout takes over at round {R}")
+            self.wait(lambda r: set(self.phases(r)) == {"source:blocked", "dest:ready"},
+                      f"every source to reach round {R} and every new piece to replay it")
+            blocked = time.monotonic()
+            self.call_all(Op.DECIDE, switch=True)
+            self.say(f"switched (block {time.monotonic() - blocked:.3f} s)")
+        replies = self.call_all(Op.RETIRE)
+        moved = sum(r.bytes for reply in replies.values() for r in reply.handoffs if r.phase.startswith("source:"))
+        self.say(f"done: layout {max(r.layout_epoch for r in replies.values())}, {moved} bytes moved, "
+                 f"hand-off {time.monotonic() - t0:.2f} s")
+        return 0
+
+    def abort(self) -> int:
+        self.call_all(Op.DECIDE, switch=False)
+        self.say(f"plan {self.plan}: aborted; the old layout goes on")
+        return 0
+
+
+def reshard_main(argv: list[str]) -> int:
+    p = EnvArgumentParser(prog="ps-server reshard", description="Move a running sync job to another list of "
+                          "shards without restarting trainers (docs/handoff-io.md).",
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ps", required=True, help="the job's shards now, HOST:PORT[,...] in shard order")
+    p.add_argument("--to", required=True, help="the new list, in new shard order (new shards started empty)")
+    p.add_argument("--partitions", type=int, default=0, help="partitions per new shard (0: the job's)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds each call has to answer")
+    p.add_argument("--wait", type=float, default=600.0, help="seconds each phase may take")
+    p.add_argument("--abort", action="store_true", help="abort this plan (before the switch) instead")
+    add_client_flags(p)
+    args = p.parse_args(argv)
+    old, new = parse_addresses(args.ps), parse_addresses(args.to)
+    drained = [a for a in old if a not in new]
+    if drained:
+        p.error(f"--to leaves out {','.join(drained)} of --ps: draining a shard is not built yet (docs/handoff-io.md)")
+    if old == new:
+        p.error("--to is the same list as --ps: nothing to move")
+    coordinator = Coordinator(old, new, args.partitions, client_security(args), args.timeout, args.wait)
+    try:
+        return coordinator.abort() if args.abort else coordinator.run()
+    except CoordinatorError as e:
+        print(f"ps-server reshard: {e}\n  hint: run the same command again to resume; --abort gives the plan up "
+              "(before the switch)", file=sys.stderr)
+        return 1
+    finally:
+        coordinator.close()
