@@ -29,7 +29,7 @@ from psserver.protocol.codec import DEFAULT_CHUNK_BYTES
 from psserver.protocol.layouts import LayoutEpoch
 from psserver.protocol.limits import MAX_JOIN_TIMEOUT
 from psserver.protocol.optim import warm_up
-from psserver.protocol.security import ServerSecurity
+from psserver.protocol.security import ClientSecurity, ServerSecurity
 from psserver.protocol.stubs import SERVICE_NAME
 from psserver.replies import Connections, ReplyLedger
 from psserver.runtime import Runtime, Wakeups
@@ -170,7 +170,8 @@ def build_shard_process(cfg: ServerConfig, loop: asyncio.AbstractEventLoop, loop
         host.restore_states(reshard_states(cfg), ",".join(cfg.restore_from))
     layouts = LayoutHost(host)  # the layout epochs served: layout 0 is ``host``
     runtime = Runtime(host, wakeups, limits.receive_buffers, tick=layouts.tick)
-    handoffs = HandoffIO(layouts, runtime)  # a live re-shard's side on this shard
+    # a live re-shard's side on this shard; its streams to peers carry the job's token (TLS to peers: not yet)
+    handoffs = HandoffIO(layouts, runtime, ClientSecurity(token=cfg.security.token))
     service = ParameterServerService(host, runtime, limits, authenticated=cfg.security.authenticates,
                                      connections=connections, replies=replies, layouts=layouts, handoffs=handoffs)
     return ShardProcess(host, runtime, service, watch)
