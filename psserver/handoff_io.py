@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 COPY, FORWARD, VOTE = _pb.HandoffChunk.COPY, _pb.HandoffChunk.FORWARD, _pb.HandoffChunk.VOTE
 RETRY_SECONDS = 0.5  # a failed Handoff stream is sent again after this (counted handoff_stream_retries)
 STREAM_TIMEOUT = 60.0
+MAX_FORWARD_BATCH = h.MAX_FORWARD_LAG  # rounds in one FORWARD stream
 
 
 @dataclass(frozen=True)
@@ -177,13 +178,15 @@ class SourceSide:
                 sending = self.machine.state in (SourceState.TAILING, SourceState.HOLDING, SourceState.BLOCKING)
             if not due or not sending:
                 break
-            f = due[0]
-            self._send(stub, FORWARD, f.version, dict(lr=f.lr, grad=f.grad))
-            self.bytes += 0 if f.grad is None else f.grad.numel() * 4
-            self.part.count("handoff_forwards_sent")
+            batch = due[:MAX_FORWARD_BATCH]  # a destination behind catches up in one stream, not one per round
+            self._send(stub, FORWARD, batch[0].version,
+                       dict(rounds=[dict(version=f.version, lr=f.lr, grad=f.grad) for f in batch]))
+            self.bytes += sum(0 if f.grad is None else f.grad.numel() * 4 for f in batch)
+            self.part.count("handoff_forwards_sent", len(batch))
             with self.io.lock:
-                self.log.ack(f.version)
-            self.io.event(self, h.ForwardAcked(f.version))
+                self.log.ack(batch[-1].version)
+            for f in batch:
+                self.io.event(self, h.ForwardAcked(f.version))
         if self.vote is not None and not self.vote_sent:
             self._send(stub, VOTE, self.vote, self.io.on_state(self._vote))
             self.vote_sent = True
@@ -247,7 +250,8 @@ class DestSide:
         if kind == COPY:
             self.carry(self.machine_on(h.PartCopied(part, version)), payload)
         elif kind == FORWARD:
-            self.carry(self.machine_on(h.Forwarded(part, version)), payload)
+            for one in payload["rounds"]:  # in order; a round replayed already is acknowledged, not applied
+                self.carry(self.machine_on(h.Forwarded(part, one["version"])), one)
         else:
             self.timeline = self.timeline if self.timeline is not None else payload["timeline"]
             self.members, self.epochs = payload["members"], payload["epochs"]

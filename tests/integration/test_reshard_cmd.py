@@ -24,7 +24,7 @@ def test_ps_server_reshard_moves_a_running_job_to_three_shards_and_a_rerun_resum
             version = job.shards[i].stats(fingerprint=OLD.fingerprint).version
             if not R or version < R:
                 assert job.push(i, version).outcome == pb.APPLIED
-        command.join(0.01)
+        command.join(0.05)  # paces the rounds (a round a shard per turn), not a synchronisation
     assert result["rc"] == 0
     out = capsys.readouterr().out
     assert "committed" in out and "switched" in out and "done: layout 1" in out
