@@ -1,0 +1,54 @@
+"""Ad hoc (not ps-bench yet): a 2 -> 3 live re-shard of an 11,176,970-parameter sync job (ResNet-18's size), SGD
+momentum, one pusher thread driving rounds on both old shards while `ps-server reshard` runs in-process.
+Run: PYTHONPATH=$PWD python docs/bench/handoff/measure.py (docs/handoff-io.md, "Measured")."""
+import dataclasses, sys, threading, time
+import grpc, torch
+from psserver.protocol.codec import encode, wire_tensor
+from psserver.protocol.job import JobSpec, OptimizerConfig
+from psserver.protocol.layout import Layout, shard_range
+from psserver.protocol.proto import ps_pb2 as pb, ps_pb2_grpc as pbg
+from psserver.reshard_cmd import reshard_main
+from psserver.server import ServerConfig, ShardServer
+
+P = 11_176_970
+job = JobSpec(mode="sync", num_trainers=1, num_shards=2, total_params=P, fingerprint="x",
+              optimizer=OptimizerConfig("sgd", lr=0.01, momentum=0.9), tensors=(("w", (P,), "float32"),))
+job = dataclasses.replace(job, fingerprint=Layout.from_shapes(job.tensors, 2).fingerprint())
+servers = [ShardServer(ServerConfig(shard=i, host="127.0.0.1", port=0, lease_timeout=0)).start() for i in range(3)]
+stubs = [pbg.ParameterServerStub(grpc.insecure_channel(s.address, options=[("grpc.max_receive_message_length", -1)])) for s in servers]
+seq = [0, 0]
+def hdr(i, n, v):
+    seq[i] += 1
+    return pb.ChunkHeader(rank=0, trainer_id="t0", fingerprint=job.fingerprint, dtype=pb.FLOAT32, length=n, version=v, num_samples=4, sequence=seq[i])
+for i in range(2):
+    a, b = shard_range(P, 2, i)
+    stubs[i].Register(pb.RegisterRequest(rank=0, trainer_id="t0", expected_shard=i, job=job.to_proto()), timeout=30)
+    h = pb.ChunkHeader(rank=0, trainer_id="t0", fingerprint=job.fingerprint, dtype=pb.FLOAT32, length=b - a)
+    stubs[i].Init(encode(wire_tensor(torch.randn(b - a), pb.FLOAT32), h, 1 << 20), timeout=60)
+grads = [torch.randn(b - a) for a, b in (shard_range(P, 2, i) for i in range(2))]
+stop = threading.Event(); rounds = []
+def pusher():
+    while not stop.is_set():
+        t0 = time.monotonic(); pushed = 0
+        for i in range(2):
+            R = stubs[i].Reshard(pb.ReshardRequest(op=pb.ReshardRequest.STATUS), timeout=30).round
+            v = stubs[i].GetStats(pb.StatsRequest(), timeout=30).version
+            if not R or v < R:
+                stubs[i].Push(encode(wire_tensor(grads[i], pb.FLOAT32), hdr(i, grads[i].numel(), v), 1 << 20), timeout=60)
+                pushed += 1
+        if pushed == 2:
+            rounds.append((t0, time.monotonic()))
+        else:
+            time.sleep(0.01)  # held at R until DECIDE: not a round
+t = threading.Thread(target=pusher); t.start()
+time.sleep(3)
+t0 = time.monotonic()
+rc = reshard_main(["--ps", ",".join(s.address for s in servers[:2]), "--to", ",".join(s.address for s in servers), "--wait", "300"])
+t1 = time.monotonic(); stop.set(); t.join()
+before = [b - a for a, b in rounds if b < t0]; during = [b - a for a, b in rounds if a >= t0 and b <= t1]
+print(f"rc={rc} wall={t1-t0:.2f}s rounds before={len(before)} mean={sum(before)/max(len(before),1)*1000:.0f}ms "
+      f"during={len(during)} mean={sum(during)/max(len(during),1)*1000:.0f}ms")
+for s in servers[:2]:
+    c = s.layouts.host(0).head.counters
+    print({k: v for k, v in c.items() if k.startswith("handoff")})
+for s in servers: s.stop(grace=0)
