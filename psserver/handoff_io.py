@@ -492,8 +492,7 @@ class HandoffIO:
 
     # ------------------------------------------------------------------ the streams in
     async def handoff(self, request_iterator) -> _pb.HandoffAck:
-        first, data = await read_async(request_iterator)
-        self._check_caller(first)  # before a byte of the payload is decoded
+        first, data = await read_async(request_iterator, self._check_caller)  # before the rest is read
         return await self.runtime.offload(self._receive, first, unpack(data))
 
     def _check_caller(self, first) -> None:

@@ -54,10 +54,12 @@ def read(request_iterator: Iterable[_pb.HandoffChunk]) -> tuple[_pb.HandoffChunk
     return first, b"".join(parts)
 
 
-async def read_async(request_iterator) -> tuple[_pb.HandoffChunk, bytes]:
-    """``read`` for the servicer's async stream."""
+async def read_async(request_iterator, check=lambda first: None) -> tuple[_pb.HandoffChunk, bytes]:
+    """``read`` for the servicer's async stream; ``check(first)`` runs on the first chunk, before the rest is read."""
     first, parts, size = None, [], 0
     async for chunk in request_iterator:
+        if first is None:
+            check(chunk)
         first = first or chunk
         size += len(chunk.data)
         if size > MAX_PAYLOAD_BYTES:

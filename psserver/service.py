@@ -438,7 +438,8 @@ class ParameterServerService:
     @_refusals
     async def Handoff(self, request_iterator, context):
         """A live re-shard's source streaming to this destination (psserver.handoff_io)."""
-        return await self._handoffs().handoff(_decoded(c) async for c in request_iterator)
+        with self._peer_slot(context):
+            return await self._handoffs().handoff(_decoded(c) async for c in request_iterator)
 
     def _handoffs(self):
         if self.handoffs is None:
