@@ -3,7 +3,7 @@ machines' actions (psserver.handoff_source, psserver.handoff_dest) done on the s
 
 * **Source, per move** (``SourceSide``): PREPARE snapshots the move's range (forward_log.copy_range); a thread
   of its own streams the COPY, then each closed round's FORWARD in order (the ForwardLog, fed by the
-  partition's ``round_listener``: the round's averaged gradient and lr, before the step), then the VOTE (the
+  partition's ``round_listener``: the round's averaged gradient and lr, after the step), then the VOTE (the
   range's digest at R and the membership timeline at R).  The holds (HoldRounds) are the join's hold:
   ``Enrolment.handoff_held_from``.
 * **Destination, per new partition** (``DestSide``): each COPY becomes a PartReplay, each FORWARD one replayed
@@ -92,8 +92,9 @@ class SourceSide:
 
     def __init__(self, io: "HandoffIO", index: int, move: Move, part):
         self.io, self.index, self.move, self.part = io, index, move, part
-        self.machine = SourceMove(move.a, move.b, timeout=io.timeout, label=f"shard {part.shard_id} move {index}")
-        self.log = ForwardLog(move.a, move.b, part.start, part.version)
+        self.machine = SourceMove(move.a, move.b, timeout=io.timeout, max_lag=io.max_lag,
+                                  label=f"shard {part.shard_id} move {index}")
+        self.log = ForwardLog(move.a, move.b, part.start, part.version, io.max_lag)
         self.copy: PartCopy | None = None
         self.copy_sent = -1  # the copy version the destination acknowledged
         self.vote: int | None = None  # R, once SendVote asked for the vote
@@ -279,6 +280,7 @@ class HandoffIO:
     def __init__(self, layouts: LayoutHost, runtime, security: ClientSecurity = ClientSecurity(),
                  timeout: float = h.DEFAULT_HANDOFF_TIMEOUT):
         self.layouts, self.runtime, self.security, self.timeout = layouts, runtime, security, timeout
+        self.max_lag = h.MAX_FORWARD_LAG  # rounds a move may fall behind before it is copied again
         self.clock = layouts.current.clock
         self.lock = threading.RLock()
         self.plan: Plan | None = None

@@ -495,13 +495,14 @@ class Shard:
         # Reset before the step: a checkpoint the step takes must not hold this round as still open (a
         # --restore would apply it a second time).
         self.round.reset()
-        if self.round_listener is not None:  # before the step, which may reuse the average's memory
-            self.round_listener(self, self.version, average, self._lr() if average is not None else None)
+        lr = self._lr() if average is not None and self.round_listener is not None else None
         if average is not None:
             self.apply_step(average)
         else:
             self.slice.advance()
             self.counters["rounds_without_step"] += 1
+        if self.round_listener is not None:  # after the step: a range copied again is at the new version
+            self.round_listener(self, self.version - 1, average, lr)
         self.counters[f"rounds_{reason.value}"] += 1
         if reason is not modes.CloseReason.ALL_ARRIVED:
             log.info("shard %d: round %d closed by %s with %s; missing ranks %s",

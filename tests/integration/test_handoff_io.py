@@ -11,6 +11,7 @@ import torch
 
 from psserver.forward_log import copy_range, range_digest
 from psserver.protocol.codec import encode, wire_tensor
+from psserver.protocol.job import OptimizerConfig
 from psserver.protocol.layout import Layout, shard_range
 from psserver.protocol.rows.table import TableSpec
 from psserver.protocol.layouts import new_job
@@ -85,9 +86,11 @@ def pull(shard, layout, version, fingerprint):
     return chunks[0].header, torch.frombuffer(bytearray(data), dtype=torch.float32)
 
 
+@pytest.mark.parametrize("optimizer", [OptimizerConfig("sgd", lr=0.5, momentum=0.9),
+                                       OptimizerConfig("adam", lr=0.01)], ids=["sgd-momentum", "adam"])
 def test_a_sync_dense_job_moves_from_two_shards_to_three_with_pushes_during_the_copy_and_serves_layout_1(
-        shard_server):
-    job = Job(shard_server)
+        shard_server, optimizer):
+    job = Job(shard_server, dataclasses.replace(OLD, optimizer=optimizer))
     job.rounds(2)
     for i in (2, 0, 1):  # the destinations first: a source's stream to an unprepared shard is only retried
         job.reshard(i, Op.PREPARE)
@@ -132,6 +135,30 @@ def test_a_sync_dense_job_moves_from_two_shards_to_three_with_pushes_during_the_
     for i in range(3):
         job.reshard(i, Op.RETIRE)
     assert set(job.phases()) == {"source:retired", "dest:serving"}
+
+
+def test_a_move_whose_destination_falls_behind_is_copied_again_and_still_equals_its_source_at_r(shard_server):
+    job = Job(shard_server)
+    for s in job.shards:
+        s.server.handoffs.max_lag = 3
+    for i in (0, 1):  # the new shard has no plan yet: the moves to it cannot be acknowledged
+        job.reshard(i, Op.PREPARE)
+    job.rounds(6)  # four rounds past the copy at version 2: over the lag of 3
+    recopies = job.shards[1].stats(fingerprint=OLD.fingerprint).counters["handoff_recopies"]
+    assert recopies >= 1
+    job.reshard(2, Op.PREPARE)
+    sources = [s for shard in job.shards[:2] for s in shard.server.handoffs.sources]
+    wait_until(lambda: all(s.machine.state.value == "tailing" and s.machine.forwarded_to == s.machine.version
+                           for s in sources), "every move to catch up")
+    R = max(job.reshard(i, Op.PROPOSE).proposal for i in (0, 1))
+    for i in range(3):
+        job.reshard(i, Op.COMMIT, round=R)
+    job.rounds(R)
+    wait_until(lambda: sorted(set(job.phases())) == ["dest:ready", "source:blocked"], "every source blocked")
+    at_r = torch.cat([pull(s, 0, R, OLD.fingerprint)[1] for s in job.shards[:2]])
+    for i in range(3):
+        job.reshard(i, Op.DECIDE, switch=True)
+    assert torch.equal(torch.cat([pull(s, 1, R, NEW.fingerprint)[1] for s in job.shards]), at_r)
 
 
 @pytest.fixture
