@@ -450,6 +450,8 @@ class HandoffIO:
                 s.machine.on(h.Commit(request.round), self.clock())
             for s in sides:
                 self.event(s, h.Commit(request.round))
+            if sides:  # a push of base >= R in the old layout waits (refused, retried) until DECIDE
+                self.layouts.handoff_round = request.round
 
     def _decide(self, request) -> None:
         with self.lock:
@@ -464,6 +466,7 @@ class HandoffIO:
             if new is not None:
                 self.layouts.install(*new)
                 self.switched = True
+            self.layouts.handoff_round = None
             self.aborted = self.aborted or not request.switch
 
     def _retire(self, request) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 
 from psserver.host import ShardHost
-from psserver.protocol.errors import LayoutAhead, LayoutMoved, NotReady
+from psserver.protocol.errors import HandoffPending, LayoutAhead, LayoutMoved, NotReady
 from psserver.protocol.layouts import LayoutEpoch, first_layout, new_job, next_layout, refusal
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.reshard import ReshardError, recut
@@ -37,6 +37,7 @@ class LayoutHost:
         self._hosts: dict[int, ShardHost] = {0: host}
         self._later: list[LayoutEpoch] = []  # the layouts after epoch 0, oldest first
         self._first: LayoutEpoch | None = None  # epoch 0 as a hand-off named it, for a host that never ran it
+        self.handoff_round: int | None = None  # R of a live re-shard committed, not decided (psserver.handoff_io)
 
     # ------------------------------------------------------------------ the timeline
     def timeline(self) -> list[LayoutEpoch]:
@@ -87,6 +88,10 @@ class LayoutHost:
         """The partition a push of base ``base`` sent in layout ``epoch`` goes to; refused if another layout owns
         that base (LayoutMoved) or the epoch is unknown (LayoutAhead)."""
         self._check(epoch, base, pull=False)
+        if self.handoff_round is not None and base >= self.handoff_round and epoch == self.newest:
+            self.current.count("refused_handoff_pending")
+            raise HandoffPending(f"base version is {base} but layout {epoch} hands over at round "
+                                 f"{self.handoff_round} (R): the shards have not decided yet; send it again")
         return self.part(epoch, index)
 
     def pull_part(self, epoch: int, index: int, version: int) -> Shard:

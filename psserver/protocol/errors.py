@@ -128,6 +128,18 @@ LAYOUT_AHEAD = "layout-ahead"  # reason of a call naming a layout epoch the shar
 LAYOUT_METADATA_KEY = "ps-layout"  # trailer of a layout-moved refusal: the newest layout epoch the shard serves
 
 
+HANDOFF = "handoff"  # reason of a push of base >= R while a live re-shard has committed R and not yet switched
+
+
+class HandoffPending(PsError):
+    """A push of base >= R in the old layout after a live re-shard committed R, before its DECIDE
+    (docs/handoff-io.md): changes nothing; sent again, it is taken (abort) or refused ``layout-moved``
+    (switch) once the shards decide."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    reason = HANDOFF
+
+
 class LayoutMoved(PsError):
     """A call whose (layout epoch, base or version) another layout owns (docs/live-reshard.md): changes
     nothing; the trainer re-routes the step in the newest layout, named in the ``ps-layout`` trailer."""

@@ -11,6 +11,7 @@ import torch
 
 from psserver.forward_log import copy_range, range_digest
 from psserver.protocol.codec import encode, wire_tensor
+from psserver.protocol.errors import REASON_METADATA_KEY
 from psserver.protocol.job import OptimizerConfig
 from psserver.protocol.layout import Layout, shard_range
 from psserver.protocol.rows.table import TableSpec
@@ -159,6 +160,29 @@ def test_a_move_whose_destination_falls_behind_is_copied_again_and_still_equals_
     for i in range(3):
         job.reshard(i, Op.DECIDE, switch=True)
     assert torch.equal(torch.cat([pull(s, 1, R, NEW.fingerprint)[1] for s in job.shards]), at_r)
+
+
+def test_a_push_at_or_past_r_in_the_old_layout_before_decide_is_unavailable_handoff_then_layout_moved(
+        shard_server):
+    job = Job(shard_server)
+    for i in (2, 0, 1):
+        job.reshard(i, Op.PREPARE)
+    wait_until(lambda: all(p in ("source:tailing", "dest:replaying") for p in job.phases())
+               and len(job.phases()) == 7, "every move to tail")
+    R = max(job.reshard(i, Op.PROPOSE).proposal for i in (0, 1))
+    for i in range(3):
+        job.reshard(i, Op.COMMIT, round=R)
+    job.rounds(R)
+    error = refused(lambda: job.push(0, R), grpc.StatusCode.UNAVAILABLE, f"base version is {R}",
+                    f"hands over at round {R}", unchanged=_Shard(job, 0))
+    assert dict(error.trailing_metadata())[REASON_METADATA_KEY] == "handoff"
+    assert job.shards[0].stats(fingerprint=OLD.fingerprint).counters["refused_handoff_pending"] == 1
+    assert pull(job.shards[0], 0, R, OLD.fingerprint)[0].version == R  # still serves
+    wait_until(lambda: sorted(set(job.phases())) == ["dest:ready", "source:blocked"], "every source blocked")
+    for i in range(3):
+        job.reshard(i, Op.DECIDE, switch=True)
+    refused(lambda: job.push(0, R), grpc.StatusCode.FAILED_PRECONDITION, "layout_epoch is 0")
+    assert job.push(0, R, layout=1).outcome == pb.APPLIED  # sent again in the new layout
 
 
 @pytest.fixture
