@@ -77,6 +77,7 @@ from psserver.shard import PushResult, Shard
 from psserver.sparse.calls import RowCalls
 from psserver.sparse.serving import RowsPush
 from psserver.step_parts import DENSE, ROWS, StepParts, check_caller
+from psserver.step_trip import TablePart, run_trip
 
 log = logging.getLogger(__name__)
 
@@ -668,22 +669,22 @@ class ParameterServerService:
     @_reply_stream
     async def Step(self, request_iterator, context: ReplyStream):
         """A step's dense PushPull and table PushPullRows in one call (see ps.proto).  Every part's header, pull
-        ids, row tiling and row checks come first; then the dense push is decided; only then do the tables push
-        -- so a refusal before then changes nothing -- while the dense weights stream."""
+        ids, row tiling and reply bytes are checked on the loop; then one trip to the state worker checks the
+        tables' rows, decides the dense push, pushes the tables and pulls what is ready (psserver.step_trip) --
+        so a refusal before the dense push changes nothing -- and the replies stream side by side."""
         reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self._deadline(context))
         parts = await self._step_parts(reader)
         dense = next((p for p in parts if p.kind == DENSE), None)
         if dense is not None:
             self._check_push_first(dense.header)
-        tables = [await self._step_table(p, self._deadline(context)) for p in parts if p.kind == ROWS]
+        deadline = self._deadline(context)
+        tables = [(p.index, await self._step_table(p, deadline, context)) for p in parts if p.kind == ROWS]
         self.shard.count("step_calls")
         turn = asyncio.Lock()
         async with self._rank_slot(parts[0].header.rank):
-            runs = []
-            if dense is not None:
-                h, r = await self._receive_push(_replay(dense.chunks), context, stale_as_result=True, slot=False)
-                runs.append(self._pull_pushed(h, r, _PartStream(context, dense.index, turn)))
-            runs += [run(_PartStream(context, index, turn)) for index, run in tables]
+            pushed = await self._step_trip(dense, [t for _, t in tables], context)
+            runs = [] if dense is None else [self._pull_pushed(*pushed, _PartStream(context, dense.index, turn))]
+            runs += [self._step_table_reply(t, _PartStream(context, index, turn), deadline) for index, t in tables]
             await _first_error(runs)
 
     async def _step_parts(self, reader: _StreamReader) -> list:
@@ -712,9 +713,9 @@ class ParameterServerService:
         part.check_member(h.rank, h.trainer_id, h.fingerprint)
         check_stream_header(h, part.slice_length(), part.wire_dtype(), self.cfg.max_push_bytes)
 
-    async def _step_table(self, p, deadline: float):
-        """A Step's table part checked whole (header, pull ids, tiling, ids and rows) before any part is applied:
-        (its number, a function of its reply stream that pushes it and streams its reply)."""
+    async def _step_table(self, p, deadline: float, context) -> TablePart:
+        """A Step's table part read and bounded on the loop (header, the wait for an open round, pull ids and the
+        reply's bytes, held now, row tiling): its TablePart, for the trip to check and apply."""
         first, h = p.chunks[0], p.header
         table = self._check_rows_first(h)
         table = await self.rows.wait_push_base(table, h.table, h.rank, h.version, deadline)  # before check_push
@@ -723,21 +724,59 @@ class ParameterServerService:
             pull_ids = self.rows.pull_ids(h.pull_ids, h.packed_pull_ids, "pull_ids")
             _check_pull_bytes(len(pull_ids), table.spec.dim,
                               min(self.cfg.max_push_bytes, limits.MAX_ROWS_REPLY_BYTES))
-        read = await self._read_rows(_StreamReader(_replay(p.chunks[1:]), self.cfg.stream_idle_timeout, deadline),
-                                     first, h)
-        push = RowsPush(h.rank, h.trainer_id, h.version, h.num_samples, h.sequence, *read)
-        # one hop for the push's and the pull's checks; the push and the pull then trust them (CheckedIds)
-        pushed, checked = await self.rows.run(table, read[1].numel() + (0 if pull_ids is None else len(pull_ids)),
-                                              table.check_step_part, push, self.cfg.nonfinite == "refuse", pull_ids)
+            context.hold(("rows", id(h)), len(pull_ids) * table.spec.dim * 4)  # before any row is made
+        ids, grads = await self._read_rows(
+            _StreamReader(_replay(p.chunks[1:]), self.cfg.stream_idle_timeout, deadline), first, h)
+        push = RowsPush(h.rank, h.trainer_id, h.version, h.num_samples, h.sequence, ids, grads)
+        return TablePart(h, table, push, pull_ids)
 
-        async def run(context) -> None:
-            if checked is not None:
-                return await self._push_pull_rows(None, first, h, table, checked, context, slot=False, read=read,
-                                                  pushed=pushed)
-            r = await self._push_rows(None, first, h, table, slot=False, read=read, pushed=pushed)
-            await context.write(_pb.RowsChunk(header=_pb.RowsHeader(table=h.table, dim=h.dim, push=_push_reply(r))))
+    async def _step_trip(self, dense, tables: list[TablePart], context):
+        """The Step's dense gradient read into a receive buffer, then its one trip (run_trip): the dense part's
+        (header, PushResult) -- a stale push as a result, as PushPull answers it -- or None without one."""
+        refuse = self.cfg.nonfinite == "refuse"
 
-        return p.index, run
+        def trip(push=None):
+            return run_trip(self.shard, tables, refuse, push, lambda: self.runtime.stopping)
+
+        if dense is None:
+            await self.rows.run_all([(t.table, t.elements) for t in tables], trip)
+            return None
+        reader = _StreamReader(_replay(dense.chunks), self.cfg.stream_idle_timeout, self._deadline(context))
+        first, h = await reader.first_header()
+        part = self._check_push_first(h)
+        async with self.runtime.buffers.take(part.slice_length()) as held:
+            grad = await self._read_tensor(part, reader, first, h, out=held.buffer, sparse=True)
+            out = await held.hand_over(self.rows.run_all(
+                [(t.table, t.elements) for t in tables], trip,
+                functools.partial(_stale_as_result, self._check_and_push, part, h, grad)))
+            if isinstance(out, PushResult):  # stale: the buffer was not taken
+                return h, out
+            result, held.buffer = out
+        return h, result
+
+    async def _step_table_reply(self, t: TablePart, context, deadline: float) -> None:
+        """A table part's reply once the trip is back: its error as the call's status, else its push's outcome
+        with the rows the trip pulled -- or, where the version was not there yet, pulled after PullRows' wait."""
+        if t.error is not None:
+            raise t.error
+        h = t.header
+        if t.checked is None:
+            await context.write(_pb.RowsChunk(header=_pb.RowsHeader(table=h.table, dim=h.dim,
+                                                                    push=_push_reply(t.result))))
+            return
+        waited, table = 0.0, t.table
+        if t.pulled is not None:
+            version, rows = t.pulled
+        else:
+            min_version = reply_version(table.mode, t.result.outcome, h.version, t.result.version)
+            waited, table, version, rows = await self.rows.pull(
+                table, h.table, h.rank, h.trainer_id, h.fingerprint, min_version, t.checked, deadline,
+                lambda _nbytes: None)  # held before the trip
+        self.shard.count("row_push_pulls")
+        header = _pb.RowsHeader(table=h.table, version=version, num_ids=len(t.checked.ids), dim=table.spec.dim,
+                                wait_seconds=waited, push=_push_reply(t.result))
+        for chunk in row_chunks(rows, header, self.cfg.chunk_bytes):
+            await context.write(chunk, self.cfg.chunk_bytes)
 
     async def _pull_pushed(self, h: _pb.ChunkHeader, r, context) -> None:
         """A pushed dense gradient's reply: the weights of the version to go on from (PushPull's second half)."""
@@ -849,6 +888,15 @@ async def _first_error(coros: list) -> None:
     for t in tasks:
         if t.done() and not t.cancelled() and t.exception() is not None:
             raise t.exception()
+
+
+def _stale_as_result(check_and_push, part: Shard, h: _pb.ChunkHeader, grad: torch.Tensor):
+    """A Step's dense push on the state worker: (PushResult, spare buffer), or a stale push's PushResult (counted
+    by the shard; the reply catches up), as PushPull answers it."""
+    try:
+        return check_and_push(part, h, grad)
+    except StaleGradient as e:
+        return PushResult(STALE, e.version, e.staleness)
 
 
 @asynccontextmanager

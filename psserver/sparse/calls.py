@@ -126,6 +126,15 @@ class RowCalls:
             return self.runtime.run_state(fn, *args)
         return self.runtime.offload(fn, *args)
 
+    def run_all(self, sized: list, fn, *args) -> asyncio.Future:
+        """``fn`` doing the work of several tables (``sized``: (table, row values) pairs) in one trip: on the
+        loop, as ``run`` would run each, only if every one of them is small there; without tables, where the
+        dense slice's work runs (``Runtime.run_state``)."""
+        if not sized or (self.runtime.inline()
+                         and all(t.small_work(n, INLINE_ROW_ELEMENTS) for t, n in sized)):
+            return self.runtime.run_state(fn, *args)
+        return self.runtime.offload(fn, *args)
+
     async def pull(self, table, name: str, rank: int, trainer_id: str, fingerprint: str, min_version: int,
                    ids: CheckedIds, deadline: float, hold) -> tuple[float, object, int, torch.Tensor]:
         """A pull's second half, once its ids are checked: refuse a version this shard will not reach, wait for
