@@ -58,11 +58,24 @@ def _np(ids: torch.Tensor) -> np.ndarray:
     return ids.contiguous().numpy()
 
 
+class Room:
+    """Where the probes of one ``find_with_room`` ended, for ids it did not find (-1 for those it found); valid
+    while the index has made no change since (``changes``)."""
+
+    def __init__(self, positions: np.ndarray, changes: int):
+        self.positions, self.changes = positions, changes
+
+    def of(self, which: torch.Tensor) -> "Room":
+        """The room of the ids at ``which`` (indices into the find's ids)."""
+        return Room(self.positions[_np(which)], self.changes)
+
+
 class IdIndex:
     """int64 id -> int64 slot.  Callers insert only absent ids and remove only present ones
     (RowStore resolves ids with ``find`` first), so no operation needs to check."""
 
     def __init__(self, capacity: int = MIN_CAPACITY):
+        self._changes = 0  # changes made: inserts, removals, rebuilds (a Room is of one count)
         self._reset(_capacity_for(capacity // 4))
 
     def _reset(self, capacity: int) -> None:
@@ -73,6 +86,7 @@ class IdIndex:
         self._mask = capacity - 1
         self.size = 0
         self.tombstones = 0
+        self._changes += 1  # a Room of before a change is not used
 
     def __len__(self) -> int:
         return self.size
@@ -84,14 +98,17 @@ class IdIndex:
     def _home(self, ids: np.ndarray) -> np.ndarray:
         return (_mix64(ids.view(np.uint64) ^ _SALT) & np.uint64(self._mask)).view(np.int64)
 
-    def _positions(self, ids: np.ndarray) -> np.ndarray:
-        """Where each id sits in the table, -1 for ids not in it."""
+    def _positions(self, ids: np.ndarray, empty_at: np.ndarray | None = None) -> np.ndarray:
+        """Where each id sits in the table, -1 for ids not in it; with ``empty_at``, where the probe of each id
+        not in it ended (the empty position an insert of it may take) is written there."""
         home = self._home(ids)
         # Round 0, the home position alone: at loads up to 1/2 most probes end there (their key, or an empty
         # position), and a gather of n positions costs a fraction of one of (n, WINDOW).
         state = self._state[home]
         hit = (state == FULL) & (self._keys[home] == ids)
         out = np.where(hit, home, -1)
+        if empty_at is not None:
+            empty_at[:] = np.where(state == EMPTY, home, -1)
         todo = np.flatnonzero(~hit & (state != EMPTY))
         keys, start = ids[todo], home[todo]
         while len(keys):
@@ -102,8 +119,12 @@ class IdIndex:
             first = stop.argmax(axis=1)  # the first stop in the window (0 if none)
             rows = np.arange(len(keys))
             found = hit[rows, first]
-            out[todo[found]] = pos[rows, first][found]
+            at = pos[rows, first]
+            out[todo[found]] = at[found]
             go_on = ~stop[rows, first]
+            if empty_at is not None:
+                empty = ~found & ~go_on
+                empty_at[todo[empty]] = at[empty]
             todo, keys, start = todo[go_on], keys[go_on], (start[go_on] + WINDOW) & self._mask
         return out
 
@@ -116,14 +137,41 @@ class IdIndex:
         pos = self._positions(_np(ids))
         return torch.from_numpy(np.where(pos >= 0, self._slots[pos], -1))
 
-    def insert(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        """Add ``ids`` (unique, none already present) with their ``slots``."""
+    def find_with_room(self, ids: torch.Tensor) -> tuple[torch.Tensor, "Room"]:
+        """``find``, and where each missing id's probe ended: an ``insert`` of some of them before anything else
+        changes the index places them there without probing again (one pass where a find and an insert took
+        two: issue 21 item 2)."""
+        raw = _np(ids)
+        empty_at = np.empty(len(raw), dtype=np.int64)
+        pos = self._positions(raw, empty_at)
+        return torch.from_numpy(np.where(pos >= 0, self._slots[pos], -1)), Room(empty_at, self._changes)
+
+    def insert(self, ids: torch.Tensor, slots: torch.Tensor, room: "Room | None" = None) -> None:
+        """Add ``ids`` (unique, none already present) with their ``slots``; ``room``: where ``find_with_room``
+        saw their probes end (``Room.of``), used only if the index has not changed since."""
         if (self.size + self.tombstones + len(ids)) > self.capacity * MAX_LOAD:
             self._rebuild(self.size + len(ids))
+        ids, slots = _np(ids), _np(slots)
         if self.size + self.tombstones == 0:
-            self._place_into_empty(_np(ids), _np(slots))
+            self._place_into_empty(ids, slots)
+        elif room is not None and room.changes == self._changes:
+            self._place_at(ids, slots, room.positions)
         else:
-            self._place(_np(ids), _np(slots))
+            self._place(ids, slots)
+        self._changes += 1
+
+    def _place_at(self, ids: np.ndarray, slots: np.ndarray, at: np.ndarray) -> None:
+        """Put each id at ``at``, the empty position where its probe ended in an unchanged index (so every
+        position from its home to there holds another key or a tombstone: it stays reachable); of ids sharing
+        a position one wins, the others are placed by ``_place``."""
+        n = np.arange(len(ids), dtype=np.int32)
+        self._claim[at] = n
+        won = self._claim[at] == n
+        win = at[won]
+        self._keys[win], self._slots[win], self._state[win] = ids[won], slots[won], FULL
+        self.size += len(win)
+        if not won.all():
+            self._place(ids[~won], slots[~won])
 
     def _place(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Put each id at the first position of its probe sequence that holds no key."""
@@ -168,6 +216,7 @@ class IdIndex:
         pos = self._positions(_np(ids))
         out = np.where(pos >= 0, self._slots[pos], -1)
         pos = pos[pos >= 0]
+        self._changes += 1
         self._state[pos] = GONE
         self._slots[pos] = -1
         self.size -= len(pos)

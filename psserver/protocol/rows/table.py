@@ -262,9 +262,10 @@ class RowStore:
         self._last_tick.index_fill_(0, slots, self.tick)
         self._last_version.index_fill_(0, slots, self.version)
 
-    def _create(self, ids: torch.Tensor) -> torch.Tensor:
+    def _create(self, ids: torch.Tensor, room=None) -> torch.Tensor:
         """Store new rows for ``ids`` (unique, absent) from the initialiser; their slots.  Makes
-        room first by evicting least recently used rows, never one touched by this call."""
+        room first by evicting least recently used rows, never one touched by this call.  ``room``: where the
+        index's find saw their probes end (IdIndex.find_with_room), for an insert without probing again."""
         if self.spec.max_rows and len(self) + len(ids) > self.spec.max_rows:
             slack = int(self.spec.max_rows * EVICT_SLACK)
             self._evict_lru(min(len(self) + len(ids) - self.spec.max_rows + slack, len(self)))
@@ -279,7 +280,7 @@ class RowStore:
         else:
             self._ids[slots], self._rows[slots] = ids, rows
             self._state[slots] = initial_state(self.spec.optimizer, len(ids), self.spec.dim)
-        self._index.insert(ids, slots)
+        self._index.insert(ids, slots, room)
         self.counts.rows_created += len(ids)
         return slots
 
@@ -400,7 +401,7 @@ class RowStore:
                 and torch.equal(last[0], ids)):
             self._touch(last[1])
             return last[1].clone()
-        slots = self._slots(ids)
+        slots, room = self._index.find_with_room(ids)
         missing = (slots < 0).nonzero().flatten()
         if not len(missing):
             self._touch(slots)
@@ -411,7 +412,7 @@ class RowStore:
         if self.row_limit is not None:  # lookups were checked (check_room); a round's apply keeps what fits
             admitted = admitted[: max(0, self.row_limit - len(self))]
         if len(admitted):
-            slots[admitted] = self._create(ids[admitted])
+            slots[admitted] = self._create(ids[admitted], room.of(admitted))
             self._touch(slots[admitted])
         return slots
 
