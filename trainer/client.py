@@ -462,11 +462,16 @@ class ShardClient:
         h, values, until_reply = self._call("PushPull", once, retry_on=PUSH_RETRYABLE)
         self.epoch_seen = h.membership_epoch
         self.saw_layout(h.layout_epoch)
-        if h.batch_granted and self.claim_ask is not None:
-            self.claim_answer = (self.claim_ask[0], h.batch, h.batch_reissued)
+        self.take_grant(h)
         outcome = self._acknowledged(_pb.PushOutcome.Name(h.outcome).lower(), h.version, h.staleness, base, nbytes,
                                      dense_bytes)
         return outcome, values, max(0.0, until_reply - h.wait_seconds), h.wait_seconds
+
+    def take_grant(self, h) -> None:
+        """A dense reply's grant of the data-cursor claim its push carried (trainer.data_claims): kept for
+        ``BatchClaims.next``, which then needs no ClaimBatch call (PushPull's reply, or a Step's dense part)."""
+        if h.batch_granted and self.claim_ask is not None:
+            self.claim_answer = (self.claim_ask[0], h.batch, h.batch_reissued)
 
     def take_sequence(self) -> int:
         """A number of its own for a windowed push (trainer.windowed): never reused, whatever became of it."""

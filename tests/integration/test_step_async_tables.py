@@ -46,3 +46,27 @@ def test_with_the_step_call_off_async_rows_are_still_prefetched_on_their_own(sha
     trips, counters = _run(addresses, one_call=False)
     assert counters.get("step_calls", 0) == 0 and counters.get("rows_fused_pulls", 0) == 0
     assert counters.get("rows_prefetch_misses", 0) == 0 and counters["rows_prefetch_hits"] > 0
+
+
+def test_an_async_step_brings_back_the_data_cursor_grant_its_dense_part_claimed(shard_server):
+    """An async trainer's claim on the data cursor rides on the Step's dense part to shard 0 (trainer.data_claims):
+    the grant comes back in the Step's reply, so no step but the first needs a ClaimBatch call of its own."""
+    from trainer.data_claims import BatchClaims
+
+    addresses = ",".join(shard_server(shard=i).server.address for i in range(2))
+    torch.manual_seed(0)
+    model = Rec("adagrad")
+    with connect(addresses, model, mode="async", embedding_mode="async", optimizer={"name": "sgd", "lr": 0.1},
+                 max_trainers=2, retry_budget=60.0) as ps:
+        claims = BatchClaims(ps.client.parts[0], batches_per_epoch=4)
+        granted = [claims.next()]  # the first batch: ClaimBatch
+        for users, items, regions, y in ps.prefetching([batch(0, k) for k in range(STEPS)],
+                                                       forward=lambda m, b: m(*b[:3])):
+            ((model(users, items, regions) - y).pow(2).mean()).backward()
+            claims.arm()
+            ps.step(num_samples=B)
+            granted.append(claims.next())
+        calls = ps.counters.get("step_calls", 0)
+    assert calls >= 2 * (STEPS - 1)  # the steps went as Step calls (2 shards)
+    assert claims.with_push == STEPS, (claims.with_push, calls)
+    assert granted == list(range(STEPS + 1))  # in turn: none lost, none granted twice
