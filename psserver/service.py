@@ -774,7 +774,8 @@ class ParameterServerService:
                 lambda _nbytes: None)  # held before the trip
         self.shard.count("row_push_pulls")
         header = _pb.RowsHeader(table=h.table, version=version, num_ids=len(t.checked.ids), dim=table.spec.dim,
-                                wait_seconds=waited, push=_push_reply(t.result))
+                                wait_seconds=waited, push=_push_reply(t.result),
+                                pull_ref=self.rows.remember(h, t.checked))  # (ids once, as PushPullRows)
         for chunk in row_chunks(rows, header, self.cfg.chunk_bytes):
             await context.write(chunk, self.cfg.chunk_bytes)
 

@@ -70,3 +70,13 @@ def test_an_async_step_brings_back_the_data_cursor_grant_its_dense_part_claimed(
     assert calls >= 2 * (STEPS - 1)  # the steps went as Step calls (2 shards)
     assert claims.with_push == STEPS, (claims.with_push, calls)
     assert granted == list(range(STEPS + 1))  # in turn: none lost, none granted twice
+
+
+def test_a_push_after_a_step_names_the_pull_that_steps_reply_answered_instead_of_resending_its_ids(shard_server):
+    """Ids once through the Step call: a table part's reply names its pull (pull_ref, as PushPullRows' does), so
+    the next step's push of those rows names it: user and item on both shards, region on shard 0 -- 5 lanes, each
+    push of steps 2.. naming the pull the step before answered (without it: 11 here, the prefetch's own pulls')."""
+    addresses = ",".join(shard_server(shard=i).server.address for i in range(2))
+    _, counters = _run(addresses, one_call=True)
+    assert counters.get("rows_pull_refs_refused", 0) == 0
+    assert counters["rows_pushes_naming_pulls"] >= 5 * (STEPS - 1)
