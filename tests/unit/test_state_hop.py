@@ -13,7 +13,7 @@ import pytest
 
 from psserver.protocol.errors import StreamTimeout
 from psserver.runtime import INLINE_STATE_ELEMENTS, Runtime
-from psserver.service import _StreamReader
+from psserver.service_common import _StreamReader
 
 
 def runtime_for(loop: asyncio.AbstractEventLoop, slice_length: int, inline_elements: int) -> Runtime:

@@ -1,0 +1,229 @@
+"""The Step RPC's handler: a step's dense PushPull and table PushPullRows in one call (see ps.proto), a room of
+the servicer (psserver.service.ParameterServerService mixes it in).
+
+Its envelope (parts, checked as they arrive) is psserver.step_parts; its work on the shard's state, one trip to
+the state worker, is psserver.step_trip.  Each part's reply is written by the handler half its own RPC uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from contextlib import AsyncExitStack
+
+import torch
+
+from psserver import modes
+from psserver.protocol import limits
+from psserver.protocol.codec import (
+    check_stream_header,
+)
+from psserver.protocol.errors import (
+    StaleGradient,
+)
+from psserver.protocol.proto import ps_pb2 as _pb
+from psserver.protocol.rows.wire import row_chunks
+from psserver.protocol.rules import STALE, reply_version
+from psserver.protocol.stepwire import StepMessage
+from psserver.replies import ReplyStream
+from psserver.service_common import (
+    _OUTCOMES,
+    _check_header_fields,
+    _check_pull_bytes,
+    _claim_answer,
+    _push_reply,
+    _refusals,
+    _reply_stream,
+    _StreamReader,
+)
+from psserver.shard import PushResult, Shard
+from psserver.sparse.serving import RowsPush
+from psserver.step_parts import DENSE, ROWS, StepParts, check_caller
+from psserver.step_trip import TablePart, run_trip
+
+log = logging.getLogger("psserver.service")
+
+
+class StepRpc:
+    """The Step RPC: each part checked as it arrives, then one trip, then each part's reply."""
+
+    @_refusals
+    @_reply_stream
+    async def Step(self, request_iterator, context: ReplyStream):
+        """A step's dense PushPull and table PushPullRows in one call (see ps.proto).  Every part's header, pull
+        ids, row tiling and reply bytes are checked on the loop; then one trip to the state worker checks the
+        tables' rows, decides the dense push, pushes the tables and pulls what is ready (psserver.step_trip) --
+        so a refusal before the dense push changes nothing -- and the replies stream side by side."""
+        reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self._deadline(context))
+        parts = await self._step_parts(reader)
+        dense = next((p for p in parts if p.kind == DENSE), None)
+        if dense is not None:
+            self._check_push_first(dense.header)
+        deadline = self._deadline(context)
+        tables = [(p.index, await self._step_table(p, deadline, context)) for p in parts if p.kind == ROWS]
+        self.shard.count("step_calls")
+        turn = asyncio.Lock()
+        async with self._rank_slot(parts[0].header.rank):
+            pushed = await self._step_trip(dense, [t for _, t in tables], context)
+            runs = [] if dense is None else [self._pull_pushed(*pushed, _PartStream(context, dense.index, turn))]
+            runs += [self._step_table_reply(t, _PartStream(context, index, turn), deadline) for index, t in tables]
+            await _first_error(runs)
+
+    async def _step_parts(self, reader: _StreamReader) -> list:
+        """A Step's parts, each part's header checked as it arrives (a member, one caller, the sizes it declares
+        bounded) and the rest read holding a call of part 0's rank: a stranger, a part over its bounds or a
+        stream held open is refused, or counted against --max-calls-per-rank, before it is read whole."""
+        collected = StepParts(self.cfg.max_push_bytes, min_chunk_bytes=self.cfg.min_chunk_bytes)
+        async with AsyncExitStack() as held:
+            while (msg := await reader.next()) is not None:
+                seen = len(collected.parts)
+                collected.add(msg)
+                for p in collected.parts[seen:]:
+                    self._check_step_header(p, collected.parts[0])
+                    if p.index == 0:
+                        await held.enter_async_context(self._rank_slot(p.header.rank))
+        return collected.finish()
+
+    def _check_step_header(self, p, first) -> None:
+        """A Step part's header as its first chunk arrives: what its own RPC checks before reading a payload."""
+        h = check_caller(p, first)
+        if p.kind == ROWS:
+            self._check_rows_first(h)
+            return
+        _check_header_fields(h)
+        part = self.layouts.push_part(h.layout_epoch, h.partition, h.version)  # the layout first, as Push does
+        part.check_member(h.rank, h.trainer_id, h.fingerprint)
+        check_stream_header(h, part.slice_length(), part.wire_dtype(), self.cfg.max_push_bytes)
+
+    async def _step_table(self, p, deadline: float, context) -> TablePart:
+        """A Step's table part read and bounded on the loop (header, the wait for an open round, pull ids and the
+        reply's bytes, held now, row tiling): its TablePart, for the trip to check and apply."""
+        first, h = p.chunks[0], p.header
+        table = self._check_rows_first(h)
+        table = await self.rows.wait_push_base(table, h.table, h.rank, h.version, deadline)  # before check_push
+        pull_ids = None
+        if h.pull_ids or h.packed_pull_ids:
+            pull_ids = self.rows.pull_ids(h.pull_ids, h.packed_pull_ids, "pull_ids")
+            _check_pull_bytes(len(pull_ids), table.spec.dim,
+                              min(self.cfg.max_push_bytes, limits.MAX_ROWS_REPLY_BYTES))
+            context.hold(("rows", id(h)), len(pull_ids) * table.spec.dim * 4)  # before any row is made
+        ids, grads = await self._read_rows(
+            _StreamReader(_replay(p.chunks[1:]), self.cfg.stream_idle_timeout, deadline), first, h)
+        push = RowsPush(h.rank, h.trainer_id, h.version, h.num_samples, h.sequence, ids, grads)
+        return TablePart(h, table, push, pull_ids)
+
+    async def _step_trip(self, dense, tables: list[TablePart], context):
+        """The Step's dense gradient read into a receive buffer, then its one trip (run_trip): the dense part's
+        (header, PushResult) -- a stale push as a result, as PushPull answers it -- or None without one."""
+        refuse = self.cfg.nonfinite == "refuse"
+
+        def trip(push=None):
+            return run_trip(self.shard, tables, refuse, push, lambda: self.runtime.stopping)
+
+        if dense is None:
+            await self.rows.run_all([(t.table, t.elements) for t in tables], trip)
+            return None
+        reader = _StreamReader(_replay(dense.chunks), self.cfg.stream_idle_timeout, self._deadline(context))
+        first, h = await reader.first_header()
+        part = self._check_push_first(h)
+        async with self.runtime.buffers.take(part.slice_length()) as held:
+            grad = await self._read_tensor(part, reader, first, h, out=held.buffer, sparse=True)
+            out = await held.hand_over(self.rows.run_all(
+                [(t.table, t.elements) for t in tables], trip,
+                functools.partial(_stale_as_result, self._check_and_push, part, h, grad)))
+            if isinstance(out, PushResult):  # stale: the buffer was not taken
+                return h, out
+            result, held.buffer = out
+        return h, result
+
+    async def _step_table_reply(self, t: TablePart, context, deadline: float) -> None:
+        """A table part's reply once the trip is back: its error as the call's status, else its push's outcome
+        with the rows the trip pulled -- or, where the version was not there yet, pulled after PullRows' wait."""
+        if t.error is not None:
+            raise t.error
+        h = t.header
+        if t.checked is None:
+            await context.write(_pb.RowsChunk(header=_pb.RowsHeader(table=h.table, dim=h.dim,
+                                                                    push=_push_reply(t.result))))
+            return
+        waited, table = 0.0, t.table
+        if t.pulled is not None:
+            version, rows = t.pulled
+        else:
+            min_version = reply_version(table.mode, t.result.outcome, h.version, t.result.version)
+            waited, table, version, rows = await self.rows.pull(
+                table, h.table, h.rank, h.trainer_id, h.fingerprint, min_version, t.checked, deadline,
+                lambda _nbytes: None)  # held before the trip
+        self.shard.count("row_push_pulls")
+        header = _pb.RowsHeader(table=h.table, version=version, num_ids=len(t.checked.ids), dim=table.spec.dim,
+                                wait_seconds=waited, push=_push_reply(t.result),
+                                pull_ref=self.rows.remember(h, t.checked))  # (ids once, as PushPullRows)
+        for chunk in row_chunks(rows, header, self.cfg.chunk_bytes):
+            await context.write(chunk, self.cfg.chunk_bytes)
+
+    async def _pull_pushed(self, h: _pb.ChunkHeader, r, context) -> None:
+        """A pushed dense gradient's reply: the weights of the version to go on from (PushPull's second half)."""
+        part = self.layouts.part(h.layout_epoch, h.partition)
+        wanted = modes.reply_version(part.mode_config(), r.outcome, h.version, r.version)
+        await self._stream_weights(part, h.rank, h.trainer_id, h.fingerprint, wanted, part.wire_dtype(),
+                                   context, outcome=_OUTCOMES[r.outcome], staleness=r.staleness,
+                                   partition=h.partition, **_claim_answer(part, h))
+
+
+class _PartStream:
+    """A Step part's reply stream: its messages go out as StepChunks of its number, through the call's
+    ReplyStream (whose deadline and held bytes bound them all), one part's write at a time (``turn``, the
+    call's); anything else is the call's."""
+
+    def __init__(self, stream: ReplyStream, index: int, turn: asyncio.Lock):
+        self._stream, self._index, self._turn = stream, index, turn
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+    async def write(self, message, nbytes: int = 0) -> None:
+        wrapped = StepMessage(part=self._index, rows=message) if isinstance(message, _pb.RowsChunk) else \
+            StepMessage(part=self._index, dense=message)
+        async with self._turn:  # gRPC takes one write at a time on a call
+            await self._stream.write(wrapped, nbytes)
+
+
+REPLAY_SLICE_BYTES = 4 << 20  # a replayed part hands the event loop back after this many bytes of its chunks
+
+
+async def _replay(chunks):
+    """A part's chunks, already received, as the request stream its RPC's handler reads -- handing the event loop
+    back every REPLAY_SLICE_BYTES: its reader copies each chunk on the loop, and a part received whole was copied
+    in one go (0.7 s of a loop stall for a table part of 10**6 rows of dim 64; heartbeats and health checks wait)."""
+    since = 0
+    for chunk in chunks:
+        yield chunk
+        since += len(chunk.data) if hasattr(chunk, "data") else len(chunk.ids) + len(chunk.rows)
+        if since >= REPLAY_SLICE_BYTES:
+            since = 0
+            await asyncio.sleep(0)
+
+
+async def _first_error(coros: list) -> None:
+    """Run ``coros`` side by side; the first that raises cancels the others and is raised (the call's status)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for t in tasks:
+        if t.done() and not t.cancelled() and t.exception() is not None:
+            raise t.exception()
+
+
+def _stale_as_result(check_and_push, part: Shard, h: _pb.ChunkHeader, grad: torch.Tensor):
+    """A Step's dense push on the state worker: (PushResult, spare buffer), or a stale push's PushResult (counted
+    by the shard; the reply catches up), as PushPull answers it."""
+    try:
+        return check_and_push(part, h, grad)
+    except StaleGradient as e:
+        return PushResult(STALE, e.version, e.staleness)
