@@ -139,6 +139,7 @@ class RowRpcs:
         ``read``: the (ids, grads) a Step's check already read, ``pushed``: its ids as checked (CheckedIds)."""
         async with self._rank_slot(h.rank) if slot else _no_slot():
             ids, grads = read if read is not None else await self._read_rows(reader, first, h)
+            pushed = pushed or self.rows.push_checked(h, table, ids)  # (ids once: its pull's check stands)
             push = RowsPush(h.rank, h.trainer_id, h.version, h.num_samples, h.sequence, ids, grads)
             try:
                 return await self.rows.run(table, grads.numel(), self.shard.push_rows, h.fingerprint, h.table,

@@ -111,7 +111,8 @@ class StepRpc:
         ids, grads = await self._read_rows(
             _StreamReader(_replay(p.chunks[1:]), self.cfg.stream_idle_timeout, deadline), first, h)
         push = RowsPush(h.rank, h.trainer_id, h.version, h.num_samples, h.sequence, ids, grads)
-        return TablePart(h, table, push, pull_ids)
+        # ids once: a push naming one pull whole keeps that pull's check (RowCalls.push_checked)
+        return TablePart(h, table, push, pull_ids, pushed=self.rows.push_checked(h, table, ids))
 
     async def _step_trip(self, dense, tables: list[TablePart], context):
         """The Step's dense gradient read into a receive buffer, then its one trip (run_trip): the dense part's

@@ -29,7 +29,7 @@ class TablePart:
     table: Any  # the ServedTable it names
     push: Any  # the RowsPush read from its chunks
     pull_ids: torch.Tensor | None  # the next batch's ids to answer with, or None
-    pushed: Any = None  # the push's ids as the table checked them (CheckedIds)
+    pushed: Any = None  # the push's ids as the table checked them (CheckedIds; set before the trip: a named pull's)
     checked: Any = None  # the pull's ids as checked (CheckedIds), or None
     result: Any = None  # the push's RowsResult
     pulled: tuple[int, torch.Tensor] | None = None  # (version, rows) if pulled in the trip
@@ -48,7 +48,7 @@ def run_trip(shard, parts: list[TablePart], refuse_nonfinite: bool, dense: Calla
     call's, and no table has pushed), then each part's push and, if ready, its pull.  A part's push or pull
     that fails is kept on the part (``error``) and the others go on, as parts run side by side did."""
     for p in parts:
-        p.pushed, p.checked = p.table.check_step_part(p.push, refuse_nonfinite, p.pull_ids)
+        p.pushed, p.checked = p.table.check_step_part(p.push, refuse_nonfinite, p.pull_ids, p.pushed)
     out = dense() if dense is not None else None
     for p in parts:
         h = p.header

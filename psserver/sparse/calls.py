@@ -52,7 +52,7 @@ class RowCalls:
 
     def remember(self, h, checked: CheckedIds) -> int:
         """Keep a pull's checked ids for ``h``'s caller and table; the reference its reply names."""
-        ref = self.refs.keep((h.fingerprint, h.rank, h.trainer_id, h.table), checked.ids)
+        ref = self.refs.keep((h.fingerprint, h.rank, h.trainer_id, h.table), checked.ids, checked.table)
         self._publish()
         return ref
 
@@ -70,6 +70,19 @@ class RowCalls:
                                      h.num_ids)
         finally:
             self._publish()
+
+    def push_checked(self, h, table, ids: torch.Tensor) -> CheckedIds | None:
+        """A push's ``ids`` marked checked when they are the ids of the one pull its header names, as ``table``
+        itself checked them at that pull (range, repeats, placement): the push skips a second check, whose
+        placement hash was most of the shard's cost of a named push.  None: check them (several pulls named,
+        extra ids, the pull expired since, or another table -- a new job's -- checked it)."""
+        if len(h.pull_refs) != 1 or h.extra_ids:
+            return None
+        if self.refs.checked_by(h.pull_refs[0], ids) is not table:
+            return None
+        self.refs.counts["trusted"] += 1
+        self._publish()
+        return CheckedIds(ids, table)
 
     def _publish(self) -> None:
         """The remembered pulls' numbers into the shard's counters (GetStats, metrics): a gauge of the bytes

@@ -13,7 +13,8 @@ Why a reference resolves to one set of ids or to nothing, never to other ids:
   or, once they expired, a refusal (``UnknownPullRef``) after which the trainer sends the ids themselves.
 
 Bounded: at most ``per_owner`` references an owner (the oldest expire first) and ``max_bytes`` of ids in all (the
-oldest anywhere expire first); counted in ``counts`` (``kept``, ``expired``, ``resolved``, ``unknown``) and in
+oldest anywhere expire first); counted in ``counts`` (``kept``, ``expired``, ``resolved``, ``unknown``, and
+``trusted``: pushes whose ids were one pull's, not checked again -- psserver.sparse.calls) and in
 ``held_bytes``/``held``, which the shard reports beside its tables' memory.
 """
 
@@ -21,11 +22,13 @@ from __future__ import annotations
 
 import secrets
 import threading
+import weakref
 from collections import OrderedDict, deque
 
 import torch
 
 from psserver.protocol.errors import InvalidRequest, UnknownPullRef
+from psserver.protocol.rows.table import strictly_increasing
 
 PER_OWNER = 8  # a step's pull, the next one announced, a few retries and a push window's worth
 MAX_BYTES = 64 << 20  # of ids over every owner: 8 Mi ids
@@ -38,22 +41,23 @@ class PullRefs:
         self.per_owner, self.max_bytes = per_owner, max_bytes
         self._tag = (secrets.randbits(32) if tag is None else tag) << 32
         self._next = 0
-        self._refs: OrderedDict[int, tuple[tuple, torch.Tensor]] = OrderedDict()  # oldest first
+        self._refs: OrderedDict[int, tuple[tuple, torch.Tensor, object]] = OrderedDict()  # oldest first
         self._by_owner: dict[tuple, deque] = {}
         self._lock = threading.Lock()
         self.held_bytes = 0
-        self.counts = {"kept": 0, "expired": 0, "resolved": 0, "unknown": 0}
+        self.counts = {"kept": 0, "expired": 0, "resolved": 0, "unknown": 0, "trusted": 0}
 
     @property
     def held(self) -> int:
         return len(self._refs)
 
-    def keep(self, owner: tuple, ids: torch.Tensor) -> int:
-        """Remember ``ids`` (checked, unique) for ``owner``; returns their new reference (never 0)."""
+    def keep(self, owner: tuple, ids: torch.Tensor, checker=None) -> int:
+        """Remember ``ids`` (checked, unique) for ``owner``; returns their new reference (never 0).  ``checker``:
+        the table that checked them (held weakly; ``checked_by``)."""
         with self._lock:
             self._next = (self._next + 1) & 0xFFFFFFFF or 1
             ref = self._tag | self._next
-            self._refs[ref] = (owner, ids)
+            self._refs[ref] = (owner, ids, None if checker is None else weakref.ref(checker))
             mine = self._by_owner.setdefault(owner, deque())
             mine.append(ref)
             self.held_bytes += 8 * len(ids)
@@ -68,7 +72,7 @@ class PullRefs:
         entry = self._refs.pop(ref, None)
         if entry is None:
             return
-        owner, ids = entry
+        owner, ids, _ = entry
         self.held_bytes -= 8 * len(ids)
         self.counts["expired"] += 1
         mine = self._by_owner.get(owner)
@@ -95,10 +99,20 @@ class PullRefs:
                                          "expired, never given, or from before a restart; send the ids")
                 parts.append(entry[1])
             self.counts["resolved"] += len(refs)
-        ids = torch.cat(parts) if len(parts) > 1 else extra
+        ids = (parts[1] if not len(extra) else torch.cat(parts)) if len(parts) == 2 else torch.cat(parts)
         if len(ids) != num_ids:
             raise InvalidRequest(f"num_ids is {num_ids} but pull_refs and extra_ids name {len(ids)} ids")
-        return torch.sort(ids).values
+        # one pull named whole (the steady state): its own ids, already ascending when packed -- no copy, no sort
+        return ids if strictly_increasing(ids) else torch.sort(ids).values
+
+    def checked_by(self, ref: int, ids: torch.Tensor):
+        """The table that checked the pull under ``ref`` when ``ids`` are that pull's very ids (``resolve``
+        answered one pull named whole); None otherwise (expired since, several pulls, extra ids)."""
+        with self._lock:
+            entry = self._refs.get(ref)
+        if entry is None or entry[1] is not ids or entry[2] is None:
+            return None
+        return entry[2]()
 
     def _held_of(self, owner: tuple) -> str:
         mine = self._by_owner.get(owner)

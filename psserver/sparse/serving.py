@@ -242,11 +242,13 @@ class ServedTable(PushTarget):
         self._refresh()
         return self.version, rows
 
-    def check_step_part(self, p: RowsPush, refuse_nonfinite: bool, pull_ids: torch.Tensor | None
-                        ) -> tuple[CheckedIds, CheckedIds | None]:
+    def check_step_part(self, p: RowsPush, refuse_nonfinite: bool, pull_ids: torch.Tensor | None,
+                        pushed: CheckedIds | None = None) -> tuple[CheckedIds, CheckedIds | None]:
         """A Step's table part checked whole in one go (its push, then its pull ids): (the push's ids, the pull's
-        ids) marked checked, so neither the push nor the pull checks them again."""
-        pushed = self.check_ids(p.ids)
+        ids) marked checked, so neither the push nor the pull checks them again.  ``pushed``: the push's ids as
+        this table checked them already (a named pull's, psserver.sparse.calls.RowCalls.push_checked)."""
+        if not (pushed is not None and pushed.table is self and pushed.ids is p.ids):
+            pushed = self.check_ids(p.ids)
         self.check_push(p, refuse_nonfinite, pushed)
         return pushed, None if pull_ids is None else self.check_ids(pull_ids)
 

@@ -59,6 +59,19 @@ def test_a_push_naming_its_pull_updates_the_rows_of_that_pulls_ids(shard_server)
     assert counters["memory_pull_refs_bytes"] == 16
 
 
+def test_a_push_naming_one_pull_whole_is_applied_without_a_second_id_check_and_counted_trusted(shard_server):
+    raw = started(shard_server, mode="async")
+    _, _, ref = remembered_pull(raw, [3, 8])
+    grads = torch.ones(2, DIM)
+    reply = push_rows(raw, named_push([3, 8], [ref], grads=grads))
+    assert reply.outcome == pb.APPLIED and reply.rows_applied == 2
+    before = init_rows(job().tables[0].initializer, 7, torch.tensor([3, 8]), DIM)
+    assert torch.allclose(pull_rows(raw, [3, 8])[1], before - 0.1 * grads, atol=1e-6)
+    _, _, ref2 = remembered_pull(raw, [4, 9])
+    push_rows(raw, named_push([4, 5, 9], [ref2], extra=[5]))  # extra ids: checked again, not trusted
+    assert raw.stats().counters["pull_refs_trusted"] == 1
+
+
 def test_a_retried_push_naming_the_same_pull_is_a_duplicate_and_changes_nothing(shard_server):
     raw = started(shard_server, mode="async")
     _, _, ref = remembered_pull(raw, [1, 2])

