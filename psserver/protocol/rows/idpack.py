@@ -41,13 +41,24 @@ def pack(ids: torch.Tensor) -> bytes:
     if len(a) > 1 and not bool((a[1:] > a[:-1]).all()):
         raise ValueError("only strictly ascending ids pack")
     u = a.view(np.uint64)
-    gaps = np.empty_like(u)
-    gaps[0] = u[0]
-    np.subtract(u[1:], u[:-1], out=gaps[1:])  # wraps mod 2^64: the true gap of ascending signed ids
+    head = _varint(int(u[0]))  # the first id alone: a large one does not widen every gap's planes
+    if len(u) == 1:
+        return head
+    gaps = np.subtract(u[1:], u[:-1])  # wraps mod 2^64: the true gap of ascending signed ids
     planes = _planes(int(gaps.max()))
     if planes == 1:  # every gap under 128 (renumbered ids): one byte each, the high bit clear
-        return gaps.astype(np.uint8).tobytes()
-    return _varints(gaps, planes)
+        return head + gaps.astype(np.uint8).tobytes()
+    return head + _varints(gaps, planes)
+
+
+def _varint(value: int) -> bytes:
+    """One uint64 as LEB128."""
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 def _varints(gaps: np.ndarray, planes: int) -> bytes:
@@ -85,8 +96,9 @@ def unpack(raw: bytes, max_ids: int) -> torch.Tensor:
     ends = np.flatnonzero(b < 0x80)
     if len(ends) > max_ids:
         raise PackError(f"packed ids hold {len(ends)} ids, over the limit of {max_ids}")
-    if len(ends) == len(b):  # one byte a value (renumbered ids): the bytes are the gaps
-        gaps = b.astype(np.uint64)
+    first = int(ends[0]) + 1  # the first id's bytes
+    if len(ends) == len(b) - first + 1:  # one byte a gap after the first id (renumbered ids): the bytes are them
+        gaps = np.concatenate((_gaps(b[:first], ends[:1]), b[first:].astype(np.uint64)))
     else:
         gaps = _gaps(b, ends)
     if len(gaps) > 1 and not bool(gaps[1:].all()):
