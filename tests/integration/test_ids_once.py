@@ -243,3 +243,12 @@ def test_a_step_call_naming_a_pull_the_shard_never_gave_falls_back_resends_the_i
     assert counters["rows_pull_refs_refused"] >= 1 and counters["step_calls_fallen_back"] >= 1
     for name, value in clean.items():
         assert torch.equal(planted[name], value), name
+
+
+def test_a_step_calls_pushes_naming_their_pulls_are_trusted_as_checked_on_every_shard(shard_server):
+    shards = [shard_server(shard=i) for i in range(2)]
+    counters, _ = _step_call_trainer(",".join(s.server.address for s in shards), None)
+    assert counters["rows_pushes_naming_pulls"] > 0 and counters.get("rows_pull_refs_refused", 0) == 0
+    for s in shards:  # (GetStats without a digest answers anyone)
+        c = s.stats().counters
+        assert c["pull_refs_trusted"] > 0 and c["pull_refs_trusted"] <= c["pull_refs_resolved"]
