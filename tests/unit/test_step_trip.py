@@ -16,7 +16,7 @@ class FakeTable:
         self.version, self.after_push = 0, after_push
         self.spec = SimpleNamespace(dim=2)
 
-    def check_step_part(self, push, refuse_nonfinite, pull_ids):
+    def check_step_part(self, push, refuse_nonfinite, pull_ids, pushed=None):
         self.log.append(("check", self.name))
         if self.refuse:
             raise InvalidRequest(f"table {self.name} refuses")
