@@ -1,0 +1,92 @@
+"""A live re-shard under real trainers (issue 24 item 4, stage 5 of docs/live-reshard.md, docs/handoff-io.md):
+two sync ``ps-trainer`` processes train a dense mlp on two ``ps-server`` processes; ``ps-server reshard`` moves
+the job to three (the third started empty) while they train; they follow the switch at a step boundary and
+finish.  The parameters, pulled in layout 1 from the three shards, equal bit for bit those of the same job on
+two shards that never re-sharded.
+
+No timing decides the outcome: the command (``reshard_main``, in-process) starts once both shards are past round
+2 (waited for); a step of base >= R waits (refused ``handoff``, retried) until the switch, so the trainers cannot
+finish before it.  ``--step-delay`` only paces the rounds (the reference's too) so that a copy on a loaded machine
+is not outrun by more rounds than the forward log holds (handoff.MAX_FORWARD_LAG) and R falls inside the run,
+which the test asserts.
+"""
+
+import json
+import re
+
+import torch
+
+from psserver.protocol.stubs import fetch_stat
+from psserver.reshard_cmd import reshard_main
+from tests.helpers import wait_until
+from trainer.procs import start_shard, start_trainer, wait_all
+
+STEPS, B = 48, 8
+COMMON = ["--mode", "sync", "--model", "mlp", "--dataset", "synthetic", "--batch-size", str(B), "--steps",
+          str(STEPS), "--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9", "--seed", "0", "--log-every", "1",
+          "--no-progress", "--threads", "1", "--device", "cpu", "--num-trainers", "2"]
+PACE = ["--step-delay", "0.15"]  # paces the rounds (the same for the reference): not a synchronisation
+
+
+def run_trainers(tmp_path, name: str, ps: str, extra: list[str]) -> list:
+    """Rank 0 (writing the model) and rank 1 of the job, started on ``ps``."""
+    return [start_trainer(r, ps, tmp_path / f"{name}{r}.log",
+                          [*COMMON, *extra, *(["--output", str(tmp_path / f"{name}.pt")] if r == 0 else [])])
+            for r in range(2)]
+
+
+def done_line(path) -> dict:
+    lines = [json.loads(l) for l in path.read_text().splitlines() if l.startswith("{")]
+    return next(d for d in reversed(lines) if d.get("event") == "done")
+
+
+def reference(tmp_path) -> dict:
+    """The same job, same seeds and steps, on two shards that never re-shard."""
+    shards = [start_shard(i, tmp_path / f"ref_shard{i}.log") for i in range(2)]
+    procs = list(shards)
+    try:
+        procs += run_trainers(tmp_path, "ref", ",".join(s.address for s in shards), PACE)
+        assert wait_all(procs[2:], 300) == {"trainer0": 0, "trainer1": 0}, procs[2].log_tail()
+    finally:
+        for p in procs:
+            p.kill()
+    return torch.load(tmp_path / "ref.pt")
+
+
+def test_two_sync_trainers_follow_a_live_2_to_3_reshard_and_end_bit_for_bit_as_a_job_that_never_resharded(
+        tmp_path, capsys):
+    shards = [start_shard(i, tmp_path / f"shard{i}.log") for i in range(3)]  # the third started empty
+    old, new = [s.address for s in shards[:2]], [s.address for s in shards]
+    procs = list(shards)
+    try:
+        procs += run_trainers(tmp_path, "live", ",".join(old), PACE)
+        wait_until(lambda: all(fetch_stat(a).version >= 2 for a in old), "the job to pass round 2", timeout=120)
+        # in-process (the command's code, its argv): a subprocess would spend seconds importing while they train
+        rc = reshard_main(["--ps", ",".join(old), "--to", ",".join(new), "--wait", "120"])
+        out = capsys.readouterr().out
+        assert rc == 0, out
+        codes = wait_all(procs[3:], 300)
+        assert codes == {"trainer0": 0, "trainer1": 0}, procs[3].log_tail(40) + procs[4].log_tail(40)
+        stats = [fetch_stat(a) for a in new]
+    finally:
+        for p in procs:
+            p.kill()
+    assert "done: layout 1" in out, out
+    R = int(re.search(r"takes over at round (\d+)", out).group(1))
+    assert 2 <= R < STEPS, out  # the switch fell inside the run: the trainers had to follow it
+    for s in stats:  # layout 1's job on each of the three: from R to the end, each round applied once
+        c = s.counters
+        assert (s.version, c["layouts_switched"], c["steps"], c["pushes_applied"]) == (
+            STEPS, 1, STEPS - R, 2 * (STEPS - R)), dict(c)
+    # each trainer's step of base R went to both old shards, was refused layout-moved there (changing nothing)
+    # and went again whole in layout 1
+    assert [s.counters.get("refused_layout_moved", 0) for s in stats] == [2, 2, 0]
+    for r in range(2):
+        done = done_line(tmp_path / f"live{r}.log")
+        assert (done["layouts_followed"], done["layout_fetches"], done["pushes_rerouted"]) == (1, 1, 2), done
+        assert (done["steps"], done["versions"], done["steps_failed"], done["steps_lost"]) == (
+            STEPS, [STEPS] * 3, 0, 0), done
+    got, want = torch.load(tmp_path / "live.pt"), reference(tmp_path)  # rank 0's final pull, in layout 1
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), f"{name} differs from the job that never re-sharded"
