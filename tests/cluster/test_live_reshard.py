@@ -63,8 +63,8 @@ def test_two_sync_trainers_follow_a_live_2_to_3_reshard_and_end_bit_for_bit_as_a
         wait_until(lambda: all(fetch_stat(a).version >= 2 for a in old), "the job to pass round 2", timeout=120)
         # in-process (the command's code, its argv): a subprocess would spend seconds importing while they train
         rc = reshard_main(["--ps", ",".join(old), "--to", ",".join(new), "--wait", "120"])
-        out = capsys.readouterr().out
-        assert rc == 0, out
+        out, err = capsys.readouterr()
+        assert rc == 0, out + err
         codes = wait_all(procs[3:], 300)
         assert codes == {"trainer0": 0, "trainer1": 0}, procs[3].log_tail(40) + procs[4].log_tail(40)
         stats = [fetch_stat(a) for a in new]
