@@ -40,31 +40,38 @@ def chunks(kind: int, plan: str, source: str, move: int, version: int, payload: 
                                data=data[at:at + CHUNK_BYTES])
 
 
+class _Payload:
+    """A Handoff stream's chunks gathered into one payload, bounded by MAX_PAYLOAD_BYTES as they arrive."""
+
+    def __init__(self):
+        self.first, self.parts, self.size = None, [], 0
+
+    def add(self, chunk: _pb.HandoffChunk) -> None:
+        self.first = self.first or chunk
+        self.size += len(chunk.data)
+        if self.size > MAX_PAYLOAD_BYTES:
+            raise InvalidRequest(f"a Handoff payload is over {MAX_PAYLOAD_BYTES} bytes: refused")
+        self.parts.append(chunk.data)
+
+    def whole(self) -> tuple[_pb.HandoffChunk, bytes]:
+        if self.first is None:
+            raise InvalidRequest("a Handoff stream ended before its first chunk")
+        return self.first, b"".join(self.parts)
+
+
 def read(request_iterator: Iterable[_pb.HandoffChunk]) -> tuple[_pb.HandoffChunk, bytes]:
     """(the first chunk, the whole payload's bytes) of a stream read to its end."""
-    first, parts, size = None, [], 0
+    payload = _Payload()
     for chunk in request_iterator:
-        first = first or chunk
-        size += len(chunk.data)
-        if size > MAX_PAYLOAD_BYTES:
-            raise InvalidRequest(f"a Handoff payload is over {MAX_PAYLOAD_BYTES} bytes: refused")
-        parts.append(chunk.data)
-    if first is None:
-        raise InvalidRequest("a Handoff stream ended before its first chunk")
-    return first, b"".join(parts)
+        payload.add(chunk)
+    return payload.whole()
 
 
 async def read_async(request_iterator, check=lambda first: None) -> tuple[_pb.HandoffChunk, bytes]:
     """``read`` for the servicer's async stream; ``check(first)`` runs on the first chunk, before the rest is read."""
-    first, parts, size = None, [], 0
+    payload = _Payload()
     async for chunk in request_iterator:
-        if first is None:
+        if payload.first is None:
             check(chunk)
-        first = first or chunk
-        size += len(chunk.data)
-        if size > MAX_PAYLOAD_BYTES:
-            raise InvalidRequest(f"a Handoff payload is over {MAX_PAYLOAD_BYTES} bytes: refused")
-        parts.append(chunk.data)
-    if first is None:
-        raise InvalidRequest("a Handoff stream ended before its first chunk")
-    return first, b"".join(parts)
+        payload.add(chunk)
+    return payload.whole()
