@@ -122,6 +122,22 @@ class LayoutHost:
                               f"{start}: register in it (docs/live-reshard.md)", self.newest)
         return host
 
+    def heartbeat(self, index: int, rank: int, trainer_id: str, fingerprint: str) -> tuple[int, int]:
+        """Renew ``rank``'s lease in the newest layout.  A trainer one layout behind (it switches at its next step,
+        trainer.relayout) heartbeats with its old layout's fingerprint: a member of that layout is renewed in the
+        newest on the newest job's fingerprint (the members were carried over), from partition 0 so on every
+        partition it is a member of -- else a step longer than the lease between the switch and the trainer's next
+        call would cost it its lease.  The reply's layout_epoch teaches it the switch."""
+        current = self.current
+        job = current.head.job
+        if self._later and job is not None and fingerprint != job.fingerprint:
+            for epoch, host in self._hosts.items():
+                if epoch != self.newest and host.head.job is not None and \
+                        host.head.is_member(rank, trainer_id, fingerprint):
+                    current.count("heartbeats_from_older_layout")
+                    return current.heartbeat(0, rank, trainer_id, job.fingerprint)
+        return current.heartbeat(index, rank, trainer_id, fingerprint)
+
     # ------------------------------------------------------------------ switching
     def install(self, layout: LayoutEpoch, host: ShardHost, first: LayoutEpoch | None = None) -> None:
         """Serve ``layout`` with ``host`` from its round on.  Only at a round boundary: every partition of the

@@ -201,8 +201,8 @@ class ParameterServerService(RowRpcs, StepRpc):
         """Answered on the event loop: a lease renewal never waits behind tensor work."""
         request = _decoded(request)
         _check_identity(request)
-        version, live = self.host.heartbeat(request.partition, request.rank, request.trainer_id,
-                                            request.fingerprint)
+        version, live = self.layouts.heartbeat(request.partition, request.rank, request.trainer_id,
+                                               request.fingerprint)
         return _pb.HeartbeatReply(version=version, live=live, layout_epoch=self.layouts.newest)
 
     @_refusals

@@ -9,7 +9,7 @@ import torch
 
 from psserver.host import ShardHost
 from psserver.layout_host import LayoutHost
-from psserver.protocol.errors import LayoutAhead, LayoutMoved
+from psserver.protocol.errors import LayoutAhead, LayoutMoved, PsError
 from psserver.protocol.job import TableSpec
 from psserver.protocol.layout import Layout
 from psserver.protocol.layouts import LayoutEpoch
@@ -97,3 +97,20 @@ def test_the_timer_expires_leases_in_every_layout():
     clock.now += 2 * LEASE
     layouts.tick()
     assert layouts.current.head.counters["lease_expired"] == 1 and host.head.counters["lease_expired"] == 1
+
+
+def test_a_heartbeat_in_the_old_layout_renews_the_members_lease_in_the_new_one():
+    """A trainer one layout behind heartbeats with its old fingerprint until its next step: its lease in the newest
+    layout is renewed (counted), so a long step after the switch does not expire it; a stranger is still refused."""
+    clock = Clock()
+    host, layouts = running(clock=clock)
+    layouts.switch_offline(2, 0)
+    new = layouts.current.head
+    new.check_member(0, "t0", layouts.timeline()[1].fingerprint)  # heard from in layout 1 at the switch
+    for _ in range(3):
+        clock.now += 0.6 * LEASE
+        layouts.heartbeat(0, 0, "t0", JOB.fingerprint)  # the old layout's fingerprint
+        layouts.tick()
+    assert new.counters.get("lease_expired", 0) == 0 and new.counters["heartbeats_from_older_layout"] == 3
+    with pytest.raises(PsError):
+        layouts.heartbeat(0, 0, "t9", JOB.fingerprint)  # not a member of any layout
