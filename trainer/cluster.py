@@ -47,7 +47,7 @@ from trainer.cli import (
     schedule_argv,
     table_argv,
 )
-from trainer import console, elastic_cluster
+from trainer import console, elastic_cluster, reshard_cluster
 from trainer.procs import Proc, start_shards, start_trainer
 
 log = logging.getLogger("ps-cluster")
@@ -88,6 +88,9 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--elastic", action="store_true",
                    help="sync: start --trainers, add one a third of the way through --steps, stop rank 1 two thirds "
                         "of the way; the summary shows the membership timeline (docs/elastic.md)")
+    p.add_argument("--reshard", default="", metavar="M@ROUND",
+                   help="sync, dense: start M - --shards more shards empty and move the job onto all M live when "
+                        "shard 0 reaches ROUND; the summary shows the hand-off (docs/handoff-io.md)")
     p.add_argument("--eval-every", type=int, default=20, help="rank 0 evaluates every N steps (for the plot)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--job-id", default="", help="names the run's job (default: a fresh id per run)")
@@ -173,6 +176,8 @@ def trainer_args(args, rank: int, run: Path) -> list[str]:
         a += ["--step-delay", str(args.straggler_delay)]
     if getattr(args, "elastic", False):
         a += elastic_cluster.trainer_flags(args, rank)
+    if getattr(args, "reshard", ""):
+        a += reshard_cluster.trainer_flags(args, rank)
     return a
 
 
@@ -225,6 +230,7 @@ def summarize(args, run: Path, progress: Progress, stats: list, codes: dict, wal
                                                           read_records(Path(run) / "trainer0.jsonl"),
                                                           args.steps, args.batch_size or 32)}
            if getattr(args, "elastic", False) else {}),
+        **({"reshard": reshard_cluster.with_shards(args.handoff, stats)} if getattr(args, "handoff", None) else {}),
     )
 
 
@@ -272,6 +278,7 @@ def print_summary(s: dict) -> None:
         ("duplicates / refused", f"{s['duplicates']} / {s['refused']}"),
         *((("membership epochs", len(s["membership"])), *elastic_cluster.summary_rows(s["membership"]))
           if "membership" in s else ()),
+        *(reshard_cluster.summary_rows(s["reshard"]) if "reshard" in s else ()),
         ("run folder", s["run_dir"]),
     ]
     width = max(len(k) for k, _ in rows)
@@ -316,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--timeout ({args.timeout}) must be more than zero seconds")
     if args.elastic:
         elastic_cluster.check(args)
+    grow_to, grow_at = reshard_cluster.check(args) if args.reshard else (args.shards, 0)
     run = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{args.mode}")
     check_trainer_flags(args, run)
     for note in ignored_knobs(args):
@@ -327,13 +335,14 @@ def main(argv: list[str] | None = None) -> int:
                     old.name)
     shards: list[Proc] = []
     trainers: list[Proc] = []
+    scenario = None
     t0 = time.monotonic()
     log.info("starting %s on %s (run folder %s) ...", plural(args.shards, "shard"), args.host, run)
     try:
-        shards += start_shards(args.shards, run, host=args.host,
+        shards += start_shards(grow_to, run, host=args.host,
                                on_up=lambda s: log.info("%s up at %s after %.1f s", s.name, s.address,
                                                         time.monotonic() - t0))
-        ps = ",".join(s.address for s in shards)
+        ps = ",".join(s.address for s in shards[:args.shards])  # --reshard: the rest start empty
         log.info("%s up; starting %s (%s mode) with --ps %s", plural(args.shards, "shard"),
                  plural(args.trainers, "trainer"), args.mode, ps)
         for r in range(args.trainers):
@@ -343,9 +352,13 @@ def main(argv: list[str] | None = None) -> int:
         progress = Progress([run / f"trainer{r}.jsonl" for r in range(ranks)])
         scenario = elastic_cluster.ElasticScenario(
             args, run, ps, trainers, trainer_args(args, args.trainers, run),
-            trainer_env(args.trainers, ranks)) if args.elastic else None
+            trainer_env(args.trainers, ranks)) if args.elastic else reshard_cluster.ReshardScenario(
+            grow_at, ps.split(","), [s.address for s in shards], run) if args.reshard else None
         codes = follow(trainers, shards, progress, args.timeout, t0, scenario.poll if scenario else None)
         wall = time.monotonic() - t0
+        if args.reshard:
+            codes["reshard"], lines = scenario.finish()
+            args.handoff = reshard_cluster.handoff(lines, read_records(run / "trainer0.jsonl"), grow_at)
         stats = [shard_stats(s.address) for s in shards]
     finally:
         # Trainers first, all at once (each finishes its step and leaves), then the shards (final checkpoints);
@@ -354,11 +367,12 @@ def main(argv: list[str] | None = None) -> int:
             terminate_all(trainers)
             terminate_all(shards)
         finally:
-            for p in trainers + shards:
+            for p in trainers + shards + ([scenario.proc] if getattr(scenario, "proc", None) else []):
                 p.kill()
     for s in shards:
         codes[s.name] = s.popen.returncode
-    failed = [p for p in trainers + shards if p.popen.returncode != 0]
+    failed = [p for p in trainers + shards + ([scenario.proc] if getattr(scenario, "proc", None) else [])
+              if p.popen.returncode != 0]
     summary = summarize(args, run, progress, stats, codes, wall)
     if not failed and args.dataset not in REC_DATASETS:  # trainer.plots draws accuracy, which ratings runs lack
         try:
@@ -375,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
                              f"{p.log_tail()}\n")
         raise RuntimeError(f"{failed[0].name} failed (exit code {failed[0].popen.returncode}); "
                            f"logs and metrics are in {run}")
+    if args.reshard and codes.get("reshard") is None:
+        raise RuntimeError(f"the job ended before shard 0 was seen at round {grow_at}: nothing was re-sharded; "
+                           f"hint: a smaller ROUND in --reshard {args.reshard}, or more --steps")
     print_summary(summary)
     return 0
 

@@ -1,0 +1,36 @@
+"""`ps-cluster --reshard 3@R` as a user runs it: two sync trainers on two shards, a third shard started empty,
+the job moved onto all three live when shard 0 reaches R (trainer.reshard_cluster).  Deterministic: the
+scenario acts on shard 0's version, and a step of base >= the committed round waits for the switch, so the
+trainers cannot finish before it."""
+
+import json
+
+from tests.cluster.test_cluster_elastic import run_cluster
+
+STEPS, AT = 24, 4
+
+
+def test_ps_cluster_reshard_moves_a_sync_job_to_three_shards_and_each_applies_every_round_once(tmp_path):
+    run = tmp_path / "run"
+    proc = run_cluster(["--shards", "2", "--trainers", "2", "--reshard", f"3@{AT}", "--steps", str(STEPS),
+                        "--model", "mlp", "--dataset", "synthetic", "--batch-size", "8", "--device", "cpu",
+                        "--run-dir", str(run), "--log-level", "INFO"], timeout=500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    h = summary["reshard"]
+    assert h["layout"] == 1 and AT <= h["round"] < STEPS, h
+    assert f"layout 1 from round {h['round']}" in proc.stdout, proc.stdout
+    assert "reshard: done: layout 1" in proc.stderr, proc.stderr[-3000:]
+    assert h["handoff_seconds"] > 0 and h["steps_per_sec_before"] > 0 and h["steps_per_sec_after"] > 0, h
+    assert summary["exit_codes"] == {"trainer0": 0, "trainer1": 0, "reshard": 0, "shard0": 0, "shard1": 0,
+                                     "shard2": 0}, summary["exit_codes"]
+    # every shard's version is the job's steps and each of a shard's rounds was applied once (2 pushes a round)
+    assert summary["rounds"] == STEPS
+    n = STEPS - h["round"]
+    assert (h["shard_versions"], h["shard_rounds"], h["shard_pushes_applied"]) == (
+        [STEPS] * 3, [n] * 3, [2 * n] * 3), h
+    assert summary["steps"] == [STEPS, STEPS]
+    assert summary["duplicates"] == 0
+    versions = [json.loads(l) for l in (run / "trainer0.jsonl").read_text().splitlines() if l.startswith("{")]
+    done = next(r for r in reversed(versions) if r["event"] == "done")
+    assert done["versions"] == [STEPS] * 3 and done["layouts_followed"] == 1, done
