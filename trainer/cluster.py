@@ -261,7 +261,9 @@ def print_summary(s: dict) -> None:
     rows = [
         ("mode", s["mode"]), ("model / data", f"{s['model']} / {s['dataset']}"),
         ("shards x trainers", f"{s['shards']} x {s['trainers']}"
-                              + (" (+1 joined, rank 1 left)" if "membership" in s else "")),
+                              + (" (+1 joined, rank 1 left)" if "membership" in s else "")
+                              + (f" (grown to {len(s['reshard']['shard_versions'])} shards live)"
+                                 if "reshard" in s else "")),
         *((("stopped early by", ", ".join(s["stopped"])),) if s.get("stopped") else ()),
         score,
         *by_rank_row(s),
@@ -337,13 +339,13 @@ def main(argv: list[str] | None = None) -> int:
     trainers: list[Proc] = []
     scenario = None
     t0 = time.monotonic()
-    log.info("starting %s on %s (run folder %s) ...", plural(args.shards, "shard"), args.host, run)
+    log.info("starting %s on %s (run folder %s) ...", plural(grow_to, "shard"), args.host, run)
     try:
         shards += start_shards(grow_to, run, host=args.host,
                                on_up=lambda s: log.info("%s up at %s after %.1f s", s.name, s.address,
                                                         time.monotonic() - t0))
         ps = ",".join(s.address for s in shards[:args.shards])  # --reshard: the rest start empty
-        log.info("%s up; starting %s (%s mode) with --ps %s", plural(args.shards, "shard"),
+        log.info("%s up; starting %s (%s mode) with --ps %s", plural(grow_to, "shard"),
                  plural(args.trainers, "trainer"), args.mode, ps)
         for r in range(args.trainers):
             trainers.append(start_trainer(r, ps, run / f"trainer{r}.log", trainer_args(args, r, run),

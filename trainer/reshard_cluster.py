@@ -67,9 +67,14 @@ class ReshardScenario:
     def __init__(self, at: int, old: list[str], new: list[str], run: Path):
         self.at, self.old, self.new, self.out = at, old, new, run / "reshard.log"
         self.proc: Proc | None = None
+        self.lines: list[str] = []
 
     def poll(self) -> None:
-        if self.proc is not None or fetch_stat(self.old[0]).version < self.at:
+        """Starts the coordinator once shard 0 is at ROUND; after that, logs its new lines as they come."""
+        if self.proc is not None:
+            self.say_new()
+            return
+        if fetch_stat(self.old[0]).version < self.at:
             return
         log.info("round %d: ps-server reshard --ps %s --to %s", self.at, ",".join(self.old), ",".join(self.new))
         with open(self.out, "ab") as f:
@@ -83,10 +88,16 @@ class ReshardScenario:
         if self.proc is None:
             return None, []
         code = self.proc.terminate(timeout) if self.proc.alive() else self.proc.popen.returncode
-        lines = self.out.read_text(errors="replace").splitlines()
-        for line in lines:
+        self.say_new(final=True)
+        return code, self.lines
+
+    def say_new(self, final: bool = False) -> None:
+        """Logs the coordinator's complete lines not logged yet (``final``: a last partial one too)."""
+        text = self.out.read_text(errors="replace")
+        lines = text.splitlines() if final or text.endswith("\n") else text.splitlines()[:-1]
+        for line in lines[len(self.lines):]:
             log.info("reshard: %s", line)
-        return code, lines
+        self.lines = lines
 
 
 def handoff(lines: list[str], records: list[dict], at: int) -> dict:

@@ -63,3 +63,17 @@ def test_a_coordinator_that_said_nothing_leaves_the_handoff_unknown_rather_than_
     assert (h["round"], h["layout"], h["handoff_seconds"], h["steps_per_sec_before"], h["steps_per_sec_after"]) \
         == (None, None, None, None, None)
     assert dict(reshard_cluster.summary_rows(h))["steps/s before / after"] == "n/a / n/a"
+
+
+def test_the_coordinators_lines_are_logged_once_each_as_they_complete_and_a_partial_last_one_at_the_end(
+        tmp_path, caplog):
+    scenario = reshard_cluster.ReshardScenario(4, ["a:1", "b:2"], ["a:1", "b:2", "c:3"], tmp_path)
+    caplog.set_level("INFO", logger="ps-cluster")
+    scenario.out.write_text("plan p: a -> b\nprepared: cop")
+    scenario.say_new()
+    scenario.say_new()
+    assert scenario.lines == ["plan p: a -> b"]
+    scenario.out.write_text("plan p: a -> b\nprepared: copying\ndone: layout 1")
+    scenario.say_new(final=True)
+    assert [r.getMessage() for r in caplog.records] == [
+        "reshard: plan p: a -> b", "reshard: prepared: copying", "reshard: done: layout 1"]
