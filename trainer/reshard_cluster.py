@@ -73,6 +73,9 @@ class ReshardScenario:
         """Starts the coordinator once shard 0 is at ROUND; after that, logs its new lines as they come."""
         if self.proc is not None:
             self.say_new()
+            if self.proc.popen.poll():  # the trainers would wait out their retry budgets: stop now, say why
+                raise RuntimeError(f"ps-server reshard exited with {self.proc.popen.returncode}; its log "
+                                   f"{self.out} ends: {self.proc.log_tail(1)}")
             return
         if fetch_stat(self.old[0]).version < self.at:
             return

@@ -77,3 +77,18 @@ def test_the_coordinators_lines_are_logged_once_each_as_they_complete_and_a_part
     scenario.say_new(final=True)
     assert [r.getMessage() for r in caplog.records] == [
         "reshard: plan p: a -> b", "reshard: prepared: copying", "reshard: done: layout 1"]
+
+
+def test_a_failed_coordinator_stops_the_run_naming_its_exit_code_and_its_last_lines(tmp_path):
+    import subprocess
+    import sys
+
+    from trainer.procs import Proc
+
+    scenario = reshard_cluster.ReshardScenario(4, ["a:1", "b:2"], ["a:1", "b:2", "c:3"], tmp_path)
+    scenario.out.write_text("ps-server reshard: a:1 answered PREPARE with UNAVAILABLE: gone\n")
+    popen = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    popen.wait()
+    scenario.proc = Proc("reshard", popen, scenario.out)
+    with pytest.raises(RuntimeError, match=r"ps-server reshard exited with 1; .*answered PREPARE with UNAVAILABLE"):
+        scenario.poll()
