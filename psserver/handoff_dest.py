@@ -16,7 +16,7 @@ import enum
 from dataclasses import dataclass, field, replace
 
 from psserver import handoff as h
-from psserver.handoff_termination import Known, Termination
+from psserver.handoff_termination import Known, Termination, TerminationEvents
 from psserver.protocol.errors import InvalidRequest, NotReady, OutOfMemory
 
 
@@ -34,7 +34,7 @@ BEFORE_SERVING = (DestState.RECEIVING, DestState.REPLAYING, DestState.READY)
 
 
 @dataclass(frozen=True)
-class DestPiece:
+class DestPiece(TerminationEvents):
     timeout: float = h.DEFAULT_HANDOFF_TIMEOUT
     label: str = "shard"
     state: DestState = DestState.EMPTY
@@ -149,12 +149,6 @@ class DestPiece:
             "handoff_termination_queries", f"{self.label} holds {self.waiting} base-{self.round} pushes and heard no "
                                            f"DECIDE within --handoff-timeout {self.timeout:g}s: asking its peers")]
 
-    def _on_Decide(self, e: h.Decide, now: float):
-        term = self.term.on_decide(e.switch, self.label)
-        if e.switch:
-            return self._switch(term)
-        return self._drop(term, "the coordinator decided abort")
-
     def _switch(self, term: Termination):
         if self.state in (DestState.SERVING, DestState.RESEEDING):
             return replace(self, term=term), []
@@ -169,17 +163,7 @@ class DestPiece:
             h.DropParts(), h.Count("handoff_aborts", f"{self.label}'s new piece dropped in {self.state.value}: {why}"
                                    f"{f'; {self.waiting} waiting pushes refused' if self.waiting else ''}")]
 
-    def _on_Query(self, e: h.Query, now: float):
-        term, answer = self.term.on_query()
-        return replace(self, term=term), [h.Answer(answer)]
-
-    def _on_PeerAnswers(self, e: h.PeerAnswers, now: float):
-        term, switch = self.term.on_answers(dict(e.answers))
-        if switch is None:
-            return replace(self, term=term), []
-        if switch:
-            return self._switch(term)
-        return self._drop(term, "its peers agreed to abort (termination)")
+    _give_up = _drop  # what TerminationEvents calls when the job aborts
 
     # ------------------------------------------------------------------ faults
     def _on_SourceLost(self, e: h.SourceLost, now: float):

@@ -17,7 +17,7 @@ import enum
 from dataclasses import dataclass, field, replace
 
 from psserver import handoff as h
-from psserver.handoff_termination import Termination
+from psserver.handoff_termination import Termination, TerminationEvents
 from psserver.protocol.epochs import JOIN_LEAD, MAX_JOIN_AHEAD, commit_window
 from psserver.protocol.errors import FutureVersion, InvalidRequest, JobMismatch, NotReady
 
@@ -38,7 +38,7 @@ BEFORE_SWITCH = (SourceState.COPYING, SourceState.TAILING, SourceState.HOLDING, 
 
 
 @dataclass(frozen=True)
-class SourceMove:
+class SourceMove(TerminationEvents):
     a: int
     b: int
     timeout: float = h.DEFAULT_HANDOFF_TIMEOUT
@@ -157,12 +157,6 @@ class SourceMove:
         return s, [h.HoldRounds(e.round)]  # rounds below R close in the old layout; R waits
 
     # ------------------------------------------------------------------ the decision
-    def _on_Decide(self, e: h.Decide, now: float):
-        term = self.term.on_decide(e.switch, self.label)  # a late switch after agreeing to abort: refused
-        if e.switch:
-            return self._switch(term)
-        return self._abort(term, "the coordinator decided abort")
-
     def _switch(self, term: Termination):
         if self.state in (SourceState.HANDED, SourceState.RETIRED):
             return self, []
@@ -180,17 +174,7 @@ class SourceMove:
             "handoff_aborts", f"{self.label}'s move [{self.a}, {self.b}) aborted in {self.state.value}: {why}; "
                               "the old layout goes on")]
 
-    def _on_Query(self, e: h.Query, now: float):
-        term, answer = self.term.on_query()
-        return replace(self, term=term), [h.Answer(answer)]
-
-    def _on_PeerAnswers(self, e: h.PeerAnswers, now: float):
-        term, switch = self.term.on_answers(dict(e.answers))
-        if switch is None:
-            return replace(self, term=term), []
-        if switch:
-            return self._switch(term)  # learnt from a peer: taken even after agreeing to abort (see the module)
-        return self._abort(term, "its peers agreed to abort (termination)")
+    _give_up = _abort  # what TerminationEvents calls when the job aborts
 
     # ------------------------------------------------------------------ after the switch
     def _on_Retire(self, e: h.Retire, now: float):

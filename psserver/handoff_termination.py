@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
+from psserver import handoff as h
 from psserver.protocol.errors import JobMismatch
 
 SWITCH, ABORT, AGREE = "switch", "abort", "agree-abort"
@@ -75,3 +76,27 @@ class Termination:
 def unreachable(answers: dict[str, str | None]) -> list[str]:
     """The peers that did not answer (what a wait is logged with)."""
     return sorted(p for p, a in answers.items() if a is None)
+
+
+class TerminationEvents:
+    """DECIDE, a peer's Query and the peers' answers, the same for both machines (a source's move and a
+    destination's new piece): each machine says what switching (``_switch``) and giving up (``_give_up``: a source
+    aborts, a destination drops its piece) mean for it, and keeps its ``term`` (a Termination)."""
+
+    def _on_Decide(self, e: h.Decide, now: float):
+        term = self.term.on_decide(e.switch, self.label)  # a late switch after agreeing to abort: refused
+        if e.switch:
+            return self._switch(term)
+        return self._give_up(term, "the coordinator decided abort")
+
+    def _on_Query(self, e: h.Query, now: float):
+        term, answer = self.term.on_query()
+        return replace(self, term=term), [h.Answer(answer)]
+
+    def _on_PeerAnswers(self, e: h.PeerAnswers, now: float):
+        term, switch = self.term.on_answers(dict(e.answers))
+        if switch is None:
+            return replace(self, term=term), []
+        if switch:
+            return self._switch(term)  # learnt from a peer: taken even after agreeing to abort (see the module)
+        return self._give_up(term, "its peers agreed to abort (termination)")
