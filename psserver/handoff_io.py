@@ -23,17 +23,14 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-import time
 from dataclasses import dataclass
 
 from psserver import handoff as h
-from psserver.checkpoint import ShardState
-from psserver.forward_log import Forward, ForwardLog, PartCopy, PartReplay, assemble, copy_range, range_digest
-from psserver.handoff_dest import DestPiece, DestState
-from psserver.handoff_source import SourceMove, SourceState
-from psserver.handoff_wire import chunks, read_async, unpack
+from psserver.handoff_dest import DestState
+from psserver.handoff_io_dest import DestSide
+from psserver.handoff_io_source import COPY, RETRY_SECONDS, STREAM_TIMEOUT, SourceSide
+from psserver.handoff_wire import read_async, unpack
 from psserver.layout_host import LayoutHost
-from psserver.protocol import stubs
 from psserver.protocol.errors import InvalidRequest, JobMismatch, NotPermitted, NotReady
 from psserver.protocol.job import JobSpec
 from psserver.protocol.layouts import LayoutEpoch, Move, first_layout, new_job, next_layout, plan_moves
@@ -42,10 +39,6 @@ from psserver.protocol.rules import Mode
 from psserver.protocol.security import ClientSecurity
 
 log = logging.getLogger(__name__)
-COPY, FORWARD, VOTE = _pb.HandoffChunk.COPY, _pb.HandoffChunk.FORWARD, _pb.HandoffChunk.VOTE
-RETRY_SECONDS = 0.5  # a failed Handoff stream is sent again after this (counted handoff_stream_retries)
-STREAM_TIMEOUT = 60.0
-MAX_FORWARD_BATCH = h.MAX_FORWARD_LAG  # rounds in one FORWARD stream
 
 
 @dataclass(frozen=True)
@@ -79,197 +72,6 @@ class Plan:
 def plan_of(request) -> Plan:
     return Plan(request.plan, tuple(request.old_addresses), tuple(request.new_addresses), request.partitions,
                 request.you)
-
-
-def timeline_text(part) -> str:
-    """The membership timeline a vote carries and its digest covers."""
-    return repr(part.epochs.state())
-
-
-# --------------------------------------------------------------------------------------------- source
-class SourceSide:
-    """One move's source: its machine, its forward log, the copy in flight and the thread that streams them."""
-
-    def __init__(self, io: "HandoffIO", index: int, move: Move, part):
-        self.io, self.index, self.move, self.part = io, index, move, part
-        self.machine = SourceMove(move.a, move.b, timeout=io.timeout, max_lag=io.max_lag,
-                                  label=f"shard {part.shard_id} move {index}")
-        self.log = ForwardLog(move.a, move.b, part.start, part.version, io.max_lag)
-        self.copy: PartCopy | None = None
-        self.copy_sent = -1  # the copy version the destination acknowledged
-        self.vote: int | None = None  # R, once SendVote asked for the vote
-        self.vote_sent = False
-        self.bytes = 0
-        self.wake = threading.Event()
-        self.channel = None  # to the destination, made by the thread; closed by HandoffIO.stop
-        self.thread = threading.Thread(target=self._pump, name=f"handoff-move{index}", daemon=True)
-
-    def record(self, plan: str) -> _pb.HandoffState:
-        return _pb.HandoffState(plan=plan, move=self.index, phase=f"source:{self.machine.state.value}",
-                                version=max(self.machine.version, 0), bytes=self.bytes)
-
-    # ------------------------------------------------------------------ actions (under the io's lock)
-    def carry(self, actions: list) -> None:
-        for a in actions:
-            if isinstance(a, h.TakeSnapshot):
-                self.copy = copy_range(self.part.slice, self.part.start, a.a, a.b)
-                self.log.restart(a.version)
-                self.copy_sent, self.vote, self.vote_sent = -1, None, False
-            elif isinstance(a, h.HoldRounds):
-                self.part.enrolment.handoff_held_from = a.from_version
-                self.io.tick_later(self.part)  # rounds below the new hold that waited may close now
-            elif isinstance(a, h.ReleaseRounds):
-                self.part.enrolment.handoff_held_from = None
-                self.io.tick_later(self.part)
-            elif isinstance(a, h.SendVote):
-                self.vote = a.round
-            elif isinstance(a, h.DropMove):
-                self.copy = None
-                self.log.restart(self.part.version)
-            elif isinstance(a, h.HoldReplies):
-                log.info("%s: round %d's replies are not held (not built yet, docs/handoff-io.md)",
-                         self.machine.label, a.version - 1)
-            elif isinstance(a, h.Count):
-                self.part.count(a.metric)
-                log.warning("%s", a.message)
-        self.wake.set()
-
-    def round_closed(self, version: int, average, lr) -> None:
-        """The partition closed round ``version`` (under its lock): keep the forward, tell the machine."""
-        if self.machine.state not in (SourceState.COPYING, SourceState.TAILING, SourceState.HOLDING,
-                                      SourceState.BLOCKING):
-            return
-        if version == self.log.version:
-            self.log.record(version, average, lr)
-        self.io.event(self, h.RoundClosed(version, average is not None))
-
-    # ------------------------------------------------------------------ the stream (its own thread)
-    def _pump(self) -> None:
-        stub = None
-        while not self.io.stopping and self in self.io.sources:  # a later plan's PREPARE ends this one's
-            self.wake.wait(RETRY_SECONDS)
-            self.wake.clear()
-            try:
-                if stub is None:
-                    self.channel = self.io.security.channel(self.io.plan.new[self.move.dst])
-                    stub = stubs.stub(self.channel)
-                self._send_due(stub)
-            except Exception as e:  # noqa: BLE001 -- a stream that failed is sent again, counted and logged
-                if self.io.stopping:
-                    break
-                self.part.count("handoff_stream_retries")
-                self.io.log_retry(self, e)
-                self.wake.set()
-                time.sleep(RETRY_SECONDS)
-
-    def _send_due(self, stub) -> None:
-        with self.io.lock:
-            copy, state = self.copy, self.machine.state
-        if state is SourceState.COPYING and copy is not None and self.copy_sent != copy.version:
-            self._send(stub, COPY, copy.version, dict(a=copy.a, b=copy.b, params=copy.params,
-                                                      optimizer=copy.optimizer, job=self.part.job.to_proto()
-                                                      .SerializeToString().hex()))
-            self.copy_sent = copy.version
-            self.bytes += copy.params.numel() * 4 * (1 + len(copy.optimizer["state"].get(0, {})))
-            self.part.count("handoff_copies_sent")
-            self.io.event(self, h.CopyAcked(copy.version))
-        while True:
-            with self.io.lock:
-                due = [f for f in self.log.pending() if f.version >= self.machine.forwarded_to]
-                sending = self.machine.state in (SourceState.TAILING, SourceState.HOLDING, SourceState.BLOCKING)
-            if not due or not sending:
-                break
-            batch = due[:MAX_FORWARD_BATCH]  # a destination behind catches up in one stream, not one per round
-            self._send(stub, FORWARD, batch[0].version,
-                       dict(rounds=[dict(version=f.version, lr=f.lr, grad=f.grad) for f in batch]))
-            self.bytes += sum(0 if f.grad is None else f.grad.numel() * 4 for f in batch)
-            self.part.count("handoff_forwards_sent", len(batch))
-            with self.io.lock:
-                self.log.ack(batch[-1].version)
-            for f in batch:
-                self.io.event(self, h.ForwardAcked(f.version))
-        if self.vote is not None and not self.vote_sent:
-            self._send(stub, VOTE, self.vote, self.io.on_state(self._vote))
-            self.vote_sent = True
-
-    def _vote(self) -> dict:
-        """The vote at R (on the state worker: round R is held, so the range stays at R): the range's digest
-        over the membership timeline at R, and the members the new piece starts from."""
-        copy = copy_range(self.part.slice, self.part.start, self.move.a, self.move.b)
-        timeline = timeline_text(self.part)
-        return dict(digest=range_digest(copy.params, copy.optimizer, timeline), timeline=timeline,
-                    members=self.part.members.members(), epochs=self.part.epochs.state())
-
-    def _send(self, stub, kind: int, version: int, payload: dict) -> None:
-        ack = stub.Handoff(chunks(kind, self.io.plan.id, self.io.plan.you, self.index, version, payload),
-                           timeout=STREAM_TIMEOUT)
-        log.debug("%s: %s of version %d acknowledged (%s)", self.machine.label,
-                  _pb.HandoffChunk.Kind.Name(kind), version, ack.phase)
-
-
-# --------------------------------------------------------------------------------------------- destination
-class DestSide:
-    """One new partition of this shard: its machine and one PartReplay per move it draws from."""
-
-    def __init__(self, io: "HandoffIO", partition: int, moves: list[tuple[int, Move]], job: JobSpec):
-        self.io, self.partition, self.job = io, partition, job
-        self.moves = [i for i, _ in moves]
-        self.machine = DestPiece(io.timeout, label=f"new piece {partition}")
-        self.replays: dict[int, PartReplay] = {}
-        self.timeline: str | None = None  # the first vote's: every source's must agree with it
-        self.members: dict = {}
-        self.epochs: list | None = None
-        parts = tuple((m.a, m.b) for _, m in moves)
-        self.carry(self.machine_on(h.Prepare(parts=parts)))
-
-    def machine_on(self, event) -> list:
-        self.machine, actions = self.machine.on(event, self.io.clock())
-        return actions
-
-    def record(self, plan: str) -> _pb.HandoffState:
-        return _pb.HandoffState(plan=plan, move=self.partition, phase=f"dest:{self.machine.state.value}",
-                                version=self.machine.version or 0)
-
-    def carry(self, actions: list, payload: dict | None = None) -> None:
-        for a in actions:
-            if isinstance(a, h.LoadPart):
-                m = self.io.moves[self.moves[a.part]]
-                self.replays[a.part] = PartReplay(PartCopy(m.a, m.b, a.version, payload["params"],
-                                                           payload["optimizer"]), self.job.optimizer)
-                self.io.count("handoff_copies_loaded")
-            elif isinstance(a, h.ApplyForward):
-                self.replays[a.part].apply(Forward(a.version, payload["lr"], payload["grad"]))
-                self.io.count("handoff_forwards_replayed")
-            elif isinstance(a, h.DropParts):
-                self.replays.clear()
-            elif isinstance(a, h.Count):
-                self.io.count(a.metric)
-                log.warning("%s", a.message)
-
-    def receive(self, kind: int, move: int, version: int, payload: dict) -> None:
-        part = self.moves.index(move)
-        if kind == COPY:
-            self.carry(self.machine_on(h.PartCopied(part, version)), payload)
-        elif kind == FORWARD:
-            for one in payload["rounds"]:  # in order; a round replayed already is acknowledged, not applied
-                self.carry(self.machine_on(h.Forwarded(part, one["version"])), one)
-        else:
-            self.timeline = self.timeline if self.timeline is not None else payload["timeline"]
-            self.members, self.epochs = payload["members"], payload["epochs"]
-            replay = self.replays.get(part)
-            mine = "" if replay is None else self._digest(replay)
-            self.carry(self.machine_on(h.SourceVote(part, version, payload["digest"], mine)))
-
-    def _digest(self, replay: PartReplay) -> str:
-        copy = copy_range(replay.dense, replay.a, replay.a, replay.b)
-        return range_digest(copy.params, copy.optimizer, self.timeline)
-
-    def state(self, shard: int, job2: JobSpec) -> ShardState:
-        """The new partition's state at R: its parts laid end to end, an empty book, the members at R."""
-        piece = assemble([self.replays[i] for i in range(len(self.moves))], self.job.optimizer)
-        params, optimizer = piece.capture()
-        return ShardState(shard, piece.version, job2, params, optimizer, members=dict(self.members),
-                          partition=self.partition, epochs=self.epochs)
 
 
 # --------------------------------------------------------------------------------------------- the plan
