@@ -13,8 +13,9 @@ machines' actions (psserver.handoff_source, psserver.handoff_dest) done on the s
   GetStats and a resumed coordinator read (``StatsReply.handoffs``).
 
 Everything that touches a partition's tensors runs where the shard's calls run (``Runtime.run_state``);
-machine transitions take one lock.  Scope (docs/handoff-io.md): sync dense jobs without tables, moves to new
-pieces only (a drained shard is refused), round R-1's replies not held yet.
+machine transitions take one lock.  A shard in ``--ps`` but not ``--to`` is drained: a source only, it installs no
+host at DECIDE (LayoutHost.drain) and RETIRE frees its tombstone, as every shard's (LayoutHost.retire).  Scope
+(docs/handoff-io.md): sync dense jobs without tables, round R-1's replies not held yet.
 """
 
 from __future__ import annotations
@@ -163,7 +164,8 @@ class HandoffIO:
         proposal = max((s.machine.proposal or 0 for s in self.sources), default=0)
         committed = max((s.machine.round or 0 for s in self.sources), default=0)
         return _pb.ReshardReply(plan=self.plan.id if self.plan else "", handoffs=self.records(), proposal=proposal,
-                                version=head.version, layout_epoch=self.layouts.newest, round=committed)
+                                version=head.version, layout_epoch=self.layouts.newest, round=committed,
+                                drained=self.layouts.drained)
 
     def _check_plan(self, plan: str) -> None:
         if self.plan is None or self.plan.id != plan:
@@ -209,9 +211,6 @@ class HandoffIO:
         if plan.old_index is None or len(plan.old) != job.num_shards:
             raise InvalidRequest(f"you is {plan.you!r} but the job's {job.num_shards} shards are --ps "
                                  f"{list(plan.old)}: name this shard's address in it")
-        if plan.new_index is None:
-            raise JobMismatch(f"you is {plan.you!r} but --to is {list(plan.new)}: draining a shard is not built "
-                              "yet (docs/handoff-io.md)")
 
     def _start_sources(self, job: JobSpec, plan: Plan) -> None:
         self.moves = plan.moves(job)
@@ -260,7 +259,9 @@ class HandoffIO:
             now, decide = self.clock(), h.Decide(request.switch)
             for m in [*self.sources, *self.dests.values()]:  # checked everywhere first: a refusal changes nothing
                 m.machine.on(decide, now)
-            new = self._new_layout() if request.switch and not self.switched else None
+            switch = request.switch and not self.switched
+            drain = self._drained_layout() if switch and self.plan.new_index is None else None
+            new = self._new_layout() if switch and drain is None else None
             for s in self.sources:
                 self.event(s, decide)
             for d in self.dests.values():
@@ -268,13 +269,41 @@ class HandoffIO:
             if new is not None:
                 self.layouts.install(*new)
                 self.switched = True
+            elif drain is not None:
+                self.layouts.drain(drain, self.plan.you)
+                self.switched = True
             self.layouts.handoff_round = None
             self.aborted = self.aborted or not request.switch
 
     def _retire(self, request) -> None:
+        """Every move RETIRED, then the tombstones freed (the old layouts' state; the copies and replays the
+        hand-off kept): LayoutHost.retire.  Checked on every move first: a refusal changes nothing."""
         with self.lock:
+            now = self.clock()
+            for s in self.sources:
+                s.machine.on(h.Retire(None), now)
+            if not self.switched:
+                raise NotReady(f"retire reached plan {self.plan.id!r} but this shard has not switched "
+                               f"(aborted: {self.aborted}): RETIRE follows DECIDE switch")
             for s in self.sources:
                 self.event(s, h.Retire(None))
+                s.copy = None
+                s.log.restart(s.log.start)
+            for d in self.dests.values():
+                d.replays.clear()
+            self.layouts.retire()
+
+    def _drained_layout(self):
+        """DECIDE switch on a shard left out of ``--to``: the next layout from R (no piece of it here); NotReady,
+        changing nothing, unless the old layout is at R with no round open."""
+        plan, job = self.plan, self.layouts.current.head.job
+        R = max((s.machine.round or 0 for s in self.sources), default=0)
+        layout = next_layout(self.layouts.timeline(), plan.layouts(job)[2], R, plan.new)
+        try:
+            self.layouts.check_boundary(layout)
+        except ValueError as e:
+            raise NotReady(f"decide is switch but {e}: the old layout must stop at R (docs/handoff-io.md)") from None
+        return layout
 
     def _new_layout(self) -> tuple:
         """DECIDE switch: (the next layout from R, its host made from the new pieces, epoch 0); NotReady, changing
@@ -287,7 +316,8 @@ class HandoffIO:
                            f"{[d.machine.state.value for d in dests.values()]}, not every one ready")
         _, _, job2 = plan.layouts(job)
         states = [dests[k].state(plan.new_index, job2) for k in range(job2.partitions)]
-        timeline = self.layouts.timeline() if self.layouts.current.head.job is not None else [first_layout(job)]
+        timeline = self.layouts.timeline() if self.layouts.current.head.job is not None or self.layouts.newest \
+            else [first_layout(job)]
         layout = next_layout(timeline, job2, states[0].version, plan.new)
         try:
             self.layouts.check_boundary(layout)

@@ -8,7 +8,11 @@ check runs before anything of the partition is looked at, so a trainer one layou
 fingerprint is then checked by the partition of the layout the call named.
 
 The old layout's host stays after a switch as its tombstone: at version R with no round open, it answers
-retries of pushes with base < R from its books (DUPLICATE) or as stale, and pulls of versions up to R.
+retries of pushes with base < R from its books (DUPLICATE) or as stale, and pulls of versions up to R.  RETIRE
+frees it (``retire``): its tensors, optimizer state and books go; the routing record stays (the timeline with its
+fingerprints, who its members were), so every later call in it is ``layout-moved``.  A process a live re-shard
+left out of the new layout (a drain, ``drain``) installs no host: its old one is the tombstone, and a call in the
+new layout is refused ``not-in-layout`` naming that layout's shards (docs/handoff-io.md).
 
 In normal running there is one layout, epoch 0, and every lookup is the ShardHost's own (``part``'s first
 line).  What switches a layout live (the Reshard and Handoff RPCs) is not built yet; ``switch_offline`` installs
@@ -21,7 +25,7 @@ from __future__ import annotations
 import logging
 
 from psserver.host import ShardHost
-from psserver.protocol.errors import HandoffPending, LayoutAhead, LayoutMoved, NotReady
+from psserver.protocol.errors import HandoffPending, LayoutAhead, LayoutMoved, NotInLayout, NotReady, PsError
 from psserver.protocol.layouts import LayoutEpoch, first_layout, new_job, next_layout, refusal
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.reshard import ReshardError, recut
@@ -38,6 +42,9 @@ class LayoutHost:
         self._later: list[LayoutEpoch] = []  # the layouts after epoch 0, oldest first
         self._first: LayoutEpoch | None = None  # epoch 0 as a hand-off named it, for a host that never ran it
         self.handoff_round: int | None = None  # R of a live re-shard committed, not decided (psserver.handoff_io)
+        self.drained_as: str | None = None  # this process's address while the newest layout has no piece of it
+        self._retired: set[int] = set()  # layouts whose state RETIRE freed here: every call in them is layout-moved
+        self._members: set[tuple[int, str, str]] = set()  # (rank, trainer id, fingerprint) of the freed layouts
 
     # ------------------------------------------------------------------ the timeline
     def timeline(self) -> list[LayoutEpoch]:
@@ -54,6 +61,10 @@ class LayoutHost:
         one layout behind needs to compute the newest layout's fingerprint."""
         return [h.head for h in self._hosts.values()]
 
+    def was_member(self, rank: int, trainer_id: str, fingerprint: str) -> bool:
+        """A member of a layout whose state RETIRE freed here (the routing record): it may still read the timeline."""
+        return (rank, trainer_id, fingerprint) in self._members
+
     @property
     def newest(self) -> int:
         """The newest layout epoch this process has switched to: what every reply names."""
@@ -61,8 +72,18 @@ class LayoutHost:
 
     @property
     def current(self) -> ShardHost:
-        """The host of the newest layout: Register, Heartbeat, Leave, stats and new jobs go to it."""
-        return self._hosts[self.newest]
+        """The host of the newest layout: Register, Heartbeat, Leave, stats and new jobs go to it.  A drained
+        process serves no piece of the newest: its newest host (the tombstone, or once freed an empty host)."""
+        found = self._hosts.get(self.newest)
+        return found if found is not None else self._hosts[max(self._hosts)]
+
+    @property
+    def drained(self) -> str:
+        """StatsReply.drained: '' (this process serves the newest layout), 'tombstone' (drained: it answers the
+        old layout's late calls until RETIRE), 'retired' (drained and freed: it holds no job state)."""
+        if self.newest in self._hosts:
+            return ""
+        return "retired" if all(e in self._retired for e in self._hosts) else "tombstone"
 
     def tick(self) -> float | None:
         """Every layout's leases and due rounds (the round timer's work); the earliest next deadline."""
@@ -73,10 +94,29 @@ class LayoutHost:
     def host(self, epoch: int) -> ShardHost:
         """The host of layout ``epoch`` (LayoutAhead, OUT_OF_RANGE, for one this process has no record of)."""
         found = self._hosts.get(epoch)
-        if found is None:
-            raise refusal(self.timeline(), epoch, 0) or LayoutAhead(f"layout_epoch is {epoch} but this shard holds "
-                                                                    "nothing of that layout")
+        if found is None or epoch in self._retired:
+            raise self._elsewhere(epoch) or refusal(self.timeline(), epoch, 0) or LayoutAhead(
+                f"layout_epoch is {epoch} but this shard holds nothing of that layout")
         return found
+
+    def _elsewhere(self, epoch: int) -> PsError | None:
+        """The refusal of a call in a layout this process holds nothing of: freed by RETIRE (layout-moved, naming
+        the newest layout and its shards) or never given a piece of (a drain: not-in-layout, naming its shards)."""
+        timeline = self.timeline()
+        layout = next((e for e in timeline if e.number == epoch), None)
+        if layout is None:
+            return None
+        newest = timeline[-1]
+        if epoch in self._retired:
+            return LayoutMoved(f"layout_epoch is {epoch} but this shard's newest layout is {newest.number} (from round "
+                               f"{newest.round}) and layout {epoch}'s state here was freed (RETIRE): send it in "
+                               f"layout {newest.number}{_shards(newest)} (docs/handoff-io.md)", newest.number)
+        if epoch not in self._hosts:
+            here = f" {self.drained_as}" if self.drained_as else ""
+            return NotInLayout(f"layout_epoch is {epoch} but this shard{here} is not among layout {epoch}'s shards "
+                               f"{list(layout.addresses)}: send it to them (a live re-shard drained this one, "
+                               "docs/handoff-io.md)")
+        return None
 
     def part(self, epoch: int, index: int) -> Shard:
         """Partition ``index`` of layout ``epoch``, whatever the call's version (Init; a push's reply half)."""
@@ -107,11 +147,16 @@ class LayoutHost:
     def _check(self, epoch: int, value: int, pull: bool, table: str = "") -> None:
         if epoch == 0 and not self._later:
             return
-        refused = refusal(self.timeline(), epoch, value, pull, table)
-        if refused is not None:
-            self.current.count("refused_layout_moved" if isinstance(refused, LayoutMoved) else
-                               "refused_layout_ahead")
-            raise refused
+        timeline = self.timeline()
+        refused = self._elsewhere(epoch) or refusal(timeline, epoch, value, pull, table)
+        if refused is None:
+            return
+        if isinstance(refused, LayoutMoved) and epoch not in self._retired and timeline[-1].addresses:
+            refused = LayoutMoved(f"{refused}; layout {timeline[-1].number}'s shards: "
+                                  f"{', '.join(timeline[-1].addresses)}", refused.newest)  # where to route it
+        self.current.count("refused_layout_moved" if isinstance(refused, LayoutMoved) else
+                           "refused_not_in_layout" if isinstance(refused, NotInLayout) else "refused_layout_ahead")
+        raise refused
 
     def register_host(self, epoch: int) -> ShardHost:
         """The host a Register in layout ``epoch`` joins: only the newest layout takes members."""
@@ -146,11 +191,44 @@ class LayoutHost:
         self.check_boundary(layout)
         self._hosts[layout.number] = host
         self._later.append(layout)
+        self.drained_as = None
         if first is not None and self._hosts[0].head.job is None:
             self._first = first
         host.count("layouts_switched")
         log.warning("shard %d: serving layout %d (%d shards, %d partitions) from round %d", host.shard_id,
                     layout.number, layout.num_shards, layout.partitions, layout.round)
+
+    def drain(self, layout: LayoutEpoch, you: str) -> None:
+        """Take ``layout``, which has no piece on this process (``you``), as the newest from its round on: no host is
+        installed; the old one is the tombstone until RETIRE.  Only at a round boundary, as ``install``."""
+        self.check_boundary(layout)
+        self._later.append(layout)
+        self.drained_as = you
+        self.current.count("layouts_drained")
+        log.warning("shard %d: drained from layout %d (round %d on, %d shards: %s); the old layout's late calls are "
+                    "answered until RETIRE", self.current.shard_id, layout.number, layout.round, layout.num_shards,
+                    ", ".join(layout.addresses))
+
+    def retire(self) -> int:
+        """RETIRE: free every layout older than the newest -- its tensors, optimizer state and books -- keeping
+        the routing record (the timeline and its fingerprints, who its members were): every later call in it is
+        layout-moved.  Returns the bytes freed (counted tombstone_bytes_freed)."""
+        self._first = self.timeline()[0]  # epoch 0's entry was read from its host's job, about to go
+        freed = 0
+        for epoch, host in self._hosts.items():
+            if epoch == self.newest or epoch in self._retired:
+                continue
+            for part in host.parts:
+                if part.job is not None:
+                    self._members |= {(r, t, part.job.fingerprint) for r, t in part.members.members().items()}
+                freed += part.free_job()
+            self._retired.add(epoch)
+        if freed:
+            self.current.count("tombstone_bytes_freed", freed)
+            log.warning("shard %d: RETIRE freed the old layouts' state here (%d bytes of parameters and optimizer "
+                        "state)%s", self.current.shard_id, freed,
+                        ": this process holds no job state and may be stopped" if self.drained else "")
+        return freed
 
     def check_boundary(self, layout: LayoutEpoch) -> None:
         """ValueError unless ``layout`` could be installed now (``install``'s check, changing nothing)."""
@@ -184,3 +262,7 @@ class LayoutHost:
         host.restore_states(states, f"layout {layout.number}")
         self.install(layout, host)
         return layout
+
+
+def _shards(layout: LayoutEpoch) -> str:
+    return f" (its shards: {', '.join(layout.addresses)})" if layout.addresses else ""

@@ -3,7 +3,9 @@
 It keeps no state: every step is a Reshard call the shards record before they act, and each is idempotent, so a
 run -- or a re-run after a crash -- reads where the shards are (Reshard STATUS: their moves' phases and R) and
 goes on from there.  The plan id is derived from the two address lists and the partitions, so a re-run names
-the same plan.  Data never passes through the command: sources stream to destinations directly.
+the same plan.  Data never passes through the command: sources stream to destinations directly.  A shard in
+``--ps`` but not ``--to`` is drained: it only sends; once RETIRE has freed its state (its reply says
+``drained: retired``) the last line says it may be stopped.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Coordinator:
         self.old, self.new, self.partitions = old, new, partitions
         self.plan = plan_id(old, new, partitions)
         self.everyone = [a for a in new if a not in old] + old  # destinations only first: nothing to retry
+        self.drained = [a for a in old if a not in new]
         self.timeout, self.wait_s, self.say = timeout, wait, say
         self.channels = {a: security.channel(a) for a in self.everyone}
 
@@ -82,7 +85,8 @@ class Coordinator:
         replies = self.call_all(Op.STATUS)
         switched = any(p in ("source:handed", "source:retired", "dest:serving") for p in self.phases(replies))
         if not switched:
-            self.say(f"plan {self.plan}: {','.join(self.old)} -> {','.join(self.new)}")
+            drains = f" (drains {','.join(self.drained)})" if self.drained else ""
+            self.say(f"plan {self.plan}: {','.join(self.old)} -> {','.join(self.new)}{drains}")
             self.call_all(Op.PREPARE)
             self.say("prepared: copying while training goes on")
             replies = self.wait(lambda r: (ph := [p for p in self.phases(r) if p.startswith("source:")])
@@ -98,10 +102,21 @@ class Coordinator:
             self.call_all(Op.DECIDE, switch=True)
             self.say(f"switched (block {time.monotonic() - blocked:.3f} s)")
         replies = self.call_all(Op.RETIRE)
+        self._check_retired(replies)
         moved = sum(r.bytes for reply in replies.values() for r in reply.handoffs if r.phase.startswith("source:"))
         self.say(f"done: layout {max(r.layout_epoch for r in replies.values())}, {moved} bytes moved, "
                  f"hand-off {time.monotonic() - t0:.2f} s")
+        if self.drained:
+            self.say(f"drained {','.join(self.drained)}: it holds no job state now and may be stopped")
         return 0
+
+    def _check_retired(self, replies: dict[str, _pb.ReshardReply]) -> None:
+        """Every move retired and every drained shard freed, by the shards' own word, before the last line."""
+        left = sorted({p for p in self.phases(replies) if p.startswith("source:") and p != "source:retired"})
+        held = [a for a in self.drained if replies[a].drained != "retired"]
+        if left or held:
+            raise CoordinatorError(f"RETIRE answered with moves {left} not retired and drained shards {held} still "
+                                   "holding state")
 
     def abort(self) -> int:
         self.call_all(Op.DECIDE, switch=False)
@@ -122,9 +137,6 @@ def reshard_main(argv: list[str]) -> int:
     add_client_flags(p)
     args = p.parse_args(argv)
     old, new = parse_addresses(args.ps), parse_addresses(args.to)
-    drained = [a for a in old if a not in new]
-    if drained:
-        p.error(f"--to leaves out {','.join(drained)} of --ps: draining a shard is not built yet (docs/handoff-io.md)")
     if old == new:
         p.error("--to is the same list as --ps: nothing to move")
     coordinator = Coordinator(old, new, args.partitions, client_security(args), args.timeout, args.wait)

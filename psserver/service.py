@@ -231,8 +231,10 @@ class ParameterServerService(RowRpcs, StepRpc):
                                epochs=part.epoch_timeline_proto(request.members_from_round))
         if s.job is not None and (self.authenticated or _is_member(part, request)):
             reply.job.CopyFrom(s.job.to_proto())
-        if self.authenticated or any(_is_member(head, request) for head in self.layouts.heads()):
+        if self.authenticated or any(_is_member(head, request) for head in self.layouts.heads()) or \
+                self.layouts.was_member(request.rank, request.trainer_id, request.fingerprint):
             reply.layouts.extend(self.layouts.timeline_proto())  # fingerprints: for a member of any layout
+        reply.drained = self.layouts.drained  # "retired": a drained process that may be stopped
         if self.handoffs is not None:
             reply.handoffs.extend(self.handoffs.records())
         return reply

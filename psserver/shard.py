@@ -123,6 +123,17 @@ class Shard:
         self.tables = Tables()  # sparse tables (psserver.sparse.serving): their own versions and rounds
         self.enrolment.reset()
 
+    def free_job(self) -> int:
+        """A live re-shard's RETIRE (psserver.layout_host): this tombstone's job state goes -- parameters, optimizer
+        state, books, members -- its counters stay.  Returns the bytes of parameters and optimizer state freed."""
+        with self._lock:
+            freed = 0
+            if self.params is not None:
+                freed = self.params.numel() * self.params.element_size() + sum(
+                    t.numel() * t.element_size() for _, t in self.optimizer.state_items() if torch.is_tensor(t))
+            self._clear_job()
+            return freed
+
     # the slice's and the enrolment's state, read where it was read before they had rooms of their own
     @property
     def params(self) -> torch.nn.Parameter | None:

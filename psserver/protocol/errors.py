@@ -155,6 +155,17 @@ class LayoutMoved(PsError):
         return super().trailers() + ((LAYOUT_METADATA_KEY, str(self.newest)),)
 
 
+NOT_IN_LAYOUT = "not-in-layout"  # reason of a call naming a layout this process has no piece of (it was drained)
+
+
+class NotInLayout(PsError):
+    """A call naming a layout epoch this process serves no piece of: a live re-shard drained it
+    (docs/handoff-io.md).  Changes nothing; the message names the layout's shards, where the call belongs."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = NOT_IN_LAYOUT
+
+
 class LayoutAhead(PsError):
     """A call naming a layout epoch this shard has no record of (it restarted from an older record): the
     trainer retries within its retry budget."""

@@ -209,14 +209,6 @@ def test_prepare_on_a_job_that_is_not_sync_dense_is_failed_precondition_naming_t
     still_serves(job)
 
 
-def test_prepare_that_drains_this_shard_is_failed_precondition_naming_it_and_the_new_list(two):
-    request = pb.ReshardRequest(op=Op.PREPARE, plan="p1", old_addresses=two.old, new_addresses=two.old[:1],
-                                you=two.old[1])
-    refused(lambda: two.shards[1].stub.Reshard(request, timeout=10), grpc.StatusCode.FAILED_PRECONDITION,
-            f"you is '{two.old[1]}'", f"--to is ['{two.old[0]}']", unchanged=_Shard(two, 1))
-    still_serves(two, 1)
-
-
 def test_commit_past_the_commit_window_is_out_of_range_and_decide_before_the_votes_is_failed_precondition(two):
     for i in (2, 0, 1):
         two.reshard(i, Op.PREPARE)

@@ -1,23 +1,25 @@
 """`ps-server reshard` against three real shards over gRPC on loopback: it drives a 2 -> 3 hand-off of a sync
-dense job while the test pushes rounds, and a re-run after it finished resumes from the shards' records."""
+dense job while the test pushes rounds, and a re-run after it finished resumes from the shards' records; a 3 -> 2 drain to the last line."""
 
 import threading
 
-import pytest
 import torch
 
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.reshard_cmd import Coordinator, reshard_main
 from psserver.handoff import MAX_FORWARD_LAG
-from tests.integration.test_handoff_io import NEW, NEW_RANGES, OLD, Job, pull
+from tests.integration.test_handoff_drain import Run
+from tests.integration.test_handoff_io import NEW, NEW_RANGES, Job, pull
 
 MAX_BEFORE_R = MAX_FORWARD_LAG // 2
 
 
 def test_ps_server_reshard_moves_a_running_job_to_three_shards_and_a_rerun_resumes_to_done(shard_server, capsys):
-    job = Job(shard_server)
-    job.rounds(2)
-    argv = ["--ps", ",".join(job.old), "--to", ",".join(job.new), "--wait", "120"]
+    shards = [shard_server(shard=i % 3, lease_timeout=0) for i in range(5)]  # 0-2: the job; 3-4: a reference
+    run, ref = Run(shards, [0, 1]), Run(shards, [3, 4])
+    run.rounds(2)
+    old, new = run.addresses([0, 1]), run.addresses([0, 1, 2])
+    argv = ["--ps", ",".join(old), "--to", ",".join(new), "--wait", "120"]
     result = {}
     command = threading.Thread(target=lambda: result.setdefault("rc", reshard_main(argv)), daemon=True)
     command.start()
@@ -25,20 +27,20 @@ def test_ps_server_reshard_moves_a_running_job_to_three_shards_and_a_rerun_resum
     # copy slowed by a loaded machine is never outrun into copying again for ever (handoff.MAX_FORWARD_LAG)
     while command.is_alive():  # training goes on; pushes only below R (round R-1's replies are not held yet)
         for i in (0, 1):
-            R = job.reshard(i, pb.ReshardRequest.STATUS, plan="").round
-            version = job.shards[i].stats(fingerprint=OLD.fingerprint).version
+            R = shards[i].stub.Reshard(pb.ReshardRequest(op=pb.ReshardRequest.STATUS), timeout=10).round
+            version = run.version(i)
             if (not R and before_r[i] < MAX_BEFORE_R) or (R and version < R):
-                assert job.push(i, version).outcome == pb.APPLIED
+                assert run.push(i, version).outcome == pb.APPLIED
                 before_r[i] += not R
         command.join(0.05)  # paces the rounds (a round a shard per turn), not a synchronisation
     assert result["rc"] == 0
     out = capsys.readouterr().out
-    assert "committed" in out and "switched" in out and "done: layout 1" in out
-    R = job.reshard(0, pb.ReshardRequest.STATUS, plan="").round
-    pulled = [pull(s, 1, R, NEW.fingerprint) for s in job.shards]
+    assert "committed" in out and "switched" in out and "done: layout 1" in out and "drained" not in out
+    R = shards[0].stub.Reshard(pb.ReshardRequest(op=pb.ReshardRequest.STATUS), timeout=10).round
+    pulled = [pull(s, 1, R, NEW.fingerprint) for s in shards[:3]]
     assert [(h.version, h.layout_epoch, len(w)) for h, w in pulled] == [(R, 1, b - a) for a, b in NEW_RANGES]
-    at_r = torch.cat([pull(s, 0, R, OLD.fingerprint)[1] for s in job.shards[:2]])
-    assert torch.equal(torch.cat([w for _, w in pulled]), at_r)
+    ref.rounds(R)  # the same rounds on two shards that never re-sharded
+    assert torch.equal(torch.cat([w for _, w in pulled]), ref.weights(R))
 
     assert reshard_main(argv) == 0  # stateless: a re-run reads the shards' records and finds the job done
     assert "done: layout 1" in capsys.readouterr().out
@@ -64,9 +66,28 @@ def test_ps_server_reshard_resumes_a_plan_a_crashed_coordinator_left_committed(s
     assert [pull(s, 1, R, NEW.fingerprint)[0].layout_epoch for s in job.shards] == [1, 1, 1]
 
 
-def test_ps_server_reshard_that_drains_a_shard_is_a_one_line_cli_error(capsys):
-    with pytest.raises(SystemExit) as e:
-        reshard_main(["--ps", "127.0.0.1:1,127.0.0.1:2", "--to", "127.0.0.1:1"])
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert "--to leaves out 127.0.0.1:2" in err and "not built yet" in err
+def test_ps_server_reshard_drains_a_shard_prints_the_drain_and_exits_0_once_every_move_is_retired(shard_server,
+                                                                                                capsys):
+    shards = [shard_server(shard=i, lease_timeout=0) for i in range(3)]
+    run = Run(shards, [0, 1, 2])
+    run.rounds(2)
+    old, new = run.addresses([0, 1, 2]), run.addresses([0, 1])
+    argv = ["--ps", ",".join(old), "--to", ",".join(new), "--wait", "120"]
+    result = {}
+    command = threading.Thread(target=lambda: result.setdefault("rc", reshard_main(argv)), daemon=True)
+    command.start()
+    before_r = [0, 0, 0]
+    while command.is_alive():  # training goes on, pushes only below R (as above)
+        for j in range(3):
+            R = shards[j].stub.Reshard(pb.ReshardRequest(op=pb.ReshardRequest.STATUS), timeout=10).round
+            version = run.version(j)
+            if (not R and before_r[j] < MAX_BEFORE_R) or (R and version < R):
+                assert run.push(j, version).outcome == pb.APPLIED
+                before_r[j] += not R
+        command.join(0.05)  # paces the rounds, not a synchronisation
+    assert result["rc"] == 0
+    out = capsys.readouterr().out
+    assert f"-> {','.join(new)} (drains {old[2]})" in out, out
+    assert out.strip().splitlines()[-1] == f"drained {old[2]}: it holds no job state now and may be stopped", out
+    assert [s.stats().drained for s in shards] == ["", "", "retired"]
+    assert all(p.params is None for p in shards[2].server.layouts._hosts[0].parts)

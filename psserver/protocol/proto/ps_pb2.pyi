@@ -249,20 +249,22 @@ class ReshardRequest(_message.Message):
     def __init__(self, op: _Optional[_Union[ReshardRequest.Op, str]] = ..., plan: _Optional[str] = ..., old_addresses: _Optional[_Iterable[str]] = ..., new_addresses: _Optional[_Iterable[str]] = ..., partitions: _Optional[int] = ..., round: _Optional[int] = ..., switch: _Optional[bool] = ..., you: _Optional[str] = ...) -> None: ...
 
 class ReshardReply(_message.Message):
-    __slots__ = ("plan", "handoffs", "proposal", "version", "layout_epoch", "round")
+    __slots__ = ("plan", "handoffs", "proposal", "version", "layout_epoch", "round", "drained")
     PLAN_FIELD_NUMBER: _ClassVar[int]
     HANDOFFS_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
     plan: str
     handoffs: _containers.RepeatedCompositeFieldContainer[HandoffState]
     proposal: int
     version: int
     layout_epoch: int
     round: int
-    def __init__(self, plan: _Optional[str] = ..., handoffs: _Optional[_Iterable[_Union[HandoffState, _Mapping]]] = ..., proposal: _Optional[int] = ..., version: _Optional[int] = ..., layout_epoch: _Optional[int] = ..., round: _Optional[int] = ...) -> None: ...
+    drained: str
+    def __init__(self, plan: _Optional[str] = ..., handoffs: _Optional[_Iterable[_Union[HandoffState, _Mapping]]] = ..., proposal: _Optional[int] = ..., version: _Optional[int] = ..., layout_epoch: _Optional[int] = ..., round: _Optional[int] = ..., drained: _Optional[str] = ...) -> None: ...
 
 class HandoffChunk(_message.Message):
     __slots__ = ("kind", "plan", "source", "move", "version", "data")
@@ -527,7 +529,7 @@ class StatsRequest(_message.Message):
     def __init__(self, with_digest: _Optional[bool] = ..., partition: _Optional[int] = ..., rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., members_from_round: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("shard", "initialized", "version", "mode", "start", "end", "live_ranks", "counters", "job", "state_digest", "lr", "partitions", "epochs", "layouts", "handoffs")
+    __slots__ = ("shard", "initialized", "version", "mode", "start", "end", "live_ranks", "counters", "job", "state_digest", "lr", "partitions", "epochs", "layouts", "handoffs", "drained")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -550,6 +552,7 @@ class StatsReply(_message.Message):
     EPOCHS_FIELD_NUMBER: _ClassVar[int]
     LAYOUTS_FIELD_NUMBER: _ClassVar[int]
     HANDOFFS_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
     shard: int
     initialized: bool
     version: int
@@ -565,7 +568,8 @@ class StatsReply(_message.Message):
     epochs: _containers.RepeatedCompositeFieldContainer[MembershipEpoch]
     layouts: _containers.RepeatedCompositeFieldContainer[LayoutEpoch]
     handoffs: _containers.RepeatedCompositeFieldContainer[HandoffState]
-    def __init__(self, shard: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., mode: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., live_ranks: _Optional[_Iterable[int]] = ..., counters: _Optional[_Mapping[str, float]] = ..., job: _Optional[_Union[JobSpec, _Mapping]] = ..., state_digest: _Optional[str] = ..., lr: _Optional[float] = ..., partitions: _Optional[int] = ..., epochs: _Optional[_Iterable[_Union[MembershipEpoch, _Mapping]]] = ..., layouts: _Optional[_Iterable[_Union[LayoutEpoch, _Mapping]]] = ..., handoffs: _Optional[_Iterable[_Union[HandoffState, _Mapping]]] = ...) -> None: ...
+    drained: str
+    def __init__(self, shard: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., mode: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., live_ranks: _Optional[_Iterable[int]] = ..., counters: _Optional[_Mapping[str, float]] = ..., job: _Optional[_Union[JobSpec, _Mapping]] = ..., state_digest: _Optional[str] = ..., lr: _Optional[float] = ..., partitions: _Optional[int] = ..., epochs: _Optional[_Iterable[_Union[MembershipEpoch, _Mapping]]] = ..., layouts: _Optional[_Iterable[_Union[LayoutEpoch, _Mapping]]] = ..., handoffs: _Optional[_Iterable[_Union[HandoffState, _Mapping]]] = ..., drained: _Optional[str] = ...) -> None: ...
 
 class PullRowsRequest(_message.Message):
     __slots__ = ("rank", "trainer_id", "fingerprint", "table", "min_version", "ids", "layout_epoch", "remember", "packed_ids")
