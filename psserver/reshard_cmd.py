@@ -5,7 +5,8 @@ run -- or a re-run after a crash -- reads where the shards are (Reshard STATUS: 
 goes on from there.  The plan id is derived from the two address lists and the partitions, so a re-run names
 the same plan.  Data never passes through the command: sources stream to destinations directly.  A shard in
 ``--ps`` but not ``--to`` is drained: it only sends; once RETIRE has freed its state (its reply says
-``drained: retired``) the last line says it may be stopped.
+``drained: retired``) and round R closed in the new layout (so every trainer has followed the switch and none
+will call it again), the last line says it may be stopped.
 """
 
 from __future__ import annotations
@@ -107,6 +108,10 @@ class Coordinator:
         self.say(f"done: layout {max(r.layout_epoch for r in replies.values())}, {moved} bytes moved, "
                  f"hand-off {time.monotonic() - t0:.2f} s")
         if self.drained:
+            R = max(r.round for r in replies.values())
+            self.wait(lambda r: all(r[a].version > R for a in self.new),
+                      f"round {R} to close in the new layout (every trainer past the switch, none calling "
+                      f"{','.join(self.drained)} again)")
             self.say(f"drained {','.join(self.drained)}: it holds no job state now and may be stopped")
         return 0
 

@@ -123,6 +123,10 @@ class Run:
         """DECIDE switch everywhere; the test's trainer follows (layout, shards, job)."""
         for i in sorted({*self.on, *to}):
             assert self.call(i, Op.DECIDE, plan, to, switch=True).layout_epoch == self.epoch + 1
+        self.follow(plan, to)
+
+    def follow(self, plan: str, to: list[int]) -> None:
+        """The trainer's side of a switch: the next layout's shards, epoch and job."""
         self.gone, self.plan, self.to = [i for i in self.on if i not in to], plan, to
         self.on, self.epoch, self.job = list(to), self.epoch + 1, new_job(self.job, len(to))
 

@@ -77,11 +77,13 @@ def test_ps_server_reshard_drains_a_shard_prints_the_drain_and_exits_0_once_ever
     command = threading.Thread(target=lambda: result.setdefault("rc", reshard_main(argv)), daemon=True)
     command.start()
     before_r = [0, 0, 0]
-    while command.is_alive():  # training goes on, pushes only below R (as above)
-        for j in range(3):
-            R = shards[j].stub.Reshard(pb.ReshardRequest(op=pb.ReshardRequest.STATUS), timeout=10).round
-            version = run.version(j)
-            if (not R and before_r[j] < MAX_BEFORE_R) or (R and version < R):
+    while command.is_alive():  # training goes on, pushes only below R (as above), then in layout 1
+        status = [s.stub.Reshard(pb.ReshardRequest(op=pb.ReshardRequest.STATUS), timeout=10) for s in shards]
+        if run.epoch == 0 and all(r.layout_epoch == 1 for r in status):
+            run.follow("cmd", [0, 1])  # the command waits for round R to close in layout 1 before its last line
+        for j in range(len(run.on)):
+            R, version = status[j].round, run.version(j)
+            if run.epoch or (not R and before_r[j] < MAX_BEFORE_R) or (R and version < R):
                 assert run.push(j, version).outcome == pb.APPLIED
                 before_r[j] += not R
         command.join(0.05)  # paces the rounds, not a synchronisation

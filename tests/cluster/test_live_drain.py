@@ -1,0 +1,94 @@
+"""Draining a shard under real trainers (issue 24 item 4, docs/handoff-io.md): two sync ``ps-trainer`` processes
+train a dense mlp on two ``ps-server`` processes; ``ps-server reshard`` grows the job to three (the third started
+empty) and then drains it back to two while they train.  After the second RETIRE the third shard holds no job
+state and is stopped with SIGTERM (exit code 0); the trainers follow both switches and finish, and the
+parameters, pulled from the two shards in layout 2, equal bit for bit those of the same job on two shards that
+never re-sharded.
+
+No timing decides the outcome: each command starts once the shards are past a round (waited for), and a step of
+base >= R waits (refused ``handoff``, retried) until the switch.  ``--step-delay`` only paces the rounds (the
+reference's too), as in tests/cluster/test_live_reshard.py, so that a copy on a loaded machine is not outrun past
+the forward log's bound and both R fall inside the run (asserted); it goes once round R-1's replies are held
+(wip/holdreplies).
+"""
+
+import re
+
+import torch
+
+from psserver.protocol.stubs import fetch_stat
+from psserver.reshard_cmd import reshard_main
+from tests.cluster.test_live_reshard import done_line
+from tests.helpers import wait_until
+from trainer.procs import start_shard, start_trainer, wait_all
+
+STEPS, B = 64, 8
+COMMON = ["--mode", "sync", "--model", "mlp", "--dataset", "synthetic", "--batch-size", str(B), "--steps",
+          str(STEPS), "--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9", "--seed", "0", "--log-every", "1",
+          "--no-progress", "--threads", "1", "--device", "cpu", "--num-trainers", "2", "--step-delay", "0.15"]
+
+
+def run_trainers(tmp_path, name: str, ps: str) -> list:
+    """Rank 0 (writing the model) and rank 1 of the job, started on ``ps``."""
+    return [start_trainer(r, ps, tmp_path / f"{name}{r}.log",
+                          [*COMMON, *(["--output", str(tmp_path / f"{name}.pt")] if r == 0 else [])])
+            for r in range(2)]
+
+
+def reference(tmp_path) -> dict:
+    """The same job, same seeds and steps, on two shards that never re-shard."""
+    shards = [start_shard(i, tmp_path / f"ref_shard{i}.log") for i in range(2)]
+    procs = list(shards)
+    try:
+        procs += run_trainers(tmp_path, "ref", ",".join(s.address for s in shards))
+        assert wait_all(procs[2:], 300) == {"trainer0": 0, "trainer1": 0}, procs[2].log_tail()
+    finally:
+        for p in procs:
+            p.kill()
+    return torch.load(tmp_path / "ref.pt")
+
+
+def reshard(capsys, old: list[str], new: list[str]) -> tuple[int, str]:
+    """``ps-server reshard`` in-process (a subprocess would spend seconds importing while they train): R, its lines."""
+    rc = reshard_main(["--ps", ",".join(old), "--to", ",".join(new), "--wait", "120"])
+    out, err = capsys.readouterr()
+    assert rc == 0, out + err
+    return int(re.search(r"takes over at round (\d+)", out).group(1)), out
+
+
+def test_two_sync_trainers_follow_a_live_2_to_3_to_2_reshard_the_drained_shard_stops_with_0_and_the_model_is_exact(
+        tmp_path, capsys):
+    shards = [start_shard(i, tmp_path / f"shard{i}.log") for i in range(3)]  # the third started empty
+    two, three = [s.address for s in shards[:2]], [s.address for s in shards]
+    procs = list(shards)
+    try:
+        procs += run_trainers(tmp_path, "live", ",".join(two))
+        wait_until(lambda: all(fetch_stat(a).version >= 2 for a in two), "the job to pass round 2", timeout=120)
+        R1, _ = reshard(capsys, two, three)
+        wait_until(lambda: all(fetch_stat(a).version >= R1 + 2 for a in three), "layout 1 to pass R + 2",
+                   timeout=120)
+        R2, out = reshard(capsys, three, two)
+        assert f"(drains {three[2]})" in out and out.strip().splitlines()[-1] == (
+            f"drained {three[2]}: it holds no job state now and may be stopped"), out
+        assert fetch_stat(three[2]).drained == "retired"
+        assert shards[2].terminate() == 0, shards[2].log_tail()  # SIGTERM: it may be stopped, and stops cleanly
+        codes = wait_all(procs[3:], 300)
+        assert codes == {"trainer0": 0, "trainer1": 0}, procs[3].log_tail(40) + procs[4].log_tail(40)
+        stats = [fetch_stat(a) for a in two]
+    finally:
+        for p in procs:
+            p.kill()
+    assert 2 <= R1 < R2 < STEPS, (R1, R2)  # both switches fell inside the run: the trainers had to follow them
+    for s in stats:  # layout 2's job on each of the two: from R2 to the end, each round applied once
+        c = s.counters
+        assert (s.version, s.drained, c["steps"], c["pushes_applied"]) == (
+            STEPS, "", STEPS - R2, 2 * (STEPS - R2)), dict(c)
+    for r in range(2):
+        done = done_line(tmp_path / f"live{r}.log")
+        assert (done["layouts_followed"], done["layout_fetches"]) == (2, 2), done
+        assert (done["steps"], done["versions"], done["steps_failed"], done["steps_lost"]) == (
+            STEPS, [STEPS] * 2, 0, 0), done
+    got, want = torch.load(tmp_path / "live.pt"), reference(tmp_path)  # rank 0's final pull, in layout 2
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), f"{name} differs from the job that never re-sharded"
