@@ -22,6 +22,8 @@ trainer that follows a switch can be tested.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import logging
 
 from psserver.host import ShardHost
@@ -224,6 +226,7 @@ class LayoutHost:
                 freed += part.free_job()
             self._retired.add(epoch)
         if freed:
+            _return_memory()
             self.current.count("tombstone_bytes_freed", freed)
             log.warning("shard %d: RETIRE freed the old layouts' state here (%d bytes of parameters and optimizer "
                         "state)%s", self.current.shard_id, freed,
@@ -266,3 +269,13 @@ class LayoutHost:
 
 def _shards(layout: LayoutEpoch) -> str:
     return f" (its shards: {', '.join(layout.addresses)})" if layout.addresses else ""
+
+
+def _return_memory() -> None:
+    """Tensors below glibc's mmap threshold (32 MiB under MALLOC_TUNABLES) go back to the heap when freed, and the
+    heap is trimmed only past 1 GiB: give the freed pages back to the system, so RSS shows RETIRE's work."""
+    gc.collect()  # a slice and its optimizer may reference each other
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the allocator keeps them for the next job
+        pass
