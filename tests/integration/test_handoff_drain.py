@@ -234,7 +234,9 @@ def test_a_call_in_the_new_layout_to_a_drained_shard_is_failed_precondition_nami
     request = pb.RegisterRequest(rank=0, trainer_id="t0", expected_shard=2, job=run.job.to_proto(), layout_epoch=1)
     refused(lambda: tomb.stub.Register(request, timeout=10), grpc.StatusCode.FAILED_PRECONDITION,
             "layout_epoch is 1", f"layout 1's shards ['{a}', '{b}']", unchanged=_Digest(tomb, run.old))
-    assert tomb.stats().counters["refused_not_in_layout"] == 1
+    refused(lambda: pull(tomb, 1, run.R, run.job.fingerprint), grpc.StatusCode.FAILED_PRECONDITION,
+            "layout_epoch is 1", f"layout 1's shards ['{a}', '{b}']", unchanged=_Digest(tomb, run.old))
+    assert tomb.stats().counters["refused_not_in_layout"] == 2  # the push and the pull (Register: before routing)
     header, _ = pull(tomb, 0, run.R, run.old.fingerprint)  # still serves: the old layout's pulls up to R
     assert (header.version, header.layout_epoch) == (run.R, 1)
 

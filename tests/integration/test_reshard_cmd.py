@@ -1,5 +1,6 @@
 """`ps-server reshard` against three real shards over gRPC on loopback: it drives a 2 -> 3 hand-off of a sync
-dense job while the test pushes rounds, and a re-run after it finished resumes from the shards' records; a 3 -> 2 drain to the last line."""
+dense job while the test pushes rounds, and a re-run after it finished resumes from the shards' records; and a
+3 -> 2 drain, to its last line."""
 
 import threading
 

@@ -9,7 +9,7 @@ import torch
 
 from psserver.host import ShardHost
 from psserver.layout_host import LayoutHost
-from psserver.protocol.errors import LayoutAhead, LayoutMoved, PsError
+from psserver.protocol.errors import LayoutAhead, LayoutMoved, NotInLayout, PsError
 from psserver.protocol.job import TableSpec
 from psserver.protocol.layout import Layout
 from psserver.protocol.layouts import LayoutEpoch
@@ -114,3 +114,49 @@ def test_a_heartbeat_in_the_old_layout_renews_the_members_lease_in_the_new_one()
     assert new.counters.get("lease_expired", 0) == 0 and new.counters["heartbeats_from_older_layout"] == 3
     with pytest.raises(PsError):
         layouts.heartbeat(0, 0, "t9", JOB.fingerprint)  # not a member of any layout
+
+
+def test_retire_frees_the_old_layouts_state_keeps_the_routing_record_and_old_calls_are_layout_moved():
+    """RETIRE: the tombstone's parameters, optimizer state, books and members go (bytes counted); the timeline stays,
+    every call in the freed layout is layout-moved naming the newest layout, and a member of it is still known (its
+    heartbeat renews in the newest, it may read the timeline)."""
+    clock = Clock()
+    host, layouts = running(clock=clock)
+    layouts.switch_offline(2, 0, addresses=("a:1", "b:2"))
+    timeline = layouts.timeline()
+    freed = layouts.retire()
+    assert freed == P * 4 * 2  # parameters and momentum
+    assert host.head.params is None and host.head.job is None and host.head.members.members() == {}
+    assert layouts.timeline() == timeline and layouts.current.head.counters["tombstone_bytes_freed"] == freed
+    for call in (lambda: layouts.pull_part(0, 0, 1), lambda: layouts.push_part(0, 0, 0), lambda: layouts.part(0, 0)):
+        with pytest.raises(LayoutMoved, match=r"layout_epoch is 0 .* freed \(RETIRE\): send it in layout 1 "
+                                              r"\(its shards: a:1, b:2\)"):
+            call()
+    assert layouts.was_member(0, "t0", JOB.fingerprint) and not layouts.was_member(0, "t9", JOB.fingerprint)
+    clock.now += 0.6 * LEASE
+    layouts.heartbeat(0, 0, "t0", JOB.fingerprint)
+    assert layouts.current.head.counters["heartbeats_from_older_layout"] == 1
+    assert layouts.retire() == 0 and layouts.drained == ""  # asked twice: nothing more to free
+
+
+def test_a_drained_process_serves_no_new_layout_and_is_retired_once_its_tombstone_is_freed():
+    host, layouts = running()
+    layout = LayoutEpoch(1, 2, 2, 1, ("a:1", "b:2"), "f2")
+    layouts.drain(layout, "c:3")
+    assert (layouts.newest, layouts.current, layouts.drained) == (1, host, "tombstone")
+    assert layouts.pull_part(0, 0, 2) is host.part(0)  # the tombstone answers the old layout up to R
+    with pytest.raises(NotInLayout, match=r"layout_epoch is 1 but this shard c:3 is not among layout 1's shards "
+                                          r"\['a:1', 'b:2'\]"):
+        layouts.push_part(1, 0, 2)
+    with pytest.raises(NotInLayout):
+        layouts.register_host(1)
+    assert host.head.counters["refused_not_in_layout"] == 1 and host.head.counters["layouts_drained"] == 1
+    layouts.retire()
+    assert layouts.drained == "retired" and host.head.params is None
+
+
+def test_a_drain_off_a_round_boundary_is_refused_and_changes_nothing():
+    host, layouts = running()
+    with pytest.raises(ValueError, match="starts at round 3 but partition 0 is at version 2"):
+        layouts.drain(LayoutEpoch(1, 3, 2, 1, ("a:1", "b:2")), "c:3")
+    assert (layouts.newest, layouts.drained, layouts.drained_as) == (0, "", None)
