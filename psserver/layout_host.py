@@ -223,8 +223,8 @@ class LayoutHost:
             for part in host.parts:
                 if part.job is not None:
                     self._members |= {(r, t, part.job.fingerprint) for r, t in part.members.members().items()}
-                freed += part.free_job()
-            self._retired.add(epoch)
+            self._retired.add(epoch)  # first: a call routed from now on is layout-moved, never half-freed state
+            freed += sum(part.free_job() for part in host.parts)
         if freed:
             _return_memory()
             self.current.count("tombstone_bytes_freed", freed)
