@@ -28,8 +28,10 @@ import logging
 
 from psserver.host import ShardHost
 from psserver.protocol.errors import HandoffPending, LayoutAhead, LayoutMoved, NotInLayout, NotReady, PsError
+from psserver.protocol.job import table_mode
 from psserver.protocol.layouts import LayoutEpoch, first_layout, new_job, next_layout, refusal
 from psserver.protocol.proto import ps_pb2 as _pb
+from psserver.protocol.rules import Mode
 from psserver.reshard import ReshardError, recut
 from psserver.shard import Shard
 
@@ -141,10 +143,12 @@ class LayoutHost:
         self._check(epoch, version, pull=True)
         return self.part(epoch, index)
 
-    def check_rows(self, epoch: int, table: str, version: int, pull: bool = False) -> None:
-        """A row call's layout, routed by its table's own switch round.  Tables do not move yet (stage 6): a job
-        with tables never switches here, so a known epoch is epoch 0's."""
+    def rows_head(self, epoch: int, table: str, version: int, pull: bool = False) -> Shard:
+        """The partition holding the tables a row call in layout ``epoch`` of ``table`` at ``version`` (a push's
+        base, a pull's min_version) goes to, routed by the table's own switch round (LayoutEpoch.table_rounds):
+        refused ``layout-moved`` / ``layout-ahead`` exactly as a dense call."""
         self._check(epoch, version, pull, table)
+        return self.part(epoch, 0)
 
     def _check(self, epoch: int, value: int, pull: bool, table: str = "") -> None:
         if epoch == 0 and not self._later:
@@ -255,12 +259,10 @@ class LayoutHost:
         job = old.head.job
         if job is None:
             raise NotReady(f"shard {old.shard_id} has no job to re-shard")
-        if job.tables:
-            raise ReshardError("a job with sparse tables cannot switch layouts yet (tables move in stage 6 of "
-                               "docs/live-reshard.md)")
         pieces = pieces if pieces is not None else [[p.capture() for p in old.parts[:job.partitions]]]
-        states = recut(pieces, num_shards, shard, partitions)
-        layout = next_layout(self.timeline(), new_job(job, num_shards, partitions), states[0].version, addresses)
+        states = recut(pieces, num_shards, shard, partitions)  # rows re-placed by splitmix64(id) mod M', as on restore
+        layout = next_layout(self.timeline(), new_job(job, num_shards, partitions), states[0].version, addresses,
+                             table_rounds(job, states[0].tables))
         host = old.successor(shard)
         host.restore_states(states, f"layout {layout.number}")
         self.install(layout, host)
@@ -279,3 +281,21 @@ def _return_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: the allocator keeps them for the next job
         pass
+
+
+def table_rounds(job, tables: dict | None) -> dict[str, int]:
+    """The round each table's new layout applies from: the table's version at the switch (every old piece's, as
+    ``recut`` checked), its last round closed on the old pieces and none open -- a table's rounds are its own, so
+    its switch round is too.  Refused (ReshardError) for an async table (it has no round boundary) or an open
+    round (a round is never carried across a layout switch)."""
+    rounds = {}
+    for spec in job.tables:
+        if table_mode(spec, job) == Mode.ASYNC:
+            raise ReshardError(f"table {spec.name!r} is async: its rows cannot switch layouts yet (async tables "
+                               "move in a later stage of docs/live-reshard.md)")
+        saved = (tables or {})[spec.name]
+        if saved["round"] is not None:
+            raise ReshardError(f"table {spec.name!r} has a round open at version {saved['version']} (ranks "
+                               f"{sorted(saved['round']['contributors'])}): switch at a round boundary")
+        rounds[spec.name] = saved["version"]
+    return rounds

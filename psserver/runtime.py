@@ -205,7 +205,7 @@ class Wakeups:
         self.loop, self.loop_thread = loop, loop_thread
         self.timer = asyncio.Event()  # set on every change of a stale-timeout job: wakes the round timer
         self._pulls: dict[Shard, VersionWaiters] = {}  # by partition (one of each layout's: psserver.layout_host)
-        self._tables: dict[str, VersionWaiters] = {}  # by table name (partition 0 holds the tables)
+        self._tables: dict = {}  # by (partition 0 of a layout, which holds the tables; table name)
 
     def pulls(self, part: Shard) -> VersionWaiters:
         """The waiters for ``part``'s versions (on the loop)."""
@@ -214,11 +214,12 @@ class Wakeups:
             waiters = self._pulls[part] = VersionWaiters(self.loop, part.pull_ready, self.loop_thread)
         return waiters
 
-    def table(self, name: str, ready: Callable[[int], bool]) -> VersionWaiters:
-        """The waiters for table ``name``'s versions, ``ready`` their predicate (on the loop)."""
-        waiters = self._tables.get(name)
+    def table(self, key, ready: Callable[[int], bool]) -> VersionWaiters:
+        """The waiters for a table's versions, ``key`` (its shard -- each layout's tables are their own -- and
+        name), ``ready`` their predicate (on the loop)."""
+        waiters = self._tables.get(key)
         if waiters is None:
-            waiters = self._tables[name] = VersionWaiters(self.loop, ready, self.loop_thread)
+            waiters = self._tables[key] = VersionWaiters(self.loop, ready, self.loop_thread)
         return waiters
 
     def changed(self, part: Shard) -> None:
@@ -281,9 +282,9 @@ class Runtime:
         """Pulls waiting for ``part``'s versions: a partition of any layout this process serves (on the loop)."""
         return self.wakeups.pulls(part)
 
-    def table_waiters(self, name: str, ready: Callable[[int], bool]) -> VersionWaiters:
-        """PullRows waiting for table ``name``'s versions (on the loop)."""
-        return self.wakeups.table(name, ready)
+    def table_waiters(self, key, ready: Callable[[int], bool]) -> VersionWaiters:
+        """PullRows waiting for a table's versions, ``key`` (shard, name): the shard of a layout (on the loop)."""
+        return self.wakeups.table(key, ready)
 
     def inline(self) -> bool:
         """Every partition's slice is small (a partitioned job's are at least 256 elements apart at most) and

@@ -134,7 +134,8 @@ class ParameterServerService(RowRpcs, StepRpc):
                                                       cfg.max_watch_streams, self.shard.count)
         self.replies = replies or ReplyLedger(cfg.max_reply_bytes_per_peer, cfg.max_reply_bytes)
         self._per_rank: dict[tuple[int, int], int] = {}  # (rank, partition) -> calls in flight
-        self.rows = RowCalls(self.shard, runtime, cfg.max_pull_wait)  # the row calls' table steps
+        self.rows = RowCalls(self.shard, runtime, cfg.max_pull_wait)  # the row calls' table steps (layout 0's)
+        self._rows_by_epoch: dict[int, RowCalls] = {}  # a later layout's (RowRpcs.rows_at)
         self.handoffs = handoffs  # a live re-shard's Reshard and Handoff calls (psserver.handoff_io)
 
     @property

@@ -37,6 +37,7 @@ from psserver.service_common import (
     _StreamReader,
     _Undecodable,
 )
+from psserver.sparse.calls import RowCalls
 from psserver.sparse.serving import RowsPush
 
 log = logging.getLogger("psserver.service")
@@ -45,27 +46,40 @@ log = logging.getLogger("psserver.service")
 class RowRpcs:
     """PullRows, PushRows and PushPullRows, and the row halves Step's table parts reuse."""
 
+    def rows_at(self, epoch: int) -> RowCalls:
+        """The row calls of layout ``epoch``'s tables (its partition 0's), each layout with its own remembered
+        pulls: a pull remembered in one layout is never named against another's rows (ids once).  Call it after
+        the layout check (``LayoutHost.rows_head``)."""
+        if epoch == 0:
+            return self.rows
+        calls = self._rows_by_epoch.get(epoch)
+        if calls is None:
+            calls = self._rows_by_epoch[epoch] = RowCalls(self.layouts.part(epoch, 0), self.runtime,
+                                                          self.cfg.max_pull_wait)
+        return calls
+
     @_refusals
     @_reply_stream
     async def PullRows(self, request, context: ReplyStream):
         """The rows of unique ids of one table, in request order, once the table reached min_version."""
         request = _decoded(request)
         _check_identity(request)
-        self.layouts.check_rows(request.layout_epoch, request.table, request.min_version, pull=True)
-        self.shard.check_member(request.rank, request.trainer_id, request.fingerprint)
-        self.shard.check_row_pull(request.rank, request.min_version)  # before a wait, and before any row is made
-        table = self.shard.tables.get(request.table)
-        ids = self.rows.pull_ids(request.ids, request.packed_ids)
+        head = self.layouts.rows_head(request.layout_epoch, request.table, request.min_version, pull=True)
+        calls = self.rows_at(request.layout_epoch)
+        head.check_member(request.rank, request.trainer_id, request.fingerprint)
+        head.check_row_pull(request.rank, request.min_version)  # before a wait, and before any row is made
+        table = head.tables.get(request.table)
+        ids = calls.pull_ids(request.ids, request.packed_ids)
         # the reply, before any row exists (and under the cap a trainer splits its pulls by)
         _check_pull_bytes(len(ids), table.spec.dim, min(self.cfg.max_push_bytes, limits.MAX_ROWS_REPLY_BYTES))
-        checked = await self.rows.check_ids(table, ids)  # before waiting: a refusal is not worth a wait
-        waited, table, version, rows = await self.rows.pull(
+        checked = await calls.check_ids(table, ids)  # before waiting: a refusal is not worth a wait
+        waited, table, version, rows = await calls.pull(
             table, request.table, request.rank, request.trainer_id, request.fingerprint, request.min_version,
             checked, self._deadline(context), functools.partial(context.hold, ("rows", id(request))))
         header = _pb.RowsHeader(table=request.table, version=version, num_ids=len(ids), dim=table.spec.dim,
                                 wait_seconds=waited)
         if request.remember:  # (ids once: a push may name this pull instead of resending its ids)
-            header.pull_ref = self.rows.remember(request, checked)
+            header.pull_ref = calls.remember(request, checked)
         for chunk in row_chunks(rows, header, self.cfg.chunk_bytes):
             await context.write(chunk, self.cfg.chunk_bytes)
 
@@ -91,9 +105,10 @@ class RowRpcs:
 
     async def _check_pull_ids(self, h: _pb.RowsHeader, table):
         """A push-pull's ``pull_ids``, checked before the push (count, reply bytes, repeats, placement)."""
-        ids = self.rows.pull_ids(h.pull_ids, h.packed_pull_ids, "pull_ids")
+        calls = self.rows_at(h.layout_epoch)
+        ids = calls.pull_ids(h.pull_ids, h.packed_pull_ids, "pull_ids")
         _check_pull_bytes(len(ids), table.spec.dim, min(self.cfg.max_push_bytes, limits.MAX_ROWS_REPLY_BYTES))
-        return await self.rows.check_ids(table, ids)
+        return await calls.check_ids(table, ids)
 
     async def _push_pull_rows(self, reader, first, h: _pb.RowsHeader, table, checked, context,
                               slot: bool = True, read: tuple | None = None, pushed=None) -> None:
@@ -101,14 +116,14 @@ class RowRpcs:
         False: the Step holds the rank's slot; ``read``: its rows, read and checked; ``pushed``: their ids'
         CheckedIds)."""
         r = await self._push_rows(reader, first, h, table, slot, read, pushed)
-        ids = checked.ids
+        ids, calls = checked.ids, self.rows_at(h.layout_epoch)
         min_version = reply_version(table.mode, r.outcome, h.version, r.version)
-        waited, table, version, rows = await self.rows.pull(
+        waited, table, version, rows = await calls.pull(
             table, h.table, h.rank, h.trainer_id, h.fingerprint, min_version, checked, self._deadline(context),
             functools.partial(context.hold, ("rows", id(h))))
         self.shard.count("row_push_pulls")
         header = _pb.RowsHeader(table=h.table, version=version, num_ids=len(ids), dim=table.spec.dim,
-                                wait_seconds=waited, push=_push_reply(r), pull_ref=self.rows.remember(h, checked))
+                                wait_seconds=waited, push=_push_reply(r), pull_ref=calls.remember(h, checked))
         for chunk in row_chunks(rows, header, self.cfg.chunk_bytes):
             await context.write(chunk, self.cfg.chunk_bytes)
 
@@ -121,15 +136,16 @@ class RowRpcs:
         h = first.header
         table = self._check_rows_first(h)
         # a sync push one round ahead from a trainer in the open round waits for its close (psserver.sparse.calls)
-        table = await self.rows.wait_push_base(table, h.table, h.rank, h.version, reader.deadline)
+        calls = self.rows_at(h.layout_epoch)
+        table = await calls.wait_push_base(table, h.table, h.rank, h.version, reader.deadline)
         return h, table, first
 
     def _check_rows_first(self, h: _pb.RowsHeader):
         """A row push's header: the caller a member, the table known, the declared sizes bounded; the table."""
         _check_header_fields(h)
-        self.layouts.check_rows(h.layout_epoch, h.table, h.version)
-        self.shard.check_member(h.rank, h.trainer_id, h.fingerprint)
-        table = self.shard.tables.get(h.table)
+        head = self.layouts.rows_head(h.layout_epoch, h.table, h.version)  # the layout first, as a dense push
+        head.check_member(h.rank, h.trainer_id, h.fingerprint)
+        table = head.tables.get(h.table)
         _check_rows_declared(h, table.spec.dim, self.cfg.max_push_bytes)
         return table
 
@@ -137,13 +153,14 @@ class RowRpcs:
                          read: tuple | None = None, pushed=None):
         """Read the push's rows and hand it to the table's executor (psserver.sparse.serving): its RowsResult.
         ``read``: the (ids, grads) a Step's check already read, ``pushed``: its ids as checked (CheckedIds)."""
+        calls = self.rows_at(h.layout_epoch)
         async with self._rank_slot(h.rank) if slot else _no_slot():
             ids, grads = read if read is not None else await self._read_rows(reader, first, h)
-            pushed = pushed or self.rows.push_checked(h, table, ids)  # (ids once: its pull's check stands)
+            pushed = pushed or calls.push_checked(h, table, ids)  # (ids once: its pull's check stands)
             push = RowsPush(h.rank, h.trainer_id, h.version, h.num_samples, h.sequence, ids, grads)
             try:
-                return await self.rows.run(table, grads.numel(), self.shard.push_rows, h.fingerprint, h.table,
-                                           push, self.cfg.nonfinite == "refuse", pushed)
+                return await calls.run(table, grads.numel(), calls.shard.push_rows, h.fingerprint, h.table,
+                                       push, self.cfg.nonfinite == "refuse", pushed)
             except StaleGradient:
                 self.shard.count("row_pushes_stale")
                 raise
@@ -151,7 +168,8 @@ class RowRpcs:
     async def _read_rows(self, reader: _StreamReader, first, h: _pb.RowsHeader) -> tuple[torch.Tensor, torch.Tensor]:
         """The stream's ids and rows, checked chunk by chunk as they arrive (tiling, sizes) and copied."""
         n, dim = h.num_ids, h.dim
-        named = self.rows.push_ids(h)  # the ids of the pulls the push names (ids once), or None: in the chunks
+        # the ids of the pulls the push names (ids once: its layout's), or None: in the chunks
+        named = self.rows_at(h.layout_epoch).push_ids(h)
         ids, grads = torch.empty(n, dtype=torch.int64) if named is None else named, torch.empty(n, dim)
         ids_raw, rows_raw = ids.view(torch.uint8).numpy(), grads.view(-1).view(torch.uint8).numpy()
         pos, chunks, chunk = 0, 0, first

@@ -100,11 +100,11 @@ class StepRpc:
         """A Step's table part read and bounded on the loop (header, the wait for an open round, pull ids and the
         reply's bytes, held now, row tiling): its TablePart, for the trip to check and apply."""
         first, h = p.chunks[0], p.header
-        table = self._check_rows_first(h)
-        table = await self.rows.wait_push_base(table, h.table, h.rank, h.version, deadline)  # before check_push
+        table, calls = self._check_rows_first(h), self.rows_at(h.layout_epoch)
+        table = await calls.wait_push_base(table, h.table, h.rank, h.version, deadline)  # before check_push
         pull_ids = None
         if h.pull_ids or h.packed_pull_ids:
-            pull_ids = self.rows.pull_ids(h.pull_ids, h.packed_pull_ids, "pull_ids")
+            pull_ids = calls.pull_ids(h.pull_ids, h.packed_pull_ids, "pull_ids")
             _check_pull_bytes(len(pull_ids), table.spec.dim,
                               min(self.cfg.max_push_bytes, limits.MAX_ROWS_REPLY_BYTES))
             context.hold(("rows", id(h)), len(pull_ids) * table.spec.dim * 4)  # before any row is made
@@ -112,25 +112,27 @@ class StepRpc:
             _StreamReader(_replay(p.chunks[1:]), self.cfg.stream_idle_timeout, deadline), first, h)
         push = RowsPush(h.rank, h.trainer_id, h.version, h.num_samples, h.sequence, ids, grads)
         # ids once: a push naming one pull whole keeps that pull's check (RowCalls.push_checked)
-        return TablePart(h, table, push, pull_ids, pushed=self.rows.push_checked(h, table, ids))
+        return TablePart(h, table, push, pull_ids, pushed=calls.push_checked(h, table, ids))
 
     async def _step_trip(self, dense, tables: list[TablePart], context):
         """The Step's dense gradient read into a receive buffer, then its one trip (run_trip): the dense part's
         (header, PushResult) -- a stale push as a result, as PushPull answers it -- or None without one."""
         refuse = self.cfg.nonfinite == "refuse"
+        # the tables of the layout the parts name (one caller, one layout: step_parts.check_caller)
+        calls = self.rows_at(tables[0].header.layout_epoch) if tables else self.rows
 
         def trip(push=None):
-            return run_trip(self.shard, tables, refuse, push, lambda: self.runtime.stopping)
+            return run_trip(calls.shard, tables, refuse, push, lambda: self.runtime.stopping)
 
         if dense is None:
-            await self.rows.run_all([(t.table, t.elements) for t in tables], trip)
+            await calls.run_all([(t.table, t.elements) for t in tables], trip)
             return None
         reader = _StreamReader(_replay(dense.chunks), self.cfg.stream_idle_timeout, self._deadline(context))
         first, h = await reader.first_header()
         part = self._check_push_first(h)
         async with self.runtime.buffers.take(part.slice_length()) as held:
             grad = await self._read_tensor(part, reader, first, h, out=held.buffer, sparse=True)
-            out = await held.hand_over(self.rows.run_all(
+            out = await held.hand_over(calls.run_all(
                 [(t.table, t.elements) for t in tables], trip,
                 functools.partial(_stale_as_result, self._check_and_push, part, h, grad)))
             if isinstance(out, PushResult):  # stale: the buffer was not taken
@@ -148,18 +150,18 @@ class StepRpc:
             await context.write(_pb.RowsChunk(header=_pb.RowsHeader(table=h.table, dim=h.dim,
                                                                     push=_push_reply(t.result))))
             return
-        waited, table = 0.0, t.table
+        waited, table, calls = 0.0, t.table, self.rows_at(h.layout_epoch)
         if t.pulled is not None:
             version, rows = t.pulled
         else:
             min_version = reply_version(table.mode, t.result.outcome, h.version, t.result.version)
-            waited, table, version, rows = await self.rows.pull(
+            waited, table, version, rows = await calls.pull(
                 table, h.table, h.rank, h.trainer_id, h.fingerprint, min_version, t.checked, deadline,
                 lambda _nbytes: None)  # held before the trip
         self.shard.count("row_push_pulls")
         header = _pb.RowsHeader(table=h.table, version=version, num_ids=len(t.checked.ids), dim=table.spec.dim,
                                 wait_seconds=waited, push=_push_reply(t.result),
-                                pull_ref=self.rows.remember(h, t.checked))  # (ids once, as PushPullRows)
+                                pull_ref=calls.remember(h, t.checked))  # (ids once, as PushPullRows)
         for chunk in row_chunks(rows, header, self.cfg.chunk_bytes):
             await context.write(chunk, self.cfg.chunk_bytes)
 

@@ -108,6 +108,9 @@ def check_caller(p: StepPart, first: StepPart):
     if (h.rank, h.trainer_id, h.fingerprint) != (f.rank, f.trainer_id, f.fingerprint):
         raise InvalidRequest(f"part {p.index} names rank {h.rank} trainer_id {shorten(h.trainer_id)} but part 0 "
                              f"names rank {f.rank} trainer_id {shorten(f.trainer_id)}: one caller a Step")
+    if h.layout_epoch != f.layout_epoch:  # its tables' trip runs on one layout's (psserver.service_step)
+        raise InvalidRequest(f"part {p.index} names layout_epoch {h.layout_epoch} but part 0 names "
+                             f"{f.layout_epoch}: one layout a Step")
     return h
 
 

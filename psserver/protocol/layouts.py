@@ -190,10 +190,16 @@ def new_job(job: JobSpec, num_shards: int, partitions: int | None = None) -> Job
 
 
 def next_layout(timeline: list[LayoutEpoch], job: JobSpec, round_: int,
-                addresses: tuple[str, ...] = ()) -> LayoutEpoch:
-    """The layout after ``timeline``'s newest for ``job`` (already the new job: new_job's) from ``round_``."""
+                addresses: tuple[str, ...] = (), table_rounds: dict[str, int] | None = None) -> LayoutEpoch:
+    """The layout after ``timeline``'s newest for ``job`` (already the new job: new_job's) from dense round
+    ``round_``, and each sync table from its own round in ``table_rounds`` (the table's version at the switch)."""
     last = timeline[-1]
     if round_ <= last.round:
         raise LayoutError(f"round is {round_} but layout {last.number} starts at round {last.round}: a new layout "
                           "starts after the newest")
-    return LayoutEpoch(last.number + 1, round_, job.num_shards, job.partitions, tuple(addresses), job.fingerprint)
+    for name, start in sorted((table_rounds or {}).items()):
+        if start < last.start(name):
+            raise LayoutError(f"table {name!r}'s round is {start} but layout {last.number} starts it at round "
+                              f"{last.start(name)}: a new layout starts after the newest")
+    return LayoutEpoch(last.number + 1, round_, job.num_shards, job.partitions, tuple(addresses), job.fingerprint,
+                       tuple(sorted((table_rounds or {}).items())))

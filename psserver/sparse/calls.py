@@ -102,7 +102,7 @@ class RowCalls:
     async def wait_table(self, name: str, min_version: int, deadline: float) -> float:
         """Wait (an awaited future, no thread) until table ``name`` reaches ``min_version``, at most until
         ``deadline`` (loop time) less a margin; returns the seconds waited."""
-        waiters = self.runtime.table_waiters(name, functools.partial(self._table_ready, name))
+        waiters = self.runtime.table_waiters((self.shard, name), functools.partial(self._table_ready, name))
         loop = asyncio.get_running_loop()
         timeout = min(max(0.0, deadline - loop.time() - 0.25), self.max_pull_wait)
         t0 = loop.time()

@@ -1,6 +1,7 @@
 """The layouts one process serves (psserver.layout_host), without a network and on a fake clock: one layout
 routes as the ShardHost does; a switch at a round boundary adds a host, routes by base and keeps the old one as
-the tombstone; a switch off a boundary, or with tables, changes nothing; the timer ticks every layout."""
+the tombstone; a switch off a boundary, or with an async table or
+a table's round open, changes nothing; a sync table switches from its own round; the timer ticks every layout."""
 
 import dataclasses
 
@@ -13,7 +14,9 @@ from psserver.protocol.errors import LayoutAhead, LayoutMoved, NotInLayout, PsEr
 from psserver.protocol.job import TableSpec
 from psserver.protocol.layout import Layout
 from psserver.protocol.layouts import LayoutEpoch
+from psserver.protocol.rows.placement import shard_of
 from psserver.reshard import ReshardError
+from psserver.sparse.serving import RowsPush
 from tests.conftest import P, make_spec
 from tests.unit.test_shard_leases import LEASE, Clock
 
@@ -75,12 +78,53 @@ def test_a_switch_with_a_round_open_is_refused_and_installs_nothing():
     assert (layouts.newest, layouts.current, host.head.state_digest()) == (0, host, before)
 
 
-def test_a_job_with_tables_does_not_switch_yet():
-    job = dataclasses.replace(JOB, tables=(TableSpec("emb", 4),))
-    _, layouts = running(job)
-    with pytest.raises(ReshardError, match="sparse tables cannot switch layouts yet"):
-        layouts.switch_offline(2, 0)
-    assert layouts.newest == 0
+IDS = torch.arange(40, dtype=torch.int64)
+
+
+def with_table(mode="", table_pushes=3, num_trainers=1):
+    """A one-shard job of a table ``emb`` (dim 4; ``mode``) after 2 dense rounds and ``table_pushes`` table rounds
+    of rank 0 over ids 0..39: the table's rounds are its own (3), not the dense slice's (2)."""
+    job = dataclasses.replace(JOB, tables=(TableSpec("emb", 4, mode=mode),), num_trainers=num_trainers)
+    host = ShardHost(0, clock=Clock(), lease_timeout=LEASE)
+    for rank in range(num_trainers):
+        host.part_for_register(0, rank, 0, job).register(rank, f"t{rank}", 0, job)
+    host.head.init(0, "t0", job.fingerprint, torch.zeros(P))
+    for base in range(2):
+        for rank in range(num_trainers):
+            host.head.push(rank, f"t{rank}", job.fingerprint, base, 1, torch.ones(P), sequence=base + 1)
+    for base in range(table_pushes):
+        grads = torch.full((len(IDS), 4), float(base + 1))
+        host.head.push_rows(job.fingerprint, "emb", RowsPush(0, "t0", base, 1, base + 1, IDS, grads), True)
+    return host, LayoutHost(host)
+
+
+def test_a_sync_table_switches_from_its_own_round_with_its_rows_re_placed_and_row_calls_routed_by_it():
+    host, layouts = with_table()
+    before = host.head.capture().tables["emb"]["rows"]
+    layout = layouts.switch_offline(2, 1)
+    assert (layout.round, layout.table_rounds, layout.start("emb")) == (2, (("emb", 3),), 3)
+    new = layouts.current.head
+    rows = new.capture().tables["emb"]["rows"]
+    mine = shard_of(before["ids"], 2) == 1
+    assert torch.equal(rows["ids"], before["ids"][mine]) and torch.equal(rows["rows"], before["rows"][mine])
+    assert new.tables.get("emb").version == 3  # the table's round carried
+    assert layouts.rows_head(1, "emb", 3) is new and layouts.rows_head(0, "emb", 2) is host.head
+    assert layouts.rows_head(0, "emb", 3, pull=True) is host.head  # version 3 is the state both layouts share
+    with pytest.raises(LayoutMoved, match="base version 3 is at or after table 'emb'.s round 3, where layout 0 ends"):
+        layouts.rows_head(0, "emb", 3)
+    with pytest.raises(LayoutMoved, match="version 4 is past table 'emb'.s round 3"):
+        layouts.rows_head(0, "emb", 4, pull=True)
+    with pytest.raises(LayoutMoved, match="base version 2 is before table 'emb'.s round 3, where layout 1 starts"):
+        layouts.rows_head(1, "emb", 2)
+
+
+def test_an_async_table_or_an_open_table_round_refuses_the_switch_and_changes_nothing():
+    for host, layouts, why in ((*with_table(mode="async"), "table 'emb' is async"),
+                               (*with_table(num_trainers=2, table_pushes=1), "table 'emb' has a round open")):
+        digest = host.head.state_digest()
+        with pytest.raises(ReshardError, match=why):
+            layouts.switch_offline(2, 0)
+        assert (layouts.newest, layouts.current, host.head.state_digest()) == (0, host, digest)
 
 
 def test_only_the_next_layout_number_is_installed():
