@@ -113,6 +113,11 @@ def table_specs(model: torch.nn.Module, embedding_mode: str = "") -> tuple[Table
     return tuple(replace(s, mode=embedding_mode) if embedding_mode and not s.mode else s for s in specs)
 
 
+def has_async_tables(job: JobSpec) -> bool:
+    """A table of ``job`` runs async (its own mode, or the job's): such rows cannot follow a layout switch yet."""
+    return any(table_mode(t, job) == Mode.ASYNC for t in job.tables)
+
+
 def sharded_rows_class():
     """trainer.sparse_client.ShardedRows, imported only when a model has tables."""
     from trainer.sparse_client import ShardedRows
@@ -175,9 +180,11 @@ class ParameterServerTrainer:
         self.table_push = TablePush(self.tables, self.client, lambda: self.session.rank)
         self.step_call = StepCall(self.exchange, self.table_push, lambda: self.rows)  # trainer.step_call
         # a live re-shard: the slots follow a later layout at a step boundary (trainer.relayout)
-        self.relayout = Relayout(self.slots, self.session, self._relaid, unsupported=", ".join(
+        self.relayout = Relayout(self.slots, self.session, self._relaid, unsupported=lambda: ", ".join(
             name for name, on in (("overlap", overlap), ("pipeline", pipeline), ("push_during_backward",
-                                  push_during_backward), ("tables", bool(self.tables))) if on))
+                                  push_during_backward), ("async tables", has_async_tables(job)),
+                                  ("rows prefetched beside the dense exchange", self.table_push.side_by_side)) if on),
+            rows=lambda: self.rows)
         self.runner = StepRunner(self.exchange, self.table_push, self.session, self.flat, self.client.count,
                                  self.windowed, self.pipelined, self._early, prefetch, self.step_call, self.relayout)
         self.rows = None

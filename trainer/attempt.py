@@ -91,6 +91,16 @@ def moved_everywhere(failed: dict, applied: Sequence[int]) -> int | None:
     return max(newest)
 
 
+def rows_moved(error: BaseException) -> int | None:
+    """The newest layout when ``error`` is a table push (trainer.sparse_client.RowsPushFailed: ``failed``,
+    ``done``) that every shard refused ``layout-moved`` and none answered: it changed nothing, and goes again
+    whole in the new layout (trainer.relayout); else None."""
+    failed, done = getattr(error, "failed", None), getattr(error, "done", None)
+    if not failed or done is None or not hasattr(error, "table"):
+        return None
+    return moved_everywhere(failed, done)
+
+
 @dataclass
 class StepAttempt:
     """What is known of a step while it is retried: the shards still to do and what the others answered."""

@@ -97,14 +97,18 @@ class LayoutTimeline:
 class Relayout:
     """Switches the trainer's slots to a later layout at a step boundary (see the module's docstring)."""
 
-    def __init__(self, slots, session, on_switch: Callable[[], None] = lambda: None, unsupported: str = ""):
+    def __init__(self, slots, session, on_switch: Callable[[], None] = lambda: None,
+                 unsupported: str | Callable[[], str] = "", rows: Callable[[], object] = lambda: None):
         """``slots``: trainer.slots.DenseSlots; ``session``: trainer.session.Session; ``on_switch``: the facade
         refreshes what it shows (job, slot count, staging); ``unsupported``: the variants this trainer runs that
         cannot follow a switch yet (their own per-slot state: the overlap prefetch, the pipeline's layer waits,
-        pushes begun during backward, tables) -- a switch is then refused, never half made."""
+        pushes begun during backward, async tables, rows prefetched beside the dense exchange), or what says them
+        now -- a switch is then refused, never half made; ``rows``: the tables' client (trainer.sparse_client.
+        ShardedRows, None without tables), whose routing follows the switch too."""
         self.slots, self.session, self.client = slots, session, slots.client
         self.timeline = LayoutTimeline(self.client)
-        self.on_switch, self.unsupported = on_switch, unsupported
+        self.on_switch, self.rows = on_switch, rows
+        self.unsupported = unsupported if callable(unsupported) else (lambda: unsupported)
 
     @property
     def epoch(self) -> int:
@@ -135,15 +139,42 @@ class Relayout:
         self.client.count("pushes_rerouted", refused)
         self.switch(layout, base)
 
-    def _check_followable(self, layout: LayoutEpoch) -> None:
-        if self.unsupported:
+    def reroute_tables(self, newest: int, base: int, table: str, refused: int) -> None:
+        """A step's push of ``table`` was refused ``layout-moved`` by every shard (``refused`` of them; newest
+        layout ``newest``) before its dense exchange: it changed nothing, so it is taken back and the step goes
+        whole in the new layout (counted ``row_pushes_rerouted``; the table's rows are split again by then)."""
+        for s in self.client.parts:
+            s.saw_layout(newest)
+        layout = due(self.timeline.learn(), self.epoch, base)
+        if layout is None:
+            raise LayoutNotFollowed(f"a push of table {table!r} was refused layout-moved (newest layout {newest}) but "
+                                    f"the timeline {self.timeline.layouts} puts base {base} in layout {self.epoch}")
+        self._check_followable(layout, taking_back={table})
+        self.rows().take_back(table)
+        self.client.count("row_pushes_rerouted", refused)
+        self.switch(layout, base)
+
+    def _check_followable(self, layout: LayoutEpoch, taking_back: set[str] = frozenset()) -> dict[str, int]:
+        """Refuse (LayoutNotFollowed) a switch to ``layout`` this trainer cannot make now; each table's switch
+        round (LayoutEpoch.table_rounds) when it can.  ``taking_back``: tables whose refused push is re-sent."""
+        unsupported = self.unsupported()
+        if unsupported:
             raise LayoutNotFollowed(f"layout {layout.number} takes over from round {layout.round} but this trainer "
-                                    f"runs {self.unsupported}, which cannot follow a layout switch yet "
+                                    f"runs {unsupported}, which cannot follow a layout switch yet "
                                     "(docs/live-reshard.md): restart it on the new --ps list")
+        rows = self.rows()
+        if rows is None:
+            return {}
+        rounds = {name: layout.start(name) for name in rows.tables}
+        why = rows.off_round(rounds, taking_back)
+        if why:
+            raise LayoutNotFollowed(f"layout {layout.number} takes the tables over from rounds {rounds} but {why}")
+        return rounds
 
     def switch(self, layout: LayoutEpoch, base: int) -> None:
-        """The slots, clients, staging and job of ``layout``, every slot at version ``base`` (its round R or later)."""
-        self._check_followable(layout)
+        """The slots, clients, staging and job of ``layout``, every slot at version ``base`` (its round R or later),
+        and the tables' routing, lanes and row calls (each table from its own switch round)."""
+        rounds = self._check_followable(layout)
         old_job, old_parts, old_ranges = self.client.job, list(self.client.parts), list(self.slots.ranges)
         job = new_job(old_job, layout.num_shards, layout.partitions)
         if layout.fingerprint and job.fingerprint != layout.fingerprint:
@@ -155,6 +186,8 @@ class Relayout:
                                     old_ranges, ranges)
         parts = self._new_parts(job, layout, addresses, old_parts, residuals)
         self.client.replace_parts(job, addresses, parts)
+        if self.rows() is not None:
+            self.rows().relaid(job, rounds)
         self._slots_to(job, ranges, base)
         self.session.relaid(job)
         reused = {id(p.channel) for p in parts}

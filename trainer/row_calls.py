@@ -49,7 +49,7 @@ class RowCalls:
         once): (the table's version, the rows' bytes, the pull's reference (0: not kept), the ids' bytes sent --
         packed when ascending, psserver.protocol.rows.idpack)."""
         req = _pb.PullRowsRequest(rank=s.rank, trainer_id=s.trainer_id, fingerprint=s.fingerprint, table=table,
-                                  min_version=min_version, remember=True)
+                                  min_version=min_version, remember=True, layout_epoch=s.layout_epoch)
         if idpack.packable(ids):
             req.packed_ids = idpack.pack(ids)
         else:

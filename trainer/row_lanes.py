@@ -173,6 +173,34 @@ class RowLanes:
             self.counters["pushes_abandoned"] += len(undone)
         return True
 
+    def relaid(self, num_shards: int, rounds: dict[str, int]) -> None:
+        """A layout switch (trainer.relayout), at a step boundary with no push kept: a lane per (new shard, table),
+        each table's at its switch round ``rounds[table]`` (the version its old lanes were at), numbered on from
+        its old lanes' newest -- the offline switch merges the old shards' books (psserver.reshard.merge_books) and
+        a live one starts them empty, so a number above every one sent before is new on every new shard -- and
+        remembering no pull: those were the old shards' (ids once never names them to a new one)."""
+        old = self.lanes
+        newest = {name: max(old[(s, name)].sequence for s in range(self.num_shards)) for name in self.modes}
+        with self._lock:
+            self.lanes = {(s, name): Lane(sequence=newest[name], version=rounds[name], base=rounds[name],
+                                          wait_for=rounds[name]) for s in range(num_shards) for name in self.modes}
+            self.num_shards = num_shards
+            self._counted_lost.clear()
+
+    def off_round(self, rounds: dict[str, int], taking_back: set[str] = frozenset()) -> str:
+        """Why these lanes cannot switch to tables starting at ``rounds`` now ('' when they can): a push kept for
+        a retry (it belongs to the old layout), or a lane whose next push's base is not its table's switch round
+        (a push of another base belongs to another layout, psserver.protocol.layouts.route_push).  ``taking_back``:
+        tables whose kept push every shard refused layout-moved -- it goes again whole in the new layout."""
+        kept = sorted(set(self.pending) - set(taking_back))
+        if kept:
+            return f"a push of table {kept[0]!r} failed and waits to be retried in the old layout"
+        for (shard, name), lane in sorted(self.lanes.items()):
+            if lane.base != rounds[name]:
+                return (f"table {name!r}'s next push on shard {shard} has base version {lane.base} but the new "
+                        f"layout takes the table over from round {rounds[name]}")
+        return ""
+
     def versions(self) -> dict[str, list[int]]:
         """Each table's version on each shard, as this trainer last saw it."""
         return {name: [self.lanes[(s, name)].version for s in range(self.num_shards)] for name in self.modes}

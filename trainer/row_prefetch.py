@@ -194,5 +194,13 @@ class RowPrefetch:
                 q.clear()
         self._count(prefetch_dropped=dropped)
 
+    def relaid(self, num_shards: int) -> None:
+        """A layout switch (trainer.relayout): every announced batch forgotten (split by the old shards; their
+        forwards pull as before, counted ``prefetch_dropped``) and the pulls' threads sized for ``num_shards``."""
+        self.drop()
+        old, self.num_shards = self._pool, num_shards
+        self._pool = ThreadPoolExecutor(max_workers=max(1, num_shards), thread_name_prefix="ps-rows-ahead")
+        old.shutdown(wait=True)
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)  # closing the channels ends pulls under way

@@ -83,7 +83,7 @@ class RowsCallFailed(ShardCallsFailed):
     advice = "the rows of the other shards were read; call pull() again"
 
     def __init__(self, table: str, done: list[int], failed: dict, addresses: list[str]):
-        self.done = done
+        self.done, self.table = done, table
         super().__init__(f"{self.what} of table {table!r} failed ({self.causes(failed, addresses)}); shards {done} "
                          f"answered; {self.advice}", failed)
 
@@ -392,7 +392,7 @@ class ShardedRows:
         pull_ids = claim.ids.get(s.index) if claim is not None else None
         header = _pb.RowsHeader(rank=s.rank, trainer_id=s.trainer_id, fingerprint=s.fingerprint, table=table,
                                 version=base, num_samples=num_samples, sequence=sequence,
-                                num_ids=len(ids), dim=grads.shape[1])
+                                num_ids=len(ids), dim=grads.shape[1], layout_epoch=s.layout_epoch)
         if pull_ids is not None:
             if idpack.packable(pull_ids):
                 header.packed_pull_ids = idpack.pack(pull_ids)
@@ -505,6 +505,35 @@ class ShardedRows:
         for cache in self.caches.values():  # (not under the lock: the caches count through it)
             cache.drop_shard(shard)
         self.ahead.drop()
+
+    def off_round(self, rounds: dict[str, int], taking_back: set[str] = frozenset()) -> str:
+        """Why the tables cannot follow a layout whose tables start at ``rounds`` now ('' when they can):
+        trainer.relayout refuses the switch by this reason (RowLanes.off_round; an async table's push window).
+        ``taking_back``: tables whose kept push every shard refused layout-moved (``take_back``)."""
+        if self.window is not None and self.window.windows:
+            return f"async tables ({', '.join(sorted(self.window.windows))}) push through a window"
+        return self.book.off_round(rounds, taking_back)
+
+    def take_back(self, table: str) -> None:
+        """Every shard refused ``table``'s kept push ``layout-moved``: nothing of it was applied anywhere, so it is
+        dropped here and the table's rows (kept by the embedding, trainer.embedding) go again in the new layout."""
+        self.book.pending.pop(table, None)
+
+    def relaid(self, job: JobSpec, rounds: dict[str, int]) -> None:
+        """The client's shards were switched to a later layout (trainer.relayout): ids are split by the new shard
+        count from now on (``_split`` reads it), each table's lanes start at its switch round ``rounds``, the row
+        calls go over the new shards' channels, and what was read from the old shards is forgotten -- prefetched
+        batches, cached rows (counted ``cache_dropped``) and remembered pulls."""
+        old = self.book.num_shards
+        m = len(self.client.shards)
+        self.job = job
+        self.book.relaid(m, rounds)
+        self.calls = RowCalls(self.client.shards, self._count)
+        for cache in self.caches.values():
+            for shard in range(old):
+                cache.drop_shard(shard)
+        self.ahead.relaid(m)
+        self._count(tables_relaid=1)
 
     def start_at(self, shard: int, versions: dict[str, int]) -> None:
         """A new trainer's lanes of shard ``shard`` go on from the tables' ``versions`` there (nothing lost)."""

@@ -14,7 +14,7 @@ import logging
 
 import grpc
 
-from trainer.attempt import StepMoved
+from trainer.attempt import StepMoved, rows_moved
 from trainer.early_push import EarlyPusher
 from trainer.exchange import DenseExchange
 from trainer.overlap import Prefetcher
@@ -60,10 +60,29 @@ class StepRunner:
             return self.pipelined.step(num_samples, self.table_push)
         if self.table_push.side_by_side:
             return self._step_beside(num_samples)
-        self.table_push.push(num_samples)
+        self._tables_first(num_samples)
         info = self._dense_step(num_samples)
         self.table_push.done()
         return info
+
+    def _tables_first(self, num_samples: int) -> None:
+        """The tables' pushes, before the dense exchange.  A step whose base reaches a later layout's round goes
+        in that layout, its tables too (trainer.relayout): switched to before the first push when a reply named
+        it, else once every shard refused a table's push layout-moved (nothing applied: sent again whole)."""
+        if self.relayout is None or not self.table_push.tables:
+            self.table_push.push(num_samples)
+            return
+        base = min(self.exchange.slots.versions)
+        if self.exchange.attempt is None and not self.table_push.pending():  # (a retry stays in its layout)
+            self.relayout.switch_if_due(base)
+        try:
+            self.table_push.push(num_samples)
+        except grpc.RpcError as e:
+            newest = rows_moved(e)
+            if newest is None:
+                raise
+            self.relayout.reroute_tables(newest, base, e.table, len(e.failed))
+            self.table_push.push(num_samples)
 
     def _dense_step(self, num_samples: int) -> StepInfo:
         """The dense exchange: through the async push window (trainer.windowed) when there is one.  A step whose

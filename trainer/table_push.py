@@ -17,6 +17,8 @@ from typing import Callable
 
 import grpc
 
+from trainer.attempt import rows_moved
+
 log = logging.getLogger(__name__)
 
 
@@ -51,9 +53,10 @@ class TablePush:
             try:
                 t.flush_gradients(num_samples)
             except grpc.RpcError as e:
-                self._counter.count("table_pushes_failed")
-                log.warning("rank %d: the push of table %r failed (%s); step() again retries it", self._rank_of(),
-                            t.name, e)
+                if rows_moved(e) is None:  # (refused layout-moved everywhere: re-sent in the new layout, trainer.step)
+                    self._counter.count("table_pushes_failed")
+                    log.warning("rank %d: the push of table %r failed (%s); step() again retries it",
+                                self._rank_of(), t.name, e)
                 raise
             self._pushed.add(t.name)
 

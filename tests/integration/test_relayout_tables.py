@@ -1,0 +1,157 @@
+"""A trainer with a sparse table follows a layout switch (stage 6 of docs/live-reshard.md), on real shards over gRPC.
+
+A sync job of a dense layer and a sync table (Adam, so rows carry optimizer state) on two shards runs R rounds;
+then both processes switch offline (ShardServer.switch_layout_offline) to one shard -- the first process -- of two
+partitions: the dense slices re-cut, every row re-placed by splitmix64(id) mod 1, each table from its own round
+(its version at the switch).  The trainer, one layout behind, pushes its table first: every old shard refuses it
+``layout-moved`` (nothing applied), it learns the layout, rebuilds its row routing, lanes and row calls for one
+shard, and sends the step whole in the new layout.  Its dense weights and every table row -- values and
+optimizer state -- must equal bit for bit those of the same job that never switched.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import torch
+from torch.nn import functional as F
+
+from psserver.protocol.rows.optim import SparseOptimizerConfig
+from tests.helpers import WAIT_TIMEOUT, run_ranks
+from tests.integration.test_relayout import switch_to_one_shard
+from trainer import connect
+from trainer.embedding import ShardedEmbedding
+
+STEPS, R = 6, 3
+OPTIMIZER = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
+IDS = 40  # ids 0..39: both old shards hold some of every batch's rows
+
+
+class Net(torch.nn.Module):
+    """An embedding of ids (a sync table on the shards) summed into a small dense head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = ShardedEmbedding("emb", 6, optimizer=SparseOptimizerConfig("adam", lr=0.05))
+        self.head = torch.nn.Linear(6 + 12, 4)
+
+    def forward(self, ids, x):
+        return self.head(torch.cat([self.emb(ids).sum(1), x], 1))
+
+
+def batch(g: torch.Generator):
+    return (torch.randint(0, IDS, (8, 3), generator=g), torch.randn(8, 12, generator=g),
+            torch.randint(0, 4, (8,), generator=g))
+
+
+def table_rows(servers) -> dict:
+    """Every row of table ``emb`` held by the newest layout of ``servers`` (the processes it names), by id: values,
+    optimizer state and the version each was last updated at, as the shards hold them."""
+    stores = []
+    for s in servers:
+        layout = s.layouts.timeline()[-1]
+        if not layout.addresses or s.address in layout.addresses:  # (a drained process serves nothing of it)
+            stores.append(s.layouts.current.head.capture().tables["emb"]["rows"])
+    ids = torch.cat([st["ids"] for st in stores])
+    order = torch.argsort(ids)
+    return {k: torch.cat([st[k] for st in stores])[order] for k in ("ids", "rows", "optimizer_state", "last_version")}
+
+
+def same_rows(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+def train(servers, switch_at=None, before_step=lambda ps: None):
+    """STEPS sync steps of one trainer; (its dense parameters, its counters, its job, the shards' rows)."""
+    model, g = Net(), torch.Generator().manual_seed(7)
+    with connect(",".join(s.address for s in servers), model, mode="sync", rank=0, num_trainers=1,
+                 optimizer=OPTIMIZER, connect_timeout=30) as ps:
+        for i in range(STEPS):
+            ids, x, y = batch(g)
+            if i == switch_at:
+                switch_to_one_shard(servers)
+                before_step(ps)
+            ps.prepare_step(len(x))
+            F.cross_entropy(model(ids, x), y).backward()
+            ps.step(num_samples=len(x))
+        ps.flush()
+        dense = model.head.weight.detach().clone().reshape(-1)
+        counters = Counter(ps.client.counters) + Counter(ps.rows.counters)
+        return dense, counters, ps.job, table_rows(servers)
+
+
+def test_a_trainer_whose_table_push_is_refused_layout_moved_reroutes_the_step_and_ends_bit_for_bit_as_without_a_switch(
+        shard_server):
+    dense_ref, _, _, rows_ref = train([shard_server(shard=i).server for i in range(2)])
+    servers = [shard_server(shard=i).server for i in range(2)]
+    dense, counters, job, rows = train(servers, switch_at=R)
+    assert torch.equal(dense, dense_ref)
+    assert same_rows(rows, rows_ref)  # every row: values, Adam's moments, the version it was last updated at
+    assert (job.num_shards, job.partitions) == (1, 2)
+    assert counters["row_pushes_rerouted"] == 2  # both old shards refused the table push at base R; sent again whole
+    assert counters["pushes_rerouted"] == 0  # the dense exchange went in the new layout from the start
+    assert (counters["layouts_followed"], counters["layout_fetches"], counters["tables_relaid"]) == (1, 1, 1)
+    assert counters["steps_failed"] == counters["table_pushes_failed"] == counters["pushes_lost"] == 0
+    head = servers[0].layouts.current.head
+    assert head.tables.get("emb").version == STEPS  # every table round applied once, in its layout
+    assert servers[0].layouts.host(0).head.tables.get("emb").version == R  # the tombstone: nothing after the switch
+    assert servers[0].layouts.timeline()[1].table_rounds == (("emb", R),)
+
+
+def test_a_trainer_that_saw_the_new_layout_switches_its_tables_before_pushing_and_nothing_is_refused(shard_server):
+    dense_ref, _, _, rows_ref = train([shard_server(shard=i).server for i in range(2)])
+    servers = [shard_server(shard=i).server for i in range(2)]
+
+    def hear_of_it(ps):
+        """A heartbeat names layout 1 in its reply."""
+        s = ps.client.parts[0]
+        s.heartbeat(timeout=10)
+        assert (s.layout_seen, s.layout_epoch) == (1, 0)
+
+    dense, counters, _, rows = train(servers, switch_at=R, before_step=hear_of_it)
+    assert torch.equal(dense, dense_ref) and same_rows(rows, rows_ref)
+    assert counters["row_pushes_rerouted"] == counters["pushes_rerouted"] == 0 and counters["layouts_followed"] == 1
+
+
+def train_two(servers, switch_at=None):
+    """Two trainers (threads) of one sync job, STEPS steps each on their own data; with ``switch_at`` both stop
+    between steps (a barrier: every dense and table round up to R closed, none open) while the shards switch.
+    (Their dense parameters, their counters, the shards' rows.)"""
+    models, results, counters = [Net() for _ in range(2)], {}, {}
+    between = threading.Barrier(2, timeout=WAIT_TIMEOUT)
+
+    def run(rank):
+        g = torch.Generator().manual_seed(11 + rank)
+        with connect(",".join(s.address for s in servers), models[rank], mode="sync", rank=rank, num_trainers=2,
+                     optimizer=OPTIMIZER, connect_timeout=30) as ps:
+            for i in range(STEPS):
+                if i == switch_at:
+                    between.wait()
+                    if rank == 0:
+                        switch_to_one_shard(servers)
+                    between.wait()
+                ids, x, y = batch(g)
+                ps.prepare_step(len(x))
+                F.cross_entropy(models[rank](ids, x), y).backward()
+                ps.step(num_samples=len(x))
+            ps.flush()
+            results[rank] = models[rank].head.weight.detach().clone().reshape(-1)
+            counters[rank] = Counter(ps.client.counters) + Counter(ps.rows.counters)
+
+    run_ranks(run, 2)
+    return results, counters, table_rows(servers)
+
+
+def test_two_sync_trainers_with_a_table_both_follow_the_switch_and_end_bit_for_bit_as_without_one(shard_server):
+    reference, _, rows_ref = train_two([shard_server(shard=i).server for i in range(2)])
+    servers = [shard_server(shard=i).server for i in range(2)]
+    results, counters, rows = train_two(servers, switch_at=R)
+    assert torch.equal(results[0], reference[0]) and torch.equal(results[1], reference[1])
+    assert torch.equal(results[0], results[1])  # sync: both hold the same weights
+    assert same_rows(rows, rows_ref)
+    for rank in (0, 1):
+        assert (counters[rank]["row_pushes_rerouted"], counters[rank]["layouts_followed"]) == (2, 1)
+        assert counters[rank]["steps_failed"] == counters[rank]["table_pushes_failed"] == 0
+    assert servers[0].layouts.current.head.tables.get("emb").version == STEPS
