@@ -254,7 +254,8 @@ class LayoutHost:
         """Install the next layout -- the job on ``num_shards`` shards of which this process is ``shard`` -- re-cut
         from ``pieces`` (every old shard's partitions' states; default: this process's own, which is all of them
         for a one-shard job) at the round boundary the current host is at; ``addresses``: the new layout's shard
-        addresses (empty: the job's --ps list, the shard index is the process).  Run it on the state worker."""
+        addresses (empty: the job's --ps list, the shard index is the process).  Sync tables switch too: their rows
+        re-placed as on restore, each from its own round (``table_rounds``).  Run it on the state worker."""
         old = self.current
         job = old.head.job
         if job is None:

@@ -9,6 +9,10 @@ from a ``layout-moved`` refusal's trailer (trainer.client.ShardClient.saw_layout
 (``StatsReply.layouts``) once per layout it does not know.  A step refused ``layout-moved`` changed nothing on
 any shard, so it is sent again whole in L+1 (``pushes_rerouted``), never counted failed or abandoned.
 
+Sync tables follow too (stage 6): each from its own switch round T_t (``LayoutEpoch.table_rounds``), their row
+routing, lanes and row calls rebuilt for the new shard count (trainer.sparse_client.ShardedRows.relaid); a table
+push refused ``layout-moved`` by every shard is taken back and sent whole in L+1 (``row_pushes_rerouted``).
+
 The decisions (``due``, ``slot_ranges``, ``layout_addresses``, ``recut_residuals``) are pure and unit-tested.
 """
 
