@@ -208,8 +208,9 @@ class Run:
             push_bytes_dense=counters.get("push_bytes_dense", 0),
             **{k: v for k, v in counters.items() if k.startswith("window_")},  # --push-window (trainer.windowed)
             **{k: v for k, v in counters.items() if k.startswith("rows_")},  # the tables' client (trainer.sparse_client)
-            # a live re-shard followed (trainer.relayout): layouts_followed, layout_fetches, pushes_rerouted
-            **{k: v for k, v in counters.items() if k.startswith("layout") or k == "pushes_rerouted"},
+            # a live re-shard followed (trainer.relayout): layouts_followed, layout_fetches, pushes_rerouted and the
+            # tables' row_pushes_rerouted
+            **{k: v for k, v in counters.items() if k.startswith("layout") or k.endswith("pushes_rerouted")},
             stopped=stopped or None,
             # async/stale-timeout elastic: the global batches this trainer trained (docs/elastic.md)
             batches=list(self.claims.claimed) if self.claims is not None else None,

@@ -156,6 +156,9 @@ class Relayout:
         self._check_followable(layout, taking_back={table})
         self.rows().take_back(table)
         self.client.count("row_pushes_rerouted", refused)
+        log.warning("rank %d: every shard refused the push of table %r layout-moved (base %d, newest layout %d); "
+                    "nothing was applied, it goes again whole in layout %d", self.session.rank, table, base, newest,
+                    layout.number)
         self.switch(layout, base)
 
     def _check_followable(self, layout: LayoutEpoch, taking_back: set[str] = frozenset()) -> dict[str, int]:

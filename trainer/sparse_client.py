@@ -534,6 +534,8 @@ class ShardedRows:
                 cache.drop_shard(shard)
         self.ahead.relaid(m)
         self._count(tables_relaid=1)
+        log.warning("tables %s follow %d shards (was %d) from rounds %s: lanes, row calls and placement rebuilt, "
+                    "prefetched and cached rows of the old shards dropped", sorted(self.tables), m, old, rounds)
 
     def start_at(self, shard: int, versions: dict[str, int]) -> None:
         """A new trainer's lanes of shard ``shard`` go on from the tables' ``versions`` there (nothing lost)."""
