@@ -63,11 +63,12 @@ def same_rows(a: dict, b: dict) -> bool:
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
-def train(servers, switch_at=None, before_step=lambda ps: None):
+def train(servers, switch_at=None, before_step=lambda ps: None, connected=lambda ps: None):
     """STEPS sync steps of one trainer; (its dense parameters, its counters, its job, the shards' rows)."""
     model, g = Net(), torch.Generator().manual_seed(7)
     with connect(",".join(s.address for s in servers), model, mode="sync", rank=0, num_trainers=1,
                  optimizer=OPTIMIZER, connect_timeout=30) as ps:
+        connected(ps)
         for i in range(STEPS):
             ids, x, y = batch(g)
             if i == switch_at:
@@ -113,6 +114,31 @@ def test_a_trainer_that_saw_the_new_layout_switches_its_tables_before_pushing_an
     dense, counters, _, rows = train(servers, switch_at=R, before_step=hear_of_it)
     assert torch.equal(dense, dense_ref) and same_rows(rows, rows_ref)
     assert counters["row_pushes_rerouted"] == counters["pushes_rerouted"] == 0 and counters["layouts_followed"] == 1
+
+
+def test_a_switch_between_a_steps_table_push_and_its_dense_push_starts_the_table_a_round_later_and_is_exact(
+        shard_server):
+    """Tables go first: switched after step R's table push (the table at R + 1) and before its dense push (dense
+    at R), the table's switch round is its own, R + 1 -- so only the dense push is refused and re-routed, and the
+    tables follow it at R + 1."""
+    dense_ref, _, _, rows_ref = train([shard_server(shard=i).server for i in range(2)])
+    servers = [shard_server(shard=i).server for i in range(2)]
+
+    def switch_before_step_rs_dense_push(ps):
+        dense_step = ps.runner._dense_step
+
+        def switching(num_samples):
+            if ps.versions[0] == R and servers[0].layouts.newest == 0:
+                switch_to_one_shard(servers)
+            return dense_step(num_samples)
+
+        ps.runner._dense_step = switching
+
+    dense, counters, _, rows = train(servers, connected=switch_before_step_rs_dense_push)
+    assert torch.equal(dense, dense_ref) and same_rows(rows, rows_ref)
+    assert servers[0].layouts.timeline()[1].table_rounds == (("emb", R + 1),)
+    assert (counters["pushes_rerouted"], counters["row_pushes_rerouted"], counters["tables_relaid"]) == (2, 0, 1)
+    assert servers[0].layouts.host(0).head.tables.get("emb").version == R + 1  # the tombstone took step R's rows
 
 
 def train_two(servers, switch_at=None):
