@@ -180,10 +180,9 @@ class ParameterServerTrainer:
         self.table_push = TablePush(self.tables, self.client, lambda: self.session.rank)
         self.step_call = StepCall(self.exchange, self.table_push, lambda: self.rows)  # trainer.step_call
         # a live re-shard: the slots follow a later layout at a step boundary (trainer.relayout)
-        self.relayout = Relayout(self.slots, self.session, self._relaid, unsupported=lambda: ", ".join(
+        self.relayout = Relayout(self.slots, self.session, self._relaid, unsupported=", ".join(
             name for name, on in (("overlap", overlap), ("pipeline", pipeline), ("push_during_backward",
-                                  push_during_backward), ("async tables", has_async_tables(job)),
-                                  ("rows prefetched beside the dense exchange", self.table_push.side_by_side)) if on),
+                                  push_during_backward), ("async tables", has_async_tables(job))) if on),
             rows=lambda: self.rows)
         self.runner = StepRunner(self.exchange, self.table_push, self.session, self.flat, self.client.count,
                                  self.windowed, self.pipelined, self._early, prefetch, self.step_call, self.relayout)
@@ -206,6 +205,7 @@ class ParameterServerTrainer:
     def _relaid(self) -> None:
         """The slots followed a later layout (trainer.relayout): what this facade shows of them."""
         self.job, self.num_parts, self.staging = self.client.job, self.slots.num_parts, self.slots.staging
+        self.step_call.relaid()  # its Step stubs over the new shards' channels
         self.layout = model_layout(self.model, self.job.num_shards)
         self.describe = describe(self.job)
 

@@ -106,8 +106,8 @@ class Relayout:
         """``slots``: trainer.slots.DenseSlots; ``session``: trainer.session.Session; ``on_switch``: the facade
         refreshes what it shows (job, slot count, staging); ``unsupported``: the variants this trainer runs that
         cannot follow a switch yet (their own per-slot state: the overlap prefetch, the pipeline's layer waits,
-        pushes begun during backward, async tables, rows prefetched beside the dense exchange), or what says them
-        now -- a switch is then refused, never half made; ``rows``: the tables' client (trainer.sparse_client.
+        pushes begun during backward, async tables), or what says them at the switch -- a switch is then refused,
+        never half made; ``rows``: the tables' client (trainer.sparse_client.
         ShardedRows, None without tables), whose routing follows the switch too."""
         self.slots, self.session, self.client = slots, session, slots.client
         self.timeline = LayoutTimeline(self.client)
@@ -128,38 +128,35 @@ class Relayout:
         self.switch(layout, base)
         return True
 
-    def reroute(self, newest: int, base: int, refused: int) -> None:
-        """A step of base ``base`` was refused ``layout-moved`` by ``refused`` slots (newest layout ``newest``):
-        it changed nothing, so its pushes are taken back here and the step goes again whole in the new layout."""
+    def reroute(self, newest: int, base: int, refused: int, tables: Sequence[str] = (), rows_refused: int = 0) -> None:
+        """A step of base ``base`` was refused ``layout-moved`` by ``refused`` dense slots and by every shard of
+        ``tables`` (``rows_refused`` row pushes; newest layout ``newest``): it changed nothing, so its pushes are
+        taken back here -- the dense ones' top-k residuals, the tables' kept pushes -- and the step goes again
+        whole in the new layout (counted ``pushes_rerouted``, ``row_pushes_rerouted``)."""
         for s in self.client.parts:
             s.saw_layout(newest)
         layout = due(self.timeline.learn(), self.epoch, base)
         if layout is None:
             raise LayoutNotFollowed(f"a step of base {base} was refused layout-moved (newest layout {newest}) but "
                                     f"the timeline {self.timeline.layouts} puts base {base} in layout {self.epoch}")
-        self._check_followable(layout)  # refused: the step stays as it is, to retry or abandon
-        for s in self.client.parts:
-            give_back_topk(s, self.slots.slice(self.slots.flat.grad, s.slot))
-        self.client.count("pushes_rerouted", refused)
+        self._check_followable(layout, taking_back=set(tables))  # refused: the step stays, to retry or abandon
+        if refused:
+            for s in self.client.parts:
+                give_back_topk(s, self.slots.slice(self.slots.flat.grad, s.slot))
+            self.client.count("pushes_rerouted", refused)
+        for table in tables:
+            self.rows().take_back(table)
+        if tables:
+            self.client.count("row_pushes_rerouted", rows_refused)
+            log.warning("rank %d: every shard refused the push of tables %s layout-moved (base %d, newest layout "
+                        "%d); nothing was applied, it goes again whole in layout %d", self.session.rank,
+                        list(tables), base, newest, layout.number)
         self.switch(layout, base)
 
     def reroute_tables(self, newest: int, base: int, table: str, refused: int) -> None:
-        """A step's push of ``table`` was refused ``layout-moved`` by every shard (``refused`` of them; newest
-        layout ``newest``) before its dense exchange: it changed nothing, so it is taken back and the step goes
-        whole in the new layout (counted ``row_pushes_rerouted``; the table's rows are split again by then)."""
-        for s in self.client.parts:
-            s.saw_layout(newest)
-        layout = due(self.timeline.learn(), self.epoch, base)
-        if layout is None:
-            raise LayoutNotFollowed(f"a push of table {table!r} was refused layout-moved (newest layout {newest}) but "
-                                    f"the timeline {self.timeline.layouts} puts base {base} in layout {self.epoch}")
-        self._check_followable(layout, taking_back={table})
-        self.rows().take_back(table)
-        self.client.count("row_pushes_rerouted", refused)
-        log.warning("rank %d: every shard refused the push of table %r layout-moved (base %d, newest layout %d); "
-                    "nothing was applied, it goes again whole in layout %d", self.session.rank, table, base, newest,
-                    layout.number)
-        self.switch(layout, base)
+        """A step's push of ``table`` was refused ``layout-moved`` by every shard (``refused`` of them) before its
+        dense exchange: ``reroute`` of that table alone (its rows are split again by the new shard count)."""
+        self.reroute(newest, base, 0, (table,), refused)
 
     def _check_followable(self, layout: LayoutEpoch, taking_back: set[str] = frozenset()) -> dict[str, int]:
         """Refuse (LayoutNotFollowed) a switch to ``layout`` this trainer cannot make now; each table's switch

@@ -84,10 +84,11 @@ class StepRunner:
             self.relayout.reroute_tables(newest, base, e.table, len(e.failed))
             self.table_push.push(num_samples)
 
-    def _dense_step(self, num_samples: int) -> StepInfo:
+    def _dense_step(self, num_samples: int, reroute: bool = True) -> StepInfo:
         """The dense exchange: through the async push window (trainer.windowed) when there is one.  A step whose
         base reaches a later layout's round goes in that layout (trainer.relayout): switched to before the
-        exchange when a reply named it, else once the old layout refused the step layout-moved."""
+        exchange when a reply named it, else once the old layout refused the step layout-moved (``reroute``
+        False: StepMoved is raised, for a caller whose tables are pushed beside it to re-route both)."""
         if self.windowed is not None:
             return self.windowed.step(num_samples)
         if self.relayout is None:
@@ -98,34 +99,72 @@ class StepRunner:
         try:
             return self.exchange.dense_step(num_samples)
         except StepMoved as moved:
+            if not reroute:
+                raise
             self.relayout.reroute(moved.newest, base, len(moved.failed))
             self.exchange.rerouted()
             return self.exchange.dense_step(num_samples)
 
     def _step_beside(self, num_samples: int) -> StepInfo:
         """step() with the tables pushed on their own thread while the dense exchange runs (trainer.table_push);
-        a restart both find is rejoined once (trainer.session)."""
+        a restart both find is rejoined once (trainer.session).  A later layout is followed first when a reply
+        named it; a step every shard refused layout-moved is re-routed whole (``_moved``)."""
         self.session.step_begins()
         try:
+            fresh = self._dense_done is None and self.exchange.attempt is None and not self.table_push.pending() \
+                and not self.table_push.any_pushed()
+            if self.relayout is not None and fresh:
+                self.relayout.switch_if_due(min(self.exchange.slots.versions))
             if self.step_call is not None and self._dense_done is None and self.step_call.usable(
                     self.windowed is None and self.pipelined is None):
                 self._dense_done = self.step_call.step(num_samples)  # None: dense parts left to do
-                if self._dense_done is not None and not self.table_push.pending():
+                if self._dense_done is None and self.step_call.moved is not None and self.relayout is not None:
+                    self._moved(self.step_call.moved, self.exchange.slots.num_parts, sorted(self._rows_kept()))
+                elif self._dense_done is not None and not self.table_push.pending():
                     info, self._dense_done = self._dense_done, None
                     self.table_push.done()
                     return info
-            tables = self.table_push.start(num_samples)
-            try:
-                if self._dense_done is None:  # (a retry after only a table push failed: the dense part is done)
-                    self._dense_done = self._dense_step(num_samples)
-            finally:
-                if tables is not None:
-                    tables.result()  # a table push's failure is raised first, as when tables went first
+            self._beside_two_calls(num_samples)
         finally:
             self.session.step_ends()
         info, self._dense_done = self._dense_done, None
         self.table_push.done()
         return info
+
+    def _beside_two_calls(self, num_samples: int) -> None:
+        """The tables on their thread beside the dense exchange; once both settled, a step refused layout-moved
+        (its dense slots, a table's every shard, or both) is re-routed whole and its refused parts sent again."""
+        tables = self.table_push.start(num_samples)
+        dense_moved = None
+        try:
+            if self._dense_done is None:  # (a retry after only a table push failed: the dense part is done)
+                try:
+                    self._dense_done = self._dense_step(num_samples, reroute=False)
+                except StepMoved as e:
+                    dense_moved = e
+        finally:
+            table_moved = _moved_table(tables)  # a table push's other failure is raised first, as before
+        if dense_moved is None and table_moved is None:
+            return
+        newest = max(m.newest for m in (dense_moved, table_moved) if m is not None)
+        self._moved(newest, len(dense_moved.failed) if dense_moved else 0,
+                    [table_moved.table] if table_moved else [], len(table_moved.failed) if table_moved else 0)
+        self.table_push.push(num_samples)
+        if self._dense_done is None:
+            self._dense_done = self._dense_step(num_samples)
+
+    def _moved(self, newest: int, dense_refused: int, tables: list[str], rows_refused: int | None = None) -> None:
+        """Every part of this step still to do was refused layout-moved, none applied: nothing else in flight,
+        take them back and switch (trainer.relayout.reroute); the dense part then goes on a fresh attempt."""
+        rows = rows_refused if rows_refused is not None else len(tables) * len(self.exchange.client.shards)
+        self.relayout.reroute(newest, min(self.exchange.slots.versions), dense_refused, tables, rows)
+        if dense_refused:
+            self.exchange.rerouted()
+
+    def _rows_kept(self) -> set[str]:
+        """The tables whose push is kept for a retry (every one a refused Step call carried)."""
+        rows = self.relayout.rows() if self.relayout is not None else None
+        return set(rows.book.pending) if rows is not None else set()
 
     def join_exchange(self) -> StepInfo | None:
         """A pipelined exchange's result, once it ended; its failure raised here as StepFailed."""
@@ -187,3 +226,18 @@ class StepRunner:
         for part in (self.prefetch, self.pipelined, self.early, self.windowed):
             if part is not None:
                 part.close()
+
+
+def _moved_table(tables) -> grpc.RpcError | None:
+    """The tables' push (a Future, or None) once settled: its error when every shard refused it layout-moved
+    (trainer.attempt.rows_moved, re-routed by the caller), None when it went through; any other error raised."""
+    if tables is None:
+        return None
+    try:
+        tables.result()
+    except grpc.RpcError as e:
+        if rows_moved(e) is None:
+            raise
+        e.newest = rows_moved(e)
+        return e
+    return None

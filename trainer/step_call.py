@@ -29,7 +29,7 @@ from psserver.protocol.codec import ChunkReader
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.stepwire import StepMessage, one_message, parse_step, serialize_step
 from psserver.protocol.stubs import method
-from trainer.attempt import StepAttempt
+from trainer.attempt import StepAttempt, moved_everywhere
 from trainer.client import PUSH_RETRYABLE, ShardClient
 from trainer.clipping import clip_local_
 from trainer.exchange import DenseExchange
@@ -53,6 +53,11 @@ class StepCall:
         self.exchange, self.table_push, self._rows = exchange, table_push, rows
         self.client = exchange.client
         self.enabled = True
+        self.moved: int | None = None  # the last step's newest layout when every shard refused it layout-moved
+        self.relaid()
+
+    def relaid(self) -> None:
+        """The Step stubs over the client's shards' channels (again after a layout switch, trainer.relayout)."""
         self._stubs = [s.channel.stream_stream(method("Step"), serialize_step, parse_step) for s in self.client.shards]
         # A step of at most one chunk's bytes goes as one message (StepChunk.more) on the same method: the bytes
         # are those of a one-message stream, but gRPC Python starts no request-consuming thread for it.
@@ -84,9 +89,10 @@ class StepCall:
         attempt = ex.attempt = StepAttempt(todo=set(range(ex.slots.num_parts)))
         attempt.produced = ex.slots.produced()
         t0 = time.perf_counter()
+        refusals: dict[int, Exception] = {}
         try:
-            results = self.client.map_settled(lambda s: self._shard(s, grad, num_samples, attempt, plans), None,
-                                              attempt.inflight)
+            results = self.client.map_settled(lambda s: self._shard(s, grad, num_samples, attempt, plans, refusals),
+                                              None, attempt.inflight)
         finally:  # (also on an interrupt: a claimed batch's rows are then pulled by the prefetch itself)
             for _, plan in plans:
                 rows.unclaim_rest(plan)
@@ -100,16 +106,21 @@ class StepCall:
                 continue
             t.outgoing_pushed()
             self.table_push.mark_pushed(t.name)
+        # every shard refused the whole call layout-moved: nothing applied anywhere (trainer.step re-routes it)
+        self.moved = (moved_everywhere(refusals, attempt.applied())
+                      if len(refusals) == len(self.client.shards) else None)
         if attempt.todo or tables_left:
             self.client.count("step_calls_fallen_back")
         return None if attempt.todo else ex.finished(attempt, time.perf_counter() - t0)
 
     def _shard(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: StepAttempt,
-               plans: list) -> list:
-        """One shard's Step: each table's outcome there, or the Exception that left its part to do."""
+               plans: list, refusals: dict) -> list:
+        """One shard's Step: each table's outcome there, or the Exception that left its part to do (kept in
+        ``refusals`` by shard)."""
         try:
             return self._shard_call(s, grad, num_samples, attempt, plans)
         except Exception as e:  # noqa: BLE001 -- before or after the call: this shard's parts stay to do
+            refusals[s.index] = e
             return [e] * len(plans)
 
     def _shard_call(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: StepAttempt,

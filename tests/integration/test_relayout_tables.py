@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
+import pytest
 import torch
 from torch.nn import functional as F
 
@@ -63,14 +64,18 @@ def same_rows(a: dict, b: dict) -> bool:
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
-def train(servers, switch_at=None, before_step=lambda ps: None, connected=lambda ps: None):
-    """STEPS sync steps of one trainer; (its dense parameters, its counters, its job, the shards' rows)."""
+def train(servers, switch_at=None, before_step=lambda ps: None, connected=lambda ps: None, prefetch=False,
+          partitions=None):
+    """STEPS sync steps of one trainer (``prefetch``: each batch's rows pulled one step ahead, the steps then go
+    as one Step call a shard, or beside the dense exchange when partitioned); (its dense parameters, its counters,
+    its job, the shards' rows)."""
     model, g = Net(), torch.Generator().manual_seed(7)
     with connect(",".join(s.address for s in servers), model, mode="sync", rank=0, num_trainers=1,
-                 optimizer=OPTIMIZER, connect_timeout=30) as ps:
+                 optimizer=OPTIMIZER, connect_timeout=30, partitions=partitions) as ps:
         connected(ps)
-        for i in range(STEPS):
-            ids, x, y = batch(g)
+        batches = [batch(g) for _ in range(STEPS)]
+        for i, (ids, x, y) in enumerate(ps.prefetching(batches, ids_of=lambda b: {"emb": b[0]}) if prefetch
+                                        else batches):
             if i == switch_at:
                 switch_to_one_shard(servers)
                 before_step(ps)
@@ -139,6 +144,25 @@ def test_a_switch_between_a_steps_table_push_and_its_dense_push_starts_the_table
     assert servers[0].layouts.timeline()[1].table_rounds == (("emb", R + 1),)
     assert (counters["pushes_rerouted"], counters["row_pushes_rerouted"], counters["tables_relaid"]) == (2, 0, 1)
     assert servers[0].layouts.host(0).head.tables.get("emb").version == R + 1  # the tombstone took step R's rows
+
+
+@pytest.mark.parametrize("partitions", [None, 2])
+def test_a_trainer_prefetching_rows_follows_the_switch_its_refused_step_rerouted_whole_and_is_exact(
+        shard_server, partitions):
+    """Prefetching, a step goes as one Step call a shard (unpartitioned), else its tables on their thread beside
+    the dense exchange (partitioned): every part refused layout-moved is taken back once both settled, and the
+    step goes again whole; the prefetched rows of the old shards are dropped."""
+    dense_ref, _, _, rows_ref = train([shard_server(shard=i).server for i in range(2)], prefetch=True,
+                                      partitions=partitions)
+    servers = [shard_server(shard=i).server for i in range(2)]
+    dense, counters, job, rows = train(servers, switch_at=R, prefetch=True, partitions=partitions)
+    assert torch.equal(dense, dense_ref) and same_rows(rows, rows_ref)
+    assert (job.num_shards, job.partitions) == (1, 2)
+    assert counters["pushes_rerouted"] == 2 * (partitions or 1) and counters["row_pushes_rerouted"] == 2
+    assert (counters["step_calls"] > 0) == (partitions is None)  # the variant each case runs
+    assert counters["layouts_followed"] == counters["tables_relaid"] == 1
+    assert counters["steps_failed"] == counters["table_pushes_failed"] == counters["pushes_lost"] == 0
+    assert servers[0].layouts.current.head.tables.get("emb").version == STEPS
 
 
 def train_two(servers, switch_at=None):

@@ -120,15 +120,15 @@ def test_a_trainer_whose_tables_cannot_follow_refuses_the_switch_by_its_reason_a
     assert TIMELINE[1].start("emb") == 5  # (a layout naming no table round takes tables over from its dense round)
 
 
-def test_async_tables_or_rows_prefetched_beside_the_exchange_refuse_the_switch_by_name():
+def test_a_variant_that_cannot_follow_is_named_as_it_runs_at_the_switch_and_refuses_before_the_tables_are_asked():
     client = _client([1, 1])
     slots = SimpleNamespace(client=client, ranges=[(0, 5), (5, 10)])
-    beside = [False]
-    relayout = Relayout(slots, session=None, unsupported=lambda: "rows prefetched beside the dense exchange"
-                        if beside[0] else "", rows=lambda: _Rows("stop here"))
+    running, rows = [""], _Rows("stop here")
+    relayout = Relayout(slots, session=None, unsupported=lambda: running[0], rows=lambda: rows)
     with pytest.raises(LayoutNotFollowed, match="stop here"):
         relayout.switch_if_due(5)
-    beside[0] = True
-    with pytest.raises(LayoutNotFollowed, match="runs rows prefetched beside the dense exchange, which cannot follow"):
+    running[0] = "async tables"
+    with pytest.raises(LayoutNotFollowed, match="runs async tables, which cannot follow a layout switch yet"):
         relayout.switch_if_due(5)
+    assert len(rows.asked) == 1 and relayout.epoch == 0
     assert LayoutEpoch(1, 5, 1, table_rounds=(("emb", 7),)).start("emb") == 7
