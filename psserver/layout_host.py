@@ -147,6 +147,8 @@ class LayoutHost:
         """The partition holding the tables a row call in layout ``epoch`` of ``table`` at ``version`` (a push's
         base, a pull's min_version) goes to, routed by the table's own switch round (LayoutEpoch.table_rounds):
         refused ``layout-moved`` / ``layout-ahead`` exactly as a dense call."""
+        if epoch == 0 and not self._later:  # the normal case: one layout, the process's tables
+            return self._hosts[0].head
         self._check(epoch, version, pull, table)
         return self.part(epoch, 0)
 
