@@ -150,3 +150,15 @@ class MemoryBudget:
     def _refuse(self, name: str, nbytes: int, why: str, left: int) -> None:
         raise OutOfMemory(f"{name} needs {nbytes} bytes ({why}) but the shard's memory budget is {self.limit} bytes "
                           f"with {left} left for it: raise ps-server --max-memory or make the job smaller")
+
+
+def handoff_bytes(job: JobSpec, job2: JobSpec, moves: list, old_index: int | None, new_index: int | None,
+                  max_lag: int) -> dict[str, int]:
+    """What a live re-shard adds on this shard beside the job it holds (docs/handoff-io.md), by part: each move
+    out copied with its optimizer state and its forward log at its bound (``max_lag`` rounds of the range), and
+    the new pieces this shard will serve (psserver.handoff_io's PREPARE checks it against the budget)."""
+    out = [m for m in moves if m.src == old_index]
+    copies = 1 + optimizer_copies(job)
+    return {"copies": sum(m.b - m.a for m in out) * 4 * copies,
+            "forward logs": sum(m.b - m.a for m in out) * 4 * max_lag,
+            "new pieces": dense_bytes(job2, new_index) if new_index is not None else 0}

@@ -27,12 +27,14 @@ import threading
 from dataclasses import dataclass
 
 from psserver import handoff as h
+from psserver.budget import dense_bytes, handoff_bytes
 from psserver.handoff_dest import DestState
 from psserver.handoff_io_dest import DestSide
 from psserver.handoff_io_source import COPY, RETRY_SECONDS, STREAM_TIMEOUT, SourceSide
-from psserver.handoff_wire import read_async, unpack
+from psserver.handoff_wire import check_move, job_proto, read_async, unpack
 from psserver.layout_host import LayoutHost
-from psserver.protocol.errors import InvalidRequest, JobMismatch, NotPermitted, NotReady
+from psserver.protocol import limits
+from psserver.protocol.errors import InvalidRequest, JobMismatch, NotPermitted, NotReady, OutOfMemory
 from psserver.protocol.job import JobSpec
 from psserver.protocol.layouts import LayoutEpoch, Move, first_layout, new_job, next_layout, plan_moves
 from psserver.protocol.proto import ps_pb2 as _pb
@@ -71,6 +73,20 @@ class Plan:
 
 
 def plan_of(request) -> Plan:
+    """The plan a PREPARE names, bounded before anything is computed from it (an address list past MAX_SHARDS made
+    new_job raise ValueError: UNKNOWN): INVALID_ARGUMENT naming the field and both values."""
+    for field in ("old_addresses", "new_addresses"):
+        addresses = list(getattr(request, field))
+        if not 0 < len(addresses) <= limits.MAX_SHARDS:
+            raise InvalidRequest(f"{field} lists {len(addresses)} addresses but a plan takes 1 to {limits.MAX_SHARDS}")
+        for address in addresses:
+            limits.check_id(field, address, limits.MAX_NAME_CHARS)
+        twice = sorted({a for a in addresses if addresses.count(a) > 1})
+        if twice:
+            raise InvalidRequest(f"{field} lists {twice[0]!r} {addresses.count(twice[0])} times but each shard once")
+    limits.check_id("you", request.you, limits.MAX_NAME_CHARS)
+    if request.partitions > limits.MAX_PARTITIONS:
+        raise InvalidRequest(f"partitions is {request.partitions} but a plan takes at most {limits.MAX_PARTITIONS}")
     return Plan(request.plan, tuple(request.old_addresses), tuple(request.new_addresses), request.partitions,
                 request.you)
 
@@ -148,6 +164,7 @@ class HandoffIO:
     # ------------------------------------------------------------------ the coordinator's calls
     async def reshard(self, request) -> _pb.ReshardReply:
         op = request.op
+        limits.check_id("plan", request.plan)  # compared, stored, logged and sent on every stream
         if op == _pb.ReshardRequest.PREPARE:
             await self.runtime.offload(self._prepare, plan_of(request))
             for s in self.sources:
@@ -182,6 +199,7 @@ class HandoffIO:
             job = self.layouts.current.head.job
             if job is not None:
                 self._check_job(job, plan)
+                self._check_memory(job, plan)  # every refusal before the plan is taken: a refusal changes nothing
             elif plan.new_index is None:
                 raise InvalidRequest(f"you is {plan.you!r} but it is in neither --ps {list(plan.old)} nor --to "
                                      f"{list(plan.new)}")
@@ -211,6 +229,22 @@ class HandoffIO:
         if plan.old_index is None or len(plan.old) != job.num_shards:
             raise InvalidRequest(f"you is {plan.you!r} but the job's {job.num_shards} shards are --ps "
                                  f"{list(plan.old)}: name this shard's address in it")
+        moves = _moves(plan, job)
+        if not any(m.src == plan.old_index for m in moves):
+            raise InvalidRequest(f"plan {plan.id!r} moves nothing from shard {plan.old_index}")
+
+    def _check_memory(self, job: JobSpec, plan: Plan) -> None:
+        """PREPARE's copies, forward logs and new pieces beside the job, in --max-memory: RESOURCE_EXHAUSTED naming
+        both numbers (a snapshot of the range was taken whatever the budget)."""
+        budget = self.layouts.current.budget
+        extra = handoff_bytes(job, plan.layouts(job)[2], _moves(plan, job), plan.old_index, plan.new_index,
+                              self.max_lag)
+        held = dense_bytes(job, self.layouts.current.shard_id)
+        if held + sum(extra.values()) > budget.limit:
+            parts = ", ".join(f"{k} {v}" for k, v in extra.items())
+            raise OutOfMemory(f"a live re-shard needs {held + sum(extra.values())} bytes here (the job's {held}, "
+                              f"{parts}) but the shard's memory budget is {budget.limit} bytes: raise ps-server "
+                              "--max-memory or re-shard to more shards")
 
     def _start_sources(self, job: JobSpec, plan: Plan) -> None:
         self.moves = plan.moves(job)
@@ -224,8 +258,6 @@ class HandoffIO:
             side.carry(actions)
             self.sources.append(side)
             part.round_listener = self._round_listener
-        if job.num_shards and not self.sources:
-            raise InvalidRequest(f"plan {plan.id!r} moves nothing from shard {plan.old_index}")
 
     def _round_listener(self, part, version: int, average, lr) -> None:
         """A partition closed a round: each of its moves' logs keeps it.  Never fails the round (counted)."""
@@ -327,10 +359,22 @@ class HandoffIO:
         host.restore_states(states, f"layout {layout.number} (hand-off {plan.id})")
         return layout, host, timeline[0]
 
+    def _check_piece_memory(self, job: JobSpec, plan: Plan) -> None:
+        """A shard that had no job at PREPARE (a new one) learns the job from the first COPY: its new pieces must
+        fit in --max-memory (a shard with a job checked them at PREPARE)."""
+        if self.layouts.current.head.job is None:
+            need = dense_bytes(plan.layouts(job)[2], plan.new_index)
+            limit = self.layouts.current.budget.limit
+            if need > limit:
+                raise OutOfMemory(f"the new pieces of plan {plan.id!r} need {need} bytes here but the shard's memory "
+                                  f"budget is {limit} bytes: raise ps-server --max-memory")
+
     # ------------------------------------------------------------------ the streams in
     async def handoff(self, request_iterator) -> _pb.HandoffAck:
-        first, data = await read_async(request_iterator, self._check_caller)  # before the rest is read
-        return await self.runtime.offload(self._receive, first, unpack(data))
+        first, data = await read_async(request_iterator, self._check_caller,  # before the rest is read
+                                       self.layouts.current.budget.limit)
+        # decoded off the loop: torch.load of a range's copy is seconds of CPU on a big slice
+        return await self.runtime.offload(lambda: self._receive(first, unpack(data, first.kind)))
 
     def _check_caller(self, first) -> None:
         plan = self.plan
@@ -346,17 +390,19 @@ class HandoffIO:
             plan = self.plan
             self._check_caller(first)
             if not self.moves and first.kind == COPY:
-                self.moves = plan.moves(JobSpec.from_proto(_job_proto(payload)))
+                self.moves = _moves(plan, _copied_job(payload, plan))
             move = self.moves[first.move] if first.move < len(self.moves) else None
             if move is None or plan.old[move.src] != first.source or move.dst != plan.new_index:
                 caller = plan.old[move.src] if move is not None else None
                 raise NotPermitted(f"source is {first.source!r} but move {first.move} of plan {plan.id!r} comes "
                                    f"from {caller!r} to this shard: a Handoff only from a source of its plan")
+            check_move(first.kind, payload, move.a, move.b)
             dest = self.dests.get(move.dst_part)
             if dest is None:
                 if first.kind != COPY:
                     raise NotReady(f"kind is {first.kind} but new piece {move.dst_part} has had no COPY yet")
-                job = JobSpec.from_proto(_job_proto(payload))
+                job = _copied_job(payload, plan)
+                self._check_piece_memory(job, plan)
                 mine = [(i, m) for i, m in enumerate(self.moves)
                         if m.dst == plan.new_index and m.dst_part == move.dst_part]
                 dest = self.dests[move.dst_part] = DestSide(self, move.dst_part, mine, job)
@@ -365,7 +411,18 @@ class HandoffIO:
                                   phase=dest.machine.state.value)
 
 
-def _job_proto(payload: dict) -> _pb.JobSpec:
-    msg = _pb.JobSpec()
-    msg.ParseFromString(bytes.fromhex(payload["job"]))
-    return msg
+def _moves(plan: Plan, job: JobSpec) -> list[Move]:
+    """The plan's moves of ``job``; a job whose layout cannot be computed for the plan is INVALID_ARGUMENT."""
+    try:
+        return plan.moves(job)
+    except ValueError as e:
+        raise InvalidRequest(f"plan {plan.id!r} cannot move this job: {str(e)[:200]}") from None
+
+
+def _copied_job(payload: dict, plan: Plan) -> JobSpec:
+    """A COPY's job (checked by psserver.handoff_wire), which must be a job of the plan's old shards."""
+    job = JobSpec.from_proto(job_proto(payload))
+    if job.num_shards != len(plan.old):
+        raise InvalidRequest(f"a COPY's job has num_shards {job.num_shards} but plan {plan.id!r} moves from "
+                             f"{len(plan.old)} shards")
+    return job

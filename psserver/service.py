@@ -50,6 +50,7 @@ from psserver.protocol.codec import (
 )
 from psserver.protocol.errors import (
     InvalidRequest,
+    NotPermitted,
     NotReady,
     ShuttingDown,
     StaleGradient,
@@ -68,8 +69,10 @@ from psserver.service_common import (
     _check_header_fields,
     _check_identity,
     _decoded,
+    _is_loopback,
     _is_member,
     _no_slot,
+    _read_all,
     _refusals,
     _reply_stream,
     _safe,
@@ -242,14 +245,31 @@ class ParameterServerService(RowRpcs, StepRpc):
 
     @_refusals
     async def Reshard(self, request, context):
-        """A live re-shard's coordinator call (psserver.handoff_io)."""
-        return await self._handoffs().reshard(_decoded(request))
+        """A live re-shard's coordinator call (psserver.handoff_io); any op but STATUS changes the job's layout,
+        so it is taken only from a caller the shard trusts (``_check_reshard_peer``)."""
+        request = _decoded(request)
+        if request.op != _pb.ReshardRequest.STATUS:
+            self._check_reshard_peer(context, "Reshard")
+        return await self._handoffs().reshard(request)
 
     @_refusals
     async def Handoff(self, request_iterator, context):
-        """A live re-shard's source streaming to this destination (psserver.handoff_io)."""
+        """A live re-shard's source streaming to this destination (psserver.handoff_io), read with the idle and
+        total deadlines of every stream: a stream left open holds its bytes and a call of its connection."""
         with self._peer_slot(context):
-            return await self._handoffs().handoff(_decoded(c) async for c in request_iterator)
+            self._check_reshard_peer(context, "Handoff")
+            reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self._deadline(context))
+            return await self._handoffs().handoff(_read_all(reader))
+
+    def _check_reshard_peer(self, context, what: str) -> None:
+        """A shard that authenticates no caller (no token, no mutual TLS) takes a re-shard's calls only from its
+        own host: the plan id is derived from the addresses and the records are public, so without this any peer
+        that reaches the port could stall, abort or redirect the job's hand-off (docs/attacks-2026-11-24.md)."""
+        peer = context.peer() or ""
+        if not self.authenticated and not _is_loopback(peer):
+            raise NotPermitted(f"peer is {peer!r} but this shard authenticates no caller and takes {what} only from "
+                               "its own host (loopback): give the shards --auth-token-file (or mutual TLS) to "
+                               "re-shard across hosts")
 
     def _handoffs(self):
         if self.handoffs is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ipaddress
 import logging
 from contextlib import asynccontextmanager
 
@@ -194,6 +195,26 @@ class _StreamReader:
         if first is None:
             raise InvalidRequest("the stream is empty: the first chunk must carry a header")
         return first, first_header(first)
+
+
+async def _read_all(reader: _StreamReader):
+    """A request stream's messages through ``reader`` (its deadlines), each decoded or refused."""
+    while (chunk := await reader.next()) is not None:
+        yield _decoded(chunk)
+
+
+def _is_loopback(peer: str) -> bool:
+    """Whether gRPC's ``context.peer()`` ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", "unix:...") is this host."""
+    kind, _, rest = peer.partition(":")
+    if kind == "unix":
+        return True
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def _check_identity(request) -> None:
