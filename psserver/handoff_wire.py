@@ -45,7 +45,8 @@ def unpack(data: bytes, kind: int | None = None) -> dict:
 
 def _want(ok: bool, field: str, value, expected: str) -> None:
     if not ok:
-        raise InvalidRequest(f"a Handoff payload's {field} is {str(value)[:80]!r} but it must be {expected}")
+        shown = value if isinstance(value, int) else repr(str(value)[:80])
+        raise InvalidRequest(f"a Handoff payload's {field} is {shown} but it must be {expected}")
 
 
 def _tensor(field: str, value, n: int | None = None) -> None:
