@@ -37,6 +37,7 @@ import grpc
 import torch
 
 from psserver.common.logsafe import RateLimitedLog, counted
+from psserver.digest_gate import DigestGate
 from psserver.host import ShardHost
 from psserver.layout_host import LayoutHost
 from psserver.protocol import limits, stubs
@@ -140,6 +141,7 @@ class ParameterServerService(RowRpcs, StepRpc):
         self.rows = RowCalls(self.shard, runtime, cfg.max_pull_wait)  # the row calls' table steps (layout 0's)
         self._rows_by_epoch: dict[int, RowCalls] = {}  # a later layout's (RowRpcs.rows_at)
         self.handoffs = handoffs  # a live re-shard's Reshard and Handoff calls (psserver.handoff_io)
+        self.digests = DigestGate(runtime.offload)  # GetStats' state digests, one pass at a time per partition
 
     @property
     def host(self) -> ShardHost:
@@ -276,14 +278,15 @@ class ParameterServerService(RowRpcs, StepRpc):
             raise NotReady("handoffs is None but a live re-shard needs a shard process (psserver.server)")
         return self.handoffs
 
-    def _digest(self, part: Shard, request) -> asyncio.Future:
+    def _digest(self, part: Shard, request):
         """The partition's state digest, for members (or any caller of a shard that authenticates them all),
         hashed on the state worker: a pass over a big table took seconds, and on the loop it held every
-        heartbeat and health check that long."""
+        heartbeat and health check that long.  One pass at a time, shared by the callers waiting for it
+        (psserver.digest_gate): many callers cost the worker no more than one."""
         if not self.authenticated:
             _check_identity(request)
             part.check_digest_caller(request.rank, request.trainer_id, request.fingerprint)
-        return self.runtime.offload(part.state_digest)
+        return self.digests.digest(part)
 
     # ------------------------------------------------------------------ streams in
     @_refusals
