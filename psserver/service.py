@@ -50,6 +50,7 @@ from psserver.protocol.codec import (
     encode_raw,
 )
 from psserver.protocol.errors import (
+    HandoffPending,
     InvalidRequest,
     NotPermitted,
     NotReady,
@@ -186,6 +187,8 @@ class ParameterServerService(RowRpcs, StepRpc):
             job = JobSpec.from_proto(request.job)
         except ValueError as e:
             raise InvalidRequest(f"job spec: {e}") from None
+        if request.join and not request.join_round:
+            self._check_no_open_plan()
         part = self.layouts.register_host(request.layout_epoch).part_for_register(
             request.partition, request.rank, request.expected_shard, job, request.join)
         r = await self.runtime.run_state(part.register, request.rank, request.trainer_id,
@@ -262,6 +265,15 @@ class ParameterServerService(RowRpcs, StepRpc):
             self._check_reshard_peer(context, "Handoff")
             reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self._deadline(context))
             return await self._handoffs().handoff(_read_all(reader))
+
+    def _check_no_open_plan(self) -> None:
+        """A join's admission waits out a live re-shard (UNAVAILABLE, reason ``handoff``; the joiner asks again):
+        admitted between PREPARE and DECIDE, its epoch would be mixed into moves copied without it."""
+        handoffs = self.handoffs
+        plan = handoffs.plan if handoffs is not None else None
+        if plan is not None and not handoffs.settled():
+            raise HandoffPending(f"join is set but this shard is re-sharding under plan {plan.id!r} (not switched or "
+                                 "aborted yet): a join is admitted after the hand-off; asked again, it is")
 
     def _check_reshard_peer(self, context, what: str) -> None:
         """A shard that authenticates no caller (no token, no mutual TLS) takes a re-shard's calls only from its
