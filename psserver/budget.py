@@ -23,7 +23,7 @@ from psserver.common.cli_support import parse_bytes  # noqa: F401 (--max-memory'
 from psserver.protocol.errors import OutOfMemory
 from psserver.protocol.job import JobSpec
 from psserver.protocol.layout import partition_range
-from psserver.protocol.rows.table import row_bytes, start_bytes
+from psserver.protocol.rows.table import row_bytes, scratch_bytes, start_bytes
 
 # The default budget is this fraction of the memory the machine (or the shard's cgroup) has available
 # when the shard starts: the rest is for what the plan does not count (above) and for neighbours.
@@ -113,8 +113,10 @@ class MemoryBudget:
         needs: dict[str, int] = {}
         left = self.limit
         fixed = [("total_params", dense_bytes(job, shard), self._dense_why(job, shard))]
-        fixed += [(f"tables[{t.name}].max_rows", t.max_rows * row_bytes(t) + start_bytes(t),
-                   f"{t.max_rows} rows of {row_bytes(t)} bytes (dim {t.dim}, optimizer {t.optimizer.name})")
+        fixed += [(f"tables[{t.name}].max_rows",
+                   t.max_rows * row_bytes(t) + start_bytes(t) + scratch_bytes(t, t.max_rows),
+                   f"{t.max_rows} rows of {row_bytes(t)} bytes (dim {t.dim}, optimizer {t.optimizer.name}) and "
+                   f"{scratch_bytes(t, t.max_rows)} of update scratch")
                   for t in job.tables if t.max_rows is not None]
         fixed += [(f"tables[{t.name}]", start_bytes(t), "its index and admission sketch")
                   for t in job.tables if t.max_rows is None]
@@ -131,14 +133,15 @@ class MemoryBudget:
         row_limits = {}
         for t in open_tables:
             share = left // len(open_tables)
-            rows = share // row_bytes(t)
+            rows = _rows_in(t, share)
             if strict and rows < MIN_TABLE_ROWS:
-                self._refuse(f"tables[{t.name}]", MIN_TABLE_ROWS * row_bytes(t),
+                self._refuse(f"tables[{t.name}]", MIN_TABLE_ROWS * row_bytes(t) + scratch_bytes(t, MIN_TABLE_ROWS),
                              f"at least {MIN_TABLE_ROWS} row of dim {t.dim} with optimizer {t.optimizer.name} "
+                             f"and its update scratch "
                              f"(an even share of what the rest of the job left among {len(open_tables)} "
                              "table(s) without max_rows)", share)
             row_limits[t.name] = max(MIN_TABLE_ROWS, rows)
-            needs[f"tables[{t.name}]"] += row_limits[t.name] * row_bytes(t)
+            needs[f"tables[{t.name}]"] += row_limits[t.name] * row_bytes(t) + scratch_bytes(t, row_limits[t.name])
         tables_bytes = sum(v for k, v in needs.items() if k.startswith("tables["))
         return Plan(self.limit, needs, row_limits, tables_bytes)
 
@@ -150,6 +153,18 @@ class MemoryBudget:
     def _refuse(self, name: str, nbytes: int, why: str, left: int) -> None:
         raise OutOfMemory(f"{name} needs {nbytes} bytes ({why}) but the shard's memory budget is {self.limit} bytes "
                           f"with {left} left for it: raise ps-server --max-memory or make the job smaller")
+
+
+def _rows_in(t, share: int) -> int:
+    """The most rows of table ``t`` that fit in ``share`` bytes with the update scratch they keep."""
+    lo, hi = 0, share // row_bytes(t)  # the cost grows with the rows: the largest that fits, by bisection
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if mid * row_bytes(t) + scratch_bytes(t, mid) <= share:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def handoff_bytes(job: JobSpec, job2: JobSpec, moves: list, old_index: int | None, new_index: int | None,

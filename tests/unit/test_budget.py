@@ -12,7 +12,7 @@ from psserver.protocol.errors import OutOfMemory
 from psserver.protocol.job import JobSpec, OptimizerConfig
 from psserver.protocol.rows import errors
 from psserver.protocol.rows.optim import SparseOptimizerConfig
-from psserver.protocol.rows.table import START_BYTES, RowStore, TableSpec, row_bytes, start_bytes
+from psserver.protocol.rows.table import START_BYTES, RowStore, TableSpec, row_bytes, scratch_bytes, start_bytes
 
 
 def spec(params=1000, partitions=1, optimizer="adam", mode="sync", tables=()):
@@ -64,11 +64,25 @@ def test_tables_without_max_rows_share_what_the_rest_of_the_job_leaves_as_row_li
     limit = 10 << 20
     plan = MemoryBudget(limit).plan(spec(1000, tables=(a, b)), 0)
     left = limit - 20_000 - start_bytes(a) - start_bytes(b)
-    assert plan.row_limits == {"a": left // 2 // row_bytes(a), "b": left // 2 // row_bytes(b)}
+    for t in (a, b):  # the most rows that fit in the share with the update scratch they keep
+        rows = plan.row_limits[t.name]
+        assert rows * row_bytes(t) + scratch_bytes(t, rows) <= left // 2
+        assert (rows + 1) * row_bytes(t) + scratch_bytes(t, rows + 1) > left // 2
     assert plan.total <= limit and plan.tables_bytes == plan.total - 20_000
     with pytest.raises(OutOfMemory, match=r"tables\[b\] needs \d+ bytes \(at least 1 row of dim 64"):
-        MemoryBudget(20_000 + start_bytes(a) + start_bytes(b) + 400).plan(spec(1000, tables=(a, b)), 0)
+        room = 2 * (row_bytes(a) + scratch_bytes(a, 1) + 100)  # one row of a (and its scratch) each, not of b
+        MemoryBudget(20_000 + start_bytes(a) + start_bytes(b) + room).plan(spec(1000, tables=(a, b)), 0)
     assert MemoryBudget(1).plan(spec(1000, tables=(a,)), 0, strict=False).row_limits == {"a": 1}
+
+
+def test_a_wide_table_is_refused_when_its_update_scratch_does_not_fit_beside_its_first_row():
+    """Before: the scratch a push pads to 64 rows (64 MiB at dim 65,536 with Adam) was outside --max-memory."""
+    wide = TableSpec("wide", 1 << 16, SparseOptimizerConfig("adam"))
+    assert scratch_bytes(wide, 1) == 64 << 20
+    with pytest.raises(OutOfMemory, match=r"tables\[wide\] needs \d+ bytes \(at least 1 row of dim 65536"):
+        MemoryBudget(64 << 20).plan(spec(1000, tables=(wide,)), 0)
+    plan = MemoryBudget(128 << 20).plan(spec(1000, tables=(wide,)), 0)
+    assert plan.total <= 128 << 20 and plan.needs["tables[wide]"] >= scratch_bytes(wide, 1)
 
 
 def test_a_wide_adam_store_starts_with_one_row_of_room_and_grows_by_doubling():

@@ -160,6 +160,15 @@ def row_bytes(spec: TableSpec) -> int:
     return (spec.dim + state_width(spec.optimizer, spec.dim)) * 4 + ROW_OVERHEAD_BYTES
 
 
+def scratch_bytes(spec: TableSpec, rows: int) -> int:
+    """Bytes a table of at most ``rows`` rows keeps in its UpdateScratch between pushes: its rows rounded up to
+    LANE_ROWS, at most ``keep_rows`` (KEEP_BYTES, or LANE_ROWS rows of a very wide table).  The memory budget
+    reserves them beside the rows (psserver.budget): before, they were outside --max-memory."""
+    per_row = (2 * spec.dim + state_width(spec.optimizer, spec.dim)) * 4
+    keep_rows = max(LANE_ROWS, UpdateScratch.KEEP_BYTES // per_row // LANE_ROWS * LANE_ROWS)
+    return min(keep_rows, rows + (-rows % LANE_ROWS)) * per_row
+
+
 def start_bytes(spec: TableSpec) -> int:
     """Bytes a store of ``spec`` holds before any row: its first slots, the id index, the admission sketch."""
     sketch = admission.DEPTH * admission.WIDTH * 4 if spec.admit_after else 0
