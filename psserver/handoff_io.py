@@ -221,6 +221,9 @@ class HandoffIO:
             raise JobMismatch(f"tables is {sorted(t.name for t in job.tables)} but a live re-shard takes "
                               "tables [] (tables move in stage 6)")
         for part in self.layouts.current.parts[:job.partitions]:
+            if part.params is None:  # nothing to copy yet (before: copy_range's AttributeError, UNKNOWN)
+                raise NotReady(f"initialized is False on partition {part.partition} but a live re-shard copies "
+                               "the parameters: re-shard after rank 0's Init")
             pending = part.epochs.pending if part.epochs is not None else {}
             if pending:
                 rank, join = sorted(pending.items())[0]

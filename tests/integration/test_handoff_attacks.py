@@ -4,6 +4,7 @@ and a PREPARE whose copies do not fit in --max-memory.  Real shards over gRPC; e
 a message naming the field and both values, the shard's state (digest and hand-off records) unchanged, and the
 shard still serving."""
 
+import dataclasses
 import socket
 import threading
 
@@ -14,12 +15,15 @@ import torch
 from psserver.budget import dense_bytes
 from psserver.handoff_io import plan_of
 from psserver.handoff_wire import chunks
+from psserver.protocol.codec import encode, wire_tensor
+from psserver.protocol.layout import Layout
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.proto import ps_pb2_grpc as pb_grpc
+from psserver.protocol.security import ClientSecurity, ServerSecurity
 from psserver.server import ServerConfig, ShardServer
 from psserver.service import ServiceLimits
 from psserver.service_common import _is_loopback
-from tests.conftest import RawShard
+from tests.conftest import P, RawShard
 from tests.helpers import refused, wait_until
 from tests.integration.test_handoff_io import OLD, Job, Op, _Shard
 
@@ -124,6 +128,45 @@ def _from_another_host(shard, address):
     shard.stub.Reshard(pb.ReshardRequest(op=Op.STATUS), timeout=10)  # still serves, from its own host
 
 
+def test_with_a_token_reshard_from_another_host_needs_the_token_and_is_taken_with_it():
+    """The loopback rule is for shards that authenticate no caller: with a token, a coordinator on another host
+    holding it re-shards as before, and one without it is UNAUTHENTICATED."""
+    address = _this_hosts_address()
+    token = "attack2-token"
+    server = ShardServer(ServerConfig(shard=0, host="0.0.0.0", port=0, lease_timeout=0,
+                                      security=ServerSecurity(token=token))).start()
+    try:
+        here = f"127.0.0.1:{server.port}"
+        plan = pb.ReshardRequest(op=Op.PREPARE, plan="p1", old_addresses=[here], new_addresses=[here, "h:1"],
+                                 you=here)
+        job = _one_shard_job()
+        with ClientSecurity(token=token).channel(here) as local:
+            stub = pb_grpc.ParameterServerStub(local)
+            stub.Register(pb.RegisterRequest(rank=0, trainer_id="t0", expected_shard=0, job=job.to_proto()),
+                          timeout=10)
+            assert init(stub, job.fingerprint, P).accepted
+        with ClientSecurity().channel(f"{address}:{server.port}") as bare:
+            refused(lambda: pb_grpc.ParameterServerStub(bare).Reshard(plan, timeout=10),
+                    grpc.StatusCode.UNAUTHENTICATED, "token")
+        with ClientSecurity(token=token).channel(f"{address}:{server.port}") as remote:
+            stub = pb_grpc.ParameterServerStub(remote)
+            assert stub.Reshard(plan, timeout=10).plan == "p1"
+            plan.op, plan.switch = Op.DECIDE, False
+            assert stub.Reshard(plan, timeout=10).layout_epoch == 0  # aborted: the job goes on
+    finally:
+        server.stop(grace=0)
+
+
+def init(stub, fingerprint, n):
+    h = pb.ChunkHeader(rank=0, trainer_id="t0", fingerprint=fingerprint, dtype=pb.FLOAT32, length=n)
+    return stub.Init(encode(wire_tensor(torch.zeros(n), pb.FLOAT32), h, 4 * n), timeout=10)
+
+
+def _one_shard_job():
+    job = dataclasses.replace(OLD, num_shards=1)
+    return dataclasses.replace(job, fingerprint=Layout.from_shapes(job.tensors, 1).fingerprint())
+
+
 class _One:
     """``_Shard``'s view of one registered shard."""
 
@@ -224,6 +267,20 @@ def test_a_handoff_payload_past_the_memory_budget_is_resource_exhausted_before_t
     refused(lambda: job.shards[2].stub.Handoff(big(), timeout=10), grpc.StatusCode.RESOURCE_EXHAUSTED,
             "size is 240000 bytes so far", "limit is 200000 bytes (--max-memory)", unchanged=_Records(job, 2))
     assert job.shards[2].stats().counters["refused_RESOURCE_EXHAUSTED"] == 1
+
+
+def test_a_prepare_before_rank_0s_init_is_failed_precondition_and_takes_no_plan(shard_server):
+    """Before: PREPARE of a registered job without parameters yet was UNKNOWN (copy_range of None)."""
+    shard = shard_server(lease_timeout=0)
+    shard.register(spec=OLD)
+    here = shard.server.address
+    request = pb.ReshardRequest(op=Op.PREPARE, plan="p1", old_addresses=[here, "b:1"],
+                                new_addresses=[here, "b:1", "c:1"], you=here)
+    refused(lambda: shard.stub.Reshard(request, timeout=10), grpc.StatusCode.FAILED_PRECONDITION,
+            "initialized is False on partition 0", "after rank 0's Init", unchanged=_Shard(_One(shard), 0))
+    assert shard.stub.Reshard(pb.ReshardRequest(op=Op.STATUS), timeout=10).handoffs == []
+    assert init(shard.stub, OLD.fingerprint, P // 2).accepted  # still serves: the Init it waited for is taken
+    assert shard.stub.Reshard(request, timeout=10).plan == "p1"
 
 
 def test_a_prepare_whose_copies_do_not_fit_the_memory_budget_is_resource_exhausted_naming_both_numbers(
