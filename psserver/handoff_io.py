@@ -31,7 +31,7 @@ from psserver.budget import dense_bytes, handoff_bytes
 from psserver.handoff_dest import DestState
 from psserver.handoff_io_dest import DestSide
 from psserver.handoff_io_source import COPY, RETRY_SECONDS, STREAM_TIMEOUT, SourceSide
-from psserver.handoff_wire import check_move, job_proto, read_async, unpack
+from psserver.handoff_wire import check_move, job_proto, read_async, unpack_parts
 from psserver.layout_host import LayoutHost
 from psserver.protocol import limits
 from psserver.protocol.errors import InvalidRequest, JobMismatch, NotPermitted, NotReady, OutOfMemory
@@ -374,10 +374,11 @@ class HandoffIO:
 
     # ------------------------------------------------------------------ the streams in
     async def handoff(self, request_iterator) -> _pb.HandoffAck:
-        first, data = await read_async(request_iterator, self._check_caller,  # before the rest is read
-                                       self.layouts.current.budget.limit)
-        # decoded off the loop: torch.load of a range's copy is seconds of CPU on a big slice
-        return await self.runtime.offload(lambda: self._receive(first, unpack(data, first.kind)))
+        first, parts = await read_async(request_iterator, self._check_caller,  # before the rest is read
+                                        self.layouts.current.budget.limit)
+        # joined and decoded off the loop and off the state worker: a big COPY's torch.load is seconds of CPU
+        payload = await asyncio.to_thread(unpack_parts, parts, first.kind)
+        return await self.runtime.offload(self._receive, first, payload)
 
     def _check_caller(self, first) -> None:
         plan = self.plan

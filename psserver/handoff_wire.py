@@ -150,10 +150,13 @@ class _Payload:
                            f"but the limit is {self.limit} bytes (--max-memory): refused before the rest is read")
         self.parts.append(chunk.data)
 
-    def whole(self) -> tuple[_pb.HandoffChunk, bytes]:
+    def started(self) -> _pb.HandoffChunk:
         if self.first is None:
             raise InvalidRequest("a Handoff stream ended before its first chunk")
-        return self.first, b"".join(self.parts)
+        return self.first
+
+    def whole(self) -> tuple[_pb.HandoffChunk, bytes]:
+        return self.started(), b"".join(self.parts)
 
 
 def read(request_iterator: Iterable[_pb.HandoffChunk]) -> tuple[_pb.HandoffChunk, bytes]:
@@ -165,11 +168,17 @@ def read(request_iterator: Iterable[_pb.HandoffChunk]) -> tuple[_pb.HandoffChunk
 
 
 async def read_async(request_iterator, check=lambda first: None,
-                     limit: int = MAX_PAYLOAD_BYTES) -> tuple[_pb.HandoffChunk, bytes]:
-    """``read`` for the servicer's async stream; ``check(first)`` runs on the first chunk, before the rest is read."""
+                     limit: int = MAX_PAYLOAD_BYTES) -> tuple[_pb.HandoffChunk, list[bytes]]:
+    """``read`` for the servicer's async stream, its pieces not joined (``unpack_parts`` off the loop: joining
+    100 MiB took ~0.2 s on a loaded 2-core machine); ``check(first)`` runs on the first chunk, before the rest."""
     payload = _Payload(limit)
     async for chunk in request_iterator:
         if payload.first is None:
             check(chunk)
         payload.add(chunk)
-    return payload.whole()
+    return payload.started(), payload.parts
+
+
+def unpack_parts(parts: list[bytes], kind: int) -> dict:
+    """``unpack`` of a payload's pieces as ``read_async`` gathered them (for a thread other than the loop)."""
+    return unpack(b"".join(parts), kind)
