@@ -320,7 +320,7 @@ def test_a_handoff_payload_is_decoded_while_the_shard_goes_on_answering_calls_an
         try:
             assert entered.wait(60), "the Handoff never reached its decode"
             still_serves(job, 1)  # a push on the shard whose Handoff is being decoded
-            assert job.shards[1].stats(fingerprint=OLD.fingerprint).counters["handoff_copies_loaded"] == 0
         finally:
             release.set()
-        assert ack.result(60).phase == "replaying"
+        reply = ack.result(60)  # taken once decoded (its own copy of move 2 may have come before or after it)
+        assert (reply.move, reply.phase in ("receiving", "replaying")) == (index, True)
