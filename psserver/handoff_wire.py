@@ -13,6 +13,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from psserver.protocol import limits
 from psserver.protocol.errors import InvalidRequest, TooLarge
 from psserver.protocol.job import JobSpec
 from psserver.protocol.proto import ps_pb2 as _pb
@@ -144,6 +145,9 @@ class _Payload:
 
     def add(self, chunk: _pb.HandoffChunk) -> None:
         self.first = self.first or chunk
+        if self.parts and len(self.parts[-1]) < limits.MIN_CHUNK_BYTES:  # (empty chunks would be kept unbounded)
+            raise InvalidRequest(f"a Handoff's chunk {len(self.parts) - 1} carries {len(self.parts[-1])} bytes but "
+                                 f"every chunk but the last carries at least {limits.MIN_CHUNK_BYTES}")
         self.size += len(chunk.data)
         if self.size > self.limit:
             raise TooLarge(f"a Handoff payload's size is {self.size} bytes so far "

@@ -324,3 +324,20 @@ def test_a_handoff_payload_is_decoded_while_the_shard_goes_on_answering_calls_an
             release.set()
         reply = ack.result(60)  # taken once decoded (its own copy of move 2 may have come before or after it)
         assert (reply.move, reply.phase in ("receiving", "replaying")) == (index, True)
+
+
+@pytest.mark.parametrize("sizes, fragments", [
+    ([0, 0, 0], ("chunk 0 carries 0 bytes", "at least 4096")),
+    ([5000, 100, 5000], ("chunk 1 carries 100 bytes", "at least 4096")),
+], ids=["empty-chunks", "a-small-chunk-mid-stream"])
+def test_a_handoff_of_chunks_under_the_minimum_is_invalid_argument_at_the_next_chunk(shard_server, sizes, fragments):
+    """Before: each chunk was kept, however small -- empty ones too, which the byte bound never counted, so a stream
+    of empty chunks grew the shard's memory until --max-call-seconds."""
+    job = Job(shard_server)
+    job.reshard(2, Op.PREPARE)
+    index, move = move_to(job, 2)
+    stream = iter([pb.HandoffChunk(kind=COPY, plan="p1", source=job.old[move.src], move=index, data=b"\0" * n)
+                   for n in sizes])
+    refused(lambda: job.shards[2].stub.Handoff(stream, timeout=10), grpc.StatusCode.INVALID_ARGUMENT, *fragments,
+            unchanged=_Records(job, 2))
+
