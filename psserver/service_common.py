@@ -12,6 +12,7 @@ import asyncio
 import functools
 import ipaddress
 import logging
+import urllib.parse
 from contextlib import asynccontextmanager
 
 from psserver.common.logsafe import shorten
@@ -204,11 +205,12 @@ async def _read_all(reader: _StreamReader):
 
 
 def _is_loopback(peer: str) -> bool:
-    """Whether gRPC's ``context.peer()`` ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", "unix:...") is this host."""
+    """Whether gRPC's ``context.peer()`` ("ipv4:127.0.0.1:5000", "ipv6:%5B::1%5D:5000" -- brackets percent-encoded
+    --, "unix:...") is this host."""
     kind, _, rest = peer.partition(":")
     if kind == "unix":
         return True
-    host = rest.rsplit(":", 1)[0].strip("[]")
+    host = urllib.parse.unquote(rest).rsplit(":", 1)[0].strip("[]")
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
