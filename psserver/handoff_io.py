@@ -393,9 +393,8 @@ class HandoffIO:
         with self.lock:
             plan = self.plan
             self._check_caller(first)
-            if not self.moves and first.kind == COPY:
-                self.moves = _moves(plan, _copied_job(payload, plan))
-            move = self.moves[first.move] if first.move < len(self.moves) else None
+            moves = self.moves or (_moves(plan, _copied_job(payload, plan)) if first.kind == COPY else [])
+            move = moves[first.move] if first.move < len(moves) else None
             if move is None or plan.old[move.src] != first.source or move.dst != plan.new_index:
                 caller = plan.old[move.src] if move is not None else None
                 raise NotPermitted(f"source is {first.source!r} but move {first.move} of plan {plan.id!r} comes "
@@ -407,7 +406,8 @@ class HandoffIO:
                     raise NotReady(f"kind is {first.kind} but new piece {move.dst_part} has had no COPY yet")
                 job = _copied_job(payload, plan)
                 self._check_piece_memory(job, plan)
-                mine = [(i, m) for i, m in enumerate(self.moves)
+                self.moves = moves  # a new shard's moves, from its first COPY that passed every check
+                mine = [(i, m) for i, m in enumerate(moves)
                         if m.dst == plan.new_index and m.dst_part == move.dst_part]
                 dest = self.dests[move.dst_part] = DestSide(self, move.dst_part, mine, job)
             dest.receive(first.kind, first.move, first.version, payload)

@@ -32,6 +32,14 @@ COPY, FORWARD, VOTE = pb.HandoffChunk.COPY, pb.HandoffChunk.FORWARD, pb.HandoffC
 JOB_HEX = OLD.to_proto().SerializeToString().hex()
 
 
+def _other_job_hex():
+    """A job of twice OLD's parameters on two shards: its moves are not OLD's."""
+    tensors = (("w", (2000,), "float32"),)
+    job = dataclasses.replace(OLD, total_params=2000, tensors=tensors,
+                              fingerprint=Layout.from_shapes(tensors, 2).fingerprint())
+    return job.to_proto().SerializeToString().hex()
+
+
 class Shards(Job):
     """``Job`` (two shards running OLD, a third empty) with a ServerConfig of one's own for each shard."""
 
@@ -212,17 +220,19 @@ def test_a_prepare_past_the_caps_is_invalid_argument_and_takes_no_plan(shard_ser
     (COPY, lambda m: copy_payload(m, optimizer={"state": {0: {"momentum_buffer": torch.zeros(2)}},
                                                 "param_groups": [{}]}), ("momentum_buffer's length is 2",)),
     (COPY, lambda m: copy_payload(m, job="zz"), ("job could not be decoded",)),
+    (COPY, lambda m: copy_payload(m, job=_other_job_hex()), ("range is '[666, 1000)'", "[1333, 2000)")),
     (FORWARD, lambda m: {"rounds": "x"}, ("rounds is 'str'", "1 to 16 rounds")),
     (FORWARD, lambda m: {"rounds": [{"version": 0, "lr": 0.5, "grad": torch.zeros(m.b - m.a)}] * 17},
      ("rounds is '17 rounds'",)),
     (VOTE, lambda m: {"digest": "d"}, ("timeline is 'None'", "text of at most")),
     (7, lambda m: {}, ("kind is 7", "COPY, FORWARD or VOTE")),
 ], ids=["copy-no-job", "copy-short-params", "copy-float64", "copy-other-range", "copy-short-momentum",
-        "copy-bad-job", "forward-not-a-list", "forward-17-rounds", "vote-no-timeline", "kind-7"])
+        "copy-bad-job", "copy-other-job", "forward-not-a-list", "forward-17-rounds", "vote-no-timeline", "kind-7"])
 def test_a_handoff_payload_of_the_wrong_shape_or_size_is_invalid_argument_and_changes_nothing(
         shard_server, kind, payload, fragments):
     """Before: a COPY without its job, a FORWARD whose rounds are not a list and a VOTE without its timeline were
-    UNKNOWN (KeyError, TypeError), and a COPY of 3 parameters for a move of 334 was loaded as the new piece's part."""
+    UNKNOWN (KeyError, TypeError), a COPY of 3 parameters for a move of 334 was loaded as the new piece's part, and a
+    refused COPY of another job had already fixed the new shard's moves from it (the real copies then refused)."""
     job = Job(shard_server)
     job.reshard(2, Op.PREPARE)
     index, move = move_to(job, 2)
@@ -343,3 +353,16 @@ def test_a_handoff_of_chunks_under_the_minimum_is_invalid_argument_at_the_next_c
     refused(lambda: job.shards[2].stub.Handoff(stream, timeout=10), grpc.StatusCode.INVALID_ARGUMENT, *fragments,
             unchanged=_Records(job, 2))
 
+
+
+def test_a_new_shards_first_copy_whose_new_piece_does_not_fit_is_resource_exhausted_naming_both_numbers(
+        shard_server):
+    """A shard with no job at PREPARE learns the job from its first COPY: the new piece it would serve (5,344 bytes
+    here) must fit in --max-memory (5,000: the 4,901-byte payload itself is under it)."""
+    job = Shards(shard_server, shard2=dict(max_memory=5_000))
+    job.reshard(2, Op.PREPARE)
+    index, move = move_to(job, 2)
+    stream = chunks(COPY, "p1", job.old[move.src], index, 0, copy_payload(move))
+    refused(lambda: job.shards[2].stub.Handoff(stream, timeout=10), grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "the new pieces of plan 'p1' need 5344 bytes", "memory budget is 5000 bytes", unchanged=_Records(job, 2))
+    assert job.shards[2].stats().counters["handoff_copies_loaded"] == 0
