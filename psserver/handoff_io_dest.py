@@ -67,15 +67,18 @@ class DestSide:
             for one in payload["rounds"]:  # in order; a round replayed already is acknowledged, not applied
                 self.carry(self.machine_on(h.Forwarded(part, one["version"])), one)
         else:
-            self.timeline = self.timeline if self.timeline is not None else payload["timeline"]
-            self.members, self.epochs = payload["members"], payload["epochs"]
+            timeline = self.timeline if self.timeline is not None else payload["timeline"]
             replay = self.replays.get(part)
-            mine = "" if replay is None else self._digest(replay)
-            self.carry(self.machine_on(h.SourceVote(part, version, payload["digest"], mine)))
+            mine = "" if replay is None else self._digest(replay, timeline)
+            actions = self.machine_on(h.SourceVote(part, version, payload["digest"], mine))
+            # kept once the machine took the vote: a refused one changes none of what the switch installs
+            self.timeline, self.members, self.epochs = timeline, payload["members"], payload["epochs"]
+            self.carry(actions)
 
-    def _digest(self, replay: PartReplay) -> str:
+    @staticmethod
+    def _digest(replay: PartReplay, timeline: str) -> str:
         copy = copy_range(replay.dense, replay.a, replay.a, replay.b)
-        return range_digest(copy.params, copy.optimizer, self.timeline)
+        return range_digest(copy.params, copy.optimizer, timeline)
 
     def state(self, shard: int, job2: JobSpec) -> ShardState:
         """The new partition's state at R: its parts laid end to end, an empty book, the members at R."""

@@ -366,3 +366,20 @@ def test_a_new_shards_first_copy_whose_new_piece_does_not_fit_is_resource_exhaus
     refused(lambda: job.shards[2].stub.Handoff(stream, timeout=10), grpc.StatusCode.RESOURCE_EXHAUSTED,
             "the new pieces of plan 'p1' need 5344 bytes", "memory budget is 5000 bytes", unchanged=_Records(job, 2))
     assert job.shards[2].stats().counters["handoff_copies_loaded"] == 0
+
+
+def test_a_vote_the_new_piece_refuses_changes_neither_its_members_nor_its_timeline(shard_server):
+    """Before: a vote's members, epochs and (first) timeline were kept before the machine looked at the vote, so a
+    refused one changed what the switch installs."""
+    job = Job(shard_server)
+    job.reshard(2, Op.PREPARE)
+    index, move = move_to(job, 2)
+    job.shards[2].stub.Handoff(chunks(COPY, "p1", job.old[move.src], index, 0, copy_payload(move)), timeout=10)
+    vote = dict(digest="0" * 64, timeline="t-first", members={0: "t0"}, epochs=[(0, 0, [0])])
+    job.shards[2].stub.Handoff(chunks(VOTE, "p1", job.old[move.src], index, 0, vote), timeout=10)  # abort: dropped
+    piece = job.shards[2].server.handoffs.dests[move.dst_part]
+    kept = (piece.timeline, piece.members, piece.epochs)
+    other = dict(digest="1" * 64, timeline="t-evil", members={0: "mallory"}, epochs=[(0, 0, [0, 1])])
+    refused(lambda: job.shards[2].stub.Handoff(chunks(VOTE, "p1", job.old[move.src], index, 0, other), timeout=10),
+            grpc.StatusCode.FAILED_PRECONDITION, "a vote for part 0", "in state dropped", unchanged=_Records(job, 2))
+    assert (piece.timeline, piece.members, piece.epochs) == kept == ("t-first", {0: "t0"}, [(0, 0, [0])])
