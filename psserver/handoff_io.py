@@ -199,7 +199,7 @@ class HandoffIO:
             job = self.layouts.current.head.job
             if job is not None:
                 self._check_job(job, plan)
-                self._check_memory(job, plan)  # every refusal before the plan is taken: a refusal changes nothing
+                _check_memory(self.layouts, job, plan, self.max_lag)  # before the plan is taken: nothing changed
             elif plan.new_index is None:
                 raise InvalidRequest(f"you is {plan.you!r} but it is in neither --ps {list(plan.old)} nor --to "
                                      f"{list(plan.new)}")
@@ -235,19 +235,6 @@ class HandoffIO:
         moves = _moves(plan, job)
         if not any(m.src == plan.old_index for m in moves):
             raise InvalidRequest(f"plan {plan.id!r} moves nothing from shard {plan.old_index}")
-
-    def _check_memory(self, job: JobSpec, plan: Plan) -> None:
-        """PREPARE's copies, forward logs and new pieces beside the job, in --max-memory: RESOURCE_EXHAUSTED naming
-        both numbers (a snapshot of the range was taken whatever the budget)."""
-        budget = self.layouts.current.budget
-        extra = handoff_bytes(job, plan.layouts(job)[2], _moves(plan, job), plan.old_index, plan.new_index,
-                              self.max_lag)
-        held = dense_bytes(job, self.layouts.current.shard_id)
-        if held + sum(extra.values()) > budget.limit:
-            parts = ", ".join(f"{k} {v}" for k, v in extra.items())
-            raise OutOfMemory(f"a live re-shard needs {held + sum(extra.values())} bytes here (the job's {held}, "
-                              f"{parts}) but the shard's memory budget is {budget.limit} bytes: raise ps-server "
-                              "--max-memory or re-shard to more shards")
 
     def _start_sources(self, job: JobSpec, plan: Plan) -> None:
         self.moves = plan.moves(job)
@@ -362,16 +349,6 @@ class HandoffIO:
         host.restore_states(states, f"layout {layout.number} (hand-off {plan.id})")
         return layout, host, timeline[0]
 
-    def _check_piece_memory(self, job: JobSpec, plan: Plan) -> None:
-        """A shard that had no job at PREPARE (a new one) learns the job from the first COPY: its new pieces must
-        fit in --max-memory (a shard with a job checked them at PREPARE)."""
-        if self.layouts.current.head.job is None:
-            need = dense_bytes(plan.layouts(job)[2], plan.new_index)
-            limit = self.layouts.current.budget.limit
-            if need > limit:
-                raise OutOfMemory(f"the new pieces of plan {plan.id!r} need {need} bytes here but the shard's memory "
-                                  f"budget is {limit} bytes: raise ps-server --max-memory")
-
     # ------------------------------------------------------------------ the streams in
     async def handoff(self, request_iterator) -> _pb.HandoffAck:
         first, parts = await read_async(request_iterator, self._check_caller,  # before the rest is read
@@ -405,7 +382,7 @@ class HandoffIO:
                 if first.kind != COPY:
                     raise NotReady(f"kind is {first.kind} but new piece {move.dst_part} has had no COPY yet")
                 job = _copied_job(payload, plan)
-                self._check_piece_memory(job, plan)
+                _check_piece_memory(self.layouts, job, plan)
                 self.moves = moves  # a new shard's moves, from its first COPY that passed every check
                 mine = [(i, m) for i, m in enumerate(moves)
                         if m.dst == plan.new_index and m.dst_part == move.dst_part]
@@ -413,6 +390,30 @@ class HandoffIO:
             dest.receive(first.kind, first.move, first.version, payload)
             return _pb.HandoffAck(plan=plan.id, move=first.move, version=first.version,
                                   phase=dest.machine.state.value)
+
+
+def _check_memory(layouts: LayoutHost, job: JobSpec, plan: Plan, max_lag: int) -> None:
+    """PREPARE's copies, forward logs and new pieces beside the job, in --max-memory: RESOURCE_EXHAUSTED naming
+    both numbers (a snapshot of the range was taken whatever the budget)."""
+    budget = layouts.current.budget
+    extra = handoff_bytes(job, plan.layouts(job)[2], _moves(plan, job), plan.old_index, plan.new_index, max_lag)
+    held = dense_bytes(job, layouts.current.shard_id)
+    if held + sum(extra.values()) > budget.limit:
+        parts = ", ".join(f"{k} {v}" for k, v in extra.items())
+        raise OutOfMemory(f"a live re-shard needs {held + sum(extra.values())} bytes here (the job's {held}, "
+                          f"{parts}) but the shard's memory budget is {budget.limit} bytes: raise ps-server "
+                          "--max-memory or re-shard to more shards")
+
+
+def _check_piece_memory(layouts: LayoutHost, job: JobSpec, plan: Plan) -> None:
+    """A shard that had no job at PREPARE (a new one) learns the job from the first COPY: its new pieces must
+    fit in --max-memory (a shard with a job checked them at PREPARE)."""
+    if layouts.current.head.job is None:
+        need = dense_bytes(plan.layouts(job)[2], plan.new_index)
+        limit = layouts.current.budget.limit
+        if need > limit:
+            raise OutOfMemory(f"the new pieces of plan {plan.id!r} need {need} bytes here but the shard's memory "
+                              f"budget is {limit} bytes: raise ps-server --max-memory")
 
 
 def _moves(plan: Plan, job: JobSpec) -> list[Move]:
