@@ -23,8 +23,10 @@ from psserver.protocol.errors import InvalidRequest
 # push waiting) waits for DECIDE before it asks its peers: --handoff-timeout, by default the join's (the commit
 # is one coordinator round trip, so seconds are plenty).
 DEFAULT_HANDOFF_TIMEOUT = DEFAULT_JOIN_TIMEOUT
-# Rounds a source may have closed past what its destination acknowledged; past it the move copies again
-# (a destination that cannot keep up would otherwise make the source keep gradients without bound).
+# Rounds a source may have closed past what its destination acknowledged.  At it the source throttles: the next
+# round waits until a forward is acknowledged (ThrottleRounds), so unpaced rounds never outrun the copy; a
+# throttle that lasts --handoff-timeout copies the range again (or, once committed, aborts), as the lag did
+# before the throttle (docs/handoff.md, "Never outrun the copy").
 MAX_FORWARD_LAG = 16
 
 
@@ -172,8 +174,17 @@ class ReleaseRounds:
 
 
 @dataclass(frozen=True)
+class ThrottleRounds:
+    """Rounds at or past ``from_version`` wait until the move's forwards catch up (None: they close again).
+    Beside HoldRounds, not instead of it: the io layer holds from the lower of the two."""
+    from_version: int | None
+
+
+@dataclass(frozen=True)
 class HoldReplies:
-    """Replies carrying ``version`` (round R-1's, pulls waiting for R, DUPLICATEs) are held until DECIDE."""
+    """Replies that hand out ``version`` (R) or later in the old layout (round R-1's contributors' Push,
+    PushPull and Step replies, pulls waiting for R) wait until DECIDE.  Sent at COMMIT: version R exists only
+    once round R-1 closes, which is after, so no reply can slip out between the round's close and the hold."""
     version: int
 
 

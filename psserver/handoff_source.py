@@ -2,13 +2,15 @@
 
     OWNER ─PREPARE: snapshot [a,b) at v0─► COPYING ─copy acked─► TAILING     (each closed round: FORWARD v)
     TAILING ─PROPOSE─► HOLDING(v+2)      the open round closes, the next waits; --handoff-timeout: TAILING
-    HOLDING ─COMMIT R─► BLOCKING         closes rounds up to R-1, then FORWARD(R-1) and its ack
-    BLOCKING ─forward acked─► BLOCKED    R-1's replies held; vote
+    HOLDING ─COMMIT R─► BLOCKING         closes rounds up to R-1, then FORWARD(R-1) and its ack; replies
+                                         handing out version R are held from here until DECIDE
+    BLOCKING ─forward acked─► BLOCKED    vote
     BLOCKED ─DECIDE switch─► HANDED ─retire─► RETIRED
     COPYING … BLOCKED ─DECIDE abort─► OWNER (held replies released in the old layout)
 
 Versions: ``version`` is the source slice's (rounds closed); the destination has replayed every round below
-``forwarded_to``.  A move whose destination falls more than MAX_FORWARD_LAG rounds behind copies again.
+``forwarded_to``.  A move whose destination falls MAX_FORWARD_LAG rounds behind throttles the source's rounds
+(the next waits for a forward's ack); throttled for the hand-off timeout, it copies again (committed: aborts).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class SourceMove(TerminationEvents):
     proposal: int | None = None
     round: int | None = None  # R, once committed
     deadline: float | None = None  # the hold's (HOLDING) or the termination's (BLOCKED)
+    throttled_since: float | None = None  # rounds wait for the forwards since then (ThrottleRounds)
     dest_checkpoint: int | None = None
     term: Termination = field(default_factory=Termination)
 
@@ -80,12 +83,25 @@ class SourceMove(TerminationEvents):
             raise InvalidRequest(f"round {e.version} closed on {self.label} but the hand-off holds every round from "
                                  f"R={self.round} (state {self.state.value})")
         s = replace(self, version=e.version + 1)
-        if s.version - s.forwarded_to > self.max_lag:
+        if s.version - s.forwarded_to > self.max_lag:  # a throttle not carried out: the log cannot keep it
             return s._copy_again()
         actions = [] if s.state is SourceState.COPYING else [h.SendForward(e.version)]
-        if s.state is SourceState.BLOCKING and s.version == self.round:
-            actions.append(h.HoldReplies(self.round))  # round R-1 closed in the old layout: its replies wait
-        return s, actions
+        return s._throttle_if_due(now, actions)
+
+    def _throttle_if_due(self, now: float, actions: list):
+        """At MAX_FORWARD_LAG rounds ahead the next round waits for the forwards (never fails): pre-copy made to
+        converge.  Not past R once committed: the commit's hold already stops round R."""
+        if self.version - self.forwarded_to < self.max_lag or (self.round is not None and self.version >= self.round):
+            return self, actions
+        since = now if self.throttled_since is None else self.throttled_since
+        return replace(self, throttled_since=since), actions + [h.ThrottleRounds(self.version), h.Count(
+            "handoff_rounds_throttled", f"{self.label}'s move [{self.a}, {self.b}) is {self.max_lag} rounds ahead "
+                                        f"of its destination (MAX_FORWARD_LAG): round {self.version} waits for "
+                                        f"its forwards (at most --handoff-timeout {self.timeout:g}s)")]
+
+    def _unthrottled(self, actions: list):
+        return (replace(self, throttled_since=None), actions + [h.ThrottleRounds(None)]) \
+            if self.throttled_since is not None else (self, actions)
 
     def _copy_again(self):
         """The destination fell more than max_lag rounds behind: copy the range again at the version now (a
@@ -93,12 +109,14 @@ class SourceMove(TerminationEvents):
         aborts the hand-off instead of stretching the block."""
         lag = self.version - self.forwarded_to
         why = (f"{self.label}'s move [{self.a}, {self.b}) is {lag} rounds ahead of its destination, more than "
-               f"MAX_FORWARD_LAG {self.max_lag}")
+               f"MAX_FORWARD_LAG {self.max_lag}") if lag > self.max_lag else (
+            f"{self.label}'s move [{self.a}, {self.b}) held rounds for its forwards for --handoff-timeout "
+            f"{self.timeout:g}s and its destination is still {lag} rounds behind")
         if self.state is SourceState.BLOCKING:
             return self._abort(self.term, why)
-        s = replace(self, state=SourceState.COPYING, copied_at=self.version, forwarded_to=self.version,
+        s, released = self._unthrottled([h.ReleaseRounds()] if self.state is SourceState.HOLDING else [])
+        s = replace(s, state=SourceState.COPYING, copied_at=self.version, forwarded_to=self.version,
                     proposal=None, deadline=None)
-        released = [h.ReleaseRounds()] if self.state is SourceState.HOLDING else []
         return s, released + [h.TakeSnapshot(self.a, self.b, self.version),
                               h.Count("handoff_recopies", f"{why}: copying it again at version {self.version}")]
 
@@ -106,9 +124,11 @@ class SourceMove(TerminationEvents):
         if self.state not in BEFORE_SWITCH or e.version < self.forwarded_to or e.version >= self.version:
             return self, []  # a repeated or late ack
         s = replace(self, forwarded_to=e.version + 1)
+        s, actions = s._unthrottled([]) if s.version - s.forwarded_to < self.max_lag else (s, [])
         if s.state is SourceState.BLOCKING and s.forwarded_to == self.round:
-            return replace(s, state=SourceState.BLOCKED, deadline=now + self.timeout), [h.SendVote(self.round, False)]
-        return s, []
+            return replace(s, state=SourceState.BLOCKED, deadline=now + self.timeout), actions + [
+                h.SendVote(self.round, False)]
+        return s, actions
 
     # ------------------------------------------------------------------ the hold and the commit
     def _on_Propose(self, e: h.Propose, now: float):
@@ -122,6 +142,8 @@ class SourceMove(TerminationEvents):
         return s, [h.HoldRounds(e.version + 1)]
 
     def _on_Tick(self, e: h.Tick, now: float):
+        if self.throttled_since is not None and now >= self.throttled_since + self.timeout:
+            return self._copy_again()  # the destination did not catch up: rounds go on (committed: abort)
         if self.deadline is None or now < self.deadline:
             return self, []
         if self.state is SourceState.HOLDING:
@@ -154,7 +176,7 @@ class SourceMove(TerminationEvents):
             raise InvalidRequest(f"commit round is {e.round} but {self.label} proposed {self.proposal}: R must be "
                                  "the largest proposal of every source")
         s = replace(self, state=SourceState.BLOCKING, round=e.round, deadline=None)
-        return s, [h.HoldRounds(e.round)]  # rounds below R close in the old layout; R waits
+        return s, [h.HoldRounds(e.round), h.HoldReplies(e.round)]  # rounds below R close in the old layout; R waits
 
     # ------------------------------------------------------------------ the decision
     def _switch(self, term: Termination):
@@ -169,8 +191,9 @@ class SourceMove(TerminationEvents):
     def _abort(self, term: Termination, why: str):
         if self.state not in BEFORE_SWITCH:
             return replace(self, term=term), []
-        s = replace(self, state=SourceState.OWNER, proposal=None, round=None, deadline=None, term=term)
-        return s, [h.ReleaseRounds(), h.ReleaseReplies(new_layout=False), h.DropMove(), h.Count(
+        s, unthrottled = self._unthrottled([])
+        s = replace(s, state=SourceState.OWNER, proposal=None, round=None, deadline=None, term=term)
+        return s, [h.ReleaseRounds(), h.ReleaseReplies(new_layout=False), h.DropMove(), *unthrottled, h.Count(
             "handoff_aborts", f"{self.label}'s move [{self.a}, {self.b}) aborted in {self.state.value}: {why}; "
                               "the old layout goes on")]
 

@@ -110,9 +110,9 @@ def test_the_hold_expires_back_to_tailing_at_the_handoff_timeout_and_is_counted(
     assert actions[0] == h.ReleaseRounds() and counted(actions) == ["handoff_holds_expired"]
 
 
-def test_commit_moves_the_hold_to_R_so_rounds_below_R_still_close_in_the_old_layout():
+def test_commit_moves_the_hold_to_R_and_holds_the_replies_that_hand_out_R_so_rounds_below_R_still_close():
     s, actions = run(tailing(), h.Propose(10), h.Commit(12))
-    assert s.state is SourceState.BLOCKING and s.round == 12 and actions[-1] == h.HoldRounds(12)
+    assert s.state is SourceState.BLOCKING and s.round == 12 and actions[-2:] == [h.HoldRounds(12), h.HoldReplies(12)]
     assert run(s, h.Commit(12)) == (s, [])  # asked twice
 
 
@@ -120,8 +120,8 @@ def test_a_round_open_at_commit_closes_in_the_old_layout_and_is_forwarded():
     s, _ = run(tailing(), h.Propose(10), h.Commit(12))
     s, actions = run(s, h.RoundClosed(10))  # round 10 was open when COMMIT came
     assert actions == [h.SendForward(10)] and s.state is SourceState.BLOCKING
-    s, actions = run(s, h.RoundClosed(11))  # R-1: its replies are held
-    assert actions == [h.SendForward(11), h.HoldReplies(12)]
+    s, actions = run(s, h.RoundClosed(11))  # R-1: its replies are held since the commit
+    assert actions == [h.SendForward(11)]
 
 
 def test_a_round_at_or_past_R_never_closes_on_the_source():
@@ -194,7 +194,7 @@ def test_a_commit_after_the_hold_expired_is_still_taken_inside_the_window():
     s, _ = run(tailing(), h.Propose(10), now=0.0)
     s, _ = run(s, h.Tick(), now=TIMEOUT)
     s, actions = run(s, h.Commit(12))
-    assert s.state is SourceState.BLOCKING and actions == [h.HoldRounds(12)]
+    assert s.state is SourceState.BLOCKING and actions == [h.HoldRounds(12), h.HoldReplies(12)]
 
 
 def test_a_second_commit_with_another_round_is_refused_naming_both():
@@ -203,7 +203,7 @@ def test_a_second_commit_with_another_round_is_refused_naming_both():
 
 
 # ============================================================================================ the forward lag
-def test_a_forward_log_past_max_forward_lag_copies_the_range_again_at_the_version_now():
+def test_a_round_closed_past_the_throttle_copies_the_range_again_at_the_version_now():
     s = tailing()
     s = replace(s, max_lag=3)
     s, actions = run(s, h.RoundClosed(10), h.RoundClosed(11), h.RoundClosed(12))  # 3 behind: still tailing
@@ -226,6 +226,65 @@ def test_a_destination_too_slow_after_the_commit_aborts_instead_of_stretching_th
     s, _ = run(s, h.Propose(10), h.Commit(12), h.RoundClosed(10))
     s, actions = run(s, h.RoundClosed(11))
     assert s.state is SourceState.OWNER and counted(actions) == ["handoff_aborts"]
+
+
+# ============================================================================================ the throttle
+def throttled(max_lag=3, now=100.0) -> tuple[SourceMove, list]:
+    """Tailing at 10 with ``max_lag``; rounds closed until the destination is ``max_lag`` behind."""
+    s = replace(tailing(), max_lag=max_lag)
+    return run(s, *[h.RoundClosed(v) for v in range(10, 10 + max_lag)], now=now)
+
+
+def test_at_max_forward_lag_behind_the_next_round_waits_for_the_forwards_and_is_counted():
+    s, actions = run(replace(tailing(), max_lag=3), h.RoundClosed(10), h.RoundClosed(11))  # 2 behind: no throttle
+    assert not [a for a in actions if isinstance(a, h.ThrottleRounds)] and s.throttled_since is None
+    s, actions = run(s, h.RoundClosed(12), now=100.0)
+    assert actions[:2] == [h.SendForward(12), h.ThrottleRounds(13)] and s.throttled_since == 100.0
+    assert counted(actions) == ["handoff_rounds_throttled"] and "round 13 waits" in actions[-1].message
+
+
+def test_a_forward_acknowledged_below_the_bound_lets_the_throttled_round_close():
+    s, _ = throttled()
+    s, actions = run(s, h.ForwardAcked(10))
+    assert actions == [h.ThrottleRounds(None)] and s.throttled_since is None and s.state is SourceState.TAILING
+    assert run(s, h.ForwardAcked(11))[1] == []  # released once
+
+
+def test_rounds_closed_while_copying_throttle_at_the_bound_so_the_copy_is_never_outrun():
+    s, actions = run(source(max_lag=2), h.Prepare(10), h.RoundClosed(10), h.RoundClosed(11))
+    assert s.state is SourceState.COPYING and h.ThrottleRounds(12) in actions  # not copied again
+    s, actions = run(s, h.CopyAcked(10), h.ForwardAcked(10))
+    assert s.state is SourceState.TAILING and actions[-1] == h.ThrottleRounds(None)
+
+
+def test_a_throttle_that_lasts_the_handoff_timeout_copies_again_and_lets_the_rounds_close():
+    s, _ = throttled(now=100.0)
+    assert run(s, h.Tick(), now=100.0 + TIMEOUT - 0.01) == (s, [])
+    s, actions = run(s, h.Tick(), now=100.0 + TIMEOUT)
+    assert s.state is SourceState.COPYING and s.copied_at == 13 and s.throttled_since is None
+    assert actions[:2] == [h.ThrottleRounds(None), h.TakeSnapshot(A, B, 13)]
+    assert counted(actions) == ["handoff_recopies"] and "--handoff-timeout" in actions[-1].message
+
+
+def test_a_throttle_that_lasts_the_handoff_timeout_after_the_commit_aborts_and_releases_everything():
+    s, _ = throttled(max_lag=2, now=100.0)  # version 12, throttled
+    s, _ = run(s, h.Propose(12), h.Commit(14), now=100.0)
+    s, actions = run(s, h.Tick(), now=100.0 + TIMEOUT)
+    assert s.state is SourceState.OWNER and s.throttled_since is None
+    assert h.ThrottleRounds(None) in actions and h.ReleaseRounds() in actions
+    assert h.ReleaseReplies(new_layout=False) in actions and counted(actions) == ["handoff_aborts"]
+
+
+def test_a_committed_move_does_not_throttle_round_R_which_the_commit_holds_already():
+    s = replace(tailing(), max_lag=2)
+    s, actions = run(s, h.Propose(10), h.Commit(12), h.RoundClosed(10), h.RoundClosed(11))
+    assert s.version == 12 and not [a for a in actions if isinstance(a, h.ThrottleRounds)]
+
+
+def test_decide_abort_while_throttled_lets_the_rounds_close_again():
+    s, _ = throttled()
+    s, actions = run(s, h.Decide(False))
+    assert s.state is SourceState.OWNER and h.ThrottleRounds(None) in actions and s.throttled_since is None
 
 
 def test_repeated_and_late_forward_acks_change_nothing():
