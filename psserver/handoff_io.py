@@ -4,8 +4,9 @@ machines' actions (psserver.handoff_source, psserver.handoff_dest) done on the s
 * **Source, per move** (``SourceSide``): PREPARE snapshots the move's range (forward_log.copy_range); a thread
   of its own streams the COPY, then each closed round's FORWARD in order (the ForwardLog, fed by the
   partition's ``round_listener``: the round's averaged gradient and lr, after the step), then the VOTE (the
-  range's digest at R and the membership timeline at R).  The holds (HoldRounds) are the join's hold:
-  ``Enrolment.handoff_held_from``.
+  range's digest at R and the membership timeline at R).  The holds (HoldRounds, and ThrottleRounds while a
+  move's forwards catch up) are the join's hold: ``Enrolment.handoff_held_from``, the lowest of the partition's
+  moves'.  Replies handing out R wait from COMMIT to DECIDE (HoldReplies: psserver.reply_holds).
 * **Destination, per new partition** (``DestSide``): each COPY becomes a PartReplay, each FORWARD one replayed
   step, each VOTE is compared digest to digest; at DECIDE switch the parts are assembled and the new layout
   installed (LayoutHost.install) from round R.
@@ -15,7 +16,7 @@ machines' actions (psserver.handoff_source, psserver.handoff_dest) done on the s
 Everything that touches a partition's tensors runs where the shard's calls run (``Runtime.run_state``);
 machine transitions take one lock.  A shard in ``--ps`` but not ``--to`` is drained: a source only, it installs no
 host at DECIDE (LayoutHost.drain) and RETIRE frees its tombstone, as every shard's (LayoutHost.retire).  Scope
-(docs/handoff-io.md): sync dense jobs without tables, round R-1's replies not held yet.
+(docs/handoff-io.md): sync dense jobs without tables.
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ class HandoffIO:
         self.sources: list[SourceSide] = []
         self.dests: dict[int, DestSide] = {}
         self.switched = self.aborted = False  # how the plan held ended (a new plan may start after either)
+        self.release_after_install: set = set()  # partitions whose held replies go out once DECIDE installed
         self.stopping = False
 
     # ------------------------------------------------------------------ helpers the sides call
@@ -128,6 +130,21 @@ class HandoffIO:
                 if self.stopping:
                     fut.cancel()
                     raise RuntimeError("the shard is stopping") from None
+
+    def apply_holds(self, part) -> None:
+        """The partition's rounds wait from the lowest hold or throttle of its moves (several moves may share a
+        partition: one's release must not let go of another's hold); a due round may close after."""
+        froms = [f for s in self.sources if s.part is part for f in (s.rounds_from, s.throttle_from) if f is not None]
+        part.enrolment.handoff_held_from = min(froms) if froms else None
+        self.tick_later(part)
+
+    def release_replies(self, part, after_install: bool) -> None:
+        """Held replies go out: at once (abort: in the old layout), or once DECIDE switch installed the new
+        layout, so that they name it."""
+        if after_install:
+            self.release_after_install.add(part)
+        else:
+            self.runtime.holds.release(part)
 
     def tick_later(self, part) -> None:
         """The partition's round check, after the caller is done (a hold changed: a due round may close)."""
@@ -294,6 +311,9 @@ class HandoffIO:
             elif drain is not None:
                 self.layouts.drain(drain, self.plan.you)
                 self.switched = True
+            for part in self.release_after_install:  # after the install: the replies name the new layout
+                self.runtime.holds.release(part)
+            self.release_after_install.clear()
             self.layouts.handoff_round = None
             self.aborted = self.aborted or not request.switch
 

@@ -44,6 +44,8 @@ class SourceSide:
         self.vote: int | None = None  # R, once SendVote asked for the vote
         self.vote_sent = False
         self.bytes = 0
+        self.rounds_from: int | None = None  # HoldRounds: the commit's hold (psserver.handoff_io.apply_holds)
+        self.throttle_from: int | None = None  # ThrottleRounds: rounds wait for this move's forwards
         self.wake = threading.Event()
         self.channel = None  # to the destination, made by the thread; closed by HandoffIO.stop
         self.thread = threading.Thread(target=self._pump, name=f"handoff-move{index}", daemon=True)
@@ -60,19 +62,23 @@ class SourceSide:
                 self.log.restart(a.version)
                 self.copy_sent, self.vote, self.vote_sent = -1, None, False
             elif isinstance(a, h.HoldRounds):
-                self.part.enrolment.handoff_held_from = a.from_version
-                self.io.tick_later(self.part)  # rounds below the new hold that waited may close now
+                self.rounds_from = a.from_version
+                self.io.apply_holds(self.part)  # rounds below the new hold that waited may close now
             elif isinstance(a, h.ReleaseRounds):
-                self.part.enrolment.handoff_held_from = None
-                self.io.tick_later(self.part)
+                self.rounds_from = None
+                self.io.apply_holds(self.part)
+            elif isinstance(a, h.ThrottleRounds):
+                self.throttle_from = a.from_version
+                self.io.apply_holds(self.part)
             elif isinstance(a, h.SendVote):
                 self.vote = a.round
             elif isinstance(a, h.DropMove):
                 self.copy = None
                 self.log.restart(self.part.version)
             elif isinstance(a, h.HoldReplies):
-                log.info("%s: round %d's replies are not held (not built yet, docs/handoff-io.md)",
-                         self.machine.label, a.version - 1)
+                self.io.runtime.holds.hold(self.part, a.version, self.io.timeout)  # psserver.reply_holds
+            elif isinstance(a, h.ReleaseReplies):
+                self.io.release_replies(self.part, after_install=a.new_layout)
             elif isinstance(a, h.Count):
                 self.part.count(a.metric)
                 log.warning("%s", a.message)
@@ -94,6 +100,8 @@ class SourceSide:
             self.wake.wait(RETRY_SECONDS)
             self.wake.clear()
             try:
+                if self.machine.throttled_since is not None:  # its timeout: on the state worker (it may copy)
+                    self.io.on_state(self.io.event, self, h.Tick())
                 if stub is None:
                     self.channel = self.io.security.channel(self.io.plan.new[self.move.dst])
                     stub = stubs.stub(self.channel)

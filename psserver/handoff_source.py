@@ -176,7 +176,8 @@ class SourceMove(TerminationEvents):
             raise InvalidRequest(f"commit round is {e.round} but {self.label} proposed {self.proposal}: R must be "
                                  "the largest proposal of every source")
         s = replace(self, state=SourceState.BLOCKING, round=e.round, deadline=None)
-        return s, [h.HoldRounds(e.round), h.HoldReplies(e.round)]  # rounds below R close in the old layout; R waits
+        # replies handing out R wait first, then rounds below R close in the old layout; round R waits
+        return s, [h.HoldReplies(e.round), h.HoldRounds(e.round)]
 
     # ------------------------------------------------------------------ the decision
     def _switch(self, term: Termination):

@@ -197,6 +197,7 @@ class LayoutHost:
         current host at version ``layout.round`` with no round open, so no round is open across the switch.
         ``first``: epoch 0, for a process that joined the job by a hand-off (its own epoch 0 ran no job)."""
         self.check_boundary(layout)
+        _carry_handoff_counters(self.current, host)
         self._hosts[layout.number] = host
         self._later.append(layout)
         self.drained_as = None
@@ -302,3 +303,15 @@ def table_rounds(job, tables: dict | None) -> dict[str, int]:
                                f"{sorted(saved['round']['contributors'])}): switch at a round boundary")
         rounds[spec.name] = saved["version"]
     return rounds
+
+
+HANDOFF_COUNTERS = ("handoff_", "refused_handoff")
+
+
+def _carry_handoff_counters(old: ShardHost, new: ShardHost) -> None:
+    """A hand-off's counters (held replies, throttled rounds, refusals) go on in the newest layout's host, which
+    GetStats reads: counted on the old one before DECIDE, they would vanish from the stats at the switch."""
+    for part in old.parts:
+        for key, n in list(part.counters.items()):
+            if key.startswith(HANDOFF_COUNTERS) and n:
+                new.count(key, n)

@@ -34,6 +34,7 @@ import torch
 from psserver.host import ShardHost
 from psserver.protocol.errors import PsError
 from psserver.protocol.rules import Mode
+from psserver.reply_holds import ReplyHolds
 from psserver.shard import Shard
 
 log = logging.getLogger(__name__)
@@ -260,6 +261,7 @@ class Runtime:
         self._tick = tick
         self.state = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shard{host.shard_id}-state")
         self.buffers = ReceiveBuffers(receive_buffers)  # shared by the partitions: memory is the process's
+        self.holds = ReplyHolds(self.loop, self.loop_thread)  # replies waiting for a live re-shard's DECIDE
         self._stopping = False
         self._offloaded = 0  # calls handed to the state worker by ``offload`` and not finished
         # The bound for run_state's work on the loop (read once: the process's intra-op threads are set before).

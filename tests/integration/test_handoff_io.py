@@ -40,6 +40,8 @@ class Job:
     def __init__(self, shard_server, job=OLD):
         self.job = job
         self.shards = [shard_server(shard=i, lease_timeout=0) for i in range(3)]  # no lease runs out mid-test
+        for s in self.shards:  # a held reply waits for DECIDE, however slow the machine, not for the timeout
+            s.server.handoffs.timeout = 60.0
         self.old = [s.server.address for s in self.shards[:2]]
         self.new = [s.server.address for s in self.shards]
         self.seq = {}
@@ -51,7 +53,8 @@ class Job:
             values = torch.randn(b - a, generator=gen)
             assert self.shards[i].stub.Init(encode(wire_tensor(values, pb.FLOAT32), h, 1024), timeout=10).accepted
 
-    def push(self, i, base, layout=0):
+    def push(self, i, base, layout=0, later=False):
+        """Push a gradient of base ``base``; ``later``: the call's future, not waited for (a held reply)."""
         a, b = (NEW_RANGES if layout else OLD_RANGES)[i]
         key = (i, layout)
         self.seq[key] = self.seq.get(key, 0) + 1
@@ -59,10 +62,15 @@ class Job:
                                   fingerprint=NEW.fingerprint if layout else self.job.fingerprint)
         h.layout_epoch = layout
         grad = torch.randn(b - a, generator=self.gen)
-        return self.shards[i].stub.Push(encode(wire_tensor(grad, pb.FLOAT32), h, 1024), timeout=10)
+        call = self.shards[i].stub.Push.future if later else self.shards[i].stub.Push
+        return call(encode(wire_tensor(grad, pb.FLOAT32), h, 1024), timeout=10 if not later else 60)
 
-    def rounds(self, upto):
-        """Push on both old shards until each is at version ``upto``."""
+    def rounds(self, upto, held=False):
+        """Push on both old shards until each is at version ``upto``.  ``held``: ``upto`` is R and the replies
+        of round R-1 wait for DECIDE: its pushes' futures."""
+        if held:
+            self.rounds(upto - 1)
+            return [self.push(i, upto - 1, later=True) for i in (0, 1)]
         for i in (0, 1):
             while self.shards[i].stats(fingerprint=self.job.fingerprint).version < upto:
                 base = self.shards[i].stats(fingerprint=self.job.fingerprint).version
@@ -102,9 +110,10 @@ def test_a_sync_dense_job_moves_from_two_shards_to_three_with_pushes_during_the_
     R = max(proposals)
     for i in range(3):
         job.reshard(i, Op.COMMIT, round=R)
-    job.rounds(R)
+    held = job.rounds(R, held=True)  # round R-1's pushes: taken, their replies (version R) wait for DECIDE
     wait_until(lambda: sorted(set(job.phases())) == ["dest:ready", "source:blocked"], "every source blocked")
     counters = [s.stats(fingerprint=OLD.fingerprint).counters for s in job.shards[:2]]
+    assert [c["handoff_replies_held"] for c in counters] == [1, 1] and not any(f.done() for f in held)
     assert [c["handoff_copies_sent"] for c in counters] == [2, 2]  # each old shard: two moves, copied once
     # every round closed after the copy (at version 2) was forwarded on each move and replayed
     assert [c["handoff_forwards_sent"] for c in counters] == [2 * (R - 2)] * 2
@@ -122,10 +131,13 @@ def test_a_sync_dense_job_moves_from_two_shards_to_three_with_pushes_during_the_
                 got = copy_range(replay.dense, replay.a, replay.a, replay.b)
                 assert torch.equal(got.params, want.params)
                 assert range_digest(got.params, got.optimizer) == range_digest(want.params, want.optimizer)
-    at_r = torch.cat([pull(s, 0, R, OLD.fingerprint)[1] for s in job.shards[:2]])
 
     for i in range(3):
         assert job.reshard(i, Op.DECIDE, switch=True).layout_epoch == 1
+    # the held replies went out after the switch, naming the new layout: the trainer sends base R there
+    assert [(f.result().outcome, f.result().version, f.result().layout_epoch) for f in held] == [
+        (pb.APPLIED, R, 1)] * 2
+    at_r = torch.cat([pull(s, 0, R, OLD.fingerprint)[1] for s in job.shards[:2]])  # the tombstones at R
     pulled = [pull(s, 1, R, NEW.fingerprint) for s in job.shards]
     assert [(h.version, h.layout_epoch, len(w)) for h, w in pulled] == [
         (R, 1, b - a) for a, b in NEW_RANGES]
@@ -138,15 +150,23 @@ def test_a_sync_dense_job_moves_from_two_shards_to_three_with_pushes_during_the_
     assert set(job.phases()) == {"source:retired", "dest:serving"}
 
 
-def test_a_move_whose_destination_falls_behind_is_copied_again_and_still_equals_its_source_at_r(shard_server):
+def test_a_move_whose_destination_falls_behind_throttles_the_rounds_then_is_copied_again_and_equals_its_source(
+        shard_server):
     job = Job(shard_server)
     for s in job.shards:
         s.server.handoffs.max_lag = 3
+        s.server.handoffs.timeout = 0.5  # the throttle's bound: past it the move is copied again
     for i in (0, 1):  # the new shard has no plan yet: the moves to it cannot be acknowledged
         job.reshard(i, Op.PREPARE)
-    job.rounds(6)  # four rounds past the copy at version 2: over the lag of 3
-    recopies = job.shards[1].stats(fingerprint=OLD.fingerprint).counters["handoff_recopies"]
-    assert recopies >= 1
+    job.rounds(3)  # shard 1's move to shard 2: three rounds past the copy at version 0, so round 3 waits
+    for i in (0, 1):  # taken into round 3 (on shard 1 it waits for the forwards until the throttle gives up)
+        assert job.push(i, 3).outcome in (pb.ACCEPTED, pb.APPLIED)
+    wait_until(lambda: all(s.stats(fingerprint=OLD.fingerprint).version == 4 for s in job.shards[:2]),
+               "the throttle to give up after the hand-off timeout and round 3 to close")
+    c = job.shards[1].stats(fingerprint=OLD.fingerprint).counters  # its move to shard 2 was never acknowledged
+    assert (c["handoff_rounds_throttled"] >= 1, c["handoff_recopies"] >= 1) == (True, True), dict(c)
+    for s in job.shards:
+        s.server.handoffs.timeout = 60.0
     job.reshard(2, Op.PREPARE)
     sources = [s for shard in job.shards[:2] for s in shard.server.handoffs.sources]
     wait_until(lambda: all(s.machine.state.value == "tailing" and s.machine.forwarded_to == s.machine.version
@@ -154,16 +174,19 @@ def test_a_move_whose_destination_falls_behind_is_copied_again_and_still_equals_
     R = max(job.reshard(i, Op.PROPOSE).proposal for i in (0, 1))
     for i in range(3):
         job.reshard(i, Op.COMMIT, round=R)
-    job.rounds(R)
+    held = job.rounds(R, held=True)
     wait_until(lambda: sorted(set(job.phases())) == ["dest:ready", "source:blocked"], "every source blocked")
-    at_r = torch.cat([pull(s, 0, R, OLD.fingerprint)[1] for s in job.shards[:2]])
     for i in range(3):
         job.reshard(i, Op.DECIDE, switch=True)
+    assert [f.result().layout_epoch for f in held] == [1, 1]
+    at_r = torch.cat([pull(s, 0, R, OLD.fingerprint)[1] for s in job.shards[:2]])
     assert torch.equal(torch.cat([pull(s, 1, R, NEW.fingerprint)[1] for s in job.shards]), at_r)
 
 
 def test_a_push_at_or_past_r_in_the_old_layout_before_decide_is_unavailable_handoff_then_layout_moved(
         shard_server):
+    """What can still reach the refusal: a trainer that has version R though its reply was held (a reply whose
+    hold expired, or a replayed step).  The held reply itself goes out after DECIDE."""
     job = Job(shard_server)
     for i in (2, 0, 1):
         job.reshard(i, Op.PREPARE)
@@ -172,15 +195,15 @@ def test_a_push_at_or_past_r_in_the_old_layout_before_decide_is_unavailable_hand
     R = max(job.reshard(i, Op.PROPOSE).proposal for i in (0, 1))
     for i in range(3):
         job.reshard(i, Op.COMMIT, round=R)
-    job.rounds(R)
+    held = job.rounds(R, held=True)
     error = refused(lambda: job.push(0, R), grpc.StatusCode.UNAVAILABLE, f"base version is {R}",
                     f"hands over at round {R}", unchanged=_Shard(job, 0))
     assert dict(error.trailing_metadata())[REASON_METADATA_KEY] == "handoff"
     assert job.shards[0].stats(fingerprint=OLD.fingerprint).counters["refused_handoff_pending"] == 1
-    assert pull(job.shards[0], 0, R, OLD.fingerprint)[0].version == R  # still serves
     wait_until(lambda: sorted(set(job.phases())) == ["dest:ready", "source:blocked"], "every source blocked")
     for i in range(3):
         job.reshard(i, Op.DECIDE, switch=True)
+    assert [f.result().version for f in held] == [R, R]  # still serves: the held replies went out
     refused(lambda: job.push(0, R), grpc.StatusCode.FAILED_PRECONDITION, "layout_epoch is 0")
     assert job.push(0, R, layout=1).outcome == pb.APPLIED  # sent again in the new layout
 

@@ -112,7 +112,7 @@ def test_the_hold_expires_back_to_tailing_at_the_handoff_timeout_and_is_counted(
 
 def test_commit_moves_the_hold_to_R_and_holds_the_replies_that_hand_out_R_so_rounds_below_R_still_close():
     s, actions = run(tailing(), h.Propose(10), h.Commit(12))
-    assert s.state is SourceState.BLOCKING and s.round == 12 and actions[-2:] == [h.HoldRounds(12), h.HoldReplies(12)]
+    assert s.state is SourceState.BLOCKING and s.round == 12 and actions[-2:] == [h.HoldReplies(12), h.HoldRounds(12)]
     assert run(s, h.Commit(12)) == (s, [])  # asked twice
 
 
@@ -194,7 +194,7 @@ def test_a_commit_after_the_hold_expired_is_still_taken_inside_the_window():
     s, _ = run(tailing(), h.Propose(10), now=0.0)
     s, _ = run(s, h.Tick(), now=TIMEOUT)
     s, actions = run(s, h.Commit(12))
-    assert s.state is SourceState.BLOCKING and actions == [h.HoldRounds(12), h.HoldReplies(12)]
+    assert s.state is SourceState.BLOCKING and actions == [h.HoldReplies(12), h.HoldRounds(12)]
 
 
 def test_a_second_commit_with_another_round_is_refused_naming_both():
