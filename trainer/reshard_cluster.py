@@ -5,9 +5,8 @@ The M - N extra shards are started empty with the others; the trainers get only 
 version reaches ROUND the coordinator runs as a subprocess (``ps-server reshard --ps OLD --to NEW``: the trainer
 room may not import the shard's code) and its lines are logged.  The shards pick the committed round R (at or
 after ROUND); the summary gains R, the hand-off's seconds (PREPARE to done, the coordinator's own figure) and
-rank 0's rounds per second before and after R.  Each trainer's step is paced (``PACE``) so that the copy, on a
-loaded machine, is not outrun by more rounds than a source's forward log holds (psserver.handoff.MAX_FORWARD_LAG);
-the rates are therefore paced rates.
+rank 0's rounds per second before and after R.  The trainers are not paced: a source whose copy is outrun holds
+its rounds until the forwards catch up (docs/handoff-io.md), so the rates are the job's own.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from psserver.protocol.stubs import fetch_stat
 from trainer.procs import Proc, child_env, cli
 
 log = logging.getLogger("ps-cluster")
-PACE = 0.1  # seconds added to each step: paces the rounds, not a synchronisation
 DENSE_MODELS = ("cnn", "mlp", "widemlp", "resnet18")
 
 
@@ -56,9 +54,9 @@ def check(args) -> tuple[int, int]:
 
 
 def trainer_flags(args, rank: int) -> list[str]:
-    """What --reshard adds to a trainer's flags: a step record per step (for the rates), and the pace."""
-    delay = max(PACE, args.straggler_delay if rank == args.trainers - 1 else 0.0)
-    return ["--log-every", "1", "--step-delay", str(delay)]
+    """What --reshard adds to a trainer's flags: a step record per step (for the rates).  No pace: the sources
+    throttle their rounds if the copy is outrun (a --straggler-delay is ps-cluster's own, kept)."""
+    return ["--log-every", "1"]
 
 
 class ReshardScenario:
