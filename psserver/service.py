@@ -319,9 +319,9 @@ class ParameterServerService(RowRpcs, StepRpc):
     async def Push(self, request_iterator, context):
         with self._peer_slot(context):
             h, r = await self._receive_push(request_iterator, context, stale_as_result=False)
-            # a reply naming version R waits for a live re-shard's DECIDE (psserver.reply_holds)
-            await self.runtime.holds.wait(self.layouts.part(h.layout_epoch, h.partition), r.version,
-                                          self._deadline(context) - 0.25)
+            part = self.layouts.part(h.layout_epoch, h.partition)
+            if self.runtime.holds.held(part, r.version) is not None:  # a reply naming R waits for DECIDE
+                await self.runtime.holds.wait(part, r.version, self._deadline(context) - 0.25)
             return _pb.PushReply(outcome=_OUTCOMES[r.outcome], version=r.version, staleness=r.staleness,
                                  layout_epoch=self.layouts.newest)
 
@@ -426,7 +426,8 @@ class ParameterServerService(RowRpcs, StepRpc):
         t0 = loop.time()
         if not await self.runtime.part_waiters(part).wait(min_version, timeout):
             raise WaitTimeout(part.pull_wait_message(min_version, timeout))
-        await self.runtime.holds.wait(part, part.version, t0 + timeout)  # version R waits for DECIDE
+        if self.runtime.holds.held(part, part.version) is not None:  # version R waits for DECIDE (reply_holds)
+            await self.runtime.holds.wait(part, part.version, t0 + timeout)
         waited = loop.time() - t0
         if self.runtime.stopping:
             raise ShuttingDown(f"shard {self.shard.shard_id} is shutting down")

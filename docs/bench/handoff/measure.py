@@ -1,7 +1,10 @@
 """Ad hoc (not ps-bench yet): a 2 -> 3 live re-shard of an 11,176,970-parameter sync job (ResNet-18's size), SGD
-momentum, one pusher thread driving rounds on both old shards while `ps-server reshard` runs in-process.
+momentum, one pusher thread driving rounds on both old shards (both pushes of a round in flight at once: round
+R-1's replies wait for DECIDE) while `ps-server reshard` runs in-process, unpaced.  Prints the hand-off, the
+block (the coordinator's COMMIT line -> its DECIDE line), the rounds before/during and the sources' counters
+(rounds throttled, replies held, copies again).
 Run: PYTHONPATH=$PWD python docs/bench/handoff/measure.py (docs/handoff-io.md, "Measured")."""
-import dataclasses, sys, threading, time
+import contextlib, dataclasses, io, sys, threading, time
 import grpc, torch
 from psserver.protocol.codec import encode, wire_tensor
 from psserver.protocol.job import JobSpec, OptimizerConfig
@@ -29,13 +32,16 @@ grads = [torch.randn(b - a) for a, b in (shard_range(P, 2, i) for i in range(2))
 stop = threading.Event(); rounds = []
 def pusher():
     while not stop.is_set():
-        t0 = time.monotonic(); pushed = 0
+        t0 = time.monotonic(); pushed = 0; calls = []
         for i in range(2):
             R = stubs[i].Reshard(pb.ReshardRequest(op=pb.ReshardRequest.STATUS), timeout=30).round
             v = stubs[i].GetStats(pb.StatsRequest(), timeout=30).version
             if not R or v < R:
-                stubs[i].Push(encode(wire_tensor(grads[i], pb.FLOAT32), hdr(i, grads[i].numel(), v), 1 << 20), timeout=60)
+                calls.append(stubs[i].Push.future(encode(wire_tensor(grads[i], pb.FLOAT32), hdr(i, grads[i].numel(), v),
+                                                         1 << 20), timeout=60))
                 pushed += 1
+        for c in calls:
+            c.result()
         if pushed == 2:
             rounds.append((t0, time.monotonic()))
         else:
@@ -43,8 +49,19 @@ def pusher():
 t = threading.Thread(target=pusher); t.start()
 time.sleep(3)
 t0 = time.monotonic()
-rc = reshard_main(["--ps", ",".join(s.address for s in servers[:2]), "--to", ",".join(s.address for s in servers), "--wait", "300"])
+class Stamped(io.StringIO):  # the coordinator's lines, each with the time it was printed
+    lines = []
+    def write(self, text):
+        if text.strip():
+            self.lines.append((time.monotonic(), text.strip()))
+        return len(text)
+with contextlib.redirect_stdout(Stamped()):
+    rc = reshard_main(["--ps", ",".join(s.address for s in servers[:2]), "--to", ",".join(s.address for s in servers), "--wait", "300"])
 t1 = time.monotonic(); stop.set(); t.join()
+at = {text.split(":")[0].split(" ")[0]: when for when, text in Stamped.lines}
+for _, text in Stamped.lines:
+    print(text)
+print(f"block (COMMIT -> DECIDE done) {at['switched'] - at['committed']:.3f}s")
 before = [b - a for a, b in rounds if b < t0]; during = [b - a for a, b in rounds if a >= t0 and b <= t1]
 print(f"rc={rc} wall={t1-t0:.2f}s rounds before={len(before)} mean={sum(before)/max(len(before),1)*1000:.0f}ms "
       f"during={len(during)} mean={sum(during)/max(len(during),1)*1000:.0f}ms")
