@@ -43,8 +43,8 @@ class Coordinator:
 
     def __init__(self, old: list[str], new: list[str], partitions: int = 0,
                  security: ClientSecurity = ClientSecurity(), timeout: float = 10.0, wait: float = 600.0,
-                 say: Callable[[str], None] = print):
-        self.old, self.new, self.partitions = old, new, partitions
+                 say: Callable[[str], None] = print, at_round: int = 0):
+        self.old, self.new, self.partitions, self.at_round = old, new, partitions, at_round
         self.plan = plan_id(old, new, partitions)
         self.everyone = [a for a in new if a not in old] + old  # destinations only first: nothing to retry
         self.drained = [a for a in old if a not in new]
@@ -85,6 +85,10 @@ class Coordinator:
         t0 = time.monotonic()
         replies = self.call_all(Op.STATUS)
         switched = any(p in ("source:handed", "source:retired", "dest:serving") for p in self.phases(replies))
+        if not switched and self.at_round and not self.phases(replies):
+            self.wait(lambda r: r[self.old[0]].version >= self.at_round,
+                      f"{self.old[0]} to reach round {self.at_round} (--at-round)")
+            t0 = time.monotonic()  # the hand-off's seconds, from PREPARE as without --at-round
         if not switched:
             drains = f" (drains {','.join(self.drained)})" if self.drained else ""
             self.say(f"plan {self.plan}: {','.join(self.old)} -> {','.join(self.new)}{drains}")
@@ -139,12 +143,16 @@ def reshard_main(argv: list[str]) -> int:
     p.add_argument("--timeout", type=float, default=10.0, help="seconds each call has to answer")
     p.add_argument("--wait", type=float, default=600.0, help="seconds each phase may take")
     p.add_argument("--abort", action="store_true", help="abort this plan (before the switch) instead")
+    p.add_argument("--at-round", type=int, default=0, metavar="N",
+                   help="wait until the first --ps shard is at round N, then prepare (a command started early "
+                        "spends its start-up before the job reaches N, not while it trains on: ps-cluster --reshard)")
     add_client_flags(p)
     args = p.parse_args(argv)
     old, new = parse_addresses(args.ps), parse_addresses(args.to)
     if old == new:
         p.error("--to is the same list as --ps: nothing to move")
-    coordinator = Coordinator(old, new, args.partitions, client_security(args), args.timeout, args.wait)
+    coordinator = Coordinator(old, new, args.partitions, client_security(args), args.timeout, args.wait,
+                              at_round=args.at_round)
     try:
         return coordinator.abort() if args.abort else coordinator.run()
     except CoordinatorError as e:

@@ -1,9 +1,10 @@
 """`ps-cluster --reshard M@ROUND`: a sync dense job grows from --shards to M shards while you watch
 (docs/handoff-io.md).
 
-The M - N extra shards are started empty with the others; the trainers get only the first N.  When shard 0's
-version reaches ROUND the coordinator runs as a subprocess (``ps-server reshard --ps OLD --to NEW``: the trainer
-room may not import the shard's code) and its lines are logged.  The shards pick the committed round R (at or
+The M - N extra shards are started empty with the others; the trainers get only the first N.  The coordinator
+runs as a subprocess (``ps-server reshard --ps OLD --to NEW --at-round ROUND``: the trainer room may not import
+the shard's code), started with the trainers so that its start-up (seconds) is spent before ROUND, not while the
+unpaced job trains on; it prepares when shard 0's version reaches ROUND, and its lines are logged.  The shards pick the committed round R (at or
 after ROUND); the summary gains R, the hand-off's seconds (PREPARE to done, the coordinator's own figure) and
 rank 0's rounds per second before and after R.  The trainers are not paced: a source whose copy is outrun holds
 its rounds until the forwards catch up (docs/handoff-io.md), so the rates are the job's own.
@@ -16,7 +17,6 @@ import re
 import subprocess
 from pathlib import Path
 
-from psserver.protocol.stubs import fetch_stat
 from trainer.procs import Proc, child_env, cli
 
 log = logging.getLogger("ps-cluster")
@@ -60,7 +60,8 @@ def trainer_flags(args, rank: int) -> list[str]:
 
 
 class ReshardScenario:
-    """Runs ``ps-server reshard`` once shard 0's version reaches ROUND (``poll``); ``finish`` reads its lines."""
+    """Runs ``ps-server reshard --at-round ROUND`` at the first ``poll`` (it waits for the round itself);
+    ``finish`` reads its lines."""
 
     def __init__(self, at: int, old: list[str], new: list[str], run: Path):
         self.at, self.old, self.new, self.out = at, old, new, run / "reshard.log"
@@ -68,19 +69,18 @@ class ReshardScenario:
         self.lines: list[str] = []
 
     def poll(self) -> None:
-        """Starts the coordinator once shard 0 is at ROUND; after that, logs its new lines as they come."""
+        """Starts the coordinator (it waits for ROUND itself); after that, logs its new lines as they come."""
         if self.proc is not None:
             self.say_new()
             if self.proc.popen.poll():  # the trainers would wait out their retry budgets: stop now, say why
                 raise RuntimeError(f"ps-server reshard exited with {self.proc.popen.returncode}; its log "
                                    f"{self.out} ends: {self.proc.log_tail(1)}")
             return
-        if fetch_stat(self.old[0]).version < self.at:
-            return
-        log.info("round %d: ps-server reshard --ps %s --to %s", self.at, ",".join(self.old), ",".join(self.new))
+        log.info("ps-server reshard --ps %s --to %s --at-round %d", ",".join(self.old), ",".join(self.new), self.at)
         with open(self.out, "ab") as f:
             popen = subprocess.Popen(cli("psserver.cli") + ["reshard", "--ps", ",".join(self.old), "--to",
-                                                            ",".join(self.new), "--wait", "300"],
+                                                            ",".join(self.new), "--wait", "300",
+                                                            "--at-round", str(self.at)],
                                      stdout=f, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
         self.proc = Proc("reshard", popen, self.out)
 

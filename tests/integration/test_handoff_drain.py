@@ -42,6 +42,9 @@ class Run:
     def __init__(self, shards, first: list[int], optimizer=SGD):
         self.shards, self.on, self.epoch, self.job = shards, list(first), 0, spec_on(len(first), optimizer)
         self.seq = Counter()
+        self.held = []  # round R-1's pushes, whose replies wait for DECIDE (psserver.reply_holds)
+        for s in shards:  # a held reply waits for DECIDE, however slow the machine, not for the timeout
+            s.server.handoffs.timeout = 60.0
         init = torch.randn(P, generator=torch.Generator().manual_seed(0))
         for j, (a, b) in enumerate(self.ranges()):
             s = shards[self.on[j]]
@@ -59,15 +62,21 @@ class Run:
     def version(self, j: int) -> int:
         return self.shards[self.on[j]].stats(fingerprint=self.job.fingerprint).version
 
-    def push(self, j: int, base: int, epoch=None):
+    def push(self, j: int, base: int, epoch=None, later=False):
+        """``later``: the call's future, not waited for (a reply held until DECIDE)."""
         epoch = self.epoch if epoch is None else epoch
         (a, b), i = self.ranges()[j], self.on[j]
         self.seq[(i, epoch)] += 1
         h = self.shards[i].header(n=b - a, version=base, sequence=self.seq[(i, epoch)], fingerprint=self.job.fingerprint)
         h.layout_epoch = epoch
-        return self.shards[i].stub.Push(encode(wire_tensor(grad(base)[a:b], pb.FLOAT32), h, 1024), timeout=10)
+        call = self.shards[i].stub.Push.future if later else self.shards[i].stub.Push
+        return call(encode(wire_tensor(grad(base)[a:b], pb.FLOAT32), h, 1024), timeout=60 if later else 10)
 
-    def rounds(self, upto: int) -> None:
+    def rounds(self, upto: int, held=False) -> list:
+        """Push until every shard is at ``upto``; ``held``: ``upto`` is R, and round R-1's pushes are futures."""
+        if held:
+            self.rounds(upto - 1)
+            return [self.push(j, upto - 1, later=True) for j in range(len(self.on))]
         for j in range(len(self.on)):
             while (v := self.version(j)) < upto:
                 assert self.push(j, v).outcome == pb.APPLIED
@@ -98,7 +107,7 @@ class Run:
         R = max(self.call(i, Op.PROPOSE, plan, to).proposal for i in self.on)
         for i in sorted({*self.on, *to}):
             self.call(i, Op.COMMIT, plan, to, round=R)
-        self.rounds(R)
+        self.held = self.rounds(R, held=True)
         wait_until(lambda: sorted(set(self.phases(plan, to))) == ["dest:ready", "source:blocked"],
                    "every source blocked at R")
         return R
@@ -121,9 +130,14 @@ class Run:
 
     def switch(self, plan: str, to: list[int]) -> None:
         """DECIDE switch everywhere; the test's trainer follows (layout, shards, job)."""
+        self.decide(plan, to)
+        self.follow(plan, to)
+
+    def decide(self, plan: str, to: list[int]) -> None:
+        """DECIDE switch everywhere: round R-1's held replies go out naming the new layout."""
         for i in sorted({*self.on, *to}):
             assert self.call(i, Op.DECIDE, plan, to, switch=True).layout_epoch == self.epoch + 1
-        self.follow(plan, to)
+        assert [f.result().layout_epoch for f in self.held] == [self.epoch + 1] * len(self.held)
 
     def follow(self, plan: str, to: list[int]) -> None:
         """The trainer's side of a switch: the next layout's shards, epoch and job."""
@@ -136,8 +150,9 @@ class Run:
     def hand_off(self, plan: str, to: list[int]) -> int:
         R = self.prepare_and_commit(plan, to)
         self.assert_replays_equal_the_old_ranges(R)
-        at_r = self.weights(R)
-        self.switch(plan, to)
+        self.decide(plan, to)
+        at_r = self.weights(R)  # the old layout's tombstones at R (before DECIDE these pulls would wait for it)
+        self.follow(plan, to)
         assert torch.equal(self.weights(R), at_r)  # the new layout's pulls concatenate to the old weights at R
         return R
 

@@ -1,6 +1,6 @@
 """`ps-server reshard` against three real shards over gRPC on loopback: it drives a 2 -> 3 hand-off of a sync
-dense job while the test pushes rounds, and a re-run after it finished resumes from the shards' records; and a
-3 -> 2 drain, to its last line."""
+dense job while the test pushes rounds (round R-1's as futures: their replies wait for DECIDE), and a re-run
+after it finished resumes from the shards' records; a 3 -> 2 drain, to its last line; and --at-round."""
 
 import threading
 
@@ -15,6 +15,30 @@ from tests.integration.test_handoff_io import NEW, NEW_RANGES, Job, pull
 MAX_BEFORE_R = MAX_FORWARD_LAG // 2
 
 
+def train_while(run, command, shards, at_round=0, follow_to=None) -> list:
+    """Push rounds on ``run``'s shards while ``command`` runs: below R only, round R-1's as futures (their replies
+    wait for DECIDE; returned, answered), none before ``at_round`` is reached (a plan prepared earlier fails the
+    test); ``follow_to``: once every shard names layout 1, follow it there and push on."""
+    before_r, held = [0] * len(shards), {}  # rounds pushed before R is known: at most MAX_BEFORE_R, under the
+    # forward log's bound (handoff.MAX_FORWARD_LAG): the throttle is tested on its own
+    while command.is_alive():
+        status = [s.stub.Reshard(pb.ReshardRequest(op=pb.ReshardRequest.STATUS), timeout=10) for s in shards]
+        if follow_to is not None and run.epoch == 0 and all(r.layout_epoch == 1 for r in status):
+            run.follow("cmd", follow_to)  # the command waits for round R to close in layout 1 before its last line
+        for j in range(len(run.on)):
+            reply, version = status[run.on[j]], run.version(j)
+            if version < at_round:
+                assert not reply.handoffs, f"prepared at version {version}, before --at-round {at_round}"
+            if run.epoch or (not reply.round and before_r[j] < MAX_BEFORE_R) or (
+                    reply.round and version < reply.round - 1):
+                assert run.push(j, version).outcome == pb.APPLIED
+                before_r[j] += not reply.round and version >= at_round
+            elif reply.round and version == reply.round - 1 and j not in held:
+                held[j] = run.push(j, version, later=True)
+        command.join(0.05)  # paces the rounds (a round a shard per turn), not a synchronisation
+    return [f.result() for f in held.values()]
+
+
 def test_ps_server_reshard_moves_a_running_job_to_three_shards_and_a_rerun_resumes_to_done(shard_server, capsys):
     shards = [shard_server(shard=i % 3, lease_timeout=0) for i in range(5)]  # 0-2: the job; 3-4: a reference
     run, ref = Run(shards, [0, 1]), Run(shards, [3, 4])
@@ -24,17 +48,9 @@ def test_ps_server_reshard_moves_a_running_job_to_three_shards_and_a_rerun_resum
     result = {}
     command = threading.Thread(target=lambda: result.setdefault("rc", reshard_main(argv)), daemon=True)
     command.start()
-    before_r = [0, 0]  # rounds pushed before R is known: at most MAX_BEFORE_R, under the forward log's bound, so a
-    # copy slowed by a loaded machine is never outrun into copying again for ever (handoff.MAX_FORWARD_LAG)
-    while command.is_alive():  # training goes on; pushes only below R (round R-1's replies are not held yet)
-        for i in (0, 1):
-            R = shards[i].stub.Reshard(pb.ReshardRequest(op=pb.ReshardRequest.STATUS), timeout=10).round
-            version = run.version(i)
-            if (not R and before_r[i] < MAX_BEFORE_R) or (R and version < R):
-                assert run.push(i, version).outcome == pb.APPLIED
-                before_r[i] += not R
-        command.join(0.05)  # paces the rounds (a round a shard per turn), not a synchronisation
+    held = train_while(run, command, shards[:3])
     assert result["rc"] == 0
+    assert [r.layout_epoch for r in held] == [1, 1]  # round R-1's replies went out after the switch, naming it
     out = capsys.readouterr().out
     assert "committed" in out and "switched" in out and "done: layout 1" in out and "drained" not in out
     R = shards[0].stub.Reshard(pb.ReshardRequest(op=pb.ReshardRequest.STATUS), timeout=10).round
@@ -60,8 +76,9 @@ def test_ps_server_reshard_resumes_a_plan_a_crashed_coordinator_left_committed(s
         first.call_all(pb.ReshardRequest.COMMIT, round=R)
     finally:
         first.close()  # the coordinator "crashed" here
-    job.rounds(R)
+    held = job.rounds(R, held=True)
     assert reshard_main(argv) == 0  # reads R from the shards' records, goes on to the switch
+    assert [f.result().layout_epoch for f in held] == [1, 1]
     out = capsys.readouterr().out
     assert f"round {R}" in out and "done: layout 1" in out
     assert [pull(s, 1, R, NEW.fingerprint)[0].layout_epoch for s in job.shards] == [1, 1, 1]
@@ -77,20 +94,24 @@ def test_ps_server_reshard_drains_a_shard_prints_the_drain_and_exits_0_once_ever
     result = {}
     command = threading.Thread(target=lambda: result.setdefault("rc", reshard_main(argv)), daemon=True)
     command.start()
-    before_r = [0, 0, 0]
-    while command.is_alive():  # training goes on, pushes only below R (as above), then in layout 1
-        status = [s.stub.Reshard(pb.ReshardRequest(op=pb.ReshardRequest.STATUS), timeout=10) for s in shards]
-        if run.epoch == 0 and all(r.layout_epoch == 1 for r in status):
-            run.follow("cmd", [0, 1])  # the command waits for round R to close in layout 1 before its last line
-        for j in range(len(run.on)):
-            R, version = status[j].round, run.version(j)
-            if run.epoch or (not R and before_r[j] < MAX_BEFORE_R) or (R and version < R):
-                assert run.push(j, version).outcome == pb.APPLIED
-                before_r[j] += not R
-        command.join(0.05)  # paces the rounds, not a synchronisation
+    held = train_while(run, command, shards, follow_to=[0, 1])  # pushes below R, then in layout 1
     assert result["rc"] == 0
+    assert [r.layout_epoch for r in held] == [1, 1, 1]  # the drained shard's too
     out = capsys.readouterr().out
     assert f"-> {','.join(new)} (drains {old[2]})" in out, out
     assert out.strip().splitlines()[-1] == f"drained {old[2]}: it holds no job state now and may be stopped", out
     assert [s.stats().drained for s in shards] == ["", "", "retired"]
     assert all(p.params is None for p in shards[2].server.layouts._hosts[0].parts)
+
+
+def test_ps_server_reshard_at_round_prepares_only_once_the_first_shard_reaches_that_round(shard_server, capsys):
+    shards = [shard_server(shard=i, lease_timeout=0) for i in range(3)]
+    run = Run(shards, [0, 1])
+    old, new = run.addresses([0, 1]), run.addresses([0, 1, 2])
+    argv = ["--ps", ",".join(old), "--to", ",".join(new), "--wait", "120", "--at-round", "4"]
+    result = {}
+    command = threading.Thread(target=lambda: result.setdefault("rc", reshard_main(argv)), daemon=True)
+    command.start()
+    train_while(run, command, shards, at_round=4)  # asserts no plan exists below version 4
+    assert result["rc"] == 0 and "done: layout 1" in capsys.readouterr().out
+    assert min(side.machine.copied_at for s in shards[:2] for side in s.server.handoffs.sources) >= 4
