@@ -301,6 +301,8 @@ class HandoffIO:
             switch = request.switch and not self.switched
             drain = self._drained_layout() if switch and self.plan.new_index is None else None
             new = self._new_layout() if switch and drain is None else None
+            if not request.switch:  # before the replies go out: the push of base R that follows is taken
+                self.layouts.handoff_round = None
             for s in self.sources:
                 self.event(s, decide)
             for d in self.dests.values():
@@ -311,10 +313,10 @@ class HandoffIO:
             elif drain is not None:
                 self.layouts.drain(drain, self.plan.you)
                 self.switched = True
+            self.layouts.handoff_round = None
             for part in self.release_after_install:  # after the install: the replies name the new layout
                 self.runtime.holds.release(part)
             self.release_after_install.clear()
-            self.layouts.handoff_round = None
             self.aborted = self.aborted or not request.switch
 
     def _retire(self, request) -> None:

@@ -1,13 +1,14 @@
 """`ps-cluster --reshard 3@R` as a user runs it: two sync trainers on two shards, a third shard started empty,
-the job moved onto all three live when shard 0 reaches R (trainer.reshard_cluster).  Deterministic: the
-scenario acts on shard 0's version, and a step of base >= the committed round waits for the switch, so the
-trainers cannot finish before it."""
+the job moved onto all three live when shard 0 reaches R (trainer.reshard_cluster).  The trainers are not paced;
+the coordinator, started with them, prepares at round AT (``--at-round``) and round R-1's replies wait for the
+switch, so the trainers cannot finish before it once R is committed; STEPS leaves the copy and PROPOSE room
+(asserted: R < STEPS)."""
 
 import json
 
 from tests.cluster.test_cluster_elastic import run_cluster
 
-STEPS, AT = 24, 4
+STEPS, AT = 120, 4
 
 
 def test_ps_cluster_reshard_moves_a_sync_job_to_three_shards_and_each_applies_every_round_once(tmp_path):
@@ -34,3 +35,4 @@ def test_ps_cluster_reshard_moves_a_sync_job_to_three_shards_and_each_applies_ev
     versions = [json.loads(l) for l in (run / "trainer0.jsonl").read_text().splitlines() if l.startswith("{")]
     done = next(r for r in reversed(versions) if r["event"] == "done")
     assert done["versions"] == [STEPS] * 3 and done["layouts_followed"] == 1, done
+    assert (done["retries"], done.get("pushes_rerouted", 0)) == (0, 0), done  # never refused, never re-routed

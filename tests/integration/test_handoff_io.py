@@ -196,16 +196,36 @@ def test_a_push_at_or_past_r_in_the_old_layout_before_decide_is_unavailable_hand
     for i in range(3):
         job.reshard(i, Op.COMMIT, round=R)
     held = job.rounds(R, held=True)
+    wait_until(lambda: sorted(set(job.phases())) == ["dest:ready", "source:blocked"], "every source blocked")
     error = refused(lambda: job.push(0, R), grpc.StatusCode.UNAVAILABLE, f"base version is {R}",
                     f"hands over at round {R}", unchanged=_Shard(job, 0))
     assert dict(error.trailing_metadata())[REASON_METADATA_KEY] == "handoff"
     assert job.shards[0].stats(fingerprint=OLD.fingerprint).counters["refused_handoff_pending"] == 1
-    wait_until(lambda: sorted(set(job.phases())) == ["dest:ready", "source:blocked"], "every source blocked")
     for i in range(3):
         job.reshard(i, Op.DECIDE, switch=True)
     assert [f.result().version for f in held] == [R, R]  # still serves: the held replies went out
     refused(lambda: job.push(0, R), grpc.StatusCode.FAILED_PRECONDITION, "layout_epoch is 0")
     assert job.push(0, R, layout=1).outcome == pb.APPLIED  # sent again in the new layout
+
+
+def test_on_abort_round_r_minus_1s_held_replies_go_out_in_the_old_layout_and_base_r_is_taken_there(shard_server):
+    job = Job(shard_server)
+    for i in (2, 0, 1):
+        job.reshard(i, Op.PREPARE)
+    wait_until(lambda: all(p in ("source:tailing", "dest:replaying") for p in job.phases())
+               and len(job.phases()) == 7, "every move to tail")
+    R = max(job.reshard(i, Op.PROPOSE).proposal for i in (0, 1))
+    for i in range(3):
+        job.reshard(i, Op.COMMIT, round=R)
+    held = job.rounds(R, held=True)
+    wait_until(lambda: sorted(set(job.phases())) == ["dest:ready", "source:blocked"], "every source blocked")
+    assert not any(f.done() for f in held)
+    for i in range(3):
+        assert job.reshard(i, Op.DECIDE, switch=False).layout_epoch == 0
+    assert [(f.result().version, f.result().layout_epoch) for f in held] == [(R, 0), (R, 0)]
+    for i in (0, 1):  # the old layout goes on: the step of base R is taken there, not refused
+        assert job.push(i, R).outcome == pb.APPLIED
+        assert job.shards[i].stats(fingerprint=OLD.fingerprint).counters["refused_handoff_pending"] == 0
 
 
 @pytest.fixture
