@@ -131,21 +131,6 @@ class HandoffIO:
                     fut.cancel()
                     raise RuntimeError("the shard is stopping") from None
 
-    def apply_holds(self, part) -> None:
-        """The partition's rounds wait from the lowest hold or throttle of its moves (several moves may share a
-        partition: one's release must not let go of another's hold); a due round may close after."""
-        froms = [f for s in self.sources if s.part is part for f in (s.rounds_from, s.throttle_from) if f is not None]
-        part.enrolment.handoff_held_from = min(froms) if froms else None
-        self.tick_later(part)
-
-    def release_replies(self, part, after_install: bool) -> None:
-        """Held replies go out: at once (abort: in the old layout), or once DECIDE switch installed the new
-        layout, so that they name it."""
-        if after_install:
-            self.release_after_install.add(part)
-        else:
-            self.runtime.holds.release(part)
-
     def tick_later(self, part) -> None:
         """The partition's round check, after the caller is done (a hold changed: a due round may close)."""
         self.runtime.loop.call_soon_threadsafe(lambda: self.runtime.run_state(part.tick))

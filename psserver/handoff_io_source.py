@@ -44,7 +44,7 @@ class SourceSide:
         self.vote: int | None = None  # R, once SendVote asked for the vote
         self.vote_sent = False
         self.bytes = 0
-        self.rounds_from: int | None = None  # HoldRounds: the commit's hold (psserver.handoff_io.apply_holds)
+        self.rounds_from: int | None = None  # HoldRounds: the commit's hold (_apply_holds)
         self.throttle_from: int | None = None  # ThrottleRounds: rounds wait for this move's forwards
         self.wake = threading.Event()
         self.channel = None  # to the destination, made by the thread; closed by HandoffIO.stop
@@ -63,13 +63,13 @@ class SourceSide:
                 self.copy_sent, self.vote, self.vote_sent = -1, None, False
             elif isinstance(a, h.HoldRounds):
                 self.rounds_from = a.from_version
-                self.io.apply_holds(self.part)  # rounds below the new hold that waited may close now
+                self._apply_holds()  # rounds below the new hold that waited may close now
             elif isinstance(a, h.ReleaseRounds):
                 self.rounds_from = None
-                self.io.apply_holds(self.part)
+                self._apply_holds()
             elif isinstance(a, h.ThrottleRounds):
                 self.throttle_from = a.from_version
-                self.io.apply_holds(self.part)
+                self._apply_holds()
             elif isinstance(a, h.SendVote):
                 self.vote = a.round
             elif isinstance(a, h.DropMove):
@@ -77,12 +77,22 @@ class SourceSide:
                 self.log.restart(self.part.version)
             elif isinstance(a, h.HoldReplies):
                 self.io.runtime.holds.hold(self.part, a.version, self.io.timeout)  # psserver.reply_holds
-            elif isinstance(a, h.ReleaseReplies):
-                self.io.release_replies(self.part, after_install=a.new_layout)
+            elif isinstance(a, h.ReleaseReplies) and a.new_layout:  # once DECIDE installed it: they name it
+                self.io.release_after_install.add(self.part)
+            elif isinstance(a, h.ReleaseReplies):  # an abort: at once, in the old layout
+                self.io.runtime.holds.release(self.part)
             elif isinstance(a, h.Count):
                 self.part.count(a.metric)
                 log.warning("%s", a.message)
         self.wake.set()
+
+    def _apply_holds(self) -> None:
+        """The partition's rounds wait from the lowest hold or throttle of its moves (several moves may share a
+        partition: one's release must not let go of another's hold); a due round may close after."""
+        froms = [f for s in self.io.sources if s.part is self.part for f in (s.rounds_from, s.throttle_from)
+                 if f is not None]
+        self.part.enrolment.handoff_held_from = min(froms) if froms else None
+        self.io.tick_later(self.part)
 
     def round_closed(self, version: int, average, lr) -> None:
         """The partition closed round ``version`` (under its lock): keep the forward, tell the machine."""
