@@ -1,0 +1,150 @@
+"""The exact-accounting soak through a live 2 -> 3 -> 2 (issue 24 item 4, stage 7 of docs/live-reshard.md).
+
+Two trainers (threads using the Python API, as tests/cluster/test_accounting_soak.py) push integer-valued
+gradients, sync mode, SGD lr 1, while ``ps-server reshard`` grows the job from two ``ps-server`` processes to three
+and drains it back to two.  Every byte between processes goes through a FaultProxy (connections reset or dropped
+after a seeded number of bytes -- cut streams and lost replies -- and delayed): the trainers' calls, the
+coordinator's ``Reshard`` calls and the shards' ``Handoff`` streams, since the plan's addresses are the proxies'
+and a source dials the address the plan names for its destination.
+
+At the end the two shards' parameters must equal exactly minus the sum, round by round, of the mean of the
+acknowledged gradients of each element -- whichever layout acknowledged them: no acknowledged push lost or
+applied twice through both hand-offs.  The trainers run until the test names their last step, once the drained
+shard has stopped (SIGTERM, exit code 0), so both switches fall inside the run without a timing deciding it;
+``PACE`` only spaces the steps so that a copy on a loaded machine is not outrun past the forward log's bound.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections import defaultdict
+
+import torch
+
+from psserver.protocol.stubs import fetch_stat
+from psserver.reshard_cmd import reshard_main
+from tests.cluster.faultproxy import FaultProxy
+from tests.cluster.helpers import pull_params
+from tests.helpers import wait_until
+from trainer import connect
+from trainer.api import make_job
+from trainer.procs import start_shard
+
+P, TRAINERS, TAIL = 20_000, 2, 8
+ACKED = {"applied", "accepted", "duplicate"}
+PACE = 0.05  # seconds between a trainer's steps: pacing, not a synchronisation (see the docstring)
+FAULTS = dict(mean_bytes_between_faults=150_000, max_faults=25, max_delay=0.002)
+
+
+class Flat(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(P))
+
+
+def run_trainer(rank: int, addresses: str, last: dict, records: list, errors: list) -> None:
+    """Steps until ``last["step"]`` (set by the test) is reached; each step recorded as (each slot's base, each
+    slot's range, each slot's answer, the gradient), in the layout the step was finally sent in."""
+    try:
+        model = Flat()
+        ps = connect(addresses, model, mode="sync", rank=rank, num_trainers=TRAINERS, trainer_id=f"rsoak-{rank}",
+                     optimizer={"name": "sgd", "lr": 1.0}, connect_timeout=60)
+        gen = torch.Generator().manual_seed(300 + rank)
+        step = 0
+        while last["step"] is None or step < last["step"]:
+            grad = torch.randint(-8, 9, (P,), generator=gen).float()
+            model.w.grad = grad.clone()
+            bases, ranges = list(ps.versions), list(ps.ranges)
+            info = ps.step(num_samples=1)
+            if list(ps.ranges) != ranges:  # switched: every new slot started at the step's base (trainer.relayout)
+                bases = [min(bases)] * len(ps.ranges)
+            records.append((bases, list(ps.ranges), info.outcomes, grad))
+            step += 1
+            time.sleep(PACE)
+        records.append(("counters", dict(ps.counters)))
+        ps.close(leave=rank != 0)  # rank 0 stays registered: the test reads the final weights as it
+    except Exception as e:  # reported by the test thread
+        errors.append(e)
+
+
+def expected_params(records: list[list]) -> torch.Tensor:
+    """Plain SGD with lr 1 from zeros: minus, for every element, the sum over rounds of the mean of the
+    acknowledged gradients that covered it in that round (exact in fp32 for these integers)."""
+    sums, counts = defaultdict(lambda: torch.zeros(P)), defaultdict(lambda: torch.zeros(P))
+    for rank_records in records:
+        for bases, ranges, outcomes, grad in rank_records[:-1]:
+            for base, (a, b), outcome in zip(bases, ranges, outcomes):
+                if outcome in ACKED:
+                    sums[base][a:b] += grad[a:b]
+                    counts[base][a:b] += 1
+    return -sum(sums[v] / counts[v].clamp(min=1) for v in sorted(sums))
+
+
+def reshard(capsys, old: list[str], new: list[str]) -> tuple[int, str]:
+    """``ps-server reshard`` in-process, through the proxies: its R and its lines."""
+    rc = reshard_main(["--ps", ",".join(old), "--to", ",".join(new), "--wait", "120"])
+    out, err = capsys.readouterr()
+    assert rc == 0, out + err
+    return int(re.search(r"takes over at round (\d+)", out).group(1)), out
+
+
+def test_acknowledged_pushes_through_faults_and_a_live_2_to_3_to_2_are_each_in_the_final_parameters_once(
+        tmp_path, capsys):
+    shards = [start_shard(i, tmp_path / f"shard{i}.log") for i in range(3)]  # the third started empty
+    proxies, threads, last = [], [], {"step": None}
+    records, errors = [[] for _ in range(TRAINERS)], []
+    try:
+        proxies += [FaultProxy(s.address, seed=40 + i, **FAULTS) for i, s in enumerate(shards)]
+        two, three = [p.address for p in proxies[:2]], [p.address for p in proxies]
+        threads += [threading.Thread(target=run_trainer, args=(r, ",".join(two), last, records[r], errors),
+                                     daemon=True) for r in range(TRAINERS)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: all(fetch_stat(s.address).version >= 3 for s in shards[:2]), "round 3", timeout=120)
+        R1, out1 = reshard(capsys, two, three)
+        wait_until(lambda: all(fetch_stat(s.address).version >= R1 + 3 for s in shards), "layout 1 past R1 + 3",
+                   timeout=120)
+        R2, out2 = reshard(capsys, three, two)
+        assert out2.strip().splitlines()[-1] == f"drained {three[2]}: it holds no job state now and may be stopped"
+        assert fetch_stat(shards[2].address).drained == "retired"
+        assert shards[2].terminate() == 0, shards[2].log_tail()  # SIGTERM: stops cleanly
+        last["step"] = max(fetch_stat(s.address).version for s in shards[:2]) + TAIL
+        for t in threads:
+            t.join(timeout=300)
+        assert not errors, errors
+        assert not any(t.is_alive() for t in threads)
+        final = [fetch_stat(s.address) for s in shards[:2]]
+        got = torch.cat([pull_params(s.address, "rsoak-0", make_job(Flat(), 2).fingerprint) for s in shards[:2]])
+    finally:
+        if last["step"] is None:
+            last["step"] = 0  # the trainers stop at their next step (their shards are killed below)
+        for p in proxies:
+            p.close()
+        for s in shards:
+            s.kill()
+    steps = last["step"]
+    assert 3 <= R1 < R2 < steps, (R1, R2, steps)  # both switches fell inside the run
+    assert sum(p.faults for p in proxies) > 0  # the faults really happened
+
+    # 0 lost, 0 applied twice: every acknowledged gradient is in the final parameters exactly once
+    want = expected_params(records)
+    assert torch.equal(got, want), (got - want).abs().max()
+    for rank_records in records:  # sync: every step acknowledged by every slot of its layout
+        assert len(rank_records) - 1 == steps
+        assert all(o in ACKED for _, _, outcomes, _ in rank_records[:-1] for o in outcomes)
+        counters = rank_records[-1][1]
+        assert counters["layouts_followed"] == 2, counters
+    # layout 2's job on each of the two shards: rounds R2..end, each trainer's push applied once
+    for shard, st in enumerate(final):
+        acked = [o for rr in records for bases, _, outcomes, _ in rr[:-1] if bases[0] >= R2
+                 for i, o in enumerate(outcomes) if i == shard]
+        c = st.counters
+        assert (st.version, c["steps"], c["pushes_applied"]) == (steps, steps - R2, len(acked)), dict(c)
+        assert len(acked) == TRAINERS * (steps - R2)
+        assert c.get("duplicates", 0) >= acked.count("duplicate"), dict(c)
+    with capsys.disabled():  # the soak's numbers, for docs/handoff-io.md
+        print(f"\nsoak: steps {steps}, R1 {R1}, R2 {R2}, faults {[p.faults for p in proxies]}, "
+              f"connections {[p.connections for p in proxies]}, trainer counters "
+              f"{[rr[-1][1] for rr in records]}\n{out1}\n{out2}")
