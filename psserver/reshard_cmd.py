@@ -43,8 +43,9 @@ class Coordinator:
 
     def __init__(self, old: list[str], new: list[str], partitions: int = 0,
                  security: ClientSecurity = ClientSecurity(), timeout: float = 10.0, wait: float = 600.0,
-                 say: Callable[[str], None] = print, at_round: int = 0):
+                 say: Callable[[str], None] = print, at_round: int = 0, retire_wait: float = 60.0):
         self.old, self.new, self.partitions, self.at_round = old, new, partitions, at_round
+        self.retire_wait = retire_wait
         self.plan = plan_id(old, new, partitions)
         self.everyone = [a for a in new if a not in old] + old  # destinations only first: nothing to retry
         self.drained = [a for a in old if a not in new]
@@ -70,16 +71,39 @@ class Coordinator:
     def phases(self, replies: dict[str, _pb.ReshardReply]) -> list[str]:
         return [r.phase for reply in replies.values() if reply.plan == self.plan for r in reply.handoffs]
 
-    def wait(self, done: Callable[[dict], bool], what: str) -> dict[str, _pb.ReshardReply]:
-        deadline = time.monotonic() + self.wait_s
+    def wait(self, done: Callable[[dict], bool], what: str, seconds: float | None = None
+             ) -> dict[str, _pb.ReshardReply]:
+        """STATUS until ``done`` (every ``POLL_SECONDS``); after ``seconds`` (``--wait``) a CoordinatorError."""
+        seconds = self.wait_s if seconds is None else seconds
+        deadline = time.monotonic() + seconds
         while True:
             replies = self.call_all(Op.STATUS)
             if done(replies):
                 return replies
             if time.monotonic() > deadline:
-                raise CoordinatorError(f"waited {self.wait_s:g} s for {what}; the shards' phases are "
+                raise CoordinatorError(f"waited {seconds:g} s for {what}; the shards' phases are "
                                        f"{sorted(set(self.phases(replies)))}")
             time.sleep(POLL_SECONDS)
+
+    def closed_in_new_layout(self, replies: dict[str, _pb.ReshardReply]) -> bool:
+        """Round R closed on every new shard: every trainer pushed in the new layout, so none has a call in the
+        old one still unanswered (in sync mode its step of base R-1 was answered on every old shard first)."""
+        R = max(r.round for r in replies.values())
+        return all(replies[a].version > R for a in self.new)
+
+    def before_retire(self, replies: dict[str, _pb.ReshardReply]) -> None:
+        """RETIRE frees the tombstones, which answer an old-layout retry (a lost reply of round R-1 sent again:
+        DUPLICATE and the weights at R); after it such a retry is refused layout-moved, and the trainer's step,
+        applied on the other old shards, fails split between layouts (tests/cluster/test_reshard_soak.py).  So
+        RETIRE waits up to ``--retire-wait`` seconds for round R to close in the new layout; a job that ended at R
+        never closes it, and is retired after the wait (said)."""
+        if self.retire_wait <= 0 or set(self.phases(replies)) <= {"source:retired", "dest:serving"}:
+            return
+        R = max(r.round for r in replies.values())
+        try:
+            self.wait(self.closed_in_new_layout, f"round {R} to close in the new layout", self.retire_wait)
+        except CoordinatorError as e:
+            self.say(f"retiring anyway: {e} (a trainer's old-layout call from now on is refused layout-moved)")
 
     def run(self) -> int:
         t0 = time.monotonic()
@@ -106,16 +130,17 @@ class Coordinator:
             blocked = time.monotonic()
             self.call_all(Op.DECIDE, switch=True)
             self.say(f"switched (block {time.monotonic() - blocked:.3f} s)")
+        handoff = time.monotonic() - t0  # PREPARE -> switched: the retire wait is the trainers' pace, not the move's
+        self.before_retire(self.call_all(Op.STATUS))
         replies = self.call_all(Op.RETIRE)
         self._check_retired(replies)
         moved = sum(r.bytes for reply in replies.values() for r in reply.handoffs if r.phase.startswith("source:"))
         self.say(f"done: layout {max(r.layout_epoch for r in replies.values())}, {moved} bytes moved, "
-                 f"hand-off {time.monotonic() - t0:.2f} s")
+                 f"hand-off {handoff:.2f} s")
         if self.drained:
             R = max(r.round for r in replies.values())
-            self.wait(lambda r: all(r[a].version > R for a in self.new),
-                      f"round {R} to close in the new layout (every trainer past the switch, none calling "
-                      f"{','.join(self.drained)} again)")
+            self.wait(self.closed_in_new_layout, f"round {R} to close in the new layout (every trainer past the "
+                      f"switch, none calling {','.join(self.drained)} again)")
             self.say(f"drained {','.join(self.drained)}: it holds no job state now and may be stopped")
         return 0
 
@@ -142,6 +167,9 @@ def reshard_main(argv: list[str]) -> int:
     p.add_argument("--partitions", type=int, default=0, help="partitions per new shard (0: the job's)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds each call has to answer")
     p.add_argument("--wait", type=float, default=600.0, help="seconds each phase may take")
+    p.add_argument("--retire-wait", type=float, default=60.0,
+                   help="seconds RETIRE waits for round R to close in the new layout, so that a trainer's lost reply "
+                        "retried in the old layout is still answered (0: retire at once)")
     p.add_argument("--abort", action="store_true", help="abort this plan (before the switch) instead")
     p.add_argument("--at-round", type=int, default=0, metavar="N",
                    help="wait until the first --ps shard is at round N, then prepare (a command started early "
@@ -152,7 +180,7 @@ def reshard_main(argv: list[str]) -> int:
     if old == new:
         p.error("--to is the same list as --ps: nothing to move")
     coordinator = Coordinator(old, new, args.partitions, client_security(args), args.timeout, args.wait,
-                              at_round=args.at_round)
+                              at_round=args.at_round, retire_wait=args.retire_wait)
     try:
         return coordinator.abort() if args.abort else coordinator.run()
     except CoordinatorError as e:

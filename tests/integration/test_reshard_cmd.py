@@ -4,12 +4,16 @@ after it finished resumes from the shards' records; a 3 -> 2 drain, to its last 
 
 import threading
 
+import grpc
 import torch
 
+from psserver.protocol.codec import encode, wire_tensor
+from psserver.protocol.errors import LAYOUT_MOVED, REASON_METADATA_KEY
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.reshard_cmd import Coordinator, reshard_main
 from psserver.handoff import MAX_FORWARD_LAG
-from tests.integration.test_handoff_drain import Run
+from tests.helpers import refused
+from tests.integration.test_handoff_drain import Run, grad
 from tests.integration.test_handoff_io import NEW, NEW_RANGES, Job, pull
 
 MAX_BEFORE_R = MAX_FORWARD_LAG // 2
@@ -44,7 +48,8 @@ def test_ps_server_reshard_moves_a_running_job_to_three_shards_and_a_rerun_resum
     run, ref = Run(shards, [0, 1]), Run(shards, [3, 4])
     run.rounds(2)
     old, new = run.addresses([0, 1]), run.addresses([0, 1, 2])
-    argv = ["--ps", ",".join(old), "--to", ",".join(new), "--wait", "120"]
+    # --retire-wait 0: this test pushes nothing in layout 1, so round R never closes there (RETIRE at once)
+    argv = ["--ps", ",".join(old), "--to", ",".join(new), "--wait", "120", "--retire-wait", "0"]
     result = {}
     command = threading.Thread(target=lambda: result.setdefault("rc", reshard_main(argv)), daemon=True)
     command.start()
@@ -66,7 +71,7 @@ def test_ps_server_reshard_moves_a_running_job_to_three_shards_and_a_rerun_resum
 def test_ps_server_reshard_resumes_a_plan_a_crashed_coordinator_left_committed(shard_server, capsys):
     job = Job(shard_server)
     job.rounds(2)
-    argv = ["--ps", ",".join(job.old), "--to", ",".join(job.new), "--wait", "120"]
+    argv = ["--ps", ",".join(job.old), "--to", ",".join(job.new), "--wait", "120", "--retire-wait", "0"]
     first = Coordinator(job.old, job.new, say=lambda line: None)  # the same plan id as the command's
     try:
         first.call_all(pb.ReshardRequest.PREPARE)
@@ -108,10 +113,61 @@ def test_ps_server_reshard_at_round_prepares_only_once_the_first_shard_reaches_t
     shards = [shard_server(shard=i, lease_timeout=0) for i in range(3)]
     run = Run(shards, [0, 1])
     old, new = run.addresses([0, 1]), run.addresses([0, 1, 2])
-    argv = ["--ps", ",".join(old), "--to", ",".join(new), "--wait", "120", "--at-round", "4"]
+    argv = ["--ps", ",".join(old), "--to", ",".join(new), "--wait", "120", "--at-round", "4",
+            "--retire-wait", "0"]
     result = {}
     command = threading.Thread(target=lambda: result.setdefault("rc", reshard_main(argv)), daemon=True)
     command.start()
     train_while(run, command, shards, at_round=4)  # asserts no plan exists below version 4
     assert result["rc"] == 0 and "done: layout 1" in capsys.readouterr().out
     assert min(side.machine.copied_at for s in shards[:2] for side in s.server.handoffs.sources) >= 4
+
+
+def push_again(run: Run, j: int, base: int, sequence: int, job) -> pb.PushReply:
+    """Layout 0's push of shard ``j`` at ``base`` sent again under its number: a lost reply's retry."""
+    (a, b), shard = run.ranges([0, 1])[j], run.shards[j]
+    h = shard.header(n=b - a, version=base, sequence=sequence, fingerprint=job.fingerprint)
+    h.layout_epoch = 0
+    return shard.stub.Push(encode(wire_tensor(grad(base)[a:b], pb.FLOAT32), h, 1024), timeout=10)
+
+
+def status(shard) -> pb.ReshardReply:
+    return shard.stub.Reshard(pb.ReshardRequest(op=pb.ReshardRequest.STATUS), timeout=10)
+
+
+def test_ps_server_reshard_retires_once_round_r_closed_in_the_new_layout_so_a_lost_reply_retried_is_duplicate(
+        shard_server, capsys):
+    shards = [shard_server(shard=i, lease_timeout=0) for i in range(3)]
+    run = Run(shards, [0, 1])
+    run.rounds(2)
+    old_job, new = run.job, run.addresses([0, 1, 2])
+    argv = ["--ps", ",".join(run.addresses([0, 1])), "--to", ",".join(new), "--wait", "120"]
+    result = {}
+    command = threading.Thread(target=lambda: result.setdefault("rc", reshard_main(argv)), daemon=True)
+    command.start()
+    before_r, held = [0, 0], {}
+    while not all(status(s).layout_epoch == 1 for s in shards):  # pushes below R, round R-1's as futures
+        for i in (0, 1):
+            R, version = status(shards[i]).round, run.version(i)
+            if (not R and before_r[i] < MAX_BEFORE_R) or (R and version < R - 1):
+                assert run.push(i, version).outcome == pb.APPLIED
+                before_r[i] += not R
+            elif R and version == R - 1 and i not in held:
+                held[i] = run.push(i, version, later=True)
+        command.join(0.05)  # paces the rounds, not a synchronisation
+    assert [f.result().layout_epoch for f in held.values()] == [1, 1]  # released at the switch, naming it
+    R = status(shards[0]).round
+    # round R-1's push to shard 0, its reply "lost": sent again after the switch, the tombstone still answers it
+    again = push_again(run, 0, R - 1, run.seq[(0, 0)], old_job)
+    assert (again.outcome, again.version) == (pb.DUPLICATE, R)
+    assert command.is_alive()  # waiting for round R in layout 1 before RETIRE: nothing is retired yet
+    run.follow("cmd", [0, 1, 2])
+    for j in range(3):
+        assert run.push(j, R).outcome == pb.APPLIED  # round R closes in layout 1 on every new shard
+    command.join(60)
+    assert result["rc"] == 0
+    out = capsys.readouterr().out
+    assert "done: layout 1" in out and "retiring anyway" not in out, out
+    e = refused(lambda: push_again(run, 0, R - 1, run.seq[(0, 0)], old_job), grpc.StatusCode.FAILED_PRECONDITION,
+                "layout_epoch is 0")  # RETIRE freed layout 0 now
+    assert dict(e.trailing_metadata())[REASON_METADATA_KEY] == LAYOUT_MOVED
