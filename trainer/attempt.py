@@ -74,10 +74,12 @@ class StepFailed(ShardCallsFailed):
 
 class StepMoved(StepFailed):
     """Every slot refused the step ``layout-moved`` and none applied it: it changed nothing anywhere, and goes
-    again whole in layout ``newest`` (trainer.relayout) -- not a failed step, not an abandoned one."""
+    again whole in layout ``newest`` (trainer.relayout) -- not a failed step, not an abandoned one.
+    ``unreachable``: slots that could not be reached at all (moved_past_unreachable) -- re-sent too, if the
+    timeline puts the step's base in a later layout."""
 
-    def __init__(self, newest: int, *args):
-        self.newest = newest
+    def __init__(self, newest: int, *args, unreachable: int = 0):
+        self.newest, self.unreachable = newest, unreachable
         super().__init__(*args)
 
 
@@ -99,6 +101,24 @@ def rows_moved(error: BaseException) -> int | None:
     if not failed or done is None or not hasattr(error, "table"):
         return None
     return moved_everywhere(failed, done)
+
+
+UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def moved_past_unreachable(failed: dict, applied: Sequence[int]) -> tuple[int, int] | None:
+    """(the newest layout, how many slots were unreachable) when some of a step's slots refused it
+    ``layout-moved``, every other failure is a slot that could not be reached (UNAVAILABLE or DEADLINE_EXCEEDED
+    after its retries: a drained shard stopped, a connection cut) and no slot applied it; else None.  Whether the
+    unreachable slots applied nothing depends on the base: a step of base >= the new layout's R was applied by no
+    shard of the old layout (held, then refused), so the caller re-sends it whole only then (trainer.relayout)."""
+    moved = [refused_layout_moved(e) for e in failed.values() if isinstance(e, grpc.RpcError)]
+    moved = [n for n in moved if n is not None]
+    rest = [e for e in failed.values() if not isinstance(e, grpc.RpcError) or refused_layout_moved(e) is None]
+    if not moved or applied or not rest or any(not isinstance(e, grpc.RpcError) or e.code() not in UNREACHABLE
+                                               for e in rest):
+        return None
+    return max(moved), len(rest)
 
 
 @dataclass

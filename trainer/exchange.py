@@ -24,6 +24,7 @@ from trainer.attempt import (
     StepMoved,
     after_rejoin,
     moved_everywhere,
+    moved_past_unreachable,
     rejoins_on,
     slot_move,
     split_exchange,
@@ -121,10 +122,13 @@ class DenseExchange:
 
     def _fail(self, attempt: StepAttempt, results: dict[int, object]) -> None:
         failed = {i: r for i, r in results.items() if isinstance(r, Exception)}
+        names = [s.address for s in self.client.parts], [s.name for s in self.client.parts]
         newest = moved_everywhere(failed, attempt.applied())
         if newest is not None:  # changed nothing anywhere: not a failed step (the runner re-routes it)
-            raise StepMoved(newest, self.steps + 1, [], failed, [s.address for s in self.client.parts],
-                            [s.name for s in self.client.parts])
+            raise StepMoved(newest, self.steps + 1, [], failed, *names)
+        partly = moved_past_unreachable(failed, attempt.applied())
+        if partly is not None:  # re-routed if its base is past the new layout's R, else raised as failed
+            raise StepMoved(partly[0], self.steps + 1, [], failed, *names, unreachable=partly[1])
         self.client.count("steps_failed")
         error = StepFailed(self.steps + 1, attempt.applied(), failed, [s.address for s in self.client.parts],
                            [s.name for s in self.client.parts])

@@ -128,14 +128,20 @@ class Relayout:
         self.switch(layout, base)
         return True
 
-    def reroute(self, newest: int, base: int, refused: int, tables: Sequence[str] = (), rows_refused: int = 0) -> None:
+    def reroute(self, newest: int, base: int, refused: int, tables: Sequence[str] = (), rows_refused: int = 0,
+                unreachable: int = 0) -> bool:
         """A step of base ``base`` was refused ``layout-moved`` by ``refused`` dense slots and by every shard of
         ``tables`` (``rows_refused`` row pushes; newest layout ``newest``): it changed nothing, so its pushes are
         taken back here -- the dense ones' top-k residuals, the tables' kept pushes -- and the step goes again
-        whole in the new layout (counted ``pushes_rerouted``, ``row_pushes_rerouted``)."""
+        whole in the new layout (counted ``pushes_rerouted``, ``row_pushes_rerouted``).  ``unreachable`` of the
+        dense slots (among ``refused``) could not be reached at all: a base at or past the new layout's R was
+        applied by no old shard (held, then refused), so those go again too (counted
+        ``steps_rerouted_past_unreachable``); below R one may hold it, and False is returned (nothing changed)."""
         for s in self.client.parts:
             s.saw_layout(newest)
         layout = due(self.timeline.learn(), self.epoch, base)
+        if layout is None and unreachable:
+            return False
         if layout is None:
             raise LayoutNotFollowed(f"a step of base {base} was refused layout-moved (newest layout {newest}) but "
                                     f"the timeline {self.timeline.layouts} puts base {base} in layout {self.epoch}")
@@ -151,7 +157,13 @@ class Relayout:
             log.warning("rank %d: every shard refused the push of tables %s layout-moved (base %d, newest layout "
                         "%d); nothing was applied, it goes again whole in layout %d", self.session.rank,
                         list(tables), base, newest, layout.number)
+        if unreachable:
+            self.client.count("steps_rerouted_past_unreachable")
+            log.warning("rank %d: a step of base %d was refused layout-moved by %d slots and %d could not be "
+                        "reached: re-sent whole in layout %d (from round %d)", self.session.rank, base,
+                        refused - unreachable, unreachable, layout.number, layout.round)
         self.switch(layout, base)
+        return True
 
     def reroute_tables(self, newest: int, base: int, table: str, refused: int) -> None:
         """A step's push of ``table`` was refused ``layout-moved`` by every shard (``refused`` of them) before its

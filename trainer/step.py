@@ -101,7 +101,10 @@ class StepRunner:
         except StepMoved as moved:
             if not reroute:
                 raise
-            self.relayout.reroute(moved.newest, base, len(moved.failed))
+            if not self.relayout.reroute(moved.newest, base, len(moved.failed), unreachable=moved.unreachable):
+                self._count("steps_failed")  # base below R: the unreachable slots may hold it (retry the step)
+                log.warning("rank %d: %s", self.session.rank, moved)
+                raise
             self.exchange.rerouted()
             return self.exchange.dense_step(num_samples)
 
@@ -147,19 +150,28 @@ class StepRunner:
         if dense_moved is None and table_moved is None:
             return
         newest = max(m.newest for m in (dense_moved, table_moved) if m is not None)
-        self._moved(newest, len(dense_moved.failed) if dense_moved else 0,
-                    [table_moved.table] if table_moved else [], len(table_moved.failed) if table_moved else 0)
+        if not self._moved(newest, len(dense_moved.failed) if dense_moved else 0,
+                           [table_moved.table] if table_moved else [], len(table_moved.failed) if table_moved else 0,
+                           unreachable=dense_moved.unreachable if dense_moved else 0):
+            self._count("steps_failed")  # base below R: the unreachable slots may hold it (retry the step)
+            log.warning("rank %d: %s", self.session.rank, dense_moved)
+            raise dense_moved
         self.table_push.push(num_samples)
         if self._dense_done is None:
             self._dense_done = self._dense_step(num_samples)
 
-    def _moved(self, newest: int, dense_refused: int, tables: list[str], rows_refused: int | None = None) -> None:
-        """Every part of this step still to do was refused layout-moved, none applied: nothing else in flight,
-        take them back and switch (trainer.relayout.reroute); the dense part then goes on a fresh attempt."""
+    def _moved(self, newest: int, dense_refused: int, tables: list[str], rows_refused: int | None = None,
+               unreachable: int = 0) -> bool:
+        """Every part of this step still to do was refused layout-moved (or, ``unreachable`` dense slots, could not
+        be reached), none applied: nothing else in flight, take them back and switch (trainer.relayout.reroute);
+        the dense part then goes on a fresh attempt.  False: not re-routed (nothing changed; Relayout.reroute)."""
         rows = rows_refused if rows_refused is not None else len(tables) * len(self.exchange.client.shards)
-        self.relayout.reroute(newest, min(self.exchange.slots.versions), dense_refused, tables, rows)
+        if not self.relayout.reroute(newest, min(self.exchange.slots.versions), dense_refused, tables, rows,
+                                     unreachable=unreachable):
+            return False
         if dense_refused:
             self.exchange.rerouted()
+        return True
 
     def _rows_kept(self) -> set[str]:
         """The tables whose push is kept for a retry (every one a refused Step call carried)."""

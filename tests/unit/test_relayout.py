@@ -12,7 +12,7 @@ from psserver.protocol.layout import partition_range
 from psserver.protocol.layouts import LayoutEpoch
 from psserver.protocol.proto import ps_pb2 as pb
 from tests.conftest import make_spec
-from trainer.attempt import moved_everywhere
+from trainer.attempt import moved_everywhere, moved_past_unreachable
 from trainer.client import RetryPolicy, ShardClient
 from trainer.compress import TopK
 from trainer.relayout import (
@@ -115,6 +115,9 @@ def test_layout_ahead_is_retried_within_the_budget_and_layout_moved_is_raised_at
 
 
 class _Part(SimpleNamespace):
+    def saw_layout(self, number):
+        self.layout_seen = max(self.layout_seen, number)
+
     def stats(self):
         self.fetched += 1
         return pb.StatsReply(layouts=[e.to_proto() for e in TIMELINE])
@@ -145,3 +148,38 @@ def test_a_trainer_running_a_variant_that_cannot_follow_refuses_the_switch_namin
                                                 "tables, which cannot follow"):
         relayout.switch_if_due(5)
     assert slots.ranges == [(0, 5), (5, 10)] and relayout.epoch == 0
+
+
+class _Unreachable(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "Stream removed (Socket closed)"
+
+    def trailing_metadata(self):
+        return ()
+
+
+def test_a_step_moved_on_some_slots_and_unreachable_on_another_is_resent_whole_only_past_the_new_layouts_round():
+    moved = _Error(LayoutMoved("x", newest=1))
+    failed = {0: moved, 1: _Unreachable()}
+    assert moved_everywhere(failed, []) is None and moved_past_unreachable(failed, []) == (1, 1)
+    assert moved_past_unreachable(failed, [2]) is None  # a slot applied it: a split step, raised as it is
+    assert moved_past_unreachable({**failed, 2: _Error(JobMismatch("x"))}, []) is None  # a real refusal
+    assert moved_past_unreachable({1: _Unreachable()}, []) is None  # nothing moved: a plain failure
+    assert moved_past_unreachable({0: moved}, []) is None  # all moved: moved_everywhere's case
+
+    client = _client([0, 0])
+    for p in client.parts:
+        p.outgoing, p.compressor, p.slot = SimpleNamespace(sent=None), None, 0
+    slots = SimpleNamespace(client=client, ranges=[(0, 5), (5, 10)], slice=lambda t, i: t,
+                            flat=SimpleNamespace(grad=torch.zeros(10)))
+    relayout, switched = Relayout(slots, session=None), []
+    relayout.switch = lambda layout, base: switched.append((layout.number, base))
+    # base 4 < R 5: the unreachable old shard may hold it -- not re-sent, nothing counted
+    assert relayout.reroute(1, 4, 2, unreachable=1) is False and switched == []
+    assert client.counters["pushes_rerouted"] == client.counters["steps_rerouted_past_unreachable"] == 0
+    # base 5 >= R: no old shard applied it, so both slots' parts go again whole in layout 1
+    assert relayout.reroute(1, 5, 2, unreachable=1) is True and switched == [(1, 5)]
+    assert (client.counters["pushes_rerouted"], client.counters["steps_rerouted_past_unreachable"]) == (2, 1)
