@@ -175,7 +175,7 @@ def test_a_step_moved_on_some_slots_and_unreachable_on_another_is_resent_whole_o
         p.outgoing, p.compressor, p.slot = SimpleNamespace(sent=None), None, 0
     slots = SimpleNamespace(client=client, ranges=[(0, 5), (5, 10)], slice=lambda t, i: t,
                             flat=SimpleNamespace(grad=torch.zeros(10)))
-    relayout, switched = Relayout(slots, session=None), []
+    relayout, switched = Relayout(slots, session=SimpleNamespace(rank=0)), []
     relayout.switch = lambda layout, base: switched.append((layout.number, base))
     # base 4 < R 5: the unreachable old shard may hold it -- not re-sent, nothing counted
     assert relayout.reroute(1, 4, 2, unreachable=1) is False and switched == []
