@@ -27,6 +27,8 @@ from psserver.protocol.security import ClientSecurity, add_client_flags, client_
 Op = _pb.ReshardRequest
 TAILING = {"source:tailing", "source:holding", "source:blocking", "source:blocked"}
 POLL_SECONDS = 0.2
+CALL_RETRY_SECONDS = 30.0  # how long one op is sent again while a shard gives no answer (Coordinator.call)
+NO_ANSWER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class CoordinatorError(Exception):
@@ -51,19 +53,31 @@ class Coordinator:
         self.drained = [a for a in old if a not in new]
         self.timeout, self.wait_s, self.say = timeout, wait, say
         self.channels = {a: security.channel(a) for a in self.everyone}
+        self.retries = 0  # calls sent again after no answer (said as they happen; in the done line)
 
     def close(self) -> None:
         for ch in self.channels.values():
             ch.close()
 
     def call(self, address: str, op: int, **kw) -> _pb.ReshardReply:
+        """One op on one shard.  Every op is idempotent (asked twice, it answers as the first time), so a call
+        that found no answer -- a cut connection, a lost reply, a deadline -- is sent again for up to
+        ``CALL_RETRY_SECONDS`` (each said, counted in ``retries``); a refusal, or no answer after that, ends the run."""
         request = _pb.ReshardRequest(op=op, plan=self.plan, old_addresses=self.old, new_addresses=self.new,
                                      partitions=self.partitions, you=address, **kw)
-        try:
-            return stubs.stub(self.channels[address]).Reshard(request, timeout=self.timeout)
-        except grpc.RpcError as e:
-            raise CoordinatorError(f"{address} answered {Op.Op.Name(op)} with {e.code().name}: {e.details()}") \
-                from None
+        give_up, pause = time.monotonic() + CALL_RETRY_SECONDS, 0.05
+        while True:
+            try:
+                return stubs.stub(self.channels[address]).Reshard(request, timeout=self.timeout)
+            except grpc.RpcError as e:
+                if e.code() not in NO_ANSWER or time.monotonic() >= give_up:
+                    raise CoordinatorError(f"{address} answered {Op.Op.Name(op)} with {e.code().name}: "
+                                           f"{e.details()}") from None
+                self.retries += 1
+                self.say(f"{Op.Op.Name(op)} to {address}: no answer ({e.code().name}: {e.details()}); "
+                         f"sent again in {pause:.2f} s")
+                time.sleep(pause)  # backoff between attempts, not a synchronisation
+                pause = min(pause * 2, 1.0)
 
     def call_all(self, op: int, **kw) -> dict[str, _pb.ReshardReply]:
         return {a: self.call(a, op, **kw) for a in self.everyone}
@@ -136,7 +150,7 @@ class Coordinator:
         self._check_retired(replies)
         moved = sum(r.bytes for reply in replies.values() for r in reply.handoffs if r.phase.startswith("source:"))
         self.say(f"done: layout {max(r.layout_epoch for r in replies.values())}, {moved} bytes moved, "
-                 f"hand-off {handoff:.2f} s")
+                 f"hand-off {handoff:.2f} s, {self.retries} calls sent again")
         if self.drained:
             R = max(r.round for r in replies.values())
             self.wait(self.closed_in_new_layout, f"round {R} to close in the new layout (every trainer past the "

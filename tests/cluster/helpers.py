@@ -134,11 +134,13 @@ def exact_sgd(by_base: dict, mode: str) -> torch.Tensor:
     return -sum(torch.stack(gs).mean(0) for gs in by_base.values())
 
 
-def pull_params(address: str, trainer_id: str, fingerprint: str, partition: int = 0) -> torch.Tensor:
+def pull_params(address: str, trainer_id: str, fingerprint: str, partition: int = 0,
+                layout_epoch: int = 0) -> torch.Tensor:
     """A shard's current parameters (of one partition), pulled as rank 0 with ``trainer_id``: a member, so the
     test reads them as a trainer would.  ``fingerprint``: the test's own model's (make_job), since GetStats shows
-    the job only to members."""
+    the job only to members; ``layout_epoch``: the layout it is pulled in (a live re-shard's)."""
     with grpc.insecure_channel(address) as ch:
         chunks = list(pb_grpc.ParameterServerStub(ch).Pull(
-            pb.PullRequest(rank=0, trainer_id=trainer_id, fingerprint=fingerprint, partition=partition), timeout=30))
+            pb.PullRequest(rank=0, trainer_id=trainer_id, fingerprint=fingerprint, partition=partition,
+                           layout_epoch=layout_epoch), timeout=30))
     return torch.frombuffer(bytearray(b"".join(c.data for c in chunks)), dtype=torch.float32)

@@ -116,7 +116,8 @@ def test_acknowledged_pushes_through_faults_and_a_live_2_to_3_to_2_are_each_in_t
         assert not errors, errors
         assert not any(t.is_alive() for t in threads)
         final = [fetch_stat(s.address) for s in shards[:2]]
-        got = torch.cat([pull_params(s.address, "rsoak-0", make_job(Flat(), 2).fingerprint) for s in shards[:2]])
+        got = torch.cat([pull_params(s.address, "rsoak-0", make_job(Flat(), 2).fingerprint,
+                                     layout_epoch=2) for s in shards[:2]])  # in layout 2: two shards again
     finally:
         if last["step"] is None:
             last["step"] = 0  # the trainers stop at their next step (their shards are killed below)

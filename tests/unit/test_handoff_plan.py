@@ -2,9 +2,15 @@
 `ps-server reshard` names again, each shard's place in both lists, and the moves it is a source of."""
 
 import dataclasses
+from types import SimpleNamespace
 
+import grpc
+import pytest
+
+from psserver import reshard_cmd
 from psserver.handoff_io import Plan
 from psserver.protocol.layout import Layout, shard_range
+from psserver.protocol.proto import ps_pb2 as pb
 from psserver.reshard_cmd import plan_id
 from tests.conftest import P, make_spec
 
@@ -31,3 +37,42 @@ def test_the_moves_of_two_to_three_cover_every_element_once_and_each_old_shard_s
     for m in moves:
         lo, hi = shard_range(P, 3, m.dst)
         assert lo <= m.a < m.b <= hi
+
+
+class _NoAnswer(grpc.RpcError):
+    def __init__(self, code):
+        self._code = code
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return "Stream removed (Socket closed)" if self._code == grpc.StatusCode.UNAVAILABLE else "refused"
+
+
+def test_the_coordinator_sends_an_op_again_after_no_answer_said_and_counted_but_never_after_a_refusal(monkeypatch):
+    answers = [_NoAnswer(grpc.StatusCode.UNAVAILABLE), _NoAnswer(grpc.StatusCode.DEADLINE_EXCEEDED),
+               pb.ReshardReply(round=7), _NoAnswer(grpc.StatusCode.FAILED_PRECONDITION)]
+    sent = []
+
+    def reshard(request, timeout):
+        sent.append(request.op)
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(reshard_cmd.stubs, "stub", lambda channel: SimpleNamespace(Reshard=reshard))
+    monkeypatch.setattr(reshard_cmd.time, "sleep", lambda s: None)  # the backoff (no clock in a unit test)
+    lines = []
+    coordinator = reshard_cmd.Coordinator(["127.0.0.1:1"], ["127.0.0.1:1", "127.0.0.1:2"], say=lines.append)
+    try:
+        assert coordinator.call("127.0.0.1:1", pb.ReshardRequest.STATUS).round == 7
+        assert sent == [pb.ReshardRequest.STATUS] * 3 and coordinator.retries == 2
+        assert lines[0].startswith("STATUS to 127.0.0.1:1: no answer (UNAVAILABLE: Stream removed")
+        with pytest.raises(reshard_cmd.CoordinatorError, match="127.0.0.1:1 answered COMMIT with "
+                                                               "FAILED_PRECONDITION: refused"):
+            coordinator.call("127.0.0.1:1", pb.ReshardRequest.COMMIT, round=7)
+        assert coordinator.retries == 2  # a refusal is the shard's answer: not sent again
+    finally:
+        coordinator.close()
