@@ -32,10 +32,10 @@ from trainer import connect
 from trainer.api import make_job
 from trainer.procs import start_shard
 
-P, TRAINERS, TAIL = 20_000, 2, 8
+P, TRAINERS, TAIL = 20_000, 2, 10
 ACKED = {"applied", "accepted", "duplicate"}
 PACE = 0.05  # seconds between a trainer's steps: pacing, not a synchronisation (see the docstring)
-FAULTS = dict(mean_bytes_between_faults=150_000, max_faults=25, max_delay=0.002)
+FAULTS = dict(mean_bytes_between_faults=150_000, max_faults=150, max_delay=0.002)  # per proxy: to the end
 
 
 class Flat(torch.nn.Module):
@@ -103,10 +103,14 @@ def test_acknowledged_pushes_through_faults_and_a_live_2_to_3_to_2_are_each_in_t
         for t in threads:
             t.start()
         wait_until(lambda: all(fetch_stat(s.address).version >= 3 for s in shards[:2]), "round 3", timeout=120)
+        faults = [sum(p.faults for p in proxies)]  # before, during and after each hand-off (reported)
         R1, out1 = reshard(capsys, two, three)
-        wait_until(lambda: all(fetch_stat(s.address).version >= R1 + 3 for s in shards), "layout 1 past R1 + 3",
+        faults.append(sum(p.faults for p in proxies))
+        wait_until(lambda: all(fetch_stat(s.address).version >= R1 + 5 for s in shards), "layout 1 past R1 + 5",
                    timeout=120)
+        faults.append(sum(p.faults for p in proxies))
         R2, out2 = reshard(capsys, three, two)
+        faults.append(sum(p.faults for p in proxies))
         assert out2.strip().splitlines()[-1] == f"drained {three[2]}: it holds no job state now and may be stopped"
         assert fetch_stat(shards[2].address).drained == "retired"
         assert shards[2].terminate() == 0, shards[2].log_tail()  # SIGTERM: stops cleanly
@@ -146,6 +150,18 @@ def test_acknowledged_pushes_through_faults_and_a_live_2_to_3_to_2_are_each_in_t
         assert len(acked) == TRAINERS * (steps - R2)
         assert c.get("duplicates", 0) >= acked.count("duplicate"), dict(c)
     with capsys.disabled():  # the soak's numbers, for docs/handoff-io.md
-        print(f"\nsoak: steps {steps}, R1 {R1}, R2 {R2}, faults {[p.faults for p in proxies]}, "
-              f"connections {[p.connections for p in proxies]}, trainer counters "
-              f"{[rr[-1][1] for rr in records]}\n{out1}\n{out2}")
+        print(f"\nsoak: steps {steps}, R1 {R1}, R2 {R2}, faults before/after each hand-off {faults}\n"
+              f"{numbers(tmp_path, records, proxies)}\n{out1}{out2}")
+
+
+def numbers(tmp_path, records: list[list], proxies: list[FaultProxy]) -> str:
+    """What the soak went through: acknowledged pushes, faults, streams sent again, the trainers' counters."""
+    streams = [len(re.findall(r"a Handoff stream to \S+ failed", (tmp_path / f"shard{i}.log").read_text()))
+               for i in range(3)]
+    acked = sum(o in ACKED for rr in records for _, _, outcomes, _ in rr[:-1] for o in outcomes)
+    counters = [rr[-1][1] for rr in records]
+    keys = ("retries", "duplicate_pushes", "pushes_rerouted", "steps_rerouted_past_unreachable", "layout_fetches",
+            "heartbeat_failures")
+    return (f"pushes acknowledged {acked}, faults per proxy {[p.faults for p in proxies]}, connections "
+            f"{[p.connections for p in proxies]}, Handoff streams sent again per shard {streams}, per trainer "
+            f"{ {k: [c.get(k, 0) for c in counters] for k in keys} }")
