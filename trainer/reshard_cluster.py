@@ -5,7 +5,7 @@ The M - N extra shards are started empty with the others; the trainers get only 
 runs as a subprocess (``ps-server reshard --ps OLD --to NEW --at-round ROUND``: the trainer room may not import
 the shard's code), started with the trainers so that its start-up (seconds) is spent before ROUND, not while the
 unpaced job trains on; it prepares when shard 0's version reaches ROUND, and its lines are logged.  The shards pick the committed round R (at or
-after ROUND); the summary gains R, the hand-off's seconds (PREPARE to done, the coordinator's own figure) and
+after ROUND); the summary gains R, the hand-off's seconds (PREPARE to the switch, the coordinator's own figure) and
 rank 0's rounds per second before and after R.  The trainers are not paced: a source whose copy is outrun holds
 its rounds until the forwards catch up (docs/handoff-io.md), so the rates are the job's own.
 """

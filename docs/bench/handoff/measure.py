@@ -56,7 +56,8 @@ class Stamped(io.StringIO):  # the coordinator's lines, each with the time it wa
             self.lines.append((time.monotonic(), text.strip()))
         return len(text)
 with contextlib.redirect_stdout(Stamped()):
-    rc = reshard_main(["--ps", ",".join(s.address for s in servers[:2]), "--to", ",".join(s.address for s in servers), "--wait", "300"])
+    rc = reshard_main(["--ps", ",".join(s.address for s in servers[:2]), "--to", ",".join(s.address for s in servers), "--wait", "300",
+                      "--retire-wait", "0"])  # the pusher pushes only below R: round R never closes in layout 1
 t1 = time.monotonic(); stop.set(); t.join()
 at = {text.split(":")[0].split(" ")[0]: when for when, text in Stamped.lines}
 for _, text in Stamped.lines:
