@@ -76,3 +76,31 @@ def test_the_coordinator_sends_an_op_again_after_no_answer_said_and_counted_but_
         assert coordinator.retries == 2  # a refusal is the shard's answer: not sent again
     finally:
         coordinator.close()
+
+
+def test_retire_waits_for_round_r_in_the_new_layout_and_after_its_wait_retires_anyway_saying_so(monkeypatch):
+    version = {"127.0.0.1:1": 5, "127.0.0.1:2": 5}  # R = 5: round R not closed in the new layout yet
+    status = []
+
+    def reshard(request, timeout):
+        status.append(request.op)
+        return pb.ReshardReply(round=5, version=version[request.you], plan=request.plan, handoffs=[
+            pb.HandoffState(phase="source:handed")])
+
+    monkeypatch.setattr(reshard_cmd.stubs, "stub", lambda channel: SimpleNamespace(Reshard=reshard))
+    monkeypatch.setattr(reshard_cmd.time, "sleep", lambda s: version.update({a: 6 for a in version}))  # a round
+    lines = []
+    coordinator = reshard_cmd.Coordinator(["127.0.0.1:1"], ["127.0.0.1:1", "127.0.0.1:2"], say=lines.append,
+                                          retire_wait=60)
+    try:
+        replies = coordinator.call_all(pb.ReshardRequest.STATUS)
+        assert not coordinator.closed_in_new_layout(replies)
+        coordinator.before_retire(replies)  # polls until both new shards are past R (one poll here)
+        assert coordinator.closed_in_new_layout(coordinator.call_all(pb.ReshardRequest.STATUS)) and lines == []
+        version.update({a: 5 for a in version})
+        monkeypatch.setattr(reshard_cmd.time, "sleep", lambda s: None)  # round R never closes: a job ended at R
+        coordinator.retire_wait = 1e-9
+        coordinator.before_retire(replies)
+        assert lines[-1].startswith("retiring anyway: waited 1e-09 s for round 5 to close in the new layout")
+    finally:
+        coordinator.close()
