@@ -2,7 +2,8 @@
 the servicer (psserver.service.ParameterServerService mixes it in).
 
 Its envelope (parts, checked as they arrive) is psserver.step_parts; its work on the shard's state, one trip to
-the state worker, is psserver.step_trip.  Each part's reply is written by the handler half its own RPC uses.
+the state worker, is psserver.step_trip.  Each part's reply is written by the handler half its own RPC uses --
+into the call, or, where the trainer asked for one reply message, into psserver.step_reply's packer.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from psserver.service_common import (
 from psserver.shard import PushResult, Shard
 from psserver.sparse.serving import RowsPush
 from psserver.step_parts import DENSE, ROWS, StepParts, check_caller
+from psserver.step_reply import OneReply
 from psserver.step_trip import TablePart, run_trip
 
 log = logging.getLogger("psserver.service")
@@ -56,7 +58,7 @@ class StepRpc:
         tables' rows, decides the dense push, pushes the tables and pulls what is ready (psserver.step_trip) --
         so a refusal before the dense push changes nothing -- and the replies stream side by side."""
         reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self._deadline(context))
-        parts = await self._step_parts(reader)
+        parts, one_reply = await self._step_parts(reader)
         dense = next((p for p in parts if p.kind == DENSE), None)
         if dense is not None:
             self._check_push_first(dense.header)
@@ -64,14 +66,17 @@ class StepRpc:
         tables = [(p.index, await self._step_table(p, deadline, context)) for p in parts if p.kind == ROWS]
         self.shard.count("step_calls")
         turn = asyncio.Lock()
+        out = OneReply(context, self.cfg.chunk_bytes, self.shard.count) if one_reply else context
         async with self._rank_slot(parts[0].header.rank):
             pushed = await self._step_trip(dense, [t for _, t in tables], context)
-            runs = [] if dense is None else [self._pull_pushed(*pushed, _PartStream(context, dense.index, turn))]
-            runs += [self._step_table_reply(t, _PartStream(context, index, turn), deadline) for index, t in tables]
+            runs = [] if dense is None else [self._pull_pushed(*pushed, _PartStream(out, dense.index, turn))]
+            runs += [self._step_table_reply(t, _PartStream(out, index, turn), deadline) for index, t in tables]
             await _first_error(runs)
+            if one_reply:
+                await out.flush()
 
-    async def _step_parts(self, reader: _StreamReader) -> list:
-        """A Step's parts, each part's header checked as it arrives (a member, one caller, the sizes it declares
+    async def _step_parts(self, reader: _StreamReader) -> tuple[list, bool]:
+        """A Step's parts and whether its first message asked for one reply message; each part's header checked as it arrives (a member, one caller, the sizes it declares
         bounded) and the rest read holding a call of part 0's rank: a stranger, a part over its bounds or a
         stream held open is refused, or counted against --max-calls-per-rank, before it is read whole."""
         collected = StepParts(self.cfg.max_push_bytes, min_chunk_bytes=self.cfg.min_chunk_bytes)
@@ -83,7 +88,7 @@ class StepRpc:
                     self._check_step_header(p, collected.parts[0])
                     if p.index == 0:
                         await held.enter_async_context(self._rank_slot(p.header.rank))
-        return collected.finish()
+        return collected.finish(), collected.one_reply
 
     def _check_step_header(self, p, first) -> None:
         """A Step part's header as its first chunk arrives: what its own RPC checks before reading a payload."""

@@ -47,11 +47,19 @@ class StepParts:
         self.max_bytes, self.max_parts, self.min_chunk_bytes = max_bytes, max_parts, min_chunk_bytes
         self.parts: list[StepPart] = []
         self.nbytes = 0
+        self.one_reply = False  # the first message asked for the reply in one message (StepChunk.one_reply)
+        self._messages = 0
 
     def add(self, msg: StepMessage) -> None:
         """One received message: its chunk, then those it carries (``more``)."""
         if msg.malformed:
             raise InvalidRequest(msg.malformed)
+        self._messages += 1
+        if msg.one_reply:
+            if self._messages > 1:
+                raise InvalidRequest(f"one_reply is set on message {self._messages} of the Step stream but "
+                                     "only the first message may set it")
+            self.one_reply = True
         self.nbytes += msg.nbytes
         if self.nbytes > self.max_bytes:
             raise TooLarge(f"the Step stream holds {self.nbytes} bytes so far, over this shard's limit of "

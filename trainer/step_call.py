@@ -53,6 +53,7 @@ class StepCall:
         self.exchange, self.table_push, self._rows = exchange, table_push, rows
         self.client = exchange.client
         self.enabled = True
+        self.one_reply = True  # ask for the reply in one message (StepChunk.one_reply); False: the reply streams
         self.moved: int | None = None  # the last step's newest layout when every shard refused it layout-moved
         self.relaid()
 
@@ -135,6 +136,7 @@ class StepCall:
         msgs = [StepMessage(0, dense=c) for c in chunks]
         for k, part in enumerate(parts, 1):
             msgs += [StepMessage(k, rows=c) for c in part.chunks]
+        msgs[0].one_reply = self.one_reply
         tries = []
         timeout = max(self.exchange.round_timeout, s.call_timeout)
         small = nbytes + sum(len(c.ids) + len(c.rows) for p in parts for c in p.chunks) <= s.chunk_bytes
@@ -142,12 +144,15 @@ class StepCall:
         def once() -> dict[int, list]:
             tries.append(1)
             replies: dict[int, list] = {k: [] for k in range(len(parts) + 1)}
-            call = (self._one[s.index](one_message(msgs), timeout=timeout) if small else
+            call = (self._one[s.index](one_message(msgs, self.one_reply), timeout=timeout) if small else
                     self._stubs[s.index](iter(msgs), timeout=timeout))
-            for m in call:
-                if m.malformed or m.part not in replies:
-                    raise StepReplyBroken(m.malformed or f"a reply part {m.part} that was not asked for")
-                replies[m.part].append(m.dense if m.dense is not None else m.rows)
+            for message in call:  # one message when one_reply was asked for and the reply fit (psserver.step_reply)
+                if message.malformed:
+                    raise StepReplyBroken(message.malformed)
+                for m in message.flat():
+                    if m.part not in replies:
+                        raise StepReplyBroken(f"a reply part {m.part} that was not asked for")
+                    replies[m.part].append(m.dense if m.dense is not None else m.rows)
             return replies
 
         t0 = time.perf_counter()

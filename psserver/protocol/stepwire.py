@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 from psserver.protocol.fastwire import RawChunk, _read_bytes, _read_varint, _varint, parse_chunk, serialize_chunk
 from psserver.protocol.proto import ps_pb2 as _pb
 
-_TAG_PART, _TAG_DENSE, _TAG_ROWS, _TAG_MORE = 0x08, 0x12, 0x1A, 0x22
+_TAG_PART, _TAG_DENSE, _TAG_ROWS, _TAG_MORE, _TAG_ONE_REPLY = 0x08, 0x12, 0x1A, 0x22, 0x28
 
 
 @dataclass
 class StepMessage:
     """One StepChunk: ``part``, and ``dense`` (a RawChunk or generated Chunk) or ``rows`` (a RowsChunk).
     ``more``: the chunks after it in the same message (a small step in one message; one level only).
+    ``one_reply``: (a request's first message) the caller asks for the reply in one message (ps.proto).
     ``malformed``: why the received bytes could not be read (parse_step never raises); ``nbytes``: their size."""
 
     part: int = 0
@@ -28,14 +29,18 @@ class StepMessage:
     malformed: str = ""
     nbytes: int = 0
     more: list = field(default_factory=list)
+    one_reply: bool = False
 
     def flat(self) -> list:
         """This chunk, then the ones it carries, in order."""
         return [self, *self.more]
 
 
-def serialize_step(msg: StepMessage) -> bytes:
-    """A StepMessage as protobuf wire bytes (one copy of a dense chunk's data)."""
+def serialize_step(msg: StepMessage | bytes) -> bytes:
+    """A StepMessage as protobuf wire bytes (one copy of a dense chunk's data); bytes already serialized (a
+    packed reply: pack_serialized) go out as they are."""
+    if isinstance(msg, bytes):
+        return msg
     if msg.dense is not None:
         tag, body = _TAG_DENSE, serialize_chunk(msg.dense)
     elif msg.rows is not None:
@@ -45,6 +50,8 @@ def serialize_step(msg: StepMessage) -> bytes:
     head = [bytes((_TAG_PART,)), _varint(msg.part)] if msg.part else []
     if tag is not None:
         head += [bytes((tag,)), _varint(len(body))]
+    if msg.one_reply:
+        head.insert(0, bytes((_TAG_ONE_REPLY, 1)))
     parts = [*head, body]
     for m in msg.more:
         inner = serialize_step(m)
@@ -52,9 +59,19 @@ def serialize_step(msg: StepMessage) -> bytes:
     return b"".join(parts)
 
 
-def one_message(msgs: list[StepMessage]) -> StepMessage:
+def one_message(msgs: list[StepMessage], one_reply: bool = False) -> StepMessage:
     """``msgs`` as one message: the first, carrying the rest in ``more``."""
-    return StepMessage(msgs[0].part, msgs[0].dense, msgs[0].rows, more=list(msgs[1:]))
+    return StepMessage(msgs[0].part, msgs[0].dense, msgs[0].rows, more=list(msgs[1:]), one_reply=one_reply)
+
+
+def pack_serialized(messages: list[bytes]) -> bytes:
+    """Serialized StepChunks (no ``more`` of their own) as one: the first, the rest appended as its ``more``
+    fields -- the bytes serialize_step(one_message(...)) gives, built from messages serialized when they were
+    written (a dense reply's chunks are views of a snapshot that is released after its last write)."""
+    out = [messages[0]]
+    for m in messages[1:]:
+        out += [bytes((_TAG_MORE,)), _varint(len(m)), m]
+    return b"".join(out)
 
 
 def parse_step(message: bytes, nested: bool = False) -> StepMessage:
@@ -77,6 +94,11 @@ def parse_step(message: bytes, nested: bool = False) -> StepMessage:
                 if inner.malformed:
                     raise ValueError(inner.malformed)
                 msg.more.append(inner)
+            elif field == 5 and wire_type == 0:
+                flag, pos = _read_varint(buf, pos)
+                if nested and flag:
+                    raise ValueError("a chunk in `more` sets one_reply: only the message itself may")
+                msg.one_reply = bool(flag)
             elif field in (2, 3) and wire_type == 2:
                 body, pos = _read_bytes(buf, pos, field)
                 if field == 2:

@@ -8,7 +8,7 @@ import pytest
 from psserver.protocol.errors import InvalidRequest, TooLarge
 from psserver.protocol.fastwire import RawChunk
 from psserver.protocol.proto import ps_pb2 as pb
-from psserver.protocol.stepwire import StepMessage, one_message, parse_step, serialize_step
+from psserver.protocol.stepwire import StepMessage, one_message, pack_serialized, parse_step, serialize_step
 from psserver.step_parts import DENSE, ROWS, StepParts
 
 
@@ -51,6 +51,38 @@ def test_a_chunk_in_more_with_more_of_its_own_is_malformed():
     inner = one_message([_rows(1), _rows(2, "b")])
     assert "carries `more` of its own" in parse_step(serialize_step(StepMessage(0, dense=_dense().dense,
                                                                                   more=[inner]))).malformed
+
+
+def test_a_reply_packed_from_serialized_messages_has_the_bytes_of_one_message():
+    msgs = [_dense(0), _dense(0, header=False, data=b"\5" * 300), _rows(1), _rows(2, "other")]
+    wire = pack_serialized([serialize_step(m) for m in msgs])
+    assert wire == serialize_step(one_message(msgs))
+    back = parse_step(wire)
+    assert [m.part for m in back.flat()] == [0, 0, 1, 2] and bytes(back.flat()[1].dense.data) == b"\5" * 300
+    assert serialize_step(wire) is wire  # already serialized: written as it is
+
+
+def test_one_reply_reads_back_on_the_message_and_through_the_generated_class():
+    wire = serialize_step(one_message([_dense(0), _rows(1)], one_reply=True))
+    assert pb.StepChunk.FromString(wire).one_reply and parse_step(wire).one_reply
+    assert not parse_step(serialize_step(one_message([_dense(0), _rows(1)]))).one_reply
+
+
+def test_one_reply_on_a_chunk_in_more_is_malformed():
+    nested = StepMessage(0, dense=_dense().dense, more=[StepMessage(1, rows=_rows(1).rows, one_reply=True)])
+    assert "a chunk in `more` sets one_reply" in parse_step(serialize_step(nested)).malformed
+
+
+def test_one_reply_is_taken_from_the_first_message_and_refused_on_a_later_one():
+    first = _dense(0)
+    first.one_reply = True
+    collected = StepParts(1 << 20, min_chunk_bytes=1)
+    collected.add(parse_step(serialize_step(first)))
+    assert collected.one_reply
+    later = _rows(1)
+    later.one_reply = True
+    with pytest.raises(InvalidRequest, match="one_reply is set on message 2 .* only the first message may set it"):
+        collected.add(parse_step(serialize_step(later)))
 
 
 def test_malformed_step_bytes_are_marked_not_raised():

@@ -660,13 +660,15 @@ class PushRowsReply(_message.Message):
     def __init__(self, outcome: _Optional[_Union[PushOutcome, str]] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., rows_applied: _Optional[int] = ..., rows_stale: _Optional[int] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
 
 class StepChunk(_message.Message):
-    __slots__ = ("part", "dense", "rows", "more")
+    __slots__ = ("part", "dense", "rows", "more", "one_reply")
     PART_FIELD_NUMBER: _ClassVar[int]
     DENSE_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    ONE_REPLY_FIELD_NUMBER: _ClassVar[int]
     part: int
     dense: Chunk
     rows: RowsChunk
     more: _containers.RepeatedCompositeFieldContainer[StepChunk]
-    def __init__(self, part: _Optional[int] = ..., dense: _Optional[_Union[Chunk, _Mapping]] = ..., rows: _Optional[_Union[RowsChunk, _Mapping]] = ..., more: _Optional[_Iterable[_Union[StepChunk, _Mapping]]] = ...) -> None: ...
+    one_reply: bool
+    def __init__(self, part: _Optional[int] = ..., dense: _Optional[_Union[Chunk, _Mapping]] = ..., rows: _Optional[_Union[RowsChunk, _Mapping]] = ..., more: _Optional[_Iterable[_Union[StepChunk, _Mapping]]] = ..., one_reply: _Optional[bool] = ...) -> None: ...
