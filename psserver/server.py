@@ -151,7 +151,8 @@ def build_shard_process(cfg: ServerConfig, loop: asyncio.AbstractEventLoop, loop
     wakeups = Wakeups(loop, loop_thread)
     watch = LoopWatch(loop, publish_tick)
     limits = ServiceLimits(**{**vars(cfg.limits), "max_push_bytes": cfg.max_push_bytes,
-                              "chunk_bytes": cfg.chunk_bytes, "nonfinite": cfg.nonfinite})
+                              "chunk_bytes": cfg.chunk_bytes, "nonfinite": cfg.nonfinite,
+                              "max_message_bytes": cfg.max_message_bytes})
     connections = Connections(limits.max_calls_per_peer, limits.max_connections, limits.max_watch_streams,
                               count=lambda name: host.head.count(name))  # refusals are counted by partition 0
     replies = ReplyLedger(limits.max_reply_bytes_per_peer, limits.max_reply_bytes)

@@ -95,6 +95,7 @@ class ServiceLimits:
 
     max_push_bytes: int = 4 << 30  # one Init/Push stream
     chunk_bytes: int = DEFAULT_CHUNK_BYTES  # chunks of the streams this shard sends
+    max_message_bytes: int = 16 << 20  # gRPC's send limit (ServerConfig's): a packed Step reply stays under half
     max_pull_wait: float = 600.0  # longest a pull waits for a version
     stream_idle_timeout: float = 30.0  # a stream that sends nothing this long is ended
     max_call_seconds: float = 900.0  # no call lives longer, whatever deadline its client set

@@ -66,7 +66,8 @@ class StepRpc:
         tables = [(p.index, await self._step_table(p, deadline, context)) for p in parts if p.kind == ROWS]
         self.shard.count("step_calls")
         turn = asyncio.Lock()
-        out = OneReply(context, self.cfg.chunk_bytes, self.shard.count) if one_reply else context
+        out = OneReply(context, min(limits.ONE_REPLY_BYTES, self.cfg.max_message_bytes // 2),
+                       self.shard.count) if one_reply else context  # (psserver.step_reply)
         async with self._rank_slot(parts[0].header.rank):
             pushed = await self._step_trip(dense, [t for _, t in tables], context)
             runs = [] if dense is None else [self._pull_pushed(*pushed, _PartStream(out, dense.index, turn))]

@@ -6,8 +6,10 @@ weights and each table's rows -- where its request was already one message (Step
 writers (psserver.service_step._PartStream) write into a ``OneReply`` instead of the call: each message is
 serialized as it is written (a dense reply's chunks are views of a pull snapshot released after its last write)
 and kept; once every part is done, ``flush`` writes them as one message.  Bounded: when the kept bytes would
-pass ``limit`` (the shard's --chunk-bytes, so a packed reply is never larger than one streamed chunk may be)
-what was kept goes out as the stream it would have been, in order, and the rest streams as without one_reply.
+pass ``limit`` (psserver.protocol.limits.ONE_REPLY_BYTES, or half the shard's message limit if less) what was
+kept goes out as the stream it would have been, in order, and the rest streams as without one_reply.  The bound
+is the protocol's, not a flag's: a trainer that knows its reply is under it reads the reply with a unary call
+(trainer.step_call).
 Counted: ``step_replies_packed``, ``step_replies_over_limit``.
 """
 

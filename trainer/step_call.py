@@ -25,7 +25,8 @@ from typing import Callable
 
 import torch
 
-from psserver.protocol.codec import ChunkReader
+from psserver.protocol import limits
+from psserver.protocol.codec import TORCH_DTYPES, ChunkReader
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.stepwire import StepMessage, one_message, parse_step, serialize_step
 from psserver.protocol.stubs import method
@@ -63,6 +64,9 @@ class StepCall:
         # A step of at most one chunk's bytes goes as one message (StepChunk.more) on the same method: the bytes
         # are those of a one-message stream, but gRPC Python starts no request-consuming thread for it.
         self._one = [s.channel.unary_stream(method("Step"), serialize_step, parse_step) for s in self.client.shards]
+        # ... and a small step whose reply is sure to come as one message (one_reply, under the protocol's bound)
+        # as a unary call: no reply-stream machinery (a thread hop and a wake-up a message) on this side.
+        self._unary = [s.channel.unary_unary(method("Step"), serialize_step, parse_step) for s in self.client.shards]
 
     def usable(self, variants_off: bool) -> bool:
         """Whether this step can go as one call a shard: nothing half done from a failed step, one slot a shard."""
@@ -140,12 +144,16 @@ class StepCall:
         tries = []
         timeout = max(self.exchange.round_timeout, s.call_timeout)
         small = nbytes + sum(len(c.ids) + len(c.rows) for p in parts for c in p.chunks) <= s.chunk_bytes
+        unary = small and self.one_reply and _reply_bytes(slots, i, parts) <= limits.ONE_REPLY_UNARY_BYTES
 
         def once() -> dict[int, list]:
             tries.append(1)
             replies: dict[int, list] = {k: [] for k in range(len(parts) + 1)}
-            call = (self._one[s.index](one_message(msgs, self.one_reply), timeout=timeout) if small else
-                    self._stubs[s.index](iter(msgs), timeout=timeout))
+            if unary:
+                call = [self._unary[s.index](one_message(msgs, True), timeout=timeout)]
+            else:
+                call = (self._one[s.index](one_message(msgs, self.one_reply), timeout=timeout) if small else
+                        self._stubs[s.index](iter(msgs), timeout=timeout))
             for message in call:  # one message when one_reply was asked for and the reply fit (psserver.step_reply)
                 if message.malformed:
                     raise StepReplyBroken(message.malformed)
@@ -158,6 +166,8 @@ class StepCall:
         t0 = time.perf_counter()
         replies = s._call("Step", once, retry_on=PUSH_RETRYABLE)  # raised: this shard's parts stay to do
         s._count("step_calls")
+        if unary:
+            s._count("step_calls_unary")
         try:
             self._dense_answer(s, replies[0], nbytes, dense_bytes, base, attempt, t0)
         except Exception:  # noqa: BLE001 -- left to do: the retry is answered DUPLICATE, with the weights
@@ -197,3 +207,11 @@ class StepCall:
         pulled = None if part.pull_ids is None else (first.header.version, b"".join(c.rows for c in chunks),
                                                      first.header.pull_ref)
         return self._rows().part_answered(s, part, first.header.push, pulled, tries)
+
+
+def _reply_bytes(slots, i: int, parts: list) -> int:
+    """The weights and rows a Step's reply from slot ``i`` carries, headers aside: known before the call, so a
+    reply sure to be packed (psserver.step_reply) can be read with a unary call."""
+    start, end = slots.ranges[i]
+    rows = sum(len(p.pull_ids) * p.dim * 4 for p in parts if p.pull_ids is not None)
+    return (end - start) * TORCH_DTYPES[slots.client.wire].itemsize + rows

@@ -52,6 +52,12 @@ MAX_NUM_SAMPLES = 1 << 24
 # Every chunk of a stream but the last carries at least min(MIN_CHUNK_BYTES, bytes remaining):
 # a stream of one-byte chunks would cost a message, a header check and a copy per byte.
 MIN_CHUNK_BYTES = 4096
+# A Step reply asked for in one message (StepChunk.one_reply) is packed when it is at most this many bytes (and
+# at most half the shard's message limit); a larger one streams.  A protocol constant, not a shard's flag: a
+# trainer whose reply is sure to be packed (at most ONE_REPLY_UNARY_BYTES of weights and rows) reads it with a
+# unary call, which cannot read a stream.
+ONE_REPLY_BYTES = 1 << 20
+ONE_REPLY_UNARY_BYTES = ONE_REPLY_BYTES // 2  # the rest: headers, a few hundred bytes a part
 
 
 def text_problem(field: str, value: str, limit: int) -> str | None:

@@ -1,6 +1,6 @@
 """A Step's reply in one message (StepChunk.one_reply) against real shards on loopback: packed and streamed replies
-carry the same bytes and a trainer ends with the same bits either way; a reply past the shard's --chunk-bytes
-streams instead (counted); a caller that does not ask gets the stream; the flag anywhere but the first message is
+carry the same bytes and a trainer ends with the same bits either way (reading its reply with a unary call); a
+reply past the bound (limits.ONE_REPLY_BYTES, or half the shard's message limit) streams instead (counted); a caller that does not ask gets the stream; the flag anywhere but the first message is
 refused with the shard's state unchanged."""
 
 from __future__ import annotations
@@ -66,12 +66,12 @@ def test_a_streamed_request_asking_one_reply_gets_one_message_too(shard_server):
     assert len(_messages(raw, _step(raw, torch.ones(P)), one_reply=True, unary=False)) == 1
 
 
-def test_a_reply_past_the_shards_chunk_bytes_streams_as_without_one_reply_and_is_counted(shard_server):
-    # the dense reply alone (P float32 weights in 256-byte chunks) passes --chunk-bytes 256
-    small, plain = started(shard_server, chunk_bytes=256), started(shard_server, chunk_bytes=256)
+def test_a_reply_past_half_the_message_limit_streams_as_without_one_reply_and_is_counted(shard_server):
+    # the dense reply alone (P float32 weights, 4,000 bytes) passes half a 2,048-byte message limit
+    small, plain = [started(shard_server, chunk_bytes=256, max_message_bytes=2048) for _ in range(2)]
     grad = torch.linspace(-1, 1, P)
-    over = _messages(small, _step(small, grad), one_reply=True)
-    streamed = _messages(plain, _step(plain, grad), one_reply=False)
+    over = _messages(small, _step(small, grad), one_reply=True, unary=False)  # (each request chunk under 2,048)
+    streamed = _messages(plain, _step(plain, grad), one_reply=False, unary=False)
     assert len(over) == len(streamed) > 1 and all(not m.more for m in over)
     _same_replies(_by_part(over), _by_part(streamed))
     c = small.stats().counters
@@ -123,5 +123,6 @@ def test_a_trainer_asking_one_reply_ends_with_the_bits_of_one_taking_the_stream(
     for name, value in streamed.items():
         assert torch.equal(packed[name], value), name
     assert pc["step_calls"] == sc["step_calls"] > 0 and pc.get("step_calls_fallen_back", 0) == 0
+    assert pc["step_calls_unary"] == pc["step_calls"] and sc.get("step_calls_unary", 0) == 0
     assert [s.stats().counters["step_replies_packed"] for s in packed_shards] == [pc["step_calls"] // 2] * 2
     assert [s.stats().counters.get("step_replies_packed", 0) for s in streamed_shards] == [0, 0]
