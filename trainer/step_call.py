@@ -20,9 +20,11 @@ part carries the ids and the shard answers at once, so sync dense + async tables
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable
 
+import grpc
 import torch
 
 from psserver.protocol import limits
@@ -36,6 +38,8 @@ from trainer.clipping import clip_local_
 from trainer.exchange import DenseExchange
 from trainer.stepper import StepInfo
 from trainer.table_push import TablePush
+
+log = logging.getLogger("trainer.step_call")
 
 # A step's payload to one shard above this goes the two-call way: a Step's request is held whole by the shard
 # before any part runs (psserver.service.Step), which suits a step's rows and a small dense slice, not a big one.
@@ -126,7 +130,19 @@ class StepCall:
             return self._shard_call(s, grad, num_samples, attempt, plans)
         except Exception as e:  # noqa: BLE001 -- before or after the call: this shard's parts stay to do
             refusals[s.index] = e
+            self._older_shard(s, e)
             return [e] * len(plans)
+
+    def _older_shard(self, s: ShardClient, e: Exception) -> None:
+        """A shard older than one_reply refuses the Step before any part runs (INVALID_ARGUMENT, field 5 unknown):
+        ask for the stream from then on (counted ``step_one_reply_refused``, logged once); this step's parts go the
+        two-call way as for any refusal."""
+        if (self.one_reply and isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.INVALID_ARGUMENT
+                and "field 5 " in (e.details() or "")):
+            self.one_reply = False
+            self.client.count("step_one_reply_refused")
+            log.warning("shard %d does not take one_reply on a Step (older psgrpc): its replies stream from now on "
+                        "(%s)", s.index, e.details())
 
     def _shard_call(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: StepAttempt,
                     plans: list) -> list:
