@@ -59,6 +59,7 @@ class StepCall:
         self.client = exchange.client
         self.enabled = True
         self.one_reply = True  # ask for the reply in one message (StepChunk.one_reply); False: the reply streams
+        self.unary = True  # read a reply sure to be packed with a unary call; False: as a one-message stream
         self.moved: int | None = None  # the last step's newest layout when every shard refused it layout-moved
         self.relaid()
 
@@ -160,7 +161,8 @@ class StepCall:
         tries = []
         timeout = max(self.exchange.round_timeout, s.call_timeout)
         small = nbytes + sum(len(c.ids) + len(c.rows) for p in parts for c in p.chunks) <= s.chunk_bytes
-        unary = small and self.one_reply and _reply_bytes(slots, i, parts) <= limits.ONE_REPLY_UNARY_BYTES
+        unary = (small and self.one_reply and self.unary
+                 and _reply_bytes(slots, i, parts) <= limits.ONE_REPLY_UNARY_BYTES)
 
         def once() -> dict[int, list]:
             tries.append(1)
