@@ -77,9 +77,10 @@ class StepRpc:
                 await out.flush()
 
     async def _step_parts(self, reader: _StreamReader) -> tuple[list, bool]:
-        """A Step's parts and whether its first message asked for one reply message; each part's header checked as it arrives (a member, one caller, the sizes it declares
-        bounded) and the rest read holding a call of part 0's rank: a stranger, a part over its bounds or a
-        stream held open is refused, or counted against --max-calls-per-rank, before it is read whole."""
+        """A Step's parts, and whether its first message asked for one reply message.  Each part's header is
+        checked as it arrives (a member, one caller, the sizes it declares bounded) and the rest read holding a call
+        of part 0's rank: a stranger, a part over its bounds or a stream held open is refused, or counted against
+        --max-calls-per-rank, before it is read whole."""
         collected = StepParts(self.cfg.max_push_bytes, min_chunk_bytes=self.cfg.min_chunk_bytes)
         async with AsyncExitStack() as held:
             while (msg := await reader.next()) is not None:

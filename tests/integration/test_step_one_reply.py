@@ -1,7 +1,8 @@
 """A Step's reply in one message (StepChunk.one_reply) against real shards on loopback: packed and streamed replies
 carry the same bytes and a trainer ends with the same bits either way (reading its reply with a unary call); a
-reply past the bound (limits.ONE_REPLY_BYTES, or half the shard's message limit) streams instead (counted); a caller that does not ask gets the stream; the flag anywhere but the first message is
-refused with the shard's state unchanged."""
+reply past the bound (limits.ONE_REPLY_BYTES, or half the shard's message limit) streams instead (counted); a
+caller that does not ask gets the stream; the flag anywhere but the first message is refused with the shard's
+state unchanged; a trainer against a shard from before one_reply asks for the stream after one refusal."""
 
 from __future__ import annotations
 
