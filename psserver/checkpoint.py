@@ -37,7 +37,21 @@ from psserver.protocol.proto import ps_pb2 as _pb
 log = logging.getLogger(__name__)
 
 MAGIC = b"PSGRPC-CHECKPOINT-1\n"
-NAME = re.compile(r"^shard(\d+)-v(\d{12})\.ckpt$")
+# ``shard<i>-v<version>.ckpt`` in the job's first layout; ``L<e>-shard<i>-v<version>.ckpt`` in layout e > 0 (a live
+# or offline switch, docs/handoff-io.md#checkpoints-of-a-later-layout), so a later layout's files, where shard i
+# may hold another range, are never read as the first layout's.
+NAME = re.compile(r"^(?:L([1-9]\d*)-)?shard(\d+)-v(\d{12})\.ckpt$")
+
+
+def file_name(shard: int, version: int, layout: int = 0) -> str:
+    """The name of shard ``shard``'s checkpoint of ``version`` in layout ``layout``."""
+    return f"{f'L{layout}-' if layout else ''}shard{shard}-v{version:012d}.ckpt"
+
+
+def parse_name(name: str) -> tuple[int, int, int] | None:
+    """(layout, shard, version) of a checkpoint file's name; None for any other file."""
+    m = NAME.match(name)
+    return (int(m.group(1) or 0), int(m.group(2)), int(m.group(3))) if m else None
 
 
 class CorruptCheckpoint(Exception):
@@ -62,6 +76,8 @@ class ShardState:
     epochs: list | None = None  # the membership timeline (psserver.epochs.EpochBook.state)
     holes: dict = field(default_factory=dict)  # rank -> sequence numbers below its newest not seen yet
     cursor: dict | None = None  # the async data cursor (psserver.data_cursor.DataCursor.state)
+    # the layout timeline (LayoutEpoch protos, serialised) of a checkpoint taken in a later layout; None in the first
+    layouts: list | None = None
 
     def to_bytes(self) -> bytes:
         buf = io.BytesIO()
@@ -69,7 +85,7 @@ class ShardState:
             dict(shard=self.shard, version=self.version, job=self.job.to_proto().SerializeToString(),
                  params=self.params, optimizer=self.optimizer, counters=self.counters, members=self.members,
                  acked=self.acked, open_round=self.open_round, tables=self.tables, partition=self.partition,
-                 epochs=self.epochs, holes=self.holes, cursor=self.cursor),
+                 epochs=self.epochs, holes=self.holes, cursor=self.cursor, layouts=self.layouts),
             buf,
         )
         payload = buf.getvalue()
@@ -95,7 +111,7 @@ class ShardState:
         return ShardState(d["shard"], d["version"], JobSpec.from_proto(job), d["params"], d["optimizer"],
                           d.get("counters", {}), d.get("members", {}), d.get("acked", {}), d.get("open_round"),
                           d.get("tables"), d.get("partition", 0), d.get("epochs"), d.get("holes", {}),
-                          d.get("cursor"))
+                          d.get("cursor"), d.get("layouts"))
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -107,16 +123,16 @@ def _fsync_dir(directory: Path) -> None:
 
 
 class Checkpointer:
-    """Writes and finds one shard's checkpoints in ``directory``; keeps the newest ``keep``."""
+    """Writes and finds one shard's checkpoints of layout ``layout`` in ``directory``; keeps the newest ``keep``."""
 
-    def __init__(self, directory: str | Path, shard: int, every: int, keep: int = 3):
+    def __init__(self, directory: str | Path, shard: int, every: int, keep: int = 3, layout: int = 0):
         if every < 1:
             raise ValueError(f"The checkpoint interval ({every} versions) must be at least 1.")
         if keep < 2:
             raise ValueError(f"Keep at least 2 checkpoints (got {keep}), so a damaged newest one has a fallback.")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.shard, self.every, self.keep = shard, every, keep
+        self.shard, self.every, self.keep, self.layout = shard, every, keep, layout
         self._lock = threading.Lock()  # serialises writers; never held while taking the shard's lock
         self.last_written = -1
         self.orphans_removed = self._remove_orphans()
@@ -124,7 +140,8 @@ class Checkpointer:
     def _remove_orphans(self) -> int:
         """Delete this shard's temporary files left by a crash mid-write (they are never complete files)."""
         removed = 0
-        for p in self.directory.glob(f".shard{self.shard}-v*.ckpt.tmp*"):
+        prefix = file_name(self.shard, 0, self.layout).split("-v")[0]
+        for p in self.directory.glob(f".{prefix}-v*.ckpt.tmp*"):
             try:
                 p.unlink()
                 removed += 1
@@ -135,7 +152,7 @@ class Checkpointer:
         return removed
 
     def path_for(self, version: int) -> Path:
-        return self.directory / f"shard{self.shard}-v{version:012d}.ckpt"
+        return self.directory / file_name(self.shard, version, self.layout)
 
     def due(self, version: int) -> bool:
         return version % self.every == 0
@@ -172,39 +189,44 @@ class Checkpointer:
 
     def list(self) -> list[Path]:
         """This shard's checkpoint files, newest first."""
-        return list_checkpoints(self.directory, self.shard)
+        return list_checkpoints(self.directory, self.shard, self.layout)
 
     def load_latest(self) -> tuple[ShardState | None, list[str]]:
         """The newest checkpoint that verifies, and a note for every damaged one skipped."""
-        state, skipped = load_newest(self.directory, self.shard)
+        state, skipped = load_newest(self.directory, self.shard, self.layout)
         if state is not None:
             self.last_written = state.version
         return state, skipped
 
 
-def shards_in(directory: str | Path) -> set[int]:
-    """The shard indices that have checkpoint files in ``directory`` (read only: no files are touched)."""
-    return {int(m.group(1)) for p in Path(directory).iterdir() if (m := NAME.match(p.name))}
+def layouts_in(directory: str | Path) -> set[tuple[int, int]]:
+    """The (layout, shard) pairs that have checkpoint files in ``directory`` (read only: no files are touched)."""
+    return {named[:2] for p in Path(directory).iterdir() if (named := parse_name(p.name))}
 
 
-def list_checkpoints(directory: str | Path, shard: int) -> list[Path]:
-    """``shard``'s checkpoint files in ``directory``, newest first."""
+def shards_in(directory: str | Path, layout: int = 0) -> set[int]:
+    """The shard indices that have checkpoint files of layout ``layout`` in ``directory`` (read only)."""
+    return {shard for e, shard in layouts_in(directory) if e == layout}
+
+
+def list_checkpoints(directory: str | Path, shard: int, layout: int = 0) -> list[Path]:
+    """``shard``'s checkpoint files of layout ``layout`` in ``directory``, newest first."""
     found = []
     for p in Path(directory).iterdir():
-        m = NAME.match(p.name)
-        if m and int(m.group(1)) == shard:
-            found.append((int(m.group(2)), p))
+        named = parse_name(p.name)
+        if named and named[:2] == (layout, shard):
+            found.append((named[2], p))
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def load_newest(directory: str | Path, shard: int) -> tuple[ShardState | None, list[str]]:
+def load_newest(directory: str | Path, shard: int, layout: int = 0) -> tuple[ShardState | None, list[str]]:
     """``shard``'s newest checkpoint in ``directory`` that verifies, and a note for every damaged one skipped.
 
     Read only, unlike a Checkpointer (which removes a crash's temporary files): tools may call it beside a
     running shard.
     """
     skipped = []
-    for path in list_checkpoints(directory, shard):
+    for path in list_checkpoints(directory, shard, layout):
         try:
             state = ShardState.from_bytes(path.read_bytes())
         except (CorruptCheckpoint, OSError, RuntimeError, ValueError, KeyError) as e:

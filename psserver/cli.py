@@ -170,8 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = ShardServer(cfg).start()
     except ValueError as e:
+        from psserver import layout_restore
         from psserver.reshard import HINT, ReshardError
 
+        if isinstance(e, layout_restore.RestoreError):
+            print(f"ps-server: error: cannot restore: {e}\nhint: {layout_restore.HINT}", file=sys.stderr)
+            return 1
         if not isinstance(e, ReshardError):
             raise
         print(f"ps-server: error: cannot re-shard: {e}\nhint: {HINT} (docs/reshard.md)", file=sys.stderr)

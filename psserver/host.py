@@ -60,13 +60,14 @@ class ShardHost:
     def __init__(self, shard_id: int, clock: Callable[[], float] = time.monotonic, lease_timeout: float = 5.0,
                  checkpoint_dir: str = "", checkpoint_every: int = 100,
                  on_change: Callable[[Shard], None] = lambda part: None, budget: MemoryBudget | None = None,
-                 gauges: Callable[[], dict] = dict, join_timeout: float = 0.0):
+                 gauges: Callable[[], dict] = dict, join_timeout: float = 0.0, layout: int = 0):
         """``on_change(part)``: handed to every partition this host makes (see ``Shard``); the server's
         wake-up for the calls waiting on ``part``.  The metrics registry is made here, over ``snapshot``:
         it counts every partition.  ``budget``: what a job may hold here (``--max-memory``; psserver.budget).
         ``gauges()``: the serving process's own numbers now (the loop's stall, connections, bytes of unread
-        replies), shown with the counters."""
-        self.shard_id, self.clock, self.lease_timeout = shard_id, clock, lease_timeout
+        replies), shown with the counters.  ``layout``: the layout epoch this host serves (its checkpoints'
+        names say it: psserver.checkpoint.file_name)."""
+        self.shard_id, self.clock, self.lease_timeout, self.layout = shard_id, clock, lease_timeout, layout
         self.join_timeout = join_timeout  # a pending join's hold; 0: the default (psserver.epochs.join_patience)
         self.budget = budget if budget is not None else MemoryBudget()
         self.plan: Plan | None = None  # the running (or admitted) job's: the bytes it reserved
@@ -76,12 +77,13 @@ class ShardHost:
         self.metrics = ShardMetrics(shard_id, self.snapshot)
         self.parts: list[Shard] = [self._fresh(0)]
 
-    def successor(self, shard_id: int) -> "ShardHost":
-        """An empty host for the next layout epoch (psserver.layout_host), where this process is shard
-        ``shard_id``: the same clock, leases, budget, gauges and wake-ups.  Without checkpoints: a later layout's
-        are named by epoch (docs/live-reshard.md), not built yet."""
-        return ShardHost(shard_id, self.clock, self.lease_timeout, on_change=self._on_change, budget=self.budget,
-                         gauges=self._gauges, join_timeout=self.join_timeout)
+    def successor(self, shard_id: int, layout: int) -> "ShardHost":
+        """An empty host for layout epoch ``layout`` (psserver.layout_host), where this process is shard
+        ``shard_id``: the same clock, leases, budget, gauges, wake-ups and checkpoint folder, its files named
+        ``L<layout>-shard<shard_id>-v…`` so they are never read as the first layout's."""
+        return ShardHost(shard_id, self.clock, self.lease_timeout, self._checkpoint_dir, self._checkpoint_every,
+                         on_change=self._on_change, budget=self.budget, gauges=self._gauges,
+                         join_timeout=self.join_timeout, layout=layout)
 
     # ------------------------------------------------------------------ partitions
     @property
@@ -180,7 +182,7 @@ class ShardHost:
         if not self._checkpoint_dir:
             return None
         directory = Path(self._checkpoint_dir) if k == 0 else Path(self._checkpoint_dir) / f"partition-{k}"
-        return Checkpointer(directory, self.shard_id, self._checkpoint_every)
+        return Checkpointer(directory, self.shard_id, self._checkpoint_every, layout=self.layout)
 
     # ------------------------------------------------------------------ the whole shard
     def restore(self) -> int | None:
@@ -265,9 +267,24 @@ class ShardHost:
     def job_done(self) -> bool:
         return self.head.job_done() and all(p.job_done() or p.job is None for p in self.parts[1:])
 
-    def final_checkpoint(self) -> None:
+    def checkpoint_layout(self, timeline: list) -> None:
+        """This host serves a later layout from now on: stamp ``timeline`` (LayoutEpoch protos, serialised) on its
+        partitions' checkpoints and write each one's state now, behind the caller (on the state worker, at the
+        switch's round boundary)."""
+        job = self.head.job
+        for p in self.parts[:job.partitions if job is not None else 1]:
+            p.checkpoints.layouts = timeline
+            if p.job is not None:
+                p.checkpoints.now(p.capture)
+
+    def final_checkpoint(self, write: bool = True) -> None:
+        """Every partition's final checkpoint; ``write`` False (a tombstone) stops the writers, writing nothing
+        more."""
         for p in self.parts:
-            p.final_checkpoint()
+            if write:
+                p.final_checkpoint()
+            elif p.checkpoints.enabled:
+                p.checkpoints.final(None)
 
     def stop(self) -> None:
         for p in self.parts:

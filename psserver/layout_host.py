@@ -14,6 +14,10 @@ fingerprints, who its members were), so every later call in it is ``layout-moved
 left out of the new layout (a drain, ``drain``) installs no host: its old one is the tombstone, and a call in the
 new layout is refused ``not-in-layout`` naming that layout's shards (docs/handoff-io.md).
 
+A later layout's host checkpoints its pieces (``L<e>-shard<i>-v…``, with the timeline) from its switch on;
+``restored`` serves one again after ``--restore`` (psserver.layout_restore): the tombstones are not kept on disk,
+so a restarted process answers every older layout ``layout-moved``.
+
 In normal running there is one layout, epoch 0, and every lookup is the ShardHost's own (``part``'s first
 line).  What switches a layout live (the Reshard and Handoff RPCs) is not built yet; ``switch_offline`` installs
 the next layout in-process, re-cut from this process's own state with psserver.reshard, so the refusals and a
@@ -49,6 +53,7 @@ class LayoutHost:
         self.drained_as: str | None = None  # this process's address while the newest layout has no piece of it
         self._retired: set[int] = set()  # layouts whose state RETIRE freed here: every call in them is layout-moved
         self._members: set[tuple[int, str, str]] = set()  # (rank, trainer id, fingerprint) of the freed layouts
+        self._gone: int = 0  # layouts below this one hold nothing here (restored past them: no tombstone)
 
     # ------------------------------------------------------------------ the timeline
     def timeline(self) -> list[LayoutEpoch]:
@@ -98,7 +103,7 @@ class LayoutHost:
     def host(self, epoch: int) -> ShardHost:
         """The host of layout ``epoch`` (LayoutAhead, OUT_OF_RANGE, for one this process has no record of)."""
         found = self._hosts.get(epoch)
-        if found is None or epoch in self._retired:
+        if found is None or epoch in self._retired or epoch < self._gone:
             raise self._elsewhere(epoch) or refusal(self.timeline(), epoch, 0) or LayoutAhead(
                 f"layout_epoch is {epoch} but this shard holds nothing of that layout")
         return found
@@ -111,6 +116,10 @@ class LayoutHost:
         if layout is None:
             return None
         newest = timeline[-1]
+        if epoch < self._gone:
+            return LayoutMoved(f"layout_epoch is {epoch} but this shard restarted in layout {newest.number} (from "
+                               f"round {newest.round}) and holds nothing of layout {epoch}: send it in layout "
+                               f"{newest.number}{_shards(newest)} (docs/handoff-io.md)", newest.number)
         if epoch in self._retired:
             return LayoutMoved(f"layout_epoch is {epoch} but this shard's newest layout is {newest.number} (from round "
                                f"{newest.round}) and layout {epoch}'s state here was freed (RETIRE): send it in "
@@ -121,6 +130,10 @@ class LayoutHost:
                                f"{list(layout.addresses)}: send it to them (a live re-shard drained this one, "
                                "docs/handoff-io.md)")
         return None
+
+    def timeline_bytes(self) -> list[bytes]:
+        """The timeline as a checkpoint keeps it (psserver.checkpoint.ShardState.layouts)."""
+        return [e.to_proto().SerializeToString() for e in self.timeline()]
 
     def part(self, epoch: int, index: int) -> Shard:
         """Partition ``index`` of layout ``epoch``, whatever the call's version (Init; a push's reply half)."""
@@ -204,6 +217,7 @@ class LayoutHost:
         if first is not None and self._hosts[0].head.job is None:
             self._first = first
         host.count("layouts_switched")
+        host.checkpoint_layout(self.timeline_bytes())  # behind the switch: a crash from here restores this layout
         log.warning("shard %d: serving layout %d (%d shards, %d partitions) from round %d", host.shard_id,
                     layout.number, layout.num_shards, layout.partitions, layout.round)
 
@@ -267,10 +281,30 @@ class LayoutHost:
         states = recut(pieces, num_shards, shard, partitions)  # rows re-placed by splitmix64(id) mod M', as on restore
         layout = next_layout(self.timeline(), new_job(job, num_shards, partitions), states[0].version, addresses,
                              table_rounds(job, states[0].tables))
-        host = old.successor(shard)
+        host = old.successor(shard, layout.number)
         host.restore_states(states, f"layout {layout.number}")
         self.install(layout, host)
         return layout
+
+    # ------------------------------------------------------------------ after a restart
+    def restored(self, timeline: list[LayoutEpoch], host: ShardHost) -> None:
+        """Serve the newest layout of ``timeline`` with ``host``, restored from that layout's checkpoints: the
+        layouts before it are known (a call in one is ``layout-moved``) but hold nothing here."""
+        newest = timeline[-1]
+        self._first, self._later = timeline[0], list(timeline[1:])
+        self._hosts[newest.number] = host
+        self._gone = newest.number
+        log.warning("shard %d: restored in layout %d (%d shards, %d partitions, from round %d)", host.shard_id,
+                    newest.number, newest.num_shards, newest.partitions, newest.round)
+
+    def final_checkpoint(self) -> None:
+        """The newest layout's final checkpoint; the older ones' (tombstones) writers stop, writing nothing more."""
+        for epoch, host in list(self._hosts.items()):
+            host.final_checkpoint(write=epoch == self.newest)
+
+    def stop(self) -> None:
+        for host in list(self._hosts.values()):
+            host.stop()
 
 
 def _shards(layout: LayoutEpoch) -> str:

@@ -19,6 +19,7 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from psserver import layout_restore
 from psserver.budget import MemoryBudget
 from psserver.handoff_io import HandoffIO
 from psserver.health import CappedHealth, LoopWatch, ProbePort
@@ -165,11 +166,11 @@ def build_shard_process(cfg: ServerConfig, loop: asyncio.AbstractEventLoop, loop
                      checkpoint_dir=cfg.checkpoint_dir,
                      checkpoint_every=cfg.checkpoint_every, on_change=wakeups.changed,
                      budget=MemoryBudget(cfg.max_memory), gauges=gauges)
-    if cfg.restore:
-        host.restore()
+    layouts = LayoutHost(host)  # the layout epochs served: layout 0 is ``host``
+    if cfg.restore:  # the newest layout on disk: a later one's host serves (and counts) from now on
+        host = layout_restore.restore(host, layouts, cfg.checkpoint_dir)
     elif cfg.restore_from:
         host.restore_states(reshard_states(cfg), ",".join(cfg.restore_from))
-    layouts = LayoutHost(host)  # the layout epochs served: layout 0 is ``host``
     runtime = Runtime(host, wakeups, limits.receive_buffers, tick=layouts.tick)
     # a live re-shard's side on this shard; its streams to peers carry the job's token (TLS to peers: not yet)
     handoffs = HandoffIO(layouts, runtime, ClientSecurity(token=cfg.security.token))
@@ -305,13 +306,13 @@ class ShardServer:
             self.handoffs.join()  # a live re-shard's stream threads (stopped in _stop)
             if self.probe_port is not None:
                 self.probe_port.stop()
-            self.shard.final_checkpoint()
+            self.layouts.final_checkpoint()  # the newest layout's; a tombstone writes nothing more
 
     async def _stop(self, grace: float) -> None:
         await self.health.enter_graceful_shutdown()
         self.runtime.begin_stopping()
         self.handoffs.stop()  # its streams' threads end
-        self.shard.stop()  # pulls waiting for a round return UNAVAILABLE: their trainers retry elsewhere/later
+        self.layouts.stop()  # every layout's: pulls waiting for a round return UNAVAILABLE: their trainers retry elsewhere/later
         self._timer.cancel()
         await self.server.stop(grace)
 
