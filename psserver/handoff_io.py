@@ -352,7 +352,7 @@ class HandoffIO:
             self.layouts.check_boundary(layout)
         except ValueError as e:
             raise NotReady(f"decide is switch but {e}: the old layout must stop at R (docs/handoff-io.md)") from None
-        host = self.layouts.current.successor(plan.new_index, layout.number)
+        host = self.layouts.current.successor(plan.new_index)
         host.restore_states(states, f"layout {layout.number} (hand-off {plan.id})")
         return layout, host, timeline[0]
 

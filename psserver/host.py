@@ -77,10 +77,11 @@ class ShardHost:
         self.metrics = ShardMetrics(shard_id, self.snapshot)
         self.parts: list[Shard] = [self._fresh(0)]
 
-    def successor(self, shard_id: int, layout: int) -> "ShardHost":
-        """An empty host for layout epoch ``layout`` (psserver.layout_host), where this process is shard
-        ``shard_id``: the same clock, leases, budget, gauges, wake-ups and checkpoint folder, its files named
-        ``L<layout>-shard<shard_id>-v…`` so they are never read as the first layout's."""
+    def successor(self, shard_id: int, layout: int | None = None) -> "ShardHost":
+        """An empty host for layout epoch ``layout`` (default: the one after this host's; psserver.layout_host),
+        where this process is shard ``shard_id``: the same clock, leases, budget, gauges, wake-ups and checkpoint
+        folder, its files named ``L<layout>-shard<shard_id>-v…`` so they are never read as the first layout's."""
+        layout = self.layout + 1 if layout is None else layout
         return ShardHost(shard_id, self.clock, self.lease_timeout, self._checkpoint_dir, self._checkpoint_every,
                          on_change=self._on_change, budget=self.budget, gauges=self._gauges,
                          join_timeout=self.join_timeout, layout=layout)
