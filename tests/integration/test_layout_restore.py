@@ -20,6 +20,7 @@ from psserver.checkpoint import file_name
 from psserver.protocol.rules import refused_layout_moved
 from psserver.protocol.stubs import fetch_stat
 from psserver.server import ServerConfig, ShardServer
+from psserver.service import ServiceLimits
 from tests.conftest import RawShard
 from tests.helpers import refused, wait_until
 from tests.integration.test_layout_refusals import NEW, OLD, P, R as SWITCHED_AT, init, push
@@ -92,7 +93,8 @@ def test_a_restored_shard_answers_an_old_layout_push_layout_moved_changing_nothi
     wait_until(lambda: (ckpt / file_name(0, SWITCHED_AT, 1)).exists(), "layout 1's checkpoint at the switch")
     port = shard.server.port
     crash(shard.server)
-    server = ShardServer(ServerConfig(shard=0, port=port, checkpoint_dir=str(ckpt), restore=True)).start()
+    server = ShardServer(ServerConfig(shard=0, port=port, checkpoint_dir=str(ckpt), restore=True,
+                                      limits=ServiceLimits(min_chunk_bytes=256))).start()
     try:
         with RawShard(server) as again:
             assert [(e.number, e.round) for e in server.layouts.timeline()] == [(0, 0), (1, SWITCHED_AT)]
