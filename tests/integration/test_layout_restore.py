@@ -10,6 +10,8 @@ and ends bit for bit as the job that neither switched nor crashed.  An old-layou
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
 from types import SimpleNamespace
 
 import grpc
@@ -26,7 +28,8 @@ from tests.helpers import refused, wait_until
 from tests.integration.test_layout_refusals import NEW, OLD, P, R as SWITCHED_AT, init, push
 from tests.integration.test_relayout import OPTIMIZER, R, STEPS, Net, batches, switch_to_one_shard
 from trainer import connect
-from trainer.procs import start_shard
+from tests.unit.test_layout_checkpoints import write_both_layouts
+from trainer.procs import cli, start_shard
 
 CRASH = R + 1  # the trainer's step that finds the restored process (layout 1 checkpointed at R and R + 1)
 
@@ -107,3 +110,29 @@ def test_a_restored_shard_answers_an_old_layout_push_layout_moved_changing_nothi
             assert (reply.version, reply.layout_epoch) == (SWITCHED_AT + 1, 1)  # still serves, in layout 1
     finally:
         server.stop(grace=0)
+
+
+def refused_cli(*args: str) -> list[str]:
+    """``ps-server ARGS`` exits 1 before serving; its last two stderr lines (the cause, the hint)."""
+    run = subprocess.run(cli("psserver.cli") + ["--shard", "0", *args], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stderr[-2000:]
+    return run.stderr.strip().splitlines()[-2:]
+
+
+def test_restore_of_a_folder_with_two_shards_of_one_later_layout_exits_1_with_one_line_and_a_hint(tmp_path):
+    dirs = write_both_layouts(tmp_path)
+    for f in Path(dirs[1]).glob("L1-*"):  # shard 1's layout-1 files beside shard 0's
+        (Path(dirs[0]) / f.name).write_bytes(f.read_bytes())
+    cause, hint = refused_cli("--checkpoint-dir", dirs[0], "--restore")
+    assert cause == "ps-server: error: cannot restore: layout 1 has checkpoints of shards [0, 1] in one folder: a " \
+                    "folder holds one process's checkpoints"
+    assert hint.startswith("hint: restore each shard from its own --checkpoint-dir")
+
+
+def test_restore_from_folders_that_mix_layouts_exits_1_naming_the_layout_and_the_missing_shard(tmp_path):
+    dirs = write_both_layouts(tmp_path)
+    cause, hint = refused_cli("--restore-from", ",".join(dirs[:2]), "--num-shards", "2", "--checkpoint-dir",
+                              str(tmp_path / "new0"))
+    assert cause.startswith("ps-server: error: cannot re-shard: the job's layout 1 has 3 shards but no layout-1 "
+                            "checkpoint of shard 2 is in")
+    assert hint.startswith("hint: re-shard from the checkpoints of one moment")

@@ -142,3 +142,12 @@ def test_restore_from_folders_that_mix_layouts_is_refused_naming_the_layout_and_
         load_pieces(dirs[:2] + mixed[2:])
     with pytest.raises(ReshardError, match="already holds checkpoints"):
         check_target(dirs[2], dirs[:1], 0)  # a later layout's files of another shard index
+
+
+def test_a_later_layouts_file_whose_timeline_ends_in_another_layout_is_refused_naming_both(tmp_path):
+    switched_host(tmp_path)
+    [one] = tmp_path.glob(file_name(0, 3, 1))
+    one.rename(tmp_path / file_name(0, 3, 2))  # layout 2 by its name, layout 1 by its timeline
+    host = ShardHost(0, checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    with pytest.raises(RestoreError, match="layout is 2 in the file names but the checkpoint's timeline ends in 1"):
+        restore(host, LayoutHost(host), str(tmp_path))
