@@ -312,7 +312,7 @@ class ShardServer:
         await self.health.enter_graceful_shutdown()
         self.runtime.begin_stopping()
         self.handoffs.stop()  # its streams' threads end
-        self.layouts.stop()  # every layout's: pulls waiting for a round return UNAVAILABLE: their trainers retry elsewhere/later
+        self.layouts.stop()  # every layout's pulls waiting for a round return UNAVAILABLE: their trainers retry
         self._timer.cancel()
         await self.server.stop(grace)
 
