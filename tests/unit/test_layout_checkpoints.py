@@ -15,7 +15,9 @@ from psserver.protocol.errors import LayoutMoved
 from psserver.protocol.layouts import LayoutEpoch
 from psserver.reshard import ReshardError, recut
 from psserver.reshard_files import check_target, load_pieces
-from tests.unit.test_layout_host import JOB, running
+from psserver.protocol.job import TableSpec
+from psserver.sparse.serving import RowsPush
+from tests.unit.test_layout_host import IDS, JOB, running
 from tests.unit.test_reshard import job, start, step
 
 
@@ -151,3 +153,25 @@ def test_a_later_layouts_file_whose_timeline_ends_in_another_layout_is_refused_n
     host = ShardHost(0, checkpoint_dir=str(tmp_path), checkpoint_every=1)
     with pytest.raises(RestoreError, match="layout is 2 in the file names but the checkpoint's timeline ends in 1"):
         restore(host, LayoutHost(host), str(tmp_path))
+
+
+def test_a_sync_tables_rows_and_its_own_switch_round_come_back_with_the_later_layout(tmp_path):
+    job = dataclasses.replace(JOB, tables=(TableSpec("emb", 4),))
+    host = ShardHost(0, checkpoint_dir=str(tmp_path), checkpoint_every=5)
+    host.part_for_register(0, 0, 0, job).register(0, "t0", 0, job)
+    host.head.init(0, "t0", job.fingerprint, torch.zeros(job.total_params))
+    for base in range(2):
+        host.head.push(0, "t0", job.fingerprint, base, 1, torch.ones(job.total_params), sequence=base + 1)
+    for base in range(3):  # the table's rounds are its own: 3, not the dense slice's 2
+        grads = torch.full((len(IDS), 4), float(base + 1))
+        host.head.push_rows(job.fingerprint, "emb", RowsPush(0, "t0", base, 1, base + 1, IDS, grads), True)
+    before = LayoutHost(host)
+    before.switch_offline(2, 0)
+    before.final_checkpoint()
+    fresh = ShardHost(0, checkpoint_dir=str(tmp_path), checkpoint_every=5)
+    layouts = LayoutHost(fresh)
+    served = restore(fresh, layouts, str(tmp_path))
+    assert layouts.timeline() == before.timeline() and layouts.timeline()[1].table_rounds == (("emb", 3),)
+    want, got = before.current.head.capture().tables["emb"]["rows"], served.head.capture().tables["emb"]["rows"]
+    assert torch.equal(got["ids"], want["ids"]) and torch.equal(got["rows"], want["rows"])
+    assert served.head.tables.get("emb").version == 3
