@@ -22,12 +22,13 @@ from psserver.checkpoint import list_checkpoints, parse_name
 from psserver.protocol.stubs import fetch_stat
 from psserver.reshard_cmd import reshard_main
 from tests.cluster.helpers import restart_on_its_port
-from tests.cluster.test_live_reshard import PACE, STEPS, done_line, reference, run_trainers
+from tests.cluster.test_live_reshard import STEPS, done_line, reference, run_trainers
 from tests.helpers import wait_until
 from tests.integration.switchproxy import SwitchProxy
 from trainer.procs import start_shard, wait_all
 
 VICTIM = 1
+PACE = ["--step-delay", "0.05"]  # the run lasts long enough for a switch, two rounds in layout 1 and the kill
 
 
 def newest_checkpoint(directory, shard: int, layout: int) -> int:
