@@ -84,7 +84,7 @@ def client(stub) -> ShardClient:
 
 
 def test_register_waits_out_no_job_refusals_and_counts_each(monkeypatch):
-    monkeypatch.setattr("trainer.client.CONNECT_RETRY_PAUSE", 0.0)  # the pause only paces; no timing asserted
+    monkeypatch.setattr("trainer.registering.CONNECT_RETRY_PAUSE", 0.0)  # the pause only paces; no timing asserted
     c = client(FakeStub(NO_JOB_YET, refusals=3))
     try:
         assert c.register(make_spec(num_trainers=1, max_trainers=3), connect_timeout=600, join=True) == "registered"
