@@ -166,12 +166,16 @@ class Registering:
                                 refusals)
                 self._count(retry)
                 if now >= next_log:
-                    if retry == JOIN_WAIT:
-                        log.warning("shard %d at %s runs no job yet: waiting for the job's rank 0 to register it; "
-                                    "still trying for %.0f s", self.index, self.address, give_up - now)
-                    else:
-                        log.warning("shard %d at %s is not answering yet (%s); still trying for %.0f s",
-                                    self.index, self.address, cause, give_up - now)
+                    self._say_waiting(retry, cause, give_up - now)
                     next_log = now + WAIT_LOG_SECONDS
                 if abandon.wait(min(CONNECT_RETRY_PAUSE, max(0.0, give_up - now))):  # the pause between attempts
                     raise ConnectAbandoned(f"{self.name} at {self.address}: registering was abandoned")
+
+    def _say_waiting(self, retry: str, cause: str, left: float) -> None:
+        """The line ``register`` logs every ``WAIT_LOG_SECONDS`` while it waits: what for, and how much longer."""
+        if retry == JOIN_WAIT:
+            log.warning("shard %d at %s runs no job yet: waiting for the job's rank 0 to register it; "
+                        "still trying for %.0f s", self.index, self.address, left)
+        else:
+            log.warning("shard %d at %s is not answering yet (%s); still trying for %.0f s",
+                        self.index, self.address, cause, left)
