@@ -1,8 +1,10 @@
 """Who is in a shard's job: registering, an elastic join, leaving, and the checks of a caller's membership.
 
 A room of ``Shard`` (psserver.shard mixes it in), its own because who may call is a question apart from what a
-call does: each method takes the shard's lock, fixes or checks the job, and hands on to the enrolment
-(psserver.enrolment), which decides.  Everything here reads and writes the state ``Shard`` owns.
+call does: each method fixes or checks the job -- under the shard's lock, or lock-free where it says it is safe
+on the event loop -- and hands on to the enrolment (psserver.enrolment), which decides.  Everything here reads
+and writes the state ``Shard`` owns.  A leave announced with a push (``_leaving_with``) is here too: the push
+path (psserver.shard_pushes) asks it.
 """
 
 from __future__ import annotations

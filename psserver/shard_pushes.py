@@ -1,5 +1,6 @@
-"""A dense push on a shard: its header checks, exactly-once by sequence number, the leave announced with it,
-the data-cursor claim it carries, and the checkpoints its step made, taken once its books are written.
+"""A dense push on a shard: its header checks, exactly-once by sequence number, the leave announced with it
+(``_leaving_with``, psserver.shard_members), the data-cursor claim it carries, and the checkpoints its step
+made, taken once its books are written.
 
 A room of ``Shard`` (psserver.shard mixes it in), its own because the push path is the shard's busiest and most
 careful code: the decision is psserver.modes', carrying it out psserver.executor's over ``Shard.hooks``; here is
