@@ -88,9 +88,10 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--elastic", action="store_true",
                    help="sync: start --trainers, add one a third of the way through --steps, stop rank 1 two thirds "
                         "of the way; the summary shows the membership timeline (docs/elastic.md)")
-    p.add_argument("--reshard", default="", metavar="M@ROUND",
-                   help="sync, dense: start M - --shards more shards empty and move the job onto all M live when "
-                        "shard 0 reaches ROUND; the summary shows the hand-off (docs/handoff-io.md)")
+    p.add_argument("--reshard", default="", metavar="M@ROUND[,M@ROUND...]",
+                   help="sync, dense: start the extra shards empty and move the job onto the first M live when "
+                        "shard 0 reaches ROUND, step after step (a smaller M drains the last shards, then stops "
+                        "them); the summary shows each hand-off (docs/handoff-io.md)")
     p.add_argument("--eval-every", type=int, default=20, help="rank 0 evaluates every N steps (for the plot)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--job-id", default="", help="names the run's job (default: a fresh id per run)")
@@ -230,7 +231,8 @@ def summarize(args, run: Path, progress: Progress, stats: list, codes: dict, wal
                                                           read_records(Path(run) / "trainer0.jsonl"),
                                                           args.steps, args.batch_size or 32)}
            if getattr(args, "elastic", False) else {}),
-        **({"reshard": reshard_cluster.with_shards(args.handoff, stats)} if getattr(args, "handoff", None) else {}),
+        **({"reshard": reshard_cluster.last_with_shards(args.handoff, stats)}
+           if getattr(args, "handoff", None) else {}),
     )
 
 
@@ -262,7 +264,7 @@ def print_summary(s: dict) -> None:
         ("mode", s["mode"]), ("model / data", f"{s['model']} / {s['dataset']}"),
         ("shards x trainers", f"{s['shards']} x {s['trainers']}"
                               + (" (+1 joined, rank 1 left)" if "membership" in s else "")
-                              + (f" (grown to {len(s['reshard']['shard_versions'])} shards live)"
+                              + (f" (re-sharded live: {' -> '.join(str(n) for n in reshard_counts(s))} shards)"
                                  if "reshard" in s else "")),
         *((("stopped early by", ", ".join(s["stopped"])),) if s.get("stopped") else ()),
         score,
@@ -280,7 +282,7 @@ def print_summary(s: dict) -> None:
         ("duplicates / refused", f"{s['duplicates']} / {s['refused']}"),
         *((("membership epochs", len(s["membership"])), *elastic_cluster.summary_rows(s["membership"]))
           if "membership" in s else ()),
-        *(reshard_cluster.summary_rows(s["reshard"]) if "reshard" in s else ()),
+        *(reshard_cluster.steps_rows(s["reshard"]) if "reshard" in s else ()),
         ("run folder", s["run_dir"]),
     ]
     width = max(len(k) for k, _ in rows)
@@ -325,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--timeout ({args.timeout}) must be more than zero seconds")
     if args.elastic:
         elastic_cluster.check(args)
-    grow_to, grow_at = reshard_cluster.check(args) if args.reshard else (args.shards, 0)
+    moves = reshard_cluster.check(args) if args.reshard else []
+    grow_to = max([args.shards] + [m for m, _ in moves])
     run = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{args.mode}")
     check_trainer_flags(args, run)
     for note in ignored_knobs(args):
@@ -336,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
                     "the console and summary read them from the start)", run, old.name.replace(".previous", ""),
                     old.name)
     shards: list[Proc] = []
+    watched: list[Proc] = []  # the shards follow() stops the run for: --reshard takes the drained ones off
     trainers: list[Proc] = []
     scenario = None
     t0 = time.monotonic()
@@ -344,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         shards += start_shards(grow_to, run, host=args.host,
                                on_up=lambda s: log.info("%s up at %s after %.1f s", s.name, s.address,
                                                         time.monotonic() - t0))
+        watched += shards
         ps = ",".join(s.address for s in shards[:args.shards])  # --reshard: the rest start empty
         log.info("%s up; starting %s (%s mode) with --ps %s", plural(grow_to, "shard"),
                  plural(args.trainers, "trainer"), args.mode, ps)
@@ -354,14 +359,16 @@ def main(argv: list[str] | None = None) -> int:
         progress = Progress([run / f"trainer{r}.jsonl" for r in range(ranks)])
         scenario = elastic_cluster.ElasticScenario(
             args, run, ps, trainers, trainer_args(args, args.trainers, run),
-            trainer_env(args.trainers, ranks)) if args.elastic else reshard_cluster.ReshardScenario(
-            grow_at, ps.split(","), [s.address for s in shards], run) if args.reshard else None
-        codes = follow(trainers, shards, progress, args.timeout, t0, scenario.poll if scenario else None)
+            trainer_env(args.trainers, ranks)) if args.elastic else reshard_cluster.ReshardSteps(
+            moves, args.shards, shards, watched, run) if args.reshard else None
+        codes = follow(trainers, watched, progress, args.timeout, t0, scenario.poll if scenario else None)
         wall = time.monotonic() - t0
         if args.reshard:
-            codes["reshard"], lines = scenario.finish()
-            args.handoff = reshard_cluster.handoff(lines, read_records(run / "trainer0.jsonl"), grow_at)
-        stats = [shard_stats(s.address) for s in shards]
+            results = scenario.finish()
+            codes.update({p.name: r[0] for p, r in zip(scenario.procs, results)})
+            args.handoff = reshard_cluster.handoffs(results, read_records(run / "trainer0.jsonl"), moves,
+                                                    args.shards)
+        stats = [shard_stats(s.address) for s in watched]  # a drained shard was stopped: no stats
     finally:
         # Trainers first, all at once (each finishes its step and leaves), then the shards (final checkpoints);
         # a second Ctrl-C meanwhile kills what is left rather than leaving shards behind.
@@ -369,12 +376,11 @@ def main(argv: list[str] | None = None) -> int:
             terminate_all(trainers)
             terminate_all(shards)
         finally:
-            for p in trainers + shards + ([scenario.proc] if getattr(scenario, "proc", None) else []):
+            for p in trainers + shards + coordinators(scenario):
                 p.kill()
     for s in shards:
         codes[s.name] = s.popen.returncode
-    failed = [p for p in trainers + shards + ([scenario.proc] if getattr(scenario, "proc", None) else [])
-              if p.popen.returncode != 0]
+    failed = [p for p in trainers + shards + coordinators(scenario) if p.popen.returncode != 0]
     summary = summarize(args, run, progress, stats, codes, wall)
     if not failed and args.dataset not in REC_DATASETS:  # trainer.plots draws accuracy, which ratings runs lack
         try:
@@ -391,11 +397,23 @@ def main(argv: list[str] | None = None) -> int:
                              f"{p.log_tail()}\n")
         raise RuntimeError(f"{failed[0].name} failed (exit code {failed[0].popen.returncode}); "
                            f"logs and metrics are in {run}")
-    if args.reshard and codes.get("reshard") is None:
-        raise RuntimeError(f"the job ended before shard 0 was seen at round {grow_at}: nothing was re-sharded; "
-                           f"hint: a smaller ROUND in --reshard {args.reshard}, or more --steps")
+    missed = [f"{m}@{at}" for (m, at), h in zip(moves, getattr(args, "handoff", None) or []) if h["layout"] is None]
+    if args.reshard and missed:
+        raise RuntimeError(f"the job ended before step {missed[0]} of --reshard {args.reshard} was done; "
+                           f"hint: smaller ROUNDs in --reshard, or more --steps")
     print_summary(summary)
     return 0
+
+
+def coordinators(scenario) -> list[Proc]:
+    """The ``--reshard`` coordinators started (none for another scenario)."""
+    return list(getattr(scenario, "procs", []))
+
+
+def reshard_counts(s: dict) -> list[int]:
+    """The shard counts a re-sharded run went through (summary.json's ``reshard``, either shape)."""
+    hs = reshard_cluster.as_steps(s["reshard"])
+    return [s["shards"]] + [h.get("shards_after", len(h.get("shard_versions", []))) for h in hs]
 
 
 def plural(n: int, noun: str) -> str:

@@ -1,13 +1,16 @@
-"""`ps-cluster --reshard M@ROUND`: a sync dense job grows from --shards to M shards while you watch
-(docs/handoff-io.md).
+"""`ps-cluster --reshard M@ROUND[,M@ROUND...]`: a sync dense job moves from --shards to M shards, step after step,
+while you watch (docs/handoff-io.md).
 
-The M - N extra shards are started empty with the others; the trainers get only the first N.  The coordinator
-runs as a subprocess (``ps-server reshard --ps OLD --to NEW --at-round ROUND``: the trainer room may not import
-the shard's code), started with the trainers so that its start-up (seconds) is spent before ROUND, not while the
-unpaced job trains on; it prepares when shard 0's version reaches ROUND, and its lines are logged.  The shards pick the committed round R (at or
-after ROUND); the summary gains R, the hand-off's seconds (PREPARE to the switch, the coordinator's own figure) and
-rank 0's rounds per second before and after R.  The trainers are not paced: a source whose copy is outrun holds
-its rounds until the forwards catch up (docs/handoff-io.md), so the rates are the job's own.
+max(--shards, every M) shards are started, the extra ones empty; the trainers get only the first --shards.  Each
+step is one coordinator subprocess (``ps-server reshard --ps OLD --to NEW --at-round ROUND``: the trainer room may
+not import the shard's code), OLD and NEW being the first M of the list before and after; the next is started once
+the previous exited 0.  A step to fewer shards drains the last ones: once its coordinator exited 0 (its last line
+says they may be stopped) they are SIGTERMed and must exit 0.  The first is started with the trainers so that its
+start-up (seconds) is spent before ROUND, not while the unpaced job trains on; each prepares when shard 0's version
+reaches its ROUND, and its lines are logged.  The shards pick each committed round R (at or after ROUND); the
+summary gains, per step, R, the hand-off's seconds (PREPARE to the switch, the coordinator's own figure) and rank
+0's rounds per second before and after R.  The trainers are not paced: a source whose copy is outrun holds its
+rounds until the forwards catch up (docs/handoff-io.md), so the rates are the job's own.
 """
 
 from __future__ import annotations
@@ -23,23 +26,35 @@ log = logging.getLogger("ps-cluster")
 DENSE_MODELS = ("cnn", "mlp", "widemlp", "resnet18")
 
 
-def parse(text: str, shards: int) -> tuple[int, int]:
-    """``M@ROUND`` -> (M, ROUND); one-line ValueError naming the value and a hint."""
-    m = re.fullmatch(r"(\d+)@(\d+)", text.strip())
-    if not m:
-        raise ValueError(f"--reshard {text!r} is not M@ROUND; e.g. --shards 2 --reshard 3@20")
-    to, at = int(m.group(1)), int(m.group(2))
-    if to <= shards:
-        raise ValueError(f"--reshard {to}@{at} must grow the job: {to} shards is not more than --shards {shards}; "
-                         f"e.g. --reshard {shards + 1}@{at}")
-    if at < 1:
-        raise ValueError(f"--reshard {to}@{at}: ROUND must be 1 or more; e.g. --reshard {to}@20")
-    return to, at
+def parse(text: str, shards: int) -> list[tuple[int, int]]:
+    """``M1@R1,M2@R2,...`` -> [(M, ROUND), ...]; one-line ValueError naming the values and a hint.  Rounds
+    increase; each M differs from the count before it (--shards for the first) and may be smaller (a drain)."""
+    steps, before, after = [], shards, 0
+    for i, item in enumerate(text.split(","), 1):
+        m = re.fullmatch(r"(\d+)@(\d+)", item.strip())
+        if not m:
+            raise ValueError(f"--reshard {text!r} is not M@ROUND[,M@ROUND...]; e.g. --shards 2 --reshard 3@20,2@60")
+        to, at = int(m.group(1)), int(m.group(2))
+        where = f"--reshard {text}: step {i} ({to}@{at})"
+        before_name = f"--shards {shards}" if i == 1 else f"step {i - 1}'s {before}"
+        if to < 1:
+            raise ValueError(f"{where}: M must be 1 or more; e.g. --reshard {max(before - 1, 1)}@{at}")
+        if to == before:
+            raise ValueError(f"{where} changes nothing: {to} shards is the count before it ({before_name}); "
+                             f"e.g. --reshard {before + 1}@{at} to grow or {max(before - 1, 1)}@{at} to drain")
+        if at < 1:
+            raise ValueError(f"{where}: ROUND must be 1 or more; e.g. --reshard {to}@20")
+        if at <= after:
+            raise ValueError(f"{where}: rounds must increase, and {at} is not after step {i - 1}'s {after}; "
+                             f"e.g. {to}@{after + 20}")
+        steps.append((to, at))
+        before, after = to, at
+    return steps
 
 
-def check(args) -> tuple[int, int]:
-    """--reshard's one-line refusals, before anything starts; returns (M, ROUND)."""
-    to, at = parse(args.reshard, args.shards)
+def check(args) -> list[tuple[int, int]]:
+    """--reshard's one-line refusals, before anything starts; returns the steps [(M, ROUND), ...]."""
+    steps = parse(args.reshard, args.shards)
     if args.mode != "sync":
         raise ValueError(f"--reshard moves a sync job, not --mode {args.mode}; drop --mode")
     if args.model not in DENSE_MODELS or getattr(args, "embedding_dim", 0):
@@ -47,10 +62,11 @@ def check(args) -> tuple[int, int]:
                          "e.g. --model mlp --dataset synthetic")
     if args.elastic:
         raise ValueError("--reshard and --elastic are separate scenarios; drop one")
-    if args.steps <= at:
-        raise ValueError(f"--reshard {to}@{at} needs --steps more than {at} (got {args.steps}): the switch must fall "
-                         f"inside the run; e.g. --steps {at * 2}")
-    return to, at
+    last = steps[-1][1]
+    if args.steps <= last:
+        raise ValueError(f"--reshard {args.reshard} needs --steps more than {last} (got {args.steps}): every switch "
+                         f"must fall inside the run; e.g. --steps {last * 2}")
+    return steps
 
 
 def trainer_flags(args, rank: int) -> list[str]:
@@ -61,10 +77,10 @@ def trainer_flags(args, rank: int) -> list[str]:
 
 class ReshardScenario:
     """Runs ``ps-server reshard --at-round ROUND`` at the first ``poll`` (it waits for the round itself);
-    ``finish`` reads its lines."""
+    ``finish`` reads its lines.  One step of ``ReshardSteps``."""
 
-    def __init__(self, at: int, old: list[str], new: list[str], run: Path):
-        self.at, self.old, self.new, self.out = at, old, new, run / "reshard.log"
+    def __init__(self, at: int, old: list[str], new: list[str], run: Path, log_name: str = "reshard.log"):
+        self.at, self.old, self.new, self.out = at, old, new, run / log_name
         self.proc: Proc | None = None
         self.lines: list[str] = []
 
@@ -82,7 +98,7 @@ class ReshardScenario:
                                                             ",".join(self.new), "--wait", "300",
                                                             "--at-round", str(self.at)],
                                      stdout=f, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
-        self.proc = Proc("reshard", popen, self.out)
+        self.proc = Proc(self.out.stem, popen, self.out)
 
     def finish(self, timeout: float = 330.0) -> tuple[int | None, list[str]]:
         """The coordinator's exit code (None: it never started) and its lines, each logged."""
@@ -101,9 +117,60 @@ class ReshardScenario:
         self.lines = lines
 
 
-def handoff(lines: list[str], records: list[dict], at: int) -> dict:
-    """The summary's hand-off: layout, committed round R, seconds, and rank 0's rounds/s before and after R
-    (from its step records' ``versions`` and ``time``)."""
+class ReshardSteps:
+    """The steps of ``--reshard``, one coordinator at a time: step k moves the job from the first M(k-1) shards
+    to the first M(k), started once step k-1's coordinator exited 0.  After a drain's coordinator exited 0 (its
+    last line: the drained shards may be stopped), those shards are SIGTERMed and taken off ``watched`` (the
+    shards ``follow`` stops the run for if they exit); their exit codes are read like every shard's."""
+
+    def __init__(self, steps: list[tuple[int, int]], first: int, shards: list[Proc], watched: list[Proc],
+                 run: Path):
+        self.steps, self.shards, self.watched, self.run = steps, shards, watched, run
+        self.counts = [first] + [m for m, _ in steps]  # the shard count before each step, then after the last
+        self.done: list[ReshardScenario] = []
+        self.current: ReshardScenario | None = None
+
+    @property
+    def procs(self) -> list[Proc]:
+        """Every coordinator started so far."""
+        return [s.proc for s in self.done + [self.current] if s is not None and s.proc is not None]
+
+    def poll(self) -> None:
+        """Starts the next step when none runs; ends one that exited 0 (stopping what it drained)."""
+        if self.current is None:
+            k = len(self.done)
+            if k == len(self.steps):
+                return
+            names = [s.address for s in self.shards]
+            self.current = ReshardScenario(self.steps[k][1], names[:self.counts[k]], names[:self.counts[k + 1]],
+                                           self.run, "reshard.log" if k == 0 else f"reshard{k + 1}.log")
+        self.current.poll()
+        if self.current.proc.popen.poll() == 0:
+            self.current.say_new(final=True)
+            self.stop_drained(len(self.done))
+            self.done.append(self.current)
+            self.current = None
+
+    def stop_drained(self, k: int) -> None:
+        """SIGTERM the shards step k drained (none if it grew the job); each must exit 0."""
+        for p in self.shards[self.counts[k + 1]:self.counts[k]]:
+            if p in self.watched:
+                self.watched.remove(p)
+            code = p.terminate(30.0)
+            log.info("%s drained and stopped (exit code %s)", p.name, code)
+
+    def finish(self) -> list[tuple[int | None, list[str]]]:
+        """Every step's coordinator exit code (None: never started) and lines; a running one is stopped."""
+        if self.current is not None:
+            self.done.append(self.current)
+            self.current = None
+        return [s.finish() for s in self.done] + [(None, [])] * (len(self.steps) - len(self.done))
+
+
+def handoff(lines: list[str], records: list[dict], at: int, lo: int | None = None, hi: int | None = None) -> dict:
+    """The summary's hand-off: layout, committed round R, seconds, and rank 0's rounds/s before R (from ``lo``,
+    the step before's R) and after R (up to ``hi``, the step after's R), from its step records' ``versions``
+    and ``time``."""
     text = "\n".join(lines)
     R = re.search(r"takes over at round (\d+)", text)
     done = re.search(r"done: layout (\d+), (\d+) bytes moved, hand-off ([\d.]+) s", text)
@@ -112,8 +179,25 @@ def handoff(lines: list[str], records: list[dict], at: int) -> dict:
     return dict(requested_round=at, round=R, layout=int(done.group(1)) if done else None,
                 bytes_moved=int(done.group(2)) if done else None,
                 handoff_seconds=float(done.group(3)) if done else None,
-                steps_per_sec_before=rate(ends, None, R) if R else None,
-                steps_per_sec_after=rate(ends, R, None) if R else None)
+                steps_per_sec_before=rate(ends, lo, R) if R else None,
+                steps_per_sec_after=rate(ends, R, hi) if R else None)
+
+
+def handoffs(results: list[tuple[int | None, list[str]]], records: list[dict], steps: list[tuple[int, int]],
+             first: int) -> list[dict]:
+    """One hand-off per step (``ReshardSteps.finish``'s results), each with its shard counts; the rates of
+    step k are measured between the committed rounds of steps k-1 and k+1."""
+    hs = [handoff(lines, records, at) for (_, lines), (_, at) in zip(results, steps)]
+    Rs = [None] + [h["round"] for h in hs] + [None]
+    counts = [first] + [m for m, _ in steps]
+    return [handoff(lines, records, at, Rs[k], Rs[k + 2]) | dict(shards_before=counts[k], shards_after=counts[k + 1])
+            for k, ((_, lines), (_, at)) in enumerate(zip(results, steps))]
+
+
+def as_steps(reshard: dict | list) -> list[dict]:
+    """A summary.json's ``reshard`` as a list of steps, whichever shape it was written in (before the steps, a
+    single dict)."""
+    return [reshard] if isinstance(reshard, dict) else list(reshard)
 
 
 def rate(ends: dict[int, float], lo: int | None, hi: int | None) -> float | None:
@@ -134,6 +218,18 @@ def summary_rows(h: dict) -> list[tuple[str, str]]:
             ("steps/s before / after", f"{fmt(h['steps_per_sec_before'])} / {fmt(h['steps_per_sec_after'])}")]
 
 
+def steps_rows(hs: list[dict]) -> list[tuple[str, str]]:
+    """print_summary's lines for every step (one step: the rows as before the steps)."""
+    if len(hs) == 1:
+        return summary_rows(hs[0])
+    rows = []
+    for i, h in enumerate(hs, 1):
+        (_, move), (_, rates) = summary_rows(h)
+        rows += [(f"re-shard {i} ({h['shards_before']} -> {h['shards_after']})", move),
+                 (f"steps/s before / after {i}", rates)]
+    return rows
+
+
 def with_shards(h: dict, stats: list) -> dict:
     """The hand-off with each shard's version and its newest layout's rounds and pushes applied (GetStats): after
     the switch every shard counts the rounds from R on, each once."""
@@ -141,3 +237,8 @@ def with_shards(h: dict, stats: list) -> dict:
     return dict(h, shard_versions=[int(s.version) for s in got],
                 shard_rounds=[int(s.counters.get("steps", 0)) for s in got],
                 shard_pushes_applied=[int(s.counters.get("pushes_applied", 0)) for s in got])
+
+
+def last_with_shards(hs: list[dict], stats: list) -> list[dict]:
+    """The steps, the last one with the shards' figures (``with_shards``: the layout the job ended in)."""
+    return hs[:-1] + [with_shards(hs[-1], stats)]

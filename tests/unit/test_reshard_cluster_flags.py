@@ -1,4 +1,4 @@
-"""`ps-cluster --reshard M@ROUND`: its parsing, its one-line refusals before anything starts, and the summary's
+"""`ps-cluster --reshard M@ROUND[,M@ROUND...]`: its parsing, its one-line refusals before anything starts, and the summary's
 hand-off read from the coordinator's lines and rank 0's step records (no network, no processes)."""
 
 import pytest
@@ -10,18 +10,32 @@ BASE = ["--model", "mlp", "--dataset", "synthetic", "--steps", "40", "--shards",
 
 
 def test_m_at_round_parses_to_the_shard_count_and_the_round():
-    assert reshard_cluster.parse("3@20", 2) == (3, 20)
+    assert reshard_cluster.parse("3@20", 2) == [(3, 20)]
+
+
+def test_a_sequence_parses_to_its_steps_in_order_and_a_smaller_m_is_a_drain():
+    assert reshard_cluster.parse("3@20,2@60", 2) == [(3, 20), (2, 60)]
+    assert reshard_cluster.parse("2@20", 3) == [(2, 20)]
 
 
 @pytest.mark.parametrize("flags,message", [
     (["--reshard", "3"], "--reshard '3' is not M@ROUND"),
-    (["--reshard", "2@20"], "--reshard 2@20 must grow the job: 2 shards is not more than --shards 2"),
-    (["--reshard", "3@0"], "--reshard 3@0: ROUND must be 1 or more"),
+    (["--reshard", "3@20,2"], "--reshard '3@20,2' is not M@ROUND"),
+    (["--reshard", "2@20"], "--reshard 2@20: step 1 (2@20) changes nothing: 2 shards is the count before it "
+                            "(--shards 2)"),
+    (["--reshard", "3@10,3@20"], "step 2 (3@20) changes nothing: 3 shards is the count before it (step 1's 3)"),
+    (["--reshard", "0@20"], "--reshard 0@20: step 1 (0@20): M must be 1 or more"),
+    (["--reshard", "3@10,0@20"], "step 2 (0@20): M must be 1 or more"),
+    (["--reshard", "3@0"], "--reshard 3@0: step 1 (3@0): ROUND must be 1 or more"),
+    (["--reshard", "3@20,2@20"], "step 2 (2@20): rounds must increase, and 20 is not after step 1's 20"),
+    (["--reshard", "3@20,2@10"], "step 2 (2@10): rounds must increase, and 10 is not after step 1's 20"),
+    (["--reshard", "3@10,2@40"], "--reshard 3@10,2@40 needs --steps more than 40 (got 40)"),
     (["--reshard", "3@20", "--mode", "async"], "--reshard moves a sync job, not --mode async"),
     (["--reshard", "3@20", "--mode", "stale-timeout"], "--reshard moves a sync job, not --mode stale-timeout"),
     (["--reshard", "3@5", "--model", "mf", "--dataset", "movielens100k"], "dense models only"),
     (["--reshard", "3@20", "--elastic"], "--reshard and --elastic are separate scenarios"),
     (["--reshard", "3@40"], "--reshard 3@40 needs --steps more than 40 (got 40)"),
+    (["--reshard", "3@10,2@50"], "--reshard 3@10,2@50 needs --steps more than 50 (got 40)"),
 ])
 def test_a_reshard_it_cannot_show_is_one_line_with_a_hint_before_starting_anything(flags, message, capsys,
                                                                                   tmp_path):
@@ -93,3 +107,77 @@ def test_a_failed_coordinator_stops_the_run_naming_its_exit_code_and_its_last_li
     scenario.proc = Proc("reshard", popen, scenario.out)
     with pytest.raises(RuntimeError, match=r"ps-server reshard exited with 1; .*answered PREPARE with UNAVAILABLE"):
         scenario.poll()
+
+
+FAKE_COORDINATOR = ("import sys; print(' '.join(sys.argv[1:])); print('committed: the new layout takes over at round 5');"
+                    " print('done: layout 1, 8 bytes moved, hand-off 0.50 s')")
+
+
+def fake_shard(i: int, tmp_path):
+    """A process standing for shard i: exits 0 on SIGTERM (as a drained ps-server must)."""
+    import subprocess
+    import sys
+
+    from trainer.procs import Proc
+
+    code = "import signal, sys; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); print('up', flush=True); signal.pause()"
+    log = tmp_path / f"shard{i}.log"
+    popen = subprocess.Popen([sys.executable, "-c", code], stdout=open(log, "wb"))
+    return Proc(f"shard{i}", popen, log, address=f"h:{i}")
+
+
+def test_steps_run_one_coordinator_at_a_time_and_a_drain_stops_the_drained_shards_with_exit_code_0(
+        tmp_path, monkeypatch):
+    from tests.helpers import wait_until
+
+    monkeypatch.setattr(reshard_cluster, "cli", lambda module: [cluster.sys.executable, "-c", FAKE_COORDINATOR])
+    shards = [fake_shard(i, tmp_path) for i in range(3)]
+    try:
+        watched = list(shards)
+        steps = reshard_cluster.ReshardSteps([(3, 4), (2, 9)], 2, shards, watched, tmp_path)
+        steps.poll()
+        assert len(steps.procs) == 1  # the second waits for the first to exit 0
+        wait_until(lambda: steps.poll() or len(steps.done) == 2, "both steps to finish")
+        results = steps.finish()
+        assert [code for code, _ in results] == [0, 0]
+        assert results[0][1][0] == "reshard --ps h:0,h:1 --to h:0,h:1,h:2 --wait 300 --at-round 4"
+        assert results[1][1][0] == "reshard --ps h:0,h:1,h:2 --to h:0,h:1 --wait 300 --at-round 9"
+        assert [p.name for p in steps.procs] == ["reshard", "reshard2"]
+        assert (tmp_path / "reshard2.log").exists()
+        assert watched == shards[:2] and shards[2].popen.returncode == 0  # drained: off the watch, exit code 0
+        assert shards[0].alive() and shards[1].alive()
+    finally:
+        for p in shards:
+            p.kill()
+
+
+def test_a_step_that_never_started_is_reported_as_not_run_and_a_running_one_is_stopped(tmp_path, monkeypatch):
+    monkeypatch.setattr(reshard_cluster, "cli", lambda module: [cluster.sys.executable, "-c",
+                                                                 "import signal; signal.pause()"])
+    steps = reshard_cluster.ReshardSteps([(3, 4), (2, 9)], 2, [], [], tmp_path)
+    steps.poll()
+    results = steps.finish()
+    assert results[0][0] != 0 and results[1] == (None, [])
+    assert not steps.procs[0].alive()
+
+
+def test_each_steps_rates_are_measured_between_its_neighbours_committed_rounds():
+    # rounds 1..6 one a second, 6..10 two a second, 10..14 four a second; R = 6 then 10
+    times = ({v: float(v) for v in range(1, 7)} | {v: 6 + (v - 6) / 2 for v in range(7, 11)}
+             | {v: 8 + (v - 10) / 4 for v in range(11, 15)})
+    records = [{"event": "step", "versions": [v, v], "time": t} for v, t in times.items()]
+    second = ["committed: the new layout takes over at round 10", "done: layout 2, 64 bytes moved, hand-off 0.75 s"]
+    hs = reshard_cluster.handoffs([(0, LINES), (0, second)], records, [(3, 4), (2, 8)], 2)
+    assert [(h["round"], h["layout"], h["shards_before"], h["shards_after"]) for h in hs] == [(6, 1, 2, 3),
+                                                                                             (10, 2, 3, 2)]
+    assert [(h["steps_per_sec_before"], h["steps_per_sec_after"]) for h in hs] == [(1.0, 2.0), (2.0, 4.0)]
+    rows = reshard_cluster.steps_rows(hs)
+    assert rows[0] == ("re-shard 1 (2 -> 3)", "layout 1 from round 6 (asked at 4), hand-off 1.25 s")
+    assert rows[3] == ("steps/s before / after 2", "2.0 / 4.0")
+
+
+def test_a_summary_written_before_the_steps_reads_as_one_step():
+    old = dict(requested_round=4, round=6, layout=1, shard_versions=[9, 9, 9])
+    assert reshard_cluster.as_steps(old) == [old]
+    assert cluster.reshard_counts({"shards": 2, "reshard": old}) == [2, 3]
+    assert cluster.reshard_counts({"shards": 2, "reshard": [dict(shards_after=3), dict(shards_after=2)]}) == [2, 3, 2]
