@@ -28,8 +28,9 @@ DENSE_MODELS = ("cnn", "mlp", "widemlp", "resnet18")
 
 def parse(text: str, shards: int) -> list[tuple[int, int]]:
     """``M1@R1,M2@R2,...`` -> [(M, ROUND), ...]; one-line ValueError naming the values and a hint.  Rounds
-    increase; each M differs from the count before it (--shards for the first) and may be smaller (a drain)."""
-    steps, before, after = [], shards, 0
+    increase; each M differs from the count before it (--shards for the first) and may be smaller (a drain, whose
+    shards are then stopped: no later step grows back onto them)."""
+    steps, before, after, low = [], shards, 0, None  # low: the fewest shards a drain left (the rest are stopped)
     for i, item in enumerate(text.split(","), 1):
         m = re.fullmatch(r"(\d+)@(\d+)", item.strip())
         if not m:
@@ -47,7 +48,11 @@ def parse(text: str, shards: int) -> list[tuple[int, int]]:
         if at <= after:
             raise ValueError(f"{where}: rounds must increase, and {at} is not after step {i - 1}'s {after}; "
                              f"e.g. {to}@{after + 20}")
+        if low is not None and to > low:
+            raise ValueError(f"{where} would grow back onto shard {low}, stopped after a drain (a drained process is "
+                             f"not started again); e.g. end the sequence at the drain")
         steps.append((to, at))
+        low = min(low if low is not None else to, to) if to < before else low
         before, after = to, at
     return steps
 

@@ -18,7 +18,7 @@ def test_ps_cluster_reshard_moves_a_sync_job_to_three_shards_and_each_applies_ev
                         "--run-dir", str(run), "--log-level", "INFO"], timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
-    h = summary["reshard"]
+    [h] = summary["reshard"]  # one step: a list of one, each step's keys as before the steps
     assert h["layout"] == 1 and AT <= h["round"] < STEPS, h
     assert f"layout 1 from round {h['round']}" in proc.stdout, proc.stdout
     assert "reshard: done: layout 1" in proc.stderr, proc.stderr[-3000:]
@@ -36,3 +36,43 @@ def test_ps_cluster_reshard_moves_a_sync_job_to_three_shards_and_each_applies_ev
     done = next(r for r in reversed(versions) if r["event"] == "done")
     assert done["versions"] == [STEPS] * 3 and done["layouts_followed"] == 1, done
     assert (done["retries"], done.get("pushes_rerouted", 0)) == (0, 0), done  # never refused, never re-routed
+
+
+DRAIN_STEPS, AT2 = 300, 8
+
+
+def test_ps_cluster_reshard_grows_then_drains_2_3_2_each_layout_applies_its_rounds_once_and_the_drained_shard_exits_0(
+        tmp_path):
+    """2 -> 3 -> 2: the second coordinator starts once the first exited 0 (its start-up, seconds, is spent while
+    the job trains on: AT2 is long past by then and it prepares at once; DRAIN_STEPS leaves it room)."""
+    run = tmp_path / "run"
+    proc = run_cluster(["--shards", "2", "--trainers", "2", "--reshard", f"3@{AT},2@{AT2}", "--steps",
+                        str(DRAIN_STEPS), "--model", "mlp", "--dataset", "synthetic", "--batch-size", "8",
+                        "--device", "cpu", "--run-dir", str(run), "--log-level", "INFO"], timeout=500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    grow, drain = summary["reshard"]
+    assert (grow["layout"], grow["shards_before"], grow["shards_after"]) == (1, 2, 3), grow
+    assert (drain["layout"], drain["shards_before"], drain["shards_after"]) == (2, 3, 2), drain
+    assert AT <= grow["round"] < drain["round"] < DRAIN_STEPS and drain["round"] >= AT2, (grow, drain)
+    assert "re-sharded live: 2 -> 3 -> 2 shards" in proc.stdout, proc.stdout
+    assert "reshard: drained" in proc.stderr and "shard2 drained and stopped (exit code 0)" in proc.stderr
+    assert summary["exit_codes"] == {"trainer0": 0, "trainer1": 0, "reshard": 0, "reshard2": 0, "shard0": 0,
+                                     "shard1": 0, "shard2": 0}, summary["exit_codes"]
+    # both remaining shards end at the job's steps and layout 2 applied rounds R2.. once each (2 pushes a round)
+    n = DRAIN_STEPS - drain["round"]
+    assert (drain["shard_versions"], drain["shard_rounds"], drain["shard_pushes_applied"]) == (
+        [DRAIN_STEPS] * 2, [n] * 2, [2 * n] * 2), drain
+    assert summary["rounds"] == DRAIN_STEPS and summary["steps"] == [DRAIN_STEPS] * 2
+    assert summary["duplicates"] == 0
+    for rank in (0, 1):  # each trainer followed both layouts, nothing refused, retried or re-routed
+        records = [json.loads(l) for l in (run / f"trainer{rank}.jsonl").read_text().splitlines() if l.startswith("{")]
+        done = next(r for r in reversed(records) if r["event"] == "done")
+        assert done["versions"] == [DRAIN_STEPS] * 2 and done["layouts_followed"] == 2, done
+        # each step's versions: every shard of its layout one round on, so each layout applied each round once
+        R1, R2 = grow["round"], drain["round"]
+        wrong = [(r["step"], r["versions"]) for r in records if r["event"] == "step"
+                 and r["versions"] != [r["step"]] * (3 if R1 < r["step"] <= R2 else 2)]
+        assert [r["step"] for r in records if r["event"] == "step"] == list(range(1, DRAIN_STEPS + 1))
+        assert not wrong, wrong[:5]
+        assert (done["retries"], done.get("pushes_rerouted", 0)) == (0, 0), done

@@ -16,6 +16,7 @@ def test_m_at_round_parses_to_the_shard_count_and_the_round():
 def test_a_sequence_parses_to_its_steps_in_order_and_a_smaller_m_is_a_drain():
     assert reshard_cluster.parse("3@20,2@60", 2) == [(3, 20), (2, 60)]
     assert reshard_cluster.parse("2@20", 3) == [(2, 20)]
+    assert reshard_cluster.parse("4@10,3@20,2@30", 2) == [(4, 10), (3, 20), (2, 30)]
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -30,6 +31,8 @@ def test_a_sequence_parses_to_its_steps_in_order_and_a_smaller_m_is_a_drain():
     (["--reshard", "3@20,2@20"], "step 2 (2@20): rounds must increase, and 20 is not after step 1's 20"),
     (["--reshard", "3@20,2@10"], "step 2 (2@10): rounds must increase, and 10 is not after step 1's 20"),
     (["--reshard", "3@10,2@40"], "--reshard 3@10,2@40 needs --steps more than 40 (got 40)"),
+    (["--reshard", "3@10,2@20,3@30"], "step 3 (3@30) would grow back onto shard 2, stopped after a drain"),
+    (["--shards", "3", "--reshard", "2@10,3@20"], "step 2 (3@20) would grow back onto shard 2, stopped after a drain"),
     (["--reshard", "3@20", "--mode", "async"], "--reshard moves a sync job, not --mode async"),
     (["--reshard", "3@20", "--mode", "stale-timeout"], "--reshard moves a sync job, not --mode stale-timeout"),
     (["--reshard", "3@5", "--model", "mf", "--dataset", "movielens100k"], "dense models only"),
