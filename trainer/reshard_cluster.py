@@ -176,10 +176,8 @@ def handoff(lines: list[str], records: list[dict], at: int, lo: int | None = Non
     """The summary's hand-off: layout, committed round R, seconds, and rank 0's rounds/s before R (from ``lo``,
     the step before's R) and after R (up to ``hi``, the step after's R), from its step records' ``versions``
     and ``time``."""
-    text = "\n".join(lines)
-    R = re.search(r"takes over at round (\d+)", text)
-    done = re.search(r"done: layout (\d+), (\d+) bytes moved, hand-off ([\d.]+) s", text)
-    R = int(R.group(1)) if R else None
+    R = committed_round(lines)
+    done = re.search(r"done: layout (\d+), (\d+) bytes moved, hand-off ([\d.]+) s", "\n".join(lines))
     ends = {r["versions"][0]: r["time"] for r in records if r.get("event") == "step" and r.get("versions")}
     return dict(requested_round=at, round=R, layout=int(done.group(1)) if done else None,
                 bytes_moved=int(done.group(2)) if done else None,
@@ -191,12 +189,17 @@ def handoff(lines: list[str], records: list[dict], at: int, lo: int | None = Non
 def handoffs(results: list[tuple[int | None, list[str]]], records: list[dict], steps: list[tuple[int, int]],
              first: int) -> list[dict]:
     """One hand-off per step (``ReshardSteps.finish``'s results), each with its shard counts; the rates of
-    step k are measured between the committed rounds of steps k-1 and k+1."""
-    hs = [handoff(lines, records, at) for (_, lines), (_, at) in zip(results, steps)]
-    Rs = [None] + [h["round"] for h in hs] + [None]
+    step k are measured between the committed rounds of steps k-1 and k+1 (a step's own rates, not the run's)."""
+    Rs = [None] + [committed_round(lines) for _, lines in results] + [None]
     counts = [first] + [m for m, _ in steps]
     return [handoff(lines, records, at, Rs[k], Rs[k + 2]) | dict(shards_before=counts[k], shards_after=counts[k + 1])
             for k, ((_, lines), (_, at)) in enumerate(zip(results, steps))]
+
+
+def committed_round(lines: list[str]) -> int | None:
+    """The round R a coordinator's lines say the new layout takes over at (None: not committed)."""
+    m = re.search(r"takes over at round (\d+)", "\n".join(lines))
+    return int(m.group(1)) if m else None
 
 
 def as_steps(reshard: dict | list) -> list[dict]:

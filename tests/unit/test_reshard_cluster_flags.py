@@ -1,5 +1,6 @@
-"""`ps-cluster --reshard M@ROUND[,M@ROUND...]`: its parsing, its one-line refusals before anything starts, and the summary's
-hand-off read from the coordinator's lines and rank 0's step records (no network, no processes)."""
+"""`ps-cluster --reshard M@ROUND[,M@ROUND...]`: its parsing, its one-line refusals before anything starts, the
+steps run one at a time (fake coordinators and shards: small Python processes, no network), and the summary's
+hand-offs read from the coordinators' lines and rank 0's step records."""
 
 import pytest
 
@@ -112,7 +113,8 @@ def test_a_failed_coordinator_stops_the_run_naming_its_exit_code_and_its_last_li
         scenario.poll()
 
 
-FAKE_COORDINATOR = ("import sys; print(' '.join(sys.argv[1:])); print('committed: the new layout takes over at round 5');"
+FAKE_COORDINATOR = ("import sys; print(' '.join(sys.argv[1:]));"
+                    " print('committed: the new layout takes over at round 5');"
                     " print('done: layout 1, 8 bytes moved, hand-off 0.50 s')")
 
 
@@ -123,9 +125,11 @@ def fake_shard(i: int, tmp_path):
 
     from trainer.procs import Proc
 
-    code = "import signal, sys; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); print('up', flush=True); signal.pause()"
+    code = "import signal, sys; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); print('up', flush=True); " \
+           "signal.pause()"
     log = tmp_path / f"shard{i}.log"
-    popen = subprocess.Popen([sys.executable, "-c", code], stdout=open(log, "wb"))
+    with open(log, "wb") as f:
+        popen = subprocess.Popen([sys.executable, "-c", code], stdout=f)
     return Proc(f"shard{i}", popen, log, address=f"h:{i}")
 
 
@@ -136,6 +140,7 @@ def test_steps_run_one_coordinator_at_a_time_and_a_drain_stops_the_drained_shard
     monkeypatch.setattr(reshard_cluster, "cli", lambda module: [cluster.sys.executable, "-c", FAKE_COORDINATOR])
     shards = [fake_shard(i, tmp_path) for i in range(3)]
     try:
+        wait_until(lambda: all(p.log_path.read_text() for p in shards), "the fake shards' SIGTERM handlers")
         watched = list(shards)
         steps = reshard_cluster.ReshardSteps([(3, 4), (2, 9)], 2, shards, watched, tmp_path)
         steps.poll()
