@@ -183,11 +183,9 @@ def test_a_move_whose_destination_falls_behind_throttles_the_rounds_then_is_copi
     assert torch.equal(torch.cat([pull(s, 1, R, NEW.fingerprint)[1] for s in job.shards]), at_r)
 
 
-def test_a_push_at_or_past_r_in_the_old_layout_before_decide_is_unavailable_handoff_then_layout_moved(
-        shard_server):
-    """What can still reach the refusal: a trainer that has version R though its reply was held (a reply whose
-    hold expired, or a replayed step).  The held reply itself goes out after DECIDE."""
-    job = Job(shard_server)
+def blocked_at_r(job) -> tuple[int, list]:
+    """PREPARE (the destination first), every move tailing, COMMIT R, round R-1 pushed: (R, round R-1's held
+    replies) once every source is blocked and every new piece ready, before DECIDE."""
     for i in (2, 0, 1):
         job.reshard(i, Op.PREPARE)
     wait_until(lambda: all(p in ("source:tailing", "dest:replaying") for p in job.phases())
@@ -197,6 +195,15 @@ def test_a_push_at_or_past_r_in_the_old_layout_before_decide_is_unavailable_hand
         job.reshard(i, Op.COMMIT, round=R)
     held = job.rounds(R, held=True)
     wait_until(lambda: sorted(set(job.phases())) == ["dest:ready", "source:blocked"], "every source blocked")
+    return R, held
+
+
+def test_a_push_at_or_past_r_in_the_old_layout_before_decide_is_unavailable_handoff_then_layout_moved(
+        shard_server):
+    """What can still reach the refusal: a trainer that has version R though its reply was held (a reply whose
+    hold expired, or a replayed step).  The held reply itself goes out after DECIDE."""
+    job = Job(shard_server)
+    R, held = blocked_at_r(job)
     error = refused(lambda: job.push(0, R), grpc.StatusCode.UNAVAILABLE, f"base version is {R}",
                     f"hands over at round {R}", unchanged=_Shard(job, 0))
     assert dict(error.trailing_metadata())[REASON_METADATA_KEY] == "handoff"
@@ -210,15 +217,7 @@ def test_a_push_at_or_past_r_in_the_old_layout_before_decide_is_unavailable_hand
 
 def test_on_abort_round_r_minus_1s_held_replies_go_out_in_the_old_layout_and_base_r_is_taken_there(shard_server):
     job = Job(shard_server)
-    for i in (2, 0, 1):
-        job.reshard(i, Op.PREPARE)
-    wait_until(lambda: all(p in ("source:tailing", "dest:replaying") for p in job.phases())
-               and len(job.phases()) == 7, "every move to tail")
-    R = max(job.reshard(i, Op.PROPOSE).proposal for i in (0, 1))
-    for i in range(3):
-        job.reshard(i, Op.COMMIT, round=R)
-    held = job.rounds(R, held=True)
-    wait_until(lambda: sorted(set(job.phases())) == ["dest:ready", "source:blocked"], "every source blocked")
+    R, held = blocked_at_r(job)
     assert not any(f.done() for f in held)
     for i in range(3):
         assert job.reshard(i, Op.DECIDE, switch=False).layout_epoch == 0
