@@ -17,34 +17,11 @@ import torch
 
 from psserver.protocol.stubs import fetch_stat
 from psserver.reshard_cmd import reshard_main
-from tests.cluster.test_live_reshard import done_line
+from tests.cluster.test_live_reshard import done_line, reference, run_trainers
 from tests.helpers import wait_until
-from trainer.procs import start_shard, start_trainer, wait_all
+from trainer.procs import start_shard, wait_all
 
-STEPS, B = 320, 8  # unpaced: both R must fall inside the run (asserted)
-COMMON = ["--mode", "sync", "--model", "mlp", "--dataset", "synthetic", "--batch-size", str(B), "--steps",
-          str(STEPS), "--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9", "--seed", "0", "--log-every", "1",
-          "--no-progress", "--threads", "1", "--device", "cpu", "--num-trainers", "2"]
-
-
-def run_trainers(tmp_path, name: str, ps: str) -> list:
-    """Rank 0 (writing the model) and rank 1 of the job, started on ``ps``."""
-    return [start_trainer(r, ps, tmp_path / f"{name}{r}.log",
-                          [*COMMON, *(["--output", str(tmp_path / f"{name}.pt")] if r == 0 else [])])
-            for r in range(2)]
-
-
-def reference(tmp_path) -> dict:
-    """The same job, same seeds and steps, on two shards that never re-shard."""
-    shards = [start_shard(i, tmp_path / f"ref_shard{i}.log") for i in range(2)]
-    procs = list(shards)
-    try:
-        procs += run_trainers(tmp_path, "ref", ",".join(s.address for s in shards))
-        assert wait_all(procs[2:], 300) == {"trainer0": 0, "trainer1": 0}, procs[2].log_tail()
-    finally:
-        for p in procs:
-            p.kill()
-    return torch.load(tmp_path / "ref.pt")
+STEPS = 320  # unpaced: both R must fall inside the run (asserted)
 
 
 def reshard(capsys, old: list[str], new: list[str]) -> tuple[int, str]:
@@ -61,7 +38,7 @@ def test_two_sync_trainers_follow_a_live_2_to_3_to_2_reshard_the_drained_shard_s
     two, three = [s.address for s in shards[:2]], [s.address for s in shards]
     procs = list(shards)
     try:
-        procs += run_trainers(tmp_path, "live", ",".join(two))
+        procs += run_trainers(tmp_path, "live", ",".join(two), [], STEPS)
         wait_until(lambda: all(fetch_stat(a).version >= 2 for a in two), "the job to pass round 2", timeout=120)
         R1, _ = reshard(capsys, two, three)
         wait_until(lambda: all(fetch_stat(a).version >= R1 + 2 for a in three), "layout 1 to pass R + 2",
@@ -88,7 +65,7 @@ def test_two_sync_trainers_follow_a_live_2_to_3_to_2_reshard_the_drained_shard_s
             2, 2, 0, 0), done  # round R-1's replies named each new layout: no step refused, retried or re-routed
         assert (done["steps"], done["versions"], done["steps_failed"], done["steps_lost"]) == (
             STEPS, [STEPS] * 2, 0, 0), done
-    got, want = torch.load(tmp_path / "live.pt"), reference(tmp_path)  # rank 0's final pull, in layout 2
+    got, want = torch.load(tmp_path / "live.pt"), reference(tmp_path, STEPS)  # rank 0's final pull, in layout 2
     assert got.keys() == want.keys()
     for name in want:
         assert torch.equal(got[name], want[name]), f"{name} differs from the job that never re-sharded"

@@ -22,15 +22,16 @@ from tests.helpers import wait_until
 from trainer.procs import start_shard, start_trainer, wait_all
 
 STEPS, B = 240, 8  # unpaced, 48 steps took 1.3-1.6 s here: R must fall inside the run (asserted)
-COMMON = ["--mode", "sync", "--model", "mlp", "--dataset", "synthetic", "--batch-size", str(B), "--steps",
-          str(STEPS), "--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9", "--seed", "0", "--log-every", "1",
-          "--no-progress", "--threads", "1", "--device", "cpu", "--num-trainers", "2"]
+COMMON = ["--mode", "sync", "--model", "mlp", "--dataset", "synthetic", "--batch-size", str(B), "--optimizer", "sgd",
+          "--lr", "0.1", "--momentum", "0.9", "--seed", "0", "--log-every", "1", "--no-progress", "--threads", "1",
+          "--device", "cpu", "--num-trainers", "2"]
 
 
-def run_trainers(tmp_path, name: str, ps: str, extra: list[str]) -> list:
-    """Rank 0 (writing the model) and rank 1 of the job, started on ``ps``."""
+def run_trainers(tmp_path, name: str, ps: str, extra: list[str], steps: int = STEPS) -> list:
+    """Rank 0 (writing the model) and rank 1 of the job, ``steps`` steps each, started on ``ps``."""
     return [start_trainer(r, ps, tmp_path / f"{name}{r}.log",
-                          [*COMMON, *extra, *(["--output", str(tmp_path / f"{name}.pt")] if r == 0 else [])])
+                          [*COMMON, "--steps", str(steps), *extra,
+                           *(["--output", str(tmp_path / f"{name}.pt")] if r == 0 else [])])
             for r in range(2)]
 
 
@@ -39,12 +40,12 @@ def done_line(path) -> dict:
     return next(d for d in reversed(lines) if d.get("event") == "done")
 
 
-def reference(tmp_path) -> dict:
+def reference(tmp_path, steps: int = STEPS) -> dict:
     """The same job, same seeds and steps, on two shards that never re-shard."""
     shards = [start_shard(i, tmp_path / f"ref_shard{i}.log") for i in range(2)]
     procs = list(shards)
     try:
-        procs += run_trainers(tmp_path, "ref", ",".join(s.address for s in shards), [])
+        procs += run_trainers(tmp_path, "ref", ",".join(s.address for s in shards), [], steps)
         assert wait_all(procs[2:], 300) == {"trainer0": 0, "trainer1": 0}, procs[2].log_tail()
     finally:
         for p in procs:
