@@ -280,7 +280,7 @@ class Enrolment:
     def table_members(self) -> TableMembers:
         """The membership a table's round reads: the live set, and the timeline that says who each round expects
         (one boundary for the dense round and the tables, psserver.sparse.serving.Membership)."""
-        return TableMembers(frozenset(self.members.view().live), self.started, self.epochs)
+        return TableMembers(frozenset(self.members.view().live), self.started, self.epochs, self.handoff_held_from)
 
     def joins_at(self, rank: int, round_: int) -> bool:
         """Whether ``rank`` is a member from round ``round_`` and was not in the round before (a joiner's first

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from psserver import handoff as h
 from psserver.budget import dense_bytes, handoff_bytes
 from psserver.handoff_dest import DestState
 from psserver.handoff_io_dest import DestSide
+from psserver.handoff_io_rows import ROW_KINDS, RowsHandoff, check_tables
 from psserver.handoff_io_source import COPY, RETRY_SECONDS, STREAM_TIMEOUT, SourceSide
 from psserver.handoff_wire import check_move, job_proto, read_async, unpack_parts
 from psserver.layout_host import LayoutHost
@@ -107,6 +109,7 @@ class HandoffIO:
         self.moves: list[Move] = []
         self.sources: list[SourceSide] = []
         self.dests: dict[int, DestSide] = {}
+        self.rows = RowsHandoff(self)  # the sync tables' rows, beside the dense moves (psserver.handoff_io_rows)
         self.switched = self.aborted = False  # how the plan held ended (a new plan may start after either)
         self.release_after_install: set = set()  # partitions whose held replies go out once DECIDE installed
         self.stopping = False
@@ -147,7 +150,17 @@ class HandoffIO:
             if self.plan is None:
                 return []
             return [s.record(self.plan.id) for s in self.sources] + [
-                d.record(self.plan.id) for _, d in sorted(self.dests.items())]
+                self._dest_record(k, d) for k, d in sorted(self.dests.items())]
+
+    def _dest_record(self, k: int, d: DestSide) -> _pb.HandoffState:
+        """A new partition's record; partition 0 (the tables') is READY only once its table rows are too."""
+        record = d.record(self.plan.id)
+        why = self.rows.not_ready(d.job, len(self.plan.old)) if k == 0 else None
+        if why == "dropped":
+            record.phase = "dest:dropped"
+        elif why is not None and record.phase == "dest:ready":
+            record.phase = "dest:replaying"
+        return record
 
     def stop(self) -> None:
         """The streams end: their threads wake, and a call in flight is cancelled with its channel."""
@@ -156,12 +169,14 @@ class HandoffIO:
             s.wake.set()
             if s.channel is not None:
                 s.channel.close()
+        self.rows.stop()
 
     def join(self) -> None:
         """After ``stop`` (and after the loop stopped): the streams' threads have ended."""
         for s in self.sources:
             if s.thread.is_alive():
                 s.thread.join(STREAM_TIMEOUT)
+        self.rows.join(STREAM_TIMEOUT)
 
     # ------------------------------------------------------------------ the coordinator's calls
     async def reshard(self, request) -> _pb.ReshardReply:
@@ -172,6 +187,7 @@ class HandoffIO:
             for s in self.sources:
                 if not s.thread.is_alive() and not s.thread.ident:
                     s.thread.start()
+            self.rows.start_threads()
         elif op != _pb.ReshardRequest.STATUS:
             self._check_plan(request.plan)
             fn = {_pb.ReshardRequest.PROPOSE: self._propose, _pb.ReshardRequest.COMMIT: self._commit,
@@ -209,6 +225,7 @@ class HandoffIO:
             self.sources, self.dests, self.moves = [], {}, []
             if job is not None:
                 self._start_sources(job, plan)
+            self.rows.start(job, plan, self.layouts.current.part(0) if job is not None else None)
 
     def settled(self) -> bool:
         """The plan held is over: switched, or aborted everywhere on this shard (a new plan may start)."""
@@ -219,9 +236,7 @@ class HandoffIO:
         if job.mode != Mode.SYNC:
             raise JobMismatch(f"mode is {job.mode} but a live re-shard takes mode sync (async and stale-timeout "
                               "come in later stages of docs/live-reshard.md)")
-        if job.tables:
-            raise JobMismatch(f"tables is {sorted(t.name for t in job.tables)} but a live re-shard takes "
-                              "tables [] (tables move in stage 6)")
+        check_tables(job)
         for part in self.layouts.current.parts[:job.partitions]:
             if part.params is None:  # nothing to copy yet (before: copy_range's AttributeError, UNKNOWN)
                 raise NotReady(f"initialized is False on partition {part.partition} but a live re-shard copies "
@@ -273,10 +288,12 @@ class HandoffIO:
             sides = list(self.sources)
             for s in sides:  # checked on every move first: a refusal changes nothing
                 s.machine.on(h.Commit(request.round), self.clock())
+            self.rows.check_commit(request.round)
             for s in sides:
                 self.event(s, h.Commit(request.round))
             if sides:  # a push of base >= R in the old layout waits (refused, retried) until DECIDE
                 self.layouts.handoff_round = request.round
+            self.rows.commit(request.round)
 
     def _decide(self, request) -> None:
         with self.lock:
@@ -302,6 +319,7 @@ class HandoffIO:
             for part in self.release_after_install:  # after the install: the replies name the new layout
                 self.runtime.holds.release(part)
             self.release_after_install.clear()
+            self.rows.end()
             self.aborted = self.aborted or not request.switch
 
     def _retire(self, request) -> None:
@@ -345,9 +363,12 @@ class HandoffIO:
                            f"{[d.machine.state.value for d in dests.values()]}, not every one ready")
         _, _, job2 = plan.layouts(job)
         states = [dests[k].state(plan.new_index, job2) for k in range(job2.partitions)]
+        R = states[0].version
+        states[0] = dataclasses.replace(states[0], tables=self.rows.tables_state(job, len(plan.old), R))
         timeline = self.layouts.timeline() if self.layouts.current.head.job is not None or self.layouts.newest \
             else [first_layout(job)]
-        layout = next_layout(timeline, job2, states[0].version, plan.new)
+        layout = dataclasses.replace(next_layout(timeline, job2, R, plan.new),  # each sync table switches at R
+                                     table_rounds=tuple(sorted((t.name, R) for t in job2.tables)))
         try:
             self.layouts.check_boundary(layout)
         except ValueError as e:
@@ -377,6 +398,8 @@ class HandoffIO:
         with self.lock:
             plan = self.plan
             self._check_caller(first)
+            if first.kind in ROW_KINDS:
+                return self._receive_rows(first, payload)
             moves = self.moves or (_moves(plan, _copied_job(payload, plan)) if first.kind == COPY else [])
             move = moves[first.move] if first.move < len(moves) else None
             if move is None or plan.old[move.src] != first.source or move.dst != plan.new_index:
@@ -397,6 +420,16 @@ class HandoffIO:
             dest.receive(first.kind, first.move, first.version, payload)
             return _pb.HandoffAck(plan=plan.id, move=first.move, version=first.version,
                                   phase=dest.machine.state.value)
+
+    def _receive_rows(self, first, payload: dict) -> _pb.HandoffAck:
+        """A sync tables' rows stream: ``move`` names the old shard it comes from (under the lock)."""
+        plan = self.plan
+        if first.move >= len(plan.old) or plan.old[first.move] != first.source or plan.new_index is None:
+            raise NotPermitted(f"source is {first.source!r} but rows of plan {plan.id!r} from old shard {first.move} "
+                               f"come from {plan.old[first.move] if first.move < len(plan.old) else None!r} to a "
+                               "shard in --to: a Handoff only from a source of its plan")
+        self.rows.receive(first, payload)
+        return _pb.HandoffAck(plan=plan.id, move=first.move, version=first.version, phase="rows")
 
 
 def _check_memory(layouts: LayoutHost, job: JobSpec, plan: Plan, max_lag: int) -> None:

@@ -13,6 +13,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from psserver.handoff_rows import check_rows_payload
 from psserver.protocol import limits
 from psserver.protocol.errors import InvalidRequest, TooLarge
 from psserver.protocol.job import JobSpec
@@ -23,6 +24,8 @@ MAX_PAYLOAD_BYTES = 1 << 34  # a move is at most a slice: refuse a stream that c
 MAX_FORWARD_ROUNDS = 16  # rounds in one FORWARD payload (psserver.handoff.MAX_FORWARD_LAG, the sender's batch)
 MAX_TEXT_CHARS = 1 << 20  # a vote's digest and timeline text
 COPY, FORWARD, VOTE = _pb.HandoffChunk.COPY, _pb.HandoffChunk.FORWARD, _pb.HandoffChunk.VOTE
+ROW_KINDS = {_pb.HandoffChunk.ROWS_COPY: "copy", _pb.HandoffChunk.ROWS_FORWARD: "forward",
+             _pb.HandoffChunk.ROWS_VOTE: "vote"}
 
 
 def pack(payload: dict) -> bytes:
@@ -96,8 +99,12 @@ def check_payload(kind: int, p) -> None:
             isinstance(e, tuple) and len(e) == 3 and isinstance(e[0], int) and isinstance(e[1], int)
             and isinstance(e[2], list) and all(isinstance(r, int) for r in e[2]) for e in epochs), "epochs",
             epochs, "(number, round, ranks) triples")
+    elif kind in ROW_KINDS:  # a sync table's rows (psserver.handoff_rows); a ROWS_COPY carries the job too
+        check_rows_payload(ROW_KINDS[kind], p, MAX_FORWARD_ROUNDS)
+        if kind == _pb.HandoffChunk.ROWS_COPY:
+            job_proto(p)
     else:
-        raise InvalidRequest(f"a Handoff's kind is {kind} but it must be COPY, FORWARD or VOTE (0 to 2)")
+        raise InvalidRequest(f"a Handoff's kind is {kind} but it must be COPY, FORWARD, VOTE or ROWS_* (0 to 5)")
 
 
 def check_move(kind: int, p: dict, a: int, b: int) -> None:

@@ -159,11 +159,19 @@ class LayoutHost:
     def rows_head(self, epoch: int, table: str, version: int, pull: bool = False) -> Shard:
         """The partition holding the tables a row call in layout ``epoch`` of ``table`` at ``version`` (a push's
         base, a pull's min_version) goes to, routed by the table's own switch round (LayoutEpoch.table_rounds):
-        refused ``layout-moved`` / ``layout-ahead`` exactly as a dense call."""
+        refused ``layout-moved`` / ``layout-ahead`` exactly as a dense call.  A row push of base >= R in the old
+        layout during a live re-shard waits (HandoffPending), as a dense one, until DECIDE (a sync table switches
+        at the dense R, psserver.handoff_io_rows)."""
         if epoch == 0 and not self._later:  # the normal case: one layout, the process's tables
-            return self._hosts[0].head
-        self._check(epoch, version, pull, table)
-        return self.part(epoch, 0)
+            head = self._hosts[0].head
+        else:
+            self._check(epoch, version, pull, table)
+            head = self.part(epoch, 0)
+        if not pull and self.handoff_round is not None and version >= self.handoff_round and epoch == self.newest:
+            self.current.count("refused_handoff_pending")
+            raise HandoffPending(f"base version is {version} but table {table!r} of layout {epoch} hands over at "
+                                 f"round {self.handoff_round} (R): the shards have not decided yet; send it again")
+        return head
 
     def _check(self, epoch: int, value: int, pull: bool, table: str = "") -> None:
         if epoch == 0 and not self._later:

@@ -237,6 +237,11 @@ class Shard(ShardMembership, ShardPulls, ShardPushes, ShardRounds, ShardRows, Sh
                         self.shard_id, state.version, source, note or "re-cut", counted(len(state.members), "member"),
                         counted(len(self.round.contributors), "gradient"))
 
+    @property
+    def lock(self):
+        """The lock every call on this partition holds (a live re-shard snapshots its tables under it)."""
+        return self._lock
+
     def stop(self) -> None:
         self._stopped = True
         self._changed()

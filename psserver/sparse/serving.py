@@ -102,14 +102,16 @@ class Membership:
     live: frozenset = frozenset()
     started: bool = True
     epochs: object = None
+    handoff_held_from: int | None = None  # a live re-shard's hold (psserver.handoff_io): a sync table's too
 
     def at(self, round_: int) -> tuple[frozenset, int, bool]:
         """(the ranks round ``round_`` waits for, the size of its epoch (0: the job's), whether a pending join
         holds it): the live members of its epoch, as psserver.enrolment.round_view says for the dense round."""
-        book = self.epochs
+        book, hold = self.epochs, self.handoff_held_from
         if book is None:
-            return self.live, 0, False
+            return self.live, 0, hold is not None and round_ >= hold
         held = book.held_from()
+        held = hold if held is None else held if hold is None else min(held, hold)
         return (book.expected(self.live, round_), len(book.members_at(round_)),
                 held is not None and round_ >= held)
 
@@ -138,6 +140,7 @@ class ServedTable(PushTarget):
         self.updated_at = RowVersions(self.store)  # async with max_staleness: each row's last update
         self.counts: Counter[str] = Counter()
         self.stats: dict[str, float] = {}
+        self.round_listener = None  # (table, version) after each closed round: a live re-shard's (handoff_io_rows)
         self._refresh()
 
     @property
@@ -351,6 +354,8 @@ class ServedTable(PushTarget):
         self.counts["rounds"] += 1
         self.counts[f"rounds_{reason.value}"] += 1
         r.reset()
+        if self.round_listener is not None:  # after the step: the rows it dirtied are at the new version
+            self.round_listener(self, self.version)
 
     def close_if_due(self, members: Membership, now: float) -> bool:
         """Close a round that a shrunk membership completed or whose timeout passed; True if one closed."""

@@ -273,9 +273,15 @@ class HandoffChunk(_message.Message):
         COPY: _ClassVar[HandoffChunk.Kind]
         FORWARD: _ClassVar[HandoffChunk.Kind]
         VOTE: _ClassVar[HandoffChunk.Kind]
+        ROWS_COPY: _ClassVar[HandoffChunk.Kind]
+        ROWS_FORWARD: _ClassVar[HandoffChunk.Kind]
+        ROWS_VOTE: _ClassVar[HandoffChunk.Kind]
     COPY: HandoffChunk.Kind
     FORWARD: HandoffChunk.Kind
     VOTE: HandoffChunk.Kind
+    ROWS_COPY: HandoffChunk.Kind
+    ROWS_FORWARD: HandoffChunk.Kind
+    ROWS_VOTE: HandoffChunk.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]

@@ -210,6 +210,7 @@ class RowStore:
         self._last: tuple | None = None  # (ids, slots, _evictions) of the last lookup: see _resolve
         self._scratch = UpdateScratch(spec.dim, self.width)
         self._used = 0  # slots ever handed out; slots at and above it were never used
+        self.evicted_log: list[torch.Tensor] | None = None  # ids evicted, kept while a live re-shard forwards rows
         self._alloc(_start_capacity(spec, row_limit) if initial_capacity is None else initial_capacity)
 
     def __len__(self) -> int:
@@ -296,6 +297,8 @@ class RowStore:
     def _evict(self, slots: torch.Tensor) -> None:
         """Drop the rows in ``slots``: forget their ids, mark the slots free."""
         self._evictions += 1
+        if self.evicted_log is not None and len(slots):
+            self.evicted_log.append(self._ids[slots].clone())
         self._index.remove(self._ids[slots])
         self._last_tick[slots] = INT64_MAX
         self._last_version[slots] = INT64_MAX
@@ -507,6 +510,15 @@ class RowStore:
             "sketch": None if self.sketch is None else self.sketch.counts.clone(),
             "sketch_sightings": 0 if self.sketch is None else self.sketch.sightings,
         }
+
+    def touched_since(self, tick: int) -> dict:
+        """The live rows a call touched after clock ``tick`` (created, updated or read), as ``state()`` lays rows
+        out (sorted by id): what a live re-shard forwards (psserver.handoff_rows)."""
+        last = self._last_tick[: self._used]
+        slots = ((last > tick) & (last != INT64_MAX)).nonzero().flatten()
+        slots = slots[torch.argsort(self._ids[slots])]
+        return {"ids": self._ids[slots], "rows": self._rows[slots], "optimizer_state": self._state[slots],
+                "last_tick": self._last_tick[slots], "last_version": self._last_version[slots]}
 
     @classmethod
     def restore(cls, spec: TableSpec, state: dict, row_limit: int | None = None) -> "RowStore":
