@@ -240,9 +240,9 @@ def still_serves(job, i=0):
 @pytest.mark.parametrize("job_spec, fragments", [
     (spec(mode="async"), ("mode is async", "mode sync")),
     (spec(mode="stale-timeout", sync_timeout=30.0), ("mode is stale-timeout", "mode sync")),
-    (spec(tables=(TableSpec("emb", 4, seed=7),)), ("tables is ['emb']", "tables []")),
-], ids=["async", "stale-timeout", "tables"])
-def test_prepare_on_a_job_that_is_not_sync_dense_is_failed_precondition_naming_the_field(shard_server, job_spec,
+    (spec(tables=(TableSpec("emb", 4, seed=7, mode="async"),)), ("table 'emb' mode is async", "table mode sync")),
+], ids=["async", "stale-timeout", "async-table"])
+def test_prepare_on_a_job_that_is_not_sync_is_failed_precondition_naming_the_field(shard_server, job_spec,
                                                                                          fragments):
     job = Job(shard_server, job_spec)
     refused(lambda: job.reshard(0, Op.PREPARE), grpc.StatusCode.FAILED_PRECONDITION, *fragments,

@@ -1,0 +1,205 @@
+"""A sync table moved live beside the dense slice (stage 6 of docs/live-reshard.md, docs/handoff-io.md#tables): three
+real shards over gRPC on loopback, the test as the coordinator and as the one trainer, a sync job of one dense slice
+and one Adagrad table moved from two shards to three while dense and row pushes go on during the copy."""
+
+import grpc
+import pytest
+import torch
+
+from psserver.protocol.errors import REASON_METADATA_KEY
+from psserver.protocol.layouts import new_job
+from psserver.protocol.proto import ps_pb2 as pb
+from psserver.protocol.rows.optim import SparseOptimizerConfig
+from psserver.protocol.rows.placement import shard_of
+from psserver.protocol.rows.table import TableSpec
+from psserver.reshard import recut_table
+from tests.helpers import refused, wait_until
+from tests.integration.test_handoff_io import Job, Op, _Shard, spec
+from tests.integration.test_sparse_rpc import rows_chunks
+
+DIM = 4
+
+
+def table(optimizer="adagrad", **kw) -> TableSpec:
+    return TableSpec("emb", DIM, optimizer=SparseOptimizerConfig(optimizer, lr=0.1), seed=7, **kw)
+
+
+class TableJob(Job):
+    """``Job`` with a sync table: each round pushes the dense slice and rows on both old shards."""
+
+    def __init__(self, shard_server, job):
+        super().__init__(shard_server, job)
+        self.new_job = new_job(job, 3)
+        self.row_seq = {}
+        self.used = torch.empty(0, dtype=torch.int64)
+
+    def push(self, i, base, layout=0):  # the dense push, with the new layout's fingerprint in layout 1
+        if layout:
+            self.job, old = self.new_job, self.job
+            try:
+                return super().push(i, base, layout)
+            finally:
+                self.job = old
+        return super().push(i, base, layout)
+
+    def push_rows(self, i, base, ids, layout=0):
+        key = (i, layout)
+        self.row_seq[key] = self.row_seq.get(key, 0) + 1
+        fp = (self.new_job if layout else self.job).fingerprint
+        chunks = rows_chunks(ids.tolist(), torch.randn(len(ids), DIM, generator=self.gen), seq=self.row_seq[key],
+                             base=base, fingerprint=fp)
+        chunks[0].header.layout_epoch = layout
+        return self.shards[i].stub.PushRows(iter(chunks), timeout=10)
+
+    def fresh_ids(self, i, shards=2, n=24):
+        """Ids shard ``i`` owns: some new (their rows are created by the push), some pushed before."""
+        ids = torch.unique(torch.randint(0, 2000, (n,), generator=self.gen))
+        ids = torch.unique(torch.cat([ids, self.used[:4]]))
+        self.used = torch.unique(torch.cat([self.used, ids]))
+        return ids[shard_of(ids, shards) == i]
+
+    def table(self, i, layout=0):
+        return self.shards[i].server.layouts.host(layout).head.tables.get("emb")
+
+    def rounds(self, upto):
+        """Dense and rows on both old shards until each is at version ``upto``."""
+        for i in (0, 1):
+            while self.table(i).version < upto:
+                base = self.table(i).version
+                assert self.push(i, base).outcome == pb.APPLIED
+                assert self.push_rows(i, base, self.fresh_ids(i)).outcome == pb.APPLIED
+
+
+def pull_rows(shard, ids, layout, version, fingerprint):
+    req = pb.PullRowsRequest(rank=0, trainer_id="t0", fingerprint=fingerprint, table="emb", min_version=version,
+                             ids=ids.numpy().tobytes(), layout_epoch=layout)
+    chunks = list(shard.stub.PullRows(req, timeout=10))
+    rows = torch.frombuffer(bytearray(b"".join(c.rows for c in chunks)), dtype=torch.float32).view(-1, DIM)
+    return chunks[0].header.version, rows
+
+
+def pull_by_owner(job, ids, shards, layout, version, fingerprint):
+    """Rows of ``ids`` (sorted) pulled from their owners among the first ``shards`` shards, in ids' order."""
+    owner = shard_of(ids, shards)
+    out = torch.empty(len(ids), DIM)
+    for i in range(shards):
+        mine = owner == i
+        got_version, rows = pull_rows(job.shards[i], ids[mine], layout, version, fingerprint)
+        assert got_version == version
+        out[mine] = rows
+    return out
+
+
+def to_tailing(job):
+    for i in (2, 0, 1):  # the destinations first
+        job.reshard(i, Op.PREPARE)
+
+
+def commit(job):
+    wait_until(lambda: all(p in ("source:tailing", "dest:replaying") for p in job.phases())
+               and len(job.phases()) == 7, "every move to tail and every new piece to replay")
+    R = max(job.reshard(i, Op.PROPOSE).proposal for i in (0, 1))
+    for i in range(3):
+        job.reshard(i, Op.COMMIT, round=R)
+    return R
+
+
+def moved(job):
+    """Two rounds, PREPARE, three rounds of dense and row pushes during the copy, COMMIT R, DECIDE switch: (R, the
+    old shards' table states at R, every id pushed, their rows pulled in layout 0 at R)."""
+    job.rounds(2)
+    to_tailing(job)
+    job.rounds(5)  # dense and row pushes (rows created in them) during the copy: each closed round is forwarded
+    R = commit(job)
+    job.rounds(R)
+    wait_until(lambda: sorted(set(job.phases())) == ["dest:ready", "source:blocked"], "every piece ready at R")
+    saved = [job.table(i).state() for i in (0, 1)]  # the old shards' rows at R (before a pull moves their clocks)
+    ids = torch.sort(job.used).values
+    at_r = pull_by_owner(job, ids, 2, 0, R, job.job.fingerprint)
+    for i in range(3):
+        assert job.reshard(i, Op.DECIDE, switch=True).layout_epoch == 1
+    return R, saved, ids, at_r
+
+
+@pytest.mark.parametrize("optimizer", ["adagrad", "sgd"])
+def test_a_sync_table_moves_two_to_three_with_row_pushes_during_the_copy_and_layout_1_holds_the_rows_at_r(
+        shard_server, optimizer):
+    job = TableJob(shard_server, spec(tables=(table(optimizer),)))
+    R, saved, ids, at_r = moved(job)
+    counters = [s.server.layouts.host(0).head.counters for s in job.shards]  # the old layout's (and the empty one's)
+    assert [c["handoff_row_copies_sent"] for c in counters] == [3, 3, 0]  # one copy to each new shard, itself included
+    assert [c["handoff_row_forwards_sent"] for c in counters[:2]] == [3 * (R - 2)] * 2  # each round after the copy
+    assert counters[2]["handoff_row_forwards_replayed"] == 2 * (R - 2)  # from each old shard
+    for d in range(3):  # each new shard holds exactly the old shards' rows of the ids that hash to it
+        want, got = recut_table(saved, 3, d)["rows"], job.table(d, layout=1).store.state()
+        assert job.table(d, layout=1).version == R and got["version"] == want["version"]
+        for k in ("ids", "rows", "optimizer_state", "last_tick", "last_version"):
+            assert torch.equal(got[k], want[k]), (d, k)
+        assert len(got["ids"]) and torch.equal(shard_of(got["ids"], 3), torch.full_like(got["ids"], d))
+    owner, looked_up = shard_of(ids, 3), torch.empty(len(ids), DIM)
+    for d in range(3):  # what a pull in layout 1 reads: the new owners' rows at R equal layout 0's
+        version, looked_up[owner == d] = job.table(d, layout=1).lookup(ids[owner == d])
+        assert version == R
+    assert torch.equal(looked_up, at_r)
+    layouts = job.shards[2].stats(fingerprint=job.new_job.fingerprint).layouts
+    assert dict(layouts[-1].table_rounds) == {"emb": R} and layouts[-1].round == R
+    for i in range(3):  # layout 1 takes round R of the dense slice
+        assert job.push(i, R, layout=1).outcome == pb.APPLIED
+
+
+@pytest.mark.xfail(strict=True, reason="row calls are routed by layout epoch in wip/tablestrainer (its brief): "
+                                       "drop this mark when it merges")
+def test_row_calls_in_layout_1_reach_the_new_owners_over_the_wire(shard_server):
+    job = TableJob(shard_server, spec(tables=(table(),)))
+    R, _, ids, at_r = moved(job)
+    assert torch.equal(pull_by_owner(job, ids, 3, 1, R, job.new_job.fingerprint), at_r)
+    for i in range(3):
+        reply = job.push_rows(i, R, job.fresh_ids(i, shards=3), layout=1)
+        assert (reply.outcome, reply.version, reply.layout_epoch) == (pb.APPLIED, R + 1, 1)
+
+
+def test_rows_evicted_during_the_copy_are_deleted_on_the_new_shards(shard_server):
+    job = TableJob(shard_server, spec(tables=(table(evict_after=2),)))
+    job.rounds(2)
+    to_tailing(job)
+    job.rounds(6)
+    R = commit(job)
+    job.rounds(R)
+    wait_until(lambda: sorted(set(job.phases())) == ["dest:ready", "source:blocked"], "every piece ready at R")
+    assert sum(job.table(i).store.counts.evicted_stale for i in (0, 1)) > 0
+    saved = [job.table(i).state() for i in (0, 1)]
+    for i in range(3):
+        job.reshard(i, Op.DECIDE, switch=True)
+    for d in range(3):
+        assert torch.equal(job.table(d, layout=1).store.state()["ids"], recut_table(saved, 3, d)["rows"]["ids"])
+
+
+def test_a_row_push_at_r_in_the_old_layout_before_decide_is_unavailable_handoff_changing_nothing(shard_server):
+    job = TableJob(shard_server, spec(tables=(table(),)))
+    to_tailing(job)
+    R = commit(job)
+    job.rounds(R)
+    ids = job.fresh_ids(0)
+    error = refused(lambda: job.push_rows(0, R, ids), grpc.StatusCode.UNAVAILABLE, f"base version is {R}",
+                    "table 'emb'", f"hands over at round {R}", unchanged=_Shard(job, 0))
+    assert dict(error.trailing_metadata())[REASON_METADATA_KEY] == "handoff"
+    assert pull_rows(job.shards[0], ids, 0, R, job.job.fingerprint)[0] == R  # still serves
+    wait_until(lambda: sorted(set(job.phases())) == ["dest:ready", "source:blocked"], "every piece ready at R")
+    for i in range(3):
+        job.reshard(i, Op.DECIDE, switch=True)
+    refused(lambda: job.push_rows(0, R, ids), grpc.StatusCode.FAILED_PRECONDITION, "layout_epoch is 0")
+
+
+def test_commit_with_a_table_already_at_r_is_failed_precondition_naming_the_table_and_changing_nothing(
+        shard_server):
+    job = TableJob(shard_server, spec(tables=(table(),)))
+    for base in range(3):  # the table runs ahead of the dense slice on shard 0 (rows pushed, no dense push)
+        assert job.push_rows(0, base, job.fresh_ids(0)).outcome == pb.APPLIED
+    to_tailing(job)
+    wait_until(lambda: all(p in ("source:tailing", "dest:replaying") for p in job.phases())
+               and len(job.phases()) == 7, "every move to tail")
+    R = max(job.reshard(i, Op.PROPOSE).proposal for i in (0, 1))
+    assert R <= 3
+    refused(lambda: job.reshard(0, Op.COMMIT, round=R), grpc.StatusCode.FAILED_PRECONDITION,
+            f"commit round is {R}", "table 'emb' is at version 3", unchanged=_Shard(job, 0))
+    assert job.reshard(0, Op.STATUS).round == 0
