@@ -149,8 +149,10 @@ class HandoffIO:
         with self.lock:
             if self.plan is None:
                 return []
-            return [s.record(self.plan.id) for s in self.sources] + [
-                self._dest_record(k, d) for k, d in sorted(self.dests.items())]
+            records = [s.record(self.plan.id) for s in self.sources]
+            if records:  # the table rows streamed count with this shard's first move (what `ps-server reshard` sums)
+                records[0].bytes += self.rows.bytes()
+            return records + [self._dest_record(k, d) for k, d in sorted(self.dests.items())]
 
     def _dest_record(self, k: int, d: DestSide) -> _pb.HandoffState:
         """A new partition's record; partition 0 (the tables') is READY only once its table rows are too."""

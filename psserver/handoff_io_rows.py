@@ -199,12 +199,15 @@ class RowsHandoff:
         self.part = None  # the old layout's partition 0, where the tables live
         self.src = self.round = None
         self.num_shards = 0
+        self.sent = 0  # bytes of row sources already ended
+        self._split_key, self._split = None, []  # _placed's
+        self.assembled: tuple[int, dict] | None = None  # (R, every table's state) once every old shard voted
 
     # ------------------------------------------------------------------ the source
     def start(self, job: JobSpec, plan, part) -> None:
         """PREPARE (under the plan's lock): snapshot every table's rows by new owner, watch its rounds."""
         self.end()
-        self.dests, self.round = {}, None
+        self.dests, self.round, self.sent, self.assembled = {}, None, 0, None
         if job is None or not job.tables:
             return
         self.part, self.src, self.num_shards = part, plan.old_index, len(plan.new)
@@ -268,10 +271,22 @@ class RowsHandoff:
                 out[name] = dict(version=t.version, store_version=t.store.version, tick=t.store.tick, extra=extra,
                                  sketch=None if sketch is None else sketch.counts.clone(),
                                  sightings=0 if sketch is None else sketch.sightings,
-                                 digest=rows_digest(split(table_rows(t.store), self.num_shards)[source.dst], extra),
+                                 digest=rows_digest(self._placed(name, t)[source.dst], extra),
                                  final=dict(deleted=split_ids(deleted, self.num_shards)[source.dst],
                                             **split(touched, self.num_shards)[source.dst]))
         return dict(round=round_, tables=out)
+
+    def bytes(self) -> int:
+        """Row bytes streamed under the plan held (kept past DECIDE for the coordinator's last read)."""
+        return self.sent + sum(s.bytes for s in self.sources)
+
+    def _placed(self, name: str, table) -> list[dict]:
+        """The table's rows split by new owner, kept while no call touched the table: each destination's vote at R
+        reads the same split (one sort of the whole table a source, not one a destination)."""
+        key = (name, id(table.store), table.store.tick, table.version)
+        if self._split_key != key:
+            self._split_key, self._split = key, split(table_rows(table.store), self.num_shards)
+        return self._split
 
     # ------------------------------------------------------------------ the destination
     def receive(self, first, payload: dict) -> None:
@@ -279,10 +294,17 @@ class RowsHandoff:
         if first.move not in self.dests:
             self.dests[first.move] = RowsDest(self, first.move)
         self.dests[first.move].receive(first.kind, payload)
+        self.assembled = None
+        if first.kind == ROWS_VOTE:  # the last vote in: assembled now, so DECIDE (the block) only installs it
+            names, old = sorted(payload["tables"]), len(self.io.plan.old)
+            if self._why_not(names, old) is None:
+                self.assembled = (first.version, self._assemble(names, old, first.version))
 
     def not_ready(self, job: JobSpec, old: int) -> str | None:
         """Why this shard's new partition 0 cannot switch yet (None: every old shard's rows voted and matched)."""
-        names = [t.name for t in job.tables]
+        return self._why_not([t.name for t in job.tables], old)
+
+    def _why_not(self, names: list[str], old: int) -> str | None:
         if not names:
             return None
         if any(d.failed for d in self.dests.values()):
@@ -298,8 +320,14 @@ class RowsHandoff:
             raise NotReady(f"decide is switch but this shard's table rows are {why}")
         if not job.tables:
             return None
-        return {t.name: assemble([(self.dests[i].images[t.name], self.dests[i].votes[t.name]) for i in range(old)],
-                                 round_) for t in job.tables}
+        names = sorted(t.name for t in job.tables)
+        if self.assembled is not None and self.assembled[0] == round_ and sorted(self.assembled[1]) == names:
+            return self.assembled[1]
+        return self._assemble(names, old, round_)
+
+    def _assemble(self, names: list[str], old: int, round_: int) -> dict:
+        return {n: assemble([(self.dests[i].images[n], self.dests[i].votes[n]) for i in range(old)], round_)
+                for n in names}
 
     # ------------------------------------------------------------------ ending
     def end(self) -> None:
@@ -309,7 +337,9 @@ class RowsHandoff:
             table = self.part.tables.by_name.get(name)
             if table is not None and table.round_listener == self.table_closed:
                 table.round_listener = None
+        self.sent += sum(s.bytes for s in self.sources)
         self.trackers, self.sources, self.round = {}, [], None
+        self._split_key, self._split = None, []
 
     def stop(self) -> None:
         for s in self.sources:

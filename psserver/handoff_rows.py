@@ -41,7 +41,10 @@ def table_rows(store: RowStore) -> dict:
 def split(rows: dict, num_shards: int) -> list[dict]:
     """``rows`` (sorted by id) cut by owner: entry d holds the rows shard d of ``num_shards`` owns, still sorted."""
     owner = shard_of(rows["ids"], num_shards) if len(rows["ids"]) else rows["ids"]
-    return [{k: v[owner == d] for k, v in rows.items()} for d in range(num_shards)]
+    order = torch.argsort(owner, stable=True)  # by owner, by id within one: one gather a field, not one a shard
+    sizes = torch.bincount(owner, minlength=num_shards).tolist()
+    cut = {k: torch.split(v[order], sizes) for k, v in rows.items()}
+    return [{k: cut[k][d].clone() for k in rows} for d in range(num_shards)]  # clones: torch.save of a view saves its whole storage
 
 
 def split_ids(ids: torch.Tensor, num_shards: int) -> list[torch.Tensor]:

@@ -268,11 +268,12 @@ class LayoutHost:
             raise ValueError(f"layout is {layout.number} but the next layout here is {self.newest + 1}")
         job = self.current.head.job
         for part in self.current.parts[:job.partitions if job is not None else 0]:
-            state = part.capture()
-            if state.version != layout.round or (state.open_round or {}).get("weight", 0):
+            with part.lock:  # read, not captured: a capture copies the slice and every table's rows
+                version, weight = part.version, part.round.weight
+            if version != layout.round or weight:
                 raise ValueError(f"layout {layout.number} starts at round {layout.round} but partition "
-                                 f"{part.partition} is at version {state.version}"
-                                 f"{' with a round open' if state.version == layout.round else ''}")
+                                 f"{part.partition} is at version {version}"
+                                 f"{' with a round open' if version == layout.round else ''}")
 
     def switch_offline(self, num_shards: int, shard: int, partitions: int | None = None,
                        pieces: list | None = None, addresses: tuple[str, ...] = ()) -> LayoutEpoch:
