@@ -189,7 +189,7 @@ class HandoffIO:
             for s in self.sources:
                 if not s.thread.is_alive() and not s.thread.ident:
                     s.thread.start()
-            self.rows.start_threads()
+            await self.runtime.offload(self.rows.start_threads)  # the tables' snapshot: the shard's lock, then the plan's
         elif op != _pb.ReshardRequest.STATUS:
             self._check_plan(request.plan)
             fn = {_pb.ReshardRequest.PROPOSE: self._propose, _pb.ReshardRequest.COMMIT: self._commit,

@@ -205,21 +205,30 @@ class RowsHandoff:
 
     # ------------------------------------------------------------------ the source
     def start(self, job: JobSpec, plan, part) -> None:
-        """PREPARE (under the plan's lock): snapshot every table's rows by new owner, watch its rounds."""
+        """PREPARE (under the plan's lock): a source per new shard; ``snapshot`` fills them."""
         self.end()
         self.dests, self.round, self.sent, self.assembled = {}, None, 0, None
         if job is None or not job.tables:
             return
         self.part, self.src, self.num_shards = part, plan.old_index, len(plan.new)
         self.sources = [RowsSource(self, d) for d in range(self.num_shards)]
-        with part.lock:
-            for name, table in part.tables.by_name.items():
+
+    def snapshot(self) -> None:
+        """PREPARE, after ``start`` (on the state worker, outside the plan's lock: the shard's lock is taken first,
+        as a closing round takes it): every table's rows split by new owner, its rounds watched from here on."""
+        if self.part is None or not self.sources:
+            return
+        with self.part.lock, self.io.lock:
+            if self.trackers:  # asked twice
+                return
+            for name, table in self.part.tables.by_name.items():
                 self.trackers[name] = TableTracker(table.store)
                 for s, rows in zip(self.sources, split(table_rows(table.store), self.num_shards)):
                     s.copy(name, table.version, rows)
                 table.round_listener = self.table_closed
 
     def start_threads(self) -> None:
+        self.snapshot()
         for s in self.sources:
             if not s.thread.is_alive() and not s.thread.ident:
                 s.thread.start()

@@ -268,8 +268,7 @@ class LayoutHost:
             raise ValueError(f"layout is {layout.number} but the next layout here is {self.newest + 1}")
         job = self.current.head.job
         for part in self.current.parts[:job.partitions if job is not None else 0]:
-            with part.lock:  # read, not captured: a capture copies the slice and every table's rows
-                version, weight = part.version, part.round.weight
+            version, weight = part.version, part.round.weight  # read, not captured: a capture copies every row
             if version != layout.round or weight:
                 raise ValueError(f"layout {layout.number} starts at round {layout.round} but partition "
                                  f"{part.partition} is at version {version}"
