@@ -158,6 +158,27 @@ def test_row_calls_in_layout_1_reach_the_new_owners_over_the_wire(shard_server):
         assert (reply.outcome, reply.version, reply.layout_epoch) == (pb.APPLIED, R + 1, 1)
 
 
+def test_rows_whose_destination_falls_behind_are_copied_again_and_still_equal_the_old_rows_at_r(shard_server):
+    job = TableJob(shard_server, spec(tables=(table(),)))
+    for s in job.shards:
+        s.server.handoffs.max_lag = 3
+    for i in (0, 1):  # the new shard has no plan yet: its rows' forwards cannot be acknowledged
+        job.reshard(i, Op.PREPARE)
+    job.rounds(6)  # six rounds past the copy at version 0: over the lag of 3
+    assert all(job.shards[i].server.layouts.host(0).head.counters["handoff_row_recopies"] >= 1 for i in (0, 1))
+    job.reshard(2, Op.PREPARE)
+    R = commit(job)
+    job.rounds(R)
+    wait_until(lambda: sorted(set(job.phases())) == ["dest:ready", "source:blocked"], "every piece ready at R")
+    saved = [job.table(i).state() for i in (0, 1)]
+    for i in range(3):
+        job.reshard(i, Op.DECIDE, switch=True)
+    for d in range(3):
+        want, got = recut_table(saved, 3, d)["rows"], job.table(d, layout=1).store.state()
+        for k in ("ids", "rows", "optimizer_state"):
+            assert torch.equal(got[k], want[k]), (d, k)
+
+
 def test_rows_evicted_during_the_copy_are_deleted_on_the_new_shards(shard_server):
     job = TableJob(shard_server, spec(tables=(table(evict_after=2),)))
     job.rounds(2)
@@ -203,3 +224,5 @@ def test_commit_with_a_table_already_at_r_is_failed_precondition_naming_the_tabl
     refused(lambda: job.reshard(0, Op.COMMIT, round=R), grpc.StatusCode.FAILED_PRECONDITION,
             f"commit round is {R}", "table 'emb' is at version 3", unchanged=_Shard(job, 0))
     assert job.reshard(0, Op.STATUS).round == 0
+    mine = job.used[shard_of(job.used, 2) == 0]
+    assert pull_rows(job.shards[0], mine, 0, 3, job.job.fingerprint)[0] == 3  # still serves

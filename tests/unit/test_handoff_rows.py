@@ -11,6 +11,7 @@ from psserver.protocol.errors import NotReady
 from psserver.protocol.rows.optim import SparseOptimizerConfig
 from psserver.protocol.rows.table import RowStore, TableSpec
 from psserver.reshard import recut_table
+from psserver.sparse.serving import Membership
 
 M2 = 3  # 2 -> 3 shards: the destinations
 
@@ -160,3 +161,9 @@ def test_assembly_refuses_sources_at_different_versions_naming_them():
              for v in (4, 5)]
     with pytest.raises(NotReady, match=r"versions \[4, 5\].*every source at 5"):
         assemble(parts, 5)
+
+
+def test_a_sync_tables_round_is_held_from_the_hand_offs_hold_as_the_dense_round_is():
+    members = Membership(frozenset({0}), True, None, handoff_held_from=5)
+    assert [members.at(r)[2] for r in (4, 5, 6)] == [False, True, True]
+    assert not Membership(frozenset({0}), True, None).at(5)[2]
