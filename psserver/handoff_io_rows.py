@@ -307,7 +307,12 @@ class RowsHandoff:
         if first.kind == ROWS_VOTE:  # the last vote in: assembled now, so DECIDE (the block) only installs it
             names, old = sorted(payload["tables"]), len(self.io.plan.old)
             if self._why_not(names, old) is None:
-                self.assembled = (first.version, self._assemble(names, old, first.version))
+                try:
+                    self.assembled = (first.version, self._assemble(names, old, first.version))
+                except NotReady as e:  # sources that cannot be laid together: dropped now, so the plan aborts
+                    self.dests[first.move].failed = True
+                    self.io.count("handoff_row_assembly_refused")
+                    log.warning("the table rows of plan %r cannot be assembled: %s", self.io.plan.id, e)
 
     def not_ready(self, job: JobSpec, old: int) -> str | None:
         """Why this shard's new partition 0 cannot switch yet (None: every old shard's rows voted and matched)."""
