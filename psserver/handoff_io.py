@@ -16,7 +16,7 @@ machines' actions (psserver.handoff_source, psserver.handoff_dest) done on the s
 Everything that touches a partition's tensors runs where the shard's calls run (``Runtime.run_state``);
 machine transitions take one lock.  A shard in ``--ps`` but not ``--to`` is drained: a source only, it installs no
 host at DECIDE (LayoutHost.drain) and RETIRE frees its tombstone, as every shard's (LayoutHost.retire).  Scope
-(docs/handoff-io.md): sync dense jobs without tables.
+(docs/handoff-io.md): sync jobs, dense and sync tables (their rows: psserver.handoff_io_rows).
 """
 
 from __future__ import annotations
@@ -347,7 +347,9 @@ class HandoffIO:
         changing nothing, unless the old layout is at R with no round open."""
         plan, job = self.plan, self.layouts.current.head.job
         R = max((s.machine.round or 0 for s in self.sources), default=0)
-        layout = next_layout(self.layouts.timeline(), plan.layouts(job)[2], R, plan.new)
+        job2 = plan.layouts(job)[2]
+        layout = dataclasses.replace(next_layout(self.layouts.timeline(), job2, R, plan.new),  # as _new_layout's
+                                     table_rounds=tuple(sorted((t.name, R) for t in job2.tables)))
         try:
             self.layouts.check_boundary(layout)
         except ValueError as e:
