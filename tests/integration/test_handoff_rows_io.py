@@ -1,18 +1,25 @@
 """A sync table moved live beside the dense slice (stage 6 of docs/live-reshard.md, docs/handoff-io.md#tables): three
 real shards over gRPC on loopback, the test as the coordinator and as the one trainer, a sync job of one dense slice
-and one Adagrad table moved from two shards to three while dense and row pushes go on during the copy."""
+and one Adagrad table moved from two shards to three while dense and row pushes go on during the copy, and drained
+from three to two."""
+
+import dataclasses
+from collections import Counter
 
 import grpc
 import pytest
 import torch
 
+from psserver.protocol.codec import encode, wire_tensor
 from psserver.protocol.errors import REASON_METADATA_KEY
+from psserver.protocol.layout import Layout, shard_range
 from psserver.protocol.layouts import new_job
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.rows.optim import SparseOptimizerConfig
 from psserver.protocol.rows.placement import shard_of
 from psserver.protocol.rows.table import TableSpec
 from psserver.reshard import recut_table
+from tests.conftest import P, make_spec
 from tests.helpers import refused, wait_until
 from tests.integration.test_handoff_io import Job, Op, _Shard, spec
 from tests.integration.test_sparse_rpc import rows_chunks
@@ -226,3 +233,67 @@ def test_commit_with_a_table_already_at_r_is_failed_precondition_naming_the_tabl
     assert job.reshard(0, Op.STATUS).round == 0
     mine = job.used[shard_of(job.used, 2) == 0]
     assert pull_rows(job.shards[0], mine, 0, 3, job.job.fingerprint)[0] == 3  # still serves
+
+
+class Drain:
+    """A sync job of one dense slice and one table on three shards, rank 0 pushed by the test; drained to two."""
+
+    def __init__(self, shard_server):
+        s = make_spec(num_shards=3, tables=(table(),))
+        self.job = dataclasses.replace(s, fingerprint=Layout.from_shapes(s.tensors, 3).fingerprint())
+        self.shards = [shard_server(shard=i, lease_timeout=0) for i in range(3)]
+        self.old, self.new = [s.server.address for s in self.shards], [s.server.address for s in self.shards[:2]]
+        self.gen, self.seq = torch.Generator().manual_seed(0), Counter()
+        for i, (a, b) in enumerate(shard_range(P, 3, i) for i in range(3)):
+            self.shards[i].register(spec=self.job, expected_shard=i)
+            h = self.shards[i].header(n=b - a, fingerprint=self.job.fingerprint)
+            assert self.shards[i].stub.Init(encode(wire_tensor(torch.randn(b - a, generator=self.gen), pb.FLOAT32),
+                                                   h, 1024), timeout=10).accepted
+
+    def table(self, i, layout=0):
+        return self.shards[i].server.layouts.host(layout).head.tables.get("emb")
+
+    def rounds(self, upto):
+        for i, (a, b) in enumerate(shard_range(P, 3, i) for i in range(3)):
+            while (v := self.table(i).version) < upto:
+                self.seq[i, "dense"] += 1
+                h = self.shards[i].header(n=b - a, version=v, sequence=self.seq[i, "dense"],
+                                          fingerprint=self.job.fingerprint)
+                grad = torch.randn(b - a, generator=self.gen)
+                assert self.shards[i].stub.Push(encode(wire_tensor(grad, pb.FLOAT32), h, 1024), timeout=10).outcome \
+                    == pb.APPLIED
+                ids = torch.unique(torch.randint(0, 2000, (30,), generator=self.gen))
+                ids = ids[shard_of(ids, 3) == i]
+                self.seq[i, "rows"] += 1
+                chunks = rows_chunks(ids.tolist(), torch.randn(len(ids), DIM, generator=self.gen),
+                                     seq=self.seq[i, "rows"], base=v, fingerprint=self.job.fingerprint)
+                assert self.shards[i].stub.PushRows(iter(chunks), timeout=10).outcome == pb.APPLIED
+
+    def reshard(self, i, op, **kw):
+        return self.shards[i].stub.Reshard(pb.ReshardRequest(op=op, plan="d1", old_addresses=self.old,
+                                                             new_addresses=self.new, you=self.old[i], **kw), timeout=10)
+
+    def phases(self):
+        return [r.phase for i in range(3) for r in self.reshard(i, Op.STATUS).handoffs]
+
+
+def test_a_sync_table_drained_three_to_two_leaves_the_remaining_shards_the_old_rows_at_r(shard_server):
+    job = Drain(shard_server)
+    job.rounds(2)
+    for i in range(3):
+        job.reshard(i, Op.PREPARE)
+    job.rounds(5)
+    wait_until(lambda: set(job.phases()) == {"source:tailing", "dest:replaying"}, "every move to tail")
+    R = max(job.reshard(i, Op.PROPOSE).proposal for i in range(3))
+    for i in range(3):
+        job.reshard(i, Op.COMMIT, round=R)
+    job.rounds(R)
+    wait_until(lambda: sorted(set(job.phases())) == ["dest:ready", "source:blocked"], "every piece ready at R")
+    saved = [job.table(i).state() for i in range(3)]
+    for i in range(3):
+        job.reshard(i, Op.DECIDE, switch=True)
+    for d in range(2):
+        want, got = recut_table(saved, 2, d)["rows"], job.table(d, layout=1).store.state()
+        assert job.table(d, layout=1).version == R
+        for k in ("ids", "rows", "optimizer_state", "last_tick", "last_version"):
+            assert torch.equal(got[k], want[k]), (d, k)
