@@ -32,7 +32,7 @@ from psserver import handoff as h
 from psserver.budget import dense_bytes, handoff_bytes
 from psserver.handoff_dest import DestState
 from psserver.handoff_io_dest import DestSide
-from psserver.handoff_io_rows import ROW_KINDS, RowsHandoff, check_tables
+from psserver.handoff_io_rows import ROW_KINDS, RowsHandoff, check_tables, with_table_rounds
 from psserver.handoff_io_source import COPY, RETRY_SECONDS, STREAM_TIMEOUT, SourceSide
 from psserver.handoff_wire import check_move, job_proto, read_async, unpack_parts
 from psserver.layout_host import LayoutHost
@@ -152,17 +152,8 @@ class HandoffIO:
             records = [s.record(self.plan.id) for s in self.sources]
             if records:  # the table rows streamed count with this shard's first move (what `ps-server reshard` sums)
                 records[0].bytes += self.rows.bytes()
-            return records + [self._dest_record(k, d) for k, d in sorted(self.dests.items())]
-
-    def _dest_record(self, k: int, d: DestSide) -> _pb.HandoffState:
-        """A new partition's record; partition 0 (the tables') is READY only once its table rows are too."""
-        record = d.record(self.plan.id)
-        why = self.rows.not_ready(d.job, len(self.plan.old)) if k == 0 else None
-        if why == "dropped":
-            record.phase = "dest:dropped"
-        elif why is not None and record.phase == "dest:ready":
-            record.phase = "dest:replaying"
-        return record
+            return records + [self.rows.dest_record(k, d.record(self.plan.id), d.job, len(self.plan.old))
+                              for k, d in sorted(self.dests.items())]
 
     def stop(self) -> None:
         """The streams end: their threads wake, and a call in flight is cancelled with its channel."""
@@ -348,8 +339,7 @@ class HandoffIO:
         plan, job = self.plan, self.layouts.current.head.job
         R = max((s.machine.round or 0 for s in self.sources), default=0)
         job2 = plan.layouts(job)[2]
-        layout = dataclasses.replace(next_layout(self.layouts.timeline(), job2, R, plan.new),  # as _new_layout's
-                                     table_rounds=tuple(sorted((t.name, R) for t in job2.tables)))
+        layout = with_table_rounds(next_layout(self.layouts.timeline(), job2, R, plan.new), job2)
         try:
             self.layouts.check_boundary(layout)
         except ValueError as e:
@@ -371,8 +361,7 @@ class HandoffIO:
         states[0] = dataclasses.replace(states[0], tables=self.rows.tables_state(job, len(plan.old), R))
         timeline = self.layouts.timeline() if self.layouts.current.head.job is not None or self.layouts.newest \
             else [first_layout(job)]
-        layout = dataclasses.replace(next_layout(timeline, job2, R, plan.new),  # each sync table switches at R
-                                     table_rounds=tuple(sorted((t.name, R) for t in job2.tables)))
+        layout = with_table_rounds(next_layout(timeline, job2, R, plan.new), job2)
         try:
             self.layouts.check_boundary(layout)
         except ValueError as e:
@@ -403,7 +392,7 @@ class HandoffIO:
             plan = self.plan
             self._check_caller(first)
             if first.kind in ROW_KINDS:
-                return self._receive_rows(first, payload)
+                return self.rows.receive(first, payload, plan)
             moves = self.moves or (_moves(plan, _copied_job(payload, plan)) if first.kind == COPY else [])
             move = moves[first.move] if first.move < len(moves) else None
             if move is None or plan.old[move.src] != first.source or move.dst != plan.new_index:
@@ -424,16 +413,6 @@ class HandoffIO:
             dest.receive(first.kind, first.move, first.version, payload)
             return _pb.HandoffAck(plan=plan.id, move=first.move, version=first.version,
                                   phase=dest.machine.state.value)
-
-    def _receive_rows(self, first, payload: dict) -> _pb.HandoffAck:
-        """A sync tables' rows stream: ``move`` names the old shard it comes from (under the lock)."""
-        plan = self.plan
-        if first.move >= len(plan.old) or plan.old[first.move] != first.source or plan.new_index is None:
-            raise NotPermitted(f"source is {first.source!r} but rows of plan {plan.id!r} from old shard {first.move} "
-                               f"come from {plan.old[first.move] if first.move < len(plan.old) else None!r} to a "
-                               "shard in --to: a Handoff only from a source of its plan")
-        self.rows.receive(first, payload)
-        return _pb.HandoffAck(plan=plan.id, move=first.move, version=first.version, phase="rows")
 
 
 def _check_memory(layouts: LayoutHost, job: JobSpec, plan: Plan, max_lag: int) -> None:

@@ -20,6 +20,7 @@ The plan that owns it is psserver.handoff_io.HandoffIO (not imported: it imports
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -28,7 +29,7 @@ from psserver.handoff_rows import (ROW_FIELDS, RowDelta, RowImage, RowLog, Table
                                    rows_digest, split, split_ids, table_rows)
 from psserver.handoff_wire import chunks, job_proto
 from psserver.protocol import stubs
-from psserver.protocol.errors import InvalidRequest, JobMismatch, NotReady
+from psserver.protocol.errors import InvalidRequest, JobMismatch, NotPermitted, NotReady
 from psserver.protocol.job import JobSpec, table_mode
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rows.optim import state_width
@@ -48,6 +49,11 @@ def check_tables(job: JobSpec) -> None:
         if mode != Mode.SYNC:
             raise JobMismatch(f"table {t.name!r} mode is {mode} but a live re-shard takes table mode sync (async "
                               "tables come in a later stage of docs/live-reshard.md)")
+
+
+def with_table_rounds(layout, job):
+    """``layout`` with every sync table of ``job`` switching at its dense round R (see the module docstring)."""
+    return dataclasses.replace(layout, table_rounds=tuple(sorted((t.name, layout.round) for t in job.tables)))
 
 
 class RowsSource:
@@ -298,8 +304,12 @@ class RowsHandoff:
         return self._split
 
     # ------------------------------------------------------------------ the destination
-    def receive(self, first, payload: dict) -> None:
-        """A rows stream from old shard ``first.move`` (the caller checked it is that shard)."""
+    def receive(self, first, payload: dict, plan) -> _pb.HandoffAck:
+        """A rows stream from old shard ``first.move`` (under the plan's lock; its caller is a source of ``plan``)."""
+        if first.move >= len(plan.old) or plan.old[first.move] != first.source or plan.new_index is None:
+            raise NotPermitted(f"source is {first.source!r} but rows of plan {plan.id!r} from old shard {first.move} "
+                               f"come from {plan.old[first.move] if first.move < len(plan.old) else None!r} to a "
+                               "shard in --to: a Handoff only from a source of its plan")
         if first.move not in self.dests:
             self.dests[first.move] = RowsDest(self, first.move)
         self.dests[first.move].receive(first.kind, payload)
@@ -313,6 +323,16 @@ class RowsHandoff:
                     self.dests[first.move].failed = True
                     self.io.count("handoff_row_assembly_refused")
                     log.warning("the table rows of plan %r cannot be assembled: %s", self.io.plan.id, e)
+        return _pb.HandoffAck(plan=plan.id, move=first.move, version=first.version, phase="rows")
+
+    def dest_record(self, k: int, record: _pb.HandoffState, job: JobSpec, old: int) -> _pb.HandoffState:
+        """A new partition's record; partition 0 (the tables') is READY only once its table rows are too."""
+        why = self.not_ready(job, old) if k == 0 else None
+        if why == "dropped":
+            record.phase = "dest:dropped"
+        elif why is not None and record.phase == "dest:ready":
+            record.phase = "dest:replaying"
+        return record
 
     def not_ready(self, job: JobSpec, old: int) -> str | None:
         """Why this shard's new partition 0 cannot switch yet (None: every old shard's rows voted and matched)."""

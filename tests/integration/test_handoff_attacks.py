@@ -225,9 +225,16 @@ def test_a_prepare_past_the_caps_is_invalid_argument_and_takes_no_plan(shard_ser
     (FORWARD, lambda m: {"rounds": [{"version": 0, "lr": 0.5, "grad": torch.zeros(m.b - m.a)}] * 17},
      ("rounds is '17 rounds'",)),
     (VOTE, lambda m: {"digest": "d"}, ("timeline is 'None'", "text of at most")),
-    (7, lambda m: {}, ("kind is 7", "COPY, FORWARD or VOTE")),
+    (pb.HandoffChunk.ROWS_COPY, lambda m: {"tables": {"emb": {"version": 0}}}, ("emb.ids is 'NoneType'", "1-D int64")),
+    (pb.HandoffChunk.ROWS_FORWARD, lambda m: {"tables": {"emb": [dict(
+        version=1, deleted=torch.zeros(0, dtype=torch.int64), ids=torch.tensor([3, 1]), rows=torch.zeros(2, 4),
+        optimizer_state=torch.zeros(2, 4), last_tick=torch.zeros(2, dtype=torch.int64),
+        last_version=torch.zeros(2, dtype=torch.int64))]}}, ("emb[0].ids is 'unsorted'", "sorted with no repeats")),
+    (pb.HandoffChunk.ROWS_VOTE, lambda m: {"tables": {"emb": {"version": 1}}}, ("emb is 'dict'", "final forward")),
+    (7, lambda m: {}, ("kind is 7", "COPY, FORWARD, VOTE or ROWS_*")),
 ], ids=["copy-no-job", "copy-short-params", "copy-float64", "copy-other-range", "copy-short-momentum",
-        "copy-bad-job", "copy-other-job", "forward-not-a-list", "forward-17-rounds", "vote-no-timeline", "kind-7"])
+        "copy-bad-job", "copy-other-job", "forward-not-a-list", "forward-17-rounds", "vote-no-timeline",
+        "rows-copy-no-ids", "rows-forward-unsorted", "rows-vote-no-final", "kind-7"])
 def test_a_handoff_payload_of_the_wrong_shape_or_size_is_invalid_argument_and_changes_nothing(
         shard_server, kind, payload, fragments):
     """Before: a COPY without its job, a FORWARD whose rounds are not a list and a VOTE without its timeline were
