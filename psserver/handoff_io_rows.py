@@ -68,7 +68,7 @@ class RowsSource:
         self.thread = threading.Thread(target=self._pump, name=f"handoff-rows{dst}", daemon=True)
 
     def copy(self, name: str, version: int, rows: dict) -> None:
-        self.copies[name], self.logs[name] = (version, rows), RowLog(self.io.max_lag)
+        self.copies[name], self.logs[name] = (version, rows), RowLog(self.rows.max_lag or self.io.max_lag)
 
     def round_closed(self, table, delta: RowDelta) -> None:
         """(under the shard's lock and the plan's) keep a round's rows; past the log's bound copy the table again."""
@@ -77,7 +77,7 @@ class RowsSource:
             self.copy(name, delta.version, split(table_rows(table.store), self.rows.num_shards)[self.dst])
             self.rows.part.count("handoff_row_recopies")
             log.warning("shard %d: table %r's rows for new shard %d fell %d rounds behind: copied again at version %d",
-                        self.rows.part.shard_id, name, self.dst, self.io.max_lag, delta.version)
+                        self.rows.part.shard_id, name, self.dst, self.logs[name].max_lag, delta.version)
         self.wake.set()
 
     def _pump(self) -> None:
@@ -206,6 +206,7 @@ class RowsHandoff:
         self.src = self.round = None
         self.num_shards = 0
         self.sent = 0  # bytes of row sources already ended
+        self.max_lag: int | None = None  # rounds a table's log may hold unacknowledged (None: the plan's max_lag)
         self._split_key, self._split = None, []  # _placed's
         self.assembled: tuple[int, dict] | None = None  # (R, every table's state) once every old shard voted
 

@@ -40,14 +40,14 @@ class TableJob(Job):
         self.row_seq = {}
         self.used = torch.empty(0, dtype=torch.int64)
 
-    def push(self, i, base, layout=0):  # the dense push, with the new layout's fingerprint in layout 1
+    def push(self, i, base, layout=0, later=False):  # the dense push, with the new layout's fingerprint in layout 1
         if layout:
             self.job, old = self.new_job, self.job
             try:
-                return super().push(i, base, layout)
+                return super().push(i, base, layout, later)
             finally:
                 self.job = old
-        return super().push(i, base, layout)
+        return super().push(i, base, layout, later)
 
     def push_rows(self, i, base, ids, layout=0):
         key = (i, layout)
@@ -68,8 +68,16 @@ class TableJob(Job):
     def table(self, i, layout=0):
         return self.shards[i].server.layouts.host(layout).head.tables.get("emb")
 
-    def rounds(self, upto):
-        """Dense and rows on both old shards until each is at version ``upto``."""
+    def rounds(self, upto, held=False):
+        """Dense and rows on both old shards until each is at version ``upto``.  ``held``: ``upto`` is R, and round
+        R-1's dense replies wait for DECIDE (docs/handoff-io.md): their futures."""
+        if held:
+            self.rounds(upto - 1)
+            futures = []
+            for i in (0, 1):
+                futures.append(self.push(i, upto - 1, later=True))
+                assert self.push_rows(i, upto - 1, self.fresh_ids(i)).outcome == pb.APPLIED
+            return futures
         for i in (0, 1):
             while self.table(i).version < upto:
                 base = self.table(i).version
@@ -118,7 +126,7 @@ def moved(job):
     to_tailing(job)
     job.rounds(5)  # dense and row pushes (rows created in them) during the copy: each closed round is forwarded
     R = commit(job)
-    job.rounds(R)
+    job.rounds(R, held=True)
     wait_until(lambda: sorted(set(job.phases())) == ["dest:ready", "source:blocked"], "every piece ready at R")
     saved = [job.table(i).state() for i in (0, 1)]  # the old shards' rows at R (before a pull moves their clocks)
     ids = torch.sort(job.used).values
@@ -165,15 +173,15 @@ def test_row_pulls_in_layout_1_read_the_rows_at_r_and_row_pushes_of_base_r_apply
 
 def test_rows_whose_destination_falls_behind_are_copied_again_and_still_equal_the_old_rows_at_r(shard_server):
     job = TableJob(shard_server, spec(tables=(table(),)))
-    for s in job.shards:
-        s.server.handoffs.max_lag = 3
+    for s in job.shards:  # the rows' log bound below the dense one's (which throttles the rounds at its bound)
+        s.server.handoffs.rows.max_lag = 2
     for i in (0, 1):  # the new shard has no plan yet: its rows' forwards cannot be acknowledged
         job.reshard(i, Op.PREPARE)
-    job.rounds(6)  # six rounds past the copy at version 0: over the lag of 3
+    job.rounds(4)  # four rounds past the copy at version 0: over the rows' lag of 2
     assert all(job.shards[i].server.layouts.host(0).head.counters["handoff_row_recopies"] >= 1 for i in (0, 1))
     job.reshard(2, Op.PREPARE)
     R = commit(job)
-    job.rounds(R)
+    job.rounds(R, held=True)
     wait_until(lambda: sorted(set(job.phases())) == ["dest:ready", "source:blocked"], "every piece ready at R")
     saved = [job.table(i).state() for i in (0, 1)]
     for i in range(3):
@@ -190,7 +198,7 @@ def test_rows_evicted_during_the_copy_are_deleted_on_the_new_shards(shard_server
     to_tailing(job)
     job.rounds(6)
     R = commit(job)
-    job.rounds(R)
+    job.rounds(R, held=True)
     wait_until(lambda: sorted(set(job.phases())) == ["dest:ready", "source:blocked"], "every piece ready at R")
     assert sum(job.table(i).store.counts.evicted_stale for i in (0, 1)) > 0
     saved = [job.table(i).state() for i in (0, 1)]
@@ -204,7 +212,7 @@ def test_a_row_push_at_r_in_the_old_layout_before_decide_is_unavailable_handoff_
     job = TableJob(shard_server, spec(tables=(table(),)))
     to_tailing(job)
     R = commit(job)
-    job.rounds(R)
+    job.rounds(R, held=True)
     ids = job.fresh_ids(0)
     error = refused(lambda: job.push_rows(0, R, ids), grpc.StatusCode.UNAVAILABLE, f"base version is {R}",
                     "table 'emb'", f"hands over at round {R}", unchanged=_Shard(job, 0))
@@ -240,6 +248,8 @@ class Drain:
         s = make_spec(num_shards=3, tables=(table(),))
         self.job = dataclasses.replace(s, fingerprint=Layout.from_shapes(s.tensors, 3).fingerprint())
         self.shards = [shard_server(shard=i, lease_timeout=0) for i in range(3)]
+        for s in self.shards:  # a held reply waits for DECIDE, however slow the machine, not for the timeout
+            s.server.handoffs.timeout = 60.0
         self.old, self.new = [s.server.address for s in self.shards], [s.server.address for s in self.shards[:2]]
         self.gen, self.seq = torch.Generator().manual_seed(0), Counter()
         for i, (a, b) in enumerate(shard_range(P, 3, i) for i in range(3)):
@@ -251,21 +261,28 @@ class Drain:
     def table(self, i, layout=0):
         return self.shards[i].server.layouts.host(layout).head.tables.get("emb")
 
-    def rounds(self, upto):
+    def rounds(self, upto, held=False):
+        """Dense and rows on the three shards up to ``upto``; ``held``: round upto-1's dense replies wait for DECIDE
+        (their futures)."""
+        futures = []
         for i, (a, b) in enumerate(shard_range(P, 3, i) for i in range(3)):
             while (v := self.table(i).version) < upto:
                 self.seq[i, "dense"] += 1
                 h = self.shards[i].header(n=b - a, version=v, sequence=self.seq[i, "dense"],
                                           fingerprint=self.job.fingerprint)
                 grad = torch.randn(b - a, generator=self.gen)
-                assert self.shards[i].stub.Push(encode(wire_tensor(grad, pb.FLOAT32), h, 1024), timeout=10).outcome \
-                    == pb.APPLIED
+                push = encode(wire_tensor(grad, pb.FLOAT32), h, 1024)
+                if held and v == upto - 1:
+                    futures.append(self.shards[i].stub.Push.future(push, timeout=60))
+                else:
+                    assert self.shards[i].stub.Push(push, timeout=10).outcome == pb.APPLIED
                 ids = torch.unique(torch.randint(0, 2000, (30,), generator=self.gen))
                 ids = ids[shard_of(ids, 3) == i]
                 self.seq[i, "rows"] += 1
                 chunks = rows_chunks(ids.tolist(), torch.randn(len(ids), DIM, generator=self.gen),
                                      seq=self.seq[i, "rows"], base=v, fingerprint=self.job.fingerprint)
                 assert self.shards[i].stub.PushRows(iter(chunks), timeout=10).outcome == pb.APPLIED
+        return futures
 
     def reshard(self, i, op, **kw):
         return self.shards[i].stub.Reshard(pb.ReshardRequest(op=op, plan="d1", old_addresses=self.old,
@@ -285,7 +302,7 @@ def test_a_sync_table_drained_three_to_two_leaves_the_remaining_shards_the_old_r
     R = max(job.reshard(i, Op.PROPOSE).proposal for i in range(3))
     for i in range(3):
         job.reshard(i, Op.COMMIT, round=R)
-    job.rounds(R)
+    job.rounds(R, held=True)
     wait_until(lambda: sorted(set(job.phases())) == ["dest:ready", "source:blocked"], "every piece ready at R")
     saved = [job.table(i).state() for i in range(3)]
     for i in range(3):
