@@ -39,6 +39,7 @@ class TableJob(Job):
         self.new_job = new_job(job, 3)
         self.row_seq = {}
         self.used = torch.empty(0, dtype=torch.int64)
+        self.held = []  # round R-1's dense pushes, whose replies wait for DECIDE (psserver.reply_holds)
 
     def push(self, i, base, layout=0, later=False):  # the dense push, with the new layout's fingerprint in layout 1
         if layout:
@@ -70,14 +71,18 @@ class TableJob(Job):
 
     def rounds(self, upto, held=False):
         """Dense and rows on both old shards until each is at version ``upto``.  ``held``: ``upto`` is R, and round
-        R-1's dense replies wait for DECIDE (docs/handoff-io.md): their futures."""
+        R-1's dense replies wait for DECIDE (docs/handoff-io.md): their futures, kept in ``self.held`` -- a gRPC
+        future garbage-collected cancels its call, and a push cancelled before the shard read it never closes
+        round R-1 (the hand-off then waits for it to the end)."""
         if held:
             self.rounds(upto - 1)
-            futures = []
+            self.held = []
             for i in (0, 1):
-                futures.append(self.push(i, upto - 1, later=True))
+                self.held.append(self.push(i, upto - 1, later=True))
                 assert self.push_rows(i, upto - 1, self.fresh_ids(i)).outcome == pb.APPLIED
-            return futures
+            wait_until(lambda: all(self.shards[i].server.layouts.host(0).head.version == upto for i in (0, 1)),
+                       "round R-1's dense pushes taken on both old shards")
+            return self.held
         for i in (0, 1):
             while self.table(i).version < upto:
                 base = self.table(i).version
@@ -103,6 +108,12 @@ def pull_by_owner(job, ids, shards, layout, version, fingerprint):
         assert got_version == version
         out[mine] = rows
     return out
+
+
+def held_replies_name_layout_1(held, R):
+    """Round R-1's dense replies, held over the block, went out after DECIDE switch: applied, naming R and layout 1."""
+    assert [(f.result(timeout=60).outcome, f.result().version, f.result().layout_epoch) for f in held] == \
+        [(pb.APPLIED, R, 1)] * len(held)
 
 
 def to_tailing(job):
@@ -133,6 +144,7 @@ def moved(job):
     at_r = pull_by_owner(job, ids, 2, 0, R, job.job.fingerprint)
     for i in range(3):
         assert job.reshard(i, Op.DECIDE, switch=True).layout_epoch == 1
+    held_replies_name_layout_1(job.held, R)
     return R, saved, ids, at_r
 
 
@@ -186,6 +198,7 @@ def test_rows_whose_destination_falls_behind_are_copied_again_and_still_equal_th
     saved = [job.table(i).state() for i in (0, 1)]
     for i in range(3):
         job.reshard(i, Op.DECIDE, switch=True)
+    held_replies_name_layout_1(job.held, R)
     for d in range(3):
         want, got = recut_table(saved, 3, d)["rows"], job.table(d, layout=1).store.state()
         for k in ("ids", "rows", "optimizer_state"):
@@ -204,6 +217,7 @@ def test_rows_evicted_during_the_copy_are_deleted_on_the_new_shards(shard_server
     saved = [job.table(i).state() for i in (0, 1)]
     for i in range(3):
         job.reshard(i, Op.DECIDE, switch=True)
+    held_replies_name_layout_1(job.held, R)
     for d in range(3):
         assert torch.equal(job.table(d, layout=1).store.state()["ids"], recut_table(saved, 3, d)["rows"]["ids"])
 
@@ -221,6 +235,7 @@ def test_a_row_push_at_r_in_the_old_layout_before_decide_is_unavailable_handoff_
     wait_until(lambda: sorted(set(job.phases())) == ["dest:ready", "source:blocked"], "every piece ready at R")
     for i in range(3):
         job.reshard(i, Op.DECIDE, switch=True)
+    held_replies_name_layout_1(job.held, R)
     refused(lambda: job.push_rows(0, R, ids), grpc.StatusCode.FAILED_PRECONDITION, "layout_epoch is 0")
 
 
@@ -252,6 +267,7 @@ class Drain:
             s.server.handoffs.timeout = 60.0
         self.old, self.new = [s.server.address for s in self.shards], [s.server.address for s in self.shards[:2]]
         self.gen, self.seq = torch.Generator().manual_seed(0), Counter()
+        self.held = []  # round R-1's dense pushes (TableJob.rounds says why they are kept)
         for i, (a, b) in enumerate(shard_range(P, 3, i) for i in range(3)):
             self.shards[i].register(spec=self.job, expected_shard=i)
             h = self.shards[i].header(n=b - a, fingerprint=self.job.fingerprint)
@@ -263,8 +279,7 @@ class Drain:
 
     def rounds(self, upto, held=False):
         """Dense and rows on the three shards up to ``upto``; ``held``: round upto-1's dense replies wait for DECIDE
-        (their futures)."""
-        futures = []
+        (their futures, kept in ``self.held``)."""
         for i, (a, b) in enumerate(shard_range(P, 3, i) for i in range(3)):
             while (v := self.table(i).version) < upto:
                 self.seq[i, "dense"] += 1
@@ -273,7 +288,7 @@ class Drain:
                 grad = torch.randn(b - a, generator=self.gen)
                 push = encode(wire_tensor(grad, pb.FLOAT32), h, 1024)
                 if held and v == upto - 1:
-                    futures.append(self.shards[i].stub.Push.future(push, timeout=60))
+                    self.held.append(self.shards[i].stub.Push.future(push, timeout=60))
                 else:
                     assert self.shards[i].stub.Push(push, timeout=10).outcome == pb.APPLIED
                 ids = torch.unique(torch.randint(0, 2000, (30,), generator=self.gen))
@@ -282,7 +297,7 @@ class Drain:
                 chunks = rows_chunks(ids.tolist(), torch.randn(len(ids), DIM, generator=self.gen),
                                      seq=self.seq[i, "rows"], base=v, fingerprint=self.job.fingerprint)
                 assert self.shards[i].stub.PushRows(iter(chunks), timeout=10).outcome == pb.APPLIED
-        return futures
+        return self.held
 
     def reshard(self, i, op, **kw):
         return self.shards[i].stub.Reshard(pb.ReshardRequest(op=op, plan="d1", old_addresses=self.old,
@@ -307,6 +322,7 @@ def test_a_sync_table_drained_three_to_two_leaves_the_remaining_shards_the_old_r
     saved = [job.table(i).state() for i in range(3)]
     for i in range(3):
         job.reshard(i, Op.DECIDE, switch=True)
+    held_replies_name_layout_1(job.held, R)
     for d in range(2):
         want, got = recut_table(saved, 2, d)["rows"], job.table(d, layout=1).store.state()
         assert job.table(d, layout=1).version == R
