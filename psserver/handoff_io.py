@@ -34,6 +34,7 @@ from psserver.handoff_dest import DestState
 from psserver.handoff_io_dest import DestSide
 from psserver.handoff_io_rows import ROW_KINDS, RowsHandoff, check_tables, with_table_rounds
 from psserver.handoff_io_source import COPY, RETRY_SECONDS, STREAM_TIMEOUT, SourceSide
+from psserver.handoff_source import BEFORE_SWITCH, SourceState
 from psserver.handoff_wire import check_move, job_proto, read_async, unpack_parts
 from psserver.layout_host import LayoutHost
 from psserver.protocol import limits
@@ -112,13 +113,27 @@ class HandoffIO:
         self.rows = RowsHandoff(self)  # the sync tables' rows, beside the dense moves (psserver.handoff_io_rows)
         self.switched = self.aborted = False  # how the plan held ended (a new plan may start after either)
         self.release_after_install: set = set()  # partitions whose held replies go out once DECIDE installed
-        self.stopping = False
+        self.stopping = self.deciding = False  # deciding: a DECIDE under way (its aborts are not abort_here's)
 
     # ------------------------------------------------------------------ helpers the sides call
     def event(self, side: SourceSide, event) -> None:
         with self.lock:
+            before = side.machine.state
             side.machine, actions = side.machine.on(event, self.clock())
             side.carry(actions)
+            if before in BEFORE_SWITCH and side.machine.state is SourceState.OWNER and not self.deciding:
+                self.abort_here(f"{side.machine.label} aborted on its own")
+
+    def abort_here(self, why: str) -> None:
+        """A machine gave up by itself (a throttle or hold timed out once committed, the peers agreed to abort, a
+        digest mismatch): the plan cannot switch any more, so it ends here as a DECIDE abort would -- every move
+        and piece dropped, the ``handoff`` refusals (a base-R push, a join) lifted -- rather than until the
+        coordinator's DECIDE, which may never come (counted ``handoff_plans_aborted_here``, logged)."""
+        if self.plan is None or self.settled():
+            return
+        self.count("handoff_plans_aborted_here")
+        log.warning("plan %r: %s; the plan is aborted on this shard (the old layout goes on)", self.plan.id, why)
+        self._decide(_pb.ReshardRequest(op=_pb.ReshardRequest.DECIDE, plan=self.plan.id, switch=False))
 
     def on_state(self, fn, *args):
         """``fn(*args)`` where the shard's calls run, from a stream's thread; its result (RuntimeError once the
@@ -290,30 +305,37 @@ class HandoffIO:
 
     def _decide(self, request) -> None:
         with self.lock:
-            now, decide = self.clock(), h.Decide(request.switch)
-            for m in [*self.sources, *self.dests.values()]:  # checked everywhere first: a refusal changes nothing
-                m.machine.on(decide, now)
-            switch = request.switch and not self.switched
-            drain = self._drained_layout() if switch and self.plan.new_index is None else None
-            new = self._new_layout() if switch and drain is None else None
-            if not request.switch:  # before the replies go out: the push of base R that follows is taken
-                self.layouts.handoff_round = None
-            for s in self.sources:
-                self.event(s, decide)
-            for d in self.dests.values():
-                d.carry(d.machine_on(decide))
-            if new is not None:
-                self.layouts.install(*new)
-                self.switched = True
-            elif drain is not None:
-                self.layouts.drain(drain, self.plan.you)
-                self.switched = True
+            self.deciding = True
+            try:
+                self._decide_locked(request)
+            finally:
+                self.deciding = False
+
+    def _decide_locked(self, request) -> None:
+        now, decide = self.clock(), h.Decide(request.switch)
+        for m in [*self.sources, *self.dests.values()]:  # checked everywhere first: a refusal changes nothing
+            m.machine.on(decide, now)
+        switch = request.switch and not self.switched
+        drain = self._drained_layout() if switch and self.plan.new_index is None else None
+        new = self._new_layout() if switch and drain is None else None
+        if not request.switch:  # before the replies go out: the push of base R that follows is taken
             self.layouts.handoff_round = None
-            for part in self.release_after_install:  # after the install: the replies name the new layout
-                self.runtime.holds.release(part)
-            self.release_after_install.clear()
-            self.rows.end()
-            self.aborted = self.aborted or not request.switch
+        for s in self.sources:
+            self.event(s, decide)
+        for d in self.dests.values():
+            d.carry(d.machine_on(decide))
+        if new is not None:
+            self.layouts.install(*new)
+            self.switched = True
+        elif drain is not None:
+            self.layouts.drain(drain, self.plan.you)
+            self.switched = True
+        self.layouts.handoff_round = None
+        for part in self.release_after_install:  # after the install: the replies name the new layout
+            self.runtime.holds.release(part)
+        self.release_after_install.clear()
+        self.rows.end()
+        self.aborted = self.aborted or not request.switch
 
     def _retire(self, request) -> None:
         """Every move RETIRED, then the tombstones freed (the old layouts' state; the copies and replays the
@@ -411,6 +433,8 @@ class HandoffIO:
                         if m.dst == plan.new_index and m.dst_part == move.dst_part]
                 dest = self.dests[move.dst_part] = DestSide(self, move.dst_part, mine, job)
             dest.receive(first.kind, first.move, first.version, payload)
+            if dest.machine.state is DestState.DROPPED:  # its vote to abort (a digest mismatch): the plan is over
+                self.abort_here(f"new piece {move.dst_part} dropped itself")
             return _pb.HandoffAck(plan=plan.id, move=first.move, version=first.version,
                                   phase=dest.machine.state.value)
 

@@ -303,3 +303,28 @@ class _Shard:
 
     def digest(self):
         return self.job.digest(self.i)
+
+
+def test_a_move_that_aborts_on_its_own_ends_the_plan_on_its_shard_and_lifts_the_handoff_refusals(shard_server):
+    """A machine-initiated abort (here the termination: the peers agreed to abort; a throttle timed out once
+    committed takes the same path) ends the plan on the shard: the held reply goes out in the old layout, a push
+    of base R is taken there and a join is admitted -- before, both stayed refused ``handoff`` after the plan was
+    gone, until a DECIDE that may never come."""
+    from psserver import handoff as h
+
+    job = Job(shard_server, spec(max_trainers=2))
+    R, held = blocked_at_r(job)
+    io = job.shards[0].server.handoffs
+    side = io.sources[0]  # one move of shard 0 gives up: the whole plan is over on shard 0
+    io.on_state(io.event, side, h.PeerAnswers((("peer", "abort"),)))
+    assert {s.machine.state.value for s in io.sources} == {"owner"} and io.settled()
+    assert held[0].result().version == R and held[0].result().layout_epoch == 0
+    counters = job.shards[0].stats(fingerprint=OLD.fingerprint).counters
+    # its two moves and its new piece, each counted once
+    assert (counters["handoff_plans_aborted_here"], counters["handoff_aborts"]) == (1, 3)
+    assert job.push(0, R).outcome == pb.APPLIED  # no 'handoff' refusal: the old layout goes on
+    reply = job.shards[0].stub.Register(pb.RegisterRequest(rank=1, trainer_id="t1", expected_shard=0, join=True,
+                                                           job=job.job.to_proto()), timeout=10)
+    assert reply.join_round > 0  # admitted, not UNAVAILABLE 'handoff'
+    refused(lambda: job.reshard(0, Op.DECIDE, switch=True), grpc.StatusCode.FAILED_PRECONDITION, "decide is switch",
+            "aborted: a late switch is refused", unchanged=_Shard(job, 0))
