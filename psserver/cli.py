@@ -11,6 +11,7 @@ import time
 
 from psserver.common.cli_support import EnvArgumentParser, ensure_malloc_tunables, run_cli, setup_logging
 from psserver.common.tboard import Sampler, ScalarLog
+from psserver.handoff import DEFAULT_HANDOFF_TIMEOUT, handoff_timeout_error
 from psserver.ports import check_bindable
 from psserver.protocol.security import ServerSecurity, read_token
 
@@ -44,6 +45,10 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--join-timeout", type=float, default=0.0, metavar="SECONDS",
                    help="seconds a joiner's admission holds the next round for its commit before it is dropped "
                         "(0: 3 s, or --lease-timeout if shorter; docs/elastic.md)")
+    p.add_argument("--handoff-timeout", type=float, default=DEFAULT_HANDOFF_TIMEOUT, metavar="SECONDS",
+                   help="a live re-shard's hold: how long round R-1's replies and the block wait for DECIDE, and "
+                        "a throttle or a hold for its forwards or commit (default %(default)g; raise it for a large "
+                        "model, whose block can outlast 3 s; docs/handoff-io.md)")
     p.add_argument("--checkpoint-dir", default="", help="write checkpoints here (atomic, checksummed)")
     p.add_argument("--checkpoint-every", type=int, default=100, help="versions between checkpoints")
     p.add_argument("--restore", action="store_true", help="resume from the newest valid checkpoint")
@@ -134,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.partitions is not None and args.partition_bytes is not None:
         parser.error("pass --partitions or --partition-bytes, not both")
+    why = handoff_timeout_error(args.handoff_timeout)
+    if why:
+        parser.error(f"--handoff-timeout: {why}")
     if not args.tensorboard_every > 0:
         parser.error(f"--tensorboard-every must be more than 0 seconds (got {args.tensorboard_every})")
     from psserver.common.cli_support import parse_bytes
@@ -157,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ServerConfig(shard=args.shard, host=args.host, port=args.port, limits=limits, health_port=args.health_port,
                        torch_threads=args.torch_threads,
                        chunk_bytes=args.chunk_bytes, lease_timeout=args.lease_timeout, join_timeout=args.join_timeout,
+                       handoff_timeout=args.handoff_timeout,
                        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                        restore=args.restore, nonfinite=args.nonfinite, max_memory=max_memory, insecure=args.insecure,
                        restore_from=tuple(d.strip() for d in args.restore_from.split(",") if d.strip()),

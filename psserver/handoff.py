@@ -23,6 +23,18 @@ from psserver.protocol.errors import InvalidRequest
 # push waiting) waits for DECIDE before it asks its peers: --handoff-timeout, by default the join's (the commit
 # is one coordinator round trip, so seconds are plenty).
 DEFAULT_HANDOFF_TIMEOUT = DEFAULT_JOIN_TIMEOUT
+# Its cap: every trainer's step waits out a block this long (a sync job stands still), so past ten minutes a
+# value is a typo or a stuck hand-off, not a big model (ResNet-18's block measured 2.1-3.9 s).
+MAX_HANDOFF_TIMEOUT = 600.0
+
+
+def handoff_timeout_error(seconds: float) -> str:
+    """Why ``seconds`` is no --handoff-timeout (a one-line cause and hint), or "" when it is one."""
+    if 0 < seconds <= MAX_HANDOFF_TIMEOUT:  # (NaN fails it too)
+        return ""
+    return (f"the hand-off timeout is {seconds:g} s but it must be more than 0 and at most {MAX_HANDOFF_TIMEOUT:g} s "
+            f"(hint: the default {DEFAULT_HANDOFF_TIMEOUT:g} s fits a small model; a ResNet-18-sized job's block "
+            "measured 2.1-3.9 s, so give it 10; docs/handoff-io.md)")
 # Rounds a source may have closed past what its destination acknowledged.  At it the source throttles: the next
 # round waits until a forward is acknowledged (ThrottleRounds), so unpaced rounds never outrun the copy; a
 # throttle that lasts --handoff-timeout copies the range again (or, once committed, aborts), as the lag did

@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from psserver import layout_restore
 from psserver.budget import MemoryBudget
+from psserver.handoff import DEFAULT_HANDOFF_TIMEOUT, handoff_timeout_error
 from psserver.handoff_io import HandoffIO
 from psserver.health import CappedHealth, LoopWatch, ProbePort
 from psserver.host import ShardHost
@@ -51,6 +52,7 @@ class ServerConfig:
     max_push_bytes: int = 4 << 30  # whole Init/Push stream
     lease_timeout: float = 5.0  # seconds of silence after which a trainer leaves the live set
     join_timeout: float = 0.0  # seconds a pending join is held for its commit; 0: 3 s or the lease if shorter
+    handoff_timeout: float = DEFAULT_HANDOFF_TIMEOUT  # a live re-shard's hold (psserver.handoff)
     checkpoint_dir: str = ""  # where checkpoints go ("" : none)
     checkpoint_every: int = 100  # versions between checkpoints
     restore: bool = False  # resume from the newest valid checkpoint in checkpoint_dir
@@ -96,6 +98,8 @@ class ServerConfig:
         if not (0 <= self.join_timeout <= MAX_JOIN_TIMEOUT):
             raise ValueError(f"The join timeout ({self.join_timeout} s) must be between 0 (the default: 3 s, or the "
                              f"lease if shorter) and {MAX_JOIN_TIMEOUT:g} s.")
+        if handoff_timeout_error(self.handoff_timeout):
+            raise ValueError(handoff_timeout_error(self.handoff_timeout))
         if self.checkpoint_every < 1:
             raise ValueError(f"The checkpoint interval ({self.checkpoint_every} versions) must be at least 1.")
         if self.torch_threads < 0:
@@ -173,7 +177,7 @@ def build_shard_process(cfg: ServerConfig, loop: asyncio.AbstractEventLoop, loop
         host.restore_states(reshard_states(cfg), ",".join(cfg.restore_from))
     runtime = Runtime(host, wakeups, limits.receive_buffers, tick=layouts.tick)
     # a live re-shard's side on this shard; its streams to peers carry the job's token (TLS to peers: not yet)
-    handoffs = HandoffIO(layouts, runtime, ClientSecurity(token=cfg.security.token))
+    handoffs = HandoffIO(layouts, runtime, ClientSecurity(token=cfg.security.token), cfg.handoff_timeout)
     service = ParameterServerService(host, runtime, limits, authenticated=cfg.security.authenticates,
                                      connections=connections, replies=replies, layouts=layouts, handoffs=handoffs)
     return ShardProcess(host, runtime, service, watch)

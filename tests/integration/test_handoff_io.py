@@ -328,3 +328,9 @@ def test_a_move_that_aborts_on_its_own_ends_the_plan_on_its_shard_and_lifts_the_
     assert reply.join_round > 0  # admitted, not UNAVAILABLE 'handoff'
     refused(lambda: job.reshard(0, Op.DECIDE, switch=True), grpc.StatusCode.FAILED_PRECONDITION, "decide is switch",
             "aborted: a late switch is refused", unchanged=_Shard(job, 0))
+
+
+def test_ps_server_handoff_timeout_reaches_the_shards_hand_off_which_gives_it_to_its_moves_and_held_replies(
+        shard_server):
+    assert shard_server(shard=0).server.handoffs.timeout == 3.0
+    assert shard_server(shard=1, handoff_timeout=7.5).server.handoffs.timeout == 7.5

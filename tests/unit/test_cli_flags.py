@@ -221,6 +221,8 @@ def test_a_run_ending_inside_an_epoch_evaluates_its_last_step_once_and_counts_no
     ("join_timeout", -1.0, "The join timeout (-1.0 s) must be between 0 (the default: 3 s, or the lease if shorter)"),
     ("join_timeout", float("nan"), "The join timeout (nan s) must be between 0"),
     ("checkpoint_every", 0, "The checkpoint interval (0 versions) must be at least 1"),
+    ("handoff_timeout", 0.0, "the hand-off timeout is 0 s but it must be more than 0 and at most 600 s"),
+    ("handoff_timeout", float("nan"), "the hand-off timeout is nan s but it must be more than 0"),
     ("health_port", 99999, "The health port (99999) must be between 0 and 65535 (or -1: none)"),
     ("torch_threads", -2, "The torch threads (-2) must be zero (torch's default) or more"),
 ])
@@ -250,3 +252,24 @@ def test_ps_cluster_warns_of_nothing_when_the_knobs_fit_the_mode_and_stale_timeo
     assert cluster.ignored_knobs(args) == []
     argv = cluster.trainer_args(args, 0, Path("/tmp/run"))
     assert argv[argv.index("--sync-timeout") + 1] == str(cluster.DEFAULT_SYNC_TIMEOUT)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "601", "1e9", "nan", "inf"])
+def test_ps_server_refuses_a_handoff_timeout_outside_0_to_600_seconds_in_one_line_with_a_hint(value, capsys):
+    from psserver import cli as server_cli
+
+    with pytest.raises(SystemExit) as e:
+        server_cli.main(["--shard", "0", "--handoff-timeout", value])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("ps-server: error:")]
+    assert e.value.code == 2 and len(errors) == 1
+    err = errors[0]
+    assert err.startswith("ps-server: error: --handoff-timeout: the hand-off timeout is")
+    assert "must be more than 0 and at most 600 s" in err and "hint:" in err
+
+
+def test_ps_server_handoff_timeout_defaults_to_the_joins_3_s_and_takes_a_larger_one():
+    from psserver import cli as server_cli
+
+    parser = server_cli.build_parser()
+    assert parser.parse_args(["--shard", "0"]).handoff_timeout == 3.0
+    assert parser.parse_args(["--shard", "0", "--handoff-timeout", "10"]).handoff_timeout == 10.0
