@@ -37,8 +37,11 @@ from psserver.handoff_io_source import COPY, RETRY_SECONDS, STREAM_TIMEOUT, Sour
 from psserver.handoff_source import BEFORE_SWITCH, SourceState
 from psserver.handoff_wire import check_move, job_proto, read_async, unpack_parts
 from psserver.layout_host import LayoutHost
+from psserver.moved_books import MovedBooks
+from psserver.push_book import PushResult
 from psserver.protocol import limits
-from psserver.protocol.errors import InvalidRequest, JobMismatch, NotPermitted, NotReady, OutOfMemory
+from psserver.protocol.errors import (InvalidRequest, JobMismatch, NotPermitted, NotReady, OutOfMemory,
+                                      StaleGradient)
 from psserver.protocol.job import JobSpec
 from psserver.protocol.layouts import LayoutEpoch, Move, first_layout, new_job, next_layout, plan_moves
 from psserver.protocol.proto import ps_pb2 as _pb
@@ -110,6 +113,7 @@ class HandoffIO:
         self.moves: list[Move] = []
         self.sources: list[SourceSide] = []
         self.dests: dict[int, DestSide] = {}
+        self.moved = MovedBooks()  # the old slots' books at R the new pieces drew from (psserver.moved_books)
         self.rows = RowsHandoff(self)  # the sync tables' rows, beside the dense moves (psserver.handoff_io_rows)
         self.switched = self.aborted = False  # how the plan held ended (a new plan may start after either)
         self.release_after_install: set = set()  # partitions whose held replies go out once DECIDE installed
@@ -230,6 +234,7 @@ class HandoffIO:
                 raise InvalidRequest(f"you is {plan.you!r} but it is in neither --ps {list(plan.old)} nor --to "
                                      f"{list(plan.new)}")
             self.plan, self.switched, self.aborted = plan, False, False
+            self.moved.clear()
             self.sources, self.dests, self.moves = [], {}, []
             if job is not None:
                 self._start_sources(job, plan)
@@ -326,6 +331,7 @@ class HandoffIO:
             d.carry(d.machine_on(decide))
         if new is not None:
             self.layouts.install(*new)
+            self.moved.keep(new[0].number, new[0].round, {k: d.books_by_slot() for k, d in self.dests.items()})
             self.switched = True
         elif drain is not None:
             self.layouts.drain(drain, self.plan.you)
@@ -391,6 +397,22 @@ class HandoffIO:
         host = self.layouts.current.successor(plan.new_index)
         host.restore_states(states, f"layout {layout.number} (hand-off {plan.id})")
         return layout, host, timeline[0]
+
+    def moved_push(self, h) -> PushResult:
+        """A trainer's push of base R-1 for an old slot it could not reach, answered from that slot's book (on the
+        state worker; psserver.moved_books): DUPLICATE, or the stale refusal.  Counted and logged either way."""
+        part = self.layouts.part(h.layout_epoch, h.partition)
+        try:
+            self.moved.answer(part, h)
+        except StaleGradient:
+            part.count("moved_pushes_stale")
+            log.warning("%s: rank %d's push of base %d for old slot %d was not in that slot's round (its book at R): "
+                        "answered stale", part.label, h.rank, h.version, h.moved_from - 1)
+            raise
+        part.count("moved_pushes_duplicate")
+        log.warning("%s: rank %d's push of base %d for old slot %d is in that slot's book at R: answered DUPLICATE",
+                    part.label, h.rank, h.version, h.moved_from - 1)
+        return PushResult("duplicate", part.version, part.version - h.version)
 
     # ------------------------------------------------------------------ the streams in
     async def handoff(self, request_iterator) -> _pb.HandoffAck:

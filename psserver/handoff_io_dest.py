@@ -32,6 +32,7 @@ class DestSide:
         self.timeline: str | None = None  # the first vote's: every source's must agree with it
         self.members: dict = {}
         self.epochs: list | None = None
+        self.books: dict[int, dict] = {}  # part -> the old slot's push book at R, from its vote (moved_books)
         parts = tuple((m.a, m.b) for _, m in moves)
         self.carry(self.machine_on(h.Prepare(parts=parts)))
 
@@ -73,7 +74,14 @@ class DestSide:
             actions = self.machine_on(h.SourceVote(part, version, payload["digest"], mine))
             # kept once the machine took the vote: a refused one changes none of what the switch installs
             self.timeline, self.members, self.epochs = timeline, payload["members"], payload["epochs"]
+            self.books[part] = payload["book"]
             self.carry(actions)
+
+    def books_by_slot(self) -> dict[int, dict]:
+        """Old slot (shard * partitions + partition in the old layout) -> its book at R, for each part voted."""
+        k = self.job.partitions
+        return {self.io.moves[self.moves[part]].src * k + self.io.moves[self.moves[part]].src_part: book
+                for part, book in self.books.items()}
 
     @staticmethod
     def _digest(replay: PartReplay, timeline: str) -> str:

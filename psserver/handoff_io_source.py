@@ -14,6 +14,7 @@ from psserver import handoff as h
 from psserver.forward_log import ForwardLog, PartCopy, copy_range, range_digest
 from psserver.handoff_source import SourceMove, SourceState
 from psserver.handoff_wire import chunks
+from psserver.moved_books import book_of
 from psserver.protocol import stubs
 from psserver.protocol.layouts import Move
 from psserver.protocol.proto import ps_pb2 as _pb
@@ -156,11 +157,12 @@ class SourceSide:
 
     def _vote(self) -> dict:
         """The vote at R (on the state worker: round R is held, so the range stays at R): the range's digest
-        over the membership timeline at R, and the members the new piece starts from."""
+        over the membership timeline at R, the members the new piece starts from, and the slot's push book."""
         copy = copy_range(self.part.slice, self.part.start, self.move.a, self.move.b)
         timeline = timeline_text(self.part)
         return dict(digest=range_digest(copy.params, copy.optimizer, timeline), timeline=timeline,
-                    members=self.part.members.members(), epochs=self.part.epochs.state())
+                    members=self.part.members.members(), epochs=self.part.epochs.state(),
+                    book=book_of(self.part.pushes))  # final: round R-1 closed, R held (psserver.moved_books)
 
     def _send(self, stub, kind: int, version: int, payload: dict) -> None:
         ack = stub.Handoff(chunks(kind, self.io.plan.id, self.io.plan.you, self.index, version, payload),

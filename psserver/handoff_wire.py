@@ -14,6 +14,7 @@ from typing import Iterable, Iterator
 import torch
 
 from psserver.handoff_rows import check_rows_payload
+from psserver.moved_books import check_book
 from psserver.protocol import limits
 from psserver.protocol.errors import InvalidRequest, TooLarge
 from psserver.protocol.job import JobSpec
@@ -99,6 +100,7 @@ def check_payload(kind: int, p) -> None:
             isinstance(e, tuple) and len(e) == 3 and isinstance(e[0], int) and isinstance(e[1], int)
             and isinstance(e[2], list) and all(isinstance(r, int) for r in e[2]) for e in epochs), "epochs",
             epochs, "(number, round, ranks) triples")
+        check_book(p.get("book"))
     elif kind in ROW_KINDS:  # a sync table's rows (psserver.handoff_rows); a ROWS_COPY carries the job too
         check_rows_payload(ROW_KINDS[kind], p, MAX_FORWARD_ROUNDS)
         if kind == _pb.HandoffChunk.ROWS_COPY:

@@ -341,6 +341,8 @@ class ParameterServerService(RowRpcs, StepRpc):
         """Bound, identify, read and hand one pushed gradient to the shard: (header, PushResult)."""
         reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self._deadline(context))
         first, h = await reader.first_header()
+        if h.moved_from:  # a question for an old slot that could not be reached (psserver.moved_books)
+            return h, await self._moved_push(h, stale_as_result)
         part = self._check_push_first(h)
         length = part.slice_length()
         async with (self._rank_slot(h.rank, h.partition) if slot else _no_slot()), \
@@ -363,6 +365,14 @@ class ParameterServerService(RowRpcs, StepRpc):
         part.check_push_header(h.rank, h.trainer_id, h.fingerprint, h.version, h.num_samples)
         check_stream_header(h, part.slice_length(), part.wire_dtype(), self.cfg.max_push_bytes)  # before allocating
         return part
+
+    async def _moved_push(self, h: _pb.ChunkHeader, stale_as_result: bool) -> PushResult:
+        try:
+            return await self.runtime.run_state(self._handoffs().moved_push, h)
+        except StaleGradient as e:
+            if not stale_as_result:
+                raise
+            return PushResult(STALE, e.version, e.staleness)
 
     async def _read_tensor(self, part: Shard, reader: _StreamReader, first, h: _pb.ChunkHeader,
                            out: torch.Tensor | None = None, sparse: bool = False) -> torch.Tensor:

@@ -121,6 +121,26 @@ def moved_past_unreachable(failed: dict, applied: Sequence[int]) -> tuple[int, i
     return max(moved), len(rest)
 
 
+class StepPastLost(StepFailed):
+    """Some slots applied the step and every other one could not be reached (``lost``): if the replies named a
+    layout that takes over at the next round, the new owners of the lost slots' ranges hold those slots' push
+    books and answer for them (trainer.lost_slots); else it is the StepFailed it is."""
+
+    def __init__(self, lost: list[int], *args):
+        self.lost = lost
+        super().__init__(*args)
+
+
+def lost_past_switch(failed: dict, applied: Sequence[int]) -> list[int] | None:
+    """The slots that could not be reached (UNAVAILABLE or DEADLINE_EXCEEDED after their retries) when every
+    failure of a step is one and some slot applied it; else None.  Whether they applied it is not inferred from the
+    others (a sync round closes without a trainer whose lease expired): their books answer (psserver.moved_books)."""
+    if not applied or not failed or any(not isinstance(e, grpc.RpcError) or e.code() not in UNREACHABLE
+                                        for e in failed.values()):
+        return None
+    return sorted(failed)
+
+
 @dataclass
 class StepAttempt:
     """What is known of a step while it is retried: the shards still to do and what the others answered."""

@@ -145,6 +145,34 @@ class DenseCalls:
                                      dense_bytes)
         return outcome, values, max(0.0, until_reply - h.wait_seconds), h.wait_seconds
 
+    def ask_moved(self, old_slot: int, sequence: int, base: int, wire: int, length: int, timeout: float,
+                  out: torch.Tensor) -> PushOutcome:
+        """Ask this new owner whether the old layout's slot ``old_slot`` -- lost after its vote -- applied this
+        trainer's push of base ``base`` numbered ``sequence`` there (psserver.moved_books): "duplicate" (it did)
+        or "stale" (its round closed without it), with this slot's weights to go on from in ``out``.  No gradient
+        is sent and this slot's own push numbers are not touched; retried like a push (it changes nothing)."""
+        header = self._header(wire, 0, base, 0, sequence)
+        header.moved_from = old_slot + 1
+
+        def once():
+            try:
+                reader = ChunkReader(self._push_pull_one(_pb.Chunk(header=header), timeout=timeout))
+            except grpc.RpcError as e:
+                version = stale_version(e, base)
+                if version is None:
+                    raise
+                return None, version
+            reader.read(length, wire, max_bytes=1 << 40, require_finite=False, out=out)
+            self._count("bytes_in", reader.bytes_read)
+            return reader.header, reader.header.version
+
+        h, version = self._call("PushPull", once, retry_on=PUSH_RETRYABLE)
+        outcome = "stale" if h is None else _pb.PushOutcome.Name(h.outcome).lower()
+        if h is not None:
+            self.saw_layout(h.layout_epoch)
+        self._count("stale_pushes" if outcome == STALE else f"{outcome}_pushes")
+        return PushOutcome(outcome, version, version - base)
+
     def take_grant(self, h) -> None:
         """A dense reply's grant of the data-cursor claim its push carried (trainer.data_claims): kept for
         ``BatchClaims.next``, which then needs no ClaimBatch call (PushPull's reply, or a Step's dense part)."""

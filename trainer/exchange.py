@@ -22,7 +22,9 @@ from trainer.attempt import (
     StepAttempt,
     StepFailed,
     StepMoved,
+    StepPastLost,
     after_rejoin,
+    lost_past_switch,
     moved_everywhere,
     moved_past_unreachable,
     rejoins_on,
@@ -126,6 +128,9 @@ class DenseExchange:
         newest = moved_everywhere(failed, attempt.applied())
         if newest is not None:  # changed nothing anywhere: not a failed step (the runner re-routes it)
             raise StepMoved(newest, self.steps + 1, [], failed, *names)
+        lost = lost_past_switch(failed, attempt.applied())
+        if lost is not None:  # answered by the lost slots' new owners if a layout took over (trainer.lost_slots)
+            raise StepPastLost(lost, self.steps + 1, attempt.applied(), failed, *names)
         partly = moved_past_unreachable(failed, attempt.applied())
         if partly is not None:  # re-routed if its base is past the new layout's R, else raised as failed
             raise StepMoved(partly[0], self.steps + 1, [], failed, *names, unreachable=partly[1])
@@ -136,7 +141,7 @@ class DenseExchange:
         raise error from next(iter(failed.values()))
 
     def _info(self, attempt: StepAttempt, wall: float) -> StepInfo:
-        outcomes = [attempt.outcomes[i] for i in range(self.slots.num_parts)]
+        outcomes = [attempt.outcomes[i] for i in sorted(attempt.outcomes)]  # the step's slots (its layout's)
         push, pull, wait = split_exchange(list(attempt.timings.values()), wall, self.slots.job.partitions > 1)
         return StepInfo(versions=list(self.slots.versions), outcomes=outcomes, push_seconds=push,
                         pull_seconds=pull, wait_seconds=wait, stale=outcomes.count(STALE),

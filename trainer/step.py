@@ -14,7 +14,8 @@ import logging
 
 import grpc
 
-from trainer.attempt import StepMoved, rows_moved
+from trainer.attempt import StepMoved, StepPastLost, rows_moved
+from trainer.lost_slots import answer_lost
 from trainer.early_push import EarlyPusher
 from trainer.exchange import DenseExchange
 from trainer.overlap import Prefetcher
@@ -88,18 +89,24 @@ class StepRunner:
         """The dense exchange: through the async push window (trainer.windowed) when there is one.  A step whose
         base reaches a later layout's round goes in that layout (trainer.relayout): switched to before the
         exchange when a reply named it, else once the old layout refused the step layout-moved (``reroute``
-        False: StepMoved is raised, for a caller whose tables are pushed beside it to re-route both)."""
+        False: StepMoved is raised, for a caller whose tables are pushed beside it to re-route both).  A step of
+        base R-1 some slots applied while the rest were lost is answered by their new owners (trainer.lost_slots)."""
         if self.windowed is not None:
             return self.windowed.step(num_samples)
-        if self.relayout is None:
-            return self.exchange.dense_step(num_samples)
         base = min(self.exchange.slots.versions)
-        if self.exchange.attempt is None:  # (a retried step is switched only once its layout refuses it)
+        if self.relayout is not None and self.exchange.attempt is None:  # (a retry switches once refused)
             self.relayout.switch_if_due(base)
         try:
             return self.exchange.dense_step(num_samples)
+        except StepPastLost as lost:  # the lost slots' new owners answer for them (trainer.lost_slots)
+            info = answer_lost(self.relayout, self.exchange, lost, base) if self.relayout is not None and reroute else None
+            if info is None:
+                self._count("steps_failed")
+                log.warning("rank %d: %s", self.session.rank, lost)
+                raise
+            return info
         except StepMoved as moved:
-            if not reroute:
+            if self.relayout is None or not reroute:
                 raise
             if not self.relayout.reroute(moved.newest, base, len(moved.failed), unreachable=moved.unreachable):
                 self._count("steps_failed")  # base below R: the unreachable slots may hold it (retry the step)

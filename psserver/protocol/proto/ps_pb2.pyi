@@ -359,7 +359,7 @@ class RegisterReply(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., registered: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., rank: _Optional[int] = ..., join_round: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
-    __slots__ = ("rank", "trainer_id", "fingerprint", "dtype", "length", "version", "num_samples", "wait_seconds", "sequence", "outcome", "staleness", "topk", "partition", "membership_epoch", "leaving", "claim", "batches_per_epoch", "batch", "batch_granted", "batch_reissued", "layout_epoch")
+    __slots__ = ("rank", "trainer_id", "fingerprint", "dtype", "length", "version", "num_samples", "wait_seconds", "sequence", "outcome", "staleness", "topk", "partition", "membership_epoch", "leaving", "claim", "batches_per_epoch", "batch", "batch_granted", "batch_reissued", "layout_epoch", "moved_from")
     RANK_FIELD_NUMBER: _ClassVar[int]
     TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -381,6 +381,7 @@ class ChunkHeader(_message.Message):
     BATCH_GRANTED_FIELD_NUMBER: _ClassVar[int]
     BATCH_REISSUED_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FROM_FIELD_NUMBER: _ClassVar[int]
     rank: int
     trainer_id: str
     fingerprint: str
@@ -402,7 +403,8 @@ class ChunkHeader(_message.Message):
     batch_granted: bool
     batch_reissued: bool
     layout_epoch: int
-    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., length: _Optional[int] = ..., version: _Optional[int] = ..., num_samples: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., sequence: _Optional[int] = ..., outcome: _Optional[_Union[PushOutcome, str]] = ..., staleness: _Optional[int] = ..., topk: _Optional[int] = ..., partition: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., leaving: _Optional[bool] = ..., claim: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., batch: _Optional[int] = ..., batch_granted: _Optional[bool] = ..., batch_reissued: _Optional[bool] = ..., layout_epoch: _Optional[int] = ...) -> None: ...
+    moved_from: int
+    def __init__(self, rank: _Optional[int] = ..., trainer_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., length: _Optional[int] = ..., version: _Optional[int] = ..., num_samples: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., sequence: _Optional[int] = ..., outcome: _Optional[_Union[PushOutcome, str]] = ..., staleness: _Optional[int] = ..., topk: _Optional[int] = ..., partition: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., leaving: _Optional[bool] = ..., claim: _Optional[int] = ..., batches_per_epoch: _Optional[int] = ..., batch: _Optional[int] = ..., batch_granted: _Optional[bool] = ..., batch_reissued: _Optional[bool] = ..., layout_epoch: _Optional[int] = ..., moved_from: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("header", "offset", "data")
