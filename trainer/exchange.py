@@ -54,6 +54,7 @@ class DenseExchange:
         self.round_timeout, self.clip_grad_norm = round_timeout, clip_grad_norm
         self.prefetch, self.early, self.waits = prefetch, early, waits
         self.attempt: StepAttempt | None = None
+        self.answers_lost = False  # the step runner answers StepPastLost (it follows layouts: trainer.lost_slots)
         self.steps = 0  # dense steps completed
 
     def begin_pipelined(self, started: dict[int, Future]) -> None:
@@ -128,7 +129,7 @@ class DenseExchange:
         newest = moved_everywhere(failed, attempt.applied())
         if newest is not None:  # changed nothing anywhere: not a failed step (the runner re-routes it)
             raise StepMoved(newest, self.steps + 1, [], failed, *names)
-        lost = lost_past_switch(failed, attempt.applied())
+        lost = lost_past_switch(failed, attempt.applied()) if self.answers_lost and not attempt.pipelined else None
         if lost is not None:  # answered by the lost slots' new owners if a layout took over (trainer.lost_slots)
             raise StepPastLost(lost, self.steps + 1, attempt.applied(), failed, *names)
         partly = moved_past_unreachable(failed, attempt.applied())

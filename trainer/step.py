@@ -44,6 +44,7 @@ class StepRunner:
                                                                                  flat, count)
         self.windowed, self.pipelined, self.early, self.prefetch = windowed, pipelined, early, prefetch
         self.step_call, self.relayout = step_call, relayout
+        exchange.answers_lost = relayout is not None  # a lost slot's new owners answer for it (trainer.lost_slots)
         self._dense_done: StepInfo | None = None  # this step's dense part, done while a table push failed
 
     @property
