@@ -94,20 +94,22 @@ class StepRunner:
         base R-1 some slots applied while the rest were lost is answered by their new owners (trainer.lost_slots)."""
         if self.windowed is not None:
             return self.windowed.step(num_samples)
+        if self.relayout is None:  # (then no StepPastLost either: the exchange's answers_lost is off)
+            return self.exchange.dense_step(num_samples)
         base = min(self.exchange.slots.versions)
-        if self.relayout is not None and self.exchange.attempt is None:  # (a retry switches once refused)
+        if self.exchange.attempt is None:  # (a retried step is switched only once its layout refuses it)
             self.relayout.switch_if_due(base)
         try:
             return self.exchange.dense_step(num_samples)
         except StepPastLost as lost:  # the lost slots' new owners answer for them (trainer.lost_slots)
-            info = answer_lost(self.relayout, self.exchange, lost, base) if self.relayout is not None and reroute else None
+            info = answer_lost(self.relayout, self.exchange, lost, base) if reroute else None
             if info is None:
                 self._count("steps_failed")
                 log.warning("rank %d: %s", self.session.rank, lost)
                 raise
             return info
         except StepMoved as moved:
-            if self.relayout is None or not reroute:
+            if not reroute:
                 raise
             if not self.relayout.reroute(moved.newest, base, len(moved.failed), unreachable=moved.unreachable):
                 self._count("steps_failed")  # base below R: the unreachable slots may hold it (retry the step)
