@@ -225,6 +225,8 @@ def test_a_prepare_past_the_caps_is_invalid_argument_and_takes_no_plan(shard_ser
     (FORWARD, lambda m: {"rounds": [{"version": 0, "lr": 0.5, "grad": torch.zeros(m.b - m.a)}] * 17},
      ("rounds is '17 rounds'",)),
     (VOTE, lambda m: {"digest": "d"}, ("timeline is 'None'", "text of at most")),
+    (VOTE, lambda m: {"digest": "d", "timeline": "t", "members": {0: "t0"}, "epochs": [(0, 0, [0])],
+                      "book": {0: ("t0", -1, "applied")}}, ("book is", "map ranks to (trainer id, sequence, outcome)")),
     (pb.HandoffChunk.ROWS_COPY, lambda m: {"tables": {"emb": {"version": 0}}}, ("emb.ids is 'NoneType'", "1-D int64")),
     (pb.HandoffChunk.ROWS_FORWARD, lambda m: {"tables": {"emb": [dict(
         version=1, deleted=torch.zeros(0, dtype=torch.int64), ids=torch.tensor([3, 1]), rows=torch.zeros(2, 4),
@@ -234,7 +236,7 @@ def test_a_prepare_past_the_caps_is_invalid_argument_and_takes_no_plan(shard_ser
     (7, lambda m: {}, ("kind is 7", "COPY, FORWARD, VOTE or ROWS_*")),
 ], ids=["copy-no-job", "copy-short-params", "copy-float64", "copy-other-range", "copy-short-momentum",
         "copy-bad-job", "copy-other-job", "forward-not-a-list", "forward-17-rounds", "vote-no-timeline",
-        "rows-copy-no-ids", "rows-forward-unsorted", "rows-vote-no-final", "kind-7"])
+        "vote-bad-book", "rows-copy-no-ids", "rows-forward-unsorted", "rows-vote-no-final", "kind-7"])
 def test_a_handoff_payload_of_the_wrong_shape_or_size_is_invalid_argument_and_changes_nothing(
         shard_server, kind, payload, fragments):
     """Before: a COPY without its job, a FORWARD whose rounds are not a list and a VOTE without its timeline were
@@ -382,11 +384,11 @@ def test_a_vote_the_new_piece_refuses_changes_neither_its_members_nor_its_timeli
     job.reshard(2, Op.PREPARE)
     index, move = move_to(job, 2)
     job.shards[2].stub.Handoff(chunks(COPY, "p1", job.old[move.src], index, 0, copy_payload(move)), timeout=10)
-    vote = dict(digest="0" * 64, timeline="t-first", members={0: "t0"}, epochs=[(0, 0, [0])])
+    vote = dict(digest="0" * 64, timeline="t-first", members={0: "t0"}, epochs=[(0, 0, [0])], book={})
     job.shards[2].stub.Handoff(chunks(VOTE, "p1", job.old[move.src], index, 0, vote), timeout=10)  # abort: dropped
     piece = job.shards[2].server.handoffs.dests[move.dst_part]
     kept = (piece.timeline, piece.members, piece.epochs)
-    other = dict(digest="1" * 64, timeline="t-evil", members={0: "mallory"}, epochs=[(0, 0, [0, 1])])
+    other = dict(digest="1" * 64, timeline="t-evil", members={0: "mallory"}, epochs=[(0, 0, [0, 1])], book={})
     refused(lambda: job.shards[2].stub.Handoff(chunks(VOTE, "p1", job.old[move.src], index, 0, other), timeout=10),
             grpc.StatusCode.FAILED_PRECONDITION, "a vote for part 0", "in state dropped", unchanged=_Records(job, 2))
     assert (piece.timeline, piece.members, piece.epochs) == kept == ("t-first", {0: "t0"}, [(0, 0, [0])])
