@@ -155,6 +155,7 @@ class StepAttempt:
     started: dict[int, Future] = field(default_factory=dict)  # pushes begun during backward, not yet answered
     inflight: list[Future] = field(default_factory=list)  # other threads' calls of a try an interrupt cut short
     pipelined: bool = False  # runs behind the next forward (trainer.pipeline): slots land and zero one by one
+    lost: dict | None = None  # lost old slots still to ask their new owners about (trainer.lost_slots.LostAsk)
 
     def applied(self) -> list[int]:
         """Shards known to hold this gradient (applied now or in a round): not lost, stale or skipped."""

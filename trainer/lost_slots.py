@@ -21,10 +21,11 @@ import logging
 import time
 from typing import Sequence
 
+import grpc
 import torch
 
 from psserver.protocol.layouts import new_job
-from trainer.attempt import StepPastLost
+from trainer.attempt import StepFailed, StepPastLost
 from trainer.relayout import Relayout, due, slot_ranges
 from trainer.stepper import StepInfo
 
@@ -39,28 +40,51 @@ def new_owners(old: tuple[int, int], new: Sequence[tuple[int, int]]) -> list[int
 
 def answer_lost(relayout: Relayout, exchange, lost: StepPastLost, base: int) -> StepInfo | None:
     """The step finished through the lost slots' new owners, or None when no layout takes over at ``base + 1``
-    (then it is the failed step it was).  ``exchange``: trainer.exchange.DenseExchange, holding the attempt."""
+    (then it is the failed step it was).  ``exchange``: trainer.exchange.DenseExchange, holding the attempt.  The
+    switch comes first (the questions go on the new layout's clients); the questions left are kept on the attempt,
+    so a question that fails too (its own retry budget spent) is asked again by the next ``step()``."""
     layout = due(relayout.timeline.learn(), relayout.epoch, base + 1)
     if layout is None or layout.round != base + 1:
         return None
-    t0 = time.perf_counter()
     attempt, slots = exchange.attempt, exchange.slots
     old_ranges = list(slots.ranges)
-    asked = {j: (old_ranges[j], attempt.sequences[j]) for j in lost.lost}
     job = new_job(slots.client.job, layout.num_shards, layout.partitions)
     new_ranges = slot_ranges(slots.flat.flat.numel(), job)
+    attempt.lost = {j: (base, attempt.sequences[j], new_owners(old_ranges[j], new_ranges), lost.failed[j].code().name)
+                    for j in lost.lost}
     relayout.switch(layout, base + 1)  # every slot at R; the lost range's weights come with the answers below
-    for j, (old, sequence) in asked.items():
-        outcomes = [_ask(exchange, n, j, sequence, base) for n in new_owners(old, new_ranges)]
+    return ask_lost(relayout, exchange)
+
+
+def ask_lost(relayout: Relayout, exchange) -> StepInfo:
+    """Ask the questions the attempt still has (``StepAttempt.lost``: old slot -> (base, sequence, its new owners,
+    why it was lost)); the step's info once every one is answered, else StepFailed naming the new owner that was
+    not reached (counted ``steps_failed``; ``step()`` asks again)."""
+    t0 = time.perf_counter()
+    attempt, slots = exchange.attempt, exchange.slots
+    for j, (base, sequence, owners, why) in sorted(attempt.lost.items()):
+        outcomes = []
+        for n in owners:
+            try:
+                outcomes.append(_ask(exchange, n, j, sequence, base))
+            except grpc.RpcError as e:
+                slots.client.count("steps_failed")
+                error = StepFailed(exchange.steps + 1, attempt.applied(), {n: e},
+                                   [s.address for s in slots.client.parts])
+                log.warning("rank %d: asking layout %d's slot %d about lost old slot %d: %s", relayout.session.rank,
+                            relayout.epoch, n, j, error)
+                raise error from e
         outcome = "duplicate" if outcomes and all(o == "duplicate" for o in outcomes) else "stale"
         attempt.record(j, outcome)
         attempt.timings[j] = (0.0, 0.0, 0.0)
-        counter = "steps_answered_by_new_owners" if outcome == "duplicate" else "steps_dropped_past_unreachable"
-        slots.client.count(counter)
+        del attempt.lost[j]
+        slots.client.count("steps_answered_by_new_owners" if outcome == "duplicate" else
+                           "steps_dropped_past_unreachable")
         log.warning("rank %d: old slot %d (%s) was unreachable for the step of base %d; layout %d's owners of its "
-                    "range answered from its push book: %s", relayout.session.rank, j, lost.failed[j].code().name,
-                    base, layout.number, "applied there (DUPLICATE)" if outcome == "duplicate" else
+                    "range answered from its push book: %s", relayout.session.rank, j, why, base, relayout.epoch,
+                    "applied there (DUPLICATE)" if outcome == "duplicate" else
                     "round closed without it: dropped there, as a push whose lease expired")
+    attempt.lost = None
     return exchange.finished(attempt, time.perf_counter() - t0)
 
 

@@ -15,7 +15,7 @@ import logging
 import grpc
 
 from trainer.attempt import StepMoved, StepPastLost, rows_moved
-from trainer.lost_slots import answer_lost
+from trainer.lost_slots import answer_lost, ask_lost
 from trainer.early_push import EarlyPusher
 from trainer.exchange import DenseExchange
 from trainer.overlap import Prefetcher
@@ -96,6 +96,8 @@ class StepRunner:
             return self.windowed.step(num_samples)
         if self.relayout is None:  # (then no StepPastLost either: the exchange's answers_lost is off)
             return self.exchange.dense_step(num_samples)
+        if self.exchange.attempt is not None and self.exchange.attempt.lost:  # questions left (trainer.lost_slots)
+            return ask_lost(self.relayout, self.exchange)
         base = min(self.exchange.slots.versions)
         if self.exchange.attempt is None:  # (a retried step is switched only once its layout refuses it)
             self.relayout.switch_if_due(base)

@@ -107,6 +107,9 @@ class _Err(grpc.RpcError):
     def code(self):
         return self._code
 
+    def details(self):
+        return "no answer"
+
 
 def test_a_step_some_slots_applied_and_the_rest_could_not_reach_goes_to_the_lost_slots_new_owners():
     down = _Err(grpc.StatusCode.UNAVAILABLE)
@@ -123,3 +126,64 @@ def test_the_new_owners_of_an_old_slot_are_the_new_slots_overlapping_its_range()
     assert new_owners((333, 666), [(0, 500), (500, 1000)]) == [0, 1]
     assert new_owners((0, 500), [(0, 333), (333, 666), (666, 1000)]) == [0, 1]  # 2 -> 3
     assert new_owners((5, 5), [(0, 10)]) == []  # an empty range has no owner
+
+
+class _Owner:
+    """A new slot's client whose ask_moved fails ``fails`` times (its retry budget spent), then answers."""
+
+    address, calls = "new:1", 0
+
+    def __init__(self, answer="duplicate", fails=0):
+        self.answer, self.fails = answer, fails
+
+    def ask_moved(self, old_slot, sequence, base, wire, length, timeout, out):
+        self.calls += 1
+        if self.fails:
+            self.fails -= 1
+            raise _Err(grpc.StatusCode.UNAVAILABLE)
+        out.fill_(7.0)  # the new owner's weights at R
+        return SimpleNamespace(outcome=self.answer, version=base + 1)
+
+
+def _exchange(owner):
+    import torch
+
+    from trainer.attempt import StepAttempt
+
+    counts = {}
+    flat = torch.zeros(4)
+    client = SimpleNamespace(parts=[owner], wire=0, count=lambda name, n=1: counts.__setitem__(
+        name, counts.get(name, 0) + n))
+    slots = SimpleNamespace(client=client, flat=SimpleNamespace(flat=flat), versions=[8], slice=lambda f, n: f,
+                            staging=SimpleNamespace(weights_buffer=lambda n, t: t, weights_to_device=lambda n, t: None))
+    attempt = StepAttempt(todo={2}, outcomes={0: "applied", 1: "applied"})
+    attempt.lost = {2: (7, 5, [0], "UNAVAILABLE")}  # old slot 2: base 7, its push numbered 5, new slot 0 owns it
+    ex = SimpleNamespace(slots=slots, attempt=attempt, steps=3, round_timeout=1.0, counts=counts, flat=flat)
+    ex.finished = lambda a, wall: ("finished", dict(a.outcomes))
+    return ex
+
+
+@pytest.mark.parametrize("answer, counter", [("duplicate", "steps_answered_by_new_owners"),
+                                             ("stale", "steps_dropped_past_unreachable")])
+def test_a_lost_slots_question_answered_finishes_the_step_with_that_answer_counted_and_the_owners_weights(
+        answer, counter):
+    from trainer.lost_slots import ask_lost
+
+    ex = _exchange(_Owner(answer))
+    relayout = SimpleNamespace(session=SimpleNamespace(rank=0), epoch=1)
+    assert ask_lost(relayout, ex) == ("finished", {0: "applied", 1: "applied", 2: answer})
+    assert ex.counts == {counter: 1} and ex.attempt.lost is None and ex.slots.versions == [8]
+    assert ex.flat.tolist() == [7.0] * 4
+
+
+def test_a_lost_slots_question_that_fails_too_is_a_counted_step_failure_and_the_next_step_asks_again():
+    from trainer.attempt import StepFailed
+    from trainer.lost_slots import ask_lost
+
+    owner = _Owner(fails=1)
+    ex = _exchange(owner)
+    relayout = SimpleNamespace(session=SimpleNamespace(rank=0), epoch=1)
+    with pytest.raises(StepFailed):
+        ask_lost(relayout, ex)
+    assert ex.counts == {"steps_failed": 1} and ex.attempt.lost == {2: (7, 5, [0], "UNAVAILABLE")}
+    assert ask_lost(relayout, ex)[1][2] == "duplicate" and owner.calls == 2
