@@ -77,7 +77,11 @@ class MovedBooks:
     def answer(self, part, h) -> bool:
         """A trainer's question for old slot ``h.moved_from - 1`` (on the state worker): True (DUPLICATE: applied
         there), or StaleGradient (round R-1 closed there without it); FAILED_PRECONDITION naming the field and
-        both values for a slot, layout or base this partition holds no book of.  Changes nothing."""
+        both values for a slot, layout or base this partition holds no book of; INVALID_ARGUMENT for a gradient sent
+        along.  Changes nothing."""
+        if h.length:
+            raise InvalidRequest(f"length is {h.length} but a push naming moved_from carries no gradient: 0")
+        part.check_member(h.rank, h.trainer_id, h.fingerprint, need_params=True)  # strangers first
         slot = h.moved_from - 1
         held = self.by_part.get(h.partition, {})
         found = held.get(slot)
@@ -89,7 +93,6 @@ class MovedBooks:
         if h.version != found.round - 1:
             raise NotReady(f"base version is {h.version} but old slot {slot}'s book here is of round "
                            f"{found.round - 1} (R-1) only: a push of another base is not answered from it")
-        part.check_member(h.rank, h.trainer_id, h.fingerprint, need_params=True)
         if moved_outcome(found.book, h.rank, h.trainer_id, h.sequence):
             return True
         newest = found.book.get(h.rank)

@@ -18,10 +18,11 @@ from tests.integration.test_handoff_drain import Op, Run
 from tests.integration.test_handoff_io import pull
 
 
-def ask(run: Run, new_slot: int, old_slot: int, base: int, sequence: int, pushpull=False, rank=0, trainer_id="t0"):
+def ask(run: Run, new_slot: int, old_slot: int, base: int, sequence: int, pushpull=False, rank=0, trainer_id="t0",
+        length=0):
     """Rank 0's question to layout 1's slot ``new_slot`` for old slot ``old_slot`` (no gradient: length 0)."""
     shard = run.shards[run.on[new_slot]]
-    h = shard.header(n=0, version=base, sequence=sequence, fingerprint=run.job.fingerprint)
+    h = shard.header(n=length, version=base, sequence=sequence, fingerprint=run.job.fingerprint)
     h.layout_epoch, h.moved_from, h.rank, h.trainer_id = run.epoch, old_slot + 1, rank, trainer_id
     if pushpull:
         chunks = list(shard.stub.PushPull(iter([pb.Chunk(header=h)]), timeout=10))
@@ -106,3 +107,13 @@ def test_a_question_from_another_trainer_process_is_fenced_off_as_its_pushes_are
     refused(lambda: ask(run, 1, 2, R - 1, sequence, trainer_id="intruder"), grpc.StatusCode.ALREADY_EXISTS,
             "registered as 't0', not 'intruder'")
     assert run.shards[1].digest(fingerprint=run.job.fingerprint) == digest
+    assert ask(run, 1, 2, R - 1, sequence).outcome == pb.DUPLICATE  # still serves the member
+
+
+def test_a_question_that_carries_a_gradient_is_invalid_argument_and_changes_nothing(lost):
+    run, R, sequence, _ = lost
+    digest = run.shards[1].digest(fingerprint=run.job.fingerprint)
+    refused(lambda: ask(run, 1, 2, R - 1, sequence, length=4), grpc.StatusCode.INVALID_ARGUMENT, "length is 4",
+            "carries no gradient: 0")
+    assert run.shards[1].digest(fingerprint=run.job.fingerprint) == digest
+    assert run.push(1, R).outcome in (pb.ACCEPTED, pb.APPLIED)  # still serves

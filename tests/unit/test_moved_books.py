@@ -58,7 +58,7 @@ class _Part:
 
 def _asked(**kw):
     h = dict(moved_from=3, layout_epoch=1, partition=0, version=7, rank=0, trainer_id="t0", fingerprint="f",
-             sequence=7)
+             sequence=7, length=0)
     return SimpleNamespace(**{**h, **kw})
 
 
@@ -92,6 +92,11 @@ def test_a_question_for_a_slot_layout_or_base_without_a_book_here_is_failed_prec
     with pytest.raises(NotReady) as e:
         books.answer(_Part(), _asked(**asked))
     assert fragment in str(e.value)
+
+
+def test_a_question_that_carries_a_gradient_is_invalid_argument_naming_length(books):
+    with pytest.raises(InvalidRequest, match="length is 5 but a push naming moved_from carries no gradient: 0"):
+        books.answer(_Part(), _asked(length=5))
 
 
 def test_the_books_are_dropped_when_the_next_plan_is_prepared(books):
