@@ -47,7 +47,7 @@ from trainer.cli import (
     schedule_argv,
     table_argv,
 )
-from trainer import console, elastic_cluster, reshard_cluster
+from trainer import console, elastic_cluster, elastic_schedule, reshard_cluster
 from trainer.procs import Proc, start_shards, start_trainer
 
 log = logging.getLogger("ps-cluster")
@@ -88,6 +88,9 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--elastic", action="store_true",
                    help="sync: start --trainers, add one a third of the way through --steps, stop rank 1 two thirds "
                         "of the way; the summary shows the membership timeline (docs/elastic.md)")
+    p.add_argument("--elastic-schedule", default="", metavar="join@ROUND[,join@ROUND...]",
+                   help="sync or async: start --trainers and add one trainer at each ROUND of shard 0; the summary "
+                        "shows each membership epoch's throughput against the data-parallel model (docs/elastic.md)")
     p.add_argument("--reshard", default="", metavar="M@ROUND[,M@ROUND...]",
                    help="sync, dense: start the extra shards empty and move the job onto the first M live when "
                         "shard 0 reaches ROUND, step after step (a smaller M drains the last shards, then stops "
@@ -177,6 +180,8 @@ def trainer_args(args, rank: int, run: Path) -> list[str]:
         a += ["--step-delay", str(args.straggler_delay)]
     if getattr(args, "elastic", False):
         a += elastic_cluster.trainer_flags(args, rank)
+    if getattr(args, "elastic_schedule", ""):
+        a += elastic_schedule.trainer_flags(args, rank)  # its --threads, last, is the one taken
     if getattr(args, "reshard", ""):
         a += reshard_cluster.trainer_flags(args, rank)
     return a
@@ -231,6 +236,9 @@ def summarize(args, run: Path, progress: Progress, stats: list, codes: dict, wal
                                                           read_records(Path(run) / "trainer0.jsonl"),
                                                           args.steps, args.batch_size or 32)}
            if getattr(args, "elastic", False) else {}),
+        **({"scaling": elastic_schedule.summarize(args, stats[0] if stats else None, Path(run), read_records,
+                                                  getattr(args, "load", []))}
+           if getattr(args, "elastic_schedule", "") else {}),
         **({"reshard": reshard_cluster.last_with_shards(args.handoff, stats)}
            if getattr(args, "handoff", None) else {}),
     )
@@ -264,6 +272,7 @@ def print_summary(s: dict) -> None:
         ("mode", s["mode"]), ("model / data", f"{s['model']} / {s['dataset']}"),
         ("shards x trainers", f"{s['shards']} x {s['trainers']}"
                               + (" (+1 joined, rank 1 left)" if "membership" in s else "")
+                              + (f" (+{len(s['scaling']['epochs']) - 1} joined)" if "scaling" in s else "")
                               + (f" (re-sharded live: {' -> '.join(str(n) for n in reshard_counts(s))} shards)"
                                  if "reshard" in s else "")),
         *((("stopped early by", ", ".join(s["stopped"])),) if s.get("stopped") else ()),
@@ -282,6 +291,7 @@ def print_summary(s: dict) -> None:
         ("duplicates / refused", f"{s['duplicates']} / {s['refused']}"),
         *((("membership epochs", len(s["membership"])), *elastic_cluster.summary_rows(s["membership"]))
           if "membership" in s else ()),
+        *(elastic_schedule.summary_rows(s["scaling"]) if "scaling" in s else ()),
         *(reshard_cluster.steps_rows(s["reshard"]) if "reshard" in s else ()),
         ("run folder", s["run_dir"]),
     ]
@@ -303,6 +313,8 @@ def check_trainer_flags(args, run: Path) -> None:
     if args.elastic:
         config_from_args(trainer_parser().parse_args(["--ps", placeholder, "--join",
                                                       *trainer_args(args, args.trainers, run)]))
+    for rank in range(args.trainers, elastic_schedule.most_trainers(args) if args.elastic_schedule else 0):
+        config_from_args(trainer_parser().parse_args(["--ps", placeholder, "--join", *trainer_args(args, rank, run)]))
 
 
 def set_aside_old_metrics(run: Path) -> list[Path]:
@@ -327,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--timeout ({args.timeout}) must be more than zero seconds")
     if args.elastic:
         elastic_cluster.check(args)
+    if args.elastic_schedule:
+        elastic_schedule.check(args)
     moves = reshard_cluster.check(args) if args.reshard else []
     grow_to = max([args.shards] + [m for m, _ in moves])
     run = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{args.mode}")
@@ -355,14 +369,17 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.trainers):
             trainers.append(start_trainer(r, ps, run / f"trainer{r}.log", trainer_args(args, r, run),
                                           env=trainer_env(r, args.trainers)))
-        ranks = args.trainers + args.elastic  # --elastic: the joiner is rank N
+        ranks = elastic_schedule.most_trainers(args) if args.elastic_schedule else args.trainers + args.elastic
         progress = Progress([run / f"trainer{r}.jsonl" for r in range(ranks)])
         scenario = elastic_cluster.ElasticScenario(
             args, run, ps, trainers, trainer_args(args, args.trainers, run),
-            trainer_env(args.trainers, ranks)) if args.elastic else reshard_cluster.ReshardSteps(
+            trainer_env(args.trainers, ranks)) if args.elastic else elastic_schedule.ScheduleScenario(
+            args, run, ps, trainers, lambda r: trainer_args(args, r, run),
+            lambda r: trainer_env(r, ranks)) if args.elastic_schedule else reshard_cluster.ReshardSteps(
             moves, args.shards, shards, watched, run) if args.reshard else None
         codes = follow(trainers, watched, progress, args.timeout, t0, scenario.poll if scenario else None)
         wall = time.monotonic() - t0
+        args.load = scenario.load + [os.getloadavg()[0]] if args.elastic_schedule else []
         if args.reshard:
             results = scenario.finish()
             codes.update({p.name: r[0] for p, r in zip(scenario.procs, results)})
