@@ -236,7 +236,7 @@ def summarize(args, run: Path, progress: Progress, stats: list, codes: dict, wal
                                                           read_records(Path(run) / "trainer0.jsonl"),
                                                           args.steps, args.batch_size or 32)}
            if getattr(args, "elastic", False) else {}),
-        **({"scaling": elastic_schedule.summarize(args, stats[0] if stats else None, Path(run), read_records,
+        **({"scaling": elastic_schedule.summarize(args, stats, Path(run), read_records,
                                                   getattr(args, "load", []))}
            if getattr(args, "elastic_schedule", "") else {}),
         **({"reshard": reshard_cluster.last_with_shards(args.handoff, stats)}
@@ -337,10 +337,10 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--shards ({args.shards}) and --trainers ({args.trainers}) must be at least 1")
     if not args.timeout > 0:
         raise ValueError(f"--timeout ({args.timeout}) must be more than zero seconds")
+    if args.elastic_schedule:
+        elastic_schedule.check(args)  # first: it names the scenario it does not go with
     if args.elastic:
         elastic_cluster.check(args)
-    if args.elastic_schedule:
-        elastic_schedule.check(args)
     moves = reshard_cluster.check(args) if args.reshard else []
     grow_to = max([args.shards] + [m for m, _ in moves])
     run = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{args.mode}")

@@ -149,17 +149,28 @@ def rate(seen: dict[int, float], lo: int, hi: int) -> float | None:
     return (inside[-1] - inside[0]) / (seen[inside[-1]] - seen[inside[0]])
 
 
+def growing(epochs, end: int) -> tuple[list, int]:
+    """The epochs of the joins: from the first until one that shrinks (the trainers' final leaves; in async
+    each trainer ends at its own step) or that starts at ``end``; and the version the last one ends at."""
+    kept = []
+    for e in epochs:
+        if e.round >= end or (kept and max(e.size, len(e.members)) < max(kept[-1].size, len(kept[-1].members))):
+            return kept, min(end, e.round)
+        kept.append(e)
+    return kept, end
+
+
 def scaling_rows(epochs, seen: dict[int, float], steps: int, batch: int, mode: str, cores: int,
                  per_trainer: int) -> list[dict]:
     """One row per membership epoch before round ``steps`` (``epochs``: shard 0's StatsReply.epochs): members,
     versions/s (rounds/s in sync, pushes/s in async), samples/s, the ratio to the first epoch, and the
     data-parallel model's expectation: ideal N_e / N_0, and on this host's ``cores`` with ``per_trainer``
     threads each, min(N_e * t, cores) / min(N_0 * t, cores)."""
-    kept = [e for e in epochs if e.round < steps]
+    kept, end = growing(epochs, steps if mode == "sync" else max(seen, default=0))
     rows = []
     for k, e in enumerate(kept):
         last = k + 1 == len(kept)
-        stop = steps if last else kept[k + 1].round
+        stop = end if last else kept[k + 1].round
         n = max(e.size, len(e.members))
         lo, hi = window(e.round, stop, last)
         per_sec = rate(seen, lo, hi)
@@ -191,12 +202,14 @@ def summary_rows(scaling: dict) -> list[tuple[str, str]]:
     return lines
 
 
-def summarize(args, stats0, run: Path, read_records, load: list[float]) -> dict:
-    """summary.json's ``scaling``: the host, the load, and the rows (``read_records``: trainer.cluster's)."""
+def summarize(args, stats: list, run: Path, read_records, load: list[float]) -> dict:
+    """summary.json's ``scaling``: the host, the load, each shard's epoch boundaries (so a reader sees every join
+    took effect at one round on every shard), and the rows (``read_records``: trainer.cluster's)."""
     records = [read_records(run / f"trainer{r}.jsonl") for r in range(most_trainers(args))]
-    epochs = list(stats0.epochs) if stats0 is not None else []
+    epochs = list(stats[0].epochs) if stats and stats[0] is not None else []
     cores = os.cpu_count() or 1
     return dict(mode=args.mode, schedule=args.elastic_schedule, cores=cores, threads_per_trainer=threads(args),
                 batch=args.batch_size or 32, load=load,
+                boundaries=[None if s is None else [[e.round, sorted(e.members)] for e in s.epochs] for s in stats],
                 epochs=scaling_rows(epochs, version_times(records), args.steps, args.batch_size or 32, args.mode,
                                     cores, threads(args)))

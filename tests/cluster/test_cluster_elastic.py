@@ -46,3 +46,22 @@ def test_ps_cluster_elastic_refuses_a_mode_or_step_count_it_cannot_show_in_one_l
         proc = run_cluster(["--elastic", *flags, "--run-dir", str(tmp_path / "run")], timeout=120)
         assert proc.returncode == 1 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 2 and not (tmp_path / "run").exists()
+
+
+def test_ps_cluster_elastic_schedule_admits_each_join_at_one_round_on_every_shard_and_lists_each_epoch(tmp_path):
+    """1 -> 2 -> 3 trainers: rank 0 holds at 2 (the first joiner is admitted at 4), that joiner holds at 5 (the
+    second at 7); both shards name the same rounds, and the summary prints and saves each epoch's members."""
+    run = tmp_path / "run"
+    proc = run_cluster(["--trainers", "1", "--elastic-schedule", "join@2,join@5", "--steps", "10", "--model", "mlp",
+                        "--dataset", "synthetic", "--batch-size", "8", "--run-dir", str(run), "--log-level",
+                        "WARNING"], timeout=500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    scaling = json.loads((run / "summary.json").read_text())["scaling"]
+    joins = [[0, [0]], [4, [0, 1]], [7, [0, 1, 2]]]
+    assert [[e["round"], e["members"]] for e in scaling["epochs"]] == joins
+    assert [[b for b in shard if b[0] < 10] for shard in scaling["boundaries"]] == [joins, joins]
+    printed = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith("epoch ")]
+    assert [(x[:4], x[4]) for x in printed] == [(["epoch", "0", "(rounds", "0-3)"], "0"),
+                                                 (["epoch", "1", "(rounds", "4-6)"], "0,1"),
+                                                 (["epoch", "2", "(rounds", "7-9)"], "0,1,2")]
+    assert "2 x 1 (+2 joined)" in proc.stdout and scaling["cores"] >= 1 and len(scaling["load"]) == 4
