@@ -237,7 +237,7 @@ def summarize(args, run: Path, progress: Progress, stats: list, codes: dict, wal
                                                           args.steps, args.batch_size or 32)}
            if getattr(args, "elastic", False) else {}),
         **({"scaling": elastic_schedule.summarize(args, stats, Path(run), read_records,
-                                                  getattr(args, "load", []))}
+                                                  getattr(args, "load", []), getattr(args, "cpu", []))}
            if getattr(args, "elastic_schedule", "") else {}),
         **({"reshard": reshard_cluster.last_with_shards(args.handoff, stats)}
            if getattr(args, "handoff", None) else {}),
@@ -374,12 +374,13 @@ def main(argv: list[str] | None = None) -> int:
         scenario = elastic_cluster.ElasticScenario(
             args, run, ps, trainers, trainer_args(args, args.trainers, run),
             trainer_env(args.trainers, ranks)) if args.elastic else elastic_schedule.ScheduleScenario(
-            args, run, ps, trainers, lambda r: trainer_args(args, r, run),
+            args, run, ps, trainers, shards, lambda r: trainer_args(args, r, run),
             lambda r: trainer_env(r, ranks)) if args.elastic_schedule else reshard_cluster.ReshardSteps(
             moves, args.shards, shards, watched, run) if args.reshard else None
         codes = follow(trainers, watched, progress, args.timeout, t0, scenario.poll if scenario else None)
         wall = time.monotonic() - t0
-        args.load = scenario.load + [os.getloadavg()[0]] if args.elastic_schedule else []
+        if args.elastic_schedule:  # the load and the CPU samples of the run, for the summary
+            args.load, args.cpu = scenario.load + [os.getloadavg()[0]], scenario.cpu
         if args.reshard:
             results = scenario.finish()
             codes.update({p.name: r[0] for p, r in zip(scenario.procs, results)})

@@ -18,10 +18,12 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 from pathlib import Path
 
 from psserver.protocol.stubs import fetch_stat
 from trainer.procs import Proc, start_trainer
+from trainer.tools import procstat
 
 log = logging.getLogger("ps-cluster")
 MODES = ("sync", "async")
@@ -97,21 +99,29 @@ def trainer_flags(args, rank: int) -> list[str]:
 
 class ScheduleScenario:
     """Starts joiner k once shard 0's version reaches R_k (``poll``); ``trainers`` grows by each joiner.
-    ``joiner_args(rank)``: that joiner's ps-trainer flags; ``env(rank)``: its environment."""
+    ``joiner_args(rank)``: that joiner's ps-trainer flags; ``env(rank)``: its environment.  Each poll also
+    samples the CPU seconds the job's processes (``shards`` and ``trainers``) have used, against shard 0's
+    version: on a shared machine other users take cores too, and samples per CPU second is what they leave
+    alone."""
 
-    def __init__(self, args, run: Path, ps: str, trainers: list[Proc], joiner_args, env):
-        self.args, self.run, self.ps, self.trainers = args, run, ps, trainers
+    def __init__(self, args, run: Path, ps: str, trainers: list[Proc], shards: list[Proc], joiner_args, env):
+        self.args, self.run, self.ps, self.trainers, self.shards = args, run, ps, trainers, shards
         self.joiner_args, self.env = joiner_args, env
         self.rounds = parse(args.elastic_schedule)
         self.started = 0
         self.load = [os.getloadavg()[0]]  # the 1-minute load at the start and at each join (a shared machine)
+        self.cpu: list[tuple[float, int, float]] = []  # (time, shard 0's version, the job's CPU seconds)
+        self._last: dict[int, float] = {}  # pid -> its CPU seconds last read (kept once it exits)
 
     def poll(self) -> None:
-        """One look at shard 0's version; starts at most one joiner."""
-        if self.started == len(self.rounds):
-            return
+        """One look at shard 0's version and the processes' CPU; starts at most one joiner."""
         version = fetch_stat(self.ps.split(",")[0]).version
-        if version < self.rounds[self.started]:
+        for p in self.shards + self.trainers:
+            got = procstat.sample(p.popen.pid)
+            if got is not None:
+                self._last[p.popen.pid] = got["cpu"]
+        self.cpu.append((time.time(), version, sum(self._last.values())))
+        if self.started == len(self.rounds) or version < self.rounds[self.started]:
             return
         rank = self.args.trainers + self.started
         self.started += 1
@@ -160,12 +170,21 @@ def growing(epochs, end: int) -> tuple[list, int]:
     return kept, end
 
 
+def cpu_use(cpu: list[tuple[float, int, float]], lo: int, hi: int) -> tuple[float, float, int] | None:
+    """(seconds, CPU seconds, versions) between the first CPU sample at a version in [lo, hi] and the last."""
+    inside = [c for c in cpu if lo <= c[1] <= hi]
+    if len(inside) < 2 or inside[-1][0] <= inside[0][0] or inside[-1][2] <= inside[0][2]:
+        return None
+    return inside[-1][0] - inside[0][0], inside[-1][2] - inside[0][2], inside[-1][1] - inside[0][1]
+
+
 def scaling_rows(epochs, seen: dict[int, float], steps: int, batch: int, mode: str, cores: int,
-                 per_trainer: int) -> list[dict]:
+                 per_trainer: int, cpu: list | None = None) -> list[dict]:
     """One row per membership epoch before round ``steps`` (``epochs``: shard 0's StatsReply.epochs): members,
     versions/s (rounds/s in sync, pushes/s in async), samples/s, the ratio to the first epoch, and the
     data-parallel model's expectation: ideal N_e / N_0, and on this host's ``cores`` with ``per_trainer``
-    threads each, min(N_e * t, cores) / min(N_0 * t, cores)."""
+    threads each, min(N_e * t, cores) / min(N_0 * t, cores).  With ``cpu`` (ScheduleScenario's samples) also
+    the cores the job's processes used and its samples per CPU second: constant in the ideal model."""
     kept, end = growing(epochs, steps if mode == "sync" else max(seen, default=0))
     rows = []
     for k, e in enumerate(kept):
@@ -176,7 +195,8 @@ def scaling_rows(epochs, seen: dict[int, float], steps: int, batch: int, mode: s
         per_sec = rate(seen, lo, hi)
         samples = None if per_sec is None else per_sec * batch * (n if mode == "sync" else 1)
         rows.append(dict(epoch=e.number, round=e.round, rounds=stop - e.round, members=sorted(e.members),
-                         trainers=n, measured=[lo, hi], versions_per_sec=per_sec, samples_per_sec=samples))
+                         trainers=n, measured=[lo, hi], versions_per_sec=per_sec, samples_per_sec=samples,
+                         **cpu_columns(cpu_use(cpu or [], lo, hi), batch * (n if mode == "sync" else 1))))
     base = rows[0] if rows else None
     for r in rows:
         ok = base["samples_per_sec"] and r["samples_per_sec"]
@@ -186,23 +206,34 @@ def scaling_rows(epochs, seen: dict[int, float], steps: int, batch: int, mode: s
     return rows
 
 
+def cpu_columns(use: tuple[float, float, int] | None, per_version: int) -> dict:
+    """A row's cores used and samples per CPU second (None where the CPU was not sampled enough)."""
+    if use is None:
+        return dict(cores_used=None, samples_per_cpu_sec=None)
+    seconds, cpu_seconds, versions = use
+    return dict(cores_used=cpu_seconds / seconds, samples_per_cpu_sec=versions * per_version / cpu_seconds)
+
+
 def summary_rows(scaling: dict) -> list[tuple[str, str]]:
     """print_summary's lines: a header, then one per epoch."""
     unit = "rounds/s" if scaling["mode"] == "sync" else "pushes/s"
     head = (f"scaling ({scaling['mode']}, {scaling['cores']} cores)",
-            f"{'members':<12} {unit:>9} {'samples/s':>10} {'x first':>8} {'ideal':>6} {'cores allow':>11}")
+            f"{'members':<12} {unit:>9} {'samples/s':>10} {'x first':>8} {'ideal':>6} {'cores allow':>11} "
+            f"{'cores used':>10} {'samples/cpu-s':>13}")
     lines = [head]
     for r in scaling["epochs"]:
         num = (lambda x, f: "n/a" if x is None else format(x, f))
-        lines.append((f"epoch {r['epoch']} (rounds {r['round']}-{r['round'] + r['rounds'] - 1})",
+        span = "rounds" if scaling["mode"] == "sync" else "versions"  # async: shard 0's, one per push
+        lines.append((f"epoch {r['epoch']} ({span} {r['round']}-{r['round'] + r['rounds'] - 1})",
                       f"{','.join(map(str, r['members'])):<12} {num(r['versions_per_sec'], '.2f'):>9} "
                       f"{num(r['samples_per_sec'], '.1f'):>10} {num(r['ratio'], '.2f'):>8} "
-                      f"{r['ideal']:>6.2f} {r['bound_here']:>11.2f}"))
+                      f"{r['ideal']:>6.2f} {r['bound_here']:>11.2f} {num(r.get('cores_used'), '.2f'):>10} "
+                      f"{num(r.get('samples_per_cpu_sec'), '.1f'):>13}"))
     lines.append(("load (1 min) at start / joins", " / ".join(f"{x:.2f}" for x in scaling["load"])))
     return lines
 
 
-def summarize(args, stats: list, run: Path, read_records, load: list[float]) -> dict:
+def summarize(args, stats: list, run: Path, read_records, load: list[float], cpu: list) -> dict:
     """summary.json's ``scaling``: the host, the load, each shard's epoch boundaries (so a reader sees every join
     took effect at one round on every shard), and the rows (``read_records``: trainer.cluster's)."""
     records = [read_records(run / f"trainer{r}.jsonl") for r in range(most_trainers(args))]
@@ -212,4 +243,4 @@ def summarize(args, stats: list, run: Path, read_records, load: list[float]) -> 
                 batch=args.batch_size or 32, load=load,
                 boundaries=[None if s is None else [[e.round, sorted(e.members)] for e in s.epochs] for s in stats],
                 epochs=scaling_rows(epochs, version_times(records), args.steps, args.batch_size or 32, args.mode,
-                                    cores, threads(args)))
+                                    cores, threads(args), cpu))

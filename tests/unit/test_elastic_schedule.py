@@ -112,3 +112,20 @@ def test_an_epoch_with_too_few_records_to_measure_says_so_instead_of_a_number():
     assert lines[0][0] == "scaling (sync, 2 cores)" and "rounds/s" in lines[0][1]
     assert lines[2][0] == "epoch 1 (rounds 4-7)" and lines[2][1].split()[:4] == ["0,1", "n/a", "n/a", "n/a"]
     assert lines[-1] == ("load (1 min) at start / joins", "1.50 / 2.00")
+
+
+def test_the_cores_used_and_samples_per_cpu_second_come_from_the_cpu_samples_inside_the_window():
+    epochs = [epoch(0, 0, [0]), epoch(1, 12, [0, 1])]
+    seen = {v: float(v) for v in range(31)}
+    # (time, version, CPU seconds): 1 core used in epoch 0, 2 in epoch 1; samples outside the windows ignored
+    cpu = [(0.0, 0, 0.0), (1.0, 1, 1.0), (10.0, 10, 10.0), (11.0, 11, 50.0), (13.0, 13, 60.0), (30.0, 30, 94.0)]
+    rows = elastic_schedule.scaling_rows(epochs, seen, steps=30, batch=8, mode="sync", cores=2, per_trainer=1,
+                                         cpu=cpu)
+    assert [r["cores_used"] for r in rows] == [1.0, 2.0]
+    assert [r["samples_per_cpu_sec"] for r in rows] == [8.0, 8.0]  # 9 rounds x 8 / 9 s; 17 x 16 / 34 s
+
+
+def test_without_cpu_samples_the_cpu_columns_say_nothing_rather_than_a_number():
+    rows = elastic_schedule.scaling_rows([epoch(0, 0, [0])], {v: float(v) for v in range(9)}, steps=8, batch=1,
+                                         mode="sync", cores=2, per_trainer=1)
+    assert rows[0]["cores_used"] is None and rows[0]["samples_per_cpu_sec"] is None
