@@ -110,7 +110,7 @@ class ScheduleScenario:
         self.rounds = parse(args.elastic_schedule)
         self.started = 0
         self.load = [os.getloadavg()[0]]  # the 1-minute load at the start and at each join (a shared machine)
-        self.cpu: list[tuple[float, int, float]] = []  # (time, shard 0's version, the job's CPU seconds)
+        self.cpu: list[tuple[float, int, float, float]] = []  # (time, shard 0's version, CPU s: all, the shards)
         self._last: dict[int, float] = {}  # pid -> its CPU seconds last read (kept once it exits)
 
     def poll(self) -> None:
@@ -120,7 +120,9 @@ class ScheduleScenario:
             got = procstat.sample(p.popen.pid)
             if got is not None:
                 self._last[p.popen.pid] = got["cpu"]
-        self.cpu.append((time.time(), version, sum(self._last.values())))
+        shard_pids = {p.popen.pid for p in self.shards}
+        self.cpu.append((time.time(), version, sum(self._last.values()),
+                         sum(v for pid, v in self._last.items() if pid in shard_pids)))
         if self.started == len(self.rounds) or version < self.rounds[self.started]:
             return
         rank = self.args.trainers + self.started
@@ -170,12 +172,14 @@ def growing(epochs, end: int) -> tuple[list, int]:
     return kept, end
 
 
-def cpu_use(cpu: list[tuple[float, int, float]], lo: int, hi: int) -> tuple[float, float, int] | None:
-    """(seconds, CPU seconds, versions) between the first CPU sample at a version in [lo, hi] and the last."""
+def cpu_use(cpu: list[tuple[float, int, float, float]], lo: int, hi: int) -> tuple[float, float, float, int] | None:
+    """(seconds, CPU seconds, the shards' CPU seconds, versions) between the first CPU sample at a version in
+    [lo, hi] and the last."""
     inside = [c for c in cpu if lo <= c[1] <= hi]
     if len(inside) < 2 or inside[-1][0] <= inside[0][0] or inside[-1][2] <= inside[0][2]:
         return None
-    return inside[-1][0] - inside[0][0], inside[-1][2] - inside[0][2], inside[-1][1] - inside[0][1]
+    first, last = inside[0], inside[-1]
+    return last[0] - first[0], last[2] - first[2], last[3] - first[3], last[1] - first[1]
 
 
 def scaling_rows(epochs, seen: dict[int, float], steps: int, batch: int, mode: str, cores: int,
@@ -206,12 +210,21 @@ def scaling_rows(epochs, seen: dict[int, float], steps: int, batch: int, mode: s
     return rows
 
 
-def cpu_columns(use: tuple[float, float, int] | None, per_version: int) -> dict:
-    """A row's cores used and samples per CPU second (None where the CPU was not sampled enough)."""
+def cpu_columns(use: tuple[float, float, float, int] | None, per_version: int) -> dict:
+    """A row's cores used (all the job's processes, and the shards alone) and samples per CPU second (None
+    where the CPU was not sampled enough)."""
     if use is None:
-        return dict(cores_used=None, samples_per_cpu_sec=None)
-    seconds, cpu_seconds, versions = use
-    return dict(cores_used=cpu_seconds / seconds, samples_per_cpu_sec=versions * per_version / cpu_seconds)
+        return dict(cores_used=None, shard_cores_used=None, samples_per_cpu_sec=None)
+    seconds, cpu_seconds, shard_seconds, versions = use
+    return dict(cores_used=cpu_seconds / seconds, shard_cores_used=shard_seconds / seconds,
+                samples_per_cpu_sec=versions * per_version / cpu_seconds)
+
+
+def used(row: dict) -> str:
+    """'1.42 (0.61)': the cores the job used in an epoch, the shards' part in brackets."""
+    if row.get("cores_used") is None:
+        return "n/a"
+    return f"{row['cores_used']:.2f} ({row['shard_cores_used']:.2f})"
 
 
 def summary_rows(scaling: dict) -> list[tuple[str, str]]:
@@ -219,7 +232,7 @@ def summary_rows(scaling: dict) -> list[tuple[str, str]]:
     unit = "rounds/s" if scaling["mode"] == "sync" else "pushes/s"
     head = (f"scaling ({scaling['mode']}, {scaling['cores']} cores)",
             f"{'members':<12} {unit:>9} {'samples/s':>10} {'x first':>8} {'ideal':>6} {'cores allow':>11} "
-            f"{'cores used':>10} {'samples/cpu-s':>13}")
+            f"{'cores used (shards)':>19} {'samples/cpu-s':>13}")
     lines = [head]
     for r in scaling["epochs"]:
         num = (lambda x, f: "n/a" if x is None else format(x, f))
@@ -227,7 +240,7 @@ def summary_rows(scaling: dict) -> list[tuple[str, str]]:
         lines.append((f"epoch {r['epoch']} ({span} {r['round']}-{r['round'] + r['rounds'] - 1})",
                       f"{','.join(map(str, r['members'])):<12} {num(r['versions_per_sec'], '.2f'):>9} "
                       f"{num(r['samples_per_sec'], '.1f'):>10} {num(r['ratio'], '.2f'):>8} "
-                      f"{r['ideal']:>6.2f} {r['bound_here']:>11.2f} {num(r.get('cores_used'), '.2f'):>10} "
+                      f"{r['ideal']:>6.2f} {r['bound_here']:>11.2f} {used(r):>19} "
                       f"{num(r.get('samples_per_cpu_sec'), '.1f'):>13}"))
     lines.append(("load (1 min) at start / joins", " / ".join(f"{x:.2f}" for x in scaling["load"])))
     return lines

@@ -118,10 +118,11 @@ def test_the_cores_used_and_samples_per_cpu_second_come_from_the_cpu_samples_ins
     epochs = [epoch(0, 0, [0]), epoch(1, 12, [0, 1])]
     seen = {v: float(v) for v in range(31)}
     # (time, version, CPU seconds): 1 core used in epoch 0, 2 in epoch 1; samples outside the windows ignored
-    cpu = [(0.0, 0, 0.0), (1.0, 1, 1.0), (10.0, 10, 10.0), (11.0, 11, 50.0), (13.0, 13, 60.0), (30.0, 30, 94.0)]
+    cpu = [(0.0, 0, 0.0, 0.0), (1.0, 1, 1.0, 0.5), (10.0, 10, 10.0, 5.0), (11.0, 11, 50.0, 9.0),
+           (13.0, 13, 60.0, 10.0), (30.0, 30, 94.0, 27.0)]
     rows = elastic_schedule.scaling_rows(epochs, seen, steps=30, batch=8, mode="sync", cores=2, per_trainer=1,
                                          cpu=cpu)
-    assert [r["cores_used"] for r in rows] == [1.0, 2.0]
+    assert [r["cores_used"] for r in rows] == [1.0, 2.0] and [r["shard_cores_used"] for r in rows] == [0.5, 1.0]
     assert [r["samples_per_cpu_sec"] for r in rows] == [8.0, 8.0]  # 9 rounds x 8 / 9 s; 17 x 16 / 34 s
 
 
@@ -129,3 +130,5 @@ def test_without_cpu_samples_the_cpu_columns_say_nothing_rather_than_a_number():
     rows = elastic_schedule.scaling_rows([epoch(0, 0, [0])], {v: float(v) for v in range(9)}, steps=8, batch=1,
                                          mode="sync", cores=2, per_trainer=1)
     assert rows[0]["cores_used"] is None and rows[0]["samples_per_cpu_sec"] is None
+    line = elastic_schedule.summary_rows(dict(mode="sync", cores=2, epochs=rows, load=[1.0]))[1][1]
+    assert line.split()[-2:] == ["n/a", "n/a"]
