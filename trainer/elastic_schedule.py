@@ -174,8 +174,9 @@ def growing(epochs, end: int) -> tuple[list, int]:
 
 def cpu_use(cpu: list[tuple[float, int, float, float]], lo: int, hi: int) -> tuple[float, float, float, int] | None:
     """(seconds, CPU seconds, the shards' CPU seconds, versions) between the first CPU sample at a version in
-    [lo, hi] and the last."""
-    inside = [c for c in cpu if lo <= c[1] <= hi]
+    [lo, hi) and the last.  Not at hi: a sync job held at a join's round stays at that version while the joiner
+    starts (its torch import would count)."""
+    inside = [c for c in cpu if lo <= c[1] < hi]
     if len(inside) < 2 or inside[-1][0] <= inside[0][0] or inside[-1][2] <= inside[0][2]:
         return None
     first, last = inside[0], inside[-1]

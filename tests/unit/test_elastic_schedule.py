@@ -117,13 +117,14 @@ def test_an_epoch_with_too_few_records_to_measure_says_so_instead_of_a_number():
 def test_the_cores_used_and_samples_per_cpu_second_come_from_the_cpu_samples_inside_the_window():
     epochs = [epoch(0, 0, [0]), epoch(1, 12, [0, 1])]
     seen = {v: float(v) for v in range(31)}
-    # (time, version, CPU seconds): 1 core used in epoch 0, 2 in epoch 1; samples outside the windows ignored
-    cpu = [(0.0, 0, 0.0, 0.0), (1.0, 1, 1.0, 0.5), (10.0, 10, 10.0, 5.0), (11.0, 11, 50.0, 9.0),
-           (13.0, 13, 60.0, 10.0), (30.0, 30, 94.0, 27.0)]
+    # (time, version, CPU s, the shards' CPU s): 1 core used in epoch 0, 2 in epoch 1; samples outside the
+    # windows ignored, and those at a window's last version (a held round: the joiner starting) too
+    cpu = [(0.0, 0, 0.0, 0.0), (1.0, 1, 1.0, 0.5), (9.0, 9, 9.0, 4.5), (10.0, 10, 50.0, 5.0),
+           (13.0, 13, 60.0, 10.0), (29.0, 29, 92.0, 26.0), (40.0, 30, 99.0, 30.0)]
     rows = elastic_schedule.scaling_rows(epochs, seen, steps=30, batch=8, mode="sync", cores=2, per_trainer=1,
                                          cpu=cpu)
     assert [r["cores_used"] for r in rows] == [1.0, 2.0] and [r["shard_cores_used"] for r in rows] == [0.5, 1.0]
-    assert [r["samples_per_cpu_sec"] for r in rows] == [8.0, 8.0]  # 9 rounds x 8 / 9 s; 17 x 16 / 34 s
+    assert [r["samples_per_cpu_sec"] for r in rows] == [8.0, 8.0]  # 8 rounds x 8 / 8 s; 16 x 16 / 32 s
 
 
 def test_without_cpu_samples_the_cpu_columns_say_nothing_rather_than_a_number():
