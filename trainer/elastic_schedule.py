@@ -23,7 +23,6 @@ from pathlib import Path
 
 from psserver.protocol.stubs import fetch_stat
 from trainer.procs import Proc, start_trainer
-from trainer.tools import procstat
 
 log = logging.getLogger("ps-cluster")
 MODES = ("sync", "async")
@@ -117,9 +116,9 @@ class ScheduleScenario:
         """One look at shard 0's version and the processes' CPU; starts at most one joiner."""
         version = fetch_stat(self.ps.split(",")[0]).version
         for p in self.shards + self.trainers:
-            got = procstat.sample(p.popen.pid)
+            got = cpu_seconds(p.popen.pid)
             if got is not None:
-                self._last[p.popen.pid] = got["cpu"]
+                self._last[p.popen.pid] = got
         shard_pids = {p.popen.pid for p in self.shards}
         self.cpu.append((time.time(), version, sum(self._last.values()),
                          sum(v for pid, v in self._last.items() if pid in shard_pids)))
@@ -133,6 +132,17 @@ class ScheduleScenario:
         self.trainers.append(start_trainer(None, self.ps, self.run / f"trainer{rank}.log",
                                            ["--join", *self.joiner_args(rank)], env=self.env(rank),
                                            name=f"trainer{rank}"))
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """A live process's CPU seconds (utime + stime, Linux /proc); None if it is gone or /proc is not there.
+    (trainer.tools.procstat reads the same, but the library does not import its measuring tools.)"""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def version_times(records: list[list[dict]]) -> dict[int, float]:

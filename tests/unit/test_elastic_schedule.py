@@ -133,3 +133,10 @@ def test_without_cpu_samples_the_cpu_columns_say_nothing_rather_than_a_number():
     assert rows[0]["cores_used"] is None and rows[0]["samples_per_cpu_sec"] is None
     line = elastic_schedule.summary_rows(dict(mode="sync", cores=2, epochs=rows, load=[1.0]))[1][1]
     assert line.split()[-2:] == ["n/a", "n/a"]
+
+
+def test_a_live_process_has_cpu_seconds_and_a_gone_one_has_none():
+    import os
+
+    assert elastic_schedule.cpu_seconds(os.getpid()) > 0
+    assert elastic_schedule.cpu_seconds(2 ** 22 + 1) is None  # above Linux's largest pid
