@@ -272,7 +272,8 @@ def print_summary(s: dict) -> None:
         ("mode", s["mode"]), ("model / data", f"{s['model']} / {s['dataset']}"),
         ("shards x trainers", f"{s['shards']} x {s['trainers']}"
                               + (" (+1 joined, rank 1 left)" if "membership" in s else "")
-                              + (f" (+{len(s['scaling']['epochs']) - 1} joined)" if "scaling" in s else "")
+                              + (f" (+{len(elastic_schedule.parse(s['scaling']['schedule']))} joining)"
+                                 if "scaling" in s else "")
                               + (f" (re-sharded live: {' -> '.join(str(n) for n in reshard_counts(s))} shards)"
                                  if "reshard" in s else "")),
         *((("stopped early by", ", ".join(s["stopped"])),) if s.get("stopped") else ()),

@@ -64,4 +64,4 @@ def test_ps_cluster_elastic_schedule_admits_each_join_at_one_round_on_every_shar
     assert [(x[:4], x[4]) for x in printed] == [(["epoch", "0", "(rounds", "0-3)"], "0"),
                                                  (["epoch", "1", "(rounds", "4-6)"], "0,1"),
                                                  (["epoch", "2", "(rounds", "7-9)"], "0,1,2")]
-    assert "2 x 1 (+2 joined)" in proc.stdout and scaling["cores"] >= 1 and len(scaling["load"]) == 4
+    assert "2 x 1 (+2 joining)" in proc.stdout and scaling["cores"] >= 1 and len(scaling["load"]) == 4
