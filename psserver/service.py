@@ -481,6 +481,7 @@ def add_service(servicer: ParameterServerService, server) -> None:
         "PushPullRows": grpc.stream_stream_rpc_method_handler(
             servicer.PushPullRows, _safe(_pb.RowsChunk.FromString), _pb.RowsChunk.SerializeToString),
         "Step": grpc.stream_stream_rpc_method_handler(servicer.Step, parse_step, serialize_step),
+        "StepOnce": unary(servicer.StepOnce, parse_step, serialize_step),
         "Reshard": unary(servicer.Reshard, _safe(_pb.ReshardRequest.FromString), _pb.ReshardReply.SerializeToString),
         "Handoff": grpc.stream_unary_rpc_method_handler(servicer.Handoff, _safe(_pb.HandoffChunk.FromString),
                                                         _pb.HandoffAck.SerializeToString),

@@ -17,12 +17,8 @@ import torch
 
 from psserver import modes
 from psserver.protocol import limits
-from psserver.protocol.codec import (
-    check_stream_header,
-)
-from psserver.protocol.errors import (
-    StaleGradient,
-)
+from psserver.protocol.codec import TORCH_DTYPES, check_stream_header
+from psserver.protocol.errors import StaleGradient, TooLarge
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rows.wire import row_chunks
 from psserver.protocol.rules import STALE, reply_version
@@ -59,22 +55,56 @@ class StepRpc:
         so a refusal before the dense push changes nothing -- and the replies stream side by side."""
         reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self._deadline(context))
         parts, one_reply = await self._step_parts(reader)
+        out = OneReply(context, min(limits.ONE_REPLY_BYTES, self.cfg.max_message_bytes // 2),
+                       self.shard.count) if one_reply else context  # (psserver.step_reply)
+        await self._step(parts, context, out)
+
+    @_refusals
+    @_reply_stream  # (for its peer slot, deadline and held bytes: nothing is written to a unary call)
+    async def StepOnce(self, request, context: ReplyStream):
+        """A Step in one message answered in one message (ps.proto): Step's parts, checks, trip and replies, read
+        from one request and packed into one reply -- no stream reads or writes on the loop.  A reply over the
+        one-message bound is refused before any part runs (_check_once_reply)."""
+        reader = _StreamReader(_single(request), self.cfg.stream_idle_timeout, self._deadline(context))
+        parts, _ = await self._step_parts(reader)
+        out = OneReply(context, self.cfg.max_message_bytes, self.shard.count, may_stream=False)  # bounded before
+        await self._step(parts, context, out, once=True)
+        return out.take() or b""  # (a Step always answers each part: never empty)
+
+    async def _step(self, parts: list, context: ReplyStream, out, once: bool = False) -> None:
+        """A Step's parts, once read: checked, one trip, each part's reply written to ``out`` (the call, or a
+        OneReply); ``once``: the reply must fit one message (StepOnce)."""
         dense = next((p for p in parts if p.kind == DENSE), None)
         if dense is not None:
             self._check_push_first(dense.header)
         deadline = self._deadline(context)
         tables = [(p.index, await self._step_table(p, deadline, context)) for p in parts if p.kind == ROWS]
+        if once:
+            self._check_once_reply(dense, [t for _, t in tables])
         self.shard.count("step_calls")
+        if once:
+            self.shard.count("step_calls_once")
         turn = asyncio.Lock()
-        out = OneReply(context, min(limits.ONE_REPLY_BYTES, self.cfg.max_message_bytes // 2),
-                       self.shard.count) if one_reply else context  # (psserver.step_reply)
         async with self._rank_slot(parts[0].header.rank):
             pushed = await self._step_trip(dense, [t for _, t in tables], context)
             runs = [] if dense is None else [self._pull_pushed(*pushed, _PartStream(out, dense.index, turn))]
             runs += [self._step_table_reply(t, _PartStream(out, index, turn), deadline) for index, t in tables]
             await _first_error(runs)
-            if one_reply:
+            if isinstance(out, OneReply) and not once:
                 await out.flush()
+
+    def _check_once_reply(self, dense, tables: list[TablePart]) -> None:
+        """A StepOnce whose weights and rows would pass the one-message bound: refused before any part runs."""
+        limit = min(limits.ONE_REPLY_BYTES, self.cfg.max_message_bytes // 2)
+        weights = 0
+        if dense is not None:
+            h = dense.header
+            part = self.layouts.part(h.layout_epoch, h.partition)
+            weights = part.slice_length() * TORCH_DTYPES[part.wire_dtype()].itemsize
+        rows = sum(len(t.pull_ids) * t.table.spec.dim * 4 for t in tables if t.pull_ids is not None)
+        if weights + rows > limit:
+            raise TooLarge(f"StepOnce's reply would carry {weights + rows} bytes ({weights} of weights, {rows} of "
+                           f"rows), over the one-message limit of {limit} bytes: send it as a Step")
 
     async def _step_parts(self, reader: _StreamReader) -> tuple[list, bool]:
         """A Step's parts, and whether its first message asked for one reply message.  Each part's header is
@@ -213,6 +243,11 @@ async def _replay(chunks):
         if since >= REPLAY_SLICE_BYTES:
             since = 0
             await asyncio.sleep(0)
+
+
+async def _single(message):
+    """One request message as the stream Step's reader takes."""
+    yield message
 
 
 async def _first_error(coros: list) -> None:

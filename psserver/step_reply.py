@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from psserver.protocol.errors import TooLarge
 from psserver.protocol.stepwire import pack_serialized, serialize_step
 
 _MORE_OVERHEAD = 6  # a `more` entry's tag and length varint (at most 1 + 5 bytes) on top of the message
@@ -26,8 +27,9 @@ class OneReply:
     """A Step call's reply stream that packs its messages into one (see the module's docstring); everything but
     ``write`` and ``flush`` is the call's ReplyStream's."""
 
-    def __init__(self, stream, limit: int, count: Callable[[str], None]):
+    def __init__(self, stream, limit: int, count: Callable[[str], None], may_stream: bool = True):
         self._stream, self._limit, self._count = stream, limit, count
+        self._may_stream = may_stream  # False: a unary call's reply (StepOnce), which cannot fall back to a stream
         self._kept: list[bytes] | None = []  # None once streaming
         self._bytes = 0
 
@@ -47,6 +49,9 @@ class OneReply:
         self._kept.append(data)
         self._bytes += len(data) + _MORE_OVERHEAD
         if self._bytes > self._limit:
+            if not self._may_stream:  # a StepOnce, bounded before it ran (the headers cannot pass the limit)
+                raise TooLarge(f"the one-message reply holds {self._bytes} bytes so far, over the limit of "
+                               f"{self._limit} bytes")
             kept, self._kept = self._kept, None
             self._count("step_replies_over_limit")
             for m in kept:
@@ -54,9 +59,15 @@ class OneReply:
 
     async def flush(self) -> None:
         """Every part is done: what was kept, as one message (nothing if it streamed or nothing was written)."""
+        data = self.take()
+        if data is not None:
+            await self._stream.write(data, len(data))
+
+    def take(self) -> bytes | None:
+        """What was kept, as one message's bytes (counted), or None if it streamed or nothing was written: a
+        StepOnce's reply (psserver.service_step), which returns it instead of writing it."""
         if not self._kept:
-            return
+            return None
         kept, self._kept = self._kept, None
-        data = pack_serialized(kept)
         self._count("step_replies_packed")
-        await self._stream.write(data, len(data))
+        return pack_serialized(kept)

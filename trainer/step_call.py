@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import grpc
@@ -60,6 +61,8 @@ class StepCall:
         self.enabled = True
         self.one_reply = True  # ask for the reply in one message (StepChunk.one_reply); False: the reply streams
         self.unary = True  # read a reply sure to be packed with a unary call; False: as a one-message stream
+        self.once = True  # ... on the unary StepOnce RPC; False: on Step (a shard from before StepOnce)
+        self.one_thread = True  # every shard's StepOnce issued from the stepping thread; False: a pool thread each
         self.moved: int | None = None  # the last step's newest layout when every shard refused it layout-moved
         self.relaid()
 
@@ -72,6 +75,9 @@ class StepCall:
         # ... and a small step whose reply is sure to come as one message (one_reply, under the protocol's bound)
         # as a unary call: no reply-stream machinery (a thread hop and a wake-up a message) on this side.
         self._unary = [s.channel.unary_unary(method("Step"), serialize_step, parse_step) for s in self.client.shards]
+        # ... and served by the shard's unary StepOnce handler: no request-stream reads or reply-stream writes there
+        self._once = [s.channel.unary_unary(method("StepOnce"), serialize_step, parse_step)
+                      for s in self.client.shards]
 
     def usable(self, variants_off: bool) -> bool:
         """Whether this step can go as one call a shard: nothing half done from a failed step, one slot a shard."""
@@ -101,8 +107,12 @@ class StepCall:
         t0 = time.perf_counter()
         refusals: dict[int, Exception] = {}
         try:
-            results = self.client.map_settled(lambda s: self._shard(s, grad, num_samples, attempt, plans, refusals),
-                                              None, attempt.inflight)
+            if self.one_thread and len(self.client.shards) > 1:
+                results = self._from_one_thread(grad, num_samples, attempt, plans, refusals)
+            else:
+                results = self.client.map_settled(lambda s: self._shard(s, lambda: self._send(
+                    s, self._request(s, grad, num_samples, attempt, plans), attempt), len(plans), refusals),
+                    None, attempt.inflight)
         finally:  # (also on an interrupt: a claimed batch's rows are then pulled by the prefetch itself)
             for _, plan in plans:
                 rows.unclaim_rest(plan)
@@ -123,16 +133,33 @@ class StepCall:
             self.client.count("step_calls_fallen_back")
         return None if attempt.todo else ex.finished(attempt, time.perf_counter() - t0)
 
-    def _shard(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: StepAttempt,
-               plans: list, refusals: dict) -> list:
-        """One shard's Step: each table's outcome there, or the Exception that left its part to do (kept in
-        ``refusals`` by shard)."""
+    def _shard(self, s: ShardClient, work: Callable[[], object], n: int, refusals: dict):
+        """``work()`` for shard ``s`` (its request, or its call and each table's outcome there), or the Exception
+        that left its parts to do, once a table (kept in ``refusals`` by shard)."""
         try:
-            return self._shard_call(s, grad, num_samples, attempt, plans)
+            return work()
         except Exception as e:  # noqa: BLE001 -- before or after the call: this shard's parts stay to do
             refusals[s.index] = e
             self._older_shard(s, e)
-            return [e] * len(plans)
+            return [e] * n
+
+    def _from_one_thread(self, grad: torch.Tensor, num_samples: int, attempt: StepAttempt, plans: list,
+                         refusals: dict) -> list:
+        """Every shard's Step from this thread: each request built here, then -- where every one is a unary call --
+        shards 1.. issued as futures and shard 0 called, each reply taken in here (no pool thread a shard, whose
+        hand-offs cost more than the call's own on a small step); else the pool's calls as without it."""
+        shards, n = self.client.shards, len(plans)
+        reqs = [self._shard(s, lambda s=s: self._request(s, grad, num_samples, attempt, plans), n, refusals)
+                for s in shards]
+        if not all(isinstance(r, _Request) and r.unary for r in reqs):
+            return self.client.map_settled(lambda s: reqs[s.index] if not isinstance(reqs[s.index], _Request) else
+                                           self._shard(s, lambda: self._send(s, reqs[s.index], attempt), n, refusals),
+                                           None, attempt.inflight)
+        for s, r in zip(shards[1:], reqs[1:]):
+            stub = self._once if self.once else self._unary
+            r.issued = (self.once, stub[s.index].future(one_message(r.msgs, True), timeout=r.timeout))
+        self.client.count("step_fanouts_one_thread")
+        return [self._shard(s, lambda s=s, r=r: self._send(s, r, attempt), n, refusals) for s, r in zip(shards, reqs)]
 
     def _older_shard(self, s: ShardClient, e: Exception) -> None:
         """A shard older than one_reply refuses the Step before any part runs (INVALID_ARGUMENT, field 5 unknown):
@@ -145,11 +172,35 @@ class StepCall:
             log.warning("shard %d does not take one_reply on a Step (older psgrpc): its replies stream from now on "
                         "(%s)", s.index, e.details())
 
-    def _shard_call(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: StepAttempt,
-                    plans: list) -> list:
+    def _unary_call(self, s: ShardClient, request: StepMessage, timeout: float, issued=None) -> StepMessage:
+        """A small Step as StepOnce, or as a unary call on Step once a shard answered StepOnce UNIMPLEMENTED (a
+        shard from before it, which ran nothing: sent again as Step at once; counted, logged once).  ``issued``:
+        (StepOnce or not, the call already under way: _from_one_thread)."""
+        was_once, issued = issued if issued is not None else (self.once, None)
+        if issued is not None and not was_once:
+            return issued.result()
+        if was_once:
+            try:
+                reply = issued.result() if issued is not None else self._once[s.index](request, timeout=timeout)
+                s._count("step_calls_once")
+                return reply
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                if self.once:
+                    self.once = False
+                    self.client.count("step_once_unimplemented")
+                    log.warning("shard %d does not serve StepOnce (older psgrpc): small steps go as Step from now "
+                                "on (%s)", s.index, e.details())
+        return self._unary[s.index](request, timeout=timeout)
+
+    def _request(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: StepAttempt,
+                 plans: list) -> "_Request":
+        """Shard ``s``'s Step request: its dense slice and table parts under their numbers, and how it goes."""
         slots, i = self.exchange.slots, s.slot
         attempt.sequences.setdefault(i, s.next_sequence())
         base = slots.versions[i]
+        t0 = time.perf_counter()
         nbytes, dense_bytes, chunks = s._gradient_chunks(
             slots.staging.to_host(i, slots.slice(grad, i), attempt.produced), base, num_samples, slots.client.wire)
         rows = self._rows()
@@ -158,20 +209,26 @@ class StepCall:
         for k, part in enumerate(parts, 1):
             msgs += [StepMessage(k, rows=c) for c in part.chunks]
         msgs[0].one_reply = self.one_reply
-        tries = []
-        timeout = max(self.exchange.round_timeout, s.call_timeout)
         small = nbytes + sum(len(c.ids) + len(c.rows) for p in parts for c in p.chunks) <= s.chunk_bytes
         unary = (small and self.one_reply and self.unary
                  and _reply_bytes(slots, i, parts) <= limits.ONE_REPLY_UNARY_BYTES)
+        return _Request(msgs, parts, nbytes, dense_bytes, base, small, unary,
+                        max(self.exchange.round_timeout, s.call_timeout), t0)
+
+    def _send(self, s: ShardClient, req: "_Request", attempt: StepAttempt) -> list:
+        """Shard ``s``'s Step call (retried under the same numbers on a lost reply), its replies taken in: each
+        table's outcome there."""
+        tries = []
 
         def once() -> dict[int, list]:
             tries.append(1)
-            replies: dict[int, list] = {k: [] for k in range(len(parts) + 1)}
-            if unary:
-                call = [self._unary[s.index](one_message(msgs, True), timeout=timeout)]
+            replies: dict[int, list] = {k: [] for k in range(len(req.parts) + 1)}
+            issued, req.issued = req.issued, None  # the first try's call, issued by _from_one_thread
+            if req.unary:
+                call = [self._unary_call(s, one_message(req.msgs, True), req.timeout, issued)]
             else:
-                call = (self._one[s.index](one_message(msgs, self.one_reply), timeout=timeout) if small else
-                        self._stubs[s.index](iter(msgs), timeout=timeout))
+                call = (self._one[s.index](one_message(req.msgs, self.one_reply), timeout=req.timeout)
+                        if req.small else self._stubs[s.index](iter(req.msgs), timeout=req.timeout))
             for message in call:  # one message when one_reply was asked for and the reply fit (psserver.step_reply)
                 if message.malformed:
                     raise StepReplyBroken(message.malformed)
@@ -181,16 +238,15 @@ class StepCall:
                     replies[m.part].append(m.dense if m.dense is not None else m.rows)
             return replies
 
-        t0 = time.perf_counter()
         replies = s._call("Step", once, retry_on=PUSH_RETRYABLE)  # raised: this shard's parts stay to do
         s._count("step_calls")
-        if unary:
+        if req.unary:
             s._count("step_calls_unary")
         try:
-            self._dense_answer(s, replies[0], nbytes, dense_bytes, base, attempt, t0)
+            self._dense_answer(s, replies[0], req.nbytes, req.dense_bytes, req.base, attempt, req.t0)
         except Exception:  # noqa: BLE001 -- left to do: the retry is answered DUPLICATE, with the weights
             self.client.count("step_replies_broken")
-        return [self._table_answer(s, part, replies[k], len(tries)) for k, part in enumerate(parts, 1)]
+        return [self._table_answer(s, part, replies[k], len(tries)) for k, part in enumerate(req.parts, 1)]
 
     def _dense_answer(self, s: ShardClient, chunks: list, nbytes: int, dense_bytes: int, base: int,
                       attempt: StepAttempt, t0: float) -> None:
@@ -233,3 +289,19 @@ def _reply_bytes(slots, i: int, parts: list) -> int:
     start, end = slots.ranges[i]
     rows = sum(len(p.pull_ids) * p.dim * 4 for p in parts if p.pull_ids is not None)
     return (end - start) * TORCH_DTYPES[slots.client.wire].itemsize + rows
+
+
+@dataclass
+class _Request:
+    """One shard's Step request, built before its call: the messages, the table parts and how the call goes."""
+
+    msgs: list
+    parts: list
+    nbytes: int  # the dense gradient's bytes (the part's payload)
+    dense_bytes: int
+    base: int  # the dense slot's version it was computed at
+    small: bool  # at most one chunk's bytes: one request message
+    unary: bool  # ... whose reply is sure to be packed: a unary call
+    timeout: float
+    t0: float
+    issued: tuple | None = None  # (StepOnce or Step, its call under way: a gRPC future), for the first try to take

@@ -109,6 +109,11 @@ class ParameterServerStub:
                 request_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.HandoffChunk.SerializeToString,
                 response_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.HandoffAck.FromString,
                 _registered_method=True)
+        self.StepOnce = channel.unary_unary(
+                '/psgrpc.v1.ParameterServer/StepOnce',
+                request_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.StepChunk.SerializeToString,
+                response_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.StepChunk.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -220,6 +225,17 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StepOnce(self, request, context):
+        """A small Step in one request message (its parts in `more`) answered in one reply message (as one_reply
+        packs it): a unary handler on the shard, without a request stream's reads and a reply stream's writes.  The
+        same parts, checks and replies as Step; a reply that would carry more than limits.ONE_REPLY_BYTES of weights
+        and rows is refused RESOURCE_EXHAUSTED before any part runs (send it as a Step).  A trainer whose shard does
+        not know it (UNIMPLEMENTED) sends Step from then on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -297,6 +313,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Handoff,
                     request_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.HandoffChunk.FromString,
                     response_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.HandoffAck.SerializeToString,
+            ),
+            'StepOnce': grpc.unary_unary_rpc_method_handler(
+                    servicer.StepOnce,
+                    request_deserializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.StepChunk.FromString,
+                    response_serializer=psserver_dot_protocol_dot_proto_dot_ps__pb2.StepChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -704,6 +725,33 @@ class ParameterServer:
             '/psgrpc.v1.ParameterServer/Handoff',
             psserver_dot_protocol_dot_proto_dot_ps__pb2.HandoffChunk.SerializeToString,
             psserver_dot_protocol_dot_proto_dot_ps__pb2.HandoffAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepOnce(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psgrpc.v1.ParameterServer/StepOnce',
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.StepChunk.SerializeToString,
+            psserver_dot_protocol_dot_proto_dot_ps__pb2.StepChunk.FromString,
             options,
             channel_credentials,
             insecure,
