@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -302,8 +301,9 @@ class Runtime:
         """``fn(*args)`` on the state worker whatever the slice: for work that costs more than the slice's
         (a digest of the tables, a big row call), which would stall every call and health check on the loop."""
         self._offloaded += 1
-        fut = self.loop.run_in_executor(self.state, functools.partial(fn, *args))
+        fut = self.loop.create_future()  # the worker's result in one call_soon_threadsafe, as run_state hands it
         fut.add_done_callback(self._offload_done)
+        self.state.submit(self._on_worker, fut, fn, args)
         return fut
 
     def _offload_done(self, _fut: asyncio.Future) -> None:

@@ -62,7 +62,6 @@ class StepCall:
         self.one_reply = True  # ask for the reply in one message (StepChunk.one_reply); False: the reply streams
         self.unary = True  # read a reply sure to be packed with a unary call; False: as a one-message stream
         self.once = True  # ... on the unary StepOnce RPC; False: on Step (a shard from before StepOnce)
-        self.one_thread = True  # every shard's StepOnce issued from the stepping thread; False: a pool thread each
         self.moved: int | None = None  # the last step's newest layout when every shard refused it layout-moved
         self.relaid()
 
@@ -107,12 +106,8 @@ class StepCall:
         t0 = time.perf_counter()
         refusals: dict[int, Exception] = {}
         try:
-            if self.one_thread and len(self.client.shards) > 1:
-                results = self._from_one_thread(grad, num_samples, attempt, plans, refusals)
-            else:
-                results = self.client.map_settled(lambda s: self._shard(s, lambda: self._send(
-                    s, self._request(s, grad, num_samples, attempt, plans), attempt), len(plans), refusals),
-                    None, attempt.inflight)
+            results = self.client.map_settled(lambda s: self._shard(s, grad, num_samples, attempt, plans, refusals),
+                                              None, attempt.inflight)
         finally:  # (also on an interrupt: a claimed batch's rows are then pulled by the prefetch itself)
             for _, plan in plans:
                 rows.unclaim_rest(plan)
@@ -133,33 +128,16 @@ class StepCall:
             self.client.count("step_calls_fallen_back")
         return None if attempt.todo else ex.finished(attempt, time.perf_counter() - t0)
 
-    def _shard(self, s: ShardClient, work: Callable[[], object], n: int, refusals: dict):
-        """``work()`` for shard ``s`` (its request, or its call and each table's outcome there), or the Exception
-        that left its parts to do, once a table (kept in ``refusals`` by shard)."""
+    def _shard(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: StepAttempt,
+               plans: list, refusals: dict) -> list:
+        """One shard's Step: each table's outcome there, or the Exception that left its part to do (kept in
+        ``refusals`` by shard)."""
         try:
-            return work()
+            return self._send(s, self._request(s, grad, num_samples, attempt, plans), attempt)
         except Exception as e:  # noqa: BLE001 -- before or after the call: this shard's parts stay to do
             refusals[s.index] = e
             self._older_shard(s, e)
-            return [e] * n
-
-    def _from_one_thread(self, grad: torch.Tensor, num_samples: int, attempt: StepAttempt, plans: list,
-                         refusals: dict) -> list:
-        """Every shard's Step from this thread: each request built here, then -- where every one is a unary call --
-        shards 1.. issued as futures and shard 0 called, each reply taken in here (no pool thread a shard, whose
-        hand-offs cost more than the call's own on a small step); else the pool's calls as without it."""
-        shards, n = self.client.shards, len(plans)
-        reqs = [self._shard(s, lambda s=s: self._request(s, grad, num_samples, attempt, plans), n, refusals)
-                for s in shards]
-        if not all(isinstance(r, _Request) and r.unary for r in reqs):
-            return self.client.map_settled(lambda s: reqs[s.index] if not isinstance(reqs[s.index], _Request) else
-                                           self._shard(s, lambda: self._send(s, reqs[s.index], attempt), n, refusals),
-                                           None, attempt.inflight)
-        for s, r in zip(shards[1:], reqs[1:]):
-            stub = self._once if self.once else self._unary
-            r.issued = (self.once, stub[s.index].future(one_message(r.msgs, True), timeout=r.timeout))
-        self.client.count("step_fanouts_one_thread")
-        return [self._shard(s, lambda s=s, r=r: self._send(s, r, attempt), n, refusals) for s, r in zip(shards, reqs)]
+            return [e] * len(plans)
 
     def _older_shard(self, s: ShardClient, e: Exception) -> None:
         """A shard older than one_reply refuses the Step before any part runs (INVALID_ARGUMENT, field 5 unknown):
@@ -172,16 +150,12 @@ class StepCall:
             log.warning("shard %d does not take one_reply on a Step (older psgrpc): its replies stream from now on "
                         "(%s)", s.index, e.details())
 
-    def _unary_call(self, s: ShardClient, request: StepMessage, timeout: float, issued=None) -> StepMessage:
+    def _unary_call(self, s: ShardClient, request: StepMessage, timeout: float) -> StepMessage:
         """A small Step as StepOnce, or as a unary call on Step once a shard answered StepOnce UNIMPLEMENTED (a
-        shard from before it, which ran nothing: sent again as Step at once; counted, logged once).  ``issued``:
-        (StepOnce or not, the call already under way: _from_one_thread)."""
-        was_once, issued = issued if issued is not None else (self.once, None)
-        if issued is not None and not was_once:
-            return issued.result()
-        if was_once:
+        shard from before it, which ran nothing: sent again as Step at once; counted, logged once)."""
+        if self.once:
             try:
-                reply = issued.result() if issued is not None else self._once[s.index](request, timeout=timeout)
+                reply = self._once[s.index](request, timeout=timeout)
                 s._count("step_calls_once")
                 return reply
             except grpc.RpcError as e:
@@ -223,9 +197,8 @@ class StepCall:
         def once() -> dict[int, list]:
             tries.append(1)
             replies: dict[int, list] = {k: [] for k in range(len(req.parts) + 1)}
-            issued, req.issued = req.issued, None  # the first try's call, issued by _from_one_thread
             if req.unary:
-                call = [self._unary_call(s, one_message(req.msgs, True), req.timeout, issued)]
+                call = [self._unary_call(s, one_message(req.msgs, True), req.timeout)]
             else:
                 call = (self._one[s.index](one_message(req.msgs, self.one_reply), timeout=req.timeout)
                         if req.small else self._stubs[s.index](iter(req.msgs), timeout=req.timeout))
@@ -304,4 +277,3 @@ class _Request:
     unary: bool  # ... whose reply is sure to be packed: a unary call
     timeout: float
     t0: float
-    issued: tuple | None = None  # (StepOnce or Step, its call under way: a gRPC future), for the first try to take

@@ -1,10 +1,10 @@
 """The unary StepOnce RPC against real shards on loopback: it answers the bytes a Step packed into one message
 answers; a retry under the same numbers applies nothing twice; every refusal of Step's battery is StepOnce's too
 (the same checks: one status, the message naming the field and both values, the state digest unchanged, the shard
-still serving), and a reply past the one-message bound is refused before any part runs.  A trainer on StepOnce --
-its calls issued from one thread or from a thread a shard -- ends with the bits of one on Step; a Step lost on a
-shard whose call was issued as a future is retried and applied once; against a shard without StepOnce the
-trainer falls back to Step once, counted, and ends with the same bits."""
+still serving), and a reply past the one-message bound is refused before any part runs.  A trainer on StepOnce
+ends with the bits of one on Step; a StepOnce whose reply is lost (on shard 1, whose call runs on a pool thread) is
+retried and applied once; against a shard without StepOnce the trainer falls back to Step once, counted, and ends
+with the same bits."""
 
 from __future__ import annotations
 
@@ -96,12 +96,12 @@ def test_a_step_once_whose_reply_would_pass_the_one_message_bound_is_resource_ex
     assert weights(once(raw, dense(raw, torch.ones(P)))[0])[0].outcome == pb.APPLIED  # the weights alone fit
 
 
-def _train(addresses: str, once_on: bool, one_thread: bool, during=None) -> tuple[dict, dict]:
+def _train(addresses: str, once_on: bool, during=None) -> tuple[dict, dict]:
     """One sync trainer with prefetch and one-call steps: (its final rows and weights, its counters)."""
     torch.manual_seed(0)
     model = Rec("adagrad")
     with connect(addresses, model, mode="sync", optimizer={"name": "sgd", "lr": 0.1}, retry_budget=60.0) as ps:
-        ps.step_call.once, ps.step_call.one_thread = once_on, one_thread
+        ps.step_call.once = once_on
         batches = ps.prefetching([batch(0, k) for k in range(STEPS)], forward=lambda m, b: m(*b[:3]))
         for k, (users, items, regions, y) in enumerate(batches):
             ((model(users, items, regions) - y).pow(2).mean()).backward()
@@ -116,22 +116,20 @@ def _same(got: dict, expected: dict) -> None:
         assert torch.equal(got[name], value), name
 
 
-@pytest.mark.parametrize("one_thread", [True, False], ids=["one thread", "a thread a shard"])
-def test_a_trainer_on_step_once_ends_with_the_bits_of_one_on_step(shard_server, one_thread):
+def test_a_trainer_on_step_once_ends_with_the_bits_of_one_on_step(shard_server):
     on_once = [shard_server(shard=i) for i in range(2)]
     on_step = [shard_server(shard=i) for i in range(2)]
-    got, c = _train(",".join(s.server.address for s in on_once), True, one_thread)
-    expected, c_step = _train(",".join(s.server.address for s in on_step), False, False)
+    got, c = _train(",".join(s.server.address for s in on_once), True)
+    expected, c_step = _train(",".join(s.server.address for s in on_step), False)
     _same(got, expected)
     assert c["step_calls_once"] == c["step_calls"] == c_step["step_calls"] > 0
     assert c.get("step_calls_fallen_back", 0) == 0 and c_step.get("step_calls_once", 0) == 0
-    assert (c.get("step_fanouts_one_thread", 0) == c["step_calls"] // 2) == one_thread
     assert [s.stats().counters["step_calls_once"] for s in on_once] == [c["step_calls"] // 2] * 2
 
 
-def test_a_step_once_lost_on_a_shard_whose_call_was_a_future_is_retried_and_applied_once(shard_server):
+def test_a_step_once_whose_reply_was_lost_on_a_pool_threads_shard_is_retried_and_applied_once(shard_server):
     shards = [shard_server(shard=i) for i in range(2)]
-    proxy = SwitchProxy(shards[1].server.address)  # shard 1: its call is issued as a future (one thread)
+    proxy = SwitchProxy(shards[1].server.address)  # shard 1: its call runs on a pool thread (map_settled)
     lossy = 3
 
     def during(k, step):
@@ -146,7 +144,7 @@ def test_a_step_once_lost_on_a_shard_whose_call_was_a_future_is_retried_and_appl
         assert not t.is_alive()
 
     try:
-        got, counters = _train(f"{shards[0].server.address},{proxy.address}", True, True, during=during)
+        got, counters = _train(f"{shards[0].server.address},{proxy.address}", True, during=during)
     finally:
         proxy.close()
     c1 = shards[1].stats().counters
@@ -156,7 +154,7 @@ def test_a_step_once_lost_on_a_shard_whose_call_was_a_future_is_retried_and_appl
         assert st.version == STEPS and all(st.counters[f"table.{t}.version"] == STEPS
                                            for t in ("user", "item", "region"))
     assert counters["retries"] >= 1 and counters.get("step_calls_fallen_back", 0) == 0
-    expected, _ = _train(",".join(shard_server(shard=i).server.address for i in range(2)), True, True)
+    expected, _ = _train(",".join(shard_server(shard=i).server.address for i in range(2)), True)
     _same(got, expected)
 
 
@@ -165,14 +163,13 @@ async def _unknown(self, request, context):
     await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
 
 
-@pytest.mark.parametrize("one_thread", [True, False], ids=["one thread", "a thread a shard"])
 def test_a_trainer_against_a_shard_without_step_once_falls_back_to_step_once_counted_with_the_same_bits(
-        shard_server, monkeypatch, one_thread):
+        shard_server, monkeypatch):
     monkeypatch.setattr("psserver.service.ParameterServerService.StepOnce", _unknown)  # (read at add_service)
     older = [shard_server(shard=i) for i in range(2)]
     monkeypatch.undo()
-    got, c = _train(",".join(s.server.address for s in older), True, one_thread)
-    expected, _ = _train(",".join(shard_server(shard=i).server.address for i in range(2)), False, False)
+    got, c = _train(",".join(s.server.address for s in older), True)
+    expected, _ = _train(",".join(shard_server(shard=i).server.address for i in range(2)), False)
     _same(got, expected)
     assert c["step_once_unimplemented"] == 1 and c.get("step_calls_once", 0) == 0
     assert c.get("step_calls_fallen_back", 0) == 0 and c["step_calls_unary"] == c["step_calls"] > 0

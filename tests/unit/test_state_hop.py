@@ -1,6 +1,6 @@
 """The shard's per-call fixed costs cut in issue 21, without a network: where Runtime.run_state runs a call (on
 the loop for a slice under the bound, else on the state worker), what the worker hands back (a result, an
-exception, nothing for a call cancelled before it started), and the request stream's one idle timer, decided
+exception, nothing for a call cancelled before it started) -- for run_state and Runtime.offload alike --, and the request stream's one idle timer, decided
 on a fake clock."""
 
 from __future__ import annotations
@@ -67,6 +67,27 @@ def test_a_call_cancelled_before_the_state_worker_reaches_it_is_not_run():
         return fut.cancelled()
 
     assert run_on_loop(100_000, INLINE_STATE_ELEMENTS, cancelled) and ran == []
+
+
+def test_an_offloaded_call_hands_back_its_result_and_exception_runs_on_the_worker_and_one_cancelled_is_not_run():
+    ran = []
+
+    async def offloaded(rt):
+        value, thread = await rt.offload(lambda a: (a, threading.get_ident()), 7)
+        with pytest.raises(ValueError, match="refused there"):
+            await rt.offload(lambda: (_ for _ in ()).throw(ValueError("refused there")))
+        release = threading.Event()
+        busy = rt.offload(release.wait)
+        queued = rt.offload(ran.append, "ran")
+        counted = rt._offloaded
+        queued.cancel()
+        release.set()
+        await busy
+        await rt.offload(lambda: None)  # (queued after the cancelled one: it has been reached by now)
+        return value, thread != threading.get_ident(), counted, rt._offloaded, rt.inline()
+
+    # while two calls are offloaded nothing runs inline; once they are done (or cancelled) the count is back at 0
+    assert run_on_loop(100, INLINE_STATE_ELEMENTS, offloaded) == (7, True, 2, 0, True) and ran == []
 
 
 # ------------------------------------------------------------------------------ the request stream's timer

@@ -1,12 +1,13 @@
 """The Step's fixed cost (issue 21, stepspeed2), A/B inside one run: the click model (batch 512, dim 16, Adagrad
 rows), 2 local shards, 1 trainer, prefetch on, one small Step a shard a step, read with a unary call; blocks of
-BLOCK steps take turns among four ways -- "step" (a unary call on the Step RPC, one pool thread a shard but the
-first: main before this work), "step1t" (the same calls issued from the stepping thread as gRPC futures), "once"
-(the unary StepOnce RPC, a unary handler on the shard, pool threads) and "once1t" (StepOnce from one thread) --
-the order rotated each round, so a loaded machine's drift falls on all four.  Per block: the trainer's CPU (this
-process), both shards' CPU and the wall time, ms a step; one JSON line a block, then one of medians.
+BLOCK steps take turns between "step" (a unary call on the Step RPC: main before this work) and "once" (the unary
+StepOnce RPC, a unary handler on the shard), the order rotated each round, so a loaded machine's drift falls on
+both.  Per block: the trainer's CPU (this process), both shards' CPU and the wall time, ms a step; one JSON line a
+block, then one of medians.  (Commit e67c8e6 of branch wip/stepspeed2 also had "step1t" and "once1t": every
+shard's call issued from the stepping thread as gRPC futures -- candidate b, measured there and dropped.)
 
-    PYTHONPATH=$PWD python docs/bench/onecall/stepspeed2_ab.py MODE [BLOCKS_EACH [BLOCK]]   # MODE: sync | async
+    PYTHONPATH=$PWD python docs/bench/onecall/stepspeed2_ab.py MODE [BLOCKS_EACH [BLOCK [WAYS]]]
+    # MODE: sync | async; WAYS: comma-separated (default step,once)
 """
 import json
 import os
@@ -26,7 +27,7 @@ from trainer.recdata import make_click_log
 from trainer.recmodels import ClickModel, sharded_factories
 from trainer.tools.procstat import sample
 
-WAYS = {"step": (False, False), "step1t": (False, True), "once": (True, False), "once1t": (True, True)}  # (once, 1t)
+WAYS = {"step": False, "once": True}  # StepCall.once
 
 
 def _cpu(pids) -> tuple[float, float]:
@@ -34,13 +35,13 @@ def _cpu(pids) -> tuple[float, float]:
     return r.ru_utime + r.ru_stime, sum(sample(p)["cpu"] for p in pids)
 
 
-def main(mode: str, blocks: int, block: int) -> None:
+def main(mode: str, blocks: int, block: int, ways: list[str]) -> None:
     torch.set_num_threads(1)
-    steps = 20 + blocks * len(WAYS) * block
+    steps = 20 + blocks * len(ways) * block
     log = make_click_log(steps * 512, seed=0).compact()
     run_dir = Path(tempfile.mkdtemp())
     procs = [start_shard(i, run_dir / f"shard{i}.log", extra_args=["--torch-threads", "1"]) for i in range(2)]
-    out: dict[str, list] = {w: [] for w in WAYS}
+    out: dict[str, list] = {w: [] for w in ways}
     try:
         model = ClickModel(log.id_space, 16, embedding_bag=sharded_factories(
             SparseOptimizerConfig("adagrad", lr=0.05))["embedding_bag"])
@@ -59,9 +60,9 @@ def main(mode: str, blocks: int, block: int) -> None:
 
             run(20)  # warm-up
             pids = [p.popen.pid for p in procs]
-            for k in range(blocks * len(WAYS)):
-                way = list(WAYS)[(k + k // len(WAYS)) % len(WAYS)]  # the order rotates every round
-                ps.step_call.once, ps.step_call.one_thread = WAYS[way]
+            for k in range(blocks * len(ways)):
+                way = ways[(k + k // len(ways)) % len(ways)]  # the order rotates every round
+                ps.step_call.once = WAYS[way]
                 (t0, s0), w0 = _cpu(pids), time.perf_counter()
                 run(block)
                 (t1, s1) = _cpu(pids)
@@ -80,4 +81,5 @@ def main(mode: str, blocks: int, block: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 6, int(sys.argv[3]) if len(sys.argv) > 3 else 50)
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 6, int(sys.argv[3]) if len(sys.argv) > 3 else 50,
+         sys.argv[4].split(",") if len(sys.argv) > 4 else list(WAYS))
