@@ -16,13 +16,14 @@ always has (trainer.step).  Used only unpartitioned, without the overlap, early-
 variants (dense or tables: trainer.table_window), and while a step's payload to a shard stays under MAX_STEP_BYTES.
 While it is used, an async table's next batch rides on the step too (trainer.row_prefetch ``fold_async``): its
 part carries the ids and the shard answers at once, so sync dense + async tables also make one call a shard a step.
+A small step (one request message, a reply sure to be packed) goes on the unary StepOnce RPC, the same parts served
+by a unary handler on the shard (docs/prefetch.md); a shard without it answers UNIMPLEMENTED and gets Step.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import grpc
@@ -133,7 +134,7 @@ class StepCall:
         """One shard's Step: each table's outcome there, or the Exception that left its part to do (kept in
         ``refusals`` by shard)."""
         try:
-            return self._send(s, self._request(s, grad, num_samples, attempt, plans), attempt)
+            return self._shard_call(s, grad, num_samples, attempt, plans)
         except Exception as e:  # noqa: BLE001 -- before or after the call: this shard's parts stay to do
             refusals[s.index] = e
             self._older_shard(s, e)
@@ -168,13 +169,11 @@ class StepCall:
                                 "on (%s)", s.index, e.details())
         return self._unary[s.index](request, timeout=timeout)
 
-    def _request(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: StepAttempt,
-                 plans: list) -> "_Request":
-        """Shard ``s``'s Step request: its dense slice and table parts under their numbers, and how it goes."""
+    def _shard_call(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: StepAttempt,
+                    plans: list) -> list:
         slots, i = self.exchange.slots, s.slot
         attempt.sequences.setdefault(i, s.next_sequence())
         base = slots.versions[i]
-        t0 = time.perf_counter()
         nbytes, dense_bytes, chunks = s._gradient_chunks(
             slots.staging.to_host(i, slots.slice(grad, i), attempt.produced), base, num_samples, slots.client.wire)
         rows = self._rows()
@@ -183,25 +182,20 @@ class StepCall:
         for k, part in enumerate(parts, 1):
             msgs += [StepMessage(k, rows=c) for c in part.chunks]
         msgs[0].one_reply = self.one_reply
+        tries = []
+        timeout = max(self.exchange.round_timeout, s.call_timeout)
         small = nbytes + sum(len(c.ids) + len(c.rows) for p in parts for c in p.chunks) <= s.chunk_bytes
         unary = (small and self.one_reply and self.unary
                  and _reply_bytes(slots, i, parts) <= limits.ONE_REPLY_UNARY_BYTES)
-        return _Request(msgs, parts, nbytes, dense_bytes, base, small, unary,
-                        max(self.exchange.round_timeout, s.call_timeout), t0)
-
-    def _send(self, s: ShardClient, req: "_Request", attempt: StepAttempt) -> list:
-        """Shard ``s``'s Step call (retried under the same numbers on a lost reply), its replies taken in: each
-        table's outcome there."""
-        tries = []
 
         def once() -> dict[int, list]:
             tries.append(1)
-            replies: dict[int, list] = {k: [] for k in range(len(req.parts) + 1)}
-            if req.unary:
-                call = [self._unary_call(s, one_message(req.msgs, True), req.timeout)]
+            replies: dict[int, list] = {k: [] for k in range(len(parts) + 1)}
+            if unary:
+                call = [self._unary_call(s, one_message(msgs, True), timeout)]
             else:
-                call = (self._one[s.index](one_message(req.msgs, self.one_reply), timeout=req.timeout)
-                        if req.small else self._stubs[s.index](iter(req.msgs), timeout=req.timeout))
+                call = (self._one[s.index](one_message(msgs, self.one_reply), timeout=timeout) if small else
+                        self._stubs[s.index](iter(msgs), timeout=timeout))
             for message in call:  # one message when one_reply was asked for and the reply fit (psserver.step_reply)
                 if message.malformed:
                     raise StepReplyBroken(message.malformed)
@@ -211,15 +205,16 @@ class StepCall:
                     replies[m.part].append(m.dense if m.dense is not None else m.rows)
             return replies
 
+        t0 = time.perf_counter()
         replies = s._call("Step", once, retry_on=PUSH_RETRYABLE)  # raised: this shard's parts stay to do
         s._count("step_calls")
-        if req.unary:
+        if unary:
             s._count("step_calls_unary")
         try:
-            self._dense_answer(s, replies[0], req.nbytes, req.dense_bytes, req.base, attempt, req.t0)
+            self._dense_answer(s, replies[0], nbytes, dense_bytes, base, attempt, t0)
         except Exception:  # noqa: BLE001 -- left to do: the retry is answered DUPLICATE, with the weights
             self.client.count("step_replies_broken")
-        return [self._table_answer(s, part, replies[k], len(tries)) for k, part in enumerate(req.parts, 1)]
+        return [self._table_answer(s, part, replies[k], len(tries)) for k, part in enumerate(parts, 1)]
 
     def _dense_answer(self, s: ShardClient, chunks: list, nbytes: int, dense_bytes: int, base: int,
                       attempt: StepAttempt, t0: float) -> None:
@@ -262,18 +257,3 @@ def _reply_bytes(slots, i: int, parts: list) -> int:
     start, end = slots.ranges[i]
     rows = sum(len(p.pull_ids) * p.dim * 4 for p in parts if p.pull_ids is not None)
     return (end - start) * TORCH_DTYPES[slots.client.wire].itemsize + rows
-
-
-@dataclass
-class _Request:
-    """One shard's Step request, built before its call: the messages, the table parts and how the call goes."""
-
-    msgs: list
-    parts: list
-    nbytes: int  # the dense gradient's bytes (the part's payload)
-    dense_bytes: int
-    base: int  # the dense slot's version it was computed at
-    small: bool  # at most one chunk's bytes: one request message
-    unary: bool  # ... whose reply is sure to be packed: a unary call
-    timeout: float
-    t0: float
