@@ -3,8 +3,9 @@ rows), 2 local shards, 1 trainer, prefetch on, one small Step a shard a step, re
 BLOCK steps take turns between "step" (a unary call on the Step RPC: main before this work) and "once" (the unary
 StepOnce RPC, a unary handler on the shard), the order rotated each round, so a loaded machine's drift falls on
 both.  Per block: the trainer's CPU (this process), both shards' CPU and the wall time, ms a step; one JSON line a
-block, then one of medians.  (Commit e67c8e6 of branch wip/stepspeed2 also had "step1t" and "once1t": every
-shard's call issued from the stepping thread as gRPC futures -- candidate b, measured there and dropped.)
+block, then one of medians.  (Commit 7bcba98 of branch wip/stepspeed2 -- e67c8e6 before its rebase -- also had
+"step1t" and "once1t": every shard's call issued from the stepping thread as gRPC futures -- candidate b, measured
+there and dropped.)
 
     PYTHONPATH=$PWD python docs/bench/onecall/stepspeed2_ab.py MODE [BLOCKS_EACH [BLOCK [WAYS]]]
     # MODE: sync | async; WAYS: comma-separated (default step,once)
