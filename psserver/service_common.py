@@ -258,9 +258,10 @@ async def _no_slot():
     yield
 
 
-def _push_reply(r) -> _pb.PushRowsReply:
+def _push_reply(r, layout_epoch: int) -> _pb.PushRowsReply:
+    """A row push's reply, naming the newest layout as a dense reply does (a table-only shard teaches a switch)."""
     return _pb.PushRowsReply(outcome=_OUTCOMES[r.outcome], version=r.version, staleness=r.staleness,
-                             rows_applied=r.rows_applied, rows_stale=r.rows_stale)
+                             rows_applied=r.rows_applied, rows_stale=r.rows_stale, layout_epoch=layout_epoch)
 
 
 def _check_pull_bytes(n: int, dim: int, max_bytes: int) -> None:

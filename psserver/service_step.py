@@ -184,8 +184,9 @@ class StepRpc:
             raise t.error
         h = t.header
         if t.checked is None:
-            await context.write(_pb.RowsChunk(header=_pb.RowsHeader(table=h.table, dim=h.dim,
-                                                                    push=_push_reply(t.result))))
+            layout = await self.rows_reply_ready(h.layout_epoch, t.result.version, deadline)
+            await context.write(_pb.RowsChunk(header=_pb.RowsHeader(table=h.table, dim=h.dim, layout_epoch=layout,
+                                                                    push=_push_reply(t.result, layout))))
             return
         waited, table, calls = 0.0, t.table, self.rows_at(h.layout_epoch)
         if t.pulled is not None:
@@ -196,8 +197,9 @@ class StepRpc:
                 table, h.table, h.rank, h.trainer_id, h.fingerprint, min_version, t.checked, deadline,
                 lambda _nbytes: None)  # held before the trip
         self.shard.count("row_push_pulls")
+        layout = await self.rows_reply_ready(h.layout_epoch, max(version, t.result.version), deadline)
         header = _pb.RowsHeader(table=h.table, version=version, num_ids=len(t.checked.ids), dim=table.spec.dim,
-                                wait_seconds=waited, push=_push_reply(t.result),
+                                wait_seconds=waited, push=_push_reply(t.result, layout), layout_epoch=layout,
                                 pull_ref=calls.remember(h, t.checked))  # (ids once, as PushPullRows)
         for chunk in row_chunks(rows, header, self.cfg.chunk_bytes):
             await context.write(chunk, self.cfg.chunk_bytes)

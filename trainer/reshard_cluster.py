@@ -1,5 +1,5 @@
-"""`ps-cluster --reshard M@ROUND[,M@ROUND...]`: a sync dense job moves from --shards to M shards, step after step,
-while you watch (docs/handoff-io.md).
+"""`ps-cluster --reshard M@ROUND[,M@ROUND...]`: a sync job -- dense, or a table model (mf, ncf, dlrm) whose tables
+are sync too -- moves from --shards to M shards, step after step, while you watch (docs/handoff-io.md).
 
 max(--shards, every M) shards are started, the extra ones empty; the trainers get only the first --shards.  Each
 step is one coordinator subprocess (``ps-server reshard --ps OLD --to NEW --at-round ROUND``: the trainer room may
@@ -23,7 +23,7 @@ from pathlib import Path
 from trainer.procs import Proc, child_env, cli
 
 log = logging.getLogger("ps-cluster")
-DENSE_MODELS = ("cnn", "mlp", "widemlp", "resnet18")
+DENSE_MODELS = ("cnn", "mlp", "widemlp", "resnet18")  # no tables; every other model has tables, moved if sync
 
 
 def parse(text: str, shards: int) -> list[tuple[int, int]]:
@@ -62,9 +62,10 @@ def check(args) -> list[tuple[int, int]]:
     steps = parse(args.reshard, args.shards)
     if args.mode != "sync":
         raise ValueError(f"--reshard moves a sync job, not --mode {args.mode}; drop --mode")
-    if args.model not in DENSE_MODELS or getattr(args, "embedding_dim", 0):
-        raise ValueError(f"--reshard moves dense models only ({', '.join(DENSE_MODELS)}), not --model {args.model}; "
-                         "e.g. --model mlp --dataset synthetic")
+    tables = getattr(args, "embedding_mode", None) or args.mode
+    if args.model not in DENSE_MODELS and tables != "sync":
+        raise ValueError(f"--reshard moves sync tables only, not --embedding-mode {tables} (--model {args.model}'s "
+                         f"tables); drop --embedding-mode, or e.g. --model mlp --dataset synthetic")
     if args.elastic:
         raise ValueError("--reshard and --elastic are separate scenarios; drop one")
     last = steps[-1][1]

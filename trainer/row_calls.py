@@ -58,6 +58,7 @@ class RowCalls:
         def once():
             chunks = iter(self._pull[s.index](req, timeout=s.call_timeout))
             first = next(chunks)
+            s.saw_layout(first.header.layout_epoch)  # as a dense reply teaches it (trainer.relayout)
             raw = b"".join([first.rows, *(c.rows for c in chunks)])
             return first.header.version, raw, first.header.pull_ref, len(req.ids) + len(req.packed_ids)
 

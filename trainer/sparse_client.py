@@ -453,6 +453,7 @@ class ShardedRows:
                       attempts: int) -> str:
         """What the shard answered to ``part`` (and the rows it pulled: (version, bytes)), taken into its lane."""
         lane, table = part.lane, part.table
+        s.saw_layout(reply.layout_epoch)  # a table-only shard teaches a switch too (trainer.relayout)
         with self._answer_lock if part.windowed else contextlib.nullcontext():  # (a window's answer on its thread)
             outcome = self.book.answered(lane, table, _pb.PushOutcome.Name(reply.outcome).lower(),
                                          part.header.version, reply.version, attempts, windowed=part.windowed)

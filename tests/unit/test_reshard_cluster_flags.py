@@ -36,7 +36,10 @@ def test_a_sequence_parses_to_its_steps_in_order_and_a_smaller_m_is_a_drain():
     (["--shards", "3", "--reshard", "2@10,3@20"], "step 2 (3@20) would grow back onto shard 2, stopped after a drain"),
     (["--reshard", "3@20", "--mode", "async"], "--reshard moves a sync job, not --mode async"),
     (["--reshard", "3@20", "--mode", "stale-timeout"], "--reshard moves a sync job, not --mode stale-timeout"),
-    (["--reshard", "3@5", "--model", "mf", "--dataset", "movielens100k"], "dense models only"),
+    (["--reshard", "3@5", "--model", "mf", "--dataset", "movielens100k", "--embedding-mode", "async"],
+     "--reshard moves sync tables only, not --embedding-mode async (--model mf's tables)"),
+    (["--reshard", "3@5", "--model", "dlrm", "--dataset", "criteo-synth", "--embedding-mode", "stale-timeout"],
+     "--reshard moves sync tables only, not --embedding-mode stale-timeout (--model dlrm's tables)"),
     (["--reshard", "3@20", "--elastic"], "--reshard and --elastic are separate scenarios"),
     (["--reshard", "3@40"], "--reshard 3@40 needs --steps more than 40 (got 40)"),
     (["--reshard", "3@10,2@50"], "--reshard 3@10,2@50 needs --steps more than 50 (got 40)"),
@@ -50,6 +53,15 @@ def test_a_reshard_it_cannot_show_is_one_line_with_a_hint_before_starting_anythi
     assert e.value.code == 1 and message in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 2 and "hint:" in err, err  # the cause, then the hint
     assert not run.exists()  # refused before the run folder or any process
+
+
+@pytest.mark.parametrize("model,dataset", [("mf", "movielens100k"), ("ncf", "movielens100k"),
+                                           ("dlrm", "criteo-synth")])
+def test_a_table_model_whose_tables_are_sync_is_accepted(model, dataset):
+    for extra in ([], ["--embedding-mode", "sync"]):
+        args = cluster.build_parser().parse_args([*BASE, "--reshard", "3@20", "--model", model, "--dataset", dataset,
+                                                  *extra])
+        assert reshard_cluster.check(args) == [(3, 20)]
 
 
 def test_no_trainer_is_paced_every_one_records_every_step_and_a_straggler_keeps_its_delay():
