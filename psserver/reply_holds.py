@@ -1,8 +1,7 @@
 """Replies held over a live re-shard's block (docs/handoff-io.md, "Round R-1's replies are held").
 
 Between COMMIT R and DECIDE, a reply that would hand out version R or later in the old layout (the weights of a
-pull, PushPull or Step, or a Push's reply naming R; a sync table's rows or row push reply of table version R,
-psserver.service_rows.RowRpcs.rows_reply_ready) waits here.  On a switch it goes out after the new layout is
+pull, PushPull or Step, or a Push's reply naming R) waits here.  On a switch it goes out after the new layout is
 installed, so it names it (``layout_epoch``) and the trainer sends its step of base R straight to the new layout:
 no refusal, no retry, no re-route.  On an abort it goes out as usual.  The weights it carries are the same
 either way: the old piece at R is the tombstone, and R is what the new layout starts from.
@@ -50,24 +49,18 @@ class ReplyHolds:
             if not fut.done():
                 fut.set_result(True)
 
-    @property
-    def busy(self) -> bool:
-        """Any hold set now (a cheap test before a row reply looks its partition up)."""
-        return bool(self._held)
-
     def held(self, part, version: int) -> int | None:
         """R, if a reply handing out ``version`` from ``part`` must wait now (on the loop)."""
         found = self._held.get(part)
         return found[0] if found is not None and version >= found[0] else None
 
-    async def wait(self, part, version: int, deadline: float, metric: str = "handoff_replies_held") -> None:
-        """Hold a reply handing out ``version`` until DECIDE, the hand-off timeout or ``deadline`` (loop time);
-        counted as ``metric`` (a table's row reply: ``handoff_row_replies_held``)."""
+    async def wait(self, part, version: int, deadline: float) -> None:
+        """Hold a reply handing out ``version`` until DECIDE, the hand-off timeout or ``deadline`` (loop time)."""
         found = self._held.get(part)
         if found is None or version < found[0]:
             return
         R, timeout = found
-        part.count(metric)
+        part.count("handoff_replies_held")
         key = (part.shard_id, part.partition, R)
         if key not in self._logged:
             self._logged.add(key)

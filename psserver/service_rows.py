@@ -58,18 +58,6 @@ class RowRpcs:
                                                           self.cfg.max_pull_wait)
         return calls
 
-    async def rows_reply_ready(self, epoch: int, version: int, deadline: float) -> int:
-        """A row reply handing out table version ``version`` in layout ``epoch``: held from COMMIT R to DECIDE when
-        ``version`` >= R, as the dense replies are (psserver.reply_holds; a sync table's round R is the job's, so
-        the layout's partition 0's hold is the tables' too), so it names the layout a switch installed and the
-        trainer sends its rows of base R there at once.  Returns the layout the reply names (the newest)."""
-        holds = self.runtime.holds
-        if holds.busy:
-            part = self.layouts.part(epoch, 0)
-            if holds.held(part, version) is not None:
-                await holds.wait(part, version, deadline - 0.25, "handoff_row_replies_held")
-        return self.layouts.newest
-
     @_refusals
     @_reply_stream
     async def PullRows(self, request, context: ReplyStream):
@@ -88,9 +76,8 @@ class RowRpcs:
         waited, table, version, rows = await calls.pull(
             table, request.table, request.rank, request.trainer_id, request.fingerprint, request.min_version,
             checked, self._deadline(context), functools.partial(context.hold, ("rows", id(request))))
-        layout = await self.rows_reply_ready(request.layout_epoch, version, self._deadline(context))
         header = _pb.RowsHeader(table=request.table, version=version, num_ids=len(ids), dim=table.spec.dim,
-                                wait_seconds=waited, layout_epoch=layout)
+                                wait_seconds=waited, layout_epoch=self.layouts.newest)
         if request.remember:  # (ids once: a push may name this pull instead of resending its ids)
             header.pull_ref = calls.remember(request, checked)
         for chunk in row_chunks(rows, header, self.cfg.chunk_bytes):
@@ -103,8 +90,7 @@ class RowRpcs:
             reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self._deadline(context))
             h, table, first = await self._rows_header(reader)
             r = await self._push_rows(reader, first, h, table)
-            layout = await self.rows_reply_ready(h.layout_epoch, r.version, self._deadline(context))
-            return _push_reply(r, layout)
+            return _push_reply(r, self.layouts.newest)
 
     @_refusals
     @_reply_stream
@@ -136,7 +122,7 @@ class RowRpcs:
             table, h.table, h.rank, h.trainer_id, h.fingerprint, min_version, checked, self._deadline(context),
             functools.partial(context.hold, ("rows", id(h))))
         self.shard.count("row_push_pulls")
-        layout = await self.rows_reply_ready(h.layout_epoch, max(version, r.version), self._deadline(context))
+        layout = self.layouts.newest  # (a row reply is not held: docs/handoff-io.md, Tables)
         header = _pb.RowsHeader(table=h.table, version=version, num_ids=len(ids), dim=table.spec.dim,
                                 wait_seconds=waited, push=_push_reply(r, layout), pull_ref=calls.remember(h, checked),
                                 layout_epoch=layout)

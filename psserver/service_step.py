@@ -184,7 +184,7 @@ class StepRpc:
             raise t.error
         h = t.header
         if t.checked is None:
-            layout = await self.rows_reply_ready(h.layout_epoch, t.result.version, deadline)
+            layout = self.layouts.newest
             await context.write(_pb.RowsChunk(header=_pb.RowsHeader(table=h.table, dim=h.dim, layout_epoch=layout,
                                                                     push=_push_reply(t.result, layout))))
             return
@@ -197,7 +197,7 @@ class StepRpc:
                 table, h.table, h.rank, h.trainer_id, h.fingerprint, min_version, t.checked, deadline,
                 lambda _nbytes: None)  # held before the trip
         self.shard.count("row_push_pulls")
-        layout = await self.rows_reply_ready(h.layout_epoch, max(version, t.result.version), deadline)
+        layout = self.layouts.newest  # (a table part's reply goes out with the Step's dense part, held or not)
         header = _pb.RowsHeader(table=h.table, version=version, num_ids=len(t.checked.ids), dim=table.spec.dim,
                                 wait_seconds=waited, push=_push_reply(t.result, layout), layout_epoch=layout,
                                 pull_ref=calls.remember(h, t.checked))  # (ids once, as PushPullRows)
