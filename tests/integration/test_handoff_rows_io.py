@@ -328,3 +328,25 @@ def test_a_sync_table_drained_three_to_two_leaves_the_remaining_shards_the_old_r
         assert job.table(d, layout=1).version == R
         for k in ("ids", "rows", "optimizer_state", "last_tick", "last_version"):
             assert torch.equal(got[k], want[k]), (d, k)
+
+
+def test_row_replies_name_the_newest_layout_so_a_trainer_learns_a_switch_from_a_table_call(shard_server):
+    """A row reply's ``layout_epoch`` (PullRows' RowsHeader, PushRows' PushRowsReply) names the newest layout, as a
+    dense reply's does: 0 before the switch, 1 after it, on the tombstone's pulls up to R too."""
+    job = TableJob(shard_server, spec(tables=(table(),)))
+    job.rounds(1)
+    ids = job.fresh_ids(0)
+    assert job.push_rows(0, 1, ids).layout_epoch == 0
+    before = pb.PullRowsRequest(rank=0, trainer_id="t0", fingerprint=job.job.fingerprint, table="emb",
+                                min_version=1, ids=ids.numpy().tobytes())
+    assert next(iter(job.shards[0].stub.PullRows(before, timeout=10))).header.layout_epoch == 0
+    job.push_rows(1, 1, job.fresh_ids(1))
+    job.push(0, 1), job.push(1, 1)
+    R, _, ids, _ = moved(job)
+    old = pb.PullRowsRequest(rank=0, trainer_id="t0", fingerprint=job.job.fingerprint, table="emb", min_version=R,
+                             ids=ids[shard_of(ids, 2) == 0].numpy().tobytes(), layout_epoch=0)
+    first = next(iter(job.shards[0].stub.PullRows(old, timeout=10)))  # the tombstone answers pulls up to R
+    assert (first.header.version, first.header.layout_epoch) == (R, 1)
+    for i in range(3):
+        reply = job.push_rows(i, R, job.fresh_ids(i, shards=3), layout=1)
+        assert (reply.outcome, reply.layout_epoch) == (pb.APPLIED, 1)
