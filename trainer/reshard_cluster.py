@@ -230,22 +230,46 @@ def summary_rows(h: dict) -> list[tuple[str, str]]:
 def steps_rows(hs: list[dict]) -> list[tuple[str, str]]:
     """print_summary's lines for every step (one step: the rows as before the steps)."""
     if len(hs) == 1:
-        return summary_rows(hs[0])
+        return summary_rows(hs[0]) + table_rows(hs[0])
     rows = []
     for i, h in enumerate(hs, 1):
         (_, move), (_, rates) = summary_rows(h)
         rows += [(f"re-shard {i} ({h['shards_before']} -> {h['shards_after']})", move),
                  (f"steps/s before / after {i}", rates)]
-    return rows
+    return rows + table_rows(hs[-1])
+
+
+def table_rows(h: dict) -> list[tuple[str, str]]:
+    """The tables' line of the summary (none without tables): each table's version and live rows, shard by shard."""
+    versions, rows = h.get("shard_table_versions"), h.get("shard_table_rows")
+    if not versions:
+        return []
+    names = sorted({n for v in versions for n in v})
+    return [("tables: version (rows)", "; ".join(
+        f"{n} " + " / ".join(f"{v.get(n, '-')} ({r.get(n, '-')})" for v, r in zip(versions, rows)) for n in names))]
 
 
 def with_shards(h: dict, stats: list) -> dict:
     """The hand-off with each shard's version and its newest layout's rounds and pushes applied (GetStats): after
-    the switch every shard counts the rounds from R on, each once."""
+    the switch every shard counts the rounds from R on, each once.  A job with tables adds each shard's table
+    versions and live rows (``table.<name>.version`` / ``.live_rows`` counters): a sync table is at the job's
+    version on every shard, its rows spread over the new shards."""
     got = [s for s in stats if s is not None]
-    return dict(h, shard_versions=[int(s.version) for s in got],
-                shard_rounds=[int(s.counters.get("steps", 0)) for s in got],
-                shard_pushes_applied=[int(s.counters.get("pushes_applied", 0)) for s in got])
+    out = dict(h, shard_versions=[int(s.version) for s in got],
+               shard_rounds=[int(s.counters.get("steps", 0)) for s in got],
+               shard_pushes_applied=[int(s.counters.get("pushes_applied", 0)) for s in got])
+    tables = [table_counts(s.counters) for s in got]
+    if any(tables):
+        out.update(shard_table_versions=[{n: v for n, (v, _) in t.items()} for t in tables],
+                   shard_table_rows=[{n: r for n, (_, r) in t.items()} for t in tables])
+    return out
+
+
+def table_counts(counters) -> dict[str, tuple[int, int]]:
+    """table name -> (version, live rows), from a shard's ``table.<name>.<counter>`` counters."""
+    names = {k[len("table."):-len(".version")] for k in counters if k.startswith("table.") and k.endswith(".version")}
+    return {n: (int(counters[f"table.{n}.version"]), int(counters.get(f"table.{n}.live_rows", 0)))
+            for n in sorted(names)}
 
 
 def last_with_shards(hs: list[dict], stats: list) -> list[dict]:

@@ -201,3 +201,24 @@ def test_a_summary_written_before_the_steps_reads_as_one_step():
     assert reshard_cluster.as_steps(old) == [old]
     assert cluster.reshard_counts({"shards": 2, "reshard": old}) == [2, 3]
     assert cluster.reshard_counts({"shards": 2, "reshard": [dict(shards_after=3), dict(shards_after=2)]}) == [2, 3, 2]
+
+
+class _Stats:
+    def __init__(self, version, counters):
+        self.version, self.counters = version, counters
+
+
+def test_a_job_with_tables_adds_each_shards_table_versions_and_rows_to_the_last_step_and_a_summary_line():
+    stats = [_Stats(60, {"steps": 43, "pushes_applied": 86, "table.user.version": 60, "table.user.live_rows": 300,
+                         "table.item.version": 60, "table.item.live_rows": 500, "table.item.rows_created": 9})
+             for _ in range(3)]
+    h = reshard_cluster.with_shards(dict(requested_round=4, round=17), stats)
+    assert h["shard_table_versions"] == [{"item": 60, "user": 60}] * 3
+    assert h["shard_table_rows"] == [{"item": 500, "user": 300}] * 3
+    assert reshard_cluster.table_rows(h) == [("tables: version (rows)",
+                                              "item 60 (500) / 60 (500) / 60 (500); user 60 (300) / 60 (300) / 60 (300)")]
+
+
+def test_a_dense_job_has_no_table_figures_and_no_table_line():
+    h = reshard_cluster.with_shards(dict(round=17), [_Stats(60, {"steps": 43, "pushes_applied": 86})])
+    assert "shard_table_versions" not in h and reshard_cluster.table_rows(h) == []
