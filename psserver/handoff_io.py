@@ -264,7 +264,9 @@ class HandoffIO:
                                  f"{list(plan.old)}: name this shard's address in it")
         moves = _moves(plan, job)
         if not any(m.src == plan.old_index for m in moves):
-            raise InvalidRequest(f"plan {plan.id!r} moves nothing from shard {plan.old_index}")
+            raise InvalidRequest(f"plan {plan.id!r} moves nothing from shard {plan.old_index}: its dense slice is "
+                                 f"empty (the job's {job.total_params} parameters over {job.num_shards} shards; mf has "
+                                 "1), and a live re-shard moves every old shard's slice: not built for an empty one")
 
     def _start_sources(self, job: JobSpec, plan: Plan) -> None:
         self.moves = plan.moves(job)
