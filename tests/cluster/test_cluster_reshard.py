@@ -112,3 +112,34 @@ def test_ps_cluster_reshard_moves_a_sync_table_job_ncf_live_and_its_summary_name
         done = next(r for r in reversed(records) if r["event"] == "done")
         assert (done["layouts_followed"], done["rows_tables_relaid"], done["retries"], done.get("pushes_rerouted", 0),
                 done.get("row_pushes_rerouted", 0)) == (1, 1, 0, 0, 0), done
+
+
+TABLE_DRAIN_STEPS = 200
+
+
+def test_ps_cluster_reshard_grows_then_drains_a_sync_table_job_2_3_2_and_each_layout_applies_its_rounds_once(tmp_path):
+    """NCF through 2 -> 3 -> 2 with the cluster command: the drained shard's rows go back to the two remaining
+    shards (tests/integration/test_handoff_rows_io.py checks them row by row), both end with every table at the job's
+    version, each layout applied each of its rounds once, and the trainers followed both layouts with their tables,
+    nothing retried or re-routed."""
+    run = tmp_path / "run"
+    proc = run_cluster(["--shards", "2", "--trainers", "2", "--reshard", f"3@{AT},2@{AT2}", "--steps",
+                        str(TABLE_DRAIN_STEPS), "--model", "ncf", "--dataset", "movielens100k", "--batch-size", "64",
+                        "--sparse-optimizer", "adagrad", "--device", "cpu", "--run-dir", str(run), "--log-level",
+                        "INFO"], timeout=500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    grow, drain = summary["reshard"]
+    assert AT <= grow["round"] < drain["round"] < TABLE_DRAIN_STEPS, (grow, drain)
+    assert "shard2 drained and stopped (exit code 0)" in proc.stderr
+    assert set(summary["exit_codes"].values()) == {0} and len(summary["exit_codes"]) == 7, summary["exit_codes"]
+    n = TABLE_DRAIN_STEPS - drain["round"]
+    assert (drain["shard_versions"], drain["shard_rounds"], drain["shard_pushes_applied"]) == (
+        [TABLE_DRAIN_STEPS] * 2, [n] * 2, [2 * n] * 2), drain
+    assert drain["shard_table_versions"] == [{"item": TABLE_DRAIN_STEPS, "user": TABLE_DRAIN_STEPS}] * 2, drain
+    for rank in (0, 1):
+        records = [json.loads(l) for l in (run / f"trainer{rank}.jsonl").read_text().splitlines() if l.startswith("{")]
+        done = next(r for r in reversed(records) if r["event"] == "done")
+        assert done["versions"] == [TABLE_DRAIN_STEPS] * 2, done
+        assert (done["layouts_followed"], done["rows_tables_relaid"], done["retries"], done.get("pushes_rerouted", 0),
+                done.get("row_pushes_rerouted", 0)) == (2, 2, 0, 0, 0), done
