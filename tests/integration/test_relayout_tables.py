@@ -3,8 +3,8 @@
 A sync job of a dense layer and a sync table (Adam, so rows carry optimizer state) on two shards runs R rounds;
 then both processes switch offline (ShardServer.switch_layout_offline) to one shard -- the first process -- of two
 partitions: the dense slices re-cut, every row re-placed by splitmix64(id) mod 1, each table from its own round
-(its version at the switch).  The trainer, one layout behind, pushes its table first: every old shard refuses it
-``layout-moved`` (nothing applied), it learns the layout, rebuilds its row routing, lanes and row calls for one
+(its version at the switch).  The trainer, one layout behind (its rows pulled before the switch), pushes its table
+first: every old shard refuses it ``layout-moved`` (nothing applied), it learns the layout, rebuilds its row routing, lanes and row calls for one
 shard, and sends the step whole in the new layout.  Its dense weights and every table row -- values and
 optimizer state -- must equal bit for bit those of the same job that never switched.
 """
@@ -65,10 +65,11 @@ def same_rows(a: dict, b: dict) -> bool:
 
 
 def train(servers, switch_at=None, before_step=lambda ps: None, connected=lambda ps: None, prefetch=False,
-          partitions=None):
+          partitions=None, after_pulls=False):
     """STEPS sync steps of one trainer (``prefetch``: each batch's rows pulled one step ahead, the steps then go
     as one Step call a shard, or beside the dense exchange when partitioned); (its dense parameters, its counters,
-    its job, the shards' rows)."""
+    its job, the shards' rows).  ``after_pulls``: the switch comes after step ``switch_at``'s forward and backward
+    (its rows pulled in the old layout, their replies naming it), before its push."""
     model, g = Net(), torch.Generator().manual_seed(7)
     with connect(",".join(s.address for s in servers), model, mode="sync", rank=0, num_trainers=1,
                  optimizer=OPTIMIZER, connect_timeout=30, partitions=partitions) as ps:
@@ -76,11 +77,14 @@ def train(servers, switch_at=None, before_step=lambda ps: None, connected=lambda
         batches = [batch(g) for _ in range(STEPS)]
         for i, (ids, x, y) in enumerate(ps.prefetching(batches, ids_of=lambda b: {"emb": b[0]}) if prefetch
                                         else batches):
-            if i == switch_at:
+            if i == switch_at and not after_pulls:
                 switch_to_one_shard(servers)
                 before_step(ps)
             ps.prepare_step(len(x))
             F.cross_entropy(model(ids, x), y).backward()
+            if i == switch_at and after_pulls:
+                switch_to_one_shard(servers)
+                before_step(ps)
             ps.step(num_samples=len(x))
         ps.flush()
         dense = model.head.weight.detach().clone().reshape(-1)
@@ -92,12 +96,25 @@ def test_a_trainer_whose_table_push_is_refused_layout_moved_reroutes_the_step_an
         shard_server):
     dense_ref, _, _, rows_ref = train([shard_server(shard=i).server for i in range(2)])
     servers = [shard_server(shard=i).server for i in range(2)]
-    dense, counters, job, rows = train(servers, switch_at=R)
+    dense, counters, job, rows = train(servers, switch_at=R, after_pulls=True)
     assert torch.equal(dense, dense_ref)
     assert same_rows(rows, rows_ref)  # every row: values, Adam's moments, the version it was last updated at
     assert (job.num_shards, job.partitions) == (1, 2)
     assert counters["row_pushes_rerouted"] == 2  # both old shards refused the table push at base R; sent again whole
     assert counters["pushes_rerouted"] == 0  # the dense exchange went in the new layout from the start
+
+
+def test_a_trainer_learns_a_switch_from_its_row_pulls_reply_and_pushes_its_table_in_the_new_layout_at_once(
+        shard_server):
+    """The switch comes before step R's forward: its rows, pulled in the old layout (a tombstone answers pulls up to
+    R), come back naming layout 1 (RowsHeader.layout_epoch), so the trainer switches before its push: nothing
+    refused or re-routed, and it still ends bit for bit as without a switch."""
+    dense_ref, _, _, rows_ref = train([shard_server(shard=i).server for i in range(2)])
+    servers = [shard_server(shard=i).server for i in range(2)]
+    dense, counters, job, rows = train(servers, switch_at=R)
+    assert torch.equal(dense, dense_ref) and same_rows(rows, rows_ref)
+    assert (job.num_shards, counters["layouts_followed"]) == (1, 1)
+    assert (counters["row_pushes_rerouted"], counters["pushes_rerouted"], counters["retries"]) == (0, 0, 0), counters
     assert (counters["layouts_followed"], counters["layout_fetches"], counters["tables_relaid"]) == (1, 1, 1)
     assert counters["steps_failed"] == counters["table_pushes_failed"] == counters["pushes_lost"] == 0
     head = servers[0].layouts.current.head
@@ -202,6 +219,7 @@ def test_two_sync_trainers_with_a_table_both_follow_the_switch_and_end_bit_for_b
     assert torch.equal(results[0], results[1])  # sync: both hold the same weights
     assert same_rows(rows, rows_ref)
     for rank in (0, 1):
-        assert (counters[rank]["row_pushes_rerouted"], counters[rank]["layouts_followed"]) == (2, 1)
+        # each learned the switch from its step's row pulls (their replies name layout 1): its push went there at once
+        assert (counters[rank]["row_pushes_rerouted"], counters[rank]["layouts_followed"]) == (0, 1)
         assert counters[rank]["steps_failed"] == counters[rank]["table_pushes_failed"] == 0
     assert servers[0].layouts.current.head.tables.get("emb").version == STEPS
