@@ -241,8 +241,8 @@ class LayoutHost:
                     ", ".join(layout.addresses))
 
     def retire(self) -> int:
-        """RETIRE: free every layout older than the newest -- its tensors, optimizer state and books -- keeping
-        the routing record (the timeline and its fingerprints, who its members were): every later call in it is
+        """RETIRE: free every layout older than the newest -- its tensors, optimizer state, books and memory
+        reservation -- keeping the routing record (the timeline and its fingerprints, who its members were): every later call in it is
         layout-moved.  Returns the bytes freed (counted tombstone_bytes_freed)."""
         self._first = self.timeline()[0]  # epoch 0's entry was read from its host's job, about to go
         freed = 0
@@ -254,6 +254,7 @@ class LayoutHost:
                     self._members |= {(r, t, part.job.fingerprint) for r, t in part.members.members().items()}
             self._retired.add(epoch)  # first: a call routed from now on is layout-moved, never half-freed state
             freed += sum(part.free_job() for part in host.parts)
+            host.plan = None  # its --max-memory reservation goes with its state (memory_reserved_bytes)
         if freed:
             _return_memory()
             self.current.count("tombstone_bytes_freed", freed)

@@ -204,3 +204,17 @@ def test_a_drain_off_a_round_boundary_is_refused_and_changes_nothing():
     with pytest.raises(ValueError, match="starts at round 3 but partition 0 is at version 2"):
         layouts.drain(LayoutEpoch(1, 3, 2, 1, ("a:1", "b:2")), "c:3")
     assert (layouts.newest, layouts.drained, layouts.drained_as) == (0, "", None)
+
+
+def test_retire_releases_the_freed_layouts_memory_reservation_so_a_drained_process_reports_none_reserved():
+    """issue 24: RETIRE freed the tombstone's tensors but kept its host's plan, so a drained, retired process
+    still said it reserved the old job's bytes of --max-memory (memory_reserved_bytes)."""
+    host, layouts = running()
+    reserved = host.snapshot().counters["memory_reserved_bytes"]
+    assert reserved > 0 and host.plan is not None
+    layouts.drain(LayoutEpoch(1, 2, 2, 1, ("a:1", "b:2"), "f2"), "c:3")
+    assert host.snapshot().counters["memory_reserved_bytes"] == reserved  # the tombstone still holds the job
+    layouts.retire()
+    assert host.plan is None
+    assert layouts.current.snapshot().counters["memory_reserved_bytes"] == 0
+    assert layouts.current.snapshot().counters["memory_tables_budget_bytes"] == 0
