@@ -242,8 +242,8 @@ class LayoutHost:
 
     def retire(self) -> int:
         """RETIRE: free every layout older than the newest -- its tensors, optimizer state, books and memory
-        reservation -- keeping the routing record (the timeline and its fingerprints, who its members were): every later call in it is
-        layout-moved.  Returns the bytes freed (counted tombstone_bytes_freed)."""
+        reservation -- keeping the routing record (the timeline and its fingerprints, who its members were): every
+        later call in it is layout-moved.  Returns the bytes freed (counted tombstone_bytes_freed)."""
         self._first = self.timeline()[0]  # epoch 0's entry was read from its host's job, about to go
         freed = 0
         for epoch, host in self._hosts.items():
