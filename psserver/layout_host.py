@@ -70,6 +70,10 @@ class LayoutHost:
         one layout behind needs to compute the newest layout's fingerprint."""
         return [h.head for h in self._hosts.values()]
 
+    def holds(self, epoch: int) -> bool:
+        """Whether layout ``epoch``'s state is here: served, not freed by RETIRE nor left behind by a restore."""
+        return epoch in self._hosts and epoch not in self._retired and epoch >= self._gone
+
     def was_member(self, rank: int, trainer_id: str, fingerprint: str) -> bool:
         """A member of a layout whose state RETIRE freed here (the routing record): it may still read the timeline."""
         return (rank, trainer_id, fingerprint) in self._members

@@ -256,7 +256,10 @@ class ParameterServerService(RowRpcs, StepRpc):
         request = _decoded(request)
         if request.op != _pb.ReshardRequest.STATUS:
             self._check_reshard_peer(context, "Reshard")
-        return await self._handoffs().reshard(request)
+        try:
+            return await self._handoffs().reshard(request)
+        finally:
+            self.drop_freed_rows()  # after RETIRE: the freed layouts' row calls go too
 
     @_refusals
     async def Handoff(self, request_iterator, context):

@@ -54,9 +54,19 @@ class RowRpcs:
             return self.rows
         calls = self._rows_by_epoch.get(epoch)
         if calls is None:
+            self.drop_freed_rows()
             calls = self._rows_by_epoch[epoch] = RowCalls(self.layouts.part(epoch, 0), self.runtime,
                                                           self.cfg.max_pull_wait)
         return calls
+
+    def drop_freed_rows(self) -> int:
+        """Forget the row calls of the layouts this process no longer holds (RETIRE freed them, or a restore left
+        them behind): each keeps remembered pulls and its tables' partition, one more per live re-shard otherwise.
+        On the loop, as ``rows_at``; returns how many were dropped."""
+        gone = [epoch for epoch in self._rows_by_epoch if not self.layouts.holds(epoch)]
+        for epoch in gone:
+            del self._rows_by_epoch[epoch]
+        return len(gone)
 
     @_refusals
     @_reply_stream

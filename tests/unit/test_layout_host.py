@@ -16,6 +16,8 @@ from psserver.protocol.layout import Layout
 from psserver.protocol.layouts import LayoutEpoch
 from psserver.protocol.rows.placement import shard_of
 from psserver.reshard import ReshardError
+from psserver.service import ServiceLimits
+from psserver.service_rows import RowRpcs
 from psserver.sparse.serving import RowsPush
 from tests.conftest import P, make_spec
 from tests.unit.test_shard_leases import LEASE, Clock
@@ -218,3 +220,29 @@ def test_retire_releases_the_freed_layouts_memory_reservation_so_a_drained_proce
     assert host.plan is None
     assert layouts.current.snapshot().counters["memory_reserved_bytes"] == 0
     assert layouts.current.snapshot().counters["memory_tables_budget_bytes"] == 0
+
+
+class _RowsOnly(RowRpcs):
+    """The servicer's row-call room alone (no gRPC, no runtime): what ``rows_at`` keeps per layout."""
+
+    def __init__(self, layouts):
+        self.layouts, self.runtime, self.cfg = layouts, None, ServiceLimits()
+        self.rows, self._rows_by_epoch = None, {}
+
+
+def test_row_calls_of_layouts_retire_freed_are_dropped_so_they_do_not_grow_with_every_reshard():
+    """issue 24: ``_rows_by_epoch`` kept a RowCalls (its remembered pulls, its freed partition) per layout ever
+    served; now a new layout's row calls, or any Reshard op, drop those of layouts this process no longer holds."""
+    host, layouts = running()
+    rows = _RowsOnly(layouts)
+    layouts.switch_offline(1, 0)
+    first = rows.rows_at(1)
+    assert rows.rows_at(1) is first  # kept while layout 1 serves
+    head = layouts.current.head
+    head.push(0, "t0", head.job.fingerprint, 2, 1, torch.ones(P), sequence=3)  # a round in layout 1
+    layouts.switch_offline(1, 0)
+    layouts.retire()  # frees layouts 0 and 1
+    rows.rows_at(2)
+    assert set(rows._rows_by_epoch) == {2}
+    assert not layouts.holds(1) and layouts.holds(2)
+    assert rows.drop_freed_rows() == 0  # nothing more to drop while layout 2 serves
