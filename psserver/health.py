@@ -40,6 +40,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from psserver.common.logsafe import RateLimitedLog
+from psserver.ports import host_port
 from psserver.protocol.errors import TooBusy
 from psserver.replies import Connections
 
@@ -155,7 +156,7 @@ def _probe_main(host: str, port: int, status, last_tick, stall_seconds: float, c
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=[("grpc.so_reuseport", 0)])
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = server.add_insecure_port(host_port(host, port))
     except RuntimeError:
         bound = 0
     if bound:
@@ -183,7 +184,7 @@ class ProbePort:
         bound = self._conn.recv() if self._conn.poll(START_TIMEOUT) else 0
         if not bound:
             self.stop()
-            raise OSError(f"cannot listen on {host}:{port} (--health-port): in use, not local, or too slow to start")
+            raise OSError(f"cannot listen on {host_port(host, port)} (--health-port): in use, not local, or too slow to start")
         self.port = bound
 
     def publish_tick(self, t: float) -> None:

@@ -15,6 +15,12 @@ import errno
 import socket
 
 
+def host_port(host: str, port: int) -> str:
+    """``host:port`` as gRPC and a --ps list read it: an IPv6 literal goes in brackets (``::`` -> ``[::]:7000``),
+    else gRPC reads ``:::7000`` as a host without a port and cannot bind or dial it."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 def check_bindable(host: str, port: int, flag: str) -> None:
     """Raise OSError naming ``host:port``, ``flag`` and the cause if a listener could not bind there.
 
@@ -23,7 +29,7 @@ def check_bindable(host: str, port: int, flag: str) -> None:
     """
     if port == 0:
         return
-    where = f"{host}:{port} ({flag})"
+    where = f"{host_port(host, port)} ({flag})"
     try:
         infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:

@@ -26,7 +26,7 @@ from psserver.handoff_io import HandoffIO
 from psserver.health import CappedHealth, LoopWatch, ProbePort
 from psserver.host import ShardHost
 from psserver.layout_host import LayoutHost
-from psserver.ports import check_bindable
+from psserver.ports import check_bindable, host_port
 from psserver.protocol.codec import DEFAULT_CHUNK_BYTES
 from psserver.protocol.layouts import LayoutEpoch
 from psserver.protocol.limits import MAX_JOIN_TIMEOUT
@@ -225,8 +225,8 @@ class ShardServer:
             if self.probe_port is not None:
                 self.probe_port.set_serving(True)
                 self.health_port = self.probe_port.port
-                log.info("shard %d answers health checks on %s:%d too (a process of its own)", self.cfg.shard,
-                         self.cfg.host, self.health_port)
+                log.info("shard %d answers health checks on %s too (a process of its own)", self.cfg.shard,
+                         host_port(self.cfg.host, self.health_port))
         except BaseException:
             if self.probe_port is not None:
                 self.probe_port.stop()
@@ -234,7 +234,7 @@ class ShardServer:
                 asyncio.run_coroutine_threadsafe(self.server.stop(0), self._loop).result(START_TIMEOUT)
             self._close_loop()
             raise
-        log.info("shard %d serving on %s:%d", self.cfg.shard, self.cfg.host, self.port)
+        log.info("shard %d serving on %s", self.cfg.shard, self.address)
         return self
 
     async def _start(self, service: ParameterServerService) -> int:
@@ -255,7 +255,7 @@ class ShardServer:
         add_service(service, self.server)
         self.health = CappedHealth(service.connections)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        address = f"{self.cfg.host}:{self.cfg.port}"
+        address = host_port(self.cfg.host, self.cfg.port)
         creds = self.cfg.security.credentials()
         try:
             port = (self.server.add_insecure_port(address) if creds is None
@@ -291,7 +291,7 @@ class ShardServer:
 
     @property
     def address(self) -> str:
-        return f"{self.cfg.host}:{self.port}"
+        return host_port(self.cfg.host, self.port)
 
     def stop(self, grace: float | None = None) -> None:
         """NOT_SERVING at once, waiting pulls released (UNAVAILABLE), in-flight calls drain within ``grace``,
