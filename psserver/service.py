@@ -79,6 +79,7 @@ from psserver.service_common import (
     _reply_stream,
     _safe,
     _StreamReader,
+    StreamEndedEarly,
 )
 from psserver.service_rows import RowRpcs
 from psserver.service_step import StepRpc
@@ -390,6 +391,8 @@ class ParameterServerService(RowRpcs, StepRpc):
         while chunk is not None:
             asm.add(chunk)
             chunk = await reader.next()
+        if isinstance(asm, ChunkAssembler) and asm.pos < asm.length:  # the stream ended before its chunks were whole
+            raise StreamEndedEarly(f"the chunks cover [0, {asm.pos}) but the slice is [0, {asm.length})")
         values = asm.finish(require_finite=False)
         self.shard.count("bytes_in", asm.bytes_read)
         if h.topk and sparse:

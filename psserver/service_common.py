@@ -70,10 +70,13 @@ def _refusals(method):
     async def wrapper(self, request, context):
         try:
             return await method(self, request, context)
-        except asyncio.CancelledError:  # the client went away (or its deadline passed): counted, not logged
-            self.shard.count("calls_cancelled")
+        except asyncio.CancelledError:  # the client went away (or its deadline passed)
+            _cancelled(self, method.__name__, context, "")
             raise
         except PsError as e:
+            if isinstance(e, StreamEndedEarly) and await _client_cancelled(context):
+                _cancelled(self, method.__name__, context, str(e))  # not a refusal: nothing of it was applied
+                raise asyncio.CancelledError from None
             code = e.code
             if e.trailers():  # what the client acts on (a reason, a stale push's version): psserver.protocol.rules
                 context.set_trailing_metadata(e.trailers())
@@ -87,6 +90,39 @@ def _refusals(method):
             await context.abort(code, str(e))
 
     return wrapper
+
+
+CANCEL_GRACE = 1.0  # seconds a stream that ended early waits for its call's cancellation (_client_cancelled)
+
+
+class StreamEndedEarly(InvalidRequest):
+    """A request stream that ended before its message was whole: its client closed it early (refused,
+    INVALID_ARGUMENT) or cancelled the call -- gRPC ends a cancelled call's request stream as if it were closed."""
+
+
+async def _client_cancelled(context) -> bool:
+    """Whether the client cancelled the call whose request stream just ended early.  gRPC tells the handler so
+    by cancelling its task a loop turn or more after the stream's end (``context.cancelled()`` stays False), and
+    there is nothing to await but that: wait for it at most CANCEL_GRACE seconds, so a cancelled push is counted
+    as one, not as bad input; a client that closed its stream early gets its refusal that much later."""
+    try:
+        await asyncio.sleep(CANCEL_GRACE)
+    except asyncio.CancelledError:
+        return True
+    return context.cancelled()
+
+
+def _cancelled(service, name: str, context, cut: str) -> None:
+    """A call its client cancelled: counted (``calls_cancelled``; ``streams_cancelled`` when its request stream was
+    cut before the shard read it whole -- nothing of it was applied) in the newest layout's stats, and logged at a
+    bounded rate: a push its trainer gave up on is never lost silently."""
+    service.host.count("calls_cancelled")
+    if cut:
+        service.host.count("streams_cancelled")
+    service.refusal_log.log(logging.INFO, f"{name}:cancelled", "shard %d: %s cancelled by its client %s%s",
+                            service.shard.shard_id, name, shorten(context.peer() or "?"),
+                            f" before the shard read its stream whole ({shorten(cut, 160)}): nothing of it applied"
+                            if cut else "")
 
 
 def _reply_stream(method):
@@ -194,7 +230,7 @@ class _StreamReader:
     async def first_header(self):
         first = await self.next()
         if first is None:
-            raise InvalidRequest("the stream is empty: the first chunk must carry a header")
+            raise StreamEndedEarly("the stream is empty: the first chunk must carry a header")
         return first, first_header(first)
 
 
