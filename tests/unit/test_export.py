@@ -122,3 +122,52 @@ def test_a_missing_partition_checkpoint_is_named(tmp_path):
     write_partitioned(tmp_path, skip_partition=2)
     with pytest.raises(ExportError, match="shard 0 has 3 partitions but partition 2 has no valid checkpoint"):
         load_states([str(tmp_path)])
+
+
+NEWER = {k: v + 100 for k, v in MODEL.items()}
+
+
+def write_later_layout(directories, num_shards=3, version=9, model=NEWER, skip=()):
+    """Layout 1's checkpoints (``L1-shard<i>-v…``, with the timeline) as a job re-sharded live to ``num_shards``
+    at round 7 leaves them beside its first layout's: shard i in ``directories[i % len(directories)]``."""
+    from psserver.protocol.layouts import LayoutEpoch
+
+    layout, job, flat = job_of(model, num_shards, job_id="run-a")
+    timeline = [LayoutEpoch(0, 0, 2, 1, (), "f0"), LayoutEpoch(1, 7, num_shards, 1, (), job.fingerprint)]
+    for i in range(num_shards):
+        if i in skip:
+            continue
+        start, end = layout.shard_range(i)
+        Checkpointer(directories[i % len(directories)], i, every=1, layout=1).write(
+            ShardState(i, version, job, flat[start:end].clone(), optimizer={},
+                       layouts=[e.to_proto().SerializeToString() for e in timeline]))
+
+
+def test_after_a_live_reshard_the_newest_layout_is_exported_and_named_and_layout_0_can_be_chosen(tmp_path, capsys):
+    """issue 24: export read the first layout's files only, so after a live re-shard it wrote the model as it was
+    at the switch.  Now it reads the newest layout the folders hold and says so; --layout 0 reads the first."""
+    dirs = [tmp_path / "a", tmp_path / "b", tmp_path / "c"]
+    write_job(dirs[:2], num_shards=2, version=7)  # the first layout, up to the switch at round 7
+    write_later_layout(dirs)  # layout 1 on three shards, later
+    out = tmp_path / "model.pt"
+    assert export_main(["--checkpoint-dir", ",".join(map(str, dirs)), "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "from 3 shards of layout 1 at version 9" in printed
+    assert "the folders hold layouts 0, 1; this is layout 1 (--layout picks another)" in printed
+    loaded = torch.load(out, weights_only=True)
+    assert all(torch.equal(loaded[k], v) for k, v in NEWER.items())
+    assert export_main(["--checkpoint-dir", ",".join(map(str, dirs)), "--output", str(out), "--layout", "0"]) == 0
+    assert "from 2 shards at version 7" in capsys.readouterr().out
+    loaded = torch.load(out, weights_only=True)
+    assert all(torch.equal(loaded[k], v) for k, v in MODEL.items())
+
+
+def test_a_later_layout_missing_a_shard_or_a_layout_not_held_is_refused_naming_the_layout(tmp_path):
+    dirs = [tmp_path / "a", tmp_path / "b", tmp_path / "c"]
+    write_job(dirs[:2], num_shards=2)
+    write_later_layout(dirs, skip=(2,))
+    with pytest.raises(ExportError, match=r"the job of layout 1 has 3 shards but no checkpoint of shard 2 was found: "
+                                          r".*--layout 0 reads its first layout"):
+        assemble(load_states([str(d) for d in dirs[:2]]))
+    with pytest.raises(ExportError, match=r"layout is 5 but .* hold checkpoints of layouts 0, 1 only"):
+        load_states([str(d) for d in dirs[:2]], layout=5)
