@@ -86,6 +86,11 @@ class ShardHost:
                          on_change=self._on_change, budget=self.budget, gauges=self._gauges,
                          join_timeout=self.join_timeout, layout=layout)
 
+    @property
+    def checkpoint_dir(self) -> str:
+        """Where partition 0 checkpoints ('' : nowhere); a drain's record goes there too (psserver.drain_record)."""
+        return self._checkpoint_dir
+
     # ------------------------------------------------------------------ partitions
     @property
     def head(self) -> Shard:

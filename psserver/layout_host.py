@@ -30,6 +30,7 @@ import ctypes
 import gc
 import logging
 
+from psserver import drain_record
 from psserver.host import ShardHost
 from psserver.protocol.errors import HandoffPending, LayoutAhead, LayoutMoved, NotInLayout, NotReady, PsError
 from psserver.protocol.job import table_mode
@@ -96,7 +97,7 @@ class LayoutHost:
         old layout's late calls until RETIRE), 'retired' (drained and freed: it holds no job state)."""
         if self.newest in self._hosts:
             return ""
-        return "retired" if all(e in self._retired for e in self._hosts) else "tombstone"
+        return "retired" if all(e in self._retired or e < self._gone for e in self._hosts) else "tombstone"
 
     def tick(self) -> float | None:
         """Every layout's leases and due rounds (the round timer's work); the earliest next deadline."""
@@ -240,9 +241,23 @@ class LayoutHost:
         self._later.append(layout)
         self.drained_as = you
         self.current.count("layouts_drained")
+        self._record_drain(layout, you)
         log.warning("shard %d: drained from layout %d (round %d on, %d shards: %s); the old layout's late calls are "
                     "answered until RETIRE", self.current.shard_id, layout.number, layout.round, layout.num_shards,
                     ", ".join(layout.addresses))
+
+    def _record_drain(self, layout: LayoutEpoch, you: str) -> None:
+        """``drained.json`` beside the checkpoints (psserver.drain_record): a ``--restore`` comes back drained, not
+        serving the old layout at R as if nothing had happened."""
+        directory = self.current.checkpoint_dir
+        if not directory:
+            return
+        try:
+            drain_record.write(directory, layout.number, you, self.timeline_bytes())
+        except OSError as e:
+            self.current.count("drain_record_failed")
+            log.error("shard %d: cannot record the drain in %s (%s): a --restore of this process would serve layout "
+                      "0 again; stop it rather than restore it", self.current.shard_id, directory, e)
 
     def retire(self) -> int:
         """RETIRE: free every layout older than the newest -- its tensors, optimizer state, books and memory
@@ -300,15 +315,19 @@ class LayoutHost:
         return layout
 
     # ------------------------------------------------------------------ after a restart
-    def restored(self, timeline: list[LayoutEpoch], host: ShardHost) -> None:
+    def restored(self, timeline: list[LayoutEpoch], host: ShardHost | None, drained_as: str | None = None) -> None:
         """Serve the newest layout of ``timeline`` with ``host``, restored from that layout's checkpoints: the
-        layouts before it are known (a call in one is ``layout-moved``) but hold nothing here."""
+        layouts before it are known (a call in one is ``layout-moved``) but hold nothing here.  ``host`` None: this
+        process was drained from it (as ``drained_as``; psserver.drain_record) and serves nothing: retired."""
         newest = timeline[-1]
         self._first, self._later = timeline[0], list(timeline[1:])
-        self._hosts[newest.number] = host
-        self._gone = newest.number
-        log.warning("shard %d: restored in layout %d (%d shards, %d partitions, from round %d)", host.shard_id,
-                    newest.number, newest.num_shards, newest.partitions, newest.round)
+        if host is not None:
+            self._hosts[newest.number] = host
+        self._gone, self.drained_as = newest.number, drained_as
+        log.warning("shard %d: restored %s layout %d (%d shards, %d partitions, from round %d)",
+                    self._hosts[0].shard_id if host is None else host.shard_id,
+                    "drained from" if host is None else "in", newest.number, newest.num_shards, newest.partitions,
+                    newest.round)
 
     def final_checkpoint(self) -> None:
         """The newest layout's final checkpoint; the older ones' (tombstones) writers stop, writing nothing more."""

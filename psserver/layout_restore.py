@@ -4,7 +4,8 @@ After a layout switch (offline or live, psserver.layout_host) a shard checkpoint
 ``L<e>-shard<i>-v…`` beside the first layout's ``shard<i>-v…`` (psserver.checkpoint.file_name), each carrying the
 layout timeline.  A restart takes the newest layout that has a valid file: its pieces come back on a host of that
 layout, the timeline with them, so calls in the newest layout are served and calls in an older one are answered
-``layout-moved`` (its tombstone is not on disk).  A folder with only first-layout files is restored as before.
+``layout-moved`` (its tombstone is not on disk).  A folder with only first-layout files is restored as before,
+unless it holds the record of a drain (psserver.drain_record): a drained process comes back drained and retired.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from psserver import drain_record
 from psserver.checkpoint import layouts_in
 from psserver.host import ShardHost
 from psserver.layout_host import LayoutHost
@@ -56,8 +58,9 @@ def restore(host: ShardHost, layouts: LayoutHost, directory: str) -> ShardHost:
     """Restore this process from ``directory``: the newest layout with a valid checkpoint; returns the host that
     serves (``host`` itself when only the first layout's files are there, restored as before)."""
     found = layouts_in(directory) if Path(directory).is_dir() else set()
+    record = _drain_record(directory)
     for layout, index in candidates(found, host.shard_id):
-        if layout == 0:
+        if layout == 0 or (record is not None and layout < record[0]):
             break
         later = host.successor(index, layout)
         if later.restore() is None:  # every file of this layout damaged: try an older one
@@ -68,8 +71,24 @@ def restore(host: ShardHost, layouts: LayoutHost, directory: str) -> ShardHost:
         timeline = check_timeline(later, layout)
         layouts.restored(timeline, later)
         return later
+    if record is not None:  # drained after every layout it has files of: it comes back drained, holding nothing
+        layout, you, saved = record
+        timeline = decode_timeline(saved)
+        if not timeline or timeline[-1].number != layout:
+            raise RestoreError(f"layout is {layout} in {directory}/{drain_record.NAME} but its timeline ends in "
+                               f"{timeline[-1].number if timeline else 'nothing'}")
+        layouts.restored(timeline, None, you)
+        return host
     host.restore()
     return host
+
+
+def _drain_record(directory: str) -> tuple[int, str, list[bytes]] | None:
+    """The folder's drain record (psserver.drain_record), RestoreError if it is damaged."""
+    try:
+        return drain_record.read(directory)
+    except ValueError as e:
+        raise RestoreError(f"cannot tell whether this process was drained: {e}") from None
 
 
 def check_timeline(host: ShardHost, layout: int) -> list[LayoutEpoch]:

@@ -11,7 +11,7 @@ from psserver.checkpoint import Checkpointer, ShardState, file_name, list_checkp
 from psserver.host import ShardHost
 from psserver.layout_host import LayoutHost
 from psserver.layout_restore import RestoreError, candidates, decode_timeline, restore
-from psserver.protocol.errors import LayoutMoved
+from psserver.protocol.errors import LayoutMoved, NotInLayout
 from psserver.protocol.layouts import LayoutEpoch
 from psserver.reshard import ReshardError, recut
 from psserver.reshard_files import check_target, load_pieces
@@ -175,3 +175,47 @@ def test_a_sync_tables_rows_and_its_own_switch_round_come_back_with_the_later_la
     want, got = before.current.head.capture().tables["emb"]["rows"], served.head.capture().tables["emb"]["rows"]
     assert torch.equal(got["ids"], want["ids"]) and torch.equal(got["rows"], want["rows"])
     assert served.head.tables.get("emb").version == 3
+
+
+# --------------------------------------------------------------------------------------- a drained process
+def drained_host(tmp_path):
+    """A one-shard job's process checkpointing every version into ``tmp_path``, drained at round 2 (layout 1 on
+    two other processes, this one c:3), then stopped: its folder holds only layout 0's files, at R."""
+    host = ShardHost(0, checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    host.part_for_register(0, 0, 0, JOB).register(0, "t0", 0, JOB)
+    host.head.init(0, "t0", JOB.fingerprint, torch.zeros(JOB.total_params))
+    for base in range(2):
+        host.head.push(0, "t0", JOB.fingerprint, base, 1, torch.ones(JOB.total_params), sequence=base + 1)
+    layouts = LayoutHost(host)
+    layouts.drain(LayoutEpoch(1, 2, 2, 1, ("a:1", "b:2"), "f2"), "c:3")
+    layouts.final_checkpoint()
+    return layouts
+
+
+def test_a_drained_process_restored_comes_back_drained_and_retired_not_serving_its_old_layout(tmp_path):
+    """issue 24: a drained process writes no later layout's files, so --restore brought back layout 0 at R and
+    served the job as if nothing had happened.  DECIDE now leaves drained.json: it comes back drained, holding
+    nothing, every older layout's call layout-moved and the newest's not-in-layout."""
+    before = drained_host(tmp_path)
+    assert (tmp_path / "drained.json").is_file() and file_name(0, 2) in {p.name for p in tmp_path.glob("*.ckpt")}
+    host = ShardHost(0, checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    layouts = LayoutHost(host)
+    assert restore(host, layouts, str(tmp_path)) is host
+    assert (layouts.newest, layouts.drained, layouts.drained_as) == (1, "retired", "c:3")
+    assert layouts.timeline() == before.timeline()
+    assert host.head.job is None and host.head.params is None  # layout 0's files were not read
+    with pytest.raises(LayoutMoved, match="restarted in layout 1 .* holds nothing of layout 0"):
+        layouts.push_part(0, 0, 1)
+    with pytest.raises(LayoutMoved):
+        layouts.register_host(0)  # the old job cannot be joined again here
+    with pytest.raises(NotInLayout, match=r"this shard c:3 is not among layout 1's shards \['a:1', 'b:2'\]"):
+        layouts.push_part(1, 0, 2)
+
+
+def test_a_damaged_drain_record_refuses_the_restore_in_one_line(tmp_path):
+    drained_host(tmp_path)
+    (tmp_path / "drained.json").write_text("{not json")
+    host = ShardHost(0, checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    with pytest.raises(RestoreError, match=r"cannot tell whether this process was drained: .*drained.json is "
+                                           r"damaged"):
+        restore(host, LayoutHost(host), str(tmp_path))
