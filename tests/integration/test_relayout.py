@@ -97,10 +97,11 @@ def test_a_trainer_that_saw_the_new_layout_in_a_reply_switches_before_pushing_an
     assert counters["pushes_rerouted"] == 0 and counters["layouts_followed"] == 1
 
 
-def train_two(servers, switch_at=None):
-    """Two trainers (threads) of one sync job, STEPS steps each on their own data; with ``switch_at``, both stop
-    between steps (a barrier: every round up to R closed, none open) while the shards switch.  Their parameters."""
-    models, results, counters = [Net() for _ in range(2)], {}, {}
+def two_trainers(servers, make_model, loss, weights, counts, switch_at=None):
+    """Two trainers (threads) of one sync job, STEPS steps each on their own data (``loss(model, g, ps)``, ``g``
+    seeded by rank); with ``switch_at``, both stop between steps (a barrier: every round up to R closed, none
+    open) while the shards switch (``switch_to_one_shard``).  ({rank: weights(model)}, {rank: counts(ps)})."""
+    models, results, counters = [make_model() for _ in range(2)], {}, {}
     between = threading.Barrier(2, timeout=WAIT_TIMEOUT)
 
     def run(rank):
@@ -113,16 +114,28 @@ def train_two(servers, switch_at=None):
                     if rank == 0:
                         switch_to_one_shard(servers)
                     between.wait()
-                x, y = torch.randn(8, 12, generator=g), torch.randint(0, 4, (8,), generator=g)
-                ps.prepare_step(len(x))
-                F.cross_entropy(models[rank](x), y).backward()
-                ps.step(num_samples=len(x))
+                value, n = loss(models[rank], g, ps)  # (the step's loss, its samples), after prepare_step
+                value.backward()
+                ps.step(num_samples=n)
             ps.flush()
-            results[rank] = torch.cat([p.detach().reshape(-1).clone() for p in models[rank].parameters()])
-            counters[rank] = Counter(ps.client.counters)
+            results[rank], counters[rank] = weights(models[rank]), counts(ps)
 
     run_ranks(run, 2)
     return results, counters
+
+
+def train_two(servers, switch_at=None):
+    """``two_trainers`` of Net: their flat parameters and counters."""
+    def loss(model, g, ps):
+        x, y = torch.randn(8, 12, generator=g), torch.randint(0, 4, (8,), generator=g)
+        ps.prepare_step(len(x))
+        return F.cross_entropy(model(x), y), len(x)
+
+    return two_trainers(servers, Net, loss, flat_parameters, lambda ps: Counter(ps.client.counters), switch_at)
+
+
+def flat_parameters(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
 
 
 def test_two_sync_trainers_both_follow_the_switch_and_end_bit_for_bit_as_without_one(shard_server):

@@ -11,7 +11,6 @@ optimizer state -- must equal bit for bit those of the same job that never switc
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 
 import pytest
@@ -19,8 +18,7 @@ import torch
 from torch.nn import functional as F
 
 from psserver.protocol.rows.optim import SparseOptimizerConfig
-from tests.helpers import WAIT_TIMEOUT, run_ranks
-from tests.integration.test_relayout import switch_to_one_shard
+from tests.integration.test_relayout import switch_to_one_shard, two_trainers
 from trainer import connect
 from trainer.embedding import ShardedEmbedding
 
@@ -183,31 +181,15 @@ def test_a_trainer_prefetching_rows_follows_the_switch_its_refused_step_rerouted
 
 
 def train_two(servers, switch_at=None):
-    """Two trainers (threads) of one sync job, STEPS steps each on their own data; with ``switch_at`` both stop
-    between steps (a barrier: every dense and table round up to R closed, none open) while the shards switch.
-    (Their dense parameters, their counters, the shards' rows.)"""
-    models, results, counters = [Net() for _ in range(2)], {}, {}
-    between = threading.Barrier(2, timeout=WAIT_TIMEOUT)
+    """test_relayout's ``two_trainers`` of this Net: with ``switch_at`` every dense and table round up to R closed,
+    none open, at the switch.  (Their dense parameters, their counters, the shards' rows.)"""
+    def loss(model, g, ps):
+        ids, x, y = batch(g)
+        ps.prepare_step(len(x))
+        return F.cross_entropy(model(ids, x), y), len(x)
 
-    def run(rank):
-        g = torch.Generator().manual_seed(11 + rank)
-        with connect(",".join(s.address for s in servers), models[rank], mode="sync", rank=rank, num_trainers=2,
-                     optimizer=OPTIMIZER, connect_timeout=30) as ps:
-            for i in range(STEPS):
-                if i == switch_at:
-                    between.wait()
-                    if rank == 0:
-                        switch_to_one_shard(servers)
-                    between.wait()
-                ids, x, y = batch(g)
-                ps.prepare_step(len(x))
-                F.cross_entropy(models[rank](ids, x), y).backward()
-                ps.step(num_samples=len(x))
-            ps.flush()
-            results[rank] = models[rank].head.weight.detach().clone().reshape(-1)
-            counters[rank] = Counter(ps.client.counters) + Counter(ps.rows.counters)
-
-    run_ranks(run, 2)
+    results, counters = two_trainers(servers, Net, loss, lambda m: m.head.weight.detach().clone().reshape(-1),
+                                     lambda ps: Counter(ps.client.counters) + Counter(ps.rows.counters), switch_at)
     return results, counters, table_rows(servers)
 
 
