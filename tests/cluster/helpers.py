@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.proto import ps_pb2_grpc as pb_grpc
 from psserver.protocol.stubs import fetch_stat
+from psserver.reshard_cmd import reshard_main
 from tests.cluster.faultproxy import FaultProxy
 from trainer.procs import Proc, start_shard, start_trainer, wait_all
 
@@ -59,6 +61,22 @@ class JobRun:
 
     def stats(self, shard: int) -> pb.StatsReply:
         return fetch_stat(self.shards[shard].address)
+
+
+def reshard_shards(tmp_path: Path, extra_args: list[list[str]] | None = None) -> list[Proc]:
+    """Three real ps-server processes for a live re-shard: the job starts on the first two, the third is started
+    empty (the new shard of 2 -> 3; drained again by 3 -> 2)."""
+    return [start_shard(i, tmp_path / f"shard{i}.log", extra_args=(extra_args or [[], [], []])[i]) for i in range(3)]
+
+
+def live_reshard(capsys, old: list[str], new: list[str]) -> tuple[int, str]:
+    """``ps-server reshard --ps OLD --to NEW`` in-process (the command's code and argv: a subprocess would spend
+    seconds importing while the trainers train), asserted to exit 0: (R, the round the new layout takes over at;
+    its lines)."""
+    rc = reshard_main(["--ps", ",".join(old), "--to", ",".join(new), "--wait", "120"])
+    out, err = capsys.readouterr()
+    assert rc == 0, out + err
+    return int(re.search(r"takes over at round (\d+)", out).group(1)), out
 
 
 def run_job(run_dir: Path, num_shards: int, num_trainers: int, args: list[str], per_rank: dict | None = None,

@@ -11,39 +11,30 @@ trainers are not paced, as in tests/cluster/test_live_reshard.py: a source whose
 rounds.  STEPS leaves both hand-offs room inside the run (asserted).
 """
 
-import re
 
 import torch
 
 from psserver.protocol.stubs import fetch_stat
-from psserver.reshard_cmd import reshard_main
+from tests.cluster.helpers import live_reshard, reshard_shards
 from tests.cluster.test_live_reshard import done_line, reference, run_trainers
 from tests.helpers import wait_until
-from trainer.procs import start_shard, wait_all
+from trainer.procs import wait_all
 
 STEPS = 320  # unpaced: both R must fall inside the run (asserted)
 
 
-def reshard(capsys, old: list[str], new: list[str]) -> tuple[int, str]:
-    """``ps-server reshard`` in-process (a subprocess would spend seconds importing while they train): R, its lines."""
-    rc = reshard_main(["--ps", ",".join(old), "--to", ",".join(new), "--wait", "120"])
-    out, err = capsys.readouterr()
-    assert rc == 0, out + err
-    return int(re.search(r"takes over at round (\d+)", out).group(1)), out
-
-
 def test_two_sync_trainers_follow_a_live_2_to_3_to_2_reshard_the_drained_shard_stops_with_0_and_the_model_is_exact(
         tmp_path, capsys):
-    shards = [start_shard(i, tmp_path / f"shard{i}.log") for i in range(3)]  # the third started empty
+    shards = reshard_shards(tmp_path)
     two, three = [s.address for s in shards[:2]], [s.address for s in shards]
     procs = list(shards)
     try:
         procs += run_trainers(tmp_path, "live", ",".join(two), [], STEPS)
         wait_until(lambda: all(fetch_stat(a).version >= 2 for a in two), "the job to pass round 2", timeout=120)
-        R1, _ = reshard(capsys, two, three)
+        R1, _ = live_reshard(capsys, two, three)
         wait_until(lambda: all(fetch_stat(a).version >= R1 + 2 for a in three), "layout 1 to pass R + 2",
                    timeout=120)
-        R2, out = reshard(capsys, three, two)
+        R2, out = live_reshard(capsys, three, two)
         assert f"(drains {three[2]})" in out and out.strip().splitlines()[-1] == (
             f"drained {three[2]}: it holds no job state now and may be stopped"), out
         assert fetch_stat(three[2]).drained == "retired"

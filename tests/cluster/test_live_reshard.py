@@ -12,12 +12,11 @@ forwards catch up (counted ``handoff_rounds_throttled``).
 """
 
 import json
-import re
 
 import torch
 
 from psserver.protocol.stubs import fetch_stat
-from psserver.reshard_cmd import reshard_main
+from tests.cluster.helpers import live_reshard, reshard_shards
 from tests.helpers import wait_until
 from trainer.procs import start_shard, start_trainer, wait_all
 
@@ -55,16 +54,13 @@ def reference(tmp_path, steps: int = STEPS) -> dict:
 
 def test_two_sync_trainers_follow_a_live_2_to_3_reshard_and_end_bit_for_bit_as_a_job_that_never_resharded(
         tmp_path, capsys):
-    shards = [start_shard(i, tmp_path / f"shard{i}.log") for i in range(3)]  # the third started empty
+    shards = reshard_shards(tmp_path)
     old, new = [s.address for s in shards[:2]], [s.address for s in shards]
     procs = list(shards)
     try:
         procs += run_trainers(tmp_path, "live", ",".join(old), [])
         wait_until(lambda: all(fetch_stat(a).version >= 2 for a in old), "the job to pass round 2", timeout=120)
-        # in-process (the command's code, its argv): a subprocess would spend seconds importing while they train
-        rc = reshard_main(["--ps", ",".join(old), "--to", ",".join(new), "--wait", "120"])
-        out, err = capsys.readouterr()
-        assert rc == 0, out + err
+        R, out = live_reshard(capsys, old, new)
         codes = wait_all(procs[3:], 300)
         assert codes == {"trainer0": 0, "trainer1": 0}, procs[3].log_tail(40) + procs[4].log_tail(40)
         stats = [fetch_stat(a) for a in new]
@@ -72,7 +68,6 @@ def test_two_sync_trainers_follow_a_live_2_to_3_reshard_and_end_bit_for_bit_as_a
         for p in procs:
             p.kill()
     assert "done: layout 1" in out, out
-    R = int(re.search(r"takes over at round (\d+)", out).group(1))
     assert 2 <= R < STEPS, out  # the switch fell inside the run: the trainers had to follow it
     for s in stats:  # layout 1's job on each of the three: from R to the end, each round applied once
         c = s.counters

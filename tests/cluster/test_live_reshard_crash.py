@@ -14,18 +14,16 @@ after that checkpoint was never answered, so the trainers send it again to the r
 already is answered DUPLICATE from its restored book).
 """
 
-import re
 
 import torch
 
 from psserver.checkpoint import list_checkpoints, parse_name
 from psserver.protocol.stubs import fetch_stat
-from psserver.reshard_cmd import reshard_main
-from tests.cluster.helpers import restart_on_its_port
+from tests.cluster.helpers import live_reshard, reshard_shards, restart_on_its_port
 from tests.cluster.test_live_reshard import STEPS, done_line, reference, run_trainers
 from tests.helpers import wait_until
 from tests.integration.switchproxy import SwitchProxy
-from trainer.procs import start_shard, wait_all
+from trainer.procs import wait_all
 
 VICTIM = 1
 PACE = ["--step-delay", "0.05"]  # the run lasts long enough for a switch, two rounds in layout 1 and the kill
@@ -40,17 +38,14 @@ def test_a_shard_killed_after_a_live_2_to_3_reshard_restores_in_layout_1_and_the
         tmp_path, capsys):
     ckpt = [tmp_path / f"ckpt{i}" for i in range(3)]
     args = [["--checkpoint-dir", str(ckpt[i]), "--checkpoint-every", "1"] for i in range(3)]
-    shards = [start_shard(i, tmp_path / f"shard{i}.log", extra_args=args[i]) for i in range(3)]
+    shards = reshard_shards(tmp_path, args)
     proxy = SwitchProxy(shards[VICTIM].address)
     seen = [shards[0].address, proxy.address, shards[2].address]  # what trainers and the coordinator call
     procs = list(shards)
     try:
         procs += run_trainers(tmp_path, "live", ",".join(seen[:2]), PACE)
         wait_until(lambda: all(fetch_stat(s.address).version >= 2 for s in shards[:2]), "round 2", timeout=120)
-        rc = reshard_main(["--ps", ",".join(seen[:2]), "--to", ",".join(seen), "--wait", "120"])
-        out, err = capsys.readouterr()
-        assert rc == 0, out + err
-        R = int(re.search(r"takes over at round (\d+)", out).group(1))
+        R, _ = live_reshard(capsys, seen[:2], seen)
         assert R + 2 < STEPS, f"the switch fell at round {R}: too late to crash a shard in layout 1"
         wait_until(lambda: fetch_stat(shards[VICTIM].address).version >= R + 2, "two rounds in layout 1", timeout=120)
         proxy.refuse()  # from here no answer of shard 1 reaches a trainer

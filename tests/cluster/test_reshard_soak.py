@@ -24,14 +24,12 @@ from collections import defaultdict
 import torch
 
 from psserver.protocol.stubs import fetch_stat
-from psserver.reshard_cmd import reshard_main
 from tests.cluster.faultproxy import FaultProxy
-from tests.cluster.helpers import pull_params
+from tests.cluster.helpers import live_reshard, pull_params, reshard_shards
 from tests.helpers import wait_until
 from trainer import connect
 from trainer.api import make_job
 from trainer.attempt import StepFailed
-from trainer.procs import start_shard
 
 P, TRAINERS, TAIL = 20_000, 2, 10
 ACKED = {"applied", "accepted", "duplicate"}
@@ -95,17 +93,9 @@ def expected_params(records: list[list]) -> torch.Tensor:
     return -sum(sums[v] / counts[v].clamp(min=1) for v in sorted(sums))
 
 
-def reshard(capsys, old: list[str], new: list[str]) -> tuple[int, str]:
-    """``ps-server reshard`` in-process, through the proxies: its R and its lines."""
-    rc = reshard_main(["--ps", ",".join(old), "--to", ",".join(new), "--wait", "120"])
-    out, err = capsys.readouterr()
-    assert rc == 0, out + err
-    return int(re.search(r"takes over at round (\d+)", out).group(1)), out
-
-
 def test_acknowledged_pushes_through_faults_and_a_live_2_to_3_to_2_are_each_in_the_final_parameters_once(
         tmp_path, capsys):
-    shards = [start_shard(i, tmp_path / f"shard{i}.log") for i in range(3)]  # the third started empty
+    shards = reshard_shards(tmp_path)
     proxies, threads, last = [], [], {"step": None}
     records, errors = [[] for _ in range(TRAINERS)], []
     try:
@@ -117,12 +107,12 @@ def test_acknowledged_pushes_through_faults_and_a_live_2_to_3_to_2_are_each_in_t
             t.start()
         wait_until(lambda: all(fetch_stat(s.address).version >= 3 for s in shards[:2]), "round 3", timeout=120)
         faults = [sum(p.faults for p in proxies)]  # before, during and after each hand-off (reported)
-        R1, out1 = reshard(capsys, two, three)
+        R1, out1 = live_reshard(capsys, two, three)
         faults.append(sum(p.faults for p in proxies))
         wait_until(lambda: all(fetch_stat(s.address).version >= R1 + 5 for s in shards), "layout 1 past R1 + 5",
                    timeout=120)
         faults.append(sum(p.faults for p in proxies))
-        R2, out2 = reshard(capsys, three, two)
+        R2, out2 = live_reshard(capsys, three, two)
         faults.append(sum(p.faults for p in proxies))
         assert out2.strip().splitlines()[-1] == f"drained {three[2]}: it holds no job state now and may be stopped"
         assert fetch_stat(shards[2].address).drained == "retired"

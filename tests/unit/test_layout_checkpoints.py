@@ -64,15 +64,20 @@ def test_the_layout_timeline_round_trips_and_a_first_layout_file_has_none():
     assert decode_timeline(ShardState.from_bytes(a_state(5).to_bytes()).layouts) == []
 
 
-def switched_host(tmp_path, rounds_after=1):
-    """A one-shard host checkpointing into ``tmp_path`` every 5 versions, switched offline at round 2 to layout 1
-    (two shards, this one shard 0), then ``rounds_after`` rounds in layout 1, then shut down (final checkpoints)."""
-    host = ShardHost(0, checkpoint_dir=str(tmp_path), checkpoint_every=5)
+def checkpointing_host(tmp_path, every: int) -> ShardHost:
+    """A one-shard job's host checkpointing into ``tmp_path`` every ``every`` versions, after two rounds of rank 0."""
+    host = ShardHost(0, checkpoint_dir=str(tmp_path), checkpoint_every=every)
     host.part_for_register(0, 0, 0, JOB).register(0, "t0", 0, JOB)
     host.head.init(0, "t0", JOB.fingerprint, torch.zeros(JOB.total_params))
     for base in range(2):
         host.head.push(0, "t0", JOB.fingerprint, base, 1, torch.ones(JOB.total_params), sequence=base + 1)
-    layouts = LayoutHost(host)
+    return host
+
+
+def switched_host(tmp_path, rounds_after=1):
+    """A one-shard host checkpointing into ``tmp_path`` every 5 versions, switched offline at round 2 to layout 1
+    (two shards, this one shard 0), then ``rounds_after`` rounds in layout 1, then shut down (final checkpoints)."""
+    layouts = LayoutHost(checkpointing_host(tmp_path, every=5))
     layouts.switch_offline(2, 0)
     new = layouts.current
     for base in range(2, 2 + rounds_after):
@@ -181,12 +186,7 @@ def test_a_sync_tables_rows_and_its_own_switch_round_come_back_with_the_later_la
 def drained_host(tmp_path):
     """A one-shard job's process checkpointing every version into ``tmp_path``, drained at round 2 (layout 1 on
     two other processes, this one c:3), then stopped: its folder holds only layout 0's files, at R."""
-    host = ShardHost(0, checkpoint_dir=str(tmp_path), checkpoint_every=1)
-    host.part_for_register(0, 0, 0, JOB).register(0, "t0", 0, JOB)
-    host.head.init(0, "t0", JOB.fingerprint, torch.zeros(JOB.total_params))
-    for base in range(2):
-        host.head.push(0, "t0", JOB.fingerprint, base, 1, torch.ones(JOB.total_params), sequence=base + 1)
-    layouts = LayoutHost(host)
+    layouts = LayoutHost(checkpointing_host(tmp_path, every=1))
     layouts.drain(LayoutEpoch(1, 2, 2, 1, ("a:1", "b:2"), "f2"), "c:3")
     layouts.final_checkpoint()
     return layouts
