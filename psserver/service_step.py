@@ -33,6 +33,7 @@ from psserver.service_common import (
     _refusals,
     _reply_stream,
     _StreamReader,
+    StreamEndedEarly,
 )
 from psserver.shard import PushResult, Shard
 from psserver.sparse.serving import RowsPush
@@ -120,6 +121,8 @@ class StepRpc:
                     self._check_step_header(p, collected.parts[0])
                     if p.index == 0:
                         await held.enter_async_context(self._rank_slot(p.header.rank))
+        if not collected.parts:  # (what a Step its client cancelled before its first message reads as)
+            raise StreamEndedEarly("the Step stream is empty: it must carry at least one part")
         return collected.finish(), collected.one_reply
 
     def _check_step_header(self, p, first) -> None:

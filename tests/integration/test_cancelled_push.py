@@ -44,6 +44,22 @@ def test_a_push_cancelled_by_its_client_is_counted_cancelled_and_logged_not_refu
     assert ready.push(torch.ones(P), version=1).outcome == pb.APPLIED  # it still serves
 
 
+def test_a_step_cancelled_by_its_client_before_its_first_message_is_counted_cancelled_not_refused(ready, caplog):
+    caplog.set_level(logging.INFO, logger="psserver.service")
+    before = ready.digest()
+    gate = threading.Event()
+    try:
+        call = ready.stub.Step(_held_stream([], gate), timeout=60)  # a server stream: cancelled as an iterator
+        wait_until(lambda: ready.stats().counters["connections"] >= 1, "the shard to be reading the step")
+        call.cancel()
+        counters = wait_until(lambda: (c := ready.stats().counters)["streams_cancelled"] and c, "the count")
+    finally:
+        gate.set()
+    assert counters["calls_cancelled"] == 1 and "refused_INVALID_ARGUMENT" not in counters
+    assert "Step cancelled by its client" in caplog.text
+    assert ready.digest() == before
+
+
 def test_a_push_stream_its_client_closes_early_is_still_refused_invalid_argument_and_changes_nothing(ready):
     refused(lambda: ready.push_chunks(_chunks(ready)[:1]), grpc.StatusCode.INVALID_ARGUMENT,
             "the chunks cover [0, 256) but the slice is [0, 1000)", unchanged=ready)
