@@ -7,12 +7,14 @@ import socket
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from psserver.ports import host_port
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.proto import ps_pb2_grpc as pb_grpc
 from tests.helpers import wait_until
+from trainer import connect
 from trainer.procs import start_shard
 
 
@@ -37,7 +39,8 @@ def test_an_ipv6_literal_is_bracketed_in_host_port_and_other_hosts_are_not():
 
 
 @NO_IPV6
-def test_ps_server_on_ipv6_any_prints_a_dialable_address_and_serves_stats_and_health_over_ipv6_loopback(tmp_path):
+def test_ps_server_on_ipv6_any_prints_a_dialable_address_serves_stats_health_and_a_trainer_over_ipv6_loopback(
+        tmp_path):
     log = tmp_path / "shard0.log"
     proc = start_shard(0, log, host="::", extra_args=["--insecure", "--health-port", "0"])
     try:
@@ -52,6 +55,12 @@ def test_ps_server_on_ipv6_any_prints_a_dialable_address_and_serves_stats_and_he
         with grpc.insecure_channel(f"[::1]:{line.group(1)}") as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        model = torch.nn.Linear(4, 2)  # a trainer given the shard as --ps [::1]:PORT
+        with connect(f"[::1]:{port}", model, mode="sync", rank=0, num_trainers=1,
+                     optimizer={"name": "sgd", "lr": 0.1}, connect_timeout=60) as ps:
+            ps.prepare_step(2)
+            model(torch.randn(2, 4)).sum().backward()
+            assert ps.step(num_samples=2).versions == [1]
         assert proc.terminate() == 0
     finally:
         proc.kill()
