@@ -124,10 +124,13 @@ class PartReplay:
         return True
 
 
-def assemble(parts: list[PartReplay], cfg: OptimizerConfig) -> DenseSlice:
-    """The new piece from its parts, in range order, once all are at one version (refused otherwise)."""
+def assemble(parts: list[PartReplay], cfg: OptimizerConfig, version: int | None = None) -> DenseSlice:
+    """The new piece from its parts, in range order, once all are at one version (refused otherwise).
+    ``version``: an async job's new version R, its parts each at or below it (their sources' stops)."""
     parts = sorted(parts, key=lambda p: p.a)
     versions = sorted({p.version for p in parts})
+    if version is not None and versions[-1] <= version:
+        versions = [version]
     if len(versions) != 1:
         raise InvalidRequest(f"the parts of a new piece are at versions {versions}: replay them to one first")
     gaps = [(x.b, y.a) for x, y in zip(parts, parts[1:]) if x.b != y.a]

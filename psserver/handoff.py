@@ -89,7 +89,8 @@ class Propose:
 
 @dataclass(frozen=True)
 class Commit:
-    round: int  # R: the largest proposal
+    round: int  # R: the largest proposal (an async job: the source's own version now, its stop)
+    stop_now: bool = False  # async (docs/live-reshard.md stage 8): no rounds, so the source stops where it is
 
 
 @dataclass(frozen=True)

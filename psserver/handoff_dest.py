@@ -45,6 +45,7 @@ class DestPiece(TerminationEvents):
     waiting: int = 0  # base-R pushes waiting for DECIDE
     deadline: float | None = None
     term: Termination = field(default_factory=Termination)
+    stops_differ: bool = False  # an async job: each source votes at its own stop V (round: the largest)
 
     def on(self, event, now: float) -> tuple["DestPiece", list]:
         """(new state, actions) for ``event`` at clock time ``now``; refusals raise and change nothing."""
@@ -66,7 +67,7 @@ class DestPiece(TerminationEvents):
         if e.need_bytes > e.available_bytes:
             raise OutOfMemory(f"prepare needs {e.need_bytes} bytes for {self.label}'s new piece but "
                               f"{e.available_bytes} are available under --max-memory")
-        fresh = DestPiece(self.timeout, self.label)  # a new plan: nothing of an aborted one carries over
+        fresh = DestPiece(self.timeout, self.label, stops_differ=self.stops_differ)  # a new plan: nothing of an aborted one carries over
         return replace(fresh, state=DestState.RECEIVING, parts=tuple(e.parts), versions=(None,) * len(e.parts)), []
 
     def _on_PartCopied(self, e: h.PartCopied, now: float):
@@ -118,11 +119,11 @@ class DestPiece(TerminationEvents):
     # ------------------------------------------------------------------ votes and the decision
     def _on_SourceVote(self, e: h.SourceVote, now: float):
         self._check_part(e.part)
-        if self.state is DestState.READY and e.part in self.voted and e.round == self.round:
+        if self.state is DestState.READY and e.part in self.voted and (e.round == self.round or self.stops_differ):
             return self, []
         if self.state is not DestState.REPLAYING:
             raise NotReady(f"a vote for part {e.part} reached {self.label} in state {self.state.value}")
-        if self.round is not None and e.round != self.round:
+        if self.round is not None and e.round != self.round and not self.stops_differ:
             raise InvalidRequest(f"a vote names R={e.round} but another source voted for R={self.round}")
         have = self.versions[e.part]
         if have != e.round or e.digest != e.mine:
@@ -131,7 +132,7 @@ class DestPiece(TerminationEvents):
             return replace(self, state=DestState.DROPPED, round=e.round, term=Termination(Known.ABORT)), [
                 h.SendVote(e.round, True), h.DropParts(), h.Count("handoff_digest_mismatches",
                                                                   f"{self.label} votes abort: {why}")]
-        s = replace(self, round=e.round, voted=self.voted | {e.part})
+        s = replace(self, round=max(e.round, self.round or 0), voted=self.voted | {e.part})
         if len(s.voted) == len(self.parts):
             return replace(s, state=DestState.READY), [h.SendVote(e.round, False)]
         return s, []
@@ -181,7 +182,7 @@ class DestPiece(TerminationEvents):
                 h.Count("handoff_dest_restarts", f"{self.label} restarted in {self.state.value} (R={self.round}): "
                                                  "it is re-seeded from the tombstones if the decision is switch")]
         if self.state in (DestState.RECEIVING, DestState.REPLAYING):
-            s = replace(DestPiece(self.timeout, self.label), term=Termination(Known.ABORT))
+            s = replace(DestPiece(self.timeout, self.label, stops_differ=self.stops_differ), term=Termination(Known.ABORT))
             return s, [h.SendVote(self.round if self.round is not None else -1, True), h.Count(
                 "handoff_dest_restarts", f"{self.label} restarted in {self.state.value}, before its vote: it "
                                          "restarts empty and votes abort")]

@@ -29,6 +29,7 @@ import threading
 from dataclasses import dataclass
 
 from psserver import handoff as h
+from psserver import handoff_io_async as async_
 from psserver.budget import dense_bytes, handoff_bytes
 from psserver.handoff_dest import DestState
 from psserver.handoff_io_dest import DestSide
@@ -45,7 +46,6 @@ from psserver.protocol.errors import (InvalidRequest, JobMismatch, NotPermitted,
 from psserver.protocol.job import JobSpec
 from psserver.protocol.layouts import LayoutEpoch, Move, first_layout, new_job, next_layout, plan_moves
 from psserver.protocol.proto import ps_pb2 as _pb
-from psserver.protocol.rules import Mode
 from psserver.protocol.security import ClientSecurity
 
 log = logging.getLogger(__name__)
@@ -212,7 +212,7 @@ class HandoffIO:
         committed = max((s.machine.round or 0 for s in self.sources), default=0)
         return _pb.ReshardReply(plan=self.plan.id if self.plan else "", handoffs=self.records(), proposal=proposal,
                                 version=head.version, layout_epoch=self.layouts.newest, round=committed,
-                                drained=self.layouts.drained)
+                                drained=self.layouts.drained, followed=async_.followed(self.layouts))
 
     def _check_plan(self, plan: str) -> None:
         if self.plan is None or self.plan.id != plan:
@@ -246,9 +246,7 @@ class HandoffIO:
 
     def _check_job(self, job: JobSpec, plan: Plan) -> None:
         """PREPARE's refusals (docs/status-codes.md): FAILED_PRECONDITION each, nothing changed."""
-        if job.mode != Mode.SYNC:
-            raise JobMismatch(f"mode is {job.mode} but a live re-shard takes mode sync (async and stale-timeout "
-                              "come in later stages of docs/live-reshard.md)")
+        async_.check_job(job, self.layouts.current.part(0).cursor.next)  # sync, or async (stage 8)
         check_tables(job)
         for part in self.layouts.current.parts[:job.partitions]:
             if part.params is None:  # nothing to copy yet (before: copy_range's AttributeError, UNKNOWN)
@@ -294,6 +292,8 @@ class HandoffIO:
 
     def _propose(self, request) -> None:
         with self.lock:
+            if self.sources and async_.is_async(self.sources[0].part.job):
+                return  # no rounds to hold: COMMIT stops each source where it is (proposal 0)
             for s in self.sources:
                 s.machine, actions = s.machine.on(h.Propose(s.part.version), self.clock())
                 s.carry(actions)
@@ -301,6 +301,9 @@ class HandoffIO:
     def _commit(self, request) -> None:
         with self.lock:
             sides = list(self.sources)
+            if sides and async_.is_async(sides[0].part.job):  # no rounds: each source stops where it is
+                async_.commit(self, sides)
+                return
             for s in sides:  # checked on every move first: a refusal changes nothing
                 s.machine.on(h.Commit(request.round), self.clock())
             self.rows.check_commit(request.round)
@@ -323,8 +326,9 @@ class HandoffIO:
         for m in [*self.sources, *self.dests.values()]:  # checked everywhere first: a refusal changes nothing
             m.machine.on(decide, now)
         switch = request.switch and not self.switched
-        drain = self._drained_layout() if switch and self.plan.new_index is None else None
-        new = self._new_layout() if switch and drain is None else None
+        R = async_.new_round(self, request.round) if switch and self._async() else None  # (sync: None)
+        drain = self._drained_layout(R) if switch and self.plan.new_index is None else None
+        new = self._new_layout(R) if switch and drain is None else None
         if not request.switch:  # before the replies go out: the push of base R that follows is taken
             self.layouts.handoff_round = None
         for s in self.sources:
@@ -332,12 +336,16 @@ class HandoffIO:
         for d in self.dests.values():
             d.carry(d.machine_on(decide))
         if new is not None:
-            self.layouts.install(*new)
+            self.layouts.install(*new, stops_below=R is not None)
             self.moved.keep(new[0].number, new[0].round, {k: d.books_by_slot() for k, d in self.dests.items()})
             self.switched = True
         elif drain is not None:
-            self.layouts.drain(drain, self.plan.you)
+            self.layouts.drain(drain, self.plan.you, stops_below=R is not None)
             self.switched = True
+        if R is not None and self.switched:
+            async_.switched(self, self.layouts.timeline()[-1])
+        elif not request.switch:
+            async_.aborted(self)
         self.layouts.handoff_round = None
         for part in self.release_after_install:  # after the install: the replies name the new layout
             self.runtime.holds.release(part)
@@ -363,22 +371,27 @@ class HandoffIO:
                 d.replays.clear()
             self.layouts.retire()
 
-    def _drained_layout(self):
+    def _async(self) -> bool:
+        job = self.layouts.current.head.job
+        return async_.is_async(job if job is not None else next((d.job for d in self.dests.values()), None))
+
+    def _drained_layout(self, async_round: int | None = None):
         """DECIDE switch on a shard left out of ``--to``: the next layout from R (no piece of it here); NotReady,
-        changing nothing, unless the old layout is at R with no round open."""
+        changing nothing, unless the old layout is at R with no round open (async: at its stops, ``async_round``)."""
         plan, job = self.plan, self.layouts.current.head.job
-        R = max((s.machine.round or 0 for s in self.sources), default=0)
+        R = max((s.machine.round or 0 for s in self.sources), default=0) if async_round is None else async_round
         job2 = plan.layouts(job)[2]
         layout = with_table_rounds(next_layout(self.layouts.timeline(), job2, R, plan.new), job2)
         try:
-            self.layouts.check_boundary(layout)
+            self.layouts.check_boundary(layout, stops_below=async_round is not None)
         except ValueError as e:
             raise NotReady(f"decide is switch but {e}: the old layout must stop at R (docs/handoff-io.md)") from None
         return layout
 
-    def _new_layout(self) -> tuple:
+    def _new_layout(self, async_round: int | None = None) -> tuple:
         """DECIDE switch: (the next layout from R, its host made from the new pieces, epoch 0); NotReady, changing
-        nothing, unless every new piece is READY and the old layout is at R with no round open."""
+        nothing, unless every new piece is READY and the old layout is at R with no round open.  ``async_round``:
+        an async job's R, which every new piece starts at (psserver.handoff_io_async)."""
         plan, dests = self.plan, self.dests
         job = next(iter(dests.values())).job if dests else None
         if job is None or len(dests) != plan.layouts(job)[2].partitions or any(
@@ -386,14 +399,14 @@ class HandoffIO:
             raise NotReady(f"decide is switch but this shard's new pieces are "
                            f"{[d.machine.state.value for d in dests.values()]}, not every one ready")
         _, _, job2 = plan.layouts(job)
-        states = [dests[k].state(plan.new_index, job2) for k in range(job2.partitions)]
+        states = [dests[k].state(plan.new_index, job2, async_round) for k in range(job2.partitions)]
         R = states[0].version
         states[0] = dataclasses.replace(states[0], tables=self.rows.tables_state(job, len(plan.old), R))
         timeline = self.layouts.timeline() if self.layouts.current.head.job is not None or self.layouts.newest \
             else [first_layout(job)]
         layout = with_table_rounds(next_layout(timeline, job2, R, plan.new), job2)
         try:
-            self.layouts.check_boundary(layout)
+            self.layouts.check_boundary(layout, stops_below=async_round is not None)
         except ValueError as e:
             raise NotReady(f"decide is switch but {e}: the old layout must stop at R (docs/handoff-io.md)") from None
         host = self.layouts.current.successor(plan.new_index)

@@ -15,6 +15,7 @@ from psserver.handoff_dest import DestPiece
 from psserver.protocol.job import JobSpec
 from psserver.protocol.layouts import Move
 from psserver.protocol.proto import ps_pb2 as _pb
+from psserver.protocol.rules import Mode
 
 log = logging.getLogger(__name__)
 COPY, FORWARD = _pb.HandoffChunk.COPY, _pb.HandoffChunk.FORWARD
@@ -27,7 +28,8 @@ class DestSide:
     def __init__(self, io, partition: int, moves: list[tuple[int, Move]], job: JobSpec):
         self.io, self.partition, self.job = io, partition, job
         self.moves = [i for i, _ in moves]
-        self.machine = DestPiece(io.timeout, label=f"new piece {partition}")
+        self.machine = DestPiece(io.timeout, label=f"new piece {partition}",
+                                 stops_differ=job.mode == Mode.ASYNC)  # (psserver.handoff_io_async)
         self.replays: dict[int, PartReplay] = {}
         self.timeline: str | None = None  # the first vote's: every source's must agree with it
         self.members: dict = {}
@@ -88,9 +90,10 @@ class DestSide:
         copy = copy_range(replay.dense, replay.a, replay.a, replay.b)
         return range_digest(copy.params, copy.optimizer, timeline)
 
-    def state(self, shard: int, job2: JobSpec) -> ShardState:
-        """The new partition's state at R: its parts laid end to end, an empty book, the members at R."""
-        piece = assemble([self.replays[i] for i in range(len(self.moves))], self.job.optimizer)
+    def state(self, shard: int, job2: JobSpec, version: int | None = None) -> ShardState:
+        """The new partition's state at R: its parts laid end to end, an empty book, the members at R.
+        ``version``: an async job's R, its parts each at their source's stop (psserver.handoff_io_async)."""
+        piece = assemble([self.replays[i] for i in range(len(self.moves))], self.job.optimizer, version)
         params, optimizer = piece.capture()
         return ShardState(shard, piece.version, job2, params, optimizer, members=dict(self.members),
                           partition=self.partition, epochs=self.epochs)

@@ -165,6 +165,8 @@ class SourceMove(TerminationEvents):
         if self.state not in (SourceState.HOLDING, SourceState.TAILING):
             raise NotReady(f"commit reached {self.label}'s move [{self.a}, {self.b}) in state {self.state.value}: "
                            "it takes a commit only while tailing or holding")
+        if e.stop_now:
+            return self._stop_now(e.round, now)
         why = commit_window(self.version, e.round)
         if why == "late":
             raise JobMismatch(f"commit round is {e.round} but {self.label} is at version {self.version}: R must be "
@@ -178,6 +180,20 @@ class SourceMove(TerminationEvents):
         s = replace(self, state=SourceState.BLOCKING, round=e.round, deadline=None)
         # replies handing out R wait first, then rounds below R close in the old layout; round R waits
         return s, [h.HoldReplies(e.round), h.HoldRounds(e.round)]
+
+    def _stop_now(self, version: int, now: float):
+        """An async job's commit (no rounds to close): the source stops applying pushes at its version now, V;
+        replies handing out V wait for DECIDE as a sync R's do.  Every forward below V acknowledged: it votes at
+        once; else once the last one is."""
+        if version != self.version:
+            raise JobMismatch(f"commit version is {version} but {self.label} is at version {self.version}: an async "
+                              "source stops at the version it is at")
+        s = replace(self, state=SourceState.BLOCKING, round=version, deadline=None)
+        actions = [h.HoldReplies(version), h.HoldRounds(version)]
+        if s.forwarded_to == version:
+            return replace(s, state=SourceState.BLOCKED, deadline=now + self.timeout), actions + [
+                h.SendVote(version, False)]
+        return s, actions
 
     # ------------------------------------------------------------------ the decision
     def _switch(self, term: Termination):

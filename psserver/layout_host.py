@@ -181,6 +181,8 @@ class LayoutHost:
     def _check(self, epoch: int, value: int, pull: bool, table: str = "") -> None:
         if epoch == 0 and not self._later:
             return
+        if not pull and not table and epoch == self.newest and epoch in self._hosts and self._async():
+            return  # an async push in the newest layout, whatever its base (psserver.handoff_io_async)
         timeline = self.timeline()
         refused = self._elsewhere(epoch) or refusal(timeline, epoch, value, pull, table)
         if refused is None:
@@ -191,6 +193,10 @@ class LayoutHost:
         self.current.count("refused_layout_moved" if isinstance(refused, LayoutMoved) else
                            "refused_not_in_layout" if isinstance(refused, NotInLayout) else "refused_layout_ahead")
         raise refused
+
+    def _async(self) -> bool:
+        job = self.current.head.job
+        return job is not None and job.mode == Mode.ASYNC
 
     def register_host(self, epoch: int) -> ShardHost:
         """The host a Register in layout ``epoch`` joins: only the newest layout takes members."""
@@ -218,11 +224,13 @@ class LayoutHost:
         return current.heartbeat(index, rank, trainer_id, fingerprint)
 
     # ------------------------------------------------------------------ switching
-    def install(self, layout: LayoutEpoch, host: ShardHost, first: LayoutEpoch | None = None) -> None:
+    def install(self, layout: LayoutEpoch, host: ShardHost, first: LayoutEpoch | None = None,
+                stops_below: bool = False) -> None:
         """Serve ``layout`` with ``host`` from its round on.  Only at a round boundary: every partition of the
         current host at version ``layout.round`` with no round open, so no round is open across the switch.
-        ``first``: epoch 0, for a process that joined the job by a hand-off (its own epoch 0 ran no job)."""
-        self.check_boundary(layout)
+        ``first``: epoch 0, for a process that joined the job by a hand-off (its own epoch 0 ran no job);
+        ``stops_below``: an async job, whose partitions stopped at or below ``layout.round``."""
+        self.check_boundary(layout, stops_below)
         _carry_handoff_counters(self.current, host)
         self._hosts[layout.number] = host
         self._later.append(layout)
@@ -234,10 +242,10 @@ class LayoutHost:
         log.warning("shard %d: serving layout %d (%d shards, %d partitions) from round %d", host.shard_id,
                     layout.number, layout.num_shards, layout.partitions, layout.round)
 
-    def drain(self, layout: LayoutEpoch, you: str) -> None:
+    def drain(self, layout: LayoutEpoch, you: str, stops_below: bool = False) -> None:
         """Take ``layout``, which has no piece on this process (``you``), as the newest from its round on: no host is
         installed; the old one is the tombstone until RETIRE.  Only at a round boundary, as ``install``."""
-        self.check_boundary(layout)
+        self.check_boundary(layout, stops_below)
         self._later.append(layout)
         self.drained_as = you
         self.current.count("layouts_drained")
@@ -282,14 +290,15 @@ class LayoutHost:
                         ": this process holds no job state and may be stopped" if self.drained else "")
         return freed
 
-    def check_boundary(self, layout: LayoutEpoch) -> None:
-        """ValueError unless ``layout`` could be installed now (``install``'s check, changing nothing)."""
+    def check_boundary(self, layout: LayoutEpoch, stops_below: bool = False) -> None:
+        """ValueError unless ``layout`` could be installed now (``install``'s check, changing nothing).
+        ``stops_below``: an async job's partitions may be below ``layout.round`` (each stopped at its own V)."""
         if layout.number != self.newest + 1:
             raise ValueError(f"layout is {layout.number} but the next layout here is {self.newest + 1}")
         job = self.current.head.job
         for part in self.current.parts[:job.partitions if job is not None else 0]:
             version, weight = part.version, part.round.weight  # read, not captured: a capture copies every row
-            if version != layout.round or weight:
+            if (version > layout.round if stops_below else version != layout.round) or weight:
                 raise ValueError(f"layout {layout.number} starts at round {layout.round} but partition "
                                  f"{part.partition} is at version {version}"
                                  f"{' with a round open' if version == layout.round else ''}")

@@ -103,7 +103,7 @@ class Coordinator:
         """Round R closed on every new shard: every trainer pushed in the new layout, so none has a call in the
         old one still unanswered (in sync mode its step of base R-1 was answered on every old shard first)."""
         R = max(r.round for r in replies.values())
-        return all(replies[a].version > R for a in self.new)
+        return all(replies[a].version > R and replies[a].followed for a in self.new)
 
     def before_retire(self, replies: dict[str, _pb.ReshardReply]) -> None:
         """RETIRE frees the tombstones, which answer an old-layout retry (a lost reply of round R-1 sent again:
@@ -139,10 +139,12 @@ class Coordinator:
                 R = max(self.call(a, Op.PROPOSE).proposal for a in self.old)
             self.call_all(Op.COMMIT, round=R)
             self.say(f"committed: the new layout takes over at round {R}")
-            self.wait(lambda r: set(self.phases(r)) == {"source:blocked", "dest:ready"},
-                      f"every source to reach round {R} and every new piece to replay it")
+            replies = self.wait(lambda r: set(self.phases(r)) == {"source:blocked", "dest:ready"},
+                                f"every source to reach round {R} and every new piece to replay it")
             blocked = time.monotonic()
-            self.call_all(Op.DECIDE, switch=True)
+            # an async job's sources stopped each at its own version (psserver.handoff_io_async): the new layout
+            # starts at the largest; a sync job's are all R
+            self.call_all(Op.DECIDE, switch=True, round=max(r.round for r in replies.values()))
             self.say(f"switched (block {time.monotonic() - blocked:.3f} s)")
         handoff = time.monotonic() - t0  # PREPARE -> switched: the retire wait is the trainers' pace, not the move's
         self.before_retire(self.call_all(Op.STATUS))

@@ -63,6 +63,10 @@ class ShardPushes:
                 if claim is not None:
                     self.cursor.claim(rank, trainer_id, *claim)  # a retried claim: the same batch
                 return PushResult("duplicate", self.version, 0), grad
+            if self.push_gate is not None:  # after the book: a retry of an acknowledged push is still DUPLICATE
+                refusal = self.push_gate(self)
+                if refusal is not None:
+                    raise refusal
             info = PushInfo(rank, base, num_samples, sequenced=bool(sequence), payload=grad)
             now = self._clock()
             d = modes.decide_push(self._cfg, self._view(), rank, base, now, finite=finite, sequenced=bool(sequence))

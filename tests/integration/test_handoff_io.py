@@ -237,11 +237,11 @@ def still_serves(job, i=0):
     assert job.push(i, base).outcome == pb.APPLIED
 
 
-@pytest.mark.parametrize("job_spec, fragments", [
-    (spec(mode="async"), ("mode is async", "mode sync")),
-    (spec(mode="stale-timeout", sync_timeout=30.0), ("mode is stale-timeout", "mode sync")),
+@pytest.mark.parametrize("job_spec, fragments", [  # an async job moves since stage 8 (test_handoff_async.py)
+    (spec(mode="stale-timeout", sync_timeout=30.0), ("mode is stale-timeout", "mode sync or mode async")),
     (spec(tables=(TableSpec("emb", 4, seed=7, mode="async"),)), ("table 'emb' mode is async", "table mode sync")),
-], ids=["async", "stale-timeout", "async-table"])
+    (spec(mode="async", tables=(TableSpec("emb", 4, seed=7),)), ("table 'emb' mode is async", "table mode sync")),
+], ids=["stale-timeout", "async-table", "async-job-with-a-table"])
 def test_prepare_on_a_job_that_is_not_sync_is_failed_precondition_naming_the_field(shard_server, job_spec,
                                                                                          fragments):
     job = Job(shard_server, job_spec)

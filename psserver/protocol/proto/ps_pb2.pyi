@@ -249,7 +249,7 @@ class ReshardRequest(_message.Message):
     def __init__(self, op: _Optional[_Union[ReshardRequest.Op, str]] = ..., plan: _Optional[str] = ..., old_addresses: _Optional[_Iterable[str]] = ..., new_addresses: _Optional[_Iterable[str]] = ..., partitions: _Optional[int] = ..., round: _Optional[int] = ..., switch: _Optional[bool] = ..., you: _Optional[str] = ...) -> None: ...
 
 class ReshardReply(_message.Message):
-    __slots__ = ("plan", "handoffs", "proposal", "version", "layout_epoch", "round", "drained")
+    __slots__ = ("plan", "handoffs", "proposal", "version", "layout_epoch", "round", "drained", "followed")
     PLAN_FIELD_NUMBER: _ClassVar[int]
     HANDOFFS_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +257,7 @@ class ReshardReply(_message.Message):
     LAYOUT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     DRAINED_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWED_FIELD_NUMBER: _ClassVar[int]
     plan: str
     handoffs: _containers.RepeatedCompositeFieldContainer[HandoffState]
     proposal: int
@@ -264,7 +265,8 @@ class ReshardReply(_message.Message):
     layout_epoch: int
     round: int
     drained: str
-    def __init__(self, plan: _Optional[str] = ..., handoffs: _Optional[_Iterable[_Union[HandoffState, _Mapping]]] = ..., proposal: _Optional[int] = ..., version: _Optional[int] = ..., layout_epoch: _Optional[int] = ..., round: _Optional[int] = ..., drained: _Optional[str] = ...) -> None: ...
+    followed: bool
+    def __init__(self, plan: _Optional[str] = ..., handoffs: _Optional[_Iterable[_Union[HandoffState, _Mapping]]] = ..., proposal: _Optional[int] = ..., version: _Optional[int] = ..., layout_epoch: _Optional[int] = ..., round: _Optional[int] = ..., drained: _Optional[str] = ..., followed: _Optional[bool] = ...) -> None: ...
 
 class HandoffChunk(_message.Message):
     __slots__ = ("kind", "plan", "source", "move", "version", "data")
