@@ -278,6 +278,8 @@ class HandoffIO:
             side.carry(actions)
             self.sources.append(side)
             part.round_listener = self._round_listener
+            if async_.is_async(job):  # the throttle and the stop hold pushes, not rounds
+                part.push_gate = async_.held_gate(side.machine.label)
 
     def _round_listener(self, part, version: int, average, lr) -> None:
         """A partition closed a round: each of its moves' logs keeps it.  Never fails the round (counted)."""

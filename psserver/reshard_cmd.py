@@ -137,7 +137,10 @@ class Coordinator:
             R = max(r.round for r in replies.values())
             if not R:
                 R = max(self.call(a, Op.PROPOSE).proposal for a in self.old)
-            self.call_all(Op.COMMIT, round=R)
+            committed = self.call_all(Op.COMMIT, round=R)
+            # an async job's sources each stopped at their own version (no proposal): the new layout starts at
+            # the largest (psserver.handoff_io_async); a sync job's replies all name R
+            R = max(r.round for r in committed.values()) or R
             self.say(f"committed: the new layout takes over at round {R}")
             replies = self.wait(lambda r: set(self.phases(r)) == {"source:blocked", "dest:ready"},
                                 f"every source to reach round {R} and every new piece to replay it")

@@ -93,6 +93,18 @@ def moved_everywhere(failed: dict, applied: Sequence[int]) -> int | None:
     return max(newest)
 
 
+def moved_partly(failed: dict, applied: Sequence[int]) -> int | None:
+    """An async step some slots applied before a live re-shard's stop and the rest refused ``layout-moved`` after
+    the switch (each old shard stopped at its own version, psserver.handoff_io_async): the newest layout, when every
+    failure is that refusal and some slot applied it; else None.  Those slots applied nothing, so their parts are
+    dropped as a stale push's are (never acknowledged, never lost); sending them to the new layout would apply the
+    applied slots' ranges twice."""
+    newest = [refused_layout_moved(e) if isinstance(e, grpc.RpcError) else None for e in failed.values()]
+    if not newest or not applied or any(n is None for n in newest):
+        return None
+    return max(newest)
+
+
 def rows_moved(error: BaseException) -> int | None:
     """The newest layout when ``error`` is a table push (trainer.sparse_client.RowsPushFailed: ``failed``,
     ``done``) that every shard refused ``layout-moved`` and none answered: it changed nothing, and goes again

@@ -16,7 +16,7 @@ from concurrent.futures import wait as futures_wait
 import grpc
 import torch
 
-from psserver.protocol.rules import STALE, reply_version
+from psserver.protocol.rules import STALE, Mode, reply_version
 from trainer.attempt import (
     Move,
     StepAttempt,
@@ -26,6 +26,7 @@ from trainer.attempt import (
     after_rejoin,
     lost_past_switch,
     moved_everywhere,
+    moved_partly,
     moved_past_unreachable,
     rejoins_on,
     slot_move,
@@ -132,6 +133,10 @@ class DenseExchange:
         lost = lost_past_switch(failed, attempt.applied()) if self.answers_lost and not attempt.pipelined else None
         if lost is not None:  # answered by the lost slots' new owners if a layout took over (trainer.lost_slots)
             raise StepPastLost(lost, self.steps + 1, attempt.applied(), failed, *names)
+        dropped = moved_partly(failed, attempt.applied()) if self.slots.job.mode == Mode.ASYNC else None
+        if dropped is not None:  # an async step split by a live re-shard's stops: the refused parts dropped
+            self._drop_moved(attempt, failed, dropped)
+            return
         partly = moved_past_unreachable(failed, attempt.applied())
         if partly is not None:  # re-routed if its base is past the new layout's R, else raised as failed
             raise StepMoved(partly[0], self.steps + 1, [], failed, *names, unreachable=partly[1])
@@ -140,6 +145,20 @@ class DenseExchange:
                            [s.name for s in self.client.parts])
         log.warning("rank %d: %s", self.session.rank, error)
         raise error from next(iter(failed.values()))
+
+    def _drop_moved(self, attempt: StepAttempt, failed: dict, newest: int) -> None:
+        """The slots of an async step that refused it ``layout-moved`` (trainer.attempt.moved_partly) answered as
+        if stale: nothing applied there, the step done, the next one in the new layout (counted, logged)."""
+        for i in failed:
+            s = self.client.parts[i]
+            s.saw_layout(newest)
+            s.abandon_push()
+            attempt.outcomes[i] = STALE
+            attempt.todo.discard(i)
+        self.client.count("pushes_dropped_at_switch", len(failed))
+        log.warning("rank %d: %d slots of an async step refused it layout-moved after the others applied it (a live "
+                    "re-shard's stops, newest layout %d): those parts dropped as stale, the next step goes in the "
+                    "new layout", self.session.rank, len(failed), newest)
 
     def _info(self, attempt: StepAttempt, wall: float) -> StepInfo:
         outcomes = [attempt.outcomes[i] for i in sorted(attempt.outcomes)]  # the step's slots (its layout's)

@@ -210,7 +210,8 @@ class Run:
             **{k: v for k, v in counters.items() if k.startswith("rows_")},  # the tables' client (trainer.sparse_client)
             # a live re-shard followed (trainer.relayout): layouts_followed, layout_fetches, pushes_rerouted and the
             # tables' row_pushes_rerouted
-            **{k: v for k, v in counters.items() if k.startswith("layout") or k.endswith("pushes_rerouted")},
+            **{k: v for k, v in counters.items() if k.startswith("layout") or k.endswith("pushes_rerouted")
+               or k == "pushes_dropped_at_switch"},  # an async step split by a live re-shard's stops
             stopped=stopped or None,
             # async/stale-timeout elastic: the global batches this trainer trained (docs/elastic.md)
             batches=list(self.claims.claimed) if self.claims is not None else None,

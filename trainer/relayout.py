@@ -26,6 +26,7 @@ import torch
 from psserver.protocol.job import JobSpec
 from psserver.protocol.layout import partition_range
 from psserver.protocol.layouts import LayoutEpoch, layout_at, new_job
+from psserver.protocol.rules import Mode
 from trainer.client import ShardClient, ShardedClient
 from trainer.compress import TopK
 from trainer.staging import DeviceStaging
@@ -38,12 +39,14 @@ class LayoutNotFollowed(RuntimeError):
 
 
 # --------------------------------------------------------------------------------------- pure decisions
-def due(timeline: Sequence[LayoutEpoch], epoch: int, base: int) -> LayoutEpoch | None:
+def due(timeline: Sequence[LayoutEpoch], epoch: int, base: int, any_base: bool = False) -> LayoutEpoch | None:
     """The layout a step of base version ``base`` must be sent in, when it is a later one than ``epoch`` (the
-    layout the trainer routes by now); None: stay.  Every base has one owner (route_push), so this is it."""
+    layout the trainer routes by now); None: stay.  Every base has one owner (route_push), so this is it.
+    ``any_base``: an async job, whose layouts switch at no common round (each old shard stopped at its own
+    version, psserver.handoff_io_async): the newest layout known, whatever the base."""
     if not timeline:
         return None
-    layout = layout_at(list(timeline), base)
+    layout = timeline[-1] if any_base else layout_at(list(timeline), base)
     return layout if layout.number > epoch else None
 
 
@@ -119,10 +122,14 @@ class Relayout:
         """The layout the trainer's calls name now."""
         return self.client.parts[0].layout_epoch
 
+    def due(self, base: int) -> LayoutEpoch | None:
+        """The layout a step of ``base`` goes in, if a later one (async: the newest, whatever the base)."""
+        return due(self.timeline.learn(), self.epoch, base, self.client.job.mode == Mode.ASYNC)
+
     def switch_if_due(self, base: int) -> bool:
         """Before a step of base ``base``: switch to the layout that owns it if it is a later one.  Cheap when
         nothing changed: no call unless a reply named a layout this trainer has not fetched."""
-        layout = due(self.timeline.learn(), self.epoch, base)
+        layout = self.due(base)
         if layout is None:
             return False
         self.switch(layout, base)
@@ -139,7 +146,7 @@ class Relayout:
         ``steps_rerouted_past_unreachable``); below R one may hold it, and False is returned (nothing changed)."""
         for s in self.client.parts:
             s.saw_layout(newest)
-        layout = due(self.timeline.learn(), self.epoch, base)
+        layout = self.due(base)
         if layout is None and unreachable:
             return False
         if layout is None:
@@ -244,7 +251,8 @@ class Relayout:
 
     def _slots_to(self, job: JobSpec, ranges: list[tuple[int, int]], base: int) -> None:
         """The slots' ranges and versions in place (the exchange and the facade hold the lists): every new slot
-        starts at ``base``, the version R the trainer holds from every old slot."""
+        starts at ``base``, the version R the trainer holds from every old slot (async: the lowest of the old
+        slots' versions, so a push there is never measured less stale than it was)."""
         slots = self.slots
         slots.job, slots.num_parts = job, len(ranges)
         slots.ranges[:] = ranges

@@ -60,8 +60,14 @@ def parse(text: str, shards: int) -> list[tuple[int, int]]:
 def check(args) -> list[tuple[int, int]]:
     """--reshard's one-line refusals, before anything starts; returns the steps [(M, ROUND), ...]."""
     steps = parse(args.reshard, args.shards)
-    if args.mode != "sync":
-        raise ValueError(f"--reshard moves a sync job, not --mode {args.mode}; drop --mode")
+    if args.mode not in ("sync", "async"):
+        raise ValueError(f"--reshard moves a sync or async job, not --mode {args.mode}; use --mode sync or async")
+    if args.mode == "async" and (args.optimizer or "sgd") != "sgd":  # (psserver.handoff_io_async)
+        raise ValueError(f"--reshard of an async job takes --optimizer sgd, not {args.optimizer} (its shards stop at "
+                         "different versions, so a step count would differ); use --optimizer sgd")
+    if args.mode == "async" and args.push_window != 1:
+        raise ValueError(f"--reshard of an async job follows the switch with --push-window 1, not {args.push_window}; "
+                         "drop --push-window")
     tables = getattr(args, "embedding_mode", None) or args.mode
     if args.model not in DENSE_MODELS and tables != "sync":
         raise ValueError(f"--reshard moves sync tables only, not --embedding-mode {tables} (--model {args.model}'s "
