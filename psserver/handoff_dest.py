@@ -134,7 +134,7 @@ class DestPiece(TerminationEvents):
                                                                   f"{self.label} votes abort: {why}")]
         s = replace(self, round=max(e.round, self.round or 0), voted=self.voted | {e.part})
         if len(s.voted) == len(self.parts):
-            return replace(s, state=DestState.READY), [h.SendVote(e.round, False)]
+            return replace(s, state=DestState.READY), [h.SendVote(s.round, False)]
         return s, []
 
     def _on_PushArrived(self, e: h.PushArrived, now: float):
