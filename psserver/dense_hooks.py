@@ -67,13 +67,7 @@ class DenseHooks(PushTarget):
             self.shard.pushes.note_base(push.rank, push.base)
 
     def apply_now(self, push: PushInfo, staleness: int) -> PushResult:
-        """An async push: its own step.  During a live re-shard each one is a forward (its gradient and lr, as a
-        sync round's average is), so the destination replays it (docs/live-reshard.md stage 8)."""
-        listener = self.shard.round_listener
-        lr = self.shard._lr() if listener is not None else None
-        self.shard.apply_step(push.payload)
-        if listener is not None:  # after the step, as close_round's (the log clones the range)
-            listener(self.shard, self.shard.version - 1, push.payload, lr)
+        self.shard.apply_push_step(push.payload)
         self._count_applied(push)
         self.shard.counters["staleness_sum"] += staleness
         if not push.sequenced:

@@ -313,6 +313,8 @@ class HandoffIO:
                 self.event(s, h.Commit(request.round))
             if sides:  # a push of base >= R in the old layout waits (refused, retried) until DECIDE
                 self.layouts.handoff_round = request.round
+            for s in sides if sides and async_.scales_stale(sides[0].part.job) else ():
+                s.part.push_gate = async_.stale_gate(request.round, s.machine.label)  # never scaled into R
             self.rows.commit(request.round)
 
     def _decide(self, request) -> None:

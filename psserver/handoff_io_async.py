@@ -1,4 +1,9 @@
-"""A live re-shard of an async job (stage 8 of docs/live-reshard.md): what differs from a sync one.
+"""A live re-shard of an async or stale-timeout job (stage 8 of docs/live-reshard.md): what differs from a sync one.
+
+**stale-timeout** has rounds, so it moves as sync does; one exception: under ``--stale-policy scale`` a stale push
+would be scaled into round R on the old layout (opening a round there that never closes: acknowledged, never
+applied).  From COMMIT, once a source is at R, a stale push is dropped instead (``stale_gate``: the stale refusal,
+counted ``stale_dropped_handoff``); the tombstone keeps the gate.
 
 An async job has no rounds: each push is applied at once with its own step and bumps its partition's version, and
 each partition's version is its own.  So instead of a round R every shard agrees on:
@@ -40,9 +45,8 @@ def is_async(job: JobSpec | None) -> bool:
 def check_job(job: JobSpec, cursor_claims: int = 0) -> None:
     """PREPARE's refusals of a job that is not sync (FAILED_PRECONDITION, nothing changed): stale-timeout, and an
     async job this stage cannot move (an optimizer with a step count, a data cursor in use)."""
-    if job.mode not in (Mode.SYNC, Mode.ASYNC):
-        raise JobMismatch(f"mode is {job.mode} but a live re-shard takes mode sync or mode async (stale-timeout "
-                          "comes in a later stage of docs/live-reshard.md)")
+    if job.mode not in (Mode.SYNC, Mode.ASYNC, Mode.STALE_TIMEOUT):  # (a mode a later version adds)
+        raise JobMismatch(f"mode is {job.mode} but a live re-shard takes mode sync, async or stale-timeout")
     if job.mode != Mode.ASYNC:
         return
     if job.optimizer.name != "sgd":
@@ -70,7 +74,7 @@ def held_gate(label: str):
     ``handoff``, counted and logged once per partition and version."""
     logged: set[int] = set()
 
-    def gate(part) -> Exception | None:
+    def gate(part, base: int) -> Exception | None:
         held = part.enrolment.handoff_held_from
         if held is None or part.version < held:
             return None
@@ -87,12 +91,30 @@ def held_gate(label: str):
 
 def moved_gate(layout: LayoutEpoch):
     """After the switch, on the old layout's pieces (the tombstone): every new push is ``layout-moved``."""
-    def gate(part) -> Exception | None:
+    def gate(part, base: int) -> Exception | None:
         part.count("refused_layout_moved")
         shards = f" (its shards: {', '.join(layout.addresses)})" if layout.addresses else ""
         return LayoutMoved(f"layout_epoch is {layout.number - 1} but this async job moved to layout {layout.number} "
                            f"(from version {layout.round}) and this piece stopped at version {part.version}: send "
                            f"the push in layout {layout.number}{shards}", layout.number)
+    return gate
+
+
+def scales_stale(job: JobSpec | None) -> bool:
+    return job is not None and job.mode == Mode.STALE_TIMEOUT and job.stale_policy == "scale"
+
+
+def stale_gate(R: int, label: str):
+    """stale-timeout with ``--stale-policy scale``, from COMMIT R on: a stale push reaching a source at R (or its
+    tombstone) is dropped, not scaled into round R of the old layout (which never closes); counted and logged."""
+    def gate(part, base: int) -> Exception | None:
+        if part.version < R or base >= part.version:
+            return None  # a round below R (closes in the old layout and is forwarded), or a fresh push
+        part.count("stale_dropped_handoff")
+        part.count("stale_dropped")
+        log.warning("%s: a stale push of base %d at version %d dropped, not scaled into round %d (R, a live "
+                    "re-shard's switch)", label, base, part.version, R)
+        return part.hooks.stale(base, part.version - base)
     return gate
 
 

@@ -108,7 +108,7 @@ class Shard(ShardMembership, ShardPulls, ShardPushes, ShardRounds, ShardRows, Sh
         self.prepared: Prepared | None = None  # handed by the host when a job is admitted, taken by _set_job
         # (shard, round, average or None, lr or None) for each closed round: a live re-shard's forward log
         self.round_listener: Callable[..., None] | None = None  # (psserver.handoff_io)
-        # an async job's live re-shard: (shard) -> the refusal of a new push, or None (psserver.handoff_io_async)
+        # a live re-shard's (shard, base) -> the refusal of a new push, or None (psserver.handoff_io_async)
         self.push_gate: Callable[..., Exception | None] | None = None
         self._clear_job()
 

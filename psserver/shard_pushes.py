@@ -64,7 +64,7 @@ class ShardPushes:
                     self.cursor.claim(rank, trainer_id, *claim)  # a retried claim: the same batch
                 return PushResult("duplicate", self.version, 0), grad
             if self.push_gate is not None:  # after the book: a retry of an acknowledged push is still DUPLICATE
-                refusal = self.push_gate(self)
+                refusal = self.push_gate(self, base)
                 if refusal is not None:
                     raise refusal
             info = PushInfo(rank, base, num_samples, sequenced=bool(sequence), payload=grad)

@@ -70,6 +70,14 @@ class ShardRounds:
                      missing[:MAX_MISSING_LISTED])
         self._changed()
 
+    def apply_push_step(self, grad: torch.Tensor) -> None:
+        """An async push's own step.  During a live re-shard each one is a forward (its gradient and lr, as a sync
+        round's average is), so the destination replays it (docs/live-reshard.md stage 8)."""
+        lr = self._lr() if self.round_listener is not None else None
+        self.apply_step(grad)
+        if self.round_listener is not None:  # after the step, as close_round's (the log clones the range)
+            self.round_listener(self, self.version - 1, grad, lr)
+
     def apply_step(self, grad: torch.Tensor) -> None:
         """One optimizer step at the schedule's rate (psserver.dense_slice), then a checkpoint if one is due."""
         elapsed = self.slice.step(grad, self._lr())

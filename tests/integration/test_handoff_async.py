@@ -201,3 +201,26 @@ def test_prepare_of_an_async_job_this_stage_cannot_move_is_failed_precondition_n
             unchanged=_Shard(job, 0))
     assert job.reshard(0, Op.STATUS).handoffs == []
     assert job.push(0)[0].outcome in (pb.APPLIED, pb.ACCEPTED)  # still serves
+
+
+@pytest.mark.parametrize("policy, counter", [("drop", "stale_dropped"), ("scale", "stale_dropped_handoff")])
+def test_a_stale_timeout_job_moves_2_to_3_and_a_stale_push_at_r_is_dropped_never_scaled_into_round_r(
+        shard_server, policy, counter):
+    from tests.integration.test_handoff_io import Job, blocked_at_r, spec
+    from tests.integration.test_handoff_io import _Shard as SyncShard
+    job = Job(shard_server, spec(mode="stale-timeout", sync_timeout=60.0, stale_policy=policy))
+    job.rounds(2)
+    R, held = blocked_at_r(job)
+    fp = job.job.fingerprint
+    refused(lambda: job.push(0, R - 2), grpc.StatusCode.ABORTED, f"base version {R - 2}",
+            f"version {R}", unchanged=SyncShard(job, 0))  # scale: would have opened round R on the old layout
+    assert job.shards[0].stats(fingerprint=fp).counters[counter] == 1
+    for i in range(3):
+        assert job.reshard(i, Op.DECIDE, switch=True).layout_epoch == 1
+    assert [(f.result().version, f.result().layout_epoch) for f in held] == [(R, 1)] * 2
+    at_r = torch.cat([pull(s, 0, R, fp)[1] for s in job.shards[:2]])
+    new_fp = new_job(job.job, 3).fingerprint
+    assert torch.equal(torch.cat([pull(s, 1, R, new_fp)[1] for s in job.shards]), at_r)
+    refused(lambda: job.push(1, R - 1), grpc.StatusCode.ABORTED, f"base version {R - 1}")  # the tombstone: stale
+    for i in range(3):  # the new layout takes round R
+        assert job.push(i, R, layout=1).outcome in (pb.APPLIED, pb.ACCEPTED)

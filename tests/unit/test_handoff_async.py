@@ -105,9 +105,9 @@ def _part(version, held_from):
 
 def test_the_held_gate_lets_a_push_below_the_hold_through_and_refuses_one_at_it_unavailable_counted():
     gate = async_.held_gate("shard 0 move 1")
-    assert gate(_part(4, None)) is None and gate(_part(4, 5)) is None
+    assert gate(_part(4, None), 3) is None and gate(_part(4, 5), 3) is None
     part = _part(5, 5)
-    refusal = gate(part)
+    refusal = gate(part, 4)
     assert isinstance(refusal, HandoffPending) and refusal.code == grpc.StatusCode.UNAVAILABLE
     assert "version is 5" in str(refusal) and "stopped applying pushes at version 5" in str(refusal)
     assert part.counters["handoff_async_pushes_held"] == 1
@@ -115,7 +115,7 @@ def test_the_held_gate_lets_a_push_below_the_hold_through_and_refuses_one_at_it_
 
 def test_after_the_switch_the_old_piece_refuses_a_new_push_layout_moved_naming_the_new_layout_and_its_shards():
     part = _part(7, 7)
-    refusal = async_.moved_gate(LayoutEpoch(1, 9, 3, 1, ("a:1", "b:2", "c:3")))(part)
+    refusal = async_.moved_gate(LayoutEpoch(1, 9, 3, 1, ("a:1", "b:2", "c:3")))(part, 6)
     assert isinstance(refusal, LayoutMoved) and refusal.newest == 1
     for fragment in ("layout_epoch is 0", "moved to layout 1 (from version 9)", "stopped at version 7", "a:1, b:2"):
         assert fragment in str(refusal)
@@ -131,9 +131,8 @@ def test_decide_naming_a_round_below_a_stop_here_is_refused_naming_both():
 
 
 @pytest.mark.parametrize("kw, fragments", [
-    (dict(mode="stale-timeout", sync_timeout=1.0), ("mode is stale-timeout", "mode sync or mode async")),
     (dict(mode="async", optimizer=OptimizerConfig("adam", lr=0.01)), ("optimizer is adam", "optimizer sgd")),
-], ids=["stale-timeout", "async-adam"])
+], ids=["async-adam"])
 def test_prepare_refuses_a_job_this_stage_cannot_move_naming_the_field_and_both_values(kw, fragments):
     with pytest.raises(JobMismatch) as e:
         async_.check_job(spec(**kw))
@@ -145,6 +144,18 @@ def test_prepare_refuses_an_async_job_whose_data_cursor_granted_batches():
         async_.check_job(spec(mode="async"), cursor_claims=3)
     async_.check_job(spec(mode="async"))  # sgd, no claims: taken
     async_.check_job(make_spec(mode="sync"))
+    async_.check_job(make_spec(mode="stale-timeout", sync_timeout=1.0))  # rounds: moves as sync does
+
+
+def test_the_stale_gate_drops_a_stale_push_at_r_instead_of_scaling_it_into_round_r_counted():
+    gate = async_.stale_gate(7, "shard 0 move 1")
+    stale = SimpleNamespace(stale=lambda base, n: ("stale", base, n))
+    assert gate(_part(6, 6), 5) is None  # round 6 closes in the old layout: scaled in and forwarded
+    assert gate(_part(7, 7), 7) is None  # fresh (base >= R is the layout's routing: handoff, then layout-moved)
+    part = _part(7, 7)
+    part.hooks = stale
+    assert gate(part, 5) == ("stale", 5, 2)
+    assert (part.counters["stale_dropped_handoff"], part.counters["stale_dropped"]) == (1, 1)
 
 
 # --------------------------------------------------------------------------------------------- the trainer
