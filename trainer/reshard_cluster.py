@@ -60,8 +60,6 @@ def parse(text: str, shards: int) -> list[tuple[int, int]]:
 def check(args) -> list[tuple[int, int]]:
     """--reshard's one-line refusals, before anything starts; returns the steps [(M, ROUND), ...]."""
     steps = parse(args.reshard, args.shards)
-    if args.mode not in ("sync", "async"):
-        raise ValueError(f"--reshard moves a sync or async job, not --mode {args.mode}; use --mode sync or async")
     if args.mode == "async" and (args.optimizer or "sgd") != "sgd":  # (psserver.handoff_io_async)
         raise ValueError(f"--reshard of an async job takes --optimizer sgd, not {args.optimizer} (its shards stop at "
                          "different versions, so a step count would differ); use --optimizer sgd")

@@ -34,7 +34,6 @@ def test_a_sequence_parses_to_its_steps_in_order_and_a_smaller_m_is_a_drain():
     (["--reshard", "3@10,2@40"], "--reshard 3@10,2@40 needs --steps more than 40 (got 40)"),
     (["--reshard", "3@10,2@20,3@30"], "step 3 (3@30) would grow back onto shard 2, stopped after a drain"),
     (["--shards", "3", "--reshard", "2@10,3@20"], "step 2 (3@20) would grow back onto shard 2, stopped after a drain"),
-    (["--reshard", "3@20", "--mode", "stale-timeout"], "--reshard moves a sync or async job, not --mode stale-timeout"),
     (["--reshard", "3@20", "--mode", "async", "--optimizer", "adam"],
      "--reshard of an async job takes --optimizer sgd, not adam"),
     (["--reshard", "3@20", "--mode", "async", "--push-window", "4"],
