@@ -85,7 +85,7 @@ def test_retire_waits_for_round_r_in_the_new_layout_and_after_its_wait_retires_a
     def reshard(request, timeout):
         status.append(request.op)
         return pb.ReshardReply(round=5, version=version[request.you], plan=request.plan, handoffs=[
-            pb.HandoffState(phase="source:handed")])
+            pb.HandoffState(phase="source:handed")], followed=version[request.you] > 5)  # a sync shard's rule
 
     monkeypatch.setattr(reshard_cmd.stubs, "stub", lambda channel: SimpleNamespace(Reshard=reshard))
     monkeypatch.setattr(reshard_cmd.time, "sleep", lambda s: version.update({a: 6 for a in version}))  # a round

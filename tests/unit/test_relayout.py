@@ -126,7 +126,8 @@ class _Part(SimpleNamespace):
 def _client(seen):
     parts = [_Part(name=f"shard {i}", layout_seen=n, layout_epoch=0, fetched=0) for i, n in enumerate(seen)]
     counters = Counter()
-    return SimpleNamespace(parts=parts, counters=counters, count=lambda k, n=1: counters.update({k: n}))
+    return SimpleNamespace(parts=parts, counters=counters, count=lambda k, n=1: counters.update({k: n}),
+                           job=SimpleNamespace(mode="sync"))  # (an async job follows the newest layout: relayout.due)
 
 
 def test_the_timeline_is_fetched_once_per_layout_a_reply_named_and_never_while_none_is_new():
