@@ -191,9 +191,7 @@ def test_decide_switch_naming_a_round_below_an_async_stop_is_failed_precondition
 
 @pytest.mark.parametrize("job_spec, fragments", [
     (async_spec(optimizer=OptimizerConfig("adam", lr=0.01)), ("optimizer is adam", "optimizer sgd")),
-    (dataclasses.replace(async_spec(), mode="stale-timeout", sync_timeout=30.0),
-     ("mode is stale-timeout", "mode sync or mode async")),
-], ids=["async-adam", "stale-timeout"])
+], ids=["async-adam"])
 def test_prepare_of_an_async_job_this_stage_cannot_move_is_failed_precondition_naming_the_field(
         shard_server, job_spec, fragments):
     job = AsyncJob(shard_server, job_spec)

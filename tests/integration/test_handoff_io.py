@@ -237,13 +237,12 @@ def still_serves(job, i=0):
     assert job.push(i, base).outcome == pb.APPLIED
 
 
-@pytest.mark.parametrize("job_spec, fragments", [  # an async job moves since stage 8 (test_handoff_async.py)
-    (spec(mode="stale-timeout", sync_timeout=30.0), ("mode is stale-timeout", "mode sync or mode async")),
+@pytest.mark.parametrize("job_spec, fragments", [  # async and stale-timeout jobs move since stage 8
     (spec(tables=(TableSpec("emb", 4, seed=7, mode="async"),)), ("table 'emb' mode is async", "table mode sync")),
     (spec(mode="async", tables=(TableSpec("emb", 4, seed=7),)), ("table 'emb' mode is async", "table mode sync")),
-], ids=["stale-timeout", "async-table", "async-job-with-a-table"])
-def test_prepare_on_a_job_that_is_not_sync_is_failed_precondition_naming_the_field(shard_server, job_spec,
-                                                                                         fragments):
+], ids=["async-table", "async-job-with-a-table"])
+def test_prepare_on_a_job_with_an_async_table_is_failed_precondition_naming_the_table(shard_server, job_spec,
+                                                                                      fragments):
     job = Job(shard_server, job_spec)
     refused(lambda: job.reshard(0, Op.PREPARE), grpc.StatusCode.FAILED_PRECONDITION, *fragments,
             unchanged=_Shard(job, 0))
