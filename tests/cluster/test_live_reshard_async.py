@@ -41,7 +41,10 @@ def test_two_async_trainers_follow_a_live_2_to_3_reshard_and_every_acknowledged_
     try:
         procs += [start_trainer(r, ",".join(old), tmp_path / f"live{r}.log", [*ASYNC, "--steps", str(STEPS)])
                   for r in range(2)]
-        wait_until(lambda: all(fetch_stat(a).version >= 2 for a in old), "the job to pass version 2", timeout=120)
+        # both trainers registered first: an async job runs without a trainer still starting, and one that registers
+        # after the switch with the old --ps list is refused layout-moved (it must be given the new list)
+        wait_until(lambda: all(len(fetch_stat(a).live_ranks) == 2 and fetch_stat(a).version >= 2 for a in old),
+                   "both trainers in and the job past version 2", timeout=120)
         rc = reshard_main(["--ps", ",".join(old), "--to", ",".join(new), "--wait", "120"])
         out, err = capsys.readouterr()
         assert rc == 0, out + err
