@@ -32,7 +32,20 @@ NO_ANSWER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class CoordinatorError(Exception):
-    """A step that did not complete: one line, said with a hint (a re-run resumes)."""
+    """A step that did not complete: one line, said with a hint.  ``refused``: a shard answered the op with a
+    refusal (the same plan sent again is refused again); otherwise no answer or a wait ran out (a re-run resumes)."""
+
+    def __init__(self, message: str, refused: bool = False):
+        super().__init__(message)
+        self.refused = refused
+
+
+def error_hint(error: CoordinatorError) -> str:
+    """What to do next: a refused plan is not resumed by sending it again."""
+    if error.refused:
+        return ("fix what the refusal names (the same command is refused again); --abort gives up what the other "
+                "shards recorded of the plan (before the switch)")
+    return "run the same command again to resume; --abort gives the plan up (before the switch)"
 
 
 def plan_id(old: list[str], new: list[str], partitions: int) -> str:
@@ -72,7 +85,7 @@ class Coordinator:
             except grpc.RpcError as e:
                 if e.code() not in NO_ANSWER or time.monotonic() >= give_up:
                     raise CoordinatorError(f"{address} answered {Op.Op.Name(op)} with {e.code().name}: "
-                                           f"{e.details()}") from None
+                                           f"{e.details()}", refused=e.code() not in NO_ANSWER) from None
                 self.retries += 1
                 self.say(f"{Op.Op.Name(op)} to {address}: no answer ({e.code().name}: {e.details()}); "
                          f"sent again in {pause:.2f} s")
@@ -203,8 +216,7 @@ def reshard_main(argv: list[str]) -> int:
     try:
         return coordinator.abort() if args.abort else coordinator.run()
     except CoordinatorError as e:
-        print(f"ps-server reshard: {e}\n  hint: run the same command again to resume; --abort gives the plan up "
-              "(before the switch)", file=sys.stderr)
+        print(f"ps-server reshard: {e}\n  hint: {error_hint(e)}", file=sys.stderr)
         return 1
     finally:
         coordinator.close()

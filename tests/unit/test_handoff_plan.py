@@ -71,9 +71,27 @@ def test_the_coordinator_sends_an_op_again_after_no_answer_said_and_counted_but_
         assert sent == [pb.ReshardRequest.STATUS] * 3 and coordinator.retries == 2
         assert lines[0].startswith("STATUS to 127.0.0.1:1: no answer (UNAVAILABLE: Stream removed")
         with pytest.raises(reshard_cmd.CoordinatorError, match="127.0.0.1:1 answered COMMIT with "
-                                                               "FAILED_PRECONDITION: refused"):
+                                                               "FAILED_PRECONDITION: refused") as refusal:
             coordinator.call("127.0.0.1:1", pb.ReshardRequest.COMMIT, round=7)
         assert coordinator.retries == 2  # a refusal is the shard's answer: not sent again
+        assert refusal.value.refused and "refused again" in reshard_cmd.error_hint(refusal.value)
+    finally:
+        coordinator.close()
+
+
+def test_the_hint_after_no_answer_says_a_rerun_resumes_and_after_a_refusal_that_it_is_refused_again(monkeypatch):
+    clock = iter([0.0] + [reshard_cmd.CALL_RETRY_SECONDS] * 10)  # a fake clock: the retry window spent at once
+    monkeypatch.setattr(reshard_cmd.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(reshard_cmd.time, "sleep", lambda s: None)
+    monkeypatch.setattr(reshard_cmd.stubs, "stub", lambda channel: SimpleNamespace(
+        Reshard=lambda request, timeout: (_ for _ in ()).throw(_NoAnswer(grpc.StatusCode.UNAVAILABLE))))
+    coordinator = reshard_cmd.Coordinator(["127.0.0.1:1"], ["127.0.0.1:1", "127.0.0.1:2"], say=lambda line: None)
+    try:
+        with pytest.raises(reshard_cmd.CoordinatorError, match="answered PREPARE with UNAVAILABLE") as lost:
+            coordinator.call("127.0.0.1:1", pb.ReshardRequest.PREPARE)
+        assert not lost.value.refused
+        assert reshard_cmd.error_hint(lost.value).startswith("run the same command again to resume")
+        assert not reshard_cmd.error_hint(reshard_cmd.CoordinatorError("x", refused=True)).startswith("run the same")
     finally:
         coordinator.close()
 
