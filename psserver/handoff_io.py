@@ -139,11 +139,13 @@ class HandoffIO:
         log.warning("plan %r: %s; the plan is aborted on this shard (the old layout goes on)", self.plan.id, why)
         self._decide(_pb.ReshardRequest(op=_pb.ReshardRequest.DECIDE, plan=self.plan.id, switch=False))
 
-    def on_state(self, fn, *args):
+    def on_state(self, fn, *args, offload: bool = False):
         """``fn(*args)`` where the shard's calls run, from a stream's thread; its result (RuntimeError once the
-        shard stops: the loop may never answer then)."""
+        shard stops: the loop may never answer then).  ``offload``: on the state worker whatever the slice, for
+        work that costs a table's rows, not the slice's (a small slice's calls run on the event loop, and a
+        1M-row vote there held every heartbeat: issue 24)."""
         async def run():
-            return await self.runtime.run_state(fn, *args)
+            return await (self.runtime.offload if offload else self.runtime.run_state)(fn, *args)
         fut = asyncio.run_coroutine_threadsafe(run(), self.runtime.loop)
         while True:
             try:
@@ -173,6 +175,18 @@ class HandoffIO:
                 records[0].bytes += self.rows.bytes()
             return records + [self.rows.dest_record(k, d.record(self.plan.id), d.job, len(self.plan.old))
                               for k, d in sorted(self.dests.items())]
+
+    async def records_off_loop(self) -> list[_pb.HandoffState]:
+        """``records`` for a call served on the event loop (Reshard, GetStats), never waiting there for the plan's
+        lock: a big table's rows are split and hashed under it for seconds, and a loop waiting meanwhile answers
+        no heartbeat, so trainers' leases expired during a 1M-row copy (issue 24).  Read at once when the lock is
+        free, else on a thread."""
+        if self.lock.acquire(blocking=False):
+            try:
+                return self.records()
+            finally:
+                self.lock.release()
+        return await asyncio.to_thread(self.records)
 
     def stop(self) -> None:
         """The streams end: their threads wake, and a call in flight is cancelled with its channel."""
@@ -207,10 +221,11 @@ class HandoffIO:
             if fn is None:
                 raise InvalidRequest(f"op is {op} but Reshard takes PREPARE to STATUS (0 to 5)")
             await self.runtime.offload(fn, request)
+        records = await self.records_off_loop()
         head = self.layouts.current.head
         proposal = max((s.machine.proposal or 0 for s in self.sources), default=0)
         committed = max((s.machine.round or 0 for s in self.sources), default=0)
-        return _pb.ReshardReply(plan=self.plan.id if self.plan else "", handoffs=self.records(), proposal=proposal,
+        return _pb.ReshardReply(plan=self.plan.id if self.plan else "", handoffs=records, proposal=proposal,
                                 version=head.version, layout_epoch=self.layouts.newest, round=committed,
                                 drained=self.layouts.drained, followed=async_.followed(self.layouts))
 

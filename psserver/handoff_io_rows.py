@@ -125,7 +125,7 @@ class RowsSource:
             self._sent("handoff_row_forwards_sent", sum(map(len, due.values())),
                        sum(nbytes(e.rows) for es in due.values() for e in es))
         if self.rows.round is not None and not self.vote_sent:
-            vote = self.io.on_state(self.rows.vote, self, self.rows.round)
+            vote = self.io.on_state(self.rows.vote, self, self.rows.round, offload=True)  # 1M rows: not on the loop
             if vote is not None:
                 self._send(stub, ROWS_VOTE, self.rows.round, vote)
                 self.vote_sent = True

@@ -247,7 +247,7 @@ class ParameterServerService(RowRpcs, StepRpc):
             reply.layouts.extend(self.layouts.timeline_proto())  # fingerprints: for a member of any layout
         reply.drained = self.layouts.drained  # "tombstone" or "retired" (docs/handoff-io.md: when it may be stopped)
         if self.handoffs is not None:
-            reply.handoffs.extend(self.handoffs.records())
+            reply.handoffs.extend(await self.handoffs.records_off_loop())
         return reply
 
     @_refusals
