@@ -186,6 +186,7 @@ class HandoffIO:
                 return self.records()
             finally:
                 self.lock.release()
+        self.count("handoff_records_off_loop")  # the lock was held: read on a thread (the loop serves on)
         return await asyncio.to_thread(self.records)
 
     def stop(self) -> None:
