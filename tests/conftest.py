@@ -28,7 +28,10 @@ class RawShard:
 
     def __init__(self, server: ShardServer):
         self.server = server
-        self.channel = grpc.insecure_channel(server.address)
+        # A subchannel of its own: gRPC shares subchannels by address across a process's channels, and a port the
+        # OS hands out again after an earlier test's shard stopped could still be in that shard's connect backoff
+        # (an immediate UNAVAILABLE "Connection refused" from a shard that is in fact listening).
+        self.channel = grpc.insecure_channel(server.address, options=[("grpc.use_local_subchannel_pool", 1)])
         self.stub = pb_grpc.ParameterServerStub(self.channel)
 
     def close(self) -> None:
