@@ -12,26 +12,22 @@ import torch
 from psserver.protocol.codec import encode, wire_tensor
 from psserver.protocol.errors import REASON_METADATA_KEY
 from psserver.protocol.job import OptimizerConfig
-from psserver.protocol.layout import Layout, shard_range
 from psserver.protocol.layouts import new_job
 from psserver.protocol.proto import ps_pb2 as pb
-from tests.conftest import P, make_spec
+from tests.conftest import P
 from tests.helpers import refused, wait_until
-from tests.integration.test_handoff_io import pull
+from tests.integration.test_handoff_io import NEW_RANGES, OLD_RANGES, pull, spec
 
 Op = pb.ReshardRequest
 
 
 def async_spec(**kw):
-    s = dataclasses.replace(make_spec(num_shards=2, mode="async"), **{"optimizer": OptimizerConfig("sgd", lr=1.0),
-                                                                      **kw})
-    return dataclasses.replace(s, fingerprint=Layout.from_shapes(s.tensors, 2).fingerprint())
+    """test_handoff_io's two-shard job, async, SGD at lr 1 (the weights are then computable from the pushes)."""
+    return dataclasses.replace(spec("async"), **{"optimizer": OptimizerConfig("sgd", lr=1.0), **kw})
 
 
 OLD = async_spec()
 NEW = new_job(OLD, 3)
-OLD_RANGES = [shard_range(P, 2, i) for i in range(2)]
-NEW_RANGES = [shard_range(P, 3, i) for i in range(3)]
 
 
 class AsyncJob:
