@@ -115,14 +115,20 @@ def run_job(run_dir: Path, num_shards: int, num_trainers: int, args: list[str], 
 
 @contextlib.contextmanager
 def trainers_through_faults(tmp_path: Path, trainer: Callable, args: tuple, num_trainers: int, seeds: list[int],
-                            timeout: float = 300.0, **faults) -> Iterator[tuple[list[Proc], list[list]]]:
-    """Two real shards, shard i behind a FaultProxy seeded ``seeds[i]`` (``faults``: its
-    mean_bytes_between_faults, max_faults, max_delay), and ``num_trainers`` threads, each running
+                            timeout: float = 300.0, shard_args: tuple = (), shards: list | None = None,
+                            **faults) -> Iterator[tuple[list[Proc], list[list]]]:
+    """Two real shards (started with ``shard_args``), shard i behind a FaultProxy seeded ``seeds[i]``
+    (``faults``: its mean_bytes_between_faults, max_faults, max_delay), and ``num_trainers`` threads, each running
     ``trainer(rank, addresses, *args, records, errors)``.  Yields (the shards, each rank's records) once every
-    thread finished without an error and the proxies really injected faults; kills the shards on the way out."""
-    shards = [start_shard(i, tmp_path / f"shard{i}.log") for i in range(2)]
-    proxies = []
+    thread finished without an error and the proxies really injected faults; kills the shards on the way out.
+    ``shards``: the list the shards are put in, for a trainer that restarts one (it puts the new process in the
+    old one's place, so that one is yielded and killed too)."""
+    shards = [] if shards is None else shards
+    started, proxies = shards, []
     try:
+        for i in range(2):  # one by one: a second that fails to start leaves the first in the list, killed below
+            shards.append(start_shard(i, tmp_path / f"shard{i}.log", extra_args=list(shard_args)))
+        started = list(shards)
         proxies += [FaultProxy(s.address, seed=seeds[i], **faults) for i, s in enumerate(shards)]
         addresses = ",".join(p.address for p in proxies)
         records, errors = [[] for _ in range(num_trainers)], []
@@ -139,7 +145,7 @@ def trainers_through_faults(tmp_path: Path, trainer: Callable, args: tuple, num_
     finally:
         for p in proxies:
             p.close()
-        for s in shards:
+        for s in started + shards:
             s.kill()
 
 
