@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from psserver.checkpoint import list_checkpoints, load_newest
 from psserver.protocol.rows.init import Initializer
 from psserver.protocol.rows.optim import SparseOptimizerConfig
 from psserver.protocol.rows.placement import shard_of
 from psserver.protocol.stubs import fetch_stat as stats
-from psserver.checkpoint import list_checkpoints, load_newest
 from tests.cluster.helpers import exact_sgd, pull_params, restart_on_its_port, trainers_through_faults
 from tests.helpers import wait_until
 from trainer import connect
@@ -123,24 +123,23 @@ def run_trainer(rank, addresses, mode, embedding_mode, crash, records, errors):
 
 
 def acknowledged(records: list, kind: str, shard: int) -> list[Answer]:
+    """Every answer of ``kind`` from ``shard`` that acknowledged its push (applied, accepted or duplicate)."""
     return [a for rr in records for a in rr[:-1] if a.kind == kind and a.shard == shard and a.outcome in ACKED]
 
 
-def expected_dense(records: list, shard: int, mode: str) -> torch.Tensor:
-    by_base = defaultdict(list)
-    for a in acknowledged(records, "dense", shard):
-        by_base[a.base].append(a.grad)
-    return exact_sgd(by_base, mode)
-
-
-def expected_rows(records: list, shard: int, mode: str) -> torch.Tensor:
-    by_base = defaultdict(list)
-    for a in acknowledged(records, "rows", shard):
-        by_base[a.base].append(torch.zeros(ROW_IDS, DIM).index_add_(0, a.ids, a.grad))
-    return exact_sgd(by_base, mode)
+def by_base(answers: list[Answer], rows: bool, sync: bool = True) -> dict:
+    """The answers' gradients (a table part's as a dense ROW_IDS x DIM matrix) by the version they were pushed on,
+    for exact_sgd; ``sync``: also asserts that no rank is twice in a round (exactly once)."""
+    out = defaultdict(list)
+    for a in answers:
+        out[a.base].append(torch.zeros(ROW_IDS, DIM).index_add_(0, a.ids, a.grad) if rows else a.grad)
+    for base, gs in out.items():
+        assert not sync or len({a.rank for a in answers if a.base == base}) == len(gs), base
+    return out
 
 
 def final_rows(shards, job) -> torch.Tensor:
+    """Every row of the table as rank 0 (still registered) reads it from the shards, past the proxies."""
     reader = ShardedClient([s.address for s in shards], job, 0, "step-0")
     try:
         return ShardedRows(reader, job).pull("emb", torch.arange(ROW_IDS))
@@ -176,7 +175,7 @@ def test_one_call_steps_through_faults_apply_each_acknowledged_part_exactly_once
             assert st.counters["step_calls"] > 0
             # the dense slice: exact SGD of the acknowledged gradients, each applied once
             got = pull_params(shards[shard].address, "step-0", job.fingerprint)
-            expected = expected_dense(records, shard, mode)
+            expected = exact_sgd(by_base(dense, rows=False, sync=mode != "async"), mode)
             assert got.numel() == ranges[shard][1] - ranges[shard][0]
             assert torch.equal(got, expected), (shard, (got - expected).abs().max())
             assert len(dense) == STEPS * TRAINERS  # every step's dense part acknowledged
@@ -184,7 +183,7 @@ def test_one_call_steps_through_faults_apply_each_acknowledged_part_exactly_once
             assert st.version == (len(dense) if mode == "async" else len({a.base for a in dense}))
             # the rows: exact SGD of the acknowledged gradient rows, each push applied once
             mine = owner == shard
-            want = expected_rows(records, shard, rows_mode)
+            want = exact_sgd(by_base(table, rows=True, sync=rows_mode != "async"), rows_mode)
             assert torch.equal(final[mine], want[mine]), (shard, (final[mine] - want[mine]).abs().max())
             assert len(table) == STEPS * TRAINERS
             assert st.counters["table.emb.pushes_applied"] == len(table)
@@ -229,15 +228,6 @@ def survivors(records: list, kind: str, shard: int, restored_version: int, held:
     return [a for a in acknowledged(records, kind, shard)
             if a.base < restored_version or (a.base == restored_version and a.rank in held)
             or a.rejoins == final[a.rank].get(shard, 0)]
-
-
-def by_base(answers: list, rows: bool) -> dict:
-    out = defaultdict(list)
-    for a in answers:
-        out[a.base].append(torch.zeros(ROW_IDS, DIM).index_add_(0, a.ids, a.grad) if rows else a.grad)
-    for base, gs in out.items():  # never one rank twice in a round
-        assert len({a.rank for a in answers if a.base == base}) == len(gs), base
-    return out
 
 
 def test_a_shard_killed_and_restored_under_one_call_steps_keeps_every_acknowledged_part_once(tmp_path):
