@@ -119,15 +119,16 @@ def write_ready_file(path: str, address: str) -> None:
     os.replace(tmp, path)
 
 
-def start_board(args, shard, scalar_log: ScalarLog) -> Sampler | None:
-    """``--tensorboard DIR``: the shard's stats snapshot into DIR/shard<i> every few seconds (step: seconds since
-    the shard started, so a new job's version restarting at 0 draws no zigzag)."""
+def start_board(args, snapshot, scalar_log: ScalarLog) -> Sampler | None:
+    """``--tensorboard DIR``: the shard's stats ``snapshot()`` (its newest layout's, as GetStats) into DIR/shard<i>
+    every few seconds (step: seconds since the shard started, so a new job's version restarting at 0 draws no
+    zigzag)."""
     if not scalar_log.enabled:
         return None
     from psserver.metrics import board_scalars
 
     t0 = time.monotonic()
-    board = Sampler(scalar_log, lambda: (round(time.monotonic() - t0), board_scalars(shard.snapshot())),
+    board = Sampler(scalar_log, lambda: (round(time.monotonic() - t0), board_scalars(snapshot())),
                     args.tensorboard_every, name=f"shard{args.shard}-tensorboard")
     log.info("shard %d: TensorBoard scalars every %g s in %s", args.shard, args.tensorboard_every,
              scalar_log.directory)
@@ -156,22 +157,27 @@ def main(argv: list[str] | None = None) -> int:
     from psserver.server import ServerConfig, ShardServer
     from psserver.service import ServiceLimits
 
-    limits = ServiceLimits(max_pull_wait=args.max_pull_wait, stream_idle_timeout=args.stream_idle_timeout,
-                           max_call_seconds=args.max_call_seconds, max_calls_per_peer=args.max_calls_per_peer,
-                           max_calls_per_rank=args.max_calls_per_rank, receive_buffers=args.receive_buffers,
-                           max_connections=args.max_connections, max_watch_streams=args.max_watch_streams,
-                           max_reply_bytes=args.max_reply_bytes,
-                           max_reply_bytes_per_peer=args.max_reply_bytes_per_peer)
-    cfg = ServerConfig(shard=args.shard, host=args.host, port=args.port, limits=limits, health_port=args.health_port,
-                       torch_threads=args.torch_threads,
-                       chunk_bytes=args.chunk_bytes, lease_timeout=args.lease_timeout, join_timeout=args.join_timeout,
-                       handoff_timeout=args.handoff_timeout,
-                       checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                       restore=args.restore, nonfinite=args.nonfinite, max_memory=max_memory, insecure=args.insecure,
-                       restore_from=tuple(d.strip() for d in args.restore_from.split(",") if d.strip()),
-                       num_shards=args.num_shards, partitions=args.partitions, partition_bytes=args.partition_bytes,
-                       security=ServerSecurity(args.tls_cert, args.tls_key, args.tls_client_ca,
-                                               read_token(args.auth_token_file)))
+    try:  # a value only the config checks (a --join-timeout out of range): one line and exit 2, as argparse's
+        limits = ServiceLimits(max_pull_wait=args.max_pull_wait, stream_idle_timeout=args.stream_idle_timeout,
+                               max_call_seconds=args.max_call_seconds, max_calls_per_peer=args.max_calls_per_peer,
+                               max_calls_per_rank=args.max_calls_per_rank, receive_buffers=args.receive_buffers,
+                               max_connections=args.max_connections, max_watch_streams=args.max_watch_streams,
+                               max_reply_bytes=args.max_reply_bytes,
+                               max_reply_bytes_per_peer=args.max_reply_bytes_per_peer)
+        cfg = ServerConfig(shard=args.shard, host=args.host, port=args.port, limits=limits,
+                           health_port=args.health_port, torch_threads=args.torch_threads,
+                           chunk_bytes=args.chunk_bytes, lease_timeout=args.lease_timeout,
+                           join_timeout=args.join_timeout, handoff_timeout=args.handoff_timeout,
+                           checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                           restore=args.restore, nonfinite=args.nonfinite, max_memory=max_memory,
+                           insecure=args.insecure,
+                           restore_from=tuple(d.strip() for d in args.restore_from.split(",") if d.strip()),
+                           num_shards=args.num_shards, partitions=args.partitions,
+                           partition_bytes=args.partition_bytes,
+                           security=ServerSecurity(args.tls_cert, args.tls_key, args.tls_client_ca,
+                                                   read_token(args.auth_token_file)))
+    except ValueError as e:
+        parser.error(str(e))
     # Opened before the shard serves: a missing tensorboard package is a start-up error, not a late one.
     scalar_log = ScalarLog(os.path.join(args.tensorboard, f"shard{args.shard}") if args.tensorboard else "")
     if args.metrics_port:
@@ -192,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.metrics_port is not None:
         port = server.shard.metrics.serve(args.metrics_port, args.host)
         log.info("shard %d: Prometheus metrics on http://%s:%d/metrics", cfg.shard, args.host, port)
-    board = start_board(args, server.shard, scalar_log)
+    board = start_board(args, lambda: server.layouts.current.snapshot(), scalar_log)
     if args.ready_file:
         write_ready_file(args.ready_file, server.address)
     stop = threading.Event()

@@ -39,7 +39,7 @@ from psserver.protocol.layout import partition_range
 from psserver.protocol.limits import MAX_PARTITIONS
 from psserver.shard import Prepared, Shard
 from psserver.sparse.serving import Tables
-from psserver.stats import StatsSnapshot
+from psserver.stats import StatsSnapshot, WideCounts
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +60,15 @@ class ShardHost:
     def __init__(self, shard_id: int, clock: Callable[[], float] = time.monotonic, lease_timeout: float = 5.0,
                  checkpoint_dir: str = "", checkpoint_every: int = 100,
                  on_change: Callable[[Shard], None] = lambda part: None, budget: MemoryBudget | None = None,
-                 gauges: Callable[[], dict] = dict, join_timeout: float = 0.0, layout: int = 0):
+                 gauges: Callable[[], dict] = dict, join_timeout: float = 0.0, layout: int = 0,
+                 wide: WideCounts | None = None, metrics: ShardMetrics | None = None):
         """``on_change(part)``: handed to every partition this host makes (see ``Shard``); the server's
         wake-up for the calls waiting on ``part``.  The metrics registry is made here, over ``snapshot``:
         it counts every partition.  ``budget``: what a job may hold here (``--max-memory``; psserver.budget).
         ``gauges()``: the serving process's own numbers now (the loop's stall, connections, bytes of unread
         replies), shown with the counters.  ``layout``: the layout epoch this host serves (its checkpoints'
-        names say it: psserver.checkpoint.file_name)."""
+        names say it: psserver.checkpoint.file_name).  ``wide`` and ``metrics``: the process's shard-wide counters
+        and metrics registry, which a later layout's host shares (``successor``) so they survive a switch."""
         self.shard_id, self.clock, self.lease_timeout, self.layout = shard_id, clock, lease_timeout, layout
         self.join_timeout = join_timeout  # a pending join's hold; 0: the default (psserver.epochs.join_patience)
         self.budget = budget if budget is not None else MemoryBudget()
@@ -74,7 +76,8 @@ class ShardHost:
         self._gauges = gauges
         self._checkpoint_dir, self._checkpoint_every = checkpoint_dir, checkpoint_every
         self._on_change = on_change
-        self.metrics = ShardMetrics(shard_id, self.snapshot)
+        self.wide = wide if wide is not None else WideCounts()  # refusals, bytes, calls: every layout's (stats.py)
+        self.metrics = metrics if metrics is not None else ShardMetrics(shard_id, self.snapshot)
         self.parts: list[Shard] = [self._fresh(0)]
 
     def successor(self, shard_id: int, layout: int | None = None) -> "ShardHost":
@@ -84,7 +87,7 @@ class ShardHost:
         layout = self.layout + 1 if layout is None else layout
         return ShardHost(shard_id, self.clock, self.lease_timeout, self._checkpoint_dir, self._checkpoint_every,
                          on_change=self._on_change, budget=self.budget, gauges=self._gauges,
-                         join_timeout=self.join_timeout, layout=layout)
+                         join_timeout=self.join_timeout, layout=layout, wide=self.wide, metrics=self.metrics)
 
     @property
     def checkpoint_dir(self) -> str:
@@ -243,13 +246,16 @@ class ShardHost:
         return self._with_memory(replace(snap, counters=dict(total)))
 
     def _with_memory(self, snap: StatsSnapshot) -> StatsSnapshot:
-        """Add the budget's numbers: its limit, what the job reserved, the tables' share and what they hold now
-        (the shard's own accounting, not RSS); and the serving process's gauges."""
+        """Add the shard-wide counts (``wide``) and the budget's numbers: its limit, what the job reserved, the
+        tables' share and what they hold now (the shard's own accounting, not RSS); and the serving process's
+        gauges."""
         plan = self.plan
         memory = {"memory_budget_bytes": self.budget.limit, "memory_reserved_bytes": plan.total if plan else 0,
                   "memory_tables_budget_bytes": plan.tables_bytes if plan else 0,
                   "memory_tables_bytes": self.head.tables.memory_bytes()}
-        return replace(snap, counters={**snap.counters, **memory, **self._gauges()})
+        counters = Counter(snap.counters)
+        counters.update(self.wide.snapshot())
+        return replace(snap, counters={**counters, **memory, **self._gauges()})
 
     def heartbeat(self, index: int, rank: int, trainer_id: str, fingerprint: str) -> tuple[int, int]:
         """Renew ``rank``'s lease on partition ``index`` -- and, from partition 0, on every partition it is a
@@ -264,6 +270,7 @@ class ShardHost:
         return version, live
 
     def count(self, name: str, n: float = 1) -> None:
+        """A count of this host's job (partition 0's, checkpointed with it); the servicer's go to ``wide``."""
         self.head.count(name, n)
 
     @property

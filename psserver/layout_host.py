@@ -151,7 +151,7 @@ class LayoutHost:
         that base (LayoutMoved) or the epoch is unknown (LayoutAhead)."""
         self._check(epoch, base, pull=False)
         if self.handoff_round is not None and base >= self.handoff_round and epoch == self.newest:
-            self.current.count("refused_handoff_pending")
+            self.current.wide.count("refused_handoff_pending")
             raise HandoffPending(f"base version is {base} but layout {epoch} hands over at round "
                                  f"{self.handoff_round} (R): the shards have not decided yet; send it again")
         return self.part(epoch, index)
@@ -173,7 +173,7 @@ class LayoutHost:
             self._check(epoch, version, pull, table)
             head = self.part(epoch, 0)
         if not pull and self.handoff_round is not None and version >= self.handoff_round and epoch == self.newest:
-            self.current.count("refused_handoff_pending")
+            self.current.wide.count("refused_handoff_pending")
             raise HandoffPending(f"base version is {version} but table {table!r} of layout {epoch} hands over at "
                                  f"round {self.handoff_round} (R): the shards have not decided yet; send it again")
         return head
@@ -190,22 +190,37 @@ class LayoutHost:
         if isinstance(refused, LayoutMoved) and epoch not in self._retired and timeline[-1].addresses:
             refused = LayoutMoved(f"{refused}; layout {timeline[-1].number}'s shards: "
                                   f"{', '.join(timeline[-1].addresses)}", refused.newest)  # where to route it
-        self.current.count("refused_layout_moved" if isinstance(refused, LayoutMoved) else
-                           "refused_not_in_layout" if isinstance(refused, NotInLayout) else "refused_layout_ahead")
+        self.current.wide.count("refused_layout_moved" if isinstance(refused, LayoutMoved) else
+                                "refused_not_in_layout" if isinstance(refused, NotInLayout) else
+                                "refused_layout_ahead")
         raise refused
 
     def _async(self) -> bool:
         job = self.current.head.job
         return job is not None and job.mode == Mode.ASYNC
 
-    def register_host(self, epoch: int) -> ShardHost:
-        """The host a Register in layout ``epoch`` joins: only the newest layout takes members."""
-        host = self.host(epoch)
-        if epoch != self.newest:
-            start = self._later[-1].round
-            raise LayoutMoved(f"layout_epoch is {epoch} but this shard's newest layout is {self.newest}, from round "
-                              f"{start}: register in it (docs/live-reshard.md)", self.newest)
+    def register_host(self, epoch: int, fingerprint: str = "") -> ShardHost:
+        """The host a Register in layout ``epoch`` joins: only the newest layout takes members.  A Register in an
+        older one is ``layout-moved``, carrying the newest layout whole when ``fingerprint`` (the caller's job) is
+        that older layout's: a trainer started late with the old --ps list follows it (trainer.relayout).  A caller
+        naming another job learns no fingerprint of this one."""
+        try:
+            host = self.host(epoch)
+            if epoch != self.newest:
+                start = self._later[-1].round
+                raise LayoutMoved(f"layout_epoch is {epoch} but this shard's newest layout is {self.newest}, from "
+                                  f"round {start}: register in it (docs/live-reshard.md)", self.newest)
+        except LayoutMoved as e:
+            raise self._moved_whole(e, epoch, fingerprint) from None
         return host
+
+    def _moved_whole(self, refusal: LayoutMoved, epoch: int, fingerprint: str) -> LayoutMoved:
+        """``refusal`` with the newest layout attached, if ``fingerprint`` is layout ``epoch``'s (else as it is)."""
+        timeline = self.timeline()
+        named = next((e for e in timeline if e.number == epoch), None)
+        if named is None or not fingerprint or named.fingerprint != fingerprint:
+            return refusal
+        return LayoutMoved(str(refusal), refusal.newest, timeline[-1].to_proto().SerializeToString())
 
     def heartbeat(self, index: int, rank: int, trainer_id: str, fingerprint: str) -> tuple[int, int]:
         """Renew ``rank``'s lease in the newest layout.  A trainer one layout behind (it switches at its next step,

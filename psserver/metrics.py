@@ -52,7 +52,13 @@ class ShardMetrics:
             labelnames=["shard"], buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
             registry=self.registry,
         ).labels(label)
-        self.registry.register(_CounterCollector(snapshot))
+        self._collector = _CounterCollector(snapshot)
+        self.registry.register(self._collector)
+
+    def read_from(self, snapshot: Callable[[], StatsSnapshot]) -> None:
+        """Scrape ``snapshot`` from now on: the process's newest layout's host (psserver.server), whose stats GetStats
+        serves too, not the first layout's, which a live re-shard leaves as a tombstone."""
+        self._collector.snapshot = snapshot
 
     def serve(self, port: int, host: str) -> int:
         """Expose /metrics over HTTP; returns the bound port."""

@@ -159,7 +159,7 @@ def build_shard_process(cfg: ServerConfig, loop: asyncio.AbstractEventLoop, loop
                               "chunk_bytes": cfg.chunk_bytes, "nonfinite": cfg.nonfinite,
                               "max_message_bytes": cfg.max_message_bytes})
     connections = Connections(limits.max_calls_per_peer, limits.max_connections, limits.max_watch_streams,
-                              count=lambda name: host.head.count(name))  # refusals are counted by partition 0
+                              count=lambda name: host.wide.count(name))  # refusals: shard-wide (every layout's)
     replies = ReplyLedger(limits.max_reply_bytes_per_peer, limits.max_reply_bytes)
 
     def gauges() -> dict[str, float]:
@@ -171,6 +171,7 @@ def build_shard_process(cfg: ServerConfig, loop: asyncio.AbstractEventLoop, loop
                      checkpoint_every=cfg.checkpoint_every, on_change=wakeups.changed,
                      budget=MemoryBudget(cfg.max_memory), gauges=gauges)
     layouts = LayoutHost(host)  # the layout epochs served: layout 0 is ``host``
+    host.metrics.read_from(lambda: layouts.current.snapshot())  # the newest layout's, as GetStats (shared: successor)
     if cfg.restore:  # the newest layout on disk: a later one's host serves (and counts) from now on
         host = layout_restore.restore(host, layouts, cfg.checkpoint_dir)
     elif cfg.restore_from:
@@ -250,7 +251,8 @@ class ShardServer:
         ]
         self.server = grpc.aio.server(
             options=opts,
-            interceptors=self.cfg.security.aio_interceptors(lambda method: self.shard.count("refused_UNAUTHENTICATED")),
+            interceptors=self.cfg.security.aio_interceptors(
+                lambda method: self.shard.wide.count("refused_UNAUTHENTICATED")),
         )
         add_service(service, self.server)
         self.health = CappedHealth(service.connections)

@@ -129,16 +129,20 @@ class ParameterServerService(RowRpcs, StepRpc):
     def __init__(self, host: ShardHost, runtime: Runtime, cfg: ServiceLimits = ServiceLimits(),
                  authenticated: bool = False, connections: Connections | None = None,
                  replies: ReplyLedger | None = None, layouts: LayoutHost | None = None, handoffs=None):
-        # Dense calls go to the partition of the layout they name (psserver.layout_host, psserver.host); counters,
-        # refusals and the sparse tables are layout 0's partition 0's, ``self.shard``.  ``authenticated``: every
-        # caller proved itself before reaching here (a token or mutual TLS), so members-only answers need no membership.
+        # Dense calls go to the partition of the layout they name (psserver.layout_host, psserver.host); layout 0's
+        # sparse tables are its partition 0's, ``self.shard``.  What the servicer counts (refusals, bytes, calls,
+        # cancellations) is shard-wide, ``count`` (psserver.stats.WideCounts, every layout's host's): GetStats and
+        # metrics read the newest layout's host, and a count made before a switch stays in them after it.
+        # ``authenticated``: every caller proved itself before reaching here (a token or mutual TLS), so members-only
+        # answers need no membership.
         self.layouts, self.shard, self.runtime, self.cfg = layouts or LayoutHost(host), host.head, runtime, cfg
+        self.count = host.wide.count
         self.authenticated = authenticated
         self.refusal_log = RateLimitedLog(log)
         # Calls per connection and connections (shared with the health service's Watch streams), and the bytes
         # unread replies hold (psserver.replies; made by psserver.server.build_shard_process, which reads them).
         self.connections = connections or Connections(cfg.max_calls_per_peer, cfg.max_connections,
-                                                      cfg.max_watch_streams, self.shard.count)
+                                                      cfg.max_watch_streams, self.count)
         self.replies = replies or ReplyLedger(cfg.max_reply_bytes_per_peer, cfg.max_reply_bytes)
         self._per_rank: dict[tuple[int, int], int] = {}  # (rank, partition) -> calls in flight
         self.rows = RowCalls(self.shard, runtime, cfg.max_pull_wait)  # the row calls' table steps (layout 0's)
@@ -154,7 +158,7 @@ class ParameterServerService(RowRpcs, StepRpc):
     @asynccontextmanager
     async def _slot(self, table: dict, key, limit: int, what: str):
         if table.get(key, 0) >= limit:
-            self.shard.count("refused_over_limit")
+            self.count("refused_over_limit")
             raise TooBusy(f"{what} already has {counted(table[key], 'call')} in flight, the limit is {limit}")
         table[key] = table.get(key, 0) + 1
         try:
@@ -191,7 +195,7 @@ class ParameterServerService(RowRpcs, StepRpc):
             raise InvalidRequest(f"job spec: {e}") from None
         if request.join and not request.join_round:
             self._check_no_open_plan()
-        part = self.layouts.register_host(request.layout_epoch).part_for_register(
+        part = self.layouts.register_host(request.layout_epoch, job.fingerprint).part_for_register(
             request.partition, request.rank, request.expected_shard, job, request.join)
         r = await self.runtime.run_state(part.register, request.rank, request.trainer_id,
                                          request.expected_shard, job, request.join, request.join_round,
@@ -394,9 +398,9 @@ class ParameterServerService(RowRpcs, StepRpc):
         if isinstance(asm, ChunkAssembler) and asm.pos < asm.length:  # the stream ended before its chunks were whole
             raise StreamEndedEarly(f"the chunks cover [0, {asm.pos}) but the slice is [0, {asm.length})")
         values = asm.finish(require_finite=False)
-        self.shard.count("bytes_in", asm.bytes_read)
+        self.count("bytes_in", asm.bytes_read)
         if h.topk and sparse:
-            self.shard.count("topk_pushes")
+            self.count("topk_pushes")
         return values
 
     @staticmethod
@@ -453,7 +457,7 @@ class ParameterServerService(RowRpcs, StepRpc):
             nbytes = snapshot.numel() * snapshot.element_size()
             # One buffer however many pulls stream it: counted once for the shard (and once per connection).
             context.hold(("snapshot", snapshot.data_ptr(), nbytes), nbytes)
-            self.shard.count("bytes_out", nbytes)
+            self.count("bytes_out", nbytes)
             header = _pb.ChunkHeader(dtype=wire, length=snapshot.numel(), version=version, wait_seconds=waited,
                                      membership_epoch=part.epoch_number(version), layout_epoch=self.layouts.newest,
                                      **reply_fields)

@@ -81,10 +81,10 @@ def _refusals(method):
             if e.trailers():  # what the client acts on (a reason, a stale push's version): psserver.protocol.rules
                 context.set_trailing_metadata(e.trailers())
             if isinstance(e, WaitTimeout):  # a wait that ended, not bad input: trainers poll while peers start
-                self.shard.count("pull_wait_timeouts")
+                self.count("pull_wait_timeouts")
                 self.refusal_log.log(logging.INFO, f"{method.__name__}:wait", "shard %d: %s", self.shard.shard_id, e)
             elif not isinstance(e, StaleGradient):  # a stale push is counted and logged by the shard (stale_dropped)
-                self.shard.count(f"refused_{code.name}")
+                self.count(f"refused_{code.name}")
                 self.refusal_log.warning(f"{method.__name__}:{code.name}", "shard %d: %s refused with %s: %s",
                                          self.shard.shard_id, method.__name__, code.name, e)
             await context.abort(code, str(e))
@@ -114,11 +114,11 @@ async def _client_cancelled(context) -> bool:
 
 def _cancelled(service, name: str, context, cut: str) -> None:
     """A call its client cancelled: counted (``calls_cancelled``; ``streams_cancelled`` when its request stream was
-    cut before the shard read it whole -- nothing of it was applied) in the newest layout's stats, and logged at a
+    cut before the shard read it whole -- nothing of it was applied) shard-wide (every layout's), and logged at a
     bounded rate: a push its trainer gave up on is never lost silently."""
-    service.host.count("calls_cancelled")
+    service.count("calls_cancelled")
     if cut:
-        service.host.count("streams_cancelled")
+        service.count("streams_cancelled")
     service.refusal_log.log(logging.INFO, f"{name}:cancelled", "shard %d: %s cancelled by its client %s%s",
                             service.shard.shard_id, name, shorten(context.peer() or "?"),
                             f" before the shard read its stream whole ({shorten(cut, 160)}): nothing of it applied"
@@ -140,7 +140,7 @@ def _reply_stream(method):
                 return await method(self, request, stream)
             except ReplyCut as e:
                 stream.release_held()  # the handler's snapshot or rows are free now; the status may wait
-                self.shard.count("reply_streams_cut")
+                self.count("reply_streams_cut")
                 self.refusal_log.warning(f"{method.__name__}:cut", "shard %d: %s reply to %s cut: %s",
                                          self.shard.shard_id, method.__name__, shorten(stream.peer_name), e)
                 await context.abort(e.code, str(e))

@@ -34,8 +34,8 @@ from psserver.service_common import (
     _push_reply,
     _refusals,
     _reply_stream,
+    StreamEndedEarly,
     _StreamReader,
-    _Undecodable,
 )
 from psserver.sparse.calls import RowCalls
 from psserver.sparse.serving import RowsPush
@@ -131,7 +131,7 @@ class RowRpcs:
         waited, table, version, rows = await calls.pull(
             table, h.table, h.rank, h.trainer_id, h.fingerprint, min_version, checked, self._deadline(context),
             functools.partial(context.hold, ("rows", id(h))))
-        self.shard.count("row_push_pulls")
+        self.count("row_push_pulls")
         layout = self.layouts.newest  # (a row reply is not held: docs/handoff-io.md, Tables)
         header = _pb.RowsHeader(table=h.table, version=version, num_ids=len(ids), dim=table.spec.dim,
                                 wait_seconds=waited, push=_push_reply(r, layout), pull_ref=calls.remember(h, checked),
@@ -142,7 +142,10 @@ class RowRpcs:
     # ------------------------------------------------------------------ a step in one call (psserver.step_parts)
     async def _rows_header(self, reader: _StreamReader):
         """A row push's first chunk: who is asking and what they declare, before a byte of the payload is read."""
-        first = _decoded(await reader.next() or _Undecodable(ValueError("the stream is empty")))
+        first = await reader.next()
+        if first is None:  # (what a push its client cancelled before its first chunk reads as: not counted refused)
+            raise StreamEndedEarly("the stream is empty: the first chunk must carry a header")
+        first = _decoded(first)
         if not first.HasField("header"):
             raise InvalidRequest("the first chunk has no header")
         h = first.header
@@ -174,7 +177,7 @@ class RowRpcs:
                 return await calls.run(table, grads.numel(), calls.shard.push_rows, h.fingerprint, h.table,
                                        push, self.cfg.nonfinite == "refuse", pushed)
             except StaleGradient:
-                self.shard.count("row_pushes_stale")
+                self.count("row_pushes_stale")
                 raise
 
     async def _read_rows(self, reader: _StreamReader, first, h: _pb.RowsHeader) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,9 +196,9 @@ class RowRpcs:
             rows_raw[pos * dim * 4:(pos + k) * dim * 4] = np.frombuffer(chunk.rows, dtype=np.uint8)
             pos, chunks = pos + k, chunks + 1
             chunk = await reader.next()
-        if pos != n:
-            raise InvalidRequest(f"the chunks cover ids [0, {pos}) but num_ids is {n}")
-        self.shard.count("bytes_in", n * (4 * dim + (8 if named is None else 0)))
+        if pos != n:  # closed early (refused) or cancelled by its client (counted cancelled: service_common)
+            raise StreamEndedEarly(f"the chunks cover ids [0, {pos}) but num_ids is {n}")
+        self.count("bytes_in", n * (4 * dim + (8 if named is None else 0)))
         return ids, grads
 
 

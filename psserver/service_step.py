@@ -82,9 +82,9 @@ class StepRpc:
         tables = [(p.index, await self._step_table(p, deadline, context)) for p in parts if p.kind == ROWS]
         if once:
             self._check_once_reply(dense, [t for _, t in tables])
-        self.shard.count("step_calls")
+        self.count("step_calls")
         if once:
-            self.shard.count("step_calls_once")
+            self.count("step_calls_once")
         turn = asyncio.Lock()
         async with self._rank_slot(parts[0].header.rank):
             pushed = await self._step_trip(dense, [t for _, t in tables], context)
@@ -199,7 +199,7 @@ class StepRpc:
             waited, table, version, rows = await calls.pull(
                 table, h.table, h.rank, h.trainer_id, h.fingerprint, min_version, t.checked, deadline,
                 lambda _nbytes: None)  # held before the trip
-        self.shard.count("row_push_pulls")
+        self.count("row_push_pulls")
         layout = self.layouts.newest  # (a table part's reply goes out with the Step's dense part, held or not)
         header = _pb.RowsHeader(table=h.table, version=version, num_ids=len(t.checked.ids), dim=table.spec.dim,
                                 wait_seconds=waited, push=_push_reply(t.result, layout), layout_epoch=layout,

@@ -7,6 +7,7 @@ arrows run one way: shard -> metrics -> stats.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from psserver.protocol.job import JobSpec
@@ -27,3 +28,20 @@ class StatsSnapshot:
     job: JobSpec | None
     lr: float = 0.0  # the rate the next optimizer step uses (0.0 before a job)
     tables: dict = None  # sparse tables: name -> their counters (psserver.sparse.serving.STAT_KEYS)
+
+
+class WideCounts:
+    """What one ps-server process counts whatever layout serves the call -- refusals, bytes in and out, calls,
+    cancellations -- in one place that every layout's host shares (psserver.host.ShardHost.successor) and adds to
+    its partitions' counts in its snapshot: GetStats and the metrics read the newest layout's host, and a count
+    made before a live re-shard's switch is still there after it.  The process's own, like a Prometheus counter:
+    not checkpointed, from 0 at a restart (a partition's job counts are checkpointed with its state)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter = Counter()
+
+    def count(self, name: str, n: float = 1) -> None:
+        self.counts[name] += n  # one dict update: atomic under the GIL
+
+    def snapshot(self) -> dict:
+        return dict(self.counts)  # a copy: another thread may count meanwhile

@@ -190,7 +190,7 @@ class ParameterServerTrainer:
         self._closed = False
         self.joined_at = 0  # the round this trainer's first step computes (a join: the round it was admitted at)
         try:
-            self.session.join(connect_timeout, running=join)
+            self.session.join(connect_timeout, running=join, follow=self.relayout.at_register)
             self.joined_at = self.versions[0] if join else 0
             self._bind_tables()
         except BaseException as e:

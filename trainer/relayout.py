@@ -21,13 +21,14 @@ from __future__ import annotations
 import logging
 from typing import Callable, Sequence
 
+import grpc
 import torch
 
 from psserver.protocol.job import JobSpec
 from psserver.protocol.layout import partition_range
-from psserver.protocol.layouts import LayoutEpoch, layout_at, new_job
-from psserver.protocol.rules import Mode
-from trainer.client import ShardClient, ShardedClient
+from psserver.protocol.layouts import LayoutEpoch, layout_at, moved_layout, new_job
+from psserver.protocol.rules import Mode, refused_layout_moved
+from trainer.client import ConnectAbandoned, ShardClient, ShardedClient
 from trainer.compress import TopK
 from trainer.staging import DeviceStaging
 
@@ -38,7 +39,30 @@ class LayoutNotFollowed(RuntimeError):
     """A layout this trainer cannot switch to (no addresses for its shards, a fingerprint it cannot compute)."""
 
 
+class RegisterMoved(ConnectionError):
+    """Register was refused ``layout-moved`` and the refusal named no layout this trainer can follow: the one-line
+    cause, to restart it on the new layout's --ps list."""
+
+
 # --------------------------------------------------------------------------------------- pure decisions
+def moved_at_register(results: Sequence, epoch: int, where: Sequence[str]) -> LayoutEpoch | None:
+    """Register in layout ``epoch`` answered ``results`` (each slot's reply or error; ``where[i]``: "shard I at
+    ADDRESS"): the newest layout to register in instead when slots refused it ``layout-moved`` naming a later layout
+    whole and every other slot's wait was abandoned for it; None when no slot refused it so, or another registered
+    or failed otherwise (the usual path reports that).  A refusal naming no layout raises RegisterMoved."""
+    moved = {i: r for i, r in enumerate(results)
+             if isinstance(r, grpc.RpcError) and refused_layout_moved(r) is not None}
+    if not moved or any(i not in moved and not isinstance(r, ConnectAbandoned) for i, r in enumerate(results)):
+        return None
+    layouts = {i: moved_layout(e.trailing_metadata()) for i, e in moved.items()}
+    for i, layout in layouts.items():
+        if layout is None or layout.number <= epoch:
+            raise RegisterMoved(f"{where[i]} refused Register layout-moved ({moved[i].details()}) and named no later "
+                                f"layout this trainer can follow (a shard from before ps-layout-bin, or a job spec "
+                                "other than the one it runs): restart it on the new layout's --ps list")
+    return max(layouts.values(), key=lambda e: e.number)
+
+
 def due(timeline: Sequence[LayoutEpoch], epoch: int, base: int, any_base: bool = False) -> LayoutEpoch | None:
     """The layout a step of base version ``base`` must be sent in, when it is a later one than ``epoch`` (the
     layout the trainer routes by now); None: stay.  Every base has one owner (route_push), so this is it.
@@ -134,6 +158,18 @@ class Relayout:
             return False
         self.switch(layout, base)
         return True
+
+    def at_register(self, layout: LayoutEpoch) -> None:
+        """Register was refused ``layout-moved`` naming ``layout`` (``moved_at_register``): this trainer started after
+        a live re-shard with the old --ps list.  Nothing was sent yet, so its slots switch now, from the layout's
+        round (the first pull sets their versions), and it registers again in it; counted
+        ``register_followed_layout``."""
+        self.client.count("register_followed_layout")
+        log.warning("rank %d: Register in layout %d was refused layout-moved: the job moved to layout %d (%d shards x "
+                    "%d partitions from round %d%s); following it", self.session.rank, self.epoch, layout.number,
+                    layout.num_shards, layout.partitions, layout.round,
+                    f": {', '.join(layout.addresses)}" if layout.addresses else "")
+        self.switch(layout, layout.round)
 
     def reroute(self, newest: int, base: int, refused: int, tables: Sequence[str] = (), rows_refused: int = 0,
                 unreachable: int = 0) -> bool:

@@ -16,8 +16,9 @@ from typing import Callable
 import grpc
 
 from psserver.protocol.epochs import Epoch, epoch_at
-from psserver.protocol.rules import Mode
-from trainer.client import WAIT_LOG_SECONDS, ShardClient, ShardedClient
+from psserver.protocol.rules import Mode, refused_layout_moved
+from trainer.client import WAIT_LOG_SECONDS, ConnectAbandoned, ShardClient, ShardedClient
+from trainer.relayout import moved_at_register
 from trainer.slots import DenseSlots
 
 log = logging.getLogger(__name__)
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 LEFT, NOT_LISTED = "left", "not listed"  # what a shard answered a Leave: OK, or NOT_FOUND (it never knew us)
 # A join refused at its commit or confirm (a shard restarted meanwhile) is asked again, at most this many times.
 JOIN_ATTEMPTS = 3
+FOLLOW_ATTEMPTS = 3  # layouts a Register refused layout-moved follows before it gives up (one per live re-shard)
 
 
 class StartTimeout(TimeoutError):
@@ -90,10 +92,12 @@ class Session:
                                                   modes.get(name, Mode.ASYNC), first) for name in rows.tables})
 
     # ------------------------------------------------------------------ joining
-    def join(self, timeout: float, running: bool = False) -> None:
+    def join(self, timeout: float, running: bool = False, follow: Callable | None = None) -> None:
         """Register with every shard, start heartbeats, initialise (rank 0), and take the first weights --
         all within one ``timeout``.  ``running``: join a running elastic job (``join_running``) and start from
-        the weights of the round it is admitted at."""
+        the weights of the round it is admitted at.  ``follow(layout)``: switch the slots to a later layout a
+        Register's ``layout-moved`` refusal named (trainer.relayout.Relayout.at_register; this trainer started after
+        a live re-shard with the old --ps list), then register again in it."""
         give_up = time.monotonic() + timeout
         first_versions: dict[int, int] = {}
         if running:
@@ -101,12 +105,12 @@ class Session:
             # each slot's round taken (sync: the same everywhere; async: a restored shard's own, below its peers')
             first_versions = {i: r.join_round for i, r in enumerate(results) if not isinstance(r, Exception)}
         else:
-            results = self._register_everywhere(timeout)
+            results = self._register_following(give_up, follow)
             self.registered = {i for i, r in enumerate(results) if not isinstance(r, Exception)}
             self.member_from = plain_member_from(self.client.parts, results)
         errors = [r for r in results if isinstance(r, Exception)]
-        if errors:
-            raise errors[0]
+        if errors:  # the cause, not a wait abandoned for it (_register_everywhere)
+            raise next((e for e in errors if not isinstance(e, ConnectAbandoned)), errors[0])
         for i, r in enumerate(results):
             if (r.start, r.end) != self.slots.ranges[i]:
                 raise ValueError(f"{self.client.parts[i].name} owns [{r.start}, {r.end}) but this trainer expected "
@@ -199,6 +203,20 @@ class Session:
             s.rank = rank
         self.client.rank = rank
 
+    def _register_following(self, give_up: float, follow: Callable | None) -> list:
+        """``_register_everywhere``; while its slots were refused ``layout-moved`` naming a later layout (at most
+        FOLLOW_ATTEMPTS layouts: a re-shard per attempt), ``follow`` it and register again there."""
+        results = self._register_everywhere(max(0.01, give_up - time.monotonic()))
+        for _ in range(FOLLOW_ATTEMPTS if follow is not None else 0):
+            self.registered = {i for i, r in enumerate(results) if not isinstance(r, Exception)}
+            layout = moved_at_register(results, self.client.parts[0].layout_epoch,
+                                       [f"{s.name} at {s.address}" for s in self.client.parts])
+            if layout is None:
+                break
+            follow(layout)
+            results = self._register_everywhere(max(0.01, give_up - time.monotonic()))
+        return results
+
     def _register_everywhere(self, timeout: float) -> list:
         """Each slot's RegisterReply, or the Exception its registering raised.
 
@@ -207,9 +225,17 @@ class Session:
         registered this trainer although its answer never arrived, and close() must leave it."""
         abandon, inflight = threading.Event(), []
         self.registered = set(range(self.slots.num_parts))  # until their answers say otherwise
+
+        def register(s: ShardClient):
+            try:
+                return s.register(self.job, timeout, abandon, self._refused_limit)
+            except grpc.RpcError as e:
+                if refused_layout_moved(e) is not None:
+                    abandon.set()  # the job moved on: no other slot's wait (a drained shard stopped) is worth it
+                raise
+
         try:
-            return self.client.map_settled(lambda s: s.register(self.job, timeout, abandon, self._refused_limit),
-                                           parts=True, inflight=inflight)
+            return self.client.map_settled(register, parts=True, inflight=inflight)
         except BaseException:
             abandon.set()
             futures_wait(inflight)

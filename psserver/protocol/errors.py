@@ -126,6 +126,10 @@ class StaleGradient(PsError):
 LAYOUT_MOVED = "layout-moved"  # reason of a call whose (layout epoch, base) another layout owns
 LAYOUT_AHEAD = "layout-ahead"  # reason of a call naming a layout epoch the shard has no record of
 LAYOUT_METADATA_KEY = "ps-layout"  # trailer of a layout-moved refusal: the newest layout epoch the shard serves
+# trailer of a Register refused layout-moved, to a caller that named the job it ran: the newest layout whole (a
+# serialized LayoutEpoch -- its addresses, shard count, partitions, fingerprint), so a trainer that starts late with
+# the old --ps list follows it (trainer.relayout.Relayout.at_register)
+LAYOUT_BIN_METADATA_KEY = "ps-layout-bin"
 
 
 HANDOFF = "handoff"  # reason of a push of base >= R while a live re-shard has committed R and not yet switched
@@ -147,12 +151,14 @@ class LayoutMoved(PsError):
     code = grpc.StatusCode.FAILED_PRECONDITION
     reason = LAYOUT_MOVED
 
-    def __init__(self, message: str, newest: int):
+    def __init__(self, message: str, newest: int, layout: bytes = b""):
+        """``layout``: the newest layout, serialized (a Register's refusal, LAYOUT_BIN_METADATA_KEY); b"": none."""
         super().__init__(message)
-        self.newest = newest
+        self.newest, self.layout = newest, layout
 
-    def trailers(self) -> tuple[tuple[str, str], ...]:
-        return super().trailers() + ((LAYOUT_METADATA_KEY, str(self.newest)),)
+    def trailers(self) -> tuple[tuple[str, str | bytes], ...]:
+        whole = ((LAYOUT_BIN_METADATA_KEY, self.layout),) if self.layout else ()
+        return super().trailers() + ((LAYOUT_METADATA_KEY, str(self.newest)),) + whole
 
 
 NOT_IN_LAYOUT = "not-in-layout"  # reason of a call naming a layout this process has no piece of (it was drained)

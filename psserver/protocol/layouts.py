@@ -16,8 +16,11 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, replace
 
+from google.protobuf.message import DecodeError
+
 from psserver.protocol.errors import (  # noqa: F401 (LAYOUT_METADATA_KEY: re-exported)
     LAYOUT_AHEAD,
+    LAYOUT_BIN_METADATA_KEY,
     LAYOUT_METADATA_KEY,
     LAYOUT_MOVED,
     LayoutAhead,
@@ -125,6 +128,19 @@ def refusal(timeline: list[LayoutEpoch], epoch: int, value: int, pull: bool = Fa
     return LayoutMoved(f"layout_epoch is {epoch} but this shard's newest layout is {newest}, and {what} {value} is "
                        f"{side[0]} {where}round {boundary}, where layout {epoch} {side[1]}: send it in the layout in "
                        "effect at it (docs/live-reshard.md)", newest)
+
+
+def moved_layout(trailers) -> LayoutEpoch | None:
+    """The newest layout a Register's ``layout-moved`` refusal carries whole (its ``ps-layout-bin`` trailer), or
+    None: none sent (a shard from before it, or a caller that named another job: psserver.layout_host) or bytes
+    that do not decode.  What a trainer that starts after a live re-shard with the old --ps list follows."""
+    raw = dict(trailers or ()).get(LAYOUT_BIN_METADATA_KEY)
+    if not raw:
+        return None
+    try:
+        return LayoutEpoch.from_proto(_pb.LayoutEpoch.FromString(bytes(raw)))
+    except DecodeError:
+        return None
 
 
 # --------------------------------------------------------------------------------------- moves
