@@ -12,7 +12,7 @@ import torch
 from psserver.protocol.codec import encode, wire_tensor
 from psserver.protocol.errors import LAYOUT_METADATA_KEY, REASON_METADATA_KEY
 from psserver.protocol.layout import Layout
-from psserver.protocol.layouts import new_job
+from psserver.protocol.layouts import moved_layout, new_job
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.rules import refused_layout_ahead, refused_layout_moved
 from psserver.protocol.stepwire import StepMessage, parse_step, serialize_step
@@ -217,3 +217,42 @@ def test_a_step_call_in_the_old_layout_at_the_switch_round_is_layout_moved_and_i
     chunks = step(switched, 1, R, NEW.fingerprint, HALF)
     h = chunks[0].header
     assert (h.outcome, h.version, h.length, h.layout_epoch) == (pb.APPLIED, R + 1, HALF, 1)
+
+
+def test_a_register_in_the_old_layout_carries_the_newest_layout_whole_only_to_a_caller_that_named_the_job(switched):
+    """A trainer started after the switch with the old --ps list learns where to go (trainer.relayout.at_register);
+    a caller naming another job learns no fingerprint of this one, only the refusal."""
+    request = pb.RegisterRequest(rank=1, trainer_id="t1", job=OLD.to_proto(), layout_epoch=0)
+    error = refused(lambda: switched.stub.Register(request, timeout=10), grpc.StatusCode.FAILED_PRECONDITION,
+                    "layout_epoch is 0", unchanged=BothLayouts(switched))
+    layout = moved_layout(error.trailing_metadata())
+    assert (layout.number, layout.round, layout.num_shards, layout.fingerprint) == (1, R, 2, NEW.fingerprint)
+    other = dataclasses.replace(OLD, fingerprint="0" * 16)
+    request = pb.RegisterRequest(rank=1, trainer_id="t1", job=other.to_proto(), layout_epoch=0)
+    error = refused(lambda: switched.stub.Register(request, timeout=10), grpc.StatusCode.FAILED_PRECONDITION,
+                    "layout_epoch is 0", unchanged=BothLayouts(switched))
+    assert refused_layout_moved(error) == 1 and moved_layout(error.trailing_metadata()) is None
+    still_serves(switched)
+
+
+def test_refusals_and_bytes_counted_before_a_switch_are_still_in_get_stats_and_metrics_after_it(shard_server):
+    """The servicer's counts are shard-wide (psserver.stats.WideCounts): GetStats and the metrics read the newest
+    layout's host, and once counted on layout 0's partition 0 they vanished from both at the switch."""
+    shard = shard_server()
+    shard.register(spec=OLD)
+    init(shard)
+    unchanged = type("Digest", (), {"digest": lambda self: shard.digest(fingerprint=OLD.fingerprint)})()
+    refused(lambda: push(shard, 0, 0, OLD.fingerprint, P + 1), grpc.StatusCode.INVALID_ARGUMENT,
+            f"length is {P + 1} elements but this shard's slice has {P}", unchanged=unchanged)
+    for base in (0, 1):
+        push(shard, 0, base, OLD.fingerprint, P, sequence=base + 1)
+    before = shard.stats(fingerprint=OLD.fingerprint).counters
+    assert before["refused_INVALID_ARGUMENT"] == 1 and before["bytes_in"] > 0
+    shard.server.switch_layout_offline(2, 0)
+    after = shard.stats(fingerprint=NEW.fingerprint).counters
+    assert (after["refused_INVALID_ARGUMENT"], after["bytes_in"]) == (1, before["bytes_in"])
+    still_serves(shard)  # layout 1 at R + 1; the tombstone stays at R
+    assert shard.stats(fingerprint=NEW.fingerprint).counters["bytes_in"] == before["bytes_in"] + 4 * HALF
+    registry = shard.server.shard.metrics.registry
+    assert registry.get_sample_value("psgrpc_refused_total", {"shard": "0", "code": "INVALID_ARGUMENT"}) == 1
+    assert registry.get_sample_value("psgrpc_version", {"shard": "0"}) == R + 1  # the newest layout's, scraped

@@ -12,11 +12,13 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
+import pytest
 import torch
 from torch.nn import functional as F
 
 from tests.helpers import WAIT_TIMEOUT, run_ranks
 from trainer import connect
+from trainer.relayout import RegisterMoved
 
 STEPS, R = 6, 3
 OPTIMIZER = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
@@ -148,3 +150,57 @@ def test_two_sync_trainers_both_follow_the_switch_and_end_bit_for_bit_as_without
         assert (counters[rank]["pushes_rerouted"], counters[rank]["layouts_followed"]) == (2, 1)
         assert counters[rank]["steps_failed"] == counters[rank]["steps_abandoned"] == 0
     assert [p.capture().version for p in servers[0].layouts.current.parts[:2]] == [STEPS, STEPS]
+
+
+def one_step(ps, model, batch) -> None:
+    x, y = batch
+    ps.prepare_step(len(x))
+    F.cross_entropy(model(x), y).backward()
+    ps.step(num_samples=len(x))
+    ps.flush()
+
+
+def test_an_async_trainer_started_after_a_switch_with_the_old_ps_list_follows_the_layout_its_register_refusal_names(
+        shard_server):
+    """Async jobs do not wait for every trainer, so rank 1 may first register after the switch, in layout 0: every
+    old shard refuses it ``layout-moved`` with layout 1 whole (psserver.layout_host.register_host), and it registers
+    there instead (trainer.relayout.Relayout.at_register), counted and logged; its steps go to layout 1's shards."""
+    servers = [shard_server(shard=i).server for i in range(2)]
+    addresses, data = ",".join(s.address for s in servers), batches()
+    first, late = Net(), Net()
+    with connect(addresses, first, mode="async", rank=0, num_trainers=2, optimizer=OPTIMIZER,
+                 connect_timeout=30) as ps0:
+        for batch in data[:R]:
+            one_step(ps0, first, batch)
+        switch_to_one_shard(servers)
+        with connect(addresses, late, mode="async", rank=1, num_trainers=2, optimizer=OPTIMIZER,
+                     connect_timeout=30) as ps1:
+            counters = ps1.client.counters
+            assert (counters["register_followed_layout"], counters["layouts_followed"]) == (1, 1)
+            assert (ps1.job.num_shards, ps1.job.partitions) == (1, 2)
+            assert [s.address for s in ps1.client.parts] == [servers[0].address] * 2
+            one_step(ps1, late, data[R])
+            assert counters["pushes_rerouted"] == counters["steps_failed"] == counters["reconnects"] == 0
+        one_step(ps0, first, data[R + 1])  # rank 0 follows at its next step, as before
+        assert ps0.client.counters["layouts_followed"] == 1
+    assert [p.capture().version for p in servers[0].layouts.current.parts[:2]] == [R + 2, R + 2]
+    assert servers[0].layouts.host(0).part(0).capture().version == R  # nothing of rank 1 in the old layout
+
+
+def test_a_trainer_of_another_job_refused_layout_moved_at_register_fails_in_one_line_naming_the_shard(shard_server):
+    """The shards keep the newest layout from a caller that named another job (its fingerprint is this job's
+    identity): the refusal names no layout to follow, and connect fails with its one-line cause."""
+    servers = [shard_server(shard=i).server for i in range(2)]
+    addresses = ",".join(s.address for s in servers)
+    first = Net()
+    with connect(addresses, first, mode="async", rank=0, num_trainers=2, optimizer=OPTIMIZER,
+                 connect_timeout=30) as ps0:
+        for batch in batches()[:R]:
+            one_step(ps0, first, batch)
+        switch_to_one_shard(servers)
+        with pytest.raises(RegisterMoved) as e:
+            connect(addresses, torch.nn.Linear(12, 4), mode="async", rank=1, num_trainers=2, optimizer=OPTIMIZER,
+                    connect_timeout=30)
+        message = str(e.value)
+        assert "\n" not in message and "refused Register layout-moved" in message
+        assert "restart it on the new layout's --ps list" in message

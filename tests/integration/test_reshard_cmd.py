@@ -2,6 +2,7 @@
 dense job while the test pushes rounds (round R-1's as futures: their replies wait for DECIDE), and a re-run
 after it finished resumes from the shards' records; a 3 -> 2 drain, to its last line; and --at-round."""
 
+import socket
 import threading
 
 import grpc
@@ -10,11 +11,13 @@ import torch
 from psserver.protocol.codec import encode, wire_tensor
 from psserver.protocol.errors import LAYOUT_MOVED, REASON_METADATA_KEY
 from psserver.protocol.proto import ps_pb2 as pb
+from psserver import reshard_cmd
+from psserver.protocol.job import TableSpec
 from psserver.reshard_cmd import Coordinator, reshard_main
 from psserver.handoff import MAX_FORWARD_LAG
 from tests.helpers import refused
 from tests.integration.test_handoff_drain import Run, grad
-from tests.integration.test_handoff_io import NEW, NEW_RANGES, Job, pull
+from tests.integration.test_handoff_io import NEW, NEW_RANGES, Job, pull, spec
 
 MAX_BEFORE_R = MAX_FORWARD_LAG // 2
 
@@ -171,3 +174,33 @@ def test_ps_server_reshard_retires_once_round_r_closed_in_the_new_layout_so_a_lo
     e = refused(lambda: push_again(run, 0, R - 1, run.seq[(0, 0)], old_job), grpc.StatusCode.FAILED_PRECONDITION,
                 "layout_epoch is 0")  # RETIRE freed layout 0 now
     assert dict(e.trailing_metadata())[REASON_METADATA_KEY] == LAYOUT_MOVED
+
+
+def test_ps_server_reshard_says_a_refused_prepare_is_refused_again_never_to_run_it_again_to_resume(shard_server,
+                                                                                                 capsys):
+    """A permanent refusal (an async table cannot move) is the shards' answer: the same command gets it again."""
+    job = Job(shard_server, spec(tables=(TableSpec("emb", 4, seed=7, mode="async"),)))
+    argv = ["--ps", ",".join(job.old), "--to", ",".join(job.new), "--wait", "60", "--retire-wait", "0"]
+    assert reshard_main(argv) == 1
+    err = capsys.readouterr().err
+    cause, hint = err.splitlines()
+    assert cause.startswith("ps-server reshard: ") and "answered PREPARE with FAILED_PRECONDITION" in cause
+    assert "table 'emb' mode is async" in cause
+    assert hint.startswith("  hint: fix what the refusal names (the same command is refused again)")
+    assert "run the same command again" not in err
+
+
+def test_ps_server_reshard_that_got_no_answer_says_to_run_the_same_command_again_to_resume(monkeypatch, capsys):
+    """No answer (nothing listens: UNAVAILABLE) may be a shard restarting or a cut connection: a re-run resumes."""
+    monkeypatch.setattr(reshard_cmd, "CALL_RETRY_SECONDS", 0.0)  # no answer: given up at once, not after 30 s
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:  # a port nothing listens on once closed
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    old, new = [f"127.0.0.1:{ports[0]}"], [f"127.0.0.1:{p}" for p in ports]
+    assert reshard_main(["--ps", ",".join(old), "--to", ",".join(new), "--timeout", "10"]) == 1
+    err = capsys.readouterr().err
+    cause, hint = err.splitlines()
+    assert "answered STATUS with UNAVAILABLE" in cause
+    assert hint.startswith("  hint: run the same command again to resume")

@@ -4,6 +4,9 @@ abbreviate flags, share the cores between trainers, and report what happened wit
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -273,3 +276,35 @@ def test_ps_server_handoff_timeout_defaults_to_the_joins_3_s_and_takes_a_larger_
     parser = server_cli.build_parser()
     assert parser.parse_args(["--shard", "0"]).handoff_timeout == 3.0
     assert parser.parse_args(["--shard", "0", "--handoff-timeout", "10"]).handoff_timeout == 10.0
+
+
+@pytest.mark.parametrize("argv, cause", [
+    (["--join-timeout", "-1"], "The join timeout (-1.0 s) must be between 0"),
+    (["--join-timeout", "nan"], "The join timeout (nan s) must be between 0"),
+    (["--lease-timeout", "-2"], "The lease timeout (-2.0 s) must be zero (never) or more seconds"),
+    (["--checkpoint-every", "0"], "The checkpoint interval (0 versions) must be at least 1"),
+    (["--stream-idle-timeout", "0"], "The stream idle timeout (0.0 s) must be between 0 and"),
+    (["--max-calls-per-peer", "0"], "The max calls per peer (0) must be at least 1"),
+    (["--port", "70000"], "The port (70000) must be between 0 and 65535"),
+], ids=["join-timeout", "join-timeout-nan", "lease-timeout", "checkpoint-every", "stream-idle-timeout",
+        "max-calls-per-peer", "port"])
+def test_ps_server_refuses_a_value_only_its_config_checks_as_argparse_would_exit_2_one_line_and_a_hint(
+        argv, cause, capsys):
+    from psserver import cli as server_cli
+
+    with pytest.raises(SystemExit) as e:
+        server_cli.main(["--shard", "0", *argv])
+    err = capsys.readouterr().err.splitlines()
+    assert e.value.code == 2 and err[0].startswith(f"ps-server: error: {cause}"), err
+    assert err[1:] == ["hint: run 'ps-server --help' for the flags"]
+
+
+def test_ps_server_run_with_a_bad_join_timeout_prints_one_error_line_and_a_hint_and_no_traceback():
+    """The real command line (its entrypoint, run_cli), as a user runs it: not a Python traceback."""
+    env = {**os.environ, "GLIBC_TUNABLES": "", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.run([sys.executable, "-c", "from psserver.cli import entrypoint; entrypoint()", "--shard", "0",
+                           "--join-timeout", "-1"], capture_output=True, text=True, env=env, timeout=300)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert [line.split(":")[0] for line in lines] == ["ps-server", "hint"], proc.stderr
+    assert lines[0].startswith("ps-server: error: The join timeout (-1.0 s) must be between 0")

@@ -13,7 +13,7 @@ from psserver.layout_host import LayoutHost
 from psserver.protocol.errors import LayoutAhead, LayoutMoved, NotInLayout, PsError
 from psserver.protocol.job import TableSpec
 from psserver.protocol.layout import Layout
-from psserver.protocol.layouts import LayoutEpoch
+from psserver.protocol.layouts import LayoutEpoch, moved_layout
 from psserver.protocol.rows.placement import shard_of
 from psserver.reshard import ReshardError
 from psserver.service import ServiceLimits
@@ -247,3 +247,15 @@ def test_row_calls_of_layouts_retire_freed_are_dropped_so_they_do_not_grow_with_
     assert set(rows._rows_by_epoch) == {2}
     assert not layouts.holds(1) and layouts.holds(2)
     assert rows.drop_freed_rows() == 0  # nothing more to drop while layout 2 serves
+
+
+def test_a_register_in_a_layout_retire_freed_is_layout_moved_carrying_the_newest_layout_to_its_jobs_callers_only():
+    host, layouts = running()
+    layouts.switch_offline(2, 0, addresses=("a:1", "b:2"))
+    layouts.retire()
+    with pytest.raises(LayoutMoved, match=r"freed \(RETIRE\)") as e:
+        layouts.register_host(0, JOB.fingerprint)
+    assert moved_layout(e.value.trailers()) == layouts.timeline()[1]  # its shards, count, round, fingerprint
+    with pytest.raises(LayoutMoved) as e:
+        layouts.register_host(0, "0" * 16)  # another job's caller: no fingerprint of this one
+    assert moved_layout(e.value.trailers()) is None and e.value.newest == 1

@@ -13,15 +13,17 @@ from psserver.protocol.layouts import LayoutEpoch
 from psserver.protocol.proto import ps_pb2 as pb
 from tests.conftest import make_spec
 from trainer.attempt import moved_everywhere, moved_past_unreachable
-from trainer.client import RetryPolicy, ShardClient
+from trainer.client import ConnectAbandoned, RetryPolicy, ShardClient
 from trainer.compress import TopK
 from trainer.relayout import (
     LayoutNotFollowed,
     LayoutTimeline,
+    RegisterMoved,
     Relayout,
     due,
     give_back_topk,
     layout_addresses,
+    moved_at_register,
     recut_residuals,
     slot_ranges,
 )
@@ -184,3 +186,38 @@ def test_a_step_moved_on_some_slots_and_unreachable_on_another_is_resent_whole_o
     # base 5 >= R: no old shard applied it, so both slots' parts go again whole in layout 1
     assert relayout.reroute(1, 5, 2, unreachable=1) is True and switched == [(1, 5)]
     assert (client.counters["pushes_rerouted"], client.counters["steps_rerouted_past_unreachable"]) == (2, 1)
+
+
+WHERE = ["shard 0 at a:1", "shard 1 at b:2"]
+LAYOUT_1 = TIMELINE[1]
+
+
+def _moved(layout=None):
+    """A Register refused layout-moved, carrying ``layout`` whole (psserver.layout_host.register_host) or not."""
+    whole = layout.to_proto().SerializeToString() if layout is not None else b""
+    return _Error(LayoutMoved("layout_epoch is 0 but this shard's newest layout is 1, from round 5: register in it",
+                              1, whole))
+
+
+def test_a_register_refused_layout_moved_naming_a_later_layout_follows_it_whatever_waits_it_abandoned():
+    assert moved_at_register([_moved(LAYOUT_1), _moved(LAYOUT_1)], 0, WHERE) == LAYOUT_1
+    # a drained shard that was stopped: its wait is abandoned for the refusal the other slot got
+    assert moved_at_register([ConnectAbandoned("abandoned"), _moved(LAYOUT_1)], 0, WHERE) == LAYOUT_1
+    assert moved_at_register([_moved(LAYOUT_1), _moved(TIMELINE[2])], 0, WHERE) == TIMELINE[2]  # the newest
+
+
+def test_a_register_that_was_not_refused_layout_moved_everywhere_else_is_left_to_the_usual_path():
+    other = _Error(JobMismatch("job spec differs"))
+    assert moved_at_register([pb.RegisterReply(), pb.RegisterReply()], 0, WHERE) is None  # registered
+    assert moved_at_register([other, ConnectAbandoned("x")], 0, WHERE) is None  # no layout-moved
+    assert moved_at_register([_moved(LAYOUT_1), pb.RegisterReply()], 0, WHERE) is None  # one slot took it
+    assert moved_at_register([_moved(LAYOUT_1), other], 0, WHERE) is None  # another refusal: report that
+
+
+@pytest.mark.parametrize("layout", [None, TIMELINE[0]], ids=["none-named", "not-later"])
+def test_a_register_refused_layout_moved_without_a_later_layout_stays_fatal_in_one_line_naming_the_shard(layout):
+    with pytest.raises(RegisterMoved) as e:
+        moved_at_register([ConnectAbandoned("x"), _moved(layout)], 0, WHERE)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("shard 1 at b:2 refused Register layout-moved (layout_epoch")
+    assert "restart it on the new layout's --ps list" in message
