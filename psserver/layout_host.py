@@ -32,7 +32,15 @@ import logging
 
 from psserver import drain_record
 from psserver.host import ShardHost
-from psserver.protocol.errors import HandoffPending, LayoutAhead, LayoutMoved, NotInLayout, NotReady, PsError
+from psserver.protocol.errors import (
+    LAYOUT_BIN_MAX_BYTES,
+    HandoffPending,
+    LayoutAhead,
+    LayoutMoved,
+    NotInLayout,
+    NotReady,
+    PsError,
+)
 from psserver.protocol.job import table_mode
 from psserver.protocol.layouts import LayoutEpoch, first_layout, new_job, next_layout, refusal
 from psserver.protocol.proto import ps_pb2 as _pb
@@ -215,12 +223,14 @@ class LayoutHost:
         return host
 
     def _moved_whole(self, refusal: LayoutMoved, epoch: int, fingerprint: str) -> LayoutMoved:
-        """``refusal`` with the newest layout attached, if ``fingerprint`` is layout ``epoch``'s (else as it is)."""
+        """``refusal`` with the newest layout attached, if ``fingerprint`` is layout ``epoch``'s and the layout fits
+        in a trailer (LAYOUT_BIN_MAX_BYTES); else as it is (the trainer's one line says to restart it)."""
         timeline = self.timeline()
         named = next((e for e in timeline if e.number == epoch), None)
-        if named is None or not fingerprint or named.fingerprint != fingerprint:
+        whole = timeline[-1].to_proto().SerializeToString()
+        if named is None or not fingerprint or named.fingerprint != fingerprint or len(whole) > LAYOUT_BIN_MAX_BYTES:
             return refusal
-        return LayoutMoved(str(refusal), refusal.newest, timeline[-1].to_proto().SerializeToString())
+        return LayoutMoved(str(refusal), refusal.newest, whole)
 
     def heartbeat(self, index: int, rank: int, trainer_id: str, fingerprint: str) -> tuple[int, int]:
         """Renew ``rank``'s lease in the newest layout.  A trainer one layout behind (it switches at its next step,

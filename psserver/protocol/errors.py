@@ -130,6 +130,7 @@ LAYOUT_METADATA_KEY = "ps-layout"  # trailer of a layout-moved refusal: the newe
 # serialized LayoutEpoch -- its addresses, shard count, partitions, fingerprint), so a trainer that starts late with
 # the old --ps list follows it (trainer.relayout.Relayout.at_register)
 LAYOUT_BIN_METADATA_KEY = "ps-layout-bin"
+LAYOUT_BIN_MAX_BYTES = 4096  # a layout past this (hundreds of shards) is not sent: trailers share gRPC's 8 KiB
 
 
 HANDOFF = "handoff"  # reason of a push of base >= R while a live re-shard has committed R and not yet switched

@@ -259,3 +259,11 @@ def test_a_register_in_a_layout_retire_freed_is_layout_moved_carrying_the_newest
     with pytest.raises(LayoutMoved) as e:
         layouts.register_host(0, "0" * 16)  # another job's caller: no fingerprint of this one
     assert moved_layout(e.value.trailers()) is None and e.value.newest == 1
+
+
+def test_a_newest_layout_too_big_for_a_trailer_is_not_attached_and_the_refusal_stays_layout_moved():
+    host, layouts = running()
+    layouts.switch_offline(2, 0, addresses=tuple(f"{'x' * 2100}-{i}:7000" for i in range(2)))  # 4.2 KB of names
+    with pytest.raises(LayoutMoved) as e:
+        layouts.register_host(0, JOB.fingerprint)
+    assert moved_layout(e.value.trailers()) is None and e.value.newest == 1
