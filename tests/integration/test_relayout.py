@@ -192,10 +192,10 @@ def test_a_trainer_of_another_job_refused_layout_moved_at_register_fails_in_one_
     identity): the refusal names no layout to follow, and connect fails with its one-line cause."""
     servers = [shard_server(shard=i).server for i in range(2)]
     addresses = ",".join(s.address for s in servers)
-    first = Net()
+    first, data = Net(), batches()
     with connect(addresses, first, mode="async", rank=0, num_trainers=2, optimizer=OPTIMIZER,
                  connect_timeout=30) as ps0:
-        for batch in batches()[:R]:
+        for batch in data[:R]:
             one_step(ps0, first, batch)
         switch_to_one_shard(servers)
         with pytest.raises(RegisterMoved) as e:
@@ -204,3 +204,4 @@ def test_a_trainer_of_another_job_refused_layout_moved_at_register_fails_in_one_
         message = str(e.value)
         assert "\n" not in message and "refused Register layout-moved" in message
         assert "restart it on the new layout's --ps list" in message
+        one_step(ps0, first, data[R])  # rank 0 follows (its Leave is then in layout 1)
