@@ -160,7 +160,7 @@ def test_ps_server_beyond_loopback_without_a_token_exits_with_one_line_and_a_hin
     monkeypatch.setattr(psserver.server.ShardServer, "start", serve_nothing)
     with pytest.raises(SystemExit) as e:
         run_cli("ps-server", lambda: main(["--shard", "0", "--host", "0.0.0.0", "--port", "0"]))
-    assert e.value.code == 1
+    assert e.value.code == 2  # a command-line mistake, as argparse's own (ServerConfig checks it)
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0].startswith("ps-server: error: --host 0.0.0.0 listens beyond loopback") and "--insecure" in err[0]
     assert err[1].startswith("hint:") and len(err) == 2
