@@ -101,7 +101,7 @@ class Session:
         give_up = time.monotonic() + timeout
         first_versions: dict[int, int] = {}
         if running:
-            results, _ = self.join_running(timeout)
+            results, _ = self._join_following(give_up, follow)
             # each slot's round taken (sync: the same everywhere; async: a restored shard's own, below its peers')
             first_versions = {i: r.join_round for i, r in enumerate(results) if not isinstance(r, Exception)}
         else:
@@ -202,6 +202,20 @@ class Session:
         for s in self.client.parts:
             s.rank = rank
         self.client.rank = rank
+
+    def _join_following(self, give_up: float, follow: Callable | None) -> tuple[list, int]:
+        """``join_running``; while its admission was refused ``layout-moved`` naming a later layout (a joiner started
+        after a live re-shard with the old --ps list), ``follow`` it and join there (at most FOLLOW_ATTEMPTS)."""
+        for attempt in range(FOLLOW_ATTEMPTS + 1):
+            try:
+                return self.join_running(max(0.01, give_up - time.monotonic()))
+            except grpc.RpcError as e:
+                if follow is None or attempt == FOLLOW_ATTEMPTS or refused_layout_moved(e) is None:
+                    raise
+                head = self.client.parts[0]
+                self.registered = set()  # refused at its admission: no slot took it
+                follow(moved_at_register([e], head.layout_epoch, [f"{head.name} at {head.address}"]))
+        raise AssertionError("unreachable")
 
     def _register_following(self, give_up: float, follow: Callable | None) -> list:
         """``_register_everywhere``; while its slots were refused ``layout-moved`` naming a later layout (at most

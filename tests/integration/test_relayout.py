@@ -205,3 +205,38 @@ def test_a_trainer_of_another_job_refused_layout_moved_at_register_fails_in_one_
         assert "\n" not in message and "refused Register layout-moved" in message
         assert "restart it on the new layout's --ps list" in message
         one_step(ps0, first, data[R])  # rank 0 follows (its Leave is then in layout 1)
+
+
+def test_an_elastic_joiner_started_after_a_switch_with_the_old_ps_list_follows_the_layout_its_admission_names(
+        shard_server):
+    """As a late rank: a join's admission in layout 0 is refused ``layout-moved`` with layout 1 whole, and the joiner
+    joins there (admission, commit, confirm in layout 1) while rank 0 trains on (a join waits for its round)."""
+    servers = [shard_server(shard=i).server for i in range(2)]
+    addresses, data = ",".join(s.address for s in servers), batches()
+    first, joiner = Net(), Net()
+    elastic = dict(mode="async", num_trainers=1, max_trainers=2, optimizer=OPTIMIZER, connect_timeout=60)
+    with connect(addresses, first, rank=0, **elastic) as ps0:
+        for batch in data[:R]:
+            one_step(ps0, first, batch)
+        switch_to_one_shard(servers)
+        joined, steps = threading.Event(), []
+
+        def rank0() -> None:  # its steps move the rounds the join waits for; it follows at the first
+            while not joined.is_set():
+                one_step(ps0, first, data[len(steps) % STEPS])
+                steps.append(1)
+
+        training = threading.Thread(target=rank0, name="rank0")
+        training.start()
+        try:
+            with connect(addresses, joiner, join=True, **elastic) as ps1:
+                joined.set()
+                counters = ps1.client.counters
+                assert (ps1.rank, counters["register_followed_layout"], counters["joins"]) == (1, 1, 1)
+                assert (ps1.job.num_shards, ps1.job.partitions) == (1, 2)
+                one_step(ps1, joiner, data[R])
+                assert counters["steps_failed"] == counters["pushes_rerouted"] == 0
+        finally:
+            joined.set()
+            training.join(WAIT_TIMEOUT)
+        assert not training.is_alive() and ps0.client.counters["layouts_followed"] == 1
