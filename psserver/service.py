@@ -467,6 +467,11 @@ class ParameterServerService(RowRpcs, StepRpc):
             part.release_snapshot(snapshot)
 
     # ------------------------------------------------------------------ sparse tables (psserver.sparse.calls)
+def _parse_step_request(message: bytes):
+    """A Step request message, its ``more`` bounded (limits.MAX_STEP_MESSAGE_CHUNKS) as it is parsed on the loop."""
+    return parse_step(message, max_more=limits.MAX_STEP_MESSAGE_CHUNKS)
+
+
 def add_service(servicer: ParameterServerService, server) -> None:
     """Register the servicer like the generated ``add_ParameterServerServicer_to_server``, except that
     Chunk streams use psserver.protocol.fastwire (same bytes on the wire, fewer copies) and undecodable unary
@@ -490,8 +495,8 @@ def add_service(servicer: ParameterServerService, server) -> None:
                                                          _pb.PushRowsReply.SerializeToString),
         "PushPullRows": grpc.stream_stream_rpc_method_handler(
             servicer.PushPullRows, _safe(_pb.RowsChunk.FromString), _pb.RowsChunk.SerializeToString),
-        "Step": grpc.stream_stream_rpc_method_handler(servicer.Step, parse_step, serialize_step),
-        "StepOnce": unary(servicer.StepOnce, parse_step, serialize_step),
+        "Step": grpc.stream_stream_rpc_method_handler(servicer.Step, _parse_step_request, serialize_step),
+        "StepOnce": unary(servicer.StepOnce, _parse_step_request, serialize_step),
         "Reshard": unary(servicer.Reshard, _safe(_pb.ReshardRequest.FromString), _pb.ReshardReply.SerializeToString),
         "Handoff": grpc.stream_unary_rpc_method_handler(servicer.Handoff, _safe(_pb.HandoffChunk.FromString),
                                                         _pb.HandoffAck.SerializeToString),

@@ -13,7 +13,7 @@ import functools
 import ipaddress
 import logging
 import urllib.parse
-from contextlib import asynccontextmanager
+from contextlib import ExitStack, asynccontextmanager
 
 from psserver.common.logsafe import shorten
 from psserver.protocol import limits
@@ -25,6 +25,7 @@ from psserver.protocol.errors import (
     PsError,
     StaleGradient,
     StreamTimeout,
+    TooBusy,
     TooLarge,
     WaitTimeout,
 )
@@ -74,7 +75,8 @@ def _refusals(method):
             _cancelled(self, method.__name__, context, "")
             raise
         except PsError as e:
-            if isinstance(e, StreamEndedEarly) and await _client_cancelled(context):
+            if isinstance(e, StreamEndedEarly) and hasattr(request, "__aiter__") and \
+                    await _grace(self, e, context):
                 _cancelled(self, method.__name__, context, str(e))  # not a refusal: nothing of it was applied
                 raise asyncio.CancelledError from None
             code = e.code
@@ -110,6 +112,22 @@ async def _client_cancelled(context) -> bool:
     except asyncio.CancelledError:
         return True
     return context.cancelled()
+
+
+async def _grace(service, e: StreamEndedEarly, context) -> bool:
+    """``_client_cancelled`` for a request stream that ended early, held as a call of its connection: the
+    handler's own slot was given back when it raised, and a client closing streams early at a high rate held a
+    handler each for CANCEL_GRACE outside --max-calls-per-peer -- with what it had read (a Step's parts, up to
+    --max-push-bytes), kept by the exception's frames.  The frames go first; a connection at its cap gets no
+    grace (refused at once, counted ``refused_over_limit`` too).  (Unary calls, whose request came whole, never
+    wait: ``_refusals``.)"""
+    e.__traceback__ = None  # the handler's frames, and the chunks they read, are freed now, not after the wait
+    with ExitStack() as held:
+        try:
+            held.enter_context(service._peer_slot(context))
+        except TooBusy:
+            return False
+        return await _client_cancelled(context)
 
 
 def _cancelled(service, name: str, context, cut: str) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from psserver import modes
 from psserver.protocol import limits
-from psserver.protocol.codec import TORCH_DTYPES, check_stream_header
+from psserver.protocol.codec import TORCH_DTYPES, check_stream_header, topk_payload_bytes
 from psserver.protocol.errors import StaleGradient, TooLarge
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rows.wire import row_chunks
@@ -118,23 +118,26 @@ class StepRpc:
                 seen = len(collected.parts)
                 collected.add(msg)
                 for p in collected.parts[seen:]:
-                    self._check_step_header(p, collected.parts[0])
+                    collected.declare(p, self._check_step_header(p, collected.parts[0]))
                     if p.index == 0:
                         await held.enter_async_context(self._rank_slot(p.header.rank))
         if not collected.parts:  # (what a Step its client cancelled before its first message reads as)
             raise StreamEndedEarly("the Step stream is empty: it must carry at least one part")
         return collected.finish(), collected.one_reply
 
-    def _check_step_header(self, p, first) -> None:
-        """A Step part's header as its first chunk arrives: what its own RPC checks before reading a payload."""
+    def _check_step_header(self, p, first) -> int:
+        """A Step part's header as its first chunk arrives: what its own RPC checks before reading a payload.
+        Returns the payload bytes it declares (its chunks may carry no more: StepParts.declare)."""
         h = check_caller(p, first)
         if p.kind == ROWS:
             self._check_rows_first(h)
-            return
+            return h.num_ids * (8 + 4 * h.dim)  # (at most: a push naming its pulls sends no ids)
         _check_header_fields(h)
         part = self.layouts.push_part(h.layout_epoch, h.partition, h.version)  # the layout first, as Push does
         part.check_member(h.rank, h.trainer_id, h.fingerprint)
-        check_stream_header(h, part.slice_length(), part.wire_dtype(), self.cfg.max_push_bytes)
+        wire = part.wire_dtype()
+        check_stream_header(h, part.slice_length(), wire, self.cfg.max_push_bytes)
+        return topk_payload_bytes(h.topk, h.length, wire) if h.topk else h.length * TORCH_DTYPES[wire].itemsize
 
     async def _step_table(self, p, deadline: float, context) -> TablePart:
         """A Step's table part read and bounded on the loop (header, the wait for an open round, pull ids and the

@@ -26,6 +26,8 @@ class StepPart:
     index: int
     kind: str
     chunks: list = field(default_factory=list)
+    nbytes: int = 0  # payload bytes of its chunks so far (data; ids and rows)
+    declared: int | None = None  # what its header declares it carries, once the header was checked (StepParts.declare)
 
     @property
     def header(self):
@@ -85,7 +87,17 @@ class StepParts:
             raise InvalidRequest(f"part {msg.part} is {last.kind} but a chunk of it carries {kind}")
         if last.chunks:
             _check_not_short(last, self.min_chunk_bytes)
-        last.chunks.append(msg.dense if kind == DENSE else msg.rows)
+        chunk = msg.dense if kind == DENSE else msg.rows
+        last.chunks.append(chunk)
+        last.nbytes += _payload_bytes(chunk, kind)
+        _check_declared(last)
+
+    def declare(self, part: StepPart, nbytes: int) -> None:
+        """``part``'s header, checked, declares ``nbytes`` of payload: refused as soon as its chunks carry more.
+        Without it a part was bounded only by the stream's --max-push-bytes (4 GiB by default), whatever its
+        header said: a dense part declaring a 4 KB slice could bring gigabytes, all kept until the stream ended."""
+        part.declared = nbytes
+        _check_declared(part)
 
     def finish(self) -> list[StepPart]:
         """The parts, once the stream ended: each opening with a header, one caller, one dense part and one
@@ -122,10 +134,20 @@ def check_caller(p: StepPart, first: StepPart):
     return h
 
 
+def _payload_bytes(chunk, kind: str) -> int:
+    return len(chunk.data) if kind == DENSE else len(chunk.ids) + len(chunk.rows)
+
+
+def _check_declared(part: StepPart) -> None:
+    if part.declared is not None and part.nbytes > part.declared:
+        raise InvalidRequest(f"part {part.index} carries {part.nbytes} bytes so far but its header declares "
+                             f"{part.declared} bytes")
+
+
 def _check_not_short(part: StepPart, min_chunk_bytes: int) -> None:
     """Refuse a part whose chunk so far, now followed by another, carries fewer bytes than the minimum."""
     prev = part.chunks[-1]
-    n = len(prev.data) if part.kind == DENSE else len(prev.ids) + len(prev.rows)
+    n = _payload_bytes(prev, part.kind)
     if n < min_chunk_bytes:
         raise InvalidRequest(f"part {part.index}'s chunk at offset {prev.offset} carries {n} bytes, under the "
                              f"minimum of {min_chunk_bytes} for every chunk but the last")

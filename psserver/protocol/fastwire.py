@@ -22,6 +22,11 @@ from dataclasses import dataclass
 from psserver.protocol.proto import ps_pb2 as _pb
 
 _TAG_HEADER, _TAG_OFFSET, _TAG_DATA = 0x0A, 0x10, 0x1A
+# Fields one Chunk message may carry: ours write three (header, offset, data).  Parsing runs on the shard's event
+# loop before any check of the caller, a field at a time in Python: a 16 MiB message of two-byte fields (an offset,
+# an unknown field, an empty header to merge -- each allowed by protobuf, repeated) was 8M turns of this loop, seconds
+# of a stalled loop from anyone who reaches the port (docs/attacks-2026-11-25.md).
+MAX_CHUNK_FIELDS = 16
 
 
 @dataclass
@@ -91,9 +96,13 @@ def parse_chunk(message: bytes) -> RawChunk:
     """Protobuf wire bytes of a Chunk -> RawChunk whose data is a view into ``message``.  Never raises."""
     buf = memoryview(message)
     chunk = RawChunk()
-    pos = 0
+    pos = fields = 0
     try:
         while pos < len(buf):
+            fields += 1
+            if fields > MAX_CHUNK_FIELDS:
+                raise ValueError(f"it carries more than {MAX_CHUNK_FIELDS} fields (a Chunk has 3: header, offset, "
+                                 f"data) in {len(buf)} bytes")
             key, pos = _read_varint(buf, pos)
             field, wire_type = key >> 3, key & 7
             if wire_type == 0:

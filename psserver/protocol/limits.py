@@ -52,6 +52,11 @@ MAX_NUM_SAMPLES = 1 << 24
 # Every chunk of a stream but the last carries at least min(MIN_CHUNK_BYTES, bytes remaining):
 # a stream of one-byte chunks would cost a message, a header check and a copy per byte.
 MIN_CHUNK_BYTES = 4096
+# Chunks one Step message may carry in ``more`` (a shard's requests): a dense part and one part a table, and then
+# one chunk for every MIN_CHUNK_BYTES of a 16 MiB message (every chunk of a part but its last carries at least that).
+# A trainer's one-message step is a chunk a part.  Each entry is parsed into Python objects on the event loop before
+# anything else is checked (psserver.protocol.stepwire.parse_step).
+MAX_STEP_MESSAGE_CHUNKS = 1 + MAX_TABLES + (16 << 20) // MIN_CHUNK_BYTES  # 4,161
 # A Step reply asked for in one message (StepChunk.one_reply) is packed when it is at most this many bytes (and
 # at most half the shard's message limit); a larger one streams.  A protocol constant, not a shard's flag: a
 # trainer whose reply is sure to be packed (at most ONE_REPLY_UNARY_BYTES of weights and rows) reads it with a

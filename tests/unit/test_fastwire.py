@@ -37,3 +37,12 @@ def test_garbage_never_raises(garbage):
 def test_truncated_message_is_reported_as_malformed():
     wire = serialize_chunk(RawChunk(header=pb.ChunkHeader(length=3), offset=0, data=b"\0" * 12))
     assert "malformed Chunk message" in parse_chunk(wire[:-3]).malformed
+
+
+def test_a_chunk_of_more_fields_than_the_cap_is_malformed_at_the_first_past_it():
+    """Parsed on the shard's loop before any check: 16 MiB of two-byte fields was 8M turns of the parse loop."""
+    from psserver.protocol.fastwire import MAX_CHUNK_FIELDS
+
+    assert not parse_chunk(b"\x10\x01" * MAX_CHUNK_FIELDS).malformed
+    assert f"more than {MAX_CHUNK_FIELDS} fields" in parse_chunk(b"\x10\x01" * (MAX_CHUNK_FIELDS + 1)).malformed
+    assert f"more than {MAX_CHUNK_FIELDS} fields" in parse_chunk(b"\x20\x00" * (1 << 20)).malformed

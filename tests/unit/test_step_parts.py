@@ -145,3 +145,28 @@ def test_the_stream_bytes_and_the_number_of_parts_are_bounded():
     parts.add(_rows(1))
     with pytest.raises(TooLarge, match="past the limit of 2 parts"):
         parts.add(_rows(2, "b"))
+
+
+def test_a_parts_chunks_past_what_its_header_declares_are_refused_as_the_chunk_that_passes_it_arrives():
+    """Before: a part was bounded only by the stream's --max-push-bytes, whatever its header declared (a dense part
+    of a 4 KB slice could bring gigabytes, kept until the stream ended)."""
+    parts = StepParts(1 << 20, min_chunk_bytes=1)
+    parts.add(_dense(0, data=b"\0" * 8))
+    parts.declare(parts.parts[0], 12)  # the header checked: 12 bytes declared, 8 carried so far
+    parts.add(_dense(0, header=False, data=b"\0" * 4))  # 12: still within it
+    with pytest.raises(InvalidRequest, match="part 0 carries 16 bytes so far but its header declares 12 bytes"):
+        parts.add(_dense(0, header=False, data=b"\0" * 4))
+    first = StepParts(1 << 20, min_chunk_bytes=1)
+    first.add(_rows(0))  # 24 bytes in its first chunk, declared 8: refused at the declaration
+    with pytest.raises(InvalidRequest, match="part 0 carries 24 bytes so far but its header declares 8 bytes"):
+        first.declare(first.parts[0], 8)
+
+
+def test_a_step_message_of_more_chunks_than_the_cap_or_of_repeated_fields_is_malformed_before_it_is_read_whole():
+    """Parsed on the shard's loop before any check: 8M empty `more` entries were 8M Python objects."""
+    many = b"\x22\x00" * 10
+    assert "`more` carries more than 9 chunks" in parse_step(many, max_more=9).malformed
+    assert not parse_step(serialize_step(one_message([_dense(0)] * 9)), max_more=9).malformed
+    assert "more than 16 fields besides `more`" in parse_step(b"\x08\x01" * 17).malformed
+    assert not parse_step(b"\x08\x01" * 16).malformed
+    assert "more than 16 fields" in parse_step(b"\x22\x22" + b"\x08\x01" * 17).malformed  # inside an entry too

@@ -1,0 +1,132 @@
+"""The attack pass of 2026-11-25 on a real shard over gRPC (docs/attacks-2026-11-25.md): messages whose parse cost
+grows with their count of fields, a Step part carrying more than its header declares, and request streams closed
+early at a high rate.  Each refusal: one status, a message naming the field and both values, the shard's state
+digest unchanged, and the shard still serving.  Streams that should be refused before their end stay open (a
+generator blocked on an event) until the test ends, so a refusal that came only at the stream's end would hang
+the call into its deadline and fail the test."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+import torch
+
+from psserver import service_common
+from psserver.protocol import limits
+from psserver.protocol.fastwire import MAX_CHUNK_FIELDS
+from psserver.protocol.proto import ps_pb2 as pb
+from psserver.protocol.stepwire import StepMessage, one_message, parse_step, serialize_step
+from psserver.protocol.stubs import method
+from psserver.service import ServiceLimits
+from tests.conftest import P
+from tests.helpers import refused, wait_until
+from tests.integration.test_sparse_rpc import rows_chunks
+from tests.integration.test_step_attacks import CALL_TIMEOUT, held_open, patient, step_call, still_serves  # noqa: F401
+from tests.integration.test_step_rpc import dense, rows, started
+
+
+def _raw_call(raw, name: str, kind: str):
+    """A call of ``name`` that sends bytes as they are (no serializer: the message is the attacker's own)."""
+    reply = parse_step if name.startswith("Step") else pb.PushReply.FromString
+    return getattr(raw.channel, kind)(method(name), lambda b: b, reply)
+
+
+def test_a_push_message_of_more_fields_than_a_chunk_has_is_invalid_argument_at_its_parse(shard_server):
+    """Before: 16 MiB of two-byte fields (an unknown varint, repeated) was parsed field by field on the shard's
+    event loop before any check of the caller -- seconds of loop time from anyone who reaches the port."""
+    raw = started(shard_server)
+    push = _raw_call(raw, "Push", "stream_unary")
+    refused(lambda: push(iter([b"\x20\x00" * (1 << 20)]), timeout=CALL_TIMEOUT), grpc.StatusCode.INVALID_ARGUMENT,
+            "malformed Chunk message", f"more than {MAX_CHUNK_FIELDS} fields", "in 2097152 bytes", unchanged=raw)
+    still_serves(raw)
+
+
+@pytest.mark.parametrize("body, fragment", [
+    (b"\x22\x00" * (limits.MAX_STEP_MESSAGE_CHUNKS + 1),
+     f"`more` carries more than {limits.MAX_STEP_MESSAGE_CHUNKS} chunks"),
+    (b"\x08\x00" * (MAX_CHUNK_FIELDS + 1), f"more than {MAX_CHUNK_FIELDS} fields besides `more`"),
+], ids=["more-entries", "repeated-part"])
+def test_a_step_once_message_past_its_parse_caps_is_invalid_argument_at_its_parse(shard_server, body, fragment):
+    """Before: each empty `more` entry became a StepMessage (8M of them in a 16 MiB message), then refused."""
+    raw = started(shard_server)
+    once = _raw_call(raw, "StepOnce", "unary_unary")
+    refused(lambda: once(body, timeout=CALL_TIMEOUT), grpc.StatusCode.INVALID_ARGUMENT, "malformed StepChunk message",
+            fragment, unchanged=raw)
+    assert raw.stats().counters.get("step_calls", 0) == 0
+    still_serves(raw, single=True)
+
+
+def _extra_dense(n: int, start: int):
+    """``n`` more dense chunks of 1,000 floats past the slice's end (the shard's slice is P = 1,000 floats)."""
+    return [StepMessage(0, dense=pb.Chunk(offset=start + i * 1000, data=b"\0" * 4000)) for i in range(n)]
+
+
+def test_a_dense_part_carrying_more_than_its_header_declares_is_refused_at_the_chunk_past_it(shard_server,
+                                                                                             held_open):
+    """Before: a Step's part was bounded only by the stream's --max-push-bytes (4 GiB by default), whatever its
+    header declared: a member's dense part of a 4 KB slice brought megabytes, all kept until the stream ended."""
+    raw = patient(shard_server)
+    msgs = dense(raw, torch.ones(P), sequence=1) + _extra_dense(64, P)  # 4,000 bytes declared, 260,000 sent
+    refused(lambda: step_call(raw, held_open(msgs)), grpc.StatusCode.INVALID_ARGUMENT,
+            f"part 0 carries {P * 4 + 4000} bytes so far but its header declares {P * 4} bytes", unchanged=raw)
+    assert raw.stats().counters.get("step_calls", 0) == 0
+    still_serves(raw)
+
+
+def test_a_table_part_whose_first_chunk_carries_more_rows_than_num_ids_is_refused_at_that_chunk(shard_server,
+                                                                                                held_open):
+    raw = patient(shard_server)
+    part = rows(0, rows_chunks(list(range(20)), num_ids=1))  # 20 rows of dim 4 in one chunk, 1 declared
+    refused(lambda: step_call(raw, held_open(part)), grpc.StatusCode.INVALID_ARGUMENT,
+            "part 0 carries 480 bytes so far but its header declares 24 bytes", unchanged=raw)
+    still_serves(raw)
+
+
+@pytest.fixture
+def grace_entered(monkeypatch):
+    """``(entered, cancellations)``: an event set when a stream that ended early starts waiting for its call's
+    cancellation (service_common._client_cancelled), whose wait is made long enough that the test decides its
+    end by cancelling the call."""
+    entered = threading.Event()
+    real = service_common._client_cancelled
+    monkeypatch.setattr(service_common, "CANCEL_GRACE", CALL_TIMEOUT + 30)
+
+    async def marked(context):
+        entered.set()
+        return await real(context)
+
+    monkeypatch.setattr(service_common, "_client_cancelled", marked)
+    return entered
+
+
+def test_a_stream_waiting_out_its_cancel_grace_holds_a_call_of_its_connection(shard_server, grace_entered):
+    """Before: a stream closed early gave its connection's call back and then waited CANCEL_GRACE (1 s) outside
+    --max-calls-per-peer, holding what it had read (a Step's parts), so a client closing streams early at a high
+    rate held handlers and memory past every cap.  Now the wait holds a call of the connection."""
+    raw = started(shard_server, limits=ServiceLimits(min_chunk_bytes=256, max_calls_per_peer=1))
+    early = raw.stub.Push.future(iter(dense(raw, torch.ones(P), sequence=1)[0].dense for _ in range(1)),
+                                 timeout=CALL_TIMEOUT)  # the header chunk, then the stream closes
+    try:
+        assert grace_entered.wait(CALL_TIMEOUT), "the shard never waited for the early stream's cancellation"
+        refused(lambda: raw.push(torch.ones(P), version=0, sequence=1), grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "already has 1 call in flight, the limit is 1 (--max-calls-per-peer)", unchanged=raw)
+    finally:
+        early.cancel()
+    counters = wait_until(lambda: (c := raw.stats().counters).get("streams_cancelled") and c, "the early stream's end")
+    assert counters["calls_cancelled"] == 1 and "refused_INVALID_ARGUMENT" not in counters
+    assert raw.push(torch.ones(P), version=0, sequence=1).outcome == pb.APPLIED  # the connection's call is back
+
+
+def test_a_step_once_whose_dense_part_is_short_is_refused_without_waiting_for_a_cancellation(shard_server,
+                                                                                            grace_entered):
+    """A unary call's request came whole: a short part in it is bad input, never a cancelled stream, so it is
+    refused at once (it waited CANCEL_GRACE holding the request, outside the connection's calls)."""
+    raw = started(shard_server)
+    once = raw.channel.unary_unary(method("StepOnce"), serialize_step, parse_step)
+    refused(lambda: once(one_message(dense(raw, torch.ones(P), sequence=1)[:1]), timeout=CALL_TIMEOUT),
+            grpc.StatusCode.INVALID_ARGUMENT, "the chunks cover [0, 256) but the slice is [0, 1000)", unchanged=raw)
+    assert not grace_entered.is_set()
+    still_serves(raw, single=True)
