@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from psserver import metrics_http
 from psserver.stats import StatsSnapshot
 
 ROUND_REASONS = ("all_arrived", "quorum", "timeout", "membership")
@@ -60,10 +61,9 @@ class ShardMetrics:
         serves too, not the first layout's, which a live re-shard leaves as a tombstone."""
         self._collector.snapshot = snapshot
 
-    def serve(self, port: int, host: str) -> int:
-        """Expose /metrics over HTTP; returns the bound port."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return server.server_port
+    def serve(self, port: int, host: str, **bounds) -> int:
+        """Expose /metrics over HTTP, bounded in connections and idle time (psserver.metrics_http); the bound port."""
+        return metrics_http.serve(self.registry, port, host, **bounds)
 
 
 class _CounterCollector:

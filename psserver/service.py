@@ -349,6 +349,7 @@ class ParameterServerService(RowRpcs, StepRpc):
         """Bound, identify, read and hand one pushed gradient to the shard: (header, PushResult)."""
         reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self._deadline(context))
         first, h = await reader.first_header()
+        _check_header_fields(h)  # (a question for an old slot too: its ids and numbers bounded as every push's)
         if h.moved_from:  # a question for an old slot that could not be reached (psserver.moved_books)
             return h, await self._moved_push(h, stale_as_result)
         part = self._check_push_first(h)

@@ -18,7 +18,7 @@ import torch
 from psserver import modes
 from psserver.protocol import limits
 from psserver.protocol.codec import TORCH_DTYPES, check_stream_header, topk_payload_bytes
-from psserver.protocol.errors import StaleGradient, TooLarge
+from psserver.protocol.errors import InvalidRequest, StaleGradient, TooLarge
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rows.wire import row_chunks
 from psserver.protocol.rules import STALE, reply_version
@@ -133,6 +133,9 @@ class StepRpc:
             self._check_rows_first(h)
             return h.num_ids * (8 + 4 * h.dim)  # (at most: a push naming its pulls sends no ids)
         _check_header_fields(h)
+        if h.moved_from:  # a question for an old slot is a Push of no gradient; in a Step it was applied as a push
+            raise InvalidRequest(f"moved_from is {h.moved_from} but a Step's dense part carries a gradient (moved_from "
+                                 "0): ask for an old slot with a Push of length 0")
         part = self.layouts.push_part(h.layout_epoch, h.partition, h.version)  # the layout first, as Push does
         part.check_member(h.rank, h.trainer_id, h.fingerprint)
         wire = part.wire_dtype()

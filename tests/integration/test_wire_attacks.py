@@ -7,14 +7,15 @@ the call into its deadline and fail the test."""
 
 from __future__ import annotations
 
-import asyncio
+import socket
 import threading
 
 import grpc
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
-from psserver import service_common
+from psserver import metrics_http, service_common
 from psserver.protocol import limits
 from psserver.protocol.fastwire import MAX_CHUNK_FIELDS
 from psserver.protocol.proto import ps_pb2 as pb
@@ -25,7 +26,7 @@ from tests.conftest import P
 from tests.helpers import refused, wait_until
 from tests.integration.test_sparse_rpc import rows_chunks
 from tests.integration.test_step_attacks import CALL_TIMEOUT, held_open, patient, step_call, still_serves  # noqa: F401
-from tests.integration.test_step_rpc import dense, rows, started
+from tests.integration.test_step_rpc import dense, rows, started, step
 
 
 def _raw_call(raw, name: str, kind: str):
@@ -130,3 +131,71 @@ def test_a_step_once_whose_dense_part_is_short_is_refused_without_waiting_for_a_
             grpc.StatusCode.INVALID_ARGUMENT, "the chunks cover [0, 256) but the slice is [0, 1000)", unchanged=raw)
     assert not grace_entered.is_set()
     still_serves(raw, single=True)
+
+
+def test_a_step_dense_part_naming_moved_from_is_invalid_argument_not_applied_as_a_push(shard_server):
+    """Before: a Step's dense part naming an old slot (``moved_from``, a question that carries no gradient) was
+    applied as an ordinary push -- a trainer asking whether its push was applied would have applied it again."""
+    raw = started(shard_server)
+    msgs = dense(raw, torch.ones(P), sequence=1)
+    msgs[0].dense.header.moved_from = 3
+    refused(lambda: step(raw, msgs), grpc.StatusCode.INVALID_ARGUMENT, "moved_from is 3 but a Step's dense part",
+            unchanged=raw)
+    assert raw.stats().counters.get("step_calls", 0) == 0
+    still_serves(raw)
+
+
+def test_a_moved_question_with_an_overlong_trainer_id_is_invalid_argument_as_any_push(shard_server):
+    """Before: a Push naming ``moved_from`` skipped the header's bounds (ids, sequence, num_samples)."""
+    raw = started(shard_server)
+    h = raw.header(n=0, sequence=1, trainer_id="x" * 200)
+    h.moved_from = 7
+    refused(lambda: raw.push_chunks([pb.Chunk(header=h)]), grpc.StatusCode.INVALID_ARGUMENT,
+            "trainer_id is 200 characters long, over the limit of 128", unchanged=raw)
+    still_serves(raw)
+
+
+def _scrape(port: int) -> str:
+    with socket.create_connection(("127.0.0.1", port), timeout=CALL_TIMEOUT) as s:
+        s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        return b"".join(iter(lambda: s.recv(1 << 16), b"")).decode()
+
+
+def _closed_by_the_server(s: socket.socket) -> bool:
+    s.settimeout(CALL_TIMEOUT)  # (a server that never closes it fails the test here, not hangs it)
+    return s.recv(1) == b""
+
+
+def test_metrics_port_connections_past_the_limit_are_closed_at_once_counted_and_idle_ones_are_closed(shard_server):
+    """Before: prometheus_client's server held a thread for every connection for as long as it stayed open -- 300
+    connections that sent half a request line held 300 threads of the shard's process."""
+    raw = started(shard_server)
+    port = raw.server.shard.metrics.serve(0, "127.0.0.1", max_connections=2, idle_seconds=CALL_TIMEOUT + 30)
+    held = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+    try:
+        for s in held:
+            s.sendall(b"GET /metr")  # half a request line: each holds its thread
+        extra = socket.create_connection(("127.0.0.1", port))
+        with extra:
+            assert _closed_by_the_server(extra)
+    finally:
+        for s in held:
+            s.close()
+    refused_total = wait_until(lambda: _refused_total(port), "a scrape once the held connections closed")
+    assert refused_total >= 1  # the extra one (and any scrape here that came before a held thread had ended)
+    still_serves(raw)
+
+
+def _refused_total(port: int) -> float | None:
+    """The refused-connections counter a scrape reads, or None if this scrape's connection was itself refused."""
+    for line in _scrape(port).splitlines():
+        if line.startswith("psgrpc_metrics_connections_refused_total "):
+            return float(line.split()[1])
+    return None
+
+
+def test_a_metrics_connection_that_sends_nothing_is_closed_after_the_idle_time():
+    port = metrics_http.serve(CollectorRegistry(), 0, "127.0.0.1", idle_seconds=0.5)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"GET /metr")
+        assert _closed_by_the_server(s)
