@@ -149,6 +149,7 @@ class ParameterServerService(RowRpcs, StepRpc):
         self._rows_by_epoch: dict[int, RowCalls] = {}  # a later layout's (RowRpcs.rows_at)
         self.handoffs = handoffs  # a live re-shard's Reshard and Handoff calls (psserver.handoff_io)
         self.digests = DigestGate(runtime.offload)  # GetStats' state digests, one pass at a time per partition
+        self._spec_turn = asyncio.Lock()  # one big job spec read at a time (_job_of)
 
     @property
     def host(self) -> ShardHost:
@@ -189,10 +190,7 @@ class ParameterServerService(RowRpcs, StepRpc):
     async def Register(self, request, context):
         request = _decoded(request)
         limits.check_id("trainer_id", request.trainer_id)
-        try:
-            job = JobSpec.from_proto(request.job)
-        except ValueError as e:
-            raise InvalidRequest(f"job spec: {e}") from None
+        job = await self._job_of(request.job, context)
         if request.join and not request.join_round:
             self._check_no_open_plan()
         part = self.layouts.register_host(request.layout_epoch, job.fingerprint).part_for_register(
@@ -201,6 +199,17 @@ class ParameterServerService(RowRpcs, StepRpc):
                                          request.expected_shard, job, request.join, request.join_round,
                                          request.join_confirm)
         return _pb.RegisterReply(**r, layout_epoch=self.layouts.newest)
+
+    async def _job_of(self, proto: _pb.JobSpec, context) -> JobSpec:
+        """A Register's job spec, read (and every field bounded) by JobSpec.from_proto: Python a tensor, ~1 s for
+        60,000 tensors (limits.MAX_TENSORS is 65,536), and Register is open to anyone who reaches the port.  A spec
+        of more than BIG_SPEC_TENSORS is read on a thread, one at a time, holding a call of its connection: the
+        loop answers heartbeats and health checks meanwhile (docs/attacks-2026-11-25.md)."""
+        if len(proto.tensors) <= BIG_SPEC_TENSORS:
+            return _parse_job(proto)
+        with self._peer_slot(context):
+            async with self._spec_turn:
+                return await asyncio.to_thread(_parse_job, proto)
 
     @_refusals
     async def Leave(self, request, context):
@@ -468,6 +477,16 @@ class ParameterServerService(RowRpcs, StepRpc):
             part.release_snapshot(snapshot)
 
     # ------------------------------------------------------------------ sparse tables (psserver.sparse.calls)
+BIG_SPEC_TENSORS = 1024  # a Register's job spec of more tensors is read off the event loop (_job_of)
+
+
+def _parse_job(proto: _pb.JobSpec) -> JobSpec:
+    try:
+        return JobSpec.from_proto(proto)
+    except ValueError as e:
+        raise InvalidRequest(f"job spec: {e}") from None
+
+
 def _parse_step_request(message: bytes):
     """A Step request message, its ``more`` bounded (limits.MAX_STEP_MESSAGE_CHUNKS) as it is parsed on the loop."""
     return parse_step(message, max_more=limits.MAX_STEP_MESSAGE_CHUNKS)
