@@ -487,9 +487,10 @@ def _parse_job(proto: _pb.JobSpec) -> JobSpec:
         raise InvalidRequest(f"job spec: {e}") from None
 
 
-def _parse_step_request(message: bytes):
-    """A Step request message, its ``more`` bounded (limits.MAX_STEP_MESSAGE_CHUNKS) as it is parsed on the loop."""
-    return parse_step(message, max_more=limits.MAX_STEP_MESSAGE_CHUNKS)
+def _step_request_parser():
+    """Step's request parser: its ``more`` bounded (limits.MAX_STEP_MESSAGE_CHUNKS) as it is parsed on the loop."""
+    parse = parse_step  # (the one in effect when the shard adds its service)
+    return lambda message: parse(message, max_more=limits.MAX_STEP_MESSAGE_CHUNKS)
 
 
 def add_service(servicer: ParameterServerService, server) -> None:
@@ -497,6 +498,7 @@ def add_service(servicer: ParameterServerService, server) -> None:
     Chunk streams use psserver.protocol.fastwire (same bytes on the wire, fewer copies) and undecodable unary
     requests reach the handler (to be refused as INVALID_ARGUMENT, not INTERNAL)."""
     unary = grpc.unary_unary_rpc_method_handler
+    parse_step_request = _step_request_parser()
     handlers = {
         "Register": unary(servicer.Register, _safe(_pb.RegisterRequest.FromString),
                           _pb.RegisterReply.SerializeToString),
@@ -515,8 +517,8 @@ def add_service(servicer: ParameterServerService, server) -> None:
                                                          _pb.PushRowsReply.SerializeToString),
         "PushPullRows": grpc.stream_stream_rpc_method_handler(
             servicer.PushPullRows, _safe(_pb.RowsChunk.FromString), _pb.RowsChunk.SerializeToString),
-        "Step": grpc.stream_stream_rpc_method_handler(servicer.Step, _parse_step_request, serialize_step),
-        "StepOnce": unary(servicer.StepOnce, _parse_step_request, serialize_step),
+        "Step": grpc.stream_stream_rpc_method_handler(servicer.Step, parse_step_request, serialize_step),
+        "StepOnce": unary(servicer.StepOnce, parse_step_request, serialize_step),
         "Reshard": unary(servicer.Reshard, _safe(_pb.ReshardRequest.FromString), _pb.ReshardReply.SerializeToString),
         "Handoff": grpc.stream_unary_rpc_method_handler(servicer.Handoff, _safe(_pb.HandoffChunk.FromString),
                                                         _pb.HandoffAck.SerializeToString),

@@ -129,9 +129,9 @@ def test_a_trainer_asking_one_reply_ends_with_the_bits_of_one_taking_the_stream(
     assert [s.stats().counters.get("step_replies_packed", 0) for s in streamed_shards] == [0, 0]
 
 
-def _as_an_older_shard(message: bytes) -> StepMessage:
+def _as_an_older_shard(message: bytes, **bounds) -> StepMessage:
     """parse_step as a shard from before one_reply reads it: field 5 is not a StepChunk field."""
-    msg = parse_step(message)
+    msg = parse_step(message, **bounds)
     if msg.one_reply:
         return StepMessage(malformed="malformed StepChunk message: field 5 with wire type 0 is not a StepChunk field",
                            nbytes=msg.nbytes)
