@@ -118,6 +118,7 @@ class HandoffIO:
         self.switched = self.aborted = False  # how the plan held ended (a new plan may start after either)
         self.release_after_install: set = set()  # partitions whose held replies go out once DECIDE installed
         self.stopping = self.deciding = False  # deciding: a DECIDE under way (its aborts are not abort_here's)
+        self._records_read: asyncio.Future | None = None  # the read on a thread the callers now waiting share
 
     # ------------------------------------------------------------------ helpers the sides call
     def event(self, side: SourceSide, event) -> None:
@@ -180,14 +181,18 @@ class HandoffIO:
         """``records`` for a call served on the event loop (Reshard, GetStats), never waiting there for the plan's
         lock: a big table's rows are split and hashed under it for seconds, and a loop waiting meanwhile answers
         no heartbeat, so trainers' leases expired during a 1M-row copy (issue 24).  Read at once when the lock is
-        free, else on a thread."""
+        free, else on a thread -- one read for all the callers waiting meanwhile: a read each queued a thread's work
+        per GetStats or STATUS while the lock was held, and anyone may ask in a loop (docs/attacks-2026-11-25.md)."""
         if self.lock.acquire(blocking=False):
             try:
                 return self.records()
             finally:
                 self.lock.release()
         self.count("handoff_records_off_loop")  # the lock was held: read on a thread (the loop serves on)
-        return await asyncio.to_thread(self.records)
+        if self._records_read is None or self._records_read.done():
+            self.count("handoff_records_reads_off_loop")
+            self._records_read = asyncio.ensure_future(asyncio.to_thread(self.records))
+        return list(await asyncio.shield(self._records_read))  # (one caller's cancellation ends no one else's wait)
 
     def stop(self) -> None:
         """The streams end: their threads wake, and a call in flight is cancelled with its channel."""

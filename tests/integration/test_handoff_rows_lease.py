@@ -56,6 +56,37 @@ def test_heartbeats_and_get_stats_are_answered_while_the_plan_lock_is_held_and_s
         [reply.plan] * len(reply.handoffs)
 
 
+def test_get_stats_callers_waiting_for_the_plans_lock_share_one_read_off_the_loop(shard_server):
+    """Before: each GetStats (any peer's, uncapped) or STATUS that met the lock held queued a read of its own on
+    asyncio's thread pool -- a flood filled the pool a Handoff's decode also runs on (docs/attacks-2026-11-25.md)."""
+    job = TableJob(shard_server, spec(tables=(table(),)))
+    job.rounds(2)
+    to_tailing(job)
+    server = job.shards[0].server
+    counters = server.layouts.current.head.counters
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with server.handoffs.lock:
+            held.set()
+            release.wait(120)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    try:
+        assert held.wait(60)
+        before = counters["handoff_records_reads_off_loop"]
+        calls = [job.shards[0].stub.GetStats.future(pb.StatsRequest(), timeout=120) for _ in range(20)]
+        wait_until(lambda: counters["handoff_records_off_loop"] >= 20, "20 GetStats waiting for the plan's lock")
+        assert counters["handoff_records_reads_off_loop"] == before + 1  # one read on a thread for all 20
+        assert heartbeat(job, 0).version == 2
+    finally:
+        release.set()
+        holder.join(60)
+    plans = {tuple(h.plan for h in c.result(timeout=120).handoffs) for c in calls}
+    assert len(plans) == 1 and (records := plans.pop()) and all(records)  # each got the plan's records
+
+
 def test_the_rows_vote_runs_on_the_state_worker_not_on_the_event_loop_of_a_small_slice(shard_server, monkeypatch):
     threads = []
     vote = handoff_io_rows.RowsHandoff.vote
