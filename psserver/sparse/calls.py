@@ -135,18 +135,22 @@ class RowCalls:
         """``fn`` on the state worker -- or on the loop where the dense slice's work runs there too and all the
         work the call can do (its rows, the table, the open round: ``ServedTable.small_work``) is at most
         INLINE_ROW_ELEMENTS values."""
-        if self.runtime.inline() and table.small_work(elements, INLINE_ROW_ELEMENTS):
-            return self.runtime.run_state(fn, *args)
-        return self.runtime.offload(fn, *args)
+        return self._where(self.runtime.inline() and table.small_work(elements, INLINE_ROW_ELEMENTS), fn, *args)
 
     def run_all(self, sized: list, fn, *args) -> asyncio.Future:
         """``fn`` doing the work of several tables (``sized``: (table, row values) pairs) in one trip: on the
         loop, as ``run`` would run each, only if every one of them is small there; without tables, where the
         dense slice's work runs (``Runtime.run_state``)."""
-        if not sized or (self.runtime.inline()
-                         and all(t.small_work(n, INLINE_ROW_ELEMENTS) for t, n in sized)):
+        if not sized:
             return self.runtime.run_state(fn, *args)
-        return self.runtime.offload(fn, *args)
+        return self._where(self.runtime.inline() and all(t.small_work(n, INLINE_ROW_ELEMENTS) for t, n in sized),
+                           fn, *args)
+
+    def _where(self, small: bool, fn, *args) -> asyncio.Future:
+        """``fn`` on the loop (``run_state``, the dense slice small) if ``small``, else on the state worker;
+        counted (``row_work_inline``, ``row_work_offloaded``): where a shard's table work runs shows in its stats."""
+        self.shard.count("row_work_inline" if small else "row_work_offloaded")
+        return self.runtime.run_state(fn, *args) if small else self.runtime.offload(fn, *args)
 
     async def pull(self, table, name: str, rank: int, trainer_id: str, fingerprint: str, min_version: int,
                    ids: CheckedIds, deadline: float, hold) -> tuple[float, object, int, torch.Tensor]:

@@ -148,12 +148,23 @@ class ServedTable(PushTarget):
         return self.cfg.mode
 
     def small_work(self, elements: int, limit: int) -> bool:
-        """Whether a call moving ``elements`` row values may run on the event loop: besides its own rows, a
-        call can copy or scan the whole table (capacity growth, LRU and stale eviction, an index rebuild) and
-        a push can close a round over the union of every trainer's ids -- so only when all of that is small."""
-        capacity = self.store.capacity
-        return (elements <= limit and capacity * self.spec.dim <= limit
-                and (len(self.round.ids) + elements // self.spec.dim + 1) * self.spec.dim <= limit)
+        """Whether a call moving ``elements`` row values may run on the event loop, decided by what this call can
+        do, not by the table's size: its own rows and the round it may close over the union of every trainer's
+        ids are at most ``limit`` values, and no row it may create (at most those, an upper bound: no find) costs
+        a pass over the whole table -- a growth of the store or its index, an LRU eviction
+        (``RowStore.room_for``), an async staleness map's growth -- nor does the table scan at every update
+        (``evict_after``) or at a round's close (a live re-shard's listener).  A table so small that a whole-table
+        pass is within ``limit`` stays on the loop whatever the call does."""
+        dim = self.spec.dim
+        rows = len(self.round.ids) + elements // dim + 1
+        if elements > limit or rows * dim > limit:
+            return False
+        if self.store.capacity * dim <= limit:
+            return True
+        if self.spec.evict_after or self.round_listener is not None or not self.store.room_for(rows):
+            return False
+        return not (self.spec.max_staleness is not None and self.mode == Mode.ASYNC
+                    and not self.updated_at.room_below(self.store.slot_bound(rows)))
 
     def ready(self, min_version: int) -> bool:
         return self.version >= min_version

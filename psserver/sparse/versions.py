@@ -33,6 +33,10 @@ class RowVersions:
             self._ids = np.concatenate([self._ids, np.zeros(n - len(self._ids), dtype=np.int64)])
             self._versions = np.concatenate([self._versions, np.full(n - len(self._versions), -1, dtype=np.int64)])
 
+    def room_below(self, top: int) -> bool:
+        """Whether an update of slots below ``top`` needs no growth (a copy of every entry)."""
+        return top <= len(self._versions)
+
     def set(self, ids: torch.Tensor, slots: torch.Tensor, version: int) -> None:
         """Rows ``ids`` at ``slots`` (-1: not stored, skipped) were updated at ``version``."""
         s, i = slots.numpy(), ids.numpy()

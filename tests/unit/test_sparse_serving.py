@@ -187,7 +187,7 @@ def test_only_calls_whose_whole_work_is_small_may_run_on_the_event_loop():
     table = ServedTable(spec, job)
     assert table.small_work(16 * 100, 1 << 16)
     assert not table.small_work((1 << 16) + 16, 1 << 16)  # the call's own rows
-    table.store.lookup(torch.arange(5000))  # capacity grows past 4096 rows of 16: scans and copies get big
+    table.store.lookup(torch.arange(5000))  # 5,000 rows in 5,000 slots: a new row grows (copies) the whole table
     assert not table.small_work(16, 1 << 16)
 
 

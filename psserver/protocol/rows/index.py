@@ -95,6 +95,10 @@ class IdIndex:
     def capacity(self) -> int:
         return len(self._keys)
 
+    def rebuilds_for(self, n: int) -> bool:
+        """Whether inserting ``n`` keys would rebuild the table (a pass over every live key): ``insert``'s test."""
+        return self.size + self.tombstones + n > self.capacity * MAX_LOAD
+
     def _home(self, ids: np.ndarray) -> np.ndarray:
         return (_mix64(ids.view(np.uint64) ^ _SALT) & np.uint64(self._mask)).view(np.int64)
 
@@ -149,7 +153,7 @@ class IdIndex:
     def insert(self, ids: torch.Tensor, slots: torch.Tensor, room: "Room | None" = None) -> None:
         """Add ``ids`` (unique, none already present) with their ``slots``; ``room``: where ``find_with_room``
         saw their probes end (``Room.of``), used only if the index has not changed since."""
-        if (self.size + self.tombstones + len(ids)) > self.capacity * MAX_LOAD:
+        if self.rebuilds_for(len(ids)):
             self._rebuild(self.size + len(ids))
         ids, slots = _np(ids), _np(slots)
         if self.size + self.tombstones == 0:

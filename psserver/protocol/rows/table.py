@@ -221,6 +221,21 @@ class RowStore:
         """Row slots allocated now (live rows, free slots and room to grow)."""
         return len(self._ids)
 
+    def room_for(self, n: int) -> bool:
+        """Whether creating up to ``n`` rows costs nothing proportional to the table: no growth of the slots (a
+        copy of every row and its state), no rebuild of the id index, no LRU eviction (a scan of every row's last
+        use).  O(1) and without a find: ``n`` is an upper bound -- ids that have rows already count as new -- so
+        a call near a bound is answered no.  (A stale eviction, ``evict_after``, scans at every update whatever
+        ``n`` is: not asked here.)  What a call may still copy besides its rows is the free-slot list, which
+        without ``evict_after`` holds at most the LRU slack, ``max_rows * EVICT_SLACK``."""
+        grows = self._used + max(0, n - len(self._free)) > len(self._ids)
+        evicts = bool(self.spec.max_rows) and len(self) + n > self.spec.max_rows
+        return not (grows or evicts or self._index.rebuilds_for(n))
+
+    def slot_bound(self, n: int) -> int:
+        """Every slot a row has after creating up to ``n`` rows is below this (psserver.sparse.versions)."""
+        return self._used + n
+
     def holds(self, ids: torch.Tensor) -> torch.Tensor:
         """A bool per id: whether its row is stored now."""
         return self._index.find(ids) >= 0
