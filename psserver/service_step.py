@@ -85,14 +85,30 @@ class StepRpc:
         self.count("step_calls")
         if once:
             self.count("step_calls_once")
-        turn = asyncio.Lock()
         async with self._rank_slot(parts[0].header.rank):
             pushed = await self._step_trip(dense, [t for _, t in tables], context)
+            if once:
+                await self._replies_in_turn(pushed, dense, tables, out, deadline)
+                return
+            turn = asyncio.Lock()
             runs = [] if dense is None else [self._pull_pushed(*pushed, _PartStream(out, dense.index, turn))]
             runs += [self._step_table_reply(t, _PartStream(out, index, turn), deadline) for index, t in tables]
             await _first_error(runs)
             if isinstance(out, OneReply) and not once:
                 await out.flush()
+
+    async def _replies_in_turn(self, pushed, dense, tables: list, out: OneReply, deadline: float) -> None:
+        """A StepOnce's parts' replies one after another into its one message: nothing is written before all are
+        done, so side by side gains nothing and cost a task a part.  A table part the trip refused is raised
+        first, before any part waits, as side by side raised it at its first turn; then the dense reply, then each
+        table's (a refusal or a cancel on the way ends the call, as there)."""
+        for _, t in tables:
+            if t.error is not None:
+                raise t.error
+        if dense is not None:
+            await self._pull_pushed(*pushed, _PartStream(out, dense.index))
+        for index, t in tables:
+            await self._step_table_reply(t, _PartStream(out, index), deadline)
 
     def _check_once_reply(self, dense, tables: list[TablePart]) -> None:
         """A StepOnce whose weights and rows would pass the one-message bound: refused before any part runs."""
@@ -225,9 +241,9 @@ class StepRpc:
 class _PartStream:
     """A Step part's reply stream: its messages go out as StepChunks of its number, through the call's
     ReplyStream (whose deadline and held bytes bound them all), one part's write at a time (``turn``, the
-    call's); anything else is the call's."""
+    call's; None: the parts reply in turn, StepOnce); anything else is the call's."""
 
-    def __init__(self, stream: ReplyStream, index: int, turn: asyncio.Lock):
+    def __init__(self, stream: ReplyStream, index: int, turn: asyncio.Lock | None = None):
         self._stream, self._index, self._turn = stream, index, turn
 
     def __getattr__(self, name):
@@ -236,6 +252,9 @@ class _PartStream:
     async def write(self, message, nbytes: int = 0) -> None:
         wrapped = StepMessage(part=self._index, rows=message) if isinstance(message, _pb.RowsChunk) else \
             StepMessage(part=self._index, dense=message)
+        if self._turn is None:
+            await self._stream.write(wrapped, nbytes)
+            return
         async with self._turn:  # gRPC takes one write at a time on a call
             await self._stream.write(wrapped, nbytes)
 
