@@ -1,4 +1,4 @@
-"""A Step part received whole is replayed to its RPC's reader (psserver.service_step._replay), which copies each chunk on
+"""A Step part received whole is replayed to its RPC's reader (psserver.service_step._Received), which copies each chunk on
 the event loop: the replay hands the loop back every REPLAY_SLICE_BYTES, so a big part does not hold heartbeats
 and health checks for its whole copy (0.7-1.3 s for 10**6 rows of dim 64, docs/limits.md).  Counted in loop
 turns another task gets, not in time."""
@@ -29,7 +29,8 @@ def _turns_taken_by_others(chunks) -> int:
         ticker = asyncio.ensure_future(other())
         await asyncio.sleep(0)  # the other task starts
         started = turns
-        async for _ in service._replay(chunks):
+        reader = service._Received(chunks, asyncio.get_running_loop().time() + 60)
+        while await reader.next() is not None:
             pass
         done = True
         await ticker
@@ -49,3 +50,24 @@ def test_a_replayed_part_hands_the_loop_back_once_every_slice_of_its_bytes(make)
 
 def test_a_small_part_is_replayed_without_handing_the_loop_back():
     assert _turns_taken_by_others([RawChunk(data=b"\0" * 4096)] * 4) == 0
+
+
+def test_a_replayed_part_read_past_the_calls_deadline_is_refused_as_a_stream_past_it_is():
+    from psserver.protocol.errors import StreamTimeout
+
+    async def run():
+        reader = service._Received([RawChunk(data=b"\0" * 8)] * 2, asyncio.get_running_loop().time() - 1)
+        with pytest.raises(StreamTimeout, match="--max-call-seconds"):
+            await reader.next()
+
+    asyncio.run(run())
+
+
+def test_a_replayed_part_starts_at_the_chunk_asked_and_ends_with_none():
+    chunks = [RawChunk(data=bytes([i])) for i in range(3)]
+
+    async def run():
+        reader = service._Received(chunks, asyncio.get_running_loop().time() + 60, start=1)
+        return [await reader.next() for _ in range(3)]
+
+    assert asyncio.run(run()) == [chunks[1], chunks[2], None]
