@@ -65,8 +65,19 @@ class LocalRows:
         pass
 
 
+# A step's own state of a table (plain attributes, never parameters or buffers): set past nn.Module.__setattr__,
+# whose checks cost ~25 us an assignment and ran a dozen times a step (issue 21, trainerlean); the same end result.
+_STEP_STATE = frozenset({"_pending", "_held_ids", "_held_rows", "_outgoing", "_probe"})
+
+
 class _ShardedTable(nn.Module):
     """What both modules share: the spec, the binding, the rows pulled this step and their gradients."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _STEP_STATE:
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
 
     def __init__(self, name: str, embedding_dim: int, *, num_embeddings: int | None = None,
                  optimizer: SparseOptimizerConfig | None = None, initializer: Initializer | None = None,
@@ -140,7 +151,7 @@ class _ShardedTable(nn.Module):
         if not len(self._held_ids) and len(uniq):  # the step's first forward (the common case): nothing to reuse or merge
             rows = self._pull(uniq)
             self._held_ids, self._held_rows = uniq, rows
-            return rows.detach().clone()
+            return rows.detach()  # (a leaf of its own over the same memory: nothing writes rows in place)
         pos = torch.searchsorted(self._held_ids, uniq).clamp_(max=max(len(self._held_ids) - 1, 0))
         known = (self._held_ids[pos] == uniq) if len(self._held_ids) else torch.zeros(len(uniq), dtype=torch.bool)
         rows = torch.empty(len(uniq), self.embedding_dim, device=self._device_probe.device)
@@ -197,9 +208,10 @@ class _ShardedTable(nn.Module):
         self._outgoing = None
 
     def _forget(self) -> None:
-        self._pending = []
-        self._held_ids = torch.empty(0, dtype=torch.int64)
-        self._held_rows = torch.empty(0, self.embedding_dim)
+        if self._pending or len(self._held_ids):  # (twice a step: at the push and at zero_grad)
+            self._pending = []
+            self._held_ids = torch.empty(0, dtype=torch.int64)
+            self._held_rows = torch.empty(0, self.embedding_dim)
 
     @property
     def push_pending(self) -> bool:

@@ -37,13 +37,20 @@ class _Batch:
 
     ids: torch.Tensor
     after: int  # usable once the table's pushes reach this count
-    parts: list[torch.Tensor]  # per shard: positions in ``ids`` it owns
-    owner: torch.Tensor  # per id: its shard
+    parts: list[torch.Tensor]  # per shard: positions in ``ids`` it owns (split once: the push reuses it)
     pulls: dict[int, Future] = field(default_factory=dict)  # shard -> Future of (rows, version)
     rows: torch.Tensor | None = None  # gathered on first use
     known: torch.Tensor | None = None  # bool per id: its row arrived
     versions: torch.Tensor | None = None  # per id: the version its shard answered
     adopted: set = field(default_factory=set)  # shards whose version is this step's push base
+    arrived: list = field(default_factory=list)  # shards whose rows were gathered (their ids are ``known``)
+
+    def owner(self) -> torch.Tensor:
+        """Per id, its shard (only a forward asking for other ids than the batch's needs it)."""
+        owner = torch.empty(len(self.ids), dtype=torch.int64)
+        for s, pos in enumerate(self.parts):
+            owner[pos] = s
+        return owner
 
 
 @dataclass
@@ -85,11 +92,7 @@ class RowPrefetch:
             raise KeyError(f"table {table!r} is not in the job (its tables: {', '.join(self._queues) or 'none'})")
         uniq = torch.unique(ids.detach().reshape(-1).to("cpu", torch.int64))
         with self._lock:
-            parts = self._split(uniq)
-            owner = torch.empty(len(uniq), dtype=torch.int64)
-            for s, pos in enumerate(parts):
-                owner[pos] = s
-            b = _Batch(uniq, self._pushes[table] + ahead, parts, owner)
+            b = _Batch(uniq, self._pushes[table] + ahead, self._split(uniq))
             self._queues[table].append(b)
             if b.after <= self._pushes[table] or not (self.sync[table] or self.fold_async):
                 self._start(table, b)
@@ -106,26 +109,54 @@ class RowPrefetch:
         usable was announced for this step.  Waits for the pulls still under way.  ``with_versions``: also
         the version each row was read at (trainer.row_cache)."""
         with self._lock:
-            b = next((b for b in self._queues.get(table, ()) if b.after <= self._pushes[table]), None)
+            b = self._current(table)
             if b is not None and (self.sync[table] or self.fold_async):
                 self._start(table, b)  # (announced and used in one step, or a folded one not claimed: pulled now)
         if b is None or not len(b.ids):
             return None
         if b.rows is None:
             self._gather(table, b)
+        if len(ids) == len(b.ids) and torch.equal(ids, b.ids):  # the forward asks for the batch announced (usual)
+            return self._take_whole(table, b, with_versions)
         pos = torch.searchsorted(b.ids, ids).clamp_(max=len(b.ids) - 1)
         known = (b.ids[pos] == ids) & b.known[pos]
-        for s in b.owner[pos[known]].unique().tolist():  # the shards this forward reads: their versions are its base
-            if s not in b.adopted:
-                b.adopted.add(s)
-                self._adopt(s, table, b.pulls[s].result()[1])
+        self._adopt_shards(table, b, b.owner()[pos[known]].unique().tolist())  # the shards this forward reads
         self._count(prefetch_hits=int(known.sum()), prefetch_misses=int((~known).sum()))
         return (b.rows[pos], known, b.versions[pos]) if with_versions else (b.rows[pos], known)
 
+    def _take_whole(self, table: str, b: _Batch, with_versions: bool) -> tuple:
+        """``take`` of exactly the batch's ids: its rows as gathered, no search -- a copy only where some did not
+        arrive (the caller pulls those into what it is handed)."""
+        whole = len(b.arrived) == sum(1 for pos in b.parts if len(pos))
+        self._adopt_shards(table, b, b.arrived)
+        hits = sum(len(b.parts[s]) for s in b.arrived)
+        self._count(prefetch_hits=hits, prefetch_misses=len(b.ids) - hits)
+        rows, versions = (b.rows, b.versions) if whole else (b.rows.clone(), b.versions.clone())
+        return (rows, b.known, versions) if with_versions else (rows, b.known)
+
+    def _adopt_shards(self, table: str, b: _Batch, shards) -> None:
+        """The shards a forward reads from: their versions are its push's base."""
+        for s in shards:
+            if s not in b.adopted:
+                b.adopted.add(s)
+                self._adopt(s, table, b.pulls[s].result()[1])
+
+    def _current(self, table: str) -> _Batch | None:
+        """The batch announced for the step the table's pushes have reached (under the lock)."""
+        return next((b for b in self._queues.get(table, ()) if b.after <= self._pushes[table]), None)
+
+    def parts_of(self, table: str, ids: torch.Tensor) -> list[torch.Tensor] | None:
+        """Each shard's positions in ``ids`` when they are this step's announced batch (the push of the rows its
+        forward read: split once, at the announce); None otherwise (the caller splits them)."""
+        with self._lock:
+            b = self._current(table)
+        if b is None or len(b.ids) != len(ids) or not torch.equal(b.ids, ids):
+            return None
+        return b.parts
+
     def _gather(self, table: str, b: _Batch) -> None:
-        b.rows = torch.empty(len(b.ids), self.dims[table])
-        b.known = torch.zeros(len(b.ids), dtype=torch.bool)
-        b.versions = torch.zeros(len(b.ids), dtype=torch.int64)
+        """The pulls' rows into one block in id order: every shard's piece and its version copied in at once."""
+        pieces, order, arrived = [], [], []
         for s, fut in list(b.pulls.items()):
             try:
                 rows, version = fut.result()
@@ -135,9 +166,24 @@ class RowPrefetch:
                 log.warning("prefetch of table %r from shard %d failed (%s); the forward pulls its rows", table,
                             s, e)
                 continue
-            b.rows[b.parts[s]] = rows
-            b.known[b.parts[s]] = True
-            b.versions[b.parts[s]] = version
+            pieces.append((rows, version))
+            order.append(b.parts[s])
+            arrived.append(s)
+        n = len(b.ids)
+        b.arrived = arrived
+        if len(arrived) == sum(1 for pos in b.parts if len(pos)):  # all of them (usual): no mask to write
+            b.known = torch.ones(n, dtype=torch.bool)
+        else:
+            b.known = torch.zeros(n, dtype=torch.bool)
+            if order:
+                b.known[torch.cat(order)] = True
+        b.rows = torch.empty(n, self.dims[table])
+        b.versions = torch.zeros(n, dtype=torch.int64)
+        if order:
+            at = torch.cat(order) if len(order) > 1 else order[0]
+            b.rows.index_copy_(0, at, torch.cat([r for r, _ in pieces]) if len(pieces) > 1 else pieces[0][0])
+            b.versions.index_copy_(0, at, torch.cat([torch.full((len(p),), v, dtype=torch.int64)
+                                                     for p, (_, v) in zip(order, pieces)]))
 
     # -- pushed and pulled in one call (PushPullRows) ---------------------------------------------------
     def claim(self, table: str) -> Claim | None:

@@ -335,7 +335,9 @@ class ShardedRows:
                 raise ValueError(f"grads has shape {tuple(grads.shape)}, table {table!r} needs "
                                  f"({len(ids)}, {spec.dim})")
             grads = grads.detach().to("cpu", torch.float32)
-            pending = Pending({s: (ids[pos], grads[pos], num_samples) for s, pos in enumerate(self._split(ids))})
+            parts = self.ahead.parts_of(table, ids)  # ids once: split when announced, if these are that batch's
+            pending = Pending({s: (ids[pos], grads[pos], num_samples)
+                               for s, pos in enumerate(self._split(ids) if parts is None else parts)})
         todo = [s for s in pending.payloads if s not in pending.done]
         claim = self.ahead.claim(table) if self.fuse else None
         for shard, pull_ids in (list(claim.ids.items()) if claim else ()):

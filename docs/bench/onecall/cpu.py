@@ -2,7 +2,7 @@
 model (batch 512, dim 16, Adagrad rows), 2 local shards, 1 trainer, prefetch on; MODE "sync" or "async" (sync dense,
 async embeddings), ONE_CALL 1 (Step) or 0 (two calls).  On shared cores the CPU a step is steadier than steps/s.
 
-    PYTHONPATH=$PWD python docs/bench/onecall/cpu.py MODE ONE_CALL [STEPS]
+    PYTHONPATH=$PWD python docs/bench/onecall/cpu.py MODE ONE_CALL [STEPS [PUSH_WINDOW]]   # PUSH_WINDOW: 1
 """
 import json
 import os
@@ -43,8 +43,9 @@ def _timed(*a, **k):
 procs.start_shard, sparsebench._train = _start, _timed
 mode, one_call = sys.argv[1], sys.argv[2] == "1"
 steps = int(sys.argv[3]) if len(sys.argv) > 3 else 300
+window = int(sys.argv[4]) if len(sys.argv) > 4 else 1
 log = make_click_log(steps * 512, seed=0).compact()
 r = sparsebench.sharded_rate(log, steps, 512, 16, 0.05, 2, Path(tempfile.mkdtemp()),
-                             embedding_mode="async" if mode == "async" else "", prefetch=True, one_call=one_call)
-print(json.dumps({"mode": mode, "one_call": one_call, **cpu, "round_trips_per_step": r["round_trips_per_step"],
+                             embedding_mode="async" if mode == "async" else "", prefetch=True, one_call=one_call, push_window=window)
+print(json.dumps({"mode": mode, "one_call": one_call, "push_window": window, **cpu, "round_trips_per_step": r["round_trips_per_step"],
                   "load_average": os.getloadavg()[0]}))
