@@ -82,7 +82,10 @@ class StepCall:
     def usable(self, variants_off: bool) -> bool:
         """Whether this step can go as one call a shard: nothing half done from a failed step, one slot a shard."""
         ex, rows = self.exchange, self._rows()
-        usable = (self.enabled and variants_off and rows is not None and rows.window is None and ex.prefetch is None
+        # (an async table's push window is passed by, not waited on, while it is idle: in a sync job the dense
+        # reply is waited for anyway, and the table's acknowledgement rides on it -- docs/push-window.md)
+        usable = (self.enabled and variants_off and rows is not None and (rows.window is None or rows.window.idle())
+                  and ex.prefetch is None
                   and ex.early is None and ex.slots.job.partitions == 1 and ex.attempt is None
                   and not self.table_push.pending() and not self.table_push.any_pushed()
                   and not ex.session.resume_dense

@@ -153,6 +153,14 @@ class TableWindows:
             self.in_flight.subtract(Counter(undone))
         return len(undone)
 
+    def idle(self) -> bool:
+        """No push in flight and none failed: a step may push the tables itself, as one call a shard with its dense
+        slice (trainer.step_call), with nothing of the window to overtake."""
+        with self._lock:
+            if any(n > 0 for n in self.in_flight.values()):
+                return False
+        return not any(self.failed(t) for t in self.windows)
+
     def in_flight_of(self, table: str) -> list[int]:
         with self._lock:
             return [self.in_flight[(s, table)] for s in range(len(self._generation))]

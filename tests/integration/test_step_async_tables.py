@@ -12,13 +12,14 @@ from trainer.api import connect
 STEPS = 6
 
 
-def _run(addresses: str, one_call: bool) -> tuple[list, dict]:
-    """One trainer, sync dense + async tables, prefetching: (round trips of each step, row counters)."""
+def _run(addresses: str, one_call: bool, push_window: int = 1, model_out: list | None = None) -> tuple[list, dict]:
+    """One trainer, sync dense + async tables, prefetching: (round trips of each step, row counters); the model
+    (its parameters, and its output on the first batch read through the shards) appended to ``model_out`` if given."""
     torch.manual_seed(0)
     model = Rec("adagrad")
     trips = []
     with connect(addresses, model, mode="sync", embedding_mode="async", optimizer={"name": "sgd", "lr": 0.1},
-                 retry_budget=60.0) as ps:
+                 retry_budget=60.0, push_window=push_window) as ps:
         ps.step_call.enabled = one_call
         batches = ps.prefetching([batch(0, k) for k in range(STEPS)], forward=lambda m, b: m(*b[:3]))
         for users, items, regions, y in batches:
@@ -27,6 +28,10 @@ def _run(addresses: str, one_call: bool) -> tuple[list, dict]:
             ps.step(num_samples=B)
             trips.append(ps.counters["round_trips"] - before)
         counters = {**ps.counters, **{f"rows_{k}": v for k, v in ps.rows.counters.items()}}
+        if model_out is not None:
+            users, items, regions, _ = batch(0, 0)
+            with torch.no_grad():
+                model_out.append(([p.detach().clone() for p in model.parameters()], model(users, items, regions)))
     return trips, counters
 
 
@@ -39,6 +44,24 @@ def test_sync_dense_with_async_tables_makes_one_call_per_shard_per_step_with_pre
     assert counters.get("step_calls_fallen_back", 0) == 0
     assert counters["rows_fused_pulls"] > 0
     assert counters.get("rows_prefetch_misses", 0) == 0 and counters["rows_prefetch_hits"] > 0
+
+
+def test_a_push_window_beside_sync_dense_layers_steps_as_one_call_a_shard_and_ends_where_a_window_of_1_does(
+        shard_server):
+    """push_window=4 windows only the async tables here; the dense reply is waited for every step anyway, so the
+    tables' pushes ride on the Step call as with a window of 1 (the window stays idle) instead of going as calls
+    of their own beside it -- same calls, same numbers, same result bit for bit."""
+    ends = []
+    results = {}
+    for w in (1, 4):
+        addresses = ",".join(shard_server(shard=i).server.address for i in range(2))
+        results[w] = _run(addresses, one_call=True, push_window=w, model_out=ends)
+    trips, counters = results[4]
+    assert trips[1:] == [2] * (STEPS - 1), trips
+    assert counters.get("step_calls_fallen_back", 0) == 0 and counters.get("rows_window_pushes_sent", 0) == 0
+    assert trips == results[1][0]
+    (dense1, out1), (dense4, out4) = ends
+    assert all(torch.equal(a, b) for a, b in zip(dense1, dense4)) and torch.equal(out1, out4)
 
 
 def test_with_the_step_call_off_async_rows_are_still_prefetched_on_their_own(shard_server):
