@@ -12,8 +12,9 @@ lane's), taken exactly as the two-call path takes them, and each reply is taken 
 numbers (the shard answers DUPLICATE to each part and still streams the weights and rows).  Whatever else fails
 on a shard -- a restart, a refusal, a stale table push -- leaves that shard's parts unanswered under their
 numbers, and step() goes on with the two-call path, which retries just those parts and handles each case as it
-always has (trainer.step).  Used only unpartitioned, without the overlap, early-push, pipelined or windowed
-variants (dense or tables: trainer.table_window), and while a step's payload to a shard stays under MAX_STEP_BYTES.
+always has (trainer.step).  Used only unpartitioned, without the overlap, early-push, pipelined or windowed dense
+variants, with the async tables' window (trainer.table_window) idle, and while a step's payload to a shard stays
+under MAX_STEP_BYTES.
 While it is used, an async table's next batch rides on the step too (trainer.row_prefetch ``fold_async``): its
 part carries the ids and the shard answers at once, so sync dense + async tables also make one call a shard a step.
 A small step (one request message, a reply sure to be packed) goes on the unary StepOnce RPC, the same parts served
