@@ -48,8 +48,15 @@ def test_ps_bench_quick_writes_json_and_markdown(tmp_path):
     rows = results["rows"]  # the shard's own time per 2,048-row pull and push (psserver.sparse.rowbench)
     assert [r["mode"] for r in rows] == ["sync", "async, max_staleness 2"]
     assert all(r["rows"] == 2048 and r["pull_cpu_ms"] > 0 < r["push_cpu_ms"] for r in rows)
-    grid = results["sparse_grid"]  # --quick: the click model at batch 512, one process then 1 shard x 1 trainer
-    assert [(g["system"], g["shards"], g["trainers"]) for g in grid] == [
-        ("one process", 0, 1), ("psgrpc sync", 1, 1), ("psgrpc sync dense, async tables", 1, 1)]
-    assert all(g["ratio"] > 0 and g["row_bytes_per_step"] > g["unique_bytes_per_step"] > 0 for g in grid[1:])
+    grid = results["sparse_grid"]  # --quick: click, batch 512, 1 shard x 1 trainer, each way a user runs it
+    assert [(g["system"], g["shards"], g["trainers"], g["push_window"], g["cache_rows"]) for g in grid] == [
+        ("psgrpc sync", 1, 1, 1, 0), ("psgrpc sync dense, async tables", 1, 1, 1, 0),
+        ("psgrpc sync dense, async tables, push window 4", 1, 1, 4, 0),
+        ("psgrpc sync dense, async tables, row cache (100,000 rows, bound 4)", 1, 1, 1, 100_000)]
+    for g in grid:  # each with its own one-process run, its floor and the load average around the pair
+        assert g["steps"] == g["one_process"]["steps"] == 8 and g["ratio"] > 0 and len(g["load_1m"]) == 2
+        assert g["row_bytes_per_step"] > g["unique_bytes_per_step"] > 0
+        assert g["floor"]["steps_per_s"] > 0 and g["floor"]["transport_ms"] > 0
+        assert g["floor"]["request_bytes"][0] > 0 < g["floor"]["reply_bytes"][0]
+    assert grid[0]["prefetch_hit_rate"] > 0 and grid[3]["cache_hit_rate"] is not None
     assert "**Shard row work**" in md and "**Sparse grid**" in md

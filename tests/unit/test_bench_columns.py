@@ -159,15 +159,28 @@ def test_the_rows_section_prints_pull_and_push_milliseconds_with_their_cpu_time(
     assert "| sync | adagrad | 2,048 | 1,221 | 1.50 (1.25) | 0.75 (0.50) |" in md
 
 
-def test_the_sparse_grid_prints_one_process_as_ratio_1_and_each_sharded_row_with_its_ratio_and_bytes():
-    grid = [{"workload": "click", "batch": 512, "system": "one process", "shards": 0, "trainers": 1,
-             "steps_per_s": 100.0, "ids_per_s": 230_000.0},
-            {"workload": "click", "batch": 512, "system": "psgrpc sync", "shards": 2, "trainers": 2, "ratio": 0.25,
-             "steps_per_s": 12.5, "ids_per_s": 57_500.0, "row_bytes_per_step": 200_000.0,
-             "unique_bytes_per_step": 180_000.0}]
-    md = "\n".join(bench.sparse_grid_markdown(grid))
-    assert "| click | 512 | one process | 0 | 1 | 100.00 | 230,000 | 1.00 | - | - |" in md
-    assert "| click | 512 | psgrpc sync | 2 | 2 | 12.50 | 57,500 | 0.25 | 200,000 | 180,000 |" in md
+def test_the_sparse_grid_prints_each_row_beside_its_own_one_process_run_its_floor_and_its_load():
+    row = {"workload": "click", "batch": 512, "system": "psgrpc sync", "shards": 2, "trainers": 1, "steps": 200,
+           "steps_per_s": 62.5, "ids_per_s": 143_750.0, "ratio": 0.125, "one_process": {"steps_per_s": 500.0},
+           "floor": {"steps_per_s": 250.0, "ratio": 0.5, "transport_ms": 2.0}, "row_bytes_per_step": 174_776.0,
+           "unique_bytes_per_step": 170_249.0, "prefetch_hit_rate": 1.0, "cache_hit_rate": None,
+           "load_1m": [0.5, 1.25]}
+    two = dict(row, trainers=2, floor=None, cache_hit_rate=0.197, prefetch_hit_rate=None)
+    md = "\n".join(bench.sparse_grid_markdown([row, two]))
+    assert ("| click | 512 | psgrpc sync | 2 x 1 | 200 | 62.5 | 500.0 | 0.12 | 250.0 | 0.50 | 2.00 | 174,776 | "
+            "170,249 | 100% | - | 0.5-1.2 |") in md
+    assert ("| click | 512 | psgrpc sync | 2 x 2 | 200 | 62.5 | 500.0 | 0.12 | - | - | - | 174,776 | 170,249 | - | "
+            "20% |") in md
+
+
+def test_grid_cells_reach_the_bench_options_and_a_bad_one_is_refused(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(bench, "run_bench", lambda out, opts: seen.setdefault("opts", opts) and {})
+    monkeypatch.setattr(bench, "to_markdown", lambda r: "")
+    bench.main(["--sections", "sparse-grid", "--grid-cells", "targets"])
+    assert seen["opts"].grid_cells == (("click", 512, 2, 1), ("click", 8192, 2, 1), ("criteo", 2048, 2, 1))
+    with pytest.raises(ValueError, match=r"--grid-cells \(click:512\)"):
+        bench.main(["--grid-cells", "click:512"])
 
 
 def test_sections_rows_and_sparse_grid_are_known_to_ps_bench():

@@ -41,6 +41,7 @@ from psserver.common.logsafe import counted
 from trainer.config import device_problem, pick_device
 from trainer.procs import Proc, start_shard, start_trainer, wait_all
 from trainer.tools.floors import measure as measure_floors
+from trainer.tools.gridplan import ALL_CELLS, parse_grid_cells
 from trainer.tools.procstat import free_port, memory
 
 ACCURACY_BAR = 0.90
@@ -294,6 +295,7 @@ class BenchOptions:
     device: str = "auto"  # the trainers' --device (shards always run on the CPU)
     workloads: tuple[str, ...] = tuple(WORKLOADS)  # the throughput section's workloads (--quick: the CNN only)
     sections: tuple[str, ...] = SECTIONS
+    grid_cells: tuple = ALL_CELLS  # the sparse grid's (workload, batch, shards, trainers): --grid-cells
 
 
 def run_bench(out: Path, opts: BenchOptions) -> dict:
@@ -333,7 +335,7 @@ def run_bench(out: Path, opts: BenchOptions) -> dict:
         results["rows"] = sparsebench.row_work(calls=40 if opts.quick else 200)
     # 5. the sparse grid (issue 21): click and Criteo-shaped models x shards x trainers x modes, against one process
     if "sparse-grid" in want:
-        results["sparse_grid"] = sparse_grid_section(opts.quick, run_dir)
+        results["sparse_grid"] = sparse_grid_section(opts.quick, run_dir, opts.grid_cells)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "bench.md").write_text(to_markdown(results))
@@ -359,17 +361,11 @@ def sparse_section(quick: bool, run_dir: Path) -> dict:
     return {"steps": steps, "batch": batch, "dim": dim, "throughput": rows, "memory": memory}
 
 
-GRID_CELLS = {("click", 512): 30, ("click", 8192): 12, ("criteo", 2048): 10}  # (workload, batch): steps
-
-
-def sparse_grid_section(quick: bool, run_dir: Path) -> list[dict]:
-    """Each workload of GRID_CELLS in one process and on 1 and 2 shards x 1 and 2 trainers x full sync and sync
-    dense layers with async tables (--quick: the click model at batch 512 on one shard and one trainer)."""
-    from trainer.tools import sparsebench
-    if quick:
-        return sparsebench.sparse_grid(run_dir, [("click", 512)], shards=(1,), trainers=(1,),
-                                       steps={("click", 512): 8})
-    return sparsebench.sparse_grid(run_dir, list(GRID_CELLS), steps=GRID_CELLS)
+def sparse_grid_section(quick: bool, run_dir: Path, cells) -> list[dict]:
+    """The rows of ``cells`` (trainer.tools.gridplan: ``--grid-cells``), each paired with its own one-process run
+    and with its transport floor (--quick: the click model at batch 512 on one shard and one trainer, 8 steps)."""
+    from trainer.tools import sparsegrid
+    return sparsegrid.sparse_grid(run_dir, (("click", 512, 1, 1),) if quick else cells, quick=quick)
 
 
 def sparse_grid_markdown(grid: list[dict] | None) -> list[str]:
@@ -377,16 +373,27 @@ def sparse_grid_markdown(grid: list[dict] | None) -> list[str]:
         return []
     lines = ["", "**Sparse grid** (click model: bags of 1..8 Zipf ids over 10^9, one EmbeddingBag; criteo: DLRM, 13 "
                  "dense features, 26 tables up to 10^9 ids; dim 16, Adagrad rows, SGD dense; one torch thread per "
-                 "process; N trainers' ids/s summed, against one process at the same per-trainer batch)", "",
-             "| workload | batch | system | shards | trainers | steps/s (per trainer) | ids/s | ratio to one process | "
-             "row bytes/step | unique ids x dim x 4 x 2 |", "|---|---|---|---|---|---|---|---|---|---|"]
+                 "process; prefetch on (`ps.prefetching`), StepOnce; each row paired with its own one-process run "
+                 "just before it; N trainers' ids/s summed, against one process at the same per-trainer batch; "
+                 "floor: the row's Step bytes as one unary call a shard to bare gRPC echo servers, plus the "
+                 "one-process step; load: 1-minute load average before and after the pair)", "",
+             "| workload | batch | system | shards x trainers | steps | steps/s (per trainer) | one process steps/s "
+             "| ratio to one process | gRPC floor steps/s | floor ratio | floor transport ms | row bytes/step "
+             "| unique ids x dim x 4 x 2 | prefetch hits | cache hits | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for g in grid:
-        ratio = f"{g['ratio']:.2f}" if "ratio" in g else "1.00"
-        nbytes = (f"{g['row_bytes_per_step']:,.0f} | {g['unique_bytes_per_step']:,.0f}" if "row_bytes_per_step" in g
-                  else "- | -")
-        lines.append(f"| {g['workload']} | {g['batch']:,} | {g['system']} | {g['shards']} | {g['trainers']} | "
-                     f"{g['steps_per_s']:.2f} | {g['ids_per_s']:,.0f} | {ratio} | {nbytes} |")
+        f = g.get("floor")
+        floor = (f"{f['steps_per_s']:.1f} | {f['ratio']:.2f} | {f['transport_ms']:.2f}" if f else "- | - | -")
+        lines.append(f"| {g['workload']} | {g['batch']:,} | {g['system']} | {g['shards']} x {g['trainers']} | "
+                     f"{g['steps']} | {g['steps_per_s']:.1f} | {g['one_process']['steps_per_s']:.1f} | "
+                     f"{g['ratio']:.2f} | {floor} | {g['row_bytes_per_step']:,.0f} | "
+                     f"{g['unique_bytes_per_step']:,.0f} | {_share(g.get('prefetch_hit_rate'))} | "
+                     f"{_share(g.get('cache_hit_rate'))} | {'-'.join(f'{x:.1f}' for x in g['load_1m'])} |")
     return lines
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
 
 
 def sparse_markdown(sp: dict | None) -> list[str]:
@@ -667,6 +674,10 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"the throughput section's workloads, of {', '.join(WORKLOADS)} (--quick: the CNN only)")
     p.add_argument("--sections", default=",".join(SECTIONS),
                    help=f"what to run, of {', '.join(SECTIONS)} (straggler and wire are left out with --quick)")
+    p.add_argument("--grid-cells", default="all",
+                   help="the sparse grid's cells: all, targets (issue 21's target rows: click 512, click 8,192 and "
+                        "criteo 2,048 on 2 shards x 1 trainer) or WORKLOAD:BATCH:SHARDSxTRAINERS,... "
+                        "(e.g. click:512:2x1)")
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args(argv)
     if args.straggler_repeats < 1:
@@ -677,7 +688,8 @@ def main(argv: list[str] | None = None) -> int:
                         floor_processes=int_list("--floor-processes", args.floor_processes),
                         extra_rows=tuple(DEFAULT_EXTRA_ROWS if args.extra_row is None else args.extra_row),
                         device=args.device, workloads=names_from("--workloads", args.workloads, WORKLOADS),
-                        sections=names_from("--sections", args.sections, SECTIONS))
+                        sections=names_from("--sections", args.sections, SECTIONS),
+                        grid_cells=parse_grid_cells(args.grid_cells))
     device = device_problem(opts.device, torch.cuda.device_count())
     if device:
         raise ValueError(device)

@@ -160,9 +160,10 @@ def drive(kind: str, ports: list[int]) -> None:
 class Child:
     """A server or driver process of this script, spoken to line by line; it exits when its stdin closes."""
 
-    def __init__(self, args: list[str], log_dir: Path):
+    def __init__(self, args: list[str], log_dir: Path, script: Path | None = None):
         self.log = tempfile.NamedTemporaryFile(dir=log_dir, prefix="floor-", suffix=".log", delete=False)
-        self.popen = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *args], stdin=subprocess.PIPE,
+        script = (script or Path(__file__)).resolve()  # this file, or another floor's (trainer.tools.stepfloor)
+        self.popen = subprocess.Popen([sys.executable, str(script), *args], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True)
 
     def ask(self, line: str | None = None) -> str:
