@@ -67,13 +67,14 @@ def _grid_ids(workload: str, b) -> tuple[int, int]:
 
 
 def _grid_steps(workload: str, model, batches, step_fn) -> dict:
-    """Train on ``batches`` (forward, BCE, backward, ``step_fn``); time the steps after the first WARMUP."""
+    """Train on ``batches`` (forward, BCE, backward, ``step_fn``); time the steps after the first WARMUP.  Unique
+    ids a step: over every step, as the row bytes they are compared with (a step's rows are pulled the step before)."""
     forward, warmup = _grid_forward(workload), gridplan.WARMUP
     seen = unique = timed = 0
     t0 = time.perf_counter()
     for i, b in enumerate(batches):
         if i == warmup:
-            t0, seen, unique = time.perf_counter(), 0, 0
+            t0, seen = time.perf_counter(), 0
         loss = torch.nn.functional.binary_cross_entropy_with_logits(forward(model, b), b.labels)
         loss.backward()
         step_fn(len(b.labels))
@@ -81,7 +82,7 @@ def _grid_steps(workload: str, model, batches, step_fn) -> dict:
         seen, unique, timed = seen + n, unique + u, timed + (i >= warmup)
     seconds = time.perf_counter() - t0
     return {"seconds": seconds, "steps": timed, "steps_per_s": timed / seconds, "ids_per_s": seen / seconds,
-            "unique_per_step": unique / timed}
+            "unique_per_step": unique / (i + 1)}
 
 
 def grid_one_process(workload: str, batch: int, steps: int) -> dict:
@@ -146,21 +147,20 @@ def _grid_trainer(args: tuple) -> dict:
         SparseOptimizerConfig("adagrad", lr=GRID_LR), cache_rows=row.cache_rows, cache_staleness=row.cache_staleness))
     with connect(addresses, model, rank=rank, num_trainers=row.trainers, optimizer={"name": "sgd", "lr": GRID_LR},
                  embedding_mode=row.embedding_mode, push_window=row.push_window, job_id=job_id) as ps:
-        sizes, before, done = StepBytes(ps) if rank == 0 else None, {}, [0]
+        sizes, before = StepBytes(ps) if rank == 0 else None, dict(ps.rows.counters)
 
         def step(n: int) -> None:
             ps.step(n)
             ps.zero_grad()
             if sizes is not None:
                 sizes.mark()
-            done[0] += 1
-            if done[0] == gridplan.WARMUP:  # the row counters of the timed steps only, as their ids are
-                before.update(ps.rows.counters)
         batches = ps.prefetching(_grid_batches(row.workload, log, total, row.batch, rank, row.trainers),
                                  forward=_grid_forward(row.workload))
         out = _grid_steps(row.workload, model, batches, step)
         rows = {k: v - before.get(k, 0) for k, v in ps.rows.counters.items()}
-    return {**out, **_row_counts(rows, row.steps), "step_sizes": sizes.steps[-row.steps:] if sizes else None}
+    # over every step, warm-up too: a step's rows are pulled during the step before it (prefetch), so a window of
+    # timed steps would count one pull fewer than pushes
+    return {**out, **_row_counts(rows, total), "step_sizes": sizes.steps[-row.steps:] if sizes else None}
 
 
 def _row_counts(rows: dict, steps: int) -> dict:
