@@ -173,6 +173,18 @@ def test_the_sparse_grid_prints_each_row_beside_its_own_one_process_run_its_floo
             "20% |") in md
 
 
+def test_a_failed_grid_row_is_printed_with_its_reason_in_a_row_of_its_own():
+    from trainer.tools.gridplan import cell_rows
+    from trainer.tools.sparsegrid import failed_row
+    row = cell_rows("criteo", 2048, 2, 1, 30)[2]
+    failed = failed_row(row, RuntimeError("RESOURCE_EXHAUSTED: rank 0 | 8 calls\nsecond line"))
+    assert failed["error"] == "RuntimeError: RESOURCE_EXHAUSTED: rank 0 | 8 calls" and failed["push_window"] == 4
+    md = bench.sparse_grid_markdown([failed])
+    assert md[-1] == ("| criteo | 2,048 | psgrpc sync dense, async tables, push window 4 | 2 x 1 | failed: RuntimeError: "
+                      "RESOURCE_EXHAUSTED: rank 0 / 8 calls |" + " - |" * 11)
+    assert md[-1].count("|") == md[-2].count("|")  # as many columns as the header
+
+
 def test_grid_cells_reach_the_bench_options_and_a_bad_one_is_refused(monkeypatch):
     seen = {}
     monkeypatch.setattr(bench, "run_bench", lambda out, opts: seen.setdefault("opts", opts) and {})

@@ -382,6 +382,10 @@ def sparse_grid_markdown(grid: list[dict] | None) -> list[str]:
              "| unique ids x dim x 4 x 2 | prefetch hits | cache hits | load |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for g in grid:
+        if "error" in g:
+            lines.append(f"| {g['workload']} | {g['batch']:,} | {g['system']} | {g['shards']} x {g['trainers']} | "
+                         f"failed: {g['error'].replace('|', '/')} |" + " - |" * 11)
+            continue
         f = g.get("floor")
         floor = (f"{f['steps_per_s']:.1f} | {f['ratio']:.2f} | {f['transport_ms']:.2f}" if f else "- | - | -")
         lines.append(f"| {g['workload']} | {g['batch']:,} | {g['system']} | {g['shards']} x {g['trainers']} | "

@@ -13,6 +13,7 @@ also gets its transport floor (trainer.tools.stepfloor): its own Step sizes, rep
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import time
 import uuid
@@ -23,6 +24,7 @@ import torch
 from trainer.tools import gridplan, stepfloor
 from trainer.tools.gridplan import GridRow
 
+logger = logging.getLogger("trainer.tools.sparsegrid")
 GRID_LR, GRID_DIM = 0.05, 16
 
 
@@ -252,13 +254,26 @@ def floor_of(r: dict, sizes: list | None, run_dir: Path) -> dict | None:
 
 def sparse_grid(run_dir: Path, cells, quick: bool = False) -> list[dict]:
     """Every row of ``cells`` (gridplan.plan), each paired with its own one-process run and followed by its
-    transport floor."""
+    transport floor.  A row whose run fails is kept with the failure's first line (and logged): the grid goes on."""
     out = []
     for rows in gridplan.plan(cells, quick):
         last = None
         for k, row in enumerate(rows):
-            r = paired_row(row, run_dir / f"grid-{row.workload}-{row.batch}-{row.shards}x{row.trainers}-{k}")
+            try:
+                r = paired_row(row, run_dir / f"grid-{row.workload}-{row.batch}-{row.shards}x{row.trainers}-{k}")
+            except Exception as e:  # noqa: BLE001 -- reported in the row (and the log), not lost
+                logger.warning("sparse grid: %s failed: %s", row, e)
+                out.append(failed_row(row, e))
+                continue
             last = r.pop("step_sizes") or last
             r["floor"] = floor_of(r, last, run_dir)
             out.append(r)
     return out
+
+
+def failed_row(row: GridRow, error: BaseException) -> dict:
+    """A row that did not run to the end: what it was and the first line of why."""
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return {"workload": row.workload, "batch": row.batch, "system": row.system, "shards": row.shards,
+            "trainers": row.trainers, "push_window": row.push_window, "cache_rows": row.cache_rows,
+            "error": f"{type(error).__name__}: {first}", "load_1m": [os.getloadavg()[0]]}
