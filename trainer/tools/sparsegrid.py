@@ -159,6 +159,7 @@ def _grid_trainer(args: tuple) -> dict:
         batches = ps.prefetching(_grid_batches(row.workload, log, total, row.batch, rank, row.trainers),
                                  forward=_grid_forward(row.workload))
         out = _grid_steps(row.workload, model, batches, step)
+        ps.flush()  # a push window's last pushes: their bytes are counted when answered
         rows = {k: v - before.get(k, 0) for k, v in ps.rows.counters.items()}
     # over every step, warm-up too: a step's rows are pulled during the step before it (prefetch), so a window of
     # timed steps would count one pull fewer than pushes
