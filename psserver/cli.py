@@ -13,6 +13,7 @@ from psserver.common.cli_support import EnvArgumentParser, ensure_malloc_tunable
 from psserver.common.tboard import Sampler, ScalarLog
 from psserver.handoff import DEFAULT_HANDOFF_TIMEOUT, handoff_timeout_error
 from psserver.ports import check_bindable
+from psserver.protocol.limits import MAX_CALLS_PER_RANK
 from psserver.protocol.security import ServerSecurity, read_token
 
 log = logging.getLogger("psserver")
@@ -90,7 +91,8 @@ def build_parser() -> EnvArgumentParser:
                         "refused RESOURCE_EXHAUSTED (one reply is always allowed)")
     p.add_argument("--max-reply-bytes-per-peer", type=int, default=256 << 20,
                    help="bytes unread replies may hold on one connection (one reply is always allowed)")
-    p.add_argument("--max-calls-per-rank", type=int, default=8, help="data calls in flight naming one rank")
+    p.add_argument("--max-calls-per-rank", type=int, default=MAX_CALLS_PER_RANK,
+                   help="data calls in flight naming one rank")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="intra-op threads for the shard's tensor work (0: torch's default); more pays only on a "
                         "host with idle cores and slices of millions of parameters")

@@ -68,6 +68,7 @@ from psserver.replies import Connections, ReplyLedger, ReplyStream
 from psserver.runtime import Runtime
 from psserver.service_common import (
     _OUTCOMES,
+    StreamEndedEarly,
     _check_header_fields,
     _check_identity,
     _decoded,
@@ -79,7 +80,6 @@ from psserver.service_common import (
     _reply_stream,
     _safe,
     _StreamReader,
-    StreamEndedEarly,
 )
 from psserver.service_rows import RowRpcs
 from psserver.service_step import StepRpc
@@ -105,7 +105,7 @@ class ServiceLimits:
     max_watch_streams: int = 64  # health Watch streams open on the main port
     max_reply_bytes_per_peer: int = 256 << 20  # bytes of unread replies one connection may hold (one always)
     max_reply_bytes: int = 1 << 30  # bytes of unread replies the shard may hold (one reply always)
-    max_calls_per_rank: int = 8  # data calls in flight naming one rank
+    max_calls_per_rank: int = limits.MAX_CALLS_PER_RANK  # data calls in flight naming one rank
     min_chunk_bytes: int = limits.MIN_CHUNK_BYTES  # every chunk of a stream but the last carries at least this
     receive_buffers: int = 8  # slice-sized receive buffers at least (more while they fit in 256 MB); pushes beyond
     # wait, their bytes held back by gRPC's flow control

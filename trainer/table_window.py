@@ -4,7 +4,8 @@
 push a number of its own (``PushNumbers.take``) and its base (the version of the rows this step read), fixed
 now, and the push goes to the table's window (trainer.push_window), which sends it on a thread of its own and
 returns once at most W-1 of the table's pushes are unacknowledged -- so at most W per (shard, table) are on
-the wire.  Exactly once: a lost reply is retried inside the call under the same number (the shard answers
+the wire, and at most ROW_PUSHES_ON_WIRE_PER_SHARD per shard across the tables (under the shard's per-rank call
+cap).  Exactly once: a lost reply is retried inside the call under the same number (the shard answers
 DUPLICATE where it applied it; an async table keeps holes for pushes overtaken on the way,
 psserver.sparse.serving); a push that failed for good stays in the window, the next ``push`` of the table
 (or ``flush``) sends it again under its numbers, to the shards that did not answer, before anything new.
@@ -23,12 +24,14 @@ import logging
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
 import grpc
 import torch
 
+from psserver.protocol.limits import ROW_PUSHES_ON_WIRE_PER_SHARD
 from trainer.client import restarted
 from trainer.push_window import PushWindow, WindowFailed
 
@@ -68,6 +71,8 @@ class TableWindows:
         self._lock = threading.Lock()  # of in_flight, written by the senders
         self._generation = [0] * m  # shard -> rejoins so far (a push made before one does not rejoin again)
         self._restart_locks = [threading.Lock() for _ in range(m)]
+        # parts on the wire to each shard, across tables: a shard refuses a rank's calls past --max-calls-per-rank
+        self._wire = [threading.BoundedSemaphore(ROW_PUSHES_ON_WIRE_PER_SHARD) for _ in range(m)]
         self._handed: set[str] = set()  # tables whose failed push() call's gradient is in the window already
 
     # ------------------------------------------------------------------ the caller's thread
@@ -192,12 +197,26 @@ class TableWindows:
             raise PartsFailed(failed, sorted(push.done))
         return push
 
+    @contextmanager
+    def _on_wire(self, s: int):
+        """One of shard ``s``'s places on the wire (ROW_PUSHES_ON_WIRE_PER_SHARD), waited for and counted
+        (``window_wire_waits``) when every one is taken."""
+        wire = self._wire[s]
+        if not wire.acquire(blocking=False):
+            self.rows._count(window_wire_waits=1)
+            wire.acquire()
+        try:
+            yield
+        finally:
+            wire.release()
+
     def _send_part(self, push: TablePushParts, s: int) -> str:
         ids, grads, n, sequence, base, generation = push.parts[s]
         shard = self.rows.client.shards[s]
         try:
-            return self.rows._push_once(shard, self.rows._part(shard, push.table, ids, grads, n, None,
-                                                               numbered=(sequence, base)))
+            with self._on_wire(s):
+                return self.rows._push_once(shard, self.rows._part(shard, push.table, ids, grads, n, None,
+                                                                   numbered=(sequence, base)))
         except grpc.RpcError as e:
             if not restarted(e) or self.rows.on_restart is None:
                 raise

@@ -113,3 +113,11 @@ MAX_IDS_PER_CALL = 1 << 20
 MAX_ROWS_REPLY_BYTES = 64 << 20
 # Sightings an id needs before its row is stored (admit_after).
 MAX_ADMIT_AFTER = 1 << 16
+
+# A shard serves at most this many data calls naming one rank (and partition) at once: ps-server
+# --max-calls-per-rank's default; a call past it is refused RESOURCE_EXHAUSTED (psserver.service).
+MAX_CALLS_PER_RANK = 8
+# A trainer's windowed async table pushes (trainer.table_window) on the wire to one shard at once, across all its
+# tables: the per-rank cap less room for the step's own call and a pull.  Without it, W pushes in flight per
+# table times 26 tables passed the cap and the shard refused them.
+ROW_PUSHES_ON_WIRE_PER_SHARD = MAX_CALLS_PER_RANK - 2

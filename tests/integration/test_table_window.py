@@ -204,3 +204,32 @@ def test_close_without_flush_waits_for_every_table_push_in_flight(shard_server):
         one_step(ps, model, step)
     ps.close()  # no flush(): close waits for the window, then leaves
     assert table_stat(servers, "pushes_applied") == [6, 6] == table_stat(servers, "version")
+
+
+class ManyTables(nn.Module):
+    """26 async tables (Criteo's count) beside a sync dense weight: with a window of four, up to 104 pushes a shard
+    could have in flight, 13 times its per-rank call cap (RowsPushFailed, RESOURCE_EXHAUSTED, before the bound)."""
+
+    def __init__(self, tables: int = 26):
+        super().__init__()
+        self.tables = nn.ModuleList(
+            ShardedEmbeddingBag(f"t{i}", DIM, mode="sum", table_mode="async", num_embeddings=N, seed=i,
+                                optimizer=SparseOptimizerConfig("sgd", lr=0.5)) for i in range(tables))
+        self.w = nn.Parameter(torch.zeros(1))
+
+    def forward(self, items):
+        return sum(t(items).sum() for t in self.tables) + 0.0 * self.w.sum()
+
+
+def test_a_window_over_many_tables_stays_under_the_shards_per_rank_cap_and_applies_every_push(shard_server):
+    servers = [shard_server(shard=i) for i in range(2)]
+    model = ManyTables()
+    with connect(",".join(s.server.address for s in servers), model, mode="sync", push_window=4,
+                 optimizer={"name": "sgd", "lr": 0.1}) as ps:
+        for step in range(12):
+            one_step(ps, model, step)
+        ps.flush()
+        for i in range(len(model.tables)):
+            counts = [int(s.stats().counters.get(f"table.t{i}.pushes_applied", 0)) for s in servers]
+            assert counts == [12, 12], (i, counts)
+    assert [int(s.stats().counters.get("refused_over_limit", 0)) for s in servers] == [0, 0]

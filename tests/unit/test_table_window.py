@@ -10,6 +10,7 @@ import grpc
 import pytest
 import torch
 
+from psserver.protocol.limits import ROW_PUSHES_ON_WIRE_PER_SHARD
 from tests.helpers import wait_until
 from trainer.push_window import WindowFailed
 from trainer.row_lanes import RowLanes
@@ -223,3 +224,24 @@ def test_a_pull_answered_before_a_push_beside_it_is_not_a_shard_going_back():
     lane.version = 5  # a windowed push was answered at 5 while a pull sent at 4 was out
     assert not book.pulled(0, "t", 4, seen=4) and lane.version == 5 and book.counters["versions_lost"] == 0
     assert book.pulled(0, "t", 2, seen=4) and lane.version == 2 and book.counters["versions_lost"] == 2
+
+
+def test_many_tables_windows_keep_each_shards_pushes_on_the_wire_under_the_shards_per_rank_cap():
+    tables, size = [f"t{i}" for i in range(4)], 4  # 16 pushes a shard may be in flight, over the cap
+    rows = FakeRows()
+    rows.book = RowLanes({t: "async" for t in tables}, 2, rows.counters, threading.Lock())
+    w = rows.windows = TableWindows(rows, tables, size)
+    for _ in range(size - 1):  # each table's window takes W-1 without waiting
+        for t in tables:
+            w.hand_in(t, payloads())
+    waiting = len(tables) * (size - 1) - ROW_PUSHES_ON_WIRE_PER_SHARD
+    wait_until(lambda: rows.counters["window_wire_waits"] == 2 * waiting, "the parts past the cap to wait")
+    on_wire = Counter(s for s, _, _ in rows.calls)
+    assert on_wire == {0: ROW_PUSHES_ON_WIRE_PER_SHARD, 1: ROW_PUSHES_ON_WIRE_PER_SHARD}
+    rows.free = True
+    for seq in range(1, size):
+        rows.release(seq)
+    w.flush()
+    assert len(rows.calls) == 2 * len(tables) * (size - 1)  # every part sent once, none refused or lost
+    assert all(n == 0 for t in tables for n in w.in_flight_of(t))
+    w.close()
