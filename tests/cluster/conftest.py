@@ -17,3 +17,19 @@ def cluster(tmp_path):
     for job in runs:
         for p in job.trainers + job.shards:
             p.kill()
+
+
+@pytest.fixture
+def children(monkeypatch):
+    """Every process trainer.tools.floors starts (floor servers and drivers, the step floor's echo servers), to
+    check that each has exited once a measurement returns or raises."""
+    from trainer.tools import floors
+    started = []
+    original = floors.Child.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        started.append(self)
+
+    monkeypatch.setattr(floors.Child, "__init__", init)
+    return started

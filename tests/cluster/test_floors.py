@@ -8,19 +8,6 @@ from trainer.tools import floors
 SIZES = {"odd": 3 * floors.CHUNK + 1, "tiny": 7}  # a partial last message; fewer bytes than connections
 
 
-@pytest.fixture
-def children(monkeypatch):
-    """Every floor process started, to check that each has exited once measure() returns or raises."""
-    started = []
-    original = floors.Child.__init__
-
-    def init(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        started.append(self)
-
-    monkeypatch.setattr(floors.Child, "__init__", init)
-    return started
-
 
 def test_every_setup_is_measured_for_every_byte_count_and_every_process_exits(tmp_path, children):
     rows = floors.measure(SIZES, [1, 2], [2], 1, tmp_path)

@@ -5,21 +5,7 @@ import struct
 
 import pytest
 
-from trainer.tools import floors, stepfloor
-
-
-@pytest.fixture
-def children(monkeypatch):
-    """Every echo server started, to check that each has exited once measure() returns or raises."""
-    started = []
-    original = floors.Child.__init__
-
-    def init(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        started.append(self)
-
-    monkeypatch.setattr(floors.Child, "__init__", init)
-    return started
+from trainer.tools import stepfloor
 
 
 @pytest.mark.parametrize("shards", [1, 2])
