@@ -59,7 +59,7 @@ def test_a_push_window_beside_sync_dense_layers_steps_as_one_call_a_shard_and_en
     trips, counters = results[4]
     assert trips[1:] == [2] * (STEPS - 1), trips
     assert counters.get("step_calls_fallen_back", 0) == 0 and counters.get("rows_window_pushes_sent", 0) == 0
-    assert trips == results[1][0]
+    assert trips[1:] == results[1][0][1:]  # (the first step's count depends on when its prefetch's own pull lands)
     (dense1, out1), (dense4, out4) = ends
     assert all(torch.equal(a, b) for a, b in zip(dense1, dense4)) and torch.equal(out1, out4)
 
