@@ -121,7 +121,7 @@ class Registering:
 
     def register(self, job: JobSpec, connect_timeout: float, abandon: threading.Event | None = None,
                  refused_limit: float | None = None, join: bool = False, join_round: int = 0,
-                 join_confirm: bool = False) -> _pb.RegisterReply:
+                 join_confirm: bool = False, named_timeout: float | None = None) -> _pb.RegisterReply:
         """Register with the shard, waiting up to ``connect_timeout`` for it to answer.
 
         Each attempt fails fast (no wait_for_ready) and has a short deadline, so an
@@ -136,6 +136,8 @@ class Registering:
         with ``join_confirm`` its confirm.  An
         admission that finds no job yet waits for it within the same timeout (``register_retry``), so joiners
         may start before the job's rank 0; still none then raises NoJobToJoin.
+        ``named_timeout``: the --connect-timeout the messages name (default ``connect_timeout``): a caller that
+        passes what is left of it (a later attempt of one connect) still names the user's setting.
         """
         req = _pb.RegisterRequest(rank=self.rank, trainer_id=self.trainer_id, expected_shard=self.index,
                                   job=job.to_proto(), partition=self.partition, join=join, join_round=join_round,
@@ -162,8 +164,8 @@ class Registering:
                     raise
                 cause = _connect_cause(e) if retry == CONNECT_RETRY else e.details()
                 now = time.monotonic()
-                _give_up_if_due(f"shard {self.index} at {self.address}", retry, cause, now, give_up, connect_timeout,
-                                refusals)
+                _give_up_if_due(f"shard {self.index} at {self.address}", retry, cause, now, give_up,
+                                connect_timeout if named_timeout is None else named_timeout, refusals)
                 self._count(retry)
                 if now >= next_log:
                     self._say_waiting(retry, cause, give_up - now)

@@ -159,14 +159,16 @@ class Session:
         # 6-28 ms of connecting, docs/elastic.md).
         warm = [grpc.channel_ready_future(s.channel) for s in self.client.parts[1:]]
         try:
-            first = head.register(self.job, timeout, None, self._refused_limit, join=True)
+            first = head.register(self.job, timeout, None, self._refused_limit, join=True,
+                                  named_timeout=self.connect_timeout)
         finally:
             for f in warm:
                 f.cancel()
         self.set_rank(first.rank)
         self.registered = set(range(self.slots.num_parts))
         asked = self.client.map_settled(
-            lambda s: first if s is head else s.register(self.job, timeout, None, self._refused_limit, join=True),
+            lambda s: first if s is head else s.register(self.job, timeout, None, self._refused_limit, join=True,
+                                                         named_timeout=self.connect_timeout),
             parts=True)
         errors = [r for r in asked if isinstance(r, Exception)]
         self.registered = {i for i, r in enumerate(asked) if not isinstance(r, Exception)}
@@ -174,13 +176,14 @@ class Session:
             return asked, 0
         join_round = max(r.join_round for r in asked)
         committed = self.client.map_settled(
-            lambda s: s.register(self.job, timeout, None, self._refused_limit, join=True, join_round=join_round),
+            lambda s: s.register(self.job, timeout, None, self._refused_limit, join=True, join_round=join_round,
+                                 named_timeout=self.connect_timeout),
             parts=True)
         if any(isinstance(r, Exception) for r in committed):
             return committed, join_round
         confirmed = self.client.map_settled(
             lambda s: s.register(self.job, timeout, None, self._refused_limit, join=True, join_round=join_round,
-                                 join_confirm=True), parts=True)
+                                 join_confirm=True, named_timeout=self.connect_timeout), parts=True)
         if any(isinstance(r, Exception) for r in confirmed):
             return confirmed, join_round
         log.info("rank %d joined the running job from round %d (proposals %s)", self.rank, join_round,
@@ -242,7 +245,7 @@ class Session:
 
         def register(s: ShardClient):
             try:
-                return s.register(self.job, timeout, abandon, self._refused_limit)
+                return s.register(self.job, timeout, abandon, self._refused_limit, named_timeout=self.connect_timeout)
             except grpc.RpcError as e:
                 if refused_layout_moved(e) is not None:
                     abandon.set()  # the job moved on: no other slot's wait (a drained shard stopped) is worth it

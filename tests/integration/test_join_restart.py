@@ -60,10 +60,10 @@ def test_a_shard_restarted_between_a_joiners_admission_and_commit_takes_the_comm
     register = ShardClient.register
 
     def register_with_a_restart(self, job, timeout, abandon=None, refused_limit=None, join=False, join_round=0,
-                                join_confirm=False):
+                                join_confirm=False, **named):
         if join and join_round and not join_confirm and self.index == 1 and not restarted:
             restart_shard_1()  # between shard 1's admission of the joiner and its commit
-        return register(self, job, timeout, abandon, refused_limit, join, join_round, join_confirm)
+        return register(self, job, timeout, abandon, refused_limit, join, join_round, join_confirm, **named)
 
     monkeypatch.setattr(ShardClient, "register", register_with_a_restart)
     models = []

@@ -179,8 +179,8 @@ def register_then_interrupt(on_shard: int, before_raising=lambda: None):
     answer is handed back -- as a SIGTERM that lands while the reply is on its way."""
     real = ShardClient.register
 
-    def register(self, *args):
-        reply = real(self, *args)
+    def register(self, *args, **kwargs):
+        reply = real(self, *args, **kwargs)
         if self.index == on_shard:
             before_raising()
             raise Interrupt
