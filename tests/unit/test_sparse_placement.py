@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from psserver.protocol.rows.placement import shard_of, stable_hash
+from psserver.protocol.rows.placement import GAMMA, as_int64, mix64, shard_of, stable_hash, unsigned_mod
 
 U64 = (1 << 64) - 1
 
@@ -56,3 +56,11 @@ def test_wrong_dtype_and_shard_count_are_refused_naming_the_value():
         shard_of(torch.tensor([1], dtype=torch.int32), 2)
     with pytest.raises(ValueError, match=r"num_shards \(0\)"):
         shard_of(torch.tensor([1]), 0)
+
+
+@pytest.mark.parametrize("m", [2, 7, 1024])
+def test_the_torch_formula_other_devices_take_equals_the_numpy_one_cpu_ids_take(m):
+    ids = torch.randint(-(1 << 63), (1 << 63) - 1, (4096,), generator=torch.Generator().manual_seed(3))
+    torch_hash = mix64(ids + as_int64(GAMMA))  # what a CUDA tensor of ids is hashed with
+    assert torch.equal(torch_hash, stable_hash(ids))
+    assert torch.equal(unsigned_mod(torch_hash, m), shard_of(ids, m))

@@ -29,14 +29,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from psserver.protocol.rows.placement import mix64_u64
+
 EMPTY, FULL, GONE = 0, 1, 2
 MIN_CAPACITY = 64
 MAX_LOAD = 0.5
 WINDOW = 8  # positions probed per round: at loads up to 1/2 a probe rarely passes 8
 _STEPS = np.arange(WINDOW, dtype=np.int64)
 _SALT = np.uint64(0xD6E8FEB86659FD93)
-_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-_S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
 
 
 def _capacity_for(n: int) -> int:
@@ -45,13 +45,6 @@ def _capacity_for(n: int) -> int:
     while cap * MAX_LOAD / 2 < n:
         cap *= 2
     return cap
-
-
-def _mix64(z: np.ndarray) -> np.ndarray:
-    """splitmix64's output function on uint64 (psserver.protocol.rows.placement.mix64, in numpy: arrays wrap)."""
-    z = (z ^ (z >> _S30)) * _MIX1
-    z = (z ^ (z >> _S27)) * _MIX2
-    return z ^ (z >> _S31)
 
 
 def _np(ids: torch.Tensor) -> np.ndarray:
@@ -100,7 +93,7 @@ class IdIndex:
         return self.size + self.tombstones + n > self.capacity * MAX_LOAD
 
     def _home(self, ids: np.ndarray) -> np.ndarray:
-        return (_mix64(ids.view(np.uint64) ^ _SALT) & np.uint64(self._mask)).view(np.int64)
+        return (mix64_u64(ids.view(np.uint64) ^ _SALT) & np.uint64(self._mask)).view(np.int64)
 
     def _positions(self, ids: np.ndarray, empty_at: np.ndarray | None = None) -> np.ndarray:
         """Where each id sits in the table, -1 for ids not in it; with ``empty_at``, where the probe of each id

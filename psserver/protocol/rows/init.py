@@ -31,14 +31,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from psserver.protocol.rows.placement import GAMMA, as_int64, mix64
+from psserver.protocol.rows.placement import GAMMA, as_int64, mix64, mix64_u64
 
 INITIALIZERS = ("uniform", "normal")
 _LOW32 = 0xFFFFFFFF
 # The integer steps run in numpy's uint64, which wraps and shifts unsigned as the formulas say (torch's int64
 # needs a mask per shift): the same bits at a third of the cost.  The float steps stay in torch.
 _GAMMA = np.uint64(GAMMA)
-_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
 @dataclass(frozen=True)
@@ -61,19 +60,12 @@ def splitmix64(z: torch.Tensor) -> torch.Tensor:
     return mix64(z + as_int64(GAMMA))
 
 
-def _mix64(z: np.ndarray) -> np.ndarray:
-    """placement.mix64 on a uint64 array."""
-    z = (z ^ (z >> np.uint64(30))) * _MIX1
-    z = (z ^ (z >> np.uint64(27))) * _MIX2
-    return z ^ (z >> np.uint64(31))
-
-
 def _row_bits(seed: int, ids: torch.Tensor, dim: int) -> np.ndarray:
     """``bits(id, j)`` of the module docstring: a uint64 (len(ids), dim) array."""
-    key = _mix64(np.array([seed], dtype=np.uint64) + _GAMMA)
-    start = _mix64((ids.contiguous().numpy().view(np.uint64) ^ key) + _GAMMA)
+    key = mix64_u64(np.array([seed], dtype=np.uint64) + _GAMMA)
+    start = mix64_u64((ids.contiguous().numpy().view(np.uint64) ^ key) + _GAMMA)
     steps = np.arange(1, dim + 1, dtype=np.uint64) * _GAMMA  # wraps, as it must
-    return _mix64(start[:, None] + steps[None, :])
+    return mix64_u64(start[:, None] + steps[None, :])
 
 
 def row_bits(seed: int, ids: torch.Tensor, dim: int) -> torch.Tensor:
