@@ -313,7 +313,10 @@ class ShardedRows:
             RowsPushFailed: some shard failed for good; the gradients are kept and the next ``push`` of this
                 table retries the unfinished shards with them (its own arguments are then not read).
         """
-        if self.window is not None and table in self.window.windows:  # async: handed over, the step goes on
+        # async: handed over, the step goes on -- unless a push of the table failed outside the window (a Step
+        # call's part, trainer.step_call): that one is sent again first, under its numbers, to the shards that did
+        # not answer it (the window would number it anew and every shard would apply it, the answered ones twice)
+        if self.window is not None and table in self.window.windows and table not in self.book.pending:
             return self.window.push(table, self._spec(table), ids, grads, num_samples)
         plan = self.begin_push(table, ids, grads, num_samples)
         try:
