@@ -62,7 +62,7 @@ class ShardMetrics:
         self._collector.snapshot = snapshot
 
     def serve(self, port: int, host: str, **bounds) -> int:
-        """Expose /metrics over HTTP, bounded in connections and idle time (psserver.metrics_http); the bound port."""
+        """Expose /metrics over HTTP, bounded in connections and in each request's time (psserver.metrics_http); the bound port."""
         return metrics_http.serve(self.registry, port, host, **bounds)
 
 

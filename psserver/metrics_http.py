@@ -4,15 +4,18 @@ Why not prometheus_client's ``start_http_server``: it serves every connection on
 as the connection stays open, with no timeout -- 300 connections that each sent half a request line held 300
 threads of the shard's process (docs/attacks-2026-11-25.md), and the port answers anyone who reaches it.  Here a
 connection past ``max_connections`` is closed at once (counted, ``psgrpc_metrics_connections_refused_total``, and
-logged at a bounded rate) and one that sends nothing for ``idle_seconds`` is closed by its thread; a scrape is one
-request (HTTP/1.0), so a Prometheus needs one connection at a time.
+logged at a bounded rate) and one whose request head has not arrived whole within ``request_seconds`` is closed by
+its thread -- a total deadline, not a time between reads: 16 clients each sending a byte every 9 s held every slot
+under a per-read bound.  A scrape is one request (HTTP/1.0), so a Prometheus needs one connection at a time.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import socket
 import threading
+import time
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
@@ -23,11 +26,45 @@ from psserver.common.logsafe import RateLimitedLog
 log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 16  # scrapes served at once
-IDLE_SECONDS = 10.0  # a connection that sends nothing this long is closed
+REQUEST_SECONDS = 10.0  # a request's head arrives whole within this, and its reply is sent within it again
+
+
+class _DeadlineReader(io.RawIOBase):
+    """The connection's bytes, each read waiting at most what is left until ``deadline`` (time.monotonic)."""
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        self._sock, self._deadline = sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request did not arrive within its time")
+        self._sock.settimeout(left)
+        return self._sock.recv_into(buffer)
 
 
 class _Handler(WSGIRequestHandler):
-    timeout = IDLE_SECONDS  # (socketserver sets it on the connection: a read that waits longer ends the request)
+    timeout = REQUEST_SECONDS
+
+    def setup(self) -> None:
+        """Reads share one deadline: a socket timeout alone bounds each read, which a byte now and then renews."""
+        super().setup()
+        self.rfile.close()  # (makefile's reader: replaced, so the socket's close is not deferred by it)
+        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, time.monotonic() + self.timeout))
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()  # the head is read by now
+        self.connection.settimeout(self.timeout)  # the reply: sent within the same time again
+        return ok
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except TimeoutError:  # the head did not arrive in time: closed without an answer (nor a traceback)
+            self.close_connection = True
 
     def log_message(self, format, *args):  # noqa: A002 -- a scrape is not logged
         """Nothing: every scrape would be a log line."""
@@ -56,17 +93,22 @@ class _BoundedServer(ThreadingMixIn, WSGIServer):
             raise
 
     def process_request_thread(self, request, client_address):
+        """socketserver's, with the slot given back before the connection is closed: a client that sees its
+        connection closed may connect again at once."""
         try:
-            super().process_request_thread(request, client_address)
+            self.finish_request(request, client_address)
+        except Exception:  # noqa: BLE001 -- as socketserver's: reported, the connection closed
+            self.handle_error(request, client_address)
         finally:
             self._slots.release()
+            self.shutdown_request(request)
 
 
 def serve(registry: CollectorRegistry, port: int, host: str, max_connections: int = MAX_CONNECTIONS,
-          idle_seconds: float = IDLE_SECONDS) -> int:
+          request_seconds: float = REQUEST_SECONDS) -> int:
     """Serve ``registry`` at http://host:port/metrics on a daemon thread; returns the bound port."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-    handler = type("_IdleBoundHandler", (_Handler,), {"timeout": idle_seconds})
+    handler = type("_TimeBoundHandler", (_Handler,), {"timeout": request_seconds})
     server = type("_MetricsServer", (_BoundedServer,), {"address_family": family})((host, port), handler)
     refused = Counter("psgrpc_metrics_connections_refused", "Connections to the metrics port closed at once because "
                       "it served its limit of connections already.", registry=registry)

@@ -302,12 +302,17 @@ class Runtime:
         (a digest of the tables, a big row call), which would stall every call and health check on the loop."""
         self._offloaded += 1
         fut = self.loop.create_future()  # the worker's result in one call_soon_threadsafe, as run_state hands it
-        fut.add_done_callback(self._offload_done)
-        self.state.submit(self._on_worker, fut, fn, args)
+        try:
+            self.state.submit(self._on_worker, fut, fn, args, True)
+        except BaseException:  # (the worker was shut down: nothing runs)
+            self._offloaded -= 1
+            raise
         return fut
 
-    def _offload_done(self, _fut: asyncio.Future) -> None:
+    def _deliver_offloaded(self, fut: asyncio.Future, result, error: BaseException | None) -> None:
+        """On the loop: an offloaded call's ``fn`` returned on the worker (or was skipped, its caller gone)."""
         self._offloaded -= 1
+        _deliver(fut, result, error)
 
     def run_state(self, fn, *args) -> asyncio.Future:
         """``fn(*args)`` on the state worker -- or at once on the loop for a small slice (see INLINE_STATE_ELEMENTS
@@ -325,15 +330,21 @@ class Runtime:
             fut.set_exception(e)
         return fut
 
-    def _on_worker(self, fut: asyncio.Future, fn, args) -> None:
-        if fut.cancelled():
+    def _on_worker(self, fut: asyncio.Future, fn, args, offloaded: bool = False) -> None:
+        """``fn(*args)`` unless its caller stopped waiting first.  ``offloaded`` (``offload``'s calls): counted in
+        flight until ``fn`` returned here, not until its caller stopped waiting -- a cancelled handler's ``fn``
+        still runs, holding the shard's lock, and inline work must not run beside it; the count drops in the
+        same loop callback that hands the result over, so a caller resumes seeing it dropped."""
+        result = error = None
+        if not fut.cancelled():
+            try:
+                result = fn(*args)
+            except BaseException as e:  # noqa: BLE001 -- delivered to the awaiting caller, as the executor would
+                error = e
+        elif not offloaded:
             return
         try:
-            result, error = fn(*args), None
-        except BaseException as e:  # noqa: BLE001 -- delivered to the awaiting caller, as the executor would
-            result, error = None, e
-        try:
-            self.loop.call_soon_threadsafe(_deliver, fut, result, error)
+            self.loop.call_soon_threadsafe(self._deliver_offloaded if offloaded else _deliver, fut, result, error)
         except RuntimeError:  # the loop closed (the server stopped): no caller is waiting any more
             pass
 

@@ -29,8 +29,9 @@ handler is wrapped by ``_refusals``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from contextlib import asynccontextmanager
+from contextlib import ExitStack, asynccontextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -204,12 +205,18 @@ class ParameterServerService(RowRpcs, StepRpc):
         """A Register's job spec, read (and every field bounded) by JobSpec.from_proto: Python a tensor, ~1 s for
         60,000 tensors (limits.MAX_TENSORS is 65,536), and Register is open to anyone who reaches the port.  A spec
         of more than BIG_SPEC_TENSORS is read on a thread, one at a time, holding a call of its connection: the
-        loop answers heartbeats and health checks meanwhile (docs/attacks-2026-11-25.md)."""
+        loop answers heartbeats and health checks meanwhile (docs/attacks-2026-11-25.md).  The call and the turn
+        are held until the thread's read ends, not until the caller stops waiting: a cancelled call's read goes on
+        (a thread cannot be stopped), and a client that sent and cancelled in a loop queued reads without bound."""
         if len(proto.tensors) <= BIG_SPEC_TENSORS:
             return _parse_job(proto)
-        with self._peer_slot(context):
-            async with self._spec_turn:
-                return await asyncio.to_thread(_parse_job, proto)
+        with ExitStack() as held:
+            held.enter_context(self._peer_slot(context))
+            await self._spec_turn.acquire()
+            held.callback(self._spec_turn.release)
+            read = asyncio.get_running_loop().run_in_executor(None, _parse_job, proto)
+            read.add_done_callback(functools.partial(_close, held.pop_all()))  # when the thread is done
+        return await asyncio.shield(read)  # a cancel ends the call, not the read (nor what it holds)
 
     @_refusals
     async def Leave(self, request, context):
@@ -478,6 +485,11 @@ class ParameterServerService(RowRpcs, StepRpc):
 
     # ------------------------------------------------------------------ sparse tables (psserver.sparse.calls)
 BIG_SPEC_TENSORS = 1024  # a Register's job spec of more tensors is read off the event loop (_job_of)
+
+
+def _close(held: ExitStack, _read: asyncio.Future) -> None:
+    """A big spec's read ended (on the loop): give back its connection's call and the turn."""
+    held.close()
 
 
 def _parse_job(proto: _pb.JobSpec) -> JobSpec:

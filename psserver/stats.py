@@ -7,6 +7,7 @@ arrows run one way: shard -> metrics -> stats.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from dataclasses import dataclass
 
@@ -39,9 +40,14 @@ class WideCounts:
 
     def __init__(self) -> None:
         self.counts: Counter = Counter()
+        # ``counts[name] += n`` is a read then a write (and a key's first count runs Counter.__missing__, Python):
+        # not atomic under the GIL, and a count may come from a thread other than the loop (snapshot: any thread).
+        self._lock = threading.Lock()
 
     def count(self, name: str, n: float = 1) -> None:
-        self.counts[name] += n  # one dict update: atomic under the GIL
+        with self._lock:
+            self.counts[name] += n
 
     def snapshot(self) -> dict:
-        return dict(self.counts)  # a copy: another thread may count meanwhile
+        with self._lock:
+            return dict(self.counts)  # a copy: another thread may count meanwhile

@@ -27,7 +27,9 @@ class StepPart:
     kind: str
     chunks: list = field(default_factory=list)
     nbytes: int = 0  # payload bytes of its chunks so far (data; ids and rows)
+    wire: int = 0  # bytes of its chunks on the wire so far: what they keep in memory (StepParts.declare)
     declared: int | None = None  # what its header declares it carries, once the header was checked (StepParts.declare)
+    header_bytes: int = 0  # its header's sized fields (a table part's pull ids, extra ids, pull refs)
 
     @property
     def header(self):
@@ -90,13 +92,18 @@ class StepParts:
         chunk = msg.dense if kind == DENSE else msg.rows
         last.chunks.append(chunk)
         last.nbytes += _payload_bytes(chunk, kind)
+        last.wire += msg.wire or _payload_bytes(chunk, kind)  # (a message made here, not parsed: its payload)
         _check_declared(last)
 
     def declare(self, part: StepPart, nbytes: int) -> None:
-        """``part``'s header, checked, declares ``nbytes`` of payload: refused as soon as its chunks carry more.
-        Without it a part was bounded only by the stream's --max-push-bytes (4 GiB by default), whatever its
-        header said: a dense part declaring a 4 KB slice could bring gigabytes, all kept until the stream ended."""
+        """``part``'s header, checked, declares ``nbytes`` of payload: refused as soon as its chunks carry more,
+        or take more bytes on the wire than that plus their framing (``_check_declared``).  Without it a part was
+        bounded only by the stream's --max-push-bytes (4 GiB by default), whatever its header said: a dense part
+        declaring a 4 KB slice could bring gigabytes, all kept until the stream ended."""
         part.declared = nbytes
+        h = part.header
+        if part.kind == ROWS and h is not None:  # sized by their own checks later (pull bytes, num_ids)
+            part.header_bytes = len(h.pull_ids) + len(h.packed_pull_ids) + len(h.extra_ids) + 10 * len(h.pull_refs)
         _check_declared(part)
 
     def finish(self) -> list[StepPart]:
@@ -138,10 +145,28 @@ def _payload_bytes(chunk, kind: str) -> int:
     return len(chunk.data) if kind == DENSE else len(chunk.ids) + len(chunk.rows)
 
 
+def wire_allowance(part: StepPart) -> int:
+    """The bytes ``part``'s chunks may take on the wire: its declared payload, its header's sized fields, a
+    header's ids and numbers (limits.STEP_PART_HEADER_BYTES) and each chunk's framing
+    (limits.STEP_CHUNK_FRAMING_BYTES)."""
+    return (part.declared + part.header_bytes + limits.STEP_PART_HEADER_BYTES +
+            limits.STEP_CHUNK_FRAMING_BYTES * len(part.chunks))
+
+
 def _check_declared(part: StepPart) -> None:
-    if part.declared is not None and part.nbytes > part.declared:
+    """Payload against the declared size, then bytes kept: a dense chunk's data is a view into its whole received
+    message, so bytes the parsers skip (an unknown field, a header's field a dense part has no use for) would
+    stay in memory uncounted -- a part declaring 4,000 bytes kept 8 MiB messages."""
+    if part.declared is None:
+        return
+    if part.nbytes > part.declared:
         raise InvalidRequest(f"part {part.index} carries {part.nbytes} bytes so far but its header declares "
                              f"{part.declared} bytes")
+    allowed = wire_allowance(part)
+    if part.wire > allowed:
+        raise InvalidRequest(f"part {part.index}'s chunks take {part.wire} bytes on the wire so far but its header "
+                             f"declares {part.declared} bytes of payload: at most {allowed} with its header and "
+                             f"{len(part.chunks)} chunks' framing")
 
 
 def _check_not_short(part: StepPart, min_chunk_bytes: int) -> None:

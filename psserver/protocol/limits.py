@@ -114,6 +114,13 @@ MAX_ROWS_REPLY_BYTES = 64 << 20
 # Sightings an id needs before its row is stored (admit_after).
 MAX_ADMIT_AFTER = 1 << 16
 
+# A Step part's chunks may take on the wire (what they keep in memory: a dense chunk's data is a view into its
+# whole message) their declared payload plus a header's ids and numbers and each chunk's framing (tags, lengths,
+# an offset) -- and a table part's pull ids, extra ids and pull refs, which their own checks bound (step_parts).
+# A header of this protocol takes under 1 KiB besides those; a chunk's framing under 20 bytes.
+STEP_PART_HEADER_BYTES = 4096
+STEP_CHUNK_FRAMING_BYTES = 32
+
 # A shard serves at most this many data calls naming one rank (and partition) at once: ps-server
 # --max-calls-per-rank's default; a call past it is refused RESOURCE_EXHAUSTED (psserver.service).
 MAX_CALLS_PER_RANK = 8

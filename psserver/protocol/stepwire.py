@@ -29,7 +29,9 @@ class StepMessage:
     """One StepChunk: ``part``, and ``dense`` (a RawChunk or generated Chunk) or ``rows`` (a RowsChunk).
     ``more``: the chunks after it in the same message (a small step in one message; one level only).
     ``one_reply``: (a request's first message) the caller asks for the reply in one message (ps.proto).
-    ``malformed``: why the received bytes could not be read (parse_step never raises); ``nbytes``: their size."""
+    ``malformed``: why the received bytes could not be read (parse_step never raises); ``nbytes``: their size;
+    ``wire``: the size of its chunk's field on the wire (parsed messages), which a dense chunk's view keeps alive
+    with the rest of the message (StepParts bounds it by the part's declared size)."""
 
     part: int = 0
     dense: object | None = None
@@ -38,6 +40,7 @@ class StepMessage:
     nbytes: int = 0
     more: list = field(default_factory=list)
     one_reply: bool = False
+    wire: int = 0
 
     def flat(self) -> list:
         """This chunk, then the ones it carries, in order."""
@@ -121,7 +124,11 @@ def parse_step(message: bytes, nested: bool = False, max_more: int | None = None
                     raise ValueError("a chunk in `more` sets one_reply: only the message itself may")
                 msg.one_reply = bool(flag)
             elif field in (2, 3) and wire_type == 2:
+                if msg.dense is not None or msg.rows is not None:  # (protobuf: the last wins; its bytes stay)
+                    raise ValueError(f"it carries a second chunk (field {field}, after field "
+                                     f"{2 if msg.dense is not None else 3}) but a StepChunk carries one")
                 body, pos = _read_bytes(buf, pos, field)
+                msg.wire = len(body)
                 if field == 2:
                     msg.dense, msg.rows = parse_chunk(body), None
                     if msg.dense.malformed:

@@ -170,7 +170,7 @@ def test_metrics_port_connections_past_the_limit_are_closed_at_once_counted_and_
     """Before: prometheus_client's server held a thread for every connection for as long as it stayed open -- 300
     connections that sent half a request line held 300 threads of the shard's process."""
     raw = started(shard_server)
-    port = raw.server.shard.metrics.serve(0, "127.0.0.1", max_connections=2, idle_seconds=CALL_TIMEOUT + 30)
+    port = raw.server.shard.metrics.serve(0, "127.0.0.1", max_connections=2, request_seconds=CALL_TIMEOUT + 30)
     held = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
     try:
         for s in held:
@@ -195,7 +195,7 @@ def _refused_total(port: int) -> float | None:
 
 
 def test_a_metrics_connection_that_sends_nothing_is_closed_after_the_idle_time():
-    port = metrics_http.serve(CollectorRegistry(), 0, "127.0.0.1", idle_seconds=0.5)
+    port = metrics_http.serve(CollectorRegistry(), 0, "127.0.0.1", request_seconds=0.5)
     with socket.create_connection(("127.0.0.1", port)) as s:
         s.sendall(b"GET /metr")
         assert _closed_by_the_server(s)
