@@ -288,14 +288,24 @@ class Runtime:
         return self.wakeups.table(key, ready)
 
     def inline(self) -> bool:
-        """Every partition's slice is small (a partitioned job's are at least 256 elements apart at most) and
-        the state worker runs no offloaded call: one would hold the shard's lock, which inline work would then
-        wait for on the loop."""
-        return not self._offloaded and max(p.slice_length() for p in self.host.parts) <= INLINE_STATE_ELEMENTS
+        """Every partition's slice is small (a partitioned job's are at least 256 elements apart at most), the
+        state worker runs no offloaded call (one would hold the shard's lock, which inline work would then wait
+        for on the loop), and no checkpoint is due at a partition's next version (``_capture_next``)."""
+        return self._inline_below(INLINE_STATE_ELEMENTS)
 
     def _inline_state(self) -> bool:
         """As ``inline`` with ``inline_elements`` for the bound: where ``run_state`` runs its call."""
-        return not self._offloaded and max(p.slice_length() for p in self.host.parts) <= self.inline_elements
+        return self._inline_below(self.inline_elements)
+
+    def _inline_below(self, elements: int) -> bool:
+        return (not self._offloaded and max(p.slice_length() for p in self.host.parts) <= elements
+                and not self._capture_next())
+
+    def _capture_next(self) -> bool:
+        """A partition's next step hands a checkpoint to the writer: that step copies the whole state, every
+        table's rows and optimizer state with it (Shard.capture: ~1 s for a 1M-row table of dim 16), so the call
+        that may make it runs on the state worker however small its own work."""
+        return any(p.checkpoints.due(p.version + 1) for p in self.host.parts)
 
     def offload(self, fn, *args) -> asyncio.Future:
         """``fn(*args)`` on the state worker whatever the slice: for work that costs more than the slice's

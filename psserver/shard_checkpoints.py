@@ -34,9 +34,13 @@ class ShardCheckpoints:
     def _written(self, ok: bool) -> None:
         self._counters["checkpoints_written" if ok else "checkpoint_failures"] += 1  # atomic under the GIL
 
+    def due(self, version: int) -> bool:
+        """Whether the step that makes ``version`` hands a capture to the writer (``after_step``)."""
+        return self._writer is not None and self.checkpointer.due(version)
+
     def after_step(self, version: int, capture: Callable[[], ShardState]) -> None:
         """A step made ``version``: hand a capture of the state to the writer if a checkpoint is due."""
-        if self._writer is not None and self.checkpointer.due(version):
+        if self.due(version):
             self.now(capture)
 
     def now(self, capture: Callable[[], ShardState]) -> None:

@@ -23,7 +23,8 @@ def test_a_cancelled_offloaded_call_still_running_on_the_worker_keeps_inline_wor
 
     async def main():
         loop = asyncio.get_running_loop()
-        host = SimpleNamespace(shard_id=0, parts=[SimpleNamespace(slice_length=lambda: 100)])
+        host = SimpleNamespace(shard_id=0, parts=[SimpleNamespace(slice_length=lambda: 100, version=0,
+                                                                 checkpoints=SimpleNamespace(due=lambda v: False))])
         rt = Runtime(host, SimpleNamespace(loop=loop, loop_thread=threading.get_ident()), receive_buffers=1)
         try:
             fut = rt.offload(long_push)

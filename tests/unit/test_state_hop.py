@@ -16,16 +16,20 @@ from psserver.runtime import INLINE_STATE_ELEMENTS, Runtime
 from psserver.service_common import _StreamReader
 
 
-def runtime_for(loop: asyncio.AbstractEventLoop, slice_length: int, inline_elements: int) -> Runtime:
-    host = SimpleNamespace(shard_id=0, parts=[SimpleNamespace(slice_length=lambda: slice_length)])
+def runtime_for(loop: asyncio.AbstractEventLoop, slice_length: int, inline_elements: int,
+                checkpoint_every: int = 0) -> Runtime:
+    """A runtime over one partition at version 7; ``checkpoint_every`` N: a checkpoint is due at multiples of N."""
+    due = (lambda v: v % checkpoint_every == 0) if checkpoint_every else (lambda v: False)
+    host = SimpleNamespace(shard_id=0, parts=[SimpleNamespace(slice_length=lambda: slice_length, version=7,
+                                                              checkpoints=SimpleNamespace(due=due))])
     rt = Runtime(host, SimpleNamespace(loop=loop, loop_thread=threading.get_ident()), receive_buffers=1)
     rt.inline_elements = inline_elements
     return rt
 
 
-def run_on_loop(slice_length: int, inline_elements: int, scenario):
+def run_on_loop(slice_length: int, inline_elements: int, scenario, checkpoint_every: int = 0):
     async def main():
-        rt = runtime_for(asyncio.get_running_loop(), slice_length, inline_elements)
+        rt = runtime_for(asyncio.get_running_loop(), slice_length, inline_elements, checkpoint_every)
         try:
             return await scenario(rt)
         finally:
@@ -41,6 +45,17 @@ def test_a_slice_under_the_bound_runs_its_call_on_the_loop_and_one_over_it_on_th
     assert ran == loop
     ran, loop = run_on_loop(100_000, INLINE_STATE_ELEMENTS, where)
     assert ran != loop
+
+
+@pytest.mark.parametrize("every, on_loop", [(8, False), (3, True), (0, True)])
+def test_a_call_whose_step_may_take_a_due_checkpoint_runs_on_the_state_worker(every, on_loop):
+    """The capture copies every table's rows (~1 s at 1M rows): a call that may make version 8 runs on the
+    worker when a checkpoint is due at 8 (every 8), on the loop when not (every 3: due at 6 and 9; no checkpoints)."""
+    async def where(rt):
+        return await rt.run_state(threading.get_ident), threading.get_ident(), rt.inline()
+
+    ran, loop, inline = run_on_loop(100, 1 << 18, where, every)
+    assert (ran == loop, inline) == (on_loop, on_loop)
 
 
 def test_the_state_worker_hands_back_the_calls_result_and_its_exception():
