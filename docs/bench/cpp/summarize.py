@@ -61,3 +61,18 @@ for (workload, workers), systems in sorted(by.items()):
             ratios.append(a / b if a and b else None)
         name = f"psgrpc / {other[0]} {other[1]}".strip()
         print(f"| {name} | " + " | ".join(f(x, 2) for x in ratios) + f" | **{f(med(ratios), 2)}** |")
+
+# the one-process reference: each 2x1 click system's steps/s over the one-process rate of the same round
+ref = by.get(("click", 1), {}).get(("psgrpc", "one process"))
+if ref:
+    systems = by[("click", 1)]
+    rounds = sorted(ref)
+    print("\n### click, against one process (`nn.EmbeddingBag(sparse=True)` + torch sparse Adagrad), same round\n")
+    print("| system (2 servers x 1 worker) | " + " | ".join(f"round {rd}" for rd in rounds) + " | median |")
+    print("|---|" + "---|" * (len(rounds) + 1))
+    for key in sorted(systems, key=lambda k: (k[0] != "psgrpc", k)):
+        if key == ("psgrpc", "one process"):
+            continue
+        rs = [systems[key][rd]["steps_per_s"] / ref[rd]["steps_per_s"]
+              if rd in systems[key] and systems[key][rd].get("steps_per_s") else None for rd in rounds]
+        print(f"| {key[0]} {key[1]} | " + " | ".join(f(x, 2) for x in rs) + f" | {f(med(rs), 2)} |")
