@@ -1,6 +1,6 @@
 """Write the shared inputs of the C++-PS comparison as .npy files (psgrpc's own generators, run once).
 
-    cd /work/wt-cpp && PYTHONPATH=. .venv/bin/python docs/bench/cpp/make_data.py [--out docs/bench/cpp/data]
+    PYTHONPATH=. .venv/bin/python docs/bench/cpp/make_data.py [--out docs/bench/cpp/data]
 
 click_*.npy: trainer.recdata.make_click_log(300*512*4, seed=0) -- ids (raw, over 10^9), ids_compact (the same
 ids renumbered 0..u-1, ClickLog.compact(), for TensorFlow's fixed-size variable), offsets, weights, labels.

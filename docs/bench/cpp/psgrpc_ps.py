@@ -1,7 +1,7 @@
 """psgrpc (this repository) on the comparison's workloads, as a user runs it: ``ps-server`` shards started by
 trainer.procs.start_shard (``--torch-threads 1``), trainer processes calling trainer.api.connect.
 
-    cd /work/wt-cpp && PYTHONPATH=. .venv/bin/python docs/bench/cpp/psgrpc_ps.py \
+    PYTHONPATH=. .venv/bin/python docs/bench/cpp/psgrpc_ps.py \
         --workload click --servers 2 --workers 1 --steps 330 --warmup 30 --push-window 4
     ... --workload click --single      # one process, nn.EmbeddingBag(sparse=True) (sparsebench's reference)
 

@@ -1,7 +1,7 @@
 """Interleaved rounds of the comparison: for each configuration, every system in turn, the order rotated each
 round; one JSON line per run (with the load average before and after) appended to results.jsonl.
 
-    cd /work/wt-cpp && python3 docs/bench/cpp/rounds.py --rounds 3 [--out docs/bench/cpp/results.jsonl]
+    python3 docs/bench/cpp/rounds.py --rounds 3 [--out docs/bench/cpp/results.jsonl]
 
 Runs the three harnesses with their own interpreters (psgrpc: .venv; Paddle and TF: /work/cpp-venvs/*), each as
 a child process group that is ended on every way out.  Then ``python3 docs/bench/cpp/summarize.py`` makes the tables.
