@@ -1,5 +1,6 @@
 """Helpers shared by the comparison harnesses (no psgrpc, Paddle or TF imports here): batches from the .npy
 files, free loopback ports, steady-state rates, and starting/ending child process groups."""
+import argparse
 import json
 import os
 import signal
@@ -134,3 +135,18 @@ def record(path, row):
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
     return row
+
+
+def base_parser(roles: tuple[str, ...]) -> argparse.ArgumentParser:
+    """The flags every harness takes: the workload and its shape, and a child's role and index (the launcher
+    starts itself again as each server and worker)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--workload", choices=("click", "mlp"), default="click")
+    p.add_argument("--servers", type=int, default=2)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--steps", type=int, default=330)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--role", choices=roles)
+    p.add_argument("--index", type=int, default=0)
+    p.add_argument("--log-dir", default=str(HERE / "runs"))
+    return p

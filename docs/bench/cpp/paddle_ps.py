@@ -9,7 +9,6 @@ click: sparse_embedding (16) on the PS (SparseAccessor, per-dim Adagrad StdAdaGr
 sum-pooling by segment_sum, fc 16 -> relu -> fc 1, BCE with logits; dense layers by SGD 0.05 on the PS.
 mlp: 784-256-256-10, softmax cross-entropy, SGD 0.05 on the PS.
 """
-import argparse
 import json
 import os
 import sys
@@ -179,16 +178,8 @@ def launch(a):
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser()
-    p.add_argument("--workload", choices=("click", "mlp"), default="click")
-    p.add_argument("--servers", type=int, default=2)
-    p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--steps", type=int, default=330)
-    p.add_argument("--warmup", type=int, default=30)
-    p.add_argument("--role", choices=("server", "worker"))
-    p.add_argument("--index", type=int, default=0)
+    p = common.base_parser(("server", "worker"))
     p.add_argument("--ports", default="")
-    p.add_argument("--log-dir", default=str(common.HERE / "runs"))
     p.add_argument("--debug", action="store_true")
     p.add_argument("--dense-pull", choices=("step", "thread", "none"), default="step",
                    help="step: pull the dense weights after every step; thread: a background thread pulls them "

@@ -12,7 +12,6 @@ mlp: trainer.models.MLP (784-256-256-10), SGD 0.05 (no momentum).  Trainers: tor
 Without --role it is the launcher (shards, then one process per worker; every process group ended on every way
 out); --role worker is one trainer.
 """
-import argparse
 import os
 import sys
 import time
@@ -125,18 +124,10 @@ def launch(a):
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser()
-    p.add_argument("--workload", choices=("click", "mlp"), default="click")
-    p.add_argument("--servers", type=int, default=2)
-    p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--steps", type=int, default=330)
-    p.add_argument("--warmup", type=int, default=30)
+    p = common.base_parser(("worker",))
     p.add_argument("--push-window", type=int, default=1)
     p.add_argument("--single", action="store_true", help="click only: one process, no shards")
-    p.add_argument("--role", choices=("worker",))
-    p.add_argument("--index", type=int, default=0)
     p.add_argument("--ps", default="")
-    p.add_argument("--log-dir", default=str(common.HERE / "runs"))
     p.add_argument("--timeout", type=float, default=600)
     return p.parse_args(argv)
 

@@ -14,7 +14,6 @@ variables are placed whole); weighted sum-pooling by unsorted_segment_sum, Adagr
 SGD 0.05.  mlp: 784-256-256-10, SGD 0.05.  All processes: intra-op threads 1, inter-op 1, except the worker
 servers: inter-op 2 (with 1, the first scheduled step never finishes: measured, a deadlock).
 """
-import argparse
 import json
 import os
 import sys
@@ -192,16 +191,8 @@ def launch(a):
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser()
-    p.add_argument("--workload", choices=("click", "mlp"), default="click")
-    p.add_argument("--servers", type=int, default=2)
-    p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--steps", type=int, default=330)
-    p.add_argument("--warmup", type=int, default=30)
-    p.add_argument("--role", choices=("ps", "worker"))
-    p.add_argument("--index", type=int, default=0)
+    p = common.base_parser(("ps", "worker"))
     p.add_argument("--cluster", default="")
-    p.add_argument("--log-dir", default=str(common.HERE / "runs"))
     return p.parse_args(argv)
 
 
