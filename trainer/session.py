@@ -147,6 +147,11 @@ class Session:
             self.left, self.leave_answers = False, {}
         raise AssertionError("unreachable")
 
+    def _register(self, s: ShardClient, timeout: float, abandon: threading.Event | None = None, **join):
+        """``s.register`` within ``timeout`` (what is left of this connect), with the session's refused-connection
+        limit; a give-up names the user's --connect-timeout, not what was left of it."""
+        return s.register(self.job, timeout, abandon, self._refused_limit, named_timeout=self.connect_timeout, **join)
+
     def _join_once(self, timeout: float) -> tuple[list, int]:
         """Admission at partition 0 of shard 0 (it hands out the rank), then every other slot with that rank;
         commit everywhere at the largest round proposed; then confirm everywhere (each slot holds the round
@@ -159,16 +164,14 @@ class Session:
         # 6-28 ms of connecting, docs/elastic.md).
         warm = [grpc.channel_ready_future(s.channel) for s in self.client.parts[1:]]
         try:
-            first = head.register(self.job, timeout, None, self._refused_limit, join=True,
-                                  named_timeout=self.connect_timeout)
+            first = self._register(head, timeout, join=True)
         finally:
             for f in warm:
                 f.cancel()
         self.set_rank(first.rank)
         self.registered = set(range(self.slots.num_parts))
         asked = self.client.map_settled(
-            lambda s: first if s is head else s.register(self.job, timeout, None, self._refused_limit, join=True,
-                                                         named_timeout=self.connect_timeout),
+            lambda s: first if s is head else self._register(s, timeout, join=True),
             parts=True)
         errors = [r for r in asked if isinstance(r, Exception)]
         self.registered = {i for i, r in enumerate(asked) if not isinstance(r, Exception)}
@@ -176,14 +179,12 @@ class Session:
             return asked, 0
         join_round = max(r.join_round for r in asked)
         committed = self.client.map_settled(
-            lambda s: s.register(self.job, timeout, None, self._refused_limit, join=True, join_round=join_round,
-                                 named_timeout=self.connect_timeout),
+            lambda s: self._register(s, timeout, join=True, join_round=join_round),
             parts=True)
         if any(isinstance(r, Exception) for r in committed):
             return committed, join_round
         confirmed = self.client.map_settled(
-            lambda s: s.register(self.job, timeout, None, self._refused_limit, join=True, join_round=join_round,
-                                 join_confirm=True, named_timeout=self.connect_timeout), parts=True)
+            lambda s: self._register(s, timeout, join=True, join_round=join_round, join_confirm=True), parts=True)
         if any(isinstance(r, Exception) for r in confirmed):
             return confirmed, join_round
         log.info("rank %d joined the running job from round %d (proposals %s)", self.rank, join_round,
@@ -245,7 +246,7 @@ class Session:
 
         def register(s: ShardClient):
             try:
-                return s.register(self.job, timeout, abandon, self._refused_limit, named_timeout=self.connect_timeout)
+                return self._register(s, timeout, abandon)
             except grpc.RpcError as e:
                 if refused_layout_moved(e) is not None:
                     abandon.set()  # the job moved on: no other slot's wait (a drained shard stopped) is worth it
