@@ -245,7 +245,7 @@ def recut_table(saved: list[dict], num_shards: int, shard: int) -> dict:
     if round_ is not None:
         placed = _placed({"ids": torch.cat([t["round"]["ids"] for t in saved]),
                           "sum": torch.cat([t["round"]["sum"] for t in saved])}, num_shards, shard)
-        round_ = {**round_, **placed}
+        round_ = {**{k: v for k, v in round_.items() if k != "parts"}, **placed}  # parts: of one shard only
     mine = {}
     for t in saved:
         ids = torch.tensor(list(t["updated_at"]), dtype=torch.int64)

@@ -104,42 +104,79 @@ class TableRound(RoundBook):
         super().__init__()
         self.dim = dim
         self.ids = torch.empty(0, dtype=torch.int64)  # sorted, unique
-        self.sum = torch.empty(0, dim)
+        self.sum = torch.empty(0, dim)  # the running sum in arrival order: what a refusal is checked against
+        # Each contribution as added ((rank, ids, weight * grads)), to sum in rank order at the close; None when
+        # the round was restored or split from a checkpoint that did not keep them (the running sum is used).
+        self.parts: list[tuple[int, torch.Tensor, torch.Tensor]] | None = []
 
-    def merged(self, ids: torch.Tensor, grads: torch.Tensor, weight: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(union ids, sum + weight * grads) as new tensors; refused, changing nothing, if float32 overflows.
+    def merged(self, ids: torch.Tensor, grads: torch.Tensor,
+               weight: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(union ids, sum + weight * grads, weight * grads) as new tensors; refused, changing nothing, if float32
+        overflows.  Nothing changes until ``add`` takes them.
 
         Each contribution is added into a fresh zero sum in arrival order: ``0 + x`` is exact and float
         addition commutes, so with two trainers the sum does not depend on which arrived first.  The first
         contribution of a round with sorted ids (what a trainer sends) is that sum without the scatter:
         ``x * w + 0.0`` is the same value, -0.0 turned to +0.0 included.
         """
+        scaled = grads.mul(weight)
         if not len(self.ids) and strictly_increasing(ids):
-            total = grads.mul(weight).add_(0.0)
+            total = scaled.add(0.0)
             if not all_finite(total):
                 raise InvalidRequest(f"adding these gradient rows (weight {weight:g}) to the round's sum overflows "
                                      "float32: refused; the gradient's values are too large")
-            return ids, total
+            return ids, total, scaled
         union, inverse = torch.unique(torch.cat([self.ids, ids]), sorted=True, return_inverse=True)
         total = torch.zeros(len(union), self.dim)
         total.index_add_(0, inverse[: len(self.ids)], self.sum)
-        total.index_add_(0, inverse[len(self.ids):], grads.mul(weight))
+        total.index_add_(0, inverse[len(self.ids):], scaled)
         if not all_finite(total):
             raise InvalidRequest(f"adding these gradient rows (weight {weight:g}) to the round's sum overflows "
                                  "float32: refused; the gradient's values are too large")
-        return union, total
+        return union, total, scaled
+
+    def add(self, rank: int, ids: torch.Tensor, union: torch.Tensor, total: torch.Tensor,
+            scaled: torch.Tensor) -> None:
+        """Take a contribution ``merged`` accepted: the new running sum, and the part kept for the close."""
+        self.ids, self.sum = union, total
+        if self.parts is not None:
+            self.parts.append((rank, ids, scaled))
+
+    def rank_ordered_sum(self) -> torch.Tensor:
+        """The round's sum with its contributions added in rank order, whatever order they arrived in.
+
+        Float addition commutes but does not associate: with three or more trainers, ``(a + b) + c`` and
+        ``(a + c) + b`` may differ in the last bit, and an optimizer that divides by the gradient's own size
+        (Adam, Adagrad) turns that bit of a near-cancelled sum into a visible step -- a job's rows would depend on
+        which trainer's push happened to arrive first.  Up to two contributions the running sum already is this
+        sum (``0 + x`` is exact and ``x + y == y + x``); past that it is summed again, rank by rank, into the
+        same union.  Should the sum in rank order overflow where the running one did not (only for values
+        within a factor of a few of float32's largest), the running sum stands.
+        """
+        parts = self.parts
+        if parts is None or len(parts) <= 2:
+            return self.sum
+        total = torch.zeros(len(self.ids), self.dim)
+        for _, ids, scaled in sorted(parts, key=lambda p: p[0]):  # stable: a rank's own parts in arrival order
+            total.index_add_(0, torch.searchsorted(self.ids, ids), scaled)
+        return total if all_finite(total) else self.sum
 
     def reset(self) -> None:
         self._reset_book()
         self.ids, self.sum = torch.empty(0, dtype=torch.int64), torch.empty(0, self.dim)
+        self.parts = []
 
     def state(self) -> dict | None:
         if not self.contributors and not self.stale:
             return None
-        return dict(ids=self.ids.clone(), sum=self.sum.clone(), **self._book())
+        out = dict(ids=self.ids.clone(), sum=self.sum.clone(), **self._book())
+        if self.parts is not None:
+            out["parts"] = [(r, i.clone(), g.clone()) for r, i, g in self.parts]
+        return out
 
     def restore(self, saved: dict | None, now: float) -> None:
         if not saved:
             return
         self.ids, self.sum = saved["ids"].clone(), saved["sum"].clone()
+        self.parts = [(r, i.clone(), g.clone()) for r, i, g in saved["parts"]] if "parts" in saved else None
         self._restore_book(saved, now)

@@ -327,13 +327,14 @@ class ServedTable(PushTarget):
 
     def accumulate(self, push: PushInfo, weight: float) -> None:
         p = push.payload
-        union, total = self.round.merged(p.ids, p.grads, weight)
+        union, total, scaled = self.round.merged(p.ids, p.grads, weight)
         if len(union) > limits.MAX_IDS_PER_CALL:
             raise errors.TooManyIds(f"the round of table {self.spec.name!r} would hold {len(union)} ids, over the "
                                     f"limit of {limits.MAX_IDS_PER_CALL} for one step")
         self.store.check_fits(len(union))
         r = self.round
-        r.ids, r.sum, r.weight = union, total, r.weight + weight
+        r.add(push.rank, p.ids, union, total, scaled)
+        r.weight += weight
         self.counts["pushes_applied"] += 1
         self.counts["rows_pushed"] += len(p.ids)
 
@@ -359,7 +360,7 @@ class ServedTable(PushTarget):
         skipped), advance the version without one so its waiters go on."""
         r = self.round
         if modes.round_takes_step(r.weight):
-            self._apply(r.ids, r.sum.div_(r.weight))
+            self._apply(r.ids, r.rank_ordered_sum().div_(r.weight))
         else:
             self.version += 1
         self.counts["rounds"] += 1

@@ -26,10 +26,10 @@ from trainer.procs import start_trainer, wait_all
 
 pytestmark = pytest.mark.cluster
 
-STEPS, B, HOLD, LR = 10, 8, 3, 0.05
+STEPS, B, HOLD, LR, SPARSE_LR = 10, 8, 3, 0.05, 0.05
 COMMON = ["--mode", "sync", "--dataset", "movielens100k", "--model", "ncf", "--embedding-dim", "4",
           "--batch-size", str(B), "--steps", str(STEPS), "--optimizer", "sgd", "--lr", str(LR), "--momentum", "0.9",
-          "--sparse-lr", "0.05", "--seed", "0", "--max-trainers", "3", "--log-every", "1", "--no-progress",
+          "--sparse-lr", str(SPARSE_LR), "--seed", "0", "--max-trainers", "3", "--log-every", "1", "--no-progress",
           "--threads", "1", "--device", "cpu"]
 
 
@@ -38,7 +38,7 @@ def reference(sparse_optimizer: str, epochs: list[tuple[int, int]]) -> tuple[dic
     table: {id: (row, optimizer state)})."""
     threads = torch.get_num_threads()
     cfg = TrainConfig(ps="127.0.0.1:1", backend="local", dataset="movielens100k", model="ncf", embedding_dim=4,
-                      batch_size=B, steps=STEPS, optimizer="sgd", lr=LR, momentum=0.9, sparse_lr=0.05,
+                      batch_size=B, steps=STEPS, optimizer="sgd", lr=LR, momentum=0.9, sparse_lr=SPARSE_LR,
                       sparse_optimizer=sparse_optimizer, seed=0, progress=False, threads=1, device="cpu")
     try:
         run = Run(cfg)
@@ -78,9 +78,35 @@ def assert_equals_reference(tmp_path, dirs: list[str], sparse_optimizer: str, ep
     for table, want in rows.items():
         missing = want.keys() - served[table].keys()
         assert not missing, f"table {table}: ids {sorted(missing)[:5]} are not on the shards"
+        if sparse_optimizer in SELF_SCALED:
+            assert_rows_close_in_distribution(table, want, served[table])
+            continue
         for i, (row, opt) in want.items():  # the shards hold more: the end's evaluation reads the test set
-            torch.testing.assert_close(served[table][i][0], row, rtol=1e-5, atol=1e-6, msg=f"{table} row {i}")
-            torch.testing.assert_close(served[table][i][1], opt, rtol=1e-5, atol=1e-6, msg=f"{table} state {i}")
+            torch.testing.assert_close(served[table][i][0], row, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, i=i: f"{table} row {i}: {m}")
+            torch.testing.assert_close(served[table][i][1], opt, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, i=i: f"{table} state {i}: {m}")
+
+
+# Optimizers whose step divides by the row gradient's own size (sqrt of its accumulated square).  The reference
+# takes each round's global batch in one forward and backward; the trainers take their own b samples each.  The
+# per-sample gradients then differ in the last bits (a GEMM's blocking and the CPU's vector kernels depend on the
+# batch's shape: tests/cluster/test_exactness.py measured it for Adam), and where a row's summed gradient nearly
+# cancels, dividing by its size turns an ulp into a visible part of a step: one MovieLens user row's element moved
+# 2.3e-6 (4.6e-5 of the lr) on one machine and not on another.  As test_exactness.py does for dense Adam, the rows
+# are compared over their distribution (rows and optimizer state): a real error moves every row it touches by a
+# good part of the lr -- measured against this reference, one step fewer puts 0.8-2% of all elements past 1e-2 lr,
+# a leave one round late 7-8% -- where an amplified ulp moves a few elements by a small part of it.
+SELF_SCALED = {"adam", "adagrad"}
+
+
+def assert_rows_close_in_distribution(table: str, want: dict, served: dict) -> None:
+    diff = torch.cat([(served[i][k] - want[i][k]).abs().reshape(-1) for i in want for k in (0, 1)])
+    worst = max(want, key=lambda i: float((served[i][0] - want[i][0]).abs().max()))
+    where = f"table {table}: worst row {worst}: {served[worst][0].tolist()} against {want[worst][0].tolist()}"
+    median, frac = float(diff.median()), float((diff > 1e-2 * SPARSE_LR).double().mean())
+    assert median <= 1e-4 * SPARSE_LR, f"median |shards - reference| = {median:.3e} (bound {1e-4 * SPARSE_LR:.1e}); {where}"
+    assert frac <= 1e-3, f"{frac:.3%} of the elements differ by more than {1e-2 * SPARSE_LR:.1e}; {where}"
 
 
 def start_job(tmp_path, num_trainers: int, hold: dict, sparse_optimizer: str, lease: str = "5"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from psserver.protocol.errors import InvalidRequest
-from psserver.rounds import OpenRound
+from psserver.rounds import OpenRound, TableRound
 
 N = 100_000  # enough elements that the old fused multiply-add differed somewhere (28% of them for weights 3, 3)
 
@@ -68,3 +68,54 @@ def test_a_scaled_gradient_whose_addition_overflows_is_refused_and_leaves_the_su
     with pytest.raises(InvalidRequest, match="overflows float32"):
         r.add(torch.full((4,), 2e38), 1.0)
     assert torch.equal(r.sum, before) and r.weight == 1.0
+
+
+# ------------------------------------------------------------------------------------------ a table's round
+def table_round_sum(parts: list[tuple[int, list[int], list[float]]], order: tuple[int, ...]) -> torch.Tensor:
+    """What a table's round applies at its close after ``parts`` ((rank, ids, one value a row)) arrive in
+    ``order``, each with weight 8 (psserver/sparse/serving.py: ServedTable.accumulate, close_round)."""
+    r = TableRound(dim=1)
+    for k in order:
+        rank, ids, values = parts[k]
+        ids_t, grads = torch.tensor(ids), torch.tensor(values).reshape(-1, 1)
+        union, total, scaled = r.merged(ids_t, grads, 8.0)
+        r.add(rank, ids_t, union, total, scaled)
+    return r.rank_ordered_sum().clone()
+
+
+# Row 5's three contributions cancel: 1e8 - 1e8 + 1 is 1 in rank order and 0 when rank 2 arrives before rank 1
+# (1e8 + 1 rounds to 1e8 in float32) -- the near-cancelled sum an Adam or Adagrad row turns into a whole step.
+CANCELLING = [(0, [5, 7], [1e8, 2.0]), (1, [5], [-1e8]), (2, [3, 5], [0.5, 1.0])]
+
+
+def test_a_table_rounds_sum_of_three_trainers_is_the_rank_order_sum_whatever_order_they_arrive_in():
+    sums = [table_round_sum(CANCELLING, order) for order in itertools.permutations(range(3))]
+    assert all(torch.equal(sums[0], s) for s in sums[1:]), [s.flatten().tolist() for s in sums]
+    assert sums[0].flatten().tolist() == [4.0, 8.0, 16.0]  # ids 3, 5, 7: (8e8 - 8e8) + 8, in rank order
+
+
+def test_the_running_sum_of_a_table_round_does_depend_on_arrival_order_so_the_rank_order_sum_is_needed():
+    r = TableRound(dim=1)
+    for k in (0, 2, 1):
+        rank, ids, values = CANCELLING[k]
+        ids_t = torch.tensor(ids)
+        r.add(rank, ids_t, *r.merged(ids_t, torch.tensor(values).reshape(-1, 1), 8.0))
+    assert r.sum.flatten().tolist() == [4.0, 0.0, 16.0]  # what the round applied before it summed in rank order
+
+
+def test_a_table_round_restored_with_its_parts_sums_in_rank_order_and_one_without_them_uses_its_running_sum():
+    r = TableRound(dim=1)
+    for k in (2, 1, 0):
+        rank, ids, values = CANCELLING[k]
+        ids_t = torch.tensor(ids)
+        r.add(rank, ids_t, *r.merged(ids_t, torch.tensor(values).reshape(-1, 1), 8.0))
+    r.contributors.update({0, 1, 2})
+    r.weight = 24.0
+    saved = r.state()
+    back = TableRound(dim=1)
+    back.restore(saved, now=0.0)
+    assert back.rank_ordered_sum().flatten().tolist() == [4.0, 8.0, 16.0]
+    old = {k: v for k, v in saved.items() if k != "parts"}  # a checkpoint written before parts were kept
+    legacy = TableRound(dim=1)
+    legacy.restore(old, now=0.0)
+    assert torch.equal(legacy.rank_ordered_sum(), r.sum)
