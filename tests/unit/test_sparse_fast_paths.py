@@ -113,8 +113,8 @@ def test_rows_in_fresh_and_in_reused_slots_start_from_the_same_values_and_state(
 
 def test_the_first_contribution_of_a_round_is_the_scatter_sum_to_the_bit_negative_zero_included():
     grads = torch.tensor([[-0.0, 1.5, -2.25, 3e-39], [7.0, -0.0, 0.0, -1e30]])
-    fast_ids, fast_sum = TableRound(DIM).merged(ids(3, 8), grads, 0.75)  # sorted: no scatter
-    slow_ids, slow_sum = TableRound(DIM).merged(ids(8, 3), grads.flip(0), 0.75)  # unsorted: the scatter
+    fast_ids, fast_sum, _ = TableRound(DIM).merged(ids(3, 8), grads, 0.75)  # sorted: no scatter
+    slow_ids, slow_sum, _ = TableRound(DIM).merged(ids(8, 3), grads.flip(0), 0.75)  # unsorted: the scatter
     assert torch.equal(fast_ids, slow_ids)
     assert torch.equal(bits(fast_sum), bits(slow_sum))
     assert bits(fast_sum)[0, 0] == 0  # -0.0 * w + 0.0 is +0.0, as 0 + (-0.0) is
