@@ -74,6 +74,9 @@ def build_parser() -> EnvArgumentParser:
                         "see docs/security.md for what a stranger on the network can then do)")
     p.add_argument("--nonfinite", choices=("refuse", "skip"), default="refuse",
                    help="a gradient with NaN/Inf: refuse it (INVALID_ARGUMENT) or skip it (acknowledged, counted)")
+    p.add_argument("--no-step-engine", dest="step_engine", action="store_false",
+                   help="answer every StepOnce through the general path, none through the step engine (for "
+                        "diagnosis: both give the same replies and state; docs/performance.md)")
     p.add_argument("--stream-idle-timeout", type=float, default=30.0,
                    help="end a stream that sends nothing for this many seconds")
     p.add_argument("--max-call-seconds", type=float, default=900.0,
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                                max_calls_per_rank=args.max_calls_per_rank, receive_buffers=args.receive_buffers,
                                max_connections=args.max_connections, max_watch_streams=args.max_watch_streams,
                                max_reply_bytes=args.max_reply_bytes,
-                               max_reply_bytes_per_peer=args.max_reply_bytes_per_peer)
+                               max_reply_bytes_per_peer=args.max_reply_bytes_per_peer, step_engine=args.step_engine)
         cfg = ServerConfig(shard=args.shard, host=args.host, port=args.port, limits=limits,
                            health_port=args.health_port, torch_threads=args.torch_threads,
                            chunk_bytes=args.chunk_bytes, lease_timeout=args.lease_timeout,

@@ -148,6 +148,11 @@ class LayoutHost:
         """The timeline as a checkpoint keeps it (psserver.checkpoint.ShardState.layouts)."""
         return [e.to_proto().SerializeToString() for e in self.timeline()]
 
+    def single(self) -> bool:
+        """One layout and no live re-shard under way: every call of layout 0 goes to this process's partitions
+        whatever its version (what a step session relies on: psserver.step_engine)."""
+        return not self._later and self.handoff_round is None
+
     def part(self, epoch: int, index: int) -> Shard:
         """Partition ``index`` of layout ``epoch``, whatever the call's version (Init; a push's reply half)."""
         if epoch == 0 and not self._later:  # the normal case: one layout

@@ -86,6 +86,7 @@ from psserver.service_rows import RowRpcs
 from psserver.service_step import StepRpc
 from psserver.shard import PushResult, Shard
 from psserver.sparse.calls import RowCalls
+from psserver.step_engine import StepEngine
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,7 @@ class ServiceLimits:
     receive_buffers: int = 8  # slice-sized receive buffers at least (more while they fit in 256 MB); pushes beyond
     # wait, their bytes held back by gRPC's flow control
     nonfinite: str = "refuse"  # NaN/Inf gradients: "refuse" (INVALID_ARGUMENT) or "skip" (counted, not applied)
+    step_engine: bool = True  # a caller's steady-state StepOnce through psserver.step_engine (--no-step-engine)
 
     def __post_init__(self) -> None:
         if self.nonfinite not in ("refuse", "skip"):
@@ -151,6 +153,7 @@ class ParameterServerService(RowRpcs, StepRpc):
         self.handoffs = handoffs  # a live re-shard's Reshard and Handoff calls (psserver.handoff_io)
         self.digests = DigestGate(runtime.offload)  # GetStats' state digests, one pass at a time per partition
         self._spec_turn = asyncio.Lock()  # one big job spec read at a time (_job_of)
+        self.engine = StepEngine(self) if cfg.step_engine else None  # StepOnce's steady state (psserver.step_engine)
 
     @property
     def host(self) -> ShardHost:
@@ -173,6 +176,10 @@ class ParameterServerService(RowRpcs, StepRpc):
     def _peer_slot(self, context):
         """One call of the caller's connection (--max-calls-per-peer, --max-connections)."""
         return self.connections.call(context.peer() or "?")
+
+    def rank_calls(self, rank: int, partition: int = 0) -> int:
+        """Calls naming ``rank`` (on ``partition``) in flight now: what ``_rank_slot`` bounds."""
+        return self._per_rank.get((rank, partition), 0)
 
     def _rank_slot(self, rank: int, partition: int = 0):
         """Per rank and partition: a trainer of a partitioned job has one push in flight per partition."""

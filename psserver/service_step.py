@@ -66,10 +66,42 @@ class StepRpc:
         """A Step in one message answered in one message (ps.proto): Step's parts, checks, trip and replies, read
         from one request and packed into one reply -- no stream reads or writes on the loop.  A reply over the
         one-message bound is refused before any part runs (_check_once_reply)."""
+        if self.engine is not None:  # a caller's steady state, or None: nothing was changed (psserver.step_engine)
+            reply = await self.engine.step_once(request, context)
+            if reply is not None:
+                return reply
         parts, _ = await self._step_parts(_Received([request], self._deadline(context)))
         out = OneReply(context, self.cfg.max_message_bytes, self.shard.count, may_stream=False)  # bounded before
         await self._step(parts, context, out, once=True)
+        if self.engine is not None:
+            self.engine.learn(parts, context.peer_name)
         return out.take() or b""  # (a Step always answers each part: never empty)
+
+    # -- the halves the step engine runs as this path does (psserver.step_engine) --------------------------------
+    def call_deadline(self, context) -> float:
+        return self._deadline(context)
+
+    def rank_slot(self, rank: int):
+        return self._rank_slot(rank)
+
+    def check_push_first(self, h: _pb.ChunkHeader) -> Shard:
+        return self._check_push_first(h)
+
+    def check_rows_header(self, h: _pb.RowsHeader):
+        return self._check_rows_first(h)
+
+    def check_once_reply(self, dense_header, tables: list[TablePart]) -> None:
+        self._check_once_reply(None if dense_header is None else _Headed(dense_header), tables)
+
+    def stale_as_result(self, part: Shard, h: _pb.ChunkHeader, grad: torch.Tensor):
+        """The trip's dense push (``_stale_as_result`` over ``_check_and_push``), to run on the state worker."""
+        return functools.partial(_stale_as_result, self._check_and_push, part, h, grad)
+
+    async def pull_pushed(self, h: _pb.ChunkHeader, r, context) -> None:
+        await self._pull_pushed(h, r, context)
+
+    async def step_table_reply(self, t: TablePart, context, deadline: float) -> None:
+        await self._step_table_reply(t, context, deadline)
 
     async def _step(self, parts: list, context: ReplyStream, out, once: bool = False) -> None:
         """A Step's parts, once read: checked, one trip, each part's reply written to ``out`` (the call, or a
@@ -234,6 +266,13 @@ class StepRpc:
         await self._stream_weights(part, h.rank, h.trainer_id, h.fingerprint, wanted, part.wire_dtype(),
                                    context, outcome=_OUTCOMES[r.outcome], staleness=r.staleness,
                                    partition=h.partition, **_claim_answer(part, h))
+
+
+class _Headed:
+    """A part as ``_check_once_reply`` reads it: its header."""
+
+    def __init__(self, header):
+        self.header = header
 
 
 class _PartStream:

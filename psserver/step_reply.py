@@ -20,7 +20,7 @@ from typing import Callable
 from psserver.protocol.errors import TooLarge
 from psserver.protocol.stepwire import pack_serialized, serialize_step
 
-_MORE_OVERHEAD = 6  # a `more` entry's tag and length varint (at most 1 + 5 bytes) on top of the message
+MORE_OVERHEAD = 6  # a `more` entry's tag and length varint (at most 1 + 5 bytes) on top of the message
 
 
 class OneReply:
@@ -47,7 +47,7 @@ class OneReply:
             return
         data = serialize_step(message)
         self._kept.append(data)
-        self._bytes += len(data) + _MORE_OVERHEAD
+        self._bytes += len(data) + MORE_OVERHEAD
         if self._bytes > self._limit:
             if not self._may_stream:  # a StepOnce, bounded before it ran (the headers cannot pass the limit)
                 raise TooLarge(f"the one-message reply holds {self._bytes} bytes so far, over the limit of "
