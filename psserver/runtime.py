@@ -62,8 +62,11 @@ class VersionWaiters:
 
     def changed_threadsafe(self) -> None:
         if not self._scheduled:  # coalesce: one wake-up per burst of changes
+            on_loop = threading.get_ident() == self._loop_thread
+            if on_loop and not self._waiting:
+                return  # nobody waits, and on the loop nobody can start to before this returns: no turn of the loop
             self._scheduled = True
-            if threading.get_ident() == self._loop_thread:
+            if on_loop:
                 self._loop.call_soon(self._wake)
             else:
                 self._loop.call_soon_threadsafe(self._wake)
