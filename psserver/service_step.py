@@ -19,6 +19,7 @@ from psserver import modes
 from psserver.protocol import limits
 from psserver.protocol.codec import TORCH_DTYPES, check_stream_header, topk_payload_bytes
 from psserver.protocol.errors import InvalidRequest, StaleGradient, StreamTimeout, TooLarge
+from psserver.protocol.fastwire import RawRowsChunk
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rows.wire import row_chunks
 from psserver.protocol.rules import STALE, reply_version
@@ -256,7 +257,7 @@ class StepRpc:
         header = _pb.RowsHeader(table=h.table, version=version, num_ids=len(t.checked.ids), dim=table.spec.dim,
                                 wait_seconds=waited, push=_push_reply(t.result, layout), layout_epoch=layout,
                                 pull_ref=calls.remember(h, t.checked))  # (ids once, as PushPullRows)
-        for chunk in row_chunks(rows, header, self.cfg.chunk_bytes):
+        for chunk in row_chunks(rows, header, self.cfg.chunk_bytes, raw=True):
             await context.write(chunk, self.cfg.chunk_bytes)
 
     async def _pull_pushed(self, h: _pb.ChunkHeader, r, context) -> None:
@@ -287,7 +288,7 @@ class _PartStream:
         return getattr(self._stream, name)
 
     async def write(self, message, nbytes: int = 0) -> None:
-        wrapped = StepMessage(part=self._index, rows=message) if isinstance(message, _pb.RowsChunk) else \
+        wrapped = StepMessage(part=self._index, rows=message) if isinstance(message, (_pb.RowsChunk, RawRowsChunk)) else \
             StepMessage(part=self._index, dense=message)
         if self._turn is None:
             await self._stream.write(wrapped, nbytes)

@@ -30,6 +30,7 @@ import torch
 from psserver.protocol import limits
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.errors import TooLarge
+from psserver.protocol.fastwire import RawRowsChunk
 from psserver.protocol.stepwire import pack_serialized, serialize_step, StepMessage
 from psserver.push_book import PushResult
 from psserver.service_common import _check_pull_bytes
@@ -312,7 +313,7 @@ class _PartSink:
         return getattr(self._sink.stream, name)
 
     async def write(self, message, nbytes: int = 0) -> None:
-        wrapped = StepMessage(part=self._index, rows=message) if isinstance(message, _pb.RowsChunk) else \
+        wrapped = StepMessage(part=self._index, rows=message) if isinstance(message, (_pb.RowsChunk, RawRowsChunk)) else \
             StepMessage(part=self._index, dense=message)
         data = serialize_step(wrapped)
         sink = self._sink

@@ -128,3 +128,86 @@ def parse_chunk(message: bytes) -> RawChunk:
     except Exception as e:  # a malformed message becomes a clear refusal, not a gRPC INTERNAL error
         chunk.malformed = f"malformed Chunk message: {e}"
     return chunk
+
+
+# -------------------------------------------------------------------------------------------- RowsChunk
+_TAG_ROWS_HEADER, _TAG_ROWS_OFFSET, _TAG_ROWS_IDS, _TAG_ROWS_ROWS = 0x0A, 0x10, 0x1A, 0x22
+
+
+@dataclass(eq=False)
+class RawRowsChunk:
+    """Duck-types the generated ``RowsChunk`` (header, offset, ids, rows, HasField, SerializeToString) with its
+    ids and rows as views into the received message: a step's table part is read without the two copies of its
+    rows that ``RowsChunk.FromString(bytes(body))`` made (and written, ``SerializeToString``, with one)."""
+
+    header: _pb.RowsHeader | None = None
+    offset: int = 0
+    ids: bytes | memoryview = b""
+    rows: bytes | memoryview = b""
+
+    def HasField(self, name: str) -> bool:  # noqa: N802 (protobuf's spelling)
+        if name != "header":
+            raise ValueError(f"RawRowsChunk has no optional field {name!r}")
+        return self.header is not None
+
+    def __eq__(self, other) -> bool:
+        """Equal to a RawRowsChunk or a generated RowsChunk of the same fields, as protobuf's messages compare."""
+        if not isinstance(other, (RawRowsChunk, _pb.RowsChunk)):
+            return NotImplemented
+        head = other.header if other.HasField("header") else None
+        return (self.header, self.offset, bytes(self.ids), bytes(self.rows)) == (head, other.offset, bytes(other.ids),
+                                                                                 bytes(other.rows))
+
+    __hash__ = None
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 (protobuf's spelling): the bytes the generated class writes
+        parts = []
+        if self.header is not None:
+            h = self.header.SerializeToString()
+            parts += [bytes((_TAG_ROWS_HEADER,)), _varint(len(h)), h]
+        if self.offset:
+            parts += [bytes((_TAG_ROWS_OFFSET,)), _varint(self.offset)]
+        if len(self.ids):
+            parts += [bytes((_TAG_ROWS_IDS,)), _varint(len(self.ids)), self.ids]
+        if len(self.rows):
+            parts += [bytes((_TAG_ROWS_ROWS,)), _varint(len(self.rows)), self.rows]
+        return b"".join(parts)
+
+
+def parse_rows_chunk(message) -> RawRowsChunk:
+    """Protobuf wire bytes of a RowsChunk -> RawRowsChunk whose ids and rows are views into ``message``; protobuf's
+    rules (a repeated header merges, a repeated bytes field's last wins, unknown fields are skipped), at most
+    MAX_CHUNK_FIELDS fields.  Raises ValueError for bytes that do not parse."""
+    buf = memoryview(message)
+    chunk = RawRowsChunk()
+    pos = fields = 0
+    while pos < len(buf):
+        fields += 1
+        if fields > MAX_CHUNK_FIELDS:
+            raise ValueError(f"a RowsChunk carries more than {MAX_CHUNK_FIELDS} fields (it has 4: header, offset, "
+                             f"ids, rows) in {len(buf)} bytes")
+        key, pos = _read_varint(buf, pos)
+        field, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            value, pos = _read_varint(buf, pos)
+            if field == 2:
+                chunk.offset = value
+        elif wire_type == 2:
+            body, pos = _read_bytes(buf, pos, field)
+            if field == 1:
+                header = chunk.header or _pb.RowsHeader()
+                header.MergeFromString(bytes(body))
+                chunk.header = header
+            elif field == 3:
+                chunk.ids = body
+            elif field == 4:
+                chunk.rows = body
+        elif wire_type == 1:
+            pos += 8
+        elif wire_type == 5:
+            pos += 4
+        else:
+            raise ValueError(f"wire type {wire_type} of field {field} is not allowed in a RowsChunk")
+        if pos > len(buf):
+            raise ValueError("the RowsChunk is truncated")
+    return chunk

@@ -17,6 +17,7 @@ from psserver.protocol.fastwire import (
     _read_varint,
     _varint,
     parse_chunk,
+    parse_rows_chunk,
     serialize_chunk,
 )
 from psserver.protocol.proto import ps_pb2 as _pb
@@ -35,7 +36,7 @@ class StepMessage:
 
     part: int = 0
     dense: object | None = None
-    rows: _pb.RowsChunk | None = None
+    rows: object | None = None  # a RawRowsChunk (parsed) or a generated RowsChunk
     malformed: str = ""
     nbytes: int = 0
     more: list = field(default_factory=list)
@@ -134,7 +135,7 @@ def parse_step(message: bytes, nested: bool = False, max_more: int | None = None
                     if msg.dense.malformed:
                         raise ValueError(msg.dense.malformed)
                 else:
-                    msg.rows, msg.dense = _pb.RowsChunk.FromString(bytes(body)), None
+                    msg.rows, msg.dense = parse_rows_chunk(body), None
             else:
                 raise ValueError(f"field {field} with wire type {wire_type} is not a StepChunk field")
     except Exception as e:  # noqa: BLE001 -- the client's malformed bytes: refused INVALID_ARGUMENT, not INTERNAL

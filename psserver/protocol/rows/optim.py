@@ -72,10 +72,14 @@ def state_width(cfg: SparseOptimizerConfig, dim: int) -> int:
     return {"sgd": 0, "adagrad": dim, "rowwise_adagrad": 1, "adam": 2 * dim}[cfg.name]
 
 
+def initial_value(cfg: SparseOptimizerConfig) -> float:
+    """Every element of a new row's state: accumulators at their initial value, Adam's moments at zero."""
+    return cfg.initial_accumulator_value if cfg.name in ("adagrad", "rowwise_adagrad") else 0.0
+
+
 def initial_state(cfg: SparseOptimizerConfig, n: int, dim: int) -> torch.Tensor:
-    """State of ``n`` new rows: accumulators at their initial value, Adam's moments at zero."""
-    fill = cfg.initial_accumulator_value if cfg.name in ("adagrad", "rowwise_adagrad") else 0.0
-    return torch.full((n, state_width(cfg, dim)), fill, dtype=torch.float32)
+    """State of ``n`` new rows (``initial_value``)."""
+    return torch.full((n, state_width(cfg, dim)), initial_value(cfg), dtype=torch.float32)
 
 
 def update_rows(cfg: SparseOptimizerConfig, rows: torch.Tensor, state: torch.Tensor, grads: torch.Tensor,

