@@ -92,6 +92,11 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--max-reply-bytes", type=int, default=1 << 30,
                    help="bytes unread replies (pulls being streamed) may hold on this shard; a pull past it is "
                         "refused RESOURCE_EXHAUSTED (one reply is always allowed)")
+    p.add_argument("--max-request-bytes", type=int, default=2 << 30,
+                   help="bytes requests being received (Step parts, row pushes) may hold on this shard; a call past "
+                        "it is refused RESOURCE_EXHAUSTED before anything is allocated for it (one always goes on)")
+    p.add_argument("--max-request-bytes-per-peer", type=int, default=1 << 30,
+                   help="bytes requests being received may hold on one connection (one request is always allowed)")
     p.add_argument("--max-reply-bytes-per-peer", type=int, default=256 << 20,
                    help="bytes unread replies may hold on one connection (one reply is always allowed)")
     p.add_argument("--max-calls-per-rank", type=int, default=MAX_CALLS_PER_RANK,
@@ -168,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
                                max_calls_per_rank=args.max_calls_per_rank, receive_buffers=args.receive_buffers,
                                max_connections=args.max_connections, max_watch_streams=args.max_watch_streams,
                                max_reply_bytes=args.max_reply_bytes,
-                               max_reply_bytes_per_peer=args.max_reply_bytes_per_peer, step_engine=args.step_engine)
+                               max_reply_bytes_per_peer=args.max_reply_bytes_per_peer, step_engine=args.step_engine,
+                               max_request_bytes=args.max_request_bytes,
+                               max_request_bytes_per_peer=args.max_request_bytes_per_peer)
         cfg = ServerConfig(shard=args.shard, host=args.host, port=args.port, limits=limits,
                            health_port=args.health_port, torch_threads=args.torch_threads,
                            chunk_bytes=args.chunk_bytes, lease_timeout=args.lease_timeout,

@@ -121,6 +121,8 @@ SERVING_GAUGES = {
                           "50 ms, how late it ran); the health port turns NOT_SERVING past 10 s.",
     "loop_stall_worst_seconds": "Longest stall of the event loop since the shard started.",
     "reply_bytes_held": "Bytes held by reply streams not yet read (capped by --max-reply-bytes).",
+    "request_bytes_held": "Bytes held by requests being received: Step parts, row pushes (capped by "
+                          "--max-request-bytes).",
     "connections": "Connections with calls in flight (capped by --max-connections).",
     "watch_streams": "Health Watch streams open on the main port (capped by --max-watch-streams).",
 }

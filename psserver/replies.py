@@ -46,8 +46,16 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
+class OverRequestCap(TooBusy):
+    """A request would pass a cap on bytes held for requests being received (RESOURCE_EXHAUSTED)."""
+
+
 class ReplyLedger:
     """Bytes held by reply streams not yet read, per connection and for the shard (on the event loop only)."""
+
+    WHAT, PEER_FLAG, SHARD_FLAG, HINT = ("unread replies", "--max-reply-bytes-per-peer", "--max-reply-bytes",
+                                         ": read the replies you asked for first")
+    REFUSAL = OverReplyCap
 
     def __init__(self, per_peer_cap: int, shard_cap: int):
         self.per_peer_cap, self.shard_cap = per_peer_cap, shard_cap
@@ -68,14 +76,13 @@ class ReplyLedger:
         new_peer = 0 if key in mine else nbytes
         held_peer = self.peer_bytes(peer)
         if not force and new_peer and held_peer and held_peer + new_peer > self.per_peer_cap:
-            raise OverReplyCap(
-                f"connection {shorten(peer)} holds {_mib(held_peer)} of unread replies; {_mib(new_peer)} more "
-                f"would pass the cap of {_mib(self.per_peer_cap)} (--max-reply-bytes-per-peer): read the replies "
-                "you asked for first")
+            raise self.REFUSAL(
+                f"connection {shorten(peer)} holds {_mib(held_peer)} of {self.WHAT}; {_mib(new_peer)} more "
+                f"would pass the cap of {_mib(self.per_peer_cap)} ({self.PEER_FLAG}){self.HINT}")
         if not force and new_shard and self.held_bytes and self.held_bytes + new_shard > self.shard_cap:
-            raise OverReplyCap(
-                f"the shard holds {_mib(self.held_bytes)} of unread replies; {_mib(new_shard)} more would pass "
-                f"the cap of {_mib(self.shard_cap)} (--max-reply-bytes)")
+            raise self.REFUSAL(
+                f"the shard holds {_mib(self.held_bytes)} of {self.WHAT}; {_mib(new_shard)} more would pass "
+                f"the cap of {_mib(self.shard_cap)} ({self.SHARD_FLAG})")
         entry = self._keys.setdefault(key, [nbytes, 0])
         entry[1] += 1
         self.held_bytes += new_shard
@@ -97,6 +104,37 @@ class ReplyLedger:
         if not entry[1]:
             del self._keys[key]
             self.held_bytes -= entry[0]
+
+
+class RequestLedger(ReplyLedger):
+    """Bytes held by requests being received -- a Step's parts kept until its stream ends, a row push's rows
+    allocated for what its header declares -- per connection and for the shard: a client that opens streams and
+    leaves them unfinished is refused RESOURCE_EXHAUSTED at its next one past a cap, before anything is
+    allocated for it (the one request of a connection or a shard holding nothing always goes on)."""
+
+    WHAT, PEER_FLAG, SHARD_FLAG, HINT = ("requests being received", "--max-request-bytes-per-peer",
+                                         "--max-request-bytes", ": finish or cancel the calls you started first")
+    REFUSAL = OverRequestCap
+
+
+class RequestHolds:
+    """One call's holds in the RequestLedger, given back together when the call ends (``release_all``)."""
+
+    def __init__(self, ledger: RequestLedger, peer: str):
+        self._ledger, self._peer, self._tokens = ledger, peer, []
+
+    def hold(self, key: Hashable, nbytes: int) -> None:
+        self._tokens.append(self._ledger.hold(self._peer, key, nbytes))
+
+    def release_all(self) -> None:
+        while self._tokens:
+            self._ledger.release(self._tokens.pop())
+
+    def __enter__(self) -> "RequestHolds":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release_all()
 
 
 class ReplyStream:

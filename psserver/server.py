@@ -33,7 +33,7 @@ from psserver.protocol.limits import MAX_JOIN_TIMEOUT
 from psserver.protocol.optim import warm_up
 from psserver.protocol.security import ClientSecurity, ServerSecurity
 from psserver.protocol.stubs import SERVICE_NAME
-from psserver.replies import Connections, ReplyLedger
+from psserver.replies import Connections, ReplyLedger, RequestLedger
 from psserver.runtime import Runtime, Wakeups
 from psserver.service import ParameterServerService, ServiceLimits, add_service
 
@@ -161,9 +161,11 @@ def build_shard_process(cfg: ServerConfig, loop: asyncio.AbstractEventLoop, loop
     connections = Connections(limits.max_calls_per_peer, limits.max_connections, limits.max_watch_streams,
                               count=lambda name: host.wide.count(name))  # refusals: shard-wide (every layout's)
     replies = ReplyLedger(limits.max_reply_bytes_per_peer, limits.max_reply_bytes)
+    requests = RequestLedger(limits.max_request_bytes_per_peer, limits.max_request_bytes)
 
     def gauges() -> dict[str, float]:
-        return {"reply_bytes_held": replies.held_bytes, "connections": len(connections.calls),
+        return {"reply_bytes_held": replies.held_bytes, "request_bytes_held": requests.held_bytes,
+                "connections": len(connections.calls),
                 "watch_streams": connections.watch_streams, **watch.gauges()}
 
     host = ShardHost(cfg.shard, lease_timeout=cfg.lease_timeout, join_timeout=cfg.join_timeout,
@@ -180,7 +182,8 @@ def build_shard_process(cfg: ServerConfig, loop: asyncio.AbstractEventLoop, loop
     # a live re-shard's side on this shard; its streams to peers carry the job's token (TLS to peers: not yet)
     handoffs = HandoffIO(layouts, runtime, ClientSecurity(token=cfg.security.token), cfg.handoff_timeout)
     service = ParameterServerService(host, runtime, limits, authenticated=cfg.security.authenticates,
-                                     connections=connections, replies=replies, layouts=layouts, handoffs=handoffs)
+                                     connections=connections, replies=replies, layouts=layouts, handoffs=handoffs,
+                                     requests=requests)
     return ShardProcess(host, runtime, service, watch)
 
 

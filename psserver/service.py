@@ -65,7 +65,7 @@ from psserver.protocol.job import JobSpec
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rules import STALE
 from psserver.protocol.stepwire import parse_step, serialize_step
-from psserver.replies import Connections, ReplyLedger, ReplyStream
+from psserver.replies import Connections, ReplyLedger, ReplyStream, RequestLedger
 from psserver.runtime import Runtime
 from psserver.service_common import (
     _OUTCOMES,
@@ -107,6 +107,8 @@ class ServiceLimits:
     max_watch_streams: int = 64  # health Watch streams open on the main port
     max_reply_bytes_per_peer: int = 256 << 20  # bytes of unread replies one connection may hold (one always)
     max_reply_bytes: int = 1 << 30  # bytes of unread replies the shard may hold (one reply always)
+    max_request_bytes_per_peer: int = 1 << 30  # bytes of requests being received one connection may hold (one always)
+    max_request_bytes: int = 2 << 30  # bytes of requests being received the shard may hold (one request always)
     max_calls_per_rank: int = limits.MAX_CALLS_PER_RANK  # data calls in flight naming one rank
     min_chunk_bytes: int = limits.MIN_CHUNK_BYTES  # every chunk of a stream but the last carries at least this
     receive_buffers: int = 8  # slice-sized receive buffers at least (more while they fit in 256 MB); pushes beyond
@@ -123,7 +125,8 @@ class ServiceLimits:
                 raise ValueError(f"The {name.replace('_', ' ')} ({value} s) must be between 0 and "
                                  f"{limits.MAX_SYNC_TIMEOUT:.0f} seconds.")
         for name in ("max_calls_per_peer", "max_calls_per_rank", "receive_buffers", "max_connections",
-                     "max_watch_streams", "max_reply_bytes_per_peer", "max_reply_bytes"):
+                     "max_watch_streams", "max_reply_bytes_per_peer", "max_reply_bytes",
+                     "max_request_bytes_per_peer", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"The {name.replace('_', ' ')} ({getattr(self, name)}) must be at least 1.")
 
@@ -131,7 +134,8 @@ class ServiceLimits:
 class ParameterServerService(RowRpcs, StepRpc):
     def __init__(self, host: ShardHost, runtime: Runtime, cfg: ServiceLimits = ServiceLimits(),
                  authenticated: bool = False, connections: Connections | None = None,
-                 replies: ReplyLedger | None = None, layouts: LayoutHost | None = None, handoffs=None):
+                 replies: ReplyLedger | None = None, layouts: LayoutHost | None = None, handoffs=None,
+                 requests: RequestLedger | None = None):
         # Dense calls go to the partition of the layout they name (psserver.layout_host, psserver.host); layout 0's
         # sparse tables are its partition 0's, ``self.shard``.  What the servicer counts (refusals, bytes, calls,
         # cancellations) is shard-wide, ``count`` (psserver.stats.WideCounts, every layout's host's): GetStats and
@@ -147,6 +151,7 @@ class ParameterServerService(RowRpcs, StepRpc):
         self.connections = connections or Connections(cfg.max_calls_per_peer, cfg.max_connections,
                                                       cfg.max_watch_streams, self.count)
         self.replies = replies or ReplyLedger(cfg.max_reply_bytes_per_peer, cfg.max_reply_bytes)
+        self.requests = requests or RequestLedger(cfg.max_request_bytes_per_peer, cfg.max_request_bytes)
         self._per_rank: dict[tuple[int, int], int] = {}  # (rank, partition) -> calls in flight
         self.rows = RowCalls(self.shard, runtime, cfg.max_pull_wait)  # the row calls' table steps (layout 0's)
         self._rows_by_epoch: dict[int, RowCalls] = {}  # a later layout's (RowRpcs.rows_at)

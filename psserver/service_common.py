@@ -30,7 +30,7 @@ from psserver.protocol.errors import (
     WaitTimeout,
 )
 from psserver.protocol.proto import ps_pb2 as _pb
-from psserver.replies import ReplyCut, ReplyStream
+from psserver.replies import ReplyCut, ReplyStream, RequestHolds
 from psserver.shard import Shard
 
 log = logging.getLogger("psserver.service")
@@ -154,6 +154,7 @@ def _reply_stream(method):
     async def wrapper(self, request, context):
         with self._peer_slot(context):
             stream = ReplyStream(context, self._deadline(context), self.replies)
+            stream.requests = RequestHolds(self.requests, stream.peer_name)  # what the request holds while read
             try:
                 return await method(self, request, stream)
             except ReplyCut as e:
@@ -163,6 +164,7 @@ def _reply_stream(method):
                                          self.shard.shard_id, method.__name__, shorten(stream.peer_name), e)
                 await context.abort(e.code, str(e))
             finally:
+                stream.requests.release_all()
                 stream.close()
 
     return wrapper

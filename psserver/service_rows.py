@@ -24,7 +24,7 @@ from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rows.errors import WrongShape
 from psserver.protocol.rows.wire import row_chunks
 from psserver.protocol.rules import reply_version
-from psserver.replies import ReplyStream
+from psserver.replies import ReplyStream, RequestHolds
 from psserver.service_common import (
     _check_header_fields,
     _check_identity,
@@ -96,10 +96,10 @@ class RowRpcs:
     @_refusals
     async def PushRows(self, request_iterator, context):
         """Summed gradient rows of unique ids for one table (see ps.proto and psserver.sparse.serving)."""
-        with self._peer_slot(context):
+        with self._peer_slot(context), RequestHolds(self.requests, context.peer() or "?") as holds:
             reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self._deadline(context))
             h, table, first = await self._rows_header(reader)
-            r = await self._push_rows(reader, first, h, table)
+            r = await self._push_rows(reader, first, h, table, holds=holds)
             return _push_reply(r, self.layouts.newest)
 
     @_refusals
@@ -125,7 +125,7 @@ class RowRpcs:
         """PushPullRows' work once its header and pull ids are checked (also a Step's table part, ``slot``
         False: the Step holds the rank's slot; ``read``: its rows, read and checked; ``pushed``: their ids'
         CheckedIds)."""
-        r = await self._push_rows(reader, first, h, table, slot, read, pushed)
+        r = await self._push_rows(reader, first, h, table, slot, read, pushed, context.requests)
         ids, calls = checked.ids, self.rows_at(h.layout_epoch)
         min_version = reply_version(table.mode, r.outcome, h.version, r.version)
         waited, table, version, rows = await calls.pull(
@@ -165,12 +165,13 @@ class RowRpcs:
         return table
 
     async def _push_rows(self, reader: _StreamReader, first, h: _pb.RowsHeader, table, slot: bool = True,
-                         read: tuple | None = None, pushed=None):
+                         read: tuple | None = None, pushed=None, holds=None):
         """Read the push's rows and hand it to the table's executor (psserver.sparse.serving): its RowsResult.
-        ``read``: the (ids, grads) a Step's check already read, ``pushed``: its ids as checked (CheckedIds)."""
+        ``read``: the (ids, grads) a Step's check already read, ``pushed``: its ids as checked (CheckedIds);
+        ``holds``: the call's request holds (RequestHolds)."""
         calls = self.rows_at(h.layout_epoch)
         async with self._rank_slot(h.rank) if slot else _no_slot():
-            ids, grads = read if read is not None else await self._read_rows(reader, first, h)
+            ids, grads = read if read is not None else await self._read_rows(reader, first, h, holds)
             pushed = pushed or calls.push_checked(h, table, ids)  # (ids once: its pull's check stands)
             push = RowsPush(h.rank, h.trainer_id, h.version, h.num_samples, h.sequence, ids, grads)
             try:
@@ -180,9 +181,13 @@ class RowRpcs:
                 self.count("row_pushes_stale")
                 raise
 
-    async def _read_rows(self, reader: _StreamReader, first, h: _pb.RowsHeader) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stream's ids and rows, checked chunk by chunk as they arrive (tiling, sizes) and copied."""
+    async def _read_rows(self, reader: _StreamReader, first, h: _pb.RowsHeader,
+                         holds=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stream's ids and rows, checked chunk by chunk as they arrive (tiling, sizes) and copied; the bytes
+        its header declares held in the request ledger (``holds``) before anything is allocated for them."""
         n, dim = h.num_ids, h.dim
+        if holds is not None:
+            holds.hold(("rows", id(h)), n * (4 * dim + 8))
         # the ids of the pulls the push names (ids once: its layout's), or None: in the chunks
         named = self.rows_at(h.layout_epoch).push_ids(h)
         ids, grads = torch.empty(n, dtype=torch.int64) if named is None else named, torch.empty(n, dim)

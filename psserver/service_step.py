@@ -56,7 +56,7 @@ class StepRpc:
         tables' rows, decides the dense push, pushes the tables and pulls what is ready (psserver.step_trip) --
         so a refusal before the dense push changes nothing -- and the replies stream side by side."""
         reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self._deadline(context))
-        parts, one_reply = await self._step_parts(reader)
+        parts, one_reply = await self._step_parts(reader, context.requests)
         out = OneReply(context, min(limits.ONE_REPLY_BYTES, self.cfg.max_message_bytes // 2),
                        self.shard.count) if one_reply else context  # (psserver.step_reply)
         await self._step(parts, context, out)
@@ -71,7 +71,7 @@ class StepRpc:
             reply = await self.engine.step_once(request, context)
             if reply is not None:
                 return reply
-        parts, _ = await self._step_parts(_Received([request], self._deadline(context)))
+        parts, _ = await self._step_parts(_Received([request], self._deadline(context)), context.requests)
         out = OneReply(context, self.cfg.max_message_bytes, self.shard.count, may_stream=False)  # bounded before
         await self._step(parts, context, out, once=True)
         if self.engine is not None:
@@ -155,16 +155,19 @@ class StepRpc:
             raise TooLarge(f"StepOnce's reply would carry {weights + rows} bytes ({weights} of weights, {rows} of "
                            f"rows), over the one-message limit of {limit} bytes: send it as a Step")
 
-    async def _step_parts(self, reader: _StreamReader) -> tuple[list, bool]:
+    async def _step_parts(self, reader: _StreamReader, holds) -> tuple[list, bool]:
         """A Step's parts, and whether its first message asked for one reply message.  Each part's header is
         checked as it arrives (a member, one caller, the sizes it declares bounded) and the rest read holding a call
         of part 0's rank: a stranger, a part over its bounds or a stream held open is refused, or counted against
-        --max-calls-per-rank, before it is read whole."""
+        --max-calls-per-rank, before it is read whole.  Every message is held in the shard's request ledger
+        (``holds``) until the call ends: parts are kept until the stream ends, and a client that left Step streams
+        open is refused at the next message past a cap (--max-request-bytes-per-peer, --max-request-bytes)."""
         collected = StepParts(self.cfg.max_push_bytes, min_chunk_bytes=self.cfg.min_chunk_bytes)
         async with AsyncExitStack() as held:
             while (msg := await reader.next()) is not None:
                 seen = len(collected.parts)
                 collected.add(msg)
+                holds.hold(("step", id(msg)), msg.nbytes)
                 for p in collected.parts[seen:]:
                     collected.declare(p, self._check_step_header(p, collected.parts[0]))
                     if p.index == 0:
@@ -202,7 +205,7 @@ class StepRpc:
             _check_pull_bytes(len(pull_ids), table.spec.dim,
                               min(self.cfg.max_push_bytes, limits.MAX_ROWS_REPLY_BYTES))
             context.hold(("rows", id(h)), len(pull_ids) * table.spec.dim * 4)  # before any row is made
-        ids, grads = await self._read_rows(_Received(p.chunks, deadline, start=1), first, h)
+        ids, grads = await self._read_rows(_Received(p.chunks, deadline, start=1), first, h, context.requests)
         push = RowsPush(h.rank, h.trainer_id, h.version, h.num_samples, h.sequence, ids, grads)
         # ids once: a push naming one pull whole keeps that pull's check (RowCalls.push_checked)
         return TablePart(h, table, push, pull_ids, pushed=calls.push_checked(h, table, ids))

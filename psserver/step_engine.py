@@ -216,6 +216,7 @@ class StepEngine:
         except Exception:  # noqa: BLE001 -- a lease past its time, say: the general path refuses or rejoins
             svc.count("step_engine_misses")
             return None
+        context.requests.hold(("step", id(msg)), msg.nbytes)  # (as the general path's _step_parts: may refuse)
         svc.count("step_engine_steps")
         # -- from here on, the general path's calls in its order (psserver.service_step StepRpc._step) --
         deadline = svc.call_deadline(context)
@@ -244,8 +245,9 @@ class StepEngine:
             _check_pull_bytes(len(pull_ids), table.spec.dim,
                               min(svc.cfg.max_push_bytes, limits.MAX_ROWS_REPLY_BYTES))
             context.hold(("rows", id(h)), len(pull_ids) * table.spec.dim * 4)
-        named = calls.push_ids(h)  # (RowRpcs._read_rows, one chunk; resolve refuses a count not num_ids)
         n, dim = h.num_ids, h.dim
+        context.requests.hold(("rows", id(h)), n * (4 * dim + 8))  # (RowRpcs._read_rows, one chunk)
+        named = calls.push_ids(h)  # (resolve refuses a count not num_ids)
         ids = named if named is not None else torch.from_numpy(np.frombuffer(t.chunk.ids, dtype=np.int64).copy())
         grads = torch.from_numpy(np.frombuffer(t.chunk.rows, dtype=np.float32).copy()).view(n, dim)
         svc.count("bytes_in", n * (4 * dim + (8 if named is None else 0)))

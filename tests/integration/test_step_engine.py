@@ -35,8 +35,11 @@ def state_digest(raw) -> str:
     return raw.server.layouts.host(0).part(0).state_digest()
 
 
-# Gauges of time and of the machine's free memory at the shard's start: not the same in any two runs.
-MEASURED = ("seconds", "row_limit", "memory_budget_bytes", "memory_tables_budget_bytes", "memory_reserved_bytes")
+# Gauges of time and of the machine's free memory at the shard's start, and where a call's table work ran (on the
+# loop or the state worker: whether the worker was busy at that moment, with several trainers): not the same in
+# any two runs of one path.
+MEASURED = ("seconds", "row_limit", "memory_budget_bytes", "memory_tables_budget_bytes", "memory_reserved_bytes",
+            "row_work_inline", "row_work_offloaded")
 
 
 def counters(raw) -> dict:
