@@ -60,7 +60,7 @@ from psserver.protocol.errors import (
     TooBusy,
     WaitTimeout,
 )
-from psserver.protocol.fastwire import parse_chunk, serialize_chunk
+from psserver.protocol.fastwire import parse_chunk, parse_rows_chunk, serialize_chunk, serialize_rows_chunk
 from psserver.protocol.job import JobSpec
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rules import STALE
@@ -536,11 +536,11 @@ def add_service(servicer: ParameterServerService, server) -> None:
         "ClaimBatch": unary(servicer.ClaimBatch, _safe(_pb.ClaimRequest.FromString), _pb.ClaimReply.SerializeToString),
         "GetStats": unary(servicer.GetStats, _safe(_pb.StatsRequest.FromString), _pb.StatsReply.SerializeToString),
         "PullRows": grpc.unary_stream_rpc_method_handler(servicer.PullRows, _safe(_pb.PullRowsRequest.FromString),
-                                                         _pb.RowsChunk.SerializeToString),
-        "PushRows": grpc.stream_unary_rpc_method_handler(servicer.PushRows, _safe(_pb.RowsChunk.FromString),
+                                                         serialize_rows_chunk),
+        "PushRows": grpc.stream_unary_rpc_method_handler(servicer.PushRows, _safe(parse_rows_chunk),
                                                          _pb.PushRowsReply.SerializeToString),
         "PushPullRows": grpc.stream_stream_rpc_method_handler(
-            servicer.PushPullRows, _safe(_pb.RowsChunk.FromString), _pb.RowsChunk.SerializeToString),
+            servicer.PushPullRows, _safe(parse_rows_chunk), serialize_rows_chunk),
         "Step": grpc.stream_stream_rpc_method_handler(servicer.Step, parse_step_request, serialize_step),
         "StepOnce": unary(servicer.StepOnce, parse_step_request, serialize_step),
         "Reshard": unary(servicer.Reshard, _safe(_pb.ReshardRequest.FromString), _pb.ReshardReply.SerializeToString),

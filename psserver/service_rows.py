@@ -90,7 +90,7 @@ class RowRpcs:
                                 wait_seconds=waited, layout_epoch=self.layouts.newest)
         if request.remember:  # (ids once: a push may name this pull instead of resending its ids)
             header.pull_ref = calls.remember(request, checked)
-        for chunk in row_chunks(rows, header, self.cfg.chunk_bytes):
+        for chunk in row_chunks(rows, header, self.cfg.chunk_bytes, raw=True):
             await context.write(chunk, self.cfg.chunk_bytes)
 
     @_refusals
@@ -136,7 +136,7 @@ class RowRpcs:
         header = _pb.RowsHeader(table=h.table, version=version, num_ids=len(ids), dim=table.spec.dim,
                                 wait_seconds=waited, push=_push_reply(r, layout), pull_ref=calls.remember(h, checked),
                                 layout_epoch=layout)
-        for chunk in row_chunks(rows, header, self.cfg.chunk_bytes):
+        for chunk in row_chunks(rows, header, self.cfg.chunk_bytes, raw=True):
             await context.write(chunk, self.cfg.chunk_bytes)
 
     # ------------------------------------------------------------------ a step in one call (psserver.step_parts)

@@ -12,6 +12,7 @@ from typing import Callable
 
 import grpc
 
+from psserver.protocol.fastwire import parse_rows_chunk, serialize_rows_chunk
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rows import idpack
 from psserver.protocol.stubs import method
@@ -24,12 +25,13 @@ class RowCalls:
 
     def __init__(self, shards: list[ShardClient], count: Callable[..., None]):
         self._count = count
+        # RowsChunks read and written without protobuf objects for their rows (psserver.protocol.fastwire)
         self._pull = [s.channel.unary_stream(method("PullRows"), _pb.PullRowsRequest.SerializeToString,
-                                             _pb.RowsChunk.FromString) for s in shards]
-        self._push = [s.channel.stream_unary(method("PushRows"), _pb.RowsChunk.SerializeToString,
+                                             parse_rows_chunk) for s in shards]
+        self._push = [s.channel.stream_unary(method("PushRows"), serialize_rows_chunk,
                                              _pb.PushRowsReply.FromString) for s in shards]
-        self._push_pull = [s.channel.stream_stream(method("PushPullRows"), _pb.RowsChunk.SerializeToString,
-                                                   _pb.RowsChunk.FromString) for s in shards]
+        self._push_pull = [s.channel.stream_stream(method("PushPullRows"), serialize_rows_chunk,
+                                                   parse_rows_chunk) for s in shards]
 
     def call(self, shard: ShardClient, what: str, fn, retry_on=(grpc.StatusCode.UNAVAILABLE,)):
         """ShardClient's retry loop (policy, backoff, logging), with row retries also counted here."""

@@ -411,7 +411,7 @@ class ShardedRows:
         else:
             id_bytes = 8 * len(ids)
         return RowsPart(table, lane, header, pull_ids, claim, len(ids), grads.shape[1],
-                        list(row_chunks(grads, header, self.chunk_bytes, ids if named is None else None)),
+                        list(row_chunks(grads, header, self.chunk_bytes, ids if named is None else None, raw=True)),
                         numbered is not None, ids, grads, id_bytes)
 
     def with_ids(self, part: RowsPart) -> RowsPart:
@@ -426,7 +426,8 @@ class ShardedRows:
         header.ClearField("pull_refs")
         header.ClearField("extra_ids")
         return RowsPart(part.table, part.lane, header, part.pull_ids, part.claim, part.num_ids, part.dim,
-                        list(row_chunks(part.grads, header, self.chunk_bytes, part.ids)), part.windowed, part.ids,
+                        list(row_chunks(part.grads, header, self.chunk_bytes, part.ids, raw=True)), part.windowed,
+                        part.ids,
                         part.grads, 8 * part.num_ids)
 
     def _push_once(self, s: ShardClient, part: RowsPart) -> str:

@@ -211,3 +211,8 @@ def parse_rows_chunk(message) -> RawRowsChunk:
         if pos > len(buf):
             raise ValueError("the RowsChunk is truncated")
     return chunk
+
+
+def serialize_rows_chunk(chunk) -> bytes:
+    """A RawRowsChunk or a generated RowsChunk as wire bytes: the row RPCs' serializer on both sides."""
+    return chunk.SerializeToString()
