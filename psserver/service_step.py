@@ -122,6 +122,9 @@ class StepRpc:
             if once:
                 await self._replies_in_turn(pushed, dense, tables, out, deadline)
                 return
+            for _, t in tables:  # refused first, as StepOnce's: a status after a dense reply begun cannot be sent
+                if t.error is not None:
+                    raise t.error
             turn = asyncio.Lock()
             runs = [] if dense is None else [self._pull_pushed(*pushed, _PartStream(out, dense.index, turn))]
             runs += [self._step_table_reply(t, _PartStream(out, index, turn), deadline) for index, t in tables]

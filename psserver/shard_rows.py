@@ -28,6 +28,14 @@ class ShardRows:
             self.counters["row_pulls"] += 1
             return result
 
+    def check_row_push_lands(self, table: str, push: RowsPush) -> None:
+        """Refuse now what ``push_rows`` would refuse of this push once its turn came (a Step's table part, before
+        its dense part is pushed: psserver.step_trip).  A read."""
+        with self._lock:
+            served = self.tables.get(table)
+            self.enrolment.check_table_base(self.job, push.rank, push.base, served.mode)
+            served.check_lands(push)
+
     def push_rows(self, fingerprint: str, table: str, push: RowsPush, refuse_nonfinite: bool,
                   checked=None) -> RowsResult:
         """Hand one row push to its table (which checks, deduplicates and decides); wakes waiting pulls.

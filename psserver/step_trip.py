@@ -44,11 +44,15 @@ class TablePart:
 
 def run_trip(shard, parts: list[TablePart], refuse_nonfinite: bool, dense: Callable[[], Any] | None = None,
              stopping: Callable[[], bool] = lambda: False):
-    """Every part checked, then ``dense()`` (the dense push: its return is returned; a refusal it raises is the
-    call's, and no table has pushed), then each part's push and, if ready, its pull.  A part's push or pull
-    that fails is kept on the part (``error``) and the others go on, as parts run side by side did."""
+    """Every part checked -- with a dense part, also for what its push would be refused for at its turn
+    (``check_row_push_lands``) -- then ``dense()`` (the dense push: its return is returned; a refusal it raises
+    is the call's, and no table has pushed), then each part's push and, if ready, its pull.  A part's push or
+    pull that still fails is kept on the part (``error``) and the others go on, as parts run side by side did."""
     for p in parts:
         p.pushed, p.checked = p.table.check_step_part(p.push, refuse_nonfinite, p.pull_ids, p.pushed)
+    if dense is not None:  # what a table push would be refused for once its turn came: refused before the dense
+        for p in parts:    # push, so a refused Step changes nothing
+            shard.check_row_push_lands(p.header.table, p.push)
     out = dense() if dense is not None else None
     for p in parts:
         h = p.header

@@ -328,10 +328,7 @@ class ServedTable(PushTarget):
     def accumulate(self, push: PushInfo, weight: float) -> None:
         p = push.payload
         union, total, scaled = self.round.merged(p.ids, p.grads, weight)
-        if len(union) > limits.MAX_IDS_PER_CALL:
-            raise errors.TooManyIds(f"the round of table {self.spec.name!r} would hold {len(union)} ids, over the "
-                                    f"limit of {limits.MAX_IDS_PER_CALL} for one step")
-        self.store.check_fits(len(union))
+        self._check_round_holds(len(union))
         r = self.round
         r.add(push.rank, p.ids, union, total, scaled)
         r.weight += weight
@@ -340,6 +337,29 @@ class ServedTable(PushTarget):
 
     def accepted(self, push: PushInfo, outcome: str, staleness: int) -> RowsResult:
         return self.result(outcome, staleness, rows_applied=len(push.payload.ids))
+
+    def _check_round_holds(self, n: int) -> None:
+        """Refuse a round whose union of ids would be ``n``: past what one step may hold, or the table."""
+        if n > limits.MAX_IDS_PER_CALL:
+            raise errors.TooManyIds(f"the round of table {self.spec.name!r} would hold {n} ids, over the "
+                                    f"limit of {limits.MAX_IDS_PER_CALL} for one step")
+        self.store.check_fits(n)
+
+    def check_lands(self, p: RowsPush) -> None:
+        """Refuse now what this push would be refused once it is its turn to be added -- its number out of order,
+        a sync round whose union of ids it would take past the table's bounds -- so a Step refuses it before its
+        dense part is pushed, and a refused Step changes nothing (psserver.step_trip).  A read: nothing changes.
+        A duplicate, or a push that will not be added to the open round (stale, an async table's), passes."""
+        if check_sequence(self.acked, p.rank, p.trainer_id, p.sequence, where=f" to table {self.spec.name!r}",
+                          holes=self.holes):
+            return
+        if self.mode == Mode.ASYNC or p.base != self.version:
+            return
+        n = len(self.round.ids) + len(p.ids)  # at most the union: when it fits, so does the union
+        try:
+            self._check_round_holds(n)
+        except errors.TooManyIds:
+            self._check_round_holds(len(torch.unique(torch.cat([self.round.ids, p.ids]))))
 
     def _fresh_rows(self, p: RowsPush) -> torch.Tensor:
         """Async with max_staleness S: the rows to keep (see the module docstring); all of them otherwise."""

@@ -29,7 +29,12 @@ class FakeTable:
 class FakeShard:
     def __init__(self, tables: dict, log: list, failing: str = "", stale: str = ""):
         self.tables, self.log, self.failing, self.stale = tables, log, failing, stale
+        self.refused_at_turn = ""
         self.counts: dict = {}
+
+    def check_row_push_lands(self, name, push):
+        if name == self.refused_at_turn:
+            raise InvalidRequest(f"push to {name} would take the round past the table's bounds")
 
     def push_rows(self, fingerprint, name, push, refuse_nonfinite, pushed):
         self.log.append(("push", name))
@@ -114,3 +119,14 @@ def test_a_shard_that_is_stopping_pulls_nothing_in_the_trip():
     parts = [part(tables["a"])]
     run_trip(shard, parts, True, stopping=lambda: True)
     assert parts[0].pulled is None and ("pull", "a") not in log
+
+
+def test_a_table_push_that_would_be_refused_at_its_turn_is_refused_before_the_dense_push_and_nothing_runs():
+    log = []
+    tables = {"a": FakeTable("a", log), "b": FakeTable("b", log)}
+    shard = FakeShard(tables, log)
+    shard.refused_at_turn = "b"
+    parts = [part(tables["a"]), part(tables["b"])]
+    with pytest.raises(InvalidRequest, match="past the table's bounds"):
+        run_trip(shard, parts, True, lambda: log.append(("dense",)))
+    assert ("dense",) not in log and not any(e[0] in ("push", "pull") for e in log)
