@@ -92,39 +92,44 @@ def serialize_chunk(chunk) -> bytes:
     return b"".join(parts)
 
 
+def _fields(message, fields_of: str):
+    """(field number, wire type, value) of each field of protobuf wire bytes: a varint's value, a length-delimited
+    field's body as a view, None for fixed-size fields (skipped); at most MAX_CHUNK_FIELDS fields (``fields_of``
+    says what the message should carry).  Raises ValueError for bytes that do not parse."""
+    buf = memoryview(message)
+    pos = count = 0
+    while pos < len(buf):
+        count += 1
+        if count > MAX_CHUNK_FIELDS:
+            raise ValueError(f"it carries more than {MAX_CHUNK_FIELDS} fields ({fields_of}) in {len(buf)} bytes")
+        key, pos = _read_varint(buf, pos)
+        field, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            value, pos = _read_varint(buf, pos)
+        elif wire_type == 2:
+            value, pos = _read_bytes(buf, pos, field)
+        elif wire_type in (1, 5):
+            value, pos = None, pos + (8 if wire_type == 1 else 4)
+        else:
+            raise ValueError(f"wire type {wire_type} of field {field} is not allowed here")
+        if pos > len(buf):
+            raise ValueError("the message is truncated")
+        yield field, wire_type, value
+
+
 def parse_chunk(message: bytes) -> RawChunk:
     """Protobuf wire bytes of a Chunk -> RawChunk whose data is a view into ``message``.  Never raises."""
-    buf = memoryview(message)
     chunk = RawChunk()
-    pos = fields = 0
     try:
-        while pos < len(buf):
-            fields += 1
-            if fields > MAX_CHUNK_FIELDS:
-                raise ValueError(f"it carries more than {MAX_CHUNK_FIELDS} fields (a Chunk has 3: header, offset, "
-                                 f"data) in {len(buf)} bytes")
-            key, pos = _read_varint(buf, pos)
-            field, wire_type = key >> 3, key & 7
-            if wire_type == 0:
-                value, pos = _read_varint(buf, pos)
-                if field == 2:
-                    chunk.offset = value
-            elif wire_type == 2:
-                body, pos = _read_bytes(buf, pos, field)
-                if field == 1:
-                    header = chunk.header or _pb.ChunkHeader()
-                    header.MergeFromString(bytes(body))  # repeated sub-messages merge, as protobuf does
-                    chunk.header = header
-                elif field == 3:
-                    chunk.data = body
-            elif wire_type == 1:
-                pos += 8
-            elif wire_type == 5:
-                pos += 4
-            else:
-                raise ValueError(f"wire type {wire_type} of field {field} is not allowed here")
-            if pos > len(buf):
-                raise ValueError("the message is truncated")
+        for field, wire_type, value in _fields(message, "a Chunk has 3: header, offset, data"):
+            if field == 2 and wire_type == 0:
+                chunk.offset = value
+            elif field == 1 and wire_type == 2:
+                header = chunk.header or _pb.ChunkHeader()
+                header.MergeFromString(bytes(value))  # repeated sub-messages merge, as protobuf does
+                chunk.header = header
+            elif field == 3 and wire_type == 2:
+                chunk.data = value
     except Exception as e:  # a malformed message becomes a clear refusal, not a gRPC INTERNAL error
         chunk.malformed = f"malformed Chunk message: {e}"
     return chunk
@@ -178,38 +183,18 @@ def parse_rows_chunk(message) -> RawRowsChunk:
     """Protobuf wire bytes of a RowsChunk -> RawRowsChunk whose ids and rows are views into ``message``; protobuf's
     rules (a repeated header merges, a repeated bytes field's last wins, unknown fields are skipped), at most
     MAX_CHUNK_FIELDS fields.  Raises ValueError for bytes that do not parse."""
-    buf = memoryview(message)
     chunk = RawRowsChunk()
-    pos = fields = 0
-    while pos < len(buf):
-        fields += 1
-        if fields > MAX_CHUNK_FIELDS:
-            raise ValueError(f"a RowsChunk carries more than {MAX_CHUNK_FIELDS} fields (it has 4: header, offset, "
-                             f"ids, rows) in {len(buf)} bytes")
-        key, pos = _read_varint(buf, pos)
-        field, wire_type = key >> 3, key & 7
-        if wire_type == 0:
-            value, pos = _read_varint(buf, pos)
-            if field == 2:
-                chunk.offset = value
-        elif wire_type == 2:
-            body, pos = _read_bytes(buf, pos, field)
-            if field == 1:
-                header = chunk.header or _pb.RowsHeader()
-                header.MergeFromString(bytes(body))
-                chunk.header = header
-            elif field == 3:
-                chunk.ids = body
-            elif field == 4:
-                chunk.rows = body
-        elif wire_type == 1:
-            pos += 8
-        elif wire_type == 5:
-            pos += 4
-        else:
-            raise ValueError(f"wire type {wire_type} of field {field} is not allowed in a RowsChunk")
-        if pos > len(buf):
-            raise ValueError("the RowsChunk is truncated")
+    for field, wire_type, value in _fields(message, "a RowsChunk has 4: header, offset, ids, rows"):
+        if field == 2 and wire_type == 0:
+            chunk.offset = value
+        elif field == 1 and wire_type == 2:
+            header = chunk.header or _pb.RowsHeader()
+            header.MergeFromString(bytes(value))
+            chunk.header = header
+        elif field == 3 and wire_type == 2:
+            chunk.ids = value
+        elif field == 4 and wire_type == 2:
+            chunk.rows = value
     return chunk
 
 

@@ -79,7 +79,7 @@ def test_a_rows_chunk_merges_a_repeated_header_and_skips_unknown_fields_as_proto
     assert parse_rows_chunk(wire) == pb.RowsChunk.FromString(wire)
 
 
-@pytest.mark.parametrize("wire,what", [(b"\x22\x05ab", "runs past the end"), (b"\x0f", "wire type 7"),
+@pytest.mark.parametrize("wire,what", [(b"\x22\x05ab", "runs past the end"), (b"\x0f", "wire type 7 of field 1"),
                                        (b"\x10" * 2 + b"\x10\x01" * 20, "more than 16 fields")])
 def test_a_rows_chunk_that_does_not_parse_raises_naming_why(wire, what):
     with pytest.raises(ValueError, match=what):

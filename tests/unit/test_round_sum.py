@@ -94,21 +94,23 @@ def test_a_table_rounds_sum_of_three_trainers_is_the_rank_order_sum_whatever_ord
     assert sums[0].flatten().tolist() == [4.0, 8.0, 16.0]  # ids 3, 5, 7: (8e8 - 8e8) + 8, in rank order
 
 
-def test_the_running_sum_of_a_table_round_does_depend_on_arrival_order_so_the_rank_order_sum_is_needed():
+def arrived(order: tuple[int, ...]) -> TableRound:
+    """A table's round after CANCELLING's contributions arrived in ``order``, each with weight 8."""
     r = TableRound(dim=1)
-    for k in (0, 2, 1):
+    for k in order:
         rank, ids, values = CANCELLING[k]
         ids_t = torch.tensor(ids)
         r.add(rank, ids_t, *r.merged(ids_t, torch.tensor(values).reshape(-1, 1), 8.0))
+    return r
+
+
+def test_the_running_sum_of_a_table_round_does_depend_on_arrival_order_so_the_rank_order_sum_is_needed():
+    r = arrived((0, 2, 1))
     assert r.sum.flatten().tolist() == [4.0, 0.0, 16.0]  # what the round applied before it summed in rank order
 
 
 def test_a_table_round_restored_with_its_parts_sums_in_rank_order_and_one_without_them_uses_its_running_sum():
-    r = TableRound(dim=1)
-    for k in (2, 1, 0):
-        rank, ids, values = CANCELLING[k]
-        ids_t = torch.tensor(ids)
-        r.add(rank, ids_t, *r.merged(ids_t, torch.tensor(values).reshape(-1, 1), 8.0))
+    r = arrived((2, 1, 0))
     r.contributors.update({0, 1, 2})
     r.weight = 24.0
     saved = r.state()
