@@ -146,7 +146,7 @@ def check_sequence(acked: dict, rank: int, trainer_id: str, sequence: int, where
     if action is modes.SequenceAction.REFUSE:
         raise InvalidRequest(f"sequence is {sequence} but rank {rank}'s last acknowledged push{where} was "
                              f"{'none' if last is None else last}: it must be the next few, up to "
-                             f"{modes.MAX_SEQUENCE_GAP} ahead, or one of the {MAX_PUSH_WINDOW} before it still "
+                             f"{modes.MAX_SEQUENCE_GAP} ahead, or one of the {MAX_PUSH_WINDOW - 1} before it still "
                              f"in flight (numbers start at 1)")
     return action is modes.SequenceAction.DUPLICATE
 

@@ -173,8 +173,11 @@ def parse_bytes(text: str) -> int:
         ValueError: naming the text and the forms accepted.
     """
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", str(text), re.IGNORECASE)
-    size = float(m.group(1)) * _UNITS[m.group(2).lower()] if m else 0.0
-    if not 1 <= size < 2.0 ** 63:  # 400 nines are infinity as a float: no traceback, the same one line
+    size = 0.0
+    if m:  # a whole number exactly (2**63 - 1 is under the bound; as a float it rounded up to it)
+        number, unit = m.group(1), _UNITS[m.group(2).lower()]
+        size = int(number) * unit if "." not in number else float(number) * unit
+    if not 1 <= size < 2 ** 63:  # 400 nines are infinity as a float: no traceback, the same one line
         raise ValueError(f"memory size {shorten(str(text), 40)} must be a positive number of bytes (below 2**63), "
                          "optionally with K, M, G or T (binary units), e.g. 8G or 512M")
     return int(size)

@@ -32,11 +32,11 @@ def test_pushes_that_overtook_each_other_are_applied_once_each_and_their_retries
 
 def test_a_sequence_older_than_the_window_is_refused_naming_both_and_changes_nothing(shard_server):
     shard = started_async(shard_server)
-    newest = MAX_PUSH_WINDOW + 5
+    newest = MAX_PUSH_WINDOW + 5  # 5 is the 64th number before it, just out of the window; 6 is in it
     shard.push(torch.ones(P), sequence=newest)
     before = shard.digest()
     refused(lambda: shard.push(torch.ones(P), version=1, sequence=5), grpc.StatusCode.INVALID_ARGUMENT,
             f"sequence is 5 but rank 0's last acknowledged push was {newest}",
-            f"one of the {MAX_PUSH_WINDOW} before it still in flight")
+            f"one of the {MAX_PUSH_WINDOW - 1} before it still in flight")
     assert shard.digest() == before
     assert shard.push(torch.ones(P), version=1, sequence=6).outcome == pb.APPLIED  # a hole: still served, once

@@ -22,12 +22,14 @@ def spec(params=1000, partitions=1, optimizer="adam", mode="sync", tables=()):
 
 
 @pytest.mark.parametrize("text, value", [("8G", 8 << 30), ("512M", 512 << 20), ("1.5g", 3 << 29), ("4096", 4096),
-                                         ("64KiB", 64 << 10), ("2TB", 2 << 40), (" 3 m ", 3 << 20)])
+                                         ("64KiB", 64 << 10), ("2TB", 2 << 40), (" 3 m ", 3 << 20),
+                                         (str(2**63 - 1), 2**63 - 1)])  # the largest: "below 2**63" as it says
 def test_memory_sizes_take_binary_suffixes(text, value):
     assert parse_bytes(text) == value
 
 
-@pytest.mark.parametrize("text", ["", "8X", "-1G", "G", "0", "1e9", "0.1", "9" * 400, "99999999T"])
+@pytest.mark.parametrize("text", ["", "8X", "-1G", "G", "0", "1e9", "0.1", "9" * 400, "99999999T",
+                                  str(2**63), "8388608T"])  # 2**63 exactly, and as 8 Mi TiB
 def test_a_memory_size_that_is_not_one_is_refused_naming_it_and_the_forms(text):
     with pytest.raises(ValueError, match=r"memory size .* must be a positive number of bytes.*e\.g\. 8G"):
         parse_bytes(text)
