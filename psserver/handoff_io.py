@@ -242,8 +242,8 @@ class HandoffIO:
 
     def _prepare(self, plan: Plan) -> None:
         with self.lock:
-            if self.plan is not None and self.plan.id == plan.id:
-                return  # asked twice
+            if self.plan is not None and self.plan.id == plan.id and not self.aborted:
+                return  # asked twice (an aborted plan's id is prepared afresh: the same command, run again)
             if self.plan is not None and not self.settled():
                 raise NotReady(f"plan is {plan.id!r} but this shard is already re-sharding under plan "
                                f"{self.plan.id!r}")

@@ -27,6 +27,7 @@ from psserver.protocol.security import ClientSecurity, add_client_flags, client_
 Op = _pb.ReshardRequest
 TAILING = {"source:tailing", "source:holding", "source:blocking", "source:blocked"}
 POLL_SECONDS = 0.2
+ENDED_ALONE = ("dest:dropped", "source:owner")  # a move's phases once it ended before the switch (an abort)
 CALL_RETRY_SECONDS = 30.0  # how long one op is sent again while a shard gives no answer (Coordinator.call)
 NO_ANSWER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
@@ -35,13 +36,15 @@ class CoordinatorError(Exception):
     """A step that did not complete: one line, said with a hint.  ``refused``: a shard answered the op with a
     refusal (the same plan sent again is refused again); otherwise no answer or a wait ran out (a re-run resumes)."""
 
-    def __init__(self, message: str, refused: bool = False):
+    def __init__(self, message: str, refused: bool = False, hint: str = ""):
         super().__init__(message)
-        self.refused = refused
+        self.refused, self.hint = refused, hint
 
 
 def error_hint(error: CoordinatorError) -> str:
     """What to do next: a refused plan is not resumed by sending it again."""
+    if error.hint:
+        return error.hint
     if error.refused:
         return ("fix what the refusal names (the same command is refused again); --abort gives up what the other "
                 "shards recorded of the plan (before the switch)")
@@ -100,13 +103,24 @@ class Coordinator:
 
     def wait(self, done: Callable[[dict], bool], what: str, seconds: float | None = None
              ) -> dict[str, _pb.ReshardReply]:
-        """STATUS until ``done`` (every ``POLL_SECONDS``); after ``seconds`` (``--wait``) a CoordinatorError."""
+        """STATUS until ``done`` (every ``POLL_SECONDS``); after ``seconds`` (``--wait``) a CoordinatorError.  A
+        shard whose part of the plan ended on its own before the switch (a new piece that dropped itself, a source
+        back to owning its slice) ends the wait: the plan is aborted on every shard (PlanAborted)."""
         seconds = self.wait_s if seconds is None else seconds
         deadline = time.monotonic() + seconds
         while True:
             replies = self.call_all(Op.STATUS)
             if done(replies):
                 return replies
+            gave_up = sorted(a for a, r in replies.items() if r.plan == self.plan
+                             and any(h.phase in ENDED_ALONE for h in r.handoffs))
+            if gave_up:
+                self.abort_everywhere()
+                raise CoordinatorError(f"{', '.join(gave_up)} ended the plan on its own while waiting for {what} "
+                                       f"(phases {sorted(set(self.phases(replies)))}): aborted on every shard, the "
+                                       "old layout goes on", refused=True,
+                                       hint="see the shard's log for why it ended the plan; the same command starts "
+                                            "it afresh")
             if time.monotonic() > deadline:
                 raise CoordinatorError(f"waited {seconds:g} s for {what}; the shards' phases are "
                                        f"{sorted(set(self.phases(replies)))}")
@@ -184,8 +198,25 @@ class Coordinator:
             raise CoordinatorError(f"RETIRE answered with moves {left} not retired and drained shards {held} still "
                                    "holding state")
 
+    def abort_everywhere(self) -> list[str]:
+        """DECIDE abort to every shard, whatever one of them answers (sources first: theirs is the hold that
+        stalls the job); the shards that could not be told, each said."""
+        failed = []
+        for address in [*self.old, *(a for a in self.new if a not in self.old)]:
+            try:
+                self.call(address, Op.DECIDE, switch=False)
+            except CoordinatorError as e:
+                failed.append(address)
+                self.say(f"abort not taken by {address}: {e}")
+        return failed
+
     def abort(self) -> int:
-        self.call_all(Op.DECIDE, switch=False)
+        failed = self.abort_everywhere()
+        if failed:
+            raise CoordinatorError(f"plan {self.plan}: aborted on every shard but {', '.join(failed)}, which did not "
+                                   "take it (said above); the others' old layout goes on",
+                                   hint="run the same --abort again once those shards answer (a shard restarted "
+                                        "without the plan has nothing to abort)")
         self.say(f"plan {self.plan}: aborted; the old layout goes on")
         return 0
 

@@ -6,6 +6,7 @@ import socket
 import threading
 
 import grpc
+import pytest
 import torch
 
 from psserver.protocol.codec import encode, wire_tensor
@@ -204,3 +205,76 @@ def test_ps_server_reshard_that_got_no_answer_says_to_run_the_same_command_again
     cause, hint = err.splitlines()
     assert "answered STATUS with UNAVAILABLE" in cause
     assert hint.startswith("  hint: run the same command again to resume")
+
+
+def test_an_abort_reaches_the_sources_when_the_new_shard_listed_first_does_not_answer(shard_server, monkeypatch,
+                                                                                        capsys):
+    """The new shard is called first; gone, it used to stop the abort there, and the sources held their plan."""
+    monkeypatch.setattr(reshard_cmd, "CALL_RETRY_SECONDS", 0.0)  # no answer: given up at once, not after 30 s
+    job = Job(shard_server)
+    job.rounds(2)
+    first = Coordinator(job.old, job.new, say=lambda line: None)
+    try:
+        first.call_all(pb.ReshardRequest.PREPARE)
+    finally:
+        first.close()
+    gone = job.new[2]
+    job.shards[2].server.stop(grace=0)
+    argv = ["--ps", ",".join(job.old), "--to", ",".join(job.new), "--abort", "--timeout", "5"]
+    assert reshard_main(argv) == 1
+    out, err = capsys.readouterr()
+    assert f"abort not taken by {gone}" in out
+    cause, hint = err.splitlines()
+    assert f"aborted on every shard but {gone}" in cause and "run the same --abort again" in hint
+    for i in (0, 1):  # the sources took it: their moves are over (their new pieces dropped) and the old layout trains on
+        phases = {h.phase for h in job.reshard(i, pb.ReshardRequest.STATUS).handoffs}
+        assert "source:owner" in phases and phases <= set(reshard_cmd.ENDED_ALONE)
+    job.rounds(4)
+
+
+def test_the_same_command_runs_a_plan_again_after_it_was_aborted(shard_server, capsys):
+    shards = [shard_server(shard=i, lease_timeout=0) for i in range(3)]
+    run = Run(shards, [0, 1])
+    run.rounds(2)
+    old, new = run.addresses([0, 1]), run.addresses([0, 1, 2])
+    argv = ["--ps", ",".join(old), "--to", ",".join(new), "--wait", "120", "--retire-wait", "0"]
+    first = Coordinator(old, new, say=lambda line: None)  # the same plan id as the command's
+    try:
+        first.call_all(pb.ReshardRequest.PREPARE)
+    finally:
+        first.close()
+    assert reshard_main([*argv, "--abort"]) == 0
+    assert "aborted; the old layout goes on" in capsys.readouterr().out
+    result = {}
+    command = threading.Thread(target=lambda: result.setdefault("rc", reshard_main(argv)), daemon=True)
+    command.start()
+    train_while(run, command, shards)
+    assert result["rc"] == 0 and "done: layout 1" in capsys.readouterr().out
+
+
+class _Shards:
+    """The STATUS answers of a plan's shards, as the coordinator reads them, and the ops it sends."""
+
+    def __init__(self, plan: str, phases: dict[str, list[str]]):
+        self.plan, self.phases, self.sent = plan, phases, []
+
+    def call(self, address, op, **kw):
+        self.sent.append((address, pb.ReshardRequest.Op.Name(op), kw.get("switch")))
+        return pb.ReshardReply(plan=self.plan, handoffs=[pb.HandoffState(plan=self.plan, phase=p)
+                                                         for p in self.phases[address]])
+
+
+def test_a_coordinator_that_sees_a_shard_end_the_plan_alone_aborts_it_on_every_shard_and_says_so():
+    old, new = ["127.0.0.1:1", "127.0.0.1:2"], ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]
+    coordinator = Coordinator(old, new, say=lambda line: None)
+    try:
+        fake = _Shards(coordinator.plan, {old[0]: ["source:blocked"], old[1]: ["source:blocked"],
+                                          new[2]: ["dest:dropped"]})  # the new piece dropped itself
+        coordinator.call = fake.call
+        with pytest.raises(reshard_cmd.CoordinatorError, match=r"127.0.0.1:3 ended the plan on its own") as e:
+            coordinator.wait(lambda r: False, "every new piece to replay")
+        assert "aborted on every shard" in str(e.value) and "starts it afresh" in reshard_cmd.error_hint(e.value)
+        decides = [(a, switch) for a, op, switch in fake.sent if op == "DECIDE"]
+        assert decides == [(old[0], False), (old[1], False), (new[2], False)]  # sources first
+    finally:
+        coordinator.close()
