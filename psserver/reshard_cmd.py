@@ -61,8 +61,12 @@ class Coordinator:
 
     def __init__(self, old: list[str], new: list[str], partitions: int = 0,
                  security: ClientSecurity = ClientSecurity(), timeout: float = 10.0, wait: float = 600.0,
-                 say: Callable[[str], None] = print, at_round: int = 0, retire_wait: float = 60.0):
+                 say: Callable[[str], None] = print, at_round: int = 0, retire_wait: float = 60.0,
+                 stall: float = 120.0, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep):
         self.old, self.new, self.partitions, self.at_round = old, new, partitions, at_round
+        self.stall = stall  # seconds a copy may move no byte before the plan is aborted (--stall)
+        self.clock, self.sleep = clock, sleep
         self.retire_wait = retire_wait
         self.plan = plan_id(old, new, partitions)
         self.everyone = [a for a in new if a not in old] + old  # destinations only first: nothing to retry
@@ -101,17 +105,30 @@ class Coordinator:
     def phases(self, replies: dict[str, _pb.ReshardReply]) -> list[str]:
         return [r.phase for reply in replies.values() if reply.plan == self.plan for r in reply.handoffs]
 
-    def wait(self, done: Callable[[dict], bool], what: str, seconds: float | None = None
+    def wait(self, done: Callable[[dict], bool], what: str, seconds: float | None = None, copying: bool = False
              ) -> dict[str, _pb.ReshardReply]:
         """STATUS until ``done`` (every ``POLL_SECONDS``); after ``seconds`` (``--wait``) a CoordinatorError.  A
         shard whose part of the plan ended on its own before the switch (a new piece that dropped itself, a source
-        back to owning its slice) ends the wait: the plan is aborted on every shard (PlanAborted)."""
+        back to owning its slice) ends the wait, and so do ``copying`` copies that move no byte for ``stall``
+        seconds: the plan is aborted on every shard."""
         seconds = self.wait_s if seconds is None else seconds
-        deadline = time.monotonic() + seconds
+        deadline = self.clock() + seconds
+        moved, since = -1, self.clock()  # the copies' bytes, and since when they stand still
         while True:
             replies = self.call_all(Op.STATUS)
             if done(replies):
                 return replies
+            if copying:
+                now, total = self.clock(), self.bytes_moved(replies)
+                if total != moved:
+                    moved, since = total, now
+                elif now - since > self.stall:
+                    self.abort_everywhere()
+                    raise CoordinatorError(f"the copies moved no byte in {self.stall:g} s (--stall; {moved} bytes "
+                                           f"moved, phases {sorted(set(self.phases(replies)))}): aborted on every "
+                                           "shard, the old layout goes on", refused=True,
+                                           hint="see the shards' logs for why a copy does not move (a new shard "
+                                                "unreachable from a source?); the same command starts it afresh")
             gave_up = sorted(a for a, r in replies.items() if r.plan == self.plan
                              and any(h.phase in ENDED_ALONE for h in r.handoffs))
             if gave_up:
@@ -121,10 +138,14 @@ class Coordinator:
                                        "old layout goes on", refused=True,
                                        hint="see the shard's log for why it ended the plan; the same command starts "
                                             "it afresh")
-            if time.monotonic() > deadline:
+            if self.clock() > deadline:
                 raise CoordinatorError(f"waited {seconds:g} s for {what}; the shards' phases are "
                                        f"{sorted(set(self.phases(replies)))}")
-            time.sleep(POLL_SECONDS)
+            self.sleep(POLL_SECONDS)
+
+    def bytes_moved(self, replies: dict[str, _pb.ReshardReply]) -> int:
+        return sum(h.bytes for r in replies.values() if r.plan == self.plan for h in r.handoffs
+                   if h.phase.startswith("source:"))
 
     def closed_in_new_layout(self, replies: dict[str, _pb.ReshardReply]) -> bool:
         """Round R closed on every new shard: every trainer pushed in the new layout, so none has a call in the
@@ -160,7 +181,7 @@ class Coordinator:
             self.call_all(Op.PREPARE)
             self.say("prepared: copying while training goes on")
             replies = self.wait(lambda r: (ph := [p for p in self.phases(r) if p.startswith("source:")])
-                                and set(ph) <= TAILING, "every move's copy to be acknowledged")
+                                and set(ph) <= TAILING, "every move's copy to be acknowledged", copying=True)
             R = max(r.round for r in replies.values())
             if not R:
                 R = max(self.call(a, Op.PROPOSE).proposal for a in self.old)
@@ -234,6 +255,8 @@ def reshard_main(argv: list[str]) -> int:
                    help="seconds RETIRE waits for round R to close in the new layout, so that a trainer's lost reply "
                         "retried in the old layout is still answered (0: retire at once)")
     p.add_argument("--abort", action="store_true", help="abort this plan (before the switch) instead")
+    p.add_argument("--stall", type=float, default=120.0,
+                   help="seconds the copies may move no byte before the plan is aborted on every shard")
     p.add_argument("--at-round", type=int, default=0, metavar="N",
                    help="wait until the first --ps shard is at round N, then prepare (a command started early "
                         "spends its start-up before the job reaches N, not while it trains on: ps-cluster --reshard)")
@@ -243,7 +266,7 @@ def reshard_main(argv: list[str]) -> int:
     if old == new:
         p.error("--to is the same list as --ps: nothing to move")
     coordinator = Coordinator(old, new, args.partitions, client_security(args), args.timeout, args.wait,
-                              at_round=args.at_round, retire_wait=args.retire_wait)
+                              at_round=args.at_round, retire_wait=args.retire_wait, stall=args.stall)
     try:
         return coordinator.abort() if args.abort else coordinator.run()
     except CoordinatorError as e:

@@ -278,3 +278,46 @@ def test_a_coordinator_that_sees_a_shard_end_the_plan_alone_aborts_it_on_every_s
         assert decides == [(old[0], False), (old[1], False), (new[2], False)]  # sources first
     finally:
         coordinator.close()
+
+
+class _Clock:
+    """A fake clock the coordinator's waits sleep on (no real time passes)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.mark.parametrize("moving", [False, True])
+def test_copies_that_move_no_byte_for_the_stall_end_the_plan_everywhere_and_moving_ones_wait_on(moving):
+    old, new = ["127.0.0.1:1", "127.0.0.1:2"], ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]
+    clock = _Clock()
+    coordinator = Coordinator(old, new, say=lambda line: None, stall=5.0, wait=30.0, clock=clock, sleep=clock.sleep)
+    try:
+        fake = _Shards(coordinator.plan, {a: ["source:copying"] for a in old} | {new[2]: ["dest:receiving"]})
+        polls = []
+
+        def call(address, op, **kw):
+            reply = fake.call(address, op, **kw)
+            if op == pb.ReshardRequest.STATUS:
+                polls.append(clock.now)
+                for h in reply.handoffs:
+                    h.bytes = len(polls) if moving else 0  # a copy that moves a byte a poll, or none
+            return reply
+
+        coordinator.call = call
+        with pytest.raises(reshard_cmd.CoordinatorError) as e:
+            coordinator.wait(lambda r: False, "every move's copy to be acknowledged", copying=True)
+        decides = [a for a, op, _ in fake.sent if op == "DECIDE"]
+        if moving:  # progress: only --wait ends it, and nothing is aborted by the coordinator
+            assert "waited 30 s" in str(e.value) and decides == []
+        else:
+            assert "moved no byte in 5 s (--stall" in str(e.value) and decides == [*old, new[2]]
+            assert clock.now < 30.0
+    finally:
+        coordinator.close()
