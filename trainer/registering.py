@@ -24,8 +24,9 @@ CONNECT_ATTEMPT_SECONDS = 3.0  # one Register attempt; a shard that never answer
 CONNECT_RETRY_PAUSE = 0.5  # between Register attempts to a shard that refused
 WAIT_LOG_SECONDS = 5.0  # while connecting or waiting for peers, say what is awaited this often
 # Every address on loopback and refused this long in a row: a wrong port, not a shard starting late on another
-# host -- give up with the usual error instead of waiting out --connect-timeout.
-LOOPBACK_REFUSED_SECONDS = 5.0
+# host -- give up with the usual error instead of waiting out --connect-timeout.  Long enough for a shard started
+# beside the trainer on a loaded machine to come up (24-40 s measured at load 3-6, 2026-12-01; it was 5 s).
+LOOPBACK_REFUSED_SECONDS = 60.0
 LOOPBACK_HOSTS = ("localhost", "127.", "[::1]", "::1")
 
 
@@ -168,7 +169,10 @@ class Registering:
                                 connect_timeout if named_timeout is None else named_timeout, refusals)
                 self._count(retry)
                 if now >= next_log:
-                    self._say_waiting(retry, cause, give_up - now)
+                    left = give_up - now
+                    if refusals.since is not None:  # refused in a row on loopback: given up sooner than that
+                        left = min(left, refusals.limit - (now - refusals.since))
+                    self._say_waiting(retry, cause, left)
                     next_log = now + WAIT_LOG_SECONDS
                 if abandon.wait(min(CONNECT_RETRY_PAUSE, max(0.0, give_up - now))):  # the pause between attempts
                     raise ConnectAbandoned(f"{self.name} at {self.address}: registering was abandoned")

@@ -11,6 +11,7 @@ import torch
 from psserver.protocol.stubs import fetch_stat
 from tests.cluster.helpers import last_step, records
 from tests.helpers import wait_until
+from trainer.client import LOOPBACK_REFUSED_SECONDS
 from trainer.procs import Proc, start_shard, start_trainer
 from trainer.tools.procstat import free_port
 
@@ -90,8 +91,10 @@ def test_a_refused_port_on_loopback_ends_in_seconds_not_after_the_connect_timeou
     trainer = start_trainer(0, f"127.0.0.1:{port}", tmp_path / "trainer0.log",
                             ["--threads", "1", "--no-progress", "--connect-timeout", "600"])
     procs.append(trainer)
-    assert trainer.popen.wait(120) == 1  # far below the 600 s it would otherwise wait
+    assert trainer.popen.wait(300) == 1  # far below the 600 s it would otherwise wait
+    assert f"still trying for {LOOPBACK_REFUSED_SECONDS:.0f} s" in trainer.log_path.read_text()  # as it does
     out = trainer.log_path.read_text()
-    assert (f"ps-trainer: error: shard 0 at 127.0.0.1:{port} did not answer within 5 s (every address is on "
+    assert (f"ps-trainer: error: shard 0 at 127.0.0.1:{port} did not answer within {LOOPBACK_REFUSED_SECONDS:g} s "
+            f"(every address is on "
             f"loopback and it refuses connections: check the port, or start the shard first;") in out
     assert "Traceback" not in out
