@@ -204,11 +204,6 @@ def layouts_in(directory: str | Path) -> set[tuple[int, int]]:
     return {named[:2] for p in Path(directory).iterdir() if (named := parse_name(p.name))}
 
 
-def shards_in(directory: str | Path, layout: int = 0) -> set[int]:
-    """The shard indices that have checkpoint files of layout ``layout`` in ``directory`` (read only)."""
-    return {shard for e, shard in layouts_in(directory) if e == layout}
-
-
 def list_checkpoints(directory: str | Path, shard: int, layout: int = 0) -> list[Path]:
     """``shard``'s checkpoint files of layout ``layout`` in ``directory``, newest first."""
     found = []

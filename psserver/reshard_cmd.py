@@ -62,11 +62,12 @@ class Coordinator:
     def __init__(self, old: list[str], new: list[str], partitions: int = 0,
                  security: ClientSecurity = ClientSecurity(), timeout: float = 10.0, wait: float = 600.0,
                  say: Callable[[str], None] = print, at_round: int = 0, retire_wait: float = 60.0,
-                 stall: float = 120.0, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep):
+                 stall: float = 120.0, clock: Callable[[], float] | None = None,
+                 sleep: Callable[[float], None] | None = None):
         self.old, self.new, self.partitions, self.at_round = old, new, partitions, at_round
         self.stall = stall  # seconds a copy may move no byte before the plan is aborted (--stall)
-        self.clock, self.sleep = clock, sleep
+        self.clock = clock or (lambda: time.monotonic())  # looked up at each call: a test may replace them
+        self.sleep = sleep or (lambda seconds: time.sleep(seconds))
         self.retire_wait = retire_wait
         self.plan = plan_id(old, new, partitions)
         self.everyone = [a for a in new if a not in old] + old  # destinations only first: nothing to retry

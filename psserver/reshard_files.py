@@ -9,7 +9,6 @@ verifies -- a damaged newest file falls back to a version the other shards also 
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from psserver.checkpoint import CorruptCheckpoint, ShardState, file_name, layouts_in, list_checkpoints, parse_name
@@ -136,7 +135,3 @@ def states_for(directories: list[str], num_shards: int | None, shard: int, parti
     if partition_bytes is not None:
         partitions = partitions_for_bytes(old, num_shards, partition_bytes)
     return recut(pieces, num_shards, shard, partitions)
-
-
-def split_dirs(value: str) -> list[str]:
-    return [d.strip() for d in re.split(r",", value) if d.strip()]

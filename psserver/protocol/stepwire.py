@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 from psserver.protocol.fastwire import (
     MAX_CHUNK_FIELDS,
-    RawChunk,
     _read_bytes,
     _read_varint,
     _varint,
@@ -20,7 +19,6 @@ from psserver.protocol.fastwire import (
     parse_rows_chunk,
     serialize_chunk,
 )
-from psserver.protocol.proto import ps_pb2 as _pb
 
 _TAG_PART, _TAG_DENSE, _TAG_ROWS, _TAG_MORE, _TAG_ONE_REPLY = 0x08, 0x12, 0x1A, 0x22, 0x28
 
@@ -141,11 +139,3 @@ def parse_step(message: bytes, nested: bool = False, max_more: int | None = None
     except Exception as e:  # noqa: BLE001 -- the client's malformed bytes: refused INVALID_ARGUMENT, not INTERNAL
         msg.malformed = f"malformed StepChunk message: {e}"
     return msg
-
-
-def dense_chunk(part: int, chunk: RawChunk) -> StepMessage:
-    return StepMessage(part=part, dense=chunk)
-
-
-def rows_chunk(part: int, chunk: _pb.RowsChunk) -> StepMessage:
-    return StepMessage(part=part, rows=chunk)

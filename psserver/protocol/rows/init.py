@@ -68,11 +68,6 @@ def _row_bits(seed: int, ids: torch.Tensor, dim: int) -> np.ndarray:
     return mix64_u64(start[:, None] + steps[None, :])
 
 
-def row_bits(seed: int, ids: torch.Tensor, dim: int) -> torch.Tensor:
-    """``bits(id, j)`` of the module docstring: an int64 (len(ids), dim) tensor."""
-    return torch.from_numpy(_row_bits(seed, ids, dim).view(np.int64))
-
-
 def _unsigned(bits: torch.Tensor | np.ndarray) -> np.ndarray:
     return bits if isinstance(bits, np.ndarray) else bits.contiguous().numpy().view(np.uint64)
 
