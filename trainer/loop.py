@@ -99,6 +99,9 @@ class Run:
     def start(self) -> None:
         """Join the job (the shards, or a ps-bench baseline); a failure leaves nothing behind."""
         self.ps = make_stepper(self.cfg, self.model, self.total_steps)
+        if self.cfg.join:  # the rank the job handed out: in the log lines, the metrics, the summary, who writes --output
+            self.cfg = replace(self.cfg, rank=self.ps.rank)
+            self.metrics.rank = self.cfg.rank
         self.metrics.write("start", config={k: v for k, v in asdict(self.cfg).items() if k != "security"},
                            device=str(self.device), steps_per_epoch=self.spe, total_steps=self.total_steps,
                            params=self.ps.num_params, threads=torch.get_num_threads())
@@ -231,9 +234,7 @@ def train(cfg: TrainConfig, stop: StopRequest | None = None) -> dict:
     stop = stop or StopRequest()
     try:
         run.start()
-        if cfg.join:  # the rank the job handed out: in the metrics, the summary, and who writes --output
-            cfg = run.cfg = replace(cfg, rank=run.ps.rank)
-            run.metrics.rank = cfg.rank
+        cfg = run.cfg  # (a joiner's names the rank the job handed it)
         stop.steps_running = True
         elastic = cfg.backend == "ps" and (cfg.join or cfg.max_trainers)
         if elastic:

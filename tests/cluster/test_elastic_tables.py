@@ -138,6 +138,7 @@ def test_a_third_trainer_joining_a_sync_table_job_gives_the_rows_of_one_process_
             "--num-trainers", "2", "--join", "--sparse-optimizer", sparse_optimizer, *COMMON], name="joiner"))
         codes = wait_all(procs[2:], 300)
         assert codes == {"trainer0": 0, "trainer1": 0, "joiner": 0}, procs[4].log_tail()
+        assert "rank 2: ncf on cpu" in (tmp_path / "joiner.log").read_text()  # its log names the rank it was handed
         epochs, counters = finish(shards)
     finally:
         for p in procs:
