@@ -165,6 +165,11 @@ class Session:
         warm = [grpc.channel_ready_future(s.channel) for s in self.client.parts[1:]]
         try:
             first = self._register(head, timeout, join=True)
+        except BaseException:
+            # refused, or unanswered, at its admission: it was handed no rank, so it has none to leave -- a Leave
+            # would name the rank it was started with, another trainer's (a pending admission expires on its own)
+            self.registered = set()
+            raise
         finally:
             for f in warm:
                 f.cancel()

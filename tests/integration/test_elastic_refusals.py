@@ -207,3 +207,18 @@ def test_a_confirm_of_a_round_already_served_is_failed_precondition(running):
     refused(lambda: join(running, join_round=1, rank=1, confirm=True), grpc.StatusCode.FAILED_PRECONDITION,
             "join_round is 1 but shard 0 is at version 1", unchanged=running)
     still_serves(running, 1)
+
+
+def test_a_joiner_refused_at_its_admission_sends_no_leave_in_another_ranks_name(running):
+    from trainer.api import connect
+    from trainer.models import build_model
+
+    model = build_model("mlp", (1, 28, 28), seed=0)
+    with pytest.raises(Exception, match="num_trainers is 3 but the job has 1"):  # the flags do not match the job
+        connect(running.server.address, model, num_trainers=3, max_trainers=4, join=True, connect_timeout=10)
+    c = running.stats().counters
+    refused_calls = {k: v for k, v in c.items() if k.startswith("refused_")}
+    assert refused_calls == {"refused_FAILED_PRECONDITION": 1}, refused_calls  # its join's: no Leave as rank 0
+    assert c.get("leaves", 0) == 0
+    assert list(running.stats().live_ranks) == [0]  # rank 0, the running trainer, is still in the job
+    still_serves(running, 1)
