@@ -49,6 +49,7 @@ class Enrolment:
         self.started = False  # every trainer of the job has registered at least once
         self.epochs: EpochBook | None = None  # the membership timeline and pending joins (psserver.epochs)
         self._timeline_protos: tuple | None = None  # (the timeline, {first listed epoch: its GetStats epochs})
+        self.refused_registers: dict[int, str] = {}  # rank -> why its last Register was refused (before the start)
         self.members.reset()
 
     def start(self, job: JobSpec) -> None:
@@ -145,6 +146,7 @@ class Enrolment:
         that was out of the epoch -- it left -- is a member from again, else 0)."""
         epoch = self.epochs.registered(rank, at=version)  # first: refused past MAX_EPOCHS, nothing changed
         previous = self.members.register(rank, trainer_id)
+        self.refused_registers.pop(rank, None)
         self._counters["registrations"] += 1
         replaced = previous is not None and previous != trainer_id
         if replaced:
@@ -340,11 +342,21 @@ class Enrolment:
         return len(self.epochs.members_at(version))
 
     def missing_registrations(self, num_trainers: int) -> str:
-        """The ranks not registered yet, named up to ``MAX_MISSING_LISTED``."""
+        """The ranks not registered yet, named up to ``MAX_MISSING_LISTED``; then why the first of them whose
+        Register was refused was refused: the trainers that wait for it learn that it came with other flags."""
         missing = sorted(set(range(num_trainers)) - self.members.view().registered)
         named = ", ".join(map(str, missing[:MAX_MISSING_LISTED]))
         more = f" and {len(missing) - MAX_MISSING_LISTED} more" if len(missing) > MAX_MISSING_LISTED else ""
-        return f"[{named}]{more}"
+        refused = next((r for r in missing if r in self.refused_registers), None)
+        why = f"; a Register as rank {refused} was refused: {self.refused_registers[refused]}" \
+            if refused is not None else ""
+        return f"[{named}]{more} to register{why}"
+
+    def register_refused(self, rank: int, num_trainers: int, why: str) -> None:
+        """A Register as ``rank`` of the running job was refused for ``why``: kept, for a rank the job still
+        waits for, until it registers (one line a rank; the job's ranks only, so the book stays bounded)."""
+        if not self.started and 0 <= rank < num_trainers:
+            self.refused_registers[rank] = why[:300]
 
     def digest_text(self) -> str:
         return self.epochs.digest_text() if self.epochs is not None else ""

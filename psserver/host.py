@@ -136,6 +136,8 @@ class ShardHost:
             raise no_job_to_join(f"shard {self.shard_id}", ended=running is not None)
         diff = running.difference(job) if running is not None and not self.head.job_ended() else ""
         if diff:
+            if not join:  # the trainers waiting for this rank are told why it is not coming (pull_wait_message)
+                self.head.register_refused(rank, diff)
             raise JobMismatch(f"job spec differs from the one this shard runs: {diff}")
         if running is None or self.head.job_ended():
             self._admit(job)

@@ -122,6 +122,13 @@ class ShardMembership:
         """``job_done`` without the lock, for a pre-check on the event loop (the membership has its own lock)."""
         return self._job_done()
 
+    def register_refused(self, rank: int, why: str) -> None:
+        """A Register as ``rank`` was refused for ``why`` (a spec that differs): told to the trainers waiting.
+        On the event loop, without the lock (as the Register's other checks): one dict entry written."""
+        job = self.job
+        if job is not None:
+            self.enrolment.register_refused(rank, job.num_trainers, why)
+
     def check_member(self, rank: int, trainer_id: str, fingerprint: str, need_params: bool = False) -> None:
         """Refuse strangers and other jobs' trainers; renew the caller's lease.  Safe on the event loop."""
         self.enrolment.check_member(self.job, rank, trainer_id, fingerprint)

@@ -77,5 +77,5 @@ class ShardPulls:
             return f"{self.label} was not initialised within {timeout:.1f} s: is rank 0 running?"
         if not self.started:
             missing = self.enrolment.missing_registrations(self.job.num_trainers)
-            return f"{self.label} still waits for ranks {missing} to register after {timeout:.1f} s"
+            return f"{self.label} still waits for ranks {missing}"
         return f"{self.label} is at version {self.version}, not {min_version}, after {timeout:.1f} s"

@@ -11,6 +11,7 @@ import grpc
 import pytest
 import torch
 
+from tests.helpers import wait_until
 from tests.integration.switchproxy import SwitchProxy
 from trainer.api import StartTimeout, StepFailed, connect
 from trainer.client import LOOPBACK_REFUSED_SECONDS, RefusalClock, ShardClient, ShardUnreachable, on_loopback
@@ -239,3 +240,29 @@ def test_refusals_give_up_only_in_a_row_and_only_with_a_limit():
 def test_only_an_all_loopback_job_is_given_up_on_early():
     assert on_loopback(["127.0.0.1:7000", "localhost:7001", "[::1]:7002"])
     assert not on_loopback(["127.0.0.1:7000", "10.0.0.2:7000"])
+
+
+def test_a_trainer_waiting_for_a_peer_whose_register_was_refused_is_told_why(shard_server, caplog):
+    s = shard_server(0)
+    address = s.server.address
+    caplog.set_level(logging.INFO, logger="trainer")
+    out = {}
+
+    def first():
+        try:
+            connect(address, model(), num_trainers=2, connect_timeout=8)
+        except StartTimeout as e:
+            out["error"] = e
+
+    waiting = threading.Thread(target=first)
+    waiting.start()
+    try:
+        wait_until(lambda: s.stats().counters.get("registrations", 0) == 1, "rank 0 to register")
+        with pytest.raises(Exception, match="num_trainers is 3 but the job has 2"):  # its peer, with other flags
+            connect(address, model(), rank=1, num_trainers=3, connect_timeout=3)
+    finally:
+        waiting.join(60)
+    assert not waiting.is_alive()
+    told = "still waits for ranks [1] to register; a Register as rank 1 was refused: "
+    assert told in str(out["error"]) and "num_trainers is 3 but the job has 2" in str(out["error"])
+    assert "after" not in str(out["error"]).split("still waits", 1)[1]  # no poll's seconds beside the 8 s it waited
