@@ -211,12 +211,12 @@ class StepEngine:
         if svc.rank_calls(s.rank) >= svc.cfg.max_calls_per_rank:
             svc.count("step_engine_misses")
             return None  # (refused by the general path, counted there)
+        context.requests.hold(("step", id(msg)), msg.nbytes)  # first, as the general path's _step_parts: may refuse
         try:
             s.part.check_member(s.rank, s.trainer_id, s.fingerprint, need_params=dense is not None)
-        except Exception:  # noqa: BLE001 -- a lease past its time, say: the general path refuses or rejoins
+        except Exception:  # noqa: BLE001 -- a member no more: the general path refuses (its hold is this one)
             svc.count("step_engine_misses")
             return None
-        context.requests.hold(("step", id(msg)), msg.nbytes)  # (as the general path's _step_parts: may refuse)
         svc.count("step_engine_steps")
         # -- from here on, the general path's calls in its order (psserver.service_step StepRpc._step) --
         deadline = svc.call_deadline(context)
