@@ -9,9 +9,11 @@ steady state (``step_engine_steps``), or the comparison would be of the general 
 
 from __future__ import annotations
 
+import grpc
 import pytest
 import torch
 
+from psserver.protocol.codec import encode, wire_tensor
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.stepwire import StepMessage, one_message, parse_step, serialize_step
 from psserver.protocol.stubs import method
@@ -19,8 +21,8 @@ from psserver.service import ServiceLimits
 from tests.conftest import P
 from tests.helpers import refused, run_ranks
 from tests.integration.test_row_prefetch import B, STEPS, Rec, batch
-from tests.integration.test_sparse_rpc import job, rows_chunks
-from tests.integration.test_step_rpc import dense, rows
+from tests.integration.test_sparse_rpc import DIM, job, rows_chunks
+from tests.integration.test_step_rpc import dense, rows, started
 from trainer.api import connect
 
 ENGINE_OWN = ("step_engine_steps", "step_engine_misses")
@@ -88,3 +90,62 @@ def test_a_job_on_shards_with_the_engine_ends_with_the_bits_digests_and_counters
         assert counters(f) == counters(g)
         assert f.stats().counters["step_engine_steps"] > 0  # the engine ran the steady state
         assert g.stats().counters.get("step_engine_steps", 0) == 0
+
+
+# ---------------------------------------------------------------------------------------- hand-made step sequences
+def raw_step(raw, seq: int, version: int, push_ids: list[int], pull_ids: list[int], trainer_id=None) -> StepMessage:
+    """One StepOnce of rank 0 as a trainer sends it: the dense gradient in one chunk, a table part pushing
+    ``push_ids``' rows and pulling ``pull_ids``'."""
+    h = raw.header(n=P, version=version, sequence=seq, trainer_id=trainer_id)
+    grad = torch.linspace(-1, 1, P) * seq
+    msgs = [StepMessage(0, dense=c) for c in encode(wire_tensor(grad, h.dtype), h, 1 << 20)]
+    chunks = rows_chunks(push_ids, torch.full((len(push_ids), DIM), 0.1 * seq), seq=seq, base=version,
+                         chunk_bytes=1 << 20)
+    if trainer_id is not None:
+        chunks[0].header.trainer_id = trainer_id
+    return one_message(msgs + rows(1, chunks, pull_ids))
+
+
+def answer(call, msg) -> tuple:
+    """A StepOnce's reply as comparable bytes (what a reply measures, wait_seconds, and names at random, pull_ref,
+    zeroed), or its refusal."""
+    try:
+        reply = call(msg, timeout=20)
+    except grpc.RpcError as e:
+        return ("refused", e.code(), e.details())
+    out = []
+    for m in reply.flat():
+        if m.dense is not None:
+            h = pb.ChunkHeader()
+            h.CopyFrom(m.dense.header)
+            h.wait_seconds = 0
+            out.append((m.part, h.SerializeToString(), bytes(m.dense.data)))
+        else:
+            h = pb.RowsHeader()
+            h.CopyFrom(m.rows.header)
+            h.wait_seconds = h.pull_ref = 0  # (a pull's reference is each shard's own random name)
+            out.append((m.part, h.SerializeToString(), bytes(m.rows.rows)))
+    return ("reply", out)
+
+
+STEPS_AND_FAULTS = [  # (sequence, base version, pushed ids, pulled ids, trainer id)
+    (1, 0, [1, 2], [2, 3], None), (2, 1, [2, 3], [3, 4, 5], None), (3, 2, [3, 4, 5], [5], None),
+    (3, 2, [3, 4, 5], [5], None),  # a retry after a lost reply: DUPLICATE, the same rows
+    (9_000_000, 3, [5], [6], None),  # a sequence far ahead: refused, nothing changes
+    (4, 3, [5], [6], "stranger"),  # another process in rank 0's name: refused
+    (4, 9, [5], [6], None),  # a base from the future: refused
+    (4, 3, [5], [6, 7], None), (5, 4, [6, 7], [1, 2], None), (6, 5, [1, 2], [], None),
+]
+
+
+def test_hand_made_steps_with_retries_and_refusals_answer_the_same_bytes_with_the_engine_and_without(shard_server):
+    fast, general = (started(shard_server, limits=limits(engine)) for engine in (True, False))
+    answers = []
+    for raw in (fast, general):
+        call = raw.channel.unary_unary(method("StepOnce"), serialize_step, parse_step)
+        answers.append([answer(call, raw_step(raw, *step)) for step in STEPS_AND_FAULTS])
+    for k, (a, b) in enumerate(zip(*answers)):
+        assert a == b, f"step {k} {STEPS_AND_FAULTS[k]}: {a!r:.300} != {b!r:.300}"
+    assert [a[0] for a in answers[0]] == ["reply"] * 4 + ["refused"] * 3 + ["reply"] * 3
+    assert fast.digest() == general.digest() and counters(fast) == counters(general)
+    assert fast.stats().counters["step_engine_steps"] >= 5  # every step after the first that went through it
