@@ -67,58 +67,38 @@ class StepRpc:
         """A Step in one message answered in one message (ps.proto): Step's parts, checks, trip and replies, read
         from one request and packed into one reply -- no stream reads or writes on the loop.  A reply over the
         one-message bound is refused before any part runs (_check_once_reply)."""
-        if self.engine is not None:  # a caller's steady state, or None: nothing was changed (psserver.step_engine)
-            reply = await self.engine.step_once(request, context)
-            if reply is not None:
-                return reply
-        parts, _ = await self._step_parts(_Received([request], self._deadline(context)), context.requests)
+        # a caller's steady state: its parts, checked against its step session (psserver.step_engine), or None
+        parts = self.engine.checked_parts(request, context) if self.engine is not None else None
+        checked = parts is not None
+        if not checked:
+            parts, _ = await self._step_parts(_Received([request], self._deadline(context)), context.requests)
         out = OneReply(context, self.cfg.max_message_bytes, self.shard.count, may_stream=False)  # bounded before
-        await self._step(parts, context, out, once=True)
-        if self.engine is not None:
+        await self._step(parts, context, out, once=True, checked=checked)
+        if self.engine is not None and not checked:
             self.engine.learn(parts, context.peer_name)
         return out.take() or b""  # (a Step always answers each part: never empty)
 
-    # -- the halves the step engine runs as this path does (psserver.step_engine) --------------------------------
-    def call_deadline(self, context) -> float:
-        return self._deadline(context)
-
-    def rank_slot(self, rank: int):
-        return self._rank_slot(rank)
-
-    def check_push_first(self, h: _pb.ChunkHeader) -> Shard:
-        return self._check_push_first(h)
-
-    def check_rows_header(self, h: _pb.RowsHeader):
-        return self._check_rows_first(h)
-
-    def check_once_reply(self, dense_header, tables: list[TablePart]) -> None:
-        self._check_once_reply(None if dense_header is None else _Headed(dense_header), tables)
-
-    def stale_as_result(self, part: Shard, h: _pb.ChunkHeader, grad: torch.Tensor):
-        """The trip's dense push (``_stale_as_result`` over ``_check_and_push``), to run on the state worker."""
-        return functools.partial(_stale_as_result, self._check_and_push, part, h, grad)
-
-    async def pull_pushed(self, h: _pb.ChunkHeader, r, context) -> None:
-        await self._pull_pushed(h, r, context)
-
-    async def step_table_reply(self, t: TablePart, context, deadline: float) -> None:
-        await self._step_table_reply(t, context, deadline)
-
-    async def _step(self, parts: list, context: ReplyStream, out, once: bool = False) -> None:
+    async def _step(self, parts: list, context: ReplyStream, out, once: bool = False, checked: bool = False) -> None:
         """A Step's parts, once read: checked, one trip, each part's reply written to ``out`` (the call, or a
-        OneReply); ``once``: the reply must fit one message (StepOnce)."""
+        OneReply); ``once``: the reply must fit one message (StepOnce).  ``checked``: the step engine checked the
+        parts' headers against the caller's session, so they are not checked again here -- but after a table part
+        that may have waited for its round, when the shard may have changed meanwhile."""
         dense = next((p for p in parts if p.kind == DENSE), None)
-        if dense is not None:
+        if dense is not None and not checked:
             self._check_push_first(dense.header)
         deadline = self._deadline(context)
-        tables = [(p.index, await self._step_table(p, deadline, context)) for p in parts if p.kind == ROWS]
+        tables = []
+        for p in parts:
+            if p.kind == ROWS:
+                tables.append((p.index, t := await self._step_table(p, deadline, context, checked)))
+                checked = checked and not t.waited
         if once:
             self._check_once_reply(dense, [t for _, t in tables])
         self.count("step_calls")
         if once:
             self.count("step_calls_once")
         async with self._rank_slot(parts[0].header.rank):
-            pushed = await self._step_trip(dense, [t for _, t in tables], context)
+            pushed = await self._step_trip(dense, [t for _, t in tables], context, checked)
             if once:
                 await self._replies_in_turn(pushed, dense, tables, out, deadline)
                 return
@@ -196,11 +176,15 @@ class StepRpc:
         check_stream_header(h, part.slice_length(), wire, self.cfg.max_push_bytes)
         return topk_payload_bytes(h.topk, h.length, wire) if h.topk else h.length * TORCH_DTYPES[wire].itemsize
 
-    async def _step_table(self, p, deadline: float, context) -> TablePart:
+    async def _step_table(self, p, deadline: float, context, checked: bool = False) -> TablePart:
         """A Step's table part read and bounded on the loop (header, the wait for an open round, pull ids and the
-        reply's bytes, held now, row tiling): its TablePart, for the trip to check and apply."""
+        reply's bytes, held now, row tiling): its TablePart, for the trip to check and apply.  ``checked``: its
+        header was checked (``_step``), only the table it names is looked up."""
         first, h = p.chunks[0], p.header
-        table, calls = self._check_rows_first(h), self.rows_at(h.layout_epoch)
+        table = self.layouts.rows_head(h.layout_epoch, h.table, h.version).tables.get(h.table) if checked \
+            else self._check_rows_first(h)
+        calls = self.rows_at(h.layout_epoch)
+        waits = h.version > table.version  # (one ahead of its table: it may wait for the open round's close)
         table = await calls.wait_push_base(table, h.table, h.rank, h.version, deadline)  # before check_push
         pull_ids = None
         if h.pull_ids or h.packed_pull_ids:
@@ -211,11 +195,12 @@ class StepRpc:
         ids, grads = await self._read_rows(_Received(p.chunks, deadline, start=1), first, h, context.requests)
         push = RowsPush(h.rank, h.trainer_id, h.version, h.num_samples, h.sequence, ids, grads)
         # ids once: a push naming one pull whole keeps that pull's check (RowCalls.push_checked)
-        return TablePart(h, table, push, pull_ids, pushed=calls.push_checked(h, table, ids))
+        return TablePart(h, table, push, pull_ids, pushed=calls.push_checked(h, table, ids), waited=waits)
 
-    async def _step_trip(self, dense, tables: list[TablePart], context):
+    async def _step_trip(self, dense, tables: list[TablePart], context, checked: bool = False):
         """The Step's dense gradient read into a receive buffer, then its one trip (run_trip): the dense part's
-        (header, PushResult) -- a stale push as a result, as PushPull answers it -- or None without one."""
+        (header, PushResult) -- a stale push as a result, as PushPull answers it -- or None without one.
+        ``checked``: its header is checked and unchanged since (``_step``)."""
         refuse = self.cfg.nonfinite == "refuse"
         # the tables of the layout the parts name (one caller, one layout: step_parts.check_caller)
         calls = self.rows_at(tables[0].header.layout_epoch) if tables else self.rows
@@ -228,7 +213,8 @@ class StepRpc:
             return None
         reader = _Received(dense.chunks, self._deadline(context), start=1)  # its header is read (step_parts)
         first, h = dense.chunks[0], dense.header
-        part = self._check_push_first(h)  # again: a table part before it may have waited for a round
+        # again, unless checked since: a table part before it may have waited for a round
+        part = self.layouts.part(h.layout_epoch, h.partition) if checked else self._check_push_first(h)
         async with self.runtime.buffers.take(part.slice_length()) as held:
             grad = await self._read_tensor(part, reader, first, h, out=held.buffer, sparse=True)
             out = await held.hand_over(calls.run_all(
@@ -273,13 +259,6 @@ class StepRpc:
         await self._stream_weights(part, h.rank, h.trainer_id, h.fingerprint, wanted, part.wire_dtype(),
                                    context, outcome=_OUTCOMES[r.outcome], staleness=r.staleness,
                                    partition=h.partition, **_claim_answer(part, h))
-
-
-class _Headed:
-    """A part as ``_check_once_reply`` reads it: its header."""
-
-    def __init__(self, header):
-        self.header = header
 
 
 class _PartStream:

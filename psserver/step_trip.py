@@ -34,6 +34,7 @@ class TablePart:
     result: Any = None  # the push's RowsResult
     pulled: tuple[int, torch.Tensor] | None = None  # (version, rows) if pulled in the trip
     error: BaseException | None = None  # what the push or the pull raised (the call's status)
+    waited: bool = False  # it may have waited for its round (one ahead): the headers after it are checked again
 
     @property
     def elements(self) -> int:
