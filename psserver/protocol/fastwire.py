@@ -81,14 +81,22 @@ def serialize_chunk(chunk) -> bytes:
     """A RawChunk (or a generated Chunk) as protobuf wire bytes, with one copy of the data."""
     if not isinstance(chunk, RawChunk):
         return chunk.SerializeToString()
+    return _serialize(chunk.header, chunk.offset, (_TAG_DATA, chunk.data))
+
+
+def _serialize(header, offset: int, *fields: tuple[int, bytes | memoryview]) -> bytes:
+    """A chunk message's wire bytes (Chunk and RowsChunk alike): its header (field 1) if any, its offset (field 2)
+    if not 0, then each (tag, bytes) field that is not empty -- field order, as the generated classes write them,
+    with one copy of each payload."""
     parts = []
-    if chunk.header is not None:
-        h = chunk.header.SerializeToString()
+    if header is not None:
+        h = header.SerializeToString()
         parts += [bytes((_TAG_HEADER,)), _varint(len(h)), h]
-    if chunk.offset:
-        parts += [bytes((_TAG_OFFSET,)), _varint(chunk.offset)]
-    if len(chunk.data):
-        parts += [bytes((_TAG_DATA,)), _varint(len(chunk.data)), chunk.data]
+    if offset:
+        parts += [bytes((_TAG_OFFSET,)), _varint(offset)]
+    for tag, body in fields:
+        if len(body):
+            parts += [bytes((tag,)), _varint(len(body)), body]
     return b"".join(parts)
 
 
@@ -136,7 +144,7 @@ def parse_chunk(message: bytes) -> RawChunk:
 
 
 # -------------------------------------------------------------------------------------------- RowsChunk
-_TAG_ROWS_HEADER, _TAG_ROWS_OFFSET, _TAG_ROWS_IDS, _TAG_ROWS_ROWS = 0x0A, 0x10, 0x1A, 0x22
+_TAG_ROWS_IDS, _TAG_ROWS_ROWS = 0x1A, 0x22  # (header and offset: a Chunk's tags, fields 1 and 2)
 
 
 @dataclass(eq=False)
@@ -166,17 +174,7 @@ class RawRowsChunk:
     __hash__ = None
 
     def SerializeToString(self) -> bytes:  # noqa: N802 (protobuf's spelling): the bytes the generated class writes
-        parts = []
-        if self.header is not None:
-            h = self.header.SerializeToString()
-            parts += [bytes((_TAG_ROWS_HEADER,)), _varint(len(h)), h]
-        if self.offset:
-            parts += [bytes((_TAG_ROWS_OFFSET,)), _varint(self.offset)]
-        if len(self.ids):
-            parts += [bytes((_TAG_ROWS_IDS,)), _varint(len(self.ids)), self.ids]
-        if len(self.rows):
-            parts += [bytes((_TAG_ROWS_ROWS,)), _varint(len(self.rows)), self.rows]
-        return b"".join(parts)
+        return _serialize(self.header, self.offset, (_TAG_ROWS_IDS, self.ids), (_TAG_ROWS_ROWS, self.rows))
 
 
 def parse_rows_chunk(message) -> RawRowsChunk:

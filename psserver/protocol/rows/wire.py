@@ -12,11 +12,9 @@ def row_chunks(rows: torch.Tensor, header: _pb.RowsHeader, chunk_bytes: int, ids
                raw: bool = False):
     """RowsChunk messages of whole rows, each but the last at least ``chunk_bytes`` and under ``chunk_bytes`` plus
     one row (so a shard's minimum chunk size holds); the header on the first.  With ``ids`` (a push), each chunk
-    carries its ids too.  ``raw``: as RawRowsChunks (the same bytes on the wire, one copy fewer), for a Step's
-    messages, which psserver.protocol.stepwire serializes; a RowsChunk RPC's serializer is the generated class's."""
-    if raw:
-        yield from _raw_chunks(rows, header, chunk_bytes, ids)
-        return
+    carries its ids too.  ``raw``: as RawRowsChunks (the same bytes on the wire, one copy fewer), for the calls
+    whose serializer takes them (psserver.protocol.fastwire.serialize_rows_chunk, a Step's serialize_step); the
+    generated stubs' serializer takes generated RowsChunks only."""
     n, dim = rows.shape
     row_bytes = dim * 4 + (8 if ids is not None else 0)
     per = max(1, -(-chunk_bytes // row_bytes))
@@ -24,21 +22,12 @@ def row_chunks(rows: torch.Tensor, header: _pb.RowsHeader, chunk_bytes: int, ids
     id_bytes = ids.contiguous().numpy() if ids is not None else None
     for start in range(0, max(n, 1), per):
         stop = min(n, start + per)
-        chunk = _pb.RowsChunk(offset=start, rows=flat[start * dim:stop * dim].tobytes())
-        if id_bytes is not None:
-            chunk.ids = id_bytes[start:stop].tobytes()
+        chunk_ids = id_bytes[start:stop].tobytes() if id_bytes is not None else b""
+        chunk_rows = flat[start * dim:stop * dim].tobytes()
+        if raw:
+            yield RawRowsChunk(header=header if start == 0 else None, offset=start, ids=chunk_ids, rows=chunk_rows)
+            continue
+        chunk = _pb.RowsChunk(offset=start, rows=chunk_rows, ids=chunk_ids)
         if start == 0:
             chunk.header.CopyFrom(header)
         yield chunk
-
-
-def _raw_chunks(rows: torch.Tensor, header: _pb.RowsHeader, chunk_bytes: int, ids: torch.Tensor | None):
-    n, dim = rows.shape
-    per = max(1, -(-chunk_bytes // (dim * 4 + (8 if ids is not None else 0))))
-    flat = rows.contiguous().view(-1).numpy()
-    id_bytes = ids.contiguous().numpy() if ids is not None else None
-    for start in range(0, max(n, 1), per):
-        stop = min(n, start + per)
-        yield RawRowsChunk(header=header if start == 0 else None, offset=start,
-                           ids=id_bytes[start:stop].tobytes() if id_bytes is not None else b"",
-                           rows=flat[start * dim:stop * dim].tobytes())
