@@ -21,9 +21,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from psserver.protocol import limits
+from psserver.protocol.codec import check_stream_header
+from psserver.protocol.limits import check_num_samples
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.stepwire import StepMessage
-from psserver.step_parts import DENSE, ROWS, StepPart
+from psserver.service_common import _check_header_fields
+from psserver.service_rows import _check_rows_declared
+from psserver.step_parts import DENSE, ROWS, StepPart, StepParts
 
 MAX_SESSIONS = 4096  # one a trainer's connection and rank (limits.MAX_TRAINERS trainers of one job), oldest out
 
@@ -109,17 +113,18 @@ class StepEngine:
             if m.part != i:  # one chunk a part: parts numbered 0, 1, ... in order
                 return None
             if m.dense is not None:
-                if i or not self._dense_ok(s, m):
+                p = StepPart(i, DENSE, [m.dense], nbytes=len(m.dense.data), wire=m.wire)
+                if i or not self._dense_ok(s, m, p):
                     return None
-                parts.append(StepPart(i, DENSE, [m.dense]))
             else:
-                if not self._table_ok(s, m, first.layout_epoch) or m.rows.header.table in names:
+                p = StepPart(i, ROWS, [m.rows], nbytes=len(m.rows.ids) + len(m.rows.rows), wire=m.wire)
+                if not self._table_ok(s, m, p, first.layout_epoch) or m.rows.header.table in names:
                     return None
                 names.add(m.rows.header.table)
-                parts.append(StepPart(i, ROWS, [m.rows]))
+            parts.append(p)
         return s, parts
 
-    def _dense_ok(self, s: StepSession, m: StepMessage) -> bool:
+    def _dense_ok(self, s: StepSession, m: StepMessage, p: StepPart) -> bool:
         c = m.dense
         h = c.header
         if c.malformed or h is None or c.offset or h.topk or h.moved_from or h.leaving or h.claim or \
@@ -127,23 +132,20 @@ class StepEngine:
             return False
         if (h.rank, h.trainer_id, h.fingerprint) != (s.rank, s.trainer_id, s.fingerprint):
             return False
-        nbytes = s.length * 4
-        if h.dtype != _pb.FLOAT32 or h.length != s.length or len(c.data) != nbytes or nbytes > self.svc.cfg.max_push_bytes:
-            return False
-        if m.wire > nbytes + limits.STEP_PART_HEADER_BYTES + limits.STEP_CHUNK_FRAMING_BYTES:
-            return False
-        if not 1 <= h.num_samples <= limits.MAX_NUM_SAMPLES or h.sequence > limits.MAX_SEQUENCE:
-            return False
         part = s.part
-        if part.params is None or h.version > part.version:
+        if part.params is None or h.version > part.version or len(c.data) != s.length * 4:
             return False
-        try:
+        try:  # the checks the general path makes of this header (their owners'), as predicates
+            _check_header_fields(h)
+            check_stream_header(h, s.length, _pb.FLOAT32, self.svc.cfg.max_push_bytes)
+            check_num_samples(h.num_samples)
             part.enrolment.check_base(part.job, h.rank, h.version)
+            StepParts(self.svc.cfg.max_push_bytes).declare(p, s.length * 4)  # the bytes it keeps, bounded
         except Exception:  # noqa: BLE001 -- the general path refuses it
             return False
         return True
 
-    def _table_ok(self, s: StepSession, m: StepMessage, layout_epoch: int) -> bool:
+    def _table_ok(self, s: StepSession, m: StepMessage, p: StepPart, layout_epoch: int) -> bool:
         c = m.rows
         if c is None or not c.HasField("header") or c.offset:
             return False
@@ -152,19 +154,14 @@ class StepEngine:
                                                                        layout_epoch) or layout_epoch:
             return False
         table = s.part.tables.by_name.get(h.table)
-        if table is None or h.dim != table.spec.dim or h.num_ids > limits.MAX_IDS_PER_CALL:
-            return False
-        if not 1 <= h.num_samples <= limits.MAX_NUM_SAMPLES or h.sequence > limits.MAX_SEQUENCE:
-            return False
-        declared = h.num_ids * (8 + 4 * h.dim)
-        if declared > self.svc.cfg.max_push_bytes:
-            return False
-        named = bool(h.pull_refs)
-        ids, rows = c.ids, c.rows
-        if len(rows) != h.num_ids * h.dim * 4 or len(ids) != (0 if named else h.num_ids * 8):
-            return False
-        sized = len(h.pull_ids) + len(h.packed_pull_ids) + len(h.extra_ids) + 10 * len(h.pull_refs)
-        if m.wire > declared + sized + limits.STEP_PART_HEADER_BYTES + limits.STEP_CHUNK_FRAMING_BYTES:
+        if table is None or len(c.rows) != h.num_ids * h.dim * 4 or len(c.ids) != (0 if h.pull_refs else
+                                                                                   h.num_ids * 8):
+            return False  # (one chunk: whole, its ids named by its pulls or carried)
+        try:  # the checks the general path makes of this header (their owners'), as predicates
+            _check_header_fields(h)
+            _check_rows_declared(h, table.spec.dim, self.svc.cfg.max_push_bytes)
+            StepParts(self.svc.cfg.max_push_bytes).declare(p, h.num_ids * (8 + 4 * h.dim))
+        except Exception:  # noqa: BLE001 -- the general path refuses it
             return False
         return True
 
