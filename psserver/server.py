@@ -31,6 +31,7 @@ from psserver.protocol.codec import DEFAULT_CHUNK_BYTES
 from psserver.protocol.layouts import LayoutEpoch
 from psserver.protocol.limits import MAX_JOIN_TIMEOUT
 from psserver.protocol.optim import warm_up
+from psserver.protocol.rows import kernel
 from psserver.protocol.security import ClientSecurity, ServerSecurity
 from psserver.protocol.stubs import SERVICE_NAME
 from psserver.replies import Connections, ReplyLedger, RequestLedger
@@ -238,7 +239,7 @@ class ShardServer:
                 asyncio.run_coroutine_threadsafe(self.server.stop(0), self._loop).result(START_TIMEOUT)
             self._close_loop()
             raise
-        log.info("shard %d serving on %s", self.cfg.shard, self.address)
+        log.info("shard %d serving on %s (table kernel: %s)", self.cfg.shard, self.address, kernel.name())
         return self
 
     async def _start(self, service: ParameterServerService) -> int:

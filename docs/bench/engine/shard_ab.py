@@ -1,5 +1,6 @@
 """One shard's CPU for a steady-state StepOnce of the click model's shape, with the step engine, without it
-(``ps-server --no-step-engine``) and for a bare ``grpc.aio`` echo of the same bytes -- measured in one run.
+(``ps-server --no-step-engine``), with the step engine on numpy's table kernel (``PSGRPC_KERNEL=numpy``: not the C
+loops, psserver.protocol.rows.kernel) and for a bare ``grpc.aio`` echo of the same bytes -- measured in one run.
 
 Each shard process (one per way) runs its own job: a dense slice of DENSE floats (sync, one trainer: every push
 closes a round) and one table of dim 16 with Adagrad rows (async).  A step, as the trainer's prefetch loop sends
@@ -7,7 +8,7 @@ it: the dense gradient, the gradient rows of this batch's ids naming the pull th
 and the next batch's ids packed; the reply is the weights and the next batch's rows.  Batches are the click log's
 (bags of 1..8 Zipf ids over 10^9, 512 samples: ~650 unique ids, most of them new rows).  The echo server
 (trainer/tools/stepfloor.py) answers a request of the same size with a reply of the same size.  Blocks of BLOCK
-calls rotate over the three ways so a loaded machine's drift falls on all of them; CPU per call from /proc.
+calls rotate over the four ways so a loaded machine's drift falls on all of them; CPU per call from /proc.
 
     PYTHONPATH=$PWD python docs/bench/engine/shard_ab.py [BLOCKS [BLOCK]]
 """
@@ -37,7 +38,7 @@ from trainer.tools.floors import Child
 from trainer.tools.procstat import sample
 
 DENSE, DIM, BATCH, FP = 145, 16, 512, "f" * 16
-WAYS = ("engine", "general", "echo")
+WAYS = ("engine", "general", "numpy-kernel", "echo")
 
 
 def spec() -> JobSpec:
@@ -92,7 +93,8 @@ def main(blocks: int, block: int) -> None:
     tmp = Path(tempfile.mkdtemp())
     ids = batches(blocks * block + 2)
     procs = {"engine": start_shard(0, tmp / "engine.log"),
-             "general": start_shard(0, tmp / "general.log", extra_args=["--no-step-engine"])}
+             "general": start_shard(0, tmp / "general.log", extra_args=["--no-step-engine"]),
+             "numpy-kernel": start_shard(0, tmp / "numpy.log", env={"PSGRPC_KERNEL": "numpy"})}
     drivers = {w: Driver(p.address, ids) for w, p in procs.items()}
     for d in drivers.values():  # the first steps (sessions made, allocations grown), untimed
         for _ in range(2):
@@ -102,13 +104,13 @@ def main(blocks: int, block: int) -> None:
     echo_call = echo_channel.unary_unary(f"/{stepfloor.SERVICE}/Step")
     req, rep = drivers["engine"].sizes
     echo_msg = stepfloor.HEADER.pack(rep) + os.urandom(req - stepfloor.HEADER.size)
-    pids = {"engine": procs["engine"].popen.pid, "general": procs["general"].popen.pid, "echo": echo.popen.pid}
+    pids = {w: p.popen.pid for w, p in procs.items()} | {"echo": echo.popen.pid}
     out = {w: [] for w in WAYS}
     try:
         for _ in range(20):
             echo_call(echo_msg, timeout=60)
-        for b in range(3 * blocks):
-            way = WAYS[(b + b // 3) % 3]
+        for b in range(len(WAYS) * blocks):
+            way = WAYS[(b + b // len(WAYS)) % len(WAYS)]
             if way == "echo":
                 msgs = [echo_msg] * block
                 fn = lambda m: echo_call(m, timeout=60)  # noqa: E731
@@ -136,7 +138,8 @@ def main(blocks: int, block: int) -> None:
     print(json.dumps({"request_bytes": req, "reply_bytes": rep, "block": block, "median_cpu_us": med,
                       "engine_over_echo": round(med["engine"] / med["echo"], 2),
                       "general_over_echo": round(med["general"] / med["echo"], 2),
-                      "engine_over_general": round(med["engine"] / med["general"], 3)}))
+                      "engine_over_general": round(med["engine"] / med["general"], 3),
+                      "c_kernel_over_numpy_kernel": round(med["engine"] / med["numpy-kernel"], 3)}))
 
 
 if __name__ == "__main__":

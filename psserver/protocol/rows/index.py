@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from psserver.protocol.rows import kernel
 from psserver.protocol.rows.placement import mix64_u64
 
 EMPTY, FULL, GONE = 0, 1, 2
@@ -98,6 +99,10 @@ class IdIndex:
     def _positions(self, ids: np.ndarray, empty_at: np.ndarray | None = None) -> np.ndarray:
         """Where each id sits in the table, -1 for ids not in it; with ``empty_at``, where the probe of each id
         not in it ended (the empty position an insert of it may take) is written there."""
+        if kernel.native is not None:  # the same probe in one loop (psserver.protocol.rows.kernel)
+            out = np.empty(len(ids), dtype=np.int64)
+            kernel.native.probe(self._keys, self._state, self._mask, np.ascontiguousarray(ids), out, empty_at)
+            return out
         home = self._home(ids)
         # Round 0, the home position alone: at loads up to 1/2 most probes end there (their key, or an empty
         # position), and a gather of n positions costs a fraction of one of (n, WINDOW).
@@ -161,6 +166,14 @@ class IdIndex:
         """Put each id at ``at``, the empty position where its probe ended in an unchanged index (so every
         position from its home to there holds another key or a tombstone: it stays reachable); of ids sharing
         a position one wins, the others are placed by ``_place``."""
+        if kernel.native is not None:  # the same placement in one loop (psserver.protocol.rows.kernel)
+            losers = np.empty(len(ids), dtype=np.int64)
+            lost = kernel.native.place_at(self._keys, self._slots, self._state, self._claim, np.ascontiguousarray(ids),
+                                          np.ascontiguousarray(slots), np.ascontiguousarray(at), losers)
+            self.size += len(ids) - lost
+            if lost:
+                self._place(ids[losers[:lost]], slots[losers[:lost]])
+            return
         n = np.arange(len(ids), dtype=np.int32)
         self._claim[at] = n
         won = self._claim[at] == n

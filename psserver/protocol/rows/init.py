@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from psserver.protocol.rows import kernel
 from psserver.protocol.rows.placement import GAMMA, as_int64, mix64, mix64_u64
 
 INITIALIZERS = ("uniform", "normal")
@@ -89,5 +90,10 @@ def normal_rows(bits: torch.Tensor | np.ndarray, std: float) -> torch.Tensor:
 
 def init_rows(init: Initializer, seed: int, ids: torch.Tensor, dim: int) -> torch.Tensor:
     """The initial float32 rows (len(ids), dim) for ``ids`` of a table with ``seed``."""
+    if kernel.native is not None and init.kind == "uniform":  # (psserver.protocol.rows.kernel)
+        out = torch.empty(len(ids), dim)
+        key = int(mix64_u64(np.array([seed], dtype=np.uint64) + _GAMMA)[0])
+        kernel.native.uniform(key, ids.contiguous().numpy(), dim, float(init.scale), out.numpy())
+        return out
     bits = _row_bits(seed, ids, dim)
     return uniform_rows(bits, init.scale) if init.kind == "uniform" else normal_rows(bits, init.scale)
