@@ -241,19 +241,20 @@ class Enrolment:
     def put_back(self, timeline: list) -> None:
         self.epochs.restore_timeline(timeline)
 
-    def expire(self) -> list:
-        """Drop joins not committed in time and silent trainers' leases; returns the (rank, silence) dropped."""
-        for rank, pending in self.epochs.expire(self._clock()):
+    def expire(self, version: int | None = None) -> list:
+        """Drop joins not settled in time and silent trainers' leases; returns the (rank, silence) dropped.
+        ``version``: the shard's (a withdrawn join's epoch goes only from rounds not served yet: psserver.epochs)."""
+        for rank, pending in self.epochs.expire(self._clock(), version):
+            if self.members.holds(rank, pending.trainer_id):  # not a trainer that registered the rank since
+                self.members.leave(rank)
             if pending.committed:
                 self._counters["joins_unconfirmed"] += 1
                 log.warning("shard %d: %s committed its join as rank %d from round %d but did not confirm within "
-                            "%.1f s: its epoch stays, round %d no longer held", self.shard_id,
-                            shorten(pending.trainer_id), rank, pending.committed, self.join_timeout,
-                            pending.committed - 1)
+                            "%.1f s: withdrawn (membership epoch %d from round %d), round %d no longer held",
+                            self.shard_id, shorten(pending.trainer_id), rank, pending.committed, self.join_timeout,
+                            self.epochs.current.number, self.epochs.current.round, pending.committed - 1)
                 continue
             self._counters["joins_abandoned"] += 1
-            if self.members.holds(rank, pending.trainer_id):  # not a trainer that registered the rank since
-                self.members.leave(rank)
             log.warning("shard %d: %s asked to join as rank %d but did not commit within %.1f s: dropped",
                         self.shard_id, shorten(pending.trainer_id), rank, self.join_timeout)
         gone = self.members.expire()

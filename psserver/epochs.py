@@ -15,8 +15,14 @@ partition, asks it, and carries the answer out; tests drive it with a fake clock
   may refuse the commit (it restarted and served ``E`` meanwhile), and the joiner's Leave must then withdraw
   an epoch no shard has served yet.
 * confirm -- every shard took the commit: the hold ends.  A shard that restarted since its commit (and lost
-  it) takes the confirm as its commit while ``version < E``.  A committed join never confirmed keeps its
-  epoch after ``patience`` (the joiner died after committing everywhere) and stops holding (counted).
+  it) takes the confirm as its commit while ``version < E``.  A committed join never confirmed is withdrawn
+  after ``patience`` (counted), as an admission never committed is: the joiner died, or stopped, before it knew
+  every shard had committed -- another shard may never have taken the commit, and one that keeps the epoch while
+  another drops it splits the shards' timelines for good (the trainers would place every round's batch by a
+  member that never trains).  Nothing served round E: it was held.  Withdrawn, the timeline is the one before
+  the commit again (the same epoch numbers), so every shard that dropped or withdrew the join agrees.  Only a
+  joiner that confirmed on some shards and not others still splits them; the trainers see it (each shard's
+  reply names its epoch for the round, trainer.session.Membership compares them) and say so loudly.
 * async and stale-timeout (``exact`` False): a shard's versions are its own (a restored shard stays behind its
   peers for good) and no data is split by the round (the job's data cursor places batches), so a commit is
   never refused for its window: each shard takes it at ``E`` clamped into its own window.
@@ -75,6 +81,7 @@ class PendingJoin:
     held_from: int  # rounds at or past this version do not close until the join is settled
     deadline: float  # clock time after which an unsettled join is dropped (uncommitted) or let go (committed)
     committed: int = 0  # the join round once committed (its epoch is in the timeline): held until the confirm
+    undo: tuple = ()  # once committed: (the timeline before the commit, the one it made), for a withdrawal
 
 
 class EpochBook:
@@ -169,9 +176,11 @@ class EpochBook:
         if pending is not None and join_round < pending.proposal:
             raise InvalidRequest(f"join_round is {join_round} but {self.label} proposed {pending.proposal}: the "
                                  "round must be the largest proposal of every shard")
+        before = self.timeline
         epoch = self._change(at, rank, add=True, what=f"join_round {join_round}")  # refused: nothing changed
         proposal = pending.proposal if pending is not None else join_round
-        self.pending[rank] = PendingJoin(trainer_id, proposal, at - 1, now + patience, committed=join_round)
+        self.pending[rank] = PendingJoin(trainer_id, proposal, at - 1, now + patience, committed=join_round,
+                                         undo=(before, self.timeline))
         return epoch
 
     def confirm(self, rank: int, trainer_id: str, join_round: int, version: int, now: float = 0.0,
@@ -201,14 +210,31 @@ class EpochBook:
         del self.pending[rank]
         return True
 
-    def expire(self, now: float) -> list[tuple[int, PendingJoin]]:
+    def expire(self, now: float, version: int | None = None) -> list[tuple[int, PendingJoin]]:
         """Drop pending joins past their deadline: an uncommitted one is gone (the joiner died between prepare
-        and commit); a committed one keeps its epoch (the joiner died after committing, perhaps after
-        confirming elsewhere: the other shards serve its round with it) and stops holding."""
+        and commit); a committed one is withdrawn (``withdraw``) and stops holding.  ``version``: the shard's
+        now (None: before any round closed past the hold)."""
         gone = [(r, p) for r, p in self.pending.items() if now >= p.deadline]
-        for rank, _ in gone:
+        for rank, pending in gone:
             del self.pending[rank]
+            if pending.committed:
+                self.withdraw(rank, pending, version)
         return sorted(gone)
+
+    def withdraw(self, rank: int, pending: PendingJoin, version: int | None) -> None:
+        """Take back a committed join never confirmed: the timeline before its commit again if nothing changed it
+        since and its round was not served (the usual case: a sync shard held the round before it); else
+        ``rank`` leaves from the next round it may (an async shard's versions do not wait for a join)."""
+        at = pending.held_from + 1
+        before, made = pending.undo or ((), None)
+        if self.timeline is made and (version is None or version < at):
+            self.timeline = before
+            return
+        try:
+            self._change(max(at, 0 if version is None else version + 1), rank, add=False,
+                         what=f"rank {rank}'s unconfirmed join withdrawn")
+        except TimelineFull:  # (no room for one more epoch: it stays, as a member that went silent would)
+            pass
 
     # ------------------------------------------------------------------ leaves and plain registrations
     def leave(self, rank: int, at: int) -> Epoch | None:

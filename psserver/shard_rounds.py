@@ -29,7 +29,7 @@ class ShardRounds:
         with self._lock:
             if self.job is None:
                 return None
-            gone = self.enrolment.expire()
+            gone = self.enrolment.expire(self.version)
             if self.params is not None:
                 self._close_if_due()
             if self.tables.close_due(self.enrolment.table_members(), self._clock()) or gone:

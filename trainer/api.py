@@ -162,7 +162,7 @@ class ParameterServerTrainer:
         self.session = Session(self.slots, rank, connect_timeout,
                                LOOPBACK_REFUSED_SECONDS if on_loopback(addresses) else None,
                                prefetch.discard if overlap else lambda slot: None)
-        self.membership = Membership(self.client, job.num_trainers)
+        self.membership = Membership(self.client, job.num_trainers, sync=job.mode == "sync")
         self._early = EarlyPusher(self.flat.params, self.flat.grad_views, self.flat.ranges, self.ranges,
                                   self.slots.push, self.staging.produced if self.staging.active else None
                                   ) if push_during_backward else None

@@ -53,6 +53,10 @@ class RetryPolicy:
 class RetriedCalls:
     """Every call's retries and what a reply or refusal tells of the layout; the counters' one lock."""
 
+    def saw_epoch(self, header) -> None:
+        """Weights received: the membership epoch their shard names for their round (``header.version``)."""
+        self.epoch_seen, self.epoch_round = header.membership_epoch, header.version
+
     def saw_layout(self, number: int) -> int:
         """A reply (or a layout-moved refusal) named layout ``number``: the newest seen is kept."""
         self.layout_seen = max(self.layout_seen, number)

@@ -114,6 +114,7 @@ class ShardClient(Registering, DenseCalls, RetriedCalls):
         self.call_timeout, self.retry = call_timeout, retry
         self.last_answer: tuple[int, PushOutcome] | None = None  # (sequence, outcome) of the last answered push
         self.epoch_seen = 0  # the membership epoch of the newest weights received (docs/elastic.md)
+        self.epoch_round = -1  # ... and those weights' version: the round the epoch is named for
         # the layout epoch this client's calls name, and the newest one any reply or layout-moved refusal named
         # (docs/live-reshard.md; trainer.relayout follows it)
         self.layout_epoch = self.layout_seen = 0

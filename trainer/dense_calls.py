@@ -69,7 +69,7 @@ class DenseCalls:
             reader = ChunkReader(self._pull(req, timeout=timeout))
             values = reader.read(length, wire, max_bytes=1 << 40, require_finite=False, out=out)
             self._count("bytes_in", reader.bytes_read)
-            self.epoch_seen = reader.header.membership_epoch
+            self.saw_epoch(reader.header)
             self.saw_layout(reader.header.layout_epoch)
             return reader.header.version, values, reader.header.wait_seconds
 
@@ -138,7 +138,7 @@ class DenseCalls:
             return reader.header, values, t_first - t0
 
         h, values, until_reply = self._call("PushPull", once, retry_on=PUSH_RETRYABLE)
-        self.epoch_seen = h.membership_epoch
+        self.saw_epoch(h)
         self.saw_layout(h.layout_epoch)
         self.take_grant(h)
         outcome = self._acknowledged(_pb.PushOutcome.Name(h.outcome).lower(), h.version, h.staleness, base, nbytes,

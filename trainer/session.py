@@ -432,14 +432,19 @@ class Membership:
     """The job's membership epochs as far as this trainer needs them (docs/elastic.md): who trains which round,
     and the leave announced with the next push."""
 
-    def __init__(self, client: ShardedClient, num_trainers: int):
-        self.client, self.num_trainers = client, num_trainers
+    def __init__(self, client: ShardedClient, num_trainers: int, sync: bool = False):
+        """``sync``: every shard serves each round with the same membership epoch, so a difference between the
+        epochs they name for one round is reported (``check_agreement``)."""
+        self.client, self.num_trainers, self.sync = client, num_trainers, sync
         self.timeline: list[Epoch] = []
+        self._reported: set = set()  # the disagreements logged (each once)
 
     def members_at(self, round_: int) -> list[int]:
         """The ranks of the job's membership epoch at ``round_``, sorted.  The timeline is fetched again only
         when the weights received name an epoch this trainer does not know yet, or its list was not sent (a
         reply lists members only from the round asked for, within a byte bound: docs/limits.md)."""
+        if self.sync:
+            self.check_agreement(round_)
         newest = max(s.epoch_seen for s in self.client.parts)
         if (not self.timeline or newest not in {e.number for e in self.timeline}
                 or not epoch_at(self.timeline, round_).listed):
@@ -451,6 +456,36 @@ class Membership:
             raise RuntimeError(f"the shard sent epoch {epoch.number}'s size ({epoch.size}) without its members "
                                f"although round {round_} was asked for")
         return sorted(epoch.members)
+
+    def check_agreement(self, round_: int) -> bool:
+        """Whether every shard that sent weights of ``round_`` named the same membership epoch for it.  Sync
+        shards change membership at the same rounds (docs/elastic.md), so a difference means their timelines
+        split -- a joiner lost between its confirms -- and every round's batch is placed by one shard's members
+        while another's rounds wait for others: counted (``membership_mismatches``) and logged as an error, once
+        per difference, with both timelines."""
+        named = {s.name: s.epoch_seen for s in self.client.parts if s.epoch_round == round_ and s.epoch_seen}
+        if len(set(named.values())) < 2:
+            return True
+        self.client.count("membership_mismatches")
+        key = tuple(sorted(named.items()))
+        if key not in self._reported and len(self._reported) < 64:
+            self._reported.add(key)
+            told = {}
+            for s in self.client.parts:
+                if s.name in named and named[s.name] not in told.values():
+                    told[s.name] = named[s.name]
+                    try:
+                        epochs = [(e.number, e.round, sorted(e.members)[:16]) for e in
+                                  (Epoch.from_proto(p) for p in s.stats(members_from_round=0).epochs)][-8:]
+                    except grpc.RpcError as e:
+                        epochs = f"not fetched: {e.code().name}"
+                    log.error("the shards disagree on round %d's membership: %s names epoch %d; its timeline: %s",
+                              round_, s.name, named[s.name], epochs)
+            log.error("membership epochs named for round %d by shard: %s -- the shards' timelines split (a joiner "
+                      "lost between its confirms?); batches are placed by %s's (docs/elastic.md)", round_,
+                      ", ".join(f"{n} {e}" for n, e in named.items()),
+                      max(self.client.parts, key=lambda p: p.epoch_seen).name)
+        return False
 
     def fetch_timeline(self, part=None, from_round: int = 0) -> list[Epoch]:
         """The job's membership timeline as ``part`` (default: partition 0 of shard 0) knows it now: every

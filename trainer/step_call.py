@@ -232,7 +232,7 @@ class StepCall:
                     out=slots.staging.weights_buffer(i, target))
         s._count("bytes_in", reader.bytes_read)
         h = reader.header
-        s.epoch_seen = h.membership_epoch
+        s.saw_epoch(h)
         s.saw_layout(h.layout_epoch)  # as PushPull's reply teaches it (trainer.relayout)
         s.take_grant(h)  # the claim its dense part carried: the next batch needs no ClaimBatch
         out = s._acknowledged(_pb.PushOutcome.Name(h.outcome).lower(), h.version, h.staleness, base, nbytes,

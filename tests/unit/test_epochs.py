@@ -255,14 +255,39 @@ def test_a_confirm_on_a_shard_that_lost_the_commit_is_its_commit_while_the_round
     assert late.digest_text() == book.digest_text()
 
 
-def test_a_committed_join_never_confirmed_keeps_its_epoch_and_stops_holding_at_its_deadline():
+def test_a_committed_join_never_confirmed_is_withdrawn_at_its_deadline_as_a_shard_that_never_got_the_commit_drops_it():
+    """Issue 35 item 3: a join committed on one shard only (its joiner lost between commits, or a stranger that
+    stops there) used to keep its epoch there while the other shard dropped the admission: two timelines for good.
+    Now both end where they began, epoch numbers included, and neither holds a round."""
+    book, other = elastic(), elastic()
+    for b in (book, other):
+        b.prepare(None, "t2", version=3, now=0.0, patience=PATIENCE)
+    before = book.state()
+    book.commit(2, "t2", 5, version=4, now=1.0, patience=PATIENCE)
+    assert book.members_at(5) == {0, 1, 2}
+    assert book.expire(5.9, version=4) == [] and book.held_from() == 4
+    gone = book.expire(6.0, version=4)
+    assert [(r, p.committed) for r, p in gone] == [(2, 5)]
+    assert book.held_from() is None and book.members_at(5) == {0, 1}
+    assert [r for r, _ in other.expire(6.0, version=4)] == [2]
+    assert book.state() == other.state() == before
+    assert book.digest_text() == other.digest_text()
+
+
+def test_a_withdrawn_join_whose_round_was_served_leaves_from_the_next_round_only():
+    """An async shard's versions do not wait for a join: one past the join round keeps the rounds it served with
+    the joiner and drops it from the next; a timeline changed since the commit is changed, not put back."""
     book = elastic()
     book.prepare(None, "t2", version=3, now=0.0, patience=PATIENCE)
     book.commit(2, "t2", 5, version=4, now=1.0, patience=PATIENCE)
-    assert book.expire(5.9) == [] and book.held_from() == 4
-    gone = book.expire(6.0)
-    assert [(r, p.committed) for r, p in gone] == [(2, 5)]
-    assert book.held_from() is None and book.members_at(5) == {0, 1, 2}
+    book.expire(6.0, version=7)
+    assert book.members_at(5) == book.members_at(7) == {0, 1, 2} and book.members_at(8) == {0, 1}
+    changed = elastic()
+    changed.prepare(None, "t2", version=3, now=0.0, patience=PATIENCE)
+    changed.commit(2, "t2", 5, version=4, now=1.0, patience=PATIENCE)
+    changed.leave(1, 6)
+    changed.expire(6.0, version=4)
+    assert changed.members_at(5) == {0, 1} and changed.members_at(6) == {0}
 
 
 def test_an_async_commit_on_a_shard_restored_behind_its_peers_is_taken_in_its_own_window_never_refused():
