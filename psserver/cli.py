@@ -13,6 +13,7 @@ from psserver.common.cli_support import EnvArgumentParser, ensure_malloc_tunable
 from psserver.common.tboard import Sampler, ScalarLog
 from psserver.handoff import DEFAULT_HANDOFF_TIMEOUT, handoff_timeout_error
 from psserver.ports import check_bindable
+from psserver.protocol import admin_token
 from psserver.protocol.limits import MAX_CALLS_PER_RANK
 from psserver.protocol.security import ServerSecurity, read_token
 
@@ -69,6 +70,10 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--tls-client-ca", default="", help="require client certificates signed by this CA (mutual TLS)")
     p.add_argument("--auth-token-file", default="",
                    help="require this shared token from every caller but the health service (or set $PS_AUTH_TOKEN)")
+    p.add_argument("--admin-token-file", default="",
+                   help="the token a live re-shard's coordinator must send (or set $PS_ADMIN_TOKEN); without one the "
+                        "shard makes its own and writes it where `ps-server reshard` on this host reads it, for this "
+                        "user only (docs/security.md)")
     p.add_argument("--insecure", action="store_true",
                    help="serve beyond loopback with neither a token nor mutual TLS (refused without this flag; "
                         "see docs/security.md for what a stranger on the network can then do)")
@@ -167,6 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     from psserver.server import ServerConfig, ShardServer
     from psserver.service import ServiceLimits
 
+    try:  # the operator's admin token, or one of the shard's own (psserver.protocol.admin_token)
+        admin = admin_token.read_admin_token(args.admin_token_file)
+    except ValueError as e:
+        parser.error(str(e))
+    made_admin_token = not admin
+    admin = admin or admin_token.new_token()
     try:  # a value only the config checks (a --join-timeout out of range): one line and exit 2, as argparse's
         limits = ServiceLimits(max_pull_wait=args.max_pull_wait, stream_idle_timeout=args.stream_idle_timeout,
                                max_call_seconds=args.max_call_seconds, max_calls_per_peer=args.max_calls_per_peer,
@@ -187,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                            num_shards=args.num_shards, partitions=args.partitions,
                            partition_bytes=args.partition_bytes,
                            security=ServerSecurity(args.tls_cert, args.tls_key, args.tls_client_ca,
-                                                   read_token(args.auth_token_file)))
+                                                   read_token(args.auth_token_file), admin))
     except ValueError as e:
         parser.error(str(e))
     # Opened before the shard serves: a missing tensorboard package is a start-up error, not a late one.
@@ -211,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         port = server.shard.metrics.serve(args.metrics_port, args.host)
         log.info("shard %d: Prometheus metrics on http://%s:%d/metrics", cfg.shard, args.host, port)
     board = start_board(args, lambda: server.layouts.current.snapshot(), scalar_log)
+    if made_admin_token:  # (after the start: the file is named by the port the shard was given)
+        where = admin_token.publish(admin, server.address)
+        log.info("shard %d: its admin token for `ps-server reshard` is in %s (readable by this user only)",
+                 cfg.shard, where)
     if args.ready_file:
         write_ready_file(args.ready_file, server.address)
     stop = threading.Event()
@@ -223,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("shard %d stopping (version %d): NOT_SERVING, draining calls%s", cfg.shard, server.shard.version,
              ", final checkpoint" if cfg.checkpoint_dir else "")
     server.stop()
+    if made_admin_token:
+        admin_token.withdraw(admin, server.address)
     if board is not None:
         board.stop()  # a last sample: the files hold the final counts
     log.info("shard %d stopped", cfg.shard)

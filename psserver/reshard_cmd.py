@@ -20,7 +20,7 @@ from typing import Callable
 import grpc
 
 from psserver.common.cli_support import EnvArgumentParser
-from psserver.protocol import stubs
+from psserver.protocol import admin_token, stubs
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.security import ClientSecurity, add_client_flags, client_security, parse_addresses
 
@@ -63,7 +63,9 @@ class Coordinator:
                  security: ClientSecurity = ClientSecurity(), timeout: float = 10.0, wait: float = 600.0,
                  say: Callable[[str], None] = print, at_round: int = 0, retire_wait: float = 60.0,
                  stall: float = 120.0, clock: Callable[[], float] | None = None,
-                 sleep: Callable[[float], None] | None = None):
+                 sleep: Callable[[float], None] | None = None, admin: str = ""):
+        """``admin``: the operator's admin token (--admin-token-file); without it each loopback shard's own, read
+        where it wrote it at start (psserver.protocol.admin_token)."""
         self.old, self.new, self.partitions, self.at_round = old, new, partitions, at_round
         self.stall = stall  # seconds a copy may move no byte before the plan is aborted (--stall)
         self.clock = clock or (lambda: time.monotonic())  # looked up at each call: a test may replace them
@@ -74,6 +76,7 @@ class Coordinator:
         self.drained = [a for a in old if a not in new]
         self.timeout, self.wait_s, self.say = timeout, wait, say
         self.channels = {a: security.channel(a) for a in self.everyone}
+        self.admin = {a: admin_token.token_for(a, admin) for a in self.everyone}
         self.retries = 0  # calls sent again after no answer (said as they happen; in the done line)
 
     def close(self) -> None:
@@ -89,7 +92,9 @@ class Coordinator:
         give_up, pause = time.monotonic() + CALL_RETRY_SECONDS, 0.05
         while True:
             try:
-                return stubs.stub(self.channels[address]).Reshard(request, timeout=self.timeout)
+                token = self.admin[address]
+                return stubs.stub(self.channels[address]).Reshard(
+                    request, timeout=self.timeout, metadata=((admin_token.METADATA_KEY, token),) if token else None)
             except grpc.RpcError as e:
                 if e.code() not in NO_ANSWER or time.monotonic() >= give_up:
                     raise CoordinatorError(f"{address} answered {Op.Op.Name(op)} with {e.code().name}: "
@@ -261,13 +266,20 @@ def reshard_main(argv: list[str]) -> int:
     p.add_argument("--at-round", type=int, default=0, metavar="N",
                    help="wait until the first --ps shard is at round N, then prepare (a command started early "
                         "spends its start-up before the job reaches N, not while it trains on: ps-cluster --reshard)")
+    p.add_argument("--admin-token-file", default="",
+                   help="the shards' admin token (or set $PS_ADMIN_TOKEN); without one, each shard's own on this "
+                        "host, read where it wrote it at start (docs/security.md)")
     add_client_flags(p)
     args = p.parse_args(argv)
     old, new = parse_addresses(args.ps), parse_addresses(args.to)
     if old == new:
         p.error("--to is the same list as --ps: nothing to move")
+    try:
+        admin = admin_token.read_admin_token(args.admin_token_file)
+    except ValueError as e:
+        p.error(str(e))
     coordinator = Coordinator(old, new, args.partitions, client_security(args), args.timeout, args.wait,
-                              at_round=args.at_round, retire_wait=args.retire_wait, stall=args.stall)
+                              at_round=args.at_round, retire_wait=args.retire_wait, stall=args.stall, admin=admin)
     try:
         return coordinator.abort() if args.abort else coordinator.run()
     except CoordinatorError as e:

@@ -184,7 +184,7 @@ def build_shard_process(cfg: ServerConfig, loop: asyncio.AbstractEventLoop, loop
     handoffs = HandoffIO(layouts, runtime, ClientSecurity(token=cfg.security.token), cfg.handoff_timeout)
     service = ParameterServerService(host, runtime, limits, authenticated=cfg.security.authenticates,
                                      connections=connections, replies=replies, layouts=layouts, handoffs=handoffs,
-                                     requests=requests)
+                                     requests=requests, admin_token=cfg.security.admin_token)
     return ShardProcess(host, runtime, service, watch)
 
 

@@ -41,7 +41,7 @@ from psserver.common.logsafe import RateLimitedLog, counted
 from psserver.digest_gate import DigestGate
 from psserver.host import ShardHost
 from psserver.layout_host import LayoutHost
-from psserver.protocol import limits, stubs
+from psserver.protocol import admin_token, limits, stubs
 from psserver.protocol.codec import (
     DEFAULT_CHUNK_BYTES,
     ChunkAssembler,
@@ -135,7 +135,7 @@ class ParameterServerService(RowRpcs, StepRpc):
     def __init__(self, host: ShardHost, runtime: Runtime, cfg: ServiceLimits = ServiceLimits(),
                  authenticated: bool = False, connections: Connections | None = None,
                  replies: ReplyLedger | None = None, layouts: LayoutHost | None = None, handoffs=None,
-                 requests: RequestLedger | None = None):
+                 requests: RequestLedger | None = None, admin_token: str = ""):
         # Dense calls go to the partition of the layout they name (psserver.layout_host, psserver.host); layout 0's
         # sparse tables are its partition 0's, ``self.shard``.  What the servicer counts (refusals, bytes, calls,
         # cancellations) is shard-wide, ``count`` (psserver.stats.WideCounts, every layout's host's): GetStats and
@@ -145,6 +145,7 @@ class ParameterServerService(RowRpcs, StepRpc):
         self.layouts, self.shard, self.runtime, self.cfg = layouts or LayoutHost(host), host.head, runtime, cfg
         self.count = host.wide.count
         self.authenticated = authenticated
+        self.admin_token = admin_token  # set: a Reshard (but STATUS) needs it (psserver.protocol.admin_token)
         self.refusal_log = RateLimitedLog(log)
         # Calls per connection and connections (shared with the health service's Watch streams), and the bytes
         # unread replies hold (psserver.replies; made by psserver.server.build_shard_process, which reads them).
@@ -289,6 +290,7 @@ class ParameterServerService(RowRpcs, StepRpc):
         request = _decoded(request)
         if request.op != _pb.ReshardRequest.STATUS:
             self._check_reshard_peer(context, "Reshard")
+            self._check_admin_token(context, request)
         try:
             return await self._handoffs().reshard(request)
         finally:
@@ -321,6 +323,17 @@ class ParameterServerService(RowRpcs, StepRpc):
             raise NotPermitted(f"peer is {peer!r} but this shard authenticates no caller and takes {what} only from "
                                "its own host (loopback): give the shards --auth-token-file (or mutual TLS) to "
                                "re-shard across hosts")
+
+    def _check_admin_token(self, context, request) -> None:
+        """A shard with an admin token takes a re-shard's changes only from a caller that sends it: without it,
+        any process that reaches the port -- on loopback, any local program -- could copy the job's state away or
+        freeze the job (issue 35 item 7, docs/security.md)."""
+        if self.admin_token and not admin_token.matches(admin_token.presented(context), self.admin_token):
+            op = _pb.ReshardRequest.Op.Name(request.op)
+            raise NotPermitted(f"{admin_token.METADATA_KEY} is {'wrong' if admin_token.presented(context) else 'missing'}"
+                               f" but this shard takes Reshard {op} only with its admin token: run ps-server reshard "
+                               "as the user who started the shards (it reads the token each shard wrote at start), "
+                               f"or give both --admin-token-file (or ${admin_token.ADMIN_TOKEN_ENV})")
 
     def _handoffs(self):
         if self.handoffs is None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import grpc
 import pytest
 import torch
@@ -13,6 +16,10 @@ from psserver.protocol.proto import ps_pb2_grpc as pb_grpc
 from psserver.server import ServerConfig, ShardServer
 from psserver.service import ServiceLimits
 from tests.procreg import process_registry  # noqa: F401 -- autouse: no test leaves a process behind
+
+# The admin tokens the tests' ps-server processes make go to a folder of this run, not the user's own
+# (psserver.protocol.admin_token; inherited by every process a test starts).
+os.environ.setdefault("PS_ADMIN_TOKEN_DIR", tempfile.mkdtemp(prefix="psgrpc-admin-tokens-"))
 
 P = 1000  # parameters in the test job
 

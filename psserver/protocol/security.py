@@ -56,6 +56,7 @@ class ServerSecurity:
     tls_key: str = ""
     tls_client_ca: str = ""  # set: clients must present a certificate signed by this CA
     token: str = ""
+    admin_token: str = ""  # set: a re-shard's Reshard calls need it too (psserver.protocol.admin_token)
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -63,9 +64,9 @@ class ServerSecurity:
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key too")
 
-    def __repr__(self) -> str:  # keep the token out of logs and tracebacks
+    def __repr__(self) -> str:  # keep the tokens out of logs and tracebacks
         return (f"ServerSecurity(tls={'mutual' if self.tls_client_ca else bool(self.tls_cert)}, "
-                f"token={'set' if self.token else 'none'})")
+                f"token={'set' if self.token else 'none'}, admin_token={'set' if self.admin_token else 'none'})")
 
     def credentials(self) -> grpc.ServerCredentials | None:
         if not self.tls_cert:
