@@ -134,7 +134,8 @@ class ShardHost:
         running = self.head.job
         if join and (running is None or self.head.job_ended()):  # a join fixes no job: nothing is planned or made
             raise no_job_to_join(f"shard {self.shard_id}", ended=running is not None)
-        diff = running.difference(job) if running is not None and not self.head.job_ended() else ""
+        diff = (running.joiner_difference(job) if join else running.difference(job)) \
+            if running is not None and not self.head.job_ended() else ""
         if diff:
             if not join:  # the trainers waiting for this rank are told why it is not coming (pull_wait_message)
                 self.head.register_refused(rank, diff)

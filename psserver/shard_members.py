@@ -64,7 +64,9 @@ class ShardMembership:
         with self._lock:
             if self.job is None or self._job_done():
                 raise no_job_to_join(self.label, ended=self.job is not None)
-            self._check_same_job(job)
+            diff = self.job.joiner_difference(job)
+            if diff:
+                raise JobMismatch(f"job spec differs from the one this shard runs: {diff}")
             rank, answer, replaced = self.enrolment.join(rank, trainer_id, join_round, self.version, confirm,
                                                          exact=self.job.mode == Mode.SYNC)
             if replaced:

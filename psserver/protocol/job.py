@@ -11,7 +11,7 @@ logsafe.shorten, so a spec cannot make a shard allocate, loop or log without bou
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from psserver.common.logsafe import shorten
 from psserver.protocol.limits import (
@@ -227,6 +227,11 @@ class JobSpec:
             max_trainers=msg.max_trainers,
             lr_scaling=msg.lr_scaling or "none",
         )
+
+    def joiner_difference(self, joiner: "JobSpec") -> str | None:
+        """``difference`` for a trainer joining this running job: its initial trainer count is the job's to keep,
+        not the joiner's to repeat (a joiner's --num-trainers is only what it started with)."""
+        return self.difference(replace(joiner, num_trainers=self.num_trainers))
 
     def difference(self, other: "JobSpec") -> str | None:
         """One sentence naming the first field where ``other`` differs from self, or None."""

@@ -2,6 +2,8 @@
 from the future or already served, a joiner's push before its round -- each one status, a message naming the
 field and both values, the shard's state digest unchanged, and the shard still serving."""
 
+import dataclasses
+
 import grpc
 import pytest
 import torch
@@ -214,11 +216,22 @@ def test_a_joiner_refused_at_its_admission_sends_no_leave_in_another_ranks_name(
     from trainer.models import build_model
 
     model = build_model("mlp", (1, 28, 28), seed=0)
-    with pytest.raises(Exception, match="num_trainers is 3 but the job has 1"):  # the flags do not match the job
-        connect(running.server.address, model, num_trainers=3, max_trainers=4, join=True, connect_timeout=10)
+    with pytest.raises(Exception, match="mode is 'async' but the job has 'sync'"):  # the flags do not match the job
+        connect(running.server.address, model, mode="async", max_trainers=4, join=True, connect_timeout=10)
     c = running.stats().counters
     refused_calls = {k: v for k, v in c.items() if k.startswith("refused_")}
     assert refused_calls == {"refused_FAILED_PRECONDITION": 1}, refused_calls  # its join's: no Leave as rank 0
     assert c.get("leaves", 0) == 0
     assert list(running.stats().live_ranks) == [0]  # rank 0, the running trainer, is still in the job
+    still_serves(running, 1)
+
+
+def test_a_joiner_need_not_repeat_the_jobs_initial_trainer_count(running):
+    """Issue 35 item 9: a joiner started with --num-trainers at its default against a job started with another
+    count was refused "num_trainers is 1 but the job has 2" (with the hint to check the --ps addresses); the count
+    is the job's, and a joiner's other flags are still compared."""
+    other = dataclasses.replace(ELASTIC, num_trainers=2)  # (at most its max_trainers, 2)
+    assert join(running, spec=other).rank == 1
+    refused(lambda: join(running, spec=dataclasses.replace(other, mode="async"), trainer_id="another"),
+            grpc.StatusCode.FAILED_PRECONDITION, "mode is 'async' but the job has 'sync'", unchanged=running)
     still_serves(running, 1)
