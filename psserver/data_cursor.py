@@ -19,6 +19,12 @@ Exactly-once is decided here, pure (no clock, no network; tests/unit/test_data_c
   checkpoint are granted again -- trained twice, as a restored shard's versions since its checkpoint are lost
   (docs/failure.md) -- counted in ``claims_resumed_after_restore`` and logged.
 
+A claim says the batch before was trained, so the shard also asks for evidence: a rank's gradients.  Each push
+it gets from a rank backs one claim; a rank may run ``MAX_UNBACKED_CLAIMS`` claims ahead of its pushes (a
+trainer's push window keeps that many in flight while it claims on), and one more is refused
+(FAILED_PRECONDITION, counted in ``claims_refused_unbacked``) -- a member can no longer claim thousands of
+batches in a second and train none of them (issue 35 item 8).
+
 State is bounded by the job's ranks: one claim per rank, and a re-issued batch per rank at most (a claim takes
 re-issued batches first), freed when the rank leaves.
 """
@@ -30,9 +36,11 @@ from collections import Counter
 from dataclasses import dataclass
 
 from psserver.protocol.errors import InvalidRequest, JobMismatch
+from psserver.protocol.limits import MAX_PUSH_WINDOW
 
 log = logging.getLogger("psserver.shard")
 MAX_BATCHES_PER_EPOCH = 1 << 40  # a trainer's samples // batch size; past this it is not a real data set
+MAX_UNBACKED_CLAIMS = MAX_PUSH_WINDOW  # claims a rank may run ahead of the pushes it sent (its push window)
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,7 @@ class DataCursor:
         self.claims: dict[int, Claim] = {}
         self.restored = False  # restored from a checkpoint: each rank's first claim since then resumes
         self.resumed: set[int] = set()
+        self.ahead: dict[int, int] = {}  # rank -> claims granted minus pushes received (never below 0)
 
     # ------------------------------------------------------------------ decisions
     def check(self, rank: int, trainer_id: str, number: int, per_epoch: int) -> None:
@@ -81,6 +90,17 @@ class DataCursor:
         if number not in expected:
             want = f"{expected[1]} (or {expected[0]}, a retry)" if expected[0] != expected[1] else "1 (a new process)"
             raise InvalidRequest(f"claim is {number} but rank {rank}'s next claim is {want}")
+        if held and held.trainer_id == trainer_id and number == held.number + 1 and \
+                self.ahead.get(rank, 0) >= MAX_UNBACKED_CLAIMS:
+            self._counters["claims_refused_unbacked"] += 1
+            raise JobMismatch(f"claim is {number} but rank {rank} has claimed {self.ahead[rank]} batches more than "
+                              f"it pushed gradients for (at most {MAX_UNBACKED_CLAIMS}, a push window's): push the "
+                              "batches claimed before claiming more")
+
+    def pushed(self, rank: int) -> None:
+        """A gradient from ``rank`` arrived (applied, accepted, dropped as stale or a retry): it backs a claim."""
+        if self.ahead.get(rank):
+            self.ahead[rank] -= 1
 
     def claim(self, rank: int, trainer_id: str, number: int, per_epoch: int, release: bool = False) -> Grant:
         """Grant ``rank``'s claim ``number`` (or answer its retry); ``release``: want nothing more."""
@@ -97,6 +117,7 @@ class DataCursor:
             return Grant(held.batch, held.reissued)
         if held is not None and held.trainer_id != trainer_id:
             self._drop(held, rank, "was replaced by a new process")
+            self.ahead.pop(rank, None)
         self.per_epoch = per_epoch
         if release:
             self._counters["claims_released"] += 1
@@ -109,6 +130,8 @@ class DataCursor:
         else:
             batch, self.next = self.next, self.next + 1
         self._counters["batches_claimed"] += 1
+        if held is not None and held.trainer_id == trainer_id and held.batch is not None:
+            self.ahead[rank] = self.ahead.get(rank, 0) + 1  # says the batch before was trained
         self.claims[rank] = Claim(trainer_id, number, batch, reissued)
         return Grant(batch, reissued)
 
@@ -122,6 +145,7 @@ class DataCursor:
     def leave(self, rank: int) -> int | None:
         """``rank`` left: its batch claimed and not released is re-issued.  Returns that batch, if any."""
         held = self.claims.pop(rank, None)
+        self.ahead.pop(rank, None)
         return self._drop(held, rank, "left") if held is not None else None
 
     def _drop(self, held: Claim, rank: int, why: str) -> int | None:

@@ -52,10 +52,11 @@ class ShardPushes:
         """
         with self._lock:
             self.check_push_header(rank, trainer_id, fingerprint, base, num_samples)
-            claim = self._claim_offer(rank, trainer_id, claim)
             if grad.numel() != self.end - self.start:
                 raise InvalidRequest(f"length is {grad.numel()} elements but this shard's slice has "
                                      f"{self.end - self.start}")
+            self.cursor.pushed(rank)  # a gradient: it backs one of the rank's claims (psserver.data_cursor)
+            claim = self._claim_offer(rank, trainer_id, claim)
             if sequence and self.pushes.is_duplicate(rank, trainer_id, sequence):
                 self.counters["duplicates"] += 1
                 log.info("shard %d: push #%d from rank %d was already acknowledged (%s); not applied again",

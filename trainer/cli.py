@@ -98,6 +98,9 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
     p.add_argument("--overlap", action="store_true",
                    help="async mode: pull the next weights in the background while computing")
+    p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
+                   help="tables: pull each batch's rows in its forward, not one batch ahead (for diagnosis; "
+                        "docs/prefetch.md)")
     p.add_argument("--push-during-backward", action="store_true",
                    help="any mode: push each shard its gradient slice as soon as backward has produced it")
     p.add_argument("--push-window", type=int, default=1, metavar="W",
@@ -220,7 +223,8 @@ def config_from_args(args, env: dict | None = None):
         eval_every=args.eval_every,
         progress=False if args.no_progress else None, connect_timeout=args.connect_timeout,
         security=client_security(args), backend=args.backend, overlap=args.overlap,
-        push_during_backward=args.push_during_backward, push_window=args.push_window, job_id=args.job_id, save_every=args.save_every,
+        push_during_backward=args.push_during_backward, prefetch=args.prefetch, push_window=args.push_window,
+        job_id=args.job_id, save_every=args.save_every,
         retry_budget=args.retry_budget, tensorboard=args.tensorboard, compress=args.compress,
         partition_bytes=args.partition_bytes, pipeline=args.pipeline,
         **{name: getattr(args, name) for name in SCHEDULE_FLAGS},

@@ -271,12 +271,12 @@ def run_steps(run: Run, stop: StopRequest) -> str:
         while run.step < run.total_steps:
             order = epoch_order(len(run.data.x_train), cfg.seed, run.epoch)
             epoch_losses = []
-            for k in range(run.spe):
+            for k, idx in enumerate(epoch_batches(run, order)):
                 if run.step >= run.total_steps:
                     break
                 if stop.is_set():
                     return "signal"
-                loss = run.train_step(local_batch_indices(order, k, cfg.rank, cfg.num_trainers, cfg.batch_size))
+                loss = run.train_step(idx)
                 epoch_losses.append(loss)
                 run.record_step(loss)
                 elapsed = time.perf_counter() - run.t_start
@@ -292,6 +292,19 @@ def run_steps(run: Run, stop: StopRequest) -> str:
         return ""
     finally:
         progress.close()
+
+
+def epoch_batches(run: Run, order: torch.Tensor):
+    """This rank's batches (sample indices) of one epoch's ``order``.  A model with tables on the shards gets
+    each batch's rows prefetched one batch ahead (``ps.prefetching``, docs/prefetch.md: the step is then one
+    call a shard, its tables' push and the next rows beside the dense exchange), unless --no-prefetch."""
+    cfg = run.cfg
+    batches = (local_batch_indices(order, k, cfg.rank, cfg.num_trainers, cfg.batch_size) for k in range(run.spe))
+    prefetching = getattr(run.ps, "prefetching", None)  # (the ps-bench baselines have none)
+    if not (cfg.recommender and cfg.prefetch and prefetching is not None):
+        return batches
+    x = run.data.x_train
+    return prefetching(batches, forward=lambda model, idx: model(x[idx].to(run.device)))
 
 
 def build_run_model(cfg: TrainConfig, data) -> torch.nn.Module:

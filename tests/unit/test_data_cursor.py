@@ -221,3 +221,33 @@ def test_a_checkpoint_taken_by_a_push_holds_that_pushs_claim_grant_and_acknowled
     assert state.version == 1
     assert state.cursor["claims"][0][1:3] == (2, 1) and state.cursor["next"] == 2, state.cursor
     assert state.acked[0][:2] == ("t0", 1), state.acked
+
+
+def test_a_rank_may_claim_at_most_a_push_windows_worth_of_batches_ahead_of_its_pushes():
+    """Issue 35 item 8: a member claimed 2,000 batches in 1.3 s and trained none.  Each gradient it sends backs one
+    claim; 64 claims (MAX_UNBACKED_CLAIMS, a push window) may run ahead, the next is refused, changing nothing,
+    and a push lets it claim again.  A new process on the rank, a leave and a release start afresh."""
+    from psserver.data_cursor import MAX_UNBACKED_CLAIMS
+
+    c = cursor()
+    c.claim(0, "a", 1, 10**6)  # the first claim says nothing was trained: not counted
+    for n in range(2, MAX_UNBACKED_CLAIMS + 2):
+        c.claim(0, "a", n, 10**6)
+    before = c.state()
+    with pytest.raises(JobMismatch, match=f"claim is {MAX_UNBACKED_CLAIMS + 2} but rank 0 has claimed "
+                                          f"{MAX_UNBACKED_CLAIMS} batches more than it pushed gradients for"):
+        c.claim(0, "a", MAX_UNBACKED_CLAIMS + 2, 10**6)
+    assert c.state() == before and c._counters["claims_refused_unbacked"] == 1
+    assert c.claim(0, "a", MAX_UNBACKED_CLAIMS + 1, 10**6).batch == before["claims"][0][2]  # a retry still answered
+    c.pushed(0)
+    assert c.claim(0, "a", MAX_UNBACKED_CLAIMS + 2, 10**6).batch == MAX_UNBACKED_CLAIMS + 1
+    for _ in range(MAX_UNBACKED_CLAIMS + 5):  # pushes past the claims back nothing in advance
+        c.pushed(0)
+    assert c.ahead[0] == 0
+    c.claim(0, "a", MAX_UNBACKED_CLAIMS + 3, 10**6)
+    assert c.ahead[0] == 1
+    c.claim(0, "b", 1, 10**6)  # a new process on the rank starts afresh (its first claim)
+    assert 0 not in c.ahead
+    c.claim(0, "b", 2, 10**6)
+    c.leave(0)
+    assert 0 not in c.ahead
