@@ -15,7 +15,7 @@ from typing import Callable
 
 from psserver import modes
 from psserver.common.logsafe import counted, shorten
-from psserver.epochs import EpochBook, TimelineFull, join_patience
+from psserver.epochs import EpochBook, JoinBackoff, TimelineFull, join_patience
 from psserver.membership import Membership
 from psserver.protocol.epochs import epoch_at, epoch_index, timeline_to_proto
 from psserver.protocol.errors import InvalidRequest, JobFull, JobMismatch, NotPermitted, NotReady, TooBusy
@@ -164,7 +164,7 @@ class Enrolment:
         return replaced, len(view.registered), epoch.round if epoch is not None else 0
 
     def join(self, rank: int, trainer_id: str, join_round: int, version: int,
-             confirm: bool = False, exact: bool = True) -> tuple[int, int, bool]:
+             confirm: bool = False, exact: bool = True, peer: str = "") -> tuple[int, int, bool]:
         """An elastic join's step (docs/elastic.md): ``join_round`` 0 asks for admission, E commits it, E with
         ``confirm`` ends the hold once every shard committed; ``exact`` (sync) keeps E to the window (else it
         is clamped into it, psserver.epochs).  Returns (rank, the round answered -- a commit's: the round it
@@ -173,7 +173,10 @@ class Enrolment:
             hands_out = self.shard_id == 0 and self.partition == 0
             try:
                 pending = self.epochs.prepare(None if hands_out else rank, trainer_id, version,
-                                              self._clock(), self.join_timeout)
+                                              self._clock(), self.join_timeout, peer)
+            except JoinBackoff:
+                self._counters["joins_refused_backoff"] += 1
+                raise
             except TooBusy:
                 self._counters["joins_refused_pending"] += 1
                 raise
@@ -255,8 +258,9 @@ class Enrolment:
                             self.epochs.current.number, self.epochs.current.round, pending.committed - 1)
                 continue
             self._counters["joins_abandoned"] += 1
-            log.warning("shard %d: %s asked to join as rank %d but did not commit within %.1f s: dropped",
-                        self.shard_id, shorten(pending.trainer_id), rank, self.join_timeout)
+            log.warning("shard %d: %s asked to join as rank %d but did not commit within %.1f s: dropped (its peer "
+                        "%s waits before its next admission)", self.shard_id, shorten(pending.trainer_id), rank,
+                        self.join_timeout, shorten(pending.peer) or "?")
         gone = self.members.expire()
         for rank, silent in gone:
             self._counters["lease_expired"] += 1

@@ -26,6 +26,10 @@ partition, asks it, and carries the answer out; tests drive it with a fake clock
 * async and stale-timeout (``exact`` False): a shard's versions are its own (a restored shard stays behind its
   peers for good) and no data is split by the round (the job's data cursor places batches), so a commit is
   never refused for its window: each shard takes it at ``E`` clamped into its own window.
+* a peer (a host, as gRPC names the caller) whose admissions expire unsettled is refused its next ones for a
+  while that doubles with each one in a row (``PeerStrikes``), and one of its joins that settles clears it:
+  a stranger who asks and never commits could otherwise hold a sync job's rounds again and again (one hold
+  per --join-timeout: a 94x slower job, measured), while a real joiner commits within one round trip.
 * leave -- the rank is out of the epoch from round ``at`` on.
 * a lease that runs out is not an epoch change: the rank stays a member (it may come back) and rounds stop
   waiting for it through the live set (``expected``).
@@ -51,6 +55,9 @@ DEFAULT_JOIN_TIMEOUT = 3.0
 MAX_MEMBER_ENTRIES = 1 << 21
 # Joins one job holds pending at once (each shard): a stranger cannot hold every free rank (docs/security.md).
 MAX_PENDING_JOINS = 4
+# A peer that left joins unsettled waits patience * 2**strikes before its next admission, at most this long.
+MAX_JOIN_BACKOFF = 300.0
+MAX_PEERS_TRACKED = 1024  # peers with strikes remembered; past it, the ones whose wait ended go first
 
 
 def join_patience(join_timeout: float, lease_timeout: float) -> float:
@@ -74,6 +81,41 @@ class TimelineFull(JobFull):
     """A membership change would start an epoch past MAX_EPOCHS (RESOURCE_EXHAUSTED)."""
 
 
+class JoinBackoff(TooBusy):
+    """A peer's admission refused for a while: its earlier ones expired unsettled (RESOURCE_EXHAUSTED)."""
+
+
+class PeerStrikes:
+    """Per peer: joins left unsettled in a row, and until when its admissions are refused.  Bounded
+    (MAX_PEERS_TRACKED); no clock of its own."""
+
+    def __init__(self):
+        self._peers: dict[str, tuple[int, float]] = {}  # peer -> (strikes, refused until)
+
+    def check(self, peer: str, now: float) -> None:
+        strikes, until = self._peers.get(peer, (0, 0.0))
+        if peer and now < until:
+            raise JoinBackoff(f"peer {shorten(peer)} left {strikes} join(s) in a row unsettled (asked, never committed "
+                              f"and confirmed): its next admission is taken in {until - now:.1f} s; a join of it "
+                              "that settles clears this (docs/security.md)")
+
+    def strike(self, peer: str, now: float, patience: float) -> float:
+        """One more join of ``peer`` expired unsettled; returns how long its admissions are now refused."""
+        if not peer:
+            return 0.0
+        strikes = self._peers.get(peer, (0, 0.0))[0] + 1
+        wait = min(MAX_JOIN_BACKOFF, patience * 2 ** strikes)
+        self._peers[peer] = (strikes, now + wait)
+        if len(self._peers) > MAX_PEERS_TRACKED:
+            ended = [p for p, (_, until) in self._peers.items() if until <= now]
+            for p in ended or list(self._peers)[:len(self._peers) - MAX_PEERS_TRACKED]:
+                del self._peers[p]
+        return wait
+
+    def clear(self, peer: str) -> None:
+        self._peers.pop(peer, None)
+
+
 @dataclass(frozen=True)
 class PendingJoin:
     trainer_id: str
@@ -81,6 +123,8 @@ class PendingJoin:
     held_from: int  # rounds at or past this version do not close until the join is settled
     deadline: float  # clock time after which an unsettled join is dropped (uncommitted) or let go (committed)
     committed: int = 0  # the join round once committed (its epoch is in the timeline): held until the confirm
+    peer: str = ""  # who asked (the host gRPC names): its strikes if the join expires unsettled
+    patience: float = DEFAULT_JOIN_TIMEOUT  # how long it is held: a strike's wait is a multiple of it
     undo: tuple = ()  # once committed: (the timeline before the commit, the one it made), for a withdrawal
 
 
@@ -91,6 +135,7 @@ class EpochBook:
         self.num_trainers, self.max_trainers, self.label = num_trainers, max_trainers, label
         self.timeline: list[Epoch] = [Epoch(0, 0, frozenset(range(num_trainers)))]
         self.pending: dict[int, PendingJoin] = {}
+        self.strikes = PeerStrikes()
 
     # ------------------------------------------------------------------ reads
     @property
@@ -123,9 +168,11 @@ class EpochBook:
         raise JobFull(f"the job is full: {counted(len(taken), 'member')} (pending joins included) of max_trainers "
                       f"{self.max_trainers}; start it with a larger --max-trainers")
 
-    def prepare(self, rank: int | None, trainer_id: str, version: int, now: float, patience: float) -> PendingJoin:
+    def prepare(self, rank: int | None, trainer_id: str, version: int, now: float, patience: float,
+                peer: str = "") -> PendingJoin:
         """Hold a place for ``trainer_id`` (at ``rank``, or a free one); returns what was promised.
-        The same joiner asking again gets the same answer (a retry after a lost reply)."""
+        The same joiner asking again gets the same answer (a retry after a lost reply).  ``peer``: who asks;
+        refused (JoinBackoff) while its earlier joins' strikes last."""
         self._check_elastic()
         if rank is None:
             rank = next((r for r, p in self.pending.items() if p.trainer_id == trainer_id), None)
@@ -134,13 +181,15 @@ class EpochBook:
         if previous is not None and previous.trainer_id == trainer_id:
             return previous
         self._check_rank_free(rank, trainer_id)
+        self.strikes.check(peer, now)
         if len(self.pending) >= MAX_PENDING_JOINS:
             raise TooBusy(f"the job has {len(self.pending)} joins pending (not yet committed), its limit "
                           f"{MAX_PENDING_JOINS}: ask again once one is settled (within its --join-timeout)")
         if len(self.timeline) >= MAX_EPOCHS:
             raise TimelineFull(f"join is set but the job's membership timeline holds {len(self.timeline)} epochs, "
                                f"MAX_EPOCHS {MAX_EPOCHS}: no more joins")
-        pending = PendingJoin(trainer_id, version + JOIN_LEAD, version + 1, now + patience)
+        pending = PendingJoin(trainer_id, version + JOIN_LEAD, version + 1, now + patience, peer=peer,
+                              patience=patience)
         self.pending[rank] = pending
         return pending
 
@@ -180,7 +229,8 @@ class EpochBook:
         epoch = self._change(at, rank, add=True, what=f"join_round {join_round}")  # refused: nothing changed
         proposal = pending.proposal if pending is not None else join_round
         self.pending[rank] = PendingJoin(trainer_id, proposal, at - 1, now + patience, committed=join_round,
-                                         undo=(before, self.timeline))
+                                         undo=(before, self.timeline), peer=pending.peer if pending else "",
+                                         patience=patience)
         return epoch
 
     def confirm(self, rank: int, trainer_id: str, join_round: int, version: int, now: float = 0.0,
@@ -193,7 +243,9 @@ class EpochBook:
             epoch = self.commit(rank, trainer_id, join_round, version, now, exact=exact)
         else:
             epoch = epoch_at(self.timeline, pending.held_from + 1)
-        self.pending.pop(rank, None)
+        settled = self.pending.pop(rank, None)
+        if settled is not None:
+            self.strikes.clear(settled.peer)  # its peer's joins settle: no more waiting for it
         return epoch
 
     def joined_at(self, rank: int) -> int | None:
@@ -219,6 +271,7 @@ class EpochBook:
             del self.pending[rank]
             if pending.committed:
                 self.withdraw(rank, pending, version)
+            self.strikes.strike(pending.peer, now, pending.patience)
         return sorted(gone)
 
     def withdraw(self, rank: int, pending: PendingJoin, version: int | None) -> None:

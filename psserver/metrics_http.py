@@ -6,7 +6,9 @@ threads of the shard's process (docs/attacks-2026-11-25.md), and the port answer
 connection past ``max_connections`` is closed at once (counted, ``psgrpc_metrics_connections_refused_total``, and
 logged at a bounded rate) and one whose request head has not arrived whole within ``request_seconds`` is closed by
 its thread -- a total deadline, not a time between reads: 16 clients each sending a byte every 9 s held every slot
-under a per-read bound.  A scrape is one request (HTTP/1.0), so a Prometheus needs one connection at a time.
+under a per-read bound.  One client address holds at most ``max_per_peer`` of the connections: 16 connections
+from one host, each renewed within its deadline, used to starve the scrapes of every other (28 of 40 failed).  A
+scrape is one request (HTTP/1.0), so a Prometheus needs one connection at a time.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from psserver.common.logsafe import RateLimitedLog
 log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 16  # scrapes served at once
+MAX_PER_PEER = 4  # ... of them from one client address
 REQUEST_SECONDS = 10.0  # a request's head arrives whole within this, and its reply is sent within it again
 
 
@@ -75,21 +78,47 @@ class _BoundedServer(ThreadingMixIn, WSGIServer):
 
     daemon_threads = True
 
-    def setup_bounds(self, slots: int, refused: Counter) -> None:
+    def setup_bounds(self, slots: int, refused: Counter, per_peer: int = MAX_PER_PEER) -> None:
         self._slots, self._refused = threading.BoundedSemaphore(slots), refused
-        self._max, self._log = slots, RateLimitedLog(log)
+        self._max, self._per_peer, self._log = slots, per_peer, RateLimitedLog(log)
+        self._peers: dict[str, int] = {}  # client address -> connections it holds
+        self._peers_lock = threading.Lock()
+
+    def _take_peer(self, peer: str) -> bool:
+        with self._peers_lock:
+            if self._peers.get(peer, 0) >= self._per_peer:
+                return False
+            self._peers[peer] = self._peers.get(peer, 0) + 1
+            return True
+
+    def _give_peer(self, peer: str) -> None:
+        with self._peers_lock:
+            left = self._peers.get(peer, 1) - 1
+            if left:
+                self._peers[peer] = left
+            else:
+                self._peers.pop(peer, None)
 
     def process_request(self, request, client_address):
+        peer = client_address[0]
+        if not self._take_peer(peer):
+            self._refused.inc()
+            self._log.warning("metrics:refused_peer", "%s already holds %d connections to the metrics port, its "
+                              "limit per client: one more was closed", peer, self._per_peer)
+            self.shutdown_request(request)
+            return
         if not self._slots.acquire(blocking=False):
+            self._give_peer(peer)
             self._refused.inc()
             self._log.warning("metrics:refused", "the metrics port already serves %d connections, its limit: a "
-                              "connection from %s was closed", self._max, client_address[0])
+                              "connection from %s was closed", self._max, peer)
             self.shutdown_request(request)
             return
         try:
             super().process_request(request, client_address)  # starts its thread
         except BaseException:
             self._slots.release()
+            self._give_peer(peer)
             raise
 
     def process_request_thread(self, request, client_address):
@@ -101,18 +130,19 @@ class _BoundedServer(ThreadingMixIn, WSGIServer):
             self.handle_error(request, client_address)
         finally:
             self._slots.release()
+            self._give_peer(client_address[0])
             self.shutdown_request(request)
 
 
 def serve(registry: CollectorRegistry, port: int, host: str, max_connections: int = MAX_CONNECTIONS,
-          request_seconds: float = REQUEST_SECONDS) -> int:
+          request_seconds: float = REQUEST_SECONDS, max_per_peer: int = MAX_PER_PEER) -> int:
     """Serve ``registry`` at http://host:port/metrics on a daemon thread; returns the bound port."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
     handler = type("_TimeBoundHandler", (_Handler,), {"timeout": request_seconds})
     server = type("_MetricsServer", (_BoundedServer,), {"address_family": family})((host, port), handler)
     refused = Counter("psgrpc_metrics_connections_refused", "Connections to the metrics port closed at once because "
                       "it served its limit of connections already.", registry=registry)
-    server.setup_bounds(max_connections, refused)
+    server.setup_bounds(max_connections, refused, max_per_peer)
     server.set_app(make_wsgi_app(registry))
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server.server_port

@@ -81,6 +81,7 @@ from psserver.service_common import (
     _reply_stream,
     _safe,
     _StreamReader,
+    peer_host,
 )
 from psserver.service_rows import RowRpcs
 from psserver.service_step import StepRpc
@@ -211,7 +212,7 @@ class ParameterServerService(RowRpcs, StepRpc):
             request.partition, request.rank, request.expected_shard, job, request.join)
         r = await self.runtime.run_state(part.register, request.rank, request.trainer_id,
                                          request.expected_shard, job, request.join, request.join_round,
-                                         request.join_confirm)
+                                         request.join_confirm, peer_host(context.peer() or ""))
         return _pb.RegisterReply(**r, layout_epoch=self.layouts.newest)
 
     async def _job_of(self, proto: _pb.JobSpec, context) -> JobSpec:

@@ -260,6 +260,13 @@ async def _read_all(reader: _StreamReader):
         yield _decoded(chunk)
 
 
+def peer_host(peer: str) -> str:
+    """The host part of gRPC's ``context.peer()`` ("ipv4:10.0.0.7:5000" -> "10.0.0.7"): what a caller's
+    strikes are kept by (a process reconnects from another port)."""
+    kind, _, rest = peer.partition(":")
+    return peer if kind == "unix" else urllib.parse.unquote(rest).rsplit(":", 1)[0].strip("[]")
+
+
 def _is_loopback(peer: str) -> bool:
     """Whether gRPC's ``context.peer()`` ("ipv4:127.0.0.1:5000", "ipv6:%5B::1%5D:5000" -- brackets percent-encoded
     --, "unix:...") is this host."""

@@ -25,16 +25,17 @@ class ShardMembership:
     """Register, join, leave, the member checks and the membership timeline: ``Shard``'s face to its enrolment."""
 
     def register(self, rank: int, trainer_id: str, expected_shard: int, job: JobSpec, join: bool = False,
-                 join_round: int = 0, join_confirm: bool = False) -> dict:
+                 join_round: int = 0, join_confirm: bool = False, peer: str = "") -> dict:
         """Join ``rank`` to the job; the first registration fixes the job spec.
 
         A job whose every trainer registered and then left has ended: the next registration starts a new job
         from scratch (the shard does not carry the old weights into it).  A refused registration changes
-        nothing.  ``join``: a trainer joining a running elastic job (``join_elastic``).
+        nothing.  ``join``: a trainer joining a running elastic job (``join_elastic``); ``peer``: the host it
+        calls from (psserver.epochs.PeerStrikes).
         """
         self.check_register(rank, expected_shard, job, join)
         if join:
-            return self.join_elastic(rank, trainer_id, job, join_round, join_confirm)
+            return self.join_elastic(rank, trainer_id, job, join_round, join_confirm, peer)
         with self._lock:
             if self.job is not None and self._job_done():
                 self._info("shard %d: job %s ended (every trainer left); %s starts a new job from scratch",
@@ -55,7 +56,8 @@ class ShardMembership:
                 join_round=member_from,  # a rank that left, registered again: its first round (its table lanes')
             )
 
-    def join_elastic(self, rank: int, trainer_id: str, job: JobSpec, join_round: int, confirm: bool = False) -> dict:
+    def join_elastic(self, rank: int, trainer_id: str, job: JobSpec, join_round: int, confirm: bool = False,
+                     peer: str = "") -> dict:
         """A join (docs/elastic.md): ``join_round`` 0 asks for admission -- a rank (partition 0 of shard 0 hands
         one out; elsewhere ``rank`` names it) and this shard's proposed round, holding later rounds until the
         join is settled; ``join_round`` E commits it from round E (holding round E - 1) and ``confirm`` ends the
@@ -68,7 +70,7 @@ class ShardMembership:
             if diff:
                 raise JobMismatch(f"job spec differs from the one this shard runs: {diff}")
             rank, answer, replaced = self.enrolment.join(rank, trainer_id, join_round, self.version, confirm,
-                                                         exact=self.job.mode == Mode.SYNC)
+                                                         exact=self.job.mode == Mode.SYNC, peer=peer)
             if replaced:
                 self.pushes.new_process(rank, holes=False)  # a new process on a rank that left
             self._close_if_due()

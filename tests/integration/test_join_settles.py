@@ -83,3 +83,25 @@ def test_a_join_committed_and_confirmed_everywhere_is_kept_by_both_shards(shard_
         _join(s, i, rank=asked[0].rank, join_round=join_round, confirm=True)
     after = [_timeline(s) for s in shards]
     assert after[0] == after[1] and after[0][-1][1:] == (join_round, [0, asked[0].rank])
+
+
+def test_a_peer_that_asks_to_join_and_never_commits_is_refused_its_next_admission_for_a_while(shard_server):
+    """Issue 35 item 7: a join flood (one Register every 0.3 s) held a sync job's rounds again and again.  Now the
+    peer's next admission after one expired unsettled is RESOURCE_EXHAUSTED naming it and the wait, counted,
+    the state digest unchanged, and the job's rounds go on."""
+    import grpc
+
+    from tests.helpers import refused
+
+    shards = _shards(shard_server)
+    _join(shards[0], 0)
+    wait_until(lambda: _counters(shards[0])["joins_abandoned"] == 1, "the admission to expire uncommitted")
+
+    class Unchanged:
+        def digest(self):
+            return shards[0].digest(fingerprint=JOB.fingerprint)
+
+    refused(lambda: _join(shards[0], 0), grpc.StatusCode.RESOURCE_EXHAUSTED, "peer '127.0.0.1' left 1 join(s)",
+            "its next admission is taken in", unchanged=Unchanged())
+    assert _counters(shards[0])["joins_refused_backoff"] == 1
+    _round(shards, 0)  # rank 0 trains on, no round held

@@ -308,3 +308,37 @@ def test_an_async_commit_on_a_shard_restored_behind_its_peers_is_taken_in_its_ow
     late = elastic()
     late.prepare(2, "t2", version=3, now=0.0, patience=PATIENCE)
     assert late.commit(2, "t2", 5, version=6, exact=False).round == 7  # pushes moved it on meanwhile
+
+
+def test_a_peer_whose_joins_expire_unsettled_waits_longer_each_time_and_a_settled_join_clears_it():
+    """Issue 35 item 7: one Register every 0.3 s from one host held a sync job's rounds again and again (94x
+    slower).  Each join of a peer that expires unsettled (uncommitted, or committed and never confirmed) doubles
+    the wait before its next admission; other peers are not affected; a join of it that settles clears it."""
+    from psserver.epochs import MAX_JOIN_BACKOFF, JoinBackoff
+
+    book = elastic()
+    book.prepare(None, "s1", version=3, now=0.0, patience=PATIENCE, peer="10.0.0.9")
+    book.expire(PATIENCE, version=3)
+    before = book.digest_text()
+    with pytest.raises(JoinBackoff, match=r"peer '?10.0.0.9'? left 1 join\(s\) in a row unsettled.*in 10.0 s"):
+        book.prepare(None, "s2", version=3, now=PATIENCE, patience=PATIENCE, peer="10.0.0.9")
+    assert book.digest_text() == before  # refused: nothing held
+    book.prepare(None, "real", version=3, now=PATIENCE, patience=PATIENCE, peer="10.0.0.5")  # another host
+    book.abandon(2, "real")
+    t = PATIENCE + 2 * PATIENCE  # its wait is over
+    book.prepare(None, "s2", version=3, now=t, patience=PATIENCE, peer="10.0.0.9")
+    book.commit(2, "s2", 5, version=4, now=t, patience=PATIENCE)  # committed, never confirmed: a strike too
+    book.expire(t + PATIENCE, version=4)
+    with pytest.raises(JoinBackoff, match=r"left 2 join\(s\).*in 20.0 s"):
+        book.prepare(None, "s3", version=4, now=t + PATIENCE, patience=PATIENCE, peer="10.0.0.9")
+    t += PATIENCE + 4 * PATIENCE
+    book.prepare(None, "s3", version=4, now=t, patience=PATIENCE, peer="10.0.0.9")
+    book.commit(2, "s3", 6, version=4, now=t, patience=PATIENCE)
+    book.confirm(2, "s3", 6, version=4, now=t)  # settled: the peer's strikes are cleared
+    book.leave(2, 7)
+    book.prepare(None, "s4", version=6, now=t, patience=PATIENCE, peer="10.0.0.9")
+    for k in range(20):  # the wait stops growing at MAX_JOIN_BACKOFF
+        book.expire(t + 10**6 * (k + 1), version=6)
+        book.strikes.strike("10.0.0.9", 0.0, PATIENCE)
+    with pytest.raises(JoinBackoff, match=f"in {MAX_JOIN_BACKOFF:.1f} s"):
+        book.prepare(None, "s5", version=6, now=0.0, patience=PATIENCE, peer="10.0.0.9")

@@ -55,7 +55,7 @@ def test_the_coordinator_sends_an_op_again_after_no_answer_said_and_counted_but_
                pb.ReshardReply(round=7), _NoAnswer(grpc.StatusCode.FAILED_PRECONDITION)]
     sent = []
 
-    def reshard(request, timeout):
+    def reshard(request, timeout, metadata=None):
         sent.append(request.op)
         answer = answers.pop(0)
         if isinstance(answer, Exception):
@@ -84,7 +84,7 @@ def test_the_hint_after_no_answer_says_a_rerun_resumes_and_after_a_refusal_that_
     monkeypatch.setattr(reshard_cmd.time, "monotonic", lambda: next(clock))
     monkeypatch.setattr(reshard_cmd.time, "sleep", lambda s: None)
     monkeypatch.setattr(reshard_cmd.stubs, "stub", lambda channel: SimpleNamespace(
-        Reshard=lambda request, timeout: (_ for _ in ()).throw(_NoAnswer(grpc.StatusCode.UNAVAILABLE))))
+        Reshard=lambda request, timeout, metadata=None: (_ for _ in ()).throw(_NoAnswer(grpc.StatusCode.UNAVAILABLE))))
     coordinator = reshard_cmd.Coordinator(["127.0.0.1:1"], ["127.0.0.1:1", "127.0.0.1:2"], say=lambda line: None)
     try:
         with pytest.raises(reshard_cmd.CoordinatorError, match="answered PREPARE with UNAVAILABLE") as lost:
@@ -100,7 +100,7 @@ def test_retire_waits_for_round_r_in_the_new_layout_and_after_its_wait_retires_a
     version = {"127.0.0.1:1": 5, "127.0.0.1:2": 5}  # R = 5: round R not closed in the new layout yet
     status = []
 
-    def reshard(request, timeout):
+    def reshard(request, timeout, metadata=None):
         status.append(request.op)
         return pb.ReshardReply(round=5, version=version[request.you], plan=request.plan, handoffs=[
             pb.HandoffState(phase="source:handed")], followed=version[request.you] > 5)  # a sync shard's rule
