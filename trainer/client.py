@@ -207,11 +207,11 @@ class ShardedClient:
         self.addresses, self.security, self.compress = list(addresses), security, compress  # (trainer.relayout)
         self.wire = WIRE_DTYPES[job.wire_dtype]
         self.counters: Counter = Counter()
-        self._count_lock = threading.Lock()
+        self.count_lock = threading.Lock()
         k = job.partitions
         self.parts = [
             ShardClient(addresses[j // k], j // k, rank, trainer_id, job.fingerprint, self.counters, chunk_bytes,
-                        call_timeout, retry=retry, security=security, counters_lock=self._count_lock,
+                        call_timeout, retry=retry, security=security, counters_lock=self.count_lock,
                         compressor=TopK(topk.ratio, topk.warmup) if topk is not None else None,
                         partition=j % k, slot=j)
             for j in range(len(addresses) * k)
@@ -246,7 +246,7 @@ class ShardedClient:
 
     def count(self, name: str, n: int = 1) -> None:
         """Add to a counter from any thread (``+=`` on a Counter is not atomic)."""
-        with self._count_lock:
+        with self.count_lock:
             self.counters[name] += n
 
     def map_settled(self, fn: Callable[[ShardClient], T], shards: Sequence[int] | None = None,

@@ -274,7 +274,7 @@ class Relayout:
                 topk.residual = residual
             s = ShardClient(address, j // k, head.rank, head.trainer_id, job.fingerprint, self.client.counters,
                             head.chunk_bytes, head.call_timeout, head.retry, self.client.security,
-                            self.client._count_lock, topk, partition=j % k, slot=j,
+                            self.client.count_lock, topk, partition=j % k, slot=j,
                             channel=channels.pop((address, j % k), None))
             s.layout_epoch = s.layout_seen = layout.number
             # Numbers go on from the old slots' newest, never back: the offline switch re-cuts the books as a

@@ -64,37 +64,14 @@ from psserver.protocol.rows.placement import shard_of
 from psserver.protocol.rows.table import TableSpec
 from psserver.protocol.rows.wire import row_chunks
 from psserver.protocol.rules import STALE, Mode, refused_pull_ref, stale_version
-from trainer.client import ShardCallsFailed, ShardClient, ShardedClient, restarted
+from trainer.client import ShardClient, ShardedClient, restarted
 from trainer.row_cache import RowCache, pull_through
+from trainer.row_errors import RowsCallFailed, RowsPushFailed
 from trainer.row_calls import RowCalls
 from trainer.row_lanes import Lane, Pending, RowLanes
 from trainer.row_prefetch import Claim, RowPrefetch
 
 log = logging.getLogger(__name__)
-
-
-class RowsCallFailed(ShardCallsFailed):
-    """A row call that failed for good on some shards (after retries); ``code()`` is the first failing shard's.
-
-    ``failed``: shard -> error, each named with its address in the message; ``done``: shards that answered.
-    """
-
-    what = "pull"
-    advice = "the rows of the other shards were read; call pull() again"
-
-    def __init__(self, table: str, done: list[int], failed: dict, addresses: list[str]):
-        self.done, self.table = done, table
-        super().__init__(f"{self.what} of table {table!r} failed ({self.causes(failed, addresses)}); shards {done} "
-                         f"answered; {self.advice}", failed)
-
-
-class RowsPushFailed(RowsCallFailed):
-    """A row push that did not complete on every shard.  The gradients are kept: ``push`` again for the
-    same table retries the failed shards under the same sequence numbers (a shard that did apply it
-    answers DUPLICATE)."""
-
-    what = "push"
-    advice = "call push() again to retry the others with the same gradients"
 
 
 @dataclass
@@ -143,7 +120,7 @@ class ShardedRows:
         self.caches: dict[str, RowCache] = {}  # tables with a worker-side row cache (use_cache)
         self.window = None  # async tables' push window (use_window; trainer.table_window)
         self._answer_lock = threading.Lock()  # windowed answers of one lane come on several threads
-        self.calls = RowCalls(sharded_client.shards, self._count)  # one row call to one shard, retried
+        self.calls = RowCalls(sharded_client.shards, self.count)  # one row call to one shard, retried
         # A sync table's push carries the next batch's prefetched ids and its reply their rows (PushPullRows):
         # one round trip instead of a push and a pull.  False: PushRows, then the prefetch's own PullRows.
         self.fuse = True
@@ -152,8 +129,8 @@ class ShardedRows:
         self.name_pulls = True
         # The next batches' rows, pulled ahead (trainer.row_prefetch); used by pull(), moved on by push().
         self.ahead = RowPrefetch({n: t.dim for n, t in self.tables.items()},
-                                 {n: m != Mode.ASYNC for n, m in self.modes.items()}, m, self._split,
-                                 self._fetch_ahead, self._adopt, self._count)
+                                 {n: m != Mode.ASYNC for n, m in self.modes.items()}, m, self.split,
+                                 self._fetch_ahead, self._adopt, self.count)
 
     @property
     def _lanes(self) -> dict:
@@ -165,7 +142,7 @@ class ShardedRows:
         """table -> its failed push kept for the retry (trainer.row_lanes.Pending)."""
         return self.book.pending
 
-    def _count(self, **amounts: int) -> None:
+    def count(self, **amounts: int) -> None:
         with self._lock:
             self.counters.update(amounts)
 
@@ -175,7 +152,7 @@ class ShardedRows:
             raise KeyError(f"table {table!r} is not in the job (its tables: {', '.join(self.tables) or 'none'})")
         return spec
 
-    def _split(self, ids: torch.Tensor) -> list[torch.Tensor]:
+    def split(self, ids: torch.Tensor) -> list[torch.Tensor]:
         """For each shard, the positions in ``ids`` of the ids it holds."""
         owner = shard_of(ids, len(self.client.shards))
         return [(owner == s).nonzero().flatten() for s in range(len(self.client.shards))]
@@ -184,7 +161,7 @@ class ShardedRows:
     def use_cache(self, table: str, rows: int, max_staleness: int = 0) -> None:
         """Cache up to ``rows`` of ``table``'s rows here, served while at most ``max_staleness`` versions old."""
         self.caches[table] = RowCache(rows, self._spec(table).dim, max_staleness,
-                                      count=lambda **n: self._count(**{f"cache_{k}": v for k, v in n.items()}))
+                                      count=lambda **n: self.count(**{f"cache_{k}": v for k, v in n.items()}))
 
     def known_versions(self, table: str) -> torch.Tensor:
         """Per shard, the newest version of ``table`` this trainer knows of (RowLanes.known_versions), plus its
@@ -244,7 +221,7 @@ class ShardedRows:
         return self._pull_now(table, spec, ids)
 
     def _pull_now(self, table: str, spec: TableSpec, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        parts = self._split(ids)
+        parts = self.split(ids)
         out = torch.empty(len(ids), spec.dim)
         versions = torch.zeros(len(ids), dtype=torch.int64)
 
@@ -340,7 +317,7 @@ class ShardedRows:
             grads = grads.detach().to("cpu", torch.float32)
             parts = self.ahead.parts_of(table, ids)  # ids once: split when announced, if these are that batch's
             pending = Pending({s: (ids[pos], grads[pos], num_samples)
-                               for s, pos in enumerate(self._split(ids) if parts is None else parts)})
+                               for s, pos in enumerate(self.split(ids) if parts is None else parts)})
         todo = [s for s in pending.payloads if s not in pending.done]
         claim = self.ahead.claim(table) if self.fuse else None
         for shard, pull_ids in (list(claim.ids.items()) if claim else ()):
@@ -375,7 +352,7 @@ class ShardedRows:
         """One shard's push (with ``claim``'s ids of this shard, a PushPullRows delivering their rows); on a
         shard found restarted it is dropped ("lost") once the shard is rejoined."""
         try:
-            return self._push_once(s, self._part(s, table, ids, grads, num_samples, claim))
+            return self.push_once(s, self.part(s, table, ids, grads, num_samples, claim))
         except grpc.RpcError as e:
             if not self._restarted(s, e):
                 raise
@@ -384,9 +361,9 @@ class ShardedRows:
 
     def part_request(self, s: ShardClient, plan: PushPlan) -> RowsPart:
         """Shard ``s``'s push of ``plan`` (trainer.step_call sends it as a part of a Step call)."""
-        return self._part(s, plan.table, *plan.pending.payloads[s.index], plan.claim)
+        return self.part(s, plan.table, *plan.pending.payloads[s.index], plan.claim)
 
-    def _part(self, s: ShardClient, table: str, ids: torch.Tensor, grads: torch.Tensor, num_samples: int,
+    def part(self, s: ShardClient, table: str, ids: torch.Tensor, grads: torch.Tensor, num_samples: int,
               claim: Claim | None, numbered: tuple[int, int] | None = None) -> RowsPart:
         """Shard ``s``'s push under its lane's number (the unanswered one again on a retry): the request's
         chunks, and what its answer needs.  ``numbered``: a windowed push's (sequence, base), fixed when it was
@@ -418,7 +395,7 @@ class ShardedRows:
         """``part`` again -- same number, base and pull -- with its ids instead of the pulls it named: the shard
         holds none of them (refused, reason pull-ref-unknown); counted (``pull_refs_refused``) and logged."""
         part.lane.refs.forget()
-        self._count(pull_refs_refused=1)
+        self.count(pull_refs_refused=1)
         log.info("table %r: the shard holds no pull this push named (%s); sent again with its %d ids", part.table,
                  ", ".join(f"{r:#x}" for r in part.header.pull_refs), part.num_ids)
         header = _pb.RowsHeader()
@@ -430,7 +407,7 @@ class ShardedRows:
                         part.ids,
                         part.grads, 8 * part.num_ids)
 
-    def _push_once(self, s: ShardClient, part: RowsPart) -> str:
+    def push_once(self, s: ShardClient, part: RowsPart) -> str:
         try:
             try:
                 reply, pulled, sent = self.calls.push(s, part.chunks, fused=part.pull_ids is not None)
@@ -452,7 +429,7 @@ class ShardedRows:
         if version is None:
             return None
         self.book.stale(part.lane, version)
-        self._count(stale_pushes=1)
+        self.count(stale_pushes=1)
         return STALE
 
     def part_answered(self, s: ShardClient, part: RowsPart, reply: _pb.PushRowsReply, pulled: tuple | None,
@@ -463,7 +440,7 @@ class ShardedRows:
         with self._answer_lock if part.windowed else contextlib.nullcontext():  # (a window's answer on its thread)
             outcome = self.book.answered(lane, table, _pb.PushOutcome.Name(reply.outcome).lower(),
                                          part.header.version, reply.version, attempts, windowed=part.windowed)
-        self._count(bytes_pushed=part.num_ids * 4 * part.dim + part.id_bytes, rows_pushed=part.num_ids,
+        self.count(bytes_pushed=part.num_ids * 4 * part.dim + part.id_bytes, rows_pushed=part.num_ids,
                     rows_stale=reply.rows_stale, pushes_naming_pulls=int(bool(part.header.pull_refs)),
                     **{f"{outcome}_pushes": 1})
         rows = (self._rows_read(s, table, lane, part.pull_ids, *pulled,
@@ -480,7 +457,7 @@ class ShardedRows:
         resend its gradient under a new number; the prefetch pulls them again instead."""
         dim = self.tables[table].dim
         if len(raw) != len(ids) * dim * 4:
-            self._count(fused_rows_refused=1)
+            self.count(fused_rows_refused=1)
             log.warning("shard %d sent %d bytes of rows for %d ids of dim %d in a PushPullRows reply; pulled "
                         "again", s.index, len(raw), len(ids), dim)
             return None
@@ -535,12 +512,12 @@ class ShardedRows:
         m = len(self.client.shards)
         self.job = job
         self.book.relaid(m, rounds)
-        self.calls = RowCalls(self.client.shards, self._count)
+        self.calls = RowCalls(self.client.shards, self.count)
         for cache in self.caches.values():
             for shard in range(old):
                 cache.drop_shard(shard)
         self.ahead.relaid(m)
-        self._count(tables_relaid=1)
+        self.count(tables_relaid=1)
         log.warning("tables %s follow %d shards (was %d) from rounds %s: lanes, row calls and placement rebuilt, "
                     "prefetched and cached rows of the old shards dropped", sorted(self.tables), m, old, rounds)
 
@@ -553,7 +530,7 @@ class ShardedRows:
         did not answer get new numbers (RowLanes.abandon).  Returns whether there was one."""
         self._spec(table)
         if self.window_failed(table):
-            self._count(pushes_abandoned=self.window.abandon(table))
+            self.count(pushes_abandoned=self.window.abandon(table))
             return True
         return self.book.abandon(table)
 

@@ -34,6 +34,7 @@ import torch
 from psserver.protocol.limits import ROW_PUSHES_ON_WIRE_PER_SHARD
 from trainer.client import restarted
 from trainer.push_window import PushWindow, WindowFailed
+from trainer.row_errors import RowsPushFailed
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class TableWindows:
             raise ValueError(f"grads has shape {tuple(grads.shape)}, table {table!r} needs ({len(ids)}, {spec.dim})")
         grads = grads.detach().to("cpu", torch.float32)
         try:
-            self.hand_in(table, {s: (ids[pos], grads[pos], num_samples) for s, pos in enumerate(self.rows._split(ids))})
+            self.hand_in(table, {s: (ids[pos], grads[pos], num_samples) for s, pos in enumerate(self.rows.split(ids))})
         except WindowFailed as e:
             raise self.rows_failure(table, e) from e
         self.rows.ahead.pushed(table)
@@ -117,7 +118,7 @@ class TableWindows:
                     self.in_flight.subtract({(s, table): 1 for s in parts})
             raise
         finally:
-            self.rows._count(window_pushes_sent=w.stats.submitted - before,
+            self.rows.count(window_pushes_sent=w.stats.submitted - before,
                              window_full_waits=w.stats.full_waits - waits)
 
     def flush(self) -> None:
@@ -131,7 +132,6 @@ class TableWindows:
 
     def rows_failure(self, table: str, e: WindowFailed):
         """The window's failure as an unwindowed push raises it (RowsPushFailed): by shard, with what answered."""
-        from trainer.sparse_client import RowsPushFailed
         failed, done = {}, None
         for err in e.errors.values():
             failed.update({s: x for s, x in getattr(err, "failed", {0: err}).items() if s not in failed})
@@ -141,7 +141,7 @@ class TableWindows:
     def _retry(self, w: PushWindow) -> None:
         """Send ``w``'s failed pushes again, under their numbers (counted in ``window_pushes_retried``)."""
         if w.failed():
-            self.rows._count(window_pushes_retried=w.retry_failed())
+            self.rows.count(window_pushes_retried=w.retry_failed())
 
     def failed(self, table: str) -> bool:
         """A push of ``table`` (windowed) failed for good and waits to be sent again or abandoned."""
@@ -203,7 +203,7 @@ class TableWindows:
         (``window_wire_waits``) when every one is taken."""
         wire = self._wire[s]
         if not wire.acquire(blocking=False):
-            self.rows._count(window_wire_waits=1)
+            self.rows.count(window_wire_waits=1)
             wire.acquire()
         try:
             yield
@@ -215,7 +215,7 @@ class TableWindows:
         shard = self.rows.client.shards[s]
         try:
             with self._on_wire(s):
-                return self.rows._push_once(shard, self.rows._part(shard, push.table, ids, grads, n, None,
+                return self.rows.push_once(shard, self.rows.part(shard, push.table, ids, grads, n, None,
                                                                    numbered=(sequence, base)))
         except grpc.RpcError as e:
             if not restarted(e) or self.rows.on_restart is None:

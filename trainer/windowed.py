@@ -116,7 +116,7 @@ class WindowedExchange:
 
     def _count_window(self, waits_before: int) -> None:
         self.client.count("window_full_waits", self.window.stats.full_waits - waits_before)
-        with self.client._count_lock:
+        with self.client.count_lock:
             c = self.client.counters
             c["window_pushes_in_flight_max"] = max(c["window_pushes_in_flight_max"], self.window.stats.max_in_flight)
             c["window_pushes_in_flight"] = self.window.in_flight

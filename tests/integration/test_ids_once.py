@@ -165,7 +165,7 @@ def test_a_trainer_resends_with_its_ids_a_push_whose_pull_the_shard_no_longer_ho
         rows.push("emb", ids, torch.ones(40, DIM), 1)
         assert rows.counters["pushes_naming_pulls"] == 2 and rows.counters["pull_refs_refused"] == 0
         rows.pull("emb", ids)
-        for s, pos in enumerate(rows._split(ids)):  # pulls the shards do not hold (as after their own bound)
+        for s, pos in enumerate(rows.split(ids)):  # pulls the shards do not hold (as after their own bound)
             book = rows.book.lanes[(s, "emb")].refs
             book.forget()
             book.record(0x7E57 << 32 | 1, ids[pos[:3]])

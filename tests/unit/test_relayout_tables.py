@@ -85,7 +85,7 @@ def test_the_rows_client_splits_ids_by_the_new_shard_count_over_the_new_shards_a
             ADDRESSES + ["127.0.0.1:3"], job, 0, "t0").parts)
         rows.relaid(job, {"emb": 2, "cat": 2})
         ids = torch.arange(100)
-        assert [len(p) for p in rows._split(ids)] == [int((shard_of(ids, 3) == s).sum()) for s in range(3)]
+        assert [len(p) for p in rows.split(ids)] == [int((shard_of(ids, 3) == s).sum()) for s in range(3)]
         assert rows.calls is not old_calls and len(rows.calls._pull) == 3 and rows.book.num_shards == 3
         assert rows.ahead.num_shards == 3 and rows.ahead.take("emb", torch.arange(6)) is None  # prefetch dropped
         assert len(rows.caches["emb"]) == 0 and rows.counters["cache_dropped"] == 4

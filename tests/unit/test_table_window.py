@@ -35,7 +35,7 @@ class Shard:
 
 
 class FakeRows:
-    """What TableWindows uses of ShardedRows; ``_push_once`` records (shard, sequence, base) and waits for its
+    """What TableWindows uses of ShardedRows; ``push_once`` records (shard, sequence, base) and waits for its
     gate (one per push call, in order), then answers what the test put in ``answers`` (default: applied)."""
 
     def __init__(self, shards: int = 2):
@@ -50,7 +50,7 @@ class FakeRows:
         self.free = False  # every push answers at once
         self._lock = threading.Lock()
 
-    def _count(self, **n):
+    def count(self, **n):
         with self._lock:
             self.counters.update(n)
 
@@ -62,10 +62,10 @@ class FakeRows:
         for s in shards:
             self.gate(s, seq).set()
 
-    def _part(self, shard, table, ids, grads, n, claim, numbered=None):
+    def part(self, shard, table, ids, grads, n, claim, numbered=None):
         return numbered
 
-    def _push_once(self, shard, numbered):
+    def push_once(self, shard, numbered):
         seq, base = numbered
         with self._lock:
             self.calls.append((shard.index, seq, base))
