@@ -11,8 +11,8 @@ import time
 
 from psserver.common.cli_support import EnvArgumentParser, ensure_malloc_tunables, run_cli, setup_logging
 from psserver.common.tboard import Sampler, ScalarLog
-from psserver.handoff import DEFAULT_HANDOFF_TIMEOUT, handoff_timeout_error
-from psserver.ports import check_bindable
+from psserver.resharding.handoff import DEFAULT_HANDOFF_TIMEOUT, handoff_timeout_error
+from psserver.serving.ports import check_bindable
 from psserver.protocol import admin_token
 from psserver.protocol.limits import MAX_CALLS_PER_RANK
 from psserver.protocol.security import ServerSecurity, read_token
@@ -140,7 +140,7 @@ def start_board(args, snapshot, scalar_log: ScalarLog) -> Sampler | None:
     zigzag)."""
     if not scalar_log.enabled:
         return None
-    from psserver.metrics import board_scalars
+    from psserver.state.metrics import board_scalars
 
     t0 = time.monotonic()
     board = Sampler(scalar_log, lambda: (round(time.monotonic() - t0), board_scalars(snapshot())),
@@ -169,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level)
     # Imported after parsing, not at the top: they import torch, which --help, a flag error, `ps-server stats`
     # and `health` need not wait for.
-    from psserver.server import ServerConfig, ShardServer
-    from psserver.service import ServiceLimits
+    from psserver.serving.server import ServerConfig, ShardServer
+    from psserver.serving.service import ServiceLimits
 
     try:  # the operator's admin token, or one of the shard's own (psserver.protocol.admin_token)
         admin = admin_token.read_admin_token(args.admin_token_file)
@@ -208,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = ShardServer(cfg).start()
     except ValueError as e:
-        from psserver import layout_restore
-        from psserver.reshard import HINT, ReshardError
+        from psserver.resharding import layout_restore
+        from psserver.resharding.reshard import HINT, ReshardError
 
         if isinstance(e, layout_restore.RestoreError):
             print(f"ps-server: error: cannot restore: {e}\nhint: {layout_restore.HINT}", file=sys.stderr)
@@ -256,7 +256,7 @@ def dispatch() -> int:
     if argv[:1] == ["health"]:
         return admin.health_main(argv[1:])
     if argv[:1] == ["reshard"]:
-        from psserver.reshard_cmd import reshard_main
+        from psserver.resharding.reshard_cmd import reshard_main
 
         return reshard_main(argv[1:])
     if argv[:1] == ["export"]:

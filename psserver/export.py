@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from psserver.checkpoint import ShardState, layouts_in, load_newest
+from psserver.state.checkpoint import ShardState, layouts_in, load_newest
 from psserver.common.cli_support import EnvArgumentParser
 from psserver.common.logsafe import counted, shorten
 from psserver.protocol.layout import shard_range
@@ -81,7 +81,7 @@ def load_states(directories: list[str], layout: int | None = None) -> list[Shard
 
 def with_partitions(state: ShardState, directory: Path, layout: int = 0) -> ShardState:
     """A partitioned shard's state with its whole slice: partition 0's checkpoint (``state``, in ``directory``)
-    followed by those of partitions 1..K-1 (psserver.host keeps them in ``directory/partition-K``)."""
+    followed by those of partitions 1..K-1 (psserver.partition.host keeps them in ``directory/partition-K``)."""
     pieces = [state.params.detach().reshape(-1)]
     for k in range(1, state.job.partitions):
         folder = directory / f"partition-{k}"

@@ -13,8 +13,8 @@ from psserver.protocol.codec import encode, wire_tensor
 from psserver.protocol.job import JobSpec, OptimizerConfig
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.proto import ps_pb2_grpc as pb_grpc
-from psserver.server import ServerConfig, ShardServer
-from psserver.service import ServiceLimits
+from psserver.serving.server import ServerConfig, ShardServer
+from psserver.serving.service import ServiceLimits
 from tests.procreg import process_registry  # noqa: F401 -- autouse: no test leaves a process behind
 
 # The admin tokens the tests' ps-server processes make go to a folder of this run, not the user's own

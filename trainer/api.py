@@ -454,7 +454,7 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
     shard only the largest RATIO of its slice, keeping the rest for later pushes (trainer.compress).
 
     Partitions: ``partition_bytes=N`` cuts each shard's slice into pieces of at most N bytes, each with its
-    own round on the shard (psserver.host), pushed and pulled on its own (every trainer of a job must agree);
+    own round on the shard (psserver.partition.host), pushed and pulled on its own (every trainer of a job must agree);
     ``partitions=K`` asks for K per shard instead.
     ``pipeline=True`` returns from ``step()`` while the exchange goes on: each module's next forward waits
     only for the partitions holding its parameters (trainer.pipeline); ``step()`` then returns the previous

@@ -144,7 +144,7 @@ def add_compress_flag(p: EnvArgumentParser) -> None:
 
 
 def add_partition_flags(p: EnvArgumentParser) -> None:
-    """--partition-bytes and --pipeline, shared by ps-trainer and ps-cluster (psserver.host, trainer.pipeline)."""
+    """--partition-bytes and --pipeline, shared by ps-trainer and ps-cluster (psserver.partition.host, trainer.pipeline)."""
     p.add_argument("--partition-bytes", type=int, default=0, metavar="BYTES",
                    help="cut each shard's slice into partitions of at most BYTES (e.g. 4194304), each with its own "
                         "round, pushed and pulled on its own (0: one per shard; every trainer must agree)")

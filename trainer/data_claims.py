@@ -2,7 +2,7 @@
 
 Each step's push claims the next batch (``arm``), so a claim costs no call of its own; ClaimBatch is the fallback.
 
-The cursor is on shard 0 partition 0 (psserver.data_cursor): ``next()`` asks it for the global index of this
+The cursor is on shard 0 partition 0 (psserver.members.data_cursor): ``next()`` asks it for the global index of this
 trainer's next batch, numbering the claims 1, 2, 3, ... so that a retry after a lost reply (same number) gets
 the same batch and the next number says the previous batch was trained.  ``release()`` after the last step, before
 the Leave, says that last batch was trained too; a trainer that leaves without it has its batch re-issued.

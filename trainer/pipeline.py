@@ -1,7 +1,7 @@
 """The next forward overlaps the exchange: each layer waits only for the partitions holding its parameters.
 
 With ``pipeline=True`` (trainer.api), ``step()`` hands the dense exchange to a
-background thread and returns; partitions (psserver.host) are pushed and
+background thread and returns; partitions (psserver.partition.host) are pushed and
 pulled each on its own, earliest in the flat vector -- the first layers of the
 next forward -- started first.  A forward pre-hook on every module that owns
 parameters waits for the slots (partitions of shards) those parameters live

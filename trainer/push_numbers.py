@@ -1,6 +1,6 @@
 """Push numbering, once for both channels: a dense slice's (trainer.client) and a table lane's (trainer.row_lanes).
 
-Exactly once rests on one rule the shard keeps (psserver.executor: a push under a number it acknowledged is
+Exactly once rests on one rule the shard keeps (psserver.state.executor: a push under a number it acknowledged is
 answered DUPLICATE, not applied again), and on these decisions here:
 
 * a push whose reply was lost is sent again under the **same** number (``number`` while ``unanswered``);

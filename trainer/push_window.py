@@ -2,7 +2,7 @@
 
 Transport-agnostic: a push is a ``send`` callable that sends it -- or sends it again after a failure -- and
 returns its acknowledgement.  Sending again is safe because whoever builds ``send`` fixes its sequence numbers
-before handing it over (the shards answer a number they already applied DUPLICATE: psserver.modes
+before handing it over (the shards answer a number they already applied DUPLICATE: psserver.state.modes
 .decide_sequence keeps a window of numbers for exactly this).  The window only bounds, starts, collects and
 retries; what a push carries and what an acknowledgement means belong to the caller (trainer.windowed for the
 dense exchange; a fused step RPC can hand in its own ``send``).

@@ -67,7 +67,7 @@ def due(timeline: Sequence[LayoutEpoch], epoch: int, base: int, any_base: bool =
     """The layout a step of base version ``base`` must be sent in, when it is a later one than ``epoch`` (the
     layout the trainer routes by now); None: stay.  Every base has one owner (route_push), so this is it.
     ``any_base``: an async job, whose layouts switch at no common round (each old shard stopped at its own
-    version, psserver.handoff_io_async): the newest layout known, whatever the base."""
+    version, psserver.resharding.handoff_io_async): the newest layout known, whatever the base."""
     if not timeline:
         return None
     layout = timeline[-1] if any_base else layout_at(list(timeline), base)
@@ -278,7 +278,7 @@ class Relayout:
                             channel=channels.pop((address, j % k), None))
             s.layout_epoch = s.layout_seen = layout.number
             # Numbers go on from the old slots' newest, never back: the offline switch re-cuts the books as a
-            # restore does (psserver.reshard.merge_books) and a live hand-off starts them empty -- either way a
+            # restore does (psserver.resharding.reshard.merge_books) and a live hand-off starts them empty -- either way a
             # number above every one sent before is one no new piece acknowledged.
             s.outgoing.numbers.sequence = max(p.outgoing.numbers.sequence for p in old)
             s.epoch_seen, s.leaving = max(p.epoch_seen for p in old), head.leaving

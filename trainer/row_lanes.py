@@ -176,7 +176,7 @@ class RowLanes:
     def relaid(self, num_shards: int, rounds: dict[str, int]) -> None:
         """A layout switch (trainer.relayout), at a step boundary with no push kept: a lane per (new shard, table),
         each table's at its switch round ``rounds[table]`` (the version its old lanes were at), numbered on from
-        its old lanes' newest -- the offline switch merges the old shards' books (psserver.reshard.merge_books) and
+        its old lanes' newest -- the offline switch merges the old shards' books (psserver.resharding.reshard.merge_books) and
         a live one starts them empty, so a number above every one sent before is new on every new shard -- and
         remembering no pull: those were the old shards' (ids once never names them to a new one)."""
         old = self.lanes

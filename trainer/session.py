@@ -373,7 +373,7 @@ class Session:
         dropped link) fails it at once, so a call in flight on it is retried instead of waiting ~30 s for
         keepalive (measured: without them, the partition fault soak stalled 30 s per dropped connection);
         side by side, one hung shard delays no other shard's heartbeats.  (Partition 0's also renews the
-        lease on every partition of its shard: psserver.host.)"""
+        lease on every partition of its shard: psserver.partition.host.)"""
         with ThreadPoolExecutor(max_workers=min(16, len(self.client.parts)), thread_name_prefix="ps-beat") as beats:
             while not self._stop_heartbeat.wait(interval):
                 futures_wait([beats.submit(self._heartbeat_once, s, interval) for s in self.client.parts])

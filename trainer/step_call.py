@@ -45,7 +45,7 @@ from trainer.table_push import TablePush
 log = logging.getLogger("trainer.step_call")
 
 # A step's payload to one shard above this goes the two-call way: a Step's request is held whole by the shard
-# before any part runs (psserver.service.Step), which suits a step's rows and a small dense slice, not a big one.
+# before any part runs (psserver.serving.service.Step), which suits a step's rows and a small dense slice, not a big one.
 MAX_STEP_BYTES = 64 << 20
 
 
@@ -200,7 +200,7 @@ class StepCall:
             else:
                 call = (self._one[s.index](one_message(msgs, self.one_reply), timeout=timeout) if small else
                         self._stubs[s.index](iter(msgs), timeout=timeout))
-            for message in call:  # one message when one_reply was asked for and the reply fit (psserver.step_reply)
+            for message in call:  # one message when one_reply was asked for and the reply fit (psserver.serving.step_reply)
                 if message.malformed:
                     raise StepReplyBroken(message.malformed)
                 for m in message.flat():
@@ -257,7 +257,7 @@ class StepCall:
 
 def _reply_bytes(slots, i: int, parts: list) -> int:
     """The weights and rows a Step's reply from slot ``i`` carries, headers aside: known before the call, so a
-    reply sure to be packed (psserver.step_reply) can be read with a unary call."""
+    reply sure to be packed (psserver.serving.step_reply) can be read with a unary call."""
     start, end = slots.ranges[i]
     rows = sum(len(p.pull_ids) * p.dim * 4 for p in parts if p.pull_ids is not None)
     return (end - start) * TORCH_DTYPES[slots.client.wire].itemsize + rows

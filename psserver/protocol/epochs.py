@@ -23,7 +23,7 @@ JOIN_LEAD = 2  # a shard at version v proposes round v + 2: round v (open now) a
 # Shards of a sync job are at most one round apart, so a commit is at most JOIN_LEAD + 1 ahead of any shard.
 MAX_JOIN_AHEAD = JOIN_LEAD + 1
 # A job's timeline is bounded: past it, a change that would start an epoch is refused (RESOURCE_EXHAUSTED) --
-# a leave is not refused but taken as a lease expiry (psserver.epochs).
+# a leave is not refused but taken as a lease expiry (psserver.members.epochs).
 MAX_EPOCHS = 4096
 # A StatsReply's member lists: at most this many bytes of them (each epoch's number, round and size are sent
 # besides, at most MAX_EPOCHS x EPOCH_ENTRY_BYTES).  One list of MAX_TRAINERS ranks always fits (< 12 KiB).

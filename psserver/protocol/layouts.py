@@ -7,7 +7,7 @@ routed wholly by its base version: base < R belongs to the old layout, base >= R
 
 Epoch 0 is the job's first layout; a ``layout_epoch`` field left at 0 on the wire names it, so trainers and
 shards that predate layouts keep working until the first re-shard.  ``new_job`` is here (not in
-psserver.reshard) because a trainer that follows a re-shard must compute the new spec and fingerprint itself.
+psserver.resharding.reshard) because a trainer that follows a re-shard must compute the new spec and fingerprint itself.
 Pure: no torch, no network.
 """
 
@@ -34,7 +34,7 @@ from psserver.protocol.proto import ps_pb2 as _pb
 
 
 class LayoutError(ValueError):
-    """A job whose layout cannot be computed for another shard count (psserver.reshard's refusals too)."""
+    """A job whose layout cannot be computed for another shard count (psserver.resharding.reshard's refusals too)."""
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ def refusal(timeline: list[LayoutEpoch], epoch: int, value: int, pull: bool = Fa
 
 def moved_layout(trailers) -> LayoutEpoch | None:
     """The newest layout a Register's ``layout-moved`` refusal carries whole (its ``ps-layout-bin`` trailer), or
-    None: none sent (a shard from before it, or a caller that named another job: psserver.layout_host) or bytes
+    None: none sent (a shard from before it, or a caller that named another job: psserver.resharding.layout_host) or bytes
     that do not decode.  What a trainer that starts after a live re-shard with the old --ps list follows."""
     raw = dict(trailers or ()).get(LAYOUT_BIN_METADATA_KEY)
     if not raw:

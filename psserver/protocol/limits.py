@@ -104,7 +104,7 @@ MAX_EMBEDDING_DIM = 1 << 16
 # Live rows one table may keep on one shard (its max_rows): 2**32 rows of dim 1 are already 16 GiB.
 MAX_TABLE_ROWS = 1 << 32
 # Ids in one lookup or push: 2**20 rows of dim 64 are 256 MiB of fp32.  A call this big is checked, its rows
-# created and gathered on the state worker, never on the event loop (psserver.service: ServedTable.small_work
+# created and gathered on the state worker, never on the event loop (psserver.serving.service: ServedTable.small_work
 # decides); docs/memory.md.
 MAX_IDS_PER_CALL = 1 << 20
 # Bytes of rows in one PullRows reply (ids x dim x 4): a reply is held whole until its reader took it, so a
@@ -122,7 +122,7 @@ STEP_PART_HEADER_BYTES = 4096
 STEP_CHUNK_FRAMING_BYTES = 32
 
 # A shard serves at most this many data calls naming one rank (and partition) at once: ps-server
-# --max-calls-per-rank's default; a call past it is refused RESOURCE_EXHAUSTED (psserver.service).
+# --max-calls-per-rank's default; a call past it is refused RESOURCE_EXHAUSTED (psserver.serving.service).
 MAX_CALLS_PER_RANK = 8
 # A trainer's windowed async table pushes (trainer.table_window) on the wire to one shard at once, across all its
 # tables: the per-rank cap less room for the step's own call and a pull.  Without it, W pushes in flight per

@@ -1,7 +1,7 @@
 """The rules both sides apply, written once: the modes by name, which version a push's reply carries, and
 how a stale refusal says where the shard is.
 
-The shard decides with them (psserver/modes.py, psserver/sparse/serving.py) and the trainer predicts with
+The shard decides with them (psserver/state/modes.py, psserver/sparse/serving.py) and the trainer predicts with
 them (trainer/api.py, trainer/client.py, trainer/sparse_client.py): a change here changes both at once.
 """
 

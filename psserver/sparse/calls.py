@@ -1,7 +1,7 @@
 """The shard side of the row calls (PullRows, PushRows, PushPullRows) that the servicer used to run itself:
 checking a call's ids once, waiting for a table's version, and choosing where a call's table work runs.
 
-Made by the servicer (psserver.service) at construction with the shard whose tables it serves, the runtime
+Made by the servicer (psserver.serving.service) at construction with the shard whose tables it serves, the runtime
 (waiters, the state worker) and the call limits; the servicer decodes, calls these, encodes and maps errors.
 """
 

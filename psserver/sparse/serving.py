@@ -3,7 +3,7 @@
 Every table of the job has, on each shard, a ``ServedTable``: the ``RowStore`` of
 the rows this shard owns, a version (optimizer steps applied to the table) and,
 in sync and stale-timeout modes, an open round -- all independent of the dense
-slice's.  The decisions are the dense ones (``psserver.modes``) asked with a
+slice's.  The decisions are the dense ones (``psserver.state.modes``) asked with a
 ``RoundView`` made of the shard's membership and the table's own round:
 
 * sync -- one push per live trainer per round; the round's sum is the
@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from psserver import modes
+from psserver.state import modes
 from psserver.common.logsafe import shorten
-from psserver.executor import PushInfo, PushTarget, check_sequence, execute, record_ack
+from psserver.state.executor import PushInfo, PushTarget, check_sequence, execute, record_ack
 from psserver.protocol import limits
 from psserver.protocol.errors import FutureVersion, InvalidRequest, OutOfMemory, StaleGradient, is_out_of_memory
 from psserver.protocol.job import JobSpec, table_mode
@@ -47,7 +47,7 @@ from psserver.protocol.rows import errors
 from psserver.protocol.rows.placement import shard_of
 from psserver.protocol.rows.table import RowStore, TableSpec, all_finite, strictly_increasing
 from psserver.protocol.rules import Mode
-from psserver.rounds import TableRound
+from psserver.state.rounds import TableRound
 from psserver.sparse.versions import RowVersions
 
 # Counters of a table, as GetStats names them: ``table.<name>.<counter>``.
@@ -94,7 +94,7 @@ class RowsResult:
 @dataclass(frozen=True)
 class Membership:
     """What the table decisions need of the shard's membership.  ``epochs``: the shard's membership timeline
-    (psserver.epochs.EpochBook of partition 0, where the tables live; None: every live trainer is expected).
+    (psserver.members.epochs.EpochBook of partition 0, where the tables live; None: every live trainer is expected).
     A sync table's round r is the job's round r (every trainer pushes every table on every shard once per
     step, so a table's version moves with the dense one): it expects the members of the epoch in effect at r,
     as the dense round does.  In a job that never changes that is every live trainer, as before."""
@@ -102,11 +102,11 @@ class Membership:
     live: frozenset = frozenset()
     started: bool = True
     epochs: object = None
-    handoff_held_from: int | None = None  # a live re-shard's hold (psserver.handoff_io): a sync table's too
+    handoff_held_from: int | None = None  # a live re-shard's hold (psserver.resharding.handoff_io): a sync table's too
 
     def at(self, round_: int) -> tuple[frozenset, int, bool]:
         """(the ranks round ``round_`` waits for, the size of its epoch (0: the job's), whether a pending join
-        holds it): the live members of its epoch, as psserver.enrolment.round_view says for the dense round."""
+        holds it): the live members of its epoch, as psserver.members.enrolment.round_view says for the dense round."""
         book, hold = self.epochs, self.handoff_held_from
         if book is None:
             return self.live, 0, hold is not None and round_ >= hold
@@ -268,7 +268,7 @@ class ServedTable(PushTarget):
 
     def push(self, p: RowsPush, members: Membership, now: float, refuse_nonfinite: bool = True,
              checked: CheckedIds | None = None) -> RowsResult:
-        """Check, deduplicate, decide (psserver.modes) and act (psserver.executor) on one push; ``checked``: its
+        """Check, deduplicate, decide (psserver.state.modes) and act (psserver.state.executor) on one push; ``checked``: its
         ids, already checked against this table."""
         finite = self.check_push(p, refuse_nonfinite, checked)
         if check_sequence(self.acked, p.rank, p.trainer_id, p.sequence, where=f" to table {self.spec.name!r}",
@@ -284,7 +284,7 @@ class ServedTable(PushTarget):
         return result
 
     def _view(self, members: Membership) -> modes.RoundView:
-        """The open round as psserver.modes sees it: its expected members are those of the epoch in effect at
+        """The open round as psserver.state.modes sees it: its expected members are those of the epoch in effect at
         its round (the table's version; async tables wait for no one, so it does not matter there)."""
         r = self.round
         live, size, held = members.at(self.version)
@@ -348,7 +348,7 @@ class ServedTable(PushTarget):
     def check_lands(self, p: RowsPush) -> None:
         """Refuse now what this push would be refused once it is its turn to be added -- its number out of order,
         a sync round whose union of ids it would take past the table's bounds -- so a Step refuses it before its
-        dense part is pushed, and a refused Step changes nothing (psserver.step_trip).  A read: nothing changes.
+        dense part is pushed, and a refused Step changes nothing (psserver.serving.step_trip).  A read: nothing changes.
         A duplicate, or a push that will not be added to the open round (stale, an async table's), passes."""
         if check_sequence(self.acked, p.rank, p.trainer_id, p.sequence, where=f" to table {self.spec.name!r}",
                           holes=self.holes):
@@ -455,7 +455,7 @@ class Tables:
     def for_job(job: JobSpec | None, shard: int = 0, row_limits: dict | None = None) -> "Tables":
         """The job's tables, allocated here (each its first rows and their optimizer state); a table that does
         not fit is RESOURCE_EXHAUSTED naming it, and the ones made before it are dropped with this call.
-        ``row_limits``: name -> rows for tables without max_rows (psserver.budget.Plan)."""
+        ``row_limits``: name -> rows for tables without max_rows (psserver.state.budget.Plan)."""
         tables = {}
         for t in job.tables if job is not None else ():
             try:

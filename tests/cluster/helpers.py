@@ -19,7 +19,7 @@ import torch
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.proto import ps_pb2_grpc as pb_grpc
 from psserver.protocol.stubs import fetch_stat
-from psserver.reshard_cmd import reshard_main
+from psserver.resharding.reshard_cmd import reshard_main
 from tests.cluster.faultproxy import FaultProxy
 from trainer.procs import Proc, start_shard, start_trainer, wait_all
 

@@ -1,5 +1,5 @@
 """Async and stale-timeout elastic data over real processes: the job's data cursor (shard 0 partition 0,
-psserver.data_cursor) grants every batch of the data epochs once, across two trainers at different paces, a joiner
+psserver.members.data_cursor) grants every batch of the data epochs once, across two trainers at different paces, a joiner
 and a leaver.
 
 No timing: rank 0 holds before its step 4 and rank 1 before its step 8 (``--hold-at-round``, async: the

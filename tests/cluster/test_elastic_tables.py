@@ -16,7 +16,7 @@ import torch
 
 from psserver.protocol.epochs import JOIN_LEAD
 from psserver.protocol.stubs import fetch_stat
-from psserver.reshard_files import load_pieces
+from psserver.resharding.reshard_files import load_pieces
 from tests.cluster.test_elastic import LONG_LEASE, held_at, timeline
 from tests.cluster.test_elastic import start_job as elastic_job
 from tests.helpers import wait_until

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from psserver.slice_optim import LANE_PAD
+from psserver.state.slice_optim import LANE_PAD
 from trainer.data import epoch_order, load_dataset, local_batch_indices
 from trainer.models import build_model
 
@@ -50,16 +50,16 @@ def replica_adam_run(lr: float) -> dict:
     [P*i//M, P*(i+1)//M) (psserver/protocol/layout.py), sums the trainers' slices
     weighted by num_samples -- ``acc = g0 * b``, then ``acc = (g1 * b) + acc``,
     each product rounded on its own (so the sum of two commutes: arrival order
-    does not matter; psserver/rounds.py ``OpenRound.add``) -- divides by the total
+    does not matter; psserver/state/rounds.py ``OpenRound.add``) -- divides by the total
     weight and steps torch.optim.Adam(fused=True) on that one flat tensor
-    (psserver/shard.py ``_accumulate``/``_close_round``, psserver/protocol/optim.py).
+    (psserver/partition/shard.py ``_accumulate``/``_close_round``, psserver/protocol/optim.py).
 
     The slices matter at the last bit: the fused CPU kernel handles the last
     ``numel % vector width`` elements of a tensor in a scalar loop whose rounding
     differs from the vector body's, so stepping per-tensor parameters instead
     differs from the shards in a few thousand elements by ~1 ulp after 6 steps.
     A shard pads its slice's tail with zeros so every element takes the vector
-    path (psserver/slice_optim.py); so does this replica.
+    path (psserver/state/slice_optim.py); so does this replica.
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the trainers run: GEMM rounding can depend on the thread count

@@ -1,4 +1,4 @@
-"""A live re-shard of an async job under real trainers (stage 8 of docs/live-reshard.md; psserver.handoff_io_async):
+"""A live re-shard of an async job under real trainers (stage 8 of docs/live-reshard.md; psserver.resharding.handoff_io_async):
 two async ``ps-trainer`` processes train a dense mlp on two ``ps-server`` processes; ``ps-server reshard`` moves the
 job to three (the third started empty) while they train; they follow the switch and finish.
 
@@ -15,7 +15,7 @@ import grpc
 from psserver.protocol import stubs
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.stubs import fetch_stat
-from psserver.reshard_cmd import reshard_main
+from psserver.resharding.reshard_cmd import reshard_main
 from tests.cluster.test_live_reshard import COMMON, done_line
 from tests.helpers import wait_until
 from trainer.procs import start_shard, start_trainer, wait_all

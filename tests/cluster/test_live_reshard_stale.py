@@ -8,7 +8,7 @@ import re
 import torch
 
 from psserver.protocol.stubs import fetch_stat
-from psserver.reshard_cmd import reshard_main
+from psserver.resharding.reshard_cmd import reshard_main
 from tests.cluster.test_live_reshard import STEPS, done_line, run_trainers
 from tests.helpers import wait_until
 from trainer.procs import start_shard, wait_all

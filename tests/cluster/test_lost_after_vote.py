@@ -20,7 +20,7 @@ import torch
 
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.stubs import fetch_stat
-from psserver.reshard_cmd import TAILING, Coordinator
+from psserver.resharding.reshard_cmd import TAILING, Coordinator
 from tests.cluster.helpers import pull_params
 from tests.cluster.test_reshard_soak import ACKED, PACE, P, Flat, expected_params, step_until_done
 from tests.helpers import wait_until

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from psserver.checkpoint import list_checkpoints, load_newest
+from psserver.state.checkpoint import list_checkpoints, load_newest
 from psserver.protocol.job import JobSpec
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.proto import ps_pb2_grpc as pb_grpc
@@ -58,7 +58,7 @@ def part_stats(address: str, partition: int, digest_as: "Gate | None" = None,
 
 
 def checkpoint_dir(root, partition: int):
-    """Where a partition's checkpoints go (psserver.host): the root for partition 0, partition-K below it."""
+    """Where a partition's checkpoints go (psserver.partition.host): the root for partition 0, partition-K below it."""
     return root if partition == 0 else root / f"partition-{partition}"
 
 

@@ -8,7 +8,7 @@ import subprocess
 import torch
 from torch import nn
 
-from psserver.reshard_files import load_pieces
+from psserver.resharding.reshard_files import load_pieces
 from tests.helpers import run_ranks
 from trainer import connect
 from trainer.embedding import ShardedEmbedding

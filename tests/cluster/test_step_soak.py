@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from psserver.checkpoint import list_checkpoints, load_newest
+from psserver.state.checkpoint import list_checkpoints, load_newest
 from psserver.protocol.rows.init import Initializer
 from psserver.protocol.rows.optim import SparseOptimizerConfig
 from psserver.protocol.rows.placement import shard_of

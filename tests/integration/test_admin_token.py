@@ -13,7 +13,7 @@ from psserver.protocol import admin_token
 from psserver.protocol.codec import encode, wire_tensor
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.security import ServerSecurity
-from psserver.reshard_cmd import Coordinator
+from psserver.resharding.reshard_cmd import Coordinator
 from tests.helpers import refused
 from tests.integration.test_handoff_io import OLD_RANGES, Op, spec
 

@@ -7,8 +7,8 @@ import threading
 
 import grpc
 
-from psserver import service, service_common
-from psserver.service import ServiceLimits
+from psserver.serving import service, service_common
+from psserver.serving.service import ServiceLimits
 from tests.conftest import RawShard
 from tests.helpers import refused
 from tests.integration.test_step_attacks import CALL_TIMEOUT, still_serves

@@ -29,7 +29,7 @@ def _held_stream(chunks, gate: threading.Event):
 @pytest.mark.parametrize("sent", [0, 1], ids=["before-any-chunk", "after-the-header-chunk"])
 def test_a_push_cancelled_by_its_client_is_counted_cancelled_and_logged_not_refused_and_changes_nothing(
         ready, caplog, sent):
-    caplog.set_level(logging.INFO, logger="psserver.service")
+    caplog.set_level(logging.INFO, logger="psserver.serving.service")
     before = ready.digest()
     gate = threading.Event()
     try:
@@ -47,7 +47,7 @@ def test_a_push_cancelled_by_its_client_is_counted_cancelled_and_logged_not_refu
 
 
 def test_a_step_cancelled_by_its_client_before_its_first_message_is_counted_cancelled_not_refused(ready, caplog):
-    caplog.set_level(logging.INFO, logger="psserver.service")
+    caplog.set_level(logging.INFO, logger="psserver.serving.service")
     before = ready.digest()
     gate = threading.Event()
     try:
@@ -73,7 +73,7 @@ def test_a_push_stream_its_client_closes_early_is_still_refused_invalid_argument
 @pytest.mark.parametrize("sent", [0, 1], ids=["before-any-chunk", "after-the-header-chunk"])
 def test_a_row_push_cancelled_by_its_client_is_counted_cancelled_not_refused_and_changes_nothing(
         shard_server, caplog, sent):
-    caplog.set_level(logging.INFO, logger="psserver.service")
+    caplog.set_level(logging.INFO, logger="psserver.serving.service")
     raw = started(shard_server, mode="async")
     before = raw.digest()
     chunks = rows_chunks(list(range(40)), grads=torch.ones(40, DIM), chunk_bytes=256)  # several chunks

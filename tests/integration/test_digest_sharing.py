@@ -1,4 +1,4 @@
-"""GetStats' state digest over gRPC (psserver.digest_gate): callers asking together cost the state worker one
+"""GetStats' state digest over gRPC (psserver.serving.digest_gate): callers asking together cost the state worker one
 pass, not one each, and each still gets the digest of the state after it asked."""
 
 import threading

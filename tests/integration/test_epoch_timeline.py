@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 
-from psserver import epochs as shard_epochs
+from psserver.members import epochs as shard_epochs
 from psserver.protocol.proto import ps_pb2 as pb
 from tests.conftest import P, make_spec
 from tests.helpers import refused

@@ -11,7 +11,7 @@ import grpc
 import pytest
 import torch
 
-from psserver.forward_log import copy_range, range_digest
+from psserver.resharding.forward_log import copy_range, range_digest
 from psserver.protocol.codec import encode, wire_tensor
 from psserver.protocol.errors import NOT_IN_LAYOUT, REASON_METADATA_KEY
 from psserver.protocol.job import OptimizerConfig
@@ -42,7 +42,7 @@ class Run:
     def __init__(self, shards, first: list[int], optimizer=SGD):
         self.shards, self.on, self.epoch, self.job = shards, list(first), 0, spec_on(len(first), optimizer)
         self.seq = Counter()
-        self.held = []  # round R-1's pushes, whose replies wait for DECIDE (psserver.reply_holds)
+        self.held = []  # round R-1's pushes, whose replies wait for DECIDE (psserver.serving.reply_holds)
         for s in shards:  # a held reply waits for DECIDE, however slow the machine, not for the timeout
             s.server.handoffs.timeout = 60.0
         init = torch.randn(P, generator=torch.Generator().manual_seed(0))

@@ -9,7 +9,7 @@ import grpc
 import pytest
 import torch
 
-from psserver.forward_log import copy_range, range_digest
+from psserver.resharding.forward_log import copy_range, range_digest
 from psserver.protocol.codec import encode, wire_tensor
 from psserver.protocol.errors import REASON_METADATA_KEY
 from psserver.protocol.job import OptimizerConfig
@@ -309,7 +309,7 @@ def test_a_move_that_aborts_on_its_own_ends_the_plan_on_its_shard_and_lifts_the_
     committed takes the same path) ends the plan on the shard: the held reply goes out in the old layout, a push
     of base R is taken there and a join is admitted -- before, both stayed refused ``handoff`` after the plan was
     gone, until a DECIDE that may never come."""
-    from psserver import handoff as h
+    from psserver.resharding import handoff as h
 
     job = Job(shard_server, spec(max_trainers=2))
     R, held = blocked_at_r(job)

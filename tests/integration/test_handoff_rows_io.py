@@ -18,7 +18,7 @@ from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.rows.optim import SparseOptimizerConfig
 from psserver.protocol.rows.placement import shard_of
 from psserver.protocol.rows.table import TableSpec
-from psserver.reshard import recut_table
+from psserver.resharding.reshard import recut_table
 from tests.conftest import P, make_spec
 from tests.helpers import refused, wait_until
 from tests.integration.test_handoff_io import Job, Op, _Shard, spec
@@ -39,7 +39,7 @@ class TableJob(Job):
         self.new_job = new_job(job, 3)
         self.row_seq = {}
         self.used = torch.empty(0, dtype=torch.int64)
-        self.held = []  # round R-1's dense pushes, whose replies wait for DECIDE (psserver.reply_holds)
+        self.held = []  # round R-1's dense pushes, whose replies wait for DECIDE (psserver.serving.reply_holds)
 
     def push(self, i, base, layout=0, later=False):  # the dense push, with the new layout's fingerprint in layout 1
         if layout:

@@ -1,14 +1,14 @@
 """Issue 24: a live re-shard of a big sync table must never cost a trainer its lease.  The rows' split and hash run
 under the plan's lock for seconds on a 1M-row table; a heartbeat is answered on the event loop, so nothing of the
 copy may hold the loop: a Reshard STATUS or GetStats waits for the plan's lock on a thread, and the rows' vote runs
-on the state worker whatever the slice.  Three real shards over gRPC on loopback (psserver.handoff_io_rows);
+on the state worker whatever the slice.  Three real shards over gRPC on loopback (psserver.resharding.handoff_io_rows);
 measured at 1M rows by docs/bench/handoff/measure_rows_lag.py (docs/handoff-io.md, "Heartbeats during a rows copy")."""
 
 import threading
 
 import pytest
 
-from psserver import handoff_io_rows
+from psserver.resharding import handoff_io_rows
 from psserver.protocol.proto import ps_pb2 as pb
 from tests.helpers import wait_until
 from tests.integration.test_handoff_io import Op, spec

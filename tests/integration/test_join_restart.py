@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from psserver.protocol.epochs import JOIN_LEAD
-from psserver.server import ServerConfig, ShardServer
+from psserver.serving.server import ServerConfig, ShardServer
 from tests.conftest import RawShard
 from tests.helpers import WAIT_TIMEOUT, run_ranks, wait_until
 from trainer.api import connect

@@ -236,7 +236,7 @@ def test_a_register_in_the_old_layout_carries_the_newest_layout_whole_only_to_a_
 
 
 def test_refusals_and_bytes_counted_before_a_switch_are_still_in_get_stats_and_metrics_after_it(shard_server):
-    """The servicer's counts are shard-wide (psserver.stats.WideCounts): GetStats and the metrics read the newest
+    """The servicer's counts are shard-wide (psserver.state.stats.WideCounts): GetStats and the metrics read the newest
     layout's host, and once counted on layout 0's partition 0 they vanished from both at the switch."""
     shard = shard_server()
     shard.register(spec=OLD)

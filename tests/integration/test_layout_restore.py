@@ -18,11 +18,11 @@ import grpc
 import torch
 from torch.nn import functional as F
 
-from psserver.checkpoint import file_name
+from psserver.state.checkpoint import file_name
 from psserver.protocol.rules import refused_layout_moved
 from psserver.protocol.stubs import fetch_stat
-from psserver.server import ServerConfig, ShardServer
-from psserver.service import ServiceLimits
+from psserver.serving.server import ServerConfig, ShardServer
+from psserver.serving.service import ServiceLimits
 from tests.conftest import RawShard
 from tests.helpers import refused, wait_until
 from tests.integration.test_layout_refusals import NEW, OLD, P, R as SWITCHED_AT, init, push

@@ -15,8 +15,8 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-import psserver.host
-from psserver.budget import dense_bytes
+import psserver.partition.host
+from psserver.state.budget import dense_bytes
 from psserver.protocol import limits
 from psserver.protocol.codec import encode, wire_tensor
 from psserver.protocol.job import JobSpec, OptimizerConfig
@@ -91,7 +91,7 @@ def test_a_slice_that_fails_to_allocate_at_register_is_resource_exhausted_and_le
         shard_server, monkeypatch, failure):
     raw = shard_server()
     fresh = raw.digest()
-    real, calls = psserver.host.allocate_slice, []
+    real, calls = psserver.partition.host.allocate_slice, []
 
     def third_fails(elements):
         calls.append(elements)
@@ -100,7 +100,7 @@ def test_a_slice_that_fails_to_allocate_at_register_is_resource_exhausted_and_le
         return real(elements)
 
     with monkeypatch.context() as m:
-        m.setattr(psserver.host, "allocate_slice", third_fails)
+        m.setattr(psserver.partition.host, "allocate_slice", third_fails)
         refused(lambda: register(raw, big_spec(1 << 16, partitions=8)), grpc.StatusCode.RESOURCE_EXHAUSTED,
                 "partition 2's slice could not be allocated", "total_params needs", "memory budget is")
     assert len(calls) == 3

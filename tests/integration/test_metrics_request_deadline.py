@@ -8,7 +8,7 @@ import time
 
 from prometheus_client import CollectorRegistry
 
-from psserver import metrics_http
+from psserver.state import metrics_http
 from tests.integration.test_step_attacks import CALL_TIMEOUT
 
 

@@ -1,6 +1,6 @@
 """Partitioned and pipelined exchange against the plain one, on real shards over loopback.
 
-Each partition has its own round, version and optimizer step (psserver.host); element-wise optimizers make
+Each partition has its own round, version and optimizer step (psserver.partition.host); element-wise optimizers make
 that the same arithmetic as one step over the slice, so sync mode must give the same parameters bit for bit --
 also when steps return before the exchange ends and each layer waits for its own partitions (trainer.pipeline).
 """
@@ -216,8 +216,8 @@ def test_a_refused_register_of_a_partitioned_job_makes_no_partition(shard_server
 def test_a_partitioned_trainer_rides_out_a_shard_that_restarts_empty(shard_server, pipeline):
     """Every partition of the restarted shard answers "register first" (FAILED_PRECONDITION), never
     INVALID_ARGUMENT: the trainer registers each again, rank 0 initialises it, and training goes on."""
-    from psserver.server import ServerConfig, ShardServer
-    from psserver.service import ServiceLimits
+    from psserver.serving.server import ServerConfig, ShardServer
+    from psserver.serving.service import ServiceLimits
 
     shards = [shard_server(shard=i) for i in range(2)]
     model = Net()

@@ -8,7 +8,7 @@ import torch
 
 from psserver.protocol.job import OptimizerConfig
 from psserver.protocol.proto import ps_pb2 as pb
-from psserver.service import ServiceLimits
+from psserver.serving.service import ServiceLimits
 from tests.conftest import P, make_spec
 from tests.helpers import refused
 

@@ -163,7 +163,7 @@ def one_step(ps, model, batch) -> None:
 def test_an_async_trainer_started_after_a_switch_with_the_old_ps_list_follows_the_layout_its_register_refusal_names(
         shard_server):
     """Async jobs do not wait for every trainer, so rank 1 may first register after the switch, in layout 0: every
-    old shard refuses it ``layout-moved`` with layout 1 whole (psserver.layout_host.register_host), and it registers
+    old shard refuses it ``layout-moved`` with layout 1 whole (psserver.resharding.layout_host.register_host), and it registers
     there instead (trainer.relayout.Relayout.at_register), counted and logged; its steps go to layout 1's shards."""
     servers = [shard_server(shard=i).server for i in range(2)]
     addresses, data = ",".join(s.address for s in servers), batches()

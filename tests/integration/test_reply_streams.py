@@ -1,5 +1,5 @@
 """Reply streams bounded in time and memory, and the caps on connections and health Watch streams, over real
-gRPC on 127.0.0.1 (psserver/replies.py; issue 20 findings 3 and 8).
+gRPC on 127.0.0.1 (psserver/serving/replies.py; issue 20 findings 3 and 8).
 
 A reader that stops reading is a channel whose receive window does not grow (``grpc.http2.bdp_probe`` off):
 after its first chunk it reads nothing, so the shard's writes wait on HTTP/2 flow control.  The tests wait on
@@ -21,7 +21,7 @@ from psserver.protocol.codec import encode, wire_tensor
 from psserver.protocol.job import JobSpec, OptimizerConfig
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.proto import ps_pb2_grpc as pb_grpc
-from psserver.service import ServiceLimits
+from psserver.serving.service import ServiceLimits
 from psserver.protocol.rows.init import init_rows
 from psserver.protocol.rows.table import TableSpec
 from tests.conftest import make_spec

@@ -3,7 +3,7 @@
 A client that opens row pushes or Step streams and leaves them unfinished made the shard hold what their headers
 declared (a PushRows' receive buffer) or what they sent (a Step's parts, kept until the stream ends) with no bound
 but --max-push-bytes a call: three held 400 MB pushes grew the shard by 1.3 GB.  Now every such byte is held in
-the shard's request ledger (psserver.replies.RequestLedger) from before its buffer is allocated until the call
+the shard's request ledger (psserver.serving.replies.RequestLedger) from before its buffer is allocated until the call
 ends; a call past --max-request-bytes-per-peer (its connection's) or --max-request-bytes (the shard's) is refused
 RESOURCE_EXHAUSTED naming the cap, the state unchanged, and the shard goes on serving once the streams end.
 """
@@ -20,7 +20,7 @@ from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.proto import ps_pb2_grpc as pb_grpc
 from psserver.protocol.stepwire import StepMessage, parse_step, serialize_step
 from psserver.protocol.stubs import method
-from psserver.service import ServiceLimits
+from psserver.serving.service import ServiceLimits
 from tests.conftest import P
 from tests.helpers import refused, wait_until
 from tests.integration.test_sparse_rpc import DIM, job, push_rows, rows_chunks

@@ -82,7 +82,7 @@ def test_sync_trainers_with_prefetch_end_with_the_same_bits_as_without(shard_ser
         assert torch.equal(ahead["rows"][name], rows), name
     for name, value in plain["dense"].items():
         # Within an ulp, not bit for bit: the shard's dense round sum is g_first*w then sum + w*g_second
-        # (psserver/rounds.py, add with alpha), which can round differently by arrival order -- measured:
+        # (psserver/state/rounds.py, add with alpha), which can round differently by arrival order -- measured:
         # the same job without prefetch, run twice, differs in out.weight by 4.7e-10.  The rows are exact.
         torch.testing.assert_close(ahead["dense"][name], value, rtol=1e-6, atol=1e-9)
     assert ahead["region_live_rows"][1] == 0 and ahead["region_live_rows"][0] > 0  # a table on one shard only

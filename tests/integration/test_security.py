@@ -10,8 +10,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.proto import ps_pb2_grpc as pb_grpc
 from psserver.protocol.security import ClientSecurity, ServerSecurity
-from psserver.server import ServerConfig, ShardServer
-from psserver.service import ServiceLimits
+from psserver.serving.server import ServerConfig, ShardServer
+from psserver.serving.service import ServiceLimits
 from tests.conftest import make_spec
 from tests.helpers import refused
 

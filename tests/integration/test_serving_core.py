@@ -1,6 +1,6 @@
 """The grpc.aio serving core, exercised over real gRPC on 127.0.0.1.
 
-What the rewrite onto grpc.aio promises (psserver/server.py, service.py, runtime.py):
+What the rewrite onto grpc.aio promises (psserver/serving/server.py, service.py, runtime.py):
 a waiting trainer is an awaited future, not a parked thread; Health and Heartbeat
 are answered while anything else waits or stalls; an abandoned call keeps nothing;
 one connection cannot hold more than its share; and every declared value is bounded
@@ -36,8 +36,8 @@ from psserver.protocol.job import OptimizerConfig
 from psserver.protocol.limits import MAX_ID_CHARS, MAX_SEQUENCE, MAX_SYNC_TIMEOUT, MAX_TRAINERS, MIN_CHUNK_BYTES
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.proto import ps_pb2_grpc as pb_grpc
-from psserver.server import ServerConfig, ShardServer
-from psserver.service import ServiceLimits
+from psserver.serving.server import ServerConfig, ShardServer
+from psserver.serving.service import ServiceLimits
 from psserver.sparse.serving import Tables
 from tests.conftest import P, make_spec
 from tests.helpers import refused, wait_until

@@ -50,8 +50,8 @@ def test_a_killed_shard_restored_from_its_checkpoint_serves_the_same_rows(tmp_pa
 
 def test_a_checkpoint_taken_as_a_round_closes_holds_the_step_not_the_round(tmp_path):
     """The dense round that a step closes is not also saved as open: --restore would apply it twice."""
-    from psserver.checkpoint import Checkpointer
-    from psserver.shard import Shard
+    from psserver.state.checkpoint import Checkpointer
+    from psserver.partition.shard import Shard
     from tests.conftest import make_spec
 
     shard = Shard(0, checkpointer=Checkpointer(tmp_path, 0, every=1))

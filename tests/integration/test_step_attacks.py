@@ -18,7 +18,7 @@ from psserver.protocol.codec import encode, wire_tensor
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.stepwire import StepMessage, one_message, parse_step, serialize_step
 from psserver.protocol.stubs import method
-from psserver.service import ServiceLimits
+from psserver.serving.service import ServiceLimits
 from tests.conftest import P
 from tests.helpers import refused, wait_until
 from tests.integration.test_step_rpc import dense, rows, started, step, table_reply, weights

@@ -1,4 +1,4 @@
-"""The step engine (psserver/step_engine.py) against the general path it stands in for, on real shards on loopback.
+"""The step engine (psserver/serving/step_engine.py) against the general path it stands in for, on real shards on loopback.
 
 Differential: the same jobs and the same hand-made step sequences run on shards with the engine and on shards
 without it (``ServiceLimits(step_engine=False)``, what ``ps-server --no-step-engine`` sets) and must give the same
@@ -17,7 +17,7 @@ from psserver.protocol.codec import encode, wire_tensor
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.stepwire import StepMessage, one_message, parse_step, serialize_step
 from psserver.protocol.stubs import method
-from psserver.service import ServiceLimits
+from psserver.serving.service import ServiceLimits
 from tests.conftest import P
 from tests.helpers import refused, run_ranks
 from tests.integration.test_row_prefetch import B, STEPS, Rec, batch

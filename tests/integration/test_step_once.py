@@ -165,7 +165,7 @@ async def _unknown(self, request, context):
 
 def test_a_trainer_against_a_shard_without_step_once_falls_back_to_step_once_counted_with_the_same_bits(
         shard_server, monkeypatch):
-    monkeypatch.setattr("psserver.service.ParameterServerService.StepOnce", _unknown)  # (read at add_service)
+    monkeypatch.setattr("psserver.serving.service.ParameterServerService.StepOnce", _unknown)  # (read at add_service)
     older = [shard_server(shard=i) for i in range(2)]
     monkeypatch.undo()
     got, c = _train(",".join(s.server.address for s in older), True)

@@ -140,7 +140,7 @@ def _as_an_older_shard(message: bytes, **bounds) -> StepMessage:
 
 def test_a_trainer_against_an_older_shard_asks_for_the_stream_after_one_refusal_and_ends_with_the_same_bits(
         shard_server, monkeypatch):
-    monkeypatch.setattr("psserver.service.parse_step", _as_an_older_shard)  # (read when a shard adds its service)
+    monkeypatch.setattr("psserver.serving.service.parse_step", _as_an_older_shard)  # (read when a shard adds its service)
     older = [shard_server(shard=i) for i in range(2)]
     monkeypatch.undo()
     current = [shard_server(shard=i) for i in range(2)]

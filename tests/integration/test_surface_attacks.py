@@ -9,7 +9,7 @@ from __future__ import annotations
 import grpc
 import torch
 
-from psserver.data_cursor import MAX_BATCHES_PER_EPOCH
+from psserver.members.data_cursor import MAX_BATCHES_PER_EPOCH
 from psserver.protocol.proto import ps_pb2 as pb
 from tests.conftest import P
 from tests.helpers import refused

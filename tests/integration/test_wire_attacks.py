@@ -15,13 +15,15 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from psserver import metrics_http, service, service_common
+from psserver.state import metrics_http
+
+from psserver.serving import service, service_common
 from psserver.protocol import limits
 from psserver.protocol.fastwire import MAX_CHUNK_FIELDS
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.stepwire import StepMessage, one_message, parse_step, serialize_step
 from psserver.protocol.stubs import method
-from psserver.service import ServiceLimits
+from psserver.serving.service import ServiceLimits
 from tests.conftest import P, make_spec
 from tests.helpers import refused, wait_until
 from tests.integration.test_sparse_rpc import rows_chunks

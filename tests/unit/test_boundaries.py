@@ -6,7 +6,7 @@
 * The contract is self-contained: ``psserver.protocol`` imports no shard internals, ``psserver.common`` nothing
   else of psserver.
 * Arrows run one way: no import cycle among psserver's modules, nor among trainer's (type-only and deferred
-  imports included).
+  imports included); psserver's wings are floors, each importing only the ones below it (``WINGS``).
 * Collaborators are handed what they call and offer public methods: no psserver or trainer method reaches
   through an object it holds (``self.x._y``) into that object's private members.
 """
@@ -156,6 +156,25 @@ def test_psserver_has_no_import_cycle():
     assert import_cycles(module_graph(psserver)) == []
 
 
+# psserver's wings from the ground up: a wing imports the contract, the common helpers and the wings below it.
+WINGS = ("state", "sparse", "members", "partition", "resharding", "serving")
+
+
+def test_psserver_wings_import_only_the_wings_below_them():
+    floor = {w: k for k, w in enumerate(WINGS)}
+    offenders = []
+    for f, line, m in imported_modules(psserver):
+        parts = f.split("/")
+        if len(parts) < 3 or parts[1] not in floor:
+            continue
+        target = m.split(".")
+        if inside(m, "psserver") and len(target) > 1 and target[1] in floor and floor[target[1]] > floor[parts[1]]:
+            offenders.append(f"{f}:{line} {m}")
+    assert offenders == []
+    assert {p.name for p in Path(psserver.__file__).parent.iterdir() if p.is_dir() and p.name not in
+            ("protocol", "common", "__pycache__")} == set(WINGS)  # a new wing takes its floor here
+
+
 def test_trainer_has_no_import_cycle():
     """(trainer.sparse_client and trainer.table_window imported each other: the errors they share are a room of
     their own now, trainer.row_errors.)"""
@@ -165,7 +184,7 @@ def test_trainer_has_no_import_cycle():
 def test_the_cycle_finder_finds_a_cycle_and_the_graph_holds_the_arrows_it_checks():
     """The test above passes vacuously if the scan sees no arrows or the finder misses cycles."""
     graph = module_graph(psserver)
-    assert "psserver.metrics" in graph["psserver.shard"] and "psserver.stats" in graph["psserver.metrics"]
+    assert "psserver.state.metrics" in graph["psserver.partition.shard"] and "psserver.state.stats" in graph["psserver.state.metrics"]
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 

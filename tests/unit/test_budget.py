@@ -1,12 +1,12 @@
-"""The memory budget's pure parts (psserver.budget) and the row store's growth and row limit, without a network."""
+"""The memory budget's pure parts (psserver.state.budget) and the row store's growth and row limit, without a network."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import psserver.budget as budget
-from psserver.budget import MemoryBudget, dense_bytes
+import psserver.state.budget as budget
+from psserver.state.budget import MemoryBudget, dense_bytes
 from psserver.common.cli_support import parse_bytes
 from psserver.protocol.errors import OutOfMemory
 from psserver.protocol.job import JobSpec, OptimizerConfig

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from psserver.checkpoint import Checkpointer, CorruptCheckpoint, ShardState
+from psserver.state.checkpoint import Checkpointer, CorruptCheckpoint, ShardState
 from tests.conftest import make_spec
 
 

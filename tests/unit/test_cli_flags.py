@@ -230,7 +230,7 @@ def test_a_run_ending_inside_an_epoch_evaluates_its_last_step_once_and_counts_no
     ("torch_threads", -2, "The torch threads (-2) must be zero (torch's default) or more"),
 ])
 def test_a_bad_server_setting_is_refused_before_the_shard_starts(field, value, message):
-    from psserver.server import ServerConfig
+    from psserver.serving.server import ServerConfig
 
     with pytest.raises(ValueError) as e:
         ServerConfig(shard=0, **{field: value})

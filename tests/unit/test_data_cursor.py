@@ -1,11 +1,11 @@
-"""The async data cursor's decisions (psserver.data_cursor): pure, no network, no clock needed."""
+"""The async data cursor's decisions (psserver.members.data_cursor): pure, no network, no clock needed."""
 
 from collections import Counter
 from types import SimpleNamespace
 
 import pytest
 
-from psserver.data_cursor import MAX_BATCHES_PER_EPOCH, DataCursor
+from psserver.members.data_cursor import MAX_BATCHES_PER_EPOCH, DataCursor
 from psserver.protocol.errors import InvalidRequest, JobMismatch
 from trainer.data import batch_place
 
@@ -207,7 +207,7 @@ def test_a_checkpoint_taken_by_a_push_holds_that_pushs_claim_grant_and_acknowled
     (trained twice) and applies that push's retry again."""
     import torch
 
-    from psserver.shard import Shard
+    from psserver.partition.shard import Shard
     from tests.conftest import P, make_spec
 
     shard = Shard(0, clock=lambda: 100.0, lease_timeout=600.0)
@@ -227,7 +227,7 @@ def test_a_rank_may_claim_at_most_a_push_windows_worth_of_batches_ahead_of_its_p
     """Issue 35 item 8: a member claimed 2,000 batches in 1.3 s and trained none.  Each gradient it sends backs one
     claim; 64 claims (MAX_UNBACKED_CLAIMS, a push window) may run ahead, the next is refused, changing nothing,
     and a push lets it claim again.  A new process on the rank, a leave and a release start afresh."""
-    from psserver.data_cursor import MAX_UNBACKED_CLAIMS
+    from psserver.members.data_cursor import MAX_UNBACKED_CLAIMS
 
     c = cursor()
     c.claim(0, "a", 1, 10**6)  # the first claim says nothing was trained: not counted

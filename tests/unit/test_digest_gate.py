@@ -1,10 +1,10 @@
-"""psserver.digest_gate without a network: passes run one at a time per partition, callers who ask while one
+"""psserver.serving.digest_gate without a network: passes run one at a time per partition, callers who ask while one
 runs share the next one (never the one running: it may predate their call)."""
 
 import asyncio
 from collections import Counter
 
-from psserver.digest_gate import DigestGate
+from psserver.serving.digest_gate import DigestGate
 
 
 class FakePart:

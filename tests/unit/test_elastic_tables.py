@@ -6,11 +6,11 @@ start at its round.  The cluster test (tests/cluster/test_elastic_tables.py) sho
 import pytest
 import torch
 
-from psserver import modes
-from psserver.epochs import EpochBook
+from psserver.state import modes
+from psserver.members.epochs import EpochBook
 from psserver.protocol.errors import FutureVersion, JobMismatch
 from psserver.protocol.rules import Mode
-from psserver.shard import Shard
+from psserver.partition.shard import Shard
 from psserver.sparse.serving import Membership, RowsPush, ServedTable
 from tests.conftest import P, make_spec
 from tests.integration.test_sparse_rpc import table

@@ -37,7 +37,7 @@ def test_a_full_timeline_of_the_largest_epochs_fits_the_documented_reply_bound()
 def test_a_shards_getstats_epochs_are_built_once_per_timeline_and_anew_after_any_change():
     from collections import Counter
 
-    from psserver.enrolment import Enrolment
+    from psserver.members.enrolment import Enrolment
     from psserver.protocol.job import JobSpec
 
     enrolment = Enrolment(0, 0, "shard 0", clock=lambda: 0.0, lease_timeout=5.0, counters=Counter(),

@@ -1,12 +1,12 @@
-"""Membership epochs as pure decisions (psserver.epochs): joins, leaves and lease expiry at round boundaries,
+"""Membership epochs as pure decisions (psserver.members.epochs): joins, leaves and lease expiry at round boundaries,
 with a fake clock and no network."""
 
 import grpc
 import pytest
 
-from psserver import modes
-from psserver.epochs import DEFAULT_JOIN_TIMEOUT, MAX_PENDING_JOINS, EpochBook, join_patience
-from psserver.shard import Shard
+from psserver.state import modes
+from psserver.members.epochs import DEFAULT_JOIN_TIMEOUT, MAX_PENDING_JOINS, EpochBook, join_patience
+from psserver.partition.shard import Shard
 from tests.conftest import make_spec
 from psserver.protocol.epochs import JOIN_LEAD, Epoch, commit_window, epoch_at
 from psserver.protocol.errors import FutureVersion, InvalidRequest, JobFull, JobMismatch, TooBusy
@@ -203,7 +203,7 @@ def test_joins_pending_at_once_are_capped_resource_exhausted_counted_and_change_
 def test_changes_past_max_member_entries_are_refused_timeline_full_and_change_nothing(monkeypatch):
     """The timeline's memory is bounded by the members it lists, not only by its epochs: MAX_EPOCHS epochs of
     MAX_TRAINERS members each held ~770 MB (docs/security.md)."""
-    monkeypatch.setattr("psserver.epochs.MAX_MEMBER_ENTRIES", 7)
+    monkeypatch.setattr("psserver.members.epochs.MAX_MEMBER_ENTRIES", 7)
     book = elastic(n=2, k=4)  # epoch 0 lists 2 members
     book.leave(1, at=1)  # + 1 = 3
     book.registered(1, at=2)  # + 2 = 5
@@ -314,7 +314,7 @@ def test_a_peer_whose_joins_expire_unsettled_waits_longer_each_time_and_a_settle
     """Issue 35 item 7: one Register every 0.3 s from one host held a sync job's rounds again and again (94x
     slower).  Each join of a peer that expires unsettled (uncommitted, or committed and never confirmed) doubles
     the wait before its next admission; other peers are not affected; a join of it that settles clears it."""
-    from psserver.epochs import MAX_JOIN_BACKOFF, JoinBackoff
+    from psserver.members.epochs import MAX_JOIN_BACKOFF, JoinBackoff
 
     book = elastic()
     book.prepare(None, "s1", version=3, now=0.0, patience=PATIENCE, peer="10.0.0.9")

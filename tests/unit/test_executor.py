@@ -1,13 +1,13 @@
-"""The one executor (psserver.executor) on a recording target, without tensors or network: what each
-decision of psserver.modes does to a round, what is counted and what the pusher is answered.  The dense
+"""The one executor (psserver.state.executor) on a recording target, without tensors or network: what each
+decision of psserver.state.modes does to a round, what is counted and what the pusher is answered.  The dense
 slice and the served tables are this code's two callers (their own tests check their hooks)."""
 
 import pytest
 
-from psserver import modes
-from psserver.executor import PushInfo, PushTarget, check_sequence, execute, record_ack
+from psserver.state import modes
+from psserver.state.executor import PushInfo, PushTarget, check_sequence, execute, record_ack
 from psserver.protocol.errors import InvalidRequest
-from psserver.rounds import OpenRound
+from psserver.state.rounds import OpenRound
 
 A, CR = modes.Action, modes.CloseReason
 

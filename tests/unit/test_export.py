@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from psserver.checkpoint import Checkpointer, ShardState
+from psserver.state.checkpoint import Checkpointer, ShardState
 from psserver.export import ExportError, assemble, export_main, load_states
 from psserver.protocol.job import JobSpec
 from psserver.protocol.layout import Layout
@@ -97,7 +97,7 @@ BIG = {"w": torch.arange(600.0).reshape(20, 30), "b": torch.arange(-7.0, 0.0)}  
 
 def write_partitioned(directory, num_shards=2, partitions=3, skip_partition=None):
     """Checkpoints of BIG as a partitioned job leaves them: partition 0 in ``directory``, partition k in
-    ``directory/partition-k`` (psserver.host)."""
+    ``directory/partition-k`` (psserver.partition.host)."""
     from psserver.protocol.layout import partition_range
 
     layout, job, flat = job_of(BIG, num_shards, partitions=partitions)

@@ -1,4 +1,4 @@
-"""The live re-shard's hand-off as pure machines (psserver.handoff*): one test per row of docs/live-reshard.md's
+"""The live re-shard's hand-off as pure machines (psserver.resharding.handoff*): one test per row of docs/live-reshard.md's
 state table and failure table, with a fake clock and no network."""
 
 import copy
@@ -7,11 +7,11 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from psserver import handoff as h
-from psserver.handoff_dest import DestPiece, DestState
-from psserver.handoff_job import JobPhase, commit_round, job_phase, next_call
-from psserver.handoff_source import APPLY, DUPLICATE, LAYOUT_MOVED, STALE, SourceMove, SourceState
-from psserver.handoff_termination import AGREE, Known
+from psserver.resharding import handoff as h
+from psserver.resharding.handoff_dest import DestPiece, DestState
+from psserver.resharding.handoff_job import JobPhase, commit_round, job_phase, next_call
+from psserver.resharding.handoff_source import APPLY, DUPLICATE, LAYOUT_MOVED, STALE, SourceMove, SourceState
+from psserver.resharding.handoff_termination import AGREE, Known
 from psserver.protocol.epochs import JOIN_LEAD
 from psserver.protocol.errors import PsError
 

@@ -2,7 +2,7 @@
 
 from grpc_health.v1 import health_pb2
 
-from psserver.health import _WatchedHealth
+from psserver.serving.health import _WatchedHealth
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -1,8 +1,8 @@
-"""What a partitioned shard (psserver.host) reports: counts summed over its partitions, states per partition."""
+"""What a partitioned shard (psserver.partition.host) reports: counts summed over its partitions, states per partition."""
 
 import torch
 
-from psserver.host import ShardHost
+from psserver.partition.host import ShardHost
 from tests.conftest import make_spec
 
 SPEC = make_spec(partitions=2)  # one trainer, sync: every push is a round

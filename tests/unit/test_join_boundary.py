@@ -1,4 +1,4 @@
-"""Where a join takes effect, across shards, as pure decisions on a fake clock (psserver.epochs + psserver.modes).
+"""Where a join takes effect, across shards, as pure decisions on a fake clock (psserver.members.epochs + psserver.state.modes).
 
 Two simulated shards of one sync job run the same decisions a real shard runs (EpochBook for the timeline,
 modes.decide_push / decide_tick for the rounds); the test plays the joiner's messages between the trainers'
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from psserver import modes
-from psserver.epochs import EpochBook
+from psserver.state import modes
+from psserver.members.epochs import EpochBook
 from psserver.protocol.epochs import JOIN_LEAD, MAX_JOIN_AHEAD
 from psserver.protocol.errors import JobMismatch
 

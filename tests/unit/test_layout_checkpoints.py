@@ -7,14 +7,14 @@ import dataclasses
 import pytest
 import torch
 
-from psserver.checkpoint import Checkpointer, ShardState, file_name, list_checkpoints, parse_name
-from psserver.host import ShardHost
-from psserver.layout_host import LayoutHost
-from psserver.layout_restore import RestoreError, candidates, decode_timeline, restore
+from psserver.state.checkpoint import Checkpointer, ShardState, file_name, list_checkpoints, parse_name
+from psserver.partition.host import ShardHost
+from psserver.resharding.layout_host import LayoutHost
+from psserver.resharding.layout_restore import RestoreError, candidates, decode_timeline, restore
 from psserver.protocol.errors import LayoutMoved, NotInLayout
 from psserver.protocol.layouts import LayoutEpoch
-from psserver.reshard import ReshardError, recut
-from psserver.reshard_files import check_target, load_pieces
+from psserver.resharding.reshard import ReshardError, recut
+from psserver.resharding.reshard_files import check_target, load_pieces
 from psserver.protocol.job import TableSpec
 from psserver.sparse.serving import RowsPush
 from tests.unit.test_layout_host import IDS, JOB, running

@@ -1,4 +1,4 @@
-"""The layouts one process serves (psserver.layout_host), without a network and on a fake clock: one layout
+"""The layouts one process serves (psserver.resharding.layout_host), without a network and on a fake clock: one layout
 routes as the ShardHost does; a switch at a round boundary adds a host, routes by base and keeps the old one as
 the tombstone; a switch off a boundary, or with an async table or
 a table's round open, changes nothing; a sync table switches from its own round; the timer ticks every layout."""
@@ -8,16 +8,16 @@ import dataclasses
 import pytest
 import torch
 
-from psserver.host import ShardHost
-from psserver.layout_host import LayoutHost
+from psserver.partition.host import ShardHost
+from psserver.resharding.layout_host import LayoutHost
 from psserver.protocol.errors import LayoutAhead, LayoutMoved, NotInLayout, PsError
 from psserver.protocol.job import TableSpec
 from psserver.protocol.layout import Layout
 from psserver.protocol.layouts import LayoutEpoch, moved_layout
 from psserver.protocol.rows.placement import shard_of
-from psserver.reshard import ReshardError
-from psserver.service import ServiceLimits
-from psserver.service_rows import RowRpcs
+from psserver.resharding.reshard import ReshardError
+from psserver.serving.service import ServiceLimits
+from psserver.serving.service_rows import RowRpcs
 from psserver.sparse.serving import RowsPush
 from tests.conftest import P, make_spec
 from tests.unit.test_shard_leases import LEASE, Clock

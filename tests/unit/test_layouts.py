@@ -7,7 +7,7 @@ import itertools
 import grpc
 import pytest
 
-import psserver.reshard
+import psserver.resharding.reshard
 from psserver.protocol import layouts
 from psserver.protocol.errors import LayoutAhead, LayoutMoved
 from psserver.protocol.layout import PARTITION_ALIGN, Layout, partition_range
@@ -144,11 +144,11 @@ def test_the_next_layout_starts_after_the_newest_and_carries_the_new_jobs_finger
 
 
 def test_new_job_is_the_one_re_shard_on_restore_uses():
-    assert psserver.reshard.new_job is layouts.new_job
+    assert psserver.resharding.reshard.new_job is layouts.new_job
     job = real_job(num_shards=2)
     got = new_job(job, 3, 2)
     assert (got.num_shards, got.partitions, got.fingerprint) == (3, 2, real_job(num_shards=3).fingerprint)
-    assert issubclass(psserver.reshard.ReshardError, LayoutError)  # restore's refusals are layout refusals too
+    assert issubclass(psserver.resharding.reshard.ReshardError, LayoutError)  # restore's refusals are layout refusals too
     with pytest.raises(LayoutError, match="fingerprint ffffffffffffffff is not the one its tensors give"):
         new_job(make_spec(), 2)
 

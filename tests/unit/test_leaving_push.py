@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from psserver.protocol.errors import FutureVersion
-from psserver.shard import Shard
+from psserver.partition.shard import Shard
 from tests.conftest import P, make_spec
 
 FP = "f" * 16

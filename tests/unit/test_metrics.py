@@ -3,7 +3,7 @@
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from psserver.shard import Shard
+from psserver.partition.shard import Shard
 
 
 def test_every_exported_sample_carries_the_shard_label():
@@ -22,7 +22,7 @@ def test_every_exported_sample_carries_the_shard_label():
 
 
 def test_the_serving_gauges_and_counters_are_exported_from_the_hosts_snapshot():
-    from psserver.host import ShardHost
+    from psserver.partition.host import ShardHost
 
     gauges = {"loop_stall_seconds": 0.25, "loop_stall_worst_seconds": 1.5, "reply_bytes_held": 4096,
               "connections": 3, "watch_streams": 1}

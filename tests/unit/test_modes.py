@@ -1,6 +1,6 @@
 """Each mode's decisions, with a clock value and a state: no gRPC, no threads."""
 
-from psserver.modes import Action, CloseReason, ModeConfig, RoundView, decide_push, decide_tick, round_deadline
+from psserver.state.modes import Action, CloseReason, ModeConfig, RoundView, decide_push, decide_tick, round_deadline
 
 SYNC = ModeConfig("sync")
 ASYNC = ModeConfig("async")
@@ -111,7 +111,7 @@ def test_duplicate_fresh_push_in_stale_timeout_is_not_applied_twice():
 
 
 def test_lease_expires_only_after_the_timeout_and_only_for_silent_ranks():
-    from psserver.modes import expired_ranks, next_lease_expiry
+    from psserver.state.modes import expired_ranks, next_lease_expiry
 
     live, seen = frozenset({0, 1}), {0: 10.0, 1: 12.0}
     assert next_lease_expiry(live, seen, lease=5.0) == 15.0
@@ -123,7 +123,7 @@ def test_lease_expires_only_after_the_timeout_and_only_for_silent_ranks():
 
 
 # ---------------------------------------------------------------------- every action a push needs
-from psserver.modes import (  # noqa: E402
+from psserver.state.modes import (  # noqa: E402
     MAX_SEQUENCE_GAP,
     SequenceAction,
     decide_sequence,

@@ -1,4 +1,4 @@
-"""The push books that move with a range (psserver.moved_books) and the trainer's side of a slot lost after its
+"""The push books that move with a range (psserver.resharding.moved_books) and the trainer's side of a slot lost after its
 vote (trainer.lost_slots, trainer.attempt.lost_past_switch): pure decisions, no network."""
 
 from types import SimpleNamespace
@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from psserver.moved_books import MovedBooks, book_of, check_book, moved_outcome
+from psserver.resharding.moved_books import MovedBooks, book_of, check_book, moved_outcome
 from psserver.protocol.errors import InvalidRequest, NotReady, StaleGradient
-from psserver.push_book import PushBook, PushResult
+from psserver.state.push_book import PushBook, PushResult
 from trainer.attempt import lost_past_switch
 from trainer.lost_slots import new_owners
 

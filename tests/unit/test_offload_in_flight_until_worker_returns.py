@@ -7,7 +7,7 @@ import asyncio
 import threading
 from types import SimpleNamespace
 
-from psserver.runtime import Runtime
+from psserver.serving.runtime import Runtime
 
 
 def test_a_cancelled_offloaded_call_still_running_on_the_worker_keeps_inline_work_off_the_loop():

@@ -193,7 +193,7 @@ LAYOUT_1 = TIMELINE[1]
 
 
 def _moved(layout=None):
-    """A Register refused layout-moved, carrying ``layout`` whole (psserver.layout_host.register_host) or not."""
+    """A Register refused layout-moved, carrying ``layout`` whole (psserver.resharding.layout_host.register_host) or not."""
     whole = layout.to_proto().SerializeToString() if layout is not None else b""
     return _Error(LayoutMoved("layout_epoch is 0 but this shard's newest layout is 1, from round 5: register in it",
                               1, whole))

@@ -1,4 +1,4 @@
-"""psserver.replies and the loop's watchdog (psserver.health), without a network: the ledger of bytes held by
+"""psserver.serving.replies and the loop's watchdog (psserver.serving.health), without a network: the ledger of bytes held by
 unread replies, the caps on connections and Watch streams, the stall window on a fake clock, a really blocked
 loop, and ps-server's refusal to serve beyond loopback unauthenticated."""
 
@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from psserver.health import LoopWatch, StallWindow
+from psserver.serving.health import LoopWatch, StallWindow
 from psserver.protocol.errors import TooBusy
 from psserver.protocol.security import ServerSecurity
-from psserver.replies import Connections, OverReplyCap, ReplyLedger, TooManyConnections
+from psserver.serving.replies import Connections, OverReplyCap, ReplyLedger, TooManyConnections
 from tests.helpers import wait_until
 
 MIB = 1 << 20
@@ -152,12 +152,12 @@ def test_ps_server_beyond_loopback_without_a_token_exits_with_one_line_and_a_hin
 
     for env in ("PS_AUTH_TOKEN", "PS_SERVER_INSECURE", "PS_SERVER_AUTH_TOKEN_FILE", "PS_SERVER_HOST"):
         monkeypatch.delenv(env, raising=False)
-    import psserver.server
+    import psserver.serving.server
 
     def serve_nothing(self):  # had the shard got this far it would serve: fail at once rather than wait for a signal
         raise AssertionError("ps-server started a shard beyond loopback without a token or --insecure")
 
-    monkeypatch.setattr(psserver.server.ShardServer, "start", serve_nothing)
+    monkeypatch.setattr(psserver.serving.server.ShardServer, "start", serve_nothing)
     with pytest.raises(SystemExit) as e:
         run_cli("ps-server", lambda: main(["--shard", "0", "--host", "0.0.0.0", "--port", "0"]))
     assert e.value.code == 2  # a command-line mistake, as argparse's own (ServerConfig checks it)

@@ -1,4 +1,4 @@
-"""psserver.reply_holds without a network: a reply handing out R waits (a future on the loop) until the hold is
+"""psserver.serving.reply_holds without a network: a reply handing out R waits (a future on the loop) until the hold is
 released, from the loop or another thread; one below R never waits; a hold outlasting its bound lets the reply
 go, counted."""
 
@@ -6,7 +6,7 @@ import asyncio
 import threading
 from collections import Counter
 
-from psserver.reply_holds import ReplyHolds
+from psserver.serving.reply_holds import ReplyHolds
 
 
 class Part:

@@ -1,4 +1,4 @@
-"""Re-shard on restore, without a network: old shards' states re-cut for another shard count (psserver.reshard).
+"""Re-shard on restore, without a network: old shards' states re-cut for another shard count (psserver.resharding.reshard).
 
 The simulation drives real ``Shard`` objects (dense partitions and a sparse table, sync mode, two ranks) with
 the same gradients whether or not the job was re-sharded in between; the parameters, optimizer state, table
@@ -10,15 +10,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from psserver.checkpoint import Checkpointer
+from psserver.state.checkpoint import Checkpointer
 from psserver.protocol.job import JobSpec, OptimizerConfig
 from psserver.protocol.layout import Layout
 from psserver.protocol.rows.optim import SparseOptimizerConfig
 from psserver.protocol.rows.placement import shard_of
 from psserver.protocol.rows.table import TableSpec
-from psserver.reshard import ReshardError, merge_books, new_job, partitions_for_bytes, recut
-from psserver.reshard_files import check_target, load_pieces
-from psserver.shard import Shard
+from psserver.resharding.reshard import ReshardError, merge_books, new_job, partitions_for_bytes, recut
+from psserver.resharding.reshard_files import check_target, load_pieces
+from psserver.partition.shard import Shard
 from psserver.sparse.serving import RowsPush
 
 P, RANKS, DIM = 1500, 2, 3
@@ -300,7 +300,7 @@ def test_the_new_shard_writes_into_a_folder_of_its_own(tmp_path):
 
 
 def test_reshard_flags_without_restore_from_or_with_restore_are_refused_naming_the_flags():
-    from psserver.server import ServerConfig
+    from psserver.serving.server import ServerConfig
 
     with pytest.raises(ValueError, match="--num-shards, --partitions and --partition-bytes .* need --restore-from"):
         ServerConfig(shard=0, num_shards=3)

@@ -1,4 +1,4 @@
-"""The dense round's weighted sum (psserver/rounds.py ``OpenRound``) does not depend on the order gradients arrive in.
+"""The dense round's weighted sum (psserver/state/rounds.py ``OpenRound``) does not depend on the order gradients arrive in.
 
 What is guaranteed (docs/modes.md, "The round's sum"): two contributions give the same bits in either order, for
 any weights; three or more give the same bits when every partial sum is exact, and otherwise agree within the
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from psserver.protocol.errors import InvalidRequest
-from psserver.rounds import OpenRound, TableRound
+from psserver.state.rounds import OpenRound, TableRound
 
 N = 100_000  # enough elements that the old fused multiply-add differed somewhere (28% of them for weights 3, 3)
 

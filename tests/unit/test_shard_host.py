@@ -1,4 +1,4 @@
-"""The partitions one ps-server process serves (psserver.host), without a network: routing, refusals that
+"""The partitions one ps-server process serves (psserver.partition.host), without a network: routing, refusals that
 create nothing, leases renewed through partition 0, restore of a partitioned shard, receive buffers."""
 
 import asyncio
@@ -6,9 +6,9 @@ import asyncio
 import pytest
 import torch
 
-from psserver.host import ShardHost
+from psserver.partition.host import ShardHost
 from psserver.protocol.errors import InvalidRequest, JobMismatch, NotReady
-from psserver.runtime import ReceiveBuffers
+from psserver.serving.runtime import ReceiveBuffers
 from tests.conftest import P, make_spec
 from tests.unit.test_shard_leases import LEASE, Clock
 

@@ -7,7 +7,7 @@ certain and the clock moves only when the test says, so the counts are exact.
 
 import torch
 
-from psserver.shard import Shard
+from psserver.partition.shard import Shard
 from tests.conftest import P, make_spec
 
 FP = "f" * 16

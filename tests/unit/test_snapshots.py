@@ -3,8 +3,8 @@
 import torch
 
 from psserver.protocol.proto import ps_pb2 as pb
-from psserver.shard import Shard
-from psserver.snapshots import MAX_SPARE_BUFFERS
+from psserver.partition.shard import Shard
+from psserver.state.snapshots import MAX_SPARE_BUFFERS
 from tests.conftest import P, make_spec
 
 FP = "f" * 16

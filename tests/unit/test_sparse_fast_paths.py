@@ -11,7 +11,7 @@ from psserver.protocol.rows.index import IdIndex
 from psserver.protocol.rows.init import Initializer, init_rows
 from psserver.protocol.rows.optim import SparseOptimizerConfig, initial_state
 from psserver.protocol.rows.table import RowStore, TableSpec, all_finite, strictly_increasing
-from psserver.rounds import TableRound
+from psserver.state.rounds import TableRound
 from psserver.sparse.serving import Membership, RowsPush, ServedTable
 
 DIM = 4

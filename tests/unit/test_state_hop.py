@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from psserver.protocol.errors import StreamTimeout
-from psserver.runtime import INLINE_STATE_ELEMENTS, Runtime
-from psserver.service_common import _StreamReader
+from psserver.serving.runtime import INLINE_STATE_ELEMENTS, Runtime
+from psserver.serving.service_common import _StreamReader
 
 
 def runtime_for(loop: asyncio.AbstractEventLoop, slice_length: int, inline_elements: int,

@@ -10,7 +10,7 @@ from psserver.protocol.errors import InvalidRequest
 from psserver.protocol.fastwire import RawChunk, _varint, serialize_chunk
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.stepwire import StepMessage, one_message, parse_step, serialize_step
-from psserver.step_parts import StepParts
+from psserver.serving.step_parts import StepParts
 
 HEADER = dict(rank=0, trainer_id="t0", fingerprint="f" * 16)
 

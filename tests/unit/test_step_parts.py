@@ -1,5 +1,5 @@
 """A Step call's envelope without a network: StepChunk bytes round-trip with protobuf's generated class both
-ways (psserver.protocol.stepwire), and a stream's parts are grouped and refused as psserver.step_parts says."""
+ways (psserver.protocol.stepwire), and a stream's parts are grouped and refused as psserver.serving.step_parts says."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from psserver.protocol.errors import InvalidRequest, TooLarge
 from psserver.protocol.fastwire import RawChunk
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.stepwire import StepMessage, one_message, pack_serialized, parse_step, serialize_step
-from psserver.step_parts import DENSE, ROWS, StepParts
+from psserver.serving.step_parts import DENSE, ROWS, StepParts
 
 
 def _dense(part=0, header=True, data=b"\1\2\3\4"):

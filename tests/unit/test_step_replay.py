@@ -1,4 +1,4 @@
-"""A Step part received whole is replayed to its RPC's reader (psserver.service_step._Received), which copies each chunk on
+"""A Step part received whole is replayed to its RPC's reader (psserver.serving.service_step._Received), which copies each chunk on
 the event loop: the replay hands the loop back every REPLAY_SLICE_BYTES, so a big part does not hold heartbeats
 and health checks for its whole copy (0.7-1.3 s for 10**6 rows of dim 64, docs/limits.md).  Counted in loop
 turns another task gets, not in time."""
@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from psserver import service_step as service
+from psserver.serving import service_step as service
 from psserver.protocol.fastwire import RawChunk
 from psserver.protocol.proto import ps_pb2 as pb
 

@@ -1,4 +1,4 @@
-"""A Step's one trip to the state worker (psserver.step_trip), with fake tables and shard, no network: the order
+"""A Step's one trip to the state worker (psserver.serving.step_trip), with fake tables and shard, no network: the order
 its work runs in, what a refusal leaves untouched, and which pulls it answers itself."""
 
 from types import SimpleNamespace
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from psserver.protocol.errors import InvalidRequest, StaleGradient
-from psserver.step_trip import TablePart, run_trip
+from psserver.serving.step_trip import TablePart, run_trip
 
 
 class FakeTable:

@@ -6,7 +6,7 @@ import pytest
 
 from psserver.protocol.errors import InvalidRequest, JobMismatch
 from psserver.protocol.job import JobSpec
-from psserver.shard import Shard
+from psserver.partition.shard import Shard
 
 
 def spec(num_trainers: int, num_shards: int = 1) -> JobSpec:
@@ -15,7 +15,7 @@ def spec(num_trainers: int, num_shards: int = 1) -> JobSpec:
 
 
 def test_job_fixed_log_says_one_trainer_and_two_trainers(caplog):
-    with caplog.at_level(logging.INFO, logger="psserver.shard"):
+    with caplog.at_level(logging.INFO, logger="psserver.partition.shard"):
         Shard(0).register(0, "t0", 0, spec(1))
         Shard(0).register(0, "t0", 0, spec(2))
     fixed = [r.getMessage() for r in caplog.records if "fixed" in r.getMessage()]

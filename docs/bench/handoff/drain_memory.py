@@ -15,7 +15,7 @@ from psserver.protocol.job import JobSpec, OptimizerConfig
 from psserver.protocol.layout import Layout, shard_range
 from psserver.protocol.layouts import new_job
 from psserver.protocol.proto import ps_pb2 as pb, ps_pb2_grpc as pbg
-from psserver.reshard_cmd import Coordinator
+from psserver.resharding.reshard_cmd import Coordinator
 from trainer.procs import start_shard
 
 P = 11_176_970

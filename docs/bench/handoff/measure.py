@@ -10,8 +10,8 @@ from psserver.protocol.codec import encode, wire_tensor
 from psserver.protocol.job import JobSpec, OptimizerConfig
 from psserver.protocol.layout import Layout, shard_range
 from psserver.protocol.proto import ps_pb2 as pb, ps_pb2_grpc as pbg
-from psserver.reshard_cmd import reshard_main
-from psserver.server import ServerConfig, ShardServer
+from psserver.resharding.reshard_cmd import reshard_main
+from psserver.serving.server import ServerConfig, ShardServer
 
 P = 11_176_970
 job = JobSpec(mode="sync", num_trainers=1, num_shards=2, total_params=P, fingerprint="x",

@@ -12,8 +12,8 @@ from psserver.protocol.rows.optim import SparseOptimizerConfig
 from psserver.protocol.rows.placement import shard_of
 from psserver.protocol.rows.table import TableSpec
 from psserver.protocol.rows.wire import row_chunks
-from psserver.reshard_cmd import reshard_main
-from psserver.server import ServerConfig, ShardServer
+from psserver.resharding.reshard_cmd import reshard_main
+from psserver.serving.server import ServerConfig, ShardServer
 
 ROWS, DIM, P, BATCH = int(sys.argv[1]) if len(sys.argv) > 1 else 1_000_000, 16, 4096, 4096
 table = TableSpec("emb", DIM, optimizer=SparseOptimizerConfig("adagrad", lr=0.05), seed=1)

@@ -14,8 +14,8 @@ from psserver.protocol.rows.optim import SparseOptimizerConfig
 from psserver.protocol.rows.placement import shard_of
 from psserver.protocol.rows.table import TableSpec
 from psserver.protocol.rows.wire import row_chunks
-from psserver.reshard_cmd import reshard_main
-from psserver.server import ServerConfig, ShardServer
+from psserver.resharding.reshard_cmd import reshard_main
+from psserver.serving.server import ServerConfig, ShardServer
 
 ROWS, DIM, P, BATCH, LEASE = int(sys.argv[1]) if len(sys.argv) > 1 else 1_000_000, 16, 4096, 4096, 5.0
 table = TableSpec("emb", DIM, optimizer=SparseOptimizerConfig("adagrad", lr=0.05), seed=1)
@@ -23,7 +23,7 @@ job = JobSpec(mode="sync", num_trainers=1, num_shards=2, total_params=P, fingerp
               optimizer=OptimizerConfig("sgd", lr=0.01), tensors=(("w", (P,), "float32"),), tables=(table,))
 job = dataclasses.replace(job, fingerprint=Layout.from_shapes(job.tensors, 2).fingerprint())
 if __import__("os").environ.get("LAG_SAMPLE"):  # how long the plan's lock is held by the rows' steps
-    import psserver.handoff_io_rows as hir
+    import psserver.resharding.handoff_io_rows as hir
     held = {}
     def timed(cls, name):
         fn = getattr(cls, name)

@@ -1,5 +1,5 @@
 """The hop to the state worker and back that a Step's table work takes once a table outgrew the loop's bound
-(psserver.runtime.Runtime.offload; issue 21, stepspeed2): ``run_in_executor`` (before) against a plain future
+(psserver.serving.runtime.Runtime.offload; issue 21, stepspeed2): ``run_in_executor`` (before) against a plain future
 answered with one ``call_soon_threadsafe`` (after, as Runtime.run_state hands a result back), on one event loop and
 a one-thread executor as the shard has them.  Blocks of BLOCK hops alternate between the two, so a loaded
 machine's drift falls on both; the process's CPU (both threads) and the wall time per hop, microseconds; one JSON
@@ -15,7 +15,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from psserver.runtime import _deliver
+from psserver.serving.runtime import _deliver
 
 
 def _work():

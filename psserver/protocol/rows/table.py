@@ -4,7 +4,7 @@ Rows, optimizer state and bookkeeping sit in tensors indexed by a slot; an IdInd
 (psserver.protocol.rows.index) maps each live id to its slot.  A new store holds room for at most START_BYTES
 of rows (one row of a dim-65,536 Adam table, not 1,024 of them: 769 MB before any row existed); capacity
 doubles as rows are created and never exceeds its cap -- ``max_rows`` (past it the least recently used rows
-are evicted) or else the ``row_limit`` the shard's memory budget gives the table (psserver.budget; past it a
+are evicted) or else the ``row_limit`` the shard's memory budget gives the table (psserver.state.budget; past it a
 call that would add rows is refused, TableFull) -- so memory is bounded whatever stream of ids arrives.  A row that is not stored (never seen, evicted, or not yet
 admitted) costs nothing: it is recreated from (seed, id) when it comes back.
 
@@ -74,7 +74,7 @@ def _check_int(field_name: str, value, low: int, high: int, optional: bool = Fal
 # An update's rows are padded to a multiple of this many rows.  Why: torch's element-wise kernels run a
 # tensor in SIMD vectors and its last ``numel % width`` elements in a scalar loop whose rounding may differ
 # (FMA or not); which rows fall there would depend on which other rows the batch touched on this shard, so a
-# row's value would depend on the shard count (a re-shard, psserver.reshard).  Padded, every real row's
+# row's value would depend on the shard count (a re-shard, psserver.resharding.reshard).  Padded, every real row's
 # elements take the vector path: a row is a function of its own gradients alone.
 LANE_ROWS = 64
 
@@ -169,7 +169,7 @@ def row_bytes(spec: TableSpec) -> int:
 def scratch_bytes(spec: TableSpec, rows: int) -> int:
     """Bytes a table of at most ``rows`` rows keeps in its UpdateScratch between pushes: its rows rounded up to
     LANE_ROWS, at most ``keep_rows`` (KEEP_BYTES, or LANE_ROWS rows of a very wide table).  The memory budget
-    reserves them beside the rows (psserver.budget): before, they were outside --max-memory."""
+    reserves them beside the rows (psserver.state.budget): before, they were outside --max-memory."""
     per_row = (2 * spec.dim + state_width(spec.optimizer, spec.dim)) * 4
     keep_rows = max(LANE_ROWS, UpdateScratch.KEEP_BYTES // per_row // LANE_ROWS * LANE_ROWS)
     return min(keep_rows, rows + (-rows % LANE_ROWS)) * per_row
@@ -539,7 +539,7 @@ class RowStore:
 
     def touched_since(self, tick: int) -> dict:
         """The live rows a call touched after clock ``tick`` (created, updated or read), as ``state()`` lays rows
-        out (sorted by id): what a live re-shard forwards (psserver.handoff_rows)."""
+        out (sorted by id): what a live re-shard forwards (psserver.resharding.handoff_rows)."""
         last = self._last_tick[: self._used]
         slots = ((last > tick) & (last != INT64_MAX)).nonzero().flatten()
         slots = slots[torch.argsort(self._ids[slots])]

@@ -1,0 +1,81 @@
+"""How a shard's slice is set and read: Init, and a pull's readiness, its snapshot and the message of a pull
+that waited too long.
+
+A room of ``Shard`` (psserver.partition.shard mixes it in), its own because reading the slice never decides anything of a
+round: the lock-free reads here (``pull_ready``, ``try_acquire_snapshot``) are what the event loop calls
+(see psserver.partition.shard's docstring on reads without the lock); the snapshots themselves live in psserver.state.dense_slice.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from psserver.protocol.errors import InvalidRequest, JobMismatch
+from psserver.protocol.rules import Mode
+
+log = logging.getLogger("psserver.partition.shard")  # the shard's lines, as before the split
+
+
+class ShardPulls:
+    """Init, and a pull's readiness, snapshot and wait message."""
+
+    def check_init_header(self, rank: int, trainer_id: str, fingerprint: str) -> bool:
+        """Refuse an Init on who sends it, before its payload is read. Returns False if already initialised."""
+        self.check_member(rank, trainer_id, fingerprint)
+        if rank != 0:
+            raise JobMismatch(f"Init came from rank {rank}, but only rank 0 initialises the shards")
+        return self.params is None
+
+    def init(self, rank: int, trainer_id: str, fingerprint: str, values: torch.Tensor,
+             take: bool = False) -> tuple[bool, int]:
+        """Set the initial parameters; the first Init wins, later ones change nothing.  ``take``: the caller
+        hands ``values`` over (a freshly decoded fp32 tensor) and the shard keeps it instead of copying it."""
+        with self._lock:
+            self.check_init_header(rank, trainer_id, fingerprint)
+            if values.numel() != self.end - self.start:
+                raise InvalidRequest(f"length is {values.numel()} elements but this shard's slice has "
+                                     f"{self.end - self.start}")
+            if self.params is not None:
+                return False, self.version
+            self.slice.init(values, take, self.job.optimizer)
+            self._info("shard %d: initialised by rank %d with %d parameters", self.shard_id, rank, values.numel())
+            self._changed()
+            return True, self.version
+
+    def pull_ready(self, min_version: int) -> bool:
+        """May a pull for ``min_version`` be answered now? (Lock-free: the server's wait predicate.)"""
+        job = self.job
+        return self._stopped or (
+            job is not None and self.params is not None and self.version >= min_version
+            and (job.mode == Mode.ASYNC or self.started)
+        )
+
+    def acquire_snapshot(self, rank: int, trainer_id: str, fingerprint: str, wire: int) -> tuple[int, torch.Tensor]:
+        """(version, snapshot in the wire dtype) for a pull; hand it back with ``release_snapshot``.
+
+        The snapshot is never written while a pull streams it: an fp32 pull streams the live parameters and a
+        step that finds them streamed moves them first (in sync mode that is rare: every pull of a round ends
+        before the next can close); a reduced-precision pull streams a copy converted once per version.
+        """
+        with self._lock:
+            self.check_member(rank, trainer_id, fingerprint, need_params=True)
+            return self.slice.acquire(wire)
+
+    def try_acquire_snapshot(self, wire: int) -> tuple[int, torch.Tensor] | None:
+        """The fast path of ``acquire_snapshot`` for the event loop (caller checked membership); None: use the
+        worker (psserver.state.dense_slice)."""
+        return self.slice.try_acquire(wire)
+
+    def release_snapshot(self, snapshot: torch.Tensor) -> None:
+        """A pull finished (or abandoned) streaming ``snapshot``; its memory may be written again."""
+        self.slice.release(snapshot)
+
+    def pull_wait_message(self, min_version: int, timeout: float) -> str:
+        if self.params is None:
+            return f"{self.label} was not initialised within {timeout:.1f} s: is rank 0 running?"
+        if not self.started:
+            missing = self.enrolment.missing_registrations(self.job.num_trainers)
+            return f"{self.label} still waits for ranks {missing}"
+        return f"{self.label} is at version {self.version}, not {min_version}, after {timeout:.1f} s"

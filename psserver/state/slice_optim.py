@@ -1,0 +1,85 @@
+"""A shard's optimizer over its flat slice, with every element stepped on the fused kernel's vector path.
+
+Why: torch's fused CPU optimizers step a tensor in SIMD vectors and finish its last ``numel % width``
+elements in a scalar loop whose rounding differs (no FMA) -- 1 ulp, now and then.  Which elements fall in
+that tail depends on where the slice ends, so the same job on 2 and on 3 shards (a re-shard,
+psserver.resharding.reshard) would differ in a few elements per step.  Here the slice is stepped as two tensors in one
+fused call: its body (a view of the parameters, a whole number of LANE_PAD-element units) and its tail
+copied into a LANE_PAD-element buffer padded with zeros (a zero parameter with a zero gradient stays zero
+under SGD, Adam and AdamW).  Every element then takes the vector path whatever the layout, and the job's
+parameters are a function of the global element alone.
+
+``state_dict`` / ``load_state_dict`` speak the one-tensor format of a plain torch optimizer over the slice
+(what checkpoints hold), so checkpoints written before this change restore, and re-cutting them is slicing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from psserver.protocol.job import OptimizerConfig
+from psserver.protocol.optim import build_optimizer
+
+LANE_PAD = 64  # elements: a multiple of every float SIMD width torch's CPU kernels use (8 with AVX2, 16 AVX-512)
+
+
+class SliceOptimizer:
+    def __init__(self, cfg: OptimizerConfig, params: torch.nn.Parameter):
+        self.params = params
+        n = params.numel()
+        self.split, self.rest = n - n % LANE_PAD, n % LANE_PAD
+        self.body = torch.nn.Parameter(params.detach()[: self.split], requires_grad=False)
+        self.tail = torch.nn.Parameter(torch.zeros(LANE_PAD if self.rest else 0), requires_grad=False)
+        self._tail_grad = torch.zeros_like(self.tail)
+        self.inner = build_optimizer(cfg, [self.body, self.tail], fused=True)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    def rebind(self) -> None:
+        """The parameters moved to other memory (copy on write for a pull): the body views the new memory."""
+        self.body.data = self.params.detach()[: self.split]
+
+    def step(self, grad: torch.Tensor) -> None:
+        """One step of the slice with ``grad`` (slice-sized)."""
+        p = self.params.detach()
+        self.tail.detach()[: self.rest].copy_(p[self.split:])
+        self._tail_grad[: self.rest].copy_(grad[self.split:])
+        self.body.grad, self.tail.grad = grad[: self.split], self._tail_grad
+        try:
+            self.inner.step()
+        finally:
+            self.body.grad = self.tail.grad = None
+        p[self.split:].copy_(self.tail.detach()[: self.rest])
+
+    # ------------------------------------------------------------------ the one-tensor format
+    def state_dict(self) -> dict:
+        states = [self.inner.state.get(p, {}) for p in (self.body, self.tail)]
+        merged = {}
+        for key, body in states[0].items():
+            tail = states[1].get(key)
+            if torch.is_tensor(body) and body.dim() > 0:
+                merged[key] = torch.cat([body, tail[: self.rest]])
+            else:
+                merged[key] = body.clone() if torch.is_tensor(body) else body
+        groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [0]} for g in self.inner.param_groups]
+        return {"state": {0: merged} if merged else {}, "param_groups": groups}
+
+    def load_state_dict(self, saved: dict) -> None:
+        one = saved["state"].get(0, {})
+        body, tail = {}, {}
+        for key, value in one.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                body[key] = value[: self.split].clone()
+                tail[key] = torch.cat([value[self.split:], value.new_zeros(LANE_PAD - self.rest)]) if self.rest \
+                    else value.new_zeros(0)
+            else:
+                # One copy each: a fused step counts each parameter's step tensor in place.
+                body[key], tail[key] = ((value.clone(), value.clone()) if torch.is_tensor(value) else (value, value))
+        groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [0, 1]} for g in saved["param_groups"]]
+        self.inner.load_state_dict({"state": {0: body, 1: tail} if one else {}, "param_groups": groups})
+
+    def state_items(self):
+        """(name, value) of the one-tensor state, in a stable order: what a state digest hashes."""
+        return sorted(self.state_dict()["state"].get(0, {}).items())
