@@ -71,20 +71,6 @@ def test_the_import_scan_sees_the_imports_it_checks():
     assert "psserver.protocol.job" in trainer_imports and "psserver.protocol.rows.table" in trainer_imports
 
 
-def test_the_old_sparse_optim_path_still_imports_and_warns_where_it_moved():
-    import importlib
-    import sys
-
-    import pytest
-
-    sys.modules.pop("psserver.sparse.optim", None)
-    with pytest.warns(DeprecationWarning, match="moved to psserver.protocol.rows.optim"):
-        old = importlib.import_module("psserver.sparse.optim")
-    from psserver.protocol.rows.optim import SparseOptimizerConfig
-
-    assert old.SparseOptimizerConfig is SparseOptimizerConfig
-
-
 def test_the_library_never_imports_its_measuring_tools():
     offenders = [f"{f}:{line} {m}" for f, line, m in imported_modules(trainer)
                  if not f.startswith("trainer/tools/") and inside(m, "trainer.tools")]
@@ -201,3 +187,44 @@ def test_no_library_method_reaches_into_a_collaborators_private_members(package)
                     and node.value.value.id == "self"):
                 offenders.append(f"{path.relative_to(root.parent)}:{node.lineno} {ast.unparse(node)}")
     assert offenders == []
+
+
+def _user_code() -> list[tuple[str, str]]:
+    """(where, code) of what users copy: README's and the docs' python blocks, and docs/examples/."""
+    root = Path(trainer.__file__).parent.parent
+    found = [(str(p.relative_to(root)), p.read_text()) for p in sorted((root / "docs" / "examples").glob("*.py"))]
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for k, block in enumerate(page.read_text().split("```python")[1:]):
+            found.append((f"{page.relative_to(root)} block {k + 1}", block.split("```")[0]))
+    return found
+
+
+def test_what_users_write_imports_the_trainer_package_not_the_servers():
+    """A user's script imports connect, the tables and their optimizers and initialisers from ``trainer``; a path
+    into ``psserver`` would tie it to the server's layout (issue 36 item 5)."""
+    code = _user_code()
+    assert len(code) > 3  # the scan sees the README's and the docs' examples
+    offenders = [where for where, text in code
+                 if any(inside(m, "psserver") for m in _imports_in(text))]
+    assert offenders == []
+
+
+def _imports_in(text: str) -> list[str]:
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:  # a fragment (a signature, an elided body): its import lines alone
+        tree = ast.parse("\n".join(line for line in text.splitlines() if line.startswith(("import ", "from "))))
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.append(node.module)
+    return names
+
+
+def test_the_public_names_import_from_trainer():
+    import trainer as package
+
+    for name in package.__all__:
+        assert getattr(package, name) is not None, name
