@@ -19,9 +19,8 @@ A later layout's host checkpoints its pieces (``L<e>-shard<i>-v…``, with the t
 so a restarted process answers every older layout ``layout-moved``.
 
 In normal running there is one layout, epoch 0, and every lookup is the ShardHost's own (``part``'s first
-line).  What switches a layout live (the Reshard and Handoff RPCs) is not built yet; ``switch_offline`` installs
-the next layout in-process, re-cut from this process's own state with psserver.resharding.reshard, so the refusals and a
-trainer that follows a switch can be tested.
+line).  A live re-shard switches a layout (psserver.resharding.handoff_io, the Reshard and Handoff RPCs); a
+restore re-cuts one from checkpoints (psserver.resharding.reshard).
 """
 
 from __future__ import annotations
@@ -30,23 +29,22 @@ import ctypes
 import gc
 import logging
 
-from psserver.resharding import drain_record
 from psserver.partition.host import ShardHost
+from psserver.partition.shard import Shard
 from psserver.protocol.errors import (
     LAYOUT_BIN_MAX_BYTES,
     HandoffPending,
     LayoutAhead,
     LayoutMoved,
     NotInLayout,
-    NotReady,
     PsError,
 )
 from psserver.protocol.job import table_mode
-from psserver.protocol.layouts import LayoutEpoch, first_layout, new_job, next_layout, refusal
+from psserver.protocol.layouts import LayoutEpoch, first_layout, refusal
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rules import Mode
-from psserver.resharding.reshard import ReshardError, recut
-from psserver.partition.shard import Shard
+from psserver.resharding import drain_record
+from psserver.resharding.reshard import ReshardError
 
 log = logging.getLogger(__name__)
 
@@ -332,26 +330,6 @@ class LayoutHost:
                 raise ValueError(f"layout {layout.number} starts at round {layout.round} but partition "
                                  f"{part.partition} is at version {version}"
                                  f"{' with a round open' if version == layout.round else ''}")
-
-    def switch_offline(self, num_shards: int, shard: int, partitions: int | None = None,
-                       pieces: list | None = None, addresses: tuple[str, ...] = ()) -> LayoutEpoch:
-        """Install the next layout -- the job on ``num_shards`` shards of which this process is ``shard`` -- re-cut
-        from ``pieces`` (every old shard's partitions' states; default: this process's own, which is all of them
-        for a one-shard job) at the round boundary the current host is at; ``addresses``: the new layout's shard
-        addresses (empty: the job's --ps list, the shard index is the process).  Sync tables switch too: their rows
-        re-placed as on restore, each from its own round (``table_rounds``).  Run it on the state worker."""
-        old = self.current
-        job = old.head.job
-        if job is None:
-            raise NotReady(f"shard {old.shard_id} has no job to re-shard")
-        pieces = pieces if pieces is not None else [[p.capture() for p in old.parts[:job.partitions]]]
-        states = recut(pieces, num_shards, shard, partitions)  # rows re-placed by splitmix64(id) mod M', as on restore
-        layout = next_layout(self.timeline(), new_job(job, num_shards, partitions), states[0].version, addresses,
-                             table_rounds(job, states[0].tables))
-        host = old.successor(shard, layout.number)
-        host.restore_states(states, f"layout {layout.number}")
-        self.install(layout, host)
-        return layout
 
     # ------------------------------------------------------------------ after a restart
     def restored(self, timeline: list[LayoutEpoch], host: ShardHost | None, drained_as: str | None = None) -> None:

@@ -276,24 +276,13 @@ class ShardServer:
         self._timer = asyncio.ensure_future(self.runtime.round_timer())
         return port
 
-    def capture_layout_states(self) -> list:
-        """This process's partitions' states in its newest layout, taken on the state worker: the ``pieces`` a test
-        hands ``switch_layout_offline`` on every process of a multi-shard job."""
-        async def on_state_worker():
-            host = self.layouts.current
-            return await self.runtime.offload(lambda: [p.capture() for p in host.parts[:host.head.job.partitions]])
+    def on_state_worker(self, fn, *args):
+        """``fn(*args)`` on this process's state worker, from another thread (its event loop's): its answer, or
+        what it raised.  For tools and tests that act on a running shard's state as a call would."""
+        async def run():
+            return await self.runtime.offload(fn, *args)
 
-        return asyncio.run_coroutine_threadsafe(on_state_worker(), self._loop).result(START_TIMEOUT)
-
-    def switch_layout_offline(self, num_shards: int, shard: int, partitions: int | None = None,
-                              pieces: list | None = None, addresses: tuple[str, ...] = ()) -> LayoutEpoch:
-        """Install the next layout epoch in-process, at the round boundary the shard is at (LayoutHost.switch_offline,
-        on the state worker): what tests of layout routing switch with until the Reshard RPC is built."""
-        async def on_state_worker():
-            return await self.runtime.offload(self.layouts.switch_offline, num_shards, shard, partitions, pieces,
-                                              addresses)
-
-        return asyncio.run_coroutine_threadsafe(on_state_worker(), self._loop).result(START_TIMEOUT)
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(START_TIMEOUT)
 
     @property
     def address(self) -> str:

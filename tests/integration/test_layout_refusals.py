@@ -19,6 +19,7 @@ from psserver.protocol.stepwire import StepMessage, parse_step, serialize_step
 from psserver.protocol.stubs import method
 from tests.conftest import P, make_spec
 from tests.helpers import refused, wait_until
+from tests.offline_switch import switch_layout_offline
 
 OLD = make_spec()
 OLD = dataclasses.replace(OLD, fingerprint=Layout.from_shapes(OLD.tensors, 1).fingerprint())
@@ -65,7 +66,7 @@ def switched(shard_server):
     for base in (0, 1):
         reply = push(shard, 0, base, OLD.fingerprint, P, sequence=base + 1)
         assert (reply.outcome, reply.layout_epoch) == (pb.APPLIED, 0)
-    layout = shard.server.switch_layout_offline(2, 0)
+    layout = switch_layout_offline(shard.server, 2, 0)
     assert (layout.number, layout.round, layout.num_shards, layout.fingerprint) == (1, R, 2, NEW.fingerprint)
     return shard
 
@@ -183,7 +184,7 @@ def test_a_layout_switch_is_refused_while_a_round_is_open_and_changes_nothing(sh
     assert push(shard, 0, 1, OLD.fingerprint, P).outcome == pb.ACCEPTED  # round 1 open: rank 1 has not pushed
     before = shard.digest(fingerprint=OLD.fingerprint)
     with pytest.raises(ValueError, match="starts at round 1 but partition 0 is at version 1 with a round open"):
-        shard.server.switch_layout_offline(2, 0)
+        switch_layout_offline(shard.server, 2, 0)
     assert shard.digest(fingerprint=OLD.fingerprint) == before
     assert [e.number for e in shard.stats(fingerprint=OLD.fingerprint).layouts] == [0]
 
@@ -195,7 +196,7 @@ def test_the_round_timer_runs_the_leases_of_a_later_layout(shard_server):
     shard.register(spec=OLD)
     init(shard)
     push(shard, 0, 0, OLD.fingerprint, P)
-    shard.server.switch_layout_offline(2, 0)
+    switch_layout_offline(shard.server, 2, 0)
     still_serves(shard, base=1)  # heard from in layout 1
     wait_until(lambda: not shard.stats(fingerprint=NEW.fingerprint).live_ranks, "rank 0's lease in layout 1 to expire")
     assert shard.stats(fingerprint=NEW.fingerprint).counters["lease_expired"] >= 1
@@ -248,7 +249,7 @@ def test_refusals_and_bytes_counted_before_a_switch_are_still_in_get_stats_and_m
         push(shard, 0, base, OLD.fingerprint, P, sequence=base + 1)
     before = shard.stats(fingerprint=OLD.fingerprint).counters
     assert before["refused_INVALID_ARGUMENT"] == 1 and before["bytes_in"] > 0
-    shard.server.switch_layout_offline(2, 0)
+    switch_layout_offline(shard.server, 2, 0)
     after = shard.stats(fingerprint=NEW.fingerprint).counters
     assert (after["refused_INVALID_ARGUMENT"], after["bytes_in"]) == (1, before["bytes_in"])
     still_serves(shard)  # layout 1 at R + 1; the tombstone stays at R

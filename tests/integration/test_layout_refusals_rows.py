@@ -20,6 +20,7 @@ from psserver.protocol.stubs import method
 from tests.conftest import P
 from tests.helpers import refused
 from tests.integration.test_sparse_rpc import job, push_rows, rows_chunks
+from tests.offline_switch import switch_layout_offline
 
 OLD = job()
 OLD = dataclasses.replace(OLD, fingerprint=Layout.from_shapes(OLD.tensors, 1).fingerprint())
@@ -63,7 +64,7 @@ def switched(shard_server):
             pb.APPLIED
     for base in range(T):
         assert push_rows(shard, rows(0, base, base + 1, OLD.fingerprint, ids=list(range(40)))).outcome == pb.APPLIED
-    layout = shard.server.switch_layout_offline(2, 0)
+    layout = switch_layout_offline(shard.server, 2, 0)
     assert (layout.number, layout.round, layout.table_rounds) == (1, R, (("emb", T),))
     return shard
 

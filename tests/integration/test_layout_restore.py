@@ -30,6 +30,7 @@ from tests.integration.test_relayout import OPTIMIZER, R, STEPS, Net, batches, s
 from trainer import connect
 from tests.unit.test_layout_checkpoints import write_both_layouts
 from trainer.procs import cli, start_shard
+from tests.offline_switch import switch_layout_offline
 
 CRASH = R + 1  # the trainer's step that finds the restored process (layout 1 checkpointed at R and R + 1)
 
@@ -93,7 +94,7 @@ def test_a_restored_shard_answers_an_old_layout_push_layout_moved_changing_nothi
     init(shard)
     for base in range(SWITCHED_AT):
         push(shard, 0, base, OLD.fingerprint, P, sequence=base + 1)
-    shard.server.switch_layout_offline(2, 0)
+    switch_layout_offline(shard.server, 2, 0)
     wait_until(lambda: (ckpt / file_name(0, SWITCHED_AT, 1)).exists(), "layout 1's checkpoint at the switch")
     port = shard.server.port
     crash(shard.server)

@@ -1,6 +1,6 @@
 """A trainer follows a layout switch (stage 4 of docs/live-reshard.md), on real shards over gRPC.
 
-A sync job on two shards runs R rounds; then both processes switch offline (ShardServer.switch_layout_offline, at
+A sync job on two shards runs R rounds; then both processes switch offline (tests.offline_switch.switch_layout_offline, at
 the round boundary) to layout 1: one shard -- the first process -- of two partitions, re-cut from both old shards'
 states; the second process is drained.  The trainer, one layout behind, sends its next step in layout 0, is
 refused ``layout-moved`` everywhere (nothing applied), learns layout 1, re-routes the step whole and goes on.  Its
@@ -19,6 +19,7 @@ from torch.nn import functional as F
 from tests.helpers import WAIT_TIMEOUT, run_ranks
 from trainer import connect
 from trainer.relayout import RegisterMoved
+from tests.offline_switch import capture_states, switch_layout_offline
 
 STEPS, R = 6, 3
 OPTIMIZER = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
@@ -44,10 +45,10 @@ def batches():
 
 def switch_to_one_shard(servers) -> None:
     """Layout 1 from the round both shards are at: one shard (the first process) of two partitions."""
-    pieces = [s.capture_layout_states() for s in servers]
+    pieces = [capture_states(s) for s in servers]
     first = (servers[0].address,)
     for s in servers:
-        layout = s.switch_layout_offline(1, 0, 2, pieces, first)
+        layout = switch_layout_offline(s, 1, 0, 2, pieces, first)
         assert (layout.number, layout.round, layout.num_shards, layout.partitions) == (1, R, 1, 2)
 
 

@@ -1,7 +1,7 @@
 """A trainer with a sparse table follows a layout switch (stage 6 of docs/live-reshard.md), on real shards over gRPC.
 
 A sync job of a dense layer and a sync table (Adam, so rows carry optimizer state) on two shards runs R rounds;
-then both processes switch offline (ShardServer.switch_layout_offline) to one shard -- the first process -- of two
+then both processes switch offline (tests.offline_switch.switch_layout_offline) to one shard -- the first process -- of two
 partitions: the dense slices re-cut, every row re-placed by splitmix64(id) mod 1, each table from its own round
 (its version at the switch).  The trainer, one layout behind (its rows pulled before the switch), pushes its table
 first: every old shard refuses it ``layout-moved`` (nothing applied), it learns the layout, rebuilds its row routing, lanes and row calls for one

@@ -19,6 +19,7 @@ from psserver.protocol.job import TableSpec
 from psserver.sparse.serving import RowsPush
 from tests.unit.test_layout_host import IDS, JOB, running
 from tests.unit.test_reshard import job, start, step
+from tests.offline_switch import switch_offline
 
 
 def test_first_layout_names_are_unchanged_and_a_later_layouts_name_its_epoch():
@@ -78,7 +79,7 @@ def switched_host(tmp_path, rounds_after=1):
     """A one-shard host checkpointing into ``tmp_path`` every 5 versions, switched offline at round 2 to layout 1
     (two shards, this one shard 0), then ``rounds_after`` rounds in layout 1, then shut down (final checkpoints)."""
     layouts = LayoutHost(checkpointing_host(tmp_path, every=5))
-    layouts.switch_offline(2, 0)
+    switch_offline(layouts, 2, 0)
     new = layouts.current
     for base in range(2, 2 + rounds_after):
         new.head.push(0, "t0", new.head.job.fingerprint, base, 1, torch.ones(new.head.slice_length()),
@@ -171,7 +172,7 @@ def test_a_sync_tables_rows_and_its_own_switch_round_come_back_with_the_later_la
         grads = torch.full((len(IDS), 4), float(base + 1))
         host.head.push_rows(job.fingerprint, "emb", RowsPush(0, "t0", base, 1, base + 1, IDS, grads), True)
     before = LayoutHost(host)
-    before.switch_offline(2, 0)
+    switch_offline(before, 2, 0)
     before.final_checkpoint()
     fresh = ShardHost(0, checkpoint_dir=str(tmp_path), checkpoint_every=5)
     layouts = LayoutHost(fresh)

@@ -21,6 +21,7 @@ from psserver.serving.service_rows import RowRpcs
 from psserver.sparse.serving import RowsPush
 from tests.conftest import P, make_spec
 from tests.unit.test_shard_leases import LEASE, Clock
+from tests.offline_switch import switch_offline
 
 JOB = make_spec()
 JOB = dataclasses.replace(JOB, fingerprint=Layout.from_shapes(JOB.tensors, 1).fingerprint())
@@ -48,7 +49,7 @@ def test_with_one_layout_every_base_and_version_routes_to_the_hosts_own_partitio
 
 def test_a_switch_at_a_round_boundary_routes_each_base_to_one_layout_and_keeps_the_old_host():
     host, layouts = running()
-    layout = layouts.switch_offline(2, 0)
+    layout = switch_offline(layouts, 2, 0)
     assert (layout.number, layout.round, layout.num_shards) == (1, 2, 2)
     new = layouts.current
     assert new is not host and layouts.host(0) is host and layouts.newest == 1
@@ -76,7 +77,7 @@ def test_a_switch_with_a_round_open_is_refused_and_installs_nothing():
     layouts = LayoutHost(host)
     before = host.head.state_digest()
     with pytest.raises(ValueError, match="partition 0 is at version 1 with a round open"):
-        layouts.switch_offline(2, 0)
+        switch_offline(layouts, 2, 0)
     assert (layouts.newest, layouts.current, host.head.state_digest()) == (0, host, before)
 
 
@@ -103,7 +104,7 @@ def with_table(mode="", table_pushes=3, num_trainers=1):
 def test_a_sync_table_switches_from_its_own_round_with_its_rows_re_placed_and_row_calls_routed_by_it():
     host, layouts = with_table()
     before = host.head.capture().tables["emb"]["rows"]
-    layout = layouts.switch_offline(2, 1)
+    layout = switch_offline(layouts, 2, 1)
     assert (layout.round, layout.table_rounds, layout.start("emb")) == (2, (("emb", 3),), 3)
     new = layouts.current.head
     rows = new.capture().tables["emb"]["rows"]
@@ -125,7 +126,7 @@ def test_an_async_table_or_an_open_table_round_refuses_the_switch_and_changes_no
                                (*with_table(num_trainers=2, table_pushes=1), "table 'emb' has a round open")):
         digest = host.head.state_digest()
         with pytest.raises(ReshardError, match=why):
-            layouts.switch_offline(2, 0)
+            switch_offline(layouts, 2, 0)
         assert (layouts.newest, layouts.current, host.head.state_digest()) == (0, host, digest)
 
 
@@ -138,7 +139,7 @@ def test_only_the_next_layout_number_is_installed():
 def test_the_timer_expires_leases_in_every_layout():
     clock = Clock()
     host, layouts = running(clock=clock)
-    layouts.switch_offline(2, 0)
+    switch_offline(layouts, 2, 0)
     layouts.current.head.check_member(0, "t0", layouts.timeline()[1].fingerprint)  # heard from in layout 1
     clock.now += 2 * LEASE
     layouts.tick()
@@ -150,7 +151,7 @@ def test_a_heartbeat_in_the_old_layout_renews_the_members_lease_in_the_new_one()
     layout is renewed (counted), so a long step after the switch does not expire it; a stranger is still refused."""
     clock = Clock()
     host, layouts = running(clock=clock)
-    layouts.switch_offline(2, 0)
+    switch_offline(layouts, 2, 0)
     new = layouts.current.head
     new.check_member(0, "t0", layouts.timeline()[1].fingerprint)  # heard from in layout 1 at the switch
     for _ in range(3):
@@ -168,7 +169,7 @@ def test_retire_frees_the_old_layouts_state_keeps_the_routing_record_and_old_cal
     heartbeat renews in the newest, it may read the timeline)."""
     clock = Clock()
     host, layouts = running(clock=clock)
-    layouts.switch_offline(2, 0, addresses=("a:1", "b:2"))
+    switch_offline(layouts, 2, 0, addresses=("a:1", "b:2"))
     timeline = layouts.timeline()
     freed = layouts.retire()
     assert freed == P * 4 * 2  # parameters and momentum
@@ -236,12 +237,12 @@ def test_row_calls_of_layouts_retire_freed_are_dropped_so_they_do_not_grow_with_
     served; now a new layout's row calls, or any Reshard op, drop those of layouts this process no longer holds."""
     host, layouts = running()
     rows = _RowsOnly(layouts)
-    layouts.switch_offline(1, 0)
+    switch_offline(layouts, 1, 0)
     first = rows.rows_at(1)
     assert rows.rows_at(1) is first  # kept while layout 1 serves
     head = layouts.current.head
     head.push(0, "t0", head.job.fingerprint, 2, 1, torch.ones(P), sequence=3)  # a round in layout 1
-    layouts.switch_offline(1, 0)
+    switch_offline(layouts, 1, 0)
     layouts.retire()  # frees layouts 0 and 1
     rows.rows_at(2)
     assert set(rows._rows_by_epoch) == {2}
@@ -251,7 +252,7 @@ def test_row_calls_of_layouts_retire_freed_are_dropped_so_they_do_not_grow_with_
 
 def test_a_register_in_a_layout_retire_freed_is_layout_moved_carrying_the_newest_layout_to_its_jobs_callers_only():
     host, layouts = running()
-    layouts.switch_offline(2, 0, addresses=("a:1", "b:2"))
+    switch_offline(layouts, 2, 0, addresses=("a:1", "b:2"))
     layouts.retire()
     with pytest.raises(LayoutMoved, match=r"freed \(RETIRE\)") as e:
         layouts.register_host(0, JOB.fingerprint)
@@ -263,7 +264,7 @@ def test_a_register_in_a_layout_retire_freed_is_layout_moved_carrying_the_newest
 
 def test_a_newest_layout_too_big_for_a_trailer_is_not_attached_and_the_refusal_stays_layout_moved():
     host, layouts = running()
-    layouts.switch_offline(2, 0, addresses=tuple(f"{'x' * 2100}-{i}:7000" for i in range(2)))  # 4.2 KB of names
+    switch_offline(layouts, 2, 0, addresses=tuple(f"{'x' * 2100}-{i}:7000" for i in range(2)))  # 4.2 KB of names
     with pytest.raises(LayoutMoved) as e:
         layouts.register_host(0, JOB.fingerprint)
     assert moved_layout(e.value.trailers()) is None and e.value.newest == 1

@@ -6,10 +6,42 @@ import pytest
 import torch
 from torch import nn
 
+from trainer.data import epoch_order, local_batch_indices, steps_per_epoch
 from trainer.recdata import ClickLog, load_movielens100k, make_click_log
 from trainer.recmodels import MF, NCF, ClickModel, make_rec_model, split_parameters
-from trainer.rectrain import RecTrainConfig, click_loss, main, make_optimizers, rmse, train_clicks, train_epoch, \
+from trainer.rectrain import RecTrainConfig, main, make_optimizers, rmse, train_epoch, \
     train_ratings
+
+
+def click_loss(model: ClickModel, log: ClickLog, weighted: bool = True) -> torch.Tensor:
+    """Mean log-loss of the model on a log (per-id weights used only when ``weighted``)."""
+    logits = model(log.ids, log.offsets, log.weights if weighted else None)
+    return nn.functional.binary_cross_entropy_with_logits(logits, log.labels)
+
+
+def train_clicks(model: ClickModel, log: ClickLog, epochs: int = 2, batch_size: int = 512, sparse_lr: float = 0.1,
+                 dense_lr: float = 0.01, seed: int = 0) -> list[float]:
+    """Train on a (compacted) click log with Adagrad on the bag and Adam on the head; mean log-loss per epoch: the
+    one-process reference of the click model (a test's, not the library's)."""
+    tables, dense = split_parameters(model)
+    optimizers = [torch.optim.Adagrad(tables, lr=sparse_lr), torch.optim.Adam(dense, lr=dense_lr)]
+    weighted = model.mode == "sum"
+    losses = []
+    for epoch in range(epochs):
+        order = epoch_order(len(log), seed, epoch)
+        steps = steps_per_epoch(len(log), 1, batch_size)
+        total = 0.0
+        for step in range(steps):
+            batch = log.take(local_batch_indices(order, step, 0, 1, batch_size))
+            for opt in optimizers:
+                opt.zero_grad(set_to_none=True)
+            loss = click_loss(model, batch, weighted)
+            loss.backward()
+            for opt in optimizers:
+                opt.step()
+            total += loss.item()
+        losses.append(total / max(steps, 1))
+    return losses
 
 
 @pytest.fixture(scope="module")
