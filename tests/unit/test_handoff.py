@@ -9,7 +9,6 @@ import pytest
 
 from psserver.resharding import handoff as h
 from psserver.resharding.handoff_dest import DestPiece, DestState
-from psserver.resharding.handoff_job import JobPhase, commit_round, job_phase, next_call
 from psserver.resharding.handoff_source import APPLY, DUPLICATE, LAYOUT_MOVED, STALE, SourceMove, SourceState
 from psserver.resharding.handoff_termination import AGREE, Known
 from psserver.protocol.epochs import JOIN_LEAD
@@ -522,31 +521,6 @@ def test_a_ready_destination_holding_a_push_past_the_deadline_asks_its_peers():
 
 
 # ============================================================================================ the job
-def test_the_job_phase_walks_from_planned_to_done_and_the_coordinator_knows_each_next_call():
-    movers = [SourceMove(0, 10, label="shard 0"), SourceMove(10, 20, label="shard 1")]
-    piece = DestPiece(label="shard 2")
-    assert (job_phase(movers, [piece]), next_call(movers, [piece])) == (JobPhase.PLANNED, "prepare")
-    movers = [run(m, h.Prepare(10))[0] for m in movers]
-    piece, _ = run(piece, h.Prepare(parts=((0, 10), (10, 20)), need_bytes=1, available_bytes=1))
-    assert (job_phase(movers, [piece]), next_call(movers, [piece])) == (JobPhase.COPYING, "wait")
-    movers = [run(m, h.CopyAcked(10))[0] for m in movers]
-    assert next_call(movers, [piece]) == "propose"
-    movers = [run(movers[0], h.Propose(10))[0], run(movers[1], h.Propose(11))[0]]  # shard 1 a round ahead
-    assert (job_phase(movers, [piece]), next_call(movers, [piece])) == (JobPhase.PROPOSED, "commit")
-    R = commit_round(movers)
-    assert R == 11 + JOIN_LEAD
-    movers = [run(m, h.Commit(R))[0] for m in movers]
-    assert (job_phase(movers, [piece]), next_call(movers, [piece])) == (JobPhase.BLOCKING, "wait")
-
-
-def test_the_job_is_aborted_once_any_record_says_abort_and_both_at_once_is_refused():
-    movers = [run(SourceMove(0, 10), h.Prepare(10), h.Decide(False))[0], run(SourceMove(10, 20), h.Prepare(10))[0]]
-    assert job_phase(movers, []) is JobPhase.ABORTED and next_call(movers, []) == "decide-abort"
-    switched = run(blocked(), h.Decide(True))[0]
-    refused_both = pytest.raises(PsError, job_phase, [movers[0], switched], [])
-    assert "both switch and abort" in str(refused_both.value)
-
-
 def test_a_whole_handoff_from_two_sources_to_one_piece_switches_at_the_largest_proposal():
     s0, s1 = tailing(10), tailing(10)
     d, _ = run(dest(), h.Prepare(parts=PARTS, need_bytes=1, available_bytes=1), h.PartCopied(0, 10),
@@ -554,7 +528,8 @@ def test_a_whole_handoff_from_two_sources_to_one_piece_switches_at_the_largest_p
     s0, _ = run(s0, h.Propose(10))
     s1, _ = run(s1, h.RoundClosed(10), h.ForwardAcked(10), h.Propose(11))
     d, _ = run(d, h.Forwarded(1, 10))
-    R = commit_round([s0, s1])
+    R = max(s0.proposal, s1.proposal)  # the largest proposal of every source (the join's rule)
+    assert R == 11 + JOIN_LEAD
     s0, s1 = run(s0, h.Commit(R))[0], run(s1, h.Commit(R))[0]
     for part, (s, first) in enumerate(((s0, 10), (s1, 11))):
         for r in range(first, R):
@@ -564,8 +539,8 @@ def test_a_whole_handoff_from_two_sources_to_one_piece_switches_at_the_largest_p
         assert s.state is SourceState.BLOCKED
         d, _ = run(d, h.SourceVote(part, R, "same", "same"))
         s0, s1 = (s, s1) if part == 0 else (s0, s)
-    assert d.state is DestState.READY and next_call([s0, s1], [d]) == "decide-switch"
+    assert d.state is DestState.READY  # every source blocked at R, the piece replayed it: ready to switch
     s0, s1, d = (run(x, h.Decide(True))[0] for x in (s0, s1, d))
-    assert job_phase([s0, s1], [d]) is JobPhase.SWITCHED and next_call([s0, s1], [d]) == "retire"
+    assert d.state is DestState.SERVING
     s0, s1 = (run(x, h.Retire(dest_checkpoint=R))[0] for x in (s0, s1))
-    assert (job_phase([s0, s1], [d]), next_call([s0, s1], [d])) == (JobPhase.DONE, "done")
+    assert s0.state is SourceState.RETIRED and s1.state is SourceState.RETIRED
