@@ -54,11 +54,12 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--model", choices=MODELS + REC_MODELS, default=None,
                    help="cnn (default), mlp, widemlp, resnet18; mf (the default) or ncf for --dataset movielens100k; "
                         "dlrm for --dataset criteo-synth")
-    p.add_argument("--dataset", choices=DATASETS + REC_DATASETS, default="mnist5k")
+    p.add_argument("--dataset", choices=DATASETS + REC_DATASETS, default="mnist5k",
+                   help="the data to train on, read in the job's seeded order (default mnist5k)")
     p.add_argument("--batch-size", type=int, default=None,
                    help=f"samples per trainer per step (default 32; {REC_BATCH} // num-trainers for movielens100k, "
                         f"{CRITEO_BATCH} // num-trainers for criteo-synth)")
-    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--epochs", type=int, default=1, help="passes over the training data (default 1; --steps instead)")
     p.add_argument("--steps", type=int, default=0, help="run this many steps instead of --epochs")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
                    help="the dense parameters' optimizer on the shards (default sgd; adam for recommender datasets)")

@@ -56,14 +56,15 @@ DEFAULT_SYNC_TIMEOUT = 0.1  # stale-timeout: seconds a round waits unless --sync
 
 def build_parser() -> EnvArgumentParser:
     p = EnvArgumentParser(prog="ps-cluster", description="Run a local psgrpc cluster: shards and trainers as processes.")
-    p.add_argument("--shards", type=int, default=2)
-    p.add_argument("--trainers", type=int, default=2)
+    p.add_argument("--shards", type=int, default=2, help="ps-server processes, one shard each (default 2)")
+    p.add_argument("--trainers", type=int, default=2, help="ps-trainer processes, ranks 0..N-1 (default 2)")
     p.add_argument("--mode", choices=MODES, default="sync")
     p.add_argument("--model", choices=MODELS + REC_MODELS, default=None,
                    help="cnn (default), mlp, widemlp, resnet18; mf (the default) or ncf for --dataset movielens100k; "
                         "dlrm for --dataset criteo-synth")
-    p.add_argument("--dataset", choices=DATASETS + REC_DATASETS, default="mnist5k")
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--dataset", choices=DATASETS + REC_DATASETS, default="mnist5k",
+                   help="the data every trainer reads, in its seeded order (default mnist5k)")
+    p.add_argument("--epochs", type=int, default=3, help="passes over the training data (default 3; --steps instead)")
     p.add_argument("--steps", type=int, default=0, help="run this many steps instead of --epochs")
     p.add_argument("--batch-size", type=int, default=None,
                    help=f"per trainer (default 32; {REC_BATCH} // trainers for movielens100k, "
@@ -96,7 +97,7 @@ def build_parser() -> EnvArgumentParser:
                         "shard 0 reaches ROUND, step after step (a smaller M drains the last shards, then stops "
                         "them); the summary shows each hand-off (docs/handoff-io.md)")
     p.add_argument("--eval-every", type=int, default=20, help="rank 0 evaluates every N steps (for the plot)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="model init and data order, the same on every trainer (default 0)")
     p.add_argument("--job-id", default="", help="names the run's job (default: a fresh id per run)")
     p.add_argument("--device", default="auto",
                    help="auto, cpu, cuda or cuda:N; with auto or cuda each trainer takes its own GPU when several "

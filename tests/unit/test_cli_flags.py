@@ -308,3 +308,15 @@ def test_ps_server_run_with_a_bad_join_timeout_prints_one_error_line_and_a_hint_
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert [line.split(":")[0] for line in lines] == ["ps-server", "hint"], proc.stderr
     assert lines[0].startswith("ps-server: error: The join timeout (-1.0 s) must be between 0")
+
+
+@pytest.mark.parametrize("module", ["psserver.cli", "trainer.cli", "trainer.cluster"])
+def test_every_flag_says_what_it_does_in_its_help(module):
+    """(--shards, --trainers, --epochs, --seed and --dataset had no help text: `-h` listed them bare.)"""
+    import argparse
+    import importlib
+
+    parser = importlib.import_module(module).build_parser()
+    bare = [a.option_strings[0] for a in parser._actions
+            if a.option_strings and a.help in (None, "") and a.help != argparse.SUPPRESS]
+    assert bare == []
