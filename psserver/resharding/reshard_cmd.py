@@ -249,7 +249,7 @@ class Coordinator:
 
 
 def reshard_main(argv: list[str]) -> int:
-    p = EnvArgumentParser(prog="ps-server reshard", description="Move a running sync job to another list of "
+    p = EnvArgumentParser(prog="ps-server reshard", description="Move a running job (sync, async or stale-timeout) to another list of "
                           "shards without restarting trainers (docs/handoff-io.md).",
                           formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ps", required=True, help="the job's shards now, HOST:PORT[,...] in shard order")
