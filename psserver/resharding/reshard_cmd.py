@@ -249,8 +249,8 @@ class Coordinator:
 
 
 def reshard_main(argv: list[str]) -> int:
-    p = EnvArgumentParser(prog="ps-server reshard", description="Move a running job (sync, async or stale-timeout) to another list of "
-                          "shards without restarting trainers (docs/handoff-io.md).",
+    p = EnvArgumentParser(prog="ps-server reshard", description="Move a running job (sync, async or "
+                          "stale-timeout) to another list of shards without restarting trainers (docs/live-reshard.md).",
                           formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ps", required=True, help="the job's shards now, HOST:PORT[,...] in shard order")
     p.add_argument("--to", required=True, help="the new list, in new shard order (new shards started empty)")
