@@ -119,8 +119,8 @@ class LayoutTimeline:
             teacher = max(parts, key=lambda p: p.layout_seen)
             self.layouts = [LayoutEpoch.from_proto(e) for e in teacher.stats().layouts]
             self.client.count("layout_fetches")
-            log.warning("%s named layout %d: fetched the layout timeline %s", teacher.name, seen,
-                        [(e.number, e.round, e.num_shards, e.partitions) for e in self.layouts])
+            log.info("%s named layout %d: fetched the layout timeline %s", teacher.name, seen,
+                     [(e.number, e.round, e.num_shards, e.partitions) for e in self.layouts])
         return self.layouts
 
 
@@ -254,9 +254,9 @@ class Relayout:
             if id(s.channel) not in reused:
                 s.close()
         self.client.count("layouts_followed")
-        log.warning("rank %d follows layout %d from round %d: %d shards x %d partitions (was %d x %d)",
-                    self.session.rank, layout.number, layout.round, job.num_shards, job.partitions,
-                    old_job.num_shards, old_job.partitions)
+        log.info("rank %d follows layout %d from round %d: %d shards x %d partitions (was %d x %d)",
+                 self.session.rank, layout.number, layout.round, job.num_shards, job.partitions,
+                 old_job.num_shards, old_job.partitions)
         self.on_switch()
 
     def _new_parts(self, job: JobSpec, layout: LayoutEpoch, addresses: list[str], old: list[ShardClient],

@@ -219,12 +219,12 @@ class ShardHost:
                     self.parts[k] = self._fresh(k)
         return version
 
-    def restore_states(self, states: list, source: str) -> int:
+    def restore_states(self, states: list, source: str, planned: bool = False) -> int:
         """Take the partitions' states re-cut from another shard count (psserver.resharding.reshard), partition 0 first;
-        returns the version."""
+        returns the version.  ``planned``: a live re-shard's switch (Shard.restore_state)."""
         self._grow(len(states))
         for part, state in zip(self.parts, states):
-            part.restore_state(state, source)
+            part.restore_state(state, source, planned=planned)
         self.count("reshard_restores")
         return states[0].version
 

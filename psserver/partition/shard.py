@@ -221,9 +221,10 @@ class Shard(ShardMembership, ShardPulls, ShardPushes, ShardRounds, ShardRows, Sh
         self.restore_state(state, str(self.checkpointer.directory), note)
         return state.version
 
-    def restore_state(self, state: ShardState, source: str, note: str = "") -> None:
+    def restore_state(self, state: ShardState, source: str, note: str = "", planned: bool = False) -> None:
         """Take ``state`` as this shard's: a checkpoint of its own, or one re-cut from another shard count
-        (psserver.resharding.reshard).  The checkpointer, if any, writes nothing older than it."""
+        (psserver.resharding.reshard).  The checkpointer, if any, writes nothing older than it.  ``planned``: a
+        live re-shard's switch, logged as the normal event it is (a restore after a crash is a warning)."""
         with self._lock:
             self._set_job(state.job)
             self.slice.restore(state.params, state.optimizer, state.version, self.job.optimizer)
@@ -235,9 +236,10 @@ class Shard(ShardMembership, ShardPulls, ShardPushes, ShardRounds, ShardRows, Sh
             self.counters.update({k: v for k, v in state.counters.items() if not k.startswith("checkpoints_")})
             self.counters["restored_version"] = state.version
             self.checkpoints.restored(state.version)
-            log.warning("shard %d: restored version %d from %s (%s, %s, open round with %s)",
-                        self.shard_id, state.version, source, note or "re-cut", counted(len(state.members), "member"),
-                        counted(len(self.round.contributors), "gradient"))
+            log.log(logging.INFO if planned else logging.WARNING,
+                    "shard %d: restored version %d from %s (%s, %s, open round with %s)",
+                    self.shard_id, state.version, source, note or "re-cut", counted(len(state.members), "member"),
+                    counted(len(self.round.contributors), "gradient"))
 
     @property
     def lock(self):

@@ -435,7 +435,7 @@ class HandoffIO:
         except ValueError as e:
             raise NotReady(f"decide is switch but {e}: the old layout must stop at R (docs/handoff-io.md)") from None
         host = self.layouts.current.successor(plan.new_index)
-        host.restore_states(states, f"layout {layout.number} (hand-off {plan.id})")
+        host.restore_states(states, f"layout {layout.number} (hand-off {plan.id})", planned=True)
         return layout, host, timeline[0]
 
     def moved_push(self, h) -> PushResult:

@@ -267,8 +267,8 @@ class LayoutHost:
             self._first = first
         host.count("layouts_switched")
         host.checkpoint_layout(self.timeline_bytes())  # behind the switch: a crash from here restores this layout
-        log.warning("shard %d: serving layout %d (%d shards, %d partitions) from round %d", host.shard_id,
-                    layout.number, layout.num_shards, layout.partitions, layout.round)
+        log.info("shard %d: serving layout %d (%d shards, %d partitions) from round %d", host.shard_id,
+                 layout.number, layout.num_shards, layout.partitions, layout.round)
 
     def drain(self, layout: LayoutEpoch, you: str, stops_below: bool = False) -> None:
         """Take ``layout``, which has no piece on this process (``you``), as the newest from its round on: no host is
@@ -313,9 +313,9 @@ class LayoutHost:
         if freed:
             _return_memory()
             self.current.count("tombstone_bytes_freed", freed)
-            log.warning("shard %d: RETIRE freed the old layouts' state here (%d bytes of parameters and optimizer "
-                        "state)%s", self.current.shard_id, freed,
-                        ": this process holds no job state and may be stopped" if self.drained else "")
+            log.info("shard %d: RETIRE freed the old layouts' state here (%d bytes of parameters and optimizer "
+                     "state)%s", self.current.shard_id, freed,
+                     ": this process holds no job state and may be stopped" if self.drained else "")
         return freed
 
     def check_boundary(self, layout: LayoutEpoch, stops_below: bool = False) -> None:

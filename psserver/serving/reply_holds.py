@@ -64,8 +64,8 @@ class ReplyHolds:
         key = (part.shard_id, part.partition, R)
         if key not in self._logged:
             self._logged.add(key)
-            log.warning("%s: replies handing out version %d wait for the hand-off's DECIDE (R=%d, at most %gs)",
-                        part.label, version, R, timeout)
+            log.info("%s: replies handing out version %d wait for the hand-off's DECIDE (R=%d, at most %gs)",
+                     part.label, version, R, timeout)
         fut = self._loop.create_future()
         self._waiting.setdefault(part, set()).add(fut)
         try:
