@@ -231,6 +231,8 @@ def summarize(args, run: Path, progress: Progress, stats: list, codes: dict, wal
         steps_lost=sum(p.get("steps_lost", 0) for p in done),
         push_bytes_sent=sum(p.get("push_bytes_sent", 0) for p in done),
         push_bytes_dense=sum(p.get("push_bytes_dense", 0) for p in done),  # what dense pushes would have sent
+        table_bytes_pushed=sum(p.get("rows_bytes_pushed", 0) for p in done),  # the tables' rows (and their ids)
+        table_bytes_pulled=sum(p.get("rows_bytes_pulled", 0) for p in done),
         stopped=sorted({p["stopped"] for p in done if p.get("stopped")}) or None,
         exit_codes=codes, run_dir=str(run),
         **({"membership": elastic_cluster.membership_rows(stats[0] if stats else None,
@@ -290,6 +292,8 @@ def print_summary(s: dict) -> None:
                                    f"({s['trainer_stale_steps']} trainer steps had one)"),
         ("steps lost to restarts", s["steps_lost"]),
         ("bytes pushed / dense", f"{s['push_bytes_sent']:,} / {s['push_bytes_dense']:,}"),
+        *((("table bytes pushed / pulled", f"{s['table_bytes_pushed']:,} / {s['table_bytes_pulled']:,}"),)
+          if s.get("table_bytes_pushed") or s.get("table_bytes_pulled") else ()),
         ("duplicates / refused", f"{s['duplicates']} / {s['refused']}"),
         *((("membership epochs", len(s["membership"])), *elastic_cluster.summary_rows(s["membership"]))
           if "membership" in s else ()),
