@@ -426,13 +426,7 @@ class HandoffIO:
         _, _, job2 = plan.layouts(job)
         states = [dests[k].state(plan.new_index, job2, async_round) for k in range(job2.partitions)]
         R = states[0].version
-        # this process's counts go on in the new layout (rounds closed, pushes, optimizer steps...): its partition 0
-        # there takes those of its partition 0 here, so a run's totals read true across the switch; a process new
-        # to the job counts from the switch
-        here = self.layouts.current.head
-        carried = {k: v for k, v in here.counters.items() if k != "restored_version"} if here.job is not None else {}
-        states[0] = dataclasses.replace(states[0], tables=self.rows.tables_state(job, len(plan.old), R),
-                                        counters=carried)
+        states[0] = dataclasses.replace(states[0], tables=self.rows.tables_state(job, len(plan.old), R))
         timeline = self.layouts.timeline() if self.layouts.current.head.job is not None or self.layouts.newest \
             else [first_layout(job)]
         layout = with_table_rounds(next_layout(timeline, job2, R, plan.new), job2)
