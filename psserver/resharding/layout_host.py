@@ -278,9 +278,9 @@ class LayoutHost:
         self.drained_as = you
         self.current.count("layouts_drained")
         self._record_drain(layout, you)
-        log.warning("shard %d: drained from layout %d (round %d on, %d shards: %s); the old layout's late calls are "
-                    "answered until RETIRE", self.current.shard_id, layout.number, layout.round, layout.num_shards,
-                    ", ".join(layout.addresses))
+        log.info("shard %d: drained from layout %d (round %d on, %d shards: %s); the old layout's late calls are "
+                 "answered until RETIRE", self.current.shard_id, layout.number, layout.round, layout.num_shards,
+                 ", ".join(layout.addresses))
 
     def _record_drain(self, layout: LayoutEpoch, you: str) -> None:
         """``drained.json`` beside the checkpoints (psserver.resharding.drain_record): a ``--restore`` comes back drained, not

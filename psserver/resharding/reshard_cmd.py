@@ -105,6 +105,15 @@ class Coordinator:
                 time.sleep(pause)  # backoff between attempts, not a synchronisation
                 pause = min(pause * 2, 1.0)
 
+    def prepare_order(self) -> list[str]:
+        """Who is prepared first: a shard's sources start streaming as soon as it is prepared, so each shard is
+        prepared after those it streams to -- a Handoff that reaches a shard not prepared yet is refused and sent
+        again (a refusal logged on both sides in every normal grow).  New shards first; then, as the ranges'
+        boundaries move, old shard i sends to new shard i + 1 when the job grows (the last old shard first) and
+        to i - 1 when it shrinks (the first first)."""
+        fresh = [a for a in self.new if a not in self.old]
+        return fresh + (self.old[::-1] if len(self.new) > len(self.old) else list(self.old))
+
     def call_all(self, op: int, **kw) -> dict[str, _pb.ReshardReply]:
         return {a: self.call(a, op, **kw) for a in self.everyone}
 
@@ -184,7 +193,8 @@ class Coordinator:
         if not switched:
             drains = f" (drains {','.join(self.drained)})" if self.drained else ""
             self.say(f"plan {self.plan}: {','.join(self.old)} -> {','.join(self.new)}{drains}")
-            self.call_all(Op.PREPARE)
+            for address in self.prepare_order():
+                self.call(address, Op.PREPARE)
             self.say("prepared: copying while training goes on")
             replies = self.wait(lambda r: (ph := [p for p in self.phases(r) if p.startswith("source:")])
                                 and set(ph) <= TAILING, "every move's copy to be acknowledged", copying=True)

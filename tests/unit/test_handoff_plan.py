@@ -122,3 +122,16 @@ def test_retire_waits_for_round_r_in_the_new_layout_and_after_its_wait_retires_a
         assert lines[-1].startswith("retiring anyway: waited 1e-09 s for round 5 to close in the new layout")
     finally:
         coordinator.close()
+
+
+def test_shards_are_prepared_after_the_shards_they_stream_to():
+    """A prepared shard's sources stream at once; one that reached a shard not prepared yet was refused
+    PERMISSION_DENIED ("holds plan None") and sent again -- a refusal and warnings in every normal grow."""
+    grow = reshard_cmd.Coordinator(["a:1", "b:1"], ["a:1", "b:1", "c:1"], say=lambda line: None)
+    drain = reshard_cmd.Coordinator(["a:1", "b:1", "c:1"], ["a:1", "b:1"], say=lambda line: None)
+    try:
+        assert grow.prepare_order() == ["c:1", "b:1", "a:1"]  # old shard i sends to new shard i + 1
+        assert drain.prepare_order() == ["a:1", "b:1", "c:1"]  # ... to new shard i - 1
+    finally:
+        grow.close()
+        drain.close()
