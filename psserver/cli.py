@@ -226,11 +226,11 @@ def main(argv: list[str] | None = None) -> int:
         where = admin_token.publish(admin, server.address)
         log.info("shard %d: its admin token for `ps-server reshard` is in %s (readable by this user only)",
                  cfg.shard, where)
-    if args.ready_file:
-        write_ready_file(args.ready_file, server.address)
-    stop = threading.Event()
+    stop = threading.Event()  # (before the ready file: a launcher that reads it may signal at once)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
+    if args.ready_file:
+        write_ready_file(args.ready_file, server.address)
     # A timed wait keeps the main thread responsive to signals; it also checks whether the job is done.
     while not stop.wait(0.5):
         if args.exit_when_done and server.shard.job_done():

@@ -25,7 +25,7 @@ import os
 import secrets
 from pathlib import Path
 
-from psserver.protocol.security import is_loopback
+from psserver.protocol.security import is_loopback, read_secret
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +49,7 @@ def _file_for(address: str) -> Path:
 
 def read_admin_token(token_file: str = "") -> str:
     """The operator's token: from ``token_file`` if given, else $PS_ADMIN_TOKEN, else "" (none given)."""
-    if token_file:
-        try:
-            token = Path(token_file).read_text().strip()
-        except OSError as e:
-            raise ValueError(f"cannot read the admin token file {token_file}: {e.strerror}") from None
-        if not token:
-            raise ValueError(f"the admin token file {token_file} is empty")
-        return token
-    return os.environ.get(ADMIN_TOKEN_ENV, "").strip()
+    return read_secret(token_file, ADMIN_TOKEN_ENV, "admin token")
 
 
 def new_token() -> str:

@@ -30,17 +30,23 @@ TOKEN_ENV = "PS_AUTH_TOKEN"
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 
-def read_token(token_file: str = "") -> str:
-    """The token from ``token_file`` if given, else from $PS_AUTH_TOKEN, else "" (no token)."""
+def read_secret(token_file: str, env: str, what: str) -> str:
+    """A token from ``token_file`` if given (refused, naming the file, if it cannot be read or is empty), else
+    from the environment variable ``env``, else "" (none)."""
     if token_file:
         try:
             token = Path(token_file).read_text().strip()
         except OSError as e:
-            raise ValueError(f"cannot read the auth token file {token_file}: {e.strerror}") from None
+            raise ValueError(f"cannot read the {what} file {token_file}: {e.strerror}") from None
         if not token:
-            raise ValueError(f"the auth token file {token_file} is empty")
+            raise ValueError(f"the {what} file {token_file} is empty")
         return token
-    return os.environ.get(TOKEN_ENV, "").strip()
+    return os.environ.get(env, "").strip()
+
+
+def read_token(token_file: str = "") -> str:
+    """The shared token from ``token_file`` if given, else from $PS_AUTH_TOKEN, else "" (no token)."""
+    return read_secret(token_file, TOKEN_ENV, "auth token")
 
 
 def _read(path: str, what: str) -> bytes:
