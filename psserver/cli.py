@@ -27,7 +27,7 @@ def build_parser() -> EnvArgumentParser:
         "Also: 'ps-server stats --ps HOST:PORT[,...]' prints shards' state; 'ps-server health --ps HOST:PORT' "
         "exits 0 iff the shard is SERVING; 'ps-server export --checkpoint-dir DIR[,...] --output model.pt' "
         "assembles a state dict from the shards' newest checkpoints; 'ps-server reshard --ps A,B --to A,B,C' "
-        "moves a running sync job to more shards (docs/handoff-io.md).",
+        "moves a running sync job to more shards (docs/design/handoff-io.md).",
     )
     p.add_argument("--shard", type=int, required=True, help="index of the shard this process serves (0-based)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
@@ -50,7 +50,7 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--handoff-timeout", type=float, default=DEFAULT_HANDOFF_TIMEOUT, metavar="SECONDS",
                    help="a live re-shard's hold: how long round R-1's replies and the block wait for DECIDE, and "
                         "a throttle or a hold for its forwards or commit (default %(default)g; raise it for a large "
-                        "model, whose block can outlast 3 s; docs/handoff-io.md)")
+                        "model, whose block can outlast 3 s; docs/design/handoff-io.md)")
     p.add_argument("--checkpoint-dir", default="", help="write checkpoints here (atomic, checksummed)")
     p.add_argument("--checkpoint-every", type=int, default=100, help="versions between checkpoints")
     p.add_argument("--restore", action="store_true", help="resume from the newest valid checkpoint")

@@ -9,7 +9,7 @@ file: load it with ``strict=False`` and take the buffers from the trainer's own
 ``model.pt``.  Checkpoint files are only read, so it is safe beside running shards.
 
 A job re-sharded live (or switched offline) checkpoints its newest layout as ``L<e>-shard<i>-v…`` beside the
-first layout's files (docs/handoff-io.md#checkpoints-of-a-later-layout): the export reads the newest layout the
+first layout's files (docs/design/handoff-io.md#checkpoints-of-a-later-layout): the export reads the newest layout the
 folders hold, from every shard of it, and says which; ``--layout E`` picks another.
 """
 

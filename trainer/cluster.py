@@ -95,7 +95,7 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--reshard", default="", metavar="M@ROUND[,M@ROUND...]",
                    help="sync, dense: start the extra shards empty and move the job onto the first M live when "
                         "shard 0 reaches ROUND, step after step (a smaller M drains the last shards, then stops "
-                        "them); the summary shows each hand-off (docs/handoff-io.md)")
+                        "them); the summary shows each hand-off (docs/design/handoff-io.md)")
     p.add_argument("--eval-every", type=int, default=20, help="rank 0 evaluates every N steps (for the plot)")
     p.add_argument("--seed", type=int, default=0, help="model init and data order, the same on every trainer (default 0)")
     p.add_argument("--job-id", default="", help="names the run's job (default: a fresh id per run)")

@@ -1,4 +1,4 @@
-"""A step of base R-1 that a drained shard, lost between its vote and DECIDE, never answered (docs/handoff-io.md,
+"""A step of base R-1 that a drained shard, lost between its vote and DECIDE, never answered (docs/design/handoff-io.md,
 "A drained shard lost after its vote").
 
 The other slots applied the step and their replies named a layout that takes over at R = base + 1; the lost slot

@@ -1,6 +1,6 @@
 """The trainer follows a layout change: a live re-shard's new slots, switched to at a step boundary.
 
-Stage 4 of docs/live-reshard.md.  A layout epoch L+1 takes over from one round R that every shard agrees on, and
+Stage 4 of docs/design/live-reshard.md.  A layout epoch L+1 takes over from one round R that every shard agrees on, and
 a push belongs wholly to the layout in effect at its base (psserver.protocol.layouts.route_push).  So the trainer
 switches between steps: before the exchange of the first step whose base reaches R it builds the new layout's
 slots -- ShardClients (a channel reused per address and partition), ranges, versions, staging, the job spec and

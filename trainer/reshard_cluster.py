@@ -1,5 +1,5 @@
 """`ps-cluster --reshard M@ROUND[,M@ROUND...]`: a sync job -- dense, or a table model (mf, ncf, dlrm) whose tables
-are sync too -- moves from --shards to M shards, step after step, while you watch (docs/handoff-io.md).
+are sync too -- moves from --shards to M shards, step after step, while you watch (docs/design/handoff-io.md).
 
 max(--shards, every M) shards are started, the extra ones empty; the trainers get only the first --shards.  Each
 step is one coordinator subprocess (``ps-server reshard --ps OLD --to NEW --at-round ROUND``: the trainer room may
@@ -10,7 +10,7 @@ start-up (seconds) is spent before ROUND, not while the unpaced job trains on; e
 reaches its ROUND, and its lines are logged.  The shards pick each committed round R (at or after ROUND); the
 summary gains, per step, R, the hand-off's seconds (PREPARE to the switch, the coordinator's own figure) and rank
 0's rounds per second before and after R.  The trainers are not paced: a source whose copy is outrun holds its
-rounds until the forwards catch up (docs/handoff-io.md), so the rates are the job's own.
+rounds until the forwards catch up (docs/design/handoff-io.md), so the rates are the job's own.
 """
 
 from __future__ import annotations

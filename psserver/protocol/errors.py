@@ -138,7 +138,7 @@ HANDOFF = "handoff"  # reason of a push of base >= R while a live re-shard has c
 
 class HandoffPending(PsError):
     """A push of base >= R in the old layout after a live re-shard committed R, before its DECIDE
-    (docs/handoff-io.md): changes nothing; sent again, it is taken (abort) or refused ``layout-moved``
+    (docs/design/handoff-io.md): changes nothing; sent again, it is taken (abort) or refused ``layout-moved``
     (switch) once the shards decide."""
 
     code = grpc.StatusCode.UNAVAILABLE
@@ -167,7 +167,7 @@ NOT_IN_LAYOUT = "not-in-layout"  # reason of a call naming a layout this process
 
 class NotInLayout(PsError):
     """A call naming a layout epoch this process serves no piece of: a live re-shard drained it
-    (docs/handoff-io.md).  Changes nothing; the message names the layout's shards, where the call belongs."""
+    (docs/design/handoff-io.md).  Changes nothing; the message names the layout's shards, where the call belongs."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
     reason = NOT_IN_LAYOUT

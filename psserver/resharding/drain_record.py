@@ -7,7 +7,7 @@ nothing had happened -- a trainer that still had its address would find an old j
 writes ``drained.json`` beside the checkpoints: the layout that drained it, its address there and the timeline.
 ``--restore`` (psserver.resharding.layout_restore) takes it when no later layout's checkpoint is newer, and comes back
 drained and retired: it holds no job state, a call in an older layout is ``layout-moved`` and one in the newest
-``not-in-layout`` (docs/handoff-io.md#draining-a-shard-and-retire).
+``not-in-layout`` (docs/design/handoff-io.md#draining-a-shard-and-retire).
 """
 
 from __future__ import annotations

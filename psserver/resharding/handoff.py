@@ -34,11 +34,11 @@ def handoff_timeout_error(seconds: float) -> str:
         return ""
     return (f"the hand-off timeout is {seconds:g} s but it must be more than 0 and at most {MAX_HANDOFF_TIMEOUT:g} s "
             f"(hint: the default {DEFAULT_HANDOFF_TIMEOUT:g} s fits a small model; a ResNet-18-sized job's block "
-            "measured 2.1-3.9 s, so give it 10; docs/handoff-io.md)")
+            "measured 2.1-3.9 s, so give it 10; docs/design/handoff-io.md)")
 # Rounds a source may have closed past what its destination acknowledged.  At it the source throttles: the next
 # round waits until a forward is acknowledged (ThrottleRounds), so unpaced rounds never outrun the copy; a
 # throttle that lasts --handoff-timeout copies the range again (or, once committed, aborts), as the lag did
-# before the throttle (docs/handoff.md, "Never outrun the copy").
+# before the throttle (docs/design/handoff.md, "Never outrun the copy").
 MAX_FORWARD_LAG = 16
 
 

@@ -1,4 +1,4 @@
-"""A live re-shard carried out on a shard (stage 5 of docs/live-reshard.md; docs/handoff-io.md): the pure
+"""A live re-shard carried out on a shard (stage 5 of docs/design/live-reshard.md; docs/design/handoff-io.md): the pure
 machines' actions (psserver.resharding.handoff_source, psserver.resharding.handoff_dest) done on the shard's state and over gRPC.
 
 * **Source, per move** (``SourceSide``): PREPARE snapshots the move's range (forward_log.copy_range); a thread
@@ -16,7 +16,7 @@ machines' actions (psserver.resharding.handoff_source, psserver.resharding.hando
 Everything that touches a partition's tensors runs where the shard's calls run (``Runtime.run_state``);
 machine transitions take one lock.  A shard in ``--ps`` but not ``--to`` is drained: a source only, it installs no
 host at DECIDE (LayoutHost.drain) and RETIRE frees its tombstone, as every shard's (LayoutHost.retire).  Scope
-(docs/handoff-io.md): sync jobs, dense and sync tables (their rows: psserver.resharding.handoff_io_rows).
+(docs/design/handoff-io.md): sync jobs, dense and sync tables (their rows: psserver.resharding.handoff_io_rows).
 """
 
 from __future__ import annotations
@@ -410,7 +410,7 @@ class HandoffIO:
         try:
             self.layouts.check_boundary(layout, stops_below=async_round is not None)
         except ValueError as e:
-            raise NotReady(f"decide is switch but {e}: the old layout must stop at R (docs/handoff-io.md)") from None
+            raise NotReady(f"decide is switch but {e}: the old layout must stop at R (docs/design/handoff-io.md)") from None
         return layout
 
     def _new_layout(self, async_round: int | None = None) -> tuple:
@@ -433,7 +433,7 @@ class HandoffIO:
         try:
             self.layouts.check_boundary(layout, stops_below=async_round is not None)
         except ValueError as e:
-            raise NotReady(f"decide is switch but {e}: the old layout must stop at R (docs/handoff-io.md)") from None
+            raise NotReady(f"decide is switch but {e}: the old layout must stop at R (docs/design/handoff-io.md)") from None
         host = self.layouts.current.successor(plan.new_index)
         host.restore_states(states, f"layout {layout.number} (hand-off {plan.id})", planned=True)
         return layout, host, timeline[0]

@@ -1,4 +1,4 @@
-"""A live re-shard of an async or stale-timeout job (stage 8 of docs/live-reshard.md): what differs from a sync one.
+"""A live re-shard of an async or stale-timeout job (stage 8 of docs/design/live-reshard.md): what differs from a sync one.
 
 **stale-timeout** has rounds, so it moves as sync does; one exception: under ``--stale-policy scale`` a stale push
 would be scaled into round R on the old layout (opening a round there that never closes: acknowledged, never

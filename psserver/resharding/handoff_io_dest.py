@@ -1,4 +1,4 @@
-"""One new partition's destination in a live re-shard (docs/handoff-io.md): the pure DestPiece's actions carried
+"""One new partition's destination in a live re-shard (docs/design/handoff-io.md): the pure DestPiece's actions carried
 out on the shard -- each COPY becomes a PartReplay, each FORWARD one replayed step, each VOTE is compared digest to
 digest; at DECIDE switch the parts are assembled into a ShardState at R.  The plan that owns it is
 psserver.resharding.handoff_io.HandoffIO.

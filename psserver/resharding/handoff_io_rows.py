@@ -1,4 +1,4 @@
-"""Sync tables' rows in a live re-shard, on the shards (docs/handoff-io.md#tables): the pure row copy, forward and
+"""Sync tables' rows in a live re-shard, on the shards (docs/design/handoff-io.md#tables): the pure row copy, forward and
 vote of psserver.resharding.handoff_rows carried out beside the dense moves of the same plan.
 
 * **Source** (``RowsSource``, one per new shard, this process included: rows that stay are streamed to itself over

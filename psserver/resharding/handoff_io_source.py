@@ -1,4 +1,4 @@
-"""One move's source in a live re-shard (docs/handoff-io.md): the pure SourceMove's actions carried out on the
+"""One move's source in a live re-shard (docs/design/handoff-io.md): the pure SourceMove's actions carried out on the
 shard -- PREPARE's snapshot of the range, then a thread of its own that streams the COPY, each closed round's
 FORWARD in order (the ForwardLog, fed by the partition's ``round_listener``) and the VOTE (the range's digest at R
 and the membership timeline at R).  The plan that owns it is psserver.resharding.handoff_io.HandoffIO.

@@ -1,4 +1,4 @@
-"""Sync tables' rows in a live re-shard (stage 6 of docs/live-reshard.md; docs/handoff-io.md#tables), the pure part:
+"""Sync tables' rows in a live re-shard (stage 6 of docs/design/live-reshard.md; docs/design/handoff-io.md#tables), the pure part:
 what a source copies, forwards and votes for one destination shard, and how the destination replays it.
 
 * **Copy.** At PREPARE a source splits each table's live rows by their new owner, ``splitmix64(id) mod M′``

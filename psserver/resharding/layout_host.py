@@ -1,6 +1,6 @@
 """The layouts one ps-server process serves: a ``ShardHost`` per layout epoch, calls routed by (epoch, partition).
 
-Stage 3 of a live re-shard (docs/live-reshard.md).  A call names the layout epoch it was built for (0, the
+Stage 3 of a live re-shard (docs/design/live-reshard.md).  A call names the layout epoch it was built for (0, the
 default, is the job's first layout), and a push's base version decides which layout owns it
 (psserver.protocol.layouts.route_push): base < R goes to the old layout, base >= R to the new one.  The layout
 check runs before anything of the partition is looked at, so a trainer one layout behind is told
@@ -12,7 +12,7 @@ retries of pushes with base < R from its books (DUPLICATE) or as stale, and pull
 frees it (``retire``): its tensors, optimizer state and books go; the routing record stays (the timeline with its
 fingerprints, who its members were), so every later call in it is ``layout-moved``.  A process a live re-shard
 left out of the new layout (a drain, ``drain``) installs no host: its old one is the tombstone, and a call in the
-new layout is refused ``not-in-layout`` naming that layout's shards (docs/handoff-io.md).
+new layout is refused ``not-in-layout`` naming that layout's shards (docs/design/handoff-io.md).
 
 A later layout's host checkpoints its pieces (``L<e>-shard<i>-v…``, with the timeline) from its switch on;
 ``restored`` serves one again after ``--restore`` (psserver.resharding.layout_restore): the tombstones are not kept on disk,
@@ -130,16 +130,16 @@ class LayoutHost:
         if epoch < self._gone:
             return LayoutMoved(f"layout_epoch is {epoch} but this shard restarted in layout {newest.number} (from "
                                f"round {newest.round}) and holds nothing of layout {epoch}: send it in layout "
-                               f"{newest.number}{_shards(newest)} (docs/handoff-io.md)", newest.number)
+                               f"{newest.number}{_shards(newest)} (docs/design/handoff-io.md)", newest.number)
         if epoch in self._retired:
             return LayoutMoved(f"layout_epoch is {epoch} but this shard's newest layout is {newest.number} (from round "
                                f"{newest.round}) and layout {epoch}'s state here was freed (RETIRE): send it in "
-                               f"layout {newest.number}{_shards(newest)} (docs/handoff-io.md)", newest.number)
+                               f"layout {newest.number}{_shards(newest)} (docs/design/handoff-io.md)", newest.number)
         if epoch not in self._hosts:
             here = f" {self.drained_as}" if self.drained_as else ""
             return NotInLayout(f"layout_epoch is {epoch} but this shard{here} is not among layout {epoch}'s shards "
                                f"{list(layout.addresses)}: send it to them (a live re-shard drained this one, "
-                               "docs/handoff-io.md)")
+                               "docs/design/handoff-io.md)")
         return None
 
     def timeline_bytes(self) -> list[bytes]:
@@ -379,7 +379,7 @@ def table_rounds(job, tables: dict | None) -> dict[str, int]:
     for spec in job.tables:
         if table_mode(spec, job) == Mode.ASYNC:
             raise ReshardError(f"table {spec.name!r} is async: its rows cannot switch layouts yet (async tables "
-                               "move in a later stage of docs/live-reshard.md)")
+                               "move in a later stage of docs/design/live-reshard.md)")
         saved = (tables or {})[spec.name]
         if saved["round"] is not None:
             raise ReshardError(f"table {spec.name!r} has a round open at version {saved['version']} (ranks "

@@ -22,7 +22,7 @@ from psserver.protocol.proto import ps_pb2 as _pb
 
 log = logging.getLogger(__name__)
 
-HINT = "restore each shard from its own --checkpoint-dir (docs/handoff-io.md#checkpoints-of-a-later-layout)"
+HINT = "restore each shard from its own --checkpoint-dir (docs/design/handoff-io.md#checkpoints-of-a-later-layout)"
 
 
 class RestoreError(ValueError):

@@ -1,5 +1,5 @@
 """The push books that move with a range in a live re-shard, so the new owners can answer for an old slot that is
-gone (docs/handoff-io.md, "A drained shard lost after its vote").
+gone (docs/design/handoff-io.md, "A drained shard lost after its vote").
 
 Round R-1's replies wait for DECIDE (psserver.serving.reply_holds).  A drained shard lost after its vote takes its held
 reply with it, and each trainer's step of base R-1 finds the other shards answering (applied, naming the new
@@ -89,7 +89,7 @@ class MovedBooks:
             raise NotReady(f"moved_from is {h.moved_from} (old slot {slot}) but layout {h.layout_epoch} partition "
                            f"{h.partition} here holds the books of old slots {sorted(held)} of layout "
                            f"{next(iter(held.values())).layout if held else None}: ask the new owners of that "
-                           "slot's range (docs/handoff-io.md)")
+                           "slot's range (docs/design/handoff-io.md)")
         if h.version != found.round - 1:
             raise NotReady(f"base version is {h.version} but old slot {slot}'s book here is of round "
                            f"{found.round - 1} (R-1) only: a push of another base is not answered from it")

@@ -1,4 +1,4 @@
-"""`ps-server reshard --ps A,B --to A,B,C`: a live re-shard's coordinator (docs/handoff-io.md).
+"""`ps-server reshard --ps A,B --to A,B,C`: a live re-shard's coordinator (docs/design/handoff-io.md).
 
 It keeps no state: every step is a Reshard call the shards record before they act, and each is idempotent, so a
 run -- or a re-run after a crash -- reads where the shards are (Reshard STATUS: their moves' phases and R) and

@@ -1,4 +1,4 @@
-"""Replies held over a live re-shard's block (docs/handoff-io.md, "Round R-1's replies are held").
+"""Replies held over a live re-shard's block (docs/design/handoff-io.md, "Round R-1's replies are held").
 
 Between COMMIT R and DECIDE, a reply that would hand out version R or later in the old layout (the weights of a
 pull, PushPull or Step, or a Push's reply naming R) waits here.  On a switch it goes out after the new layout is

@@ -279,7 +279,7 @@ class ParameterServerService(RowRpcs, StepRpc):
         if self.authenticated or any(_is_member(head, request) for head in self.layouts.heads()) or \
                 self.layouts.was_member(request.rank, request.trainer_id, request.fingerprint):
             reply.layouts.extend(self.layouts.timeline_proto())  # fingerprints: for a member of any layout
-        reply.drained = self.layouts.drained  # "tombstone" or "retired" (docs/handoff-io.md: when it may be stopped)
+        reply.drained = self.layouts.drained  # "tombstone" or "retired" (docs/design/handoff-io.md: when it may be stopped)
         if self.handoffs is not None:
             reply.handoffs.extend(await self.handoffs.records_off_loop())
         return reply

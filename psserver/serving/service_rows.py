@@ -132,7 +132,7 @@ class RowRpcs:
             table, h.table, h.rank, h.trainer_id, h.fingerprint, min_version, checked, self._deadline(context),
             functools.partial(context.hold, ("rows", id(h))))
         self.count("row_push_pulls")
-        layout = self.layouts.newest  # (a row reply is not held: docs/handoff-io.md, Tables)
+        layout = self.layouts.newest  # (a row reply is not held: docs/design/handoff-io.md, Tables)
         header = _pb.RowsHeader(table=h.table, version=version, num_ids=len(ids), dim=table.spec.dim,
                                 wait_seconds=waited, push=_push_reply(r, layout), pull_ref=calls.remember(h, checked),
                                 layout_epoch=layout)

@@ -169,7 +169,7 @@ def _rows_in(t, share: int) -> int:
 
 def handoff_bytes(job: JobSpec, job2: JobSpec, moves: list, old_index: int | None, new_index: int | None,
                   max_lag: int) -> dict[str, int]:
-    """What a live re-shard adds on this shard beside the job it holds (docs/handoff-io.md), by part: each move
+    """What a live re-shard adds on this shard beside the job it holds (docs/design/handoff-io.md), by part: each move
     out copied with its optimizer state and its forward log at its bound (``max_lag`` rounds of the range), and
     the new pieces this shard will serve (psserver.resharding.handoff_io's PREPARE checks it against the budget)."""
     out = [m for m in moves if m.src == old_index]

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"PSGRPC-CHECKPOINT-1\n"
 # ``shard<i>-v<version>.ckpt`` in the job's first layout; ``L<e>-shard<i>-v<version>.ckpt`` in layout e > 0 (a live
-# or offline switch, docs/handoff-io.md#checkpoints-of-a-later-layout), so a later layout's files, where shard i
+# or offline switch, docs/design/handoff-io.md#checkpoints-of-a-later-layout), so a later layout's files, where shard i
 # may hold another range, are never read as the first layout's.
 NAME = re.compile(r"^(?:L([1-9]\d*)-)?shard(\d+)-v(\d{12})\.ckpt$")
 

@@ -1,4 +1,4 @@
-"""Draining a shard under real trainers (issue 24 item 4, docs/handoff-io.md): two sync ``ps-trainer`` processes
+"""Draining a shard under real trainers (issue 24 item 4, docs/design/handoff-io.md): two sync ``ps-trainer`` processes
 train a dense mlp on two ``ps-server`` processes; ``ps-server reshard`` grows the job to three (the third started
 empty) and then drains it back to two while they train.  After the second RETIRE the third shard holds no job
 state and is stopped with SIGTERM (exit code 0); the trainers follow both switches and finish, and the

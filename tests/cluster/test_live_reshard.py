@@ -1,4 +1,4 @@
-"""A live re-shard under real trainers (issue 24 item 4, stage 5 of docs/live-reshard.md, docs/handoff-io.md):
+"""A live re-shard under real trainers (issue 24 item 4, stage 5 of docs/design/live-reshard.md, docs/design/handoff-io.md):
 two sync ``ps-trainer`` processes train a dense mlp on two ``ps-server`` processes; ``ps-server reshard`` moves
 the job to three (the third started empty) while they train; they follow the switch at a step boundary and
 finish.  The parameters, pulled in layout 1 from the three shards, equal bit for bit those of the same job on

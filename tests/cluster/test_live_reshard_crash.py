@@ -1,4 +1,4 @@
-"""A job re-sharded live survives a shard crash (issue 24 item 4; docs/handoff-io.md#checkpoints-of-a-later-layout).
+"""A job re-sharded live survives a shard crash (issue 24 item 4; docs/design/handoff-io.md#checkpoints-of-a-later-layout).
 
 Two sync ``ps-trainer`` processes train on two ``ps-server`` processes that checkpoint every version; ``ps-server
 reshard`` moves the job to three while they train (as tests/cluster/test_live_reshard.py does).  A few rounds into

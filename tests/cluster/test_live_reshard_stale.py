@@ -1,4 +1,4 @@
-"""A live re-shard of a stale-timeout job under real trainers (stage 8 of docs/live-reshard.md): it moves as a sync
+"""A live re-shard of a stale-timeout job under real trainers (stage 8 of docs/design/live-reshard.md): it moves as a sync
 one does (rounds, R, round R-1's replies held).  Two ``ps-trainer``s with a ``--sync-timeout`` far longer than any
 round here close every round with both gradients, so the run is reproducible: rank 0's final pull from the three
 shards equals, bit for bit, the same job on two shards that never re-sharded."""

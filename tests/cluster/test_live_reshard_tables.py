@@ -1,4 +1,4 @@
-"""Sync tables moved live under real trainers (issue 24 item 4; docs/handoff-io.md, Tables): two sync ``ps-trainer``
+"""Sync tables moved live under real trainers (issue 24 item 4; docs/design/handoff-io.md, Tables): two sync ``ps-trainer``
 processes train NCF on MovieLens-100k (a dense MLP and two sync tables, Adagrad rows) on two ``ps-server``
 processes; ``ps-server reshard`` moves the job to three (the third started empty) while they train.  Every shard
 writes a final checkpoint on SIGTERM; the dense parameters with their optimizer state AND every table row (values,

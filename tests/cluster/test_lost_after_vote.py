@@ -1,4 +1,4 @@
-"""A drained shard killed between its vote and DECIDE, end to end (docs/handoff-io.md, "A drained shard lost after
+"""A drained shard killed between its vote and DECIDE, end to end (docs/design/handoff-io.md, "A drained shard lost after
 its vote"; issue 24 item 4).
 
 Three real ``ps-server`` processes; two sync trainers (threads on the Python API, integer gradients, SGD lr 1 --

@@ -1,4 +1,4 @@
-"""The exact-accounting soak through a live 2 -> 3 -> 2 (issue 24 item 4, stage 7 of docs/live-reshard.md).
+"""The exact-accounting soak through a live 2 -> 3 -> 2 (issue 24 item 4, stage 7 of docs/design/live-reshard.md).
 
 Two trainers (threads using the Python API, as tests/cluster/test_accounting_soak.py) push integer-valued
 gradients, sync mode, SGD lr 1, while ``ps-server reshard`` grows the job from two ``ps-server`` processes to three
@@ -152,7 +152,7 @@ def test_acknowledged_pushes_through_faults_and_a_live_2_to_3_to_2_are_each_in_t
         assert (st.version, c["steps"], c["pushes_applied"]) == (steps, steps - R2, len(acked)), dict(c)
         assert len(acked) == TRAINERS * (steps - R2)
         assert c.get("duplicates", 0) >= acked.count("duplicate"), dict(c)
-    with capsys.disabled():  # the soak's numbers, for docs/handoff-io.md
+    with capsys.disabled():  # the soak's numbers, for docs/design/handoff-io.md
         print(f"\nsoak: steps {steps}, R1 {R1}, R2 {R2}, faults before/after each hand-off {faults}\n"
               f"{numbers(tmp_path, records, proxies)}\n{out1}{out2}")
 

@@ -1,5 +1,5 @@
 """A real ``ps-server --restore`` of a process a live re-shard drained (issue 24 item 1): it comes back drained and
-retired (docs/handoff-io.md#draining-a-shard-and-retire), not serving the job's first layout at R again -- GetStats
+retired (docs/design/handoff-io.md#draining-a-shard-and-retire), not serving the job's first layout at R again -- GetStats
 says so, a Register of the old job is refused ``layout-moved`` naming the newest layout, and it still serves."""
 
 import grpc

@@ -1,4 +1,4 @@
-"""Draining a shard from a running job live (docs/handoff-io.md, issue 24 item 4): real shards over gRPC on
+"""Draining a shard from a running job live (docs/design/handoff-io.md, issue 24 item 4): real shards over gRPC on
 loopback, the test as the coordinator and as a sync trainer of rank 0 whose gradient for round v is a function of
 v alone (so a job on other shards, pushed the same, is the reference).  3 -> 2 with pushes during the copy, and
 2 -> 3 -> 2 through both hand-offs, bit for bit; RETIRE frees every tombstone; the drain's refusals, each with its

@@ -1,4 +1,4 @@
-"""A live re-shard carried out by the shards (stage 5 of docs/live-reshard.md, docs/handoff-io.md): three real
+"""A live re-shard carried out by the shards (stage 5 of docs/design/live-reshard.md, docs/design/handoff-io.md): three real
 shards over gRPC on loopback, the test as the coordinator, a sync dense job moved from two shards to three
 while pushes go on during the copy; and PREPARE's and Handoff's refusals, each with its one status, a message
 naming the field and both values, the state digest unchanged and the shard still serving."""

@@ -1,4 +1,4 @@
-"""A sync table moved live beside the dense slice (stage 6 of docs/live-reshard.md, docs/handoff-io.md#tables): three
+"""A sync table moved live beside the dense slice (stage 6 of docs/design/live-reshard.md, docs/design/handoff-io.md#tables): three
 real shards over gRPC on loopback, the test as the coordinator and as the one trainer, a sync job of one dense slice
 and one Adagrad table moved from two shards to three while dense and row pushes go on during the copy, and drained
 from three to two."""
@@ -71,7 +71,7 @@ class TableJob(Job):
 
     def rounds(self, upto, held=False):
         """Dense and rows on both old shards until each is at version ``upto``.  ``held``: ``upto`` is R, and round
-        R-1's dense replies wait for DECIDE (docs/handoff-io.md): their futures, kept in ``self.held`` -- a gRPC
+        R-1's dense replies wait for DECIDE (docs/design/handoff-io.md): their futures, kept in ``self.held`` -- a gRPC
         future garbage-collected cancels its call, and a push cancelled before the shard read it never closes
         round R-1 (the hand-off then waits for it to the end)."""
         if held:

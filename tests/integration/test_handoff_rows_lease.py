@@ -2,7 +2,7 @@
 under the plan's lock for seconds on a 1M-row table; a heartbeat is answered on the event loop, so nothing of the
 copy may hold the loop: a Reshard STATUS or GetStats waits for the plan's lock on a thread, and the rows' vote runs
 on the state worker whatever the slice.  Three real shards over gRPC on loopback (psserver.resharding.handoff_io_rows);
-measured at 1M rows by docs/bench/handoff/measure_rows_lag.py (docs/handoff-io.md, "Heartbeats during a rows copy")."""
+measured at 1M rows by docs/bench/handoff/measure_rows_lag.py (docs/design/handoff-io.md, "Heartbeats during a rows copy")."""
 
 import threading
 

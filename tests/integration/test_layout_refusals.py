@@ -1,4 +1,4 @@
-"""Layout routing over real gRPC (stage 3 of docs/live-reshard.md): a one-shard sync job switched offline, at
+"""Layout routing over real gRPC (stage 3 of docs/design/live-reshard.md): a one-shard sync job switched offline, at
 round R = 2, to layout 1 -- two shards, this process shard 0 -- and the calls each layout refuses.  Each refusal:
 its one status, its reason (and newest layout) in the trailers, a message naming the layout sent, the newest
 one and the base or version, both layouts' state digests unchanged, and the shard still serving."""

@@ -1,4 +1,4 @@
-"""Row calls routed by layout over real gRPC (stage 6 of docs/live-reshard.md, offline): a one-shard sync job with a
+"""Row calls routed by layout over real gRPC (stage 6 of docs/design/live-reshard.md, offline): a one-shard sync job with a
 table switched, at dense round R = 2 and table round T = 3, to layout 1 -- two shards, this process shard 0 -- and
 the row calls each layout refuses.  Each refusal: its one status, its reason and newest layout in the trailers, a
 message naming the layout sent and the table's round, both layouts' state digests unchanged, and the shard still

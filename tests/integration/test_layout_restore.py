@@ -1,4 +1,4 @@
-"""``--restore`` of a shard that had switched layouts (docs/handoff-io.md#checkpoints-of-a-later-layout).
+"""``--restore`` of a shard that had switched layouts (docs/design/handoff-io.md#checkpoints-of-a-later-layout).
 
 A sync job on two shards switches offline at round R (tests/integration/test_relayout.py's helper: layout 1 is one
 shard, the first process, of two partitions); from then on that process checkpoints layout 1's pieces as

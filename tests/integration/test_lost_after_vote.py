@@ -1,4 +1,4 @@
-"""A drained shard lost between its vote and DECIDE (docs/handoff-io.md, "A drained shard lost after its vote"):
+"""A drained shard lost between its vote and DECIDE (docs/design/handoff-io.md, "A drained shard lost after its vote"):
 real shards over gRPC on loopback, the test as the coordinator and as a sync trainer of rank 0 (the rounds of
 tests/integration/test_handoff_drain.Run).  The drained shard is stopped after every source voted at R; the
 remaining shards switch; the trainer, its held round R-1 reply lost with the shard, asks the new owners of the

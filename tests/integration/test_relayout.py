@@ -1,4 +1,4 @@
-"""A trainer follows a layout switch (stage 4 of docs/live-reshard.md), on real shards over gRPC.
+"""A trainer follows a layout switch (stage 4 of docs/design/live-reshard.md), on real shards over gRPC.
 
 A sync job on two shards runs R rounds; then both processes switch offline (tests.offline_switch.switch_layout_offline, at
 the round boundary) to layout 1: one shard -- the first process -- of two partitions, re-cut from both old shards'

@@ -1,4 +1,4 @@
-"""A trainer with a sparse table follows a layout switch (stage 6 of docs/live-reshard.md), on real shards over gRPC.
+"""A trainer with a sparse table follows a layout switch (stage 6 of docs/design/live-reshard.md), on real shards over gRPC.
 
 A sync job of a dense layer and a sync table (Adam, so rows carry optimizer state) on two shards runs R rounds;
 then both processes switch offline (tests.offline_switch.switch_layout_offline) to one shard -- the first process -- of two

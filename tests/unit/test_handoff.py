@@ -1,4 +1,4 @@
-"""The live re-shard's hand-off as pure machines (psserver.resharding.handoff*): one test per row of docs/live-reshard.md's
+"""The live re-shard's hand-off as pure machines (psserver.resharding.handoff*): one test per row of docs/design/live-reshard.md's
 state table and failure table, with a fake clock and no network."""
 
 import copy

@@ -1,4 +1,4 @@
-"""An async job's live re-shard (stage 8 of docs/live-reshard.md, psserver.resharding.handoff_io_async): the pure decisions,
+"""An async job's live re-shard (stage 8 of docs/design/live-reshard.md, psserver.resharding.handoff_io_async): the pure decisions,
 with a fake clock and no network -- the source's stop, the destination's votes at different stops, the new piece
 at the largest stop, the gates' refusals, and the trainer's side (the newest layout whatever the base; a step split
 by the stops)."""

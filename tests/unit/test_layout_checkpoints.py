@@ -1,4 +1,4 @@
-"""Checkpoints of a later layout, without a network (docs/handoff-io.md#checkpoints-of-a-later-layout): their names,
+"""Checkpoints of a later layout, without a network (docs/design/handoff-io.md#checkpoints-of-a-later-layout): their names,
 which files ``--restore`` tries first, the timeline they carry, a restored process's routing, and
 ``--restore-from`` reading the newest layout of every shard (or refusing folders that mix layouts)."""
 

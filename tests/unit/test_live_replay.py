@@ -1,4 +1,4 @@
-"""What docs/live-reshard.md's dense hand-off rests on: a destination that copies a sub-range of a source's slice
+"""What docs/design/live-reshard.md's dense hand-off rests on: a destination that copies a sub-range of a source's slice
 (parameters and optimizer state, one-tensor format) and then replays the source's gradients on it, step for step,
 holds exactly what the source holds on that range -- bit for bit, with range edges on no SIMD boundary.
 
