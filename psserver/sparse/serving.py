@@ -37,8 +37,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from psserver.state import modes
 from psserver.common.logsafe import shorten
+from psserver.state import modes
+from psserver.state.budget import check_machine_room
 from psserver.state.executor import PushInfo, PushTarget, check_sequence, execute, record_ack
 from psserver.protocol import limits
 from psserver.protocol.errors import FutureVersion, InvalidRequest, OutOfMemory, StaleGradient, is_out_of_memory
@@ -131,7 +132,7 @@ class ServedTable(PushTarget):
         self.spec = spec
         self.shard, self.num_shards = shard, job.num_shards
         self.cfg = mode_config(spec, job)
-        self.store = RowStore(spec, row_limit=row_limit)
+        self.store = RowStore(spec, row_limit=row_limit, room=self._machine_room)
         self.version = 0
         self.round = TableRound(spec.dim)
         self.acked: dict[int, tuple[str, int, RowsResult]] = {}  # rank -> (trainer id, sequence, result)
@@ -408,9 +409,13 @@ class ServedTable(PushTarget):
         return dict(rows=self.store.state(), version=self.version, round=self.round.state(), acked=acked,
                     updated_at=self.updated_at.to_dict(), counts=dict(self.counts), holes=holes)
 
+    def _machine_room(self, nbytes: int) -> None:
+        """Before the rows' slots grow: the machine has the memory now (psserver.state.budget.check_machine_room)."""
+        check_machine_room(nbytes, f"table {self.spec.name!r}'s growth")
+
     def restore(self, saved: dict, now: float) -> None:
         """Take a checkpoint's state of this table (raises BadTableState if it does not fit the spec)."""
-        self.store = RowStore.restore(self.spec, saved["rows"], self.store.row_limit)
+        self.store = RowStore.restore(self.spec, saved["rows"], self.store.row_limit, room=self._machine_room)
         self.version = saved["version"]
         self.round.reset()
         self.round.restore(saved["round"], now)

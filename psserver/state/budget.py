@@ -63,6 +63,23 @@ def default_max_memory() -> int:
     return max(1 << 20, int(room * DEFAULT_FRACTION)) if room else FALLBACK_BYTES
 
 
+# Bytes of the machine a table's growth leaves free (psserver.protocol.rows.table.RowStore's ``room``): shards each
+# budget a share of what was free at their own start, so several on one host may together promise more than it
+# has; a growth past what is free now is refused rather than left to the kernel's OOM killer.
+MACHINE_FLOOR = 256 << 20
+
+
+def check_machine_room(nbytes: int, what: str, available=None) -> None:
+    """Refuse (OutOfMemory, RESOURCE_EXHAUSTED) ``what``'s ``nbytes`` more when the machine (or this process's
+    cgroup) has less than that available now beyond MACHINE_FLOOR; nothing to refuse where it cannot be read.
+    ``available``: the probe (default ``available_memory``; tests pass their own)."""
+    room = (available or available_memory)()
+    if room is not None and nbytes > room - MACHINE_FLOOR:
+        raise OutOfMemory(f"{what} needs {nbytes} bytes more but this machine has {room} bytes available now "
+                          f"({MACHINE_FLOOR} kept free): its shards' budgets promised more than it has -- give each "
+                          "ps-server a --max-memory that fits beside the others, or give its tables max_rows")
+
+
 def optimizer_copies(job: JobSpec) -> int:
     """Slice-sized tensors of optimizer state: Adam's two moments, SGD's momentum buffer."""
     name = job.optimizer.name

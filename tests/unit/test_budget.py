@@ -133,3 +133,34 @@ def test_a_tables_update_buffers_are_counted_in_its_memory_and_never_outgrow_its
     small.lookup(torch.arange(10))
     small.apply(torch.arange(10), torch.ones(10, 16))
     assert small.memory()["scratch"] <= 64 * (2 * 16 + small.width) * 4  # one LANE_ROWS block, not 4 MB
+
+
+def test_a_tables_growth_past_what_the_machine_has_now_is_refused_before_anything_changes():
+    """Issue 35 item 8: each shard's default budget is half of what was free at its start, so three on one host
+    promised 31.6 GB against 21.9 GB free.  A table's slots now grow only while the machine has the memory: a
+    lookup that would grow them past it is refused (OutOfMemory: RESOURCE_EXHAUSTED), its store unchanged, and
+    a lookup that fits in the slots it has is served."""
+    from psserver.protocol.errors import OutOfMemory
+    from psserver.protocol.rows.table import RowStore, TableSpec, row_bytes
+
+    spec = TableSpec("t", 8)
+    asked = []
+    free = {"bytes": budget.MACHINE_FLOOR + 10 * row_bytes(spec) * 1024}
+
+    def room(nbytes):
+        asked.append(nbytes)
+        budget.check_machine_room(nbytes, "table 't''s growth", available=lambda: free["bytes"])
+
+    store = RowStore(spec, initial_capacity=64, row_limit=None, room=room)
+    store.lookup(torch.arange(60))  # fits in its 64 slots: nothing asked
+    assert asked == []
+    store.lookup(torch.arange(200))  # grows: asked, and there is room
+    assert asked == [(max(60 + 140, 2 * 64) - 64) * row_bytes(spec)]  # its 140 new rows, by doubling
+    before = store.state()
+    free["bytes"] = budget.MACHINE_FLOOR + 1
+    with pytest.raises(OutOfMemory, match=r"table 't''s growth needs \d+ bytes more but this machine has \d+ bytes"):
+        store.lookup(torch.arange(1000))
+    after = store.state()
+    assert all(torch.equal(after[k], before[k]) if isinstance(after[k], torch.Tensor) else after[k] == before[k]
+               for k in before)
+    assert store.lookup(torch.arange(150)).shape == (150, 8)  # its rows are all there: nothing to grow

@@ -21,6 +21,7 @@ checkpoint form stay in one class; the pieces with no share in that invariant ar
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -201,9 +202,13 @@ class TableCounts:
 class RowStore:
     """The live rows of one table on one shard (not thread-safe: the servicer serialises calls)."""
 
-    def __init__(self, spec: TableSpec, initial_capacity: int | None = None, row_limit: int | None = None):
-        """``row_limit``: rows this store may hold when ``spec`` sets no max_rows (None: no limit)."""
+    def __init__(self, spec: TableSpec, initial_capacity: int | None = None, row_limit: int | None = None,
+                 room: Callable[[int], None] | None = None):
+        """``row_limit``: rows this store may hold when ``spec`` sets no max_rows (None: no limit).  ``room(nbytes)``:
+        asked before the slots grow by ``nbytes`` for a lookup's new rows; it raises to refuse the call (the
+        machine's memory: psserver.state.budget.check_machine_room)."""
         self.spec = spec
+        self.room = room
         self.row_limit = None if spec.max_rows else row_limit
         self.width = state_width(spec.optimizer, spec.dim)
         self.version = 0
@@ -268,18 +273,26 @@ class RowStore:
                 tensor[: self._used] = getattr(self, name)[: self._used]
             setattr(self, name, tensor)
 
+    def _growth(self, n: int) -> int:
+        """Slots the store would add to take ``n`` new rows (0: they fit): doubling, never past its cap."""
+        extra = n - min(n, len(self._free))
+        if self._used + extra <= len(self._ids):
+            return 0
+        cap = max(self._used + extra, 2 * len(self._ids))
+        bound = self.spec.max_rows or self.row_limit
+        return (max(min(cap, bound), self._used + extra) if bound else cap) - len(self._ids)
+
     def _take_slots(self, n: int) -> torch.Tensor:
         """``n`` empty slots: freed ones first, then new ones, growing capacity by doubling."""
+        grow = self._growth(n)
         if len(self._free):
             keep = len(self._free) - min(n, len(self._free))
             reuse, self._free = self._free[keep:], self._free[:keep].clone()
         else:
             reuse = None
         extra = n - (0 if reuse is None else len(reuse))
-        if self._used + extra > len(self._ids):
-            cap = max(self._used + extra, 2 * len(self._ids))
-            bound = self.spec.max_rows or self.row_limit
-            self._alloc(max(min(cap, bound), self._used + extra) if bound else cap)
+        if grow:
+            self._alloc(len(self._ids) + grow)
         fresh = torch.arange(self._used, self._used + extra, dtype=torch.int64)
         self._used += extra
         return fresh if reuse is None else torch.cat([reuse, fresh])
@@ -390,6 +403,10 @@ class RowStore:
     def check_room(self, uniq: torch.Tensor) -> None:
         """Refuse a call whose new rows (of the unique ids ``uniq``) would take a table without max_rows past its
         row limit.  Costs a find only near the limit."""
+        if self.room is not None and self._growth(len(uniq)):  # (as if none had a row: then the rows it adds)
+            grow = self._growth(self.new_rows(uniq))
+            if grow:
+                self.room(grow * row_bytes(self.spec))
         if self.row_limit is None or len(self) + len(uniq) <= self.row_limit:
             return
         new = self.new_rows(uniq)
@@ -547,14 +564,15 @@ class RowStore:
                 "last_tick": self._last_tick[slots], "last_version": self._last_version[slots]}
 
     @classmethod
-    def restore(cls, spec: TableSpec, state: dict, row_limit: int | None = None) -> "RowStore":
+    def restore(cls, spec: TableSpec, state: dict, row_limit: int | None = None,
+                room: Callable[[int], None] | None = None) -> "RowStore":
         """A store holding exactly what ``state()`` saved, for ``spec``.
 
         Raises:
             BadTableState: the state does not fit the spec (naming the field and both values).
         """
         n = _check_state(spec, state)
-        store = cls(spec, initial_capacity=max(n, 1), row_limit=row_limit)
+        store = cls(spec, initial_capacity=max(n, 1), row_limit=row_limit, room=room)
         slots = store._take_slots(n)
         for name in ("ids", "rows", "optimizer_state", "last_tick", "last_version"):
             attr = {"ids": "_ids", "rows": "_rows", "optimizer_state": "_state"}.get(name, "_" + name)
