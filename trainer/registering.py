@@ -16,7 +16,7 @@ import grpc
 
 from psserver.protocol.job import JobSpec
 from psserver.protocol.proto import ps_pb2 as _pb
-from psserver.protocol.rules import refused_job_ended, refused_no_job
+from psserver.protocol.rules import refused_job_ended, refused_join_backoff, refused_no_job
 
 log = logging.getLogger("trainer.client")  # the client's lines, as before the split (trainer.cli sets its level)
 
@@ -67,6 +67,7 @@ class JobEnded(NoJobToJoin):
 
 
 CONNECT_RETRY, JOIN_WAIT = "connect_retries", "join_waits"  # what a Register attempt is retried for (counters)
+JOIN_BACKOFF = "join_backoff_waits"  # ... a join's admission held back while its host's strikes last
 JOB_OVER = "job_ended"  # register_retry's answer for a join to a job that ended: not retried, JobEnded raised
 
 
@@ -81,6 +82,8 @@ def register_retry(error: grpc.RpcError, join: bool, join_round: int) -> str:
         return CONNECT_RETRY
     if join and join_round == 0 and refused_no_job(error):
         return JOIN_WAIT
+    if join and join_round == 0 and refused_join_backoff(error):
+        return JOIN_BACKOFF
     if join and join_round == 0 and refused_job_ended(error):
         return JOB_OVER
     return ""
@@ -102,6 +105,9 @@ def _give_up_if_due(where: str, retry: str, cause: str, now: float, give_up: flo
                     refusals: RefusalClock) -> None:
     """Raise once ``--connect-timeout`` has passed (or a loopback shard refused connections too long);
     ``where``: "shard I at ADDRESS"."""
+    if now >= give_up and retry == JOIN_BACKOFF:
+        raise ConnectionError(f"{where} still held this host's joins back after {connect_timeout:g} s "
+                              f"(--connect-timeout): {cause}")
     if now >= give_up and retry == JOIN_WAIT:
         raise NoJobToJoin(f"{where} still ran no job to join after "
                           f"{connect_timeout:g} s (--connect-timeout): start the job's rank 0 (ps-trainer "
@@ -182,6 +188,9 @@ class Registering:
         if retry == JOIN_WAIT:
             log.warning("shard %d at %s runs no job yet: waiting for the job's rank 0 to register it; "
                         "still trying for %.0f s", self.index, self.address, left)
+        elif retry == JOIN_BACKOFF:
+            log.warning("shard %d at %s holds this host's joins back (%s); still trying for %.0f s", self.index,
+                        self.address, cause, left)
         else:
             log.warning("shard %d at %s is not answering yet (%s); still trying for %.0f s",
                         self.index, self.address, cause, left)

@@ -43,7 +43,16 @@ from dataclasses import dataclass
 
 from psserver.common.logsafe import counted, shorten
 from psserver.protocol.epochs import JOIN_LEAD, MAX_EPOCHS, MAX_JOIN_AHEAD, Epoch, commit_window, epoch_at
-from psserver.protocol.errors import FutureVersion, InvalidRequest, JobEnded, JobFull, JobMismatch, NoJobToJoin, TooBusy
+from psserver.protocol.errors import (
+    JOIN_BACKOFF,
+    FutureVersion,
+    InvalidRequest,
+    JobEnded,
+    JobFull,
+    JobMismatch,
+    NoJobToJoin,
+    TooBusy,
+)
 
 
 # How long a shard holds a pending join for its commit (--join-timeout 0: this, or the lease if shorter).  The
@@ -82,7 +91,10 @@ class TimelineFull(JobFull):
 
 
 class JoinBackoff(TooBusy):
-    """A peer's admission refused for a while: its earlier ones expired unsettled (RESOURCE_EXHAUSTED)."""
+    """A peer's admission refused for a while: its earlier ones expired unsettled (RESOURCE_EXHAUSTED, reason
+    ``join-backoff``: a joiner waits it out within its --connect-timeout, trainer.registering)."""
+
+    reason = JOIN_BACKOFF
 
 
 class PeerStrikes:

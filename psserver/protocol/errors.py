@@ -79,6 +79,7 @@ class NoJobToJoin(NotReady):
 
 
 JOB_ENDED = "job-ended"
+JOIN_BACKOFF = "join-backoff"  # a join's admission refused while its host's earlier joins' strikes last
 
 
 class JobEnded(NoJobToJoin):

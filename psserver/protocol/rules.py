@@ -13,6 +13,7 @@ import grpc
 
 from psserver.protocol.errors import (
     JOB_ENDED,
+    JOIN_BACKOFF,
     LAYOUT_AHEAD,
     LAYOUT_METADATA_KEY,
     LAYOUT_MOVED,
@@ -103,6 +104,13 @@ def refused_pull_ref(error: grpc.RpcError) -> bool:
 def refused_no_job(error: grpc.RpcError) -> bool:
     """Whether a Register was refused because the shard runs no job yet (FAILED_PRECONDITION, reason no-job)."""
     return refusal_reason(error) == NO_JOB
+
+
+def refused_join_backoff(error: grpc.RpcError) -> bool:
+    """Whether a join's admission was refused while its host's earlier joins' strikes last (RESOURCE_EXHAUSTED,
+    reason join-backoff): the joiner asks again once the wait it names is over."""
+    return error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and \
+        str(dict(error.trailing_metadata() or ()).get(REASON_METADATA_KEY, "")) == JOIN_BACKOFF
 
 
 def refused_job_ended(error: grpc.RpcError) -> bool:

@@ -123,3 +123,16 @@ def test_register_stops_at_once_with_job_ended_when_the_job_is_over():
     finally:
         c.channel.close()
     assert stub.calls == 1 and c.counters["job_ended"] == 1 and c.counters["join_waits"] == 0
+
+
+def test_an_admission_held_back_by_its_hosts_strikes_is_waited_out_and_nothing_else_is():
+    """(psserver.members.epochs.PeerStrikes: a host whose earlier joins expired unsettled waits before its next
+    admission; a joiner on it waits that out within --connect-timeout instead of failing.)"""
+    from psserver.protocol.errors import JOIN_BACKOFF
+    from trainer.registering import JOIN_BACKOFF as WAIT
+
+    held = FakeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "peer '127.0.0.1' left 1 join(s) ...", JOIN_BACKOFF)
+    assert register_retry(held, join=True, join_round=0) == WAIT
+    assert register_retry(held, join=True, join_round=5) == ""  # a commit is not held back: raised
+    full = FakeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "the job has 4 joins pending")
+    assert register_retry(full, join=True, join_round=0) == ""
