@@ -11,6 +11,8 @@ import hashlib
 
 import torch
 
+from psserver.protocol.rows.table import hash_tensor
+
 from psserver.state import modes
 from psserver.protocol.job import WIRE_DTYPES
 from psserver.protocol.schedules import lr_at
@@ -54,12 +56,15 @@ class ShardStats:
             r = self.round
             h = hashlib.sha256(f"v={self.version};acc_w={r.weight};c={sorted(r.contributors)}".encode())
             if self.params is not None:
-                h.update(self.params.detach().numpy().tobytes())
+                hash_tensor(h, self.params)
                 if r.weight:
-                    h.update(r.sum.numpy().tobytes())
+                    hash_tensor(h, r.sum)
                 for k, t in self.optimizer.state_items():
                     h.update(k.encode())
-                    h.update(t.numpy().tobytes() if torch.is_tensor(t) else repr(t).encode())
+                    if torch.is_tensor(t):
+                        hash_tensor(h, t)
+                    else:
+                        h.update(repr(t).encode())
             h.update(self.tables.digest())
             # who rounds wait for is state too: a refused join must not change it
             h.update(self.enrolment.digest_text().encode())

@@ -46,7 +46,7 @@ from psserver.protocol.errors import FutureVersion, InvalidRequest, OutOfMemory,
 from psserver.protocol.job import JobSpec, table_mode
 from psserver.protocol.rows import errors
 from psserver.protocol.rows.placement import shard_of
-from psserver.protocol.rows.table import RowStore, TableSpec, all_finite, strictly_increasing
+from psserver.protocol.rows.table import RowStore, TableSpec, all_finite, hash_tensor, strictly_increasing
 from psserver.protocol.rules import Mode
 from psserver.state.rounds import TableRound
 from psserver.sparse.versions import RowVersions
@@ -429,15 +429,14 @@ class ServedTable(PushTarget):
 
     def digest(self, h) -> None:
         """Feed the table's state (rows, optimizer state, version, round) into the hash ``h``."""
-        st = self.store.state()
-        order = torch.argsort(st["ids"])
+        st = self.store.state()  # (sorted by id)
         h.update(f"table={self.spec.name};v={self.version};sv={st['version']};w={self.round.weight};"
                  f"c={sorted(self.round.contributors)};acked={sorted((r, a[1]) for r, a in self.acked.items())}"
                  .encode())
         if self.holes:  # (none kept: the digest reads as before holes existed)
             h.update(f"holes={sorted((r, sorted(n)) for r, n in self.holes.items())}".encode())
-        for t in (st["ids"][order], st["rows"][order], st["optimizer_state"][order], self.round.ids, self.round.sum):
-            h.update(t.numpy().tobytes())
+        for t in (st["ids"], st["rows"], st["optimizer_state"], self.round.ids, self.round.sum):
+            hash_tensor(h, t)
 
     def _refresh(self) -> None:
         """Copy the numbers GetStats and metrics read (lock-free readers see a whole dict, never a torn one)."""

@@ -261,3 +261,18 @@ def test_a_push_bigger_than_the_kept_scratch_updates_like_smaller_ones_and_the_s
     assert torch.equal(whole.lookup(ids), halves.lookup(ids))
     assert whole._scratch.nbytes() <= whole._scratch.KEEP_BYTES
     assert halves._scratch.nbytes() <= halves._scratch.KEEP_BYTES
+
+
+def test_a_tensor_is_hashed_as_its_bytes_without_a_copy_whatever_its_shape():
+    """State digests feed tensors to hashlib through a buffer (no ``tobytes`` copy, the GIL released while it
+    reads): the same digest as the bytes, for empty, scalar, strided and bool tensors alike."""
+    import hashlib
+
+    from psserver.protocol.rows.table import hash_tensor
+
+    for t in (torch.tensor(3.0), torch.empty(0), torch.empty(0, 16), torch.arange(10), torch.randn(3, 4).t(),
+              torch.tensor([True, False])):
+        fed, copied = hashlib.sha256(), hashlib.sha256()
+        hash_tensor(fed, t)
+        copied.update(t.contiguous().numpy().tobytes())
+        assert fed.digest() == copied.digest(), tuple(t.shape)
