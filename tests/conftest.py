@@ -17,8 +17,11 @@ from psserver.serving.server import ServerConfig, ShardServer
 from psserver.serving.service import ServiceLimits
 from tests.procreg import process_registry  # noqa: F401 -- autouse: no test leaves a process behind
 
-# The admin tokens the tests' ps-server processes make go to a folder of this run, not the user's own
-# (psserver.protocol.admin_token; inherited by every process a test starts).
+# One operator admin token for every ps-server and coordinator the tests start, as a cluster across hosts (or behind
+# the tests' fault proxies, whose ports are not the shards') is run: each shard's own token is found by its port
+# (psserver.protocol.admin_token; tests/integration/test_admin_token.py starts one without this token).  A shard
+# that still makes its own writes it to a folder of this run, not the user's.  Inherited by every process.
+os.environ.setdefault("PS_ADMIN_TOKEN", "psgrpc-tests-admin-token")
 os.environ.setdefault("PS_ADMIN_TOKEN_DIR", tempfile.mkdtemp(prefix="psgrpc-admin-tokens-"))
 
 P = 1000  # parameters in the test job

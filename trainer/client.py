@@ -265,8 +265,8 @@ class ShardedClient:
             except Exception as e:  # noqa: BLE001 -- handed back to the caller, which reports every shard's
                 return e
 
-        if len(chosen) == 1:
-            return [settle(chosen[0])]
+        if len(chosen) <= 1:  # (none: a push whose every shard answered before, e.g. a retry's, has nothing to do)
+            return [settle(s) for s in chosen]
         rest = [self._pool.submit(settle, s) for s in chosen[1:]]
         if inflight is not None:
             inflight.extend(rest)

@@ -63,9 +63,9 @@ class Coordinator:
                  security: ClientSecurity = ClientSecurity(), timeout: float = 10.0, wait: float = 600.0,
                  say: Callable[[str], None] = print, at_round: int = 0, retire_wait: float = 60.0,
                  stall: float = 120.0, clock: Callable[[], float] | None = None,
-                 sleep: Callable[[float], None] | None = None, admin: str = ""):
-        """``admin``: the operator's admin token (--admin-token-file); without it each loopback shard's own, read
-        where it wrote it at start (psserver.protocol.admin_token)."""
+                 sleep: Callable[[float], None] | None = None, admin: str | None = None):
+        """``admin``: the operator's admin token (--admin-token-file; None: $PS_ADMIN_TOKEN's, if set); without one,
+        each loopback shard's own, read where it wrote it at start (psserver.protocol.admin_token)."""
         self.old, self.new, self.partitions, self.at_round = old, new, partitions, at_round
         self.stall = stall  # seconds a copy may move no byte before the plan is aborted (--stall)
         self.clock = clock or (lambda: time.monotonic())  # looked up at each call: a test may replace them
@@ -76,7 +76,8 @@ class Coordinator:
         self.drained = [a for a in old if a not in new]
         self.timeout, self.wait_s, self.say = timeout, wait, say
         self.channels = {a: security.channel(a) for a in self.everyone}
-        self.admin = {a: admin_token.token_for(a, admin) for a in self.everyone}
+        given = admin_token.read_admin_token() if admin is None else admin
+        self.admin = {a: admin_token.token_for(a, given) for a in self.everyone}
         self.retries = 0  # calls sent again after no answer (said as they happen; in the done line)
 
     def close(self) -> None:

@@ -124,3 +124,14 @@ def test_abandon_step_after_a_failed_table_push_drops_that_tables_push_in_the_ro
     runner.abandon()
     assert rows.abandoned == ["users"]  # items was pushed: nothing of it is kept
     assert client.counts["table_pushes_abandoned"] == 1 and client.counts["steps_abandoned"] == 1
+
+
+def test_a_push_with_no_shard_left_to_do_completes_without_a_call():
+    """A table push kept from a failed step whose every shard answered since (its todo empty) made map_settled
+    index an empty list: IndexError, and both trainers of a MovieLens job exited 1 after a shard's kill -9."""
+    client = ShardedClient(["127.0.0.1:1", "127.0.0.1:2"], job(2), 0, "t0")
+    try:
+        assert client.map_settled(lambda s: 1 / 0, shards=[]) == []
+        assert [type(r) for r in client.map_settled(lambda s: 1 / 0, shards=[1])] == [ZeroDivisionError]
+    finally:
+        client.close()
