@@ -67,7 +67,7 @@ class TrainConfig:
     retry_budget: float = 60.0  # seconds a call to a shard is retried before the step fails
     overlap: bool = False  # async: pull the next weights while computing
     push_during_backward: bool = False  # push each shard's slice as soon as backward has produced it
-    prefetch: bool = True  # tables: each batch's rows pulled one batch ahead (ps.prefetching, docs/prefetch.md)
+    prefetch: bool = False  # tables: each batch's rows pulled one batch ahead (ps.prefetching, docs/prefetch.md)
     push_window: int = 1  # async: pushes in flight at once, acknowledged in the background (trainer.windowed)
     backend: str = "ps"  # "ps"; or the ps-bench baselines "ddp" (gloo), "ddp-nccl" (--ps: the master), "local"
     security: object = None  # psserver.protocol.security.ClientSecurity; None: plaintext, no token

@@ -295,9 +295,9 @@ def run_steps(run: Run, stop: StopRequest) -> str:
 
 
 def epoch_batches(run: Run, order: torch.Tensor):
-    """This rank's batches (sample indices) of one epoch's ``order``.  A model with tables on the shards gets
-    each batch's rows prefetched one batch ahead (``ps.prefetching``, docs/prefetch.md: the step is then one
-    call a shard, its tables' push and the next rows beside the dense exchange), unless --no-prefetch."""
+    """This rank's batches (sample indices) of one epoch's ``order``.  With --prefetch, a model with tables on the
+    shards gets each batch's rows prefetched one batch ahead (``ps.prefetching``, docs/prefetch.md: the step is
+    then one call a shard, its tables' push and the next rows beside the dense exchange)."""
     cfg = run.cfg
     batches = (local_batch_indices(order, k, cfg.rank, cfg.num_trainers, cfg.batch_size) for k in range(run.spe))
     prefetching = getattr(run.ps, "prefetching", None)  # (the ps-bench baselines have none)
