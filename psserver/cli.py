@@ -11,11 +11,11 @@ import time
 
 from psserver.common.cli_support import EnvArgumentParser, ensure_malloc_tunables, run_cli, setup_logging
 from psserver.common.tboard import Sampler, ScalarLog
-from psserver.resharding.handoff import DEFAULT_HANDOFF_TIMEOUT, handoff_timeout_error
-from psserver.serving.ports import check_bindable
 from psserver.protocol import admin_token
 from psserver.protocol.limits import MAX_CALLS_PER_RANK
 from psserver.protocol.security import ServerSecurity, read_token
+from psserver.resharding.handoff import DEFAULT_HANDOFF_TIMEOUT, handoff_timeout_error
+from psserver.serving.ports import check_bindable
 
 log = logging.getLogger("psserver")
 

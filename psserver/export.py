@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from psserver.state.checkpoint import ShardState, layouts_in, load_newest
 from psserver.common.cli_support import EnvArgumentParser
 from psserver.common.logsafe import counted, shorten
 from psserver.protocol.layout import shard_range
 from psserver.protocol.proto.ps_pb2 import LayoutEpoch
+from psserver.state.checkpoint import ShardState, layouts_in, load_newest
 
 BUFFERS_NOTE = ("buffers that get no gradient (BatchNorm running statistics) are not on the shards and not in "
                 "this file: load it with model.load_state_dict(state, strict=False)")

@@ -25,6 +25,7 @@ from psserver.common.cli_support import EnvArgumentParser, run_cli, setup_loggin
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rules import Mode
 from psserver.protocol.stubs import fetch_stat
+from trainer import console, elastic_cluster, elastic_schedule, reshard_cluster
 from trainer.choices import (
     CRITEO_BATCH,
     DATASETS,
@@ -47,7 +48,6 @@ from trainer.cli import (
     schedule_argv,
     table_argv,
 )
-from trainer import console, elastic_cluster, elastic_schedule, reshard_cluster
 from trainer.procs import Proc, start_shards, start_trainer
 
 log = logging.getLogger("ps-cluster")

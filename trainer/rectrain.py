@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from trainer.criteo import CRITEO_DATASETS, CRITEO_DIM, build_criteo_model, load_criteo_dataset
 from trainer.data import Dataset, epoch_order, local_batch_indices, steps_per_epoch
 from trainer.recdata import Ratings, RatingsSplit, load_movielens100k
-from trainer.criteo import CRITEO_DATASETS, CRITEO_DIM, build_criteo_model, load_criteo_dataset
 from trainer.recmodels import make_rec_model, split_parameters
 
 SPARSE_OPTIMIZERS = ("sparse_adam", "adagrad", "sgd")

@@ -66,8 +66,8 @@ from psserver.protocol.rows.wire import row_chunks
 from psserver.protocol.rules import STALE, Mode, refused_pull_ref, stale_version
 from trainer.client import ShardClient, ShardedClient, restarted
 from trainer.row_cache import RowCache, pull_through
-from trainer.row_errors import RowsCallFailed, RowsPushFailed
 from trainer.row_calls import RowCalls
+from trainer.row_errors import RowsCallFailed, RowsPushFailed
 from trainer.row_lanes import Lane, Pending, RowLanes
 from trainer.row_prefetch import Claim, RowPrefetch
 

@@ -13,7 +13,6 @@ import logging
 from collections import Counter
 from typing import Callable
 
-from psserver.state import modes
 from psserver.common.logsafe import counted, shorten
 from psserver.members.epochs import EpochBook, JoinBackoff, TimelineFull, join_patience
 from psserver.members.membership import Membership
@@ -22,6 +21,7 @@ from psserver.protocol.errors import InvalidRequest, JobFull, JobMismatch, NotPe
 from psserver.protocol.job import JobSpec
 from psserver.protocol.rules import Mode
 from psserver.sparse.serving import Membership as TableMembers
+from psserver.state import modes
 
 log = logging.getLogger("psserver.partition.shard")  # the shard's lines, as before the split
 MAX_MISSING_LISTED = 10  # ranks named in a "still waiting for" message; the rest are counted

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from psserver.common.logsafe import shorten
-from psserver.state.modes import expired_ranks, next_lease_expiry
 from psserver.protocol.errors import NotRegistered, Superseded
+from psserver.state.modes import expired_ranks, next_lease_expiry
 
 
 @dataclass(frozen=True)

@@ -28,17 +28,17 @@ from typing import Callable
 
 import torch
 
-from psserver.state.budget import MemoryBudget, Plan
-from psserver.state.checkpoint import Checkpointer
 from psserver.common.logsafe import shorten
 from psserver.members.epochs import no_job_to_join
-from psserver.state.metrics import ShardMetrics
+from psserver.partition.shard import Prepared, Shard
 from psserver.protocol.errors import InvalidRequest, JobMismatch, NotReady, OutOfMemory, PsError, is_out_of_memory
 from psserver.protocol.job import JobSpec
 from psserver.protocol.layout import partition_range
 from psserver.protocol.limits import MAX_PARTITIONS
-from psserver.partition.shard import Prepared, Shard
 from psserver.sparse.serving import Tables
+from psserver.state.budget import MemoryBudget, Plan
+from psserver.state.checkpoint import Checkpointer
+from psserver.state.metrics import ShardMetrics
 from psserver.state.stats import StatsSnapshot, WideCounts
 
 log = logging.getLogger(__name__)

@@ -40,18 +40,9 @@ from typing import Callable
 
 import torch
 
-from psserver.state import modes
-from psserver.state.checkpoint import Checkpointer, ShardState
 from psserver.common.logsafe import counted, shorten
 from psserver.members.data_cursor import DataCursor
-from psserver.state.dense_hooks import DenseHooks
-from psserver.state.dense_slice import DenseSlice
 from psserver.members.enrolment import MAX_MISSING_LISTED, Enrolment
-from psserver.state.metrics import ShardMetrics
-from psserver.protocol.job import JobSpec
-from psserver.protocol.layout import partition_range
-from psserver.state.push_book import PushBook, PushResult
-from psserver.state.rounds import OpenRound
 from psserver.partition.shard_checkpoints import ShardCheckpoints
 from psserver.partition.shard_members import ShardMembership
 from psserver.partition.shard_pulls import ShardPulls
@@ -59,7 +50,16 @@ from psserver.partition.shard_pushes import ShardPushes
 from psserver.partition.shard_rounds import ShardRounds
 from psserver.partition.shard_rows import ShardRows
 from psserver.partition.shard_stats import ShardStats
+from psserver.protocol.job import JobSpec
+from psserver.protocol.layout import partition_range
 from psserver.sparse.serving import Tables
+from psserver.state import modes
+from psserver.state.checkpoint import Checkpointer, ShardState
+from psserver.state.dense_hooks import DenseHooks
+from psserver.state.dense_slice import DenseSlice
+from psserver.state.metrics import ShardMetrics
+from psserver.state.push_book import PushBook, PushResult
+from psserver.state.rounds import OpenRound
 
 __all__ = ["MAX_MISSING_LISTED", "Prepared", "PushResult", "Shard"]
 

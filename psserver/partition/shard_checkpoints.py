@@ -13,8 +13,8 @@ import logging
 from collections import Counter
 from typing import Callable
 
-from psserver.state.checkpoint import Checkpointer, CheckpointWriter, ShardState
 from psserver.common.logsafe import counted
+from psserver.state.checkpoint import Checkpointer, CheckpointWriter, ShardState
 
 log = logging.getLogger("psserver.partition.shard")  # the shard's lines, as before the split
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import logging
 
-from psserver.state import modes
 from psserver.common.logsafe import shorten
 from psserver.members.epochs import no_job_to_join
 from psserver.protocol.errors import JobMismatch, NotReady
 from psserver.protocol.job import JobSpec
 from psserver.protocol.rules import Mode
+from psserver.state import modes
 
 log = logging.getLogger("psserver.partition.shard")  # the shard's lines, as before the split
 

@@ -13,12 +13,12 @@ import logging
 
 import torch
 
-from psserver.state import modes
 from psserver.members.data_cursor import Grant
-from psserver.state.executor import PushInfo, execute
 from psserver.protocol.errors import InvalidRequest, JobMismatch
 from psserver.protocol.limits import check_num_samples
 from psserver.protocol.rules import Mode
+from psserver.state import modes
+from psserver.state.executor import PushInfo, execute
 from psserver.state.push_book import PushResult
 
 log = logging.getLogger("psserver.partition.shard")  # the shard's lines, as before the split

@@ -12,11 +12,11 @@ import logging
 
 import torch
 
-from psserver.state import modes
 from psserver.common.logsafe import counted
 from psserver.members.enrolment import MAX_MISSING_LISTED
 from psserver.protocol.epochs import lr_factor
 from psserver.protocol.schedules import lr_at
+from psserver.state import modes
 
 log = logging.getLogger("psserver.partition.shard")  # the shard's lines, as before the split
 

@@ -13,9 +13,9 @@ import torch
 
 from psserver.protocol.rows.table import hash_tensor
 
-from psserver.state import modes
 from psserver.protocol.job import WIRE_DTYPES
 from psserver.protocol.schedules import lr_at
+from psserver.state import modes
 from psserver.state.stats import StatsSnapshot
 
 

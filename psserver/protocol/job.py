@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 
 from psserver.common.logsafe import shorten
+from psserver.protocol.epochs import LR_SCALINGS
 from psserver.protocol.limits import (
     MAX_DIMS,
     MAX_ID_CHARS,
@@ -28,7 +29,6 @@ from psserver.protocol.limits import (
     MAX_TRAINERS,
     text_problem,
 )
-from psserver.protocol.epochs import LR_SCALINGS
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rows.init import Initializer
 from psserver.protocol.rows.optim import SparseOptimizerConfig

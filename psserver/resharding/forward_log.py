@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from psserver.state.dense_slice import DenseSlice
-from psserver.resharding.handoff import MAX_FORWARD_LAG
 from psserver.protocol.errors import InvalidRequest
 from psserver.protocol.job import OptimizerConfig
+from psserver.resharding.handoff import MAX_FORWARD_LAG
 from psserver.resharding.reshard import cut_optimizer, join_optimizer_states
+from psserver.state.dense_slice import DenseSlice
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, replace
 
+from psserver.protocol.errors import InvalidRequest, NotReady, OutOfMemory
 from psserver.resharding import handoff as h
 from psserver.resharding.handoff_termination import Known, Termination, TerminationEvents
-from psserver.protocol.errors import InvalidRequest, NotReady, OutOfMemory
 
 
 class DestState(enum.Enum):

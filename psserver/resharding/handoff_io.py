@@ -28,9 +28,15 @@ import logging
 import threading
 from dataclasses import dataclass
 
+from psserver.protocol import limits
+from psserver.protocol.errors import (InvalidRequest, JobMismatch, NotPermitted, NotReady, OutOfMemory,
+                                      StaleGradient)
+from psserver.protocol.job import JobSpec
+from psserver.protocol.layouts import LayoutEpoch, Move, first_layout, new_job, next_layout, plan_moves
+from psserver.protocol.proto import ps_pb2 as _pb
+from psserver.protocol.security import ClientSecurity
 from psserver.resharding import handoff as h
 from psserver.resharding import handoff_io_async as async_
-from psserver.state.budget import dense_bytes, handoff_bytes
 from psserver.resharding.handoff_dest import DestState
 from psserver.resharding.handoff_io_dest import DestSide
 from psserver.resharding.handoff_io_rows import ROW_KINDS, RowsHandoff, check_tables, with_table_rounds
@@ -39,14 +45,8 @@ from psserver.resharding.handoff_source import BEFORE_SWITCH, SourceState
 from psserver.resharding.handoff_wire import check_move, job_proto, read_async, unpack_parts
 from psserver.resharding.layout_host import LayoutHost
 from psserver.resharding.moved_books import MovedBooks
+from psserver.state.budget import dense_bytes, handoff_bytes
 from psserver.state.push_book import PushResult
-from psserver.protocol import limits
-from psserver.protocol.errors import (InvalidRequest, JobMismatch, NotPermitted, NotReady, OutOfMemory,
-                                      StaleGradient)
-from psserver.protocol.job import JobSpec
-from psserver.protocol.layouts import LayoutEpoch, Move, first_layout, new_job, next_layout, plan_moves
-from psserver.protocol.proto import ps_pb2 as _pb
-from psserver.protocol.security import ClientSecurity
 
 log = logging.getLogger(__name__)
 

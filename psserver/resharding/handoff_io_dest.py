@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import logging
 
-from psserver.resharding import handoff as h
-from psserver.state.checkpoint import ShardState
-from psserver.resharding.forward_log import Forward, PartCopy, PartReplay, assemble, copy_range, range_digest
-from psserver.resharding.handoff_dest import DestPiece
 from psserver.protocol.job import JobSpec
 from psserver.protocol.layouts import Move
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rules import Mode
+from psserver.resharding import handoff as h
+from psserver.resharding.forward_log import Forward, PartCopy, PartReplay, assemble, copy_range, range_digest
+from psserver.resharding.handoff_dest import DestPiece
+from psserver.state.checkpoint import ShardState
 
 log = logging.getLogger(__name__)
 COPY, FORWARD = _pb.HandoffChunk.COPY, _pb.HandoffChunk.FORWARD

@@ -25,15 +25,15 @@ import logging
 import threading
 import time
 
-from psserver.resharding.handoff_rows import (ROW_FIELDS, RowDelta, RowImage, RowLog, TableTracker, assemble, nbytes,
-                                   rows_digest, split, split_ids, table_rows)
-from psserver.resharding.handoff_wire import chunks, job_proto
 from psserver.protocol import stubs
 from psserver.protocol.errors import InvalidRequest, JobMismatch, NotPermitted, NotReady
 from psserver.protocol.job import JobSpec, table_mode
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rows.optim import state_width
 from psserver.protocol.rules import Mode
+from psserver.resharding.handoff_rows import (ROW_FIELDS, RowDelta, RowImage, RowLog, TableTracker, assemble, nbytes,
+                                   rows_digest, split, split_ids, table_rows)
+from psserver.resharding.handoff_wire import chunks, job_proto
 
 log = logging.getLogger(__name__)
 _K = _pb.HandoffChunk

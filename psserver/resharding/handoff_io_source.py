@@ -10,14 +10,14 @@ import logging
 import threading
 import time
 
+from psserver.protocol import stubs
+from psserver.protocol.layouts import Move
+from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.resharding import handoff as h
 from psserver.resharding.forward_log import ForwardLog, PartCopy, copy_range, range_digest
 from psserver.resharding.handoff_source import SourceMove, SourceState
 from psserver.resharding.handoff_wire import chunks
 from psserver.resharding.moved_books import book_of
-from psserver.protocol import stubs
-from psserver.protocol.layouts import Move
-from psserver.protocol.proto import ps_pb2 as _pb
 
 log = logging.getLogger(__name__)
 COPY, FORWARD, VOTE = _pb.HandoffChunk.COPY, _pb.HandoffChunk.FORWARD, _pb.HandoffChunk.VOTE

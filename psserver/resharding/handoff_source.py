@@ -18,10 +18,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, replace
 
-from psserver.resharding import handoff as h
-from psserver.resharding.handoff_termination import Termination, TerminationEvents
 from psserver.protocol.epochs import JOIN_LEAD, MAX_JOIN_AHEAD, commit_window
 from psserver.protocol.errors import FutureVersion, InvalidRequest, JobMismatch, NotReady
+from psserver.resharding import handoff as h
+from psserver.resharding.handoff_termination import Termination, TerminationEvents
 
 
 class SourceState(enum.Enum):

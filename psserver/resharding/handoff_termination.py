@@ -20,8 +20,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
-from psserver.resharding import handoff as h
 from psserver.protocol.errors import JobMismatch
+from psserver.resharding import handoff as h
 
 SWITCH, ABORT, AGREE = "switch", "abort", "agree-abort"
 

@@ -13,12 +13,12 @@ from typing import Iterable, Iterator
 
 import torch
 
-from psserver.resharding.handoff_rows import check_rows_payload
-from psserver.resharding.moved_books import check_book
 from psserver.protocol import limits
 from psserver.protocol.errors import InvalidRequest, TooLarge
 from psserver.protocol.job import JobSpec
 from psserver.protocol.proto import ps_pb2 as _pb
+from psserver.resharding.handoff_rows import check_rows_payload
+from psserver.resharding.moved_books import check_book
 
 CHUNK_BYTES = 1 << 20  # under gRPC's default 4 MB message limit with room to spare
 MAX_PAYLOAD_BYTES = 1 << 34  # a move is at most a slice: refuse a stream that claims more before reading it all

@@ -13,12 +13,12 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from psserver.resharding import drain_record
-from psserver.state.checkpoint import layouts_in
 from psserver.partition.host import ShardHost
-from psserver.resharding.layout_host import LayoutHost
 from psserver.protocol.layouts import LayoutEpoch
 from psserver.protocol.proto import ps_pb2 as _pb
+from psserver.resharding import drain_record
+from psserver.resharding.layout_host import LayoutHost
+from psserver.state.checkpoint import layouts_in
 
 log = logging.getLogger(__name__)
 

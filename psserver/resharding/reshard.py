@@ -29,12 +29,12 @@ from dataclasses import replace
 
 import torch
 
-from psserver.state.checkpoint import ShardState
 from psserver.protocol.job import JobSpec
 from psserver.protocol.layout import partition_range, partitions_for, shard_range
 from psserver.protocol.layouts import LayoutError, new_job
 from psserver.protocol.limits import MAX_PARTITIONS
 from psserver.protocol.rows.placement import shard_of
+from psserver.state.checkpoint import ShardState
 
 HINT = ("re-shard from the checkpoints of one moment: stop the trainers (they finish their step), then every "
         "shard, and pass every old shard's --checkpoint-dir")

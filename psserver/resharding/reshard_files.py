@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from psserver.state.checkpoint import CorruptCheckpoint, ShardState, file_name, layouts_in, list_checkpoints, parse_name
 from psserver.common.logsafe import counted
 from psserver.resharding.layout_restore import decode_timeline
 from psserver.resharding.reshard import ReshardError, partitions_for_bytes, recut
+from psserver.state.checkpoint import CorruptCheckpoint, ShardState, file_name, layouts_in, list_checkpoints, parse_name
 
 MAX_LISTED = 4  # versions named per shard in a refusal
 

@@ -40,8 +40,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from psserver.common.logsafe import RateLimitedLog
-from psserver.serving.ports import host_port
 from psserver.protocol.errors import TooBusy
+from psserver.serving.ports import host_port
 from psserver.serving.replies import Connections
 
 log = logging.getLogger(__name__)

@@ -31,10 +31,10 @@ from typing import Awaitable, Callable
 import torch
 
 from psserver.partition.host import ShardHost
+from psserver.partition.shard import Shard
 from psserver.protocol.errors import PsError
 from psserver.protocol.rules import Mode
 from psserver.serving.reply_holds import ReplyHolds
-from psserver.partition.shard import Shard
 
 log = logging.getLogger(__name__)
 

@@ -19,14 +19,7 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from psserver.resharding import layout_restore
-from psserver.state.budget import MemoryBudget
-from psserver.resharding.handoff import DEFAULT_HANDOFF_TIMEOUT, handoff_timeout_error
-from psserver.resharding.handoff_io import HandoffIO
-from psserver.serving.health import CappedHealth, LoopWatch, ProbePort
 from psserver.partition.host import ShardHost
-from psserver.resharding.layout_host import LayoutHost
-from psserver.serving.ports import check_bindable, host_port
 from psserver.protocol.codec import DEFAULT_CHUNK_BYTES
 from psserver.protocol.layouts import LayoutEpoch
 from psserver.protocol.limits import MAX_JOIN_TIMEOUT
@@ -34,9 +27,16 @@ from psserver.protocol.optim import warm_up
 from psserver.protocol.rows import kernel
 from psserver.protocol.security import ClientSecurity, ServerSecurity
 from psserver.protocol.stubs import SERVICE_NAME
+from psserver.resharding import layout_restore
+from psserver.resharding.handoff import DEFAULT_HANDOFF_TIMEOUT, handoff_timeout_error
+from psserver.resharding.handoff_io import HandoffIO
+from psserver.resharding.layout_host import LayoutHost
+from psserver.serving.health import CappedHealth, LoopWatch, ProbePort
+from psserver.serving.ports import check_bindable, host_port
 from psserver.serving.replies import Connections, ReplyLedger, RequestLedger
 from psserver.serving.runtime import Runtime, Wakeups
 from psserver.serving.service import ParameterServerService, ServiceLimits, add_service
+from psserver.state.budget import MemoryBudget
 
 log = logging.getLogger(__name__)
 

@@ -38,9 +38,8 @@ import grpc
 import torch
 
 from psserver.common.logsafe import RateLimitedLog, counted
-from psserver.serving.digest_gate import DigestGate
 from psserver.partition.host import ShardHost
-from psserver.resharding.layout_host import LayoutHost
+from psserver.partition.shard import PushResult, Shard
 from psserver.protocol import admin_token, limits, stubs
 from psserver.protocol.codec import (
     DEFAULT_CHUNK_BYTES,
@@ -65,6 +64,8 @@ from psserver.protocol.job import JobSpec
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rules import STALE
 from psserver.protocol.stepwire import parse_step, serialize_step
+from psserver.resharding.layout_host import LayoutHost
+from psserver.serving.digest_gate import DigestGate
 from psserver.serving.replies import Connections, ReplyLedger, ReplyStream, RequestLedger
 from psserver.serving.runtime import Runtime
 from psserver.serving.service_common import (
@@ -85,9 +86,8 @@ from psserver.serving.service_common import (
 )
 from psserver.serving.service_rows import RowRpcs
 from psserver.serving.service_step import StepRpc
-from psserver.partition.shard import PushResult, Shard
-from psserver.sparse.calls import RowCalls
 from psserver.serving.step_engine import StepEngine
+from psserver.sparse.calls import RowCalls
 
 log = logging.getLogger(__name__)
 

@@ -16,6 +16,7 @@ import urllib.parse
 from contextlib import ExitStack, asynccontextmanager
 
 from psserver.common.logsafe import shorten
+from psserver.partition.shard import Shard
 from psserver.protocol import limits
 from psserver.protocol.codec import (
     first_header,
@@ -31,7 +32,6 @@ from psserver.protocol.errors import (
 )
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.serving.replies import ReplyCut, ReplyStream, RequestHolds
-from psserver.partition.shard import Shard
 
 log = logging.getLogger("psserver.serving.service")
 

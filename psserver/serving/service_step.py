@@ -15,7 +15,7 @@ from contextlib import AsyncExitStack
 
 import torch
 
-from psserver.state import modes
+from psserver.partition.shard import PushResult, Shard
 from psserver.protocol import limits
 from psserver.protocol.codec import TORCH_DTYPES, check_stream_header, topk_payload_bytes
 from psserver.protocol.errors import InvalidRequest, StaleGradient, StreamTimeout, TooLarge
@@ -36,11 +36,11 @@ from psserver.serving.service_common import (
     _reply_stream,
     _StreamReader,
 )
-from psserver.partition.shard import PushResult, Shard
-from psserver.sparse.serving import RowsPush
 from psserver.serving.step_parts import DENSE, ROWS, StepParts, check_caller
 from psserver.serving.step_reply import OneReply
 from psserver.serving.step_trip import TablePart, run_trip
+from psserver.sparse.serving import RowsPush
+from psserver.state import modes
 
 log = logging.getLogger("psserver.serving.service")
 

@@ -38,9 +38,6 @@ from dataclasses import dataclass, field
 import torch
 
 from psserver.common.logsafe import shorten
-from psserver.state import modes
-from psserver.state.budget import check_machine_room
-from psserver.state.executor import PushInfo, PushTarget, check_sequence, execute, record_ack
 from psserver.protocol import limits
 from psserver.protocol.errors import FutureVersion, InvalidRequest, OutOfMemory, StaleGradient, is_out_of_memory
 from psserver.protocol.job import JobSpec, table_mode
@@ -48,8 +45,11 @@ from psserver.protocol.rows import errors
 from psserver.protocol.rows.placement import shard_of
 from psserver.protocol.rows.table import RowStore, TableSpec, all_finite, hash_tensor, strictly_increasing
 from psserver.protocol.rules import Mode
-from psserver.state.rounds import TableRound
 from psserver.sparse.versions import RowVersions
+from psserver.state import modes
+from psserver.state.budget import check_machine_room
+from psserver.state.executor import PushInfo, PushTarget, check_sequence, execute, record_ack
+from psserver.state.rounds import TableRound
 
 # Counters of a table, as GetStats names them: ``table.<name>.<counter>``.
 STAT_KEYS = ("version", "live_rows", "rows_created", "zero_reads", "dropped_grads", "evicted_lru",

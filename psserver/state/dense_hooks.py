@@ -13,10 +13,10 @@ from typing import Callable
 
 import torch
 
-from psserver.state import modes
-from psserver.state.executor import PushInfo, PushTarget
 from psserver.protocol.errors import FutureVersion, InvalidRequest, StaleGradient
 from psserver.protocol.rules import Mode
+from psserver.state import modes
+from psserver.state.executor import PushInfo, PushTarget
 from psserver.state.push_book import PushResult
 
 log = logging.getLogger("psserver.partition.shard")  # the shard's lines, as before the split

@@ -13,9 +13,9 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
-from psserver.state import modes
 from psserver.protocol.errors import InvalidRequest
 from psserver.protocol.limits import MAX_PUSH_WINDOW
+from psserver.state import modes
 
 # What a target counts, by event: the names are the target's own (they are public: GetStats, Prometheus).
 EVENTS = ("stale_dropped", "skipped")

@@ -17,8 +17,8 @@ already is answered DUPLICATE from its restored book).
 
 import torch
 
-from psserver.state.checkpoint import list_checkpoints, parse_name
 from psserver.protocol.stubs import fetch_stat
+from psserver.state.checkpoint import list_checkpoints, parse_name
 from tests.cluster.helpers import live_reshard, reshard_shards, restart_on_its_port
 from tests.cluster.test_live_reshard import STEPS, done_line, reference, run_trainers
 from tests.helpers import wait_until

@@ -14,9 +14,9 @@ import re
 
 import torch
 
-from psserver.state.checkpoint import load_newest
 from psserver.protocol.stubs import fetch_stat
 from psserver.resharding.reshard_cmd import reshard_main
+from psserver.state.checkpoint import load_newest
 from tests.helpers import wait_until
 from trainer.procs import start_shard, start_trainer, wait_all
 

@@ -28,11 +28,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from psserver.state.checkpoint import list_checkpoints, load_newest
 from psserver.protocol.job import JobSpec
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.proto import ps_pb2_grpc as pb_grpc
 from psserver.protocol.security import TOKEN_ENV, ClientSecurity
+from psserver.state.checkpoint import list_checkpoints, load_newest
 from tests.cluster.faultproxy import FaultProxy
 from tests.cluster.helpers import pull_params, restart_on_its_port
 from tests.helpers import wait_until

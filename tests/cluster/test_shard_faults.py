@@ -8,9 +8,9 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from psserver.state.checkpoint import Checkpointer
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.stubs import fetch_stat as stats
+from psserver.state.checkpoint import Checkpointer
 from tests.cluster.helpers import last_step, restart_on_its_port
 from tests.conftest import P, RawShard, make_spec
 from tests.helpers import wait_until

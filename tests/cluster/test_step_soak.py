@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from psserver.state.checkpoint import list_checkpoints, load_newest
 from psserver.protocol.rows.init import Initializer
 from psserver.protocol.rows.optim import SparseOptimizerConfig
 from psserver.protocol.rows.placement import shard_of
 from psserver.protocol.stubs import fetch_stat as stats
+from psserver.state.checkpoint import list_checkpoints, load_newest
 from tests.cluster.helpers import exact_sgd, pull_params, restart_on_its_port, trainers_through_faults
 from tests.helpers import wait_until
 from trainer import connect

@@ -13,17 +13,17 @@ import grpc
 import pytest
 import torch
 
-from psserver.state.budget import dense_bytes
-from psserver.resharding.handoff_io import plan_of
-from psserver.resharding.handoff_wire import chunks
 from psserver.protocol.codec import encode, wire_tensor
 from psserver.protocol.layout import Layout
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.proto import ps_pb2_grpc as pb_grpc
 from psserver.protocol.security import ClientSecurity, ServerSecurity
+from psserver.resharding.handoff_io import plan_of
+from psserver.resharding.handoff_wire import chunks
 from psserver.serving.server import ServerConfig, ShardServer
 from psserver.serving.service import ServiceLimits
 from psserver.serving.service_common import _is_loopback
+from psserver.state.budget import dense_bytes
 from tests.conftest import P, RawShard
 from tests.helpers import refused, wait_until
 from tests.integration.test_handoff_io import OLD, Job, Op, _Shard, still_serves

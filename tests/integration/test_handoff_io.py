@@ -9,14 +9,14 @@ import grpc
 import pytest
 import torch
 
-from psserver.resharding.forward_log import copy_range, range_digest
 from psserver.protocol.codec import encode, wire_tensor
 from psserver.protocol.errors import REASON_METADATA_KEY
 from psserver.protocol.job import OptimizerConfig
 from psserver.protocol.layout import Layout, shard_range
-from psserver.protocol.rows.table import TableSpec
 from psserver.protocol.layouts import new_job
 from psserver.protocol.proto import ps_pb2 as pb
+from psserver.protocol.rows.table import TableSpec
+from psserver.resharding.forward_log import copy_range, range_digest
 from tests.conftest import P, make_spec
 from tests.helpers import refused, wait_until
 

@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from psserver.resharding import handoff_io_rows
 from psserver.protocol.proto import ps_pb2 as pb
+from psserver.resharding import handoff_io_rows
 from tests.helpers import wait_until
 from tests.integration.test_handoff_io import Op, spec
 from tests.integration.test_handoff_rows_io import TableJob, moved, table, to_tailing

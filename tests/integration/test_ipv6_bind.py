@@ -10,9 +10,9 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from psserver.serving.ports import host_port
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.proto import ps_pb2_grpc as pb_grpc
+from psserver.serving.ports import host_port
 from tests.helpers import wait_until
 from trainer import connect
 from trainer.procs import start_shard

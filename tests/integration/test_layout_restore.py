@@ -18,19 +18,19 @@ import grpc
 import torch
 from torch.nn import functional as F
 
-from psserver.state.checkpoint import file_name
 from psserver.protocol.rules import refused_layout_moved
 from psserver.protocol.stubs import fetch_stat
 from psserver.serving.server import ServerConfig, ShardServer
 from psserver.serving.service import ServiceLimits
+from psserver.state.checkpoint import file_name
 from tests.conftest import RawShard
 from tests.helpers import refused, wait_until
 from tests.integration.test_layout_refusals import NEW, OLD, P, R as SWITCHED_AT, init, push
 from tests.integration.test_relayout import OPTIMIZER, R, STEPS, Net, batches, switch_to_one_shard
-from trainer import connect
-from tests.unit.test_layout_checkpoints import write_both_layouts
-from trainer.procs import cli, start_shard
 from tests.offline_switch import switch_layout_offline
+from tests.unit.test_layout_checkpoints import write_both_layouts
+from trainer import connect
+from trainer.procs import cli, start_shard
 
 CRASH = R + 1  # the trainer's step that finds the restored process (layout 1 checkpointed at R and R + 1)
 

@@ -16,7 +16,6 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import psserver.partition.host
-from psserver.state.budget import dense_bytes
 from psserver.protocol import limits
 from psserver.protocol.codec import encode, wire_tensor
 from psserver.protocol.job import JobSpec, OptimizerConfig
@@ -24,6 +23,7 @@ from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.rows.optim import SparseOptimizerConfig
 from psserver.protocol.rows.table import START_BYTES, TableSpec, row_bytes
 from psserver.sparse.serving import ServedTable
+from psserver.state.budget import dense_bytes
 from tests.conftest import P, make_spec
 from tests.helpers import refused, wait_until
 from tests.integration.test_sparse_rpc import FP, job, pull_rows, push_rows, rows_chunks

@@ -17,9 +17,9 @@ import torch
 from torch.nn import functional as F
 
 from tests.helpers import WAIT_TIMEOUT, run_ranks
+from tests.offline_switch import capture_states, switch_layout_offline
 from trainer import connect
 from trainer.relayout import RegisterMoved
-from tests.offline_switch import capture_states, switch_layout_offline
 
 STEPS, R = 6, 3
 OPTIMIZER = {"name": "sgd", "lr": 0.1, "momentum": 0.9}

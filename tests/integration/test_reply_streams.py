@@ -15,18 +15,18 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-import trainer.sparse_client
 from psserver.protocol import limits
 from psserver.protocol.codec import encode, wire_tensor
 from psserver.protocol.job import JobSpec, OptimizerConfig
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.proto import ps_pb2_grpc as pb_grpc
-from psserver.serving.service import ServiceLimits
 from psserver.protocol.rows.init import init_rows
 from psserver.protocol.rows.table import TableSpec
+from psserver.serving.service import ServiceLimits
 from tests.conftest import make_spec
 from tests.helpers import refused, wait_until
 from trainer.client import ShardedClient
+import trainer.sparse_client
 from trainer.sparse_client import ShardedRows
 
 C = grpc.StatusCode

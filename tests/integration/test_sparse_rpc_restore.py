@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import torch
 
 from psserver.protocol.proto import ps_pb2 as pb
-from tests.helpers import wait_until
 from tests.conftest import P, RawShard
+from tests.helpers import wait_until
 from tests.integration.test_sparse_rpc import job, pull_rows, push_rows, rows_chunks
 from trainer.procs import start_shard
 

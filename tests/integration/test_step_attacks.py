@@ -21,8 +21,8 @@ from psserver.protocol.stubs import method
 from psserver.serving.service import ServiceLimits
 from tests.conftest import P
 from tests.helpers import refused, wait_until
-from tests.integration.test_step_rpc import dense, rows, started, step, table_reply, weights
 from tests.integration.test_sparse_rpc import rows_chunks
+from tests.integration.test_step_rpc import dense, rows, started, step, table_reply, weights
 
 CALL_TIMEOUT = 30  # only a shard that failed to refuse early waits this long
 

@@ -17,12 +17,12 @@ from prometheus_client import CollectorRegistry
 
 from psserver.state import metrics_http
 
-from psserver.serving import service, service_common
 from psserver.protocol import limits
 from psserver.protocol.fastwire import MAX_CHUNK_FIELDS
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.stepwire import StepMessage, one_message, parse_step, serialize_step
 from psserver.protocol.stubs import method
+from psserver.serving import service, service_common
 from psserver.serving.service import ServiceLimits
 from tests.conftest import P, make_spec
 from tests.helpers import refused, wait_until

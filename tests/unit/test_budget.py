@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import psserver.state.budget as budget
-from psserver.state.budget import MemoryBudget, dense_bytes
 from psserver.common.cli_support import parse_bytes
 from psserver.protocol.errors import OutOfMemory
 from psserver.protocol.job import JobSpec, OptimizerConfig
 from psserver.protocol.rows import errors
 from psserver.protocol.rows.optim import SparseOptimizerConfig
 from psserver.protocol.rows.table import START_BYTES, RowStore, TableSpec, row_bytes, scratch_bytes, start_bytes
+import psserver.state.budget as budget
+from psserver.state.budget import MemoryBudget, dense_bytes
 
 
 def spec(params=1000, partitions=1, optimizer="adam", mode="sync", tables=()):

@@ -6,12 +6,12 @@ start at its round.  The cluster test (tests/cluster/test_elastic_tables.py) sho
 import pytest
 import torch
 
-from psserver.state import modes
 from psserver.members.epochs import EpochBook
+from psserver.partition.shard import Shard
 from psserver.protocol.errors import FutureVersion, JobMismatch
 from psserver.protocol.rules import Mode
-from psserver.partition.shard import Shard
 from psserver.sparse.serving import Membership, RowsPush, ServedTable
+from psserver.state import modes
 from tests.conftest import P, make_spec
 from tests.integration.test_sparse_rpc import table
 from trainer.session import joined_round

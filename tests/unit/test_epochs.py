@@ -4,12 +4,12 @@ with a fake clock and no network."""
 import grpc
 import pytest
 
-from psserver.state import modes
 from psserver.members.epochs import DEFAULT_JOIN_TIMEOUT, MAX_PENDING_JOINS, EpochBook, join_patience
 from psserver.partition.shard import Shard
-from tests.conftest import make_spec
 from psserver.protocol.epochs import JOIN_LEAD, Epoch, commit_window, epoch_at
 from psserver.protocol.errors import FutureVersion, InvalidRequest, JobFull, JobMismatch, TooBusy
+from psserver.state import modes
+from tests.conftest import make_spec
 
 PATIENCE = 5.0
 

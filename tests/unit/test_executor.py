@@ -4,9 +4,9 @@ slice and the served tables are this code's two callers (their own tests check t
 
 import pytest
 
+from psserver.protocol.errors import InvalidRequest
 from psserver.state import modes
 from psserver.state.executor import PushInfo, PushTarget, check_sequence, execute, record_ack
-from psserver.protocol.errors import InvalidRequest
 from psserver.state.rounds import OpenRound
 
 A, CR = modes.Action, modes.CloseReason

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from psserver.state.checkpoint import Checkpointer, ShardState
 from psserver.export import ExportError, assemble, export_main, load_states
 from psserver.protocol.job import JobSpec
 from psserver.protocol.layout import Layout
+from psserver.state.checkpoint import Checkpointer, ShardState
 
 MODEL = {"fc.weight": torch.arange(12.0).reshape(3, 4), "fc.bias": torch.tensor([-1.0, -2.0, -3.0]),
          "out.weight": torch.arange(100.0, 106.0).reshape(2, 3)}

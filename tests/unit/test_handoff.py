@@ -7,12 +7,12 @@ from dataclasses import replace
 import grpc
 import pytest
 
+from psserver.protocol.epochs import JOIN_LEAD
+from psserver.protocol.errors import PsError
 from psserver.resharding import handoff as h
 from psserver.resharding.handoff_dest import DestPiece, DestState
 from psserver.resharding.handoff_source import APPLY, DUPLICATE, LAYOUT_MOVED, STALE, SourceMove, SourceState
 from psserver.resharding.handoff_termination import AGREE, Known
-from psserver.protocol.epochs import JOIN_LEAD
-from psserver.protocol.errors import PsError
 
 TIMEOUT = 5.0
 A, B = 1_000, 1_777  # the move's range: plain ints, no layout type

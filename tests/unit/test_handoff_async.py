@@ -11,14 +11,14 @@ import grpc
 import pytest
 import torch
 
+from psserver.protocol.errors import HandoffPending, JobMismatch, LayoutMoved, NotReady, PsError
+from psserver.protocol.job import OptimizerConfig
+from psserver.protocol.layouts import LayoutEpoch
 from psserver.resharding import handoff as h
 from psserver.resharding import handoff_io_async as async_
 from psserver.resharding.forward_log import Forward, PartCopy, PartReplay, assemble
 from psserver.resharding.handoff_dest import DestPiece, DestState
 from psserver.resharding.handoff_source import SourceState
-from psserver.protocol.errors import HandoffPending, JobMismatch, LayoutMoved, NotReady, PsError
-from psserver.protocol.job import OptimizerConfig
-from psserver.protocol.layouts import LayoutEpoch
 from tests.conftest import make_spec
 from tests.unit.test_handoff import TIMEOUT, run, tailing
 from trainer.attempt import moved_partly

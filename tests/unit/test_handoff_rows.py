@@ -5,11 +5,11 @@ a round included, evicted rows forwarded as deletions, and the destination's ass
 import pytest
 import torch
 
-from psserver.resharding.handoff_rows import (ROW_FIELDS, RowDelta, RowImage, RowLog, TableTracker, assemble, rows_digest, split,
-                                   split_ids, table_rows)
 from psserver.protocol.errors import NotReady
 from psserver.protocol.rows.optim import SparseOptimizerConfig
 from psserver.protocol.rows.table import RowStore, TableSpec
+from psserver.resharding.handoff_rows import (ROW_FIELDS, RowDelta, RowImage, RowLog, TableTracker, assemble, rows_digest, split,
+                                   split_ids, table_rows)
 from psserver.resharding.reshard import recut_table
 from psserver.sparse.serving import Membership
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 
-from psserver.state import modes
 from psserver.members.epochs import EpochBook
 from psserver.protocol.epochs import JOIN_LEAD, MAX_JOIN_AHEAD
 from psserver.protocol.errors import JobMismatch
+from psserver.state import modes
 
 CFG = modes.ModeConfig("sync")
 PATIENCE = 3.0

@@ -7,19 +7,19 @@ import dataclasses
 import pytest
 import torch
 
-from psserver.state.checkpoint import Checkpointer, ShardState, file_name, list_checkpoints, parse_name
 from psserver.partition.host import ShardHost
+from psserver.protocol.errors import LayoutMoved, NotInLayout
+from psserver.protocol.job import TableSpec
+from psserver.protocol.layouts import LayoutEpoch
 from psserver.resharding.layout_host import LayoutHost
 from psserver.resharding.layout_restore import RestoreError, candidates, decode_timeline, restore
-from psserver.protocol.errors import LayoutMoved, NotInLayout
-from psserver.protocol.layouts import LayoutEpoch
 from psserver.resharding.reshard import ReshardError, recut
 from psserver.resharding.reshard_files import check_target, load_pieces
-from psserver.protocol.job import TableSpec
 from psserver.sparse.serving import RowsPush
+from psserver.state.checkpoint import Checkpointer, ShardState, file_name, list_checkpoints, parse_name
+from tests.offline_switch import switch_offline
 from tests.unit.test_layout_host import IDS, JOB, running
 from tests.unit.test_reshard import job, start, step
-from tests.offline_switch import switch_offline
 
 
 def test_first_layout_names_are_unchanged_and_a_later_layouts_name_its_epoch():

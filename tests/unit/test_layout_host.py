@@ -9,19 +9,19 @@ import pytest
 import torch
 
 from psserver.partition.host import ShardHost
-from psserver.resharding.layout_host import LayoutHost
 from psserver.protocol.errors import LayoutAhead, LayoutMoved, NotInLayout, PsError
 from psserver.protocol.job import TableSpec
 from psserver.protocol.layout import Layout
 from psserver.protocol.layouts import LayoutEpoch, moved_layout
 from psserver.protocol.rows.placement import shard_of
+from psserver.resharding.layout_host import LayoutHost
 from psserver.resharding.reshard import ReshardError
 from psserver.serving.service import ServiceLimits
 from psserver.serving.service_rows import RowRpcs
 from psserver.sparse.serving import RowsPush
 from tests.conftest import P, make_spec
-from tests.unit.test_shard_leases import LEASE, Clock
 from tests.offline_switch import switch_offline
+from tests.unit.test_shard_leases import LEASE, Clock
 
 JOB = make_spec()
 JOB = dataclasses.replace(JOB, fingerprint=Layout.from_shapes(JOB.tensors, 1).fingerprint())

@@ -7,7 +7,6 @@ import itertools
 import grpc
 import pytest
 
-import psserver.resharding.reshard
 from psserver.protocol import layouts
 from psserver.protocol.errors import LayoutAhead, LayoutMoved
 from psserver.protocol.layout import PARTITION_ALIGN, Layout, partition_range
@@ -26,6 +25,7 @@ from psserver.protocol.layouts import (
 )
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.rules import refused_layout_ahead, refused_layout_moved
+import psserver.resharding.reshard
 from tests.conftest import make_spec
 
 

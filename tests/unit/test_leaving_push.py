@@ -6,8 +6,8 @@ data it saves: the others split the next round without the leaver."""
 import pytest
 import torch
 
-from psserver.protocol.errors import FutureVersion
 from psserver.partition.shard import Shard
+from psserver.protocol.errors import FutureVersion
 from tests.conftest import P, make_spec
 
 FP = "f" * 16

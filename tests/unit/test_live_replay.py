@@ -12,12 +12,12 @@ from collections import Counter
 import pytest
 import torch
 
-from psserver.state.dense_slice import DenseSlice
-from psserver.resharding.forward_log import Forward, ForwardLog, PartReplay, assemble, copy_range, range_digest
-from psserver.resharding.handoff import MAX_FORWARD_LAG
 from psserver.protocol.errors import InvalidRequest
 from psserver.protocol.job import OptimizerConfig
+from psserver.resharding.forward_log import Forward, ForwardLog, PartReplay, assemble, copy_range, range_digest
+from psserver.resharding.handoff import MAX_FORWARD_LAG
 from psserver.resharding.reshard import cut_optimizer, join_optimizer_states
+from psserver.state.dense_slice import DenseSlice
 from psserver.state.slice_optim import SliceOptimizer
 
 P = 100_003

@@ -123,6 +123,7 @@ def test_lease_expires_only_after_the_timeout_and_only_for_silent_ranks():
 
 
 # ---------------------------------------------------------------------- every action a push needs
+from psserver.protocol.limits import MAX_PUSH_WINDOW, MAX_SEQUENCE  # noqa: E402
 from psserver.state.modes import (  # noqa: E402
     MAX_SEQUENCE_GAP,
     SequenceAction,
@@ -131,7 +132,6 @@ from psserver.state.modes import (  # noqa: E402
     reply_version,
     round_takes_step,
 )
-from psserver.protocol.limits import MAX_PUSH_WINDOW, MAX_SEQUENCE  # noqa: E402
 
 
 def test_sequence_first_push_is_new_and_its_retry_a_duplicate():

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from psserver.resharding.moved_books import MovedBooks, book_of, check_book, moved_outcome
 from psserver.protocol.errors import InvalidRequest, NotReady, StaleGradient
+from psserver.resharding.moved_books import MovedBooks, book_of, check_book, moved_outcome
 from psserver.state.push_book import PushBook, PushResult
 from trainer.attempt import lost_past_switch
 from trainer.lost_slots import new_owners

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from psserver.serving.health import LoopWatch, StallWindow
 from psserver.protocol.errors import TooBusy
 from psserver.protocol.security import ServerSecurity
+from psserver.serving.health import LoopWatch, StallWindow
 from psserver.serving.replies import Connections, OverReplyCap, ReplyLedger, TooManyConnections
 from tests.helpers import wait_until
 

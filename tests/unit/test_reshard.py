@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from psserver.state.checkpoint import Checkpointer
+from psserver.partition.shard import Shard
 from psserver.protocol.job import JobSpec, OptimizerConfig
 from psserver.protocol.layout import Layout
 from psserver.protocol.rows.optim import SparseOptimizerConfig
@@ -18,8 +18,8 @@ from psserver.protocol.rows.placement import shard_of
 from psserver.protocol.rows.table import TableSpec
 from psserver.resharding.reshard import ReshardError, merge_books, new_job, partitions_for_bytes, recut
 from psserver.resharding.reshard_files import check_target, load_pieces
-from psserver.partition.shard import Shard
 from psserver.sparse.serving import RowsPush
+from psserver.state.checkpoint import Checkpointer
 
 P, RANKS, DIM = 1500, 2, 3
 TENSORS = (("a", (1000,), "float32"), ("b", (500,), "float32"))

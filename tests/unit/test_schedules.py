@@ -7,12 +7,12 @@ import pytest
 import torch
 from torch.optim import lr_scheduler as L
 
-from psserver.state.checkpoint import Checkpointer
+from psserver.partition.shard import Shard
 from psserver.protocol.job import JobSpec, OptimizerConfig
 from psserver.protocol.limits import MAX_SCHEDULE_STEPS
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.schedules import LrSchedule, lr_at
-from psserver.partition.shard import Shard
+from psserver.state.checkpoint import Checkpointer
 from tests.conftest import P, make_spec
 
 FP = "f" * 16

@@ -2,8 +2,8 @@
 
 import torch
 
-from psserver.protocol.proto import ps_pb2 as pb
 from psserver.partition.shard import Shard
+from psserver.protocol.proto import ps_pb2 as pb
 from psserver.state.snapshots import MAX_SPARE_BUFFERS
 from tests.conftest import P, make_spec
 

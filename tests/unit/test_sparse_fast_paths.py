@@ -11,8 +11,8 @@ from psserver.protocol.rows.index import IdIndex
 from psserver.protocol.rows.init import Initializer, init_rows
 from psserver.protocol.rows.optim import SparseOptimizerConfig, initial_state
 from psserver.protocol.rows.table import RowStore, TableSpec, all_finite, strictly_increasing
-from psserver.state.rounds import TableRound
 from psserver.sparse.serving import Membership, RowsPush, ServedTable
+from psserver.state.rounds import TableRound
 
 DIM = 4
 INIT = Initializer("normal", 0.1)

@@ -8,7 +8,6 @@ import torch
 from prometheus_client import generate_latest
 
 from psserver.admin import format_stats
-from psserver.state.metrics import ShardMetrics
 from psserver.protocol.errors import FutureVersion, InvalidRequest, StaleGradient
 from psserver.protocol.job import JobSpec, OptimizerConfig
 from psserver.protocol.proto import ps_pb2 as pb
@@ -16,6 +15,7 @@ from psserver.protocol.rows import errors
 from psserver.protocol.rows.optim import SparseOptimizerConfig
 from psserver.protocol.rows.table import RowStore, TableSpec
 from psserver.sparse.serving import Membership, RowsPush, ServedTable, Tables, UnknownTable
+from psserver.state.metrics import ShardMetrics
 from psserver.state.stats import StatsSnapshot
 
 DIM = 3

@@ -9,9 +9,9 @@ import asyncio
 
 import pytest
 
-from psserver.serving import service_step as service
 from psserver.protocol.fastwire import RawChunk
 from psserver.protocol.proto import ps_pb2 as pb
+from psserver.serving import service_step as service
 
 MIB = 1 << 20
 

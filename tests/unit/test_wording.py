@@ -4,9 +4,9 @@ import logging
 
 import pytest
 
+from psserver.partition.shard import Shard
 from psserver.protocol.errors import InvalidRequest, JobMismatch
 from psserver.protocol.job import JobSpec
-from psserver.partition.shard import Shard
 
 
 def spec(num_trainers: int, num_shards: int = 1) -> JobSpec:
