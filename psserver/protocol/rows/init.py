@@ -61,9 +61,14 @@ def splitmix64(z: torch.Tensor) -> torch.Tensor:
     return mix64(z + as_int64(GAMMA))
 
 
+def _seed_key(seed: int) -> np.ndarray:
+    """``splitmix64(seed)`` of the module docstring, as a uint64 array of one."""
+    return mix64_u64(np.array([seed], dtype=np.uint64) + _GAMMA)
+
+
 def _row_bits(seed: int, ids: torch.Tensor, dim: int) -> np.ndarray:
     """``bits(id, j)`` of the module docstring: a uint64 (len(ids), dim) array."""
-    key = mix64_u64(np.array([seed], dtype=np.uint64) + _GAMMA)
+    key = _seed_key(seed)
     start = mix64_u64((ids.contiguous().numpy().view(np.uint64) ^ key) + _GAMMA)
     steps = np.arange(1, dim + 1, dtype=np.uint64) * _GAMMA  # wraps, as it must
     return mix64_u64(start[:, None] + steps[None, :])
@@ -92,8 +97,7 @@ def init_rows(init: Initializer, seed: int, ids: torch.Tensor, dim: int) -> torc
     """The initial float32 rows (len(ids), dim) for ``ids`` of a table with ``seed``."""
     if kernel.native is not None and init.kind == "uniform":  # (psserver.protocol.rows.kernel)
         out = torch.empty(len(ids), dim)
-        key = int(mix64_u64(np.array([seed], dtype=np.uint64) + _GAMMA)[0])
-        kernel.native.uniform(key, ids.contiguous().numpy(), dim, float(init.scale), out.numpy())
+        kernel.native.uniform(int(_seed_key(seed)[0]), ids.contiguous().numpy(), dim, float(init.scale), out.numpy())
         return out
     bits = _row_bits(seed, ids, dim)
     return uniform_rows(bits, init.scale) if init.kind == "uniform" else normal_rows(bits, init.scale)
