@@ -20,14 +20,11 @@ without one, its authenticated callers may re-shard, as before.
 from __future__ import annotations
 
 import hmac
-import logging
 import os
 import secrets
 from pathlib import Path
 
 from psserver.protocol.security import is_loopback, read_secret
-
-log = logging.getLogger(__name__)
 
 ADMIN_TOKEN_ENV = "PS_ADMIN_TOKEN"
 TOKEN_DIR_ENV = "PS_ADMIN_TOKEN_DIR"

@@ -329,9 +329,12 @@ class ParameterServerService(RowRpcs, StepRpc):
         """A shard with an admin token takes a re-shard's changes only from a caller that sends it: without it,
         any process that reaches the port -- on loopback, any local program -- could copy the job's state away or
         freeze the job (issue 35 item 7, docs/security.md)."""
-        if self.admin_token and not admin_token.matches(admin_token.presented(context), self.admin_token):
+        if not self.admin_token:
+            return
+        given = admin_token.presented(context)
+        if not admin_token.matches(given, self.admin_token):
             op = _pb.ReshardRequest.Op.Name(request.op)
-            raise NotPermitted(f"{admin_token.METADATA_KEY} is {'wrong' if admin_token.presented(context) else 'missing'}"
+            raise NotPermitted(f"{admin_token.METADATA_KEY} is {'wrong' if given else 'missing'}"
                                f" but this shard takes Reshard {op} only with its admin token: run ps-server reshard "
                                "as the user who started the shards (it reads the token each shard wrote at start), "
                                f"or give both --admin-token-file (or ${admin_token.ADMIN_TOKEN_ENV})")
