@@ -475,8 +475,7 @@ class Membership:
                 if s.name in named and named[s.name] not in told.values():
                     told[s.name] = named[s.name]
                     try:
-                        epochs = [(e.number, e.round, sorted(e.members)[:16]) for e in
-                                  (Epoch.from_proto(p) for p in s.stats(members_from_round=0).epochs)][-8:]
+                        epochs = [(e.number, e.round, sorted(e.members)[:16]) for e in _timeline_of(s)][-8:]
                     except grpc.RpcError as e:
                         epochs = f"not fetched: {e.code().name}"
                     log.error("the shards disagree on round %d's membership: %s names epoch %d; its timeline: %s",
@@ -491,8 +490,7 @@ class Membership:
         """The job's membership timeline as ``part`` (default: partition 0 of shard 0) knows it now: every
         epoch's round and size, the member lists of the epochs from ``from_round`` on (as many as the reply's
         bound holds; docs/limits.md)."""
-        part = part or self.client.parts[0]
-        self.timeline = [Epoch.from_proto(e) for e in part.stats(members_from_round=from_round).epochs]
+        self.timeline = _timeline_of(part or self.client.parts[0], from_round)
         self.client.count("timeline_fetches")
         return self.timeline
 
@@ -500,3 +498,8 @@ class Membership:
         """Mark every partition's next push as this trainer's last."""
         for s in self.client.parts:
             s.leaving = True
+
+
+def _timeline_of(part, from_round: int = 0) -> list[Epoch]:
+    """The membership timeline as ``part``'s shard knows it now, members listed from ``from_round`` on."""
+    return [Epoch.from_proto(e) for e in part.stats(members_from_round=from_round).epochs]
