@@ -72,9 +72,9 @@ def stale_version(error: grpc.RpcError, base: int) -> int | None:
     return version_of_refusal(error, base) if refused_stale(error) else None
 
 
-def refusal_reason(error: grpc.RpcError) -> str:
-    """The reason a FAILED_PRECONDITION refusal carries in its trailers ('' if none)."""
-    if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
+def refusal_reason(error: grpc.RpcError, code: grpc.StatusCode = grpc.StatusCode.FAILED_PRECONDITION) -> str:
+    """The reason a refusal with status ``code`` carries in its trailers ('' if none, or another status)."""
+    if error.code() != code:
         return ""
     return str(dict(error.trailing_metadata() or ()).get(REASON_METADATA_KEY, ""))
 
@@ -109,8 +109,7 @@ def refused_no_job(error: grpc.RpcError) -> bool:
 def refused_join_backoff(error: grpc.RpcError) -> bool:
     """Whether a join's admission was refused while its host's earlier joins' strikes last (RESOURCE_EXHAUSTED,
     reason join-backoff): the joiner asks again once the wait it names is over."""
-    return error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and \
-        str(dict(error.trailing_metadata() or ()).get(REASON_METADATA_KEY, "")) == JOIN_BACKOFF
+    return refusal_reason(error, grpc.StatusCode.RESOURCE_EXHAUSTED) == JOIN_BACKOFF
 
 
 def refused_job_ended(error: grpc.RpcError) -> bool:
