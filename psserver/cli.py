@@ -121,6 +121,21 @@ def build_parser() -> EnvArgumentParser:
                         "max_rows share what is left as row limits (unset: half the memory available at start-up, "
                         "cgroup limit included; see docs/memory.md)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    r = p.add_argument_group("hot standby (docs/standby.md)")
+    r.add_argument("--etcd", default="", metavar="HOST:PORT",
+                   help="run as one replica of the shard: etcd decides which replica is primary; the others are hot "
+                        "standbys that take over, with nothing rolled back, when it dies (unset: no replication)")
+    r.add_argument("--replica", default="", metavar="ID",
+                   help="this replica's id among the shard's replicas (default: HOST:PORT)")
+    r.add_argument("--job-name", default="default", help="the job's name in etcd's keys (one per job sharing etcd)")
+    r.add_argument("--lease-seconds", type=int, default=2,
+                   help="the primary's etcd lease: a standby takes over this long after the primary stops "
+                        "renewing it (shorter: faster failover, more false ones on a loaded host)")
+    r.add_argument("--replica-port", type=int, default=0,
+                   help="the port a standby takes its primary's state on (0: pick one; published in etcd)")
+    r.add_argument("--ship-timeout", type=float, default=2.0,
+                   help="seconds a standby may take to acknowledge a state before the primary drops it and "
+                        "runs unreplicated")
     return p
 
 
@@ -205,8 +220,21 @@ def main(argv: list[str] | None = None) -> int:
     scalar_log = ScalarLog(os.path.join(args.tensorboard, f"shard{args.shard}") if args.tensorboard else "")
     if args.metrics_port:
         check_bindable(args.host, args.metrics_port, "--metrics-port")  # before the shard serves, not after
+    stop = threading.Event()  # (before the ready file: a launcher that reads it may signal at once)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    replica = None
     try:
-        server = ShardServer(cfg).start()
+        if args.etcd:
+            replica = start_replica(parser, args, cfg)
+            server = replica.start(stop, on_standby=lambda address: args.ready_file and write_ready_file(
+                args.ready_file, address))
+            if server is None:
+                replica.stop()
+                log.info("shard %d: standby stopped", cfg.shard)
+                return 0
+        else:
+            server = ShardServer(cfg).start()
     except ValueError as e:
         from psserver.resharding import layout_restore
         from psserver.resharding.reshard import HINT, ReshardError
@@ -226,10 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         where = admin_token.publish(admin, server.address)
         log.info("shard %d: its admin token for `ps-server reshard` is in %s (readable by this user only)",
                  cfg.shard, where)
-    stop = threading.Event()  # (before the ready file: a launcher that reads it may signal at once)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.set())
-    if args.ready_file:
+    if args.ready_file and not (replica is not None and replica.standby is not None):  # (a standby wrote it)
         write_ready_file(args.ready_file, server.address)
     # A timed wait keeps the main thread responsive to signals; it also checks whether the job is done.
     while not stop.wait(0.5):
@@ -238,12 +263,35 @@ def main(argv: list[str] | None = None) -> int:
     log.info("shard %d stopping (version %d): NOT_SERVING, draining calls%s", cfg.shard, server.shard.version,
              ", final checkpoint" if cfg.checkpoint_dir else "")
     server.stop()
+    if replica is not None:
+        replica.stop()  # the lease revoked: a standby takes over now, not a lease later
     if made_admin_token:
         admin_token.withdraw(admin, server.address)
     if board is not None:
         board.stop()  # a last sample: the files hold the final counts
     log.info("shard %d stopped", cfg.shard)
     return 0
+
+
+def start_replica(parser, args, cfg):
+    """``--etcd``: this process is one replica of its shard (psserver.replication.replica)."""
+    if not args.port:
+        parser.error("--etcd needs --port: trainers name every replica's port up front (--ps PRIMARY|STANDBY)")
+    if cfg.restore_from or args.num_shards is not None:
+        parser.error("--etcd with --restore-from is not supported: re-shard the checkpoints first, then start replicas")
+    if args.lease_seconds < 1:
+        parser.error(f"--lease-seconds must be 1 or more (got {args.lease_seconds}): etcd grants whole seconds")
+    if not args.ship_timeout > 0:
+        parser.error(f"--ship-timeout must be more than 0 seconds (got {args.ship_timeout})")
+    from psserver.replication.replica import Replica, ReplicaOptions
+
+    opts = ReplicaOptions(etcd=args.etcd, replica=args.replica or f"{args.host}:{args.port}", job=args.job_name,
+                          lease_seconds=args.lease_seconds, replica_port=args.replica_port,
+                          ship_timeout=args.ship_timeout)
+    try:
+        return Replica(cfg, opts)
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def dispatch() -> int:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = REPO_ROOT / "protos"
-PROTO_FILES = ("psserver/protocol/proto/ps.proto",)
+PROTO_FILES = ("psserver/protocol/proto/ps.proto", "psserver/protocol/proto/replica.proto")
 
 
 def generate(out_root: Path) -> list[Path]:

@@ -30,7 +30,8 @@ from trainer.torchrun import rank_and_world
 
 def build_parser() -> EnvArgumentParser:
     p = EnvArgumentParser(prog="ps-trainer", description="Train as one trainer of a psgrpc job.")
-    p.add_argument("--ps", required=True, help="shard addresses in shard order: HOST:PORT[,HOST:PORT...]")
+    p.add_argument("--ps", required=True, help="shard addresses in shard order: HOST:PORT[,HOST:PORT...]; a shard "
+                   "with a hot standby is PRIMARY|STANDBY (docs/standby.md)")
     p.add_argument("--rank", type=int, default=None, help="this trainer's rank, 0..num-trainers-1 (default: $RANK "
                    "as torchrun sets it, else 0)")
     p.add_argument("--num-trainers", type=int, default=None,

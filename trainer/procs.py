@@ -158,3 +158,46 @@ def wait_all(procs: list[Proc], timeout: float | None = None) -> dict[str, int]:
         except subprocess.TimeoutExpired:
             raise TimeoutError(f"{p.name} still running after {timeout:.0f} s; its log says:\n{p.log_tail()}") from None
     return codes
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now (for a process that must be told its port up front: a replica, etcd)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def start_etcd(data_dir: Path, log_path: Path, host: str = "127.0.0.1", timeout: float = 30.0) -> Proc:
+    """A one-member etcd on ``host`` (the hot standby's arbiter, docs/standby.md), once it answers; ``.address``
+    is its client HOST:PORT.  Its election timeout is short so a lease of one second is honoured (etcd raises a
+    lease's TTL to 1.5 election timeouts)."""
+    import shutil
+    import urllib.request
+
+    binary = shutil.which("etcd")
+    if binary is None:
+        raise RuntimeError("etcd is not installed: a hot standby needs it (Debian: apt-get install etcd-server)")
+    client, peer = free_port(host), free_port(host)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    args = [binary, "--name", "psgrpc", "--data-dir", str(data_dir),
+            "--listen-client-urls", f"http://{host}:{client}", "--advertise-client-urls", f"http://{host}:{client}",
+            "--listen-peer-urls", f"http://{host}:{peer}", "--initial-advertise-peer-urls", f"http://{host}:{peer}",
+            "--initial-cluster", f"psgrpc=http://{host}:{peer}", "--heartbeat-interval", "10",
+            "--election-timeout", "100"]
+    with open(log_path, "ab") as log:
+        popen = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = Proc("etcd", popen, log_path, f"{host}:{client}")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://{host}:{client}/health", timeout=1) as r:
+                if b"true" in r.read():
+                    return proc
+        except OSError:
+            pass
+        if not proc.alive() or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"etcd did not start within {timeout:.0f} s; its log says:\n{proc.log_tail()}")
+        time.sleep(0.1)  # polling a process's readiness, not synchronising a test

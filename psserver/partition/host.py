@@ -219,14 +219,22 @@ class ShardHost:
                     self.parts[k] = self._fresh(k)
         return version
 
-    def restore_states(self, states: list, source: str, planned: bool = False) -> int:
-        """Take the partitions' states re-cut from another shard count (psserver.resharding.reshard), partition 0 first;
-        returns the version.  ``planned``: a live re-shard's switch (Shard.restore_state)."""
+    def restore_states(self, states: list, source: str, planned: bool = False,
+                       counter: str = "reshard_restores", note: str = "") -> int:
+        """Take the partitions' states re-cut from another shard count (psserver.resharding.reshard), partition 0 first,
+        or a promoted standby's (psserver.replication); returns the version.  ``planned``: a live re-shard's switch
+        or a promotion (Shard.restore_state)."""
         self._grow(len(states))
         for part, state in zip(self.parts, states):
-            part.restore_state(state, source, planned=planned)
-        self.count("reshard_restores")
+            part.restore_state(state, source, note, planned=planned)
+        self.count(counter)
         return states[0].version
+
+    def capture_states(self) -> list[bytes]:
+        """Every partition's resumable state now, as checkpoint payloads (none before a job is registered): what
+        a hot standby holds (psserver.replication).  On the state worker, so it is one moment of the shard."""
+        states = [p.state_now() for p in self.parts]
+        return [s.to_bytes() for s in states] if all(s is not None for s in states) else []
 
     def tick(self) -> float | None:
         """Every partition's leases and due rounds; the earliest next deadline."""

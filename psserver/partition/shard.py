@@ -205,6 +205,11 @@ class Shard(ShardMembership, ShardPulls, ShardPushes, ShardRounds, ShardRows, Sh
                           open_round=self.round.to_checkpoint(), tables=self.tables.state(), partition=self.partition,
                           epochs=self.epochs.state(), holes=holes, cursor=self.cursor.state())
 
+    def state_now(self) -> ShardState | None:
+        """``capture`` under the shard's lock (None before a job with parameters is registered)."""
+        with self._lock:
+            return self.capture() if self.params is not None else None
+
     def final_checkpoint(self) -> None:
         """On shutdown, after in-flight calls have drained: write the current state, open round included."""
         if not self.checkpoints.enabled:

@@ -18,6 +18,7 @@ import hmac
 import ipaddress
 import logging
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -127,8 +128,11 @@ class ClientSecurity:
         return f"ClientSecurity(tls={bool(self.tls_ca)}, mutual={bool(self.tls_cert)}, token={'set' if self.token else 'none'})"
 
     def channel(self, address: str, options: list | None = None) -> grpc.Channel:
-        """A channel to ``address`` with TLS if configured and the token on every call."""
+        """A channel to ``address`` with TLS if configured and the token on every call.  ``A|B``: a shard's
+        replicas (docs/standby.md): gRPC's pick-first connects to whichever of them accepts connections -- only a
+        primary opens the shard's port -- and moves on when that one goes away."""
         options = options or []
+        address = channel_target(address)
         if self.tls_ca:
             creds = grpc.ssl_channel_credentials(
                 root_certificates=_read(self.tls_ca, "CA certificate"),
@@ -141,6 +145,21 @@ class ClientSecurity:
         if self.token:
             channel = grpc.intercept_channel(channel, _TokenMetadata(self.token))
         return channel
+
+
+def channel_target(address: str) -> str:
+    """``host:port`` as it is; ``a:1|b:2`` as ``ipv4:IP:1,IP:2`` (names resolved once, now): gRPC's
+    pick-first over the addresses, in order."""
+    if "|" not in address:
+        return address
+    hosts = []
+    for one in address.split("|"):
+        host, _, port = one.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{one!r} in {address!r} is not HOST:PORT (replicas are written A:1|B:2)")
+        ip = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)[0][4][0]
+        hosts.append(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
+    return ("ipv6:" if hosts[0].startswith("[") else "ipv4:") + ",".join(hosts)
 
 
 def is_loopback(host: str) -> bool:
@@ -267,12 +286,14 @@ def client_security(args) -> ClientSecurity:
 
 
 def parse_addresses(ps: str | Sequence[str]) -> list[str]:
-    """'h0:p0,h1:p1' -> ['h0:p0', 'h1:p1'], with a clear error for a malformed entry."""
+    """'h0:p0,h1:p1' -> ['h0:p0', 'h1:p1'], with a clear error for a malformed entry.  A shard with a hot
+    standby is one entry 'primary:p|standby:p' (docs/standby.md)."""
     items = [a.strip() for a in (ps.split(",") if isinstance(ps, str) else ps) if a.strip()]
     if not items:
         raise ValueError("no parameter-server address given: pass --ps HOST:PORT[,HOST:PORT...]")
-    for a in items:
-        host, _, port = a.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"the address {a!r} is not HOST:PORT with a port between 1 and 65535")
+    for item in items:
+        for a in item.split("|"):
+            host, _, port = a.strip().rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"the address {a!r} is not HOST:PORT with a port between 1 and 65535")
     return items

@@ -141,8 +141,9 @@ class ReplyStream:
     """A server-streaming call's context whose writes end at ``deadline`` (loop time) and whose held bytes are
     counted in ``ledger`` until ``close``.  Everything else (``peer``, ``abort``, metadata) is the context's."""
 
-    def __init__(self, context, deadline: float, ledger: ReplyLedger):
-        self._context, self._deadline, self._ledger = context, deadline, ledger
+    def __init__(self, context, deadline: float, ledger: ReplyLedger, gate=None):
+        """``gate``: awaited before the first write (a hot standby's barrier, psserver.replication.shipper)."""
+        self._context, self._deadline, self._ledger, self._gate = context, deadline, ledger, gate
         self.peer_name = context.peer() or "?"
         self._holds: list = []
         self._in_flight = None  # the message gRPC still holds after a cut, counted until the status is out
@@ -190,6 +191,9 @@ class ReplyStream:
         """``context.write`` that ends at the deadline: the reader stalled (flow control held the write) or the
         call is past its time.  ``nbytes``: the message's size, counted as held while gRPC holds it after a cut.
         One timer per stream, armed at the first write: a timer per chunk cost more than the rest of the bounds."""
+        if self._gate is not None:
+            gate, self._gate = self._gate, None
+            await gate()
         loop = asyncio.get_running_loop()
         left = self._deadline - loop.time()
         if left <= 0:

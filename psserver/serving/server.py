@@ -145,7 +145,7 @@ def reshard_states(cfg: ServerConfig) -> list:
 
 
 def build_shard_process(cfg: ServerConfig, loop: asyncio.AbstractEventLoop, loop_thread: int,
-                        publish_tick=lambda t: None) -> ShardProcess:
+                        publish_tick=lambda t: None, initial_states: list | None = None) -> ShardProcess:
     """The one place a shard's parts are made, each handed what it calls when it is made.
 
     In the order of what calls what: the wake-ups and the serving process's own gauges first (the loop's
@@ -179,6 +179,9 @@ def build_shard_process(cfg: ServerConfig, loop: asyncio.AbstractEventLoop, loop
         host = layout_restore.restore(host, layouts, cfg.checkpoint_dir)
     elif cfg.restore_from:
         host.restore_states(reshard_states(cfg), ",".join(cfg.restore_from))
+    elif initial_states:  # a promoted standby: the state its primary shipped last (psserver.replication)
+        host.restore_states(initial_states, "its primary's last shipment", planned=True,
+                            counter="replica_restores", note="promoted")
     runtime = Runtime(host, wakeups, limits.receive_buffers, tick=layouts.tick)
     # a live re-shard's side on this shard; its streams to peers carry the job's token (TLS to peers: not yet)
     handoffs = HandoffIO(layouts, runtime, ClientSecurity(token=cfg.security.token), cfg.handoff_timeout)
@@ -191,8 +194,10 @@ def build_shard_process(cfg: ServerConfig, loop: asyncio.AbstractEventLoop, loop
 class ShardServer:
     """A running shard: ``ShardServer(cfg).start()`` then ``.port``, ``.stop()``."""
 
-    def __init__(self, cfg: ServerConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: ServerConfig, initial_states: list | None = None):
+        """``initial_states``: one ShardState per partition to serve from (a promoted standby's)."""
+        self.cfg, self.initial_states = cfg, initial_states
+        self.service: ParameterServerService | None = None
         # Made by ``start`` (build_shard_process): ``shard`` is every partition this process serves
         # (psserver.partition.host; unpartitioned jobs use one), ``runtime`` what its calls run on.
         self.shard: ShardHost | None = None
@@ -222,7 +227,9 @@ class ShardServer:
             if self.cfg.health_port >= 0:  # started first: the loop's watchdog publishes its ticks to it
                 self.probe_port = ProbePort(self.cfg.host, self.cfg.health_port)
             process = build_shard_process(self.cfg, self._loop, self._thread.ident,  # a --restore's reading too
-                                          self.probe_port.publish_tick if self.probe_port else lambda t: None)
+                                          self.probe_port.publish_tick if self.probe_port else lambda t: None,
+                                          self.initial_states)
+            self.service = process.service
             self.shard, self.runtime, self._watch = process.host, process.runtime, process.watch
             self.layouts, self.handoffs = process.service.layouts, process.service.handoffs
             tune_gc()
@@ -287,6 +294,14 @@ class ShardServer:
     @property
     def address(self) -> str:
         return host_port(self.cfg.host, self.port)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    def capture_states(self) -> list[bytes]:
+        """On the state worker: every partition's state now, as checkpoint payloads (what a standby holds)."""
+        return self.layouts.current.capture_states()
 
     def stop(self, grace: float | None = None) -> None:
         """NOT_SERVING at once, waiting pulls released (UNAVAILABLE), in-flight calls drain within ``grace``,

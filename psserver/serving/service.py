@@ -157,6 +157,7 @@ class ParameterServerService(RowRpcs, StepRpc):
         self._per_rank: dict[tuple[int, int], int] = {}  # (rank, partition) -> calls in flight
         self.rows = RowCalls(self.shard, runtime, cfg.max_pull_wait)  # the row calls' table steps (layout 0's)
         self._rows_by_epoch: dict[int, RowCalls] = {}  # a later layout's (RowRpcs.rows_at)
+        self.replication = None  # a hot standby's shipper when this replica is primary (psserver.replication)
         self.handoffs = handoffs  # a live re-shard's Reshard and Handoff calls (psserver.resharding.handoff_io)
         self.digests = DigestGate(runtime.offload)  # GetStats' state digests, one pass at a time per partition
         self._spec_turn = asyncio.Lock()  # one big job spec read at a time (_job_of)

@@ -63,14 +63,23 @@ def _decoded(request):
     return request
 
 
+# Calls whose reply acknowledges nothing a standby must hold (psserver.replication.shipper): they never wait for it.
+UNREPLICATED_CALLS = frozenset({"Heartbeat", "GetStats", "Reshard", "Handoff"})
+
+
 def _refusals(method):
     """Turn PsError into context.abort with its code; count every refusal and log them at a bounded rate;
     count calls their clients abandoned."""
 
+    acknowledges = method.__name__ not in UNREPLICATED_CALLS
+
     @functools.wraps(method)
     async def wrapper(self, request, context):
         try:
-            return await method(self, request, context)
+            reply = await method(self, request, context)
+            if acknowledges and reply is not None and self.replication is not None:
+                await self.replication.barrier()  # the standby holds what the reply acknowledges (docs/standby.md)
+            return reply
         except asyncio.CancelledError:  # the client went away (or its deadline passed)
             _cancelled(self, method.__name__, context, "")
             raise
@@ -153,7 +162,8 @@ def _reply_stream(method):
     @functools.wraps(method)
     async def wrapper(self, request, context):
         with self._peer_slot(context):
-            stream = ReplyStream(context, self._deadline(context), self.replies)
+            stream = ReplyStream(context, self._deadline(context), self.replies,
+                                 gate=self.replication.barrier if self.replication is not None else None)
             stream.requests = RequestHolds(self.requests, stream.peer_name)  # what the request holds while read
             try:
                 return await method(self, request, stream)

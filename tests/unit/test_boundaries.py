@@ -143,7 +143,7 @@ def test_psserver_has_no_import_cycle():
 
 
 # psserver's wings from the ground up: a wing imports the contract, the common helpers and the wings below it.
-WINGS = ("state", "sparse", "members", "partition", "resharding", "serving")
+WINGS = ("state", "sparse", "members", "partition", "resharding", "serving", "replication")
 
 
 def test_psserver_wings_import_only_the_wings_below_them():

@@ -1,0 +1,158 @@
+"""One replica of a shard (``ps-server --etcd HOST:PORT --replica ID``): primary or standby, as etcd decides.
+
+A replica takes a lease in etcd and keeps it renewed.  If the shard has never had a primary it becomes the
+primary; otherwise it becomes a standby: it opens its replication port, offers itself in etcd, takes the
+primary's shipments (psserver.replication.standby) and watches the primary's key.  When that key is gone (the
+primary's lease expired: killed, paused, cut off from etcd) and etcd still names this standby in sync at the
+epoch of the state it holds, it promotes itself in one transaction, refuses older shipments from then on, and
+serves the shard from that state on the shard's own port -- the version, the open round, the members and the
+push books its primary acknowledged, so trainers resend their unanswered calls and nothing is rolled back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from psserver.replication.roles import EtcdStore, Roles
+from psserver.replication.shipper import Replicator, fence_now
+from psserver.replication.standby import StandbyServer, StandbyService
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReplicaOptions:
+    etcd: str  # HOST:PORT of etcd's client URL
+    replica: str  # this replica's id, unique among the shard's replicas
+    job: str = "default"  # the etcd prefix: one per job
+    lease_seconds: int = 2  # the primary's lease: how long after its death a standby may take over
+    replica_port: int = 0  # the standby's replication port (0: pick one; etcd publishes it)
+    ship_timeout: float = 2.0  # seconds a shipment may take before the standby is dropped
+
+
+class Replica:
+    """Runs a shard's replica until it is primary (``start`` returns its ShardServer) or ``stop`` is set."""
+
+    def __init__(self, cfg, opts: ReplicaOptions, store=None, server_factory=None):
+        from psserver.serving.server import ShardServer
+
+        self.cfg, self.opts = cfg, opts
+        self.store = store or EtcdStore(opts.etcd)
+        self.roles = Roles(self.store, opts.job, cfg.shard, opts.replica)
+        self.server_factory = server_factory or ShardServer
+        self.replicator: Replicator | None = None
+        self.standby: StandbyServer | None = None
+        self._renewed = time.monotonic()
+        self._primary = False
+
+    # ------------------------------------------------------------------ the lease
+    def _keep_lease(self, stop: threading.Event) -> None:
+        """Renew the lease every third of its time.  Lost while primary (expired, or not renewed for a whole
+        lease time): another replica may have been promoted -- this one stops."""
+        period = self.opts.lease_seconds / 3
+        while not stop.wait(period):
+            try:
+                alive = self.store.refresh()
+            except Exception as e:  # noqa: BLE001 -- etcd unreachable: tried again; past the lease, stop
+                log.warning("shard %d: renewing the etcd lease failed: %s", self.cfg.shard, e)
+                alive = True
+            else:
+                if alive:
+                    self._renewed = time.monotonic()
+            lapsed = time.monotonic() - self._renewed > self.opts.lease_seconds
+            if self._primary and (not alive or lapsed):
+                fence_now(self.cfg.shard, "its etcd lease expired: a standby may have been promoted")
+            if not alive and not self._primary:
+                self.store.grant(self.opts.lease_seconds)  # a standby's offer lapses with it: offered again
+                self._renewed = time.monotonic()
+                if self.standby is not None:
+                    self.roles.offer_standby(self.standby.address)
+
+    # ------------------------------------------------------------------ roles
+    def start(self, stop: threading.Event, on_standby=lambda address: None):
+        """Primary now, or standby until promoted: the running ShardServer, or None if ``stop`` came first.
+        ``on_standby(address)``: called once this replica waits as a standby (its shard address)."""
+        self.store.grant(self.opts.lease_seconds)
+        threading.Thread(target=self._keep_lease, args=(stop,), name=f"shard{self.cfg.shard}-lease",
+                         daemon=True).start()
+        record = self.roles.read()
+        if record.epoch is None and self.roles.start_fresh():
+            log.info("shard %d: replica %s is the primary (epoch 1; no standby yet)", self.cfg.shard, self.opts.replica)
+            return self._serve(None, 1)
+        if self.cfg.restore and record.primary is None and not record.in_sync and \
+                self.roles.take_over_restored(record.epoch):
+            log.warning("shard %d: replica %s is the primary from its checkpoint (epoch %d): no standby held the "
+                        "newest state", self.cfg.shard, self.opts.replica, record.epoch + 1)
+            return self._serve(None, record.epoch + 1)
+        from psserver.protocol.optim import warm_up
+
+        warm_up()  # the optimizers' first-use cost (about a second) paid now, not at the promotion
+        service = StandbyService(self.opts.job, self.cfg.shard)
+        self.standby = StandbyServer(service, self.cfg.host, self.opts.replica_port,
+                                     self.cfg.security.interceptors()).start()
+        self.roles.offer_standby(self.standby.address)
+        log.info("shard %d: replica %s is a standby (replication port %s); the shard's port opens if it is "
+                 "promoted", self.cfg.shard, self.opts.replica, self.standby.address)
+        on_standby(f"{self.cfg.host}:{self.cfg.port}")
+        said = None
+        while not stop.wait(self.opts.lease_seconds / 8):
+            try:
+                record = self.roles.read()
+            except Exception as e:  # noqa: BLE001 -- etcd unreachable: no promotion without it
+                log.warning("shard %d: reading etcd failed: %s", self.cfg.shard, e)
+                continue
+            if record.primary is not None:
+                continue
+            held, _ = service.held()
+            if held is None or record.in_sync != self.opts.replica or record.epoch != held:
+                why = (f"the primary is gone but this standby does not hold its newest state (etcd: epoch "
+                       f"{record.epoch}, in sync {record.in_sync or 'nobody'}; held: epoch {held}); restart a "
+                       f"replica with --restore to resume from its checkpoint")
+                if why != said:
+                    log.warning("shard %d: %s", self.cfg.shard, why)
+                    said = why
+                continue
+            t0 = time.monotonic()
+            if not self.roles.promote(record.epoch):
+                continue
+            _, states = service.fence(record.epoch + 1)  # what was acknowledged before this is in ``states``
+            self.standby.stop()
+            log.warning("shard %d: replica %s promoted to primary at epoch %d (%d shipments taken)",
+                        self.cfg.shard, self.opts.replica, record.epoch + 1, service.shipments)
+            server = self._serve(states, record.epoch + 1)
+            server.shard.wide.count("replica_promotions")
+            log.info("shard %d: serving %.3f s after the promotion's transaction", self.cfg.shard,
+                     time.monotonic() - t0)
+            return server
+        if self.standby is not None:
+            self.standby.stop()
+        return None
+
+    def _serve(self, states: list[bytes] | None, epoch: int):
+        """Serve the shard as its primary (from ``states`` when promoted) and start replicating."""
+        from psserver.state.checkpoint import ShardState
+
+        initial = [ShardState.from_bytes(b) for b in states] if states else None
+        cfg = dataclasses.replace(self.cfg, restore=False) if initial else self.cfg  # the shipped state, not disk's
+        self._primary = True
+        server = self.server_factory(cfg, initial_states=initial).start()
+        self.replicator = Replicator(shard=self.cfg.shard, job=self.opts.job, me=self.opts.replica, epoch=epoch,
+                                     roles=self.roles, runtime=server.runtime, loop=server.loop,
+                                     capture=server.capture_states, count=server.shard.wide.count,
+                                     timeout=self.opts.ship_timeout, poll=self.opts.lease_seconds / 8,
+                                     token=self.cfg.security.token)
+        server.service.replication = self.replicator
+        self.replicator.start()
+        return server
+
+    def stop(self) -> None:
+        if self.replicator is not None:
+            self.replicator.stop()
+        try:
+            self.store.revoke()  # a clean stop hands over at once, not after the lease
+        except Exception as e:  # noqa: BLE001 -- etcd gone: the lease lapses on its own
+            log.warning("shard %d: revoking the etcd lease failed: %s", self.cfg.shard, e)

@@ -1,0 +1,218 @@
+"""The primary's side of a shard's replication: no reply leaves the shard before its standby holds a state that
+includes what the reply acknowledges.
+
+Group commit: a reply that acknowledges something (a push applied, a round's weights, a registration -- every
+data call but heartbeats and stats) waits at ``barrier`` for the first shipment whose capture begins after the
+reply's own change.  One shipment at a time: the whole state of every partition (what a checkpoint holds,
+open round and push books included), captured on the state worker -- so it is one consistent moment of the
+shard -- and sent to the standby, which acknowledges it.  Every reply waiting when it was captured goes out when
+it is acknowledged: a sync round's replies share one shipment.
+
+The modes: ``alone`` (no standby: replies go out at once, as without replication), ``catching_up`` (a standby
+is taking its first state: replies still go out at once), ``replicated`` (replies wait for the standby), and
+``fenced`` (a standby refused a shipment because a newer primary exists, or the lease is lost: the process stops
+without a final checkpoint -- it can only come back as a standby).  A standby that stops answering is dropped
+in etcd (a new epoch with nobody in sync) before a waiting reply goes out; if etcd cannot be reached to drop
+it, the replies wait -- the standby might have been promoted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import threading
+
+import grpc
+
+from psserver.protocol.proto import replica_pb2 as _rpb
+from psserver.protocol.proto import replica_pb2_grpc as _rgrpc
+from psserver.replication.standby import MAX_SHIPMENT_BYTES
+
+log = logging.getLogger(__name__)
+
+FENCED_EXIT = 3  # the process's exit status when it finds itself replaced
+
+ALONE, CATCHING_UP, REPLICATED, FENCED = "alone", "catching_up", "replicated", "fenced"
+
+
+def fence_now(shard: int, why: str) -> None:
+    """Stop this process at once: a replaced primary must answer nothing more and write no checkpoint."""
+    log.critical("shard %d: fenced: %s; this process stops (restart it to rejoin as the standby)", shard, why)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stderr.flush()
+    os._exit(FENCED_EXIT)
+
+
+class Replicator:
+    """The primary of shard ``shard`` at ``epoch``: ships ``capture()`` (on the state worker) to its standby.
+
+    ``runtime``: the shard's (``offload`` runs on its state worker); ``loop``: its event loop; ``roles``: this
+    replica's etcd transactions (psserver.replication.roles); ``count``: the shard's counters."""
+
+    def __init__(self, *, shard: int, job: str, me: str, epoch: int, roles, runtime, loop, capture, count,
+                 timeout: float = 2.0, poll: float = 0.25, fence=fence_now, token: str = ""):
+        self.shard, self.job, self.me, self.epoch, self.roles = shard, job, me, epoch, roles
+        self.runtime, self.loop, self._capture_states, self.count = runtime, loop, capture, count
+        self.timeout, self.poll, self._fence = timeout, poll, fence
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None  # the job's --auth-token
+        self.mode = ALONE
+        self.standby: tuple[str, str] | None = None  # (replica id, replication address)
+        self.channel = self.stub = None
+        self.started = self.captured = self.acked = 0
+        self.shipped_bytes = 0
+        self._waiters: list[tuple[int, asyncio.Future]] = []
+        self._kick = asyncio.Event()
+        self._stop = threading.Event()
+        self._task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ replies
+    async def barrier(self) -> None:
+        """Return once the standby holds a state with everything changed before this call (at once unless
+        replicated)."""
+        if self.mode != REPLICATED:
+            return
+        # a shipment started but not yet captured includes the caller's change; one captured may not
+        want = self.started if self.started > self.captured else self.started + 1
+        if self.acked >= want:
+            return
+        fut = self.loop.create_future()
+        self._waiters.append((want, fut))
+        self._kick.set()
+        await fut
+
+    def _release(self, upto: int | None) -> None:
+        """The waiters a shipment ``upto`` covers go on (None: all of them: the standby was dropped)."""
+        keep = []
+        for want, fut in self._waiters:
+            if upto is None or want <= upto:
+                if not fut.done():
+                    fut.set_result(None)
+            else:
+                keep.append((want, fut))
+        self._waiters = keep
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """On the shard's loop: the shipping task; on a thread: looking for a standby to adopt."""
+        def begin():
+            self._task = self.loop.create_task(self._ship_loop())
+        self.loop.call_soon_threadsafe(begin)
+        threading.Thread(target=self._watch, name=f"shard{self.shard}-standby-watch", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        """Every ``poll`` seconds while alone: a standby offering itself in etcd is adopted (its catch-up begins)."""
+        while not self._stop.wait(self.poll):
+            if self.mode != ALONE:
+                continue
+            try:
+                record = self.roles.read()
+            except Exception as e:  # noqa: BLE001 -- etcd unreachable: alone stays alone, tried again
+                log.debug("shard %d: reading etcd failed: %s", self.shard, e)
+                continue
+            if record.primary not in (None, self.me):
+                self.loop.call_soon_threadsafe(self._fence, self.shard,
+                                               f"etcd names {record.primary} primary (epoch {record.epoch})")
+                return
+            if record.standby is not None and record.standby[0] != self.me:
+                self.loop.call_soon_threadsafe(self._adopt, record.standby)
+
+    def _adopt(self, standby: tuple[str, str]) -> None:
+        if self.mode != ALONE:
+            return
+        self.standby, self.mode = standby, CATCHING_UP
+        self.channel = grpc.aio.insecure_channel(standby[1], options=[
+            ("grpc.max_send_message_length", MAX_SHIPMENT_BYTES)])
+        self.stub = _rgrpc.StandbyStub(self.channel)
+        log.info("shard %d: standby %s at %s found: shipping its first state", self.shard, *standby)
+        self._kick.set()
+
+    # ------------------------------------------------------------------ shipping
+    def _capture(self, n: int) -> list[bytes]:
+        """On the state worker: shipment ``n``'s state, one moment of every partition."""
+        self.captured = n
+        return self._capture_states()
+
+    async def _ship_loop(self) -> None:
+        while True:
+            await self._kick.wait()
+            self._kick.clear()
+            if self.standby is None:
+                continue
+            self.started += 1
+            n, epoch = self.started, self.epoch
+            states = await self.runtime.offload(self._capture, n)
+            try:
+                await self.stub.Ship(_rpb.ShipRequest(job=self.job, shard=self.shard, epoch=epoch, shipment=n,
+                                                      primary=self.me, states=states), timeout=self.timeout,
+                                     metadata=self._metadata)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    self.mode = FENCED
+                    self._fence(self.shard, f"the standby refused shipment {n}: {e.details()}")
+                    return
+                await self._lose_standby(e)
+                continue
+            self.acked = n
+            self.count("replica_shipments")
+            nbytes = sum(len(s) for s in states)
+            self.shipped_bytes += nbytes
+            self.count("replica_bytes", nbytes)
+            if self.mode == CATCHING_UP:
+                await self._mark_in_sync()
+                continue
+            self._release(n)
+            if self._waiters:
+                self._kick.set()
+
+    async def _mark_in_sync(self) -> None:
+        """The standby holds a whole state: from the next epoch on, replies wait for it."""
+        ok = await self._etcd(self.roles.set_in_sync, self.epoch, self.standby[0])
+        if not ok:
+            self.mode = FENCED
+            self._fence(self.shard, f"etcd refused marking standby {self.standby[0]} in sync at epoch {self.epoch}")
+            return
+        self.epoch += 1
+        self.mode = REPLICATED
+        self.count("replica_catch_ups")
+        log.info("shard %d: standby %s caught up: replicated from epoch %d (replies wait for its acknowledgement)",
+                 self.shard, self.standby[0], self.epoch)
+        self._kick.set()  # a state of the new epoch: only one of it makes the standby eligible for promotion
+
+    async def _lose_standby(self, error: grpc.aio.AioRpcError) -> None:
+        """The standby did not acknowledge: drop it in etcd (a new epoch, nobody in sync), then answer alone."""
+        was = self.standby
+        self.count("replica_standby_lost")
+        if self.mode == REPLICATED:
+            ok = await self._etcd(self.roles.set_in_sync, self.epoch, "")
+            if not ok:
+                self.mode = FENCED
+                self._fence(self.shard, "etcd refused dropping the standby: a newer primary exists")
+                return
+            self.epoch += 1
+        self.mode, self.standby = ALONE, None
+        if self.channel is not None:
+            await self.channel.close()
+        self.channel = self.stub = None
+        log.warning("shard %d: standby %s did not answer (%s: %s): running unreplicated from epoch %d until a "
+                    "standby catches up", self.shard, was[0] if was else "?", error.code().name, error.details(),
+                    self.epoch)
+        self._release(None)
+
+    async def _etcd(self, fn, *args) -> bool:
+        """An etcd transaction off the loop, tried until etcd answers (the replies wait meanwhile)."""
+        while True:
+            try:
+                return await asyncio.to_thread(fn, *args)
+            except Exception as e:  # noqa: BLE001 -- etcd unreachable: counted, logged, tried again
+                self.count("replica_etcd_retries")
+                log.warning("shard %d: etcd did not answer (%s); trying again", self.shard, e)
+                await asyncio.sleep(self.poll)
+
+    def gauges(self) -> dict[str, float]:
+        return {"replicated": 1.0 if self.mode == REPLICATED else 0.0, "replica_epoch": float(self.epoch)}

@@ -1,0 +1,98 @@
+"""The standby's side of a shard's replication: it holds the newest state its primary shipped, and refuses any
+shipment of an epoch older than one it has seen.
+
+Why it serves nothing else: a standby listens only on its replication port; the shard's own port stays closed
+until it is promoted, so a trainer's channel (``--ps PRIMARY|STANDBY``, gRPC's pick-first over both addresses)
+can only ever connect to the replica that is primary now.  The state is kept as the shipped bytes (a checkpoint's
+payload per partition, psserver.state.checkpoint.ShardState) and read only at promotion.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+
+import grpc
+
+from psserver.protocol.proto import replica_pb2 as _rpb
+from psserver.protocol.proto import replica_pb2_grpc as _rgrpc
+
+log = logging.getLogger(__name__)
+
+MAX_SHIPMENT_BYTES = (2 << 30) - 1  # gRPC's own limit on one message: a shard's state past it cannot be shipped
+
+
+class StandbyService(_rgrpc.StandbyServicer):
+    """Holds the newest shipment of job ``job``'s shard ``shard``; ``fence`` closes it to older epochs."""
+
+    def __init__(self, job: str, shard: int):
+        self.job, self.shard = job, shard
+        self._lock = threading.Lock()
+        self.epoch_seen = 0  # the newest epoch of a shipment taken or of a promotion
+        self.held_epoch: int | None = None  # the epoch of the state held (None: nothing shipped yet)
+        self.states: list[bytes] = []
+        self.shipment = 0
+        self.shipments = 0  # taken, for the log and the tests
+        self.refused = 0
+
+    def Ship(self, request, context):
+        if request.job != self.job or request.shard != self.shard:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"shipment names job {request.job!r} shard {request.shard}, but this standby is of job "
+                          f"{self.job!r} shard {self.shard}")
+        with self._lock:
+            if request.epoch < self.epoch_seen:
+                self.refused += 1
+                log.warning("shard %d standby: refused a shipment of epoch %d from %s: it has seen epoch %d "
+                            "(that primary was replaced)", self.shard, request.epoch, request.primary,
+                            self.epoch_seen)
+                context.set_trailing_metadata((("ps-reason", "fenced"),))
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"fenced: shipment of epoch {request.epoch}, but this replica has seen epoch "
+                              f"{self.epoch_seen}: a newer primary holds shard {self.shard}")
+            if self.held_epoch is None:
+                log.info("shard %d standby: first state from primary %s (epoch %d, %d bytes)", self.shard,
+                         request.primary, request.epoch, sum(len(s) for s in request.states))
+            self.epoch_seen = max(self.epoch_seen, request.epoch)
+            self.held_epoch, self.states, self.shipment = request.epoch, list(request.states), request.shipment
+            self.shipments += 1
+            return _rpb.ShipReply(epoch=self.epoch_seen, shipment=request.shipment)
+
+    def held(self) -> tuple[int | None, list[bytes]]:
+        with self._lock:
+            return self.held_epoch, self.states
+
+    def fence(self, epoch: int) -> tuple[int | None, list[bytes]]:
+        """From now on refuse shipments older than ``epoch``; returns the state held at that moment (a shipment
+        acknowledged before it is in it)."""
+        with self._lock:
+            self.epoch_seen = max(self.epoch_seen, epoch)
+            return self.held_epoch, self.states
+
+
+class StandbyServer:
+    """The standby's replication port (a thread-pool gRPC server: one shipment at a time is all it takes)."""
+
+    def __init__(self, service: StandbyService, host: str, port: int, interceptors=()):
+        self.service = service
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="standby"),
+                                  interceptors=list(interceptors),
+                                  options=[("grpc.max_receive_message_length", MAX_SHIPMENT_BYTES),
+                                           ("grpc.so_reuseport", 0)])
+        _rgrpc.add_StandbyServicer_to_server(service, self.server)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {host}:{port} (--replica-port): the address is in use or not local")
+        self.host = host
+
+    def start(self) -> "StandbyServer":
+        self.server.start()
+        return self
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        self.server.stop(0).wait()
