@@ -19,6 +19,7 @@ The names that moved are imported from here as before.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -66,6 +67,7 @@ from trainer.registering import (  # noqa: F401 (re-exported: imported from here
 )
 
 T = TypeVar("T")
+REPLICATED_MAX_BACKOFF = 0.25  # seconds between retries, at most, of a shard with a hot standby
 
 
 class ShardCallsFailed(grpc.RpcError, RuntimeError):
@@ -112,6 +114,11 @@ class ShardClient(Registering, DenseCalls, RetriedCalls):
         self.outgoing = OutgoingPush(chunk_bytes, compressor)  # the next push's number and kept pairs
         self.fingerprint, self.counters, self.chunk_bytes = fingerprint, counters, chunk_bytes
         self.call_timeout, self.retry = call_timeout, retry
+        # A shard with a hot standby (``PRIMARY|STANDBY``, docs/standby.md): a failover takes about a second, so
+        # its calls and its channel's reconnects retry at least every quarter second, not every two.
+        replicated = "|" in address
+        if replicated:
+            self.retry = dataclasses.replace(retry, max_backoff=min(retry.max_backoff, REPLICATED_MAX_BACKOFF))
         self.last_answer: tuple[int, PushOutcome] | None = None  # (sequence, outcome) of the last answered push
         self.epoch_seen = 0  # the membership epoch of the newest weights received (docs/elastic.md)
         self.epoch_round = -1  # ... and those weights' version: the round the epoch is named for
@@ -136,7 +143,7 @@ class ShardClient(Registering, DenseCalls, RetriedCalls):
                 # Reconnect quickly after a dropped connection or a restarted shard (gRPC's default waits 1 s+).
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.min_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 2000),
+                ("grpc.max_reconnect_backoff_ms", int(REPLICATED_MAX_BACKOFF * 1000) if replicated else 2000),
                 # Pulls run on the calling thread: no channel-spin thread started per call.
                 (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
             ],

@@ -25,7 +25,7 @@ from psserver.common.cli_support import EnvArgumentParser, run_cli, setup_loggin
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rules import Mode
 from psserver.protocol.stubs import fetch_stat
-from trainer import console, elastic_cluster, elastic_schedule, reshard_cluster
+from trainer import console, elastic_cluster, elastic_schedule, reshard_cluster, standby_cluster
 from trainer.choices import (
     CRITEO_BATCH,
     DATASETS,
@@ -96,6 +96,12 @@ def build_parser() -> EnvArgumentParser:
                    help="sync, dense: start the extra shards empty and move the job onto the first M live when "
                         "shard 0 reaches ROUND, step after step (a smaller M drains the last shards, then stops "
                         "them); the summary shows each hand-off (docs/design/handoff-io.md)")
+    p.add_argument("--standbys", type=int, default=0, metavar="N",
+                   help="1: every shard gets a hot standby and an etcd decides which replica is primary; a killed "
+                        "primary costs no step (docs/standby.md; default 0)")
+    p.add_argument("--kill-primary", default="", metavar="SHARD@ROUND[,...]",
+                   help="with --standbys 1: SIGKILL that shard's primary when its version reaches ROUND; the "
+                        "summary's failovers say how long the shard took to go on")
     p.add_argument("--eval-every", type=int, default=20, help="rank 0 evaluates every N steps (for the plot)")
     p.add_argument("--seed", type=int, default=0, help="model init and data order, the same on every trainer (default 0)")
     p.add_argument("--job-id", default="", help="names the run's job (default: a fresh id per run)")
@@ -278,7 +284,8 @@ def print_summary(s: dict) -> None:
                               + (f" (+{len(elastic_schedule.parse(s['scaling']['schedule']))} joining)"
                                  if "scaling" in s else "")
                               + (f" (re-sharded live: {' -> '.join(str(n) for n in reshard_counts(s))} shards)"
-                                 if "reshard" in s else "")),
+                                 if "reshard" in s else "")
+                              + (" (+ a hot standby each)" if "failovers" in s else "")),
         *((("stopped early by", ", ".join(s["stopped"])),) if s.get("stopped") else ()),
         score,
         *by_rank_row(s),
@@ -299,6 +306,10 @@ def print_summary(s: dict) -> None:
           if "membership" in s else ()),
         *(elastic_schedule.summary_rows(s["scaling"]) if "scaling" in s else ()),
         *(reshard_cluster.steps_rows(s["reshard"]) if "reshard" in s else ()),
+        *((("failovers", "; ".join(
+            f"shard {f['shard']} at version {f['round']}: went on after "
+            + (f"{f['seconds']:.2f} s, {f['steps_lost']} versions lost" if f["seconds"] is not None else "?")
+            for f in s["failovers"]) or "none"),) if "failovers" in s else ()),
         ("run folder", s["run_dir"]),
     ]
     width = max(len(k) for k, _ in rows)
@@ -348,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.elastic:
         elastic_cluster.check(args)
     moves = reshard_cluster.check(args) if args.reshard else []
+    kills = standby_cluster.check(args)
     grow_to = max([args.shards] + [m for m, _ in moves])
     run = Path(args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{args.mode}")
     check_trainer_flags(args, run)
@@ -362,14 +374,22 @@ def main(argv: list[str] | None = None) -> int:
     watched: list[Proc] = []  # the shards follow() stops the run for: --reshard takes the drained ones off
     trainers: list[Proc] = []
     scenario = None
+    replicas = standby_cluster.StandbyCluster(run, args.shards, kills, args.host) if args.standbys else None
     t0 = time.monotonic()
     log.info("starting %s on %s (run folder %s) ...", plural(grow_to, "shard"), args.host, run)
     try:
-        shards += start_shards(grow_to, run, host=args.host,
-                               on_up=lambda s: log.info("%s up at %s after %.1f s", s.name, s.address,
-                                                        time.monotonic() - t0))
-        watched += shards
-        ps = ",".join(s.address for s in shards[:args.shards])  # --reshard: the rest start empty
+        def up(s: Proc) -> None:
+            log.info("%s up at %s after %.1f s", s.name, s.address, time.monotonic() - t0)
+
+        if replicas is not None:  # every shard a primary and a standby (trainer.standby_cluster)
+            ps = replicas.start(args.job_id, up)
+            shards += replicas.processes
+            watched += replicas.watched()
+            scenario = replicas
+        else:
+            shards += start_shards(grow_to, run, host=args.host, on_up=up)
+            watched += shards
+            ps = ",".join(s.address for s in shards[:args.shards])  # --reshard: the rest start empty
         log.info("%s up; starting %s (%s mode) with --ps %s", plural(grow_to, "shard"),
                  plural(args.trainers, "trainer"), args.mode, ps)
         for r in range(args.trainers):
@@ -382,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
             trainer_env(args.trainers, ranks)) if args.elastic else elastic_schedule.ScheduleScenario(
             args, run, ps, trainers, shards, lambda r: trainer_args(args, r, run),
             lambda r: trainer_env(r, ranks)) if args.elastic_schedule else reshard_cluster.ReshardSteps(
-            moves, args.shards, shards, watched, run) if args.reshard else None
+            moves, args.shards, shards, watched, run) if args.reshard else scenario
         codes = follow(trainers, watched, progress, args.timeout, t0, scenario.poll if scenario else None)
         wall = time.monotonic() - t0
         if args.elastic_schedule:  # the load and the CPU samples of the run, for the summary
@@ -392,20 +412,27 @@ def main(argv: list[str] | None = None) -> int:
             codes.update({p.name: r[0] for p, r in zip(scenario.procs, results)})
             args.handoff = reshard_cluster.handoffs(results, read_records(run / "trainer0.jsonl"), moves,
                                                     args.shards)
-        stats = [shard_stats(s.address) for s in watched]  # a drained shard was stopped: no stats
+        stats = ([shard_stats(a) for a in ps.split(",")] if replicas is not None else
+                 [shard_stats(s.address) for s in watched])  # a drained shard was stopped: no stats
     finally:
         # Trainers first, all at once (each finishes its step and leaves), then the shards (final checkpoints);
         # a second Ctrl-C meanwhile kills what is left rather than leaving shards behind.
         try:
             terminate_all(trainers)
             terminate_all(shards)
+            if replicas is not None:
+                replicas.stop_etcd()
         finally:
-            for p in trainers + shards + coordinators(scenario):
+            for p in trainers + shards + coordinators(scenario) + ([replicas.etcd] if replicas and replicas.etcd
+                                                                   else []):
                 p.kill()
     for s in shards:
         codes[s.name] = s.popen.returncode
-    failed = [p for p in trainers + shards + coordinators(scenario) if p.popen.returncode != 0]
+    killed = {replicas.primaries[f.shard].name for f in replicas.failovers} if replicas is not None else set()
+    failed = [p for p in trainers + shards + coordinators(scenario) if p.popen.returncode != 0 and p.name not in killed]
     summary = summarize(args, run, progress, stats, codes, wall)
+    if replicas is not None:
+        summary["failovers"] = replicas.summary()
     if not failed and args.dataset not in REC_DATASETS:  # trainer.plots draws accuracy, which ratings runs lack
         try:
             from trainer.plots import plot_runs

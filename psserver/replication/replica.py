@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -34,6 +35,21 @@ class ReplicaOptions:
     ship_timeout: float = 2.0  # seconds a shipment may take before the standby is dropped
 
 
+def refuses_connections(address: str, timeout: float = 0.2) -> bool:
+    """Whether ``address`` refuses a TCP connection now (nothing listens: the process is gone).  A timeout is
+    not a refusal: a paused or cut-off primary is left to its lease."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or host.strip("[]") in ("0.0.0.0", "::"):  # (not where it can be reached)
+        return False
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+
+
 class Replica:
     """Runs a shard's replica until it is primary (``start`` returns its ShardServer) or ``stop`` is set."""
 
@@ -42,7 +58,7 @@ class Replica:
 
         self.cfg, self.opts = cfg, opts
         self.store = store or EtcdStore(opts.etcd)
-        self.roles = Roles(self.store, opts.job, cfg.shard, opts.replica)
+        self.roles = Roles(self.store, opts.job, cfg.shard, opts.replica, address=f"{cfg.host}:{cfg.port}")
         self.server_factory = server_factory or ShardServer
         self.replicator: Replicator | None = None
         self.standby: StandbyServer | None = None
@@ -98,17 +114,23 @@ class Replica:
         log.info("shard %d: replica %s is a standby (replication port %s); the shard's port opens if it is "
                  "promoted", self.cfg.shard, self.opts.replica, self.standby.address)
         on_standby(f"{self.cfg.host}:{self.cfg.port}")
-        said = None
+        said, refusals = None, 0
         while not stop.wait(self.opts.lease_seconds / 8):
             try:
                 record = self.roles.read()
             except Exception as e:  # noqa: BLE001 -- etcd unreachable: no promotion without it
                 log.warning("shard %d: reading etcd failed: %s", self.cfg.shard, e)
                 continue
-            if record.primary is not None:
-                continue
             held, _ = service.held()
-            if held is None or record.in_sync != self.opts.replica or record.epoch != held:
+            eligible = held is not None and record.in_sync == self.opts.replica and record.epoch == held
+            if record.primary is not None:
+                # a primary whose port refuses connections twice running is a dead process: no need to wait
+                # for its lease (a paused or cut-off one is waited for)
+                refusals = refusals + 1 if eligible and refuses_connections(record.primary_address) else 0
+                if refusals < 2 or not self.roles.take_over(record.epoch, record.primary_value):
+                    continue
+                how = f"its primary {record.primary}'s port refused connections"
+            elif not eligible:
                 why = (f"the primary is gone but this standby does not hold its newest state (etcd: epoch "
                        f"{record.epoch}, in sync {record.in_sync or 'nobody'}; held: epoch {held}); restart a "
                        f"replica with --restore to resume from its checkpoint")
@@ -116,17 +138,18 @@ class Replica:
                     log.warning("shard %d: %s", self.cfg.shard, why)
                     said = why
                 continue
-            t0 = time.monotonic()
-            if not self.roles.promote(record.epoch):
+            elif not self.roles.promote(record.epoch):
                 continue
+            else:
+                how = "its primary's lease expired"
+            t0 = time.monotonic()
             _, states = service.fence(record.epoch + 1)  # what was acknowledged before this is in ``states``
             self.standby.stop()
-            log.warning("shard %d: replica %s promoted to primary at epoch %d (%d shipments taken)",
-                        self.cfg.shard, self.opts.replica, record.epoch + 1, service.shipments)
+            log.warning("shard %d: replica %s promoted to primary at epoch %d: %s (%d shipments taken)",
+                        self.cfg.shard, self.opts.replica, record.epoch + 1, how, service.shipments)
             server = self._serve(states, record.epoch + 1)
             server.shard.wide.count("replica_promotions")
-            log.info("shard %d: serving %.3f s after the promotion's transaction", self.cfg.shard,
-                     time.monotonic() - t0)
+            log.info("shard %d: serving %.3f s after the promotion", self.cfg.shard, time.monotonic() - t0)
             return server
         if self.standby is not None:
             self.standby.stop()

@@ -5,7 +5,8 @@ etcd's consensus decides; this module only names the keys and the transactions. 
 ``/psgrpc/<job>/shard/<i>/``:
 
 * ``epoch``   -- the replication epoch.  Every change of roles bumps it, in the same transaction as the change.
-* ``primary`` -- the primary's replica id, attached to its lease: it vanishes when the primary stops renewing.
+* ``primary`` -- "<id> <address>" of the primary (its shard port), attached to its lease: it vanishes when the
+  primary stops renewing.
 * ``in_sync`` -- the standby whose acknowledgement the primary waits for before it answers ("" for none).
 * ``standby`` -- "<id> <address>" of a standby offering itself, attached to the standby's lease.
 
@@ -13,7 +14,9 @@ The rules (docs/standby.md):
 
 * A shard's first replica takes the primary role only while no ``epoch`` exists (``start_fresh``).
 * A standby is promoted only while ``primary`` is gone, ``in_sync`` names it and ``epoch`` is the epoch of the
-  last state it acknowledged (``promote``): the primary answered nothing it did not hold.
+  last state it acknowledged (``promote``): the primary answered nothing it did not hold.  It may also take over
+  from a primary whose port refuses connections (a dead process: ``take_over``), before its lease runs out --
+  safe for the same reason: were that primary alive, its next shipment would be refused under the new epoch.
 * A primary marks a standby in sync, or drops it, only while ``primary`` is still its own and ``epoch`` unchanged
   (``set_in_sync``); a failed transaction means it was replaced -- it is *fenced* and stops.
 * A replica started with ``--restore`` takes over from its checkpoint only while no replica is in sync
@@ -42,6 +45,8 @@ class Record:
 
     epoch: int | None  # None: no replica of this shard ever started
     primary: str | None  # the primary's replica id; None while no lease holds the key
+    primary_address: str  # its shard port's HOST:PORT ("" if none)
+    primary_value: str  # the key's whole value (what ``take_over`` compares)
     in_sync: str  # the standby the primary waits for ("" none)
     standby: tuple[str, str] | None  # (replica id, replication address) of a standby offering itself
 
@@ -68,8 +73,10 @@ class Store(Protocol):
 class Roles:
     """The transactions of one replica (``me``) of shard ``shard`` in job ``job``."""
 
-    def __init__(self, store: Store, job: str, shard: int, me: str):
+    def __init__(self, store: Store, job: str, shard: int, me: str, address: str = ""):
+        """``address``: this replica's shard port, published while it is primary."""
         self.store, self.me = store, me
+        self.value = f"{me} {address}".strip()  # the primary key's value while this replica holds it
         self.prefix = f"/psgrpc/{job}/shard/{shard}/"
 
     def _key(self, name: str) -> str:
@@ -80,13 +87,16 @@ class Roles:
         epoch = kv.get(self._key("epoch"))
         standby = kv.get(self._key("standby"))
         sid, _, address = (standby or "").partition(" ")
-        return Record(epoch=int(epoch) if epoch is not None else None, primary=kv.get(self._key("primary")),
-                      in_sync=kv.get(self._key("in_sync"), ""), standby=(sid, address) if standby else None)
+        primary = kv.get(self._key("primary"))
+        pid, _, paddress = (primary or "").partition(" ")
+        return Record(epoch=int(epoch) if epoch is not None else None, primary=pid if primary else None,
+                      primary_address=paddress, primary_value=primary or "", in_sync=kv.get(self._key("in_sync"), ""),
+                      standby=(sid, address) if standby else None)
 
     def start_fresh(self) -> bool:
         """The shard's first replica: primary at epoch 1, while no epoch exists."""
         return self.store.txn([(self._key("epoch"), ABSENT)],
-                              [(self._key("epoch"), "1", False), (self._key("primary"), self.me, True),
+                              [(self._key("epoch"), "1", False), (self._key("primary"), self.value, True),
                                (self._key("in_sync"), "", False)])
 
     def promote(self, epoch: int) -> bool:
@@ -94,18 +104,25 @@ class Roles:
         it acknowledged in ``epoch``."""
         return self.store.txn([(self._key("epoch"), str(epoch)), (self._key("primary"), ABSENT),
                                (self._key("in_sync"), self.me)],
-                              [(self._key("epoch"), str(epoch + 1), False), (self._key("primary"), self.me, True),
+                              [(self._key("epoch"), str(epoch + 1), False), (self._key("primary"), self.value, True),
+                               (self._key("in_sync"), "", False)], [self._key("standby")])
+
+    def take_over(self, epoch: int, dead_primary: str) -> bool:
+        """As ``promote``, from a primary still named (``dead_primary``: its key's value) whose process is gone."""
+        return self.store.txn([(self._key("epoch"), str(epoch)), (self._key("primary"), dead_primary),
+                               (self._key("in_sync"), self.me)],
+                              [(self._key("epoch"), str(epoch + 1), False), (self._key("primary"), self.value, True),
                                (self._key("in_sync"), "", False)], [self._key("standby")])
 
     def take_over_restored(self, epoch: int) -> bool:
         """A replica restored from its checkpoint becomes primary: the primary is gone and no standby is in sync."""
         return self.store.txn([(self._key("epoch"), str(epoch)), (self._key("primary"), ABSENT),
                                (self._key("in_sync"), "")],
-                              [(self._key("epoch"), str(epoch + 1), False), (self._key("primary"), self.me, True)])
+                              [(self._key("epoch"), str(epoch + 1), False), (self._key("primary"), self.value, True)])
 
     def set_in_sync(self, epoch: int, standby: str) -> bool:
         """The primary waits for ``standby`` from ``epoch + 1`` on ("" : for nobody); False: it was replaced."""
-        return self.store.txn([(self._key("epoch"), str(epoch)), (self._key("primary"), self.me)],
+        return self.store.txn([(self._key("epoch"), str(epoch)), (self._key("primary"), self.value)],
                               [(self._key("epoch"), str(epoch + 1), False), (self._key("in_sync"), standby, False)])
 
     def offer_standby(self, address: str) -> None:

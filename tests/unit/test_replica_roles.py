@@ -155,3 +155,21 @@ def test_a_standby_offer_lapses_with_its_lease(etcd):
     assert a.read().standby == ("b", "127.0.0.1:9")
     tick(etcd, 2.5, a)
     assert a.read().standby is None
+
+
+def test_a_standby_takes_over_from_a_dead_primary_only_while_that_primary_is_still_the_one_named(etcd):
+    """``take_over`` (a primary whose port refuses connections) compares the primary's whole key: it cannot
+    displace a primary that changed meanwhile, and it needs the standby in sync at the epoch it names."""
+    a = Roles(etcd.client(), "job", 0, "a", address="127.0.0.1:1")
+    a.store.grant(2)
+    b, c = replica(etcd, "b"), replica(etcd, "c")
+    a.start_fresh()
+    assert b.read().primary_value == "a 127.0.0.1:1" and b.read().primary_address == "127.0.0.1:1"
+    assert not b.take_over(1, "a 127.0.0.1:1")  # not in sync
+    a.set_in_sync(1, "b")
+    assert not c.take_over(2, "a 127.0.0.1:1")  # in sync is b
+    assert not b.take_over(2, "x 127.0.0.1:9")  # another primary than the one found dead
+    assert b.take_over(2, "a 127.0.0.1:1")
+    record = c.read()
+    assert (record.epoch, record.primary, record.in_sync) == (3, "b", "")
+    assert not a.set_in_sync(3, "")  # the displaced primary, were it alive, can change nothing
