@@ -6,6 +6,7 @@ first round its new primary closed) and how many of its versions were rolled bac
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -46,9 +47,10 @@ def check(args) -> list[tuple[int, int]]:
 class Failover:
     shard: int
     round: int  # the version at which its primary was killed
+    acknowledged: int = 0  # the newest version of it any trainer had been answered with by then
     killed_at: float = 0.0
     seconds: float | None = None  # from the kill to the first round the new primary closed
-    steps_lost: int | None = None  # the versions its standby did not hold (0: nothing acknowledged lost)
+    steps_lost: int | None = None  # acknowledged versions its standby did not hold (0: nothing lost)
 
 
 @dataclass
@@ -104,16 +106,29 @@ class StandbyCluster:
             if stats is not None and stats.version >= at:
                 self.primaries[shard].kill()
                 self.kills.remove((shard, at))
-                self.failovers.append(Failover(shard, int(stats.version), time.monotonic()))
+                self.failovers.append(Failover(shard, int(stats.version), self._acknowledged(shard), time.monotonic()))
                 log.warning("killed shard %d's primary (SIGKILL) at version %d", shard, stats.version)
         for f in self.failovers:
             if f.seconds is None:
                 stats = _stats(self.standbys[f.shard].address)
                 if stats is not None and stats.version > f.round:
                     f.seconds = time.monotonic() - f.killed_at
-                    f.steps_lost = max(0, f.round - int(stats.counters.get("restored_version", f.round)))
+                    f.steps_lost = max(0, f.acknowledged - int(stats.counters.get("restored_version", 0)))
                     log.warning("shard %d went on on its standby %.2f s after the kill (%d versions lost)",
                                 f.shard, f.seconds, f.steps_lost)
+
+    def _acknowledged(self, shard: int) -> int:
+        """The newest version of ``shard`` the trainers' metrics say they were answered with (their step lines)."""
+        newest = 0
+        for path in self.run.glob("trainer*.jsonl"):
+            for line in reversed(path.read_text(errors="replace").splitlines()[-50:]):
+                if '"versions"' in line:
+                    try:
+                        newest = max(newest, int(json.loads(line)["versions"][shard]))
+                    except (ValueError, KeyError, IndexError):
+                        continue
+                    break
+        return newest
 
     def summary(self) -> list[dict]:
         return [dict(shard=f.shard, round=f.round, seconds=None if f.seconds is None else round(f.seconds, 3),

@@ -105,3 +105,22 @@ def test_a_primary_paused_past_its_lease_is_fenced_when_it_wakes(tmp_path, etcd)
     check_nothing_lost(done, stats)
     assert a.popen.wait(30) == 3
     assert "fenced" in a.log_path.read_text()
+
+
+def test_ps_cluster_standbys_survive_kill_9_of_both_primaries_with_nothing_lost(tmp_path):
+    """`ps-cluster --standbys 1 --kill-primary` as a user runs it: each shard's primary killed at its round, the
+    run finishes every step, and the summary's failovers say how long each shard took and that it lost nothing."""
+    from tests.cluster.test_cluster_elastic import run_cluster
+
+    run = tmp_path / "run"
+    proc = run_cluster(["--shards", "2", "--trainers", "2", "--standbys", "1", "--kill-primary", "0@15,1@40",
+                        "--steps", "60", "--model", "mlp", "--dataset", "synthetic", "--batch-size", "8",
+                        "--device", "cpu", "--run-dir", str(run)], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert [(f["shard"], f["steps_lost"]) for f in summary["failovers"]] == [(0, 0), (1, 0)], summary["failovers"]
+    assert all(f["round"] >= at and f["seconds"] > 0 for f, at in zip(summary["failovers"], (15, 40)))
+    assert summary["steps"] == [60, 60] and summary["steps_lost"] == 0 and summary["rounds"] == 60
+    assert summary["pushes_applied"] == 2 * 2 * 60  # both shards, every round's two pushes once
+    assert summary["exit_codes"]["shard0-a"] == summary["exit_codes"]["shard1-a"] == -9
+    assert "failovers" in proc.stdout and "0 versions lost" in proc.stdout
