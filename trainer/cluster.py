@@ -382,9 +382,7 @@ def main(argv: list[str] | None = None) -> int:
             log.info("%s up at %s after %.1f s", s.name, s.address, time.monotonic() - t0)
 
         if replicas is not None:  # every shard a primary and a standby (trainer.standby_cluster)
-            ps = replicas.start(args.job_id, up)
-            shards += replicas.processes
-            watched += replicas.watched()
+            ps = replicas.start(args.job_id, watched, up)
             scenario = replicas
         else:
             shards += start_shards(grow_to, run, host=args.host, on_up=up)
@@ -419,20 +417,23 @@ def main(argv: list[str] | None = None) -> int:
         # a second Ctrl-C meanwhile kills what is left rather than leaving shards behind.
         try:
             terminate_all(trainers)
-            terminate_all(shards)
+            terminate_all(shards + (replicas.processes if replicas is not None else []))
             if replicas is not None:
                 replicas.stop_etcd()
         finally:
-            for p in trainers + shards + coordinators(scenario) + ([replicas.etcd] if replicas and replicas.etcd
-                                                                   else []):
+            for p in trainers + shards + coordinators(scenario) + (
+                    replicas.processes + ([replicas.etcd] if replicas.etcd else []) if replicas else []):
                 p.kill()
+    shards += replicas.processes if replicas is not None else []
     for s in shards:
         codes[s.name] = s.popen.returncode
-    killed = {replicas.primaries[f.shard].name for f in replicas.failovers} if replicas is not None else set()
+    killed = replicas.killed() if replicas is not None else set()
     failed = [p for p in trainers + shards + coordinators(scenario) if p.popen.returncode != 0 and p.name not in killed]
     summary = summarize(args, run, progress, stats, codes, wall)
     if replicas is not None:
         summary["failovers"] = replicas.summary()
+        summary["replication"] = {k: int(sum(st.counters.get(f"replica_{k}", 0) for st in stats if st is not None))
+                                  for k in ("shipments", "bytes")}  # since each shard's last promotion
     if not failed and args.dataset not in REC_DATASETS:  # trainer.plots draws accuracy, which ratings runs lack
         try:
             from trainer.plots import plot_runs
@@ -452,6 +453,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.reshard and missed:
         raise RuntimeError(f"the job ended before step {missed[0]} of --reshard {args.reshard} was done; "
                            f"hint: smaller ROUNDs in --reshard, or more --steps")
+    if replicas is not None and replicas.missed():
+        raise RuntimeError(f"the job ended before --kill-primary {','.join(replicas.missed())} was done (a shard is "
+                           f"killed again only once its restarted replica caught up); hint: more --steps")
     print_summary(summary)
     return 0
 

@@ -114,22 +114,26 @@ def test_a_primary_paused_past_its_lease_is_fenced_when_it_wakes(tmp_path, etcd)
     assert "fenced" in a.log_path.read_text()
 
 
-def test_ps_cluster_standbys_survive_kill_9_of_both_primaries_with_nothing_lost(tmp_path):
-    """`ps-cluster --standbys 1 --kill-primary` as a user runs it: each shard's primary killed at its round, the
-    run finishes every step, and the summary's failovers say how long each shard took and that it lost nothing."""
+def test_ps_cluster_standbys_survive_three_kill_9s_with_nothing_lost_and_the_killed_replicas_rejoin(tmp_path):
+    """`ps-cluster --standbys 1 --kill-primary` as a user runs it: shard 0's primary killed, its replica restarted
+    as the standby, caught up, and the new primary killed too; shard 1's killed once.  The run finishes every
+    step, and the summary's failovers say how long each took and that nothing was lost."""
     from tests.cluster.test_cluster_elastic import run_cluster
 
-    run = tmp_path / "run"
-    proc = run_cluster(["--shards", "2", "--trainers", "2", "--standbys", "1", "--kill-primary", "0@15,1@40",
-                        "--steps", "60", "--model", "mlp", "--dataset", "synthetic", "--batch-size", "8",
-                        "--device", "cpu", "--run-dir", str(run)], timeout=300)
+    run, steps = tmp_path / "run", 400
+    proc = run_cluster(["--shards", "2", "--trainers", "2", "--standbys", "1", "--kill-primary", "0@15,1@30,0@350",
+                        "--steps", str(steps), "--straggler-delay", "0.05", "--model", "mlp", "--dataset",
+                        "synthetic", "--batch-size", "8", "--device", "cpu", "--run-dir", str(run)], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
-    assert [(f["shard"], f["steps_lost"]) for f in summary["failovers"]] == [(0, 0), (1, 0)], summary["failovers"]
-    assert all(f["round"] >= at and f["seconds"] > 0 for f, at in zip(summary["failovers"], (15, 40)))
-    assert summary["steps"] == [60, 60] and summary["steps_lost"] == 0 and summary["rounds"] == 60
-    assert summary["pushes_applied"] == 2 * 2 * 60  # both shards, every round's two pushes once
-    assert summary["exit_codes"]["shard0-a"] == summary["exit_codes"]["shard1-a"] == -9
+    failovers = summary["failovers"]
+    assert [(f["shard"], f["steps_lost"]) for f in failovers] == [(0, 0), (1, 0), (0, 0)], failovers
+    assert all(f["round"] >= at and f["seconds"] > 0 for f, at in zip(failovers, (15, 30, 350))), failovers
+    assert summary["steps"] == [steps, steps] and summary["steps_lost"] == 0 and summary["rounds"] == steps
+    assert summary["pushes_applied"] == 2 * 2 * steps  # both shards, every round's two pushes once
+    codes = summary["exit_codes"]
+    assert codes["shard0-a"] == codes["shard0-b"] == codes["shard1-a"] == -9, codes  # shard 0 lost both once
+    assert codes["shard0-a.2"] == 0 and codes["shard1-b"] == 0, codes
     assert "failovers" in proc.stdout and "0 versions lost" in proc.stdout
 
 
