@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 from psserver.replication.roles import EtcdStore, Roles
-from psserver.replication.shipper import Replicator, fence_now
+from psserver.replication.shipper import REPLICATED, Replicator, fence_now
 from psserver.replication.standby import StandbyServer, StandbyService
 
 log = logging.getLogger(__name__)
@@ -67,8 +67,10 @@ class Replica:
 
     # ------------------------------------------------------------------ the lease
     def _keep_lease(self, stop: threading.Event) -> None:
-        """Renew the lease every third of its time.  Lost while primary (expired, or not renewed for a whole
-        lease time): another replica may have been promoted -- this one stops."""
+        """Renew the lease every third of its time.  Lost while primary -- etcd says it expired, or, while no
+        standby acknowledges this primary's answers, etcd could not be reached for a whole lease time -- another
+        replica may have been promoted: this one stops.  (A replicated primary whose etcd is unreachable goes on:
+        its standby's acknowledgements show no other replica was promoted.)"""
         period = self.opts.lease_seconds / 3
         while not stop.wait(period):
             try:
@@ -79,7 +81,8 @@ class Replica:
             else:
                 if alive:
                     self._renewed = time.monotonic()
-            lapsed = time.monotonic() - self._renewed > self.opts.lease_seconds
+            lapsed = time.monotonic() - self._renewed > self.opts.lease_seconds and not (
+                self.replicator is not None and self.replicator.mode == REPLICATED)
             if self._primary and (not alive or lapsed):
                 fence_now(self.cfg.shard, "its etcd lease expired: a standby may have been promoted")
             if not alive and not self._primary:

@@ -23,6 +23,7 @@ import logging
 import os
 import sys
 import threading
+import time
 
 import grpc
 
@@ -37,6 +38,7 @@ FENCED_EXIT = 3  # the process's exit status when it finds itself replaced
 # Loop turns a shipment waits before its capture: a sync round's replies wake together, and each that reaches the
 # barrier after the capture began would need a shipment of its own (measured: 2 a round without, ~1 with).
 GATHER_TURNS = 3
+SHUN_SECONDS = 5.0  # a standby that failed a shipment is not adopted again this soon (a dead one's offer lingers)
 
 ALONE, CATCHING_UP, REPLICATED, FENCED = "alone", "catching_up", "replicated", "fenced"
 
@@ -71,6 +73,7 @@ class Replicator:
         self._kick = asyncio.Event()
         self._stop = threading.Event()
         self._task: asyncio.Task | None = None
+        self._shunned: dict[tuple[str, str], float] = {}  # a standby that failed: not adopted again until then
 
     # ------------------------------------------------------------------ replies
     async def barrier(self) -> None:
@@ -123,7 +126,8 @@ class Replicator:
                 self.loop.call_soon_threadsafe(self._fence, self.shard,
                                                f"etcd names {record.primary} primary (epoch {record.epoch})")
                 return
-            if record.standby is not None and record.standby[0] != self.me:
+            if record.standby is not None and record.standby[0] != self.me and \
+                    self._shunned.get(record.standby, 0) <= time.monotonic():
                 self.loop.call_soon_threadsafe(self._adopt, record.standby)
 
     def _adopt(self, standby: tuple[str, str]) -> None:
@@ -193,6 +197,7 @@ class Replicator:
     async def _lose_standby(self, error: grpc.aio.AioRpcError) -> None:
         """The standby did not acknowledge: drop it in etcd (a new epoch, nobody in sync), then answer alone."""
         was = self.standby
+        self._shunned[was] = time.monotonic() + SHUN_SECONDS  # its offer may outlive it by a lease
         self.count("replica_standby_lost")
         if self.mode == REPLICATED:
             ok = await self._etcd(self.roles.set_in_sync, self.epoch, "")
