@@ -52,6 +52,11 @@ def fence_now(shard: int, why: str) -> None:
     os._exit(FENCED_EXIT)
 
 
+def _connect(address: str):
+    channel = grpc.aio.insecure_channel(address, options=[("grpc.max_send_message_length", MAX_SHIPMENT_BYTES)])
+    return channel, _rgrpc.StandbyStub(channel)
+
+
 class Replicator:
     """The primary of shard ``shard`` at ``epoch``: ships ``capture()`` (on the state worker) to its standby.
 
@@ -59,11 +64,12 @@ class Replicator:
     replica's etcd transactions (psserver.replication.roles); ``count``: the shard's counters."""
 
     def __init__(self, *, shard: int, job: str, me: str, epoch: int, roles, runtime, loop, capture, count,
-                 timeout: float = 2.0, poll: float = 0.25, fence=fence_now, token: str = ""):
+                 timeout: float = 2.0, poll: float = 0.25, fence=fence_now, token: str = "", connect=None):
         self.shard, self.job, self.me, self.epoch, self.roles = shard, job, me, epoch, roles
         self.runtime, self.loop, self._capture_states, self.count = runtime, loop, capture, count
         self.timeout, self.poll, self._fence = timeout, poll, fence
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None  # the job's --auth-token
+        self._connect = connect or _connect  # address -> (channel, stub); the unit tests pass a fake
         self.mode = ALONE
         self.standby: tuple[str, str] | None = None  # (replica id, replication address)
         self.channel = self.stub = None
@@ -134,9 +140,7 @@ class Replicator:
         if self.mode != ALONE:
             return
         self.standby, self.mode = standby, CATCHING_UP
-        self.channel = grpc.aio.insecure_channel(standby[1], options=[
-            ("grpc.max_send_message_length", MAX_SHIPMENT_BYTES)])
-        self.stub = _rgrpc.StandbyStub(self.channel)
+        self.channel, self.stub = self._connect(standby[1])
         log.info("shard %d: standby %s at %s found: shipping its first state", self.shard, *standby)
         self._kick.set()
 

@@ -1,0 +1,156 @@
+"""The primary's barrier and shipments (psserver.replication.shipper) against a fake standby and fake etcd: no
+reply passes the barrier before a shipment captured after it was acknowledged; replies woken together share
+one shipment; a standby that stops answering is dropped in etcd before the waiting replies go on; a refused
+shipment fences the primary."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from psserver.replication.shipper import ALONE, CATCHING_UP, FENCED, REPLICATED, Replicator
+
+
+class FakeRoles:
+    def __init__(self):
+        self.calls, self.answer = [], True
+
+    def set_in_sync(self, epoch, standby):
+        self.calls.append((epoch, standby))
+        return self.answer
+
+    def read(self):  # (the watcher thread is not started in these tests)
+        raise AssertionError
+
+
+class FakeRuntime:
+    async def offload(self, fn, *args):
+        return fn(*args)
+
+
+class FakeStandby:
+    """Ship answers as ``self.next`` says: "ack", "refuse", "down"; or waits on ``gate`` first."""
+
+    def __init__(self):
+        self.shipped, self.next, self.gate = [], "ack", None
+
+    async def close(self):
+        pass
+
+    async def Ship(self, request, timeout=None, metadata=None):
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.next == "refuse":
+            raise grpc.aio.AioRpcError(grpc.StatusCode.FAILED_PRECONDITION, None, None, "fenced: epoch")
+        if self.next == "down":
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "connection refused")
+        self.shipped.append((request.epoch, request.shipment, list(request.states)))
+
+
+def make(state: dict):
+    loop = asyncio.get_running_loop()
+    standby, roles, fenced, counts = FakeStandby(), FakeRoles(), [], {}
+
+    def count(name, n=1):
+        counts[name] = counts.get(name, 0) + n
+
+    r = Replicator(shard=0, job="j", me="a", epoch=1, roles=roles, runtime=FakeRuntime(), loop=loop,
+                   capture=lambda: [str(state["v"]).encode()], count=count, poll=0.01,
+                   fence=lambda shard, why: fenced.append(why), connect=lambda address: (standby, standby))
+    r._task = loop.create_task(r._ship_loop())
+    return r, standby, roles, fenced, counts
+
+
+async def replicated(r, standby):
+    r._adopt(("b", "127.0.0.1:9"))
+    assert r.mode == CATCHING_UP
+    for _ in range(50):
+        await asyncio.sleep(0)
+        if r.mode == REPLICATED and standby.shipped and standby.shipped[-1][0] == 2:
+            return
+    raise AssertionError(f"not replicated: {r.mode}, {standby.shipped}")
+
+
+def run(coro):
+    asyncio.run(coro)
+
+
+def test_alone_the_barrier_lets_replies_go_at_once():
+    async def go():
+        r, *_ = make({"v": 0})
+        assert r.mode == ALONE
+        await asyncio.wait_for(r.barrier(), 1)
+    run(go())
+
+
+def test_catch_up_marks_the_standby_in_sync_and_ships_again_under_the_new_epoch():
+    async def go():
+        state = {"v": 5}
+        r, standby, roles, _, counts = make(state)
+        await replicated(r, standby)
+        assert roles.calls == [(1, "b")]
+        assert [(e, n) for e, n, _ in standby.shipped] == [(1, 1), (2, 2)]
+        assert counts["replica_catch_ups"] == 1
+    run(go())
+
+
+def test_a_reply_waits_for_a_shipment_that_holds_its_change():
+    async def go():
+        state = {"v": 1}
+        r, standby, *_ = make(state)
+        await replicated(r, standby)
+        standby.gate = asyncio.Event()
+        state["v"] = 2  # the call's change, then its reply reaches the barrier
+        waiting = asyncio.ensure_future(r.barrier())
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert not waiting.done()  # the standby has not acknowledged
+        standby.gate.set()
+        await asyncio.wait_for(waiting, 1)
+        assert standby.shipped[-1][2] == [b"2"]
+    run(go())
+
+
+def test_replies_that_reach_the_barrier_together_share_one_shipment():
+    async def go():
+        state = {"v": 1}
+        r, standby, *_ = make(state)
+        await replicated(r, standby)
+        before = len(standby.shipped)
+        state["v"] = 2
+        await asyncio.wait_for(asyncio.gather(*(r.barrier() for _ in range(8))), 1)
+        assert len(standby.shipped) == before + 1
+    run(go())
+
+
+def test_a_standby_that_stops_answering_is_dropped_in_etcd_before_the_waiting_replies_go():
+    async def go():
+        r, standby, roles, fenced, counts = make({"v": 1})
+        await replicated(r, standby)
+        standby.next = "down"
+        await asyncio.wait_for(r.barrier(), 1)
+        assert roles.calls == [(1, "b"), (2, "")]  # dropped under the epoch it was in sync at
+        assert (r.mode, r.epoch, r.standby, fenced) == (ALONE, 3, None, [])
+        assert counts["replica_standby_lost"] == 1
+    run(go())
+
+
+@pytest.mark.parametrize("how", ["refuse", "etcd"])
+def test_a_primary_that_was_replaced_is_fenced_and_its_reply_never_goes(how):
+    """Refused by the standby (a newer epoch), or its drop refused by etcd (no longer primary)."""
+    async def go():
+        r, standby, roles, fenced, _ = make({"v": 1})
+        await replicated(r, standby)
+        if how == "refuse":
+            standby.next = "refuse"
+        else:
+            standby.next, roles.answer = "down", False
+        waiting = asyncio.ensure_future(r.barrier())
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert r.mode == FENCED and len(fenced) == 1
+        assert not waiting.done()  # (the real fence ends the process here)
+        waiting.cancel()
+    run(go())
