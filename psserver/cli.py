@@ -220,13 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     scalar_log = ScalarLog(os.path.join(args.tensorboard, f"shard{args.shard}") if args.tensorboard else "")
     if args.metrics_port:
         check_bindable(args.host, args.metrics_port, "--metrics-port")  # before the shard serves, not after
+    replica = start_replica(parser, args, cfg) if args.etcd else None  # (its flags checked before anything starts)
     stop = threading.Event()  # (before the ready file: a launcher that reads it may signal at once)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
-    replica = None
     try:
-        if args.etcd:
-            replica = start_replica(parser, args, cfg)
+        if replica is not None:
             server = replica.start(stop, on_standby=lambda address: args.ready_file and write_ready_file(
                 args.ready_file, address))
             if server is None:

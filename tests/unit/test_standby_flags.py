@@ -1,0 +1,54 @@
+"""The hot standby's command-line mistakes (ps-server --etcd, ps-cluster --standbys / --kill-primary, a trainer's
+PRIMARY|STANDBY address): a one-line cause naming the flag, before anything starts."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from psserver import cli as server_cli
+from psserver.protocol.security import channel_target, parse_addresses
+from trainer import standby_cluster
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--shard", "0", "--etcd", "127.0.0.1:2379"], "--etcd needs --port"),
+    (["--shard", "0", "--port", "7000", "--etcd", "127.0.0.1:2379", "--lease-seconds", "0"], "--lease-seconds"),
+    (["--shard", "0", "--port", "7000", "--etcd", "127.0.0.1:2379", "--ship-timeout", "0"], "--ship-timeout"),
+    (["--shard", "0", "--port", "7000", "--etcd", "nowhere"], "give HOST:PORT"),
+])
+def test_ps_server_refuses_a_replica_it_cannot_run_naming_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        server_cli.main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def cluster_args(**kw):
+    return SimpleNamespace(**{"standbys": 1, "kill_primary": "", "shards": 2, "reshard": "", "elastic": False,
+                              "elastic_schedule": "", **kw})
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(standbys=2), "0 or 1 standby"),
+    (dict(standbys=0, kill_primary="0@5"), "needs --standbys 1"),
+    (dict(reshard="3@5"), "does not go with --reshard"),
+    (dict(kill_primary="2@5"), "shards 0..1"),
+    (dict(kill_primary="0@x"), "SHARD@ROUND"),
+    (dict(kill_primary="0@0"), "SHARD@ROUND"),
+    (dict(kill_primary="0@9,0@5"), "must increase"),
+])
+def test_ps_cluster_refuses_a_standby_scenario_it_cannot_run(kw, message):
+    with pytest.raises(ValueError, match=message):
+        standby_cluster.check(cluster_args(**kw))
+
+
+def test_ps_cluster_kills_are_read_in_order():
+    assert standby_cluster.check(cluster_args(kill_primary="0@5, 1@7,0@9")) == [(0, 5), (1, 7), (0, 9)]
+
+
+def test_a_shard_with_a_standby_is_one_address_entry_and_one_pick_first_channel_target():
+    assert parse_addresses("127.0.0.1:1|127.0.0.1:2,127.0.0.1:3") == ["127.0.0.1:1|127.0.0.1:2", "127.0.0.1:3"]
+    assert channel_target("127.0.0.1:1|localhost:2") == "ipv4:127.0.0.1:1,127.0.0.1:2"
+    assert channel_target("127.0.0.1:1") == "127.0.0.1:1"
+    with pytest.raises(ValueError, match="not HOST:PORT"):
+        parse_addresses("127.0.0.1:1|nope")
