@@ -133,6 +133,9 @@ def build_parser() -> EnvArgumentParser:
                         "renewing it (shorter: faster failover, more false ones on a loaded host)")
     r.add_argument("--replica-port", type=int, default=0,
                    help="the port a standby takes its primary's state on (0: pick one; published in etcd)")
+    r.add_argument("--replica-lag", type=int, default=0, metavar="K",
+                   help="answer trainers without waiting for the standby while it is at most K shipments (rounds) "
+                        "behind: faster steps, and a failover may roll back up to K rounds (default 0: no loss)")
     r.add_argument("--ship-timeout", type=float, default=2.0,
                    help="seconds a standby may take to acknowledge a state before the primary drops it and "
                         "runs unreplicated")
@@ -280,13 +283,15 @@ def start_replica(parser, args, cfg):
         parser.error("--etcd with --restore-from is not supported: re-shard the checkpoints first, then start replicas")
     if args.lease_seconds < 1:
         parser.error(f"--lease-seconds must be 1 or more (got {args.lease_seconds}): etcd grants whole seconds")
+    if args.replica_lag < 0:
+        parser.error(f"--replica-lag must be 0 or more (got {args.replica_lag})")
     if not args.ship_timeout > 0:
         parser.error(f"--ship-timeout must be more than 0 seconds (got {args.ship_timeout})")
     from psserver.replication.replica import Replica, ReplicaOptions
 
     opts = ReplicaOptions(etcd=args.etcd, replica=args.replica or f"{args.host}:{args.port}", job=args.job_name,
                           lease_seconds=args.lease_seconds, replica_port=args.replica_port,
-                          ship_timeout=args.ship_timeout)
+                          ship_timeout=args.ship_timeout, lag=args.replica_lag)
     try:
         return Replica(cfg, opts)
     except ValueError as e:

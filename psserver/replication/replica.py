@@ -33,6 +33,7 @@ class ReplicaOptions:
     lease_seconds: int = 2  # the primary's lease: how long after its death a standby may take over
     replica_port: int = 0  # the standby's replication port (0: pick one; etcd publishes it)
     ship_timeout: float = 2.0  # seconds a shipment may take before the standby is dropped
+    lag: int = 0  # replies go out while the standby is at most this many shipments behind (0: they wait for it)
 
 
 def refuses_connections(address: str, timeout: float = 0.2) -> bool:
@@ -170,7 +171,7 @@ class Replica:
                                      roles=self.roles, runtime=server.runtime, loop=server.loop,
                                      capture=server.capture_states, count=server.shard.wide.count,
                                      timeout=self.opts.ship_timeout, poll=self.opts.lease_seconds / 8,
-                                     token=self.cfg.security.token)
+                                     token=self.cfg.security.token, lag=self.opts.lag)
         server.service.replication = self.replicator
         self.replicator.start()
         return server

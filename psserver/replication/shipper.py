@@ -64,13 +64,16 @@ class Replicator:
     replica's etcd transactions (psserver.replication.roles); ``count``: the shard's counters."""
 
     def __init__(self, *, shard: int, job: str, me: str, epoch: int, roles, runtime, loop, capture, count,
-                 timeout: float = 2.0, poll: float = 0.25, fence=fence_now, token: str = "", connect=None):
+                 timeout: float = 2.0, poll: float = 0.25, fence=fence_now, token: str = "", connect=None,
+                 lag: int = 0):
+        """``lag``: replies go out without waiting while the standby is at most this many shipments behind
+        (``--replica-lag``: a failover may then roll back up to that many rounds, counted as steps lost)."""
         self.shard, self.job, self.me, self.epoch, self.roles = shard, job, me, epoch, roles
         self.runtime, self.loop, self._capture_states, self.count = runtime, loop, capture, count
         self.timeout, self.poll, self._fence = timeout, poll, fence
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None  # the job's --auth-token
         self._connect = connect or _connect  # address -> (channel, stub); the unit tests pass a fake
-        self.mode = ALONE
+        self.mode, self.lag = ALONE, lag
         self.standby: tuple[str, str] | None = None  # (replica id, replication address)
         self.channel = self.stub = None
         self.started = self.captured = self.acked = 0
@@ -89,10 +92,12 @@ class Replicator:
             return
         # a shipment started but not yet captured includes the caller's change; one captured may not
         want = self.started if self.started > self.captured else self.started + 1
-        if self.acked >= want:
+        if self.acked >= want - self.lag:  # (with a lag, a shipment is still due: the standby stays close behind)
+            if self.acked < want:
+                self._kick.set()
             return
         fut = self.loop.create_future()
-        self._waiters.append((want, fut))
+        self._waiters.append((want - self.lag, fut))  # released once the standby is within the lag of it
         self._kick.set()
         await fut
 

@@ -32,26 +32,27 @@ def etcd(tmp_path):
 MLP = ["--model", "mlp", "--dataset", "mnist5k", "--steps", str(STEPS), "--batch-size", "32"]
 
 
-def replicas(tmp_path, etcd, job: str, procs: list, checkpoints: bool = False):
+def replicas(tmp_path, etcd, job: str, procs: list, checkpoints: bool = False, extra: tuple = ()):
     """Shard 0 as replica a (the primary) and b (its standby), once b is in sync."""
     started = []
     for name in "ab":
         ckpt = ["--checkpoint-dir", str(tmp_path / f"{job}-{name}-ckpt")] if checkpoints else []
         started.append(start_shard(0, tmp_path / f"{job}-{name}.log", port=free_port(), extra_args=[
-            "--etcd", etcd.address, "--job-name", job, "--replica", name, "--lease-seconds", str(LEASE), *ckpt]))
+            "--etcd", etcd.address, "--job-name", job, "--replica", name, "--lease-seconds", str(LEASE), *ckpt,
+            *extra]))
         procs.append(started[-1])
     a, b = started
     wait_until(lambda: "caught up" in a.log_path.read_text(), "the standby in sync")
     return a, b
 
 
-def train(tmp_path, etcd, job: str, mode: str, fail=None, model=MLP, checkpoints: bool = False):
+def train(tmp_path, etcd, job: str, mode: str, fail=None, model=MLP, checkpoints: bool = False, extra: tuple = ()):
     """Two trainers running ``model``; ``fail(primary)`` at step ``FAIL_AT``.  Returns (the trainers' final
     metrics, the trained state dict, the replica that finished as primary's stats, the replicas); with
     ``checkpoints`` that replica is stopped (a final checkpoint) before it returns."""
     procs = []
     try:
-        a, b = replicas(tmp_path, etcd, job, procs, checkpoints)
+        a, b = replicas(tmp_path, etcd, job, procs, checkpoints, extra)
         metrics = [tmp_path / f"{job}-t{r}.jsonl" for r in range(2)]
         out = tmp_path / f"{job}-model.pt"
         trainers = [start_trainer(r, f"{a.address}|{b.address}", tmp_path / f"{job}-t{r}.log", [
@@ -93,10 +94,14 @@ def test_kill_9_of_a_sync_primary_loses_nothing_and_the_weights_are_bit_identica
     assert "promoted to primary" in b.log_path.read_text()
 
 
-def test_kill_9_of_an_async_primary_applies_every_push_exactly_once(tmp_path, etcd):
-    done, _, stats, _ = train(tmp_path, etcd, "async", "async", fail=lambda a, b: a.kill())
+@pytest.mark.parametrize("mode", ["async", "stale-timeout"])
+def test_kill_9_of_an_async_or_stale_timeout_primary_applies_every_push_exactly_once(tmp_path, etcd, mode):
+    """(stale-timeout's deadline, 5 s, is longer than a failover: every round still closes with both pushes.)"""
+    model = MLP + (["--sync-timeout", "5"] if mode == "stale-timeout" else [])
+    done, _, stats, _ = train(tmp_path, etcd, mode, mode, fail=lambda a, b: a.kill(), model=model)
     check_nothing_lost(done, stats)
-    assert stats.version == 2 * STEPS  # one optimizer step a push: none lost, none repeated
+    # async: one optimizer step a push; stale-timeout: one a round -- none lost, none repeated
+    assert stats.version == (2 * STEPS if mode == "async" else STEPS)
 
 
 def test_a_primary_paused_past_its_lease_is_fenced_when_it_wakes(tmp_path, etcd):
@@ -152,6 +157,17 @@ def test_training_goes_on_while_etcd_is_down(tmp_path, etcd):
     check_nothing_lost(done, stats)
     assert stats.counters["replica_promotions"] == 0 and stats.counters["replica_standby_lost"] == 0
     assert a.popen.returncode == b.popen.returncode == -signal.SIGKILL  # both served to the end (the cleanup's kill)
+
+
+def test_with_a_replica_lag_a_failover_rolls_back_at_most_that_many_rounds_and_counts_them(tmp_path, etcd):
+    """``--replica-lag 2``: replies do not wait for the standby while it is at most 2 shipments behind.  A kill -9
+    then loses at most 2 rounds; the trainers rejoin the promoted standby as a restored shard, count the rounds
+    it lacked in steps_lost, and finish every step."""
+    done, _, stats, _ = train(tmp_path, etcd, "lag", "sync", fail=lambda a, b: a.kill(),
+                              extra=("--replica-lag", "2"))
+    for d in done:
+        assert d["event"] == "done" and d["steps"] == STEPS and 0 <= d["steps_lost"] <= 2, d
+    assert stats.version == STEPS and stats.counters["replica_promotions"] == 1
 
 
 MOVIELENS_STEPS = 78  # one epoch: 80,000 training ratings / (2 x 512) a step

@@ -154,3 +154,25 @@ def test_a_primary_that_was_replaced_is_fenced_and_its_reply_never_goes(how):
         assert not waiting.done()  # (the real fence ends the process here)
         waiting.cancel()
     run(go())
+
+
+def test_with_a_lag_replies_go_at_once_while_the_standby_is_close_behind_and_wait_past_it():
+    """``--replica-lag 1``: a reply does not wait for the shipment of its own change, only for the one before."""
+    async def go():
+        state = {"v": 1}
+        r, standby, *_ = make(state)
+        r.lag = 1
+        await replicated(r, standby)
+        standby.gate = asyncio.Event()  # the standby stops acknowledging for a while
+        state["v"] = 2
+        await asyncio.wait_for(r.barrier(), 1)  # one behind: goes at once (a shipment is started for it)
+        for _ in range(10):
+            await asyncio.sleep(0)
+        state["v"] = 3
+        waiting = asyncio.ensure_future(r.barrier())  # two behind: waits
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert not waiting.done()
+        standby.gate.set()
+        await asyncio.wait_for(waiting, 1)
+    run(go())
