@@ -293,6 +293,10 @@ class ParameterServerService(RowRpcs, StepRpc):
         if request.op != _pb.ReshardRequest.STATUS:
             self._check_reshard_peer(context, "Reshard")
             self._check_admin_token(context, request)
+            if self.replication is not None:
+                raise NotReady(f"op {_pb.ReshardRequest.Op.Name(request.op)} refused: shard {self.shard.shard_id} "
+                               f"runs with a hot standby (--etcd), and a job with standbys cannot be re-sharded live "
+                               f"yet (docs/standby.md)")
         try:
             return await self._handoffs().reshard(request)
         finally:

@@ -95,3 +95,14 @@ def test_ps_server_publishes_its_own_token_for_its_user_only_and_removes_it_when
     finally:
         proc.terminate()
     assert not path.exists()
+
+
+def test_a_shard_with_a_hot_standby_refuses_a_live_reshard_naming_why_and_changes_nothing(shard_server):
+    """A replicated shard (ps-server --etcd, docs/standby.md) cannot be re-sharded live yet: PREPARE, even with
+    the admin token, is FAILED_PRECONDITION naming the standby, the state digest unchanged; STATUS still reads."""
+    shards = _shards(shard_server, "the-token")
+    old = [s.server.address for s in shards]
+    shards[0].server.service.replication = object()  # (what a primary's shipper is to the servicer: not None)
+    refused(lambda: _prepare(shards[0], old, "the-token"), grpc.StatusCode.FAILED_PRECONDITION,
+            "hot standby", "cannot be re-sharded live", unchanged=_Digest(shards[0]))
+    assert list(shards[0].stub.Reshard(pb.ReshardRequest(op=Op.STATUS, plan="p1"), timeout=10).handoffs) == []
