@@ -87,10 +87,13 @@ class Replica:
             if self._primary and (not alive or lapsed):
                 fence_now(self.cfg.shard, "its etcd lease expired: a standby may have been promoted")
             if not alive and not self._primary:
-                self.store.grant(self.opts.lease_seconds)  # a standby's offer lapses with it: offered again
-                self._renewed = time.monotonic()
-                if self.standby is not None:
-                    self.roles.offer_standby(self.standby.address)
+                try:
+                    self.store.grant(self.opts.lease_seconds)  # a standby's offer lapses with it: offered again
+                    self._renewed = time.monotonic()
+                    if self.standby is not None:
+                        self.roles.offer_standby(self.standby.address)
+                except Exception as e:  # noqa: BLE001 -- etcd unreachable: the next period tries again
+                    log.warning("shard %d: taking a new etcd lease failed: %s", self.cfg.shard, e)
 
     # ------------------------------------------------------------------ roles
     def start(self, stop: threading.Event, on_standby=lambda address: None):
@@ -131,7 +134,7 @@ class Replica:
                 # a primary whose port refuses connections twice running is a dead process: no need to wait
                 # for its lease (a paused or cut-off one is waited for)
                 refusals = refusals + 1 if eligible and refuses_connections(record.primary_address) else 0
-                if refusals < 2 or not self.roles.take_over(record.epoch, record.primary_value):
+                if refusals < 2 or not self._try(self.roles.take_over, record.epoch, record.primary_value):
                     continue
                 how = f"its primary {record.primary}'s port refused connections"
             elif not eligible:
@@ -142,7 +145,7 @@ class Replica:
                     log.warning("shard %d: %s", self.cfg.shard, why)
                     said = why
                 continue
-            elif not self.roles.promote(record.epoch):
+            elif not self._try(self.roles.promote, record.epoch):
                 continue
             else:
                 how = "its primary's lease expired"
@@ -158,6 +161,14 @@ class Replica:
         if self.standby is not None:
             self.standby.stop()
         return None
+
+    def _try(self, transaction, *args) -> bool:
+        """A promotion's transaction; etcd unreachable (or this replica's lease lapsed meanwhile) is a no."""
+        try:
+            return transaction(*args)
+        except Exception as e:  # noqa: BLE001 -- logged; the standby's loop tries again
+            log.warning("shard %d: %s failed: %s", self.cfg.shard, transaction.__name__, e)
+            return False
 
     def _serve(self, states: list[bytes] | None, epoch: int):
         """Serve the shard as its primary (from ``states`` when promoted) and start replicating."""

@@ -1,0 +1,68 @@
+"""deploy/k8s-standby/: the Kubernetes manifests of a job whose shards each run as a primary and a hot standby
+(docs/standby.md) validate, and their parts agree: every replica names the etcd its Service serves, both replica
+sets run the same container, every replica pod has a Service of its own, and the trainer names each shard's two."""
+
+from __future__ import annotations
+
+import yaml
+
+from psserver.codegen import REPO_ROOT
+from tests.unit.test_deploy_manifests import _starts_beyond_loopback, flag_variables
+
+MANIFEST = REPO_ROOT / "deploy" / "k8s-standby" / "standby.yaml"
+
+
+def documents() -> list[dict]:
+    return [d for d in yaml.safe_load_all(MANIFEST.read_text()) if d]
+
+
+def env_of(doc: dict) -> dict:
+    return {e["name"]: e for e in doc["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
+def test_the_standby_manifests_validate_against_the_schema():
+    import pytest
+
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    for doc in documents():
+        kubernetes_validate.validate(doc, "1.30.0", strict=True)
+
+
+def test_each_shard_is_two_replicas_with_a_service_each_and_the_trainer_names_both():
+    docs = documents()
+    sets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "StatefulSet"}
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    [job] = [d for d in docs if d["kind"] == "Job"]
+    a, b = sets["ps-shard-a"], sets["ps-shard-b"]
+    shards = a["spec"]["replicas"]
+    assert b["spec"]["replicas"] == shards
+    assert a["spec"]["template"]["spec"] == b["spec"]["template"]["spec"]  # either may be primary
+    env = env_of(a)
+    assert env["PS_SERVER_REPLICA"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert "pod-index" in env["PS_SERVER_SHARD"]["valueFrom"]["fieldRef"]["fieldPath"]
+    etcd_host, _, etcd_port = env["PS_SERVER_ETCD"]["value"].partition(":")
+    assert int(etcd_port) in {p["port"] for p in services[etcd_host]["spec"]["ports"]}
+    assert "--election-timeout" in sets[etcd_host]["spec"]["template"]["spec"]["containers"][0]["command"]
+    container = a["spec"]["template"]["spec"]["containers"][0]
+    assert "livenessProbe" not in container  # a standby has no health port: it must not be restarted for it
+    assert container["readinessProbe"]["grpc"]["port"] == int(env["PS_SERVER_HEALTH_PORT"]["value"])
+    port = int(env["PS_SERVER_PORT"]["value"])
+    for i in range(shards):
+        for replica in "ab":
+            svc = services[f"ps-shard-{replica}-{i}"]["spec"]
+            assert svc["selector"] == {"statefulset.kubernetes.io/pod-name": f"ps-shard-{replica}-{i}"}
+            assert svc["ports"][0]["port"] == port
+    assert env_of(job)["PS_TRAINER_PS"]["value"].split(",") == [
+        f"ps-shard-a-{i}:{port}|ps-shard-b-{i}:{port}" for i in range(shards)]
+
+
+def test_every_variable_the_standby_manifests_set_names_a_flag_and_the_replicas_start_beyond_loopback():
+    docs = documents()
+    for doc in docs:
+        if doc["kind"] in ("StatefulSet", "Job") and doc["metadata"]["name"] != "etcd":
+            prog = "ps-trainer" if doc["kind"] == "Job" else "ps-server"
+            env = env_of(doc)
+            unknown = {n for n in env if n.startswith("PS_")} - flag_variables(prog)
+            assert not unknown, f"{doc['metadata']['name']} sets {sorted(unknown)}, which {prog} does not read"
+            if prog == "ps-server":
+                assert _starts_beyond_loopback({k: e.get("value") for k, e in env.items()})
