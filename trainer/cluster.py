@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
             log.info("%s up at %s after %.1f s", s.name, s.address, time.monotonic() - t0)
 
         if replicas is not None:  # every shard a primary and a standby (trainer.standby_cluster)
-            ps = replicas.start(args.job_id, watched, up)
+            ps = replicas.start(args.job_id, shards, watched, up)
             scenario = replicas
         else:
             shards += start_shards(grow_to, run, host=args.host, on_up=up)
@@ -417,14 +417,13 @@ def main(argv: list[str] | None = None) -> int:
         # a second Ctrl-C meanwhile kills what is left rather than leaving shards behind.
         try:
             terminate_all(trainers)
-            terminate_all(shards + (replicas.processes if replicas is not None else []))
+            terminate_all(shards)
             if replicas is not None:
                 replicas.stop_etcd()
         finally:
-            for p in trainers + shards + coordinators(scenario) + (
-                    replicas.processes + ([replicas.etcd] if replicas.etcd else []) if replicas else []):
+            for p in trainers + shards + coordinators(scenario) + ([replicas.etcd] if replicas and replicas.etcd
+                                                                   else []):
                 p.kill()
-    shards += replicas.processes if replicas is not None else []
     for s in shards:
         codes[s.name] = s.popen.returncode
     killed = replicas.killed() if replicas is not None else set()

@@ -71,14 +71,15 @@ class StandbyCluster:
     job: str = ""
     etcd: Proc | None = None
     pairs: list[list[Proc]] = field(default_factory=list)  # per shard: [primary, standby] now
-    processes: list[Proc] = field(default_factory=list)  # every replica process started, killed ones too
+    processes: list[Proc] = field(default_factory=list)  # (ps-cluster's shard list: every replica started, killed too)
     watched: list[Proc] = field(default_factory=list)  # (ps-cluster's list: the replicas whose death stops the run)
     failovers: list[Failover] = field(default_factory=list)
     _synced_from: dict = field(default_factory=dict)  # shard -> where its primary's log begins as primary
 
-    def start(self, job: str, watched: list[Proc], on_up=lambda proc: None) -> str:
-        """etcd, then every shard's primary, then its standby, once every standby is in sync; returns --ps."""
-        self.job, self.watched = job, watched
+    def start(self, job: str, processes: list[Proc], watched: list[Proc], on_up=lambda proc: None) -> str:
+        """etcd, then every shard's primary, then its standby, once every standby is in sync; returns --ps.
+        Every replica started, now and later, goes into ``processes`` (ps-cluster stops them at the end)."""
+        self.job, self.processes, self.watched = job, processes, watched
         self.etcd = start_etcd(self.run / "etcd-data", self.run / "etcd.log", self.host)
         log.info("etcd up at %s (the standbys' arbiter)", self.etcd.address)
         ports = [(free_port(self.host), free_port(self.host)) for _ in range(self.shards)]

@@ -154,10 +154,8 @@ def channel_target(address: str) -> str:
         return address
     hosts = []
     for one in address.split("|"):
-        host, _, port = one.strip().rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"{one!r} in {address!r} is not HOST:PORT (replicas are written A:1|B:2)")
-        ip = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)[0][4][0]
+        host, port = split_host_port(one)
+        ip = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0][4][0]
         hosts.append(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
     return ("ipv6:" if hosts[0].startswith("[") else "ipv4:") + ",".join(hosts)
 
@@ -293,7 +291,13 @@ def parse_addresses(ps: str | Sequence[str]) -> list[str]:
         raise ValueError("no parameter-server address given: pass --ps HOST:PORT[,HOST:PORT...]")
     for item in items:
         for a in item.split("|"):
-            host, _, port = a.strip().rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"the address {a!r} is not HOST:PORT with a port between 1 and 65535")
+            split_host_port(a)
     return items
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """``'h:p'`` -> ``('h', p)``, with a clear error for anything else (one replica of a ``--ps`` entry)."""
+    host, _, port = address.strip().rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"the address {address.strip()!r} is not HOST:PORT with a port between 1 and 65535")
+    return host, int(port)

@@ -18,9 +18,11 @@ import threading
 import time
 from dataclasses import dataclass
 
+from psserver.protocol.security import split_host_port
 from psserver.replication.roles import EtcdStore, Roles
 from psserver.replication.shipper import REPLICATED, Replicator, fence_now
 from psserver.replication.standby import StandbyServer, StandbyService
+from psserver.serving.ports import host_port
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +41,14 @@ class ReplicaOptions:
 def refuses_connections(address: str, timeout: float = 0.2) -> bool:
     """Whether ``address`` refuses a TCP connection now (nothing listens: the process is gone).  A timeout is
     not a refusal: a paused or cut-off primary is left to its lease."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or host.strip("[]") in ("0.0.0.0", "::"):  # (not where it can be reached)
+    try:
+        host, port = split_host_port(address)
+    except ValueError:
+        return False
+    if host.strip("[]") in ("0.0.0.0", "::"):  # (not where it can be reached)
         return False
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+        with socket.create_connection((host.strip("[]"), port), timeout=timeout):
             return False
     except ConnectionRefusedError:
         return True
@@ -59,7 +64,7 @@ class Replica:
 
         self.cfg, self.opts = cfg, opts
         self.store = store or EtcdStore(opts.etcd)
-        self.roles = Roles(self.store, opts.job, cfg.shard, opts.replica, address=f"{cfg.host}:{cfg.port}")
+        self.roles = Roles(self.store, opts.job, cfg.shard, opts.replica, address=host_port(cfg.host, cfg.port))
         self.server_factory = server_factory or ShardServer
         self.replicator: Replicator | None = None
         self.standby: StandbyServer | None = None
@@ -120,7 +125,7 @@ class Replica:
         self.roles.offer_standby(self.standby.address)
         log.info("shard %d: replica %s is a standby (replication port %s); the shard's port opens if it is "
                  "promoted", self.cfg.shard, self.opts.replica, self.standby.address)
-        on_standby(f"{self.cfg.host}:{self.cfg.port}")
+        on_standby(host_port(self.cfg.host, self.cfg.port))
         said, refusals = None, 0
         while not stop.wait(self.opts.lease_seconds / 8):
             try:

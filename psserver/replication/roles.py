@@ -34,6 +34,8 @@ import logging
 from dataclasses import dataclass
 from typing import Protocol
 
+from psserver.protocol.security import split_host_port
+
 log = logging.getLogger(__name__)
 
 ABSENT = object()  # a compare that the key does not exist
@@ -136,10 +138,11 @@ class EtcdStore:
     def __init__(self, endpoint: str, timeout: float = 2.0):
         import etcd3gw  # a job without standbys never imports it
 
-        host, _, port = endpoint.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"--etcd is {endpoint!r}: give HOST:PORT (e.g. 127.0.0.1:2379)")
-        self.client = etcd3gw.client(host=host.strip("[]"), port=int(port), timeout=timeout)
+        try:
+            host, port = split_host_port(endpoint)
+        except ValueError:
+            raise ValueError(f"--etcd is {endpoint!r}: give HOST:PORT (e.g. 127.0.0.1:2379)") from None
+        self.client = etcd3gw.client(host=host.strip("[]"), port=port, timeout=timeout)
         self.lease = None
 
     def read(self, prefix: str) -> dict[str, str]:

@@ -77,7 +77,6 @@ class Replicator:
         self.standby: tuple[str, str] | None = None  # (replica id, replication address)
         self.channel = self.stub = None
         self.started = self.captured = self.acked = 0
-        self.shipped_bytes = 0
         self._waiters: list[tuple[int, asyncio.Future]] = []
         self._kick = asyncio.Event()
         self._stop = threading.Event()
@@ -134,7 +133,7 @@ class Replicator:
                 log.debug("shard %d: reading etcd failed: %s", self.shard, e)
                 continue
             if record.primary not in (None, self.me):
-                self.loop.call_soon_threadsafe(self._fence, self.shard,
+                self.loop.call_soon_threadsafe(self._fenced,
                                                f"etcd names {record.primary} primary (epoch {record.epoch})")
                 return
             if record.standby is not None and record.standby[0] != self.me and \
@@ -148,6 +147,11 @@ class Replicator:
         self.channel, self.stub = self._connect(standby[1])
         log.info("shard %d: standby %s at %s found: shipping its first state", self.shard, *standby)
         self._kick.set()
+
+    def _fenced(self, why: str) -> None:
+        """A newer primary exists: no reply of this one may go out (the fence ends the process)."""
+        self.mode = FENCED
+        self._fence(self.shard, why)
 
     # ------------------------------------------------------------------ shipping
     def _capture(self, n: int) -> list[bytes]:
@@ -172,16 +176,13 @@ class Replicator:
                                      metadata=self._metadata)
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    self.mode = FENCED
-                    self._fence(self.shard, f"the standby refused shipment {n}: {e.details()}")
+                    self._fenced(f"the standby refused shipment {n}: {e.details()}")
                     return
                 await self._lose_standby(e)
                 continue
             self.acked = n
             self.count("replica_shipments")
-            nbytes = sum(len(s) for s in states)
-            self.shipped_bytes += nbytes
-            self.count("replica_bytes", nbytes)
+            self.count("replica_bytes", sum(len(s) for s in states))
             if self.mode == CATCHING_UP:
                 await self._mark_in_sync()
                 continue
@@ -193,8 +194,7 @@ class Replicator:
         """The standby holds a whole state: from the next epoch on, replies wait for it."""
         ok = await self._etcd(self.roles.set_in_sync, self.epoch, self.standby[0])
         if not ok:
-            self.mode = FENCED
-            self._fence(self.shard, f"etcd refused marking standby {self.standby[0]} in sync at epoch {self.epoch}")
+            self._fenced(f"etcd refused marking standby {self.standby[0]} in sync at epoch {self.epoch}")
             return
         self.epoch += 1
         self.mode = REPLICATED
@@ -211,8 +211,7 @@ class Replicator:
         if self.mode == REPLICATED:
             ok = await self._etcd(self.roles.set_in_sync, self.epoch, "")
             if not ok:
-                self.mode = FENCED
-                self._fence(self.shard, "etcd refused dropping the standby: a newer primary exists")
+                self._fenced("etcd refused dropping the standby: a newer primary exists")
                 return
             self.epoch += 1
         self.mode, self.standby = ALONE, None
@@ -233,6 +232,3 @@ class Replicator:
                 self.count("replica_etcd_retries")
                 log.warning("shard %d: etcd did not answer (%s); trying again", self.shard, e)
                 await asyncio.sleep(self.poll)
-
-    def gauges(self) -> dict[str, float]:
-        return {"replicated": 1.0 if self.mode == REPLICATED else 0.0, "replica_epoch": float(self.epoch)}

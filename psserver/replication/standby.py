@@ -17,6 +17,7 @@ import grpc
 
 from psserver.protocol.proto import replica_pb2 as _rpb
 from psserver.protocol.proto import replica_pb2_grpc as _rgrpc
+from psserver.serving.ports import host_port
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +82,10 @@ class StandbyServer:
                                   options=[("grpc.max_receive_message_length", MAX_SHIPMENT_BYTES),
                                            ("grpc.so_reuseport", 0)])
         _rgrpc.add_StandbyServicer_to_server(service, self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        self.port = self.server.add_insecure_port(host_port(host, port))
         if self.port == 0:
-            raise OSError(f"cannot listen on {host}:{port} (--replica-port): the address is in use or not local")
+            raise OSError(f"cannot listen on {host_port(host, port)} (--replica-port): the address is in use or not "
+                          f"local")
         self.host = host
 
     def start(self) -> "StandbyServer":
@@ -92,7 +94,7 @@ class StandbyServer:
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        return host_port(self.host, self.port)
 
     def stop(self) -> None:
         self.server.stop(0).wait()
