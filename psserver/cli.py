@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     scalar_log = ScalarLog(os.path.join(args.tensorboard, f"shard{args.shard}") if args.tensorboard else "")
     if args.metrics_port:
         check_bindable(args.host, args.metrics_port, "--metrics-port")  # before the shard serves, not after
-    replica = start_replica(parser, args, cfg) if args.etcd else None  # (its flags checked before anything starts)
+    replica = start_replica(parser, args, cfg, made_admin_token) if args.etcd else None  # (its flags checked before anything starts)
     stop = threading.Event()  # (before the ready file: a launcher that reads it may signal at once)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
@@ -275,8 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def start_replica(parser, args, cfg):
+def start_replica(parser, args, cfg, made_admin_token: bool):
     """``--etcd``: this process is one replica of its shard (psserver.replication.replica)."""
+    if made_admin_token:
+        parser.error(f"--etcd needs the operator's admin token (--admin-token-file or ${admin_token.ADMIN_TOKEN_ENV}), "
+                     f"the same on every replica: a standby takes its primary's state only with it")
     if not args.port:
         parser.error("--etcd needs --port: trainers name every replica's port up front (--ps PRIMARY|STANDBY)")
     if cfg.restore_from or args.num_shards is not None:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from psserver.protocol.admin_token import ADMIN_TOKEN_ENV, new_token
 from psserver.protocol.stubs import fetch_stat
 from trainer.procs import Proc, await_ready, free_port, launch_shard, start_etcd
 
@@ -75,6 +77,8 @@ class StandbyCluster:
     watched: list[Proc] = field(default_factory=list)  # (ps-cluster's list: the replicas whose death stops the run)
     failovers: list[Failover] = field(default_factory=list)
     _synced_from: dict = field(default_factory=dict)  # shard -> where its primary's log begins as primary
+    # the operator's admin token every replica shares (the caller's $PS_ADMIN_TOKEN, else one for this run)
+    admin_token: str = field(default_factory=lambda: os.environ.get(ADMIN_TOKEN_ENV) or new_token())
 
     def start(self, job: str, processes: list[Proc], watched: list[Proc], on_up=lambda proc: None) -> str:
         """etcd, then every shard's primary, then its standby, once every standby is in sync; returns --ps.
@@ -97,7 +101,7 @@ class StandbyCluster:
     def _launch(self, shard: int, replica: str, port: int) -> Proc:
         proc = launch_shard(shard, self.run / f"shard{shard}-{replica}.log", self.host, port, [
             "--etcd", self.etcd.address, "--job-name", self.job, "--replica", replica,
-            "--lease-seconds", str(self.lease_seconds)])
+            "--lease-seconds", str(self.lease_seconds)], env={ADMIN_TOKEN_ENV: self.admin_token})
         name = f"shard{shard}-{replica}"
         started = sum(p.name.split(".")[0] == name for p in self.processes)
         proc.name = f"{name}.{started + 1}" if started else name  # a restart of a killed replica: shard0-a.2

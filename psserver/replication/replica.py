@@ -119,7 +119,7 @@ class Replica:
         from psserver.protocol.optim import warm_up
 
         warm_up()  # the optimizers' first-use cost (about a second) paid now, not at the promotion
-        service = StandbyService(self.opts.job, self.cfg.shard)
+        service = StandbyService(self.opts.job, self.cfg.shard, self.cfg.security.admin_token)
         self.standby = StandbyServer(service, self.cfg.host, self.opts.replica_port,
                                      self.cfg.security.interceptors()).start()
         self.roles.offer_standby(self.standby.address)
@@ -187,7 +187,8 @@ class Replica:
                                      roles=self.roles, runtime=server.runtime, loop=server.loop,
                                      capture=server.capture_states, count=server.shard.wide.count,
                                      timeout=self.opts.ship_timeout, poll=self.opts.lease_seconds / 8,
-                                     token=self.cfg.security.token, lag=self.opts.lag)
+                                     token=self.cfg.security.token, admin=self.cfg.security.admin_token,
+                                     lag=self.opts.lag)
         server.service.replication = self.replicator
         self.replicator.start()
         return server

@@ -27,6 +27,7 @@ import time
 
 import grpc
 
+from psserver.protocol.admin_token import METADATA_KEY
 from psserver.protocol.proto import replica_pb2 as _rpb
 from psserver.protocol.proto import replica_pb2_grpc as _rgrpc
 from psserver.replication.standby import MAX_SHIPMENT_BYTES
@@ -64,14 +65,15 @@ class Replicator:
     replica's etcd transactions (psserver.replication.roles); ``count``: the shard's counters."""
 
     def __init__(self, *, shard: int, job: str, me: str, epoch: int, roles, runtime, loop, capture, count,
-                 timeout: float = 2.0, poll: float = 0.25, fence=fence_now, token: str = "", connect=None,
-                 lag: int = 0):
+                 timeout: float = 2.0, poll: float = 0.25, fence=fence_now, token: str = "", admin: str = "",
+                 connect=None, lag: int = 0):
         """``lag``: replies go out without waiting while the standby is at most this many shipments behind
         (``--replica-lag``: a failover may then roll back up to that many rounds, counted as steps lost)."""
         self.shard, self.job, self.me, self.epoch, self.roles = shard, job, me, epoch, roles
         self.runtime, self.loop, self._capture_states, self.count = runtime, loop, capture, count
         self.timeout, self.poll, self._fence = timeout, poll, fence
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None  # the job's --auth-token
+        # the job's --auth-token, and the operator's admin token a standby takes shipments with
+        self._metadata = ((("authorization", f"Bearer {token}"),) if token else ()) + ((METADATA_KEY, admin),)
         self._connect = connect or _connect  # address -> (channel, stub); the unit tests pass a fake
         self.mode, self.lag = ALONE, lag
         self.standby: tuple[str, str] | None = None  # (replica id, replication address)

@@ -15,6 +15,7 @@ from concurrent import futures
 
 import grpc
 
+from psserver.protocol import admin_token
 from psserver.protocol.proto import replica_pb2 as _rpb
 from psserver.protocol.proto import replica_pb2_grpc as _rgrpc
 from psserver.serving.ports import host_port
@@ -27,8 +28,10 @@ MAX_SHIPMENT_BYTES = (2 << 30) - 1  # gRPC's own limit on one message: a shard's
 class StandbyService(_rgrpc.StandbyServicer):
     """Holds the newest shipment of job ``job``'s shard ``shard``; ``fence`` closes it to older epochs."""
 
-    def __init__(self, job: str, shard: int):
-        self.job, self.shard = job, shard
+    def __init__(self, job: str, shard: int, admin_token: str):
+        """``admin_token``: the operator's (``--admin-token-file``, ``$PS_ADMIN_TOKEN``): only a replica holding it
+        may replace this standby's state."""
+        self.job, self.shard, self._admin_token = job, shard, admin_token
         self._lock = threading.Lock()
         self.epoch_seen = 0  # the newest epoch of a shipment taken or of a promotion
         self.held_epoch: int | None = None  # the epoch of the state held (None: nothing shipped yet)
@@ -38,6 +41,12 @@ class StandbyService(_rgrpc.StandbyServicer):
         self.refused = 0
 
     def Ship(self, request, context):
+        given = admin_token.presented(context)
+        if not admin_token.matches(given, self._admin_token):
+            self.refused += 1
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          f"{admin_token.METADATA_KEY} is {'wrong' if given else 'missing'}: a shipment needs the "
+                          f"operator's admin token (the replicas' --admin-token-file or ${admin_token.ADMIN_TOKEN_ENV})")
         if request.job != self.job or request.shard != self.shard:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"shipment names job {request.job!r} shard {request.shard}, but this standby is of job "

@@ -23,6 +23,14 @@ def test_ps_server_refuses_a_replica_it_cannot_run_naming_the_flag(argv, message
     assert message in capsys.readouterr().err
 
 
+def test_ps_server_refuses_a_replica_without_the_operators_admin_token(monkeypatch, capsys):
+    monkeypatch.delenv("PS_ADMIN_TOKEN", raising=False)
+    with pytest.raises(SystemExit) as e:
+        server_cli.main(["--shard", "0", "--port", "7000", "--etcd", "127.0.0.1:2379"])
+    assert e.value.code == 2
+    assert "--etcd needs the operator's admin token" in capsys.readouterr().err
+
+
 def cluster_args(**kw):
     return SimpleNamespace(**{"standbys": 1, "kill_primary": "", "shards": 2, "reshard": "", "elastic": False,
                               "elastic_schedule": "", **kw})
