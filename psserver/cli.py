@@ -136,6 +136,9 @@ def build_parser() -> EnvArgumentParser:
     r.add_argument("--replica-lag", type=int, default=0, metavar="K",
                    help="answer trainers without waiting for the standby while it is at most K shipments (rounds) "
                         "behind: faster steps, and a failover may roll back up to K rounds (default 0: no loss)")
+    r.add_argument("--require-standby", action="store_true",
+                   help="never answer unreplicated: while no standby is in sync (none yet, or one lost and the "
+                        "next catching up) replies wait for one instead of going out from the primary alone")
     r.add_argument("--ship-timeout", type=float, default=2.0,
                    help="seconds a standby may take to acknowledge a state before the primary drops it and "
                         "runs unreplicated")
@@ -294,7 +297,7 @@ def start_replica(parser, args, cfg, made_admin_token: bool):
 
     opts = ReplicaOptions(etcd=args.etcd, replica=args.replica or f"{args.host}:{args.port}", job=args.job_name,
                           lease_seconds=args.lease_seconds, replica_port=args.replica_port,
-                          ship_timeout=args.ship_timeout, lag=args.replica_lag)
+                          ship_timeout=args.ship_timeout, lag=args.replica_lag, require=args.require_standby)
     try:
         return Replica(cfg, opts)
     except ValueError as e:

@@ -36,6 +36,7 @@ class ReplicaOptions:
     replica_port: int = 0  # the standby's replication port (0: pick one; etcd publishes it)
     ship_timeout: float = 2.0  # seconds a shipment may take before the standby is dropped
     lag: int = 0  # replies go out while the standby is at most this many shipments behind (0: they wait for it)
+    require: bool = False  # replies wait while no standby is in sync (--require-standby), never go out alone
 
 
 def refuses_connections(address: str, timeout: float = 0.2) -> bool:
@@ -188,7 +189,7 @@ class Replica:
                                      capture=server.capture_states, count=server.shard.wide.count,
                                      timeout=self.opts.ship_timeout, poll=self.opts.lease_seconds / 8,
                                      token=self.cfg.security.token, admin=self.cfg.security.admin_token,
-                                     lag=self.opts.lag)
+                                     lag=self.opts.lag, require=self.opts.require)
         server.service.replication = self.replicator
         self.replicator.start()
         return server

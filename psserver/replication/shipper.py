@@ -13,7 +13,9 @@ is taking its first state: replies still go out at once), ``replicated`` (replie
 ``fenced`` (a standby refused a shipment because a newer primary exists, or the lease is lost: the process stops
 without a final checkpoint -- it can only come back as a standby).  A standby that stops answering is dropped
 in etcd (a new epoch with nobody in sync) before a waiting reply goes out; if etcd cannot be reached to drop
-it, the replies wait -- the standby might have been promoted.
+it, the replies wait -- the standby might have been promoted.  With ``require`` (``--require-standby``) replies
+never go out unreplicated: alone or catching up, they wait until a standby is in sync.  The ``replica_unreplicated``
+gauge (GetStats, metrics) is 1 while the shard answers without a standby in sync.
 """
 
 from __future__ import annotations
@@ -66,20 +68,22 @@ class Replicator:
 
     def __init__(self, *, shard: int, job: str, me: str, epoch: int, roles, runtime, loop, capture, count,
                  timeout: float = 2.0, poll: float = 0.25, fence=fence_now, token: str = "", admin: str = "",
-                 connect=None, lag: int = 0):
+                 connect=None, lag: int = 0, require: bool = False):
         """``lag``: replies go out without waiting while the standby is at most this many shipments behind
-        (``--replica-lag``: a failover may then roll back up to that many rounds, counted as steps lost)."""
+        (``--replica-lag``: a failover may then roll back up to that many rounds, counted as steps lost);
+        ``require``: replies wait while no standby is in sync (``--require-standby``)."""
         self.shard, self.job, self.me, self.epoch, self.roles = shard, job, me, epoch, roles
         self.runtime, self.loop, self._capture_states, self.count = runtime, loop, capture, count
         self.timeout, self.poll, self._fence = timeout, poll, fence
         # the job's --auth-token, and the operator's admin token a standby takes shipments with
         self._metadata = ((("authorization", f"Bearer {token}"),) if token else ()) + ((METADATA_KEY, admin),)
         self._connect = connect or _connect  # address -> (channel, stub); the unit tests pass a fake
-        self.mode, self.lag = ALONE, lag
+        self.mode, self.lag, self.require = ALONE, lag, require
         self.standby: tuple[str, str] | None = None  # (replica id, replication address)
         self.channel = self.stub = None
         self.started = self.captured = self.acked = 0
         self._waiters: list[tuple[int, asyncio.Future]] = []
+        self._unprotected: list[asyncio.Future] = []  # replies waiting for a standby in sync (``require``)
         self._kick = asyncio.Event()
         self._stop = threading.Event()
         self._task: asyncio.Task | None = None
@@ -88,7 +92,11 @@ class Replicator:
     # ------------------------------------------------------------------ replies
     async def barrier(self) -> None:
         """Return once the standby holds a state with everything changed before this call (at once unless
-        replicated)."""
+        replicated -- or, with ``require``, not before a standby is in sync and holds it)."""
+        while self.require and self.mode != REPLICATED:
+            fut = self.loop.create_future()
+            self._unprotected.append(fut)
+            await fut
         if self.mode != REPLICATED:
             return
         # a shipment started but not yet captured includes the caller's change; one captured may not
@@ -101,6 +109,8 @@ class Replicator:
         self._waiters.append((want - self.lag, fut))  # released once the standby is within the lag of it
         self._kick.set()
         await fut
+        if self.require and self.mode != REPLICATED:  # released because the standby was lost: wait for the next
+            await self.barrier()
 
     def _release(self, upto: int | None) -> None:
         """The waiters a shipment ``upto`` covers go on (None: all of them: the standby was dropped)."""
@@ -112,6 +122,12 @@ class Replicator:
             else:
                 keep.append((want, fut))
         self._waiters = keep
+
+    def gauges(self) -> dict[str, float]:
+        """GetStats' replication gauges: whether the shard answers without a standby in sync now, and how many
+        shipments the standby's acknowledgement is behind the newest begun."""
+        return {"replica_unreplicated": float(self.mode != REPLICATED), "replica_shipments_behind":
+                float(self.started - self.acked) if self.mode == REPLICATED else 0.0}
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -200,6 +216,10 @@ class Replicator:
             return
         self.epoch += 1
         self.mode = REPLICATED
+        for fut in self._unprotected:  # (``require``: each now waits for a shipment that holds its change)
+            if not fut.done():
+                fut.set_result(None)
+        self._unprotected = []
         self.count("replica_catch_ups")
         log.info("shard %d: standby %s caught up: replicated from epoch %d (replies wait for its acknowledgement)",
                  self.shard, self.standby[0], self.epoch)
@@ -220,9 +240,9 @@ class Replicator:
         if self.channel is not None:
             await self.channel.close()
         self.channel = self.stub = None
-        log.warning("shard %d: standby %s did not answer (%s: %s): running unreplicated from epoch %d until a "
-                    "standby catches up", self.shard, was[0] if was else "?", error.code().name, error.details(),
-                    self.epoch)
+        log.warning("shard %d: standby %s did not answer (%s: %s): %s from epoch %d until a standby catches up",
+                    self.shard, was[0] if was else "?", error.code().name, error.details(),
+                    "replies wait (--require-standby)" if self.require else "running unreplicated", self.epoch)
         self._release(None)
 
     async def _etcd(self, fn, *args) -> bool:

@@ -165,9 +165,11 @@ def build_shard_process(cfg: ServerConfig, loop: asyncio.AbstractEventLoop, loop
     requests = RequestLedger(limits.max_request_bytes_per_peer, limits.max_request_bytes)
 
     def gauges() -> dict[str, float]:
+        replication = service.replication  # (a hot standby's primary: psserver.replication.shipper)
         return {"reply_bytes_held": replies.held_bytes, "request_bytes_held": requests.held_bytes,
                 "connections": len(connections.calls),
-                "watch_streams": connections.watch_streams, **watch.gauges()}
+                "watch_streams": connections.watch_streams, **watch.gauges(),
+                **(replication.gauges() if replication is not None else {})}
 
     host = ShardHost(cfg.shard, lease_timeout=cfg.lease_timeout, join_timeout=cfg.join_timeout,
                      checkpoint_dir=cfg.checkpoint_dir,

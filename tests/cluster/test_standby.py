@@ -150,6 +150,33 @@ def test_a_killed_standby_is_dropped_and_the_primary_goes_on_alone(tmp_path, etc
     assert "running unreplicated" in a.log_path.read_text()
 
 
+def test_with_require_standby_a_lost_standby_holds_every_reply_until_a_new_one_catches_up(tmp_path, etcd):
+    """``--require-standby``: kill -9 of the standby makes the primary hold its replies (nothing is acknowledged
+    that only it holds; the gauge says unreplicated) until a fresh replica has caught up; then the job finishes
+    with nothing lost."""
+    extra, fresh = ("--require-standby",), []
+
+    def replace_standby(a, b):
+        b.kill()
+        wait_until(lambda: "replies wait (--require-standby)" in a.log_path.read_text(), "the primary to hold")
+        assert fetch_stat(a.address).counters["replica_unreplicated"] == 1
+        held = last_step(tmp_path / "req-t0.jsonl")
+        fresh.append(start_shard(0, tmp_path / "req-c.log", port=free_port(), extra_args=[
+            "--etcd", etcd.address, "--job-name", "req", "--replica", "c", "--lease-seconds", str(LEASE), *extra]))
+        # the new replica took a second or more to start: no step was answered meanwhile (one whose reply had
+        # passed the barrier before the loss may still have been written down)
+        assert last_step(tmp_path / "req-t0.jsonl") <= held + 1
+
+    try:
+        done, _, stats, (a, _) = train(tmp_path, etcd, "req", "sync", fail=replace_standby, extra=extra)
+    finally:
+        for p in fresh:
+            p.kill()
+    check_nothing_lost(done, stats)
+    assert stats.counters["replica_catch_ups"] == 2 and stats.counters["replica_standby_lost"] == 1
+    assert stats.counters["replica_unreplicated"] == 0 and stats.counters["replica_promotions"] == 0
+
+
 def test_training_goes_on_while_etcd_is_down(tmp_path, etcd):
     """etcd killed mid-run: the primary keeps shipping to its standby and answering; only a change of roles
     would wait for etcd (none is needed)."""

@@ -66,15 +66,22 @@ def make(state: dict):
 async def replicated(r, standby):
     r._adopt(("b", "127.0.0.1:9"))
     assert r.mode == CATCHING_UP
-    for _ in range(50):
-        await asyncio.sleep(0)
-        if r.mode == REPLICATED and standby.shipped and standby.shipped[-1][0] == 2:
-            return
-    raise AssertionError(f"not replicated: {r.mode}, {standby.shipped}")
+    await until(lambda: r.mode == REPLICATED and standby.shipped and standby.shipped[-1][0] == r.epoch,
+                "replicated (a shipment of the new epoch acknowledged)")
 
 
 def run(coro):
     asyncio.run(coro)
+
+
+async def until(predicate, what: str, timeout: float = 10.0) -> None:
+    """Poll ``predicate`` on the loop (an etcd transaction runs on a thread: loop turns alone do not wait for it)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not predicate():
+        if loop.time() > end:
+            raise AssertionError(f"not {what} within {timeout} s")
+        await asyncio.sleep(0.005)
 
 
 def test_alone_the_barrier_lets_replies_go_at_once():
@@ -148,9 +155,8 @@ def test_a_primary_that_was_replaced_is_fenced_and_its_reply_never_goes(how):
         else:
             standby.next, roles.answer = "down", False
         waiting = asyncio.ensure_future(r.barrier())
-        for _ in range(20):
-            await asyncio.sleep(0)
-        assert r.mode == FENCED and len(fenced) == 1
+        await until(lambda: r.mode == FENCED, "fenced")
+        assert len(fenced) == 1
         assert not waiting.done()  # (the real fence ends the process here)
         waiting.cancel()
     run(go())
@@ -175,4 +181,41 @@ def test_with_a_lag_replies_go_at_once_while_the_standby_is_close_behind_and_wai
         assert not waiting.done()
         standby.gate.set()
         await asyncio.wait_for(waiting, 1)
+    run(go())
+
+
+def test_with_require_standby_no_reply_goes_before_a_standby_in_sync_holds_its_change():
+    """``--require-standby``: alone and while catching up a reply waits; once in sync it goes with the first
+    shipment that holds its change; a standby lost puts the waiting replies back to waiting for the next one."""
+    async def go():
+        state = {"v": 1}
+        r, standby, roles, _, _ = make(state)
+        r.require = True
+        assert r.gauges() == {"replica_unreplicated": 1.0, "replica_shipments_behind": 0.0}
+        waiting = asyncio.ensure_future(r.barrier())
+        await until(lambda: r._unprotected, "waiting for a standby")
+        assert not waiting.done() and standby.shipped == []  # alone: nobody holds the change
+        await replicated(r, standby)
+        await asyncio.wait_for(waiting, 1)
+        assert r.gauges()["replica_unreplicated"] == 0.0
+        standby.next = "down"
+        state["v"] = 2
+        waiting = asyncio.ensure_future(r.barrier())
+        await until(lambda: r._unprotected, "back to waiting for a standby")
+        assert r.mode == ALONE and roles.calls[-1] == (2, "") and not waiting.done()  # dropped: waits on
+        assert r.gauges()["replica_unreplicated"] == 1.0
+        standby.next = "ack"
+        await replicated(r, standby)  # (the same fake comes back as the next standby: caught up again)
+        await asyncio.wait_for(waiting, 1)
+        assert standby.shipped[-1][2] == [b"2"]
+    run(go())
+
+
+def test_without_require_standby_an_unreplicated_shard_answers_and_says_so_in_its_gauge():
+    async def go():
+        r, standby, *_ = make({"v": 1})
+        await asyncio.wait_for(r.barrier(), 1)
+        assert r.gauges()["replica_unreplicated"] == 1.0
+        await replicated(r, standby)
+        assert r.gauges()["replica_unreplicated"] == 0.0
     run(go())
