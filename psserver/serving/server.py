@@ -21,7 +21,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from psserver.partition.host import ShardHost
 from psserver.protocol.codec import DEFAULT_CHUNK_BYTES
-from psserver.protocol.layouts import LayoutEpoch
 from psserver.protocol.limits import MAX_JOIN_TIMEOUT
 from psserver.protocol.optim import warm_up
 from psserver.protocol.rows import kernel
