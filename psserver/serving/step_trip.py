@@ -54,7 +54,14 @@ def run_trip(shard, parts: list[TablePart], refuse_nonfinite: bool, dense: Calla
     if dense is not None:  # what a table push would be refused for once its turn came: refused before the dense
         for p in parts:    # push, so a refused Step changes nothing
             shard.check_row_push_lands(p.header.table, p.push)
-    out = dense() if dense is not None else None
+    with shard.checkpoints_after_trip():  # (a checkpoint the dense push made due holds the tables' pushes too)
+        out = dense() if dense is not None else None
+        _push_tables(shard, parts, refuse_nonfinite, stopping)
+    return out
+
+
+def _push_tables(shard, parts: list[TablePart], refuse_nonfinite: bool, stopping: Callable[[], bool]) -> None:
+    """Each part's push and, if ready, its pull; what fails is kept on the part."""
     for p in parts:
         h = p.header
         try:
@@ -74,4 +81,3 @@ def run_trip(shard, parts: list[TablePart], refuse_nonfinite: bool, dense: Calla
                 p.pulled = shard.pull_rows(h.rank, h.trainer_id, h.fingerprint, h.table, p.checked)
             except Exception as e:  # noqa: BLE001 -- as above
                 p.error = e
-    return out

@@ -1,6 +1,7 @@
 """A Step's one trip to the state worker (psserver.serving.step_trip), with fake tables and shard, no network: the order
 its work runs in, what a refusal leaves untouched, and which pulls it answers itself."""
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -31,6 +32,7 @@ class FakeShard:
         self.tables, self.log, self.failing, self.stale = tables, log, failing, stale
         self.refused_at_turn = ""
         self.counts: dict = {}
+        self.deferred = None
 
     def check_row_push_lands(self, name, push):
         if name == self.refused_at_turn:
@@ -54,6 +56,13 @@ class FakeShard:
     def count(self, name: str, n: int = 1) -> None:
         self.counts[name] = self.counts.get(name, 0) + n
 
+    @contextlib.contextmanager
+    def checkpoints_after_trip(self):
+        """Records where in the log the deferral of checkpoints began and ended."""
+        begun = len(self.log)
+        yield
+        self.deferred = (begun, len(self.log))
+
 
 def part(table: FakeTable, pull: bool = True) -> TablePart:
     h = SimpleNamespace(table=table.name, rank=0, trainer_id="t", fingerprint="f", version=0)
@@ -73,6 +82,8 @@ def test_checks_then_the_dense_push_then_each_tables_push_and_ready_pull_run_in_
     out = run_trip(shard, parts, True, dense=lambda: log.append(("dense",)) or "dense result")
     assert out == "dense result"
     assert log == [("check", "a"), ("check", "b"), ("dense",), ("push", "a"), ("pull", "a"), ("push", "b")]
+    # a checkpoint the dense push makes due is taken after the table pushes: never a table round half pushed
+    assert shard.deferred == (log.index(("dense",)), len(log))
     assert parts[0].pulled[0] == 1 and parts[1].pulled is None and parts[1].result.version == 1
 
 
