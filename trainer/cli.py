@@ -100,9 +100,9 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
     p.add_argument("--overlap", action="store_true",
                    help="async mode: pull the next weights in the background while computing")
-    p.add_argument("--prefetch", action="store_true",
-                   help="tables: pull each batch's rows one batch ahead (ps.prefetching, docs/prefetch.md), not in "
-                        "its forward")
+    p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
+                   help="tables: pull each batch's rows one batch ahead (ps.prefetching, docs/prefetch.md): a step "
+                        "is one Step call a shard; --no-prefetch pulls them in the forward instead (default: on)")
     p.add_argument("--push-during-backward", action="store_true",
                    help="any mode: push each shard its gradient slice as soon as backward has produced it")
     p.add_argument("--push-window", type=int, default=1, metavar="W",

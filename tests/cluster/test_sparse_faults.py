@@ -36,7 +36,7 @@ def test_a_movielens_job_survives_kill_9_and_restore_of_a_shard_and_counts_what_
                                   ["--num-trainers", "2", "--mode", "sync", "--dataset", "movielens100k",
                                    "--model", "mf", "--epochs", str(EPOCHS), "--batch-size", str(B),
                                    "--metrics-file", str(metrics[r]), "--no-progress", "--log-every", "1",
-                                   "--threads", "1"] + (["--prefetch"] if prefetch else [])) for r in range(2)]
+                                   "--threads", "1", "--prefetch" if prefetch else "--no-prefetch"]) for r in range(2)]
         procs += trainers
         wait_until(lambda: last_step(metrics[0]) >= 23, "23 steps before the crash", timeout=300)
         shards[1].kill()  # SIGKILL: no final checkpoint
