@@ -5,6 +5,7 @@ a file only its user reads, which ``ps-server reshard`` on the same host finds, 
 
 import os
 import stat
+from types import SimpleNamespace
 
 import grpc
 import torch
@@ -102,7 +103,8 @@ def test_a_shard_with_a_hot_standby_refuses_a_live_reshard_naming_why_and_change
     the admin token, is FAILED_PRECONDITION naming the standby, the state digest unchanged; STATUS still reads."""
     shards = _shards(shard_server, "the-token")
     old = [s.server.address for s in shards]
-    shards[0].server.service.replication = object()  # (what a primary's shipper is to the servicer: not None)
+    # (what a primary's shipper is to the servicer: not None, with its gauges for GetStats)
+    shards[0].server.service.replication = SimpleNamespace(gauges=lambda: {"replica_unreplicated": 1.0})
     refused(lambda: _prepare(shards[0], old, "the-token"), grpc.StatusCode.FAILED_PRECONDITION,
             "hot standby", "cannot be re-sharded live", unchanged=_Digest(shards[0]))
     assert list(shards[0].stub.Reshard(pb.ReshardRequest(op=Op.STATUS, plan="p1"), timeout=10).handoffs) == []
