@@ -10,7 +10,6 @@ the order around them (check, dedupe, decide, execute, book, checkpoint) and wha
 from __future__ import annotations
 
 import contextlib
-
 import logging
 
 import torch

@@ -126,6 +126,12 @@ SERVING_GAUGES = {
     "connections": "Connections with calls in flight (capped by --max-connections).",
     "watch_streams": "Health Watch streams open on the main port (capped by --max-watch-streams).",
 }
+# A hot standby's primary only (psserver.replication.shipper): exported where the shard is one.
+REPLICA_GAUGES = {
+    "replica_unreplicated": "1 while this primary answers without a standby in sync (none yet, or one lost and the "
+                            "next catching up; --require-standby holds the replies instead), else 0.",
+    "replica_shipments_behind": "Shipments begun that the standby has not acknowledged yet.",
+}
 SERVING_COUNTERS = {
     "reply_streams_cut": "Reply streams cut because their reader did not take them within --max-call-seconds.",
     "refused_connections": "Calls refused because --max-connections connections had calls in flight.",
@@ -139,6 +145,11 @@ def _serving_families(s: StatsSnapshot, label: list[str]):
         family = GaugeMetricFamily(f"psgrpc_{key}", doc, labels=["shard"])
         family.add_metric(label, c.get(key, 0))
         yield family
+    for key, doc in REPLICA_GAUGES.items():
+        if key in c:
+            family = GaugeMetricFamily(f"psgrpc_{key}", doc, labels=["shard"])
+            family.add_metric(label, c[key])
+            yield family
     for key, doc in SERVING_COUNTERS.items():
         family = CounterMetricFamily(f"psgrpc_{key}", doc, labels=["shard"])
         family.add_metric(label, c.get(key, 0))

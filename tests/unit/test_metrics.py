@@ -21,6 +21,19 @@ def test_every_exported_sample_carries_the_shard_label():
     assert unlabelled == []
 
 
+def test_a_primarys_replication_gauges_are_exported_only_where_the_shard_is_one():
+    from psserver.partition.host import ShardHost
+
+    def exported(gauges: dict) -> dict:
+        host = ShardHost(2, gauges=lambda: dict(gauges))
+        text = generate_latest(host.metrics.registry).decode()
+        return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+
+    values = exported({"replica_unreplicated": 1.0, "replica_shipments_behind": 0.0})
+    assert values["psgrpc_replica_unreplicated"] == 1.0 and values["psgrpc_replica_shipments_behind"] == 0.0
+    assert "psgrpc_replica_unreplicated" not in exported({})  # a shard without --etcd: no replica to speak of
+
+
 def test_the_serving_gauges_and_counters_are_exported_from_the_hosts_snapshot():
     from psserver.partition.host import ShardHost
 
