@@ -359,6 +359,11 @@ class ShardedRows:
         self.book.count_lost(s.index, table)
         return "lost"
 
+    def push_alone(self, s: ShardClient, plan: PushPlan) -> str:
+        """Shard ``s``'s push of ``plan`` as a call of its own, without the claimed rows (a Step that found the
+        shard restarted, trainer.step_call)."""
+        return self._push_shard(s, plan.table, *plan.pending.payloads[s.index])
+
     def part_request(self, s: ShardClient, plan: PushPlan) -> RowsPart:
         """Shard ``s``'s push of ``plan`` (trainer.step_call sends it as a part of a Step call)."""
         return self.part(s, plan.table, *plan.pending.payloads[s.index], plan.claim)

@@ -35,7 +35,7 @@ from psserver.protocol.codec import TORCH_DTYPES, ChunkReader
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.stepwire import StepMessage, one_message, parse_step, serialize_step
 from psserver.protocol.stubs import method
-from trainer.attempt import StepAttempt, moved_everywhere
+from trainer.attempt import StepAttempt, moved_everywhere, rejoins_on
 from trainer.client import PUSH_RETRYABLE, ShardClient
 from trainer.clipping import clip_local_
 from trainer.exchange import DenseExchange
@@ -140,9 +140,34 @@ class StepCall:
         try:
             return self._shard_call(s, grad, num_samples, attempt, plans)
         except Exception as e:  # noqa: BLE001 -- before or after the call: this shard's parts stay to do
+            if isinstance(e, grpc.RpcError) and rejoins_on(e):
+                return self._restarted_shard(s, grad, num_samples, attempt, plans, refusals, e)
             refusals[s.index] = e
             self._older_shard(s, e)
             return [e] * len(plans)
+
+    def _restarted_shard(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: StepAttempt,
+                         plans: list, refusals: dict, cause: grpc.RpcError) -> list:
+        """A shard whose Step found it restarted is caught up at once, on its own thread, the two-call way: each
+        table's push, then the dense slot's (trainer.exchange.exchange_slot) -- the first to find the restart
+        rejoins the shard, and the dense slot's gradient goes again from the version it came back at.  Left
+        until every shard's part settled, it could wait for ever: this trainer's part on another shard may wait
+        for a peer's next step there, while the peer's resend here waits for this trainer's push (a trainer a
+        step ahead when the shard died).  What still fails stays to do, as before."""
+        self.client.count("step_calls_fallen_back")
+        log.info("rank %d: shard %d answered the Step %s (%s): its parts go the two-call way now", s.rank, s.index,
+                 cause.code().name, cause.details())
+        rows, outcomes = self._rows(), []
+        for _, plan in plans:
+            try:
+                outcomes.append(rows.push_alone(s, plan))
+            except Exception as e:  # noqa: BLE001 -- left to do (kept by end_push for the two-call retry)
+                outcomes.append(e)
+        try:
+            self.exchange.exchange_slot(s, grad, num_samples, attempt)
+        except Exception as e:  # noqa: BLE001 -- the slot stays in attempt.todo
+            refusals[s.index] = e
+        return outcomes
 
     def _older_shard(self, s: ShardClient, e: Exception) -> None:
         """A shard older than one_reply refuses the Step before any part runs (INVALID_ARGUMENT, field 5 unknown):
