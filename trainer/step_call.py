@@ -154,7 +154,7 @@ class StepCall:
         until every shard's part settled, it could wait for ever: this trainer's part on another shard may wait
         for a peer's next step there, while the peer's resend here waits for this trainer's push (a trainer a
         step ahead when the shard died).  What still fails stays to do, as before."""
-        self.client.count("step_calls_fallen_back")
+        self.client.count("step_calls_restarted")
         log.info("rank %d: shard %d answered the Step %s (%s): its parts go the two-call way now", s.rank, s.index,
                  cause.code().name, cause.details())
         rows, outcomes = self._rows(), []
