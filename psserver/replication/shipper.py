@@ -83,7 +83,7 @@ class Replicator:
         self.channel = self.stub = None
         self.started = self.captured = self.acked = 0
         self._waiters: list[tuple[int, asyncio.Future]] = []
-        self._unprotected: list[asyncio.Future] = []  # replies waiting for a standby in sync (``require``)
+        self._in_sync = asyncio.Event()  # set while replicated: what a reply waits for with ``require``
         self._kick = asyncio.Event()
         self._stop = threading.Event()
         self._task: asyncio.Task | None = None
@@ -94,9 +94,7 @@ class Replicator:
         """Return once the standby holds a state with everything changed before this call (at once unless
         replicated -- or, with ``require``, not before a standby is in sync and holds it)."""
         while self.require and self.mode != REPLICATED:
-            fut = self.loop.create_future()
-            self._unprotected.append(fut)
-            await fut
+            await self._in_sync.wait()
         if self.mode != REPLICATED:
             return
         # a shipment started but not yet captured includes the caller's change; one captured may not
@@ -216,10 +214,7 @@ class Replicator:
             return
         self.epoch += 1
         self.mode = REPLICATED
-        for fut in self._unprotected:  # (``require``: each now waits for a shipment that holds its change)
-            if not fut.done():
-                fut.set_result(None)
-        self._unprotected = []
+        self._in_sync.set()  # (``require``: each waiting reply now waits for a shipment that holds its change)
         self.count("replica_catch_ups")
         log.info("shard %d: standby %s caught up: replicated from epoch %d (replies wait for its acknowledgement)",
                  self.shard, self.standby[0], self.epoch)
@@ -237,6 +232,7 @@ class Replicator:
                 return
             self.epoch += 1
         self.mode, self.standby = ALONE, None
+        self._in_sync.clear()
         if self.channel is not None:
             await self.channel.close()
         self.channel = self.stub = None
