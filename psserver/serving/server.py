@@ -36,6 +36,7 @@ from psserver.serving.replies import Connections, ReplyLedger, RequestLedger
 from psserver.serving.runtime import Runtime, Wakeups
 from psserver.serving.service import ParameterServerService, ServiceLimits, add_service
 from psserver.state.budget import MemoryBudget
+from psserver.state.heap import CHECK_SECONDS, HeapKeeper, heap_bound
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,7 @@ class ShardProcess:
     runtime: Runtime  # the state worker, receive buffers, waiters, round timer
     service: ParameterServerService  # the gRPC servicer over both
     watch: LoopWatch  # the event loop's watchdog (and the health port's tick)
+    heap: HeapKeeper  # the allocator's free heap, read and given back past its bound
 
 
 def reshard_states(cfg: ServerConfig) -> list:
@@ -167,13 +169,15 @@ def build_shard_process(cfg: ServerConfig, loop: asyncio.AbstractEventLoop, loop
         replication = service.replication  # (a hot standby's primary: psserver.replication.shipper)
         return {"reply_bytes_held": replies.held_bytes, "request_bytes_held": requests.held_bytes,
                 "connections": len(connections.calls),
-                "watch_streams": connections.watch_streams, **watch.gauges(),
+                "watch_streams": connections.watch_streams, **watch.gauges(), **heap.gauges(),
                 **(replication.gauges() if replication is not None else {})}
 
+    budget = MemoryBudget(cfg.max_memory)
+    heap = HeapKeeper(heap_bound(budget.limit))
     host = ShardHost(cfg.shard, lease_timeout=cfg.lease_timeout, join_timeout=cfg.join_timeout,
                      checkpoint_dir=cfg.checkpoint_dir,
                      checkpoint_every=cfg.checkpoint_every, on_change=wakeups.changed,
-                     budget=MemoryBudget(cfg.max_memory), gauges=gauges)
+                     budget=budget, gauges=gauges)
     layouts = LayoutHost(host)  # the layout epochs served: layout 0 is ``host``
     host.metrics.read_from(lambda: layouts.current.snapshot())  # the newest layout's, as GetStats (shared: successor)
     if cfg.restore:  # the newest layout on disk: a later one's host serves (and counts) from now on
@@ -189,7 +193,7 @@ def build_shard_process(cfg: ServerConfig, loop: asyncio.AbstractEventLoop, loop
     service = ParameterServerService(host, runtime, limits, authenticated=cfg.security.authenticates,
                                      connections=connections, replies=replies, layouts=layouts, handoffs=handoffs,
                                      requests=requests, admin_token=cfg.security.admin_token)
-    return ShardProcess(host, runtime, service, watch)
+    return ShardProcess(host, runtime, service, watch, heap)
 
 
 class ShardServer:
@@ -232,6 +236,7 @@ class ShardServer:
                                           self.initial_states)
             self.service = process.service
             self.shard, self.runtime, self._watch = process.host, process.runtime, process.watch
+            self._heap = process.heap
             self.layouts, self.handoffs = process.service.layouts, process.service.handoffs
             tune_gc()
             self.port = asyncio.run_coroutine_threadsafe(self._start(process.service), self._loop).result(START_TIMEOUT)
@@ -282,7 +287,18 @@ class ShardServer:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._timer = asyncio.ensure_future(self.runtime.round_timer())
+        self._heap_checks = asyncio.ensure_future(self._keep_heap())
         return port
+
+    async def _keep_heap(self) -> None:
+        """Once a second, off the loop: the free heap read, and given back past its bound (psserver.state.heap)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(CHECK_SECONDS)
+            try:
+                await loop.run_in_executor(None, self._heap.check)
+            except Exception:  # noqa: BLE001 -- a failed check must not end the checks
+                log.exception("shard %d: the heap check failed", self.cfg.shard)
 
     def on_state_worker(self, fn, *args):
         """``fn(*args)`` on this process's state worker, from another thread (its event loop's): its answer, or
@@ -329,6 +345,7 @@ class ShardServer:
         self.handoffs.stop()  # its streams' threads end
         self.layouts.stop()  # every layout's pulls waiting for a round return UNAVAILABLE: their trainers retry
         self._timer.cancel()
+        self._heap_checks.cancel()
         await self.server.stop(grace)
 
     def _close_loop(self, before_close=None) -> None:

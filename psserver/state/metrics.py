@@ -17,7 +17,8 @@ from psserver.state import metrics_http
 from psserver.state.stats import StatsSnapshot
 
 ROUND_REASONS = ("all_arrived", "quorum", "timeout", "membership")
-MEMORY_KINDS = ("budget", "reserved", "tables_budget", "tables", "pull_refs")  # GetStats' memory_<kind>_bytes (psserver.partition.host)
+# GetStats' memory_<kind>_bytes: the budget's (psserver.partition.host), the process's (psserver.state.heap)
+MEMORY_KINDS = ("budget", "reserved", "tables_budget", "tables", "pull_refs", "heap_free", "heap_bound", "rss")
 PUSH_OUTCOMES = {"applied": "pushes_applied", "stale_dropped": "stale_dropped", "stale_scaled": "stale_scaled",
                  "duplicate": "duplicates"}
 
@@ -106,7 +107,8 @@ class _CounterCollector:
         yield live
         memory = GaugeMetricFamily("psgrpc_memory_bytes", "The memory budget (--max-memory), what the job reserved "
                                    "of it, the tables' share, and the bytes the tables hold now (the shard's own "
-                                   "accounting; docs/memory.md).", labels=["shard", "kind"])
+                                   "accounting); the allocator's free heap, its bound and the process's RSS "
+                                   "(docs/memory.md).", labels=["shard", "kind"])
         for kind in MEMORY_KINDS:
             memory.add_metric(label + [kind], c.get(f"memory_{kind}_bytes", 0))
         yield memory
@@ -136,6 +138,7 @@ SERVING_COUNTERS = {
     "reply_streams_cut": "Reply streams cut because their reader did not take them within --max-call-seconds.",
     "refused_connections": "Calls refused because --max-connections connections had calls in flight.",
     "refused_watch_streams": "Health Watch streams refused past --max-watch-streams.",
+    "memory_heap_trims": "Times the allocator's free heap passed its bound and was given back.",
 }
 
 
