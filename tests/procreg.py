@@ -5,7 +5,7 @@ middle) and not every process is its direct child:
 
 * ``subprocess.Popen`` is wrapped for the test's duration: each child is
   recorded, and killed at teardown -- its whole process group if it leads one
-  (``trainer.procs`` starts every shard and trainer in a session of its own).
+  (``trainer.local.procs`` starts every shard and trainer in a session of its own).
 * each test marks its environment with a token of its own, which every child
   and grandchild inherits (explicit ``env=`` dicts get it added): at teardown
   any live process carrying the token is found in /proc and killed, so a shard

@@ -8,9 +8,9 @@ errors a step raises -- no path into the server's package.
 __all__ = ["connect", "make_job", "ParameterServerTrainer", "StepFailed", "ShardedEmbedding", "ShardedEmbeddingBag",
            "SparseOptimizerConfig", "Initializer"]
 
-_HOMES = {"connect": "trainer.api", "make_job": "trainer.api", "ParameterServerTrainer": "trainer.api",
-          "StepFailed": "trainer.attempt", "ShardedEmbedding": "trainer.embedding",
-          "ShardedEmbeddingBag": "trainer.embedding", "SparseOptimizerConfig": "psserver.protocol.rows.optim",
+_HOMES = {"connect": "trainer.stepping.api", "make_job": "trainer.stepping.api", "ParameterServerTrainer": "trainer.stepping.api",
+          "StepFailed": "trainer.stepping.attempt", "ShardedEmbedding": "trainer.tables.embedding",
+          "ShardedEmbeddingBag": "trainer.tables.embedding", "SparseOptimizerConfig": "psserver.protocol.rows.optim",
           "Initializer": "psserver.protocol.rows.init"}
 
 

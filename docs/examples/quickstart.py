@@ -14,9 +14,9 @@ import torch
 from torch.nn import functional as F
 
 from trainer import connect  # pip install -e .  (this repository)
-from trainer.data import load_mnist5k
-from trainer.models import build_model
-from trainer.procs import start_shard
+from trainer.workloads.data import load_mnist5k
+from trainer.workloads.models import build_model
+from trainer.local.procs import start_shard
 
 
 def train(ps_addresses: str, steps: int) -> float:

@@ -1,6 +1,6 @@
 """The job's data cursor for async and stale-timeout elastic jobs (docs/elastic.md "Data follows membership").
 
-In sync mode a round's global batch is placed by the membership timeline (trainer.data.round_batch) and every
+In sync mode a round's global batch is placed by the membership timeline (trainer.workloads.data.round_batch) and every
 trainer agrees on the round.  In async and stale-timeout each trainer runs at its own pace, so no round number
 is shared: instead one cursor, kept by shard 0 partition 0 (the one that hands out ranks), grants each trainer
 the global index of its next batch (dynamic data sharding, as ElasticDL's and tf.data's dispatchers do).  Batch

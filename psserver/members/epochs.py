@@ -22,7 +22,7 @@ partition, asks it, and carries the answer out; tests drive it with a fake clock
   member that never trains).  Nothing served round E: it was held.  Withdrawn, the timeline is the one before
   the commit again (the same epoch numbers), so every shard that dropped or withdrew the join agrees.  Only a
   joiner that confirmed on some shards and not others still splits them; the trainers see it (each shard's
-  reply names its epoch for the round, trainer.session.Membership compares them) and say so loudly.
+  reply names its epoch for the round, trainer.membership.session.Membership compares them) and say so loudly.
 * async and stale-timeout (``exact`` False): a shard's versions are its own (a restored shard stays behind its
   peers for good) and no data is split by the round (the job's data cursor places batches), so a commit is
   never refused for its window: each shard takes it at ``E`` clamped into its own window.
@@ -92,7 +92,7 @@ class TimelineFull(JobFull):
 
 class JoinBackoff(TooBusy):
     """A peer's admission refused for a while: its earlier ones expired unsettled (RESOURCE_EXHAUSTED, reason
-    ``join-backoff``: a joiner waits it out within its --connect-timeout, trainer.registering)."""
+    ``join-backoff``: a joiner waits it out within its --connect-timeout, trainer.channels.registering)."""
 
     reason = JOIN_BACKOFF
 

@@ -143,5 +143,5 @@ class ShardPushes:
                               "job's one data cursor)")
         if self.job.mode == Mode.SYNC:
             raise JobMismatch(f"claim is {number} but mode is {self.job.mode}: a sync round's batch is placed by "
-                              "the membership timeline (trainer.data.round_batch), not claimed")
+                              "the membership timeline (trainer.workloads.data.round_batch), not claimed")
         self.cursor.check(rank, trainer_id, number, per_epoch)

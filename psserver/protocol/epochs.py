@@ -4,7 +4,7 @@ A job's trainers are numbered in epochs: epoch ``e`` = (the members, the first r
 in).  Epoch 0 is ranks ``0..num_trainers-1`` from round 0.  A join (``RegisterRequest.join``) or a leave
 starts a new epoch at a round every shard agrees on, so no round mixes two epochs; a trainer learns the
 epoch of the weights it pulled from ``ChunkHeader.membership_epoch`` and the timeline from
-``StatsReply.epochs``, and splits its data by it (trainer.data.DataPlan).
+``StatsReply.epochs``, and splits its data by it (trainer.workloads.data.DataPlan).
 
 The join window: a shard at version ``v`` proposes round ``v + JOIN_LEAD`` and, until the join is settled,
 closes no round past ``v`` (the round open now closes as usual).  The joiner commits at ``E`` = the largest

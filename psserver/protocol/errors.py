@@ -73,7 +73,7 @@ class NoJobToJoin(NotReady):
     job ended is JobEnded).
 
     FAILED_PRECONDITION like any NotReady, with the reason ``no-job`` in the trailers: a joiner started
-    before the job waits and asks again (trainer.client.register_retry) instead of failing."""
+    before the job waits and asks again (trainer.channels.client.register_retry) instead of failing."""
 
     reason = NO_JOB
 
@@ -129,7 +129,7 @@ LAYOUT_AHEAD = "layout-ahead"  # reason of a call naming a layout epoch the shar
 LAYOUT_METADATA_KEY = "ps-layout"  # trailer of a layout-moved refusal: the newest layout epoch the shard serves
 # trailer of a Register refused layout-moved, to a caller that named the job it ran: the newest layout whole (a
 # serialized LayoutEpoch -- its addresses, shard count, partitions, fingerprint), so a trainer that starts late with
-# the old --ps list follows it (trainer.relayout.Relayout.at_register)
+# the old --ps list follows it (trainer.membership.relayout.Relayout.at_register)
 LAYOUT_BIN_METADATA_KEY = "ps-layout-bin"
 LAYOUT_BIN_MAX_BYTES = 4096  # a layout past this (hundreds of shards) is not sent: trailers share gRPC's 8 KiB
 

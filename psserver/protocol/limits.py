@@ -109,7 +109,7 @@ MAX_TABLE_ROWS = 1 << 32
 MAX_IDS_PER_CALL = 1 << 20
 # Bytes of rows in one PullRows reply (ids x dim x 4): a reply is held whole until its reader took it, so a
 # few stalled readers must not pin gigabytes.  2**20 ids of dim 16 fit; a trainer splits a bigger pull
-# (trainer.sparse_client), and a shard refuses one RESOURCE_EXHAUSTED naming both sizes.
+# (trainer.tables.sparse_client), and a shard refuses one RESOURCE_EXHAUSTED naming both sizes.
 MAX_ROWS_REPLY_BYTES = 64 << 20
 # Sightings an id needs before its row is stored (admit_after).
 MAX_ADMIT_AFTER = 1 << 16
@@ -124,7 +124,7 @@ STEP_CHUNK_FRAMING_BYTES = 32
 # A shard serves at most this many data calls naming one rank (and partition) at once: ps-server
 # --max-calls-per-rank's default; a call past it is refused RESOURCE_EXHAUSTED (psserver.serving.service).
 MAX_CALLS_PER_RANK = 8
-# A trainer's windowed async table pushes (trainer.table_window) on the wire to one shard at once, across all its
+# A trainer's windowed async table pushes (trainer.tables.table_window) on the wire to one shard at once, across all its
 # tables: the per-rank cap less room for the step's own call and a pull.  Without it, W pushes in flight per
 # table times 26 tables passed the cap and the shard refused them.
 ROW_PUSHES_ON_WIRE_PER_SHARD = MAX_CALLS_PER_RANK - 2

@@ -2,7 +2,7 @@
 how a stale refusal says where the shard is.
 
 The shard decides with them (psserver/state/modes.py, psserver/sparse/serving.py) and the trainer predicts with
-them (trainer/api.py, trainer/client.py, trainer/sparse_client.py): a change here changes both at once.
+them (trainer/stepping/api.py, trainer/channels/client.py, trainer/tables/sparse_client.py): a change here changes both at once.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class Mode(str, enum.Enum):
 
 MODES = tuple(m.value for m in Mode)
 # The rest of a job's vocabulary, here because this module imports no torch: the CLIs offer these as choices
-# before they import anything heavy (trainer.choices), and the job spec checks them (psserver.protocol.job).
+# before they import anything heavy (trainer.running.choices), and the job spec checks them (psserver.protocol.job).
 OPTIMIZERS = ("sgd", "adam", "adamw")
 STALE_POLICIES = ("drop", "scale")
 WIRE_DTYPE_CHOICES = ("float32", "float16", "bfloat16")

@@ -213,7 +213,7 @@ class LayoutHost:
     def register_host(self, epoch: int, fingerprint: str = "") -> ShardHost:
         """The host a Register in layout ``epoch`` joins: only the newest layout takes members.  A Register in an
         older one is ``layout-moved``, carrying the newest layout whole when ``fingerprint`` (the caller's job) is
-        that older layout's: a trainer started late with the old --ps list follows it (trainer.relayout).  A caller
+        that older layout's: a trainer started late with the old --ps list follows it (trainer.membership.relayout).  A caller
         naming another job learns no fingerprint of this one."""
         try:
             host = self.host(epoch)
@@ -237,7 +237,7 @@ class LayoutHost:
 
     def heartbeat(self, index: int, rank: int, trainer_id: str, fingerprint: str) -> tuple[int, int]:
         """Renew ``rank``'s lease in the newest layout.  A trainer one layout behind (it switches at its next step,
-        trainer.relayout) heartbeats with its old layout's fingerprint: a member of that layout is renewed in the
+        trainer.membership.relayout) heartbeats with its old layout's fingerprint: a member of that layout is renewed in the
         newest on the newest job's fingerprint (the members were carried over), from partition 0 so on every
         partition it is a member of -- else a step longer than the lease between the switch and the trainer's next
         call would cost it its lease.  The reply's layout_epoch teaches it the switch."""

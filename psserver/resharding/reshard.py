@@ -47,7 +47,7 @@ class ReshardError(LayoutError):
 # --------------------------------------------------------------------------------------- the new job
 def partitions_for_bytes(job: JobSpec, num_shards: int, partition_bytes: int) -> int:
     """The partitions per shard a trainer with ``--partition-bytes`` computes for ``num_shards`` shards
-    (trainer.api.job_partitions: the largest slice cut into pieces of at most that many bytes)."""
+    (trainer.stepping.api.job_partitions: the largest slice cut into pieces of at most that many bytes)."""
     largest = max(e - s for s, e in (shard_range(job.total_params, num_shards, i) for i in range(num_shards)))
     return min(partitions_for(largest, partition_bytes), MAX_PARTITIONS)
 

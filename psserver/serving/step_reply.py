@@ -9,7 +9,7 @@ and kept; once every part is done, ``flush`` writes them as one message.  Bounde
 pass ``limit`` (psserver.protocol.limits.ONE_REPLY_BYTES, or half the shard's message limit if less) what was
 kept goes out as the stream it would have been, in order, and the rest streams as without one_reply.  The bound
 is the protocol's, not a flag's: a trainer that knows its reply is under it reads the reply with a unary call
-(trainer.step_call).
+(trainer.stepping.step_call).
 Counted: ``step_replies_packed``, ``step_replies_over_limit``.
 """
 

@@ -5,7 +5,7 @@ this module as a process and reads its JSON (the trainer's tools do not import t
 
 One table (dim 16, Adagrad) served by ``ServedTable`` -- lookup, lazy creation, the optimizer update and the
 gather, what PullRows and PushRows run under the shard's lock, without gRPC framing -- fed unique Zipf ids
-over 10^9 (the click log's law: trainer.recdata).
+over 10^9 (the click log's law: trainer.workloads.recdata).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ _SCRAMBLE = 2654435761  # spreads the ranks over the id space (odd, not a multip
 
 
 def _zipf_ranks(n: int, a: float, rng: np.random.Generator) -> np.ndarray:
-    """n ranks in 1..ID_SPACE, bounded Zipf(a) by inverse CDF (trainer.recdata.zipf_ranks's law)."""
+    """n ranks in 1..ID_SPACE, bounded Zipf(a) by inverse CDF (trainer.workloads.recdata.zipf_ranks's law)."""
     top = float(ID_SPACE + 1) ** (1.0 - a)
     x = (1.0 - rng.random(n) * (1.0 - top)) ** (1.0 / (1.0 - a))
     return np.minimum(np.floor(x).astype(np.int64), ID_SPACE)

@@ -22,7 +22,7 @@ slice's.  The decisions are the dense ones (``psserver.state.modes``) asked with
 A push carries a per-(trainer, table) sequence number (from 1): the retry of the
 acknowledged push answers DUPLICATE and is not applied again.  An async table also keeps
 each rank's *holes* (numbers below its newest not seen yet, within MAX_PUSH_WINDOW): a
-trainer's push window (trainer.table_window) sends several pushes at once and a later one
+trainer's push window (trainer.tables.table_window) sends several pushes at once and a later one
 may overtake an earlier one; the overtaken one is applied once when it arrives, a number
 older than the window is refused.  Sync tables keep the one-at-a-time rule.  Every refusal is
 raised before anything changes.  Not thread-safe: the shard's lock serialises

@@ -21,7 +21,7 @@ from psserver.protocol.proto import ps_pb2_grpc as pb_grpc
 from psserver.protocol.stubs import fetch_stat
 from psserver.resharding.reshard_cmd import reshard_main
 from tests.cluster.faultproxy import FaultProxy
-from trainer.procs import Proc, start_shard, start_trainer, wait_all
+from trainer.local.procs import Proc, start_shard, start_trainer, wait_all
 
 
 def records(path: Path) -> list[dict]:

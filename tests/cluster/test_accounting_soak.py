@@ -18,10 +18,10 @@ from psserver.protocol.rows.placement import shard_of
 from psserver.protocol.stubs import fetch_stat as stats
 from tests.cluster.helpers import exact_sgd, pull_params, trainers_through_faults
 from trainer import connect
-from trainer.api import make_job
-from trainer.client import ShardedClient
-from trainer.embedding import ShardedEmbeddingBag
-from trainer.sparse_client import ShardedRows
+from trainer.stepping.api import make_job
+from trainer.channels.client import ShardedClient
+from trainer.tables.embedding import ShardedEmbeddingBag
+from trainer.tables.sparse_client import ShardedRows
 
 P, STEPS, TRAINERS = 20_000, 40, 2
 ACKED = {"applied", "accepted", "duplicate"}

@@ -9,7 +9,7 @@ import sys
 import threading
 
 ARGS = ["--model", "mlp", "--dataset", "synthetic", "--steps", "30", "--eval-every", "10"]
-CLUSTER = [sys.executable, "-c", "from trainer.cluster import entrypoint; entrypoint()"]
+CLUSTER = [sys.executable, "-c", "from trainer.local.cluster import entrypoint; entrypoint()"]
 PER_STEP = re.compile(r"trainer \d: step \d+ loss|rank \d: step \d+/")
 
 

@@ -1,6 +1,6 @@
 """`ps-cluster --elastic` as a user runs it: 2 trainers, a third joins a third of the way in, rank 1 is
 SIGTERMed two thirds of the way; the summary prints 3 membership epochs.  Deterministic: the scenario acts on
-rounds the trainers hold at (trainer.elastic_cluster), not on time."""
+rounds the trainers hold at (trainer.local.elastic_cluster), not on time."""
 
 import json
 import signal
@@ -12,7 +12,7 @@ STEPS = 12  # rank 0 holds at 4 (joiner admitted at 6), rank 1 at 8 (its announc
 
 def run_cluster(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
     """ps-cluster run to the end; on a timeout it is interrupted (SIGINT), so it stops its own processes."""
-    proc = subprocess.Popen([sys.executable, "-c", "from trainer.cluster import entrypoint; entrypoint()", *argv],
+    proc = subprocess.Popen([sys.executable, "-c", "from trainer.local.cluster import entrypoint; entrypoint()", *argv],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=timeout)

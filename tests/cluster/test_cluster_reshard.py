@@ -1,5 +1,5 @@
 """`ps-cluster --reshard 3@R` as a user runs it: two sync trainers on two shards, a third shard started empty,
-the job moved onto all three live when shard 0 reaches R (trainer.reshard_cluster).  The trainers are not paced;
+the job moved onto all three live when shard 0 reaches R (trainer.local.reshard_cluster).  The trainers are not paced;
 the coordinator, started with them, prepares at round AT (``--at-round``) and round R-1's replies wait for the
 switch, so the trainers cannot finish before it once R is committed; STEPS leaves the copy and PROPOSE room
 (asserted: R < STEPS)."""

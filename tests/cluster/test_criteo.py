@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from trainer.criteo import load_criteo_dataset
+from trainer.workloads.criteo import load_criteo_dataset
 
 pytestmark = pytest.mark.cluster
 

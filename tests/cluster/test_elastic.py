@@ -16,9 +16,9 @@ from torch.nn import functional as F
 from psserver.protocol.epochs import JOIN_LEAD
 from psserver.protocol.stubs import fetch_stat
 from tests.helpers import wait_until
-from trainer.data import epoch_order, load_dataset, member_batch_indices, round_batch
-from trainer.models import build_model
-from trainer.procs import start_shard, start_trainer, wait_all
+from trainer.workloads.data import epoch_order, load_dataset, member_batch_indices, round_batch
+from trainer.workloads.models import build_model
+from trainer.local.procs import start_shard, start_trainer, wait_all
 
 STEPS, B, LR, HOLD = 12, 8, 0.1, 3
 LONG_LEASE = "600"  # seconds: a continuation that waited for a lease would outlast wait_all's bound

@@ -18,7 +18,7 @@ import pytest
 from psserver.protocol.stubs import fetch_stat
 from tests.cluster.helpers import restart_on_its_port
 from tests.helpers import wait_until
-from trainer.procs import start_shard, start_trainer, wait_all
+from trainer.local.procs import start_shard, start_trainer, wait_all
 
 STEPS, B = 40, 64  # synthetic: 2048 samples -> 32 batches of 64 a data epoch; ~2 data epochs in all
 COMMON = ["--model", "mlp", "--dataset", "synthetic", "--batch-size", str(B), "--steps",

@@ -20,9 +20,9 @@ from psserver.resharding.reshard_files import load_pieces
 from tests.cluster.test_elastic import LONG_LEASE, held_at, timeline
 from tests.cluster.test_elastic import start_job as elastic_job
 from tests.helpers import wait_until
-from trainer.data import epoch_order, member_batch_indices, round_batch
-from trainer.loop import Run, TrainConfig
-from trainer.procs import start_trainer, wait_all
+from trainer.workloads.data import epoch_order, member_batch_indices, round_batch
+from trainer.running.loop import Run, TrainConfig
+from trainer.local.procs import start_trainer, wait_all
 
 pytestmark = pytest.mark.cluster
 

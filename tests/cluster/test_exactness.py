@@ -5,8 +5,8 @@ import torch
 from torch.nn import functional as F
 
 from psserver.state.slice_optim import LANE_PAD
-from trainer.data import epoch_order, load_dataset, local_batch_indices
-from trainer.models import build_model
+from trainer.workloads.data import epoch_order, load_dataset, local_batch_indices
+from trainer.workloads.models import build_model
 
 STEPS, B = 6, 8
 TRAINERS, SHARDS = 2, 2
@@ -46,7 +46,7 @@ def replica_adam_run(lr: float) -> dict:
     """One process doing the cluster's arithmetic for Adam, operation for operation.
 
     Each trainer (``--threads 1``) takes the mean cross-entropy gradient of its
-    half batch (trainer/loop.py); each shard owns the flat slice
+    half batch (trainer/running/loop.py); each shard owns the flat slice
     [P*i//M, P*(i+1)//M) (psserver/protocol/layout.py), sums the trainers' slices
     weighted by num_samples -- ``acc = g0 * b``, then ``acc = (g1 * b) + acc``,
     each product rounded on its own (so the sum of two commutes: arrival order

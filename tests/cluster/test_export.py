@@ -4,7 +4,7 @@ import subprocess
 
 import torch
 
-from trainer.procs import cli, start_shard, start_trainer, wait_all
+from trainer.local.procs import cli, start_shard, start_trainer, wait_all
 
 
 def test_export_from_the_shards_checkpoints_equals_the_trainers_model(tmp_path):

@@ -18,7 +18,7 @@ from psserver.protocol.stubs import fetch_stat
 from tests.cluster.helpers import live_reshard, reshard_shards
 from tests.cluster.test_live_reshard import done_line, reference, run_trainers
 from tests.helpers import wait_until
-from trainer.procs import wait_all
+from trainer.local.procs import wait_all
 
 STEPS = 320  # unpaced: both R must fall inside the run (asserted)
 

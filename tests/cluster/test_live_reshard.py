@@ -18,7 +18,7 @@ import torch
 from psserver.protocol.stubs import fetch_stat
 from tests.cluster.helpers import live_reshard, reshard_shards
 from tests.helpers import wait_until
-from trainer.procs import start_shard, start_trainer, wait_all
+from trainer.local.procs import start_shard, start_trainer, wait_all
 
 STEPS, B = 240, 8  # unpaced, 48 steps took 1.3-1.6 s here: R must fall inside the run (asserted)
 COMMON = ["--mode", "sync", "--model", "mlp", "--dataset", "synthetic", "--batch-size", str(B), "--optimizer", "sgd",

@@ -18,7 +18,7 @@ from psserver.protocol.stubs import fetch_stat
 from psserver.resharding.reshard_cmd import reshard_main
 from tests.cluster.test_live_reshard import COMMON, done_line
 from tests.helpers import wait_until
-from trainer.procs import start_shard, start_trainer, wait_all
+from trainer.local.procs import start_shard, start_trainer, wait_all
 
 STEPS = 400
 ASYNC = [*COMMON[COMMON.index("--model"):], "--mode", "async"]  # the sync test's flags, async

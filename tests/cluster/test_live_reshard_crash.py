@@ -23,7 +23,7 @@ from tests.cluster.helpers import live_reshard, reshard_shards, restart_on_its_p
 from tests.cluster.test_live_reshard import STEPS, done_line, reference, run_trainers
 from tests.helpers import wait_until
 from tests.integration.switchproxy import SwitchProxy
-from trainer.procs import wait_all
+from trainer.local.procs import wait_all
 
 VICTIM = 1
 PACE = ["--step-delay", "0.05"]  # the run lasts long enough for a switch, two rounds in layout 1 and the kill

@@ -11,7 +11,7 @@ from psserver.protocol.stubs import fetch_stat
 from psserver.resharding.reshard_cmd import reshard_main
 from tests.cluster.test_live_reshard import STEPS, done_line, run_trainers
 from tests.helpers import wait_until
-from trainer.procs import start_shard, wait_all
+from trainer.local.procs import start_shard, wait_all
 
 STALE = ["--mode", "stale-timeout", "--sync-timeout", "60", "--stale-policy", "scale"]  # (the last --mode wins)
 

@@ -18,7 +18,7 @@ from psserver.protocol.stubs import fetch_stat
 from psserver.resharding.reshard_cmd import reshard_main
 from psserver.state.checkpoint import load_newest
 from tests.helpers import wait_until
-from trainer.procs import start_shard, start_trainer, wait_all
+from trainer.local.procs import start_shard, start_trainer, wait_all
 
 STEPS = 60
 COMMON = ["--mode", "sync", "--model", "ncf", "--dataset", "movielens100k", "--batch-size", "64",

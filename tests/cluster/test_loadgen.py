@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-import trainer.procs
+import trainer.local.procs
 from trainer.tools import loadgen
 
 pytestmark = pytest.mark.cluster
@@ -22,14 +22,14 @@ pytestmark = pytest.mark.cluster
 def started_shards(monkeypatch):
     """Every shard the load generator starts; killed afterwards if it is somehow still running."""
     procs = []
-    real = trainer.procs.start_shard
+    real = trainer.local.procs.start_shard
 
     def start_shard(*args, **kwargs):
         proc = real(*args, **kwargs)
         procs.append(proc)
         return proc
 
-    monkeypatch.setattr(trainer.procs, "start_shard", start_shard)
+    monkeypatch.setattr(trainer.local.procs, "start_shard", start_shard)
     yield procs
     for p in procs:
         p.kill()

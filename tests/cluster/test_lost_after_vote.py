@@ -25,8 +25,8 @@ from tests.cluster.helpers import pull_params
 from tests.cluster.test_reshard_soak import ACKED, PACE, P, Flat, expected_params, step_until_done
 from tests.helpers import wait_until
 from trainer import connect
-from trainer.api import make_job
-from trainer.procs import start_shard
+from trainer.stepping.api import make_job
+from trainer.local.procs import start_shard
 
 TRAINERS, TAIL, RETRY_BUDGET = 2, 6, 3.0
 Op = pb.ReshardRequest

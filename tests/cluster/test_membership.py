@@ -6,7 +6,7 @@ import re
 from psserver.protocol.stubs import fetch_stat as stats
 from tests.cluster.helpers import last_step
 from tests.helpers import wait_until
-from trainer.procs import start_shard, start_trainer
+from trainer.local.procs import start_shard, start_trainer
 
 LEASE = 2.0
 

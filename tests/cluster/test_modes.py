@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from trainer.data import load_mnist5k
-from trainer.loop import evaluate
-from trainer.models import build_model
+from trainer.workloads.data import load_mnist5k
+from trainer.running.loop import evaluate
+from trainer.workloads.models import build_model
 
 CNN_3_EPOCHS = ["--model", "cnn", "--dataset", "mnist5k", "--epochs", "3", "--batch-size", "32"]
 MODE_ARGS = {
@@ -84,7 +84,7 @@ def test_stale_timeout_with_a_straggler_closes_rounds_at_the_timeout_and_counts_
 def test_trainer_with_a_different_job_is_refused_naming_the_difference(tmp_path):
     from psserver.protocol.stubs import fetch_stat
     from tests.helpers import wait_until
-    from trainer.procs import start_shard, start_trainer
+    from trainer.local.procs import start_shard, start_trainer
 
     shard = start_shard(0, tmp_path / "shard0.log")
     args = ["--num-trainers", "2", "--mode", "sync", "--model", "mlp", "--dataset", "synthetic", "--steps", "2",
@@ -109,7 +109,7 @@ def test_a_second_job_on_finished_shards_starts_fresh_and_waits_for_all_its_trai
     """Running the same command again on shards whose job ended is a new job: rank 1 alone cannot train on
     the old weights; it waits for rank 0 (its Init) and both count versions from 0."""
     from psserver.protocol.stubs import fetch_stat
-    from trainer.procs import start_shard, start_trainer, wait_all
+    from trainer.local.procs import start_shard, start_trainer, wait_all
 
     shard = start_shard(0, tmp_path / "shard0.log")
     common = ["--num-trainers", "2", "--mode", "sync", "--model", "mlp", "--dataset", "synthetic", "--steps", "3",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.loop import TrainConfig, train
+from trainer.running.loop import TrainConfig, train
 
 pytestmark = pytest.mark.cluster
 

@@ -7,7 +7,7 @@ import pytest
 from tests.cluster.netns import Hosts, firewall_as_others_see_it
 from tests.cluster.helpers import last_step
 from tests.helpers import wait_until
-from trainer.procs import start_shard, start_trainer, wait_all
+from trainer.local.procs import start_shard, start_trainer, wait_all
 
 LEASE = 2.0
 

@@ -8,7 +8,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import wait_until
-from trainer.procs import start_shard, start_trainer, wait_all
+from trainer.local.procs import start_shard, start_trainer, wait_all
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -82,14 +82,14 @@ def test_ps_plot_overlays_runs_into_a_png(tmp_path):
     runs = []
     for mode in ("sync", "async"):
         run = tmp_path / mode
-        proc = subprocess.run([sys.executable, "-c", "from trainer.cluster import entrypoint; entrypoint()",
+        proc = subprocess.run([sys.executable, "-c", "from trainer.local.cluster import entrypoint; entrypoint()",
                                "--mode", mode, "--model", "mlp", "--dataset", "synthetic", "--steps", "30",
                                "--eval-every", "10", "--run-dir", str(run)], capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert (run / "plot.png").read_bytes()[:8] == PNG_MAGIC
         runs.append(str(run))
     out = tmp_path / "comparison.png"
-    proc = subprocess.run([sys.executable, "-c", "from trainer.plots import entrypoint; entrypoint()", *runs,
+    proc = subprocess.run([sys.executable, "-c", "from trainer.local.plots import entrypoint; entrypoint()", *runs,
                            "-o", str(out)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     import matplotlib.image
@@ -99,7 +99,7 @@ def test_ps_plot_overlays_runs_into_a_png(tmp_path):
 
 
 def test_ps_plot_names_a_folder_that_is_not_a_run(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", "from trainer.plots import entrypoint; entrypoint()", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-c", "from trainer.local.plots import entrypoint; entrypoint()", str(tmp_path)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert f"no trainer metrics (*.jsonl files that a trainer started) in {tmp_path}" in proc.stderr

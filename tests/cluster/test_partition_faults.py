@@ -38,9 +38,9 @@ from tests.cluster.helpers import pull_params, restart_on_its_port
 from tests.helpers import wait_until
 from tests.integration.switchproxy import SwitchProxy
 from trainer import connect
-from trainer.api import make_job
-from trainer.client import ShardedClient
-from trainer.procs import start_shard, start_trainer, wait_all
+from trainer.stepping.api import make_job
+from trainer.channels.client import ShardedClient
+from trainer.local.procs import start_shard, start_trainer, wait_all
 
 ACKED = {"applied", "accepted", "duplicate"}
 
@@ -112,7 +112,7 @@ class Record:
 
 
 class SlotLog:
-    """Wraps one trainer's per-slot exchange and re-registration (trainer.exchange, trainer.session) to record every slot's outcome;
+    """Wraps one trainer's per-slot exchange and re-registration (trainer.stepping.exchange, trainer.membership.session) to record every slot's outcome;
     ``hold(slot, step)`` runs before a slot's exchange starts (``step``: the dense steps completed before it)."""
 
     def __init__(self, ps, records: list, hold=None):

@@ -11,8 +11,8 @@ from torch import nn
 from psserver.resharding.reshard_files import load_pieces
 from tests.helpers import run_ranks
 from trainer import connect
-from trainer.embedding import ShardedEmbedding
-from trainer.procs import cli, start_shard
+from trainer.tables.embedding import ShardedEmbedding
+from trainer.local.procs import cli, start_shard
 
 RANKS, B, STEPS = 2, 8, 3
 

@@ -28,8 +28,8 @@ from tests.cluster.faultproxy import FaultProxy
 from tests.cluster.helpers import live_reshard, pull_params, reshard_shards
 from tests.helpers import wait_until
 from trainer import connect
-from trainer.api import make_job
-from trainer.attempt import StepFailed
+from trainer.stepping.api import make_job
+from trainer.stepping.attempt import StepFailed
 
 P, TRAINERS, TAIL = 20_000, 2, 10
 ACKED = {"applied", "accepted", "duplicate"}
@@ -59,7 +59,7 @@ def run_trainer(rank: int, addresses: str, last: dict, records: list, errors: li
             model.w.grad = grad.clone()
             bases, ranges = list(ps.versions), list(ps.ranges)
             info = step_until_done(ps)
-            if list(ps.ranges) != ranges:  # switched: every new slot started at the step's base (trainer.relayout)
+            if list(ps.ranges) != ranges:  # switched: every new slot started at the step's base (trainer.membership.relayout)
                 bases = [min(bases)] * len(ps.ranges)
             records.append((bases, list(ps.ranges), info.outcomes, grad))
             step += 1

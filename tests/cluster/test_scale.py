@@ -1,7 +1,7 @@
 """128 trainers against one real ps-server process: every round closes with all of them, health answers throughout.
 
 The trainers are threads of the test process using the public API (``trainer.connect``); the shard is a
-real ``ps-server`` (trainer.procs.start_shard).  A prober thread asks grpc.health.v1 Health.Check over a
+real ``ps-server`` (trainer.local.procs.start_shard).  A prober thread asks grpc.health.v1 Health.Check over a
 channel of its own for as long as the trainers run and records every answer.
 
 The shard runs with its default flags: each trainer has a connection of its own (the client asks gRPC not
@@ -19,8 +19,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from psserver.protocol.stubs import fetch_stat
-from trainer.api import connect
-from trainer.procs import start_shard
+from trainer.stepping.api import connect
+from trainer.local.procs import start_shard
 
 pytestmark = pytest.mark.cluster
 

@@ -14,8 +14,8 @@ from torch.optim import lr_scheduler as L
 
 from psserver.admin import format_stats
 from psserver.protocol.stubs import fetch_stat
-from trainer.data import epoch_order, load_dataset, local_batch_indices
-from trainer.models import build_model
+from trainer.workloads.data import epoch_order, load_dataset, local_batch_indices
+from trainer.workloads.models import build_model
 
 STEPS, B, TRAINERS, SHARDS, LR = 8, 8, 2, 2, 0.1
 COMMON = ["--mode", "sync", "--model", "mlp", "--dataset", "synthetic", "--batch-size", str(B),

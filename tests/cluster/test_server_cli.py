@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from trainer.procs import cli, start_shard
+from trainer.local.procs import cli, start_shard
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from psserver.state.checkpoint import Checkpointer
 from tests.cluster.helpers import last_step, restart_on_its_port
 from tests.conftest import P, RawShard, make_spec
 from tests.helpers import wait_until
-from trainer.procs import start_shard, start_trainer, wait_all
+from trainer.local.procs import start_shard, start_trainer, wait_all
 from trainer.tools.procstat import free_port
 
 EVERY = 10

@@ -12,7 +12,7 @@ from psserver.protocol.stubs import fetch_stat as stats
 from tests.cluster.helpers import last_step, restart_on_its_port
 from tests.helpers import wait_until
 from tests.cluster.test_movielens import MEAN_ONLY_RMSE
-from trainer.procs import start_shard, start_trainer, wait_all
+from trainer.local.procs import start_shard, start_trainer, wait_all
 
 pytestmark = pytest.mark.cluster
 

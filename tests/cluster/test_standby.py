@@ -14,7 +14,7 @@ import torch
 from psserver.protocol.stubs import fetch_stat
 from tests.cluster.helpers import last_step
 from tests.helpers import wait_until
-from trainer.procs import free_port, start_etcd, start_shard, start_trainer, wait_all
+from trainer.local.procs import free_port, start_etcd, start_shard, start_trainer, wait_all
 
 pytestmark = pytest.mark.cluster
 

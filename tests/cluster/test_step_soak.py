@@ -26,9 +26,9 @@ from psserver.state.checkpoint import list_checkpoints, load_newest
 from tests.cluster.helpers import exact_sgd, pull_params, restart_on_its_port, trainers_through_faults
 from tests.helpers import wait_until
 from trainer import connect
-from trainer.client import ShardedClient
-from trainer.embedding import ShardedEmbeddingBag
-from trainer.sparse_client import ShardedRows
+from trainer.channels.client import ShardedClient
+from trainer.tables.embedding import ShardedEmbeddingBag
+from trainer.tables.sparse_client import ShardedRows
 
 P, ROW_IDS, DIM, BAGS, STEPS, TRAINERS = 4_000, 300, 8, 16, 30, 2
 ACKED = {"applied", "accepted", "duplicate"}

@@ -2,7 +2,7 @@
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from trainer.procs import start_shard, start_trainer, wait_all
+from trainer.local.procs import start_shard, start_trainer, wait_all
 
 
 def scalars(directory) -> dict:

@@ -11,8 +11,8 @@ import torch
 from psserver.protocol.stubs import fetch_stat
 from tests.cluster.helpers import last_step, records
 from tests.helpers import wait_until
-from trainer.client import LOOPBACK_REFUSED_SECONDS
-from trainer.procs import Proc, start_shard, start_trainer
+from trainer.channels.client import LOOPBACK_REFUSED_SECONDS
+from trainer.local.procs import Proc, start_shard, start_trainer
 from trainer.tools.procstat import free_port
 
 pytestmark = pytest.mark.cluster

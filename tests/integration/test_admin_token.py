@@ -77,7 +77,7 @@ def test_a_shard_without_an_admin_token_takes_a_reshard_from_its_own_host_as_bef
 
 
 def test_ps_server_publishes_its_own_token_for_its_user_only_and_removes_it_when_it_stops(tmp_path):
-    from trainer.procs import start_shard
+    from trainer.local.procs import start_shard
 
     proc = start_shard(0, tmp_path / "shard.log",  # no operator token: the shard makes its own
                        env={"PS_ADMIN_TOKEN_DIR": str(tmp_path / "tokens"), "PS_ADMIN_TOKEN": ""})

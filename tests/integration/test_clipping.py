@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from trainer.api import FlatModel, connect
-from trainer.clipping import check_max_norm, clip_local_
-from trainer.data import epoch_order, load_dataset, local_batch_indices
-from trainer.models import build_model
+from trainer.stepping.api import FlatModel, connect
+from trainer.stepping.clipping import check_max_norm, clip_local_
+from trainer.workloads.data import epoch_order, load_dataset, local_batch_indices
+from trainer.workloads.models import build_model
 
 STEPS, B, MAX_NORM, LR = 8, 16, 0.5, 0.1
 

@@ -15,9 +15,9 @@ from psserver.protocol.codec import encode, encode_topk_raw, wire_tensor
 from psserver.protocol.proto import ps_pb2 as pb
 from tests.conftest import P, make_spec
 from tests.helpers import refused
-from trainer.api import connect
-from trainer.data import epoch_order, load_dataset, local_batch_indices
-from trainer.models import build_model
+from trainer.stepping.api import connect
+from trainer.workloads.data import epoch_order, load_dataset, local_batch_indices
+from trainer.workloads.models import build_model
 
 FP = "f" * 16
 C = grpc.StatusCode

@@ -1,5 +1,5 @@
 """On CUDA, with backward on a stream of its own: pushing during backward and pulling into the model give
-exactly what the plain path gives (the copies are ordered by events: trainer.staging).  Skipped without
+exactly what the plain path gives (the copies are ordered by events: trainer.membership.staging).  Skipped without
 CUDA; the same ordering is checked on the CPU in tests/unit/test_staging.py."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def test_cuda_pushes_during_backward_on_a_side_stream_equal_the_plain_path_bit_f
 @pytest.mark.parametrize("early", [False, True], ids=["late-push", "early-push"])
 def test_cuda_partitioned_pipelined_steps_on_a_side_stream_equal_the_plain_path_bit_for_bit(shard_server, early):
     """Partitions of 1 MB, each copied to and from the GPU on its own side stream as it is pushed and lands, the
-    next forward waiting per layer (trainer.pipeline) on a stream of its own: the same parameters."""
+    next forward waiting per layer (trainer.stepping.pipeline) on a stream of its own: the same parameters."""
     def cluster():
         return ",".join(shard_server(shard=i).server.address for i in range(3))
 

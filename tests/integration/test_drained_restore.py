@@ -10,7 +10,7 @@ from psserver.protocol.rules import refused_layout_moved
 from tests.helpers import refused
 from tests.unit.test_layout_checkpoints import drained_host
 from tests.unit.test_layout_host import JOB
-from trainer.procs import start_shard
+from trainer.local.procs import start_shard
 
 
 def test_a_drained_process_restarted_with_restore_is_retired_and_refuses_the_old_job_layout_moved(tmp_path):

@@ -132,7 +132,7 @@ def test_a_dropped_join_does_not_expel_the_member_that_registered_its_rank_meanw
 
 def test_a_join_before_the_job_is_failed_precondition_with_the_no_job_reason_and_the_job_then_starts(shard_server):
     """A joiner that reaches a shard before rank 0 registered the job: refused, changing nothing, with the
-    reason a joiner waits on (trainer.client.register_retry) -- and rank 0 then starts the job as usual."""
+    reason a joiner waits on (trainer.channels.client.register_retry) -- and rank 0 then starts the job as usual."""
     from psserver.protocol.rules import refused_no_job
 
     shard = shard_server()
@@ -171,7 +171,7 @@ def test_a_join_to_a_job_that_ended_carries_the_job_ended_reason_and_changes_not
 def test_a_ps_trainer_joining_a_job_that_ended_exits_0_with_one_line(shard_server, tmp_path):
     """A Deployment's replica that outlives rank 0's Job: the real ps-trainer --join finds the job ended,
     prints why and exits 0 at once (it does not wait --connect-timeout), so the replica completes."""
-    from trainer.procs import start_trainer, wait_all
+    from trainer.local.procs import start_trainer, wait_all
 
     shard = shard_server()
     shard.register(spec=ELASTIC)
@@ -212,8 +212,8 @@ def test_a_confirm_of_a_round_already_served_is_failed_precondition(running):
 
 
 def test_a_joiner_refused_at_its_admission_sends_no_leave_in_another_ranks_name(running):
-    from trainer.api import connect
-    from trainer.models import build_model
+    from trainer.stepping.api import connect
+    from trainer.workloads.models import build_model
 
     model = build_model("mlp", (1, 28, 28), seed=0)
     with pytest.raises(Exception, match="mode is 'async' but the job has 'sync'"):  # the flags do not match the job

@@ -157,7 +157,7 @@ def test_a_plain_register_of_a_rank_that_left_answers_the_round_it_is_a_member_f
         shard_server):
     """A rank that left and registers again without --join is a member from the round open at its Register; a
     sync table may be a round behind then (the others' table pushes in flight).  Its lanes must start at that
-    round (trainer.session.track_rows reads ``join_round``), not at the table's version: round 1 is not its."""
+    round (trainer.membership.session.track_rows reads ``join_round``), not at the table's version: round 1 is not its."""
     spec = make_spec(num_trainers=2, max_trainers=2, tables=(table(),))
     shard = started(shard_server, spec)
     for rank in (0, 1):

@@ -1,7 +1,7 @@
 """A trainer joins a running sync job with tables over real shards on loopback (trainers as threads), with
 ``ps.prefetching`` and without: the rows end bit for bit the same.  With prefetch every trainer pushes its
 tables beside the dense exchange, so the joiner may find a shard one table round behind its own first round:
-its lanes start at its round (trainer.session.joined_round) and the shard lets its first pull wait for that one
+its lanes start at its round (trainer.membership.session.joined_round) and the shard lets its first pull wait for that one
 round (ServedTable.check_wait ``joins``) -- a prefetch or row cache reading the wrong version would change a
 bit.  That race (a shard one table round behind when the joiner binds) is not forced here: the decisions that
 handle it are unit-tested (tests/unit/test_elastic_tables.py).  The rows of the plain run equal one process
@@ -20,8 +20,8 @@ from torch import nn
 from psserver.protocol.epochs import JOIN_LEAD
 from psserver.protocol.rows.optim import SparseOptimizerConfig
 from tests.helpers import WAIT_TIMEOUT, run_ranks, wait_until
-from trainer.api import connect
-from trainer.embedding import ShardedEmbedding
+from trainer.stepping.api import connect
+from trainer.tables.embedding import ShardedEmbedding
 
 STEPS, B, N, HOLD = 7, 6, 40, 2
 

@@ -1,7 +1,7 @@
 """connect() with shard-backed tables against real shards on loopback: the job carries the tables, the modules are
 bound once joined, step() pushes rows and dense gradients, close() closes the row client.
 
-The row client is LocalRows standing in for trainer.sparse_client.ShardedRows (the server side of issue 12 step 2
+The row client is LocalRows standing in for trainer.tables.sparse_client.ShardedRows (the server side of issue 12 step 2
 is not in this tree yet): what is tested is the wiring around it, over a real gRPC job.
 """
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-import trainer.api as api
-from trainer.embedding import LocalRows, ShardedEmbedding
+import trainer.stepping.api as api
+from trainer.tables.embedding import LocalRows, ShardedEmbedding
 
 
 class StandInRows(LocalRows):

@@ -1,7 +1,7 @@
 """A shard gives the allocator's free heap back past its bound (psserver.state.heap): the heap freed by a table
 job's big calls shows in GetStats (memory_heap_free_bytes, memory_rss_bytes) and is trimmed, changing no state.
 
-The shard runs as ps-server does (trainer.procs.start_shard: under the malloc tunables that keep up to 1 GiB of
+The shard runs as ps-server does (trainer.local.procs.start_shard: under the malloc tunables that keep up to 1 GiB of
 freed heap for reuse), with --max-memory 512M: a heap bound of 16 MiB."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from psserver.protocol.rows.table import TableSpec
 from psserver.state.heap import heap_bound
 from tests.conftest import RawShard, make_spec
 from tests.helpers import wait_until
-from trainer.procs import start_shard
+from trainer.local.procs import start_shard
 
 FP = "f" * 16
 DIM, IDS = 16, 100_000

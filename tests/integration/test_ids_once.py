@@ -16,7 +16,7 @@ from psserver.protocol.rows.init import init_rows
 from tests.conftest import P, RawShard
 from tests.helpers import refused, wait_until
 from tests.integration.test_sparse_rpc import DIM, FP, cluster, close, job, pull_rows, push_rows, rows_chunks, started
-from trainer.procs import start_shard
+from trainer.local.procs import start_shard
 
 ONE_CHUNK = 1 << 20
 
@@ -215,7 +215,7 @@ def _step_call_trainer(addresses: str, plant_at: int | None) -> tuple[dict, dict
     """One sync trainer with prefetch (one Step a shard a step, tests/integration/test_step_call.py); before step
     ``plant_at`` every lane names only a pull its shard never gave.  (counters, final rows and dense weights)."""
     from tests.integration.test_row_prefetch import B, STEPS, Rec, batch
-    from trainer.api import connect
+    from trainer.stepping.api import connect
 
     torch.manual_seed(0)
     model = Rec("adagrad")

@@ -15,7 +15,7 @@ from psserver.protocol.proto import ps_pb2_grpc as pb_grpc
 from psserver.serving.ports import host_port
 from tests.helpers import wait_until
 from trainer import connect
-from trainer.procs import start_shard
+from trainer.local.procs import start_shard
 
 
 def _ipv6_loopback() -> bool:

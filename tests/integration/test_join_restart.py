@@ -20,8 +20,8 @@ from psserver.protocol.epochs import JOIN_LEAD
 from psserver.serving.server import ServerConfig, ShardServer
 from tests.conftest import RawShard
 from tests.helpers import WAIT_TIMEOUT, run_ranks, wait_until
-from trainer.api import connect
-from trainer.client import ShardClient
+from trainer.stepping.api import connect
+from trainer.channels.client import ShardClient
 
 STEPS, B, HOLD = 6, 4, 2
 

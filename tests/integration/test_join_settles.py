@@ -105,6 +105,6 @@ def test_a_peer_that_asks_to_join_and_never_commits_is_refused_its_next_admissio
                     "peer '127.0.0.1' left 1 join(s)", "its next admission is taken in", unchanged=Unchanged())
     from psserver.protocol.rules import refused_join_backoff
 
-    assert refused_join_backoff(error)  # the reason a joiner waits it out by (trainer.registering)
+    assert refused_join_backoff(error)  # the reason a joiner waits it out by (trainer.channels.registering)
     assert _counters(shards[0])["joins_refused_backoff"] == 1
     _round(shards, 0)  # rank 0 trains on, no round held

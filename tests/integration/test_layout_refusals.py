@@ -221,7 +221,7 @@ def test_a_step_call_in_the_old_layout_at_the_switch_round_is_layout_moved_and_i
 
 
 def test_a_register_in_the_old_layout_carries_the_newest_layout_whole_only_to_a_caller_that_named_the_job(switched):
-    """A trainer started after the switch with the old --ps list learns where to go (trainer.relayout.at_register);
+    """A trainer started after the switch with the old --ps list learns where to go (trainer.membership.relayout.at_register);
     a caller naming another job learns no fingerprint of this one, only the refusal."""
     request = pb.RegisterRequest(rank=1, trainer_id="t1", job=OLD.to_proto(), layout_epoch=0)
     error = refused(lambda: switched.stub.Register(request, timeout=10), grpc.StatusCode.FAILED_PRECONDITION,

@@ -30,7 +30,7 @@ from tests.integration.test_relayout import OPTIMIZER, R, STEPS, Net, batches, s
 from tests.offline_switch import switch_layout_offline
 from tests.unit.test_layout_checkpoints import write_both_layouts
 from trainer import connect
-from trainer.procs import cli, start_shard
+from trainer.local.procs import cli, start_shard
 
 CRASH = R + 1  # the trainer's step that finds the restored process (layout 1 checkpointed at R and R + 1)
 

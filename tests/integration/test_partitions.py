@@ -2,7 +2,7 @@
 
 Each partition has its own round, version and optimizer step (psserver.partition.host); element-wise optimizers make
 that the same arithmetic as one step over the slice, so sync mode must give the same parameters bit for bit --
-also when steps return before the exchange ends and each layer waits for its own partitions (trainer.pipeline).
+also when steps return before the exchange ends and each layer waits for its own partitions (trainer.stepping.pipeline).
 """
 
 from __future__ import annotations
@@ -245,7 +245,7 @@ def test_a_partitioned_trainer_rides_out_a_shard_that_restarts_empty(shard_serve
 
 
 def test_pipelined_steps_with_shard_backed_tables_are_refused_before_connecting():
-    from trainer.embedding import ShardedEmbedding
+    from trainer.tables.embedding import ShardedEmbedding
 
     model = torch.nn.Sequential(ShardedEmbedding("users", 8), torch.nn.Linear(8, 1))
     with pytest.raises(ValueError, match="pipeline with shard-backed embedding tables is not supported"):

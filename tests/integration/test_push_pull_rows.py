@@ -15,8 +15,8 @@ from psserver.protocol.rows.placement import shard_of
 from tests.helpers import refused, wait_until
 from tests.integration.switchproxy import SwitchProxy
 from tests.integration.test_sparse_rpc import DIM, FP, job, pull_rows, rows_chunks, started
-from trainer.client import RetryPolicy, ShardedClient
-from trainer.sparse_client import ShardedRows
+from trainer.channels.client import RetryPolicy, ShardedClient
+from trainer.tables.sparse_client import ShardedRows
 
 
 def push_pull(raw, chunks, pull_ids=None, raw_pull_ids=None):

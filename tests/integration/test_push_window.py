@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trainer import connect
-from trainer.attempt import StepFailed
+from trainer.stepping.attempt import StepFailed
 from tests.helpers import wait_until
 from tests.integration.switchproxy import SwitchProxy
 
@@ -138,7 +138,7 @@ def test_a_window_beyond_the_shards_limit_is_refused_naming_both():
 def test_a_shard_killed_and_restored_under_a_window_of_pushes_applies_none_twice(tmp_path):
     """kill -9 with pushes about to be in flight, --restore on the same port: every push the shard holds was
     applied once (its version counts them, the weights are the sum of exactly those), none lost unlogged."""
-    from trainer.procs import start_shard
+    from trainer.local.procs import start_shard
 
     args = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1"]
     shard = start_shard(0, tmp_path / "shard0.log", extra_args=args)

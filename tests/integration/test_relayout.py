@@ -19,7 +19,7 @@ from torch.nn import functional as F
 from tests.helpers import WAIT_TIMEOUT, run_ranks
 from tests.offline_switch import capture_states, switch_layout_offline
 from trainer import connect
-from trainer.relayout import RegisterMoved
+from trainer.membership.relayout import RegisterMoved
 
 STEPS, R = 6, 3
 OPTIMIZER = {"name": "sgd", "lr": 0.1, "momentum": 0.9}
@@ -165,7 +165,7 @@ def test_an_async_trainer_started_after_a_switch_with_the_old_ps_list_follows_th
         shard_server):
     """Async jobs do not wait for every trainer, so rank 1 may first register after the switch, in layout 0: every
     old shard refuses it ``layout-moved`` with layout 1 whole (psserver.resharding.layout_host.register_host), and it registers
-    there instead (trainer.relayout.Relayout.at_register), counted and logged; its steps go to layout 1's shards."""
+    there instead (trainer.membership.relayout.Relayout.at_register), counted and logged; its steps go to layout 1's shards."""
     servers = [shard_server(shard=i).server for i in range(2)]
     addresses, data = ",".join(s.address for s in servers), batches()
     first, late = Net(), Net()

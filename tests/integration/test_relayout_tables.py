@@ -20,7 +20,7 @@ from torch.nn import functional as F
 from psserver.protocol.rows.optim import SparseOptimizerConfig
 from tests.integration.test_relayout import switch_to_one_shard, two_trainers
 from trainer import connect
-from trainer.embedding import ShardedEmbedding
+from trainer.tables.embedding import ShardedEmbedding
 
 STEPS, R = 6, 3
 OPTIMIZER = {"name": "sgd", "lr": 0.1, "momentum": 0.9}

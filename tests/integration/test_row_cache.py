@@ -10,8 +10,8 @@ from torch import nn
 
 from psserver.protocol.rows.optim import SparseOptimizerConfig
 from tests.helpers import run_ranks
-from trainer.api import connect
-from trainer.embedding import ShardedEmbedding, ShardedEmbeddingBag
+from trainer.stepping.api import connect
+from trainer.tables.embedding import ShardedEmbedding, ShardedEmbeddingBag
 
 STEPS, B, N = 6, 6, 40
 

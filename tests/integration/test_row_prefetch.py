@@ -12,8 +12,8 @@ from torch import nn
 from psserver.protocol.rows.optim import SparseOptimizerConfig
 from psserver.protocol.rows.placement import shard_of
 from tests.helpers import run_ranks
-from trainer.api import connect
-from trainer.embedding import ShardedEmbedding, ShardedEmbeddingBag
+from trainer.stepping.api import connect
+from trainer.tables.embedding import ShardedEmbedding, ShardedEmbeddingBag
 
 STEPS, B, N = 5, 6, 40
 ONE_SHARD_IDS = [i for i in range(200) if int(shard_of(torch.tensor([i]), 2)[0]) == 0][:12]
@@ -44,7 +44,7 @@ def train(addresses: str, rank: int, model: Rec, prefetch: bool, out: dict, fuse
     with connect(addresses, model, mode="sync", rank=rank, num_trainers=2,
                  optimizer={"name": "sgd", "lr": 0.1}) as ps:
         ps.rows.fuse = fuse  # the next batch's ids ride on the push (PushPullRows), or a pull of their own
-        ps.step_call.enabled = one_call  # a shard's parts of a step in one Step call (trainer.step_call), or two
+        ps.step_call.enabled = one_call  # a shard's parts of a step in one Step call (trainer.stepping.step_call), or two
         batches = [batch(rank, k) for k in range(STEPS)]
         if prefetch:  # ids found by probing the model's own forward
             batches = ps.prefetching(batches, forward=lambda m, b: m(*b[:3]))

@@ -108,7 +108,7 @@ def test_mutual_tls_needs_a_client_certificate_from_the_client_ca(pki, start):
 
 def test_trainer_api_over_mutual_tls_with_token(pki, start):
     from trainer import connect
-    from trainer.models import build_model
+    from trainer.workloads.models import build_model
 
     server = start(ServerSecurity(pki["server_cert"], pki["server_key"], pki["client_ca"], token=TOKEN))
     model = build_model("mlp", (1, 28, 28))

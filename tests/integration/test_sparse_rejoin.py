@@ -11,8 +11,8 @@ from torch import nn
 from psserver.protocol.stubs import fetch_stat as stats
 from tests.helpers import wait_until
 from trainer import connect
-from trainer.embedding import ShardedEmbedding
-from trainer.procs import start_shard
+from trainer.tables.embedding import ShardedEmbedding
+from trainer.local.procs import start_shard
 
 EVERY = 3  # checkpoints at dense versions 3, 6, ...; the kill comes at 4
 
@@ -63,7 +63,7 @@ def test_a_shard_killed_and_restarted_is_rejoined_for_the_table_and_the_loss_is_
         back = EVERY if restore else 0  # the version the shard came back at, dense and table alike
         st = stats(restarted.address)
         # both steps after the restart applied, tables and dense alike: the dense gradient of the first goes to the
-        # rejoined shard on the version it came back at (trainer.exchange's exchange_slot); only the rolled-back versions are lost
+        # rejoined shard on the version it came back at (trainer.stepping.exchange's exchange_slot); only the rolled-back versions are lost
         assert st.counters["table.emb.version"] == back + 2
         assert st.version == back + 2
         assert c["reconnects"] == 1 and c["rows_restarts"] == 1

@@ -15,8 +15,8 @@ from psserver.protocol.rows.table import RowStore, TableSpec
 from psserver.protocol.rows.wire import row_chunks
 from tests.conftest import P, make_spec
 from tests.helpers import refused
-from trainer.client import RetryPolicy, ShardedClient
-from trainer.sparse_client import RowsCallFailed, RowsPushFailed, ShardedRows
+from trainer.channels.client import RetryPolicy, ShardedClient
+from trainer.tables.sparse_client import RowsCallFailed, RowsPushFailed, ShardedRows
 
 DIM = 4
 FP = "f" * 16

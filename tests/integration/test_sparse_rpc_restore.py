@@ -8,7 +8,7 @@ from psserver.protocol.proto import ps_pb2 as pb
 from tests.conftest import P, RawShard
 from tests.helpers import wait_until
 from tests.integration.test_sparse_rpc import job, pull_rows, push_rows, rows_chunks
-from trainer.procs import start_shard
+from trainer.local.procs import start_shard
 
 ONE_CHUNK = 1 << 20
 

@@ -98,7 +98,7 @@ def test_a_shard_with_a_token_shows_the_job_spec_to_any_caller_holding_the_token
 def test_a_trainer_reads_its_own_job_in_the_shards_stats(shard_server):
     from collections import Counter
 
-    from trainer.client import ShardClient
+    from trainer.channels.client import ShardClient
 
     shard, _ = running_job(shard_server)
     client = ShardClient(shard.server.address, 0, rank=0, trainer_id="t0", fingerprint=FP, counters=Counter())

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from tests.integration.test_row_prefetch import B, Rec, batch
-from trainer.api import connect
+from trainer.stepping.api import connect
 
 STEPS = 6
 
@@ -72,9 +72,9 @@ def test_with_the_step_call_off_async_rows_are_still_prefetched_on_their_own(sha
 
 
 def test_an_async_step_brings_back_the_data_cursor_grant_its_dense_part_claimed(shard_server):
-    """An async trainer's claim on the data cursor rides on the Step's dense part to shard 0 (trainer.data_claims):
+    """An async trainer's claim on the data cursor rides on the Step's dense part to shard 0 (trainer.membership.data_claims):
     the grant comes back in the Step's reply, so no step but the first needs a ClaimBatch call of its own."""
-    from trainer.data_claims import BatchClaims
+    from trainer.membership.data_claims import BatchClaims
 
     addresses = ",".join(shard_server(shard=i).server.address for i in range(2))
     torch.manual_seed(0)

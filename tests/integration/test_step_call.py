@@ -11,7 +11,7 @@ import torch
 from tests.helpers import run_ranks, wait_until
 from tests.integration.switchproxy import SwitchProxy
 from tests.integration.test_row_prefetch import B, STEPS, Rec, batch, run_job
-from trainer.api import connect
+from trainer.stepping.api import connect
 
 
 def _one_trainer(addresses: str, one_call: bool, steps: int = STEPS, during=None) -> tuple[list, dict, object]:
@@ -122,7 +122,7 @@ def test_a_shard_killed_and_restored_under_one_call_steps_applies_each_later_ste
     pull) and each step after it is applied once, dense slice and table alike."""
     from psserver.protocol.stubs import fetch_stat
     from tests.integration.test_sparse_rejoin import EVERY, Scorer
-    from trainer.procs import start_shard
+    from trainer.local.procs import start_shard
 
     args = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", str(EVERY)]
     shard = start_shard(0, tmp_path / "shard0.log", extra_args=args)

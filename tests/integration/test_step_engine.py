@@ -23,7 +23,7 @@ from tests.helpers import refused, run_ranks
 from tests.integration.test_row_prefetch import B, STEPS, Rec, batch
 from tests.integration.test_sparse_rpc import DIM, job, rows_chunks
 from tests.integration.test_step_rpc import dense, rows, started
-from trainer.api import connect
+from trainer.stepping.api import connect
 
 ENGINE_OWN = ("step_engine_steps", "step_engine_misses")
 

@@ -23,7 +23,7 @@ from tests.integration.switchproxy import SwitchProxy
 from tests.integration.test_row_prefetch import B, STEPS, Rec, batch
 from tests.integration.test_sparse_rpc import rows_chunks
 from tests.integration.test_step_rpc import CASES, _cases, dense, rows, started, table_reply, weights
-from trainer.api import connect
+from trainer.stepping.api import connect
 
 
 def once(raw, msgs: list[StepMessage]) -> dict[int, list]:

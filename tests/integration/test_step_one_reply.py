@@ -17,7 +17,7 @@ from tests.helpers import refused
 from tests.integration.test_row_prefetch import B, Rec, batch
 from tests.integration.test_sparse_rpc import rows_chunks
 from tests.integration.test_step_rpc import dense, rows, started, table_reply, weights
-from trainer.api import connect
+from trainer.stepping.api import connect
 
 
 def _messages(raw, msgs, one_reply: bool, unary: bool = True) -> list[StepMessage]:

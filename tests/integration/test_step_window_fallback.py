@@ -1,4 +1,4 @@
-"""A one-call step (trainer.step_call) carries an async table's push while its push window (W>1) is idle.  When one
+"""A one-call step (trainer.stepping.step_call) carries an async table's push while its push window (W>1) is idle.  When one
 shard's Step fails, the table's push is kept (ShardedRows.end_push) and the two-call retry must send that kept push
 again under its numbers to the shards that did not answer -- not hand it to the window, which numbers it anew for
 every shard (the shards that answered applied it twice, and the kept push was sent a third time by the next step,
@@ -11,8 +11,8 @@ import grpc
 import torch
 
 from tests.integration.test_row_prefetch import B, Rec, batch
-from trainer import step_call
-from trainer.api import connect
+from trainer.stepping import step_call
+from trainer.stepping.api import connect
 
 STEPS, FAIL_AT = 6, 3
 

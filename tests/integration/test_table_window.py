@@ -12,10 +12,10 @@ from torch import nn
 from psserver.protocol.rows.optim import SparseOptimizerConfig
 from tests.helpers import wait_until
 from tests.integration.switchproxy import SwitchProxy
-from trainer.api import connect
-from trainer.attempt import StepFailed
-from trainer.embedding import ShardedEmbeddingBag
-from trainer.sparse_client import RowsPushFailed
+from trainer.stepping.api import connect
+from trainer.stepping.attempt import StepFailed
+from trainer.tables.embedding import ShardedEmbeddingBag
+from trainer.tables.sparse_client import RowsPushFailed
 
 N, B, DIM = 64, 8, 4
 
@@ -139,7 +139,7 @@ def test_a_table_push_that_failed_for_good_is_raised_kept_and_retried_under_its_
     proxy.forward()
     try:  # the table push is sent again, under its numbers, to shard 1 only
         ps.flush()
-    except StepFailed:  # the dense push to shard 1 ran out of retries too (trainer.windowed: step() retries it)
+    except StepFailed:  # the dense push to shard 1 ran out of retries too (trainer.stepping.windowed: step() retries it)
         pass
     assert table_stat([s0, s1], "pushes_applied") == [1, 1] and not ps.rows.window_failed("item")
     model(ids(1)).backward()
@@ -162,7 +162,7 @@ def test_a_shard_killed_and_restored_under_a_table_window_applies_no_push_twice(
     """kill -9 after a checkpoint, --restore on the same port, then a window of pushes: the restart is rejoined
     once and every table push either applied once (the table's version and push count agree) or counted lost."""
     from psserver.protocol.stubs import fetch_stat as stats
-    from trainer.procs import start_shard
+    from trainer.local.procs import start_shard
 
     args = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1"]
     shard = start_shard(0, tmp_path / "shard0.log", extra_args=args)

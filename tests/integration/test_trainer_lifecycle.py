@@ -13,8 +13,8 @@ import torch
 
 from tests.helpers import wait_until
 from tests.integration.switchproxy import SwitchProxy
-from trainer.api import StartTimeout, StepFailed, connect
-from trainer.client import LOOPBACK_REFUSED_SECONDS, RefusalClock, ShardClient, ShardUnreachable, on_loopback
+from trainer.stepping.api import StartTimeout, StepFailed, connect
+from trainer.channels.client import LOOPBACK_REFUSED_SECONDS, RefusalClock, ShardClient, ShardUnreachable, on_loopback
 from trainer.tools.procstat import free_port
 
 LR = 0.1

@@ -1,10 +1,10 @@
-"""The step attempt's decisions (trainer.attempt): pure, no network, as psserver.protocol.rules' are."""
+"""The step attempt's decisions (trainer.stepping.attempt): pure, no network, as psserver.protocol.rules' are."""
 
 import grpc
 
 from psserver.protocol.errors import JobMismatch, LayoutAhead, LayoutMoved
-from trainer.attempt import LOST, Move, StepAttempt, after_rejoin, rejoins_on, slot_move
-from trainer.client import PushOutcome
+from trainer.stepping.attempt import LOST, Move, StepAttempt, after_rejoin, rejoins_on, slot_move
+from trainer.channels.client import PushOutcome
 
 
 def ack(outcome="applied", version=3):

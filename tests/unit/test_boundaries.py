@@ -146,24 +146,50 @@ def test_psserver_has_no_import_cycle():
 WINGS = ("state", "sparse", "members", "partition", "resharding", "serving", "replication")
 
 
-def test_psserver_wings_import_only_the_wings_below_them():
-    floor = {w: k for k, w in enumerate(WINGS)}
+# trainer's wings from the ground up (its tools, above them all, are the measuring tools: a user's view).
+TRAINER_WINGS = ("channels", "tables", "membership", "stepping", "workloads", "running", "local")
+
+
+def wing_offenders(package, wings: tuple[str, ...]) -> list[str]:
+    """Imports of ``package``'s modules that reach a wing above their own."""
+    floor = {w: k for k, w in enumerate(wings)}
     offenders = []
-    for f, line, m in imported_modules(psserver):
+    for f, line, m in imported_modules(package):
         parts = f.split("/")
         if len(parts) < 3 or parts[1] not in floor:
             continue
         target = m.split(".")
-        if inside(m, "psserver") and len(target) > 1 and target[1] in floor and floor[target[1]] > floor[parts[1]]:
+        if inside(m, package.__name__) and len(target) > 1 and target[1] in floor and \
+                floor[target[1]] > floor[parts[1]]:
             offenders.append(f"{f}:{line} {m}")
-    assert offenders == []
-    assert {p.name for p in Path(psserver.__file__).parent.iterdir() if p.is_dir() and p.name not in
-            ("protocol", "common", "__pycache__")} == set(WINGS)  # a new wing takes its floor here
+    return offenders
+
+
+def wings_on_disk(package, others: tuple[str, ...]) -> set[str]:
+    return {p.name for p in Path(package.__file__).parent.iterdir() if p.is_dir() and p.name not in
+            (*others, "__pycache__")}
+
+
+def test_psserver_wings_import_only_the_wings_below_them():
+    assert wing_offenders(psserver, WINGS) == []
+    assert wings_on_disk(psserver, ("protocol", "common")) == set(WINGS)  # a new wing takes its floor here
+
+
+def test_trainer_wings_import_only_the_wings_below_them_and_no_module_sits_outside_a_wing():
+    assert wing_offenders(trainer, TRAINER_WINGS) == []
+    assert wings_on_disk(trainer, ("tools",)) == set(TRAINER_WINGS)  # a new wing takes its floor here
+    root = Path(trainer.__file__).parent
+    assert sorted(p.name for p in root.glob("*.py")) == ["__init__.py"]  # (what users import: trainer/__init__)
+
+
+def test_the_wing_rule_sees_an_import_upward():
+    """The rules above pass vacuously if the scan misses an arrow from a lower wing to a higher one."""
+    assert wing_offenders(trainer, tuple(reversed(TRAINER_WINGS)))  # (every real arrow upward, read reversed)
 
 
 def test_trainer_has_no_import_cycle():
-    """(trainer.sparse_client and trainer.table_window imported each other: the errors they share are a room of
-    their own now, trainer.row_errors.)"""
+    """(trainer.tables.sparse_client and trainer.tables.table_window imported each other: the errors they share are a room of
+    their own now, trainer.tables.row_errors.)"""
     assert import_cycles(module_graph(trainer)) == []
 
 

@@ -15,10 +15,10 @@ import torch
 
 from psserver.cli import build_parser as server_parser
 from psserver.common.cli_support import EnvArgumentParser
-from trainer import cluster
-from trainer.cli import build_parser as trainer_parser
-from trainer.cli import config_from_args
-from trainer.loop import TrainConfig, default_threads
+from trainer.local import cluster
+from trainer.running.cli import build_parser as trainer_parser
+from trainer.running.cli import config_from_args
+from trainer.running.loop import TrainConfig, default_threads
 
 
 def trainer_config(*argv: str) -> TrainConfig:
@@ -63,7 +63,7 @@ def test_a_push_window_beside_sync_dense_layers_is_accepted_for_async_embeddings
 
 
 def test_a_knob_of_another_mode_is_named_as_ignored_and_left_out_of_the_job():
-    from trainer.loop import ignored_flags
+    from trainer.running.loop import ignored_flags
 
     cfg = trainer_config("--sync-timeout", "1", "--max-staleness", "3", "--stale-policy", "scale")
     assert ignored_flags(cfg) == [
@@ -193,7 +193,7 @@ def test_a_bad_choice_from_the_environment_is_refused_naming_the_variable(monkey
 
 
 def test_metrics_records_carry_null_for_a_diverged_loss_never_nan(tmp_path):
-    from trainer.loop import MetricsWriter
+    from trainer.running.loop import MetricsWriter
 
     path = tmp_path / "m.jsonl"
     w = MetricsWriter(str(path), rank=0)
@@ -204,7 +204,7 @@ def test_metrics_records_carry_null_for_a_diverged_loss_never_nan(tmp_path):
 
 
 def test_a_run_ending_inside_an_epoch_evaluates_its_last_step_once_and_counts_no_partial_epoch(tmp_path):
-    from trainer.loop import train
+    from trainer.running.loop import train
 
     metrics = tmp_path / "m.jsonl"
     threads = torch.get_num_threads()  # train() sets the process's thread count: leave it as it was
@@ -310,7 +310,7 @@ def test_ps_server_run_with_a_bad_join_timeout_prints_one_error_line_and_a_hint_
     assert lines[0].startswith("ps-server: error: The join timeout (-1.0 s) must be between 0")
 
 
-@pytest.mark.parametrize("module", ["psserver.cli", "trainer.cli", "trainer.cluster"])
+@pytest.mark.parametrize("module", ["psserver.cli", "trainer.running.cli", "trainer.local.cluster"])
 def test_every_flag_says_what_it_does_in_its_help(module):
     """(--shards, --trainers, --epochs, --seed and --dataset had no help text: `-h` listed them bare.)"""
     import argparse

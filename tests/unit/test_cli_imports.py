@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-CLIS = {"ps-trainer": "trainer.cli", "ps-server": "psserver.cli", "ps-cluster": "trainer.cluster"}
+CLIS = {"ps-trainer": "trainer.running.cli", "ps-server": "psserver.cli", "ps-cluster": "trainer.local.cluster"}
 
 
 def torch_loaded_after(prog: str, argv: list[str]) -> tuple[bool, str]:
@@ -48,7 +48,12 @@ def test_a_flag_error_is_refused_in_one_line_without_importing_torch(prog, argv,
 def test_the_torch_free_choices_equal_their_owners():
     from psserver.protocol import job
     from psserver.protocol.rows import optim
-    from trainer import choices, criteo, data, models, recmodels, rectrain
+    from trainer.running import choices
+    from trainer.workloads import criteo
+    from trainer.workloads import data
+    from trainer.workloads import models
+    from trainer.workloads import recmodels
+    from trainer.workloads import rectrain
 
     assert (choices.MODES, choices.OPTIMIZERS, choices.STALE_POLICIES) == (job.MODES, job.OPTIMIZERS,
                                                                            job.STALE_POLICIES)

@@ -1,6 +1,6 @@
-"""ps-cluster's run folder (trainer.cluster), without processes: a reused folder's metrics are set aside."""
+"""ps-cluster's run folder (trainer.local.cluster), without processes: a reused folder's metrics are set aside."""
 
-from trainer.cluster import set_aside_old_metrics
+from trainer.local.cluster import set_aside_old_metrics
 
 
 def test_a_reused_run_folders_metrics_are_set_aside_so_the_new_run_reads_only_its_own(tmp_path):

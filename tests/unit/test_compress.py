@@ -1,4 +1,4 @@
-"""Top-k with error feedback (trainer.compress) and the top-k wire format (psserver.protocol.codec), without network."""
+"""Top-k with error feedback (trainer.channels.compress) and the top-k wire format (psserver.protocol.codec), without network."""
 
 import math
 from collections import Counter
@@ -16,8 +16,8 @@ from psserver.protocol.codec import (
 )
 from psserver.protocol.errors import InvalidRequest, TooLarge
 from psserver.protocol.proto import ps_pb2 as pb
-from trainer.client import ShardClient
-from trainer.compress import CompressSpec, TopK, parse_compress
+from trainer.channels.client import ShardClient
+from trainer.channels.compress import CompressSpec, TopK, parse_compress
 
 N = 1000
 
@@ -167,7 +167,7 @@ def test_an_unanswered_compressed_push_is_resent_as_it_was_not_compressed_again(
 
 
 def test_after_a_restart_an_unanswered_compressed_push_goes_again_as_it_was_under_a_new_number_and_base():
-    """The restarted shard forgot the push (trainer.exchange's exchange_slot pushes it again on the version it resumed at):
+    """The restarted shard forgot the push (trainer.stepping.exchange's exchange_slot pushes it again on the version it resumed at):
     its pairs again, not a second compression of the gradient into the residual."""
     client = ShardClient("127.0.0.1:1", 0, 0, "t0", "f" * 16, counters=Counter(), compressor=TopK(0.1))
     try:

@@ -2,8 +2,10 @@
 
 import pytest
 
-from trainer import cli, cluster
-from trainer.loop import TrainConfig
+from trainer.running import cli
+
+from trainer.local import cluster
+from trainer.running.loop import TrainConfig
 
 
 def test_ps_cluster_passes_compress_on_to_each_trainer_and_leaves_it_out_when_unset(tmp_path):

@@ -1,11 +1,13 @@
-"""ps-cluster's console (trainer.console, trainer.cluster.Console): one status line per trainer, redrawn in place on
+"""ps-cluster's console (trainer.local.console, trainer.local.cluster.Console): one status line per trainer, redrawn in place on
 a terminal, a compact line every few seconds otherwise; formatting and timing decided without a network or a clock."""
 
 import io
 import json
 import logging
 
-from trainer import cluster, console
+from trainer.local import cluster
+
+from trainer.local import console
 
 
 def test_a_trainer_without_metrics_yet_reads_starting():

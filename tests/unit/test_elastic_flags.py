@@ -2,7 +2,7 @@
 
 import pytest
 
-from trainer import cli
+from trainer.running import cli
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -23,4 +23,4 @@ def test_a_bad_elastic_flag_is_one_line_with_a_hint_before_starting_anything(fla
 def test_a_joiner_without_rank_is_accepted_and_its_rank_comes_from_the_job():
     args = cli.build_parser().parse_args(["--ps", "127.0.0.1:1", "--join", "--max-trainers", "3"])
     cfg = cli.config_from_args(args, env={})
-    assert cfg.join and cfg.rank == 0  # a placeholder: trainer.loop.train takes the rank the job hands out
+    assert cfg.join and cfg.rank == 0  # a placeholder: trainer.running.loop.train takes the rank the job hands out

@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 
 from psserver.common.cli_support import run_cli
-from trainer import cluster, elastic_schedule
+from trainer.local import cluster
+from trainer.local import elastic_schedule
 
 BASE = ["--model", "mlp", "--dataset", "synthetic", "--steps", "40", "--trainers", "1"]
 

@@ -14,7 +14,7 @@ from psserver.sparse.serving import Membership, RowsPush, ServedTable
 from psserver.state import modes
 from tests.conftest import P, make_spec
 from tests.integration.test_sparse_rpc import table
-from trainer.session import joined_round
+from trainer.membership.session import joined_round
 
 FP = "f" * 16
 DIM = 4
@@ -203,7 +203,7 @@ def test_a_plain_re_registered_leavers_sync_table_lanes_start_at_its_registratio
     from types import SimpleNamespace
 
     from psserver.protocol.proto import ps_pb2 as pb
-    from trainer.session import Session, plain_member_from
+    from trainer.membership.session import Session, plain_member_from
 
     parts = [SimpleNamespace(index=i, partition=p, slot=2 * i + p) for i in range(2) for p in range(2)]
     replies = [pb.RegisterReply(join_round=7), pb.RegisterReply(join_round=7), OSError("down"),

@@ -6,8 +6,8 @@ from torch import nn
 
 from psserver.protocol.rows.init import Initializer, init_rows
 from psserver.protocol.rows.optim import SparseOptimizerConfig
-from trainer.embedding import LocalRows, ShardedEmbedding, ShardedEmbeddingBag, bind_local, flush_all, sharded_tables
-from trainer.recmodels import MF, NCF, sharded_factories, split_parameters
+from trainer.tables.embedding import LocalRows, ShardedEmbedding, ShardedEmbeddingBag, bind_local, flush_all, sharded_tables
+from trainer.workloads.recmodels import MF, NCF, sharded_factories, split_parameters
 
 DIM = 4
 
@@ -241,7 +241,7 @@ def test_a_model_on_local_rows_trains_to_the_same_parameters_as_torch_sparse_opt
         users, items = torch.randint(0, 7, (12,), generator=g), torch.randint(0, 9, (12,), generator=g)
         target = torch.randint(1, 6, (12,), generator=g).float()
         for model in (sharded, plain):
-            # the second lookup of the same tables is the L2 term of trainer.rectrain: two forwards per step
+            # the second lookup of the same tables is the L2 term of trainer.workloads.rectrain: two forwards per step
             loss = (model(users, items) - target).pow(2).mean() + 0.1 * model.user(users).pow(2).sum(-1).mean()
             loss.backward()
         flush_all(sharded_tables(sharded), 12)

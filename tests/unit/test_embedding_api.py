@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.api import connect, make_job
-from trainer.embedding import LocalRows, ShardedEmbedding, ShardedEmbeddingBag
-from trainer.step import StepRunner
-from trainer.table_push import TablePush
+from trainer.stepping.api import connect, make_job
+from trainer.tables.embedding import LocalRows, ShardedEmbedding, ShardedEmbeddingBag
+from trainer.stepping.step import StepRunner
+from trainer.stepping.table_push import TablePush
 
 
 class Tower(nn.Module):
@@ -92,7 +92,7 @@ class StandInExchange:
 
 
 def stepper(model, rows, flat=None):
-    """trainer.step's runner with only what step() needs for its tables (the facade's step() delegates to it);
+    """trainer.stepping.step's runner with only what step() needs for its tables (the facade's step() delegates to it);
     the dense part is a stand-in.  Returns the runner and what it counts with."""
     tables = sorted([m for m in model.modules() if isinstance(m, (ShardedEmbedding, ShardedEmbeddingBag))],
                     key=lambda t: t.name)

@@ -21,8 +21,8 @@ from psserver.resharding.handoff_dest import DestPiece, DestState
 from psserver.resharding.handoff_source import SourceState
 from tests.conftest import make_spec
 from tests.unit.test_handoff import TIMEOUT, run, tailing
-from trainer.attempt import moved_partly
-from trainer.relayout import due
+from trainer.stepping.attempt import moved_partly
+from trainer.membership.relayout import due
 
 SGD = OptimizerConfig("sgd", lr=1.0)
 

@@ -9,7 +9,7 @@ import torch
 from psserver.protocol.errors import InvalidRequest, UnknownPullRef
 from psserver.protocol.rows import idpack
 from psserver.sparse.pull_refs import PullRefs
-from trainer.pull_refs import RefBook
+from trainer.tables.pull_refs import RefBook
 
 A = ("f" * 16, 0, "t0", "emb")  # an owner: (fingerprint, rank, trainer_id, table)
 B = ("f" * 16, 1, "t1", "emb")

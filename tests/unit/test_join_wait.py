@@ -1,4 +1,4 @@
-"""A joiner started before the job: which failed Register attempts it waits out (trainer.client.register_retry),
+"""A joiner started before the job: which failed Register attempts it waits out (trainer.channels.client.register_retry),
 and that ShardClient.register counts the waits and names rank 0 when --connect-timeout runs out -- with a fake
 stub, no network."""
 
@@ -9,7 +9,7 @@ import pytest
 
 from psserver.protocol.errors import JOB_ENDED, NO_JOB, REASON_METADATA_KEY
 from tests.conftest import make_spec
-from trainer.client import CONNECT_RETRY, JOB_OVER, JOIN_WAIT, JobEnded, NoJobToJoin, ShardClient, register_retry
+from trainer.channels.client import CONNECT_RETRY, JOB_OVER, JOIN_WAIT, JobEnded, NoJobToJoin, ShardClient, register_retry
 
 
 class FakeError(grpc.RpcError):
@@ -84,7 +84,7 @@ def client(stub) -> ShardClient:
 
 
 def test_register_waits_out_no_job_refusals_and_counts_each(monkeypatch):
-    monkeypatch.setattr("trainer.registering.CONNECT_RETRY_PAUSE", 0.0)  # the pause only paces; no timing asserted
+    monkeypatch.setattr("trainer.channels.registering.CONNECT_RETRY_PAUSE", 0.0)  # the pause only paces; no timing asserted
     c = client(FakeStub(NO_JOB_YET, refusals=3))
     try:
         assert c.register(make_spec(num_trainers=1, max_trainers=3), connect_timeout=600, join=True) == "registered"
@@ -129,7 +129,7 @@ def test_an_admission_held_back_by_its_hosts_strikes_is_waited_out_and_nothing_e
     """(psserver.members.epochs.PeerStrikes: a host whose earlier joins expired unsettled waits before its next
     admission; a joiner on it waits that out within --connect-timeout instead of failing.)"""
     from psserver.protocol.errors import JOIN_BACKOFF
-    from trainer.registering import JOIN_BACKOFF as WAIT
+    from trainer.channels.registering import JOIN_BACKOFF as WAIT
 
     held = FakeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "peer '127.0.0.1' left 1 join(s) ...", JOIN_BACKOFF)
     assert register_retry(held, join=True, join_round=0) == WAIT

@@ -7,7 +7,7 @@ from collections import Counter
 from types import SimpleNamespace
 
 from psserver.protocol.epochs import Epoch
-from trainer.session import Membership
+from trainer.membership.session import Membership
 
 
 class _Part:
@@ -33,7 +33,7 @@ def test_shards_naming_different_epochs_for_one_round_are_logged_once_with_both_
     parts = [_Part("shard 0", 2, 7, {0, 1}), _Part("shard 1", 1, 7, {0})]
     client = _Client(parts)
     m = Membership(client, 1, sync=True)
-    with caplog.at_level(logging.ERROR, logger="trainer.session"):
+    with caplog.at_level(logging.ERROR, logger="trainer.membership.session"):
         assert m.check_agreement(7) is False
         assert m.check_agreement(7) is False
     assert client.counters["membership_mismatches"] == 2

@@ -1,4 +1,4 @@
-"""A trainer's view of the membership timeline (trainer.session.Membership) when GetStats lists members only
+"""A trainer's view of the membership timeline (trainer.membership.session.Membership) when GetStats lists members only
 from the round asked for: it asks from the round it computes, splits data by every epoch's size, and asks
 again only for an epoch it has no list of."""
 
@@ -6,7 +6,7 @@ from collections import Counter
 
 from psserver.protocol.epochs import Epoch, timeline_to_proto
 from psserver.protocol.proto import ps_pb2 as pb
-from trainer.session import Membership
+from trainer.membership.session import Membership
 
 TIMELINE = [Epoch(0, 0, frozenset({0, 1})), Epoch(1, 4, frozenset({0, 1, 2})), Epoch(2, 9, frozenset({0, 2}))]
 

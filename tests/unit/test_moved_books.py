@@ -1,5 +1,5 @@
 """The push books that move with a range (psserver.resharding.moved_books) and the trainer's side of a slot lost after its
-vote (trainer.lost_slots, trainer.attempt.lost_past_switch): pure decisions, no network."""
+vote (trainer.stepping.lost_slots, trainer.stepping.attempt.lost_past_switch): pure decisions, no network."""
 
 from types import SimpleNamespace
 
@@ -9,8 +9,8 @@ import pytest
 from psserver.protocol.errors import InvalidRequest, NotReady, StaleGradient
 from psserver.resharding.moved_books import MovedBooks, book_of, check_book, moved_outcome
 from psserver.state.push_book import PushBook, PushResult
-from trainer.attempt import lost_past_switch
-from trainer.lost_slots import new_owners
+from trainer.stepping.attempt import lost_past_switch
+from trainer.stepping.lost_slots import new_owners
 
 BOOK = {0: ("t0", 7, "applied"), 1: ("t1", 5, "accepted"), 2: ("t2", 9, "skipped")}
 
@@ -153,7 +153,7 @@ class _Owner:
 def _exchange(owner):
     import torch
 
-    from trainer.attempt import StepAttempt
+    from trainer.stepping.attempt import StepAttempt
 
     counts = {}
     flat = torch.zeros(4)
@@ -172,7 +172,7 @@ def _exchange(owner):
                                              ("stale", "steps_dropped_past_unreachable")])
 def test_a_lost_slots_question_answered_finishes_the_step_with_that_answer_counted_and_the_owners_weights(
         answer, counter):
-    from trainer.lost_slots import ask_lost
+    from trainer.stepping.lost_slots import ask_lost
 
     ex = _exchange(_Owner(answer))
     relayout = SimpleNamespace(session=SimpleNamespace(rank=0), epoch=1)
@@ -182,8 +182,8 @@ def test_a_lost_slots_question_answered_finishes_the_step_with_that_answer_count
 
 
 def test_a_lost_slots_question_that_fails_too_is_a_counted_step_failure_and_the_next_step_asks_again():
-    from trainer.attempt import StepFailed
-    from trainer.lost_slots import ask_lost
+    from trainer.stepping.attempt import StepFailed
+    from trainer.stepping.lost_slots import ask_lost
 
     owner = _Owner(fails=1)
     ex = _exchange(owner)

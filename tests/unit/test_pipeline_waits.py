@@ -1,4 +1,4 @@
-"""Per-layer waits of a pipelined step (trainer.pipeline), with threads and no network."""
+"""Per-layer waits of a pipelined step (trainer.stepping.pipeline), with threads and no network."""
 
 import threading
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.helpers import wait_until
-from trainer.pipeline import LayerWaits, module_slots
+from trainer.stepping.pipeline import LayerWaits, module_slots
 
 
 class Two(torch.nn.Module):
@@ -90,7 +90,7 @@ def test_a_failed_exchange_raises_in_the_forward_that_needs_a_slot_it_left_out()
 
 
 def test_the_gate_starts_slots_in_order_and_never_more_than_its_width_at_once():
-    from trainer.pipeline import OrderedGate
+    from trainer.stepping.pipeline import OrderedGate
 
     gate = OrderedGate([0, 1, 2, 3], width=2)
     started, inflight, peak = [], [0], [0]
@@ -131,7 +131,7 @@ def test_the_gate_starts_slots_in_order_and_never_more_than_its_width_at_once():
 
 
 def test_a_partitioned_steps_split_adds_up_to_its_exchange_time_and_a_whole_slice_step_keeps_the_slowest():
-    from trainer.api import split_exchange
+    from trainer.stepping.api import split_exchange
 
     slots = [(0.010, 0.002, 0.020), (0.030, 0.004, 0.000), (0.000, 0.000, 0.000)]
     assert split_exchange(slots, 0.5, partitioned=False) == (0.030, 0.004, 0.020)

@@ -2,7 +2,7 @@
 
 import json
 
-from trainer.plots import load_curves, plot_runs
+from trainer.local.plots import load_curves, plot_runs
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 INNER_TEST = '''
 import json, os, subprocess, sys
 from pathlib import Path
-from trainer.procs import Proc, wait_all
+from trainer.local.procs import Proc, wait_all
 
 SLEEPER = "import time; time.sleep(600)"
 SPAWN = ("import subprocess, sys; c = subprocess.Popen([sys.executable, '-c', {sleeper!r}], "

@@ -1,5 +1,5 @@
-"""Push numbering (trainer.push_numbers), without network: the decisions exactly-once rests on, made once for
-a dense slice (trainer.dense_push.OutgoingPush) and a table lane (trainer.row_lanes)."""
+"""Push numbering (trainer.channels.push_numbers), without network: the decisions exactly-once rests on, made once for
+a dense slice (trainer.channels.dense_push.OutgoingPush) and a table lane (trainer.tables.row_lanes)."""
 
 import threading
 from collections import Counter
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from psserver.protocol.proto import ps_pb2 as pb
-from trainer.dense_push import OutgoingPush
-from trainer.push_numbers import PushNumbers
-from trainer.row_lanes import Lane, Pending, RowLanes
+from trainer.channels.dense_push import OutgoingPush
+from trainer.channels.push_numbers import PushNumbers
+from trainer.tables.row_lanes import Lane, Pending, RowLanes
 
 
 def test_a_push_whose_reply_was_lost_is_sent_again_under_the_same_number():

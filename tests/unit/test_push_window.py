@@ -9,7 +9,7 @@ import pytest
 
 from tests.helpers import wait_until
 
-from trainer.push_window import PushWindow, WindowFailed
+from trainer.tables.push_window import PushWindow, WindowFailed
 
 
 class FakeSends:

@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-from trainer import cluster
-from trainer.cli import build_parser as trainer_parser
-from trainer.cli import config_from_args
-from trainer.loop import TrainConfig, effective_lr, train
+from trainer.local import cluster
+from trainer.running.cli import build_parser as trainer_parser
+from trainer.running.cli import config_from_args
+from trainer.running.loop import TrainConfig, effective_lr, train
 
 ML = ("--dataset", "movielens100k")
 
@@ -76,7 +76,7 @@ def test_ps_cluster_refuses_a_model_that_does_not_fit_the_dataset_before_startin
 
 
 def test_ps_trainer_reports_the_mistake_in_one_line_and_a_hint_without_a_traceback():
-    proc = subprocess.run([sys.executable, "-c", "from trainer.cli import entrypoint; entrypoint()", "--ps",
+    proc = subprocess.run([sys.executable, "-c", "from trainer.running.cli import entrypoint; entrypoint()", "--ps",
                            "127.0.0.1:1", *ML, "--model", "resnet18"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()

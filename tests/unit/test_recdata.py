@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.recdata import (CLICK_ID_SPACE, ML100K_HEADER, contiguous_ids, hidden_weight, load_movielens100k,
+from trainer.workloads.recdata import (CLICK_ID_SPACE, ML100K_HEADER, contiguous_ids, hidden_weight, load_movielens100k,
                              make_click_log, movielens100k_path, read_ml100k_inter, split_rows, zipf_ranks)
 
 

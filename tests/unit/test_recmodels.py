@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.data import epoch_order, local_batch_indices, steps_per_epoch
-from trainer.recdata import ClickLog, load_movielens100k, make_click_log
-from trainer.recmodels import MF, NCF, ClickModel, make_rec_model, split_parameters
-from trainer.rectrain import RecTrainConfig, main, make_optimizers, rmse, train_epoch, \
+from trainer.workloads.data import epoch_order, local_batch_indices, steps_per_epoch
+from trainer.workloads.recdata import ClickLog, load_movielens100k, make_click_log
+from trainer.workloads.recmodels import MF, NCF, ClickModel, make_rec_model, split_parameters
+from trainer.workloads.rectrain import RecTrainConfig, main, make_optimizers, rmse, train_epoch, \
     train_ratings
 
 

@@ -1,4 +1,4 @@
-"""The trainer's layout-switch decisions (trainer.relayout, trainer.attempt, trainer.client): pure, no network."""
+"""The trainer's layout-switch decisions (trainer.membership.relayout, trainer.stepping.attempt, trainer.channels.client): pure, no network."""
 
 from collections import Counter
 from types import SimpleNamespace
@@ -12,10 +12,10 @@ from psserver.protocol.layout import partition_range
 from psserver.protocol.layouts import LayoutEpoch
 from psserver.protocol.proto import ps_pb2 as pb
 from tests.conftest import make_spec
-from trainer.attempt import moved_everywhere, moved_past_unreachable
-from trainer.client import ConnectAbandoned, RetryPolicy, ShardClient
-from trainer.compress import TopK
-from trainer.relayout import (
+from trainer.stepping.attempt import moved_everywhere, moved_past_unreachable
+from trainer.channels.client import ConnectAbandoned, RetryPolicy, ShardClient
+from trainer.channels.compress import TopK
+from trainer.membership.relayout import (
     LayoutNotFollowed,
     LayoutTimeline,
     RegisterMoved,

@@ -1,4 +1,4 @@
-"""A trainer's tables follow a layout switch (trainer.relayout, trainer.row_lanes, trainer.sparse_client): the row
+"""A trainer's tables follow a layout switch (trainer.membership.relayout, trainer.tables.row_lanes, trainer.tables.sparse_client): the row
 routing, lanes and row calls rebuilt for the new shard count -- pure, no call made (gRPC channels connect lazily)."""
 
 import dataclasses
@@ -16,11 +16,11 @@ from psserver.protocol.rows.placement import shard_of
 from psserver.protocol.rows.table import TableSpec
 from tests.conftest import make_spec
 from tests.unit.test_relayout import TIMELINE, _client, _Error
-from trainer.attempt import rows_moved
-from trainer.client import ShardedClient
-from trainer.relayout import LayoutNotFollowed, Relayout
-from trainer.row_lanes import Pending, RowLanes
-from trainer.sparse_client import RowsPushFailed, ShardedRows
+from trainer.stepping.attempt import rows_moved
+from trainer.channels.client import ShardedClient
+from trainer.membership.relayout import LayoutNotFollowed, Relayout
+from trainer.tables.row_lanes import Pending, RowLanes
+from trainer.tables.sparse_client import RowsPushFailed, ShardedRows
 
 JOB = make_spec(num_shards=2, tables=(TableSpec("emb", 4), TableSpec("cat", 2)))
 JOB = dataclasses.replace(JOB, fingerprint=Layout.from_shapes(JOB.tensors, 2).fingerprint())

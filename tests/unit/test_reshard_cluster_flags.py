@@ -5,7 +5,8 @@ hand-offs read from the coordinators' lines and rank 0's step records."""
 import pytest
 
 from psserver.common.cli_support import run_cli
-from trainer import cluster, reshard_cluster
+from trainer.local import cluster
+from trainer.local import reshard_cluster
 
 BASE = ["--model", "mlp", "--dataset", "synthetic", "--steps", "40", "--shards", "2"]
 
@@ -116,7 +117,7 @@ def test_a_failed_coordinator_stops_the_run_naming_its_exit_code_and_its_last_li
     import subprocess
     import sys
 
-    from trainer.procs import Proc
+    from trainer.local.procs import Proc
 
     scenario = reshard_cluster.ReshardScenario(4, ["a:1", "b:2"], ["a:1", "b:2", "c:3"], tmp_path)
     scenario.out.write_text("ps-server reshard: a:1 answered PREPARE with UNAVAILABLE: gone\n")
@@ -137,7 +138,7 @@ def fake_shard(i: int, tmp_path):
     import subprocess
     import sys
 
-    from trainer.procs import Proc
+    from trainer.local.procs import Proc
 
     code = "import signal, sys; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); print('up', flush=True); " \
            "signal.pause()"

@@ -1,10 +1,10 @@
-"""The worker-side row cache (trainer.row_cache) against a fake shard with counted versions: no network."""
+"""The worker-side row cache (trainer.tables.row_cache) against a fake shard with counted versions: no network."""
 
 import pytest
 import torch
 
-from trainer.embedding import ShardedEmbeddingBag
-from trainer.row_cache import RowCache, pull_through
+from trainer.tables.embedding import ShardedEmbeddingBag
+from trainer.tables.row_cache import RowCache, pull_through
 
 DIM = 2
 

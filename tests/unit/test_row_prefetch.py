@@ -1,4 +1,4 @@
-"""trainer.row_prefetch without a network: when an announced batch's rows are pulled, used, adopted and dropped."""
+"""trainer.tables.row_prefetch without a network: when an announced batch's rows are pulled, used, adopted and dropped."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from collections import Counter
 import torch
 
 from tests.helpers import wait_until
-from trainer.lookahead import look_ahead, probe_ids
-from trainer.embedding import ShardedEmbedding, ShardedEmbeddingBag
-from trainer.row_prefetch import RowPrefetch
+from trainer.tables.lookahead import look_ahead, probe_ids
+from trainer.tables.embedding import ShardedEmbedding, ShardedEmbeddingBag
+from trainer.tables.row_prefetch import RowPrefetch
 
 DIM = 2
 

@@ -3,8 +3,9 @@
 import pytest
 
 from psserver.protocol.schedules import LrSchedule
-from trainer import cli, cluster
-from trainer.loop import TrainConfig, lr_schedule
+from trainer.running import cli
+from trainer.local import cluster
+from trainer.running.loop import TrainConfig, lr_schedule
 
 
 def config(**kw) -> TrainConfig:

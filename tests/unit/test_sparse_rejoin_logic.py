@@ -13,8 +13,8 @@ from psserver.sparse.serving import Membership
 from tests.integration.test_sparse_rpc import job
 from tests.unit.test_embedding_api import FlakyRows, Tower, stepper
 from tests.unit.test_sparse_serving import push, served
-from trainer.client import ShardedClient
-from trainer.sparse_client import RowsPushFailed, ShardedRows
+from trainer.channels.client import ShardedClient
+from trainer.tables.sparse_client import RowsPushFailed, ShardedRows
 
 BOTH = Membership(frozenset({0, 1}), started=True)
 

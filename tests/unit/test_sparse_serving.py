@@ -191,7 +191,7 @@ def test_only_calls_whose_whole_work_is_small_may_run_on_the_event_loop():
     assert not table.small_work(16, 1 << 16)
 
 
-# -- an async table's holes: a trainer's push window (trainer.table_window) sends pushes that overtake each other
+# -- an async table's holes: a trainer's push window (trainer.tables.table_window) sends pushes that overtake each other
 def test_an_async_table_applies_an_overtaken_push_once_and_its_retry_is_a_duplicate():
     t = served("async")
     assert t.push(push(0, [1], seq=3), BOTH, now=0.0).outcome == "applied"  # 1 and 2 still on the way

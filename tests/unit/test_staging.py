@@ -1,5 +1,5 @@
 """The order of a CUDA trainer's copies, checked on the CPU with a backend that records what is enqueued
-where (trainer.staging); the real thing runs in tests/integration/test_push_during_backward.py on CUDA."""
+where (trainer.membership.staging); the real thing runs in tests/integration/test_push_during_backward.py on CUDA."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from contextlib import contextmanager
 
 import torch
 
-from trainer.early_push import EarlyPusher
-from trainer.staging import DeviceStaging
+from trainer.stepping.early_push import EarlyPusher
+from trainer.membership.staging import DeviceStaging
 
 CUDA = torch.device("cuda")  # only its type is read: the fake backend does the work on the CPU
 

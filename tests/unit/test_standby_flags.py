@@ -7,7 +7,7 @@ import pytest
 
 from psserver import cli as server_cli
 from psserver.protocol.security import channel_target, parse_addresses
-from trainer import standby_cluster
+from trainer.local import standby_cluster
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -1,10 +1,10 @@
-"""Every stepper the training loop can be given offers the whole trainer.stepper.Stepper protocol."""
+"""Every stepper the training loop can be given offers the whole trainer.stepping.stepper.Stepper protocol."""
 
 import torch
 
 from psserver.protocol.job import OptimizerConfig
-from trainer.baselines import LocalStepper, LocalTables
-from trainer.stepper import Stepper
+from trainer.workloads.baselines import LocalStepper, LocalTables
+from trainer.stepping.stepper import Stepper
 
 METHODS = ("prepare_step", "take_forward_wait", "step", "flush", "close", "leave_outcome")
 
@@ -17,7 +17,7 @@ def test_the_local_baseline_is_a_stepper_with_nothing_to_wait_for_or_leave():
 
 
 def test_the_local_tables_baseline_delegates_the_protocol_to_its_inner_stepper():
-    from trainer.embedding import ShardedEmbedding
+    from trainer.tables.embedding import ShardedEmbedding
 
     model = torch.nn.Sequential(ShardedEmbedding("users", 2, num_embeddings=4))
     wrapped = LocalTables(LocalStepper(torch.nn.Linear(2, 1), OptimizerConfig()), model)
@@ -27,6 +27,6 @@ def test_the_local_tables_baseline_delegates_the_protocol_to_its_inner_stepper()
 
 
 def test_the_parameter_server_trainer_has_every_method_of_the_protocol():
-    from trainer.api import ParameterServerTrainer
+    from trainer.stepping.api import ParameterServerTrainer
 
     assert [m for m in METHODS if not callable(getattr(ParameterServerTrainer, m, None))] == []

@@ -1,4 +1,4 @@
-"""The async tables' push window (trainer.table_window) with a fake row client: no network.  Each fake push
+"""The async tables' push window (trainer.tables.table_window) with a fake row client: no network.  Each fake push
 waits until the test releases it, so what is in flight when is decided by the test, not by timing."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import torch
 
 from psserver.protocol.limits import ROW_PUSHES_ON_WIRE_PER_SHARD
 from tests.helpers import wait_until
-from trainer.push_window import WindowFailed
-from trainer.row_lanes import RowLanes
-from trainer.sparse_client import RowsPushFailed
-from trainer.table_window import TableWindows
+from trainer.tables.push_window import WindowFailed
+from trainer.tables.row_lanes import RowLanes
+from trainer.tables.sparse_client import RowsPushFailed
+from trainer.tables.table_window import TableWindows
 
 
 class Code(grpc.RpcError):
@@ -202,8 +202,8 @@ def test_a_cached_row_ages_by_this_trainers_pushes_still_in_flight():
     """A row cache compares a row's version with the version the trainer knows (ShardedRows.known_versions):
     with pushes in flight that is the lane's version plus them, so a row is never served past its bound."""
     from tests.integration.test_sparse_rpc import job
-    from trainer.client import ShardedClient
-    from trainer.sparse_client import ShardedRows
+    from trainer.channels.client import ShardedClient
+    from trainer.tables.sparse_client import ShardedRows
 
     spec = job(num_shards=2, mode="async")
     client = ShardedClient(["127.0.0.1:1", "127.0.0.1:2"], spec, 0, "t0")

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer import api
-from trainer.cli import build_parser, config_from_args
-from trainer.torchrun import rank_and_world
+from trainer.stepping import api
+from trainer.running.cli import build_parser, config_from_args
+from trainer.membership.torchrun import rank_and_world
 
 FLAGS = ("--rank", "--num-trainers")
 

@@ -38,8 +38,8 @@ import torch
 
 from psserver.common.cli_support import EnvArgumentParser, ensure_malloc_tunables, run_cli, setup_logging
 from psserver.common.logsafe import counted
-from trainer.config import device_problem, pick_device
-from trainer.procs import Proc, start_shard, start_trainer, wait_all
+from trainer.running.config import device_problem, pick_device
+from trainer.local.procs import Proc, start_shard, start_trainer, wait_all
 from trainer.tools.floors import measure as measure_floors
 from trainer.tools.gridplan import ALL_CELLS, parse_grid_cells
 from trainer.tools.procstat import free_port, memory
@@ -173,7 +173,7 @@ def train_run(name: str, run_dir: Path, workload: dict, backend: str, mode: str,
     evals = [e for e in records[0] if e["event"] == "eval"]
     # time to the bar on rank 0's clock, its own evaluations left out (they cost every system the same per step)
     reached = next((e["train_elapsed"] for e in evals if e["test_accuracy"] >= ACCURACY_BAR), None)
-    # Steady state (after warm-up, evaluation left out; trainer.reporting.SteadyClock), summed over trainers.
+    # Steady state (after warm-up, evaluation left out; trainer.running.reporting.SteadyClock), summed over trainers.
     return dict(
         name=name, backend=backend, mode=mode if backend == "ps" else "", trainers=n, wall_seconds=wall,
         samples_per_sec=sum(d["steady_samples_per_sec"] for d in done), steps=done[0]["steps"],
@@ -212,8 +212,8 @@ def nccl_reason(error: str) -> str:
 
 def bench_model(model: str) -> torch.nn.Module:
     """``model`` as the bench builds it: ResNet-18 for the synthetic images' shape, the others for MNIST's."""
-    from trainer.data import load_dataset
-    from trainer.models import build_model
+    from trainer.workloads.data import load_dataset
+    from trainer.workloads.models import build_model
 
     return build_model(model, load_dataset("synthetic", model).shape if model == "resnet18" else (1, 28, 28))
 
@@ -238,7 +238,7 @@ PARTITION = 4 << 20  # BytePS's partition size; ps-bench's partitioned rows use 
 DEFAULT_EXTRA_ROWS = ("sync:--wire-dtype bfloat16", "sync:--compress topk:0.01", "sync:--pipeline",
                       f"sync:--partition-bytes {PARTITION} --pipeline",
                       f"sync+early:--partition-bytes {PARTITION} --pipeline",
-                      "async:--push-window 4")  # trainer.windowed: four pushes in flight
+                      "async:--push-window 4")  # trainer.stepping.windowed: four pushes in flight
 
 
 def parse_extra_row(spec: str) -> tuple[str, list[str]]:
@@ -256,7 +256,7 @@ def extra_row_skip_reason(spec: str, flags: list[str], mode: str = "sync") -> st
     """Why the row ``spec`` cannot run ("" if it can): a flag ps-trainer does not have yet.  Flags it has are
     checked with its own rules -- under the row's own mode and variants, as the row runs them -- and a bad
     value is an error (ValueError), not a skipped row."""
-    from trainer.cli import build_parser, config_from_args
+    from trainer.running.cli import build_parser, config_from_args
 
     parser = build_parser()
 
@@ -346,7 +346,7 @@ def sparse_section(quick: bool, run_dir: Path) -> dict:
     """The click model (Zipf ids over 10^9, bags of 1..8) in one process with ``nn.EmbeddingBag(sparse=True)``
     and torch's sparse Adagrad, then with its bag on 1 and 2 shards (one trainer, sync, Adagrad on the shards);
     and a Zipf stream through one shard's table capped at ``max_rows``: its memory against the live rows."""
-    from trainer.recdata import make_click_log
+    from trainer.workloads.recdata import make_click_log
     from trainer.tools import sparsebench
     steps, batch, dim = (20, 256, 16) if quick else (150, 512, 16)
     log = make_click_log(steps * batch, seed=0).compact()
@@ -507,7 +507,7 @@ def straggler_section(opts: BenchOptions, runs: list[dict], run_dir: Path) -> di
     steps = 4 * (4000 // (3 * 32))
     # stale-timeout twice: rounds cut by a timeout (half the straggler's extra time after the first
     # gradient), and rounds that close at 2 of 3 gradients (one backup trainer, as TF's SyncReplicas).
-    # async at its own default rate (the sync rate over N: linear scaling, see trainer.config.effective_lr).
+    # async at its own default rate (the sync rate over N: linear scaling, see trainer.running.config.effective_lr).
     configs = (("psgrpc sync", "ps", "sync", []),
                ("psgrpc stale-timeout (T)", "ps", "stale-timeout", ["--sync-timeout", f"{delay / 2:.4f}"]),
                ("psgrpc stale-timeout (K=2, T)", "ps", "stale-timeout",

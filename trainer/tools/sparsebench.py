@@ -22,11 +22,11 @@ import torch
 
 from psserver.protocol.rows.optim import SparseOptimizerConfig, state_width
 from psserver.protocol.rows.table import RowStore, TableSpec
-from trainer.recdata import zipf_ranks
+from trainer.workloads.recdata import zipf_ranks
 from trainer.tools.procstat import memory
 
 ID_SPACE = 10**9
-_SCRAMBLE = 2654435761  # spreads the Zipf ranks over the id space, as trainer.recdata's click log does
+_SCRAMBLE = 2654435761  # spreads the Zipf ranks over the id space, as trainer.workloads.recdata's click log does
 
 
 def zipf_batches(n_batches: int, batch: int, a: float, seed: int):
@@ -111,7 +111,7 @@ def _train(model, log, steps: int, batch: int, step_fn, wrap=lambda batches: bat
 
 def one_process_step(model, lr: float):
     """The one-process baseline's step: torch's sparse Adagrad on the embedding bags, SGD on the dense layers."""
-    from trainer.recmodels import split_parameters
+    from trainer.workloads.recmodels import split_parameters
     sparse, dense = split_parameters(model)
     opts = [torch.optim.Adagrad(sparse, lr=lr), torch.optim.SGD(dense, lr=lr)]
 
@@ -124,7 +124,7 @@ def one_process_step(model, lr: float):
 
 def single_process_rate(log, steps: int, batch: int, dim: int, lr: float) -> dict:
     """One process: ``nn.EmbeddingBag(sparse=True)`` with torch's sparse Adagrad, dense head by SGD."""
-    from trainer.recmodels import ClickModel
+    from trainer.workloads.recmodels import ClickModel
     torch.manual_seed(0)
     model = ClickModel(log.id_space, dim)
     seconds, seen, unique = _train(model, log, steps, batch, one_process_step(model, lr))
@@ -139,14 +139,14 @@ def sharded_rate(log, steps: int, batch: int, dim: int, lr: float, shards: int, 
     ``embedding_mode="async"``: async rows next to the sync dense head; ``prefetch``: each batch's rows pulled
     one batch ahead (``ps.prefetching``); ``fused=False``: with prefetch, a sync table's push and its next batch's
     pull stay two calls and the tables go before the dense exchange (the behaviour before PushPullRows);
-    ``cache_rows``/``cache_staleness``: the bag's worker-side row cache (trainer.row_cache; 0 rows: none);
+    ``cache_rows``/``cache_staleness``: the bag's worker-side row cache (trainer.tables.row_cache; 0 rows: none);
     ``one_call=False``: with prefetch, a shard's dense exchange and table push stay two calls side by side (the
-    step before the Step RPC, trainer.step_call);
-    ``push_window``: async tables' pushes in flight (trainer.table_window; 1: each waited for)."""
+    step before the Step RPC, trainer.stepping.step_call);
+    ``push_window``: async tables' pushes in flight (trainer.tables.table_window; 1: each waited for)."""
     from psserver.protocol.rows.optim import SparseOptimizerConfig
-    from trainer.api import connect
-    from trainer.procs import start_shard
-    from trainer.recmodels import ClickModel, sharded_factories
+    from trainer.stepping.api import connect
+    from trainer.local.procs import start_shard
+    from trainer.workloads.recmodels import ClickModel, sharded_factories
     procs = [start_shard(i, run_dir / f"shard{i}.log", extra_args=["--torch-threads", "1"]) for i in range(shards)]
     try:
         model = ClickModel(log.id_space, dim, embedding_bag=sharded_factories(
@@ -194,9 +194,9 @@ def shard_table_memory(run_dir, max_rows: int = 1_000_000, dim: int = 32, batche
     """The Zipf stream of ``table_memory`` through a ps-server process (one trainer here, sync, Adagrad
     on the shard): the shard's RSS growth and its table's own accounting, sampled along the stream."""
     from psserver.protocol.rows.init import Initializer
-    from trainer.api import connect
-    from trainer.embedding import ShardedEmbedding
-    from trainer.procs import start_shard
+    from trainer.stepping.api import connect
+    from trainer.tables.embedding import ShardedEmbedding
+    from trainer.local.procs import start_shard
     torch.set_num_threads(1)
     opt = SparseOptimizerConfig("adagrad", lr=0.01)
     model = torch.nn.Module()

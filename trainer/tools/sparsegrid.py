@@ -31,7 +31,7 @@ GRID_LR, GRID_DIM = 0.05, 16
 @functools.lru_cache(maxsize=2)
 def _grid_data(workload: str, samples: int, compact: bool):
     """The workload's samples: the click log (bags of 1..8 Zipf ids over 10^9) or the Criteo-shaped log."""
-    from trainer.recdata import make_click_log, make_criteo_synth
+    from trainer.workloads.recdata import make_click_log, make_criteo_synth
     log = make_click_log(samples, seed=0) if workload == "click" else make_criteo_synth(samples, seed=0)
     return log.compact() if compact else log
 
@@ -45,7 +45,7 @@ def _grid_batches(workload: str, log, count: int, batch: int, rank: int = 0, tra
 
 def _grid_model(workload: str, log, factories: dict | None):
     """The click model (an EmbeddingBag and a small head) or DLRM (26 tables, dot interaction)."""
-    from trainer.recmodels import DLRM, ClickModel
+    from trainer.workloads.recmodels import DLRM, ClickModel
     torch.manual_seed(0)
     if workload == "click":
         kw = {"embedding_bag": factories["embedding_bag"]} if factories else {}
@@ -140,8 +140,8 @@ def _grid_trainer(args: tuple) -> dict:
     over ``ps.prefetching``; rank 0 also keeps its Step sizes for the floor."""
     row, addresses, rank, job_id = args
     from psserver.protocol.rows.optim import SparseOptimizerConfig
-    from trainer.api import connect
-    from trainer.recmodels import sharded_factories
+    from trainer.stepping.api import connect
+    from trainer.workloads.recmodels import sharded_factories
     torch.set_num_threads(1)
     total = row.steps + gridplan.WARMUP
     log = _grid_data(row.workload, total * row.batch * row.trainers, compact=False)
@@ -179,7 +179,7 @@ def _row_counts(rows: dict, steps: int) -> dict:
 
 def _start_shards(count: int, run_dir: Path) -> list:
     """``count`` ps-server processes (one torch thread each), started together."""
-    from trainer.procs import await_ready, launch_shard
+    from trainer.local.procs import await_ready, launch_shard
     run_dir.mkdir(parents=True, exist_ok=True)
     procs = []
     try:

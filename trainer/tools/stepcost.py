@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.procs import start_shard
+from trainer.local.procs import start_shard
 from trainer.tools.bench import bench_model
 from trainer.tools.procstat import sample
 

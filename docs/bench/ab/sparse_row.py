@@ -6,7 +6,7 @@ if os.path.isdir(os.path.join(os.environ["PYTHONPATH"], "trainer", "tools")):
     from trainer.tools import sparsebench
 else:
     from trainer import sparsebench
-from trainer.recdata import make_click_log
+from trainer.workloads.recdata import make_click_log
 steps, batch = 60, 512
 log = make_click_log(steps * batch, seed=0).compact()
 r = sparsebench.sharded_rate(log, steps, batch, 16, 0.05, 1, Path(tempfile.mkdtemp()))

@@ -2,9 +2,9 @@
 
     PYTHONPATH=. .venv/bin/python docs/bench/cpp/make_data.py [--out docs/bench/cpp/data]
 
-click_*.npy: trainer.recdata.make_click_log(300*512*4, seed=0) -- ids (raw, over 10^9), ids_compact (the same
+click_*.npy: trainer.workloads.recdata.make_click_log(300*512*4, seed=0) -- ids (raw, over 10^9), ids_compact (the same
 ids renumbered 0..u-1, ClickLog.compact(), for TensorFlow's fixed-size variable), offsets, weights, labels.
-mnist_x.npy / mnist_y.npy: trainer.data.load_mnist5k()'s 4,000 training digits, normalised, flattened to 784,
+mnist_x.npy / mnist_y.npy: trainer.workloads.data.load_mnist5k()'s 4,000 training digits, normalised, flattened to 784,
 in a fixed shuffled order (numpy default_rng(0).permutation; the loader returns them sorted by class).
 """
 import argparse
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.data import load_mnist5k
-from trainer.recdata import make_click_log
+from trainer.workloads.data import load_mnist5k
+from trainer.workloads.recdata import make_click_log
 
 
 def main():

@@ -1,5 +1,5 @@
 """psgrpc (this repository) on the comparison's workloads, as a user runs it: ``ps-server`` shards started by
-trainer.procs.start_shard (``--torch-threads 1``), trainer processes calling trainer.api.connect.
+trainer.local.procs.start_shard (``--torch-threads 1``), trainer processes calling trainer.stepping.api.connect.
 
     PYTHONPATH=. .venv/bin/python docs/bench/cpp/psgrpc_ps.py \
         --workload click --servers 2 --workers 1 --steps 330 --warmup 30 --push-window 4
@@ -7,8 +7,8 @@ trainer.procs.start_shard (``--torch-threads 1``), trainer processes calling tra
 
 Fully async: ``connect(mode="async", embedding_mode="async", push_window=W)``; the click model's rows are
 prefetched one batch ahead (``ps.prefetching``), as trainer.tools.sparsebench.sharded_rate does.  click:
-trainer.recmodels.ClickModel over sharded_factories (Adagrad 0.05 on the shards), head by SGD 0.05;
-mlp: trainer.models.MLP (784-256-256-10), SGD 0.05 (no momentum).  Trainers: torch.set_num_threads(1).
+trainer.workloads.recmodels.ClickModel over sharded_factories (Adagrad 0.05 on the shards), head by SGD 0.05;
+mlp: trainer.workloads.models.MLP (784-256-256-10), SGD 0.05 (no momentum).  Trainers: torch.set_num_threads(1).
 Without --role it is the launcher (shards, then one process per worker; every process group ended on every way
 out); --role worker is one trainer.
 """
@@ -24,12 +24,12 @@ import common  # noqa: E402
 def worker(a):
     import torch
     torch.set_num_threads(1)
-    from trainer.api import connect
+    from trainer.stepping.api import connect
     lr = common.LR
     stamps, losses = [], []
     if a.workload == "click":
         from psserver.protocol.rows.optim import SparseOptimizerConfig
-        from trainer.recmodels import ClickModel, sharded_factories
+        from trainer.workloads.recmodels import ClickModel, sharded_factories
         from trainer.tools.sparsebench import one_process_step
         arrays = common.click_arrays(compact=a.single)
         b0 = common.first_batch(a.index, a.steps)
@@ -66,7 +66,7 @@ def worker(a):
                     losses.append(float(loss))
             r = done(a, stamps, t0, losses)
         return r
-    from trainer.models import build_model
+    from trainer.workloads.models import build_model
     arrays = common.mnist_arrays()
     batches = [tuple(torch.from_numpy(x) for x in common.mnist_batch(arrays, s, a.index, a.workers))
                for s in range(a.steps)]
@@ -94,7 +94,7 @@ def done(a, stamps, t0, losses):
 
 def launch(a):
     common.exit_on_sigterm()
-    from trainer.procs import start_shard
+    from trainer.local.procs import start_shard
     log_dir = Path(a.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     shards, workers = [], []

@@ -31,8 +31,8 @@ from psserver.protocol.rows.optim import SparseOptimizerConfig
 from psserver.protocol.rows.table import TableSpec
 from psserver.protocol.stepwire import StepMessage, one_message, parse_step, serialize_step
 from psserver.protocol.stubs import method
-from trainer.procs import start_shard
-from trainer.recdata import make_click_log
+from trainer.local.procs import start_shard
+from trainer.workloads.recdata import make_click_log
 from trainer.tools import stepfloor
 from trainer.tools.floors import Child
 from trainer.tools.procstat import sample

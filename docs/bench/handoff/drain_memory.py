@@ -16,7 +16,7 @@ from psserver.protocol.layout import Layout, shard_range
 from psserver.protocol.layouts import new_job
 from psserver.protocol.proto import ps_pb2 as pb, ps_pb2_grpc as pbg
 from psserver.resharding.reshard_cmd import Coordinator
-from trainer.procs import start_shard
+from trainer.local.procs import start_shard
 
 P = 11_176_970
 Op = pb.ReshardRequest

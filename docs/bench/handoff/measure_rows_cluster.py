@@ -16,7 +16,8 @@ import json, logging, re, statistics, sys, threading, time
 from pathlib import Path
 
 from psserver.protocol.stubs import fetch_stat
-from trainer import cluster, procs
+from trainer.local import cluster
+from trainer.local import procs
 
 AT = int(sys.argv[1]) if len(sys.argv) > 1 else 215
 STEPS = int(sys.argv[2]) if len(sys.argv) > 2 else 300
@@ -28,10 +29,10 @@ _cli = procs.cli
 
 def cli(module: str) -> list[str]:
     """ps-trainer with a longer criteo-synth log; every other command as ps-cluster starts it."""
-    if module != "trainer.cli":
+    if module != "trainer.running.cli":
         return _cli(module)
-    return [sys.executable, "-c", "import functools, trainer.rectrain as r; r.load_criteo_dataset = functools.partial("
-            f"r.load_criteo_dataset, n_train={N_TRAIN}); from trainer.cli import entrypoint; entrypoint()"]
+    return [sys.executable, "-c", "import functools, trainer.workloads.rectrain as r; r.load_criteo_dataset = functools.partial("
+            f"r.load_criteo_dataset, n_train={N_TRAIN}); from trainer.running.cli import entrypoint; entrypoint()"]
 
 
 class Seen(logging.Handler):

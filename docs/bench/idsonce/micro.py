@@ -17,7 +17,7 @@ import torch
 from psserver.protocol.rows import idpack
 from psserver.protocol.rows.placement import shard_of
 from psserver.sparse.pull_refs import PullRefs
-from trainer.pull_refs import RefBook
+from trainer.tables.pull_refs import RefBook
 
 torch.set_num_threads(1)
 repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 15

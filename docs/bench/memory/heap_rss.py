@@ -21,7 +21,7 @@ from psserver.protocol.rows import idpack
 from psserver.protocol.rows.optim import SparseOptimizerConfig
 from psserver.protocol.rows.table import TableSpec
 from psserver.protocol.stubs import fetch_stat
-from trainer.procs import start_shard
+from trainer.local.procs import start_shard
 
 FP = "f" * 16
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-import trainer.procs as procs
-from trainer.recdata import make_click_log
+import trainer.local.procs as procs
+from trainer.workloads.recdata import make_click_log
 from trainer.tools import sparsebench
 from trainer.tools.procstat import sample
 

@@ -1,6 +1,6 @@
 """Two shards' unary calls from one trainer step (issue 21, stepspeed2, candidate b): "pool" -- shard 1's call on a
-pool thread, shard 0's on the caller's, as trainer.client.map_settled runs them -- against "futures" -- shard 1's
-issued as a gRPC future, shard 0's blocking on the caller's thread, then shard 1's result (trainer.step_call's
+pool thread, shard 0's on the caller's, as trainer.channels.client.map_settled runs them -- against "futures" -- shard 1's
+issued as a gRPC future, shard 0's blocking on the caller's thread, then shard 1's result (trainer.stepping.step_call's
 one_thread).  The calls are GetStats to two real ps-server processes (a small unary call; what a Step adds on the
 shard is the same either way).  Blocks of BLOCK pairs alternate, so a loaded machine's drift falls on both; this
 process's CPU (all its threads) and the wall time a pair, microseconds; one JSON line a block, then medians.
@@ -27,7 +27,7 @@ import grpc
 
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.stubs import method
-from trainer.procs import start_shard
+from trainer.local.procs import start_shard
 
 
 def _cpu() -> float:

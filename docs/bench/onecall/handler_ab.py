@@ -25,7 +25,7 @@ from psserver.protocol.stubs import method
 from tests.conftest import P, RawShard
 from tests.integration.test_sparse_rpc import job, rows_chunks
 from tests.integration.test_step_rpc import rows
-from trainer.procs import start_shard
+from trainer.local.procs import start_shard
 from trainer.tools.procstat import sample
 
 

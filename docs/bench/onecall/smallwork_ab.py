@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from psserver.protocol.rows.optim import SparseOptimizerConfig
-from trainer.api import connect
-from trainer.procs import start_shard
-from trainer.recdata import make_click_log
-from trainer.recmodels import ClickModel, sharded_factories
+from trainer.stepping.api import connect
+from trainer.local.procs import start_shard
+from trainer.workloads.recdata import make_click_log
+from trainer.workloads.recmodels import ClickModel, sharded_factories
 from trainer.tools.procstat import sample
 
 

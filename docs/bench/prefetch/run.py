@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.recdata import make_click_log
+from trainer.workloads.recdata import make_click_log
 from trainer.tools import sparsebench
 
 torch.set_num_threads(1)

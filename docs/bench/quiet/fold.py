@@ -6,9 +6,9 @@ background at the announce; the click model, 2 shards, 1 trainer, sync dense + a
 import json, os, sys, tempfile
 from pathlib import Path
 import torch
-from trainer.recdata import make_click_log
+from trainer.workloads.recdata import make_click_log
 from trainer.tools import sparsebench
-from trainer import step_call
+from trainer.stepping import step_call
 torch.set_num_threads(1)
 steps, batch, rounds = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 orig = step_call.StepCall.usable

@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from trainer.recdata import make_click_log
-from trainer.row_cache import RowCache
+from trainer.workloads.recdata import make_click_log
+from trainer.tables.row_cache import RowCache
 
 torch.set_num_threads(1)
 capacity = int(sys.argv[1]) if len(sys.argv) > 1 else 100_000

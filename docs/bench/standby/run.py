@@ -21,7 +21,7 @@ from pathlib import Path
 
 def cluster(args, standbys: int, extra: list[str]) -> dict:
     run = Path(tempfile.mkdtemp(prefix="standby-bench-"))
-    cmd = [sys.executable, "-c", "from trainer.cluster import entrypoint; entrypoint()", "--standbys", str(standbys),
+    cmd = [sys.executable, "-c", "from trainer.local.cluster import entrypoint; entrypoint()", "--standbys", str(standbys),
            "--steps", str(args.steps), "--model", args.model, "--dataset", args.dataset, "--run-dir", str(run),
            *extra]
     subprocess.run(cmd, check=True, capture_output=True, timeout=1200)

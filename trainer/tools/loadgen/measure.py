@@ -46,7 +46,7 @@ class ShardUnderTest:
         if address:
             self.address = address
         else:
-            from trainer.procs import start_shard
+            from trainer.local.procs import start_shard
 
             # PS_HEALTH_PORT is also ps-server's own variable (an int there): never let loadgen's leak into it.
             env = {"PS_HEALTH_PORT": "-1"} if "PS_HEALTH_PORT" in os.environ else None

@@ -1,0 +1,1 @@
+"""Ps-cluster and ps-plot: shards and trainers as local processes, their schedules and summaries."""

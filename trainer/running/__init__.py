@@ -1,0 +1,1 @@
+"""The training loop and ps-trainer: flags, reporting, stopping, elastic data epochs."""

@@ -1,0 +1,1 @@
+"""A step: connect() and its facade, a step's attempts, the exchange variants and the Step call."""
