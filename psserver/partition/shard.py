@@ -197,19 +197,26 @@ class Shard(ShardMembership, ShardPulls, ShardPushes, ShardRounds, ShardRows, Sh
         self._on_change(self)
 
     # ------------------------------------------------------------------ checkpoints
-    def capture(self) -> ShardState:
-        """A copy of the resumable state, open round and acknowledgements included (a memory copy, no I/O)."""
+    def capture(self, since: dict | None = None) -> ShardState:
+        """A copy of the resumable state, open round and acknowledgements included (a memory copy, no I/O).
+        ``since``: table name -> a mark taken earlier: those tables' rows touched after it only (ServedTables.state)."""
         params, opt_copy = self.slice.capture()
         acked, holes = self.pushes.state()
         return ShardState(self.shard_id, self.version, self.job, params, opt_copy,
                           dict(self.counters), members=self.members.members(), acked=acked,
-                          open_round=self.round.to_checkpoint(), tables=self.tables.state(), partition=self.partition,
+                          open_round=self.round.to_checkpoint(), tables=self.tables.state(since), partition=self.partition,
                           epochs=self.epochs.state(), holes=holes, cursor=self.cursor.state())
 
     def state_now(self) -> ShardState | None:
         """``capture`` under the shard's lock (None before a job with parameters is registered)."""
         with self._lock:
             return self.capture() if self.params is not None else None
+
+    def state_since(self, since: dict | None) -> tuple[ShardState | None, dict]:
+        """``capture(since)`` and every table's mark, at one moment (the shard's lock): a hot standby's next
+        shipment and the base of the one after (None before a job with parameters is registered)."""
+        with self._lock:
+            return (self.capture(since), self.tables.marks()) if self.params is not None else (None, {})
 
     def final_checkpoint(self) -> None:
         """On shutdown, after in-flight calls have drained: write the current state, open round included."""

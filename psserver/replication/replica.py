@@ -134,7 +134,7 @@ class Replica:
             except Exception as e:  # noqa: BLE001 -- etcd unreachable: no promotion without it
                 log.warning("shard %d: reading etcd failed: %s", self.cfg.shard, e)
                 continue
-            held, _ = service.held()
+            held = service.epoch_held()
             eligible = held is not None and record.in_sync == self.opts.replica and record.epoch == held
             if record.primary is not None:
                 # a primary whose port refuses connections twice running is a dead process: no need to wait
@@ -186,7 +186,7 @@ class Replica:
         server = self.server_factory(cfg, initial_states=initial).start()
         self.replicator = Replicator(shard=self.cfg.shard, job=self.opts.job, me=self.opts.replica, epoch=epoch,
                                      roles=self.roles, runtime=server.runtime, loop=server.loop,
-                                     capture=server.capture_states, count=server.shard.wide.count,
+                                     capture=server.capture_since, count=server.shard.wide.count,
                                      timeout=self.opts.ship_timeout, poll=self.opts.lease_seconds / 8,
                                      token=self.cfg.security.token, admin=self.cfg.security.admin_token,
                                      lag=self.opts.lag, require=self.opts.require)

@@ -3,9 +3,11 @@ includes what the reply acknowledges.
 
 Group commit: a reply that acknowledges something (a push applied, a round's weights, a registration -- every
 data call but heartbeats and stats) waits at ``barrier`` for the first shipment whose capture begins after the
-reply's own change.  One shipment at a time: the whole state of every partition (what a checkpoint holds,
-open round and push books included), captured on the state worker -- so it is one consistent moment of the
-shard -- and sent to the standby, which acknowledges it.  Every reply waiting when it was captured goes out when
+reply's own change.  One shipment at a time: the state of every partition (what a checkpoint holds, open round
+and push books included), captured on the state worker -- so it is one consistent moment of the shard -- and
+sent to the standby, which acknowledges it.  A standby's first shipment is whole; each after it carries of the
+tables only the rows touched since the one before (psserver.replication.deltas; whole again after an
+eviction, or when the standby lacks the one before).  Every reply waiting when it was captured goes out when
 it is acknowledged: a sync round's replies share one shipment.
 
 The modes: ``alone`` (no standby: replies go out at once, as without replication), ``catching_up`` (a standby
@@ -61,7 +63,8 @@ def _connect(address: str):
 
 
 class Replicator:
-    """The primary of shard ``shard`` at ``epoch``: ships ``capture()`` (on the state worker) to its standby.
+    """The primary of shard ``shard`` at ``epoch``: ships ``capture(since)`` (on the state worker: the states with
+the table rows touched since the marks ``since``, or whole states for None, and the marks now) to its standby.
 
     ``runtime``: the shard's (``offload`` runs on its state worker); ``loop``: its event loop; ``roles``: this
     replica's etcd transactions (psserver.replication.roles); ``count``: the shard's counters."""
@@ -82,6 +85,7 @@ class Replicator:
         self.standby: tuple[str, str] | None = None  # (replica id, replication address)
         self.channel = self.stub = None
         self.started = self.captured = self.acked = 0
+        self._base: tuple[int, list] | None = None  # (shipment, its marks): what the standby holds to build on
         self._waiters: list[tuple[int, asyncio.Future]] = []
         self._in_sync = asyncio.Event()  # set while replicated: what a reply waits for with ``require``
         self._kick = asyncio.Event()
@@ -159,7 +163,7 @@ class Replicator:
     def _adopt(self, standby: tuple[str, str]) -> None:
         if self.mode != ALONE:
             return
-        self.standby, self.mode = standby, CATCHING_UP
+        self.standby, self.mode, self._base = standby, CATCHING_UP, None
         self.channel, self.stub = self._connect(standby[1])
         log.info("shard %d: standby %s at %s found: shipping its first state", self.shard, *standby)
         self._kick.set()
@@ -170,10 +174,13 @@ class Replicator:
         self._fence(self.shard, why)
 
     # ------------------------------------------------------------------ shipping
-    def _capture(self, n: int) -> list[bytes]:
-        """On the state worker: shipment ``n``'s state, one moment of every partition."""
+    def _capture(self, n: int) -> tuple[list[bytes], list, int]:
+        """On the state worker: shipment ``n``'s states (one moment of every partition), the marks the next one
+        builds on, and the shipment this one builds on (0: whole states)."""
         self.captured = n
-        return self._capture_states()
+        base = self._base
+        states, marks = self._capture_states(base[1] if base else None)
+        return states, marks, base[0] if base else 0
 
     async def _ship_loop(self) -> None:
         while True:
@@ -185,19 +192,27 @@ class Replicator:
                 continue
             self.started += 1
             n, epoch = self.started, self.epoch
-            states = await self.runtime.offload(self._capture, n)
+            states, marks, base = await self.runtime.offload(self._capture, n)
             try:
                 await self.stub.Ship(_rpb.ShipRequest(job=self.job, shard=self.shard, epoch=epoch, shipment=n,
-                                                      primary=self.me, states=states), timeout=self.timeout,
-                                     metadata=self._metadata)
+                                                      primary=self.me, states=states, base=base),
+                                     timeout=self.timeout, metadata=self._metadata)
             except grpc.aio.AioRpcError as e:
+                self._base = None
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     self._fenced(f"the standby refused shipment {n}: {e.details()}")
                     return
+                if e.code() == grpc.StatusCode.OUT_OF_RANGE and base:  # it lacks the one this built on
+                    self.count("replica_whole_resends")
+                    log.warning("shard %d: the standby lacks shipment %d (%s): shipping the whole state", self.shard,
+                                base, e.details())
+                    self._kick.set()
+                    continue
                 await self._lose_standby(e)
                 continue
-            self.acked = n
+            self.acked, self._base = n, (n, marks) if marks else None
             self.count("replica_shipments")
+            self.count("replica_shipments_since" if base else "replica_shipments_whole")
             self.count("replica_bytes", sum(len(s) for s in states))
             if self.mode == CATCHING_UP:
                 await self._mark_in_sync()

@@ -4,7 +4,8 @@ shipment of an epoch older than one it has seen.
 Why it serves nothing else: a standby listens only on its replication port; the shard's own port stays closed
 until it is promoted, so a trainer's channel (``--ps PRIMARY|STANDBY``, gRPC's pick-first over both addresses)
 can only ever connect to the replica that is primary now.  The state is kept as the shipped bytes (a checkpoint's
-payload per partition, psserver.state.checkpoint.ShardState) and read only at promotion.
+payload per partition, psserver.state.checkpoint.ShardState) -- a whole state and the shipments since, whose
+tables carry only the rows they touched (psserver.replication.deltas) -- and made whole at promotion.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import grpc
 from psserver.protocol import admin_token
 from psserver.protocol.proto import replica_pb2 as _rpb
 from psserver.protocol.proto import replica_pb2_grpc as _rgrpc
+from psserver.replication.deltas import Holdings
 from psserver.serving.ports import host_port
 
 log = logging.getLogger(__name__)
@@ -35,8 +37,7 @@ class StandbyService(_rgrpc.StandbyServicer):
         self._lock = threading.Lock()
         self.epoch_seen = 0  # the newest epoch of a shipment taken or of a promotion
         self.held_epoch: int | None = None  # the epoch of the state held (None: nothing shipped yet)
-        self.states: list[bytes] = []
-        self.shipment = 0
+        self.holdings = Holdings()
         self.shipments = 0  # taken, for the log and the tests
         self.refused = 0
 
@@ -64,21 +65,35 @@ class StandbyService(_rgrpc.StandbyServicer):
             if self.held_epoch is None:
                 log.info("shard %d standby: first state from primary %s (epoch %d, %d bytes)", self.shard,
                          request.primary, request.epoch, sum(len(s) for s in request.states))
+            if not request.base:
+                self.holdings.take_whole(request.states, request.shipment)
+            elif not self.holdings.take_since(request.states, request.shipment, request.base):
+                self.refused += 1
+                context.set_trailing_metadata((("ps-reason", "base-missing"),))
+                context.abort(grpc.StatusCode.OUT_OF_RANGE,
+                              f"shipment {request.shipment} builds on shipment {request.base}, but this standby holds "
+                              f"shipment {self.holdings.shipment}: ship the whole state")
             self.epoch_seen = max(self.epoch_seen, request.epoch)
-            self.held_epoch, self.states, self.shipment = request.epoch, list(request.states), request.shipment
+            self.held_epoch = request.epoch
             self.shipments += 1
             return _rpb.ShipReply(epoch=self.epoch_seen, shipment=request.shipment)
 
-    def held(self) -> tuple[int | None, list[bytes]]:
+    def epoch_held(self) -> int | None:
+        """The epoch of the state held (None: nothing shipped yet)."""
         with self._lock:
-            return self.held_epoch, self.states
+            return self.held_epoch
+
+    def held(self) -> tuple[int | None, list[bytes]]:
+        """The epoch and the whole states held (the shipments since the last whole one folded in)."""
+        with self._lock:
+            return self.held_epoch, self.holdings.states()
 
     def fence(self, epoch: int) -> tuple[int | None, list[bytes]]:
         """From now on refuse shipments older than ``epoch``; returns the state held at that moment (a shipment
-        acknowledged before it is in it)."""
+        acknowledged before it is in it), made whole."""
         with self._lock:
             self.epoch_seen = max(self.epoch_seen, epoch)
-            return self.held_epoch, self.states
+            return self.held_epoch, self.holdings.states()
 
 
 class StandbyServer:

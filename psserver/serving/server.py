@@ -320,6 +320,11 @@ class ShardServer:
         """On the state worker: every partition's state now, as checkpoint payloads (what a standby holds)."""
         return self.layouts.current.capture_states()
 
+    def capture_since(self, since: list | None) -> tuple[list[bytes], list]:
+        """On the state worker: every partition's state with only the table rows touched after ``since`` (the
+        marks the last call returned; None: whole states), and the marks now (ShardHost.capture_since)."""
+        return self.layouts.current.capture_since(since)
+
     def stop(self, grace: float | None = None) -> None:
         """NOT_SERVING at once, waiting pulls released (UNAVAILABLE), in-flight calls drain within ``grace``,
         then a final checkpoint that includes the open round."""

@@ -403,11 +403,20 @@ class ServedTable(PushTarget):
         return modes.round_deadline(self.cfg, self._view(members))
 
     # -- checkpoints, digest, stats ----------------------------------------------------------------
-    def state(self) -> dict:
+    def state(self, since: tuple[int, int] | None = None) -> dict:
+        """What a checkpoint holds of this table.  ``since`` (a ``store.mark()`` taken earlier): only the rows
+        touched after it, where none was evicted since (``rows["since"]`` then says so, and ``updated_at`` names
+        those rows only, -1 where one was never updated): what a hot standby holding the state at that mark needs
+        (psserver.replication.deltas makes the whole state)."""
         acked = {r: (tid, seq, res.outcome, res.version, res.staleness) for r, (tid, seq, res) in self.acked.items()}
         holes = {r: sorted(h) for r, h in (self.holes or {}).items()}
-        return dict(rows=self.store.state(), version=self.version, round=self.round.state(), acked=acked,
-                    updated_at=self.updated_at.to_dict(), counts=dict(self.counts), holes=holes)
+        rows = None if since is None else self.store.state_since(since)
+        if rows is None:
+            rows, updated = self.store.state(), self.updated_at.to_dict()
+        else:
+            updated = dict(zip(rows["ids"].tolist(), self.updated_at.get(rows["ids"]).tolist()))
+        return dict(rows=rows, version=self.version, round=self.round.state(), acked=acked,
+                    updated_at=updated, counts=dict(self.counts), holes=holes)
 
     def _machine_room(self, nbytes: int) -> None:
         """Before the rows' slots grow: the machine has the memory now (psserver.state.budget.check_machine_room)."""
@@ -487,8 +496,14 @@ class Tables:
     def deadlines(self, members: Membership) -> list[float]:
         return [d for t in self.by_name.values() if (d := t.deadline(members)) is not None]
 
-    def state(self) -> dict | None:
-        return {name: t.state() for name, t in self.by_name.items()} or None
+    def state(self, since: dict | None = None) -> dict | None:
+        """Every table's state; ``since``: table name -> a mark taken earlier (ServedTable.state)."""
+        since = since or {}
+        return {name: t.state(since.get(name)) for name, t in self.by_name.items()} or None
+
+    def marks(self) -> dict:
+        """Table name -> where its store stands now (RowStore.mark): a later ``state(since=...)``'s base."""
+        return {name: t.store.mark() for name, t in self.by_name.items()}
 
     def restore(self, saved: dict | None, now: float) -> None:
         for name, state in (saved or {}).items():

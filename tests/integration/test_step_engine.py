@@ -40,7 +40,7 @@ def state_digest(raw) -> str:
 # Gauges of time and of the machine's free memory at the shard's start, and where a call's table work ran (on the
 # loop or the state worker: whether the worker was busy at that moment, with several trainers): not the same in
 # any two runs of one path.
-MEASURED = ("seconds", "row_limit", "memory_budget_bytes", "memory_tables_budget_bytes", "memory_reserved_bytes",
+MEASURED = ("seconds", "row_limit", "memory_rss_bytes", "memory_heap", "memory_budget_bytes", "memory_tables_budget_bytes", "memory_reserved_bytes",
             "row_work_inline", "row_work_offloaded")
 
 

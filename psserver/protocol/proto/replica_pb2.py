@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%psserver/protocol/proto/replica.proto\x12\x11psgrpc.replica.v1\"k\n\x0bShipRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\r\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x10\n\x08shipment\x18\x04 \x01(\x04\x12\x0f\n\x07primary\x18\x05 \x01(\t\x12\x0e\n\x06states\x18\x06 \x03(\x0c\",\n\tShipReply\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x10\n\x08shipment\x18\x02 \x01(\x04\x32O\n\x07Standby\x12\x44\n\x04Ship\x12\x1e.psgrpc.replica.v1.ShipRequest\x1a\x1c.psgrpc.replica.v1.ShipReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%psserver/protocol/proto/replica.proto\x12\x11psgrpc.replica.v1\"y\n\x0bShipRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05shard\x18\x02 \x01(\r\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x10\n\x08shipment\x18\x04 \x01(\x04\x12\x0f\n\x07primary\x18\x05 \x01(\t\x12\x0e\n\x06states\x18\x06 \x03(\x0c\x12\x0c\n\x04\x62\x61se\x18\x07 \x01(\x04\",\n\tShipReply\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x10\n\x08shipment\x18\x02 \x01(\x04\x32O\n\x07Standby\x12\x44\n\x04Ship\x12\x1e.psgrpc.replica.v1.ShipRequest\x1a\x1c.psgrpc.replica.v1.ShipReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,9 +32,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'psserver.protocol.proto.rep
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SHIPREQUEST']._serialized_start=60
-  _globals['_SHIPREQUEST']._serialized_end=167
-  _globals['_SHIPREPLY']._serialized_start=169
-  _globals['_SHIPREPLY']._serialized_end=213
-  _globals['_STANDBY']._serialized_start=215
-  _globals['_STANDBY']._serialized_end=294
+  _globals['_SHIPREQUEST']._serialized_end=181
+  _globals['_SHIPREPLY']._serialized_start=183
+  _globals['_SHIPREPLY']._serialized_end=227
+  _globals['_STANDBY']._serialized_start=229
+  _globals['_STANDBY']._serialized_end=308
 # @@protoc_insertion_point(module_scope)

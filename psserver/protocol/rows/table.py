@@ -51,6 +51,9 @@ START_BYTES = 256 << 10  # room for rows a new store allocates: more comes by do
 ROW_OVERHEAD_BYTES = 24 + 4 * 21
 
 
+ROW_FIELDS = ("ids", "rows", "optimizer_state", "last_tick", "last_version")  # a state's per-row tensors, by id
+
+
 def strictly_increasing(ids: torch.Tensor) -> bool:
     """Whether 1-D ``ids`` are sorted with no repeats: what a trainer sends (it deduplicates with
     torch.unique, which sorts), so the common case skips a full ``torch.unique``."""
@@ -555,11 +558,27 @@ class RowStore:
         slots = slots[torch.argsort(ids)]
         return {
             "ids": self._ids[slots], "rows": self._rows[slots], "optimizer_state": self._state[slots],
-            "last_tick": self._last_tick[slots], "last_version": self._last_version[slots],
-            "version": self.version, "tick": self.tick, "counts": asdict(self.counts),
-            "sketch": None if self.sketch is None else self.sketch.counts.clone(),
-            "sketch_sightings": 0 if self.sketch is None else self.sketch.sightings,
+            "last_tick": self._last_tick[slots], "last_version": self._last_version[slots], **self._meta(),
         }
+
+    def _meta(self) -> dict:
+        """What a state holds besides its rows."""
+        return {"version": self.version, "tick": self.tick, "counts": asdict(self.counts),
+                "sketch": None if self.sketch is None else self.sketch.counts.clone(),
+                "sketch_sightings": 0 if self.sketch is None else self.sketch.sightings}
+
+    def mark(self) -> tuple[int, int]:
+        """Where the store stands now, for ``state_since``: its clock and how often it evicted rows."""
+        return self.tick, self._evictions
+
+    def state_since(self, mark: tuple[int, int]) -> dict | None:
+        """``state()`` with only the rows a call touched after ``mark`` (created, updated or read), and
+        ``since``: that mark's clock -- what ``merge_states`` needs beside the state at the mark to make this one.
+        None where rows were evicted since: only a whole state says which rows went."""
+        tick, evictions = mark
+        if evictions != self._evictions:
+            return None
+        return {**self.touched_since(tick), **self._meta(), "since": tick}
 
     def touched_since(self, tick: int) -> dict:
         """The live rows a call touched after clock ``tick`` (created, updated or read), as ``state()`` lays rows
@@ -569,6 +588,16 @@ class RowStore:
         slots = slots[torch.argsort(self._ids[slots])]
         return {"ids": self._ids[slots], "rows": self._rows[slots], "optimizer_state": self._state[slots],
                 "last_tick": self._last_tick[slots], "last_version": self._last_version[slots]}
+
+    @staticmethod
+    def merge_states(base: dict, since: dict) -> dict:
+        """The state ``state()`` gives at the moment of ``since`` (a ``state_since`` taken after ``base``'s
+        moment, with no eviction between): ``base``'s rows, each row ``since`` holds replaced or added."""
+        gone = torch.isin(base["ids"], since["ids"])
+        ids = torch.cat([base["ids"][~gone], since["ids"]])
+        order = torch.argsort(ids)
+        merged = {name: torch.cat([base[name][~gone], since[name]])[order] for name in ROW_FIELDS}
+        return {**merged, **{k: v for k, v in since.items() if k not in ROW_FIELDS and k != "since"}}
 
     @classmethod
     def restore(cls, spec: TableSpec, state: dict, row_limit: int | None = None,

@@ -1,0 +1,127 @@
+"""A standby's shipments after its first carry only the table rows touched since the one before
+(psserver.replication.deltas): merged into the state they build on they give, bit for bit, the whole state
+the primary holds -- its rows, optimizer state, clocks, update versions, and the digest of a table restored from
+it -- for async and sync tables, rows created, read, updated and (then whole again) evicted."""
+
+import hashlib
+
+import pytest
+import torch
+
+from psserver.protocol.job import JobSpec, OptimizerConfig
+from psserver.protocol.rows.optim import SparseOptimizerConfig
+from psserver.protocol.rows.table import ROW_FIELDS, TableSpec
+from psserver.replication.deltas import Holdings, merge, whole
+from psserver.sparse.serving import Membership, RowsPush, ServedTable
+from psserver.state.checkpoint import ShardState
+from tests.helpers import wait_until
+
+DIM = 4
+BOTH = Membership(frozenset({0, 1}), started=True)
+
+
+def job(mode: str, optimizer: str = "adagrad", **table) -> JobSpec:
+    spec = TableSpec("emb", DIM, optimizer=SparseOptimizerConfig(optimizer, lr=0.1), seed=3, mode=mode, **table)
+    return JobSpec(mode=mode, num_trainers=2, num_shards=1, total_params=4, fingerprint="f" * 16,
+                   optimizer=OptimizerConfig("sgd", lr=0.1), tensors=(("w", (4,), "float32"),), tables=(spec,))
+
+
+def shard_state(j: JobSpec, tables: dict, version: int = 0) -> ShardState:
+    return ShardState(0, version, j, torch.zeros(4), {}, tables=tables)
+
+
+def digest(t: ServedTable) -> str:
+    h = hashlib.sha256()
+    t.digest(h)
+    return h.hexdigest()
+
+
+class Driver:
+    """Random calls on one table: pulls of new and old ids, pushes from two ranks (each rank's sequence)."""
+
+    def __init__(self, t: ServedTable, seed: int):
+        self.t, self.g, self.seq = t, torch.Generator().manual_seed(seed), {0: 0, 1: 0}
+
+    def ids(self) -> torch.Tensor:
+        return torch.unique(torch.randint(0, 400, (30,), generator=self.g))
+
+    def step(self, rank: int) -> None:
+        ids = self.ids()
+        self.t.lookup(ids)
+        self.seq[rank] += 1
+        grads = torch.randn(len(ids), DIM, generator=self.g)
+        self.t.push(RowsPush(rank, f"t{rank}", self.t.version, 1, self.seq[rank], ids, grads), BOTH, now=0.0)
+
+
+def assert_same_table_state(a: dict, b: dict) -> None:
+    for name in ROW_FIELDS:
+        assert torch.equal(a["rows"][name], b["rows"][name]), name
+    assert {k: v for k, v in a["rows"].items() if k not in ROW_FIELDS and k != "sketch"} == \
+        {k: v for k, v in b["rows"].items() if k not in ROW_FIELDS and k != "sketch"}
+    assert a["updated_at"] == b["updated_at"]
+    assert {k: a[k] for k in ("version", "acked", "counts", "holes")} == {k: b[k] for k in ("version", "acked", "counts",
+                                                                                           "holes")}
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_shipments_of_the_rows_touched_since_merged_in_turn_give_the_whole_state_bit_for_bit(mode):
+    j = job(mode)
+    t, twin = ServedTable(j.tables[0], j), ServedTable(j.tables[0], j)
+    drive = Driver(t, seed=1)
+    for k in range(6):
+        drive.step(k % 2)
+    held = shard_state(j, {"emb": t.state()})
+    mark = t.store.mark()
+    sizes = []
+    for shipment in range(5):
+        for k in range(3):  # (sync: an odd count leaves a round open, its sums in the shipment whole)
+            drive.step(k % 2)
+        later = t.state(mark)
+        assert "since" in later["rows"]  # only what was touched: fewer rows than the table holds
+        sizes.append((len(later["rows"]["ids"]), len(t.store)))
+        mark = t.store.mark()
+        held = merge(held, shard_state(j, {"emb": later}))
+        assert_same_table_state(held.tables["emb"], t.state())
+    assert all(touched < live for touched, live in sizes), sizes
+    twin.restore(held.tables["emb"], now=0.0)
+    assert digest(twin) == digest(t)
+
+
+def test_after_an_eviction_the_next_shipment_of_the_table_is_whole():
+    j = job("async", max_rows=100)
+    t = ServedTable(j.tables[0], j)
+    t.lookup(torch.arange(90))
+    mark = t.store.mark()
+    assert "since" in t.state(mark)["rows"]
+    t.lookup(torch.arange(90, 150))  # past max_rows: the least recently used rows go
+    assert t.store.counts.evicted_lru > 0
+    later = t.state(mark)
+    assert "since" not in later["rows"] and len(later["rows"]["ids"]) == len(t.store)
+    assert_same_table_state(merge(shard_state(j, {}), shard_state(j, {"emb": later})).tables["emb"], t.state())
+
+
+def test_whole_reads_shipments_as_bytes_and_a_standby_folds_them_into_the_same_state():
+    j = job("async")
+    t = ServedTable(j.tables[0], j)
+    drive = Driver(t, seed=2)
+    drive.step(0)
+    holdings, plain = Holdings(), []
+    base = [shard_state(j, {"emb": t.state()}).to_bytes()]
+    holdings.take_whole(base, 1)
+    mark = t.store.mark()
+    for n in range(2, 12):
+        drive.step(n % 2)
+        shipment = [shard_state(j, {"emb": t.state(mark)}, version=n).to_bytes()]
+        mark = t.store.mark()
+        assert holdings.take_since(shipment, n, base=n - 1)
+        plain.append(shipment)
+    assert not holdings.take_since(shipment, 13, base=10)  # a base it does not hold now: refused, nothing changed
+    assert holdings.shipment == 11
+    wait_until(lambda: holdings.folds >= 1, "the standby to fold its shipments into a whole state")  # (on its thread)
+    for state in (ShardState.from_bytes(holdings.states()[0]), ShardState.from_bytes(whole(base, plain)[0])):
+        assert state.version == 11
+        assert_same_table_state(state.tables["emb"], t.state())
+
+
+def test_a_standby_with_nothing_whole_refuses_a_shipment_that_builds_on_one():
+    assert not Holdings().take_since([b"x"], 2, base=1)
