@@ -236,13 +236,15 @@ class ShardHost:
         states = [p.state_now() for p in self.parts]
         return [s.to_bytes() for s in states] if all(s is not None for s in states) else []
 
-    def capture_since(self, since: list | None) -> tuple[list[bytes], list]:
+    def capture_since(self, since: list | None) -> tuple[list[bytes], list, bool]:
         """``capture_states`` for a hot standby: each partition's tables with only the rows touched after its
-        marks in ``since`` (one dict a partition; None: whole states), and the marks now, the next one's base."""
+        marks in ``since`` (one dict a partition; None: whole states), the marks now (the next one's base), and
+        whether any table is partial (False: the states are whole)."""
         pairs = [p.state_since(since[i] if since else None) for i, p in enumerate(self.parts)]
         if any(state is None for state, _ in pairs):
-            return [], []
-        return [state.to_bytes() for state, _ in pairs], [marks for _, marks in pairs]
+            return [], [], False
+        partial = any("since" in t["rows"] for state, _ in pairs for t in (state.tables or {}).values())
+        return [state.to_bytes() for state, _ in pairs], [marks for _, marks in pairs], partial
 
     def tick(self) -> float | None:
         """Every partition's leases and due rounds; the earliest next deadline."""

@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import replace
 
+import torch
+
 from psserver.protocol.rows.table import RowStore
+from psserver.sparse.versions import as_pairs
 from psserver.state.checkpoint import ShardState
 
 log = logging.getLogger(__name__)
@@ -29,11 +33,22 @@ def merge(base: ShardState, later: ShardState) -> ShardState:
     for name, table in later.tables.items():
         if "since" in table["rows"]:
             old = base.tables[name]
-            versions = {**old["updated_at"], **table["updated_at"]}
             table = {**table, "rows": RowStore.merge_states(old["rows"], table["rows"]),
-                     "updated_at": {i: v for i, v in versions.items() if v >= 0}}
+                     "updated_at": _merge_versions(old["updated_at"], table["updated_at"])}
         tables[name] = table
     return replace(later, tables=tables)
+
+
+def _merge_versions(old, new) -> dict:
+    """A table's update versions (RowVersions.saved) after ``new``'s rows, each replaced or added (-1: a row
+    never updated, left out as saved() leaves it out)."""
+    (old_ids, old_versions), (ids, versions) = as_pairs(old), as_pairs(new)
+    gone = torch.isin(old_ids, ids)
+    ids, versions = torch.cat([old_ids[~gone], ids]), torch.cat([old_versions[~gone], versions])
+    keep = versions >= 0
+    ids, versions = ids[keep], versions[keep]
+    order = torch.argsort(ids)
+    return {"ids": ids[order], "versions": versions[order]}
 
 
 def whole(base: list[bytes], later: list[list[bytes]]) -> list[bytes]:
@@ -50,12 +65,15 @@ class Holdings:
     """What a standby holds: a whole state (one payload a partition), its shipment number, and the shipments
     since it; folded into a new whole state off the caller's thread once they hold as many bytes as it."""
 
-    def __init__(self):
+    def __init__(self, fold_share: float = 1.0):
+        """``fold_share``: shipments are folded once their bytes reach this share of the whole state's."""
+        self.fold_share = fold_share
         self._lock = threading.Lock()
         self.base: list[bytes] = []
         self.later: list[list[bytes]] = []
         self.shipment = 0  # the newest shipment held (its number)
         self._folding = False
+        self._thread: threading.Thread | None = None
         self.folds = 0
 
     def take_whole(self, states: list[bytes], shipment: int) -> None:
@@ -70,17 +88,27 @@ class Holdings:
                 return False
             self.later.append(list(states))
             self.shipment = shipment
-            fold = not self._folding and sum(map(len, (b for s in self.later for b in s))) >= sum(map(len, self.base))
+            fold = not self._folding and \
+                sum(map(len, (b for s in self.later for b in s))) >= self.fold_share * sum(map(len, self.base))
             self._folding = self._folding or fold
         if fold:
-            threading.Thread(target=self._fold, name="standby-fold", daemon=True).start()
+            self._thread = threading.Thread(target=self._fold, name="standby-fold", daemon=True)
+            self._thread.start()
         return True
+
+    def close(self) -> None:
+        """Wait for a fold under way: torch torn down at exit under one aborts the process."""
+        if self._thread is not None:
+            self._thread.join()
 
     def _fold(self) -> None:
         with self._lock:
             base, later = self.base, list(self.later)
         try:
+            started = time.monotonic()
             merged = whole(base, later)
+            log.info("standby: folded %d shipments into the state held (%d bytes) in %.3f s", len(later),
+                     sum(map(len, merged)), time.monotonic() - started)
         except Exception:  # noqa: BLE001 -- kept as they are: promotion folds them again, and says why if it fails
             log.exception("standby: folding %d shipments into the state held failed", len(later))
             merged = None

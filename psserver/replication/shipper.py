@@ -64,7 +64,8 @@ def _connect(address: str):
 
 class Replicator:
     """The primary of shard ``shard`` at ``epoch``: ships ``capture(since)`` (on the state worker: the states with
-the table rows touched since the marks ``since``, or whole states for None, and the marks now) to its standby.
+the table rows touched since the marks ``since``, or whole states for None; the marks now; whether any table is
+partial) to its standby.
 
     ``runtime``: the shard's (``offload`` runs on its state worker); ``loop``: its event loop; ``roles``: this
     replica's etcd transactions (psserver.replication.roles); ``count``: the shard's counters."""
@@ -179,8 +180,8 @@ the table rows touched since the marks ``since``, or whole states for None, and 
         builds on, and the shipment this one builds on (0: whole states)."""
         self.captured = n
         base = self._base
-        states, marks = self._capture_states(base[1] if base else None)
-        return states, marks, base[0] if base else 0
+        states, marks, partial = self._capture_states(base[1] if base else None)
+        return states, marks, base[0] if base and partial else 0
 
     async def _ship_loop(self) -> None:
         while True:

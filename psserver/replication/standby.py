@@ -122,3 +122,4 @@ class StandbyServer:
 
     def stop(self) -> None:
         self.server.stop(0).wait()
+        self.service.holdings.close()  # (no shipment arrives now to start another fold)

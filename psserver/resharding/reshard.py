@@ -34,6 +34,7 @@ from psserver.protocol.layout import partition_range, partitions_for, shard_rang
 from psserver.protocol.layouts import LayoutError, new_job
 from psserver.protocol.limits import MAX_PARTITIONS
 from psserver.protocol.rows.placement import shard_of
+from psserver.sparse.versions import as_pairs
 from psserver.state.checkpoint import ShardState
 
 HINT = ("re-shard from the checkpoints of one moment: stop the trainers (they finish their step), then every "
@@ -246,12 +247,11 @@ def recut_table(saved: list[dict], num_shards: int, shard: int) -> dict:
         placed = _placed({"ids": torch.cat([t["round"]["ids"] for t in saved]),
                           "sum": torch.cat([t["round"]["sum"] for t in saved])}, num_shards, shard)
         round_ = {**{k: v for k, v in round_.items() if k != "parts"}, **placed}  # parts: of one shard only
-    mine = {}
-    for t in saved:
-        ids = torch.tensor(list(t["updated_at"]), dtype=torch.int64)
-        if len(ids):
-            held = ids[shard_of(ids, num_shards) == shard].tolist()
-            mine.update({i: t["updated_at"][i] for i in held})
+    pairs = [as_pairs(t["updated_at"]) for t in saved]
+    ids, versions = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
+    held = shard_of(ids, num_shards) == shard
+    order = torch.argsort(ids[held])
+    mine = {"ids": ids[held][order], "versions": versions[held][order]}
     return dict(rows=rows, version=saved[0]["version"], round=round_, updated_at=mine, counts={},
                 acked=merge_books([t["acked"] for t in saved]))
 

@@ -320,9 +320,10 @@ class ShardServer:
         """On the state worker: every partition's state now, as checkpoint payloads (what a standby holds)."""
         return self.layouts.current.capture_states()
 
-    def capture_since(self, since: list | None) -> tuple[list[bytes], list]:
+    def capture_since(self, since: list | None) -> tuple[list[bytes], list, bool]:
         """On the state worker: every partition's state with only the table rows touched after ``since`` (the
-        marks the last call returned; None: whole states), and the marks now (ShardHost.capture_since)."""
+        marks the last call returned; None: whole states), the marks now, and whether any table is partial
+        (ShardHost.capture_since)."""
         return self.layouts.current.capture_since(since)
 
     def stop(self, grace: float | None = None) -> None:

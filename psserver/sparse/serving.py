@@ -52,6 +52,10 @@ from psserver.state.executor import PushInfo, PushTarget, check_sequence, execut
 from psserver.state.rounds import TableRound
 
 # Counters of a table, as GetStats names them: ``table.<name>.<counter>``.
+# A table ships to a standby whole unless it holds PARTIAL_FROM rows or more and at most 1/WHOLE_PAST of them
+# were touched since the last shipment: a standby takes a whole state without reading it, a partial one costs it
+# a decode (a few ms) -- worth it only where the rows left out outweigh that (psserver.replication.deltas).
+PARTIAL_FROM, WHOLE_PAST = 65_536, 8
 STAT_KEYS = ("version", "live_rows", "rows_created", "zero_reads", "dropped_grads", "evicted_lru",
              "evicted_stale", "pushes_applied", "pushes_duplicate", "pushes_stale", "pushes_skipped",
              "rows_pushed", "rows_stale", "rows_pulled", "bytes_in", "bytes_out", "memory_bytes", "rounds", "row_limit")
@@ -405,16 +409,18 @@ class ServedTable(PushTarget):
     # -- checkpoints, digest, stats ----------------------------------------------------------------
     def state(self, since: tuple[int, int] | None = None) -> dict:
         """What a checkpoint holds of this table.  ``since`` (a ``store.mark()`` taken earlier): only the rows
-        touched after it, where none was evicted since (``rows["since"]`` then says so, and ``updated_at`` names
-        those rows only, -1 where one was never updated): what a hot standby holding the state at that mark needs
+        touched after it, where none was evicted since and they are few enough (PARTIAL_FROM, WHOLE_PAST) (``rows["since"]`` then says so, and ``updated_at`` names
+        those rows only, version -1 where one was never updated): what a hot standby holding the state at that mark needs
         (psserver.replication.deltas makes the whole state)."""
         acked = {r: (tid, seq, res.outcome, res.version, res.staleness) for r, (tid, seq, res) in self.acked.items()}
         holes = {r: sorted(h) for r, h in (self.holes or {}).items()}
         rows = None if since is None else self.store.state_since(since)
+        if rows is not None and (len(self.store) < PARTIAL_FROM or len(rows["ids"]) * WHOLE_PAST > len(self.store)):
+            rows = None  # a small table, or most of its rows touched: whole, which a standby takes unread
         if rows is None:
-            rows, updated = self.store.state(), self.updated_at.to_dict()
+            rows, updated = self.store.state(), self.updated_at.saved()
         else:
-            updated = dict(zip(rows["ids"].tolist(), self.updated_at.get(rows["ids"]).tolist()))
+            updated = {"ids": rows["ids"], "versions": self.updated_at.get(rows["ids"])}
         return dict(rows=rows, version=self.version, round=self.round.state(), acked=acked,
                     updated_at=updated, counts=dict(self.counts), holes=holes)
 

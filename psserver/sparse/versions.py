@@ -68,16 +68,31 @@ class RowVersions:
         return iter(self.items()[0].tolist())
 
     def to_dict(self) -> dict[int, int]:
-        """The map as a plain dict: a checkpoint's form (as before, so older checkpoints still restore)."""
+        """The map as a plain dict."""
         ids, versions = self.items()
         return dict(zip(ids.tolist(), versions.tolist()))
 
-    def restore(self, saved: dict[int, int]) -> None:
-        """Take a checkpoint's map; ids whose rows the store does not hold are dropped (they start afresh)."""
+    def saved(self) -> dict[str, torch.Tensor]:
+        """A checkpoint's form: ``ids`` and their ``versions``, sorted by id (tensors: a table of millions of rows
+        is saved and loaded as two buffers, not as a dict of Python ints)."""
+        ids, versions = self.items()
+        order = torch.argsort(ids)
+        return {"ids": ids[order], "versions": versions[order]}
+
+    def restore(self, saved) -> None:
+        """Take a checkpoint's map (``saved()``'s form, or the dict older checkpoints hold); ids whose rows the
+        store does not hold are dropped (they start afresh)."""
         self._ids, self._versions = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        ids = torch.tensor(list(saved), dtype=torch.int64)
-        versions = np.array(list(saved.values()), dtype=np.int64)
+        ids, versions = as_pairs(saved)
+        versions = versions.numpy()
         slots = self.store.slots(ids)
         for version in np.unique(versions):
             at = torch.from_numpy(versions == version)
             self.set(ids[at], slots[at], int(version))
+
+
+def as_pairs(saved) -> tuple[torch.Tensor, torch.Tensor]:
+    """A saved map as (ids, versions) tensors: ``RowVersions.saved()``'s form, or an older checkpoint's dict."""
+    if isinstance(saved, dict) and set(saved) == {"ids", "versions"} and isinstance(saved["ids"], torch.Tensor):
+        return saved["ids"], saved["versions"]
+    return torch.tensor(list(saved), dtype=torch.int64), torch.tensor(list(saved.values()), dtype=torch.int64)

@@ -12,7 +12,7 @@ from psserver.protocol.job import JobSpec, OptimizerConfig
 from psserver.protocol.rows.optim import SparseOptimizerConfig
 from psserver.protocol.rows.table import ROW_FIELDS, TableSpec
 from psserver.replication.deltas import Holdings, merge, whole
-from psserver.sparse.serving import Membership, RowsPush, ServedTable
+from psserver.sparse.serving import PARTIAL_FROM, WHOLE_PAST, Membership, RowsPush, ServedTable
 from psserver.state.checkpoint import ShardState
 from tests.helpers import wait_until
 
@@ -43,7 +43,7 @@ class Driver:
         self.t, self.g, self.seq = t, torch.Generator().manual_seed(seed), {0: 0, 1: 0}
 
     def ids(self) -> torch.Tensor:
-        return torch.unique(torch.randint(0, 400, (30,), generator=self.g))
+        return torch.unique(torch.randint(0, 2 * PARTIAL_FROM, (30,), generator=self.g))
 
     def step(self, rank: int) -> None:
         ids = self.ids()
@@ -58,7 +58,8 @@ def assert_same_table_state(a: dict, b: dict) -> None:
         assert torch.equal(a["rows"][name], b["rows"][name]), name
     assert {k: v for k, v in a["rows"].items() if k not in ROW_FIELDS and k != "sketch"} == \
         {k: v for k, v in b["rows"].items() if k not in ROW_FIELDS and k != "sketch"}
-    assert a["updated_at"] == b["updated_at"]
+    for key in ("ids", "versions"):
+        assert torch.equal(a["updated_at"][key], b["updated_at"][key]), key
     assert {k: a[k] for k in ("version", "acked", "counts", "holes")} == {k: b[k] for k in ("version", "acked", "counts",
                                                                                            "holes")}
 
@@ -68,6 +69,7 @@ def test_shipments_of_the_rows_touched_since_merged_in_turn_give_the_whole_state
     j = job(mode)
     t, twin = ServedTable(j.tables[0], j), ServedTable(j.tables[0], j)
     drive = Driver(t, seed=1)
+    t.lookup(torch.arange(0, 2 * PARTIAL_FROM, 2))  # (rows enough to ship partial: PARTIAL_FROM)
     for k in range(6):
         drive.step(k % 2)
     held = shard_state(j, {"emb": t.state()})
@@ -82,18 +84,40 @@ def test_shipments_of_the_rows_touched_since_merged_in_turn_give_the_whole_state
         mark = t.store.mark()
         held = merge(held, shard_state(j, {"emb": later}))
         assert_same_table_state(held.tables["emb"], t.state())
-    assert all(touched < live for touched, live in sizes), sizes
+    assert all(touched * WHOLE_PAST <= live for touched, live in sizes), sizes
     twin.restore(held.tables["emb"], now=0.0)
     assert digest(twin) == digest(t)
 
 
-def test_after_an_eviction_the_next_shipment_of_the_table_is_whole():
-    j = job("async", max_rows=100)
+def test_a_table_whose_rows_were_mostly_touched_since_ships_whole():
+    j = job("async")
     t = ServedTable(j.tables[0], j)
-    t.lookup(torch.arange(90))
+    n = 8 * PARTIAL_FROM
+    t.lookup(torch.arange(n))
+    mark = t.store.mark()
+    t.lookup(torch.arange(n // 8 + 1))  # more than an eighth of its rows
+    assert "since" not in t.state(mark)["rows"] and len(t.state(mark)["rows"]["ids"]) == n
+    mark = t.store.mark()
+    t.lookup(torch.arange(n // 8))  # an eighth
+    assert "since" in t.state(mark)["rows"] and len(t.state(mark)["rows"]["ids"]) == n // 8
+
+
+def test_a_table_of_fewer_rows_than_partial_from_ships_whole():
+    j = job("async")
+    t = ServedTable(j.tables[0], j)
+    t.lookup(torch.arange(PARTIAL_FROM - 1))
+    mark = t.store.mark()
+    t.lookup(torch.arange(3))
+    assert "since" not in t.state(mark)["rows"]
+
+
+def test_after_an_eviction_the_next_shipment_of_the_table_is_whole():
+    j = job("async", max_rows=PARTIAL_FROM + 100)
+    t = ServedTable(j.tables[0], j)
+    t.lookup(torch.arange(PARTIAL_FROM + 90))
     mark = t.store.mark()
     assert "since" in t.state(mark)["rows"]
-    t.lookup(torch.arange(90, 150))  # past max_rows: the least recently used rows go
+    t.lookup(torch.arange(PARTIAL_FROM + 90, PARTIAL_FROM + 150))  # past max_rows: the least recently used rows go
     assert t.store.counts.evicted_lru > 0
     later = t.state(mark)
     assert "since" not in later["rows"] and len(later["rows"]["ids"]) == len(t.store)
@@ -104,14 +128,17 @@ def test_whole_reads_shipments_as_bytes_and_a_standby_folds_them_into_the_same_s
     j = job("async")
     t = ServedTable(j.tables[0], j)
     drive = Driver(t, seed=2)
+    t.lookup(torch.arange(0, 2 * PARTIAL_FROM, 2))
     drive.step(0)
-    holdings, plain = Holdings(), []
+    holdings, plain = Holdings(fold_share=0.001), []  # (a fold after a few shipments: the table is big)
     base = [shard_state(j, {"emb": t.state()}).to_bytes()]
     holdings.take_whole(base, 1)
     mark = t.store.mark()
     for n in range(2, 12):
         drive.step(n % 2)
-        shipment = [shard_state(j, {"emb": t.state(mark)}, version=n).to_bytes()]
+        partial = t.state(mark)
+        assert "since" in partial["rows"]
+        shipment = [shard_state(j, {"emb": partial}, version=n).to_bytes()]
         mark = t.store.mark()
         assert holdings.take_since(shipment, n, base=n - 1)
         plain.append(shipment)

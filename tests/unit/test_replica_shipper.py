@@ -57,7 +57,7 @@ def make(state: dict):
         counts[name] = counts.get(name, 0) + n
 
     r = Replicator(shard=0, job="j", me="a", epoch=1, roles=roles, runtime=FakeRuntime(), loop=loop,
-                   capture=lambda since: ([str(state["v"]).encode()], []), count=count, poll=0.01,
+                   capture=lambda since: ([str(state["v"]).encode()], [], False), count=count, poll=0.01,
                    fence=lambda shard, why: fenced.append(why), connect=lambda address: (standby, standby))
     r._task = loop.create_task(r._ship_loop())
     return r, standby, roles, fenced, counts
