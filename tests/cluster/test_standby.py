@@ -223,3 +223,44 @@ def test_kill_9_of_a_primary_serving_sync_tables_keeps_every_row_bit_identical(t
         for key in ("ids", "rows", "optimizer_state"):
             assert torch.equal(kill.tables[name]["rows"][key], ref.tables[name]["rows"][key]), (name, key)
         assert kill.tables[name]["version"] == ref.tables[name]["version"]
+
+
+def test_a_big_tables_shipments_carry_the_rows_touched_and_the_promoted_standby_holds_the_table_bit_for_bit(
+        tmp_path, etcd):
+    """An async table of more rows than a partial shipment needs (PARTIAL_FROM): after the standby's whole first
+    state, each push's shipment carries only the rows it touched (replica_shipments_since).  kill -9 of the
+    primary: the standby, promoted from its whole state and those shipments, serves the table the primary last
+    acknowledged -- the same state digest -- and trains on."""
+    from types import SimpleNamespace
+
+    from psserver.protocol.proto import ps_pb2 as pb
+    from psserver.sparse.serving import PARTIAL_FROM
+    from tests.conftest import P, RawShard
+    from tests.integration.test_sparse_rpc import job, pull_rows, push_rows, rows_chunks
+
+    procs = []
+    try:
+        a, b = replicas(tmp_path, etcd, "bigtable", procs)
+        spec = job(mode="async")
+        ids = list(range(0, 3 * PARTIAL_FROM, 3))
+        with RawShard(SimpleNamespace(address=a.address)) as raw:
+            raw.register(spec=spec)
+            raw.init(torch.zeros(P), chunk_bytes=1 << 20)
+            for start in range(0, len(ids), 20_000):  # every row made (and shipped: replies wait for the standby)
+                pull_rows(raw, ids[start:start + 20_000])
+            for seq in range(1, 6):
+                touched = ids[seq * 100:seq * 100 + 300]
+                assert push_rows(raw, rows_chunks(touched, seq=seq, base=seq - 1)).outcome == pb.APPLIED
+            digest = raw.digest()
+            counters = raw.stats().counters
+            assert counters["replica_shipments_since"] >= 5 and counters["replica_shipments_whole"] >= 1
+            assert counters.get("replica_whole_resends", 0) == 0
+        a.kill()
+        wait_until(lambda: "serving" in b.log_path.read_text() and "promoted" in b.log_path.read_text(),
+                   "the standby promoted")
+        with RawShard(SimpleNamespace(address=b.address)) as raw:
+            assert raw.digest() == digest
+            assert push_rows(raw, rows_chunks(ids[:10], seq=6, base=5)).outcome == pb.APPLIED
+    finally:
+        for p in procs:
+            p.kill()
