@@ -4,6 +4,8 @@ steady-state step makes one call a shard; with the Step call off, those rows are
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from tests.integration.test_row_prefetch import B, Rec, batch
@@ -21,8 +23,10 @@ def _run(addresses: str, one_call: bool, push_window: int = 1, model_out: list |
     with connect(addresses, model, mode="sync", embedding_mode="async", optimizer={"name": "sgd", "lr": 0.1},
                  retry_budget=60.0, push_window=push_window) as ps:
         ps.step_call.enabled = one_call
-        batches = ps.prefetching([batch(0, k) for k in range(STEPS)], forward=lambda m, b: m(*b[:3]))
-        for users, items, regions, y in batches:
+        batches = iter(ps.prefetching([batch(0, k) for k in range(STEPS)], forward=lambda m, b: m(*b[:3])))
+        first = next(batches)  # (batch 1 announced: its async rows pulled before step 0's push lands, on every run)
+        ps.rows.ahead.settle()
+        for users, items, regions, y in itertools.chain([first], batches):
             ((model(users, items, regions) - y).pow(2).mean()).backward()
             before = ps.counters["round_trips"]
             ps.step(num_samples=B)

@@ -23,6 +23,7 @@ import logging
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -230,6 +231,14 @@ class RowPrefetch:
             for b in q:
                 if b.after <= n:
                     self._start(table, b)
+
+    def settle(self) -> None:
+        """Wait until every pull under way has answered (or failed: its forward pulls again).  For a run that must
+        be repeatable bit for bit from its first step: an async table's rows pulled ahead of the first push may
+        otherwise be read before or after it lands."""
+        with self._lock:
+            pulls = [f for q in self._queues.values() for b in q for f in b.pulls.values()]
+        futures_wait(pulls)
 
     def drop(self) -> None:
         """Forget every announced batch (a shard restarted: rows pulled before it may be of an older state);
