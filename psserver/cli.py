@@ -293,6 +293,9 @@ def start_replica(parser, args, cfg, made_admin_token: bool):
         parser.error(f"--replica-lag must be 0 or more (got {args.replica_lag})")
     if not args.ship_timeout > 0:
         parser.error(f"--ship-timeout must be more than 0 seconds (got {args.ship_timeout})")
+    if cfg.security.tls_cert and not cfg.security.tls_client_ca:
+        parser.error("--etcd with --tls-cert needs --tls-client-ca: the replicas present their certificates to each "
+                     "other on the replication port and verify them against it (sign every replica's with that CA)")
     from psserver.replication.replica import Replica, ReplicaOptions
 
     opts = ReplicaOptions(etcd=args.etcd, replica=args.replica or f"{args.host}:{args.port}", job=args.job_name,

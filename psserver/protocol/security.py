@@ -86,6 +86,19 @@ class ServerSecurity:
     def interceptors(self, on_refusal: Callable[[str], None] | None = None) -> list:
         return [TokenInterceptor(self.token, on_refusal)] if self.token else []
 
+    def peer_credentials(self) -> grpc.ChannelCredentials | None:
+        """A replica's credentials towards another replica of its shard (docs/standby.md): it presents its own
+        certificate and verifies the other's against --tls-client-ca -- mutual TLS between replicas.  None
+        without TLS."""
+        if not self.tls_cert:
+            return None
+        if not self.tls_client_ca:
+            raise ValueError("--etcd with --tls-cert needs --tls-client-ca: replicas present their certificates to "
+                             "each other and verify them against it (sign every replica's certificate with that CA)")
+        return grpc.ssl_channel_credentials(root_certificates=_read(self.tls_client_ca, "client CA"),
+                                            private_key=_read(self.tls_key, "TLS key"),
+                                            certificate_chain=_read(self.tls_cert, "TLS certificate"))
+
     def aio_interceptors(self, on_refusal: Callable[[str], None] | None = None) -> list:
         """The same check for a grpc.aio server."""
         return [AioTokenInterceptor(self.token, on_refusal)] if self.token else []

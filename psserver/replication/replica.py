@@ -12,6 +12,7 @@ push books its primary acknowledged, so trainers resend their unanswered calls a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import socket
 import threading
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 from psserver.protocol.security import split_host_port
 from psserver.replication.roles import EtcdStore, Roles
-from psserver.replication.shipper import REPLICATED, Replicator, fence_now
+from psserver.replication.shipper import REPLICATED, Replicator, fence_now, open_channel
 from psserver.replication.standby import StandbyServer, StandbyService
 from psserver.serving.ports import host_port
 
@@ -122,7 +123,7 @@ class Replica:
         warm_up()  # the optimizers' first-use cost (about a second) paid now, not at the promotion
         service = StandbyService(self.opts.job, self.cfg.shard, self.cfg.security.admin_token)
         self.standby = StandbyServer(service, self.cfg.host, self.opts.replica_port,
-                                     self.cfg.security.interceptors()).start()
+                                     self.cfg.security.interceptors(), self.cfg.security.credentials()).start()
         self.roles.offer_standby(self.standby.address)
         log.info("shard %d: replica %s is a standby (replication port %s); the shard's port opens if it is "
                  "promoted", self.cfg.shard, self.opts.replica, self.standby.address)
@@ -189,7 +190,9 @@ class Replica:
                                      capture=server.capture_since, count=server.shard.wide.count,
                                      timeout=self.opts.ship_timeout, poll=self.opts.lease_seconds / 8,
                                      token=self.cfg.security.token, admin=self.cfg.security.admin_token,
-                                     lag=self.opts.lag, require=self.opts.require)
+                                     lag=self.opts.lag, require=self.opts.require,
+                                     connect=functools.partial(open_channel,
+                                                               credentials=self.cfg.security.peer_credentials()))
         server.service.replication = self.replicator
         self.replicator.start()
         return server

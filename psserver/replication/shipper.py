@@ -57,8 +57,11 @@ def fence_now(shard: int, why: str) -> None:
     os._exit(FENCED_EXIT)
 
 
-def _connect(address: str):
-    channel = grpc.aio.insecure_channel(address, options=[("grpc.max_send_message_length", MAX_SHIPMENT_BYTES)])
+def open_channel(address: str, credentials: grpc.ChannelCredentials | None = None):
+    """(channel, stub) to a standby's replication port: TLS with ``credentials`` (ServerSecurity.peer_credentials)."""
+    options = [("grpc.max_send_message_length", MAX_SHIPMENT_BYTES)]
+    channel = grpc.aio.insecure_channel(address, options=options) if credentials is None else \
+        grpc.aio.secure_channel(address, credentials, options=options)
     return channel, _rgrpc.StandbyStub(channel)
 
 
@@ -81,7 +84,7 @@ partial) to its standby.
         self.timeout, self.poll, self._fence = timeout, poll, fence
         # the job's --auth-token, and the operator's admin token a standby takes shipments with
         self._metadata = ((("authorization", f"Bearer {token}"),) if token else ()) + ((METADATA_KEY, admin),)
-        self._connect = connect or _connect  # address -> (channel, stub); the unit tests pass a fake
+        self._connect = connect or open_channel  # address -> (channel, stub); the unit tests pass a fake
         self.mode, self.lag, self.require = ALONE, lag, require
         self.standby: tuple[str, str] | None = None  # (replica id, replication address)
         self.channel = self.stub = None

@@ -99,14 +99,18 @@ class StandbyService(_rgrpc.StandbyServicer):
 class StandbyServer:
     """The standby's replication port (a thread-pool gRPC server: one shipment at a time is all it takes)."""
 
-    def __init__(self, service: StandbyService, host: str, port: int, interceptors=()):
+    def __init__(self, service: StandbyService, host: str, port: int, interceptors=(), credentials=None):
+        """``credentials``: the shard's TLS (its certificate, clients' certificates checked against its client CA:
+        psserver.protocol.security.ServerSecurity.credentials); None: plaintext."""
         self.service = service
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="standby"),
                                   interceptors=list(interceptors),
                                   options=[("grpc.max_receive_message_length", MAX_SHIPMENT_BYTES),
                                            ("grpc.so_reuseport", 0)])
         _rgrpc.add_StandbyServicer_to_server(service, self.server)
-        self.port = self.server.add_insecure_port(host_port(host, port))
+        address = host_port(host, port)
+        self.port = self.server.add_insecure_port(address) if credentials is None else \
+            self.server.add_secure_port(address, credentials)
         if self.port == 0:
             raise OSError(f"cannot listen on {host_port(host, port)} (--replica-port): the address is in use or not "
                           f"local")

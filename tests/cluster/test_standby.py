@@ -264,3 +264,37 @@ def test_a_big_tables_shipments_carry_the_rows_touched_and_the_promoted_standby_
     finally:
         for p in procs:
             p.kill()
+
+
+def test_replicas_of_a_shard_with_tls_ship_to_each_other_over_mutual_tls(tmp_path, etcd):
+    """--tls-cert/--tls-key/--tls-client-ca on both replicas: the standby's replication port serves TLS and takes
+    the primary's state only from a certificate of that CA -- the standby catches up, then takes over."""
+    import re
+
+    import grpc
+
+    from psserver.protocol.proto import replica_pb2 as _rpb
+    from psserver.protocol.proto.replica_pb2_grpc import StandbyStub as grpc_stub
+
+    trustme = pytest.importorskip("trustme")
+    ca, cert = trustme.CA(), None
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "replica.cert.pem"))
+    cert.private_key_pem.write_to_path(str(tmp_path / "replica.key.pem"))
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    tls = ("--tls-cert", str(tmp_path / "replica.cert.pem"), "--tls-key", str(tmp_path / "replica.key.pem"),
+           "--tls-client-ca", str(tmp_path / "ca.pem"))
+    procs = []
+    try:
+        a, b = replicas(tmp_path, etcd, "tls", procs, extra=tls)  # (returns once the standby caught up)
+        port = re.search(r"replication port (\S+)\)", b.log_path.read_text()).group(1)
+        with grpc.insecure_channel(port) as plain:  # the port speaks TLS only: a plaintext shipment never lands
+            with pytest.raises(grpc.RpcError) as e:
+                grpc_stub(plain).Ship(_rpb.ShipRequest(job="tls", shard=0, epoch=99, shipment=1), timeout=5)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        a.kill()
+        wait_until(lambda: "promoted" in b.log_path.read_text(), "the standby promoted")
+        assert "Traceback" not in a.log_path.read_text() + b.log_path.read_text()
+    finally:
+        for p in procs:
+            p.kill()

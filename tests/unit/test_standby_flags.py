@@ -15,6 +15,8 @@ from trainer.local import standby_cluster
     (["--shard", "0", "--port", "7000", "--etcd", "127.0.0.1:2379", "--lease-seconds", "0"], "--lease-seconds"),
     (["--shard", "0", "--port", "7000", "--etcd", "127.0.0.1:2379", "--ship-timeout", "0"], "--ship-timeout"),
     (["--shard", "0", "--port", "7000", "--etcd", "nowhere"], "give HOST:PORT"),
+    (["--shard", "0", "--port", "7000", "--etcd", "127.0.0.1:2379", "--tls-cert", "c.pem", "--tls-key", "k.pem"],
+     "--etcd with --tls-cert needs --tls-client-ca"),
 ])
 def test_ps_server_refuses_a_replica_it_cannot_run_naming_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
