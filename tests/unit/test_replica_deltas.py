@@ -152,3 +152,25 @@ def test_whole_reads_shipments_as_bytes_and_a_standby_folds_them_into_the_same_s
 
 def test_a_standby_with_nothing_whole_refuses_a_shipment_that_builds_on_one():
     assert not Holdings().take_since([b"x"], 2, base=1)
+
+
+def test_the_rows_noted_since_the_newest_mark_are_the_rows_a_scan_of_the_clocks_finds():
+    """state_since of the newest mark reads the slots noted as they were touched; of an older mark (or past the
+    table's size of notes) it scans every row's clock -- the same rows either way."""
+    j = job("async")
+    t = ServedTable(j.tables[0], j)
+    t.lookup(torch.arange(0, 2 * PARTIAL_FROM, 2))
+    drive = Driver(t, seed=4)
+    older = t.store.mark()
+    drive.step(0)
+    newest = t.store.mark()
+    for k in range(4):
+        drive.step(k % 2)
+    noted = t.store.state_since(newest)
+    scanned = {**t.store.touched_since(newest[0])}
+    for name in ROW_FIELDS:
+        assert torch.equal(noted[name], scanned[name]), name
+    assert len(noted["ids"]) > 0
+    older_rows = t.store.state_since(older)  # (not the newest mark: scanned)
+    assert torch.equal(older_rows["ids"], t.store.touched_since(older[0])["ids"])
+    assert len(older_rows["ids"]) >= len(noted["ids"])

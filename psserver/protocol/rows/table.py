@@ -231,6 +231,9 @@ class RowStore:
         self._last: tuple | None = None  # (ids, slots, _evictions) of the last lookup: see _resolve
         self._scratch = UpdateScratch(spec.dim, self.width)
         self._used = 0  # slots ever handed out; slots at and above it were never used
+        self._marked: tuple[int, int] | None = None  # the last mark() given
+        self._since_mark: list[torch.Tensor] | None = None  # slots touched since it (None: scan the clocks)
+        self._since_count = 0
         self.evicted_log: list[torch.Tensor] | None = None  # ids evicted, kept while a live re-shard forwards rows
         self._alloc(_start_capacity(spec, row_limit) if initial_capacity is None else initial_capacity)
 
@@ -317,7 +320,12 @@ class RowStore:
         return self._index.find(ids)
 
     def _touch(self, slots: torch.Tensor) -> None:
-        """Mark rows as used now, for both eviction clocks."""
+        """Mark rows as used now, for both eviction clocks (and, while a mark is kept, note them: state_since)."""
+        if self._since_mark is not None:
+            self._since_mark.append(slots)
+            self._since_count += len(slots)
+            if self._since_count > len(self._ids):  # as many as the table: a scan of its clocks costs no more
+                self._since_mark = None
         self._last_tick.index_fill_(0, slots, self.tick)
         self._last_version.index_fill_(0, slots, self.version)
 
@@ -568,8 +576,11 @@ class RowStore:
                 "sketch_sightings": 0 if self.sketch is None else self.sketch.sightings}
 
     def mark(self) -> tuple[int, int]:
-        """Where the store stands now, for ``state_since``: its clock and how often it evicted rows."""
-        return self.tick, self._evictions
+        """Where the store stands now, for ``state_since``: its clock and how often it evicted rows.  The slots
+        touched from now on are noted (up to the table's size), so a ``state_since`` of this mark -- the newest --
+        finds them without a scan of every row's clock."""
+        self._marked, self._since_mark, self._since_count = (self.tick, self._evictions), [], 0
+        return self._marked
 
     def state_since(self, mark: tuple[int, int]) -> dict | None:
         """``state()`` with only the rows a call touched after ``mark`` (created, updated or read), and
@@ -578,7 +589,13 @@ class RowStore:
         tick, evictions = mark
         if evictions != self._evictions:
             return None
-        return {**self.touched_since(tick), **self._meta(), "since": tick}
+        if mark != self._marked or self._since_mark is None:
+            return {**self.touched_since(tick), **self._meta(), "since": tick}
+        slots = torch.unique(torch.cat(self._since_mark)) if self._since_mark else torch.empty(0, dtype=torch.int64)
+        slots = slots[torch.argsort(self._ids[slots])]  # (no eviction since: every slot still holds its row)
+        return {"ids": self._ids[slots], "rows": self._rows[slots], "optimizer_state": self._state[slots],
+                "last_tick": self._last_tick[slots], "last_version": self._last_version[slots], **self._meta(),
+                "since": tick}
 
     def touched_since(self, tick: int) -> dict:
         """The live rows a call touched after clock ``tick`` (created, updated or read), as ``state()`` lays rows
