@@ -37,11 +37,14 @@ except ImportError:  # Python < 3.11
 
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = REPO / "deploy" / "docker-compose.yml"
+STANDBY_FILE = REPO / "deploy" / "docker-compose.standby.yml"  # --standby: a primary and a standby a shard, etcd
 WHEELHOUSE = REPO / "deploy" / "wheelhouse"
 SUITE = "bookworm"  # its python3 is 3.11, the version the wheelhouse is downloaded for
-BASE_PACKAGES = "python3,python3-venv,python3-pip,ca-certificates"
+BASE_PACKAGES = "python3,python3-venv,python3-pip,ca-certificates,etcd-server"  # (etcd: the standby variant's)
+BASE_TAG = f"{SUITE}-{hashlib.sha256(BASE_PACKAGES.encode()).hexdigest()[:8]}"  # a new package list, a new base
 DEBIAN_TOOLS = {"dockerd": "docker.io", "docker-compose": "docker-compose", "debootstrap": "debootstrap",
                 "iptables": "iptables", "ip": "iproute2", "nsenter": "util-linux"}
+KILL_AT_VERSION = 100  # --standby --kill-shard: the primary's version when it is killed (the job runs 400)
 EXIT_NO_ENGINE = 3  # this machine cannot run an engine (no root, no cgroups): the tests skip on it
 # What a Docker engine adds to a host's network; a difference naming none of these was made by someone else.
 DOCKER_NAMES = re.compile(r"docker0|\bbr-[0-9a-f]{12}\b|\bveth[0-9a-f]{7}\b|DOCKER|\bFORWARD DROP\b")
@@ -59,6 +62,7 @@ class Settings:
     logs: Path = REPO / "runs" / "compose-demo"
     train_timeout: float = float(os.environ.get("PSGRPC_DEMO_TIMEOUT", "900"))
     accuracy_bar: float = 0.90
+    compose_file: Path = COMPOSE_FILE
 
     @property
     def socket(self) -> str:
@@ -129,15 +133,20 @@ def trainer_result(stdout: str) -> dict:
     return {}
 
 
-def verdict(containers: dict[str, dict], bar: float, killed: str | None) -> list[str]:
+def verdict(containers: dict[str, dict], bar: float, killed: str | None, standby: bool = False) -> list[str]:
     """Why the run failed (empty when it passed): exit codes, the accuracy bar, a rank held by two trainers
-    (ranks come from the job, one each), the restart of the killed shard."""
+    (ranks come from the job, one each), the restart of the killed shard; with standbys, a step lost."""
     problems = []
+    if standby:
+        problems += [f"{name} lost {c.get('steps_lost')} steps (a standby should have lost none)"
+                     for name, c in sorted(containers.items()) if c["role"] == "trainer" and c.get("steps_lost") != 0]
     ranks = sorted(c.get("rank") for c in containers.values() if c["role"] == "trainer" and c.get("rank") is not None)
     if len(set(ranks)) != len(ranks):
         problems.append(f"trainer ranks {ranks} repeat: the job hands each trainer its own")
     for name, c in sorted(containers.items()):
-        if c["exit_code"] != 0:
+        if c["exit_code"] is None:
+            problems.append(f"{name} was still running after the trainers were done")
+        elif c["exit_code"] != 0:
             problems.append(f"{name} exited {c['exit_code']}")
         if c["role"] == "trainer" and (c.get("test_accuracy") is None or c["test_accuracy"] < bar):
             problems.append(f"{name} reached test accuracy {c.get('test_accuracy')} (bar {bar})")
@@ -268,11 +277,11 @@ def base_image(cfg: Settings, env: dict) -> str:
     """A Debian base made here (no registry): debootstrap once, its tar cached, imported into the engine."""
     if cfg.base_image:
         return cfg.base_image
-    name = f"psgrpc-base:{SUITE}"
+    name = f"psgrpc-base:{BASE_TAG}"
     if run(["docker", "image", "inspect", name], env=env, check=False).returncode == 0:
         say(f"base image {name}: already in the engine")
         return name
-    tar = cfg.cache / f"base-{SUITE}.tar"
+    tar = cfg.cache / f"base-{BASE_TAG}.tar"
     if not tar.exists():
         mirror = debian_mirror(run(["apt-get", "indextargets", "--format", "$(REPO_URI) $(RELEASE)"]).stdout)
         cfg.cache.mkdir(parents=True, exist_ok=True)
@@ -333,7 +342,7 @@ class Compose:
         return self.run(*args, timeout=timeout, check=True)
 
     def run(self, *args: str, timeout: float = 600, check: bool = False) -> subprocess.CompletedProcess:
-        return run(["docker-compose", "-p", self.cfg.project, "-f", str(COMPOSE_FILE), *args], env=self.env,
+        return run(["docker-compose", "-p", self.cfg.project, "-f", str(self.cfg.compose_file), *args], env=self.env,
                    timeout=timeout, check=check)
 
     def container(self, service: str) -> str:
@@ -407,26 +416,71 @@ def kill_shard(compose: Compose, service: str, timeout: float) -> dict:
     return {"service": service, "checkpoint_version": versions[-1]}
 
 
+def primary_version(compose: Compose, service: str) -> int | None:
+    """The version a replica serves the shard at, or None while it is not the primary (its port stays closed)."""
+    out = run(["docker", "exec", compose.container(service), "python", "-c",
+               "from psserver.protocol.stubs import fetch_stat; print(fetch_stat('127.0.0.1:7000', timeout=3).version)"],
+              env=compose.env, check=False)
+    return int(out.stdout.strip()) if out.returncode == 0 and out.stdout.strip().isdigit() else None
+
+
+def kill_primary(compose: Compose, shard: int, at_version: int, timeout: float) -> dict:
+    """The standby variant: once shard ``shard``'s primary (whichever replica etcd made it) serves version
+    ``at_version``, SIGKILL its process (as kill_shard does); its standby takes over, and compose restarts the
+    killed one, which rejoins as the standby."""
+    deadline = time.monotonic() + timeout
+    replicas = [f"ps-shard-{shard}a", f"ps-shard-{shard}b"]
+    while True:
+        found = {r: primary_version(compose, r) for r in replicas}
+        primary = next((r for r, v in found.items() if v is not None and v >= at_version), None)
+        if primary is not None:
+            break
+        if time.monotonic() > deadline:
+            raise DemoError(f"shard {shard}'s primary did not reach version {at_version} in {timeout:.0f} s "
+                            f"(versions served: {found})")
+        time.sleep(0.5)  # polling the primary's version, bounded by the deadline
+    cid = compose.container(primary)
+    pid = int(compose.inspect(cid, "{{.State.Pid}}"))
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    say(f"killed shard {shard}'s primary {primary} (pid {pid}, SIGKILL) at version {found[primary]}")
+    standby = next(r for r in replicas if r != primary)
+    while primary_version(compose, standby) is None:
+        if time.monotonic() > deadline:
+            raise DemoError(f"{standby} did not take over shard {shard}", f"its log: docker logs {compose.container(standby)}")
+        time.sleep(0.2)  # waiting for the promotion, bounded by the deadline
+    say(f"{standby} serves shard {shard} {time.monotonic() - killed_at:.1f} s after the kill")
+    return {"service": primary, "version": found[primary], "taken_over_by": standby,
+            "seconds": round(time.monotonic() - killed_at, 1)}
+
+
 def wait_and_collect(compose: Compose, services: list[str]) -> dict[str, dict]:
     """Wait for the trainers, then the shards (they leave once every trainer has); each one's result, by
     container (``ps-trainer.N``: the Nth replica of the joiners; its ``rank`` is the one the job handed it)."""
-    ids = {name: cid for service in services for name, cid in compose.containers(service).items()}
+    ids = {name: cid for service in services if service != "etcd"  # (the standby variant's: runs until down)
+           for name, cid in compose.containers(service).items()}
     trainers = [s for s in ids if "trainer" in s]
     shards = [s for s in ids if s not in trainers]
     run(["docker", "wait", *[ids[s] for s in trainers]], env=compose.env, timeout=compose.cfg.train_timeout)
-    run(["docker", "wait", *[ids[s] for s in shards]], env=compose.env, timeout=120)
+    try:
+        run(["docker", "wait", *[ids[s] for s in shards]], env=compose.env, timeout=120)
+    except DemoError as e:  # (the logs are still collected: they say why)
+        say(f"a shard did not exit after the trainers: {e}")
     compose.cfg.logs.mkdir(parents=True, exist_ok=True)
     results = {}
     for s in ids:
         logs = run(["docker", "logs", ids[s]], env=compose.env)
         (compose.cfg.logs / f"{s}.log").write_text(logs.stdout + logs.stderr)
-        code, restarts = compose.inspect(ids[s], "{{.State.ExitCode}} {{.RestartCount}}").split()
-        c = {"role": "trainer" if s in trainers else "shard", "exit_code": int(code), "restarts": int(restarts)}
+        code, restarts, running = compose.inspect(ids[s], "{{.State.ExitCode}} {{.RestartCount}} {{.State.Running}}").split()
+        c = {"role": "trainer" if s in trainers else "shard", "exit_code": None if running == "true" else int(code),
+             "restarts": int(restarts)}
         if s in trainers:
             done = trainer_result(logs.stdout)
             c.update({k: done.get(k) for k in ("rank", "test_accuracy", "steps_lost", "reconnects", "join_waits")})
         else:
-            c["restored"] = "restored version" in logs.stderr + logs.stdout
+            text = logs.stderr + logs.stdout
+            c["restored"] = "restored version" in text and "promoted to primary" not in text
+            c["promoted"] = "promoted to primary" in text
         results[s] = c
     return results
 
@@ -436,7 +490,8 @@ def print_summary(results: dict[str, dict]) -> None:
         extra = (f"rank {c['rank']}, test accuracy {c['test_accuracy']:.4f}, steps lost {c['steps_lost']}"
                  if c["role"] == "trainer"
                  and c.get("test_accuracy") is not None else f"restarts {c['restarts']}"
-                 + (", restored from its checkpoint" if c.get("restored") else ""))
+                 + (", restored from its checkpoint" if c.get("restored") else "")
+                 + (", promoted from standby to primary" if c.get("promoted") else ""))
         say(f"  {s:<14} exit {c['exit_code']}  {extra}")
 
 
@@ -455,7 +510,10 @@ def demo(cfg: Settings, engine: Engine, kill: str | None, summary: dict, scale: 
     scaled = ["--scale", f"ps-trainer={scale}"] if scale is not None else []
     compose("up", "-d", "--no-build", *scaled, timeout=300)  # returns once the trainers start: the shards are healthy
     say(f"up: services {', '.join(services)}" + (f" (ps-trainer scaled to {scale})" if scale is not None else ""))
-    if kill:
+    if kill and cfg.compose_file == STANDBY_FILE:
+        summary["killed"] = kill_primary(compose, int(kill.removeprefix("ps-shard-")[0]), KILL_AT_VERSION,
+                                         timeout=cfg.train_timeout)
+    elif kill:
         summary["killed"] = kill_shard(compose, kill, timeout=cfg.train_timeout)
     results = wait_and_collect(compose, services)
     summary["train_seconds"] = round(time.monotonic() - t0, 1)
@@ -499,11 +557,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale", type=int, default=None, metavar="N",
                    help="run N joining trainers besides rank 0 (docker-compose up --scale ps-trainer=N; N <= "
                    "PS_MAX_TRAINERS - 1, 7 by default); default: the compose file's 2")
+    p.add_argument("--standby", action="store_true",
+                   help="the hot-standby variant (deploy/docker-compose.standby.yml: etcd, a primary and a standby a "
+                        "shard); with --kill-shard, the primary of that shard is killed at version "
+                        f"{KILL_AT_VERSION} and its standby takes over, no step lost")
     p.add_argument("--json", action="store_true", help="end with the summary as one JSON line")
     args = p.parse_args(argv)
     if args.scale is not None and args.scale < 0:
         p.error(f"--scale is {args.scale} but must be 0 or more (the joiners besides rank 0)")
-    cfg = Settings()
+    cfg = dataclasses.replace(Settings(), compose_file=STANDBY_FILE) if args.standby else Settings()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a TERM tears down like an error does
     t0 = time.monotonic()
     summary: dict = {"event": "compose-demo"}
@@ -522,7 +584,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  hint: {e.hint}", file=sys.stderr)
         code = e.code
     else:
-        problems = verdict(summary["containers"], cfg.accuracy_bar, args.kill_shard)
+        problems = verdict(summary["containers"], cfg.accuracy_bar,
+                           summary.get("killed", {}).get("service") if args.kill_shard else None, args.standby)
         problems += [f"host network changed: {line}" for line in docker_made(summary["network_diff"])]
         summary["problems"] = problems
         code = 1 if problems else 0

@@ -133,6 +133,10 @@ def build_parser() -> EnvArgumentParser:
                         "renewing it (shorter: faster failover, more false ones on a loaded host)")
     r.add_argument("--replica-port", type=int, default=0,
                    help="the port a standby takes its primary's state on (0: pick one; published in etcd)")
+    r.add_argument("--advertise-host", default="", metavar="HOST",
+                   help="the host the other replicas reach this one at, published in etcd with its ports (default: "
+                        "--host, or where --host is 0.0.0.0 or ::, this machine's address for its host name: a "
+                        "container's or a pod's)")
     r.add_argument("--replica-lag", type=int, default=0, metavar="K",
                    help="answer trainers without waiting for the standby while it is at most K shipments (rounds) "
                         "behind: faster steps, and a failover may roll back up to K rounds (default 0: no loss)")
@@ -264,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     # A timed wait keeps the main thread responsive to signals; it also checks whether the job is done.
     while not stop.wait(0.5):
         if args.exit_when_done and server.shard.job_done():
+            if replica is not None:
+                replica.mark_done(server.shard.version)  # (its standby leaves too)
             break
     log.info("shard %d stopping (version %d): NOT_SERVING, draining calls%s", cfg.shard, server.shard.version,
              ", final checkpoint" if cfg.checkpoint_dir else "")
@@ -300,6 +306,7 @@ def start_replica(parser, args, cfg, made_admin_token: bool):
 
     opts = ReplicaOptions(etcd=args.etcd, replica=args.replica or f"{args.host}:{args.port}", job=args.job_name,
                           lease_seconds=args.lease_seconds, replica_port=args.replica_port,
+                          advertise_host=args.advertise_host,
                           ship_timeout=args.ship_timeout, lag=args.replica_lag, require=args.require_standby)
     try:
         return Replica(cfg, opts)

@@ -20,12 +20,13 @@ def compose_cli() -> str | None:
     return shutil.which("docker-compose")
 
 
-def resolved_compose(env: dict | None = None) -> dict:
-    """The compose file with anchors, merges and ${VAR:-default} resolved, by Debian's docker-compose."""
+def resolved_compose(env: dict | None = None, path=None) -> dict:
+    """The compose file (or ``path``) with anchors, merges and ${VAR:-default} resolved, by Debian's
+    docker-compose."""
     exe = compose_cli()
     if exe is None:
         raise FileNotFoundError("docker-compose is not installed (Debian package docker-compose)")
-    out = subprocess.run([exe, "-f", str(COMPOSE_FILE), "config"], capture_output=True, text=True, check=True,
+    out = subprocess.run([exe, "-f", str(path or COMPOSE_FILE), "config"], capture_output=True, text=True, check=True,
                          env={**os.environ, **(env or {})})
     return yaml.safe_load(out.stdout)
 

@@ -46,7 +46,23 @@ class EnvArgumentParser(argparse.ArgumentParser):
         self.from_env: list[tuple[argparse.Action, str]] = []  # flags whose default came from the environment
 
     def add_argument(self, *args, **kwargs):
-        action = super().add_argument(*args, **kwargs)
+        return self._with_env(super().add_argument(*args, **kwargs))
+
+    def add_argument_group(self, *args, **kwargs):
+        """A group whose flags read the environment too (argparse's groups add arguments without this parser)."""
+        return self._env_reading(super().add_argument_group(*args, **kwargs))
+
+    def add_mutually_exclusive_group(self, **kwargs):
+        return self._env_reading(super().add_mutually_exclusive_group(**kwargs))
+
+    def _env_reading(self, group):
+        add, nest = group.add_argument, group.add_mutually_exclusive_group
+        group.add_argument = lambda *args, **kwargs: self._with_env(add(*args, **kwargs))
+        group.add_mutually_exclusive_group = lambda **kwargs: self._env_reading(nest(**kwargs))
+        return group
+
+    def _with_env(self, action):
+        """``action``'s default from its environment variable, where that is set; its help names the variable."""
         if not action.option_strings or action.dest == "help":
             return action
         env = env_prefix(self.prog) + action.dest.upper()

@@ -26,6 +26,7 @@ from psserver.replication.standby import StandbyServer, StandbyService
 from psserver.serving.ports import host_port
 
 log = logging.getLogger(__name__)
+ETCD_START_SECONDS = 30.0  # how long a replica waits at its start for etcd to answer
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,21 @@ class ReplicaOptions:
     ship_timeout: float = 2.0  # seconds a shipment may take before the standby is dropped
     lag: int = 0  # replies go out while the standby is at most this many shipments behind (0: they wait for it)
     require: bool = False  # replies wait while no standby is in sync (--require-standby), never go out alone
+    advertise_host: str = ""  # the host other replicas reach this one at ("": advertised_host's default)
+
+
+def advertised_host(host: str, advertise: str = "") -> str:
+    """The host this replica's addresses are published with in etcd: ``advertise`` if given, else ``host`` --
+    unless that is a wildcard (0.0.0.0, ::), which no other machine can connect to: then this machine's address
+    for its host name (a container's or a pod's own IP, from its /etc/hosts)."""
+    if advertise:
+        return advertise
+    if host.strip("[]") not in ("0.0.0.0", "::"):
+        return host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return host  # (no address for the host name: the lease alone fails it over, as before)
 
 
 def refuses_connections(address: str, timeout: float = 0.2) -> bool:
@@ -66,7 +82,8 @@ class Replica:
 
         self.cfg, self.opts = cfg, opts
         self.store = store or EtcdStore(opts.etcd)
-        self.roles = Roles(self.store, opts.job, cfg.shard, opts.replica, address=host_port(cfg.host, cfg.port))
+        self.advertised = advertised_host(cfg.host, opts.advertise_host)
+        self.roles = Roles(self.store, opts.job, cfg.shard, opts.replica, address=host_port(self.advertised, cfg.port))
         self.server_factory = server_factory or ShardServer
         self.replicator: Replicator | None = None
         self.standby: StandbyServer | None = None
@@ -98,18 +115,41 @@ class Replica:
                     self.store.grant(self.opts.lease_seconds)  # a standby's offer lapses with it: offered again
                     self._renewed = time.monotonic()
                     if self.standby is not None:
-                        self.roles.offer_standby(self.standby.address)
+                        self.roles.offer_standby(host_port(self.advertised, self.standby.port))
                 except Exception as e:  # noqa: BLE001 -- etcd unreachable: the next period tries again
                     log.warning("shard %d: taking a new etcd lease failed: %s", self.cfg.shard, e)
 
     # ------------------------------------------------------------------ roles
+    def _first_lease(self, stop: threading.Event) -> None:
+        """The replica's etcd lease, once etcd answers: a replica started beside its etcd (compose, a pod) may
+        come up first.  RuntimeError (a one-line error) if it does not answer within ETCD_START_SECONDS."""
+        deadline, said = time.monotonic() + ETCD_START_SECONDS, False
+        while True:
+            try:
+                self.store.grant(self.opts.lease_seconds)
+                return
+            except Exception as e:  # noqa: BLE001 -- etcd3gw's errors have no common base; any is "not yet"
+                if time.monotonic() > deadline or stop.is_set():
+                    raise RuntimeError(f"etcd at {self.opts.etcd} (--etcd) did not answer within "
+                                       f"{ETCD_START_SECONDS:.0f} s ({type(e).__name__}): start etcd first, or fix "
+                                       "the address") from None
+                if not said:
+                    log.warning("shard %d: etcd at %s does not answer yet (%s); waiting up to %.0f s",
+                                self.cfg.shard, self.opts.etcd, type(e).__name__, ETCD_START_SECONDS)
+                    said = True
+                stop.wait(0.5)
+
     def start(self, stop: threading.Event, on_standby=lambda address: None):
         """Primary now, or standby until promoted: the running ShardServer, or None if ``stop`` came first.
         ``on_standby(address)``: called once this replica waits as a standby (its shard address)."""
-        self.store.grant(self.opts.lease_seconds)
+        self._first_lease(stop)
         threading.Thread(target=self._keep_lease, args=(stop,), name=f"shard{self.cfg.shard}-lease",
                          daemon=True).start()
         record = self.roles.read()
+        if record.done is not None:
+            log.info("shard %d: the job is done (its primary left at version %d): nothing to serve or stand by for",
+                     self.cfg.shard, record.done)
+            return None
         if record.epoch is None and self.roles.start_fresh():
             log.info("shard %d: replica %s is the primary (epoch 1; no standby yet)", self.cfg.shard, self.opts.replica)
             return self._serve(None, 1)
@@ -124,7 +164,7 @@ class Replica:
         service = StandbyService(self.opts.job, self.cfg.shard, self.cfg.security.admin_token)
         self.standby = StandbyServer(service, self.cfg.host, self.opts.replica_port,
                                      self.cfg.security.interceptors(), self.cfg.security.credentials()).start()
-        self.roles.offer_standby(self.standby.address)
+        self.roles.offer_standby(host_port(self.advertised, self.standby.port))
         log.info("shard %d: replica %s is a standby (replication port %s); the shard's port opens if it is "
                  "promoted", self.cfg.shard, self.opts.replica, self.standby.address)
         on_standby(host_port(self.cfg.host, self.cfg.port))
@@ -135,6 +175,11 @@ class Replica:
             except Exception as e:  # noqa: BLE001 -- etcd unreachable: no promotion without it
                 log.warning("shard %d: reading etcd failed: %s", self.cfg.shard, e)
                 continue
+            if record.done is not None and record.primary is None:
+                log.info("shard %d: the job is done (its primary left at version %d): the standby leaves too",
+                         self.cfg.shard, record.done)
+                self.standby.stop()
+                return None
             held = service.epoch_held()
             eligible = held is not None and record.in_sync == self.opts.replica and record.epoch == held
             if record.primary is not None:
@@ -196,6 +241,16 @@ class Replica:
         server.service.replication = self.replicator
         self.replicator.start()
         return server
+
+    def mark_done(self, version: int) -> None:
+        """The primary leaves because the job is done: said in etcd, so its standby (and a replica started
+        later) leaves too instead of waiting for a primary that will not come back."""
+        try:
+            if not self.roles.mark_done(version):
+                log.warning("shard %d: the job is done but this replica is no longer the primary in etcd",
+                            self.cfg.shard)
+        except Exception as e:  # noqa: BLE001 -- etcd gone: the standby waits, as before
+            log.warning("shard %d: marking the job done in etcd failed: %s", self.cfg.shard, e)
 
     def stop(self) -> None:
         if self.replicator is not None:

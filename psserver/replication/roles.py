@@ -9,6 +9,8 @@ etcd's consensus decides; this module only names the keys and the transactions. 
   primary stops renewing.
 * ``in_sync`` -- the standby whose acknowledgement the primary waits for before it answers ("" for none).
 * ``standby`` -- "<id> <address>" of a standby offering itself, attached to the standby's lease.
+* ``done``    -- the version at which the primary left because the job was done (``ps-server --exit-when-done``):
+  a standby, or a replica started after it, has nothing left to stand by for and leaves too.
 
 The rules (docs/standby.md):
 
@@ -51,6 +53,7 @@ class Record:
     primary_value: str  # the key's whole value (what ``take_over`` compares)
     in_sync: str  # the standby the primary waits for ("" none)
     standby: tuple[str, str] | None  # (replica id, replication address) of a standby offering itself
+    done: int | None = None  # the version the primary left at, the job done (None: not done)
 
 
 class Store(Protocol):
@@ -91,9 +94,10 @@ class Roles:
         sid, _, address = (standby or "").partition(" ")
         primary = kv.get(self._key("primary"))
         pid, _, paddress = (primary or "").partition(" ")
+        done = kv.get(self._key("done"))
         return Record(epoch=int(epoch) if epoch is not None else None, primary=pid if primary else None,
                       primary_address=paddress, primary_value=primary or "", in_sync=kv.get(self._key("in_sync"), ""),
-                      standby=(sid, address) if standby else None)
+                      standby=(sid, address) if standby else None, done=int(done) if done is not None else None)
 
     def start_fresh(self) -> bool:
         """The shard's first replica: primary at epoch 1, while no epoch exists."""
@@ -126,6 +130,10 @@ class Roles:
         """The primary waits for ``standby`` from ``epoch + 1`` on ("" : for nobody); False: it was replaced."""
         return self.store.txn([(self._key("epoch"), str(epoch)), (self._key("primary"), self.value)],
                               [(self._key("epoch"), str(epoch + 1), False), (self._key("in_sync"), standby, False)])
+
+    def mark_done(self, version: int) -> bool:
+        """The job is done: the primary leaves at ``version`` (only while it is the primary)."""
+        return self.store.txn([(self._key("primary"), self.value)], [(self._key("done"), str(version), False)])
 
     def offer_standby(self, address: str) -> None:
         """This replica is ready to be a standby, at ``address`` (its replication port), while its lease lives."""

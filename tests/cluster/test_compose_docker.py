@@ -67,13 +67,31 @@ def test_compose_demo_trains_through_a_killed_shard_and_leaves_the_host_as_it_wa
         assert c["test_accuracy"] >= 0.90, (name, c)
         assert c["steps_lost"] is not None and c["steps_lost"] >= 0, (name, c)
     assert summary["killed"]["service"] == "ps-shard-0" and summary["killed"]["checkpoint_version"] > 0
-    assert shards["ps-shard-0"] == {"role": "shard", "exit_code": 0, "restarts": 1, "restored": True}
+    assert shards["ps-shard-0"] == {"role": "shard", "exit_code": 0, "restarts": 1, "restored": True, "promoted": False}
     assert shards["ps-shard-1"]["exit_code"] == 0 and shards["ps-shard-1"]["restarts"] == 0
     assert "host network unchanged" in result.stdout or not demo.docker_made(summary["network_diff"])
     # afterwards: no engine, no namespace, and nothing an engine makes on the host's network
     assert not Path("/run/netns", demo.Settings().netns).exists()
     assert not demo.Settings().run_dir.exists()
     assert demo.docker_made(demo.network_diff(before, demo.host_network())) == []
+
+
+def test_the_standby_compose_file_loses_no_step_when_a_primary_container_is_killed():
+    """deploy/docker-compose.standby.yml for real: etcd, a primary and a standby a shard; shard 0's primary
+    SIGKILLed mid-run (whichever replica etcd made primary); its standby takes over, the killed one comes back as
+    the standby, the trainers lose no step, and every replica leaves once the job is done."""
+    result, summary = run_demo("--standby", "--kill-shard")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    containers, killed = summary["containers"], summary["killed"]
+    trainers = {n: c for n, c in containers.items() if c["role"] == "trainer"}
+    assert sorted(trainers) == ["ps-trainer-0", "ps-trainer-1"]
+    for name, c in trainers.items():
+        assert (c["exit_code"], c["restarts"], c["steps_lost"]) == (0, 0, 0), (name, c)
+        assert c["test_accuracy"] >= 0.90, (name, c)
+    assert killed["service"] in ("ps-shard-0a", "ps-shard-0b") and killed["version"] >= demo.KILL_AT_VERSION
+    assert containers[killed["taken_over_by"]]["promoted"] and containers[killed["service"]]["restarts"] == 1
+    assert all(c["exit_code"] == 0 for c in containers.values())
+    assert not demo.docker_made(summary["network_diff"])
 
 
 def test_a_failed_build_is_one_line_with_a_hint_and_leaves_no_engine_namespace_or_firewall_change():

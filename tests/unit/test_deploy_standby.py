@@ -66,3 +66,34 @@ def test_every_variable_the_standby_manifests_set_names_a_flag_and_the_replicas_
             assert not unknown, f"{doc['metadata']['name']} sets {sorted(unknown)}, which {prog} does not read"
             if prog == "ps-server":
                 assert _starts_beyond_loopback({k: e.get("value") for k, e in env.items()})
+
+
+def test_the_standby_compose_file_runs_two_replicas_a_shard_against_its_etcd_and_the_trainers_name_both():
+    """deploy/docker-compose.standby.yml (resolved by docker-compose): etcd, shards 0 and 1 as replicas a and b
+    naming that etcd and one job, the same settings on both replicas of a shard, and each trainer naming each
+    shard's replicas as PRIMARY|STANDBY; every variable names a flag of the CLI it runs."""
+    import pytest
+
+    from tests.deploy_config import compose_cli, resolved_compose
+
+    if compose_cli() is None:
+        pytest.skip("docker-compose is not installed (CI installs Debian's package; see .ci/run)")
+    services = resolved_compose(path=REPO_ROOT / "deploy" / "docker-compose.standby.yml")["services"]
+    replicas = sorted(s for s in services if s.startswith("ps-shard-"))
+    assert replicas == ["ps-shard-0a", "ps-shard-0b", "ps-shard-1a", "ps-shard-1b"] and "etcd" in services
+    assert services["etcd"]["command"][0] == "etcd"
+    for name in replicas:
+        env = services[name]["environment"]
+        assert env["PS_SERVER_ETCD"] == "etcd:2379" and env["PS_SERVER_JOB_NAME"] == "demo"
+        assert env["PS_SERVER_SHARD"] == name[-2] and env["PS_SERVER_REPLICA"] == name[-1]
+        assert env["PS_ADMIN_TOKEN"] and services[name]["restart"] == "on-failure"
+        assert set(env) - {"PS_ADMIN_TOKEN"} <= flag_variables("ps-server")
+        twin = services[name[:-1] + ("b" if name.endswith("a") else "a")]["environment"]
+        assert {k: v for k, v in env.items() if k != "PS_SERVER_REPLICA"} == \
+            {k: v for k, v in twin.items() if k != "PS_SERVER_REPLICA"}
+    trainers = sorted(s for s in services if s.startswith("ps-trainer"))
+    assert trainers == ["ps-trainer-0", "ps-trainer-1"]
+    for name in trainers:
+        env = services[name]["environment"]
+        assert env["PS_TRAINER_PS"] == "ps-shard-0a:7000|ps-shard-0b:7000,ps-shard-1a:7000|ps-shard-1b:7000"
+        assert set(env) <= flag_variables("ps-trainer")

@@ -173,3 +173,17 @@ def test_a_standby_takes_over_from_a_dead_primary_only_while_that_primary_is_sti
     record = c.read()
     assert (record.epoch, record.primary, record.in_sync) == (3, "b", "")
     assert not a.set_in_sync(3, "")  # the displaced primary, were it alive, can change nothing
+
+
+def test_only_the_primary_marks_the_job_done_and_every_replica_reads_it(etcd):
+    a, b = replica(etcd, "a"), replica(etcd, "b")
+    a.start_fresh()
+    b.offer_standby("127.0.0.1:9")
+    assert b.read().done is None
+    assert not b.mark_done(7)  # a standby cannot say the job is done
+    assert b.read().done is None
+    assert a.mark_done(9)
+    tick(etcd, 2.5, b)  # the primary leaves (its lease lapses or is revoked)
+    record = b.read()
+    assert (record.done, record.primary) == (9, None)
+    assert replica(etcd, "c").read().done == 9  # a replica started later reads it too

@@ -62,3 +62,72 @@ def test_a_shard_with_a_standby_is_one_address_entry_and_one_pick_first_channel_
     assert channel_target("127.0.0.1:1") == "127.0.0.1:1"
     with pytest.raises(ValueError, match="not HOST:PORT"):
         parse_addresses("127.0.0.1:1|nope")
+
+
+@pytest.mark.parametrize("module", ["psserver.cli", "trainer.running.cli", "trainer.local.cluster",
+                                    "trainer.tools.loadgen.cli"])
+def test_every_flag_of_every_cli_reads_its_environment_variable_grouped_flags_too(module):
+    """ps-server's replica flags sit in an argument group, whose add_argument bypassed the environment: the
+    compose file's PS_SERVER_ETCD was ignored and its replicas ran as plain shards."""
+    import importlib
+
+    parser = importlib.import_module(module).build_parser()
+    missing = [a.option_strings[0] for a in parser._actions
+               if a.option_strings and a.dest != "help" and "[env " not in (a.help or "")]
+    assert missing == []
+
+
+def test_a_replica_flag_in_the_environment_is_taken(monkeypatch):
+    monkeypatch.setenv("PS_SERVER_ETCD", "etcd:2379")
+    monkeypatch.setenv("PS_SERVER_REPLICA", "b")
+    args = server_cli.build_parser().parse_args(["--shard", "0"])
+    assert (args.etcd, args.replica) == ("etcd:2379", "b")
+
+
+class _SilentEtcd:
+    """A store whose etcd answers after ``fails`` tries."""
+
+    def __init__(self, fails: int):
+        self.fails, self.tries = fails, 0
+
+    def grant(self, seconds):
+        self.tries += 1
+        if self.tries <= self.fails:
+            raise ConnectionError("etcd is not up yet")
+
+
+def _replica(store):
+    from psserver.replication.replica import Replica, ReplicaOptions
+
+    cfg = SimpleNamespace(shard=0, host="127.0.0.1", port=7000)
+    return Replica(cfg, ReplicaOptions(etcd="etcd:2379", replica="a", job="j"), store=store,
+                   server_factory=lambda *a, **k: None)
+
+
+def test_a_replica_waits_for_an_etcd_that_comes_up_after_it():
+    import threading
+
+    store = _SilentEtcd(fails=2)
+    _replica(store)._first_lease(threading.Event())
+    assert store.tries == 3
+
+
+def test_a_replica_whose_etcd_never_answers_stops_with_a_one_line_cause(monkeypatch):
+    import threading
+
+    from psserver.replication import replica
+
+    monkeypatch.setattr(replica, "ETCD_START_SECONDS", 0.0)
+    with pytest.raises(RuntimeError, match=r"etcd at etcd:2379 \(--etcd\) did not answer within 0 s"):
+        _replica(_SilentEtcd(fails=10))._first_lease(threading.Event())
+
+
+def test_a_replica_listening_on_a_wildcard_advertises_an_address_the_other_replicas_can_reach():
+    import socket
+
+    from psserver.replication.replica import advertised_host
+
+    assert advertised_host("10.0.0.7") == "10.0.0.7"
+    assert advertised_host("0.0.0.0", "ps-shard-0a") == "ps-shard-0a"
+    for wildcard in ("0.0.0.0", "::", "[::]"):
+        assert advertised_host(wildcard) == socket.gethostbyname(socket.gethostname())
