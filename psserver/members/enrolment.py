@@ -366,12 +366,10 @@ class Enrolment:
     def digest_text(self) -> str:
         return self.epochs.digest_text() if self.epochs is not None else ""
 
-    def restore(self, members: dict, epochs: list | None, num_trainers: int, left: list = ()) -> None:
-        """A checkpoint's members (live with fresh leases) and the ranks that had said goodbye: a job whose
-        trainers all left is done after the restore too (a hot standby promoted as the job ends leaves with it)."""
-        self.members.restore(members, left)
+    def restore(self, members: dict, epochs: list | None, num_trainers: int) -> None:
+        self.members.restore(members)
         self.epochs.restore(epochs)
-        self.started = len(members) + len(set(left) - set(members)) >= num_trainers
+        self.started = len(members) >= num_trainers
 
 
 def _in_no_epoch(rank: int, base: int) -> JobMismatch:

@@ -123,14 +123,10 @@ class Membership:
                 self._view = MemberView(frozenset(self._live), frozenset(self._registered), frozenset(self._left))
             return self._view
 
-    def restore(self, trainers: dict[int, str], left=()) -> None:
-        """After a restart: the checkpoint's members, live with fresh leases (a dead one expires as usual), and
-        the ranks that had left (registered once, gone for good)."""
+    def restore(self, trainers: dict[int, str]) -> None:
+        """After a restart: the checkpoint's members, live with fresh leases (a dead one expires as usual)."""
         with self._lock:
             now = self._clock()
-            for rank in set(left) - set(trainers):
-                self._registered.add(rank)
-                self._left.add(rank)
             for rank, trainer_id in trainers.items():
                 self._trainers[rank] = trainer_id
                 self._live.add(rank)

@@ -203,8 +203,7 @@ class Shard(ShardMembership, ShardPulls, ShardPushes, ShardRounds, ShardRows, Sh
         params, opt_copy = self.slice.capture()
         acked, holes = self.pushes.state()
         return ShardState(self.shard_id, self.version, self.job, params, opt_copy,
-                          dict(self.counters), members=self.members.members(), left=sorted(self.members.view().left),
-                          acked=acked,
+                          dict(self.counters), members=self.members.members(), acked=acked,
                           open_round=self.round.to_checkpoint(), tables=self.tables.state(since), partition=self.partition,
                           epochs=self.epochs.state(), holes=holes, cursor=self.cursor.state())
 
@@ -242,7 +241,7 @@ class Shard(ShardMembership, ShardPulls, ShardPushes, ShardRounds, ShardRows, Sh
         with self._lock:
             self._set_job(state.job)
             self.slice.restore(state.params, state.optimizer, state.version, self.job.optimizer)
-            self.enrolment.restore(state.members, state.epochs, self.job.num_trainers, state.left)
+            self.enrolment.restore(state.members, state.epochs, self.job.num_trainers)
             self.pushes.restore(state.acked, state.holes)
             self.cursor.restore(state.cursor)
             self.round.restore(state.open_round, self._clock())

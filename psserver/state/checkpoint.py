@@ -78,7 +78,6 @@ class ShardState:
     cursor: dict | None = None  # the async data cursor (psserver.members.data_cursor.DataCursor.state)
     # the layout timeline (LayoutEpoch protos, serialised) of a checkpoint taken in a later layout; None in the first
     layouts: list | None = None
-    left: list = field(default_factory=list)  # ranks that said goodbye (a job whose trainers all left is done)
 
     def to_bytes(self) -> bytes:
         buf = io.BytesIO()
@@ -86,7 +85,7 @@ class ShardState:
             dict(shard=self.shard, version=self.version, job=self.job.to_proto().SerializeToString(),
                  params=self.params, optimizer=self.optimizer, counters=self.counters, members=self.members,
                  acked=self.acked, open_round=self.open_round, tables=self.tables, partition=self.partition,
-                 epochs=self.epochs, holes=self.holes, cursor=self.cursor, layouts=self.layouts, left=self.left),
+                 epochs=self.epochs, holes=self.holes, cursor=self.cursor, layouts=self.layouts),
             buf,
         )
         payload = buf.getvalue()
@@ -112,7 +111,7 @@ class ShardState:
         return ShardState(d["shard"], d["version"], JobSpec.from_proto(job), d["params"], d["optimizer"],
                           d.get("counters", {}), d.get("members", {}), d.get("acked", {}), d.get("open_round"),
                           d.get("tables"), d.get("partition", 0), d.get("epochs"), d.get("holes", {}),
-                          d.get("cursor"), d.get("layouts"), d.get("left", []))
+                          d.get("cursor"), d.get("layouts"))
 
 
 def _fsync_dir(directory: Path) -> None:

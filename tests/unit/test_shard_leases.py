@@ -64,22 +64,3 @@ def test_a_trainer_heard_from_again_after_its_lease_is_live_and_its_rounds_wait_
     assert shard.push(1, "t1", FP, 1, 1, torch.ones(P), 1)[0].outcome == "applied"
     assert shard.snapshot().counters["rounds_all_arrived"] == 1
 
-
-def test_a_job_whose_trainers_all_left_is_done_after_a_restore_of_its_state_too():
-    """A hot standby promoted as the job ends (its primary left once every trainer had) restores the state it was
-    shipped: it must find the job done and leave as its primary did, not wait for trainers that said goodbye."""
-    from psserver.state.checkpoint import ShardState
-
-    clock = Clock()
-    shard = sync_pair(clock)
-    assert shard.push(1, "t1", FP, 0, 1, torch.ones(P), 1)[0].outcome == "applied"
-    shard.leave(0, "t0", FP)
-    assert not shard.job_done()  # (rank 1 has not said goodbye yet)
-    midway = Shard(0, clock=clock, lease_timeout=LEASE)
-    midway.restore_state(ShardState.from_bytes(shard.capture().to_bytes()), "a test")
-    assert not midway.job_done() and midway.snapshot().live_ranks == [1]
-    shard.leave(1, "t1", FP)
-    assert shard.job_done()
-    after = Shard(0, clock=clock, lease_timeout=LEASE)
-    after.restore_state(ShardState.from_bytes(shard.capture().to_bytes()), "a test")
-    assert after.job_done() and after.snapshot().live_ranks == [] and after.version == shard.version == 1
