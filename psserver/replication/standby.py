@@ -112,7 +112,7 @@ class StandbyServer:
         self.port = self.server.add_insecure_port(address) if credentials is None else \
             self.server.add_secure_port(address, credentials)
         if self.port == 0:
-            raise OSError(f"cannot listen on {host_port(host, port)} (--replica-port): the address is in use or not "
+            raise OSError(f"cannot listen on {address} (--replica-port): the address is in use or not "
                           f"local")
         self.host = host
 

@@ -51,11 +51,11 @@ from psserver.state.budget import check_machine_room
 from psserver.state.executor import PushInfo, PushTarget, check_sequence, execute, record_ack
 from psserver.state.rounds import TableRound
 
-# Counters of a table, as GetStats names them: ``table.<name>.<counter>``.
 # A table ships to a standby whole unless it holds PARTIAL_FROM rows or more and at most 1/WHOLE_PAST of them
 # were touched since the last shipment: a standby takes a whole state without reading it, a partial one costs it
 # a decode (a few ms) -- worth it only where the rows left out outweigh that (psserver.replication.deltas).
 PARTIAL_FROM, WHOLE_PAST = 65_536, 8
+# Counters of a table, as GetStats names them: ``table.<name>.<counter>``.
 STAT_KEYS = ("version", "live_rows", "rows_created", "zero_reads", "dropped_grads", "evicted_lru",
              "evicted_stale", "pushes_applied", "pushes_duplicate", "pushes_stale", "pushes_skipped",
              "rows_pushed", "rows_stale", "rows_pulled", "bytes_in", "bytes_out", "memory_bytes", "rounds", "row_limit")
@@ -409,9 +409,9 @@ class ServedTable(PushTarget):
     # -- checkpoints, digest, stats ----------------------------------------------------------------
     def state(self, since: tuple[int, int] | None = None) -> dict:
         """What a checkpoint holds of this table.  ``since`` (a ``store.mark()`` taken earlier): only the rows
-        touched after it, where none was evicted since and they are few enough (PARTIAL_FROM, WHOLE_PAST) (``rows["since"]`` then says so, and ``updated_at`` names
-        those rows only, version -1 where one was never updated): what a hot standby holding the state at that mark needs
-        (psserver.replication.deltas makes the whole state)."""
+        touched after it, where none was evicted since and they are few enough (PARTIAL_FROM, WHOLE_PAST) --
+        ``rows["since"]`` then says so, and ``updated_at`` names those rows only, version -1 where one was never
+        updated: what a hot standby holding the state at that mark needs (psserver.replication.deltas)."""
         acked = {r: (tid, seq, res.outcome, res.version, res.staleness) for r, (tid, seq, res) in self.acked.items()}
         holes = {r: sorted(h) for r, h in (self.holes or {}).items()}
         rows = None if since is None else self.store.state_since(since)

@@ -67,11 +67,6 @@ class RowVersions:
     def __iter__(self) -> Iterator[int]:
         return iter(self.items()[0].tolist())
 
-    def to_dict(self) -> dict[int, int]:
-        """The map as a plain dict."""
-        ids, versions = self.items()
-        return dict(zip(ids.tolist(), versions.tolist()))
-
     def saved(self) -> dict[str, torch.Tensor]:
         """A checkpoint's form: ``ids`` and their ``versions``, sorted by id (tensors: a table of millions of rows
         is saved and loaded as two buffers, not as a dict of Python ints)."""

@@ -63,4 +63,3 @@ def test_a_trainer_heard_from_again_after_its_lease_is_live_and_its_rounds_wait_
     assert shard.push(0, "t0", FP, 1, 1, torch.ones(P), 2)[0].outcome == "accepted"  # round 1 waits for rank 1
     assert shard.push(1, "t1", FP, 1, 1, torch.ones(P), 1)[0].outcome == "applied"
     assert shard.snapshot().counters["rounds_all_arrived"] == 1
-

@@ -11,6 +11,12 @@ from psserver.sparse.versions import RowVersions
 DIM = 4
 
 
+def as_dict(versions: RowVersions) -> dict[int, int]:
+    """The map as a checkpoint saves it (RowVersions.saved), read as id -> version."""
+    saved = versions.saved()
+    return dict(zip(saved["ids"].tolist(), saved["versions"].tolist()))
+
+
 def store_with(ids: list[int], max_rows: int | None = None) -> RowStore:
     store = RowStore(TableSpec("t", DIM, optimizer=SparseOptimizerConfig("sgd", lr=0.1), max_rows=max_rows))
     store.lookup(torch.tensor(ids))
@@ -23,7 +29,7 @@ def test_an_update_is_read_back_per_id_and_rows_never_updated_read_minus_one():
     ids = torch.tensor([3, 9])
     versions.set(ids, store.apply(ids, torch.ones(2, DIM)), 7)
     assert versions.get(torch.tensor([3, 5, 9, 11])).tolist() == [7, -1, 7, -1]
-    assert versions.to_dict() == {3: 7, 9: 7} and len(versions) == 2
+    assert as_dict(versions) == {3: 7, 9: 7} and len(versions) == 2
 
 
 def test_a_slot_freed_by_eviction_and_taken_by_a_new_row_reads_as_never_updated():
@@ -50,4 +56,4 @@ def test_a_checkpoint_dict_restores_the_same_versions_and_drops_rows_the_store_d
     store = store_with([3, 5, 9])
     versions = RowVersions(store)
     versions.restore({3: 2, 9: 5, 40: 1})
-    assert versions.to_dict() == {3: 2, 9: 5}
+    assert as_dict(versions) == {3: 2, 9: 5}

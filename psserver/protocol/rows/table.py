@@ -563,11 +563,12 @@ class RowStore:
         """The live rows only, with their optimizer state and clocks: what a checkpoint holds.
         Sorted by id, so equal tables give equal states whatever their history."""
         ids, slots = self._index.items()
-        slots = slots[torch.argsort(ids)]
-        return {
-            "ids": self._ids[slots], "rows": self._rows[slots], "optimizer_state": self._state[slots],
-            "last_tick": self._last_tick[slots], "last_version": self._last_version[slots], **self._meta(),
-        }
+        return {**self._rows_at(slots[torch.argsort(ids)]), **self._meta()}
+
+    def _rows_at(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The per-row tensors of a state (ROW_FIELDS) at ``slots``."""
+        return {"ids": self._ids[slots], "rows": self._rows[slots], "optimizer_state": self._state[slots],
+                "last_tick": self._last_tick[slots], "last_version": self._last_version[slots]}
 
     def _meta(self) -> dict:
         """What a state holds besides its rows."""
@@ -593,18 +594,14 @@ class RowStore:
             return {**self.touched_since(tick), **self._meta(), "since": tick}
         slots = torch.unique(torch.cat(self._since_mark)) if self._since_mark else torch.empty(0, dtype=torch.int64)
         slots = slots[torch.argsort(self._ids[slots])]  # (no eviction since: every slot still holds its row)
-        return {"ids": self._ids[slots], "rows": self._rows[slots], "optimizer_state": self._state[slots],
-                "last_tick": self._last_tick[slots], "last_version": self._last_version[slots], **self._meta(),
-                "since": tick}
+        return {**self._rows_at(slots), **self._meta(), "since": tick}
 
     def touched_since(self, tick: int) -> dict:
         """The live rows a call touched after clock ``tick`` (created, updated or read), as ``state()`` lays rows
         out (sorted by id): what a live re-shard forwards (psserver.resharding.handoff_rows)."""
         last = self._last_tick[: self._used]
         slots = ((last > tick) & (last != INT64_MAX)).nonzero().flatten()
-        slots = slots[torch.argsort(self._ids[slots])]
-        return {"ids": self._ids[slots], "rows": self._rows[slots], "optimizer_state": self._state[slots],
-                "last_tick": self._last_tick[slots], "last_version": self._last_version[slots]}
+        return self._rows_at(slots[torch.argsort(self._ids[slots])])
 
     @staticmethod
     def merge_states(base: dict, since: dict) -> dict:
