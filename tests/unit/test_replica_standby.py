@@ -59,3 +59,15 @@ def test_a_shipment_of_an_older_epoch_is_fenced_and_one_of_another_job_refused_b
         assert context.code == code
     assert service.held() == (3, [b"three"])
     assert ship(service, 3, states=(b"again",)).epoch == 3 and service.held() == (3, [b"again"])
+
+
+def test_a_shipment_building_on_one_the_standby_does_not_hold_is_out_of_range_and_changes_nothing():
+    """(The primary then ships a whole state: psserver.replication.shipper.)"""
+    service = StandbyService("j", 0, "secret")
+    ship(service, 1, states=(b"one",))  # shipment 1, whole
+    context = FakeContext("secret")
+    with pytest.raises(Aborted):
+        service.Ship(_rpb.ShipRequest(job="j", shard=0, epoch=1, shipment=3, primary="a", states=[b"x"], base=2),
+                     context)
+    assert context.code == grpc.StatusCode.OUT_OF_RANGE and "holds shipment 1" in context.details
+    assert service.held() == (1, [b"one"]) and service.shipments == 1
