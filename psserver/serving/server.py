@@ -265,6 +265,9 @@ class ShardServer:
             ("grpc.keepalive_timeout_ms", 20_000),
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ("grpc.keepalive_permit_without_calls", 1),
+            # a replicated shard's clients probe every second (psserver.protocol.security.REPLICA_KEEPALIVE): not
+            # answered with GOAWAY (too many pings) while a call waits with no data
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 500),
         ]
         self.server = grpc.aio.server(
             options=opts,

@@ -169,10 +169,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def start_etcd(data_dir: Path, log_path: Path, host: str = "127.0.0.1", timeout: float = 30.0) -> Proc:
+ETCD_HEALTHY = ("import sys, urllib.request\n"
+                "try:\n    ok = b'true' in urllib.request.urlopen(sys.argv[1], timeout=1).read()\n"
+                "except OSError:\n    ok = False\n"
+                "sys.exit(0 if ok else 1)\n")
+
+
+def start_etcd(data_dir: Path, log_path: Path, host: str = "127.0.0.1", timeout: float = 30.0,
+               prefix: list[str] | None = None, advertise: str = "") -> Proc:
     """A one-member etcd on ``host`` (the hot standby's arbiter, docs/standby.md), once it answers; ``.address``
-    is its client HOST:PORT.  Its election timeout is short so a lease of one second is honoured (etcd raises a
-    lease's TTL to 1.5 election timeouts)."""
+    is its client HOST:PORT (``advertise``'s, where it listens on a wildcard).  Its election timeout is short so a
+    lease of one second is honoured (etcd raises a lease's TTL to 1.5 election timeouts).  ``prefix`` runs it
+    through another command (``ip netns exec NS`` in the tests), its health asked from there too."""
     import shutil
     import urllib.request
 
@@ -180,23 +188,30 @@ def start_etcd(data_dir: Path, log_path: Path, host: str = "127.0.0.1", timeout:
     if binary is None:
         raise RuntimeError("etcd is not installed: a hot standby needs it (Debian: apt-get install etcd-server)")
     client, peer = free_port(host), free_port(host)
+    seen = advertise or host
     log_path.parent.mkdir(parents=True, exist_ok=True)
     args = [binary, "--name", "psgrpc", "--data-dir", str(data_dir),
-            "--listen-client-urls", f"http://{host}:{client}", "--advertise-client-urls", f"http://{host}:{client}",
-            "--listen-peer-urls", f"http://{host}:{peer}", "--initial-advertise-peer-urls", f"http://{host}:{peer}",
-            "--initial-cluster", f"psgrpc=http://{host}:{peer}", "--heartbeat-interval", "10",
+            "--listen-client-urls", f"http://{host}:{client}", "--advertise-client-urls", f"http://{seen}:{client}",
+            "--listen-peer-urls", f"http://{host}:{peer}", "--initial-advertise-peer-urls", f"http://{seen}:{peer}",
+            "--initial-cluster", f"psgrpc=http://{seen}:{peer}", "--heartbeat-interval", "10",
             "--election-timeout", "100"]
     with open(log_path, "ab") as log:
-        popen = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    proc = Proc("etcd", popen, log_path, f"{host}:{client}")
+        popen = subprocess.Popen((prefix or []) + args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = Proc("etcd", popen, log_path, f"{seen}:{client}")
     deadline = time.monotonic() + timeout
+    health = f"http://{seen}:{client}/health"
     while True:
-        try:
-            with urllib.request.urlopen(f"http://{host}:{client}/health", timeout=1) as r:
-                if b"true" in r.read():
-                    return proc
-        except OSError:
-            pass
+        if prefix:
+            if subprocess.run(prefix + [sys.executable, "-c", ETCD_HEALTHY, health], capture_output=True,
+                              timeout=30).returncode == 0:
+                return proc
+        else:
+            try:
+                with urllib.request.urlopen(health, timeout=1) as r:
+                    if b"true" in r.read():
+                        return proc
+            except OSError:
+                pass
         if not proc.alive() or time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError(f"etcd did not start within {timeout:.0f} s; its log says:\n{proc.log_tail()}")
