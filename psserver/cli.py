@@ -81,7 +81,7 @@ def build_parser() -> EnvArgumentParser:
                    help="a gradient with NaN/Inf: refuse it (INVALID_ARGUMENT) or skip it (acknowledged, counted)")
     p.add_argument("--no-step-engine", dest="step_engine", action="store_false",
                    help="answer every StepOnce through the general path, none through the step engine (for "
-                        "diagnosis: both give the same replies and state; docs/performance.md)")
+                        "diagnosis: both give the same replies and state; docs/design/step-engine.md)")
     p.add_argument("--stream-idle-timeout", type=float, default=30.0,
                    help="end a stream that sends nothing for this many seconds")
     p.add_argument("--max-call-seconds", type=float, default=900.0,

@@ -1,4 +1,4 @@
-"""The job's data cursor for async and stale-timeout elastic jobs (docs/elastic.md "Data follows membership").
+"""The job's data cursor for async and stale-timeout elastic jobs (docs/design/elastic-join.md, "The data cursor").
 
 In sync mode a round's global batch is placed by the membership timeline (trainer.workloads.data.round_batch) and every
 trainer agrees on the round.  In async and stale-timeout each trainer runs at its own pace, so no round number

@@ -138,7 +138,7 @@ class Enrolment:
         if pending is not None and not pending.committed and rank not in book.current.members:
             raise JobMismatch(f"rank {rank} is in no membership epoch of this job (min_version is {min_version}): "
                               "a joiner pulls rows only after its commit (Register with join_round, "
-                              "docs/elastic.md)")
+                              "docs/design/elastic-join.md)")
 
     # ------------------------------------------------------------------ changes
     def register(self, rank: int, trainer_id: str, job: JobSpec, version: int) -> tuple[bool, int, int]:
@@ -165,7 +165,7 @@ class Enrolment:
 
     def join(self, rank: int, trainer_id: str, join_round: int, version: int,
              confirm: bool = False, exact: bool = True, peer: str = "") -> tuple[int, int, bool]:
-        """An elastic join's step (docs/elastic.md): ``join_round`` 0 asks for admission, E commits it, E with
+        """An elastic join's step (docs/design/elastic-join.md): ``join_round`` 0 asks for admission, E commits it, E with
         ``confirm`` ends the hold once every shard committed; ``exact`` (sync) keeps E to the window (else it
         is clamped into it, psserver.members.epochs).  Returns (rank, the round answered -- a commit's: the round it
         took -- and whether a new process took over the rank)."""
@@ -374,4 +374,4 @@ class Enrolment:
 
 def _in_no_epoch(rank: int, base: int) -> JobMismatch:
     return JobMismatch(f"rank {rank} is in no membership epoch of this job (base version is {base}): a joiner "
-                       "pushes only after its commit (Register with join_round, docs/elastic.md)")
+                       "pushes only after its commit (Register with join_round, docs/design/elastic-join.md)")

@@ -58,7 +58,7 @@ class ShardMembership:
 
     def join_elastic(self, rank: int, trainer_id: str, job: JobSpec, join_round: int, confirm: bool = False,
                      peer: str = "") -> dict:
-        """A join (docs/elastic.md): ``join_round`` 0 asks for admission -- a rank (partition 0 of shard 0 hands
+        """A join (docs/design/elastic-join.md): ``join_round`` 0 asks for admission -- a rank (partition 0 of shard 0 hands
         one out; elsewhere ``rank`` names it) and this shard's proposed round, holding later rounds until the
         join is settled; ``join_round`` E commits it from round E (holding round E - 1) and ``confirm`` ends the
         hold once every shard took the commit.  Refused, changing nothing, by the job

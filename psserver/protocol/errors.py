@@ -96,7 +96,7 @@ PULL_REF_UNKNOWN = "pull-ref-unknown"
 class UnknownPullRef(InvalidRequest):
     """A push names a pull (RowsHeader.pull_refs) the shard holds no ids under for its caller and table: expired,
     never given, or from before a restart.  INVALID_ARGUMENT with reason ``pull-ref-unknown``: the trainer sends the
-    same push again with its ids (docs/sparse.md, "Ids once")."""
+    same push again with its ids (docs/design/tables.md, "Ids once")."""
 
     reason = PULL_REF_UNKNOWN
 

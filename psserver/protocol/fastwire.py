@@ -25,7 +25,7 @@ _TAG_HEADER, _TAG_OFFSET, _TAG_DATA = 0x0A, 0x10, 0x1A
 # Fields one Chunk message may carry: ours write three (header, offset, data).  Parsing runs on the shard's event
 # loop before any check of the caller, a field at a time in Python: a 16 MiB message of two-byte fields (an offset,
 # an unknown field, an empty header to merge -- each allowed by protobuf, repeated) was 8M turns of this loop, seconds
-# of a stalled loop from anyone who reaches the port (docs/attacks-2026-11-25.md).
+# of a stalled loop from anyone who reaches the port (docs/design/attacks-2026-11-25.md).
 MAX_CHUNK_FIELDS = 16
 
 

@@ -182,7 +182,7 @@ class HandoffIO:
         lock: a big table's rows are split and hashed under it for seconds, and a loop waiting meanwhile answers
         no heartbeat, so trainers' leases expired during a 1M-row copy (issue 24).  Read at once when the lock is
         free, else on a thread -- one read for all the callers waiting meanwhile: a read each queued a thread's work
-        per GetStats or STATUS while the lock was held, and anyone may ask in a loop (docs/attacks-2026-11-25.md)."""
+        per GetStats or STATUS while the lock was held, and anyone may ask in a loop (docs/design/attacks-2026-11-25.md)."""
         if self.lock.acquire(blocking=False):
             try:
                 return self.records()

@@ -5,7 +5,7 @@ every caller's digest was its own pass: a member (or, on a shard with a token, a
 64 calls of a connection queued 64 passes ahead of every push.  Now a partition runs one digest at a time, and
 callers who ask while one runs share the *next* one, which starts after it: each still gets a digest of the state
 after it asked (never an older one), and the worker runs at most one digest between any two turns of other work
-(docs/attacks-2026-11-24.md).  Counted: ``state_digest_calls``, ``state_digests`` (passes run) and
+(docs/design/attacks-2026-11-24.md).  Counted: ``state_digest_calls``, ``state_digests`` (passes run) and
 ``state_digests_shared`` (callers who rode on a pass another caller started).
 """
 

@@ -220,7 +220,7 @@ class ParameterServerService(RowRpcs, StepRpc):
         """A Register's job spec, read (and every field bounded) by JobSpec.from_proto: Python a tensor, ~1 s for
         60,000 tensors (limits.MAX_TENSORS is 65,536), and Register is open to anyone who reaches the port.  A spec
         of more than BIG_SPEC_TENSORS is read on a thread, one at a time, holding a call of its connection: the
-        loop answers heartbeats and health checks meanwhile (docs/attacks-2026-11-25.md).  The call and the turn
+        loop answers heartbeats and health checks meanwhile (docs/design/attacks-2026-11-25.md).  The call and the turn
         are held until the thread's read ends, not until the caller stops waiting: a cancelled call's read goes on
         (a thread cannot be stopped), and a client that sent and cancelled in a loop queued reads without bound."""
         if len(proto.tensors) <= BIG_SPEC_TENSORS:
@@ -323,7 +323,7 @@ class ParameterServerService(RowRpcs, StepRpc):
     def _check_reshard_peer(self, context, what: str) -> None:
         """A shard that authenticates no caller (no token, no mutual TLS) takes a re-shard's calls only from its
         own host: the plan id is derived from the addresses and the records are public, so without this any peer
-        that reaches the port could stall, abort or redirect the job's hand-off (docs/attacks-2026-11-24.md)."""
+        that reaches the port could stall, abort or redirect the job's hand-off (docs/design/attacks-2026-11-24.md)."""
         peer = context.peer() or ""
         if not self.authenticated and not _is_loopback(peer):
             raise NotPermitted(f"peer is {peer!r} but this shard authenticates no caller and takes {what} only from "

@@ -1,5 +1,5 @@
 """The steady-state StepOnce: the same trainer, job and layout as its last step, with the control plane consulted
-once (issue 33; docs/performance.md, "The step engine").
+once (issue 33; docs/design/step-engine.md, "The step engine").
 
 Why a room of its own: the general path (psserver.serving.step_parts, psserver.serving.service_step) serves every shape a Step may
 take -- streams, several chunks a part, top-k, a question for an old slot, a leave, a claim, several layouts, a

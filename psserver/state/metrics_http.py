@@ -2,7 +2,7 @@
 
 Why not prometheus_client's ``start_http_server``: it serves every connection on a thread of its own, for as long
 as the connection stays open, with no timeout -- 300 connections that each sent half a request line held 300
-threads of the shard's process (docs/attacks-2026-11-25.md), and the port answers anyone who reaches it.  Here a
+threads of the shard's process (docs/design/attacks-2026-11-25.md), and the port answers anyone who reaches it.  Here a
 connection past ``max_connections`` is closed at once (counted, ``psgrpc_metrics_connections_refused_total``, and
 logged at a bounded rate) and one whose request head has not arrived whole within ``request_seconds`` is closed by
 its thread -- a total deadline, not a time between reads: 16 clients each sending a byte every 9 s held every slot

@@ -89,7 +89,7 @@ def test_shard_0_killed_and_restored_mid_job_skips_no_batch_and_grants_again_onl
     and restart it with --restore.  A checkpoint at the crash's version (``every`` 12) loses nothing: no claim
     resumes, no batch is trained twice.  One two versions behind (``every`` 5: version 10) loses the two grants
     its pushes 11 and 12 made: each rank whose push was lost resumes (``claims_resumed_after_restore``) and those
-    two batches -- and only those -- are granted again, trained twice (docs/elastic.md).  No batch is ever
+    two batches -- and only those -- are granted again, trained twice (docs/design/elastic-join.md).  No batch is ever
     skipped."""
     ckpt = tmp_path / "ckpt"
     args = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", str(every)]

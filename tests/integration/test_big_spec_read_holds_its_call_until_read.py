@@ -1,5 +1,5 @@
 """A big Register job spec is read on a thread holding a call of its connection and the shard's one turn until the
-read ends -- also when its client cancels the call (docs/attacks-2026-11-25.md, review follow-up)."""
+read ends -- also when its client cancels the call (docs/design/attacks-2026-11-25.md, review follow-up)."""
 
 from __future__ import annotations
 

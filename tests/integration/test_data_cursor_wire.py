@@ -1,5 +1,5 @@
 """The data cursor's ClaimBatch, and a claim carried by a PushPull, over real gRPC (psserver.members.data_cursor,
-docs/elastic.md): grants, a retried claim answered the same batch, a leaver's batch re-issued, and each refusal one status with a message naming the
+docs/design/elastic-join.md): grants, a retried claim answered the same batch, a leaver's batch re-issued, and each refusal one status with a message naming the
 field and both values, the shard's state digest unchanged, and the shard still serving."""
 
 import grpc

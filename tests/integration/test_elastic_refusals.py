@@ -192,7 +192,7 @@ def test_a_ps_trainer_joining_a_job_that_ended_exits_0_with_one_line(shard_serve
 
 def test_a_commit_holds_the_round_before_its_join_round_until_the_joiners_confirm(running):
     """Another shard may refuse the commit (it restarted and served the join round): until the confirm says every
-    shard took it, this one must not serve the join round with the joiner in (docs/elastic.md)."""
+    shard took it, this one must not serve the join round with the joiner in (docs/design/elastic-join.md)."""
     proposal = join(running).join_round
     still_serves(running, 1)
     join(running, join_round=proposal, rank=1)

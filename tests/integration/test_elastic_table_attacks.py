@@ -138,7 +138,7 @@ def test_a_step_calls_table_part_one_round_ahead_waits_for_the_open_rounds_close
 def test_a_row_pull_from_a_joiner_that_has_not_committed_is_failed_precondition_and_creates_no_row(
         shard_server, mode):
     """Admitted but never committed, a joiner is in no epoch: its PullRows created the rows it named (lazily), so
-    anyone who asked to join could grow the tables without ever joining (docs/elastic.md)."""
+    anyone who asked to join could grow the tables without ever joining (docs/design/elastic-join.md)."""
     spec = elastic(mode)
     shard = started(shard_server, spec)
     assert join(shard, spec).rank == 1

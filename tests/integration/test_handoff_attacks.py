@@ -1,4 +1,4 @@
-"""An attacker's pass on a live re-shard's RPCs (docs/attacks-2026-11-24.md): Reshard and Handoff from a peer on
+"""An attacker's pass on a live re-shard's RPCs (docs/design/attacks-2026-11-24.md): Reshard and Handoff from a peer on
 another host, plans past the caps, Handoff payloads of the wrong shape or size, streams left open or too big,
 and a PREPARE whose copies do not fit in --max-memory.  Real shards over gRPC; each refusal has its one status,
 a message naming the field and both values, the shard's state (digest and hand-off records) unchanged, and the

@@ -58,7 +58,7 @@ def test_heartbeats_and_get_stats_are_answered_while_the_plan_lock_is_held_and_s
 
 def test_get_stats_callers_waiting_for_the_plans_lock_share_one_read_off_the_loop(shard_server):
     """Before: each GetStats (any peer's, uncapped) or STATUS that met the lock held queued a read of its own on
-    asyncio's thread pool -- a flood filled the pool a Handoff's decode also runs on (docs/attacks-2026-11-25.md)."""
+    asyncio's thread pool -- a flood filled the pool a Handoff's decode also runs on (docs/design/attacks-2026-11-25.md)."""
     job = TableJob(shard_server, spec(tables=(table(),)))
     job.rounds(2)
     to_tailing(job)

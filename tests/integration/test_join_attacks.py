@@ -1,6 +1,6 @@
 """Elastic joins against a shard in a live re-shard, and joins naming a rank already taken or held, over gRPC:
 each refusal's one status, its message naming the field and both values, the state digest unchanged (pending
-joins are in it), and the shard still serving (docs/attacks-2026-11-24.md)."""
+joins are in it), and the shard still serving (docs/design/attacks-2026-11-24.md)."""
 
 import grpc
 

@@ -1,5 +1,5 @@
 """The metrics port closes a connection whose request head has not arrived whole within ``request_seconds`` -- a
-total deadline, not a time between reads (docs/attacks-2026-11-25.md, review follow-up)."""
+total deadline, not a time between reads (docs/design/attacks-2026-11-25.md, review follow-up)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A Step part's chunks are bounded by their bytes on the wire against their header's declared payload, on a real
-shard (docs/attacks-2026-11-25.md, review follow-up; the bound itself: tests/unit/test_step_part_wire_bound.py)."""
+shard (docs/design/attacks-2026-11-25.md, review follow-up; the bound itself: tests/unit/test_step_part_wire_bound.py)."""
 
 from __future__ import annotations
 

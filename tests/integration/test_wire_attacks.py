@@ -1,4 +1,4 @@
-"""The attack pass of 2026-11-25 on a real shard over gRPC (docs/attacks-2026-11-25.md): messages whose parse cost
+"""The attack pass of 2026-11-25 on a real shard over gRPC (docs/design/attacks-2026-11-25.md): messages whose parse cost
 grows with their count of fields, a Step part carrying more than its header declares, and request streams closed
 early at a high rate.  Each refusal: one status, a message naming the field and both values, the shard's state
 digest unchanged, and the shard still serving.  Streams that should be refused before their end stay open (a

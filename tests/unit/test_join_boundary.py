@@ -5,7 +5,7 @@ modes.decide_push / decide_tick for the rounds); the test plays the joiner's mes
 pushes.  What every scenario checks: every shard admits the joiner at the same round E (so no round mixes two
 epochs), no shard serves version E before it knows the new epoch, the round open at a shard when the join
 reached it is never held, and E is JOIN_LEAD rounds after the round open at the joiner's first Register
-(docs/elastic.md says why one round is not possible without holding an open round).
+(docs/design/elastic-join.md says why one round is not possible without holding an open round).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Runtime.offload counts a call in flight until its ``fn`` returned on the state worker, not until its caller
-stopped waiting (docs/attacks-2026-11-25.md, review follow-up)."""
+stopped waiting (docs/design/attacks-2026-11-25.md, review follow-up)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A Step part's chunks are bounded by the bytes they take on the wire -- what they keep in memory -- against their
-header's declared payload, not by their payload alone (docs/attacks-2026-11-25.md, review follow-up)."""
+header's declared payload, not by their payload alone (docs/design/attacks-2026-11-25.md, review follow-up)."""
 
 from __future__ import annotations
 

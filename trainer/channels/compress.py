@@ -9,7 +9,7 @@ wire (after rounding to the wire dtype), so nothing is lost, only delayed
 and averages them like any gradient (psserver.protocol.codec.TopKAssembler).
 
 ``topk:RATIO,warmup=STEPS`` sends each shard's first STEPS pushes dense (a
-remedy for the accuracy cost early in training; see docs/performance.md's numbers).
+remedy for the accuracy cost early in training; see docs/bench/cpu.md, "Top-k with error feedback").
 
 Compression is the trainer's choice, declared in each push's header: the job
 spec does not carry it, and trainers of one job may differ.

@@ -77,7 +77,7 @@ def register_retry(error: grpc.RpcError, join: bool, join_round: int) -> str:
     started before rank 0 registered the job, as a scaled service's replicas may), ``JOB_OVER`` (a join's
     admission found the job ended: raise JobEnded, not retried), or '' (raise it).
     A commit (``join_round`` > 0) that finds no job is not waited out: that shard restarted empty since
-    admitting it, and the joiner leaves and joins again (docs/elastic.md)."""
+    admitting it, and the joiner leaves and joins again (docs/design/elastic-join.md)."""
     if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return CONNECT_RETRY
     if join and join_round == 0 and refused_no_job(error):

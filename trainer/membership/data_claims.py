@@ -1,4 +1,4 @@
-"""An async or stale-timeout trainer's claims on the job's data cursor (docs/elastic.md "Data follows membership").
+"""An async or stale-timeout trainer's claims on the job's data cursor (docs/design/elastic-join.md, "The data cursor").
 
 Each step's push claims the next batch (``arm``), so a claim costs no call of its own; ClaimBatch is the fallback.
 

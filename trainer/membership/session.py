@@ -128,7 +128,7 @@ class Session:
         self.slots.staging.settle()  # the first forward waits for the first weights
 
     def join_running(self, timeout: float) -> tuple[list, int]:
-        """The join protocol (docs/elastic.md), asked again (``join_retries``, logged) up to JOIN_ATTEMPTS times
+        """The join protocol (docs/design/elastic-join.md), asked again (``join_retries``, logged) up to JOIN_ATTEMPTS times
         within ``timeout`` while a commit or confirm is refused FAILED_PRECONDITION -- a shard that restarted
         since admitting this trainer and served the join round, or runs no job: the Leave withdraws the join
         from every slot that took it (none served the round with it: they hold it until the confirm).
@@ -161,7 +161,7 @@ class Session:
         self.registered = {head.slot}
         # The other slots connect while shard 0 answers: their admissions then follow within a round trip, and
         # a round that closes between shard 0's admission and theirs moves the join a round later (measured
-        # 6-28 ms of connecting, docs/elastic.md).
+        # 6-28 ms of connecting, docs/design/elastic-join.md).
         warm = [grpc.channel_ready_future(s.channel) for s in self.client.parts[1:]]
         try:
             first = self._register(head, timeout, join=True)

@@ -1,4 +1,4 @@
-"""One run for docs/sparse.md's table push window (issue 21 item 5): the click model (batch 512, dim 16, Adagrad
+"""One run for the table push window of docs/bench/sparse-tables.md (issue 21 item 5): the click model (batch 512, dim 16, Adagrad
 rows) in one process, then on 2 local ps-server shards with 1 trainer, sync dense head and async embeddings,
 the tables' pushes with a window of W in flight (1: each acknowledged before the next step); prints one JSON
 line with both rates, their ratio and the 1-minute load average at the end.

@@ -4,7 +4,7 @@ otherwise (PyG's pattern: torch_geometric/typing.py).
 The kernel is the per-id work of a table call: the id index's probe and insert (psserver.protocol.rows.index) and
 the uniform initialiser's rows (psserver.protocol.rows.init).  Both give the same results bit for bit
 (tests/unit/test_row_kernel.py runs each on the same inputs); the C loops do in one pass what numpy does in a
-handful of whole-array passes per probe round -- docs/performance.md, "The table kernel", has what that is worth.
+handful of whole-array passes per probe round -- docs/design/step-engine.md, "The table kernel", has what that is worth.
 ``PSGRPC_KERNEL=numpy`` in the environment selects numpy's even where the C loops exist (for a comparison, or to
 rule the extension out).
 """
