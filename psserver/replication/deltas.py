@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import torch
 
-from psserver.protocol.rows.table import RowStore
+from psserver.protocol.rows.table import merge_states
 from psserver.sparse.versions import as_pairs
 from psserver.state.checkpoint import ShardState
 
@@ -33,7 +33,7 @@ def merge(base: ShardState, later: ShardState) -> ShardState:
     for name, table in later.tables.items():
         if "since" in table["rows"]:
             old = base.tables[name]
-            table = {**table, "rows": RowStore.merge_states(old["rows"], table["rows"]),
+            table = {**table, "rows": merge_states(old["rows"], table["rows"]),
                      "updated_at": _merge_versions(old["updated_at"], table["updated_at"])}
         tables[name] = table
     return replace(later, tables=tables)

@@ -12,10 +12,10 @@ Clocks: ``version`` counts pushes applied (Adam's t; "unseen for T versions"
 eviction); ``tick`` counts calls (lookups and pushes) and orders rows for LRU.
 Every refusal is raised before anything changes.
 
-Why ``RowStore`` is ~345 lines: its slots, index, row and state tensors and LRU ticks must change together or
-not at all (a refusal leaves no trace), so the checks, the slot allocation and eviction, lookup/apply and the
-checkpoint form stay in one class; the pieces with no share in that invariant are rooms of their own
-(``index``, ``admission``, ``init``, ``optim``, ``placement``).
+The rows sit in slots (psserver.protocol.rows.space.RowSpace: the tensors, the id index, growth, eviction);
+``RowStore`` is the table's calls on them -- their checks, clocks, admission and counts, and the checkpoint form --
+and changes the slots only once a call passed every check (a refusal leaves no trace).  The pieces with no share
+in that invariant are rooms of their own (``index``, ``admission``, ``init``, ``optim``, ``placement``).
 """
 
 from __future__ import annotations
@@ -29,18 +29,11 @@ import torch
 from psserver.protocol import limits
 from psserver.protocol.rows import admission, errors
 from psserver.protocol.rows.admission import CountMinSketch
-from psserver.protocol.rows.index import IdIndex
-from psserver.protocol.rows.init import Initializer, init_rows
-from psserver.protocol.rows.optim import (
-    SparseOptimizerConfig,
-    initial_state,
-    initial_value,
-    state_width,
-    update_rows,
-)
+from psserver.protocol.rows.init import Initializer
+from psserver.protocol.rows.optim import SparseOptimizerConfig, state_width, update_rows
 from psserver.protocol.rows.placement import check_ids
+from psserver.protocol.rows.space import INT64_MAX, ROW_FIELDS, RowSpace
 
-INT64_MAX = (1 << 63) - 1
 TABLE_MODES = ("", "sync", "async", "stale-timeout")  # "": the job's mode
 # LRU eviction frees this fraction of max_rows beyond what a call needs, so that at the cap a
 # scan of all rows' last use is paid once per max_rows/64 new rows, not on every call.
@@ -49,9 +42,6 @@ START_BYTES = 256 << 10  # room for rows a new store allocates: more comes by do
 # Bytes a live row costs besides its values: id and two clocks (24), and its share of the id index
 # (2 to 4 positions of 21 bytes, psserver.protocol.rows.index) -- the budget counts the most.
 ROW_OVERHEAD_BYTES = 24 + 4 * 21
-
-
-ROW_FIELDS = ("ids", "rows", "optimizer_state", "last_tick", "last_version")  # a state's per-row tensors, by id
 
 
 def strictly_increasing(ids: torch.Tensor) -> bool:
@@ -210,7 +200,8 @@ class TableCounts:
 
 
 class RowStore:
-    """The live rows of one table on one shard (not thread-safe: the servicer serialises calls)."""
+    """The live rows of one table on one shard (not thread-safe: the servicer serialises calls): its calls,
+    their checks and clocks, over the slots the rows live in (``space``, psserver.protocol.rows.space)."""
 
     def __init__(self, spec: TableSpec, initial_capacity: int | None = None, row_limit: int | None = None,
                  room: Callable[[int], None] | None = None):
@@ -225,168 +216,70 @@ class RowStore:
         self.tick = 0
         self.counts = TableCounts()
         self.sketch = CountMinSketch() if spec.admit_after else None
-        self._index = IdIndex()
-        self._free = torch.empty(0, dtype=torch.int64)  # slots below _used that hold no row
-        self._evictions = 0  # calls of _evict: a slot found before one may hold another row after it
-        self._last: tuple | None = None  # (ids, slots, _evictions) of the last lookup: see _resolve
+        self.space = RowSpace(spec, self.width, _start_capacity(spec, row_limit) if initial_capacity is None
+                              else initial_capacity, self.row_limit)
+        self._last: tuple | None = None  # (ids, slots, evictions) of the last lookup: see _resolve
         self._scratch = UpdateScratch(spec.dim, self.width)
-        self._used = 0  # slots ever handed out; slots at and above it were never used
         self._marked: tuple[int, int] | None = None  # the last mark() given
-        self._since_mark: list[torch.Tensor] | None = None  # slots touched since it (None: scan the clocks)
-        self._since_count = 0
-        self.evicted_log: list[torch.Tensor] | None = None  # ids evicted, kept while a live re-shard forwards rows
-        self._alloc(_start_capacity(spec, row_limit) if initial_capacity is None else initial_capacity)
 
     def __len__(self) -> int:
-        return len(self._index)
+        return len(self.space)
 
     @property
     def capacity(self) -> int:
         """Row slots allocated now (live rows, free slots and room to grow)."""
-        return len(self._ids)
+        return self.space.capacity
+
+    @property
+    def evicted_log(self) -> list[torch.Tensor] | None:
+        """Ids evicted since it was set to [] (None: not kept): a live re-shard forwards their deletion."""
+        return self.space.evicted_log
+
+    @evicted_log.setter
+    def evicted_log(self, log: list[torch.Tensor] | None) -> None:
+        self.space.evicted_log = log
 
     def room_for(self, n: int) -> bool:
-        """Whether creating up to ``n`` rows costs nothing proportional to the table: no growth of the slots (a
-        copy of every row and its state), no rebuild of the id index, no LRU eviction (a scan of every row's last
-        use).  O(1) and without a find: ``n`` is an upper bound -- ids that have rows already count as new -- so
-        a call near a bound is answered no.  (A stale eviction, ``evict_after``, scans at every update whatever
-        ``n`` is: not asked here.)  What a call may still copy besides its rows is the free-slot list, which
-        without ``evict_after`` holds at most the LRU slack, ``max_rows * EVICT_SLACK``."""
-        grows = self._used + max(0, n - len(self._free)) > len(self._ids)
-        evicts = bool(self.spec.max_rows) and len(self) + n > self.spec.max_rows
-        return not (grows or evicts or self._index.rebuilds_for(n))
+        """Whether creating up to ``n`` rows costs nothing proportional to the table (RowSpace.room_for)."""
+        return self.space.room_for(n)
 
     def slot_bound(self, n: int) -> int:
         """Every slot a row has after creating up to ``n`` rows is below this (psserver.sparse.versions)."""
-        return self._used + n
+        return self.space.used + n
 
     def holds(self, ids: torch.Tensor) -> torch.Tensor:
         """A bool per id: whether its row is stored now."""
-        return self._index.find(ids) >= 0
-
-    # -- storage -------------------------------------------------------------------------
-
-    def _alloc(self, capacity: int) -> None:
-        """(Re)allocate every per-slot tensor at ``capacity`` slots, keeping the used ones.
-
-        Slots past the used ones are left unwritten (``torch.empty``): nothing reads a slot before ``_create``
-        writes its id, row and state and ``_touch`` its clocks, and every scan stops at ``_used``.  Zeroing them
-        touched every page of the doubled tensors at once -- a growth of a click table past 2**18 rows took
-        ~70 ms of one step, ~0.3 ms a step amortised -- where now a page is touched when its first row is made."""
-        old = getattr(self, "_ids", None)
-        fresh = {
-            "_ids": torch.empty(capacity, dtype=torch.int64),
-            "_rows": torch.empty(capacity, self.spec.dim),
-            "_state": torch.empty(capacity, self.width),
-            "_last_tick": torch.empty(capacity, dtype=torch.int64),  # INT64_MAX once a row is evicted
-            "_last_version": torch.empty(capacity, dtype=torch.int64),
-        }
-        for name, tensor in fresh.items():
-            if old is not None:
-                tensor[: self._used] = getattr(self, name)[: self._used]
-            setattr(self, name, tensor)
-
-    def _growth(self, n: int) -> int:
-        """Slots the store would add to take ``n`` new rows (0: they fit): doubling, never past its cap."""
-        extra = n - min(n, len(self._free))
-        if self._used + extra <= len(self._ids):
-            return 0
-        cap = max(self._used + extra, 2 * len(self._ids))
-        bound = self.spec.max_rows or self.row_limit
-        return (max(min(cap, bound), self._used + extra) if bound else cap) - len(self._ids)
-
-    def _take_slots(self, n: int) -> torch.Tensor:
-        """``n`` empty slots: freed ones first, then new ones, growing capacity by doubling."""
-        grow = self._growth(n)
-        if len(self._free):
-            keep = len(self._free) - min(n, len(self._free))
-            reuse, self._free = self._free[keep:], self._free[:keep].clone()
-        else:
-            reuse = None
-        extra = n - (0 if reuse is None else len(reuse))
-        if grow:
-            self._alloc(len(self._ids) + grow)
-        fresh = torch.arange(self._used, self._used + extra, dtype=torch.int64)
-        self._used += extra
-        return fresh if reuse is None else torch.cat([reuse, fresh])
-
-    def _slots(self, ids: torch.Tensor) -> torch.Tensor:
-        """The slot of each id, -1 where it has no row."""
-        return self._index.find(ids)
+        return self.space.index.find(ids) >= 0
 
     def slots(self, ids: torch.Tensor) -> torch.Tensor:
         """The slot of each id, -1 where it has no row: where per-row data kept beside the store sits
         (psserver.sparse.versions); a slot is valid until the next call that creates or evicts rows."""
-        return self._index.find(ids)
+        return self.space.index.find(ids)
+
+    # -- rows made, used and evicted on the table's clocks ---------------------------------
 
     def _touch(self, slots: torch.Tensor) -> None:
-        """Mark rows as used now, for both eviction clocks (and, while a mark is kept, note them: state_since)."""
-        if self._since_mark is not None:
-            self._since_mark.append(slots)
-            self._since_count += len(slots)
-            if self._since_count > len(self._ids):  # as many as the table: a scan of its clocks costs no more
-                self._since_mark = None
-        self._last_tick.index_fill_(0, slots, self.tick)
-        self._last_version.index_fill_(0, slots, self.version)
+        """Mark rows as used now, for both eviction clocks."""
+        self.space.touch(slots, self.tick, self.version)
 
     def _create(self, ids: torch.Tensor, room=None) -> torch.Tensor:
         """Store new rows for ``ids`` (unique, absent) from the initialiser; their slots.  Makes
-        room first by evicting least recently used rows, never one touched by this call.  ``room``: where the
-        index's find saw their probes end (IdIndex.find_with_room), for an insert without probing again."""
+        room first by evicting least recently used rows, never one touched by this call."""
         if self.spec.max_rows and len(self) + len(ids) > self.spec.max_rows:
             slack = int(self.spec.max_rows * EVICT_SLACK)
-            self._evict_lru(min(len(self) + len(ids) - self.spec.max_rows + slack, len(self)))
-        fresh, start = not len(self._free), self._used
-        slots = self._take_slots(len(ids))
-        rows = init_rows(self.spec.initializer, self.spec.seed, ids, self.spec.dim)
-        if fresh:  # slots start..start+n, never used: copies instead of scatters
-            at = slice(start, start + len(ids))
-            self._ids[at], self._rows[at] = ids, rows
-            if self.width:
-                self._state[at].fill_(initial_value(self.spec.optimizer))
-        else:
-            self._ids[slots], self._rows[slots] = ids, rows
-            self._state[slots] = initial_state(self.spec.optimizer, len(ids), self.spec.dim)
-        self._index.insert(ids, slots, room)
+            self.counts.evicted_lru += self.space.evict_lru(
+                min(len(self) + len(ids) - self.spec.max_rows + slack, len(self)), self.tick)
+        slots = self.space.create(ids, room)
         self.counts.rows_created += len(ids)
         return slots
-
-    def _evict(self, slots: torch.Tensor) -> None:
-        """Drop the rows in ``slots``: forget their ids, mark the slots free."""
-        self._evictions += 1
-        if self.evicted_log is not None and len(slots):
-            self.evicted_log.append(self._ids[slots].clone())
-        self._index.remove(self._ids[slots])
-        self._last_tick[slots] = INT64_MAX
-        self._last_version[slots] = INT64_MAX
-        self._free = torch.cat([self._free, slots])
-
-    def _evict_lru(self, k: int) -> None:
-        """Evict the ``k`` rows used least recently, never one touched in the current call."""
-        used = self._last_tick[: self._used]
-        k = min(k, int((used < self.tick).sum()))
-        if k > 0:
-            self._evict(self._least_recent(used, k))
-            self.counts.evicted_lru += k
-
-    def _least_recent(self, last_tick: torch.Tensor, k: int) -> torch.Tensor:
-        """Slots of the ``k`` rows used least recently, ties broken by id: the same rows go
-        whatever slots a restore or a different history put them in."""
-        threshold = int(torch.kthvalue(last_tick, k).values)
-        below = (last_tick < threshold).nonzero().flatten()
-        tied = (last_tick == threshold).nonzero().flatten()
-        tied = tied[torch.argsort(self._ids[tied])][: k - len(below)]
-        return torch.cat([below, tied])
 
     def evict_stale(self) -> int:
         """Evict rows unseen for more than ``evict_after`` versions; how many went."""
         if not self.spec.evict_after:
             return 0
-        last = self._last_version[: self._used]
-        slots = ((last < self.version - self.spec.evict_after) & (last != INT64_MAX)).nonzero().flatten()
-        self._evict(slots)
-        self.counts.evicted_stale += len(slots)
-        return len(slots)
+        gone = self.space.evict_unseen(self.version - self.spec.evict_after)
+        self.counts.evicted_stale += gone
+        return gone
 
     # -- checks (before any change) ------------------------------------------------------
 
@@ -416,13 +309,13 @@ class RowStore:
 
     def new_rows(self, uniq: torch.Tensor) -> int:
         """How many of the unique ids ``uniq`` have no row now: what a call on them may add."""
-        return int((self._index.find(uniq) < 0).sum())
+        return int((self.space.index.find(uniq) < 0).sum())
 
     def check_room(self, uniq: torch.Tensor) -> None:
         """Refuse a call whose new rows (of the unique ids ``uniq``) would take a table without max_rows past its
         row limit.  Costs a find only near the limit."""
-        if self.room is not None and self._growth(len(uniq)):  # (as if none had a row: then the rows it adds)
-            grow = self._growth(self.new_rows(uniq))
+        if self.room is not None and self.space.growth(len(uniq)):  # (as if none had a row: then the rows it adds)
+            grow = self.space.growth(self.new_rows(uniq))
             if grow:
                 self.room(grow * row_bytes(self.spec))
         if self.row_limit is None or len(self) + len(uniq) <= self.row_limit:
@@ -433,16 +326,6 @@ class RowStore:
                 f"table {self.spec.name!r} holds {len(self)} rows and its row limit is {self.row_limit} (its share of "
                 f"the shard's --max-memory, {row_bytes(self.spec)} bytes a row); this call would add {new}: "
                 "give the table a max_rows to evict least recently used rows instead, or raise --max-memory")
-
-    @staticmethod
-    def _check_unique(ids: torch.Tensor) -> None:
-        """Refuse repeated ids in one push."""
-        if not strictly_increasing(ids):
-            uniq, counts = torch.unique(ids, return_counts=True)
-            if len(uniq) < len(ids):
-                dup = counts > 1
-                raise errors.DuplicateIds(f"id {uniq[dup][0].item()} appears {counts[dup][0].item()} times "
-                                          f"in one push; sum its gradient rows first")
 
     def _check_grads(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """Refuse gradient rows of the wrong shape or dtype, or non-finite values."""
@@ -470,13 +353,14 @@ class RowStore:
         trainer in async) reuses that lookup's slots instead of finding them again, unless a row
         was evicted since (then a slot may hold another row now)."""
         last = self._last
-        if (not sighting and last is not None and last[2] == self._evictions and len(last[0]) == len(ids)
+        if (not sighting and last is not None and last[2] == self.space.evictions and len(last[0]) == len(ids)
                 and torch.equal(last[0], ids)):
             self._touch(last[1])
             return last[1].clone()
         # a lookup meets new ids (~60% of a click batch's): its insert takes the positions its find ended at; a
         # push's ids were looked up before, so it finds them without noting where absent ones would go
-        slots, room = self._index.find_with_room(ids) if sighting else (self._slots(ids), None)
+        index = self.space.index
+        slots, room = index.find_with_room(ids) if sighting else (index.find(ids), None)
         missing = (slots < 0).nonzero().flatten()
         if not len(missing):
             self._touch(slots)
@@ -511,13 +395,13 @@ class RowStore:
         self.tick += 1
         slots = self._resolve(uniq, sighting=True)
         if self.sketch is None:  # without admission every id has a row now
-            out = self._rows.index_select(0, slots)
-            self._last = (uniq.clone(), slots, self._evictions)
+            out = self.space.rows.index_select(0, slots)
+            self._last = (uniq.clone(), slots, self.space.evictions)
         else:
             have = slots >= 0
             self.counts.zero_reads += int((~have).sum())
             out = torch.zeros(len(uniq), self.spec.dim)
-            out[have] = self._rows[slots[have]]
+            out[have] = self.space.rows[slots[have]]
         return out if inverse is None else out[inverse]
 
     def apply(self, ids: torch.Tensor, grad_rows: torch.Tensor, checked: bool = False) -> torch.Tensor:
@@ -537,7 +421,7 @@ class RowStore:
         """
         if not checked:
             self.check_ids(ids)
-            self._check_unique(ids)
+            _check_unique(ids)
         self._check_grads(ids, grad_rows)
         self.check_fits(len(ids))
         self.version += 1
@@ -547,14 +431,15 @@ class RowStore:
         if not bool(keep.all()):
             self.counts.dropped_grads += int((~keep).sum())
             slots, grad_rows = slots[keep], grad_rows[keep]
-        rows, state, grads = self._scratch.gather(self._rows, self._state, slots, grad_rows)
+        space = self.space
+        rows, state, grads = self._scratch.gather(space.rows, space.state, slots, grad_rows)
         update_rows(self.spec.optimizer, rows, state, grads, self.version)
         n = len(slots)
-        self._rows.index_copy_(0, slots, rows[:n])
+        space.rows.index_copy_(0, slots, rows[:n])
         if self.width:
-            self._state.index_copy_(0, slots, state[:n])
+            space.state.index_copy_(0, slots, state[:n])
         if self.evict_stale():  # a slot evicted now holds no row
-            every = self._slots(ids)
+            every = space.index.find(ids)
         return every
 
     # -- checkpoints and accounting ----------------------------------------------------
@@ -562,13 +447,7 @@ class RowStore:
     def state(self) -> dict:
         """The live rows only, with their optimizer state and clocks: what a checkpoint holds.
         Sorted by id, so equal tables give equal states whatever their history."""
-        ids, slots = self._index.items()
-        return {**self._rows_at(slots[torch.argsort(ids)]), **self._meta()}
-
-    def _rows_at(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The per-row tensors of a state (ROW_FIELDS) at ``slots``."""
-        return {"ids": self._ids[slots], "rows": self._rows[slots], "optimizer_state": self._state[slots],
-                "last_tick": self._last_tick[slots], "last_version": self._last_version[slots]}
+        return {**self.space.live(), **self._meta()}
 
     def _meta(self) -> dict:
         """What a state holds besides its rows."""
@@ -580,7 +459,8 @@ class RowStore:
         """Where the store stands now, for ``state_since``: its clock and how often it evicted rows.  The slots
         touched from now on are noted (up to the table's size), so a ``state_since`` of this mark -- the newest --
         finds them without a scan of every row's clock."""
-        self._marked, self._since_mark, self._since_count = (self.tick, self._evictions), [], 0
+        self._marked = (self.tick, self.space.evictions)
+        self.space.note_from_now()
         return self._marked
 
     def state_since(self, mark: tuple[int, int]) -> dict | None:
@@ -588,30 +468,18 @@ class RowStore:
         ``since``: that mark's clock -- what ``merge_states`` needs beside the state at the mark to make this one.
         None where rows were evicted since: only a whole state says which rows went."""
         tick, evictions = mark
-        if evictions != self._evictions:
+        if evictions != self.space.evictions:
             return None
-        if mark != self._marked or self._since_mark is None:
+        noted = self.space.noted() if mark == self._marked else None
+        if noted is None:
             return {**self.touched_since(tick), **self._meta(), "since": tick}
-        slots = torch.unique(torch.cat(self._since_mark)) if self._since_mark else torch.empty(0, dtype=torch.int64)
-        slots = slots[torch.argsort(self._ids[slots])]  # (no eviction since: every slot still holds its row)
-        return {**self._rows_at(slots), **self._meta(), "since": tick}
+        # (no eviction since: every noted slot still holds its row)
+        return {**self.space.by_id(noted), **self._meta(), "since": tick}
 
     def touched_since(self, tick: int) -> dict:
         """The live rows a call touched after clock ``tick`` (created, updated or read), as ``state()`` lays rows
         out (sorted by id): what a live re-shard forwards (psserver.resharding.handoff_rows)."""
-        last = self._last_tick[: self._used]
-        slots = ((last > tick) & (last != INT64_MAX)).nonzero().flatten()
-        return self._rows_at(slots[torch.argsort(self._ids[slots])])
-
-    @staticmethod
-    def merge_states(base: dict, since: dict) -> dict:
-        """The state ``state()`` gives at the moment of ``since`` (a ``state_since`` taken after ``base``'s
-        moment, with no eviction between): ``base``'s rows, each row ``since`` holds replaced or added."""
-        gone = torch.isin(base["ids"], since["ids"])
-        ids = torch.cat([base["ids"][~gone], since["ids"]])
-        order = torch.argsort(ids)
-        merged = {name: torch.cat([base[name][~gone], since[name]])[order] for name in ROW_FIELDS}
-        return {**merged, **{k: v for k, v in since.items() if k not in ROW_FIELDS and k != "since"}}
+        return self.space.touched_after(tick)
 
     @classmethod
     def restore(cls, spec: TableSpec, state: dict, row_limit: int | None = None,
@@ -623,11 +491,7 @@ class RowStore:
         """
         n = _check_state(spec, state)
         store = cls(spec, initial_capacity=max(n, 1), row_limit=row_limit, room=room)
-        slots = store._take_slots(n)
-        for name in ("ids", "rows", "optimizer_state", "last_tick", "last_version"):
-            attr = {"ids": "_ids", "rows": "_rows", "optimizer_state": "_state"}.get(name, "_" + name)
-            getattr(store, attr)[slots] = state[name]
-        store._index.insert(state["ids"], slots)
+        store.space.put(state)
         store.version, store.tick = state["version"], state["tick"]
         store.counts = TableCounts(**state["counts"])
         if store.sketch is not None and state["sketch"] is not None:
@@ -639,14 +503,32 @@ class RowStore:
         """Bytes held: ``tensors`` (allocated slots), ``index`` (the id -> slot index and the free
         list), ``admission`` (the sketch), ``scratch`` (the update buffers kept between pushes), ``total``; and ``live_payload``, the bytes of live rows
         and their optimizer state alone."""
-        tensors = sum(t.numel() * t.element_size()
-                      for t in (self._ids, self._rows, self._state, self._last_tick, self._last_version))
-        index = self._index.nbytes() + self._free.numel() * self._free.element_size()
+        tensors, index = self.space.nbytes()
         admission = 0 if self.sketch is None else self.sketch.nbytes()
         scratch = self._scratch.nbytes()
         return {"tensors": tensors, "index": index, "admission": admission, "scratch": scratch,
                 "total": tensors + index + admission + scratch,
                 "live_payload": len(self) * (self.spec.dim + self.width) * 4}
+
+
+def merge_states(base: dict, since: dict) -> dict:
+    """The state ``RowStore.state()`` gives at the moment of ``since`` (a ``state_since`` taken after ``base``'s
+    moment, with no eviction between): ``base``'s rows, each row ``since`` holds replaced or added."""
+    gone = torch.isin(base["ids"], since["ids"])
+    ids = torch.cat([base["ids"][~gone], since["ids"]])
+    order = torch.argsort(ids)
+    merged = {name: torch.cat([base[name][~gone], since[name]])[order] for name in ROW_FIELDS}
+    return {**merged, **{k: v for k, v in since.items() if k not in ROW_FIELDS and k != "since"}}
+
+
+def _check_unique(ids: torch.Tensor) -> None:
+    """Refuse repeated ids in one push."""
+    if not strictly_increasing(ids):
+        uniq, counts = torch.unique(ids, return_counts=True)
+        if len(uniq) < len(ids):
+            dup = counts > 1
+            raise errors.DuplicateIds(f"id {uniq[dup][0].item()} appears {counts[dup][0].item()} times "
+                                      f"in one push; sum its gradient rows first")
 
 
 def _expect(name: str, value, dtype: torch.dtype, shape: tuple) -> None:
