@@ -102,8 +102,6 @@ class Shard(ShardMembership, ShardPulls, ShardPushes, ShardRounds, ShardRows, Sh
         self.members = self.enrolment.members
         self.metrics = metrics if metrics is not None else ShardMetrics(shard_id, self.snapshot)
         self.checkpoints = ShardCheckpoints(shard_id, checkpointer, self.counters)
-        self._steps_in_push: list[int] | None = None  # versions a push's step made: checkpointed after its books
-        self._steps_in_trip: list[int] | None = None  # ... and, in a Step's trip, after its table pushes too
         self.hooks = DenseHooks(self, self._changed)
         self._stopped = False
         self.prepared: Prepared | None = None  # handed by the host when a job is admitted, taken by _set_job

@@ -1,6 +1,6 @@
 """A dense push on a shard: its header checks, exactly-once by sequence number, the leave announced with it
 (``_leaving_with``, psserver.partition.shard_members), the data-cursor claim it carries, and the checkpoints its step
-made, taken once its books are written.
+made, held by the shard's checkpoints (ShardCheckpoints.hold_push) and taken once its books are written.
 
 A room of ``Shard`` (psserver.partition.shard mixes it in), its own because the push path is the shard's busiest and most
 careful code: the decision is psserver.state.modes', carrying it out psserver.state.executor's over ``Shard.hooks``; here is
@@ -9,7 +9,6 @@ the order around them (check, dedupe, decide, execute, book, checkpoint) and wha
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
@@ -75,44 +74,24 @@ class ShardPushes:
             if d.action is not modes.Action.DUPLICATE:
                 self.metrics.staleness.observe(d.staleness)
             undo = self._leaving_with(rank, d) if leaving else None
-            self._steps_in_push = []
+            self.checkpoints.hold_push()
             try:
                 result, spare = execute(self.hooks, d, info, now)
             except BaseException:
                 if undo is not None:
                     self.enrolment.put_back(undo)  # a refused push changes nothing
-                self._checkpoint_steps_in_push()
+                self.checkpoints.take_held(self.capture)
                 raise
             if sequence:
                 self.pushes.record(rank, trainer_id, sequence, result)
             if claim is not None:
                 self.cursor.claim(rank, trainer_id, *claim)
-            self._checkpoint_steps_in_push()
+            self.checkpoints.take_held(self.capture)
             return result, grad if spare is None else spare
 
-    def _checkpoint_steps_in_push(self) -> None:
-        """A checkpoint due at a version this push's step made, taken once the push's acknowledgement and claim
-        are booked: restored, that version is the state after the push (its retry DUPLICATE, its grant kept)."""
-        due, self._steps_in_push = self._steps_in_push or [], None
-        if self._steps_in_trip is not None:
-            self._steps_in_trip += due
-            return
-        for version in due:
-            self.checkpoints.after_step(version, self.capture)
-
-    @contextlib.contextmanager
     def checkpoints_after_trip(self):
-        """A Step's trip (psserver.serving.step_trip): a checkpoint its dense push makes due is taken once the
-        trip's table pushes are applied too.  Taken between them, it held the sync tables' round half pushed (the
-        dense round closed, this trainer's table pushes not in yet); restored, that round paired each trainer's
-        later pushes one round apart and a prefetching job waited for ever (tests/cluster/test_sparse_faults.py)."""
-        self._steps_in_trip = []
-        try:
-            yield
-        finally:
-            due, self._steps_in_trip = self._steps_in_trip, None
-            for version in due:
-                self.checkpoints.after_step(version, self.capture)
+        """A Step's trip: the checkpoints its dense push makes due wait for its table pushes (ShardCheckpoints)."""
+        return self.checkpoints.after_trip(self.capture)
 
     def claim_batch(self, rank: int, trainer_id: str, fingerprint: str, number: int, per_epoch: int,
                     release: bool = False) -> Grant:

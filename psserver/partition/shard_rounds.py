@@ -84,10 +84,7 @@ class ShardRounds:
         self.metrics.apply_seconds.observe(elapsed)
         self.counters["apply_seconds"] += elapsed
         self.counters["steps"] += 1
-        if self._steps_in_push is not None:
-            self._steps_in_push.append(self.version)  # push() takes it after its books (_checkpoint_steps_in_push)
-        else:
-            self.checkpoints.after_step(self.version, self.capture)
+        self.checkpoints.step_made(self.version, self.capture)  # held during a push until its books are written
         self._changed()
 
     def _lr(self) -> float:
