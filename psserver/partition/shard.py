@@ -9,14 +9,14 @@ calls: who is in the job (``enrolment``, psserver.members.enrolment), the slice'
 (``slice``, psserver.state.dense_slice, one per job), what it remembers of each rank's pushes (``pushes``,
 psserver.state.push_book), the executor's hooks (``hooks``, psserver.state.dense_hooks), and its checkpoints
 (``checkpoints``, psserver.partition.shard_checkpoints).  What stays here is what crosses them: the job, clearing and
-fixing it, and capture/restore of the whole.
+fixing it, capture/restore of the whole, and the one-line reads of the job (its mode, wire dtype, counters).
 
-Its public surface -- what the host, the servicer and tests call, each method taking the lock and handing on to
-a room -- is mixed in by family, one module each: register, join, leave and the member checks
-(psserver.partition.shard_members), Init and pulls (psserver.partition.shard_pulls), a dense push and the claim it carries
-(psserver.partition.shard_pushes), ticks and closing a round (psserver.partition.shard_rounds), the row calls (psserver.partition.shard_rows),
-and counters, stats and the state digest (psserver.partition.shard_stats).  They share ``Shard``'s state and lock; none
-holds state of its own.
+Its calls are in rooms by family, one module each: the rounds -- ticks and closing a round (``rounds``,
+psserver.partition.shard_rounds) -- and the stats snapshot and state digest (``stats``, psserver.partition.shard_stats) are
+classes made here, handed the lock and what else they call, that read the job's state through the shard at each
+call; register, join, leave and the member checks (psserver.partition.shard_members), Init and pulls
+(psserver.partition.shard_pulls), a dense push and the claim it carries (psserver.partition.shard_pushes) and the row calls
+(psserver.partition.shard_rows) are mixed in: they share ``Shard``'s state and lock.
 
 Threads: every method that touches tensors or the round is synchronous and is meant to run on the server's one
 *state worker* thread (psserver.serving.server), so they never contend; ``_lock`` still guards them for tests and the
@@ -47,10 +47,10 @@ from psserver.partition.shard_checkpoints import ShardCheckpoints
 from psserver.partition.shard_members import ShardMembership
 from psserver.partition.shard_pulls import ShardPulls
 from psserver.partition.shard_pushes import ShardPushes
-from psserver.partition.shard_rounds import ShardRounds
+from psserver.partition.shard_rounds import Rounds
 from psserver.partition.shard_rows import ShardRows
-from psserver.partition.shard_stats import ShardStats
-from psserver.protocol.job import JobSpec
+from psserver.partition.shard_stats import Stats
+from psserver.protocol.job import WIRE_DTYPES, JobSpec
 from psserver.protocol.layout import partition_range
 from psserver.sparse.serving import Tables
 from psserver.state import modes
@@ -60,6 +60,7 @@ from psserver.state.dense_slice import DenseSlice
 from psserver.state.metrics import ShardMetrics
 from psserver.state.push_book import PushBook, PushResult
 from psserver.state.rounds import OpenRound
+from psserver.state.stats import StatsSnapshot
 
 __all__ = ["MAX_MISSING_LISTED", "Prepared", "PushResult", "Shard"]
 
@@ -76,8 +77,8 @@ class Prepared:
     tables: Tables | None = None
 
 
-class Shard(ShardMembership, ShardPulls, ShardPushes, ShardRounds, ShardRows, ShardStats):
-    """State of shard ``shard_id``: its lifecycle here, its calls in the rooms it mixes in (the module docstring)."""
+class Shard(ShardMembership, ShardPulls, ShardPushes, ShardRows):
+    """State of shard ``shard_id``: its lifecycle here, its calls in the rooms it makes or mixes in (the module docstring)."""
 
     def __init__(self, shard_id: int, clock: Callable[[], float] = time.monotonic, lease_timeout: float = 5.0,
                  checkpointer: Checkpointer | None = None, partition: int = 0, metrics: ShardMetrics | None = None,
@@ -102,7 +103,10 @@ class Shard(ShardMembership, ShardPulls, ShardPushes, ShardRounds, ShardRows, Sh
         self.members = self.enrolment.members
         self.metrics = metrics if metrics is not None else ShardMetrics(shard_id, self.snapshot)
         self.checkpoints = ShardCheckpoints(shard_id, checkpointer, self.counters)
-        self.hooks = DenseHooks(self, self._changed)
+        lock, changed = self._lock, self._changed
+        self.rounds = Rounds(self, lock, clock, changed)
+        self.hooks = DenseHooks(self, self.rounds, changed)
+        self.stats = Stats(self, lock)
         self._stopped = False
         self.prepared: Prepared | None = None  # handed by the host when a job is admitted, taken by _set_job
         # (shard, round, average or None, lr or None) for each closed round: a live re-shard's forward log
@@ -260,3 +264,31 @@ class Shard(ShardMembership, ShardPulls, ShardPushes, ShardRounds, ShardRows, Sh
     def stop(self) -> None:
         self._stopped = True
         self._changed()
+
+    # ------------------------------------------------------------------ the job's one-line reads
+    def count(self, name: str, n: float = 1) -> None:
+        self.counters[name] += n  # one dict update: atomic under the GIL
+
+    def mode_config(self) -> modes.ModeConfig | None:
+        return self._cfg
+
+    def mode(self) -> str:
+        job = self.job
+        return job.mode if job else ""
+
+    def wire_dtype(self) -> int:
+        job = self.job
+        return WIRE_DTYPES[job.wire_dtype] if job else 0
+
+    def slice_length(self) -> int:
+        return self.end - self.start
+
+    # ------------------------------------------------------------------ the calls most made, each in its room
+    def tick(self) -> float | None:
+        return self.rounds.tick()
+
+    def snapshot(self) -> StatsSnapshot:
+        return self.stats.snapshot()
+
+    def state_digest(self) -> str:
+        return self.stats.state_digest()

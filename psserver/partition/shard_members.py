@@ -73,7 +73,7 @@ class ShardMembership:
                                                          exact=self.job.mode == Mode.SYNC, peer=peer)
             if replaced:
                 self.pushes.new_process(rank, holes=False)  # a new process on a rank that left
-            self._close_if_due()
+            self.rounds.close_if_due()
             self.tables.close_due(self.enrolment.table_members(), self._clock())  # a table round it held
             self._changed()
             view = self.members.view()
@@ -109,7 +109,7 @@ class ShardMembership:
             remaining = self.enrolment.leave(rank, at)
             self.pushes.forget(rank)
             self.cursor.leave(rank)
-            self._close_if_due()
+            self.rounds.close_if_due()
             self.tables.close_due(self.enrolment.table_members(), self._clock())
             self._changed()
             return remaining

@@ -70,7 +70,7 @@ class ShardPushes:
                     raise refusal
             info = PushInfo(rank, base, num_samples, sequenced=bool(sequence), payload=grad)
             now = self._clock()
-            d = modes.decide_push(self._cfg, self._view(), rank, base, now, finite=finite, sequenced=bool(sequence))
+            d = modes.decide_push(self._cfg, self.rounds.view(), rank, base, now, finite=finite, sequenced=bool(sequence))
             if d.action is not modes.Action.DUPLICATE:
                 self.metrics.staleness.observe(d.staleness)
             undo = self._leaving_with(rank, d) if leaving else None
