@@ -11,12 +11,13 @@ psserver.state.push_book), the executor's hooks (``hooks``, psserver.state.dense
 (``checkpoints``, psserver.partition.shard_checkpoints).  What stays here is what crosses them: the job, clearing and
 fixing it, capture/restore of the whole, and the one-line reads of the job (its mode, wire dtype, counters).
 
-Its calls are in rooms by family, one module each: the rounds -- ticks and closing a round (``rounds``,
-psserver.partition.shard_rounds) -- and the stats snapshot and state digest (``stats``, psserver.partition.shard_stats) are
+Its calls are in rooms by family, one module each: ticks and closing a round (``rounds``,
+psserver.partition.shard_rounds), Init and pulls (``pulls``, psserver.partition.shard_pulls), the row calls (``rows``,
+psserver.partition.shard_rows) and the stats snapshot and state digest (``stats``, psserver.partition.shard_stats) are
 classes made here, handed the lock and what else they call, that read the job's state through the shard at each
-call; register, join, leave and the member checks (psserver.partition.shard_members), Init and pulls
-(psserver.partition.shard_pulls), a dense push and the claim it carries (psserver.partition.shard_pushes) and the row calls
-(psserver.partition.shard_rows) are mixed in: they share ``Shard``'s state and lock.
+call; register, join, leave and the member checks (psserver.partition.shard_members) and a dense push and the claim it
+carries (psserver.partition.shard_pushes) are mixed in: they share ``Shard``'s state and lock.  The calls most made are
+also ``Shard``'s own, one line each handing on to their room.
 
 Threads: every method that touches tensors or the round is synchronous and is meant to run on the server's one
 *state worker* thread (psserver.serving.server), so they never contend; ``_lock`` still guards them for tests and the
@@ -45,14 +46,14 @@ from psserver.members.data_cursor import DataCursor
 from psserver.members.enrolment import MAX_MISSING_LISTED, Enrolment
 from psserver.partition.shard_checkpoints import ShardCheckpoints
 from psserver.partition.shard_members import ShardMembership
-from psserver.partition.shard_pulls import ShardPulls
+from psserver.partition.shard_pulls import Pulls
 from psserver.partition.shard_pushes import ShardPushes
 from psserver.partition.shard_rounds import Rounds
-from psserver.partition.shard_rows import ShardRows
+from psserver.partition.shard_rows import RowCalls
 from psserver.partition.shard_stats import Stats
 from psserver.protocol.job import WIRE_DTYPES, JobSpec
 from psserver.protocol.layout import partition_range
-from psserver.sparse.serving import Tables
+from psserver.sparse.serving import RowsPush, RowsResult, Tables
 from psserver.state import modes
 from psserver.state.checkpoint import Checkpointer, ShardState
 from psserver.state.dense_hooks import DenseHooks
@@ -77,7 +78,7 @@ class Prepared:
     tables: Tables | None = None
 
 
-class Shard(ShardMembership, ShardPulls, ShardPushes, ShardRows):
+class Shard(ShardMembership, ShardPushes):
     """State of shard ``shard_id``: its lifecycle here, its calls in the rooms it makes or mixes in (the module docstring)."""
 
     def __init__(self, shard_id: int, clock: Callable[[], float] = time.monotonic, lease_timeout: float = 5.0,
@@ -106,8 +107,9 @@ class Shard(ShardMembership, ShardPulls, ShardPushes, ShardRows):
         lock, changed = self._lock, self._changed
         self.rounds = Rounds(self, lock, clock, changed)
         self.hooks = DenseHooks(self, self.rounds, changed)
+        self.pulls = Pulls(self, lock, changed, self._info, self)  # (the member checks: mixed in, for now)
+        self.rows = RowCalls(self, lock, clock, changed, self)
         self.stats = Stats(self, lock)
-        self._stopped = False
         self.prepared: Prepared | None = None  # handed by the host when a job is admitted, taken by _set_job
         # (shard, round, average or None, lr or None) for each closed round: a live re-shard's forward log
         self.round_listener: Callable[..., None] | None = None  # (psserver.resharding.handoff_io)
@@ -262,7 +264,7 @@ class Shard(ShardMembership, ShardPulls, ShardPushes, ShardRows):
         return self._lock
 
     def stop(self) -> None:
-        self._stopped = True
+        self.pulls.stop()
         self._changed()
 
     # ------------------------------------------------------------------ the job's one-line reads
@@ -284,8 +286,23 @@ class Shard(ShardMembership, ShardPulls, ShardPushes, ShardRows):
         return self.end - self.start
 
     # ------------------------------------------------------------------ the calls most made, each in its room
+    def init(self, rank: int, trainer_id: str, fingerprint: str, values: torch.Tensor,
+             take: bool = False) -> tuple[bool, int]:
+        return self.pulls.init(rank, trainer_id, fingerprint, values, take)
+
     def tick(self) -> float | None:
         return self.rounds.tick()
+
+    def pull_rows(self, rank: int, trainer_id: str, fingerprint: str, table: str,
+                  ids: torch.Tensor, min_version: int = 0) -> tuple[int, torch.Tensor]:
+        return self.rows.pull_rows(rank, trainer_id, fingerprint, table, ids, min_version)
+
+    def check_row_push_lands(self, table: str, push: RowsPush) -> None:
+        self.rows.check_row_push_lands(table, push)
+
+    def push_rows(self, fingerprint: str, table: str, push: RowsPush, refuse_nonfinite: bool,
+                  checked=None) -> RowsResult:
+        return self.rows.push_rows(fingerprint, table, push, refuse_nonfinite, checked)
 
     def snapshot(self) -> StatsSnapshot:
         return self.stats.snapshot()

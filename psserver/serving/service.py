@@ -368,7 +368,7 @@ class ParameterServerService(RowRpcs, StepRpc):
             _check_header_fields(h)
             part = self.layouts.part(h.layout_epoch, h.partition)
             # who is asking, before a byte of the payload is read
-            if not part.check_init_header(h.rank, h.trainer_id, h.fingerprint):
+            if not part.pulls.check_init_header(h.rank, h.trainer_id, h.fingerprint):
                 return _pb.InitReply(version=part.version, accepted=False)
             values = await self._read_tensor(part, reader, first, h)
             accepted, version = await self.runtime.run_state(self._check_and_init, part, h, values)
@@ -497,7 +497,7 @@ class ParameterServerService(RowRpcs, StepRpc):
         timeout = min(max(0.0, remaining - 0.25), self.cfg.max_pull_wait)
         t0 = loop.time()
         if not await self.runtime.part_waiters(part).wait(min_version, timeout):
-            raise WaitTimeout(part.pull_wait_message(min_version, timeout))
+            raise WaitTimeout(part.pulls.pull_wait_message(min_version, timeout))
         if self.runtime.holds.held(part, part.version) is not None:  # version R waits for DECIDE (reply_holds)
             await self.runtime.holds.wait(part, part.version, t0 + timeout)
         waited = loop.time() - t0
@@ -515,7 +515,7 @@ class ParameterServerService(RowRpcs, StepRpc):
             for chunk in encode_raw(snapshot, header, self.cfg.chunk_bytes):
                 await context.write(chunk, self.cfg.chunk_bytes)
         finally:
-            part.release_snapshot(snapshot)
+            part.pulls.release_snapshot(snapshot)
 
     # ------------------------------------------------------------------ sparse tables (psserver.sparse.calls)
 BIG_SPEC_TENSORS = 1024  # a Register's job spec of more tensors is read off the event loop (_job_of)
