@@ -11,13 +11,15 @@ psserver.state.push_book), the executor's hooks (``hooks``, psserver.state.dense
 (``checkpoints``, psserver.partition.shard_checkpoints).  What stays here is what crosses them: the job, clearing and
 fixing it, capture/restore of the whole, and the one-line reads of the job (its mode, wire dtype, counters).
 
-Its calls are in rooms by family, one module each: ticks and closing a round (``rounds``,
-psserver.partition.shard_rounds), Init and pulls (``pulls``, psserver.partition.shard_pulls), the row calls (``rows``,
-psserver.partition.shard_rows) and the stats snapshot and state digest (``stats``, psserver.partition.shard_stats) are
-classes made here, handed the lock and what else they call, that read the job's state through the shard at each
-call; register, join, leave and the member checks (psserver.partition.shard_members) and a dense push and the claim it
-carries (psserver.partition.shard_pushes) are mixed in: they share ``Shard``'s state and lock.  The calls most made are
-also ``Shard``'s own, one line each handing on to their room.
+Its calls are in rooms by family, one module each, each room made here with the lock and what else it calls:
+register, join, leave and the member checks (``admission``, psserver.partition.shard_members), Init and pulls
+(``pulls``, psserver.partition.shard_pulls), a dense push and the claim it carries (``dense_pushes``,
+psserver.partition.shard_pushes), ticks and closing a round (``rounds``, psserver.partition.shard_rounds), the row calls
+(``rows``, psserver.partition.shard_rows), and the stats snapshot and state digest (``stats``,
+psserver.partition.shard_stats).  A room holds no state of the job: what a job's life replaces (the job, its slice,
+round, books, cursor, tables) is the shard's, and a room reads it through the shard at each call.  The calls most
+made -- the servicer's and the host's on the hot path, and the tests' -- are also ``Shard``'s own, one line each
+handing on to their room; the rest are called on the room (``shard.pulls.acquire_snapshot``).
 
 Threads: every method that touches tensors or the round is synchronous and is meant to run on the server's one
 *state worker* thread (psserver.serving.server), so they never contend; ``_lock`` still guards them for tests and the
@@ -45,9 +47,9 @@ from psserver.common.logsafe import counted, shorten
 from psserver.members.data_cursor import DataCursor
 from psserver.members.enrolment import MAX_MISSING_LISTED, Enrolment
 from psserver.partition.shard_checkpoints import ShardCheckpoints
-from psserver.partition.shard_members import ShardMembership
+from psserver.partition.shard_members import Admission
 from psserver.partition.shard_pulls import Pulls
-from psserver.partition.shard_pushes import ShardPushes
+from psserver.partition.shard_pushes import DensePushes
 from psserver.partition.shard_rounds import Rounds
 from psserver.partition.shard_rows import RowCalls
 from psserver.partition.shard_stats import Stats
@@ -78,8 +80,8 @@ class Prepared:
     tables: Tables | None = None
 
 
-class Shard(ShardMembership, ShardPushes):
-    """State of shard ``shard_id``: its lifecycle here, its calls in the rooms it makes or mixes in (the module docstring)."""
+class Shard:
+    """State of shard ``shard_id``: its lifecycle here, its calls in the rooms it makes (the module docstring)."""
 
     def __init__(self, shard_id: int, clock: Callable[[], float] = time.monotonic, lease_timeout: float = 5.0,
                  checkpointer: Checkpointer | None = None, partition: int = 0, metrics: ShardMetrics | None = None,
@@ -107,8 +109,10 @@ class Shard(ShardMembership, ShardPushes):
         lock, changed = self._lock, self._changed
         self.rounds = Rounds(self, lock, clock, changed)
         self.hooks = DenseHooks(self, self.rounds, changed)
-        self.pulls = Pulls(self, lock, changed, self._info, self)  # (the member checks: mixed in, for now)
-        self.rows = RowCalls(self, lock, clock, changed, self)
+        self.admission = Admission(self, lock, clock, changed, self._info, self.rounds, self._set_job, self._clear_job)
+        self.pulls = Pulls(self, lock, changed, self._info, self.admission)
+        self.dense_pushes = DensePushes(self, lock, clock, self.admission, self.rounds, self.hooks)
+        self.rows = RowCalls(self, lock, clock, changed, self.admission)
         self.stats = Stats(self, lock)
         self.prepared: Prepared | None = None  # handed by the host when a job is admitted, taken by _set_job
         # (shard, round, average or None, lr or None) for each closed round: a live re-shard's forward log
@@ -286,9 +290,28 @@ class Shard(ShardMembership, ShardPushes):
         return self.end - self.start
 
     # ------------------------------------------------------------------ the calls most made, each in its room
+    def register(self, rank: int, trainer_id: str, expected_shard: int, job: JobSpec, join: bool = False,
+                 join_round: int = 0, join_confirm: bool = False, peer: str = "") -> dict:
+        return self.admission.register(rank, trainer_id, expected_shard, job, join, join_round, join_confirm, peer)
+
+    def check_member(self, rank: int, trainer_id: str, fingerprint: str, need_params: bool = False) -> None:
+        self.admission.check_member(rank, trainer_id, fingerprint, need_params)
+
+    def heartbeat(self, rank: int, trainer_id: str, fingerprint: str) -> tuple[int, int]:
+        return self.admission.heartbeat(rank, trainer_id, fingerprint)
+
+    def leave(self, rank: int, trainer_id: str, fingerprint: str) -> int:
+        return self.admission.leave(rank, trainer_id, fingerprint)
+
     def init(self, rank: int, trainer_id: str, fingerprint: str, values: torch.Tensor,
              take: bool = False) -> tuple[bool, int]:
         return self.pulls.init(rank, trainer_id, fingerprint, values, take)
+
+    def push(self, rank: int, trainer_id: str, fingerprint: str, base: int, num_samples: int,
+             grad: torch.Tensor, sequence: int = 0, finite: bool = True,
+             leaving: bool = False, claim: tuple[int, int] | None = None) -> tuple[PushResult, torch.Tensor]:
+        return self.dense_pushes.push(rank, trainer_id, fingerprint, base, num_samples, grad, sequence, finite,
+                                      leaving, claim)
 
     def tick(self) -> float | None:
         return self.rounds.tick()
@@ -303,6 +326,10 @@ class Shard(ShardMembership, ShardPushes):
     def push_rows(self, fingerprint: str, table: str, push: RowsPush, refuse_nonfinite: bool,
                   checked=None) -> RowsResult:
         return self.rows.push_rows(fingerprint, table, push, refuse_nonfinite, checked)
+
+    def checkpoints_after_trip(self):
+        """A Step's trip: the checkpoints its dense push makes due wait for its table pushes (ShardCheckpoints)."""
+        return self.checkpoints.after_trip(self.capture)
 
     def snapshot(self) -> StatsSnapshot:
         return self.stats.snapshot()
