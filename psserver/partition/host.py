@@ -130,17 +130,17 @@ class ShardHost:
         if not 0 <= index < job.partitions:
             raise InvalidRequest(f"partition is {index} but the job has {job.partitions} partition"
                                  f"{'s' if job.partitions != 1 else ''} per shard (0..{job.partitions - 1})")
-        self.head.check_register(rank, expected_shard, job, join)
+        self.head.admission.check_register(rank, expected_shard, job, join)
         running = self.head.job
-        if join and (running is None or self.head.job_ended()):  # a join fixes no job: nothing is planned or made
+        if join and (running is None or self.head.admission.job_ended()):  # a join fixes no job: nothing is planned or made
             raise no_job_to_join(f"shard {self.shard_id}", ended=running is not None)
         diff = (running.joiner_difference(job) if join else running.difference(job)) \
-            if running is not None and not self.head.job_ended() else ""
+            if running is not None and not self.head.admission.job_ended() else ""
         if diff:
-            if not join:  # the trainers waiting for this rank are told why it is not coming (pull_wait_message)
-                self.head.register_refused(rank, diff)
+            if not join:  # the trainers waiting for this rank are told why it is not coming (Pulls.pull_wait_message)
+                self.head.admission.register_refused(rank, diff)
             raise JobMismatch(f"job spec differs from the one this shard runs: {diff}")
-        if running is None or self.head.job_ended():
+        if running is None or self.head.admission.job_ended():
             self._admit(job)
         self._grow(job.partitions)
         return self.parts[index]
@@ -299,7 +299,7 @@ class ShardHost:
         return self.head.version
 
     def job_done(self) -> bool:
-        return self.head.job_done() and all(p.job_done() or p.job is None for p in self.parts[1:])
+        return self.head.admission.job_done() and all(p.admission.job_done() or p.job is None for p in self.parts[1:])
 
     def checkpoint_layout(self, timeline: list) -> None:
         """This host serves a later layout from now on: stamp ``timeline`` (LayoutEpoch protos, serialised) on its

@@ -9,14 +9,17 @@ calls: who is in the job (``enrolment``, psserver.members.enrolment), the slice'
 (``slice``, psserver.state.dense_slice, one per job), what it remembers of each rank's pushes (``pushes``,
 psserver.state.push_book), the executor's hooks (``hooks``, psserver.state.dense_hooks), and its checkpoints
 (``checkpoints``, psserver.partition.shard_checkpoints).  What stays here is what crosses them: the job, clearing and
-fixing it, and capture/restore of the whole.
+fixing it, capture/restore of the whole, and the one-line reads of the job (its mode, wire dtype, counters).
 
-Its public surface -- what the host, the servicer and tests call, each method taking the lock and handing on to
-a room -- is mixed in by family, one module each: register, join, leave and the member checks
-(psserver.partition.shard_members), Init and pulls (psserver.partition.shard_pulls), a dense push and the claim it carries
-(psserver.partition.shard_pushes), ticks and closing a round (psserver.partition.shard_rounds), the row calls (psserver.partition.shard_rows),
-and counters, stats and the state digest (psserver.partition.shard_stats).  They share ``Shard``'s state and lock; none
-holds state of its own.
+Its calls are in rooms by family, one module each, each room made here with the lock and what else it calls:
+register, join, leave and the member checks (``admission``, psserver.partition.shard_members), Init and pulls
+(``pulls``, psserver.partition.shard_pulls), a dense push and the claim it carries (``dense_pushes``,
+psserver.partition.shard_pushes), ticks and closing a round (``rounds``, psserver.partition.shard_rounds), the row calls
+(``rows``, psserver.partition.shard_rows), and the stats snapshot and state digest (``stats``,
+psserver.partition.shard_stats).  A room holds no state of the job: what a job's life replaces (the job, its slice,
+round, books, cursor, tables) is the shard's, and a room reads it through the shard at each call.  The calls most
+made -- the servicer's and the host's on the hot path, and the tests' -- are also ``Shard``'s own, one line each
+handing on to their room; the rest are called on the room (``shard.pulls.acquire_snapshot``).
 
 Threads: every method that touches tensors or the round is synchronous and is meant to run on the server's one
 *state worker* thread (psserver.serving.server), so they never contend; ``_lock`` still guards them for tests and the
@@ -44,15 +47,15 @@ from psserver.common.logsafe import counted, shorten
 from psserver.members.data_cursor import DataCursor
 from psserver.members.enrolment import MAX_MISSING_LISTED, Enrolment
 from psserver.partition.shard_checkpoints import ShardCheckpoints
-from psserver.partition.shard_members import ShardMembership
-from psserver.partition.shard_pulls import ShardPulls
-from psserver.partition.shard_pushes import ShardPushes
-from psserver.partition.shard_rounds import ShardRounds
-from psserver.partition.shard_rows import ShardRows
-from psserver.partition.shard_stats import ShardStats
-from psserver.protocol.job import JobSpec
+from psserver.partition.shard_members import Admission
+from psserver.partition.shard_pulls import Pulls
+from psserver.partition.shard_pushes import DensePushes
+from psserver.partition.shard_rounds import Rounds
+from psserver.partition.shard_rows import RowCalls
+from psserver.partition.shard_stats import Stats
+from psserver.protocol.job import WIRE_DTYPES, JobSpec
 from psserver.protocol.layout import partition_range
-from psserver.sparse.serving import Tables
+from psserver.sparse.serving import RowsPush, RowsResult, Tables
 from psserver.state import modes
 from psserver.state.checkpoint import Checkpointer, ShardState
 from psserver.state.dense_hooks import DenseHooks
@@ -60,6 +63,7 @@ from psserver.state.dense_slice import DenseSlice
 from psserver.state.metrics import ShardMetrics
 from psserver.state.push_book import PushBook, PushResult
 from psserver.state.rounds import OpenRound
+from psserver.state.stats import StatsSnapshot
 
 __all__ = ["MAX_MISSING_LISTED", "Prepared", "PushResult", "Shard"]
 
@@ -76,8 +80,8 @@ class Prepared:
     tables: Tables | None = None
 
 
-class Shard(ShardMembership, ShardPulls, ShardPushes, ShardRounds, ShardRows, ShardStats):
-    """State of shard ``shard_id``: its lifecycle here, its calls in the rooms it mixes in (the module docstring)."""
+class Shard:
+    """State of shard ``shard_id``: its lifecycle here, its calls in the rooms it makes (the module docstring)."""
 
     def __init__(self, shard_id: int, clock: Callable[[], float] = time.monotonic, lease_timeout: float = 5.0,
                  checkpointer: Checkpointer | None = None, partition: int = 0, metrics: ShardMetrics | None = None,
@@ -102,10 +106,14 @@ class Shard(ShardMembership, ShardPulls, ShardPushes, ShardRounds, ShardRows, Sh
         self.members = self.enrolment.members
         self.metrics = metrics if metrics is not None else ShardMetrics(shard_id, self.snapshot)
         self.checkpoints = ShardCheckpoints(shard_id, checkpointer, self.counters)
-        self._steps_in_push: list[int] | None = None  # versions a push's step made: checkpointed after its books
-        self._steps_in_trip: list[int] | None = None  # ... and, in a Step's trip, after its table pushes too
-        self.hooks = DenseHooks(self, self._changed)
-        self._stopped = False
+        lock, changed = self._lock, self._changed
+        self.rounds = Rounds(self, lock, clock, changed)
+        self.hooks = DenseHooks(self, self.rounds, changed)
+        self.admission = Admission(self, lock, clock, changed, self._info, self.rounds, self._set_job, self._clear_job)
+        self.pulls = Pulls(self, lock, changed, self._info, self.admission)
+        self.dense_pushes = DensePushes(self, lock, clock, self.admission, self.rounds, self.hooks)
+        self.rows = RowCalls(self, lock, clock, changed, self.admission)
+        self.stats = Stats(self, lock)
         self.prepared: Prepared | None = None  # handed by the host when a job is admitted, taken by _set_job
         # (shard, round, average or None, lr or None) for each closed round: a live re-shard's forward log
         self.round_listener: Callable[..., None] | None = None  # (psserver.resharding.handoff_io)
@@ -260,5 +268,71 @@ class Shard(ShardMembership, ShardPulls, ShardPushes, ShardRounds, ShardRows, Sh
         return self._lock
 
     def stop(self) -> None:
-        self._stopped = True
+        self.pulls.stop()
         self._changed()
+
+    # ------------------------------------------------------------------ the job's one-line reads
+    def count(self, name: str, n: float = 1) -> None:
+        self.counters[name] += n  # one dict update: atomic under the GIL
+
+    def mode_config(self) -> modes.ModeConfig | None:
+        return self._cfg
+
+    def mode(self) -> str:
+        job = self.job
+        return job.mode if job else ""
+
+    def wire_dtype(self) -> int:
+        job = self.job
+        return WIRE_DTYPES[job.wire_dtype] if job else 0
+
+    def slice_length(self) -> int:
+        return self.end - self.start
+
+    # ------------------------------------------------------------------ the calls most made, each in its room
+    def register(self, rank: int, trainer_id: str, expected_shard: int, job: JobSpec, join: bool = False,
+                 join_round: int = 0, join_confirm: bool = False, peer: str = "") -> dict:
+        return self.admission.register(rank, trainer_id, expected_shard, job, join, join_round, join_confirm, peer)
+
+    def check_member(self, rank: int, trainer_id: str, fingerprint: str, need_params: bool = False) -> None:
+        self.admission.check_member(rank, trainer_id, fingerprint, need_params)
+
+    def heartbeat(self, rank: int, trainer_id: str, fingerprint: str) -> tuple[int, int]:
+        return self.admission.heartbeat(rank, trainer_id, fingerprint)
+
+    def leave(self, rank: int, trainer_id: str, fingerprint: str) -> int:
+        return self.admission.leave(rank, trainer_id, fingerprint)
+
+    def init(self, rank: int, trainer_id: str, fingerprint: str, values: torch.Tensor,
+             take: bool = False) -> tuple[bool, int]:
+        return self.pulls.init(rank, trainer_id, fingerprint, values, take)
+
+    def push(self, rank: int, trainer_id: str, fingerprint: str, base: int, num_samples: int,
+             grad: torch.Tensor, sequence: int = 0, finite: bool = True,
+             leaving: bool = False, claim: tuple[int, int] | None = None) -> tuple[PushResult, torch.Tensor]:
+        return self.dense_pushes.push(rank, trainer_id, fingerprint, base, num_samples, grad, sequence, finite,
+                                      leaving, claim)
+
+    def tick(self) -> float | None:
+        return self.rounds.tick()
+
+    def pull_rows(self, rank: int, trainer_id: str, fingerprint: str, table: str,
+                  ids: torch.Tensor, min_version: int = 0) -> tuple[int, torch.Tensor]:
+        return self.rows.pull_rows(rank, trainer_id, fingerprint, table, ids, min_version)
+
+    def check_row_push_lands(self, table: str, push: RowsPush) -> None:
+        self.rows.check_row_push_lands(table, push)
+
+    def push_rows(self, fingerprint: str, table: str, push: RowsPush, refuse_nonfinite: bool,
+                  checked=None) -> RowsResult:
+        return self.rows.push_rows(fingerprint, table, push, refuse_nonfinite, checked)
+
+    def checkpoints_after_trip(self):
+        """A Step's trip: the checkpoints its dense push makes due wait for its table pushes (ShardCheckpoints)."""
+        return self.checkpoints.after_trip(self.capture)
+
+    def snapshot(self) -> StatsSnapshot:
+        return self.stats.snapshot()
+
+    def state_digest(self) -> str:
+        return self.stats.state_digest()

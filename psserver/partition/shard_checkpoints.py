@@ -2,13 +2,16 @@
 finding the newest valid one at ``--restore``.
 
 A room of ``Shard`` (psserver.partition.shard): the shard captures its state (each of its rooms saves its own part) and
-restores it; this room decides when and where, and counts what it wrote, superseded or skipped.  In a later
+restores it; this room decides when and where, and counts what it wrote, superseded or skipped.  It also holds
+the checkpoints a step made due while a push (psserver.partition.shard_pushes) or a Step's trip
+(psserver.serving.step_trip) is under way, and takes them once the push's books, or the trip's table pushes, are written.  In a later
 layout (psserver.resharding.layout_host) every state it writes carries that layout's timeline, so ``--restore`` can serve
 the layout again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter
 from typing import Callable
@@ -28,6 +31,8 @@ class ShardCheckpoints:
         self._counters = counters
         self._writer = CheckpointWriter(checkpointer, self._written) if checkpointer is not None else None
         self.layouts: list | None = None  # the layout timeline stamped on every state (None: the first layout)
+        self._in_push: list[int] | None = None  # versions a push's step made: checkpointed after its books
+        self._in_trip: list[int] | None = None  # ... and, in a Step's trip, after its table pushes too
         if checkpointer is not None and checkpointer.orphans_removed:
             counters["checkpoint_orphans_removed"] += checkpointer.orphans_removed
 
@@ -42,6 +47,42 @@ class ShardCheckpoints:
         """A step made ``version``: hand a capture of the state to the writer if a checkpoint is due."""
         if self.due(version):
             self.now(capture)
+
+    def step_made(self, version: int, capture: Callable[[], ShardState]) -> None:
+        """A step made ``version``: ``after_step`` now, or, during a push (``hold_push``), once the push is booked."""
+        if self._in_push is not None:
+            self._in_push.append(version)  # the push takes it after its books (take_held)
+        else:
+            self.after_step(version, capture)
+
+    def hold_push(self) -> None:
+        """A push is carried out: hold the checkpoints its step makes due until ``take_held``."""
+        self._in_push = []
+
+    def take_held(self, capture: Callable[[], ShardState]) -> None:
+        """A checkpoint due at a version the push's step made, taken once the push's acknowledgement and claim
+        are booked: restored, that version is the state after the push (its retry DUPLICATE, its grant kept).
+        In a Step's trip (``after_trip``) it waits for the trip's end."""
+        due, self._in_push = self._in_push or [], None
+        if self._in_trip is not None:
+            self._in_trip += due
+            return
+        for version in due:
+            self.after_step(version, capture)
+
+    @contextlib.contextmanager
+    def after_trip(self, capture: Callable[[], ShardState]):
+        """A Step's trip (psserver.serving.step_trip): a checkpoint its dense push makes due is taken once the
+        trip's table pushes are applied too.  Taken between them, it held the sync tables' round half pushed (the
+        dense round closed, this trainer's table pushes not in yet); restored, that round paired each trainer's
+        later pushes one round apart and a prefetching job waited for ever (tests/cluster/test_sparse_faults.py)."""
+        self._in_trip = []
+        try:
+            yield
+        finally:
+            due, self._in_trip = self._in_trip, None
+            for version in due:
+                self.after_step(version, capture)
 
     def now(self, capture: Callable[[], ShardState]) -> None:
         """Hand a capture to the writer whatever the version: a layout just installed writes its state at once,

@@ -1,16 +1,19 @@
 """A dense push on a shard: its header checks, exactly-once by sequence number, the leave announced with it
-(``_leaving_with``, psserver.partition.shard_members), the data-cursor claim it carries, and the checkpoints its step
-made, taken once its books are written.
+(``Admission.leaving_with``, psserver.partition.shard_members), the data-cursor claim it carries, and the checkpoints its
+step made, taken once its books are written.
 
-A room of ``Shard`` (psserver.partition.shard mixes it in), its own because the push path is the shard's busiest and most
-careful code: the decision is psserver.state.modes', carrying it out psserver.state.executor's over ``Shard.hooks``; here is
-the order around them (check, dedupe, decide, execute, book, checkpoint) and what a refused push puts back.
+``DensePushes`` is a room of ``Shard`` (psserver.partition.shard makes it), its own because the push path is the shard's
+busiest and most careful code: the decision is psserver.state.modes', carrying it out psserver.state.executor's over
+``Shard.hooks``; here is the order around them (check, dedupe, decide, execute, book, checkpoint) and what a
+refused push puts back.  The books, the cursor and the job are the shard's, read at each call; the checkpoints a
+step makes due during a push are held by the shard's ``checkpoints`` (ShardCheckpoints.hold_push).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import threading
+from typing import Callable
 
 import torch
 
@@ -25,16 +28,26 @@ from psserver.state.push_book import PushResult
 log = logging.getLogger("psserver.partition.shard")  # the shard's lines, as before the split
 
 
-class ShardPushes:
+class DensePushes:
     """A dense push from its header to its books, and the data-cursor claim it may carry."""
+
+    def __init__(self, shard, lock: threading.RLock, clock: Callable[[], float], admission, rounds, hooks):
+        """``shard``: the psserver.partition.shard.Shard pushed to (not imported: it imports this); ``admission`` and
+        ``rounds``: its psserver.partition.shard_members.Admission and psserver.partition.shard_rounds.Rounds;
+        ``hooks``: its executor hooks (psserver.state.dense_hooks.DenseHooks)."""
+        self.shard = shard
+        self._lock, self._clock = lock, clock
+        self._admission, self._rounds, self._hooks = admission, rounds, hooks
+        self._enrolment, self._counters = shard.enrolment, shard.counters
 
     def check_push_header(self, rank: int, trainer_id: str, fingerprint: str, base: int, num_samples: int) -> None:
         """Refuse a push on its header alone, before its payload is read (the caller checks dtype and size)."""
-        self.check_member(rank, trainer_id, fingerprint, need_params=True)
+        s = self.shard
+        self._admission.check_member(rank, trainer_id, fingerprint, need_params=True)
         check_num_samples(num_samples)
-        if base > self.version:
-            raise self.hooks.future(base)
-        self.enrolment.check_base(self.job, rank, base)
+        if base > s.version:
+            raise self._hooks.future(base)
+        self._enrolment.check_base(s.job, rank, base)
 
     def push(self, rank: int, trainer_id: str, fingerprint: str, base: int, num_samples: int,
              grad: torch.Tensor, sequence: int = 0, finite: bool = True,
@@ -46,82 +59,60 @@ class ShardPushes:
 
         A push whose (trainer id, sequence) was already acknowledged is a retry after a lost reply: it gets
         DUPLICATE, whatever the version is now (the round it was in may have closed since), and is not applied
-        again.  ``leaving``: the trainer's last gradient (``_leaving_with``).  ``claim``: (claim number, batches
-        per epoch) of the trainer's next batch, granted by the data cursor once this gradient is taken (read it
-        from ``cursor.claims[rank]``); one the cursor would refuse is left out, not the push refused
+        again.  ``leaving``: the trainer's last gradient (``Admission.leaving_with``).  ``claim``: (claim number,
+        batches per epoch) of the trainer's next batch, granted by the data cursor once this gradient is taken
+        (read it from ``cursor.claims[rank]``); one the cursor would refuse is left out, not the push refused
         (``_claim_offer``).
         """
+        s = self.shard
         with self._lock:
             self.check_push_header(rank, trainer_id, fingerprint, base, num_samples)
-            if grad.numel() != self.end - self.start:
+            if grad.numel() != s.end - s.start:
                 raise InvalidRequest(f"length is {grad.numel()} elements but this shard's slice has "
-                                     f"{self.end - self.start}")
-            self.cursor.pushed(rank)  # a gradient: it backs one of the rank's claims (psserver.members.data_cursor)
+                                     f"{s.end - s.start}")
+            s.cursor.pushed(rank)  # a gradient: it backs one of the rank's claims (psserver.members.data_cursor)
             claim = self._claim_offer(rank, trainer_id, claim)
-            if sequence and self.pushes.is_duplicate(rank, trainer_id, sequence):
-                self.counters["duplicates"] += 1
+            if sequence and s.pushes.is_duplicate(rank, trainer_id, sequence):
+                self._counters["duplicates"] += 1
                 log.info("shard %d: push #%d from rank %d was already acknowledged (%s); not applied again",
-                         self.shard_id, sequence, rank, self.pushes.outcome(rank))
+                         s.shard_id, sequence, rank, s.pushes.outcome(rank))
                 if claim is not None:
-                    self.cursor.claim(rank, trainer_id, *claim)  # a retried claim: the same batch
-                return PushResult("duplicate", self.version, 0), grad
-            if self.push_gate is not None:  # after the book: a retry of an acknowledged push is still DUPLICATE
-                refusal = self.push_gate(self, base)
+                    s.cursor.claim(rank, trainer_id, *claim)  # a retried claim: the same batch
+                return PushResult("duplicate", s.version, 0), grad
+            if s.push_gate is not None:  # after the book: a retry of an acknowledged push is still DUPLICATE
+                refusal = s.push_gate(s, base)
                 if refusal is not None:
                     raise refusal
             info = PushInfo(rank, base, num_samples, sequenced=bool(sequence), payload=grad)
             now = self._clock()
-            d = modes.decide_push(self._cfg, self._view(), rank, base, now, finite=finite, sequenced=bool(sequence))
+            d = modes.decide_push(s.mode_config(), self._rounds.view(), rank, base, now, finite=finite,
+                                  sequenced=bool(sequence))
             if d.action is not modes.Action.DUPLICATE:
-                self.metrics.staleness.observe(d.staleness)
-            undo = self._leaving_with(rank, d) if leaving else None
-            self._steps_in_push = []
+                s.metrics.staleness.observe(d.staleness)
+            undo = self._admission.leaving_with(rank, d) if leaving else None
+            s.checkpoints.hold_push()
             try:
-                result, spare = execute(self.hooks, d, info, now)
+                result, spare = execute(self._hooks, d, info, now)
             except BaseException:
                 if undo is not None:
-                    self.enrolment.put_back(undo)  # a refused push changes nothing
-                self._checkpoint_steps_in_push()
+                    self._enrolment.put_back(undo)  # a refused push changes nothing
+                s.checkpoints.take_held(s.capture)
                 raise
             if sequence:
-                self.pushes.record(rank, trainer_id, sequence, result)
+                s.pushes.record(rank, trainer_id, sequence, result)
             if claim is not None:
-                self.cursor.claim(rank, trainer_id, *claim)
-            self._checkpoint_steps_in_push()
+                s.cursor.claim(rank, trainer_id, *claim)
+            s.checkpoints.take_held(s.capture)
             return result, grad if spare is None else spare
-
-    def _checkpoint_steps_in_push(self) -> None:
-        """A checkpoint due at a version this push's step made, taken once the push's acknowledgement and claim
-        are booked: restored, that version is the state after the push (its retry DUPLICATE, its grant kept)."""
-        due, self._steps_in_push = self._steps_in_push or [], None
-        if self._steps_in_trip is not None:
-            self._steps_in_trip += due
-            return
-        for version in due:
-            self.checkpoints.after_step(version, self.capture)
-
-    @contextlib.contextmanager
-    def checkpoints_after_trip(self):
-        """A Step's trip (psserver.serving.step_trip): a checkpoint its dense push makes due is taken once the
-        trip's table pushes are applied too.  Taken between them, it held the sync tables' round half pushed (the
-        dense round closed, this trainer's table pushes not in yet); restored, that round paired each trainer's
-        later pushes one round apart and a prefetching job waited for ever (tests/cluster/test_sparse_faults.py)."""
-        self._steps_in_trip = []
-        try:
-            yield
-        finally:
-            due, self._steps_in_trip = self._steps_in_trip, None
-            for version in due:
-                self.checkpoints.after_step(version, self.capture)
 
     def claim_batch(self, rank: int, trainer_id: str, fingerprint: str, number: int, per_epoch: int,
                     release: bool = False) -> Grant:
         """The job's data cursor (psserver.members.data_cursor): grant a member its next batch, async and stale-timeout
         only, here on shard 0 partition 0 only (the one cursor of the job)."""
         with self._lock:
-            self.check_member(rank, trainer_id, fingerprint)
+            self._admission.check_member(rank, trainer_id, fingerprint)
             self._check_claim(rank, trainer_id, number, per_epoch)
-            return self.cursor.claim(rank, trainer_id, number, per_epoch, release)
+            return self.shard.cursor.claim(rank, trainer_id, number, per_epoch, release)
 
     def _claim_offer(self, rank: int, trainer_id: str, claim: tuple[int, int] | None) -> tuple[int, int] | None:
         """A push's claim, or None if the cursor would refuse it: a push is never refused for its claim (a
@@ -132,16 +123,17 @@ class ShardPushes:
         try:
             self._check_claim(rank, trainer_id, *claim)
         except (JobMismatch, InvalidRequest) as e:
-            self.counters["push_claims_ignored"] += 1
-            log.debug("shard %d: rank %d's push claims a batch that is not granted: %s", self.shard_id, rank, e)
+            self._counters["push_claims_ignored"] += 1
+            log.debug("shard %d: rank %d's push claims a batch that is not granted: %s", self.shard.shard_id, rank, e)
             return None
         return claim
 
     def _check_claim(self, rank: int, trainer_id: str, number: int, per_epoch: int) -> None:
-        if self.shard_id != 0 or self.partition != 0:
-            raise JobMismatch(f"claim is {number} but this is {self.label}: claims go to shard 0 partition 0 (the "
+        s = self.shard
+        if s.shard_id != 0 or s.partition != 0:
+            raise JobMismatch(f"claim is {number} but this is {s.label}: claims go to shard 0 partition 0 (the "
                               "job's one data cursor)")
-        if self.job.mode == Mode.SYNC:
-            raise JobMismatch(f"claim is {number} but mode is {self.job.mode}: a sync round's batch is placed by "
+        if s.job.mode == Mode.SYNC:
+            raise JobMismatch(f"claim is {number} but mode is {s.job.mode}: a sync round's batch is placed by "
                               "the membership timeline (trainer.workloads.data.round_batch), not claimed")
-        self.cursor.check(rank, trainer_id, number, per_epoch)
+        s.cursor.check(rank, trainer_id, number, per_epoch)

@@ -246,7 +246,7 @@ class LayoutHost:
         if self._later and job is not None and fingerprint != job.fingerprint:
             if self.was_member(rank, trainer_id, fingerprint) or any(  # a freed layout's: its routing record
                     epoch != self.newest and host.head.job is not None and
-                    host.head.is_member(rank, trainer_id, fingerprint) for epoch, host in self._hosts.items()):
+                    host.head.admission.is_member(rank, trainer_id, fingerprint) for epoch, host in self._hosts.items()):
                 current.count("heartbeats_from_older_layout")
                 return current.heartbeat(0, rank, trainer_id, job.fingerprint)
         return current.heartbeat(index, rank, trainer_id, fingerprint)

@@ -214,7 +214,7 @@ class Wakeups:
         """The waiters for ``part``'s versions (on the loop)."""
         waiters = self._pulls.get(part)
         if waiters is None:
-            waiters = self._pulls[part] = VersionWaiters(self.loop, part.pull_ready, self.loop_thread)
+            waiters = self._pulls[part] = VersionWaiters(self.loop, part.pulls.pull_ready, self.loop_thread)
         return waiters
 
     def table(self, key, ready: Callable[[int], bool]) -> VersionWaiters:
@@ -362,18 +362,18 @@ class Runtime:
             pass
 
     async def acquire_snapshot(self, part: Shard, rank: int, trainer_id: str, fingerprint: str, wire: int):
-        """What a pull streams: on the loop when no step runs (the common case), else Shard.acquire_snapshot
+        """What a pull streams: on the loop when no step runs (the common case), else Pulls.acquire_snapshot
         on the state worker; if the call is cancelled meanwhile, the snapshot it gets is released when it
         arrives (else a step would move the parameters aside forever)."""
-        fast = part.try_acquire_snapshot(wire)
+        fast = part.pulls.try_acquire_snapshot(wire)
         if fast is not None:
             return fast
-        fut = self.run_state(part.acquire_snapshot, rank, trainer_id, fingerprint, wire)
+        fut = self.run_state(part.pulls.acquire_snapshot, rank, trainer_id, fingerprint, wire)
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
             fut.add_done_callback(lambda f: None if f.cancelled() or f.exception() else
-                                  part.release_snapshot(f.result()[1]))
+                                  part.pulls.release_snapshot(f.result()[1]))
             raise
 
     async def round_timer(self) -> None:

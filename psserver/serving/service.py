@@ -256,7 +256,7 @@ class ParameterServerService(RowRpcs, StepRpc):
         """The job's data cursor (psserver.members.data_cursor): the next batch of an async or stale-timeout trainer."""
         request = _decoded(request)
         _check_identity(request)
-        grant = await self.runtime.run_state(self.host.part(0).claim_batch, request.rank, request.trainer_id,
+        grant = await self.runtime.run_state(self.host.part(0).dense_pushes.claim_batch, request.rank, request.trainer_id,
                                              request.fingerprint, request.claim, request.batches_per_epoch,
                                              request.release)
         return _pb.ClaimReply(batch=grant.batch or 0, granted=grant.batch is not None, reissued=grant.reissued)
@@ -274,7 +274,7 @@ class ParameterServerService(RowRpcs, StepRpc):
         reply = _pb.StatsReply(shard=s.shard, initialized=s.initialized, version=s.version, mode=s.mode,
                                start=s.start, end=s.end, live_ranks=s.live_ranks, counters=s.counters,
                                state_digest=digest, lr=s.lr, partitions=len(self.host.parts),
-                               epochs=part.epoch_timeline_proto(request.members_from_round))
+                               epochs=part.admission.epoch_timeline_proto(request.members_from_round))
         if s.job is not None and (self.authenticated or _is_member(part, request)):
             reply.job.CopyFrom(s.job.to_proto())
         if self.authenticated or any(_is_member(head, request) for head in self.layouts.heads()) or \
@@ -356,7 +356,7 @@ class ParameterServerService(RowRpcs, StepRpc):
         (psserver.serving.digest_gate): many callers cost the worker no more than one."""
         if not self.authenticated:
             _check_identity(request)
-            part.check_digest_caller(request.rank, request.trainer_id, request.fingerprint)
+            part.admission.check_digest_caller(request.rank, request.trainer_id, request.fingerprint)
         return self.digests.digest(part)
 
     # ------------------------------------------------------------------ streams in
@@ -368,7 +368,7 @@ class ParameterServerService(RowRpcs, StepRpc):
             _check_header_fields(h)
             part = self.layouts.part(h.layout_epoch, h.partition)
             # who is asking, before a byte of the payload is read
-            if not part.check_init_header(h.rank, h.trainer_id, h.fingerprint):
+            if not part.pulls.check_init_header(h.rank, h.trainer_id, h.fingerprint):
                 return _pb.InitReply(version=part.version, accepted=False)
             values = await self._read_tensor(part, reader, first, h)
             accepted, version = await self.runtime.run_state(self._check_and_init, part, h, values)
@@ -421,7 +421,7 @@ class ParameterServerService(RowRpcs, StepRpc):
         """A dense push's header, checked before a byte of its payload is read: the partition it names."""
         _check_header_fields(h)
         part = self.layouts.push_part(h.layout_epoch, h.partition, h.version)  # the layout first, then its fingerprint
-        part.check_push_header(h.rank, h.trainer_id, h.fingerprint, h.version, h.num_samples)
+        part.dense_pushes.check_push_header(h.rank, h.trainer_id, h.fingerprint, h.version, h.num_samples)
         check_stream_header(h, part.slice_length(), part.wire_dtype(), self.cfg.max_push_bytes)  # before allocating
         return part
 
@@ -497,7 +497,7 @@ class ParameterServerService(RowRpcs, StepRpc):
         timeout = min(max(0.0, remaining - 0.25), self.cfg.max_pull_wait)
         t0 = loop.time()
         if not await self.runtime.part_waiters(part).wait(min_version, timeout):
-            raise WaitTimeout(part.pull_wait_message(min_version, timeout))
+            raise WaitTimeout(part.pulls.pull_wait_message(min_version, timeout))
         if self.runtime.holds.held(part, part.version) is not None:  # version R waits for DECIDE (reply_holds)
             await self.runtime.holds.wait(part, part.version, t0 + timeout)
         waited = loop.time() - t0
@@ -510,12 +510,12 @@ class ParameterServerService(RowRpcs, StepRpc):
             context.hold(("snapshot", snapshot.data_ptr(), nbytes), nbytes)
             self.count("bytes_out", nbytes)
             header = _pb.ChunkHeader(dtype=wire, length=snapshot.numel(), version=version, wait_seconds=waited,
-                                     membership_epoch=part.epoch_number(version), layout_epoch=self.layouts.newest,
+                                     membership_epoch=part.admission.epoch_number(version), layout_epoch=self.layouts.newest,
                                      **reply_fields)
             for chunk in encode_raw(snapshot, header, self.cfg.chunk_bytes):
                 await context.write(chunk, self.cfg.chunk_bytes)
         finally:
-            part.release_snapshot(snapshot)
+            part.pulls.release_snapshot(snapshot)
 
     # ------------------------------------------------------------------ sparse tables (psserver.sparse.calls)
 BIG_SPEC_TENSORS = 1024  # a Register's job spec of more tensors is read off the event loop (_job_of)

@@ -305,7 +305,7 @@ def _is_member(part: Shard, request) -> bool:
         _check_identity(request)
     except InvalidRequest:
         return False
-    return part.is_member(request.rank, request.trainer_id, request.fingerprint)
+    return part.admission.is_member(request.rank, request.trainer_id, request.fingerprint)
 
 
 def _claim_answer(part: Shard, h: _pb.ChunkHeader) -> dict:

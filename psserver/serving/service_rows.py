@@ -77,7 +77,7 @@ class RowRpcs:
         head = self.layouts.rows_head(request.layout_epoch, request.table, request.min_version, pull=True)
         calls = self.rows_at(request.layout_epoch)
         head.check_member(request.rank, request.trainer_id, request.fingerprint)
-        head.check_row_pull(request.rank, request.min_version)  # before a wait, and before any row is made
+        head.rows.check_row_pull(request.rank, request.min_version)  # before a wait, and before any row is made
         table = head.tables.get(request.table)
         ids = calls.pull_ids(request.ids, request.packed_ids)
         # the reply, before any row exists (and under the cap a trainer splits its pulls by)

@@ -1,7 +1,8 @@
 """What the executor (psserver.state.executor) does to a dense slice: the ``PushTarget`` hooks of a ``Shard``.
 
 A room of ``Shard`` (psserver.partition.shard), made by it at construction with the shard itself (the state the hooks act
-on, through its public members) and its ``changed`` callback.  The decisions are psserver.state.modes'; the ladder that
+on, through its public members), its rounds (psserver.partition.shard_rounds: a round closed, a push's own step) and its
+``changed`` callback.  The decisions are psserver.state.modes'; the ladder that
 carries them out is the executor's; these hooks say what a dense gradient is, how it joins the round, how it is
 applied, and how each event is counted and logged.
 """
@@ -26,9 +27,11 @@ _EVENT_COUNTERS = {"stale_dropped": "stale_dropped", "skipped": "nonfinite_skipp
 class DenseHooks(PushTarget):
     """The executor's view of ``shard``'s dense slice."""
 
-    def __init__(self, shard, changed: Callable[[], None]):
-        """``shard``: the psserver.partition.shard.Shard these hooks act on (not imported here: it imports this)."""
+    def __init__(self, shard, rounds, changed: Callable[[], None]):
+        """``shard``: the psserver.partition.shard.Shard these hooks act on, ``rounds`` its
+        psserver.partition.shard_rounds.Rounds (neither imported here: the wing above imports this)."""
         self.shard = shard
+        self._rounds = rounds
         self._changed = changed
 
     @property
@@ -67,7 +70,7 @@ class DenseHooks(PushTarget):
             self.shard.pushes.note_base(push.rank, push.base)
 
     def apply_now(self, push: PushInfo, staleness: int) -> PushResult:
-        self.shard.apply_push_step(push.payload)
+        self._rounds.apply_push_step(push.payload)
         self._count_applied(push)
         self.shard.counters["staleness_sum"] += staleness
         if not push.sequenced:
@@ -88,7 +91,7 @@ class DenseHooks(PushTarget):
         self.shard.counters["samples"] += push.num_samples
 
     def close_round(self, reason: modes.CloseReason) -> None:
-        self.shard.close_round(reason)
+        self._rounds.close_round(reason)
 
     def scaled_in(self, push: PushInfo, factor: float) -> None:
         self.shard.counters["stale_scaled"] += 1

@@ -215,7 +215,7 @@ def test_a_checkpoint_taken_by_a_push_holds_that_pushs_claim_grant_and_acknowled
     shard.init(0, "t0", "f" * 16, torch.zeros(P))
     captured = []
     shard.checkpoints.after_step = lambda version, capture: captured.append(capture())
-    assert shard.claim_batch(0, "t0", "f" * 16, 1, 8).batch == 0
+    assert shard.dense_pushes.claim_batch(0, "t0", "f" * 16, 1, 8).batch == 0
     shard.push(0, "t0", "f" * 16, 0, 1, torch.ones(P), sequence=1, claim=(2, 8))
     state = captured[-1]
     assert state.version == 1

@@ -23,7 +23,7 @@ def three(clock=lambda: 100.0) -> Shard:
 
 
 def members(shard: Shard) -> list[tuple[int, list[int]]]:
-    return [(e.round, sorted(e.members)) for e in shard.epoch_timeline()]
+    return [(e.round, sorted(e.members)) for e in shard.admission.epoch_timeline()]
 
 
 def test_a_leaving_push_takes_the_rank_out_from_the_next_round_which_then_closes_without_it():
@@ -32,7 +32,7 @@ def test_a_leaving_push_takes_the_rank_out_from_the_next_round_which_then_closes
     shard.push(1, "t1", FP, 0, 1, torch.ones(P), 1, leaving=True)
     assert members(shard) == [(0, [0, 1, 2]), (1, [0, 2])] and shard.version == 0  # round 0 still waits for 2
     assert shard.push(2, "t2", FP, 0, 1, torch.ones(P), 1)[0].outcome == "applied"
-    assert shard.epoch_number(1) == shard.epoch_timeline()[1].number  # version 1 is served with the new epoch
+    assert shard.admission.epoch_number(1) == shard.admission.epoch_timeline()[1].number  # version 1 is served with the new epoch
     shard.push(0, "t0", FP, 1, 1, torch.ones(P), 2)
     assert shard.push(2, "t2", FP, 1, 1, torch.ones(P), 2)[0].outcome == "applied"  # no wait for rank 1
     counters = shard.snapshot().counters

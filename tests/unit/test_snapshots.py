@@ -18,7 +18,7 @@ def async_shard() -> Shard:
 
 
 def pull(shard: Shard, wire=pb.FLOAT32):
-    return shard.acquire_snapshot(0, "t0", FP, wire)
+    return shard.pulls.acquire_snapshot(0, "t0", FP, wire)
 
 
 def step(shard: Shard, sequence: int) -> None:
@@ -35,13 +35,13 @@ def test_a_pull_streams_the_live_parameters_and_a_step_moves_them_aside_only_whi
     assert shard.counters["params_moved_for_pulls"] == 1
     v1, second = pull(shard)
     assert (v0, v1) == (0, 1) and torch.equal(second, shard.params.detach())
-    shard.release_snapshot(second)
+    shard.pulls.release_snapshot(second)
     for k in range(2, 8):  # versions whose pulls end before the next step: steps in place, no copies
         step(shard, k)
-        shard.release_snapshot(pull(shard)[1])
+        shard.pulls.release_snapshot(pull(shard)[1])
     assert shard.counters["params_moved_for_pulls"] == 1
     assert torch.equal(held, expected)  # the first pull's memory was never reused while it streamed
-    shard.release_snapshot(held)
+    shard.pulls.release_snapshot(held)
     live = shard.params.data_ptr()
     _, streamed = pull(shard)
     before = streamed.clone()
