@@ -11,6 +11,7 @@ from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.rows.init import init_rows
 from psserver.protocol.rows.optim import SparseOptimizerConfig
 from psserver.protocol.rows.placement import shard_of
+from psserver.protocol.rows.space import RowSpace
 from psserver.protocol.rows.table import RowStore, TableSpec
 from psserver.protocol.rows.wire import row_chunks
 from tests.conftest import P, make_spec
@@ -290,11 +291,11 @@ def test_a_register_whose_table_does_not_fit_is_resource_exhausted_and_makes_not
     raw = shard_server()
     fresh = raw.digest()
 
-    def allocation_fails(store, capacity):
+    def allocation_fails(space, capacity):
         raise NO_MEMORY[failure]
 
     with monkeypatch.context() as m:
-        m.setattr(RowStore, "_alloc", allocation_fails)
+        m.setattr(RowSpace, "alloc", allocation_fails)
         refused(lambda: raw.register(spec=job()), grpc.StatusCode.RESOURCE_EXHAUSTED,
                 "table 'emb' (dim 4, optimizer sgd) did not fit in this shard's memory")
     stats = raw.stats()
