@@ -95,7 +95,7 @@ def run_rows_trainer(rank, addresses, mode, records, errors):
         model = Bags()
         ps = connect(addresses, model, mode=mode, rank=rank, num_trainers=TRAINERS, trainer_id=f"rows-{rank}",
                      connect_timeout=60)
-        rows, push_shard = ps.rows, ps.rows._push_shard
+        rows, push_shard = ps.rows, ps.rows.pushes.push_shard
 
         def recorded(s, table, ids, grads, n):
             base = rows._lanes[(s.index, table)].base
@@ -103,7 +103,7 @@ def run_rows_trainer(rank, addresses, mode, records, errors):
             records.append((s.index, base, outcome, ids.clone(), grads.clone()))
             return outcome
 
-        rows._push_shard = recorded
+        rows.pushes.push_shard = recorded
         gen = torch.Generator().manual_seed(200 + rank)
         for _ in range(ROW_STEPS):
             ids = torch.randint(0, ROW_IDS, (BAGS * 3,), generator=gen)

@@ -117,7 +117,7 @@ class SlotLog:
 
     def __init__(self, ps, records: list, hold=None):
         self.rejoins = Counter()
-        exchange, register_again = ps.exchange.exchange_slot, ps.session.register_again
+        exchange, register_again = ps.exchange.exchange_slot, ps.session.rejoins.register_again
 
         def recorded(s, grad, num_samples, attempt):
             start, end = ps.ranges[s.slot]
@@ -136,7 +136,7 @@ class SlotLog:
             self.rejoins[s.slot] += 1
             register_again(s, cause)
 
-        ps.exchange.exchange_slot, ps.session.register_again = recorded, counted
+        ps.exchange.exchange_slot, ps.session.rejoins.register_again = recorded, counted
 
 
 def run_trainer(rank, addresses, pipeline, out, errors, hold):

@@ -74,7 +74,8 @@ def record_answers(ps, rank: int, answers: list, current: dict) -> dict:
     """Wrap where ``ps`` takes each part's answer in, and its re-registration with a restarted shard (per
     instance: production code unchanged), to append an Answer; ``current["grad"]``: the dense gradient of the step
     under way (only one step is in flight).  Returns the re-registrations by shard, as they grow."""
-    rows, part_answered, register_again = ps.rows, ps.rows.part_answered, ps.session.register_again
+    pushes, rejoining = ps.rows.pushes, ps.session.rejoins
+    part_answered, register_again = pushes.part_answered, rejoining.register_again
     rejoins = defaultdict(int)
 
     def rows_answered(s, part, reply, pulled, attempts):
@@ -87,7 +88,7 @@ def record_answers(ps, rank: int, answers: list, current: dict) -> dict:
         rejoins[s.index] += 1
         register_again(s, cause)
 
-    rows.part_answered, ps.session.register_again = rows_answered, counted
+    pushes.part_answered, rejoining.register_again = rows_answered, counted
     for s in ps.client.shards:
         def dense_answered(outcome, version, staleness, base, nbytes, dense_bytes, s=s, take=s._acknowledged):
             out = take(outcome, version, staleness, base, nbytes, dense_bytes)

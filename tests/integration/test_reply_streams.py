@@ -26,7 +26,8 @@ from psserver.serving.service import ServiceLimits
 from tests.conftest import make_spec
 from tests.helpers import refused, wait_until
 from trainer.channels.client import ShardedClient
-import trainer.tables.sparse_client
+import trainer.tables.row_pulls
+import trainer.tables.row_pushes
 from trainer.tables.sparse_client import ShardedRows
 
 C = grpc.StatusCode
@@ -206,7 +207,8 @@ DIM = 16
 def test_a_row_pull_past_the_reply_cap_is_refused_and_the_trainer_splits_its_pulls(shard_server, monkeypatch):
     cap = 100 * DIM * 4  # 100 rows a call
     monkeypatch.setattr(limits, "MAX_ROWS_REPLY_BYTES", cap)
-    monkeypatch.setattr(trainer.tables.sparse_client, "MAX_ROWS_REPLY_BYTES", cap)
+    monkeypatch.setattr(trainer.tables.row_pulls, "MAX_ROWS_REPLY_BYTES", cap)
+    monkeypatch.setattr(trainer.tables.row_pushes, "MAX_ROWS_REPLY_BYTES", cap)
     spec = make_spec(tables=(TableSpec("emb", DIM, seed=7),))
     shard = shard_server(lease_timeout=0)
     client = ShardedClient([shard.server.address], spec, 0, "t0")

@@ -203,19 +203,21 @@ def test_a_plain_re_registered_leavers_sync_table_lanes_start_at_its_registratio
     from types import SimpleNamespace
 
     from psserver.protocol.proto import ps_pb2 as pb
-    from trainer.membership.session import Session, plain_member_from
+    from trainer.membership.rejoins import Rejoins
+    from trainer.membership.session import plain_member_from
 
     parts = [SimpleNamespace(index=i, partition=p, slot=2 * i + p) for i in range(2) for p in range(2)]
     replies = [pb.RegisterReply(join_round=7), pb.RegisterReply(join_round=7), OSError("down"),
                pb.RegisterReply(join_round=0)]
     assert plain_member_from(parts, replies) == {0: 7}
-    session = Session.__new__(Session)  # only what track_rows reads: the shards' stats and member_from
     shards = [SimpleNamespace(index=i, stats=lambda: SimpleNamespace(counters={"table.emb.version": 6,
                                                                                "table.asy.version": 6}))
               for i in range(2)]
-    session.client, session.member_from = SimpleNamespace(shards=shards), {0: 7}
+    # only what track_rows reads: the shards' stats and member_from
+    slots = SimpleNamespace(client=SimpleNamespace(shards=shards, parts=[]))
+    rejoins = Rejoins(slots, SimpleNamespace(member_from={0: 7}), before_rejoin=lambda slot: None)
     started = {}
     rows = SimpleNamespace(tables=("emb", "asy"), modes={"emb": Mode.SYNC, "asy": Mode.ASYNC},
                            start_at=lambda shard, versions: started.setdefault(shard, versions))
-    session.track_rows(rows, joined_at=0)
+    rejoins.track_rows(rows, joined_at=0)
     assert started == {0: {"emb": 7, "asy": 6}, 1: {"emb": 6, "asy": 6}}

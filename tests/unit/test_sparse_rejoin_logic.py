@@ -70,15 +70,15 @@ def test_the_first_push_after_a_resync_that_a_round_answers_duplicate_is_counted
     r = rows()
     lane = r._lanes[(0, "emb")]
     r.resync(0, {"emb": 2})
-    assert r._push_outcome(lane, "duplicate", attempts=1) == "lost"
+    assert r.book.push_outcome(lane, "duplicate", attempts=1) == "lost"
     assert r.counters["pushes_lost"] == 1
-    assert r._push_outcome(lane, "duplicate", attempts=1) == "duplicate"  # only the first after a resync
+    assert r.book.push_outcome(lane, "duplicate", attempts=1) == "duplicate"  # only the first after a resync
 
 
 def test_a_duplicate_on_a_retry_after_a_resync_is_a_lost_reply_not_a_lost_push():
     r = rows()
     r.resync(0, {})
-    assert r._push_outcome(r._lanes[(0, "emb")], "duplicate", attempts=2) == "duplicate"
+    assert r.book.push_outcome(r._lanes[(0, "emb")], "duplicate", attempts=2) == "duplicate"
 
 
 def test_abandon_drops_the_kept_push_and_gives_the_unfinished_shards_new_numbers(monkeypatch):
@@ -92,7 +92,7 @@ def test_abandon_drops_the_kept_push_and_gives_the_unfinished_shards_new_numbers
             raise ConnectionError("shard 1 did not answer")
         return "applied"
 
-    monkeypatch.setattr(r, "_push_shard", fail_on_shard_1)
+    monkeypatch.setattr(r.pushes, "push_shard", fail_on_shard_1)
     ids = torch.arange(6)
     with pytest.raises(RowsPushFailed):
         r.push("emb", ids, torch.ones(6, 4), 1)
