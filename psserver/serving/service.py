@@ -19,11 +19,13 @@ chunks of anyone's stream.  The rules of the house:
 * Every refusal goes through ``_refusals``: counted in full, logged at a
   bounded rate, aborted with its one documented status code.
 
-The handlers live in rooms by RPC family, mixed into one servicer: the dense, membership and admin RPCs here;
-the table RPCs in psserver.serving.service_rows; Step in psserver.serving.service_step (which reuses the other handlers' halves on
-its parts); what they share -- the stream reader, the refusal wrapper, the header checks -- in
-psserver.serving.service_common.  The rule that errors become status codes in one place holds across them: every
-handler is wrapped by ``_refusals``.
+Every RPC's handler is here, and each decodes, calls one method, encodes and maps errors.  The membership and admin
+RPCs call the shard, the host or the layouts; the others call a room by RPC family, an object the servicer makes
+and hands what it calls (no mixins): the dense RPCs' halves in psserver.serving.service_dense, the table RPCs' in
+psserver.serving.service_rows, Step's in psserver.serving.service_step (which reuses the other rooms' halves on its
+parts), the calls in flight per connection and rank and each call's deadline in psserver.serving.call_slots; what
+they share -- the stream reader, the refusal wrapper, the header checks -- in psserver.serving.service_common.  The
+rule that errors become status codes in one place holds: every handler is wrapped by ``_refusals``.
 """
 
 from __future__ import annotations
@@ -31,59 +33,40 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from contextlib import ExitStack, asynccontextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import grpc
-import torch
 
-from psserver.common.logsafe import RateLimitedLog, counted
+from psserver.common.logsafe import RateLimitedLog
 from psserver.partition.host import ShardHost
-from psserver.partition.shard import PushResult, Shard
+from psserver.partition.shard import Shard
 from psserver.protocol import admin_token, limits, stubs
-from psserver.protocol.codec import (
-    DEFAULT_CHUNK_BYTES,
-    ChunkAssembler,
-    TopKAssembler,
-    check_finite,
-    check_stream_header,
-    encode_raw,
-)
-from psserver.protocol.errors import (
-    HandoffPending,
-    InvalidRequest,
-    NotPermitted,
-    NotReady,
-    ShuttingDown,
-    StaleGradient,
-    TooBusy,
-    WaitTimeout,
-)
+from psserver.protocol.codec import DEFAULT_CHUNK_BYTES
+from psserver.protocol.errors import HandoffPending, InvalidRequest, NotPermitted, NotReady
 from psserver.protocol.fastwire import parse_chunk, parse_rows_chunk, serialize_chunk, serialize_rows_chunk
 from psserver.protocol.job import JobSpec
 from psserver.protocol.proto import ps_pb2 as _pb
-from psserver.protocol.rules import STALE
 from psserver.protocol.stepwire import parse_step, serialize_step
 from psserver.resharding.layout_host import LayoutHost
+from psserver.serving.call_slots import CallSlots
 from psserver.serving.digest_gate import DigestGate
 from psserver.serving.replies import Connections, ReplyLedger, ReplyStream, RequestLedger
 from psserver.serving.runtime import Runtime
 from psserver.serving.service_common import (
-    _OUTCOMES,
-    StreamEndedEarly,
-    _check_header_fields,
     _check_identity,
     _decoded,
     _is_loopback,
     _is_member,
-    _no_slot,
     _read_all,
     _refusals,
     _reply_stream,
     _safe,
     _StreamReader,
     peer_host,
+    require_handoffs,
 )
+from psserver.serving.service_dense import DenseRpcs
 from psserver.serving.service_rows import RowRpcs
 from psserver.serving.service_step import StepRpc
 from psserver.serving.step_engine import StepEngine
@@ -132,7 +115,13 @@ class ServiceLimits:
                 raise ValueError(f"The {name.replace('_', ' ')} ({getattr(self, name)}) must be at least 1.")
 
 
-class ParameterServerService(RowRpcs, StepRpc):
+class ParameterServerService:
+    """The servicer: each handler decodes (or hands its stream to the room that reads it), calls one method of the
+    shard, the host or a room, encodes, and maps errors (``_refusals``).  Its rooms are objects it makes and hands
+    what they call: the call slots (psserver.serving.call_slots), the dense RPCs' halves (``dense``,
+    psserver.serving.service_dense), the table RPCs' (``tables``, psserver.serving.service_rows) and Step's
+    (``steps``, psserver.serving.service_step)."""
+
     def __init__(self, host: ShardHost, runtime: Runtime, cfg: ServiceLimits = ServiceLimits(),
                  authenticated: bool = False, connections: Connections | None = None,
                  replies: ReplyLedger | None = None, layouts: LayoutHost | None = None, handoffs=None,
@@ -154,52 +143,28 @@ class ParameterServerService(RowRpcs, StepRpc):
                                                       cfg.max_watch_streams, self.count)
         self.replies = replies or ReplyLedger(cfg.max_reply_bytes_per_peer, cfg.max_reply_bytes)
         self.requests = requests or RequestLedger(cfg.max_request_bytes_per_peer, cfg.max_request_bytes)
-        self._per_rank: dict[tuple[int, int], int] = {}  # (rank, partition) -> calls in flight
-        self.rows = RowCalls(self.shard, runtime, cfg.max_pull_wait)  # the row calls' table steps (layout 0's)
-        self._rows_by_epoch: dict[int, RowCalls] = {}  # a later layout's (RowRpcs.rows_at)
+        self.slots = CallSlots(cfg, self.connections, self.count)  # calls per connection and rank, deadlines
         self.replication = None  # a hot standby's shipper when this replica is primary (psserver.replication)
         self.handoffs = handoffs  # a live re-shard's Reshard and Handoff calls (psserver.resharding.handoff_io)
         self.digests = DigestGate(runtime.offload)  # GetStats' state digests, one pass at a time per partition
         self._spec_turn = asyncio.Lock()  # one big job spec read at a time (_job_of)
+        self.dense = DenseRpcs(self.layouts, runtime, cfg, self.count, self.slots, handoffs, self.shard.shard_id)
+        self.tables = RowRpcs(self.shard, self.layouts, runtime, cfg, self.count, self.slots, self.requests)
         self.engine = StepEngine(self) if cfg.step_engine else None  # StepOnce's steady state (psserver.serving.step_engine)
+        self.steps = StepRpc(self.layouts, runtime, cfg, self.count, self.slots, self.dense, self.tables,
+                             self.engine, self.shard.count)
 
     @property
     def host(self) -> ShardHost:
         return self.layouts.current  # the newest layout's: Register, Leave, Heartbeat, ClaimBatch, GetStats
 
-    # ------------------------------------------------------------------ limits
-    @asynccontextmanager
-    async def _slot(self, table: dict, key, limit: int, what: str):
-        if table.get(key, 0) >= limit:
-            self.count("refused_over_limit")
-            raise TooBusy(f"{what} already has {counted(table[key], 'call')} in flight, the limit is {limit}")
-        table[key] = table.get(key, 0) + 1
-        try:
-            yield
-        finally:
-            table[key] -= 1
-            if not table[key]:
-                del table[key]
-
-    def _peer_slot(self, context):
-        """One call of the caller's connection (--max-calls-per-peer, --max-connections)."""
-        return self.connections.call(context.peer() or "?")
+    @property
+    def rows(self) -> RowCalls:
+        return self.tables.rows  # the row calls' table steps (layout 0's; the step engine's sessions name them)
 
     def rank_calls(self, rank: int, partition: int = 0) -> int:
-        """Calls naming ``rank`` (on ``partition``) in flight now: what ``_rank_slot`` bounds."""
-        return self._per_rank.get((rank, partition), 0)
-
-    def _rank_slot(self, rank: int, partition: int = 0):
-        """Per rank and partition: a trainer of a partitioned job has one push in flight per partition."""
-        return self._slot(self._per_rank, (rank, partition), self.cfg.max_calls_per_rank,
-                          f"rank {rank}" + (f" on partition {partition}" if partition else "") +
-                          " (--max-calls-per-rank)")
-
-    def _deadline(self, context) -> float:
-        loop = asyncio.get_running_loop()
-        remaining = context.time_remaining()
-        limit = self.cfg.max_call_seconds if remaining is None else min(remaining, self.cfg.max_call_seconds)
-        return loop.time() + limit
+        """Calls naming ``rank`` (on ``partition``) in flight now (psserver.serving.call_slots)."""
+        return self.slots.rank_calls(rank, partition)
 
     # ------------------------------------------------------------------ unary RPCs
     @_refusals
@@ -226,7 +191,7 @@ class ParameterServerService(RowRpcs, StepRpc):
         if len(proto.tensors) <= BIG_SPEC_TENSORS:
             return _parse_job(proto)
         with ExitStack() as held:
-            held.enter_context(self._peer_slot(context))
+            held.enter_context(self.slots.peer_slot(context))
             await self._spec_turn.acquire()
             held.callback(self._spec_turn.release)
             read = asyncio.get_running_loop().run_in_executor(None, _parse_job, proto)
@@ -298,18 +263,18 @@ class ParameterServerService(RowRpcs, StepRpc):
                                f"runs with a hot standby (--etcd), and a job with standbys cannot be re-sharded live "
                                f"yet (docs/standby.md)")
         try:
-            return await self._handoffs().reshard(request)
+            return await require_handoffs(self.handoffs).reshard(request)
         finally:
-            self.drop_freed_rows()  # after RETIRE: the freed layouts' row calls go too
+            self.tables.drop_freed_rows()  # after RETIRE: the freed layouts' row calls go too
 
     @_refusals
     async def Handoff(self, request_iterator, context):
         """A live re-shard's source streaming to this destination (psserver.resharding.handoff_io), read with the idle and
         total deadlines of every stream: a stream left open holds its bytes and a call of its connection."""
-        with self._peer_slot(context):
+        with self.slots.peer_slot(context):
             self._check_reshard_peer(context, "Handoff")
-            reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self._deadline(context))
-            return await self._handoffs().handoff(_read_all(reader))
+            reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self.slots.deadline(context))
+            return await require_handoffs(self.handoffs).handoff(_read_all(reader))
 
     def _check_no_open_plan(self) -> None:
         """A join's admission waits out a live re-shard (UNAVAILABLE, reason ``handoff``; the joiner asks again):
@@ -344,11 +309,6 @@ class ParameterServerService(RowRpcs, StepRpc):
                                "as the user who started the shards (it reads the token each shard wrote at start), "
                                f"or give both --admin-token-file (or ${admin_token.ADMIN_TOKEN_ENV})")
 
-    def _handoffs(self):
-        if self.handoffs is None:
-            raise NotReady("handoffs is None but a live re-shard needs a shard process (psserver.serving.server)")
-        return self.handoffs
-
     def _digest(self, part: Shard, request):
         """The partition's state digest, for members (or any caller of a shard that authenticates them all),
         hashed on the state worker: a pass over a big table took seconds, and on the loop it held every
@@ -359,165 +319,59 @@ class ParameterServerService(RowRpcs, StepRpc):
             part.admission.check_digest_caller(request.rank, request.trainer_id, request.fingerprint)
         return self.digests.digest(part)
 
-    # ------------------------------------------------------------------ streams in
+    # ------------------------------------------------------------------ streams in (psserver.serving.service_dense)
     @_refusals
     async def Init(self, request_iterator, context):
-        with self._peer_slot(context):
-            reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self._deadline(context))
-            first, h = await reader.first_header()
-            _check_header_fields(h)
-            part = self.layouts.part(h.layout_epoch, h.partition)
-            # who is asking, before a byte of the payload is read
-            if not part.pulls.check_init_header(h.rank, h.trainer_id, h.fingerprint):
-                return _pb.InitReply(version=part.version, accepted=False)
-            values = await self._read_tensor(part, reader, first, h)
-            accepted, version = await self.runtime.run_state(self._check_and_init, part, h, values)
-            return _pb.InitReply(version=version, accepted=accepted)
+        return await self.dense.init(request_iterator, context)
 
     @_refusals
     async def Push(self, request_iterator, context):
-        with self._peer_slot(context):
-            h, r = await self._receive_push(request_iterator, context, stale_as_result=False)
-            part = self.layouts.part(h.layout_epoch, h.partition)
-            if self.runtime.holds.held(part, r.version) is not None:  # a reply naming R waits for DECIDE
-                await self.runtime.holds.wait(part, r.version, self._deadline(context) - 0.25)
-            return _pb.PushReply(outcome=_OUTCOMES[r.outcome], version=r.version, staleness=r.staleness,
-                                 layout_epoch=self.layouts.newest)
+        return await self.dense.push(request_iterator, context)
 
     @_refusals
     @_reply_stream
     async def PushPull(self, request_iterator, context: ReplyStream):
         """Push, then stream the weights of the version the trainer waits for next (see ps.proto)."""
-        await self._push_pull(request_iterator, context)
-
-    async def _push_pull(self, request_iterator, context, slot: bool = True) -> None:
-        """PushPull's work (also a Step's dense part, whose call holds the rank's slot: ``slot`` False)."""
-        h, r = await self._receive_push(request_iterator, context, stale_as_result=True, slot=slot)
-        await self._pull_pushed(h, r, context)
-
-    async def _receive_push(self, request_iterator, context, stale_as_result: bool, slot: bool = True):
-        """Bound, identify, read and hand one pushed gradient to the shard: (header, PushResult)."""
-        reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self._deadline(context))
-        first, h = await reader.first_header()
-        _check_header_fields(h)  # (a question for an old slot too: its ids and numbers bounded as every push's)
-        if h.moved_from:  # a question for an old slot that could not be reached (psserver.resharding.moved_books)
-            return h, await self._moved_push(h, stale_as_result)
-        part = self._check_push_first(h)
-        length = part.slice_length()
-        async with (self._rank_slot(h.rank, h.partition) if slot else _no_slot()), \
-                self.runtime.buffers.take(length) as held:
-            grad = await self._read_tensor(part, reader, first, h, out=held.buffer, sparse=True)
-            try:
-                result, spare = await held.hand_over(self.runtime.run_state(self._check_and_push, part, h, grad))
-            except StaleGradient as e:
-                if not stale_as_result:
-                    raise
-                result = PushResult(STALE, e.version, e.staleness)  # counted by the shard; the reply catches up
-            else:
-                held.buffer = spare
-        return h, result
-
-    def _check_push_first(self, h: _pb.ChunkHeader) -> Shard:
-        """A dense push's header, checked before a byte of its payload is read: the partition it names."""
-        _check_header_fields(h)
-        part = self.layouts.push_part(h.layout_epoch, h.partition, h.version)  # the layout first, then its fingerprint
-        part.dense_pushes.check_push_header(h.rank, h.trainer_id, h.fingerprint, h.version, h.num_samples)
-        check_stream_header(h, part.slice_length(), part.wire_dtype(), self.cfg.max_push_bytes)  # before allocating
-        return part
-
-    async def _moved_push(self, h: _pb.ChunkHeader, stale_as_result: bool) -> PushResult:
-        try:
-            return await self.runtime.run_state(self._handoffs().moved_push, h)
-        except StaleGradient as e:
-            if not stale_as_result:
-                raise
-            return PushResult(STALE, e.version, e.staleness)
-
-    async def _read_tensor(self, part: Shard, reader: _StreamReader, first, h: _pb.ChunkHeader,
-                           out: torch.Tensor | None = None, sparse: bool = False) -> torch.Tensor:
-        """The stream's chunks, checked and copied (into ``out`` if given) as they arrive; finite-checked later.
-
-        ``sparse`` (pushes): a header with topk > 0 is read as top-k pairs, bounded, and scattered into ``out``
-        as a dense slice; elsewhere (Init) such a header is refused."""
-        assembler = TopKAssembler if sparse and h.topk else ChunkAssembler
-        asm = assembler(h, part.slice_length(), part.wire_dtype(), self.cfg.max_push_bytes,
-                        out=out, min_chunk_bytes=self.cfg.min_chunk_bytes)
-        chunk = first
-        while chunk is not None:
-            asm.add(chunk)
-            chunk = await reader.next()
-        if isinstance(asm, ChunkAssembler) and asm.pos < asm.length:  # the stream ended before its chunks were whole
-            raise StreamEndedEarly(f"the chunks cover [0, {asm.pos}) but the slice is [0, {asm.length})")
-        values = asm.finish(require_finite=False)
-        self.count("bytes_in", asm.bytes_read)
-        if h.topk and sparse:
-            self.count("topk_pushes")
-        return values
-
-    @staticmethod
-    def _check_and_init(part: Shard, h: _pb.ChunkHeader, values: torch.Tensor):
-        check_finite(values)
-        return part.init(h.rank, h.trainer_id, h.fingerprint, values, True)
-
-    def _check_and_push(self, part: Shard, h: _pb.ChunkHeader, grad: torch.Tensor):
-        """On the state worker, in one hop: refuse NaN/Inf (--nonfinite refuse) or note them (skip), then push.
-
-        One thread for all of a shard's tensor work: a second pool for the finite check cost a second hop per
-        push and a second set of OpenMP threads spinning on the trainers' cores (ps-bench: -5 to -15% CNN).
-        """
-        if self.cfg.nonfinite == "refuse":
-            check_finite(grad)
-            finite = True
-        else:
-            finite = bool(torch.isfinite(grad).all())
-        return part.push(h.rank, h.trainer_id, h.fingerprint, h.version, h.num_samples, grad, h.sequence, finite,
-                         leaving=h.leaving, claim=(h.claim, h.batches_per_epoch) if h.claim else None)
+        await self.dense.push_pull(request_iterator, context)
 
     # ------------------------------------------------------------------ streams out
     @_refusals
     @_reply_stream
     async def Pull(self, request, context: ReplyStream):
-        request = _decoded(request)
-        _check_identity(request)
-        part = self.layouts.pull_part(request.layout_epoch, request.partition, request.min_version)
-        wire = request.dtype or part.wire_dtype()
-        if wire not in (_pb.FLOAT32, part.wire_dtype()):
-            raise InvalidRequest(
-                f"pull dtype is {wire} but this job sends {part.wire_dtype()} (or FLOAT32)")
-        await self._stream_weights(part, request.rank, request.trainer_id, request.fingerprint,
-                                   request.min_version, wire, context, partition=request.partition)
+        await self.dense.pull(request, context)
 
-    async def _stream_weights(self, part: Shard, rank: int, trainer_id: str, fingerprint: str, min_version: int,
-                              wire: int, context: ReplyStream, **reply_fields) -> None:
-        """Wait (an awaited future, no thread) for ``min_version``, then stream the weights in chunks."""
-        part.check_member(rank, trainer_id, fingerprint)
-        loop = asyncio.get_running_loop()
-        remaining = self._deadline(context) - loop.time()
-        # Give up a little before the caller's deadline so it gets our reason, not a bare DEADLINE_EXCEEDED.
-        timeout = min(max(0.0, remaining - 0.25), self.cfg.max_pull_wait)
-        t0 = loop.time()
-        if not await self.runtime.part_waiters(part).wait(min_version, timeout):
-            raise WaitTimeout(part.pulls.pull_wait_message(min_version, timeout))
-        if self.runtime.holds.held(part, part.version) is not None:  # version R waits for DECIDE (reply_holds)
-            await self.runtime.holds.wait(part, part.version, t0 + timeout)
-        waited = loop.time() - t0
-        if self.runtime.stopping:
-            raise ShuttingDown(f"shard {self.shard.shard_id} is shutting down")
-        version, snapshot = await self.runtime.acquire_snapshot(part, rank, trainer_id, fingerprint, wire)
-        try:
-            nbytes = snapshot.numel() * snapshot.element_size()
-            # One buffer however many pulls stream it: counted once for the shard (and once per connection).
-            context.hold(("snapshot", snapshot.data_ptr(), nbytes), nbytes)
-            self.count("bytes_out", nbytes)
-            header = _pb.ChunkHeader(dtype=wire, length=snapshot.numel(), version=version, wait_seconds=waited,
-                                     membership_epoch=part.admission.epoch_number(version), layout_epoch=self.layouts.newest,
-                                     **reply_fields)
-            for chunk in encode_raw(snapshot, header, self.cfg.chunk_bytes):
-                await context.write(chunk, self.cfg.chunk_bytes)
-        finally:
-            part.pulls.release_snapshot(snapshot)
+    # ------------------------------------------------------------------ tables (psserver.serving.service_rows)
+    @_refusals
+    @_reply_stream
+    async def PullRows(self, request, context: ReplyStream):
+        """The rows of unique ids of one table, in request order, once the table reached min_version."""
+        await self.tables.pull_rows(request, context)
 
-    # ------------------------------------------------------------------ sparse tables (psserver.sparse.calls)
+    @_refusals
+    async def PushRows(self, request_iterator, context):
+        """Summed gradient rows of unique ids for one table (see ps.proto and psserver.sparse.serving)."""
+        return await self.tables.push_rows(request_iterator, context)
+
+    @_refusals
+    @_reply_stream
+    async def PushPullRows(self, request_iterator, context: ReplyStream):
+        """PushRows, then the rows of the header's ``pull_ids`` at the version the push leads to, in one call."""
+        await self.tables.push_pull_rows(request_iterator, context)
+
+    # ------------------------------------------------------------------ a step in one call (psserver.serving.service_step)
+    @_refusals
+    @_reply_stream
+    async def Step(self, request_iterator, context: ReplyStream):
+        """A step's dense PushPull and table PushPullRows in one call (see ps.proto)."""
+        await self.steps.step(request_iterator, context)
+
+    @_refusals
+    @_reply_stream  # (for its peer slot, deadline and held bytes: nothing is written to a unary call)
+    async def StepOnce(self, request, context: ReplyStream):
+        """A Step in one message answered in one message (ps.proto)."""
+        return await self.steps.step_once(request, context)
+
+
 BIG_SPEC_TENSORS = 1024  # a Register's job spec of more tensors is read off the event loop (_job_of)
 
 

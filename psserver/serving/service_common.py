@@ -1,9 +1,11 @@
-"""What the servicer's RPC handlers share (psserver.serving.service and its rooms for the table RPCs and Step): the
-request stream reader with its idle and total deadlines, the wrapper through which every refusal becomes its one
-status code (``_refusals``), and the checks of a caller's identity and a chunk header's fields.
+"""What the servicer's RPC handlers and its rooms share (psserver.serving.service; service_dense, service_rows and
+service_step): the request stream reader with its idle and total deadlines, the wrapper through which every refusal
+becomes its one status code (``_refusals``), and the checks of a caller's identity and a chunk header's fields.
 
 Kept apart from the handlers so each RPC family's room reads alone; the rule that errors become status codes in
-one place holds because every handler, wherever it lives, is wrapped by ``_refusals`` from here.
+one place holds because every handler -- all on the servicer, each calling one room's method -- is wrapped by
+``_refusals`` from here.  The wrappers read the servicer they wrap: its call slots (``slots``), ``count``,
+``refusal_log``, ``shard``, ``replication``, ``replies`` and ``requests``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from psserver.protocol.codec import (
 )
 from psserver.protocol.errors import (
     InvalidRequest,
+    NotReady,
     PsError,
     StaleGradient,
     StreamTimeout,
@@ -133,7 +136,7 @@ async def _grace(service, e: StreamEndedEarly, context) -> bool:
     e.__traceback__ = None  # the handler's frames, and the chunks they read, are freed now, not after the wait
     with ExitStack() as held:
         try:
-            held.enter_context(service._peer_slot(context))
+            held.enter_context(service.slots.peer_slot(context))
         except TooBusy:
             return False
         return await _client_cancelled(context)
@@ -161,8 +164,8 @@ def _reply_stream(method):
 
     @functools.wraps(method)
     async def wrapper(self, request, context):
-        with self._peer_slot(context):
-            stream = ReplyStream(context, self._deadline(context), self.replies,
+        with self.slots.peer_slot(context):
+            stream = ReplyStream(context, self.slots.deadline(context), self.replies,
                                  gate=self.replication.barrier if self.replication is not None else None)
             stream.requests = RequestHolds(self.requests, stream.peer_name)  # what the request holds while read
             try:
@@ -323,6 +326,13 @@ def _check_header_fields(h: _pb.ChunkHeader) -> None:
         raise InvalidRequest(f"num_samples is {h.num_samples}, over the limit of {limits.MAX_NUM_SAMPLES}")
     if h.sequence > limits.MAX_SEQUENCE:
         raise InvalidRequest(f"sequence is {h.sequence}, over the limit of {limits.MAX_SEQUENCE}")
+
+
+def require_handoffs(handoffs):
+    """A live re-shard's calls (psserver.resharding.handoff_io), or NotReady where the servicer was made without."""
+    if handoffs is None:
+        raise NotReady("handoffs is None but a live re-shard needs a shard process (psserver.serving.server)")
+    return handoffs
 
 
 @asynccontextmanager

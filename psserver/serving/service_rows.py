@@ -1,5 +1,6 @@
-"""The table RPCs' handlers (PullRows, PushRows, PushPullRows) and the row stream's checks that run on the loop
-as chunks arrive: a room of the servicer (psserver.serving.service.ParameterServerService mixes it in).
+"""The table RPCs' work (PullRows, PushRows, PushPullRows) and the row stream's checks that run on the loop as
+chunks arrive: a room of the servicer (psserver.serving.service.ParameterServerService makes one and hands it what it
+calls; its handlers call these and map errors).
 
 What is decided about ids, waits and where a call's table work runs lives in psserver/sparse/calls.py; here a
 row stream is decoded, bounded and tiled, and the reply encoded.  Step's table parts reuse these halves.
@@ -32,8 +33,6 @@ from psserver.serving.service_common import (
     _decoded,
     _no_slot,
     _push_reply,
-    _refusals,
-    _reply_stream,
     StreamEndedEarly,
     _StreamReader,
 )
@@ -44,7 +43,16 @@ log = logging.getLogger("psserver.serving.service")
 
 
 class RowRpcs:
-    """PullRows, PushRows and PushPullRows, and the row halves Step's table parts reuse."""
+    """PullRows, PushRows and PushPullRows, and the row halves Step's table parts reuse (``rows_at``,
+    ``check_rows_first``, ``read_rows``).  Handed layout 0's partition 0 (``shard``: its tables' row calls are
+    ``rows``), the servicer's layouts, runtime, limits, shard-wide count, call slots
+    (psserver.serving.call_slots) and request ledger; it owns the row calls of each layout (``rows_at``)."""
+
+    def __init__(self, shard, layouts, runtime, cfg, count, slots, requests):
+        self.layouts, self.runtime, self.cfg, self.count = layouts, runtime, cfg, count
+        self.slots, self.requests = slots, requests
+        self.rows = RowCalls(shard, runtime, cfg.max_pull_wait)  # the row calls' table steps (layout 0's)
+        self._rows_by_epoch: dict[int, RowCalls] = {}  # a later layout's (rows_at)
 
     def rows_at(self, epoch: int) -> RowCalls:
         """The row calls of layout ``epoch``'s tables (its partition 0's), each layout with its own remembered
@@ -68,9 +76,7 @@ class RowRpcs:
             del self._rows_by_epoch[epoch]
         return len(gone)
 
-    @_refusals
-    @_reply_stream
-    async def PullRows(self, request, context: ReplyStream):
+    async def pull_rows(self, request, context: ReplyStream):
         """The rows of unique ids of one table, in request order, once the table reached min_version."""
         request = _decoded(request)
         _check_identity(request)
@@ -85,7 +91,7 @@ class RowRpcs:
         checked = await calls.check_ids(table, ids)  # before waiting: a refusal is not worth a wait
         waited, table, version, rows = await calls.pull(
             table, request.table, request.rank, request.trainer_id, request.fingerprint, request.min_version,
-            checked, self._deadline(context), functools.partial(context.hold, ("rows", id(request))))
+            checked, self.slots.deadline(context), functools.partial(context.hold, ("rows", id(request))))
         header = _pb.RowsHeader(table=request.table, version=version, num_ids=len(ids), dim=table.spec.dim,
                                 wait_seconds=waited, layout_epoch=self.layouts.newest)
         if request.remember:  # (ids once: a push may name this pull instead of resending its ids)
@@ -93,22 +99,19 @@ class RowRpcs:
         for chunk in row_chunks(rows, header, self.cfg.chunk_bytes, raw=True):
             await context.write(chunk, self.cfg.chunk_bytes)
 
-    @_refusals
-    async def PushRows(self, request_iterator, context):
+    async def push_rows(self, request_iterator, context):
         """Summed gradient rows of unique ids for one table (see ps.proto and psserver.sparse.serving)."""
-        with self._peer_slot(context), RequestHolds(self.requests, context.peer() or "?") as holds:
-            reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self._deadline(context))
+        with self.slots.peer_slot(context), RequestHolds(self.requests, context.peer() or "?") as holds:
+            reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self.slots.deadline(context))
             h, table, first = await self._rows_header(reader)
-            r = await self._push_rows(reader, first, h, table, holds=holds)
+            r = await self._apply_push(reader, first, h, table, holds=holds)
             return _push_reply(r, self.layouts.newest)
 
-    @_refusals
-    @_reply_stream
-    async def PushPullRows(self, request_iterator, context: ReplyStream):
+    async def push_pull_rows(self, request_iterator, context: ReplyStream):
         """PushRows, then the rows of the header's ``pull_ids`` at the version the push leads to (PullRows'
         wait, bounds and gather), in one call: a sync step's push and its next batch's prefetch cross the wire
         once.  The pull ids are checked before the push, so a refused call changes nothing."""
-        reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self._deadline(context))
+        reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self.slots.deadline(context))
         h, table, first = await self._rows_header(reader)
         checked = await self._check_pull_ids(h, table)
         await self._push_pull_rows(reader, first, h, table, checked, context)
@@ -125,11 +128,11 @@ class RowRpcs:
         """PushPullRows' work once its header and pull ids are checked (also a Step's table part, ``slot``
         False: the Step holds the rank's slot; ``read``: its rows, read and checked; ``pushed``: their ids'
         CheckedIds)."""
-        r = await self._push_rows(reader, first, h, table, slot, read, pushed, context.requests)
+        r = await self._apply_push(reader, first, h, table, slot, read, pushed, context.requests)
         ids, calls = checked.ids, self.rows_at(h.layout_epoch)
         min_version = reply_version(table.mode, r.outcome, h.version, r.version)
         waited, table, version, rows = await calls.pull(
-            table, h.table, h.rank, h.trainer_id, h.fingerprint, min_version, checked, self._deadline(context),
+            table, h.table, h.rank, h.trainer_id, h.fingerprint, min_version, checked, self.slots.deadline(context),
             functools.partial(context.hold, ("rows", id(h))))
         self.count("row_push_pulls")
         layout = self.layouts.newest  # (a row reply is not held: docs/design/handoff-io.md, Tables)
@@ -149,13 +152,13 @@ class RowRpcs:
         if not first.HasField("header"):
             raise InvalidRequest("the first chunk has no header")
         h = first.header
-        table = self._check_rows_first(h)
+        table = self.check_rows_first(h)
         # a sync push one round ahead from a trainer in the open round waits for its close (psserver.sparse.calls)
         calls = self.rows_at(h.layout_epoch)
         table = await calls.wait_push_base(table, h.table, h.rank, h.version, reader.deadline)
         return h, table, first
 
-    def _check_rows_first(self, h: _pb.RowsHeader):
+    def check_rows_first(self, h: _pb.RowsHeader):
         """A row push's header: the caller a member, the table known, the declared sizes bounded; the table."""
         _check_header_fields(h)
         head = self.layouts.rows_head(h.layout_epoch, h.table, h.version)  # the layout first, as a dense push
@@ -164,14 +167,14 @@ class RowRpcs:
         _check_rows_declared(h, table.spec.dim, self.cfg.max_push_bytes)
         return table
 
-    async def _push_rows(self, reader: _StreamReader, first, h: _pb.RowsHeader, table, slot: bool = True,
+    async def _apply_push(self, reader: _StreamReader, first, h: _pb.RowsHeader, table, slot: bool = True,
                          read: tuple | None = None, pushed=None, holds=None):
         """Read the push's rows and hand it to the table's executor (psserver.sparse.serving): its RowsResult.
         ``read``: the (ids, grads) a Step's check already read, ``pushed``: its ids as checked (CheckedIds);
         ``holds``: the call's request holds (RequestHolds)."""
         calls = self.rows_at(h.layout_epoch)
-        async with self._rank_slot(h.rank) if slot else _no_slot():
-            ids, grads = read if read is not None else await self._read_rows(reader, first, h, holds)
+        async with self.slots.rank_slot(h.rank) if slot else _no_slot():
+            ids, grads = read if read is not None else await self.read_rows(reader, first, h, holds)
             pushed = pushed or calls.push_checked(h, table, ids)  # (ids once: its pull's check stands)
             push = RowsPush(h.rank, h.trainer_id, h.version, h.num_samples, h.sequence, ids, grads)
             try:
@@ -181,7 +184,7 @@ class RowRpcs:
                 self.count("row_pushes_stale")
                 raise
 
-    async def _read_rows(self, reader: _StreamReader, first, h: _pb.RowsHeader,
+    async def read_rows(self, reader: _StreamReader, first, h: _pb.RowsHeader,
                          holds=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The stream's ids and rows, checked chunk by chunk as they arrive (tiling, sizes) and copied; the bytes
         its header declares held in the request ledger (``holds``) before anything is allocated for them."""

@@ -1,5 +1,6 @@
-"""The Step RPC's handler: a step's dense PushPull and table PushPullRows in one call (see ps.proto), a room of
-the servicer (psserver.serving.service.ParameterServerService mixes it in).
+"""The Step RPC's work (Step and StepOnce): a step's dense PushPull and table PushPullRows in one call (see
+ps.proto), a room of the servicer (psserver.serving.service.ParameterServerService makes one and hands it what it
+calls -- among them its dense and table rooms, whose halves each part reuses; its handlers call these and map errors).
 
 Its envelope (parts, checked as they arrive) is psserver.serving.step_parts; its work on the shard's state, one trip to
 the state worker, is psserver.serving.step_trip.  Each part's reply is written by the handler half its own RPC uses --
@@ -26,44 +27,43 @@ from psserver.protocol.rules import STALE, reply_version
 from psserver.protocol.stepwire import StepMessage
 from psserver.serving.replies import ReplyStream
 from psserver.serving.service_common import (
-    _OUTCOMES,
     StreamEndedEarly,
     _check_header_fields,
     _check_pull_bytes,
-    _claim_answer,
     _push_reply,
-    _refusals,
-    _reply_stream,
     _StreamReader,
 )
 from psserver.serving.step_parts import DENSE, ROWS, StepParts, check_caller
 from psserver.serving.step_reply import OneReply
 from psserver.serving.step_trip import TablePart, run_trip
 from psserver.sparse.serving import RowsPush
-from psserver.state import modes
 
 log = logging.getLogger("psserver.serving.service")
 
 
 class StepRpc:
-    """The Step RPC: each part checked as it arrives, then one trip, then each part's reply."""
+    """The Step RPC: each part checked as it arrives, then one trip, then each part's reply.  Handed the
+    servicer's layouts, runtime, limits, shard-wide count, call slots (psserver.serving.call_slots), its dense and
+    table rooms (psserver.serving.service_dense, psserver.serving.service_rows), its step engine (or None) and
+    the count a one-message reply's packer keeps (``shard_count``, layout 0's partition 0's)."""
 
-    @_refusals
-    @_reply_stream
-    async def Step(self, request_iterator, context: ReplyStream):
+    def __init__(self, layouts, runtime, cfg, count, slots, dense, tables, engine, shard_count):
+        self.layouts, self.runtime, self.cfg, self.count = layouts, runtime, cfg, count
+        self.slots, self.dense, self.tables, self.engine, self.shard_count = \
+            slots, dense, tables, engine, shard_count
+
+    async def step(self, request_iterator, context: ReplyStream):
         """A step's dense PushPull and table PushPullRows in one call (see ps.proto).  Every part's header, pull
         ids, row tiling and reply bytes are checked on the loop; then one trip to the state worker checks the
         tables' rows, decides the dense push, pushes the tables and pulls what is ready (psserver.serving.step_trip) --
         so a refusal before the dense push changes nothing -- and the replies stream side by side."""
-        reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self._deadline(context))
+        reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self.slots.deadline(context))
         parts, one_reply = await self._step_parts(reader, context.requests)
         out = OneReply(context, min(limits.ONE_REPLY_BYTES, self.cfg.max_message_bytes // 2),
-                       self.shard.count) if one_reply else context  # (psserver.serving.step_reply)
-        await self._step(parts, context, out)
+                       self.shard_count) if one_reply else context  # (psserver.serving.step_reply)
+        await self._run_parts(parts, context, out)
 
-    @_refusals
-    @_reply_stream  # (for its peer slot, deadline and held bytes: nothing is written to a unary call)
-    async def StepOnce(self, request, context: ReplyStream):
+    async def step_once(self, request, context: ReplyStream):
         """A Step in one message answered in one message (ps.proto): Step's parts, checks, trip and replies, read
         from one request and packed into one reply -- no stream reads or writes on the loop.  A reply over the
         one-message bound is refused before any part runs (_check_once_reply)."""
@@ -71,22 +71,22 @@ class StepRpc:
         parts = self.engine.checked_parts(request, context) if self.engine is not None else None
         checked = parts is not None
         if not checked:
-            parts, _ = await self._step_parts(_Received([request], self._deadline(context)), context.requests)
-        out = OneReply(context, self.cfg.max_message_bytes, self.shard.count, may_stream=False)  # bounded before
-        await self._step(parts, context, out, once=True, checked=checked)
+            parts, _ = await self._step_parts(_Received([request], self.slots.deadline(context)), context.requests)
+        out = OneReply(context, self.cfg.max_message_bytes, self.shard_count, may_stream=False)  # bounded before
+        await self._run_parts(parts, context, out, once=True, checked=checked)
         if self.engine is not None and not checked:
             self.engine.learn(parts, context.peer_name)
         return out.take() or b""  # (a Step always answers each part: never empty)
 
-    async def _step(self, parts: list, context: ReplyStream, out, once: bool = False, checked: bool = False) -> None:
+    async def _run_parts(self, parts: list, context: ReplyStream, out, once: bool = False, checked: bool = False) -> None:
         """A Step's parts, once read: checked, one trip, each part's reply written to ``out`` (the call, or a
         OneReply); ``once``: the reply must fit one message (StepOnce).  ``checked``: the step engine checked the
         parts' headers against the caller's session, so they are not checked again here -- but after a table part
         that may have waited for its round, when the shard may have changed meanwhile."""
         dense = next((p for p in parts if p.kind == DENSE), None)
         if dense is not None and not checked:
-            self._check_push_first(dense.header)
-        deadline = self._deadline(context)
+            self.dense.check_push_first(dense.header)
+        deadline = self.slots.deadline(context)
         tables = []
         for p in parts:
             if p.kind == ROWS:
@@ -97,7 +97,7 @@ class StepRpc:
         self.count("step_calls")
         if once:
             self.count("step_calls_once")
-        async with self._rank_slot(parts[0].header.rank):
+        async with self.slots.rank_slot(parts[0].header.rank):
             pushed = await self._step_trip(dense, [t for _, t in tables], context, checked)
             if once:
                 await self._replies_in_turn(pushed, dense, tables, out, deadline)
@@ -106,7 +106,7 @@ class StepRpc:
                 if t.error is not None:
                     raise t.error
             turn = asyncio.Lock()
-            runs = [] if dense is None else [self._pull_pushed(*pushed, _PartStream(out, dense.index, turn))]
+            runs = [] if dense is None else [self.dense.pull_pushed(*pushed, _PartStream(out, dense.index, turn))]
             runs += [self._step_table_reply(t, _PartStream(out, index, turn), deadline) for index, t in tables]
             await _first_error(runs)
             if isinstance(out, OneReply) and not once:
@@ -121,7 +121,7 @@ class StepRpc:
             if t.error is not None:
                 raise t.error
         if dense is not None:
-            await self._pull_pushed(*pushed, _PartStream(out, dense.index))
+            await self.dense.pull_pushed(*pushed, _PartStream(out, dense.index))
         for index, t in tables:
             await self._step_table_reply(t, _PartStream(out, index), deadline)
 
@@ -154,7 +154,7 @@ class StepRpc:
                 for p in collected.parts[seen:]:
                     collected.declare(p, self._check_step_header(p, collected.parts[0]))
                     if p.index == 0:
-                        await held.enter_async_context(self._rank_slot(p.header.rank))
+                        await held.enter_async_context(self.slots.rank_slot(p.header.rank))
         if not collected.parts:  # (what a Step its client cancelled before its first message reads as)
             raise StreamEndedEarly("the Step stream is empty: it must carry at least one part")
         return collected.finish(), collected.one_reply
@@ -164,7 +164,7 @@ class StepRpc:
         Returns the payload bytes it declares (its chunks may carry no more: StepParts.declare)."""
         h = check_caller(p, first)
         if p.kind == ROWS:
-            self._check_rows_first(h)
+            self.tables.check_rows_first(h)
             return h.num_ids * (8 + 4 * h.dim)  # (at most: a push naming its pulls sends no ids)
         _check_header_fields(h)
         if h.moved_from:  # a question for an old slot is a Push of no gradient; in a Step it was applied as a push
@@ -179,11 +179,11 @@ class StepRpc:
     async def _step_table(self, p, deadline: float, context, checked: bool = False) -> TablePart:
         """A Step's table part read and bounded on the loop (header, the wait for an open round, pull ids and the
         reply's bytes, held now, row tiling): its TablePart, for the trip to check and apply.  ``checked``: its
-        header was checked (``_step``), only the table it names is looked up."""
+        header was checked (``_run_parts``), only the table it names is looked up."""
         first, h = p.chunks[0], p.header
         table = self.layouts.rows_head(h.layout_epoch, h.table, h.version).tables.get(h.table) if checked \
-            else self._check_rows_first(h)
-        calls = self.rows_at(h.layout_epoch)
+            else self.tables.check_rows_first(h)
+        calls = self.tables.rows_at(h.layout_epoch)
         waits = h.version > table.version  # (one ahead of its table: it may wait for the open round's close)
         table = await calls.wait_push_base(table, h.table, h.rank, h.version, deadline)  # before check_push
         pull_ids = None
@@ -192,7 +192,7 @@ class StepRpc:
             _check_pull_bytes(len(pull_ids), table.spec.dim,
                               min(self.cfg.max_push_bytes, limits.MAX_ROWS_REPLY_BYTES))
             context.hold(("rows", id(h)), len(pull_ids) * table.spec.dim * 4)  # before any row is made
-        ids, grads = await self._read_rows(_Received(p.chunks, deadline, start=1), first, h, context.requests)
+        ids, grads = await self.tables.read_rows(_Received(p.chunks, deadline, start=1), first, h, context.requests)
         push = RowsPush(h.rank, h.trainer_id, h.version, h.num_samples, h.sequence, ids, grads)
         # ids once: a push naming one pull whole keeps that pull's check (RowCalls.push_checked)
         return TablePart(h, table, push, pull_ids, pushed=calls.push_checked(h, table, ids), waited=waits)
@@ -200,10 +200,10 @@ class StepRpc:
     async def _step_trip(self, dense, tables: list[TablePart], context, checked: bool = False):
         """The Step's dense gradient read into a receive buffer, then its one trip (run_trip): the dense part's
         (header, PushResult) -- a stale push as a result, as PushPull answers it -- or None without one.
-        ``checked``: its header is checked and unchanged since (``_step``)."""
+        ``checked``: its header is checked and unchanged since (``_run_parts``)."""
         refuse = self.cfg.nonfinite == "refuse"
         # the tables of the layout the parts name (one caller, one layout: step_parts.check_caller)
-        calls = self.rows_at(tables[0].header.layout_epoch) if tables else self.rows
+        calls = self.tables.rows_at(tables[0].header.layout_epoch) if tables else self.tables.rows
 
         def trip(push=None):
             return run_trip(calls.shard, tables, refuse, push, lambda: self.runtime.stopping)
@@ -211,15 +211,15 @@ class StepRpc:
         if dense is None:
             await calls.run_all([(t.table, t.elements) for t in tables], trip)
             return None
-        reader = _Received(dense.chunks, self._deadline(context), start=1)  # its header is read (step_parts)
+        reader = _Received(dense.chunks, self.slots.deadline(context), start=1)  # its header is read (step_parts)
         first, h = dense.chunks[0], dense.header
         # again, unless checked since: a table part before it may have waited for a round
-        part = self.layouts.part(h.layout_epoch, h.partition) if checked else self._check_push_first(h)
+        part = self.layouts.part(h.layout_epoch, h.partition) if checked else self.dense.check_push_first(h)
         async with self.runtime.buffers.take(part.slice_length()) as held:
-            grad = await self._read_tensor(part, reader, first, h, out=held.buffer, sparse=True)
+            grad = await self.dense.read_tensor(part, reader, first, h, out=held.buffer, sparse=True)
             out = await held.hand_over(calls.run_all(
                 [(t.table, t.elements) for t in tables], trip,
-                functools.partial(_stale_as_result, self._check_and_push, part, h, grad)))
+                functools.partial(_stale_as_result, self.dense.check_and_push, part, h, grad)))
             if isinstance(out, PushResult):  # stale: the buffer was not taken
                 return h, out
             result, held.buffer = out
@@ -236,7 +236,7 @@ class StepRpc:
             await context.write(_pb.RowsChunk(header=_pb.RowsHeader(table=h.table, dim=h.dim, layout_epoch=layout,
                                                                     push=_push_reply(t.result, layout))))
             return
-        waited, table, calls = 0.0, t.table, self.rows_at(h.layout_epoch)
+        waited, table, calls = 0.0, t.table, self.tables.rows_at(h.layout_epoch)
         if t.pulled is not None:
             version, rows = t.pulled
         else:
@@ -251,14 +251,6 @@ class StepRpc:
                                 pull_ref=calls.remember(h, t.checked))  # (ids once, as PushPullRows)
         for chunk in row_chunks(rows, header, self.cfg.chunk_bytes, raw=True):
             await context.write(chunk, self.cfg.chunk_bytes)
-
-    async def _pull_pushed(self, h: _pb.ChunkHeader, r, context) -> None:
-        """A pushed dense gradient's reply: the weights of the version to go on from (PushPull's second half)."""
-        part = self.layouts.part(h.layout_epoch, h.partition)
-        wanted = modes.reply_version(part.mode_config(), r.outcome, h.version, r.version)
-        await self._stream_weights(part, h.rank, h.trainer_id, h.fingerprint, wanted, part.wire_dtype(),
-                                   context, outcome=_OUTCOMES[r.outcome], staleness=r.staleness,
-                                   partition=h.partition, **_claim_answer(part, h))
 
 
 class _PartStream:

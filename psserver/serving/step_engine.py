@@ -8,7 +8,7 @@ that it is a member, that its headers are well formed and bounded, which partiti
 session per (connection, rank) remembers what the last general step resolved; the next step of that caller is
 checked here against it: every integer it declares must match the session and be in bounds, and the objects the
 session resolved must still be the ones the shard serves (the *guards*).  Then its parts go to the general
-path's ``_step`` marked checked, which skips the headers' checks it repeats -- the rest (waits, pulls, the trip,
+path's ``StepRpc._run_parts`` marked checked, which skips the headers' checks it repeats -- the rest (waits, pulls, the trip,
 the replies) is the general path itself.  Anything else returns None before anything changed, and the general
 path runs as it always did, with all its refusals: the engine has no refusals of its own.
 (tests/integration/test_step_engine.py runs both on the same steps and compares reply bytes, state digests and
@@ -95,7 +95,7 @@ class StepEngine:
         """(session, its parts) when the request is a step the engine checks, else None.
 
         Every check here is one the general path makes before anything changes (psserver.serving.step_parts, the parts'
-        header checks, ``_check_push_first``, ``_check_rows_first``): where one would refuse, or could, None."""
+        header checks, ``check_push_first``, ``check_rows_first``): where one would refuse, or could, None."""
         if msg.malformed or msg.dense is None and msg.rows is None:
             return None
         chunks = msg.flat()

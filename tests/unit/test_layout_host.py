@@ -224,19 +224,16 @@ def test_retire_releases_the_freed_layouts_memory_reservation_so_a_drained_proce
     assert layouts.current.snapshot().counters["memory_tables_budget_bytes"] == 0
 
 
-class _RowsOnly(RowRpcs):
+def _rows_only(layouts) -> RowRpcs:
     """The servicer's row-call room alone (no gRPC, no runtime): what ``rows_at`` keeps per layout."""
-
-    def __init__(self, layouts):
-        self.layouts, self.runtime, self.cfg = layouts, None, ServiceLimits()
-        self.rows, self._rows_by_epoch = None, {}
+    return RowRpcs(layouts.current.head, layouts, None, ServiceLimits(), None, None, None)
 
 
 def test_row_calls_of_layouts_retire_freed_are_dropped_so_they_do_not_grow_with_every_reshard():
     """issue 24: ``_rows_by_epoch`` kept a RowCalls (its remembered pulls, its freed partition) per layout ever
     served; now a new layout's row calls, or any Reshard op, drop those of layouts this process no longer holds."""
     host, layouts = running()
-    rows = _RowsOnly(layouts)
+    rows = _rows_only(layouts)
     switch_offline(layouts, 1, 0)
     first = rows.rows_at(1)
     assert rows.rows_at(1) is first  # kept while layout 1 serves
