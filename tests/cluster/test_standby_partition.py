@@ -51,7 +51,7 @@ def stats(hosts: Hosts, address: str) -> dict:
     return json.loads(out.stdout)
 
 
-def run_job(tmp_path, hosts: Hosts, job: str, fail) -> tuple[list[dict], dict, tuple]:
+def run_job(tmp_path, hosts: Hosts, job: str, fail, steps: int = STEPS) -> tuple[list[dict], dict, tuple]:
     """Two sync trainers on a replicated shard 0; ``fail(a, b, metrics)`` at step FAIL_AT returns the replica's
     host serving at the end.  Returns the trainers' final metrics, that replica's stats, and the replicas."""
     procs = []
@@ -71,7 +71,7 @@ def run_job(tmp_path, hosts: Hosts, job: str, fail) -> tuple[list[dict], dict, t
         wait_until(lambda: "caught up" in a.log_path.read_text(), "the standby in sync")
         metrics = [tmp_path / f"t{r}.jsonl" for r in range(2)]
         trainers = [start_trainer(r, f"replica-a:{PORT}|replica-b:{PORT}", tmp_path / f"t{r}.log", [
-            "--num-trainers", "2", "--mode", "sync", "--model", "mlp", "--dataset", "mnist5k", "--steps", str(STEPS),
+            "--num-trainers", "2", "--mode", "sync", "--model", "mlp", "--dataset", "mnist5k", "--steps", str(steps),
             "--batch-size", "32", "--no-progress", "--log-every", "1", "--threads", "1",
             "--metrics-file", str(metrics[r])], prefix=hosts.prefix(f"trainer{r}")) for r in range(2)]
         procs += trainers
@@ -85,12 +85,12 @@ def run_job(tmp_path, hosts: Hosts, job: str, fail) -> tuple[list[dict], dict, t
             p.kill()
 
 
-def check_nothing_lost(done: list[dict], st: dict) -> None:
+def check_nothing_lost(done: list[dict], st: dict, steps: int = STEPS) -> None:
     for d in done:
-        assert d["event"] == "done" and d["steps"] == STEPS
+        assert d["event"] == "done" and d["steps"] == steps
         assert d["steps_lost"] == 0 and d["reconnects"] == 0  # the standby knew them: no rejoin, no rollback
-    assert st["counters"]["pushes_applied"] == 2 * STEPS  # every push applied once, none twice
-    assert st["version"] == STEPS
+    assert st["counters"]["pushes_applied"] == 2 * steps  # every push applied once, none twice
+    assert st["version"] == steps
 
 
 def test_a_primary_cut_off_from_the_network_is_replaced_and_fenced_when_plugged_back(tmp_path, hosts):
@@ -108,6 +108,10 @@ def test_a_primary_cut_off_from_the_network_is_replaced_and_fenced_when_plugged_
 
 
 def test_a_standby_cut_off_is_dropped_and_after_the_link_heals_it_catches_up_and_takes_over(tmp_path, hosts):
+    """(A longer job: it must still run when the standby is in sync again -- the primary shuns a standby that
+    failed for a few seconds -- for the kill to fall mid-job; a job that ended first ends its standby too.)"""
+    steps = 6 * STEPS
+
     def cut(a, b, metrics):
         hosts.set_link("replica-b", up=False)
         at = last_step(metrics[0])
@@ -115,12 +119,13 @@ def test_a_standby_cut_off_is_dropped_and_after_the_link_heals_it_catches_up_and
         hosts.set_link("replica-b", up=True)
         caught = a.log_path.read_text().count("caught up")
         wait_until(lambda: a.log_path.read_text().count("caught up") > caught, "the standby in sync again")
+        assert last_step(metrics[0]) < steps - 1  # (else the kill below would not fall mid-job)
         a.kill()
         wait_until(lambda: "promoted to primary" in b.log_path.read_text(), "the standby's promotion")
         return "replica-b"
 
-    done, st, (a, b) = run_job(tmp_path, hosts, "cut-standby", cut)
-    check_nothing_lost(done, st)
+    done, st, (a, b) = run_job(tmp_path, hosts, "cut-standby", cut, steps)
+    check_nothing_lost(done, st, steps)
     assert st["counters"]["replica_promotions"] == 1
 
 
