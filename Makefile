@@ -26,7 +26,7 @@ demo: setup
 # The tests in three tiers, each its own pytest run showing its progress file by file: tests/unit (no sockets),
 # tests/integration (real gRPC on loopback), tests/cluster (real processes). Every tier runs even when an earlier
 # one failed; the target fails if any did. `make test TIERS=integration` runs one tier, `make test-fast` the two
-# quick ones; ARGS go to every pytest run (`make test-fast ARGS="-k refus -x"`).
+# quick ones; ARGS go to every pytest run (`make test-fast ARGS="-k refus -x"`). Each tier ends with its ten slowest tests.
 # pytest exits 5 when it collected no tests: a failure, not a pass -- unless ARGS select, where a tier without a
 # match is expected; then only a run in which no tier collected anything fails.
 TIERS ?= unit integration cluster
@@ -36,7 +36,7 @@ test: setup
 	@failed=""; empty=0; \
 	for tier in $(TIERS); do \
 	    echo; echo "=== tests/$$tier ($$(date +%T))"; start=$$(date +%s); \
-	    $(PY) -m pytest tests/$$tier $(ARGS); rc=$$?; \
+	    $(PY) -m pytest tests/$$tier --durations=10 $(ARGS); rc=$$?; \
 	    if [ $$rc -eq 5 ]; then \
 	        empty=$$((empty + 1)); \
 	        if [ -z "$(SELECTING)" ]; then echo "no tests were collected in tests/$$tier" >&2; failed="$$failed $$tier"; fi; \
