@@ -39,6 +39,15 @@ def last_step(path: Path) -> int:
     return max((r["step"] for r in records(path) if r["event"] == "step"), default=0)
 
 
+def check_nothing_lost(done: list[dict], stats, steps: int) -> None:
+    """A hot-standby job's end: every trainer made every step, none lost or re-registered (the standby knew them),
+    and the serving replica applied each push once (``stats``: a StatsReply, or anything with its ``counters``)."""
+    for d in done:
+        assert d["event"] == "done" and d["steps"] == steps
+        assert d["steps_lost"] == 0 and d["reconnects"] == 0  # the standby knew them: no rejoin, no rollback
+    assert stats.counters["pushes_applied"] == 2 * steps  # every push applied once, none twice
+
+
 def restart_on_its_port(shard: Proc, index: int, log: Path, extra_args: list[str], env: dict | None = None) -> Proc:
     """Shard ``index`` started again with ``--restore`` on the port of ``shard`` (which the test has killed or
     stopped), so the trainers' addresses reach the new process (``env``: e.g. the job's token)."""

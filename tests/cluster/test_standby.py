@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from psserver.protocol.stubs import fetch_stat
-from tests.cluster.helpers import last_step
+from tests.cluster.helpers import check_nothing_lost, last_step
 from tests.helpers import wait_until
 from trainer.local.procs import free_port, start_etcd, start_shard, start_trainer, wait_all
 
@@ -74,18 +74,11 @@ def train(tmp_path, etcd, job: str, mode: str, fail=None, model=MLP, checkpoints
             p.kill()
 
 
-def check_nothing_lost(done: list[dict], stats, steps: int = STEPS) -> None:
-    for d in done:
-        assert d["event"] == "done" and d["steps"] == steps
-        assert d["steps_lost"] == 0 and d["reconnects"] == 0  # the standby knew them: no rejoin, no rollback
-    assert stats.counters["pushes_applied"] == 2 * steps  # every push applied once, none twice
-
-
 def test_kill_9_of_a_sync_primary_loses_nothing_and_the_weights_are_bit_identical(tmp_path, etcd):
     done, reference, stats, _ = train(tmp_path, etcd, "ref", "sync")
-    check_nothing_lost(done, stats)
+    check_nothing_lost(done, stats, STEPS)
     done, weights, stats, (a, b) = train(tmp_path, etcd, "kill", "sync", fail=lambda a, b: a.kill())
-    check_nothing_lost(done, stats)
+    check_nothing_lost(done, stats, STEPS)
     assert stats.version == STEPS and stats.counters["replica_promotions"] == 1
     assert reference.keys() == weights.keys()
     for name in reference:
@@ -99,7 +92,7 @@ def test_kill_9_of_an_async_or_stale_timeout_primary_applies_every_push_exactly_
     """(stale-timeout's deadline, 5 s, is longer than a failover: every round still closes with both pushes.)"""
     model = MLP + (["--sync-timeout", "5"] if mode == "stale-timeout" else [])
     done, _, stats, _ = train(tmp_path, etcd, mode, mode, fail=lambda a, b: a.kill(), model=model)
-    check_nothing_lost(done, stats)
+    check_nothing_lost(done, stats, STEPS)
     # async: one optimizer step a push; stale-timeout: one a round -- none lost, none repeated
     assert stats.version == (2 * STEPS if mode == "async" else STEPS)
 
@@ -114,7 +107,7 @@ def test_a_primary_paused_past_its_lease_is_fenced_when_it_wakes(tmp_path, etcd)
         assert a.popen.wait(30) == 3  # (before train() asks who is primary: it is gone once fenced)
 
     done, _, stats, (a, _) = train(tmp_path, etcd, "pause", "sync", fail=pause)
-    check_nothing_lost(done, stats)
+    check_nothing_lost(done, stats, STEPS)
     assert "fenced" in a.log_path.read_text()
 
 
@@ -145,7 +138,7 @@ def test_a_killed_standby_is_dropped_and_the_primary_goes_on_alone(tmp_path, etc
     """kill -9 of the standby: the primary's shipment times out, etcd records it dropped (so it can never be
     promoted with its old state), and the primary answers alone -- nothing lost, logged."""
     done, _, stats, (a, b) = train(tmp_path, etcd, "nostandby", "sync", fail=lambda a, b: b.kill())
-    check_nothing_lost(done, stats)
+    check_nothing_lost(done, stats, STEPS)
     assert stats.counters["replica_standby_lost"] == 1 and stats.counters["replica_promotions"] == 0
     assert "running unreplicated" in a.log_path.read_text()
 
@@ -172,7 +165,7 @@ def test_with_require_standby_a_lost_standby_holds_every_reply_until_a_new_one_c
     finally:
         for p in fresh:
             p.kill()
-    check_nothing_lost(done, stats)
+    check_nothing_lost(done, stats, STEPS)
     assert stats.counters["replica_catch_ups"] == 2 and stats.counters["replica_standby_lost"] == 1
     assert stats.counters["replica_unreplicated"] == 0 and stats.counters["replica_promotions"] == 0
 
@@ -181,7 +174,7 @@ def test_training_goes_on_while_etcd_is_down(tmp_path, etcd):
     """etcd killed mid-run: the primary keeps shipping to its standby and answering; only a change of roles
     would wait for etcd (none is needed)."""
     done, _, stats, (a, b) = train(tmp_path, etcd, "noetcd", "sync", fail=lambda a, b: etcd.kill())
-    check_nothing_lost(done, stats)
+    check_nothing_lost(done, stats, STEPS)
     assert stats.counters["replica_promotions"] == 0 and stats.counters["replica_standby_lost"] == 0
     assert a.popen.returncode == b.popen.returncode == -signal.SIGKILL  # both served to the end (the cleanup's kill)
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
-from tests.cluster.helpers import last_step
+from tests.cluster.helpers import check_nothing_lost, last_step
 from tests.cluster.netns import Hosts, firewall_as_others_see_it
 from tests.helpers import wait_until
 from trainer.local.procs import start_etcd, start_shard, start_trainer, wait_all
@@ -44,14 +45,16 @@ def hosts():
     assert firewall_as_others_see_it(h.tag) == firewall  # the rule it may have needed for its bridge is gone
 
 
-def stats(hosts: Hosts, address: str) -> dict:
-    """A replica's GetStats, asked from a trainer's host (this test's own namespace reaches none of them)."""
+def stats(hosts: Hosts, address: str) -> SimpleNamespace:
+    """A replica's GetStats (its version and counters), asked from a trainer's host (this test's own namespace
+    reaches none of them)."""
     out = subprocess.run(hosts.prefix("trainer0") + [sys.executable, "-c", STATS, address], capture_output=True,
                          text=True, timeout=60, check=True)
-    return json.loads(out.stdout)
+    return SimpleNamespace(**json.loads(out.stdout))
 
 
-def run_job(tmp_path, hosts: Hosts, job: str, fail, steps: int = STEPS) -> tuple[list[dict], dict, tuple]:
+def run_job(tmp_path, hosts: Hosts, job: str, fail,
+            steps: int = STEPS) -> tuple[list[dict], SimpleNamespace, tuple]:
     """Two sync trainers on a replicated shard 0; ``fail(a, b, metrics)`` at step FAIL_AT returns the replica's
     host serving at the end.  Returns the trainers' final metrics, that replica's stats, and the replicas."""
     procs = []
@@ -85,14 +88,6 @@ def run_job(tmp_path, hosts: Hosts, job: str, fail, steps: int = STEPS) -> tuple
             p.kill()
 
 
-def check_nothing_lost(done: list[dict], st: dict, steps: int = STEPS) -> None:
-    for d in done:
-        assert d["event"] == "done" and d["steps"] == steps
-        assert d["steps_lost"] == 0 and d["reconnects"] == 0  # the standby knew them: no rejoin, no rollback
-    assert st["counters"]["pushes_applied"] == 2 * steps  # every push applied once, none twice
-    assert st["version"] == steps
-
-
 def test_a_primary_cut_off_from_the_network_is_replaced_and_fenced_when_plugged_back(tmp_path, hosts):
     def cut(a, b, metrics):
         hosts.set_link("replica-a", up=False)
@@ -102,8 +97,8 @@ def test_a_primary_cut_off_from_the_network_is_replaced_and_fenced_when_plugged_
         return "replica-b"
 
     done, st, (a, b) = run_job(tmp_path, hosts, "cut-primary", cut)
-    check_nothing_lost(done, st)
-    assert st["counters"]["replica_promotions"] == 1
+    check_nothing_lost(done, st, STEPS)
+    assert st.version == STEPS and st.counters["replica_promotions"] == 1
     assert "fenced" in a.log_path.read_text()
 
 
@@ -126,7 +121,7 @@ def test_a_standby_cut_off_is_dropped_and_after_the_link_heals_it_catches_up_and
 
     done, st, (a, b) = run_job(tmp_path, hosts, "cut-standby", cut, steps)
     check_nothing_lost(done, st, steps)
-    assert st["counters"]["replica_promotions"] == 1
+    assert st.version == steps and st.counters["replica_promotions"] == 1
 
 
 def test_a_primary_cut_off_for_good_is_replaced_and_the_trainers_go_on_without_its_answer(tmp_path, hosts):
@@ -136,5 +131,5 @@ def test_a_primary_cut_off_for_good_is_replaced_and_the_trainers_go_on_without_i
         return "replica-b"
 
     done, st, (a, b) = run_job(tmp_path, hosts, "lost-primary", cut)
-    check_nothing_lost(done, st)
-    assert st["counters"]["replica_promotions"] == 1
+    check_nothing_lost(done, st, STEPS)
+    assert st.version == STEPS and st.counters["replica_promotions"] == 1
