@@ -98,7 +98,7 @@ def run_rows_trainer(rank, addresses, mode, records, errors):
         rows, push_shard = ps.rows, ps.rows.pushes.push_shard
 
         def recorded(s, table, ids, grads, n):
-            base = rows._lanes[(s.index, table)].base
+            base = rows.book.lanes[(s.index, table)].base
             outcome = push_shard(s, table, ids, grads, n)
             records.append((s.index, base, outcome, ids.clone(), grads.clone()))
             return outcome

@@ -261,7 +261,7 @@ def test_a_push_that_fails_on_one_shard_is_retried_there_alone_with_the_same_seq
             rows.push("emb", ids, torch.ones(20, DIM), 1)  # only shard 1 is tried again
         counters = raws[0].stats().counters
         assert counters["table.emb.pushes_applied"] == 1 and counters["table.emb.pushes_duplicate"] == 0
-        assert rows._lanes[(1, "emb")].sequence == 1  # the unanswered push kept its number
+        assert rows.book.lanes[(1, "emb")].sequence == 1  # the unanswered push kept its number
         with pytest.raises(RowsCallFailed, match=f"shard 1 at {raws[1].server.address}: UNAVAILABLE"):
             rows.pull("emb", ids)
     finally:

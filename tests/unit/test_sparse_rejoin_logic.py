@@ -48,17 +48,17 @@ def rows(num_shards=2) -> ShardedRows:
 
 def test_resync_goes_on_from_the_shards_versions_under_a_new_number_and_counts_the_rollback():
     r = rows()
-    lane = r._lanes[(1, "emb")]
+    lane = r.book.lanes[(1, "emb")]
     lane.version, lane.base, lane.wait_for, lane.sequence, lane.unanswered = 7, 7, 8, 5, True
     r.resync(1, {"emb": 4})
     assert (lane.version, lane.base, lane.wait_for, lane.unanswered, lane.resumed) == (4, 4, 4, False, True)
     assert r.counters["versions_lost"] == 3 and r.counters["restarts"] == 1
-    assert r._lanes[(0, "emb")].version == 0  # the other shard's lanes are untouched
+    assert r.book.lanes[(0, "emb")].version == 0  # the other shard's lanes are untouched
 
 
 def test_resync_drops_a_failed_push_kept_for_the_restarted_shard_only():
     r = rows()
-    r._pending["emb"] = pending = type("P", (), {})()
+    r.book.pending["emb"] = pending = type("P", (), {})()
     pending.payloads, pending.done = {0: None, 1: None}, [0]
     r.resync(1, {})
     assert pending.done == [0, 1] and r.counters["pushes_lost"] == 1
@@ -68,7 +68,7 @@ def test_resync_drops_a_failed_push_kept_for_the_restarted_shard_only():
 
 def test_the_first_push_after_a_resync_that_a_round_answers_duplicate_is_counted_lost():
     r = rows()
-    lane = r._lanes[(0, "emb")]
+    lane = r.book.lanes[(0, "emb")]
     r.resync(0, {"emb": 2})
     assert r.book.push_outcome(lane, "duplicate", attempts=1) == "lost"
     assert r.counters["pushes_lost"] == 1
@@ -78,14 +78,14 @@ def test_the_first_push_after_a_resync_that_a_round_answers_duplicate_is_counted
 def test_a_duplicate_on_a_retry_after_a_resync_is_a_lost_reply_not_a_lost_push():
     r = rows()
     r.resync(0, {})
-    assert r.book.push_outcome(r._lanes[(0, "emb")], "duplicate", attempts=2) == "duplicate"
+    assert r.book.push_outcome(r.book.lanes[(0, "emb")], "duplicate", attempts=2) == "duplicate"
 
 
 def test_abandon_drops_the_kept_push_and_gives_the_unfinished_shards_new_numbers(monkeypatch):
     r = rows()
 
     def fail_on_shard_1(s, table, ids, grads, n):
-        lane = r._lanes[(s.index, table)]
+        lane = r.book.lanes[(s.index, table)]
         lane.sequence += 1
         lane.unanswered = s.index == 1
         if s.index == 1:
@@ -97,7 +97,7 @@ def test_abandon_drops_the_kept_push_and_gives_the_unfinished_shards_new_numbers
     with pytest.raises(RowsPushFailed):
         r.push("emb", ids, torch.ones(6, 4), 1)
     assert r.abandon("emb") is True
-    assert "emb" not in r._pending and not r._lanes[(1, "emb")].unanswered
+    assert "emb" not in r.book.pending and not r.book.lanes[(1, "emb")].unanswered
     assert r.counters["pushes_abandoned"] == 1
     assert r.abandon("emb") is False  # nothing left to drop
 

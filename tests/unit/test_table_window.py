@@ -210,7 +210,7 @@ def test_a_cached_row_ages_by_this_trainers_pushes_still_in_flight():
     r = ShardedRows(client, spec)
     try:
         r.use_window(4)
-        r._lanes[(0, "emb")].version = 7
+        r.book.lanes[(0, "emb")].version = 7
         r.window.in_flight.update({(0, "emb"): 3, (1, "emb"): 1})
         assert r.known_versions("emb").tolist() == [10, 1]
     finally:

@@ -91,16 +91,6 @@ class ShardedRows:
                                 self.count, self._lock)
 
     @property
-    def _lanes(self) -> dict:
-        """(shard, table) -> its Lane (trainer.tables.row_lanes); read by tests and the accounting soak."""
-        return self.book.lanes
-
-    @property
-    def _pending(self) -> dict:
-        """table -> its failed push kept for the retry (trainer.tables.row_lanes.Pending)."""
-        return self.book.pending
-
-    @property
     def ahead(self) -> RowPrefetch:
         """The next batches' rows, pulled ahead (trainer.tables.row_prefetch; the pull side's)."""
         return self.pulls.ahead
