@@ -89,6 +89,7 @@ class Replica:
         self.standby: StandbyServer | None = None
         self._renewed = time.monotonic()
         self._primary = False
+        self._lease_lock = threading.Lock()  # one lease at a time: the lease thread and ``start`` both take one
 
     # ------------------------------------------------------------------ the lease
     def _keep_lease(self, stop: threading.Event) -> None:
@@ -112,12 +113,33 @@ class Replica:
                 fence_now(self.cfg.shard, "its etcd lease expired: a standby may have been promoted")
             if not alive and not self._primary:
                 try:
-                    self.store.grant(self.opts.lease_seconds)  # a standby's offer lapses with it: offered again
-                    self._renewed = time.monotonic()
-                    if self.standby is not None:
-                        self.roles.offer_standby(host_port(self.advertised, self.standby.port))
+                    with self._lease_lock:
+                        self._new_lease()
+                        if self.standby is not None:  # a standby's offer lapsed with its lease: offered again
+                            self.roles.offer_standby(host_port(self.advertised, self.standby.port))
                 except Exception as e:  # noqa: BLE001 -- etcd unreachable: the next period tries again
                     log.warning("shard %d: taking a new etcd lease failed: %s", self.cfg.shard, e)
+
+    def _new_lease(self) -> None:
+        self.store.grant(self.opts.lease_seconds)
+        self._renewed = time.monotonic()
+
+    def _offer_standby(self) -> None:
+        """Offer this standby in etcd on a live lease.  A replica that started slowly (a loaded machine: its
+        optimizers' warm-up, its standby port) may find the lease it took at its start already lapsed, and etcd
+        refuses a key on a lapsed lease: it takes a new lease and offers again, once."""
+        address = host_port(self.advertised, self.standby.port)
+        with self._lease_lock:
+            try:
+                self.roles.offer_standby(address)
+                return
+            except Exception as e:  # noqa: BLE001 -- etcd3gw's errors have no common base
+                if self.store.refresh():
+                    raise  # the lease lives: etcd refused for another reason
+                log.warning("shard %d: the etcd lease lapsed before this standby was offered (%s: %s); offering "
+                            "it on a new lease", self.cfg.shard, type(e).__name__, e)
+                self._new_lease()
+                self.roles.offer_standby(address)
 
     # ------------------------------------------------------------------ roles
     def _first_lease(self, stop: threading.Event) -> None:
@@ -126,7 +148,7 @@ class Replica:
         deadline, said = time.monotonic() + ETCD_START_SECONDS, False
         while True:
             try:
-                self.store.grant(self.opts.lease_seconds)
+                self._new_lease()
                 return
             except Exception as e:  # noqa: BLE001 -- etcd3gw's errors have no common base; any is "not yet"
                 if time.monotonic() > deadline or stop.is_set():
@@ -164,7 +186,7 @@ class Replica:
         service = StandbyService(self.opts.job, self.cfg.shard, self.cfg.security.admin_token)
         self.standby = StandbyServer(service, self.cfg.host, self.opts.replica_port,
                                      self.cfg.security.interceptors(), self.cfg.security.credentials()).start()
-        self.roles.offer_standby(host_port(self.advertised, self.standby.port))
+        self._offer_standby()
         log.info("shard %d: replica %s is a standby (replication port %s); the shard's port opens if it is "
                  "promoted", self.cfg.shard, self.opts.replica, self.standby.address)
         on_standby(host_port(self.cfg.host, self.cfg.port))

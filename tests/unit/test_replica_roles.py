@@ -187,3 +187,42 @@ def test_only_the_primary_marks_the_job_done_and_every_replica_reads_it(etcd):
     record = b.read()
     assert (record.done, record.primary) == (9, None)
     assert replica(etcd, "c").read().done == 9  # a replica started later reads it too
+
+
+def _replica_on(etcd: FakeEtcd, lease_seconds: int = 1):
+    import threading
+    from types import SimpleNamespace
+
+    from psserver.replication.replica import Replica, ReplicaOptions
+
+    cfg = SimpleNamespace(shard=0, host="127.0.0.1", port=7000)
+    r = Replica(cfg, ReplicaOptions(etcd="etcd:2379", replica="b", job="job", lease_seconds=lease_seconds),
+                store=etcd.client(), server_factory=lambda *a, **k: None)
+    r._first_lease(threading.Event())
+    r.standby = SimpleNamespace(port=7100)
+    return r
+
+
+def test_a_standby_whose_lease_lapsed_while_it_started_offers_itself_on_a_new_lease(etcd):
+    r = _replica_on(etcd)
+    first = r.store.lease
+    etcd.now += 1.5  # the machine was loaded: the optimizers' warm-up outlived the 1 s lease
+    r._offer_standby()
+    assert r.store.lease != first and r.roles.read().standby == ("b", "127.0.0.1:7100")
+    etcd.now += 0.5
+    assert r.store.refresh()  # the offer is on the lease the replica renews
+    etcd.now += 0.5
+    assert r.roles.read().standby == ("b", "127.0.0.1:7100")
+
+
+def test_a_standby_offer_refused_on_a_live_lease_is_not_retried_on_a_new_one(etcd):
+    r = _replica_on(etcd)
+    first = r.store.lease
+
+    def refused(*_):
+        raise RuntimeError("etcd refused the transaction")
+
+    r.store.txn = refused
+    with pytest.raises(RuntimeError, match="refused"):
+        r._offer_standby()
+    assert r.store.lease == first
