@@ -230,21 +230,16 @@ class ShardHost:
         self.count(counter)
         return states[0].version
 
-    def capture_states(self) -> list[bytes]:
-        """Every partition's resumable state now, as checkpoint payloads (none before a job is registered): what
-        a hot standby holds (psserver.replication).  On the state worker, so it is one moment of the shard."""
-        states = [p.state_now() for p in self.parts]
-        return [s.to_bytes() for s in states] if all(s is not None for s in states) else []
-
     def capture_since(self, since: list | None) -> tuple[list[bytes], list, bool]:
-        """``capture_states`` for a hot standby: each partition's tables with only the rows touched after its
-        marks in ``since`` (one dict a partition; None: whole states), the marks now (the next one's base), and
-        whether any table is partial (False: the states are whole)."""
+        """Every partition's resumable state now, as a hot standby's shipment (on the state worker: one moment of
+        the shard): each partition's tables with only the rows touched after its marks in ``since`` (one dict a
+        partition; None: whole states), the marks now (the next one's base), and whether any table is partial
+        (False: the states are whole)."""
         pairs = [p.state_since(since[i] if since else None) for i, p in enumerate(self.parts)]
         if any(state is None for state, _ in pairs):
             return [], [], False
         partial = any("since" in t["rows"] for state, _ in pairs for t in (state.tables or {}).values())
-        return [state.to_bytes() for state, _ in pairs], [marks for _, marks in pairs], partial
+        return [state.to_bytes(shipment=True) for state, _ in pairs], [marks for _, marks in pairs], partial
 
     def tick(self) -> float | None:
         """Every partition's leases and due rounds; the earliest next deadline."""

@@ -55,10 +55,10 @@ def whole(base: list[bytes], later: list[list[bytes]]) -> list[bytes]:
     """The whole states (one a partition) after shipments ``later`` over ``base``."""
     if not later:
         return base
-    states = [ShardState.from_bytes(b) for b in base]
+    states = [ShardState.from_bytes(b, shipment=True) for b in base]
     for shipment in later:
-        states = [merge(old, ShardState.from_bytes(new)) for old, new in zip(states, shipment)]
-    return [s.to_bytes() for s in states]
+        states = [merge(old, ShardState.from_bytes(new, shipment=True)) for old, new in zip(states, shipment)]
+    return [s.to_bytes(shipment=True) for s in states]
 
 
 class Holdings:

@@ -248,7 +248,7 @@ class Replica:
         """Serve the shard as its primary (from ``states`` when promoted) and start replicating."""
         from psserver.state.checkpoint import ShardState
 
-        initial = [ShardState.from_bytes(b) for b in states] if states else None
+        initial = [ShardState.from_bytes(b, shipment=True) for b in states] if states else None
         cfg = dataclasses.replace(self.cfg, restore=False) if initial else self.cfg  # the shipped state, not disk's
         self._primary = True
         server = self.server_factory(cfg, initial_states=initial).start()

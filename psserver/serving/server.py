@@ -265,7 +265,7 @@ class ShardServer:
             ("grpc.keepalive_timeout_ms", 20_000),
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ("grpc.keepalive_permit_without_calls", 1),
-            # a replicated shard's clients probe every second (psserver.protocol.security.REPLICA_KEEPALIVE): not
+            # a replicated shard's clients probe every second (psserver.protocol.security.REPLICA_CHANNEL): not
             # answered with GOAWAY (too many pings) while a call waits with no data
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 500),
         ]
@@ -318,10 +318,6 @@ class ShardServer:
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         return self._loop
-
-    def capture_states(self) -> list[bytes]:
-        """On the state worker: every partition's state now, as checkpoint payloads (what a standby holds)."""
-        return self.layouts.current.capture_states()
 
     def capture_since(self, since: list | None) -> tuple[list[bytes], list, bool]:
         """On the state worker: every partition's state with only the table rows touched after ``since`` (the

@@ -115,3 +115,19 @@ def test_the_push_windows_holes_survive_a_checkpoint_and_an_old_file_has_none():
     s.holes = {0: [3, 4], 2: [9]}
     assert ShardState.from_bytes(s.to_bytes()).holes == {0: [3, 4], 2: [9]}
     assert ShardState.from_bytes(state(6).to_bytes()).holes == {}
+
+
+def test_a_standby_shipment_holds_the_same_state_and_is_never_read_as_a_checkpoint(tmp_path):
+    s = state(5)
+    s.open_round = dict(sum=torch.ones(1000), weight=4.0, contributors=[0], stale=[])
+    shipped = s.to_bytes(shipment=True)
+    assert shipped != s.to_bytes()  # the plain format, no digest
+    assert_same(ShardState.from_bytes(shipped, shipment=True), s)
+    assert_same(ShardState.from_bytes(s.to_bytes(), shipment=True), s)  # a checksummed one is read there too
+    with pytest.raises(CorruptCheckpoint, match="shipment, not a checkpoint"):
+        ShardState.from_bytes(shipped)
+    ck = Checkpointer(tmp_path, shard=0, every=1)
+    ck.write(state(1))
+    ck.path_for(5).write_bytes(shipped)  # (were one ever put where checkpoints are: passed over, said why)
+    loaded, skipped = ck.load_latest()
+    assert loaded.version == 1 and "shipment, not a checkpoint" in skipped[0]
