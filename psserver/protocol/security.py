@@ -145,8 +145,8 @@ class ClientSecurity:
         replicas (docs/standby.md): gRPC's pick-first connects to whichever of them accepts connections -- only a
         primary opens the shard's port -- and moves on when that one goes away."""
         options = options or []
-        if "|" in address:  # a replicated shard: a primary cut off is found in seconds (REPLICA_KEEPALIVE)
-            options = [o for o in options if o[0] not in dict(REPLICA_KEEPALIVE)] + list(REPLICA_KEEPALIVE)
+        if "|" in address:  # a replicated shard: its channel's options are REPLICA_CHANNEL's, whatever was asked
+            options = [o for o in options if o[0] not in dict(REPLICA_CHANNEL)] + list(REPLICA_CHANNEL)
         address = channel_target(address)
         if self.tls_ca:
             creds = grpc.ssl_channel_credentials(
@@ -162,13 +162,16 @@ class ClientSecurity:
         return channel
 
 
-# A channel to a shard's replicas probes its connection every second and drops it when a probe is not answered
-# within two: a primary whose host dropped off the network answers nothing -- no reset, no refusal -- and its
-# standby serves about a lease after; without the probes a call to it waited for the kernel's timeout (~20 s
-# measured, tests/cluster/test_standby_partition.py).  Every probe, with or without a call under way: a sync step
-# waiting for its round sends no data.  The shard's server accepts pings this often (psserver.serving.server).
-REPLICA_KEEPALIVE = (("grpc.keepalive_time_ms", 1_000), ("grpc.keepalive_timeout_ms", 2_000),
-                     ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0))
+# A channel to a shard's replicas (``PRIMARY|STANDBY``), whoever makes it:
+# * it probes its connection every second and drops it when a probe is not answered within two: a primary whose
+#   host dropped off the network answers nothing -- no reset, no refusal -- and its standby serves about a lease
+#   after; without the probes a call to it waited for the kernel's timeout (~20 s measured,
+#   tests/cluster/test_standby_partition.py).  Every probe, with or without a call under way: a sync step waiting
+#   for its round sends no data.  The shard's server accepts pings this often (psserver.serving.server);
+# * it reconnects at least every quarter second: a failover takes about a second (gRPC's default waits 1 s+).
+REPLICA_CHANNEL = (("grpc.keepalive_time_ms", 1_000), ("grpc.keepalive_timeout_ms", 2_000),
+                   ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
+                   ("grpc.max_reconnect_backoff_ms", 250))
 
 
 def channel_target(address: str) -> str:

@@ -64,6 +64,21 @@ def test_a_shard_with_a_standby_is_one_address_entry_and_one_pick_first_channel_
         parse_addresses("127.0.0.1:1|nope")
 
 
+def test_a_channel_to_a_shards_replicas_takes_the_replica_options_over_what_its_maker_asked(monkeypatch):
+    import grpc
+
+    from psserver.protocol.security import REPLICA_CHANNEL, ClientSecurity
+
+    made = []
+    monkeypatch.setattr(grpc, "insecure_channel", lambda target, options: made.append((target, options)))
+    asked = [("grpc.max_reconnect_backoff_ms", 2000), ("grpc.keepalive_time_ms", 30_000), ("grpc.lb", "x")]
+    ClientSecurity().channel("127.0.0.1:1|127.0.0.1:2", options=asked)
+    ClientSecurity().channel("127.0.0.1:1", options=asked)
+    (_, replicated), (_, plain) = made
+    assert dict(replicated) == {**dict(asked), **dict(REPLICA_CHANNEL)} and len(replicated) == len(dict(replicated))
+    assert dict(replicated)["grpc.max_reconnect_backoff_ms"] == 250 and plain == asked
+
+
 @pytest.mark.parametrize("module", ["psserver.cli", "trainer.running.cli", "trainer.local.cluster",
                                     "trainer.tools.loadgen.cli"])
 def test_every_flag_of_every_cli_reads_its_environment_variable_grouped_flags_too(module):

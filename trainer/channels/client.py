@@ -115,7 +115,8 @@ class ShardClient(Registering, DenseCalls, RetriedCalls):
         self.fingerprint, self.counters, self.chunk_bytes = fingerprint, counters, chunk_bytes
         self.call_timeout, self.retry = call_timeout, retry
         # A shard with a hot standby (``PRIMARY|STANDBY``, docs/standby.md): a failover takes about a second, so
-        # its calls and its channel's reconnects retry at least every quarter second, not every two.
+        # its calls retry at least every quarter second, not every two (its channel's options:
+        # psserver.protocol.security.REPLICA_CHANNEL).
         replicated = "|" in address
         if replicated:
             self.retry = dataclasses.replace(retry, max_backoff=min(retry.max_backoff, REPLICATED_MAX_BACKOFF))
@@ -143,7 +144,7 @@ class ShardClient(Registering, DenseCalls, RetriedCalls):
                 # Reconnect quickly after a dropped connection or a restarted shard (gRPC's default waits 1 s+).
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.min_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", int(REPLICATED_MAX_BACKOFF * 1000) if replicated else 2000),
+                ("grpc.max_reconnect_backoff_ms", 2000),
                 # Pulls run on the calling thread: no channel-spin thread started per call.
                 (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
             ],
