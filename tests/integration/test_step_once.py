@@ -156,21 +156,3 @@ def test_a_step_once_whose_reply_was_lost_on_a_pool_threads_shard_is_retried_and
     assert counters["retries"] >= 1 and counters.get("step_calls_fallen_back", 0) == 0
     expected, _ = _train(",".join(shard_server(shard=i).server.address for i in range(2)), True)
     _same(got, expected)
-
-
-async def _unknown(self, request, context):
-    """StepOnce as a shard from before it answers: gRPC's own UNIMPLEMENTED for a method it does not serve."""
-    await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
-
-
-def test_a_trainer_against_a_shard_without_step_once_falls_back_to_step_once_counted_with_the_same_bits(
-        shard_server, monkeypatch):
-    monkeypatch.setattr("psserver.serving.service.ParameterServerService.StepOnce", _unknown)  # (read at add_service)
-    older = [shard_server(shard=i) for i in range(2)]
-    monkeypatch.undo()
-    got, c = _train(",".join(s.server.address for s in older), True)
-    expected, _ = _train(",".join(shard_server(shard=i).server.address for i in range(2)), False)
-    _same(got, expected)
-    assert c["step_once_unimplemented"] == 1 and c.get("step_calls_once", 0) == 0
-    assert c.get("step_calls_fallen_back", 0) == 0 and c["step_calls_unary"] == c["step_calls"] > 0
-    assert [s.stats().counters.get("step_calls_once", 0) for s in older] == [0, 0]

@@ -127,27 +127,3 @@ def test_a_trainer_asking_one_reply_ends_with_the_bits_of_one_taking_the_stream(
     assert pc["step_calls_unary"] == pc["step_calls"] and sc.get("step_calls_unary", 0) == 0
     assert [s.stats().counters["step_replies_packed"] for s in packed_shards] == [pc["step_calls"] // 2] * 2
     assert [s.stats().counters.get("step_replies_packed", 0) for s in streamed_shards] == [0, 0]
-
-
-def _as_an_older_shard(message: bytes, **bounds) -> StepMessage:
-    """parse_step as a shard from before one_reply reads it: field 5 is not a StepChunk field."""
-    msg = parse_step(message, **bounds)
-    if msg.one_reply:
-        return StepMessage(malformed="malformed StepChunk message: field 5 with wire type 0 is not a StepChunk field",
-                           nbytes=msg.nbytes)
-    return msg
-
-
-def test_a_trainer_against_an_older_shard_asks_for_the_stream_after_one_refusal_and_ends_with_the_same_bits(
-        shard_server, monkeypatch):
-    monkeypatch.setattr("psserver.serving.service.parse_step", _as_an_older_shard)  # (read when a shard adds its service)
-    older = [shard_server(shard=i) for i in range(2)]
-    monkeypatch.undo()
-    current = [shard_server(shard=i) for i in range(2)]
-    got, counters = _train(",".join(s.server.address for s in older), one_reply=True)
-    expected, _ = _train(",".join(s.server.address for s in current), one_reply=False)
-    for name, value in expected.items():
-        assert torch.equal(got[name], value), name
-    assert counters["step_one_reply_refused"] == 1 and counters["step_calls_fallen_back"] == 1
-    assert counters.get("step_calls_unary", 0) == 0
-    assert [s.stats().counters.get("step_replies_packed", 0) for s in older] == [0, 0]

@@ -18,7 +18,7 @@ under MAX_STEP_BYTES.
 While it is used, an async table's next batch rides on the step too (trainer.tables.row_prefetch ``fold_async``): its
 part carries the ids and the shard answers at once, so sync dense + async tables also make one call a shard a step.
 A small step (one request message, a reply sure to be packed) goes on the unary StepOnce RPC, the same parts served
-by a unary handler on the shard (docs/prefetch.md); a shard without it answers UNIMPLEMENTED and gets Step.
+by a unary handler on the shard (docs/prefetch.md).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class StepCall:
         self.enabled = True
         self.one_reply = True  # ask for the reply in one message (StepChunk.one_reply); False: the reply streams
         self.unary = True  # read a reply sure to be packed with a unary call; False: as a one-message stream
-        self.once = True  # ... on the unary StepOnce RPC; False: on Step (a shard from before StepOnce)
+        self.once = True  # ... on the unary StepOnce RPC; False: as a unary call on Step
         self.moved: int | None = None  # the last step's newest layout when every shard refused it layout-moved
         self.relaid()
 
@@ -143,7 +143,6 @@ class StepCall:
             if isinstance(e, grpc.RpcError) and rejoins_on(e):
                 return self._restarted_shard(s, grad, num_samples, attempt, plans, refusals, e)
             refusals[s.index] = e
-            self._older_shard(s, e)
             return [e] * len(plans)
 
     def _restarted_shard(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: StepAttempt,
@@ -169,34 +168,14 @@ class StepCall:
             refusals[s.index] = e
         return outcomes
 
-    def _older_shard(self, s: ShardClient, e: Exception) -> None:
-        """A shard older than one_reply refuses the Step before any part runs (INVALID_ARGUMENT, field 5 unknown):
-        ask for the stream from then on (counted ``step_one_reply_refused``, logged once); this step's parts go the
-        two-call way as for any refusal."""
-        if (self.one_reply and isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.INVALID_ARGUMENT
-                and "field 5 " in (e.details() or "")):
-            self.one_reply = False
-            self.client.count("step_one_reply_refused")
-            log.warning("shard %d does not take one_reply on a Step (older psgrpc): its replies stream from now on "
-                        "(%s)", s.index, e.details())
-
     def _unary_call(self, s: ShardClient, request: StepMessage, timeout: float) -> StepMessage:
-        """A small Step as StepOnce, or as a unary call on Step once a shard answered StepOnce UNIMPLEMENTED (a
-        shard from before it, which ran nothing: sent again as Step at once; counted, logged once)."""
-        if self.once:
-            try:
-                reply = self._once[s.index](request, timeout=timeout)
-                s._count("step_calls_once")
-                return reply
-            except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNIMPLEMENTED:
-                    raise
-                if self.once:
-                    self.once = False
-                    self.client.count("step_once_unimplemented")
-                    log.warning("shard %d does not serve StepOnce (older psgrpc): small steps go as Step from now "
-                                "on (%s)", s.index, e.details())
-        return self._unary[s.index](request, timeout=timeout)
+        """A small Step as StepOnce (``once`` False: as a unary call on Step -- the same parts through the stream
+        handler, for diagnosis and the tests that compare the two)."""
+        if not self.once:
+            return self._unary[s.index](request, timeout=timeout)
+        reply = self._once[s.index](request, timeout=timeout)
+        s._count("step_calls_once")
+        return reply
 
     def _shard_call(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: StepAttempt,
                     plans: list) -> list:
