@@ -134,6 +134,62 @@ def test_ps_cluster_standbys_survive_three_kill_9s_with_nothing_lost_and_the_kil
     assert "failovers" in proc.stdout and "0 versions lost" in proc.stdout
 
 
+def _pid_of(*runs: tuple[str, ...]) -> int:
+    """The pid of the one process whose command line holds each of ``runs`` (arguments in a row)."""
+    from pathlib import Path
+
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if all(b"\0".join(a.encode() for a in run) + b"\0" in argv for run in runs):
+            found.append(int(proc.name))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_ps_cluster_restarts_a_primary_fenced_after_its_lease_lapsed_as_the_standby_with_nothing_lost(tmp_path):
+    """A primary whose etcd lease lapses -- a host too loaded to renew it in time, here a SIGSTOP past the lease --
+    is replaced by its standby and, when it runs again, finds itself fenced and exits 3.  `ps-cluster` takes
+    that as the failover it is: the fenced replica is started again as the standby, the job finishes every
+    step, nothing lost, and the summary names the failover as fenced (it stopped the whole run before)."""
+    import os
+    import threading
+
+    from tests.cluster.test_cluster_elastic import run_cluster
+
+    run, steps, job = tmp_path / "run", 300, f"fence-{tmp_path.name}"
+    result = {}
+    runner = threading.Thread(target=lambda: result.update(proc=run_cluster(
+        ["--shards", "2", "--trainers", "2", "--standbys", "1", "--steps", str(steps), "--straggler-delay", "0.05",
+         "--model", "mlp", "--dataset", "synthetic", "--batch-size", "8", "--device", "cpu", "--job-id", job,
+         "--run-dir", str(run)], timeout=600)))
+    runner.start()
+    try:
+        wait_until(lambda: (run / "trainer0.jsonl").exists() and last_step(run / "trainer0.jsonl") >= 30,
+                   "the job's first 30 steps", timeout=300)
+        pid = _pid_of(("--shard", "0"), ("--job-name", job, "--replica", "a"))  # shard 0's primary
+        os.kill(pid, signal.SIGSTOP)
+        wait_until(lambda: "promoted to primary" in (run / "shard0-b.log").read_text(), "the standby's promotion")
+        os.kill(pid, signal.SIGCONT)
+    finally:
+        runner.join(timeout=600)
+    proc = result["proc"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    failovers = summary["failovers"]
+    assert [(f.get("fenced"), f["steps_lost"]) for f in failovers] == [(True, 0)], failovers
+    assert summary["steps"] == [steps, steps] and summary["steps_lost"] == 0 and summary["rounds"] == steps
+    assert summary["pushes_applied"] == 2 * 2 * steps  # both shards, every round's two pushes once
+    codes = summary["exit_codes"]
+    assert codes["shard0-a"] == 3 and codes["shard0-a.2"] == 0, codes  # fenced, then started again as the standby
+    assert "was fenced" in proc.stdout + proc.stderr
+
+
 def test_a_killed_standby_is_dropped_and_the_primary_goes_on_alone(tmp_path, etcd):
     """kill -9 of the standby: the primary's shipment times out, etcd records it dropped (so it can never be
     promoted with its old state), and the primary answers alone -- nothing lost, logged."""

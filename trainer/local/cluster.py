@@ -540,6 +540,8 @@ def follow(trainers: list[Proc], shards: list[Proc], progress: Progress, timeout
             while any(t.alive() for t in trainers):
                 if time.monotonic() - t0 > timeout:
                     raise TimeoutError(f"the run took longer than --timeout {timeout:.0f} s")
+                if on_poll is not None:  # first: a death the scenario expects (a fenced replica) is not a failure
+                    on_poll()
                 dead = ([p for p in shards if not p.alive()]
                         + [p for p in trainers if not p.alive() and p.popen.returncode])
                 if dead:
@@ -548,8 +550,6 @@ def follow(trainers: list[Proc], shards: list[Proc], progress: Progress, timeout
                 for rec in progress.poll():
                     view.record(rec)
                 view.refresh()
-                if on_poll is not None:
-                    on_poll()
                 time.sleep(0.2)  # refresh rate of the display
         finally:
             for rec in progress.poll():

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from psserver.protocol.admin_token import ADMIN_TOKEN_ENV, new_token
 from psserver.protocol.stubs import fetch_stat
+from psserver.replication.shipper import FENCED_EXIT
 from trainer.local.procs import Proc, await_ready, free_port, launch_shard, start_etcd
 
 log = logging.getLogger("trainer.local.cluster")
@@ -57,6 +58,7 @@ class Failover:
     killed_at: float = 0.0
     seconds: float | None = None  # from the kill to the first round the new primary closed
     steps_lost: int | None = None  # acknowledged versions its standby did not hold (0: nothing lost)
+    fenced: bool = False  # not killed: the primary's lease lapsed (a loaded host), its standby took over
 
 
 @dataclass
@@ -76,6 +78,7 @@ class StandbyCluster:
     processes: list[Proc] = field(default_factory=list)  # (ps-cluster's shard list: every replica started, killed too)
     watched: list[Proc] = field(default_factory=list)  # (ps-cluster's list: the replicas whose death stops the run)
     failovers: list[Failover] = field(default_factory=list)
+    fenced: set = field(default_factory=set)  # the replicas that exited fenced (FENCED_EXIT): restarted, no failure
     _synced_from: dict = field(default_factory=dict)  # shard -> where its primary's log begins as primary
     # the operator's admin token every replica shares (the caller's $PS_ADMIN_TOKEN, else one for this run)
     admin_token: str = field(default_factory=lambda: os.environ.get(ADMIN_TOKEN_ENV) or new_token())
@@ -122,12 +125,13 @@ class StandbyCluster:
             time.sleep(0.1)  # polling a log for readiness, not synchronising
 
     def _rewatch(self) -> None:
-        """Every replica alive now but a primary due to be killed: its death is planned."""
+        """Every replica alive now but a primary due to be killed (its death is planned) or fenced (restarted)."""
         doomed = {s for s, _ in self.kills}
         self.watched[:] = [p for i, pair in enumerate(self.pairs) for k, p in enumerate(pair)
-                           if not (k == 0 and i in doomed)]
+                           if not (k == 0 and i in doomed) and p.name not in self.fenced]
 
     def poll(self) -> None:
+        self._take_fenced()
         for shard, at in list(self.kills):
             if self.kills.index((shard, at)) != next(k for k, (s, _) in enumerate(self.kills) if s == shard):
                 continue  # a later kill of the same shard waits for the earlier one
@@ -148,13 +152,29 @@ class StandbyCluster:
                 continue
             f.seconds = time.monotonic() - f.killed_at
             f.steps_lost = max(0, f.acknowledged - int(stats.counters.get("restored_version", 0)))
-            log.warning("shard %d went on on its standby %.2f s after the kill (%d versions lost); restarting the "
-                        "killed replica as its standby", f.shard, f.seconds, f.steps_lost)
+            log.warning("shard %d went on on its standby %.2f s after the %s (%d versions lost); restarting the "
+                        "%s replica as its standby", f.shard, f.seconds, "fence" if f.fenced else "kill", f.steps_lost,
+                        "fenced" if f.fenced else "killed")
             dead = self.pairs[f.shard][0]
             self._synced_from[f.shard] = len(standby.log_path.read_text(errors="replace"))
             replica = dead.name.split("-")[1].split(".")[0]
             self.pairs[f.shard] = [standby, self._launch(f.shard, replica, int(dead.address.rpartition(":")[2]))]
             self._rewatch()
+
+    def _take_fenced(self) -> None:
+        """A primary that exited fenced -- its etcd lease lapsed while the host was too loaded to renew it, so its
+        standby took over (docs/standby.md, ``--lease-seconds``) -- is a failover like a kill: once the standby
+        went on, the fenced replica is started again as its standby.  Nothing acknowledged is lost either way."""
+        for shard, pair in enumerate(self.pairs):
+            primary = pair[0]
+            if primary.name in self.fenced or primary.popen.poll() != FENCED_EXIT:
+                continue
+            self.fenced.add(primary.name)
+            self._rewatch()
+            acknowledged = self._acknowledged(shard)
+            self.failovers.append(Failover(shard, acknowledged, acknowledged, time.monotonic(), fenced=True))
+            log.warning("shard %d's primary %s was fenced: its etcd lease lapsed (a loaded host; --lease-seconds "
+                        "%d) and its standby took over", shard, primary.name, self.lease_seconds)
 
     def _acknowledged(self, shard: int) -> int:
         """The newest version of ``shard`` the trainers' metrics say they were answered with (their step lines)."""
@@ -170,11 +190,11 @@ class StandbyCluster:
         return newest
 
     def killed(self) -> set[str]:
-        """The replicas whose exit is no failure: those killed on purpose, and restarted standbys the end of the
-        run stopped before they could take the signal (still starting)."""
+        """The replicas whose exit is no failure: those killed on purpose, those fenced (restarted as standbys),
+        and restarted standbys the end of the run stopped before they could take the signal (still starting)."""
         current = [p for pair in self.pairs for p in pair]
         return {p.name for p in self.processes if (p.popen.returncode == -9 and p not in current)
-                or (p.popen.returncode == -15 and "." in p.name)}
+                or (p.popen.returncode == -15 and "." in p.name)} | self.fenced
 
     def missed(self) -> list[str]:
         """The --kill-primary items the run ended before."""
@@ -182,7 +202,7 @@ class StandbyCluster:
 
     def summary(self) -> list[dict]:
         return [dict(shard=f.shard, round=f.round, seconds=None if f.seconds is None else round(f.seconds, 3),
-                     steps_lost=f.steps_lost) for f in self.failovers]
+                     steps_lost=f.steps_lost, **({"fenced": True} if f.fenced else {})) for f in self.failovers]
 
     def stop_etcd(self) -> None:
         if self.etcd is not None:
