@@ -137,6 +137,11 @@ def run_cli(prog: str, main: Callable[[], int | None], skip_teardown: bool = Fal
         raise
 
 
+# ps-server's exit status when a hot standby's primary finds itself replaced (psserver.replication.shipper): it
+# may only come back as the standby -- a supervisor (ps-cluster, compose, Kubernetes) restarts it as such.
+FENCED_EXIT = 3
+
+
 def exit_now(code: int) -> None:
     """Exit with ``code`` without the interpreter's teardown, once nothing is left to finish.
 

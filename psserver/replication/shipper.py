@@ -31,6 +31,7 @@ import time
 
 import grpc
 
+from psserver.common.cli_support import FENCED_EXIT
 from psserver.protocol.admin_token import METADATA_KEY
 from psserver.protocol.proto import replica_pb2 as _rpb
 from psserver.protocol.proto import replica_pb2_grpc as _rgrpc
@@ -38,7 +39,6 @@ from psserver.replication.standby import MAX_SHIPMENT_BYTES
 
 log = logging.getLogger(__name__)
 
-FENCED_EXIT = 3  # the process's exit status when it finds itself replaced
 
 # Loop turns a shipment waits before its capture: a sync round's replies wake together, and each that reaches the
 # barrier after the capture began would need a shipment of its own (measured: 2 a round without, ~1 with).

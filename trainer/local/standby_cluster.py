@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from psserver.common.cli_support import FENCED_EXIT
 from psserver.protocol.admin_token import ADMIN_TOKEN_ENV, new_token
 from psserver.protocol.stubs import fetch_stat
-from psserver.replication.shipper import FENCED_EXIT
 from trainer.local.procs import Proc, await_ready, free_port, launch_shard, start_etcd
 
 log = logging.getLogger("trainer.local.cluster")
