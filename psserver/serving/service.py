@@ -274,7 +274,7 @@ class ParameterServerService:
         with self.slots.peer_slot(context):
             self._check_reshard_peer(context, "Handoff")
             reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self.slots.deadline(context))
-            return await require_handoffs(self.handoffs).handoff(_read_all(reader))
+            return await require_handoffs(self.handoffs).inbox.handoff(_read_all(reader))
 
     def _check_no_open_plan(self) -> None:
         """A join's admission waits out a live re-shard (UNAVAILABLE, reason ``handoff``; the joiner asks again):
