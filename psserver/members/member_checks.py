@@ -1,9 +1,7 @@
-"""The refusals of a shard's membership (docs/security.md, docs/design/elastic-join.md): a Register that names the wrong
-shard or rank, a stranger or another job's trainer, a state digest asked for by a non-member, a push or row call
-from a rank outside the epoch of the round it enters.  Apart from Enrolment (psserver.members.enrolment), which
-changes the membership, because these only read it -- the leases and the epoch timeline -- and most are safe on
-the event loop; the one thing a check changes is a lease renewed (and a rank heard from again counted).
-"""
+"""The refusals of a shard's membership (docs/security.md): a Register naming the wrong shard or rank, a stranger or
+another job's trainer, a digest asked for by a non-member, a push or row call from outside the epoch of its round.
+Apart from Enrolment, which changes the membership, because these only read it (leases, the epoch timeline), most
+on the event loop; the one change a check makes is a lease renewed."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""GetStats' ``epochs``: the membership timeline as protos (psserver.protocol.epochs.timeline_to_proto), kept until the
-timeline changes.  Building it for a full timeline holds the event loop 10-20 ms, and anyone may ask for it, so
-the protos are a cache of their own: keyed by the timeline list itself (EpochBook swaps a new list in on every
-change, never edits one in place) and the first epoch a caller's round lists.  Apart from Enrolment
-(psserver.members.enrolment) because it is a reply's cache, not membership: it owns nothing but what it built.
-"""
+"""GetStats' ``epochs``, kept until the membership timeline changes: building them for a full timeline holds the event
+loop 10-20 ms and anyone may ask, so they are a cache keyed by the timeline list itself (EpochBook swaps a new list
+in on every change) and the first epoch listed.  Apart from Enrolment because it is a reply's cache, not
+membership: it owns only what it built."""
 
 from __future__ import annotations
 

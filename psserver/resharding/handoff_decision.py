@@ -1,10 +1,7 @@
-"""How a live re-shard's plan ends on a shard (docs/design/handoff-io.md): DECIDE -- every move and new piece told,
-then the new layout installed from R (LayoutHost.install), or this shard drained from it (LayoutHost.drain), or
-the old layout going on after an abort -- and RETIRE, which frees the tombstones once the switch is made.  Apart
-from HandoffIO (psserver.resharding.handoff_io), which prepares the plan and runs its moves, because the end is
-its own state: whether the plan switched or aborted here, a DECIDE under way, and the partitions whose held
-replies wait for the install.
-"""
+"""How a live re-shard's plan ends on a shard (docs/design/handoff-io.md): DECIDE installs the new layout from R
+(LayoutHost.install), drains this shard from it (LayoutHost.drain) or lets the old one go on, and RETIRE frees the
+tombstones.  Apart from HandoffIO, which prepares the plan and runs its moves, because the end has its own state:
+switched or aborted, a DECIDE under way, the partitions whose held replies wait for the install."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""The streams in of a live re-shard (docs/design/handoff-io.md): a ``Handoff`` RPC's payload read, decoded off the
-loop, checked against the plan this shard holds, and handed to the new partition it feeds (a DestSide made at its
-first COPY) or to the tables' rows.  Apart from HandoffIO (psserver.resharding.handoff_io), which keeps the plan and
-answers the coordinator, because a destination's receiving is its own path: who may send, which move a payload
-is, when a new piece starts -- and it holds nothing of its own but what the plan holds.
-"""
+"""A live re-shard's streams in (docs/design/handoff-io.md): a ``Handoff`` payload read, decoded off the loop, checked
+against the plan held and handed to the new partition it feeds (a DestSide made at its first COPY) or the tables'
+rows.  Apart from HandoffIO, which answers the coordinator, because receiving is a destination's own path: who may
+send, which move a payload is, when a new piece starts."""
 
 from __future__ import annotations
 

@@ -213,9 +213,6 @@ class HandoffIO:
                 self._start_sources(job, plan)
             self.rows.start(job, plan, self.layouts.current.part(0) if job is not None else None)
 
-    def settled(self) -> bool:
-        return self.decision.settled()
-
     def _start_sources(self, job: JobSpec, plan: Plan) -> None:
         self.moves = plan.moves(job)
         now = self.clock()

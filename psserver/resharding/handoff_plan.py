@@ -1,10 +1,7 @@
-"""A live re-shard's plan as a shard holds it (docs/design/handoff-io.md): the coordinator's two address lists and
-this shard's place in each, read and bounded from a PREPARE (``plan_of``), the moves it makes of a job, and the
-checks made of a plan before anything of it is taken -- PREPARE's refusals of the job, its copies, logs and new
-pieces in ``--max-memory``, a COPY's job against the plan's old shards.  Apart from HandoffIO (psserver.resharding.handoff_io) because both the
-coordinator's calls there and the streams in (psserver.resharding.handoff_inbox) compute from the plan, and a
-plan is a value: it needs none of the hand-off's state.
-"""
+"""A live re-shard's plan as a shard holds it (docs/design/handoff-io.md): the two address lists and this shard's place
+in each, read and bounded from a PREPARE, its moves of a job, and the checks made before anything of it is taken
+(PREPARE's refusals, ``--max-memory``, a COPY's job).  A value apart from HandoffIO: both its calls and the streams
+in (psserver.resharding.handoff_inbox) compute from a plan, which needs none of the hand-off's state."""
 
 from __future__ import annotations
 

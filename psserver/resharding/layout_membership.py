@@ -1,10 +1,7 @@
-"""Which layout a trainer's Register and Heartbeat go to while a process serves more than one (docs/live-reshard.md):
-only the newest layout takes members; a Register in an older one is refused ``layout-moved``, with the newest layout
-attached for a caller of this job so that a trainer started late with the old --ps list follows it; a Heartbeat
-from a member of an older layout renews its lease in the newest.  Apart from LayoutHost
-(psserver.resharding.layout_host), which routes the job's calls, because membership across layouts is the
-trainers' side of a switch, and it holds nothing of its own: it asks the layouts.
-"""
+"""Which layout a trainer's Register and Heartbeat go to while a process serves several (docs/live-reshard.md): only
+the newest takes members, a Register in an older one is ``layout-moved`` (with the newest layout attached for this
+job's callers), an older layout's member heartbeats into the newest.  Apart from LayoutHost, which routes the job's
+calls, because this is the trainers' side of a switch; it holds nothing, it asks the layouts."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""The old layouts a process no longer serves (docs/design/handoff-io.md): the ones RETIRE freed here and the ones a
-restore left behind.  A freed layout's state goes -- its tensors, optimizer state, books and memory reservation --
-but its routing record stays: who its members were, so a trainer one layout behind may still read the timeline,
-and the ``layout-moved`` refusal that sends every later call in it to the newest layout.  Apart from LayoutHost
-(psserver.resharding.layout_host), which routes calls to the layouts it serves, because what is gone is its own
-record: the freed epochs, their members, and the epoch a restore restarted in.
-"""
+"""The old layouts a process no longer serves: freed by RETIRE, or left behind by a restore.  Their state is gone but
+their routing record stays -- who their members were (they may still read the timeline) and the ``layout-moved``
+refusal sending every later call to the newest layout.  Apart from LayoutHost, which routes calls to the layouts
+it serves, because what is gone is a record of its own: the freed epochs, their members, the restart's epoch."""
 
 from __future__ import annotations
 

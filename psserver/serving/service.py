@@ -281,7 +281,7 @@ class ParameterServerService:
         admitted between PREPARE and DECIDE, its epoch would be mixed into moves copied without it."""
         handoffs = self.handoffs
         plan = handoffs.plan if handoffs is not None else None
-        if plan is not None and not handoffs.settled():
+        if plan is not None and not handoffs.decision.settled():
             raise HandoffPending(f"join is set but this shard is re-sharding under plan {plan.id!r} (not switched or "
                                  "aborted yet): a join is admitted after the hand-off; asked again, it is")
 
