@@ -1,10 +1,11 @@
 """Who is in a shard's job: registrations, elastic joins, leaves, leases and the membership epochs.
 
 The room of ``Shard`` (psserver.partition.shard) that decides membership: it owns the leases (psserver.members.membership), the
-epoch timeline with its pending joins (psserver.members.epochs) and whether every trainer has registered, refuses
-strangers, and logs and counts each change.  What a membership change does to the slice -- forgetting a
-process's sequence numbers, closing a round that no longer waits for anyone -- stays with the shard, which
-calls this under its lock.
+epoch timeline with its pending joins (psserver.members.epochs) and whether every trainer has registered, and logs
+and counts each change; its ``checks`` refuse strangers and pushes from outside an epoch
+(psserver.members.member_checks), its ``protos`` keep GetStats' epochs (psserver.members.timeline_protos).  What a
+membership change does to the slice -- forgetting a process's sequence numbers, closing a round that no longer
+waits for anyone -- stays with the shard, which calls this under its lock.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ import logging
 from collections import Counter
 from typing import Callable
 
-from psserver.common.logsafe import counted, shorten
+from psserver.common.logsafe import shorten
 from psserver.members.epochs import EpochBook, JoinBackoff, TimelineFull, join_patience
+from psserver.members.member_checks import MemberChecks
 from psserver.members.membership import Membership
-from psserver.protocol.epochs import epoch_at, epoch_index, timeline_to_proto
-from psserver.protocol.errors import InvalidRequest, JobFull, JobMismatch, NotPermitted, NotReady, TooBusy
+from psserver.members.timeline_protos import TimelineProtos
+from psserver.protocol.epochs import epoch_at
+from psserver.protocol.errors import JobFull, TooBusy
 from psserver.protocol.job import JobSpec
-from psserver.protocol.rules import Mode
 from psserver.sparse.serving import Membership as TableMembers
 from psserver.state import modes
 
@@ -41,6 +43,7 @@ class Enrolment:
         self._counters = counters
         self._changed = changed
         self.members = Membership(clock, lease_timeout)
+        self.checks = MemberChecks(shard_id, label, self.members, lambda: self.epochs, counters, changed)
         self.handoff_held_from: int | None = None  # a live re-shard's hold (psserver.resharding.handoff_io), beside the joins'
         self.reset()
 
@@ -48,97 +51,16 @@ class Enrolment:
         """No job: nobody registered, no timeline."""
         self.started = False  # every trainer of the job has registered at least once
         self.epochs: EpochBook | None = None  # the membership timeline and pending joins (psserver.members.epochs)
-        self._timeline_protos: tuple | None = None  # (the timeline, {first listed epoch: its GetStats epochs})
+        self.protos = TimelineProtos()  # GetStats' epochs, by the timeline they were built from
         self.refused_registers: dict[int, str] = {}  # rank -> why its last Register was refused (before the start)
         self.members.reset()
 
     def start(self, job: JobSpec) -> None:
         self.epochs = EpochBook(job.num_trainers, job.max_trainers, self.label)
 
-    # ------------------------------------------------------------------ refusals
-    def check_register(self, rank: int, expected_shard: int, job: JobSpec, join: bool = False) -> None:
-        """Refuse a registration on what it says alone (shard order, shard count, rank), before anything of it
-        is made -- here or, by ShardHost, the partitions of its job."""
-        if expected_shard != self.shard_id:
-            raise JobMismatch(
-                f"this is shard {self.shard_id} but the trainer listed it as shard {expected_shard}: "
-                "--ps must list the shards in shard order"
-            )
-        if job.num_shards <= self.shard_id:
-            raise JobMismatch(f"this is shard {self.shard_id} but the job has only {counted(job.num_shards, 'shard')}")
-        if join or (job.max_trainers and 0 <= rank < job.max_trainers):
-            return  # the job's epochs decide (psserver.members.epochs)
-        if not 0 <= rank < job.num_trainers:
-            raise InvalidRequest(
-                f"rank is {rank} but the job has {counted(job.num_trainers, 'trainer')} "
-                f"(ranks 0..{job.num_trainers - 1})")
-
-    def check_member(self, job: JobSpec | None, rank: int, trainer_id: str, fingerprint: str) -> None:
-        """Refuse strangers and other jobs' trainers; renew the caller's lease.  Safe on the event loop: only
-        the membership's lock is taken."""
-        if job is None:
-            raise NotReady(f"{self.label} has no job yet: register first")
-        if fingerprint != job.fingerprint:
-            raise JobMismatch(
-                f"fingerprint is {shorten(fingerprint)} but the job's is {shorten(job.fingerprint)}: a different "
-                "model or shard count"
-            )
-        if self.members.check(rank, trainer_id, self.shard_id):
-            self._counters["rejoins"] += 1
-            log.info("shard %d: rank %d is heard from again after its lease expired: live again", self.shard_id, rank)
-            self._changed()
-
-    def is_member(self, job: JobSpec | None, rank: int, trainer_id: str, fingerprint: str) -> bool:
-        """A read: no lease is renewed, nothing is counted.  Safe on the event loop."""
-        return job is not None and fingerprint == job.fingerprint and self.members.holds(rank, trainer_id)
-
-    def check_digest_caller(self, job: JobSpec | None, rank: int, trainer_id: str, fingerprint: str) -> None:
-        """Refuse a state digest to all but the job's members: it is a pass over the whole state, tables
-        included, so not work a stranger may ask for.  A read (no lease is renewed); with no job there is
-        nothing to hash.  Safe on the event loop."""
-        if job is None or self.is_member(job, rank, trainer_id, fingerprint):
-            return
-        raise NotPermitted(
-            f"with_digest is set but rank {rank} as {shorten(trainer_id)} with fingerprint {shorten(fingerprint)} "
-            f"is not a member of the job on {self.label}: a digest needs membership (rank, trainer_id and "
-            "fingerprint of a registered trainer) or the shard's token")
-
     def check_base(self, job: JobSpec, rank: int, base: int) -> None:
-        """In an elastic job a push's base must be a round of the rank's membership."""
-        book = self.epochs
-        if job.max_trainers and rank not in book.members_at(base):
-            if rank not in book.current.members:
-                # A joiner admitted but not committed (or one that never commits) is in no epoch: its gradients
-                # are no round's (they were summed into one); refused until its commit names its round.
-                raise _in_no_epoch(rank, base)
-            raise JobMismatch(f"base version is {base} but rank {rank} is a member of this job from round "
-                              f"{min(e.round for e in book.timeline if rank in e.members and e.round > base)} "
-                              "(its join): pull that version first")
-
-    def check_table_base(self, job: JobSpec, rank: int, base: int, mode: str) -> None:
-        """A table push must come from a rank of the epoch of the round it enters, as a dense push must
-        (``check_base``): a sync table's version is the job's round, so its base is checked as a dense base is;
-        an async or stale-timeout table's version is not, so there only a joiner not yet committed (in no
-        epoch) is refused -- before, its rows were summed into the round (docs/security.md)."""
-        if not job.max_trainers:
-            return
-        if mode == Mode.SYNC:
-            self.check_base(job, rank, base)
-        elif rank in self.epochs.pending and not self.epochs.pending[rank].committed:
-            raise _in_no_epoch(rank, base)
-
-    def check_row_pull(self, job: JobSpec | None, rank: int, min_version: int) -> None:
-        """A PullRows creates the rows it names (lazily): a joiner admitted but not committed (in no epoch, and
-        perhaps never in one) may not, as it may not push.  Lock-free: the pending joins and the timeline are
-        read as they are (each changed by one swap or one dict update under the shard's lock)."""
-        book = self.epochs
-        if job is None or not job.max_trainers or book is None:
-            return
-        pending = book.pending.get(rank)
-        if pending is not None and not pending.committed and rank not in book.current.members:
-            raise JobMismatch(f"rank {rank} is in no membership epoch of this job (min_version is {min_version}): "
-                              "a joiner pulls rows only after its commit (Register with join_round, "
-                              "docs/design/elastic-join.md)")
+        """MemberChecks.check_base, for the step engine's pushes (psserver.members.member_checks)."""
+        self.checks.check_base(job, rank, base)
 
     # ------------------------------------------------------------------ changes
     def register(self, rank: int, trainer_id: str, job: JobSpec, version: int) -> tuple[bool, int, int]:
@@ -321,22 +243,8 @@ class Enrolment:
         return list(book.timeline) if book is not None else []
 
     def timeline_proto(self, members_from_round: int) -> list:
-        """GetStats' ``epochs`` (psserver.protocol.epochs.timeline_to_proto), kept until the timeline changes:
-        building it for a full timeline holds the event loop 10-20 ms, and anyone may ask for it.  Safe to key by
-        the list itself because EpochBook swaps a new list in on every change, never edits one in place."""
-        book = self.epochs
-        if book is None:
-            return []
-        timeline = book.timeline
-        first = epoch_index(timeline, members_from_round)
-        cached = self._timeline_protos
-        if cached is None or cached[0] is not timeline:
-            cached = self._timeline_protos = (timeline, {})
-        if first not in cached[1]:
-            if len(cached[1]) >= 16:  # a handful of callers' rounds at a time
-                cached[1].clear()
-            cached[1][first] = timeline_to_proto(timeline, members_from_round)
-        return cached[1][first]
+        """GetStats' ``epochs``, kept until the timeline changes (psserver.members.timeline_protos)."""
+        return self.protos.of(self.epochs, members_from_round)
 
     def epoch_number(self, version: int) -> int:
         """The membership epoch in effect at round ``version`` (what a pull of that version tells)."""
@@ -370,8 +278,3 @@ class Enrolment:
         self.members.restore(members)
         self.epochs.restore(epochs)
         self.started = len(members) >= num_trainers
-
-
-def _in_no_epoch(rank: int, base: int) -> JobMismatch:
-    return JobMismatch(f"rank {rank} is in no membership epoch of this job (base version is {base}): a joiner "
-                       "pushes only after its commit (Register with join_round, docs/design/elastic-join.md)")

@@ -113,7 +113,7 @@ class Admission:
 
     def check_register(self, rank: int, expected_shard: int, job: JobSpec, join: bool = False) -> None:
         """Refuse a registration on what it says alone (psserver.members.enrolment), before anything of it is made."""
-        self._enrolment.check_register(rank, expected_shard, job, join)
+        self._enrolment.checks.check_register(rank, expected_shard, job, join)
 
     def leave(self, rank: int, trainer_id: str, fingerprint: str) -> int:
         """``rank`` is done and forgotten; rounds stop waiting for it. Returns the live count left."""
@@ -150,17 +150,17 @@ class Admission:
     def check_member(self, rank: int, trainer_id: str, fingerprint: str, need_params: bool = False) -> None:
         """Refuse strangers and other jobs' trainers; renew the caller's lease.  Safe on the event loop."""
         s = self.shard
-        self._enrolment.check_member(s.job, rank, trainer_id, fingerprint)
+        self._enrolment.checks.check_member(s.job, rank, trainer_id, fingerprint)
         if need_params and s.params is None:
             raise NotReady(f"{s.label} is not initialised yet: rank 0 sends Init first")
 
     def is_member(self, rank: int, trainer_id: str, fingerprint: str) -> bool:
         """Is the caller a registered trainer of the running job?  A read.  Safe on the event loop."""
-        return self._enrolment.is_member(self.shard.job, rank, trainer_id, fingerprint)
+        return self._enrolment.checks.is_member(self.shard.job, rank, trainer_id, fingerprint)
 
     def check_digest_caller(self, rank: int, trainer_id: str, fingerprint: str) -> None:
         """Refuse a state digest to all but the job's members (psserver.members.enrolment).  Safe on the event loop."""
-        self._enrolment.check_digest_caller(self.shard.job, rank, trainer_id, fingerprint)
+        self._enrolment.checks.check_digest_caller(self.shard.job, rank, trainer_id, fingerprint)
 
     def heartbeat(self, rank: int, trainer_id: str, fingerprint: str) -> tuple[int, int]:
         """Renew ``rank``'s lease. Returns (version, live count). Safe on the event loop."""

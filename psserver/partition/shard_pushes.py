@@ -47,7 +47,7 @@ class DensePushes:
         check_num_samples(num_samples)
         if base > s.version:
             raise self._hooks.future(base)
-        self._enrolment.check_base(s.job, rank, base)
+        self._enrolment.checks.check_base(s.job, rank, base)
 
     def push(self, rank: int, trainer_id: str, fingerprint: str, base: int, num_samples: int,
              grad: torch.Tensor, sequence: int = 0, finite: bool = True,

@@ -28,7 +28,7 @@ class RowCalls:
 
     def check_row_pull(self, rank: int, min_version: int) -> None:
         """Refuse a PullRows from a joiner not yet committed (psserver.members.enrolment); safe on the event loop."""
-        self._enrolment.check_row_pull(self.shard.job, rank, min_version)
+        self._enrolment.checks.check_row_pull(self.shard.job, rank, min_version)
 
     def pull_rows(self, rank: int, trainer_id: str, fingerprint: str, table: str,
                   ids: torch.Tensor, min_version: int = 0) -> tuple[int, torch.Tensor]:
@@ -36,7 +36,7 @@ class RowCalls:
         s = self.shard
         with self._lock:
             self._admission.check_member(rank, trainer_id, fingerprint)
-            self._enrolment.check_row_pull(s.job, rank, min_version)
+            self._enrolment.checks.check_row_pull(s.job, rank, min_version)
             result = s.tables.get(table).lookup(ids)
             self._counters["row_pulls"] += 1
             return result
@@ -47,7 +47,7 @@ class RowCalls:
         s = self.shard
         with self._lock:
             served = s.tables.get(table)
-            self._enrolment.check_table_base(s.job, push.rank, push.base, served.mode)
+            self._enrolment.checks.check_table_base(s.job, push.rank, push.base, served.mode)
             served.check_lands(push)
 
     def push_rows(self, fingerprint: str, table: str, push: RowsPush, refuse_nonfinite: bool,
@@ -58,7 +58,7 @@ class RowCalls:
         with self._lock:
             self._admission.check_member(push.rank, push.trainer_id, fingerprint)
             served = s.tables.get(table)
-            self._enrolment.check_table_base(s.job, push.rank, push.base, served.mode)
+            self._enrolment.checks.check_table_base(s.job, push.rank, push.base, served.mode)
             result = served.push(push, self._enrolment.table_members(), self._clock(), refuse_nonfinite, checked)
             self._counters["row_pushes"] += 1
             self._changed()

@@ -23,7 +23,6 @@ from psserver.protocol.proto import ps_pb2 as _pb
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 TORCH_DTYPES = {_pb.FLOAT32: torch.float32, _pb.FLOAT16: torch.float16, _pb.BFLOAT16: torch.bfloat16}
-WIRE_OF_TORCH = {v: k for k, v in TORCH_DTYPES.items()}
 
 
 def dtype_name(wire: int) -> str:

@@ -79,7 +79,7 @@ class SourceSide:
             elif isinstance(a, h.HoldReplies):
                 self.io.runtime.holds.hold(self.part, a.version, self.io.timeout)  # psserver.serving.reply_holds
             elif isinstance(a, h.ReleaseReplies) and a.new_layout:  # once DECIDE installed it: they name it
-                self.io.release_after_install.add(self.part)
+                self.io.decision.release_after_install.add(self.part)
             elif isinstance(a, h.ReleaseReplies):  # an abort: at once, in the old layout
                 self.io.runtime.holds.release(self.part)
             elif isinstance(a, h.Count):

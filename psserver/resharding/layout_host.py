@@ -25,25 +25,18 @@ restore re-cuts one from checkpoints (psserver.resharding.reshard).
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import logging
 
 from psserver.partition.host import ShardHost
 from psserver.partition.shard import Shard
-from psserver.protocol.errors import (
-    LAYOUT_BIN_MAX_BYTES,
-    HandoffPending,
-    LayoutAhead,
-    LayoutMoved,
-    NotInLayout,
-    PsError,
-)
+from psserver.protocol.errors import HandoffPending, LayoutAhead, LayoutMoved, NotInLayout, PsError
 from psserver.protocol.job import table_mode
 from psserver.protocol.layouts import LayoutEpoch, first_layout, refusal
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rules import Mode
 from psserver.resharding import drain_record
+from psserver.resharding.layout_membership import LayoutMembership
+from psserver.resharding.layout_tombstones import Tombstones
 from psserver.resharding.reshard import ReshardError
 
 log = logging.getLogger(__name__)
@@ -58,9 +51,8 @@ class LayoutHost:
         self._first: LayoutEpoch | None = None  # epoch 0 as a hand-off named it, for a host that never ran it
         self.handoff_round: int | None = None  # R of a live re-shard committed, not decided (psserver.resharding.handoff_io)
         self.drained_as: str | None = None  # this process's address while the newest layout has no piece of it
-        self._retired: set[int] = set()  # layouts whose state RETIRE freed here: every call in them is layout-moved
-        self._members: set[tuple[int, str, str]] = set()  # (rank, trainer id, fingerprint) of the freed layouts
-        self._gone: int = 0  # layouts below this one hold nothing here (restored past them: no tombstone)
+        self.tombstones = Tombstones()  # the layouts freed or left behind here (psserver.resharding.layout_tombstones)
+        self.membership = LayoutMembership(self)  # Register and Heartbeat by layout (psserver.resharding.layout_membership)
 
     # ------------------------------------------------------------------ the timeline
     def timeline(self) -> list[LayoutEpoch]:
@@ -79,11 +71,13 @@ class LayoutHost:
 
     def holds(self, epoch: int) -> bool:
         """Whether layout ``epoch``'s state is here: served, not freed by RETIRE nor left behind by a restore."""
-        return epoch in self._hosts and epoch not in self._retired and epoch >= self._gone
+        return epoch in self._hosts and not self.tombstones.empty(epoch)
 
-    def was_member(self, rank: int, trainer_id: str, fingerprint: str) -> bool:
-        """A member of a layout whose state RETIRE freed here (the routing record): it may still read the timeline."""
-        return (rank, trainer_id, fingerprint) in self._members
+    def member_of_older(self, rank: int, trainer_id: str, fingerprint: str) -> bool:
+        """A member of a layout older than the newest: one freed here (its routing record) or one still held."""
+        return self.tombstones.was_member(rank, trainer_id, fingerprint) or any(
+            epoch != self.newest and host.head.job is not None and
+            host.head.admission.is_member(rank, trainer_id, fingerprint) for epoch, host in self._hosts.items())
 
     @property
     def newest(self) -> int:
@@ -103,7 +97,7 @@ class LayoutHost:
         old layout's late calls until RETIRE), 'retired' (drained and freed: it holds no job state)."""
         if self.newest in self._hosts:
             return ""
-        return "retired" if all(e in self._retired or e < self._gone for e in self._hosts) else "tombstone"
+        return "retired" if all(self.tombstones.empty(e) for e in self._hosts) else "tombstone"
 
     def tick(self) -> float | None:
         """Every layout's leases and due rounds (the round timer's work); the earliest next deadline."""
@@ -114,7 +108,7 @@ class LayoutHost:
     def host(self, epoch: int) -> ShardHost:
         """The host of layout ``epoch`` (LayoutAhead, OUT_OF_RANGE, for one this process has no record of)."""
         found = self._hosts.get(epoch)
-        if found is None or epoch in self._retired or epoch < self._gone:
+        if found is None or self.tombstones.empty(epoch):
             raise self._elsewhere(epoch) or refusal(self.timeline(), epoch, 0) or LayoutAhead(
                 f"layout_epoch is {epoch} but this shard holds nothing of that layout")
         return found
@@ -126,15 +120,9 @@ class LayoutHost:
         layout = next((e for e in timeline if e.number == epoch), None)
         if layout is None:
             return None
-        newest = timeline[-1]
-        if epoch < self._gone:
-            return LayoutMoved(f"layout_epoch is {epoch} but this shard restarted in layout {newest.number} (from "
-                               f"round {newest.round}) and holds nothing of layout {epoch}: send it in layout "
-                               f"{newest.number}{_shards(newest)} (docs/design/handoff-io.md)", newest.number)
-        if epoch in self._retired:
-            return LayoutMoved(f"layout_epoch is {epoch} but this shard's newest layout is {newest.number} (from round "
-                               f"{newest.round}) and layout {epoch}'s state here was freed (RETIRE): send it in "
-                               f"layout {newest.number}{_shards(newest)} (docs/design/handoff-io.md)", newest.number)
+        moved = self.tombstones.moved(epoch, timeline[-1])
+        if moved is not None:
+            return moved
         if epoch not in self._hosts:
             here = f" {self.drained_as}" if self.drained_as else ""
             return NotInLayout(f"layout_epoch is {epoch} but this shard{here} is not among layout {epoch}'s shards "
@@ -198,7 +186,7 @@ class LayoutHost:
         refused = self._elsewhere(epoch) or refusal(timeline, epoch, value, pull, table)
         if refused is None:
             return
-        if isinstance(refused, LayoutMoved) and epoch not in self._retired and timeline[-1].addresses:
+        if isinstance(refused, LayoutMoved) and not self.tombstones.freed(epoch) and timeline[-1].addresses:
             refused = LayoutMoved(f"{refused}; layout {timeline[-1].number}'s shards: "
                                   f"{', '.join(timeline[-1].addresses)}", refused.newest)  # where to route it
         self.current.wide.count("refused_layout_moved" if isinstance(refused, LayoutMoved) else
@@ -209,47 +197,6 @@ class LayoutHost:
     def _async(self) -> bool:
         job = self.current.head.job
         return job is not None and job.mode == Mode.ASYNC
-
-    def register_host(self, epoch: int, fingerprint: str = "") -> ShardHost:
-        """The host a Register in layout ``epoch`` joins: only the newest layout takes members.  A Register in an
-        older one is ``layout-moved``, carrying the newest layout whole when ``fingerprint`` (the caller's job) is
-        that older layout's: a trainer started late with the old --ps list follows it (trainer.membership.relayout).  A caller
-        naming another job learns no fingerprint of this one."""
-        try:
-            host = self.host(epoch)
-            if epoch != self.newest:
-                start = self._later[-1].round
-                raise LayoutMoved(f"layout_epoch is {epoch} but this shard's newest layout is {self.newest}, from "
-                                  f"round {start}: register in it (docs/live-reshard.md)", self.newest)
-        except LayoutMoved as e:
-            raise self._moved_whole(e, epoch, fingerprint) from None
-        return host
-
-    def _moved_whole(self, refusal: LayoutMoved, epoch: int, fingerprint: str) -> LayoutMoved:
-        """``refusal`` with the newest layout attached, if ``fingerprint`` is layout ``epoch``'s and the layout fits
-        in a trailer (LAYOUT_BIN_MAX_BYTES); else as it is (the trainer's one line says to restart it)."""
-        timeline = self.timeline()
-        named = next((e for e in timeline if e.number == epoch), None)
-        whole = timeline[-1].to_proto().SerializeToString()
-        if named is None or not fingerprint or named.fingerprint != fingerprint or len(whole) > LAYOUT_BIN_MAX_BYTES:
-            return refusal
-        return LayoutMoved(str(refusal), refusal.newest, whole)
-
-    def heartbeat(self, index: int, rank: int, trainer_id: str, fingerprint: str) -> tuple[int, int]:
-        """Renew ``rank``'s lease in the newest layout.  A trainer one layout behind (it switches at its next step,
-        trainer.membership.relayout) heartbeats with its old layout's fingerprint: a member of that layout is renewed in the
-        newest on the newest job's fingerprint (the members were carried over), from partition 0 so on every
-        partition it is a member of -- else a step longer than the lease between the switch and the trainer's next
-        call would cost it its lease.  The reply's layout_epoch teaches it the switch."""
-        current = self.current
-        job = current.head.job
-        if self._later and job is not None and fingerprint != job.fingerprint:
-            if self.was_member(rank, trainer_id, fingerprint) or any(  # a freed layout's: its routing record
-                    epoch != self.newest and host.head.job is not None and
-                    host.head.admission.is_member(rank, trainer_id, fingerprint) for epoch, host in self._hosts.items()):
-                current.count("heartbeats_from_older_layout")
-                return current.heartbeat(0, rank, trainer_id, job.fingerprint)
-        return current.heartbeat(index, rank, trainer_id, fingerprint)
 
     # ------------------------------------------------------------------ switching
     def install(self, layout: LayoutEpoch, host: ShardHost, first: LayoutEpoch | None = None,
@@ -300,18 +247,8 @@ class LayoutHost:
         reservation -- keeping the routing record (the timeline and its fingerprints, who its members were): every
         later call in it is layout-moved.  Returns the bytes freed (counted tombstone_bytes_freed)."""
         self._first = self.timeline()[0]  # epoch 0's entry was read from its host's job, about to go
-        freed = 0
-        for epoch, host in self._hosts.items():
-            if epoch == self.newest or epoch in self._retired:
-                continue
-            for part in host.parts:
-                if part.job is not None:
-                    self._members |= {(r, t, part.job.fingerprint) for r, t in part.members.members().items()}
-            self._retired.add(epoch)  # first: a call routed from now on is layout-moved, never half-freed state
-            freed += sum(part.free_job() for part in host.parts)
-            host.plan = None  # its --max-memory reservation goes with its state (memory_reserved_bytes)
+        freed = self.tombstones.free(self._hosts, self.newest)  # psserver.resharding.layout_tombstones
         if freed:
-            _return_memory()
             self.current.count("tombstone_bytes_freed", freed)
             log.info("shard %d: RETIRE freed the old layouts' state here (%d bytes of parameters and optimizer "
                      "state)%s", self.current.shard_id, freed,
@@ -340,7 +277,8 @@ class LayoutHost:
         self._first, self._later = timeline[0], list(timeline[1:])
         if host is not None:
             self._hosts[newest.number] = host
-        self._gone, self.drained_as = newest.number, drained_as
+        self.tombstones.restarted_in(newest.number)
+        self.drained_as = drained_as
         log.warning("shard %d: restored %s layout %d (%d shards, %d partitions, from round %d)",
                     self._hosts[0].shard_id if host is None else host.shard_id,
                     "drained from" if host is None else "in", newest.number, newest.num_shards, newest.partitions,
@@ -354,20 +292,6 @@ class LayoutHost:
     def stop(self) -> None:
         for host in list(self._hosts.values()):
             host.stop()
-
-
-def _shards(layout: LayoutEpoch) -> str:
-    return f" (its shards: {', '.join(layout.addresses)})" if layout.addresses else ""
-
-
-def _return_memory() -> None:
-    """Tensors below glibc's mmap threshold (32 MiB under MALLOC_TUNABLES) go back to the heap when freed, and the
-    heap is trimmed only past 1 GiB: give the freed pages back to the system, so RSS shows RETIRE's work."""
-    gc.collect()  # a slice and its optimizer may reference each other
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: the allocator keeps them for the next job
-        pass
 
 
 def table_rounds(job, tables: dict | None) -> dict[str, int]:

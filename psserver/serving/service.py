@@ -174,7 +174,7 @@ class ParameterServerService:
         job = await self._job_of(request.job, context)
         if request.join and not request.join_round:
             self._check_no_open_plan()
-        part = self.layouts.register_host(request.layout_epoch, job.fingerprint).part_for_register(
+        part = self.layouts.membership.register_host(request.layout_epoch, job.fingerprint).part_for_register(
             request.partition, request.rank, request.expected_shard, job, request.join)
         r = await self.runtime.run_state(part.register, request.rank, request.trainer_id,
                                          request.expected_shard, job, request.join, request.join_round,
@@ -212,7 +212,7 @@ class ParameterServerService:
         """Answered on the event loop: a lease renewal never waits behind tensor work."""
         request = _decoded(request)
         _check_identity(request)
-        version, live = self.layouts.heartbeat(request.partition, request.rank, request.trainer_id,
+        version, live = self.layouts.membership.heartbeat(request.partition, request.rank, request.trainer_id,
                                                request.fingerprint)
         return _pb.HeartbeatReply(version=version, live=live, layout_epoch=self.layouts.newest)
 
@@ -243,7 +243,7 @@ class ParameterServerService:
         if s.job is not None and (self.authenticated or _is_member(part, request)):
             reply.job.CopyFrom(s.job.to_proto())
         if self.authenticated or any(_is_member(head, request) for head in self.layouts.heads()) or \
-                self.layouts.was_member(request.rank, request.trainer_id, request.fingerprint):
+                self.layouts.tombstones.was_member(request.rank, request.trainer_id, request.fingerprint):
             reply.layouts.extend(self.layouts.timeline_proto())  # fingerprints: for a member of any layout
         reply.drained = self.layouts.drained  # "tombstone" or "retired" (docs/design/handoff-io.md: when it may be stopped)
         if self.handoffs is not None:
@@ -274,14 +274,14 @@ class ParameterServerService:
         with self.slots.peer_slot(context):
             self._check_reshard_peer(context, "Handoff")
             reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self.slots.deadline(context))
-            return await require_handoffs(self.handoffs).handoff(_read_all(reader))
+            return await require_handoffs(self.handoffs).inbox.handoff(_read_all(reader))
 
     def _check_no_open_plan(self) -> None:
         """A join's admission waits out a live re-shard (UNAVAILABLE, reason ``handoff``; the joiner asks again):
         admitted between PREPARE and DECIDE, its epoch would be mixed into moves copied without it."""
         handoffs = self.handoffs
         plan = handoffs.plan if handoffs is not None else None
-        if plan is not None and not handoffs.settled():
+        if plan is not None and not handoffs.decision.settled():
             raise HandoffPending(f"join is set but this shard is re-sharding under plan {plan.id!r} (not switched or "
                                  "aborted yet): a join is admitted after the hand-off; asked again, it is")
 

@@ -316,7 +316,7 @@ def test_a_move_that_aborts_on_its_own_ends_the_plan_on_its_shard_and_lifts_the_
     io = job.shards[0].server.handoffs
     side = io.sources[0]  # one move of shard 0 gives up: the whole plan is over on shard 0
     io.on_state(io.event, side, h.PeerAnswers((("peer", "abort"),)))
-    assert {s.machine.state.value for s in io.sources} == {"owner"} and io.settled()
+    assert {s.machine.state.value for s in io.sources} == {"owner"} and io.decision.settled()
     assert held[0].result().version == R and held[0].result().layout_epoch == 0
     counters = job.shards[0].stats(fingerprint=OLD.fingerprint).counters
     # its two moves and its new piece, each counted once

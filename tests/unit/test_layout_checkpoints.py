@@ -208,7 +208,7 @@ def test_a_drained_process_restored_comes_back_drained_and_retired_not_serving_i
     with pytest.raises(LayoutMoved, match="restarted in layout 1 .* holds nothing of layout 0"):
         layouts.push_part(0, 0, 1)
     with pytest.raises(LayoutMoved):
-        layouts.register_host(0)  # the old job cannot be joined again here
+        layouts.membership.register_host(0)  # the old job cannot be joined again here
     with pytest.raises(NotInLayout, match=r"this shard c:3 is not among layout 1's shards \['a:1', 'b:2'\]"):
         layouts.push_part(1, 0, 2)
 

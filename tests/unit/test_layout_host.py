@@ -61,7 +61,7 @@ def test_a_switch_at_a_round_boundary_routes_each_base_to_one_layout_and_keeps_t
         layouts.push_part(1, 0, 1)
     assert layouts.pull_part(0, 0, 2) is host.part(0)
     with pytest.raises(LayoutMoved, match="layout_epoch is 0 but this shard's newest layout is 1, from round 2"):
-        layouts.register_host(0)
+        layouts.membership.register_host(0)
     assert new.snapshot().counters["refused_layout_moved"] == 2  # shard-wide: GetStats shows them
 
 
@@ -156,11 +156,11 @@ def test_a_heartbeat_in_the_old_layout_renews_the_members_lease_in_the_new_one()
     new.check_member(0, "t0", layouts.timeline()[1].fingerprint)  # heard from in layout 1 at the switch
     for _ in range(3):
         clock.now += 0.6 * LEASE
-        layouts.heartbeat(0, 0, "t0", JOB.fingerprint)  # the old layout's fingerprint
+        layouts.membership.heartbeat(0, 0, "t0", JOB.fingerprint)  # the old layout's fingerprint
         layouts.tick()
     assert new.counters.get("lease_expired", 0) == 0 and new.counters["heartbeats_from_older_layout"] == 3
     with pytest.raises(PsError):
-        layouts.heartbeat(0, 0, "t9", JOB.fingerprint)  # not a member of any layout
+        layouts.membership.heartbeat(0, 0, "t9", JOB.fingerprint)  # not a member of any layout
 
 
 def test_retire_frees_the_old_layouts_state_keeps_the_routing_record_and_old_calls_are_layout_moved():
@@ -179,9 +179,10 @@ def test_retire_frees_the_old_layouts_state_keeps_the_routing_record_and_old_cal
         with pytest.raises(LayoutMoved, match=r"layout_epoch is 0 .* freed \(RETIRE\): send it in layout 1 "
                                               r"\(its shards: a:1, b:2\)"):
             call()
-    assert layouts.was_member(0, "t0", JOB.fingerprint) and not layouts.was_member(0, "t9", JOB.fingerprint)
+    was_member = layouts.tombstones.was_member
+    assert was_member(0, "t0", JOB.fingerprint) and not was_member(0, "t9", JOB.fingerprint)
     clock.now += 0.6 * LEASE
-    layouts.heartbeat(0, 0, "t0", JOB.fingerprint)
+    layouts.membership.heartbeat(0, 0, "t0", JOB.fingerprint)
     assert layouts.current.head.counters["heartbeats_from_older_layout"] == 1
     assert layouts.retire() == 0 and layouts.drained == ""  # asked twice: nothing more to free
 
@@ -196,7 +197,7 @@ def test_a_drained_process_serves_no_new_layout_and_is_retired_once_its_tombston
                                           r"\['a:1', 'b:2'\]"):
         layouts.push_part(1, 0, 2)
     with pytest.raises(NotInLayout):
-        layouts.register_host(1)
+        layouts.membership.register_host(1)
     counters = host.snapshot().counters  # (the refusal is shard-wide, the drain the job's)
     assert counters["refused_not_in_layout"] == 1 and counters["layouts_drained"] == 1
     layouts.retire()
@@ -252,10 +253,10 @@ def test_a_register_in_a_layout_retire_freed_is_layout_moved_carrying_the_newest
     switch_offline(layouts, 2, 0, addresses=("a:1", "b:2"))
     layouts.retire()
     with pytest.raises(LayoutMoved, match=r"freed \(RETIRE\)") as e:
-        layouts.register_host(0, JOB.fingerprint)
+        layouts.membership.register_host(0, JOB.fingerprint)
     assert moved_layout(e.value.trailers()) == layouts.timeline()[1]  # its shards, count, round, fingerprint
     with pytest.raises(LayoutMoved) as e:
-        layouts.register_host(0, "0" * 16)  # another job's caller: no fingerprint of this one
+        layouts.membership.register_host(0, "0" * 16)  # another job's caller: no fingerprint of this one
     assert moved_layout(e.value.trailers()) is None and e.value.newest == 1
 
 
@@ -263,5 +264,5 @@ def test_a_newest_layout_too_big_for_a_trailer_is_not_attached_and_the_refusal_s
     host, layouts = running()
     switch_offline(layouts, 2, 0, addresses=tuple(f"{'x' * 2100}-{i}:7000" for i in range(2)))  # 4.2 KB of names
     with pytest.raises(LayoutMoved) as e:
-        layouts.register_host(0, JOB.fingerprint)
+        layouts.membership.register_host(0, JOB.fingerprint)
     assert moved_layout(e.value.trailers()) is None and e.value.newest == 1

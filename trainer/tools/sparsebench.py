@@ -2,10 +2,10 @@
 lookups+updates per second against one process with ``nn.EmbeddingBag(sparse=True)``, and the shard's own time
 per 2,048-row pull and push (``row_work``).  The sparse grid of issue 21 is trainer.tools.sparsegrid.
 
-``table_memory`` streams Zipf-distributed ids over 10^9 possible ids through one
-table (lookup, then an optimizer step on the same rows, as a training step does)
+``shard_table_memory`` streams Zipf-distributed ids over 10^9 possible ids through one
+table of a ps-server process (pull, then an optimizer step on the same rows, as a training step does)
 and samples, every few batches, the live rows, what the table says it holds
-(``RowStore.memory``) and the process's resident memory.  With ``max_rows`` the
+and the process's resident memory.  With ``max_rows`` the
 table must stop growing once the cap is reached: the samples after that show it.
 """
 
@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from psserver.protocol.rows.optim import SparseOptimizerConfig, state_width
-from psserver.protocol.rows.table import RowStore, TableSpec
 from trainer.workloads.recdata import zipf_ranks
 from trainer.tools.procstat import memory
 
@@ -40,34 +39,6 @@ def zipf_batches(n_batches: int, batch: int, a: float, seed: int):
 def payload_bytes(rows: int, dim: int, optimizer: SparseOptimizerConfig) -> int:
     """rows x dim x 4 x (1 + optimizer state): the issue's yardstick for a table's memory."""
     return rows * (dim + state_width(optimizer, dim)) * 4
-
-
-def table_memory(max_rows: int = 1_000_000, dim: int = 32, batches: int = 600, batch: int = 16384,
-                 a: float = 1.05, optimizer: str = "adagrad", samples: int = 12, seed: int = 0) -> dict:
-    """Stream Zipf ids through one RowStore; memory samples and the verdict against the targets."""
-    torch.set_num_threads(1)
-    opt = SparseOptimizerConfig(optimizer, lr=0.01)
-    store = RowStore(TableSpec("zipf", dim, optimizer=opt, max_rows=max_rows))
-    base_rss = memory()["VmRSS"]
-    rows, every, t0, ids_seen = [], max(1, batches // samples), time.perf_counter(), 0
-    for i, ids in enumerate(zipf_batches(batches, batch, a, seed)):
-        store.lookup(ids)
-        store.apply(ids, torch.full((len(ids), dim), 1e-3))
-        ids_seen += len(ids)
-        if (i + 1) % every == 0 or i + 1 == batches:
-            mem = store.memory()
-            rows.append({"batch": i + 1, "live_rows": len(store), "rows_created": store.counts.rows_created,
-                         "evicted": store.counts.evicted_lru, "table_bytes": mem["total"],
-                         "payload_bytes": payload_bytes(max_rows, dim, opt),
-                         "rss_growth_bytes": memory()["VmRSS"] - base_rss})
-    capped = [r for r in rows if r["live_rows"] >= max_rows * 0.9]
-    return {
-        "max_rows": max_rows, "dim": dim, "optimizer": optimizer, "zipf_a": a, "batch": batch,
-        "unique_ids_per_s": ids_seen / (time.perf_counter() - t0), "samples": rows,
-        "table_over_payload": rows[-1]["table_bytes"] / rows[-1]["payload_bytes"],
-        "rss_growth_over_payload": rows[-1]["rss_growth_bytes"] / rows[-1]["payload_bytes"],
-        **_after_cap(capped),
-    }
 
 
 def _after_cap(capped: list[dict]) -> dict:
@@ -191,7 +162,7 @@ def _announce_only(ps):
 # ----------------------------------------------------------------------------- shard memory, for real
 def shard_table_memory(run_dir, max_rows: int = 1_000_000, dim: int = 32, batches: int = 300,
                        batch: int = 16384, a: float = 1.05, samples: int = 10, seed: int = 0) -> dict:
-    """The Zipf stream of ``table_memory`` through a ps-server process (one trainer here, sync, Adagrad
+    """The Zipf stream through a ps-server process (one trainer here, sync, Adagrad
     on the shard): the shard's RSS growth and its table's own accounting, sampled along the stream."""
     from psserver.protocol.rows.init import Initializer
     from trainer.stepping.api import connect

@@ -17,11 +17,9 @@ from trainer.workloads.data import Dataset
 from trainer.workloads.recdata import CriteoLog, make_criteo_synth
 
 CRITEO_DATASETS = ("criteo-synth",)
-CRITEO_MODELS = ("dlrm",)
 CRITEO_BATCH = 2048  # the global batch: N trainers take 2048 // N each
 CRITEO_TRAIN, CRITEO_TEST = 1 << 17, 1 << 14
 CRITEO_DIM = 16
-TEST_SEED_OFFSET = 1_000_003  # the held-out samples: another stream, the same hidden model (see below)
 
 
 @dataclass
