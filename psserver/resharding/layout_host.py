@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 
-from psserver.partition.host import ShardHost
+from psserver.partition.host import OWN_VALUES, ShardHost
 from psserver.partition.shard import Shard
 from psserver.protocol.errors import HandoffPending, LayoutAhead, LayoutMoved, NotInLayout, PsError
 from psserver.protocol.job import table_mode
@@ -206,7 +206,7 @@ class LayoutHost:
         ``first``: epoch 0, for a process that joined the job by a hand-off (its own epoch 0 ran no job);
         ``stops_below``: an async job, whose partitions stopped at or below ``layout.round``."""
         self.check_boundary(layout, stops_below)
-        _carry_handoff_counters(self.current, host)
+        _carry_counters(self.current, host)
         self._hosts[layout.number] = host
         self._later.append(layout)
         self.drained_as = None
@@ -312,13 +312,11 @@ def table_rounds(job, tables: dict | None) -> dict[str, int]:
     return rounds
 
 
-HANDOFF_COUNTERS = ("handoff_", "refused_handoff")
-
-
-def _carry_handoff_counters(old: ShardHost, new: ShardHost) -> None:
-    """A hand-off's counters (held replies, throttled rounds, refusals) go on in the newest layout's host, which
-    GetStats reads: counted on the old one before DECIDE, they would vanish from the stats at the switch."""
+def _carry_counters(old: ShardHost, new: ShardHost) -> None:
+    """The job's counts go on in the newest layout's host, which GetStats reads -- rounds closed, pushes applied,
+    refusals, the hand-off's own (held replies, throttled rounds): started again from 0 at each switch, a job
+    re-sharded twice read "100 rounds, all arrived 36".  A partition's own values (OWN_VALUES) stay its own."""
     for part in old.parts:
         for key, n in list(part.counters.items()):
-            if key.startswith(HANDOFF_COUNTERS) and n:
+            if n and key not in OWN_VALUES:
                 new.count(key, n)
