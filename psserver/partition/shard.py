@@ -215,11 +215,6 @@ class Shard:
                           open_round=self.round.to_checkpoint(), tables=self.tables.state(since), partition=self.partition,
                           epochs=self.epochs.state(), holes=holes, cursor=self.cursor.state())
 
-    def state_now(self) -> ShardState | None:
-        """``capture`` under the shard's lock (None before a job with parameters is registered)."""
-        with self._lock:
-            return self.capture() if self.params is not None else None
-
     def state_since(self, since: dict | None) -> tuple[ShardState | None, dict]:
         """``capture(since)`` and every table's mark, at one moment (the shard's lock): a hot standby's next
         shipment and the base of the one after (None before a job with parameters is registered)."""

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from psserver.protocol.rows import kernel
-from psserver.protocol.rows.placement import GAMMA, as_int64, mix64, mix64_u64
+from psserver.protocol.rows.placement import GAMMA, mix64_u64
 
 INITIALIZERS = ("uniform", "normal")
 _LOW32 = 0xFFFFFFFF
@@ -54,11 +54,6 @@ class Initializer:
         ok = isinstance(self.scale, (int, float)) and not isinstance(self.scale, bool) and math.isfinite(self.scale)
         if not ok or self.scale < 0:
             raise ValueError(f"initializer scale ({self.scale!r}) must be a finite number, zero or more")
-
-
-def splitmix64(z: torch.Tensor) -> torch.Tensor:
-    """One splitmix64 output for state ``z``: the increment, then the mix."""
-    return mix64(z + as_int64(GAMMA))
 
 
 def _seed_key(seed: int) -> np.ndarray:
