@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 
-from psserver.partition.host import OWN_VALUES, ShardHost
+from psserver.partition.host import ShardHost
 from psserver.partition.shard import Shard
 from psserver.protocol.errors import HandoffPending, LayoutAhead, LayoutMoved, NotInLayout, PsError
 from psserver.protocol.job import table_mode
@@ -38,6 +38,7 @@ from psserver.resharding import drain_record
 from psserver.resharding.layout_membership import LayoutMembership
 from psserver.resharding.layout_tombstones import Tombstones
 from psserver.resharding.reshard import ReshardError
+from psserver.state.metrics import ROUND_REASONS
 
 log = logging.getLogger(__name__)
 
@@ -312,11 +313,16 @@ def table_rounds(job, tables: dict | None) -> dict[str, int]:
     return rounds
 
 
+# The counts that go on across a switch: how the job's rounds closed (they add up to the version, which goes on)
+# and the hand-off's own (held replies, throttled rounds, refusals: counted on the old host before DECIDE).  The
+# rest -- optimizer steps, pushes applied, bytes -- are the slice's, and the slice is re-cut: they start again.
+CARRIED_COUNTERS = tuple(f"rounds_{reason}" for reason in ROUND_REASONS) + ("handoff_", "refused_handoff")
+
+
 def _carry_counters(old: ShardHost, new: ShardHost) -> None:
-    """The job's counts go on in the newest layout's host, which GetStats reads -- rounds closed, pushes applied,
-    refusals, the hand-off's own (held replies, throttled rounds): started again from 0 at each switch, a job
-    re-sharded twice read "100 rounds, all arrived 36".  A partition's own values (OWN_VALUES) stay its own."""
+    """CARRIED_COUNTERS go on in the newest layout's host, which GetStats reads (a job re-sharded 2 -> 3 -> 2 read
+    "100 rounds, all arrived 36")."""
     for part in old.parts:
         for key, n in list(part.counters.items()):
-            if n and key not in OWN_VALUES:
+            if n and key.startswith(CARRIED_COUNTERS):
                 new.count(key, n)
