@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"PSGRPC-CHECKPOINT-1\n"
 SHIPMENT_DIGEST = b"shipment"  # in the digest's place: a standby's shipment (ShardState.to_bytes), never a file
+SHIPMENT_LENGTH_DIGITS = 20  # a shipment's length field: fixed width, written in place after the payload
 # ``shard<i>-v<version>.ckpt`` in the job's first layout; ``L<e>-shard<i>-v<version>.ckpt`` in layout e > 0 (a live
 # or offline switch, docs/design/handoff-io.md#checkpoints-of-a-later-layout), so a later layout's files, where shard i
 # may hold another range, are never read as the first layout's.
@@ -87,8 +88,9 @@ class ShardState:
         replication channel's TCP (and TLS) checks those bytes, and only a standby decodes them
         (``from_bytes(..., shipment=True)``), never as a checkpoint file."""
         buf = io.BytesIO()
-        if shipment:  # the length, zero-padded to a fixed width, is written in its place once it is known
-            buf.write(MAGIC + SHIPMENT_DIGEST + b"\n" + b"0" * 20 + b"\n")
+        head = MAGIC + SHIPMENT_DIGEST + b"\n"  # (a shipment's: its length, zero-padded, goes after it once known)
+        if shipment:
+            buf.write(head + b"0" * SHIPMENT_LENGTH_DIGITS + b"\n")
         start = buf.tell()
         torch.save(
             dict(shard=self.shard, version=self.version, job=self.job.to_proto().SerializeToString(),
@@ -98,7 +100,8 @@ class ShardState:
             buf, _use_new_zipfile_serialization=not shipment,
         )
         if shipment:
-            buf.getbuffer()[start - 21:start - 1] = b"%020d" % (buf.tell() - start)
+            buf.getbuffer()[len(head):len(head) + SHIPMENT_LENGTH_DIGITS] = \
+                b"%0*d" % (SHIPMENT_LENGTH_DIGITS, buf.tell() - start)
             return buf.getvalue()
         payload = buf.getvalue()
         return MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + str(len(payload)).encode() + b"\n" + payload
