@@ -116,7 +116,7 @@ class Replica:
                     with self._lease_lock:
                         self._new_lease()
                         if self.standby is not None:  # a standby's offer lapsed with its lease: offered again
-                            self.roles.offer_standby(host_port(self.advertised, self.standby.port))
+                            self.roles.offer_standby(self._standby_address())
                 except Exception as e:  # noqa: BLE001 -- etcd unreachable: the next period tries again
                     log.warning("shard %d: taking a new etcd lease failed: %s", self.cfg.shard, e)
 
@@ -124,11 +124,15 @@ class Replica:
         self.store.grant(self.opts.lease_seconds)
         self._renewed = time.monotonic()
 
+    def _standby_address(self) -> str:
+        """The replication port as etcd publishes it (the host the other replicas reach this one at)."""
+        return host_port(self.advertised, self.standby.port)
+
     def _offer_standby(self) -> None:
         """Offer this standby in etcd on a live lease.  A replica that started slowly (a loaded machine: its
         optimizers' warm-up, its standby port) may find the lease it took at its start already lapsed, and etcd
         refuses a key on a lapsed lease: it takes a new lease and offers again, once."""
-        address = host_port(self.advertised, self.standby.port)
+        address = self._standby_address()
         with self._lease_lock:
             try:
                 self.roles.offer_standby(address)
