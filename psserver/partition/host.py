@@ -241,6 +241,10 @@ class ShardHost:
         partial = any("since" in t["rows"] for state, _ in pairs for t in (state.tables or {}).values())
         return [state.to_bytes(shipment=True) for state, _ in pairs], [marks for _, marks in pairs], partial
 
+    def exposed(self) -> tuple:
+        """Every partition's read counters (Shard.exposed)."""
+        return tuple(p.exposed() for p in self.parts)
+
     def tick(self) -> float | None:
         """Every partition's leases and due rounds; the earliest next deadline."""
         deadlines = [d for d in (p.tick() for p in self.parts) if d is not None]

@@ -119,10 +119,12 @@ class Shard:
         self.round_listener: Callable[..., None] | None = None  # (psserver.resharding.handoff_io)
         # a live re-shard's (shard, base) -> the refusal of a new push, or None (psserver.resharding.handoff_io_async)
         self.push_gate: Callable[..., Exception | None] | None = None
+        self.job_changes = 0  # jobs set and cleared: what a read shows belongs to another job after each
         self._clear_job()
 
     def _clear_job(self) -> None:
         """No job: the state a shard starts in, and returns to when a job ended."""
+        self.job_changes += 1  # (``exposed``)
         self.slice = DenseSlice(self.counters)  # first: lock-free readers test ``params`` before the job
         self.job: JobSpec | None = None
         self._cfg: modes.ModeConfig | None = None
@@ -193,6 +195,7 @@ class Shard:
         cfg = modes.ModeConfig.from_job(job)
         start, end = partition_range(job.total_params, job.num_shards, job.partitions, self.shard_id, self.partition)
         self.slice, self.job, self.tables, self._cfg, self.start, self.end = dense, job, tables, cfg, start, end
+        self.job_changes += 1
         self.enrolment.start(job)
         if job.total_params < job.num_shards:
             log.warning("shard %d: the job has fewer parameters (%d) than shards (%d)", self.shard_id,
@@ -214,6 +217,12 @@ class Shard:
                           dict(self.counters), members=self.members.members(), acked=acked,
                           open_round=self.round.to_checkpoint(), tables=self.tables.state(since), partition=self.partition,
                           epochs=self.epochs.state(), holes=holes, cursor=self.cursor.state())
+
+    def exposed(self) -> tuple:
+        """Counters that move whenever what a read of this partition shows changes: its job (set or cleared), its
+        dense version and its tables' (ServedTable.exposed).  Monotone: a read after a change never finds the
+        counters a capture took before it (psserver.replication.shipper)."""
+        return self.job_changes, self.slice.version, self.tables.exposed()
 
     def state_since(self, since: dict | None) -> tuple[ShardState | None, dict]:
         """``capture(since)`` and every table's mark, at one moment (the shard's lock): a hot standby's next

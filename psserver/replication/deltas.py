@@ -17,6 +17,7 @@ from dataclasses import replace
 
 import torch
 
+from psserver.protocol.rows.space import ROW_FIELDS
 from psserver.protocol.rows.table import merge_states
 from psserver.sparse.versions import as_pairs
 from psserver.state.checkpoint import ShardState
@@ -27,16 +28,58 @@ log = logging.getLogger(__name__)
 def merge(base: ShardState, later: ShardState) -> ShardState:
     """``later`` (a shipment after ``base``) made whole: each table whose rows are only those touched since
     ``base`` takes ``base``'s other rows, and its per-row update versions likewise."""
-    if not later.tables:
-        return later
+    return merge_all(base, [later])
+
+
+def merge_all(base: ShardState, laters: list[ShardState]) -> ShardState:
+    """The newest of ``laters`` (shipments after ``base``, in order) made whole in one pass a table: the rows of
+    the shipments since the table's last whole one, each id's newest, merged once into what that whole one (or
+    ``base``) held -- a fold's cost is one merge a table, not one a shipment."""
+    last = laters[-1]
+    if not last.tables:
+        return last
     tables = {}
-    for name, table in later.tables.items():
+    for name, table in last.tables.items():
         if "since" in table["rows"]:
-            old = base.tables[name]
-            table = {**table, "rows": merge_states(old["rows"], table["rows"]),
-                     "updated_at": _merge_versions(old["updated_at"], table["updated_at"])}
+            run = [s.tables[name] for s in laters]
+            whole_at = max((i for i, t in enumerate(run) if "since" not in t["rows"]), default=-1)
+            old = run[whole_at] if whole_at >= 0 else base.tables[name]
+            partials = run[whole_at + 1:]
+            rows = _newest_rows([t["rows"] for t in partials])
+            table = {**table, "rows": merge_states(old["rows"], {**table["rows"], **rows}),
+                     "updated_at": _merge_versions(old["updated_at"],
+                                                   _newest_versions([t["updated_at"] for t in partials]))}
         tables[name] = table
-    return replace(later, tables=tables)
+    return replace(last, tables=tables)
+
+
+def _newest(ids: list[torch.Tensor]) -> torch.Tensor | None:
+    """Where each id's last occurrence is in ``ids`` concatenated, in id order (None: only one part)."""
+    if len(ids) == 1:
+        return None
+    every = torch.cat(ids)
+    order = torch.argsort(every, stable=True)  # (equal ids keep their shipment order: the last is the newest)
+    ordered = every[order]
+    last = torch.ones(len(ordered), dtype=torch.bool)
+    last[:-1] = ordered[1:] != ordered[:-1]
+    return order[last]
+
+
+def _newest_rows(parts: list[dict]) -> dict:
+    """The per-row tensors of several shipments' rows of a table, each id's newest, sorted by id."""
+    at = _newest([p["ids"] for p in parts])
+    if at is None:
+        return {name: parts[0][name] for name in ROW_FIELDS}
+    return {name: torch.cat([p[name] for p in parts])[at] for name in ROW_FIELDS}
+
+
+def _newest_versions(parts: list) -> dict:
+    """Several shipments' update versions of a table (their rows only), each id's newest."""
+    pairs = [as_pairs(p) for p in parts]
+    at = _newest([ids for ids, _ in pairs])
+    if at is None:
+        return {"ids": pairs[0][0], "versions": pairs[0][1]}
+    return {"ids": torch.cat([i for i, _ in pairs])[at], "versions": torch.cat([v for _, v in pairs])[at]}
 
 
 def _merge_versions(old, new) -> dict:
@@ -56,8 +99,8 @@ def whole(base: list[bytes], later: list[list[bytes]]) -> list[bytes]:
     if not later:
         return base
     states = [ShardState.from_bytes(b, shipment=True) for b in base]
-    for shipment in later:
-        states = [merge(old, ShardState.from_bytes(new, shipment=True)) for old, new in zip(states, shipment)]
+    states = [merge_all(old, [ShardState.from_bytes(shipment[i], shipment=True) for shipment in later])
+              for i, old in enumerate(states)]
     return [s.to_bytes(shipment=True) for s in states]
 
 

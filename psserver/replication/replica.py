@@ -258,7 +258,8 @@ class Replica:
         server = self.server_factory(cfg, initial_states=initial).start()
         self.replicator = Replicator(shard=self.cfg.shard, job=self.opts.job, me=self.opts.replica, epoch=epoch,
                                      roles=self.roles, runtime=server.runtime, loop=server.loop,
-                                     capture=server.capture_since, count=server.shard.wide.count,
+                                     capture=server.capture_since, exposed=server.exposed,
+                                     count=server.shard.wide.count,
                                      timeout=self.opts.ship_timeout, poll=self.opts.lease_seconds / 8,
                                      token=self.cfg.security.token, admin=self.cfg.security.admin_token,
                                      lag=self.opts.lag, require=self.opts.require,

@@ -3,7 +3,9 @@ includes what the reply acknowledges.
 
 Group commit: a reply that acknowledges something (a push applied, a round's weights, a registration -- every
 data call but heartbeats and stats) waits at ``barrier`` for the first shipment whose capture begins after the
-reply's own change.  One shipment at a time: the state of every partition (what a checkpoint holds, open round
+reply's own change.  A reply that only shows state (a pull) waits for the newest shipment captured if the
+shard's read counters (ShardHost.exposed: versions, evictions, the job) have not moved since that capture --
+nothing it shows can be newer -- and as any other reply if they have.  One shipment at a time: the state of every partition (what a checkpoint holds, open round
 and push books included), captured on the state worker -- so it is one consistent moment of the shard -- and
 sent to the standby, which acknowledges it.  A standby's first shipment is whole; each after it carries of the
 tables only the rows touched since the one before (psserver.replication.deltas; whole again after an
@@ -75,10 +77,11 @@ partial) to its standby.
 
     def __init__(self, *, shard: int, job: str, me: str, epoch: int, roles, runtime, loop, capture, count,
                  timeout: float = 2.0, poll: float = 0.25, fence=fence_now, token: str = "", admin: str = "",
-                 connect=None, lag: int = 0, require: bool = False):
+                 connect=None, lag: int = 0, require: bool = False, exposed=None):
         """``lag``: replies go out without waiting while the standby is at most this many shipments behind
         (``--replica-lag``: a failover may then roll back up to that many rounds, counted as steps lost);
-        ``require``: replies wait while no standby is in sync (``--require-standby``)."""
+        ``require``: replies wait while no standby is in sync (``--require-standby``); ``exposed``: the shard's read
+        counters now (ShardHost.exposed; None: reads wait as any other reply)."""
         self.shard, self.job, self.me, self.epoch, self.roles = shard, job, me, epoch, roles
         self.runtime, self.loop, self._capture_states, self.count = runtime, loop, capture, count
         self.timeout, self.poll, self._fence = timeout, poll, fence
@@ -90,6 +93,8 @@ partial) to its standby.
         self.channel = self.stub = None
         self.started = self.captured = self.acked = 0
         self._base: tuple[int, list] | None = None  # (shipment, its marks): what the standby holds to build on
+        self._exposed = exposed
+        self._captured_exposed: tuple = (0, 0, None)  # (shipment, epoch, the read counters before its capture)
         self._waiters: list[tuple[int, asyncio.Future]] = []
         self._in_sync = asyncio.Event()  # set while replicated: what a reply waits for with ``require``
         self._kick = asyncio.Event()
@@ -98,22 +103,30 @@ partial) to its standby.
         self._shunned: dict[tuple[str, str], float] = {}  # a standby that failed: not adopted again until then
 
     # ------------------------------------------------------------------ replies
-    async def barrier(self) -> None:
+    async def barrier(self, read: bool = False) -> None:
         """Return once the standby holds a state with everything changed before this call (at once unless
-        replicated -- or, with ``require``, not before a standby is in sync and holds it)."""
+        replicated -- or, with ``require``, not before a standby is in sync and holds it).  ``read``: the reply
+        only shows state: the newest shipment captured will do if no read counter moved since its capture."""
         while self.require and self.mode != REPLICATED:
             await self._in_sync.wait()
         if self.mode != REPLICATED:
             return
         # a shipment started but not yet captured includes the caller's change; one captured may not
         want = self.started if self.started > self.captured else self.started + 1
+        if read and self._exposed is not None:
+            shipment, epoch, exposed = self._captured_exposed
+            if shipment and epoch == self.epoch and exposed == self._exposed():
+                want = shipment  # (counters are monotone: what the read showed is no newer than that capture)
+                self.count("replica_reads_on_shipped")
+        # (a shipment begun already needs no kick: one after it, with nobody waiting for it, would cost a round trip)
         if self.acked >= want - self.lag:  # (with a lag, a shipment is still due: the standby stays close behind)
-            if self.acked < want:
+            if self.acked < want and want > self.started:
                 self._kick.set()
             return
         fut = self.loop.create_future()
         self._waiters.append((want - self.lag, fut))  # released once the standby is within the lag of it
-        self._kick.set()
+        if want > self.started:
+            self._kick.set()
         await fut
         if self.require and self.mode != REPLICATED:  # released because the standby was lost: wait for the next
             await self.barrier()
@@ -183,7 +196,10 @@ partial) to its standby.
         builds on, and the shipment this one builds on (0: whole states)."""
         self.captured = n
         base = self._base
+        # (before the states: a change between the two is shipped and never vouched for)
+        exposed = self._exposed() if self._exposed is not None else None
         states, marks, partial = self._capture_states(base[1] if base else None)
+        self._captured_exposed = (n, self.epoch, exposed)
         return states, marks, base[0] if base and partial else 0
 
     async def _ship_loop(self) -> None:

@@ -325,6 +325,10 @@ class ShardServer:
         (ShardHost.capture_since)."""
         return self.layouts.current.capture_since(since)
 
+    def exposed(self) -> tuple:
+        """The shard's read counters now (ShardHost.exposed): a hot standby's shipper compares them with a capture's."""
+        return self.layouts.current.exposed()
+
     def stop(self, grace: float | None = None) -> None:
         """NOT_SERVING at once, waiting pulls released (UNAVAILABLE), in-flight calls drain within ``grace``,
         then a final checkpoint that includes the open round."""

@@ -68,6 +68,9 @@ def _decoded(request):
 
 # Calls whose reply acknowledges nothing a standby must hold (psserver.replication.shipper): they never wait for it.
 UNREPLICATED_CALLS = frozenset({"Heartbeat", "GetStats", "Reshard", "Handoff"})
+# Calls that only show state (rows a pull creates are a function of seed and id): they wait for no shipment newer
+# than the one whose capture found what they show (Replicator.barrier's ``read``).
+READ_CALLS = frozenset({"Pull", "PullRows"})
 
 
 def _refusals(method):
@@ -162,11 +165,14 @@ def _reply_stream(method):
     deadline, DEADLINE_EXCEEDED, counted (``reply_streams_cut``) and logged at a bounded rate.  The connection's
     call and the message gRPC still holds stay counted until that status is out (or the client is gone)."""
 
+    gate_read = method.__name__ in READ_CALLS
+
     @functools.wraps(method)
     async def wrapper(self, request, context):
         with self.slots.peer_slot(context):
-            stream = ReplyStream(context, self.slots.deadline(context), self.replies,
-                                 gate=self.replication.barrier if self.replication is not None else None)
+            gate = None if self.replication is None else \
+                functools.partial(self.replication.barrier, read=True) if gate_read else self.replication.barrier
+            stream = ReplyStream(context, self.slots.deadline(context), self.replies, gate=gate)
             stream.requests = RequestHolds(self.requests, stream.peer_name)  # what the request holds while read
             try:
                 return await method(self, request, stream)

@@ -54,7 +54,7 @@ from psserver.state.rounds import TableRound
 # A table ships to a standby whole unless it holds PARTIAL_FROM rows or more and at most 1/WHOLE_PAST of them
 # were touched since the last shipment: a standby takes a whole state without reading it, a partial one costs it
 # a decode (a few ms) -- worth it only where the rows left out outweigh that (psserver.replication.deltas).
-PARTIAL_FROM, WHOLE_PAST = 65_536, 8
+PARTIAL_FROM, WHOLE_PAST = 4096, 2
 # Counters of a table, as GetStats names them: ``table.<name>.<counter>``.
 STAT_KEYS = ("version", "live_rows", "rows_created", "zero_reads", "dropped_grads", "evicted_lru",
              "evicted_stale", "pushes_applied", "pushes_duplicate", "pushes_stale", "pushes_skipped",
@@ -442,6 +442,10 @@ class ServedTable(PushTarget):
         self.counts = Counter(saved["counts"])
         self._refresh()
 
+    def exposed(self) -> tuple:
+        """The table's version and its store's read counters (RowStore.exposed)."""
+        return (self.version,) + self.store.exposed()
+
     def digest(self, h) -> None:
         """Feed the table's state (rows, optimizer state, version, round) into the hash ``h``."""
         st = self.store.state()  # (sorted by id)
@@ -514,6 +518,9 @@ class Tables:
     def restore(self, saved: dict | None, now: float) -> None:
         for name, state in (saved or {}).items():
             self.get(name).restore(state, now)
+
+    def exposed(self) -> tuple:
+        return tuple(t.exposed() for t in self.by_name.values())
 
     def digest(self) -> bytes:
         h = hashlib.sha256()

@@ -11,7 +11,7 @@ import torch
 from psserver.protocol.job import JobSpec, OptimizerConfig
 from psserver.protocol.rows.optim import SparseOptimizerConfig
 from psserver.protocol.rows.table import ROW_FIELDS, TableSpec
-from psserver.replication.deltas import Holdings, merge, whole
+from psserver.replication.deltas import Holdings, merge, merge_all, whole
 from psserver.sparse.serving import PARTIAL_FROM, WHOLE_PAST, Membership, RowsPush, ServedTable
 from psserver.state.checkpoint import ShardState
 from tests.helpers import wait_until
@@ -89,17 +89,50 @@ def test_shipments_of_the_rows_touched_since_merged_in_turn_give_the_whole_state
     assert digest(twin) == digest(t)
 
 
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_many_shipments_merged_at_once_give_what_merging_them_in_turn_gives(mode):
+    """A fold merges a table once over every shipment since its last whole one (each id's newest row and update
+    version), with a whole shipment among them (an eviction's) starting the run again."""
+    j = job(mode, max_rows=2 * PARTIAL_FROM)
+    t = ServedTable(j.tables[0], j)
+    drive = Driver(t, seed=5)
+    t.lookup(torch.arange(0, 2 * PARTIAL_FROM, 2))
+    drive.step(0)
+    base = shard_state(j, {"emb": t.state()})
+    mark, shipments, in_turn, kinds = t.store.mark(), [], base, []
+    for n in range(8):
+        for k in range(3):
+            drive.step(k % 2)
+        if n == 4:  # past max_rows: rows evicted, so this shipment of the table is whole
+            t.lookup(torch.arange(4 * PARTIAL_FROM, 4 * PARTIAL_FROM + PARTIAL_FROM + 10))
+        later = t.state(mark)
+        kinds.append("since" in later["rows"])
+        mark = t.store.mark()
+        shipments.append(shard_state(j, {"emb": later}, version=n + 1))
+        in_turn = merge(in_turn, shipments[-1])
+    first_whole = kinds.index(False)  # (LRU evicts again as the table refills: later ones may be whole too)
+    assert kinds[:4] == [True] * 4 and first_whole == 4 and kinds[5], kinds
+    at_once = merge_all(base, shipments)
+    assert at_once.version == 8
+    assert_same_table_state(at_once.tables["emb"], t.state())
+    assert_same_table_state(at_once.tables["emb"], in_turn.tables["emb"])
+    three = base
+    for s in shipments[:3]:
+        three = merge(three, s)
+    assert_same_table_state(merge_all(base, shipments[:3]).tables["emb"], three.tables["emb"])
+
+
 def test_a_table_whose_rows_were_mostly_touched_since_ships_whole():
     j = job("async")
     t = ServedTable(j.tables[0], j)
-    n = 8 * PARTIAL_FROM
+    n = WHOLE_PAST * PARTIAL_FROM
     t.lookup(torch.arange(n))
     mark = t.store.mark()
-    t.lookup(torch.arange(n // 8 + 1))  # more than an eighth of its rows
+    t.lookup(torch.arange(n // WHOLE_PAST + 1))  # more than 1/WHOLE_PAST of its rows
     assert "since" not in t.state(mark)["rows"] and len(t.state(mark)["rows"]["ids"]) == n
     mark = t.store.mark()
-    t.lookup(torch.arange(n // 8))  # an eighth
-    assert "since" in t.state(mark)["rows"] and len(t.state(mark)["rows"]["ids"]) == n // 8
+    t.lookup(torch.arange(n // WHOLE_PAST))  # 1/WHOLE_PAST
+    assert "since" in t.state(mark)["rows"] and len(t.state(mark)["rows"]["ids"]) == n // WHOLE_PAST
 
 
 def test_a_table_of_fewer_rows_than_partial_from_ships_whole():

@@ -58,7 +58,8 @@ def make(state: dict):
 
     r = Replicator(shard=0, job="j", me="a", epoch=1, roles=roles, runtime=FakeRuntime(), loop=loop,
                    capture=lambda since: ([str(state["v"]).encode()], [], False), count=count, poll=0.01,
-                   fence=lambda shard, why: fenced.append(why), connect=lambda address: (standby, standby))
+                   fence=lambda shard, why: fenced.append(why), connect=lambda address: (standby, standby),
+                   exposed=lambda: state.get("read_counters", 0))
     r._task = loop.create_task(r._ship_loop())
     return r, standby, roles, fenced, counts
 
@@ -219,4 +220,57 @@ def test_without_require_standby_an_unreplicated_shard_answers_and_says_so_in_it
         assert r.gauges()["replica_unreplicated"] == 1.0
         await replicated(r, standby)
         assert r.gauges()["replica_unreplicated"] == 0.0
+    run(go())
+
+
+def test_a_read_whose_counters_have_not_moved_since_the_last_shipment_goes_at_once():
+    async def go():
+        state = {"v": 1}
+        r, standby, _, _, counts = make(state)
+        await replicated(r, standby)
+        shipped = len(standby.shipped)
+        await asyncio.wait_for(r.barrier(read=True), 1)
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert len(standby.shipped) == shipped  # no shipment for it
+        assert counts["replica_reads_on_shipped"] == 1
+    run(go())
+
+
+def test_a_read_after_a_change_waits_for_a_shipment_that_holds_it():
+    async def go():
+        state = {"v": 1}
+        r, standby, _, _, counts = make(state)
+        await replicated(r, standby)
+        standby.gate = asyncio.Event()
+        state["v"], state["read_counters"] = 2, 1  # a push applied: what a read shows moved
+        waiting = asyncio.ensure_future(r.barrier(read=True))
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert not waiting.done()
+        standby.gate.set()
+        await asyncio.wait_for(waiting, 1)
+        assert standby.shipped[-1][2] == [b"2"]
+        assert "replica_reads_on_shipped" not in counts
+    run(go())
+
+
+def test_a_read_whose_counters_match_a_shipment_under_way_waits_for_that_one_and_no_newer():
+    async def go():
+        state = {"v": 1}
+        r, standby, _, _, counts = make(state)
+        await replicated(r, standby)
+        standby.gate = asyncio.Event()
+        state["v"], state["read_counters"] = 2, 1
+        push = asyncio.ensure_future(r.barrier())  # the push's reply: a shipment captured after its change
+        await until(lambda: r.captured > r.acked, "the push's shipment captured")
+        shipped = len(standby.shipped)
+        read = asyncio.ensure_future(r.barrier(read=True))  # shows only what that capture holds
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert not read.done() and not push.done()
+        standby.gate.set()
+        await asyncio.wait_for(asyncio.gather(push, read), 1)
+        assert len(standby.shipped) == shipped + 1 and standby.shipped[-1][2] == [b"2"]
+        assert counts["replica_reads_on_shipped"] == 1
     run(go())

@@ -436,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     if replicas is not None:
         summary["failovers"] = replicas.summary()
         summary["replication"] = {k: int(sum(st.counters.get(f"replica_{k}", 0) for st in stats if st is not None))
-                                  for k in ("shipments", "bytes")}  # since each shard's last promotion
+                                  for k in ("shipments", "shipments_whole", "bytes", "reads_on_shipped")}
+        # (since each shard's last promotion; reads_on_shipped: pulls answered on a shipment begun before them)
     if not failed and args.dataset not in REC_DATASETS:  # trainer.local.plots draws accuracy, which ratings runs lack
         try:
             from trainer.local.plots import plot_runs

@@ -463,6 +463,17 @@ class RowStore:
         self.space.note_from_now()
         return self._marked
 
+    def exposed(self) -> tuple:
+        """Counters that move whenever what a read of this store shows changes, or what it keeps depends on reads:
+        its push version and evictions; and its clock where a read decides what stays (max_rows, evict_after, an
+        admission sketch).  Rows a read creates come back the same from (seed, id) wherever they are made again, so
+        they are not in it.  (psserver.replication.shipper: a read whose counters match a shipment's needs no newer
+        one.)"""
+        spec = self.spec
+        if spec.max_rows or spec.evict_after or spec.admit_after:
+            return self.version, self.space.evictions, self.tick
+        return self.version, self.space.evictions
+
     def state_since(self, mark: tuple[int, int]) -> dict | None:
         """``state()`` with only the rows a call touched after ``mark`` (created, updated or read), and
         ``since``: that mark's clock -- what ``merge_states`` needs beside the state at the mark to make this one.
