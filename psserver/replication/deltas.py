@@ -18,7 +18,6 @@ from dataclasses import replace
 import torch
 
 from psserver.protocol.rows.space import ROW_FIELDS
-from psserver.protocol.rows.table import merge_states
 from psserver.sparse.versions import as_pairs
 from psserver.state.checkpoint import ShardState
 
@@ -51,6 +50,31 @@ def merge_all(base: ShardState, laters: list[ShardState]) -> ShardState:
                                                    _newest_versions([t["updated_at"] for t in partials]))}
         tables[name] = table
     return replace(last, tables=tables)
+
+
+def merge_states(base: dict, since: dict) -> dict:
+    """The state ``RowStore.state()`` gives at the moment of ``since`` (a ``state_since`` taken after ``base``'s
+    moment, with no eviction between): ``base``'s rows, each row ``since`` holds replaced or added.  Both are
+    sorted by id, so each row's place is found by binary search and written once (no sort of the whole table)."""
+    old, ids = base["ids"], since["ids"]
+    at = torch.searchsorted(old, ids)  # where each shipped id is in ``base``, or would go
+    inside = at < len(old)
+    held = torch.zeros(len(ids), dtype=torch.bool)
+    held[inside] = old[at[inside]] == ids[inside]
+    added = ~held
+    # a base row moves down by the added ids before it; an added one sits after the base rows below it
+    old_to = torch.arange(len(old)) + torch.searchsorted(ids[added], old)
+    added_to = at[added] + torch.arange(int(added.sum()))
+    replaced_to = old_to[at[held]]
+    merged = {}
+    for name in ROW_FIELDS:
+        field, new = base[name], since[name]
+        out = torch.empty((len(old) + len(added_to),) + tuple(field.shape[1:]), dtype=field.dtype)
+        out[old_to] = field
+        out[added_to] = new[added]
+        out[replaced_to] = new[held]
+        merged[name] = out
+    return {**merged, **{k: v for k, v in since.items() if k not in ROW_FIELDS and k != "since"}}
 
 
 def _newest(ids: list[torch.Tensor]) -> torch.Tensor | None:
@@ -94,26 +118,46 @@ def _merge_versions(old, new) -> dict:
     return {"ids": ids[order], "versions": versions[order]}
 
 
-def whole(base: list[bytes], later: list[list[bytes]]) -> list[bytes]:
-    """The whole states (one a partition) after shipments ``later`` over ``base``."""
+def whole(base: list, later: list[list[bytes]]) -> list:
+    """The whole states (one a partition) after shipments ``later`` over ``base``: a whole shipment's bytes, or
+    the ShardStates a fold made -- ``base`` itself where nothing came after it, else ShardStates."""
     if not later:
-        return base
-    states = [ShardState.from_bytes(b, shipment=True) for b in base]
-    states = [merge_all(old, [ShardState.from_bytes(shipment[i], shipment=True) for shipment in later])
-              for i, old in enumerate(states)]
-    return [s.to_bytes(shipment=True) for s in states]
+        return list(base)
+    return [merge_all(decoded(old), [ShardState.from_bytes(shipment[i], shipment=True) for shipment in later])
+            for i, old in enumerate(base)]
+
+
+def decoded(state) -> ShardState:
+    """A whole state held: decoded if it is still a shipment's bytes."""
+    return state if isinstance(state, ShardState) else ShardState.from_bytes(state, shipment=True)
+
+
+def state_bytes(value) -> int:
+    """The bytes of the tensors a state (or any part of one) holds: what a fold's result weighs."""
+    if isinstance(value, torch.Tensor):
+        return value.nbytes
+    if isinstance(value, ShardState):
+        value = vars(value)
+    if isinstance(value, dict):
+        return sum(state_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(state_bytes(v) for v in value)
+    return 0
 
 
 class Holdings:
-    """What a standby holds: a whole state (one payload a partition), its shipment number, and the shipments
-    since it; folded into a new whole state off the caller's thread once they hold as many bytes as it."""
+    """What a standby holds: a whole state (one a partition: a whole shipment's bytes, or the states a fold made,
+    kept decoded so the next fold need not decode them again), its shipment number, and the shipments since it;
+    folded into a new whole state off the caller's thread once they hold as many bytes as it."""
 
-    def __init__(self, fold_share: float = 1.0):
+    def __init__(self, fold_share: float = 3.0):
         """``fold_share``: shipments are folded once their bytes reach this share of the whole state's."""
         self.fold_share = fold_share
         self._lock = threading.Lock()
-        self.base: list[bytes] = []
+        self.base: list = []
+        self.base_bytes = 0
         self.later: list[list[bytes]] = []
+        self.later_bytes = 0
         self.shipment = 0  # the newest shipment held (its number)
         self._folding = False
         self._thread: threading.Thread | None = None
@@ -122,6 +166,7 @@ class Holdings:
     def take_whole(self, states: list[bytes], shipment: int) -> None:
         with self._lock:
             self.base, self.later, self.shipment = list(states), [], shipment
+            self.base_bytes, self.later_bytes = sum(map(len, states)), 0
 
     def take_since(self, states: list[bytes], shipment: int, base: int) -> bool:
         """A shipment built on shipment ``base``: taken if that is the one held now (else False: nothing
@@ -130,9 +175,9 @@ class Holdings:
             if base != self.shipment or not self.base:
                 return False
             self.later.append(list(states))
+            self.later_bytes += sum(map(len, states))
             self.shipment = shipment
-            fold = not self._folding and \
-                sum(map(len, (b for s in self.later for b in s))) >= self.fold_share * sum(map(len, self.base))
+            fold = not self._folding and self.later_bytes >= self.fold_share * self.base_bytes
             self._folding = self._folding or fold
         if fold:
             self._thread = threading.Thread(target=self._fold, name="standby-fold", daemon=True)
@@ -150,19 +195,21 @@ class Holdings:
         try:
             started = time.monotonic()
             merged = whole(base, later)
-            log.info("standby: folded %d shipments into the state held (%d bytes) in %.3f s", len(later),
-                     sum(map(len, merged)), time.monotonic() - started)
+            weight = state_bytes(merged)
+            log.info("standby: folded %d shipments into the state held (%d bytes) in %.3f s", len(later), weight,
+                     time.monotonic() - started)
         except Exception:  # noqa: BLE001 -- kept as they are: promotion folds them again, and says why if it fails
             log.exception("standby: folding %d shipments into the state held failed", len(later))
             merged = None
         with self._lock:
             if merged is not None and self.base is base and all(a is b for a, b in zip(self.later, later)):
                 self.base, self.later = merged, self.later[len(later):]
+                self.base_bytes, self.later_bytes = weight, sum(map(len, (b for s in self.later for b in s)))
                 self.folds += 1
             self._folding = False
 
-    def states(self) -> list[bytes]:
-        """The whole states now (folds what is held: at promotion)."""
+    def states(self) -> list:
+        """The whole states now, as ``whole`` gives them (folds what is held: at promotion)."""
         with self._lock:
             base, later = self.base, list(self.later)
         return whole(base, later)

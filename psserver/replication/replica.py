@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from psserver.protocol.security import split_host_port
+from psserver.replication.deltas import decoded
 from psserver.replication.roles import EtcdStore, Roles
 from psserver.replication.shipper import REPLICATED, Replicator, fence_now, open_channel
 from psserver.replication.standby import StandbyServer, StandbyService
@@ -248,11 +249,10 @@ class Replica:
             log.warning("shard %d: %s failed: %s", self.cfg.shard, transaction.__name__, e)
             return False
 
-    def _serve(self, states: list[bytes] | None, epoch: int):
-        """Serve the shard as its primary (from ``states`` when promoted) and start replicating."""
-        from psserver.state.checkpoint import ShardState
-
-        initial = [ShardState.from_bytes(b, shipment=True) for b in states] if states else None
+    def _serve(self, states: list | None, epoch: int):
+        """Serve the shard as its primary (from ``states``, the ShardStates held, when promoted) and start
+        replicating."""
+        initial = [decoded(s) for s in states] if states else None
         cfg = dataclasses.replace(self.cfg, restore=False) if initial else self.cfg  # the shipped state, not disk's
         self._primary = True
         server = self.server_factory(cfg, initial_states=initial).start()

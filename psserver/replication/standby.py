@@ -83,12 +83,12 @@ class StandbyService(_rgrpc.StandbyServicer):
         with self._lock:
             return self.held_epoch
 
-    def held(self) -> tuple[int | None, list[bytes]]:
+    def held(self) -> tuple[int | None, list]:
         """The epoch and the whole states held (the shipments since the last whole one folded in)."""
         with self._lock:
             return self.held_epoch, self.holdings.states()
 
-    def fence(self, epoch: int) -> tuple[int | None, list[bytes]]:
+    def fence(self, epoch: int) -> tuple[int | None, list]:
         """From now on refuse shipments older than ``epoch``; returns the state held at that moment (a shipment
         acknowledged before it is in it), made whole."""
         with self._lock:

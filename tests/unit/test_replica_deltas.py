@@ -178,8 +178,7 @@ def test_whole_reads_shipments_as_bytes_and_a_standby_folds_them_into_the_same_s
     assert not holdings.take_since(shipment, 13, base=10)  # a base it does not hold now: refused, nothing changed
     assert holdings.shipment == 11
     wait_until(lambda: holdings.folds >= 1, "the standby to fold its shipments into a whole state")  # (on its thread)
-    for state in (ShardState.from_bytes(holdings.states()[0], shipment=True),
-                  ShardState.from_bytes(whole(base, plain)[0], shipment=True)):
+    for state in (holdings.states()[0], whole(base, plain)[0]):
         assert state.version == 11
         assert_same_table_state(state.tables["emb"], t.state())
 

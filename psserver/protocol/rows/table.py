@@ -476,7 +476,7 @@ class RowStore:
 
     def state_since(self, mark: tuple[int, int]) -> dict | None:
         """``state()`` with only the rows a call touched after ``mark`` (created, updated or read), and
-        ``since``: that mark's clock -- what ``merge_states`` needs beside the state at the mark to make this one.
+        ``since``: that mark's clock -- what ``deltas.merge_states`` needs beside the state at the mark to make this one.
         None where rows were evicted since: only a whole state says which rows went."""
         tick, evictions = mark
         if evictions != self.space.evictions:
@@ -520,16 +520,6 @@ class RowStore:
         return {"tensors": tensors, "index": index, "admission": admission, "scratch": scratch,
                 "total": tensors + index + admission + scratch,
                 "live_payload": len(self) * (self.spec.dim + self.width) * 4}
-
-
-def merge_states(base: dict, since: dict) -> dict:
-    """The state ``RowStore.state()`` gives at the moment of ``since`` (a ``state_since`` taken after ``base``'s
-    moment, with no eviction between): ``base``'s rows, each row ``since`` holds replaced or added."""
-    gone = torch.isin(base["ids"], since["ids"])
-    ids = torch.cat([base["ids"][~gone], since["ids"]])
-    order = torch.argsort(ids)
-    merged = {name: torch.cat([base[name][~gone], since[name]])[order] for name in ROW_FIELDS}
-    return {**merged, **{k: v for k, v in since.items() if k not in ROW_FIELDS and k != "since"}}
 
 
 def _check_unique(ids: torch.Tensor) -> None:
