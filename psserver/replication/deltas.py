@@ -148,7 +148,8 @@ def state_bytes(value) -> int:
 class Holdings:
     """What a standby holds: a whole state (one a partition: a whole shipment's bytes, or the states a fold made,
     kept decoded so the next fold need not decode them again), its shipment number, and the shipments since it;
-    folded into a new whole state off the caller's thread once they weigh ``fold_share`` times it (memory against a fold's work, which is the whole state's)."""
+    folded into a new whole state off the caller's thread once they weigh ``fold_share`` times it (memory traded
+    against the folds' work, each a pass over the whole state)."""
 
     def __init__(self, fold_share: float = 3.0):
         """``fold_share``: shipments are folded once their bytes reach this share of the whole state's."""
