@@ -232,13 +232,14 @@ class ShardHost:
 
     def capture_since(self, since: list | None) -> tuple[list[bytes], list, bool]:
         """Every partition's resumable state now, as a hot standby's shipment (on the state worker: one moment of
-        the shard): each partition's tables with only the rows touched after its marks in ``since`` (one dict a
-        partition; None: whole states), the marks now (the next one's base), and whether any table is partial
-        (False: the states are whole)."""
+        the shard): each partition's tables with only the rows touched after its marks in ``since``, and its dense
+        steps since then (Shard.state_since; one mark a partition; None: whole states), the marks now (the next
+        one's base), and whether any state is partial (False: the states are whole)."""
         pairs = [p.state_since(since[i] if since else None) for i, p in enumerate(self.parts)]
         if any(state is None for state, _ in pairs):
             return [], [], False
-        partial = any("since" in t["rows"] for state, _ in pairs for t in (state.tables or {}).values())
+        partial = any(state.dense_steps is not None or any("since" in t["rows"] for t in (state.tables or {}).values())
+                      for state, _ in pairs)
         return [state.to_bytes(shipment=True) for state, _ in pairs], [marks for _, marks in pairs], partial
 
     def exposed(self) -> tuple:

@@ -38,7 +38,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -208,10 +208,11 @@ class Shard:
         self._on_change(self)
 
     # ------------------------------------------------------------------ checkpoints
-    def capture(self, since: dict | None = None) -> ShardState:
+    def capture(self, since: dict | None = None, dense: bool = True) -> ShardState:
         """A copy of the resumable state, open round and acknowledgements included (a memory copy, no I/O).
-        ``since``: table name -> a mark taken earlier: those tables' rows touched after it only (ServedTables.state)."""
-        params, opt_copy = self.slice.capture()
+        ``since``: table name -> a mark taken earlier: those tables' rows touched after it only (ServedTables.state);
+        ``dense`` False: without the slice and its optimizer state (a hot standby's shipment of its steps)."""
+        params, opt_copy = self.slice.capture() if dense else (None, None)
         acked, holes = self.pushes.state()
         return ShardState(self.shard_id, self.version, self.job, params, opt_copy,
                           dict(self.counters), members=self.members.members(), acked=acked,
@@ -225,10 +226,18 @@ class Shard:
         return self.job_changes, self.slice.version, self.tables.exposed()
 
     def state_since(self, since: dict | None) -> tuple[ShardState | None, dict]:
-        """``capture(since)`` and every table's mark, at one moment (the shard's lock): a hot standby's next
-        shipment and the base of the one after (None before a job with parameters is registered)."""
+        """A hot standby's next shipment and the marks the one after builds on, at one moment (the shard's lock):
+        ``capture`` with, after the marks ``since`` an earlier call returned, only the table rows touched since
+        and the dense steps taken since (``dense_steps``) where the slice's log holds them all, else the slice
+        whole (None: everything whole).  None before a job with parameters is registered."""
         with self._lock:
-            return (self.capture(since), self.tables.marks()) if self.params is not None else (None, {})
+            if self.params is None:
+                return None, {}
+            steps = self.slice.take_steps(since["dense"] if since else -1)  # (the log starts again from now)
+            state = self.capture(since["tables"] if since else None, dense=steps is None)
+            if steps is not None:
+                state = replace(state, dense_steps={"since": since["dense"], "steps": steps})
+            return state, {"tables": self.tables.marks(), "dense": self.version}
 
     def final_checkpoint(self) -> None:
         """On shutdown, after in-flight calls have drained: write the current state, open round included."""

@@ -1,11 +1,13 @@
 """A standby's state kept as a whole state and the shipments since: each a state whose tables carry only the
-rows touched after the shipment before it (psserver.partition.host.ShardHost.capture_since).
+rows touched after the shipment before it, and whose dense slice comes as the optimizer steps taken since
+(psserver.partition.host.ShardHost.capture_since).
 
 Why: a table's rows are most of a recommendation model's state, and a round touches a few thousand of
-millions, so a whole state a round grows with the table (the dense slice and its optimizer state change
-every round: they travel whole).  The standby does not decode what it is shipped; it makes the whole state
-(``whole``) when it is promoted, and folds shipments into its base on a thread of its own once they hold as
-many bytes as it (``Holdings``): its work and memory stay proportional to what was shipped.
+millions, so a whole state a round grows with the table; the dense slice changes whole every round, but its
+round's averaged gradient is a third of the slice with Adam's two moments, and replaying it is the primary's
+own step, bit for bit.  The standby does not decode what it is shipped; it makes the whole state (``whole``)
+when it is promoted, and folds shipments into its base on a thread of its own once they weigh a few times
+as much (``Holdings``): its work and memory stay proportional to what was shipped.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from dataclasses import replace
 
 import torch
 
 from psserver.protocol.rows.space import ROW_FIELDS
 from psserver.sparse.versions import as_pairs
+from psserver.state.dense_slice import DenseSlice
 from psserver.state.checkpoint import ShardState
 
 log = logging.getLogger(__name__)
@@ -33,8 +37,11 @@ def merge(base: ShardState, later: ShardState) -> ShardState:
 def merge_all(base: ShardState, laters: list[ShardState]) -> ShardState:
     """The newest of ``laters`` (shipments after ``base``, in order) made whole in one pass a table: the rows of
     the shipments since the table's last whole one, each id's newest, merged once into what that whole one (or
-    ``base``) held -- a fold's cost is one merge a table, not one a shipment."""
+    ``base``) held -- a fold's cost is one merge a table, not one a shipment; and the dense steps since the last
+    whole slice replayed on it (``_dense_after``)."""
     last = laters[-1]
+    params, optimizer = _dense_after(base, laters)
+    last = replace(last, params=params, optimizer=optimizer, dense_steps=None)
     if not last.tables:
         return last
     tables = {}
@@ -75,6 +82,34 @@ def merge_states(base: dict, since: dict) -> dict:
         out[replaced_to] = new[held]
         merged[name] = out
     return {**merged, **{k: v for k, v in since.items() if k not in ROW_FIELDS and k != "since"}}
+
+
+def _dense_after(base: ShardState, laters: list[ShardState]) -> tuple[torch.Tensor, dict]:
+    """The slice and its optimizer state after ``laters``: those of the last that carried them whole (or
+    ``base``'s), with each later one's steps replayed on them -- DenseSlice.step, the primary's own, bit for bit.
+
+    Raises:
+        ValueError: a shipment's steps do not start where the slice held is (the primary ships whole then).
+    """
+    whole_at = max((i for i, s in enumerate(laters) if s.dense_steps is None), default=-1)
+    start = laters[whole_at] if whole_at >= 0 else base
+    replays = laters[whole_at + 1:]
+    if not replays:
+        return start.params, start.optimizer
+    dense = DenseSlice(Counter())
+    dense.restore(start.params, start.optimizer, start.version, start.job.optimizer)
+    for s in replays:
+        if s.dense_steps["since"] != dense.version:
+            raise ValueError(f"shipment at version {s.version} replays steps from version {s.dense_steps['since']} "
+                             f"but the slice held is at {dense.version}")
+        for grad, lr in s.dense_steps["steps"]:
+            if grad is None:
+                dense.advance()
+            else:
+                dense.step(grad, lr)
+    if dense.version != laters[-1].version:
+        raise ValueError(f"replayed to version {dense.version}, the shipment is at {laters[-1].version}")
+    return dense.capture()
 
 
 def _newest(ids: list[torch.Tensor]) -> torch.Tensor | None:

@@ -80,6 +80,9 @@ class ShardState:
     cursor: dict | None = None  # the async data cursor (psserver.members.data_cursor.DataCursor.state)
     # the layout timeline (LayoutEpoch protos, serialised) of a checkpoint taken in a later layout; None in the first
     layouts: list | None = None
+    # a hot standby's shipment without params and optimizer: {"since": version, "steps": [(gradient, lr), ...]}
+    # to replay on the slice it holds at that version (psserver.replication.deltas)
+    dense_steps: dict | None = None
 
     def to_bytes(self, shipment: bool = False) -> bytes:
         """The checkpoint's bytes.  ``shipment``: for a hot standby (psserver.replication), once a round -- torch's
@@ -96,7 +99,8 @@ class ShardState:
             dict(shard=self.shard, version=self.version, job=self.job.to_proto().SerializeToString(),
                  params=self.params, optimizer=self.optimizer, counters=self.counters, members=self.members,
                  acked=self.acked, open_round=self.open_round, tables=self.tables, partition=self.partition,
-                 epochs=self.epochs, holes=self.holes, cursor=self.cursor, layouts=self.layouts),
+                 epochs=self.epochs, holes=self.holes, cursor=self.cursor, layouts=self.layouts,
+                 **({"dense_steps": self.dense_steps} if self.dense_steps is not None else {})),
             buf, _use_new_zipfile_serialization=not shipment,
         )
         if shipment:
@@ -129,7 +133,7 @@ class ShardState:
         return ShardState(d["shard"], d["version"], JobSpec.from_proto(job), d["params"], d["optimizer"],
                           d.get("counters", {}), d.get("members", {}), d.get("acked", {}), d.get("open_round"),
                           d.get("tables"), d.get("partition", 0), d.get("epochs"), d.get("holes", {}),
-                          d.get("cursor"), d.get("layouts"))
+                          d.get("cursor"), d.get("layouts"), d.get("dense_steps"))
 
 
 def _fsync_dir(directory: Path) -> None:

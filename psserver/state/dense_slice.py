@@ -33,6 +33,10 @@ class DenseSlice:
         self._counters = counters
         self._lock = threading.Lock()
         self._stepping = False  # an optimizer step is writing the parameters
+        # while a hot standby is kept: each step since version ``log_from`` as (gradient, lr), (None, None) for a
+        # version without one -- what it replays instead of taking the slice and its optimizer state whole
+        self.step_log: list | None = None
+        self.log_from = self._logged = self._log_limit = 0
 
     def init(self, values: torch.Tensor, take: bool, optimizer: OptimizerConfig) -> None:
         """Set the initial parameters; the optimizer is built before anything is stored, so a failure leaves the
@@ -45,12 +49,14 @@ class DenseSlice:
         params = torch.nn.Parameter(data, requires_grad=False)
         opt = SliceOptimizer(optimizer, params)
         self.params, self.optimizer, self._buffer = params, opt, None
+        self.step_log = None
 
     def restore(self, params: torch.Tensor, optimizer_state: dict, version: int, optimizer: OptimizerConfig) -> None:
         self.params = torch.nn.Parameter(params.clone(), requires_grad=False)
         self.optimizer = SliceOptimizer(optimizer, self.params)
         self.optimizer.load_state_dict(optimizer_state)
         self.version = version
+        self.step_log = None
 
     def step(self, grad: torch.Tensor, lr: float) -> float:
         """One optimizer step at rate ``lr``; returns its seconds.  Copy on write: parameters a pull still streams
@@ -59,6 +65,7 @@ class DenseSlice:
         with self._lock:
             self._stepping = True
             spare = self.snapshots.spare(live, torch.float32) if self.snapshots.streaming(live) else None
+        logged = False
         try:
             if spare is not None:
                 spare.copy_(live)
@@ -71,16 +78,46 @@ class DenseSlice:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step(grad)
+            logged = self._log(grad, lr)
             return time.perf_counter() - t0
         finally:
             with self._lock:
                 self.version += 1
                 self._stepping = False
+                if not logged:
+                    self.step_log = None  # (a step that failed part way: only the whole slice says where it is)
 
     def advance(self) -> None:
         """A round closed without a step (every gradient in it skipped): the version moves on alone."""
+        self._log(None, None)
         with self._lock:
             self.version += 1
+
+    # ------------------------------------------------------------------ the step log (a hot standby's)
+    def log_steps(self) -> None:
+        """Log the steps from the version now on (a hot standby holds this slice as it is now).  A log longer
+        than the slice's whole state (parameters and optimizer state) is dropped: shipping it whole is cheaper."""
+        self.step_log, self.log_from, self._logged = [], self.version, 0
+        self._log_limit = 1 + self.optimizer.slice_sized_states()
+
+    def take_steps(self, since: int) -> list | None:
+        """The steps from version ``since`` to now (None where the log does not hold them all); the log starts
+        again from now either way."""
+        steps = self.step_log if self.step_log is not None and self.log_from == since else None
+        self.log_steps()
+        return steps
+
+    def _log(self, grad: torch.Tensor | None, lr: float | None) -> bool:
+        if self.step_log is None:
+            return True
+        if grad is None:
+            self.step_log.append((None, None))
+        elif self._logged + 1 < self._log_limit:  # (the gradients weigh less than the slice and its state)
+            self.step_log.append((grad.clone(), lr))
+            self._logged += 1
+        else:
+            self.step_log = None
+        return True
 
     def acquire(self, wire: int) -> tuple[int, torch.Tensor]:
         """(version, snapshot in the wire dtype) for a pull; hand it back with ``release``."""

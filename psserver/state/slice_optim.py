@@ -53,6 +53,10 @@ class SliceOptimizer:
             self.body.grad = self.tail.grad = None
         p[self.split:].copy_(self.tail.detach()[: self.rest])
 
+    def slice_sized_states(self) -> int:
+        """How many slice-sized tensors the optimizer keeps (Adam's two moments: 2; none before its first step)."""
+        return sum(1 for t in self.inner.state.get(self.body, {}).values() if torch.is_tensor(t) and t.dim() > 0)
+
     # ------------------------------------------------------------------ the one-tensor format
     def state_dict(self) -> dict:
         states = [self.inner.state.get(p, {}) for p in (self.body, self.tail)]

@@ -207,3 +207,77 @@ def test_the_rows_noted_since_the_newest_mark_are_the_rows_a_scan_of_the_clocks_
     older_rows = t.store.state_since(older)  # (not the newest mark: scanned)
     assert torch.equal(older_rows["ids"], t.store.touched_since(older[0])["ids"])
     assert len(older_rows["ids"]) >= len(noted["ids"])
+
+
+def dense_job(name: str, n: int) -> JobSpec:
+    return JobSpec(mode="sync", num_trainers=2, num_shards=1, total_params=n, fingerprint="f" * 16,
+                   optimizer=OptimizerConfig(name, lr=0.1, **({"momentum": 0.9} if name == "sgd" else {})),
+                   tensors=(("w", (n,), "float32"),))
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw", "sgd"])
+def test_dense_steps_replayed_on_the_slice_held_give_the_primarys_slice_bit_for_bit(name):
+    """A shipment may carry the slice's steps since the one before instead of the slice and its optimizer state:
+    replayed on what the standby holds (across shipments, a version without a step among them) they give the
+    primary's parameters and optimizer state exactly."""
+    from collections import Counter
+
+    from psserver.state.dense_slice import DenseSlice
+
+    n = 1000  # (not a multiple of the optimizer's vector width: the tail is stepped too)
+    j, g = dense_job(name, n), torch.Generator().manual_seed(7)
+    primary = DenseSlice(Counter())
+    primary.init(torch.randn(n, generator=g), take=False, optimizer=j.optimizer)
+    primary.step(torch.randn(n, generator=g), 0.1)  # (the optimizer's state exists: steps are worth logging)
+
+    def capture(steps=None, since=0):
+        params, opt = primary.capture() if steps is None else (None, None)
+        return ShardState(0, primary.version, j, params, opt,
+                          dense_steps=None if steps is None else {"since": since, "steps": steps})
+
+    base = capture()
+    primary.log_steps()
+    shipments = []
+    for k in range(3):
+        since = primary.version
+        primary.step(torch.randn(n, generator=g), 0.1 / (k + 1))
+        if k == 1:
+            primary.advance()  # (a round whose every gradient was skipped)
+        steps = primary.take_steps(since)
+        assert steps is not None and len(steps) == (2 if k == 1 else 1)
+        shipments.append(capture(steps, since))
+    held = merge_all(base, shipments)
+    params, opt = primary.capture()
+    assert held.version == primary.version and held.dense_steps is None
+    assert torch.equal(held.params, params)
+    state, expected = held.optimizer["state"].get(0, {}), opt["state"].get(0, {})
+    assert state.keys() == expected.keys() and state
+    for key, value in expected.items():
+        assert torch.equal(state[key], value) if torch.is_tensor(value) else state[key] == value, key
+    with pytest.raises(ValueError, match="replays steps from version"):  # (a gap: never applied on a guess)
+        merge_all(base, shipments[1:])
+
+
+def test_a_step_log_longer_than_the_whole_slice_is_dropped_and_a_failed_step_drops_it():
+    from collections import Counter
+
+    from psserver.state.dense_slice import DenseSlice
+
+    j = dense_job("adam", 100)
+    s = DenseSlice(Counter())
+    s.init(torch.zeros(100), take=False, optimizer=j.optimizer)
+    s.step(torch.ones(100), 0.1)
+    s.log_steps()
+    since = s.version
+    s.step(torch.ones(100), 0.1)
+    s.step(torch.ones(100), 0.1)  # (two gradients: less than the slice and Adam's two moments)
+    assert len(s.take_steps(since)) == 2
+    since = s.version
+    for _ in range(3):
+        s.step(torch.ones(100), 0.1)
+    assert s.take_steps(since) is None  # three weigh as much as the whole: shipped whole
+    since = s.version
+    with pytest.raises(RuntimeError):
+        s.step(torch.ones(7), 0.1)  # (a gradient of the wrong size: the step fails part way)
+    assert s.take_steps(since) is None
+    assert s.take_steps(s.version) == []  # (the log started again)
