@@ -145,9 +145,19 @@ class EpochBook:
 
     def __init__(self, num_trainers: int, max_trainers: int, label: str = "shard"):
         self.num_trainers, self.max_trainers, self.label = num_trainers, max_trainers, label
-        self.timeline: list[Epoch] = [Epoch(0, 0, frozenset(range(num_trainers)))]
+        self.changes = 0  # timelines swapped in so far (Shard.exposed)
+        self.timeline = [Epoch(0, 0, frozenset(range(num_trainers)))]
         self.pending: dict[int, PendingJoin] = {}
         self.strikes = PeerStrikes()
+
+    @property
+    def timeline(self) -> list[Epoch]:
+        return self._timeline
+
+    @timeline.setter
+    def timeline(self, timeline: list[Epoch]) -> None:
+        self._timeline = timeline
+        self.changes += 1
 
     # ------------------------------------------------------------------ reads
     @property

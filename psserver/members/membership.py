@@ -42,6 +42,7 @@ class Membership:
         self._left: set[int] = set()
         self._last_seen: dict[int, float] = {}
         self._view: MemberView | None = None  # cached until the membership changes (heartbeats do not)
+        self.changes = 0  # membership changes so far: what a read shows of it is no newer than a count (Shard.exposed)
 
     def reset(self) -> None:
         with self._lock:
@@ -50,7 +51,11 @@ class Membership:
             self._registered.clear()
             self._left.clear()
             self._last_seen.clear()
-            self._view = None
+            self._changed()
+
+    def _changed(self) -> None:
+        self._view = None
+        self.changes += 1
 
     def register(self, rank: int, trainer_id: str) -> str | None:
         """Join (or rejoin) ``rank`` as ``trainer_id``; returns the id it replaces, if any."""
@@ -61,7 +66,7 @@ class Membership:
             self._registered.add(rank)
             self._left.discard(rank)
             self._last_seen[rank] = self._clock()
-            self._view = None
+            self._changed()
             return previous
 
     def leave(self, rank: int) -> int:
@@ -71,7 +76,7 @@ class Membership:
             self._last_seen.pop(rank, None)
             self._live.discard(rank)
             self._left.add(rank)
-            self._view = None
+            self._changed()
             return len(self._live)
 
     def check(self, rank: int, trainer_id: str, shard_id: int) -> bool:
@@ -93,7 +98,7 @@ class Membership:
             self._last_seen[rank] = self._clock()
             if rank not in self._live:
                 self._live.add(rank)
-                self._view = None
+                self._changed()
                 return True
             return False
 
@@ -110,7 +115,7 @@ class Membership:
             for rank in gone:
                 self._live.discard(rank)
             if gone:
-                self._view = None
+                self._changed()
             return [(rank, now - self._last_seen[rank]) for rank in gone]
 
     def next_expiry(self) -> float | None:
@@ -132,7 +137,7 @@ class Membership:
                 self._live.add(rank)
                 self._registered.add(rank)
                 self._last_seen[rank] = now
-            self._view = None
+            self._changed()
 
     def members(self) -> dict[int, str]:
         with self._lock:

@@ -221,9 +221,11 @@ class Shard:
 
     def exposed(self) -> tuple:
         """Counters that move whenever what a read of this partition shows changes: its job (set or cleared), its
-        dense version and its tables' (ServedTable.exposed).  Monotone: a read after a change never finds the
-        counters a capture took before it (psserver.replication.shipper)."""
-        return self.job_changes, self.slice.version, self.tables.exposed()
+        dense slice (initialised, version), its members and epochs, and its tables' (ServedTable.exposed).
+        Monotone: a read after a change never finds the counters a capture took before it
+        (psserver.replication.shipper)."""
+        return (self.job_changes, self.slice.params is not None, self.slice.version, self.members.changes,
+                self.epochs.changes, self.tables.exposed())
 
     def state_since(self, since: dict | None) -> tuple[ShardState | None, dict]:
         """A hot standby's next shipment and the marks the one after builds on, at one moment (the shard's lock):

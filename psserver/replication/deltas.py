@@ -186,7 +186,7 @@ class Holdings:
     folded into a new whole state off the caller's thread once they weigh ``fold_share`` times it (memory traded
     against the folds' work, each a pass over the whole state)."""
 
-    def __init__(self, fold_share: float = 3.0):
+    def __init__(self, fold_share: float = 1.0):
         """``fold_share``: shipments are folded once their bytes reach this share of the whole state's."""
         self.fold_share = fold_share
         self._lock = threading.Lock()
@@ -245,7 +245,9 @@ class Holdings:
             self._folding = False
 
     def states(self) -> list:
-        """The whole states now, as ``whole`` gives them (folds what is held: at promotion)."""
+        """The whole states now, as ``whole`` gives them (folds what is held: at promotion, once a fold under
+        way has ended -- not a second one beside it, in memory and CPU)."""
+        self.close()
         with self._lock:
             base, later = self.base, list(self.later)
         return whole(base, later)
