@@ -224,8 +224,9 @@ class Shard:
         dense slice (initialised, version), its members and epochs, and its tables' (ServedTable.exposed).
         Monotone: a read after a change never finds the counters a capture took before it
         (psserver.replication.shipper)."""
+        epochs = self.epochs  # (None before a job)
         return (self.job_changes, self.slice.params is not None, self.slice.version, self.members.changes,
-                self.epochs.changes, self.tables.exposed())
+                epochs.changes if epochs is not None else 0, self.tables.exposed())
 
     def state_since(self, since: dict | None) -> tuple[ShardState | None, dict]:
         """A hot standby's next shipment and the marks the one after builds on, at one moment (the shard's lock):

@@ -212,7 +212,13 @@ partial) to its standby.
                 continue
             self.started += 1
             n, epoch = self.started, self.epoch
-            states, marks, base = await self.runtime.offload(self._capture, n)
+            try:
+                states, marks, base = await self.runtime.offload(self._capture, n)
+            except Exception as e:  # noqa: BLE001 -- a bug: the standby is dropped (nothing waits on it), and it says why
+                log.exception("shard %d: capturing shipment %d failed", self.shard, n)
+                self._base = None
+                await self._lose_standby(f"capturing shipment {n} failed: {e!r}")
+                continue
             try:
                 await self.stub.Ship(_rpb.ShipRequest(job=self.job, shard=self.shard, epoch=epoch, shipment=n,
                                                       primary=self.me, states=states, base=base),
@@ -228,7 +234,7 @@ partial) to its standby.
                                 base, e.details())
                     self._kick.set()
                     continue
-                await self._lose_standby(e)
+                await self._lose_standby(f"{e.code().name}: {e.details()}")
                 continue
             self.acked, self._base = n, (n, marks) if marks else None
             self.count("replica_shipments")
@@ -255,7 +261,7 @@ partial) to its standby.
                  self.shard, self.standby[0], self.epoch)
         self._kick.set()  # a state of the new epoch: only one of it makes the standby eligible for promotion
 
-    async def _lose_standby(self, error: grpc.aio.AioRpcError) -> None:
+    async def _lose_standby(self, why: str) -> None:
         """The standby did not acknowledge: drop it in etcd (a new epoch, nobody in sync), then answer alone."""
         was = self.standby
         self._shunned[was] = time.monotonic() + SHUN_SECONDS  # its offer may outlive it by a lease
@@ -271,8 +277,8 @@ partial) to its standby.
         if self.channel is not None:
             await self.channel.close()
         self.channel = self.stub = None
-        log.warning("shard %d: standby %s did not answer (%s: %s): %s from epoch %d until a standby catches up",
-                    self.shard, was[0] if was else "?", error.code().name, error.details(),
+        log.warning("shard %d: standby %s did not answer (%s): %s from epoch %d until a standby catches up",
+                    self.shard, was[0] if was else "?", why,
                     "replies wait (--require-standby)" if self.require else "running unreplicated", self.epoch)
         self._release(None)
 

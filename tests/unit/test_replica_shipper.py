@@ -49,6 +49,12 @@ class FakeStandby:
         self.shipped.append((request.epoch, request.shipment, list(request.states)))
 
 
+def read_counters(state: dict) -> int:
+    if state.get("capture_fails"):
+        raise RuntimeError("a bug in the capture")
+    return state.get("read_counters", 0)
+
+
 def make(state: dict):
     loop = asyncio.get_running_loop()
     standby, roles, fenced, counts = FakeStandby(), FakeRoles(), [], {}
@@ -59,7 +65,7 @@ def make(state: dict):
     r = Replicator(shard=0, job="j", me="a", epoch=1, roles=roles, runtime=FakeRuntime(), loop=loop,
                    capture=lambda since: ([str(state["v"]).encode()], [], False), count=count, poll=0.01,
                    fence=lambda shard, why: fenced.append(why), connect=lambda address: (standby, standby),
-                   exposed=lambda: state.get("read_counters", 0))
+                   exposed=lambda: read_counters(state))
     r._task = loop.create_task(r._ship_loop())
     return r, standby, roles, fenced, counts
 
@@ -273,4 +279,16 @@ def test_a_read_whose_counters_match_a_shipment_under_way_waits_for_that_one_and
         await asyncio.wait_for(asyncio.gather(push, read), 1)
         assert len(standby.shipped) == shipped + 1 and standby.shipped[-1][2] == [b"2"]
         assert counts["replica_reads_on_shipped"] == 1
+    run(go())
+
+
+def test_a_capture_that_fails_drops_the_standby_and_the_waiting_replies_go_on_unreplicated():
+    async def go():
+        state = {"v": 1}
+        r, standby, roles, fenced, counts = make(state)
+        await replicated(r, standby)
+        state["capture_fails"] = True  # (the shipping task must not die with the replies waiting)
+        await asyncio.wait_for(r.barrier(), 1)
+        assert (r.mode, r.standby, fenced) == (ALONE, None, []) and roles.calls[-1] == (2, "")
+        assert counts["replica_standby_lost"] == 1
     run(go())
