@@ -1,10 +1,11 @@
 """A shard's read counters (Shard.exposed: what a hot standby's primary compares to let a pull go out on a shipment
 already made, psserver.replication.shipper) move with everything a pull can show -- the parameters set, a step,
-a registration, a leave, a table's update or eviction, rows of a normal initialiser -- and not with a pull alone
-(rows a uniform initialiser creates come back the same from seed and id)."""
+a registration, a leave, a table's update or eviction, a pull where reads decide which rows stay -- and not with
+a pull alone (the rows it creates come back the same from seed and id)."""
 
 import dataclasses
 
+import pytest
 import torch
 
 from psserver.partition.shard import Shard
@@ -50,18 +51,20 @@ def table(kind: str, **spec) -> ServedTable:
     return ServedTable(t, job)
 
 
-def test_a_tables_counters_move_with_updates_and_evictions_and_not_with_rows_a_uniform_pull_creates():
-    t = table("uniform", max_rows=None)
+@pytest.mark.parametrize("kind", ["uniform", "normal"])
+def test_a_tables_counters_move_with_updates_and_not_with_the_rows_a_pull_creates(kind):
+    t = table(kind)
     before = t.exposed()
-    t.lookup(torch.arange(10))  # rows created: made the same again from (seed, id)
+    t.lookup(torch.arange(10))  # rows created: made the same again from (seed, id), in any batch
     assert t.exposed() == before
     t.push(RowsPush(0, "t0", t.version, 1, 1, torch.arange(3), torch.ones(3, 4)),
            Membership(frozenset({0, 1}), started=True), now=0.0)
     assert t.exposed() != before
 
 
-def test_rows_a_normal_initialiser_creates_or_a_read_that_decides_what_stays_move_the_counters():
-    for t in (table("normal"), table("uniform", max_rows=100)):
-        before = t.exposed()
-        t.lookup(torch.arange(10))
-        assert t.exposed() != before
+@pytest.mark.parametrize("spec", [{"max_rows": 100}, {"evict_after": 5}, {"admit_after": 2}])
+def test_a_pull_of_a_table_whose_reads_decide_what_stays_moves_the_counters(spec):
+    t = table("uniform", **spec)
+    before = t.exposed()
+    t.lookup(torch.arange(10))
+    assert t.exposed() != before

@@ -20,7 +20,9 @@ which is exactly output j+1 of a splitmix64 generator started at state s(id).
   float32.  log and cos are not correctly rounded functions, so two CPUs (or
   torch's vector and scalar loops) may differ in the last float64 bit; rounding
   to float32 hides that except in about one value in 10**8, which then differs by
-  one float32 ulp.
+  one float32 ulp.  On one machine every value takes the vector loop (blocks a
+  whole number of vectors long, each under torch's threading grain), so a row is
+  the same in any batch: a hot standby that makes a row again makes its bits.
 """
 
 from __future__ import annotations
@@ -73,6 +75,11 @@ def _unsigned(bits: torch.Tensor | np.ndarray) -> np.ndarray:
     return bits if isinstance(bits, np.ndarray) else bits.contiguous().numpy().view(np.uint64)
 
 
+# A whole number of float64 vectors of any x86 or ARM width (and of torch's unrolled pairs of them), and blocks
+# below torch's threading grain (32,768 elements) that are a whole number of those.
+VECTOR_BLOCK, SERIAL_BLOCK = 64, 16_384
+
+
 def uniform_rows(bits: torch.Tensor | np.ndarray, a: float) -> torch.Tensor:
     """uniform[-a, a) from the top 24 bits, exact until the final multiplication by ``a``."""
     k = torch.from_numpy((_unsigned(bits) >> np.uint64(40)).astype(np.float32))  # < 2**24: exact
@@ -80,12 +87,19 @@ def uniform_rows(bits: torch.Tensor | np.ndarray, a: float) -> torch.Tensor:
 
 
 def normal_rows(bits: torch.Tensor | np.ndarray, std: float) -> torch.Tensor:
-    """Box-Muller on the two 32-bit halves of each word, in float64, rounded to float32."""
+    """Box-Muller on the two 32-bit halves of each word, in float64, rounded to float32.  Computed in blocks of
+    ``SERIAL_BLOCK`` values (under torch's threading grain: one loop each), padded to a whole number of
+    ``VECTOR_BLOCK``: every value takes the vector loop, wherever it sits in the batch."""
     b = _unsigned(bits)
     u1 = (torch.from_numpy((b >> np.uint64(32)).astype(np.float64)) + 0.5) * 2.0**-32  # < 2**32: exact
     u2 = torch.from_numpy((b & np.uint64(_LOW32)).astype(np.float64)) * 2.0**-32
-    z = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)
-    return (z * std).to(torch.float32)
+    shape, n = u1.shape, u1.numel()
+    pad = -n % VECTOR_BLOCK
+    u1 = torch.cat([u1.reshape(-1), torch.full((pad,), 0.5, dtype=torch.float64)])
+    u2 = torch.cat([u2.reshape(-1), torch.zeros(pad, dtype=torch.float64)])
+    z = torch.cat([torch.sqrt(-2.0 * torch.log(a)) * torch.cos((2.0 * math.pi) * c)
+                   for a, c in zip(u1.split(SERIAL_BLOCK), u2.split(SERIAL_BLOCK))]) if n else u1
+    return (z[:n] * std).to(torch.float32).reshape(shape)
 
 
 def init_rows(init: Initializer, seed: int, ids: torch.Tensor, dim: int) -> torch.Tensor:

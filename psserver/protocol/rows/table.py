@@ -466,15 +466,12 @@ class RowStore:
     def exposed(self) -> tuple:
         """Counters that move whenever what a read of this store shows changes, or what it keeps depends on reads:
         its push version and evictions; and its clock where a read decides what stays (max_rows, evict_after, an
-        admission sketch).  Rows a read creates come back the same from (seed, id) wherever they are made again, so
-        they are not in it -- but for the normal initialiser, whose rows may differ by an ulp with the batch they
-        were made in (psserver.protocol.rows.init): there the rows created count.  (psserver.replication.shipper:
-        a read whose counters match a shipment's needs no newer one.)"""
+        admission sketch).  Rows a read creates come back the same from (seed, id) wherever they are made again, in
+        any batch (psserver.protocol.rows.init), so they are not in it.  (psserver.replication.shipper: a read whose
+        counters match a shipment's needs no newer one.)"""
         spec = self.spec
         if spec.max_rows or spec.evict_after or spec.admit_after:
             return self.version, self.space.evictions, self.tick
-        if spec.initializer.kind != "uniform":
-            return self.version, self.space.evictions, self.counts.rows_created
         return self.version, self.space.evictions
 
     def state_since(self, mark: tuple[int, int]) -> dict | None:
