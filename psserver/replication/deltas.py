@@ -6,8 +6,8 @@ Why: a table's rows are most of a recommendation model's state, and a round touc
 millions, so a whole state a round grows with the table; the dense slice changes whole every round, but its
 round's averaged gradient is a third of the slice with Adam's two moments, and replaying it is the primary's
 own step, bit for bit.  The standby does not decode what it is shipped; it makes the whole state (``whole``)
-when it is promoted, and folds shipments into its base on a thread of its own once they weigh a few times
-as much (``Holdings``): its work and memory stay proportional to what was shipped.
+when it is promoted, and folds shipments into its base on a thread of its own once they weigh as much as it
+(``Holdings``): its work and memory stay proportional to what was shipped.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch
 
 from psserver.protocol.rows.space import ROW_FIELDS
 from psserver.sparse.versions import as_pairs
-from psserver.state.dense_slice import DenseSlice
 from psserver.state.checkpoint import ShardState
+from psserver.state.dense_slice import DenseSlice
 
 log = logging.getLogger(__name__)
 
@@ -158,12 +158,11 @@ def whole(base: list, later: list[list[bytes]]) -> list:
     the ShardStates a fold made -- ``base`` itself where nothing came after it, else ShardStates."""
     if not later:
         return list(base)
-    return [merge_all(decoded(old), [ShardState.from_bytes(shipment[i], shipment=True) for shipment in later])
-            for i, old in enumerate(base)]
+    return [merge_all(decoded(old), [decoded(shipment[i]) for shipment in later]) for i, old in enumerate(base)]
 
 
 def decoded(state) -> ShardState:
-    """A whole state held: decoded if it is still a shipment's bytes."""
+    """A state held or shipped: decoded if it is still a shipment's bytes."""
     return state if isinstance(state, ShardState) else ShardState.from_bytes(state, shipment=True)
 
 

@@ -4,11 +4,12 @@ includes what the reply acknowledges.
 Group commit: a reply that acknowledges something (a push applied, a round's weights, a registration -- every
 data call but heartbeats and stats) waits at ``barrier`` for the first shipment whose capture begins after the
 reply's own change.  A reply that only shows state (a pull) waits for the newest shipment captured if the
-shard's read counters (ShardHost.exposed: versions, evictions, the job) have not moved since that capture --
-nothing it shows can be newer -- and as any other reply if they have.  One shipment at a time: the state of every partition (what a checkpoint holds, open round
-and push books included), captured on the state worker -- so it is one consistent moment of the shard -- and
-sent to the standby, which acknowledges it.  A standby's first shipment is whole; each after it carries of the
-tables only the rows touched since the one before (psserver.replication.deltas; whole again after an
+shard's read counters (ShardHost.exposed: the job, versions, members and epochs, evictions) have not moved
+since that capture -- nothing it shows can be newer -- and as any other reply if they have.  One shipment at a
+time: the state of every partition (what a checkpoint holds, open round and push books included), captured on
+the state worker -- so it is one consistent moment of the shard -- and sent to the standby, which acknowledges
+it.  A standby's first shipment is whole; each after it carries of the tables only the rows touched since the
+one before and the dense slice as the steps taken since (psserver.replication.deltas; whole again after an
 eviction, or when the standby lacks the one before).  Every reply waiting when it was captured goes out when
 it is acknowledged: a sync round's replies share one shipment.
 

@@ -65,7 +65,7 @@ class DenseSlice:
         with self._lock:
             self._stepping = True
             spare = self.snapshots.spare(live, torch.float32) if self.snapshots.streaming(live) else None
-        logged = False
+        stepped = False
         try:
             if spare is not None:
                 spare.copy_(live)
@@ -78,18 +78,21 @@ class DenseSlice:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step(grad)
-            logged = self._log(grad, lr)
+            stepped = True
+            if self.step_log is not None:
+                self._log(grad, lr)
             return time.perf_counter() - t0
         finally:
             with self._lock:
                 self.version += 1
                 self._stepping = False
-                if not logged:
+                if not stepped:
                     self.step_log = None  # (a step that failed part way: only the whole slice says where it is)
 
     def advance(self) -> None:
         """A round closed without a step (every gradient in it skipped): the version moves on alone."""
-        self._log(None, None)
+        if self.step_log is not None:
+            self._log(None, None)
         with self._lock:
             self.version += 1
 
@@ -107,9 +110,8 @@ class DenseSlice:
         self.log_steps()
         return steps
 
-    def _log(self, grad: torch.Tensor | None, lr: float | None) -> bool:
-        if self.step_log is None:
-            return True
+    def _log(self, grad: torch.Tensor | None, lr: float | None) -> None:
+        """Note one step (a gradient and its rate; None, None for a version without a step) in the open log."""
         if grad is None:
             self.step_log.append((None, None))
         elif self._logged + 1 < self._log_limit:  # (the gradients weigh less than the slice and its state)
@@ -117,7 +119,6 @@ class DenseSlice:
             self._logged += 1
         else:
             self.step_log = None
-        return True
 
     def acquire(self, wire: int) -> tuple[int, torch.Tensor]:
         """(version, snapshot in the wire dtype) for a pull; hand it back with ``release``."""

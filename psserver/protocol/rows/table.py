@@ -476,7 +476,8 @@ class RowStore:
 
     def state_since(self, mark: tuple[int, int]) -> dict | None:
         """``state()`` with only the rows a call touched after ``mark`` (created, updated or read), and
-        ``since``: that mark's clock -- what ``deltas.merge_states`` needs beside the state at the mark to make this one.
+        ``since``: that mark's clock -- what ``deltas.merge_states`` needs beside the state at the mark to make
+        this one.
         None where rows were evicted since: only a whole state says which rows went."""
         tick, evictions = mark
         if evictions != self.space.evictions:
