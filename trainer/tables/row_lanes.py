@@ -127,6 +127,14 @@ class RowLanes:
             else:
                 self.counters["pushes_lost"] += 1
 
+    def pushed_again(self, shard: int, table: str) -> None:
+        """A push of ``table`` that found ``shard`` restarted goes again after the resync: if the resync counted
+        it lost as the push kept for a retry, it is not."""
+        with self._lock:
+            if (shard, table) in self._counted_lost:
+                self._counted_lost.discard((shard, table))
+                self.counters["pushes_lost"] -= 1
+
     def fresh_push(self, table: str) -> None:
         """A new push of ``table`` (not a kept one): what a resync counted of the last one is done with."""
         with self._lock:

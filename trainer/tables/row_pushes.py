@@ -9,7 +9,7 @@ push names the pulls its rows were read at instead of resending their ids (``nam
 Exactly once: each (shard, table) numbers its pushes from 1 (trainer.tables.row_lanes); a push whose reply was lost is
 retried with the same number and the shard answers DUPLICATE.  A push that failed for good on some shards raises
 ``RowsPushFailed`` and is kept for the retry; a shard found restarted is rejoined (trainer.tables.row_routes) and the
-push to it dropped and counted (``pushes_lost``).
+push to it goes again from the versions the shard resumed at.
 """
 
 from __future__ import annotations
@@ -143,15 +143,18 @@ class RowPushes:
 
     def push_shard(self, s: ShardClient, table: str, ids: torch.Tensor, grads: torch.Tensor,
                    num_samples: int, claim: Claim | None = None) -> str:
-        """One shard's push (with ``claim``'s ids of this shard, a PushPullRows delivering their rows); on a
-        shard found restarted it is dropped ("lost") once the shard is rejoined."""
+        """One shard's push (with ``claim``'s ids of this shard, a PushPullRows delivering their rows); a shard
+        found restarted is rejoined and the push goes again, on the versions it resumed at -- as the dense slot's
+        does (trainer.stepping.exchange.exchange_slot): dropped, it left this trainer a push behind there of a
+        peer whose unanswered push was retried into the restored round, and in sync mode each then waited for
+        the other's next part (tests/cluster/test_sparse_faults.py)."""
         try:
             return self.push_once(s, self.part(s, table, ids, grads, num_samples, claim))
         except grpc.RpcError as e:
             if not self.routes.restarted(s, e):
                 raise
-        self.book.count_lost(s.index, table)
-        return "lost"
+        self.book.pushed_again(s.index, table)
+        return self.push_once(s, self.part(s, table, ids, grads, num_samples, claim))
 
     def part(self, s: ShardClient, table: str, ids: torch.Tensor, grads: torch.Tensor, num_samples: int,
              claim: Claim | None, numbered: tuple[int, int] | None = None) -> RowsPart:

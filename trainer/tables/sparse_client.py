@@ -37,9 +37,10 @@ call answered NOT_FOUND, FAILED_PRECONDITION or OUT_OF_RANGE
 reach is refused OUT_OF_RANGE too) hands the shard to ``on_restart`` -- the trainer
 registers again there and calls ``resync`` with the tables' versions read from the
 shard.  Every lane of that shard then goes on from those versions under new
-numbers; the push that found the restart, and any failed push still kept for that
-shard, are dropped and counted (``pushes_lost``), as are the versions the shard
-rolled back (``versions_lost``).  A pull that found it is made again.
+numbers; the push that found the restart goes again there (as the dense slot's
+does), a failed push still kept for that shard is dropped and counted
+(``pushes_lost``), as are the versions the shard rolled back (``versions_lost``).
+A pull that found it is made again.
 """
 
 from __future__ import annotations
