@@ -63,14 +63,16 @@ def same_rows(a: dict, b: dict) -> bool:
 
 
 def train(servers, switch_at=None, before_step=lambda ps: None, connected=lambda ps: None, prefetch=False,
-          partitions=None, after_pulls=False):
+          partitions=None, after_pulls=False, one_call=True):
     """STEPS sync steps of one trainer (``prefetch``: each batch's rows pulled one step ahead, the steps then go
     as one Step call a shard, or beside the dense exchange when partitioned); (its dense parameters, its counters,
     its job, the shards' rows).  ``after_pulls``: the switch comes after step ``switch_at``'s forward and backward
-    (its rows pulled in the old layout, their replies naming it), before its push."""
+    (its rows pulled in the old layout, their replies naming it), before its push.  ``one_call`` False: a step's
+    parts go the two-call way (the tables pushed, then the dense exchange), not as one Step call a shard."""
     model, g = Net(), torch.Generator().manual_seed(7)
     with connect(",".join(s.address for s in servers), model, mode="sync", rank=0, num_trainers=1,
                  optimizer=OPTIMIZER, connect_timeout=30, partitions=partitions) as ps:
+        ps.step_call.enabled = one_call
         connected(ps)
         batches = [batch(g) for _ in range(STEPS)]
         for i, (ids, x, y) in enumerate(ps.prefetching(batches, ids_of=lambda b: {"emb": b[0]}) if prefetch
@@ -90,16 +92,20 @@ def train(servers, switch_at=None, before_step=lambda ps: None, connected=lambda
         return dense, counters, ps.job, table_rows(servers)
 
 
+@pytest.mark.parametrize("one_call", [False, True], ids=["two-calls", "one-call"])
 def test_a_trainer_whose_table_push_is_refused_layout_moved_reroutes_the_step_and_ends_bit_for_bit_as_without_a_switch(
-        shard_server):
+        shard_server, one_call):
     dense_ref, _, _, rows_ref = train([shard_server(shard=i).server for i in range(2)])
     servers = [shard_server(shard=i).server for i in range(2)]
-    dense, counters, job, rows = train(servers, switch_at=R, after_pulls=True)
+    dense, counters, job, rows = train(servers, switch_at=R, after_pulls=True, one_call=one_call)
     assert torch.equal(dense, dense_ref)
     assert same_rows(rows, rows_ref)  # every row: values, Adam's moments, the version it was last updated at
     assert (job.num_shards, job.partitions) == (1, 2)
     assert counters["row_pushes_rerouted"] == 2  # both old shards refused the table push at base R; sent again whole
-    assert counters["pushes_rerouted"] == 0  # the dense exchange went in the new layout from the start
+    if one_call:  # both old shards refused step R's Step call whole: its dense part went again too
+        assert counters["pushes_rerouted"] == 2 and counters["step_calls_fallen_back"] == 1
+    else:
+        assert counters["pushes_rerouted"] == 0  # the dense exchange went in the new layout from the start
 
 
 def test_a_trainer_learns_a_switch_from_its_row_pulls_reply_and_pushes_its_table_in_the_new_layout_at_once(
@@ -138,9 +144,9 @@ def test_a_trainer_that_saw_the_new_layout_switches_its_tables_before_pushing_an
 
 def test_a_switch_between_a_steps_table_push_and_its_dense_push_starts_the_table_a_round_later_and_is_exact(
         shard_server):
-    """Tables go first: switched after step R's table push (the table at R + 1) and before its dense push (dense
-    at R), the table's switch round is its own, R + 1 -- so only the dense push is refused and re-routed, and the
-    tables follow it at R + 1."""
+    """Two calls, tables first: switched after step R's table push (the table at R + 1) and before its dense push
+    (dense at R), the table's switch round is its own, R + 1 -- so only the dense push is refused and re-routed,
+    and the tables follow it at R + 1."""
     dense_ref, _, _, rows_ref = train([shard_server(shard=i).server for i in range(2)])
     servers = [shard_server(shard=i).server for i in range(2)]
 
@@ -154,7 +160,7 @@ def test_a_switch_between_a_steps_table_push_and_its_dense_push_starts_the_table
 
         ps.runner._dense_step = switching
 
-    dense, counters, _, rows = train(servers, connected=switch_before_step_rs_dense_push)
+    dense, counters, _, rows = train(servers, connected=switch_before_step_rs_dense_push, one_call=False)
     assert torch.equal(dense, dense_ref) and same_rows(rows, rows_ref)
     assert servers[0].layouts.timeline()[1].table_rounds == (("emb", R + 1),)
     assert (counters["pushes_rerouted"], counters["row_pushes_rerouted"], counters["tables_relaid"]) == (2, 0, 1)

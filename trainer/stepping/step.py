@@ -1,10 +1,10 @@
 """How one step runs, whichever exchange variant the trainer was built with, and what a failed step refuses.
 
-The variants: plain (the tables pushed, then the dense exchange), beside (once rows are prefetched: the dense
-slice and every table in one Step call a shard, trainer.stepping.step_call; what it leaves to do, the tables on their own
-thread while the dense exchange runs, trainer.stepping.table_push), pipelined (the dense exchange behind the
-next forward, trainer.stepping.pipelined) and windowed (async pushes acknowledged later, trainer.stepping.windowed).  A step is
-all or nothing from the caller's view: while a failed one waits, anything that would change its gradient is
+The variants: one Step call a shard carrying the dense slice and every table (trainer.stepping.step_call), with or
+without prefetched rows; what it leaves to do goes plain (the tables pushed, then the dense exchange) or, once
+rows are prefetched, beside (the tables on their own thread while the dense exchange runs,
+trainer.stepping.table_push); pipelined (the dense exchange behind the next forward, trainer.stepping.pipelined) and
+windowed (async pushes acknowledged later, trainer.stepping.windowed).  A step is all or nothing from the caller's view: while a failed one waits, anything that would change its gradient is
 refused until ``step()`` retries it or ``abandon()`` drops it.  trainer.stepping.api's facade delegates here.
 """
 
@@ -62,10 +62,46 @@ class StepRunner:
             return self.pipelined.step(num_samples, self.table_push)
         if self.table_push.side_by_side:
             return self._step_beside(num_samples)
-        self._tables_first(num_samples)
-        info = self._dense_step(num_samples)
+        if self.step_call is None:
+            self._tables_first(num_samples)
+            info = self._dense_step(num_samples)
+            self.table_push.done()
+            return info
+        self.session.step_begins()
+        try:
+            if self.relayout is not None and self._fresh():
+                self.relayout.switch_if_due(min(self.exchange.slots.versions))
+            info = self._one_call(num_samples)
+            if info is not None:
+                return info
+            self._tables_first(num_samples)
+            info = self._dense_done if self._dense_done is not None else self._dense_step(num_samples)
+            self._dense_done = None
+        finally:
+            self.session.step_ends()
         self.table_push.done()
         return info
+
+    def _fresh(self) -> bool:
+        """Nothing of this step done yet (not a retry): a due layout switch may come first."""
+        return self._dense_done is None and self.exchange.attempt is None and not self.table_push.pending() \
+            and not self.table_push.any_pushed()
+
+    def _one_call(self, num_samples: int) -> StepInfo | None:
+        """The step as one Step call a shard (trainer.stepping.step_call) where it can go so: its info once every
+        part is done, else None -- the dense part's info kept in ``_dense_done`` when only a table is left, a
+        step every shard refused layout-moved re-routed (``_moved``)."""
+        if self.step_call is None or self._dense_done is not None or not self.step_call.usable(
+                self.windowed is None and self.pipelined is None):
+            return None
+        self._dense_done = self.step_call.step(num_samples)  # None: dense parts left to do
+        if self._dense_done is None and self.step_call.moved is not None and self.relayout is not None:
+            self._moved(self.step_call.moved, self.exchange.slots.num_parts, sorted(self._rows_kept()))
+        elif self._dense_done is not None and not self.table_push.pending():
+            info, self._dense_done = self._dense_done, None
+            self.table_push.done()
+            return info
+        return None
 
     def _tables_first(self, num_samples: int) -> None:
         """The tables' pushes, before the dense exchange.  A step whose base reaches a later layout's round goes
@@ -126,19 +162,11 @@ class StepRunner:
         named it; a step every shard refused layout-moved is re-routed whole (``_moved``)."""
         self.session.step_begins()
         try:
-            fresh = self._dense_done is None and self.exchange.attempt is None and not self.table_push.pending() \
-                and not self.table_push.any_pushed()
-            if self.relayout is not None and fresh:
+            if self.relayout is not None and self._fresh():
                 self.relayout.switch_if_due(min(self.exchange.slots.versions))
-            if self.step_call is not None and self._dense_done is None and self.step_call.usable(
-                    self.windowed is None and self.pipelined is None):
-                self._dense_done = self.step_call.step(num_samples)  # None: dense parts left to do
-                if self._dense_done is None and self.step_call.moved is not None and self.relayout is not None:
-                    self._moved(self.step_call.moved, self.exchange.slots.num_parts, sorted(self._rows_kept()))
-                elif self._dense_done is not None and not self.table_push.pending():
-                    info, self._dense_done = self._dense_done, None
-                    self.table_push.done()
-                    return info
+            info = self._one_call(num_samples)
+            if info is not None:
+                return info
             self._beside_two_calls(num_samples)
         finally:
             self.session.step_ends()

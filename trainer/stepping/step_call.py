@@ -1,8 +1,9 @@
 """A step's whole exchange with each shard in one call (the Step RPC): the dense gradient slice, every table's
-gradient rows and the next batch's ids out; the weights and those rows back.
+gradient rows and, with prefetch on, the next batch's ids out; the weights and those rows back.
 
-Why: with prefetch on, a step used to make two calls a shard side by side (PushPull and a table's PushPullRows
-on the tables' thread, trainer.stepping.table_push); each crossed gRPC Python's fixed costs on both ends.  Here one
+Why: a step used to make a call a shard for each table and one for the dense slice (PushRows then PushPull
+without prefetch; PushPull beside a table's PushPullRows on the tables' thread with it,
+trainer.stepping.table_push); each crossed gRPC Python's fixed costs on both ends.  Here one
 stream carries both as parts (psserver.protocol.stepwire), the shard runs each part through the handler of its
 own RPC, and the replies come back on the same stream.
 
@@ -41,6 +42,7 @@ from trainer.stepping.clipping import clip_local_
 from trainer.stepping.exchange import DenseExchange
 from trainer.stepping.stepper import StepInfo
 from trainer.stepping.table_push import TablePush
+from trainer.tables.sparse_client import ShardedRows
 
 log = logging.getLogger("trainer.stepping.step_call")
 
@@ -85,13 +87,14 @@ class StepCall:
         ex, rows = self.exchange, self._rows()
         # (an async table's push window is passed by, not waited on, while it is idle: in a sync job the dense
         # reply is waited for anyway, and the table's acknowledgement rides on it -- docs/push-window.md)
-        usable = (self.enabled and variants_off and rows is not None and (rows.window is None or rows.window.idle())
+        usable = (self.enabled and variants_off and isinstance(rows, ShardedRows)
+                  and (rows.window is None or rows.window.idle())
                   and ex.prefetch is None
                   and ex.early is None and ex.slots.job.partitions == 1 and ex.attempt is None
                   and not self.table_push.pending() and not self.table_push.any_pushed()
                   and not ex.session.resume_dense
                   and ex.slots.num_parts and max(e - s for s, e in ex.slots.ranges) * 4 <= MAX_STEP_BYTES // 2)
-        if rows is not None:  # the next batches' async rows ride on the steps' pushes while steps go as one call
+        if isinstance(rows, ShardedRows):  # the next batches' async rows ride on the steps' pushes while steps go as one call
             rows.ahead.fold_async = bool(usable)
         return usable
 
