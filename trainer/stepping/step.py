@@ -60,27 +60,13 @@ class StepRunner:
     def step(self, num_samples: int) -> StepInfo:
         if self.pipelined is not None:
             return self.pipelined.step(num_samples, self.table_push)
-        if self.table_push.side_by_side:
-            return self._step_beside(num_samples)
-        if self.step_call is None:
+        if self.step_call is None and not self.table_push.side_by_side:
             self._tables_first(num_samples)
             info = self._dense_step(num_samples)
             self.table_push.done()
             return info
-        self.session.step_begins()
-        try:
-            if self.relayout is not None and self._fresh():
-                self.relayout.switch_if_due(min(self.exchange.slots.versions))
-            info = self._one_call(num_samples)
-            if info is not None:
-                return info
-            self._tables_first(num_samples)
-            info = self._dense_done if self._dense_done is not None else self._dense_step(num_samples)
-            self._dense_done = None
-        finally:
-            self.session.step_ends()
-        self.table_push.done()
-        return info
+        return self._step_one_call_first(
+            num_samples, self._beside_two_calls if self.table_push.side_by_side else self._tables_then_dense)
 
     def _fresh(self) -> bool:
         """Nothing of this step done yet (not a retry): a due layout switch may come first."""
@@ -156,10 +142,12 @@ class StepRunner:
             self.exchange.rerouted()
             return self.exchange.dense_step(num_samples)
 
-    def _step_beside(self, num_samples: int) -> StepInfo:
-        """step() with the tables pushed on their own thread while the dense exchange runs (trainer.stepping.table_push);
-        a restart both find is rejoined once (trainer.membership.session).  A later layout is followed first when a reply
-        named it; a step every shard refused layout-moved is re-routed whole (``_moved``)."""
+    def _step_one_call_first(self, num_samples: int, two_calls) -> StepInfo:
+        """step() as one Step call a shard where it can go so; what that leaves to do goes ``two_calls``: the
+        tables on their own thread beside the dense exchange once rows are prefetched (trainer.stepping.table_push),
+        else tables first, then the dense exchange.  A restart both find is rejoined once
+        (trainer.membership.session).  A later layout is followed first when a reply named it; a step every shard
+        refused layout-moved is re-routed whole (``_moved``)."""
         self.session.step_begins()
         try:
             if self.relayout is not None and self._fresh():
@@ -167,12 +155,18 @@ class StepRunner:
             info = self._one_call(num_samples)
             if info is not None:
                 return info
-            self._beside_two_calls(num_samples)
+            two_calls(num_samples)
         finally:
             self.session.step_ends()
         info, self._dense_done = self._dense_done, None
         self.table_push.done()
         return info
+
+    def _tables_then_dense(self, num_samples: int) -> None:
+        """The two-call way without prefetch: the tables still to push, then the dense part if not done."""
+        self._tables_first(num_samples)
+        if self._dense_done is None:
+            self._dense_done = self._dense_step(num_samples)
 
     def _beside_two_calls(self, num_samples: int) -> None:
         """The tables on their thread beside the dense exchange; once both settled, a step refused layout-moved

@@ -3,7 +3,8 @@
 Once the loop prefetches rows (``side_by_side``, set by ``push_beside()`` from ``ps.prefetch``), ``start``
 pushes on a thread of its own while step() runs the dense exchange, so a step's table calls and its dense calls to a shard are in flight
 together (one round trip's wait instead of two); a restarted shard that both find is rejoined once
-(trainer.membership.session's per-slot rejoin lock).  Without prefetch the tables still go first: a shard's checkpoint
+(trainer.membership.session's per-slot rejoin lock).  Without prefetch, what a step's one Step call a shard
+(trainer.stepping.step_call) leaves to do goes tables first: a shard's checkpoint
 taken at a dense version then holds every table pushed in that step (as a Step call's does: the shard takes it
 after the call's table pushes), which two calls side by side may not (the table one version behind; each
 restores and is resynced at its own version).  Once per step: a table whose push failed keeps its rows (the error propagates out of step()); the retry pushes
