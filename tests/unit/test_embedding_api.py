@@ -97,7 +97,8 @@ def stepper(model, rows, flat=None):
     tables = sorted([m for m in model.modules() if isinstance(m, (ShardedEmbedding, ShardedEmbeddingBag))],
                     key=lambda t: t.name)
     client = Counter()
-    runner = StepRunner(StandInExchange(), TablePush(tables, client), SimpleNamespace(rank=0), flat, client.count)
+    runner = StepRunner(StandInExchange(), TablePush(tables, client), SimpleNamespace(rank=0, step_begins=lambda: None, step_ends=lambda: None), flat,
+                        client.count)
     for t in tables:
         t.bind(rows)
     return runner, client

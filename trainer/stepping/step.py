@@ -4,8 +4,9 @@ The variants: one Step call a shard carrying the dense slice and every table (tr
 without prefetched rows; what it leaves to do goes plain (the tables pushed, then the dense exchange) or, once
 rows are prefetched, beside (the tables on their own thread while the dense exchange runs,
 trainer.stepping.table_push); pipelined (the dense exchange behind the next forward, trainer.stepping.pipelined) and
-windowed (async pushes acknowledged later, trainer.stepping.windowed).  A step is all or nothing from the caller's view: while a failed one waits, anything that would change its gradient is
-refused until ``step()`` retries it or ``abandon()`` drops it.  trainer.stepping.api's facade delegates here.
+windowed (async pushes acknowledged later, trainer.stepping.windowed).  A step is all or nothing from the caller's
+view: while a failed one waits, anything that would change its gradient is refused until ``step()`` retries it
+or ``abandon()`` drops it.  trainer.stepping.api's facade delegates here.
 """
 
 from __future__ import annotations
@@ -60,18 +61,8 @@ class StepRunner:
     def step(self, num_samples: int) -> StepInfo:
         if self.pipelined is not None:
             return self.pipelined.step(num_samples, self.table_push)
-        if self.step_call is None and not self.table_push.side_by_side:
-            self._tables_first(num_samples)
-            info = self._dense_step(num_samples)
-            self.table_push.done()
-            return info
         return self._step_one_call_first(
             num_samples, self._beside_two_calls if self.table_push.side_by_side else self._tables_then_dense)
-
-    def _fresh(self) -> bool:
-        """Nothing of this step done yet (not a retry): a due layout switch may come first."""
-        return self._dense_done is None and self.exchange.attempt is None and not self.table_push.pending() \
-            and not self.table_push.any_pushed()
 
     def _one_call(self, num_samples: int) -> StepInfo | None:
         """The step as one Step call a shard (trainer.stepping.step_call) where it can go so: its info once every
@@ -91,14 +82,13 @@ class StepRunner:
 
     def _tables_first(self, num_samples: int) -> None:
         """The tables' pushes, before the dense exchange.  A step whose base reaches a later layout's round goes
-        in that layout, its tables too (trainer.membership.relayout): switched to before the first push when a reply named
-        it, else once every shard refused a table's push layout-moved (nothing applied: sent again whole)."""
+        in that layout, its tables too (trainer.membership.relayout): switched to before the first push when a reply
+        named it (``_step_one_call_first``), else once every shard refused a table's push layout-moved (nothing
+        applied: sent again whole)."""
         if self.relayout is None or not self.table_push.tables:
             self.table_push.push(num_samples)
             return
         base = min(self.exchange.slots.versions)
-        if self.exchange.attempt is None and not self.table_push.pending():  # (a retry stays in its layout)
-            self.relayout.switch_if_due(base)
         try:
             self.table_push.push(num_samples)
         except grpc.RpcError as e:
@@ -150,7 +140,9 @@ class StepRunner:
         refused layout-moved is re-routed whole (``_moved``)."""
         self.session.step_begins()
         try:
-            if self.relayout is not None and self._fresh():
+            fresh = self._dense_done is None and self.exchange.attempt is None and not self.table_push.pending() \
+                and not self.table_push.any_pushed()
+            if self.relayout is not None and fresh:  # (a retry stays in its layout)
                 self.relayout.switch_if_due(min(self.exchange.slots.versions))
             info = self._one_call(num_samples)
             if info is not None:
