@@ -322,7 +322,7 @@ class ServedTable(PushTarget):
     def apply_now(self, push: PushInfo, staleness: int) -> RowsResult:
         p = push.payload
         keep = self._fresh_rows(p)
-        ids, grads = p.ids[keep], p.grads[keep]
+        ids, grads = (p.ids, p.grads) if keep is None else (p.ids[keep], p.grads[keep])
         self._apply(ids, grads)
         stale = len(p.ids) - len(ids)
         self.counts["pushes_applied"] += 1
@@ -366,11 +366,11 @@ class ServedTable(PushTarget):
         except errors.TooManyIds:
             self._check_round_holds(len(torch.unique(torch.cat([self.round.ids, p.ids]))))
 
-    def _fresh_rows(self, p: RowsPush) -> torch.Tensor:
-        """Async with max_staleness S: the rows to keep (see the module docstring); all of them otherwise."""
+    def _fresh_rows(self, p: RowsPush) -> torch.Tensor | None:
+        """Async with max_staleness S: the rows to keep (see the module docstring); None: all of them."""
         s = self.spec.max_staleness
         if s is None or self.version - p.base <= s or not len(p.ids):
-            return torch.ones(len(p.ids), dtype=torch.bool)
+            return None
         return self.updated_at.get(p.ids) <= p.base
 
     def _apply(self, ids: torch.Tensor, grads: torch.Tensor) -> None:

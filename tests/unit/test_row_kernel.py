@@ -120,3 +120,80 @@ def test_a_table_ends_in_the_same_state_on_either_kernel(numpy_kernel, optimizer
         else:
             assert a[key] == b[key], key
     assert stores["c"].counts.evicted_lru > 0  # the eviction path ran
+
+
+_SHAPES = {  # a table's spec, by the paths it takes: (its fields, whether lookups and pushes can take the fused calls)
+    "plain": ({}, True, True),
+    "max_rows": ({"max_rows": 2500}, True, True),  # LRU eviction frees slots: lookups fused until then only
+    "evict_after": ({"evict_after": 3}, False, True),  # stale eviction at pushes: freed slots keep lookups general
+    "admission": ({"admit_after": 1}, False, False),  # zeros for ids not admitted: the general path only
+    "normal_init": ({"initializer": Initializer("normal", 0.1)}, False, True),  # (the C kernel's rows are uniform)
+}
+
+
+@pytest.mark.parametrize("shape", sorted(_SHAPES))
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
+def test_the_fused_calls_leave_what_the_general_path_leaves(numpy_kernel, monkeypatch, shape, optimizer):
+    """The C kernel's fused lookup and push (RowSpace.fused_*) against numpy's general path, on the same calls:
+    lookups of sorted and of unsorted repeating ids, pushes of the last lookup's ids (the fused push) and of other
+    ids, marks for a standby's partial states, the table growing, evicting and rebuilding its index.  Every answer,
+    the state, the partial state since each mark, the counts and every id's slot: the same bits."""
+    fields, lookups, pushes = _SHAPES[shape]
+    spec = TableSpec("t", 5, optimizer=SparseOptimizerConfig(optimizer, lr=0.05), seed=11, **fields)
+    fused = {"lookup": 0, "push": 0}
+    from psserver.protocol.rows.space import RowSpace
+    for name, key in (("fused_lookup", "lookup"), ("fused_gather", "push")):
+        real = getattr(RowSpace, name)
+
+        def counted(self, *args, _real=real, _key=key):
+            out = _real(self, *args)
+            fused[_key] += out is not None and out is not False
+            return out
+        monkeypatch.setattr(RowSpace, name, counted)
+    c = RowStore(spec, initial_capacity=64)
+    with numpy_kernel():
+        ref = RowStore(spec, initial_capacity=64)
+    rng = np.random.default_rng(5)
+    universe = torch.from_numpy(np.unique(rng.integers(-(1 << 62), 1 << 62, 6000)))
+    popular = 1.0 / np.arange(1, len(universe) + 1)  # skewed: later batches meet rows made before
+    mark = None
+
+    def both(call):
+        out = call(c)
+        with numpy_kernel():
+            want = call(ref)
+        return out, want
+
+    def same(a, b, what):
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and a.shape == b.shape, what
+            assert torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
+                               b.view(torch.int32) if b.dtype == torch.float32 else b), what
+        elif isinstance(a, dict):
+            assert a.keys() == b.keys(), what
+            for k in a:
+                same(a[k], b[k], f"{what}[{k}]")
+        else:
+            assert a == b, what
+
+    for step in range(40):
+        ids = universe[torch.from_numpy(rng.choice(len(universe), int(rng.integers(50, 400)), replace=False,
+                                                   p=popular / popular.sum()))]
+        ids = ids.sort().values if step % 5 else torch.cat([ids, ids[:7]])  # every fifth: unsorted, repeats
+        rows = both(lambda s: s.lookup(ids))
+        same(*rows, f"rows of lookup {step}")
+        uniq = torch.unique(ids)
+        push = uniq if step % 4 else uniq[::2]  # every fourth: not the last lookup's ids (the general push)
+        grads = torch.from_numpy(rng.standard_normal((len(push), 5)).astype(np.float32))
+        same(*both(lambda s: s.apply(push, grads)), f"slots of push {step}")
+        if step % 7 == 0:
+            mark = both(lambda s: s.mark())
+            same(*mark, "mark")
+        elif mark is not None:
+            same(*both(lambda s: s.state_since(mark[0])), f"state since the mark, step {step}")
+        same(c.state(), ref.state(), f"state after step {step}")
+        same(*both(lambda s: s.slots(universe)), f"slots after step {step}")
+        assert (len(c), c.capacity) == (len(ref), ref.capacity)
+    # the fused calls ran where they can, not only the general path, and nowhere else
+    assert (fused["lookup"] > 5) == lookups and (fused["push"] > 5) == pushes, fused
+    assert lookups or not fused["lookup"]

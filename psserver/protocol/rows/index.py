@@ -162,6 +162,23 @@ class IdIndex:
             self._place(ids, slots)
         self._changes += 1
 
+    def fused_arrays(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int] | None:
+        """The table's arrays (keys, slots, states, the claim scratch) and mask, for the C kernel's fused lookup of
+        ``n`` ids (psserver.protocol.rows.space.RowSpace.fused_lookup), which probes and places absent ids in them
+        as ``find_with_room`` and ``insert`` with its room do; None where that insert would rebuild the table or
+        fill an empty one (a placement of its own)."""
+        if self.size + self.tombstones == 0 or self.rebuilds_for(n):
+            return None
+        return self._keys, self._slots, self._state, self._claim, self._mask
+
+    def fused_inserted(self, placed: int, ids: np.ndarray, slots: np.ndarray) -> None:
+        """After a fused lookup put ``placed`` new ids where their probes ended: counted; ``ids`` (with their
+        ``slots``) lost their position to another new id, and are placed by probing on, as ``_place_at`` does."""
+        self.size += placed
+        if len(ids):
+            self._place(ids, slots)
+        self._changes += 1
+
     def _place_at(self, ids: np.ndarray, slots: np.ndarray, at: np.ndarray) -> None:
         """Put each id at ``at``, the empty position where its probe ended in an unchanged index (so every
         position from its home to there holds another key or a tombstone: it stays reachable); of ids sharing

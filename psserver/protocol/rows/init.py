@@ -63,6 +63,11 @@ def _seed_key(seed: int) -> np.ndarray:
     return mix64_u64(np.array([seed], dtype=np.uint64) + _GAMMA)
 
 
+def uniform_key(seed: int) -> int:
+    """The key the C kernel's uniform rows take for a table's ``seed`` (psserver.protocol.rows.kernel)."""
+    return int(_seed_key(seed)[0])
+
+
 def _row_bits(seed: int, ids: torch.Tensor, dim: int) -> np.ndarray:
     """``bits(id, j)`` of the module docstring: a uint64 (len(ids), dim) array."""
     key = _seed_key(seed)
@@ -106,7 +111,7 @@ def init_rows(init: Initializer, seed: int, ids: torch.Tensor, dim: int) -> torc
     """The initial float32 rows (len(ids), dim) for ``ids`` of a table with ``seed``."""
     if kernel.native is not None and init.kind == "uniform":  # (psserver.protocol.rows.kernel)
         out = torch.empty(len(ids), dim)
-        kernel.native.uniform(int(_seed_key(seed)[0]), ids.contiguous().numpy(), dim, float(init.scale), out.numpy())
+        kernel.native.uniform(uniform_key(seed), ids.contiguous().numpy(), dim, float(init.scale), out.numpy())
         return out
     bits = _row_bits(seed, ids, dim)
     return uniform_rows(bits, init.scale) if init.kind == "uniform" else normal_rows(bits, init.scale)

@@ -11,10 +11,12 @@ which changes it only once a call has passed them (a refusal leaves no trace).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from psserver.protocol.rows import kernel
 from psserver.protocol.rows.index import IdIndex
-from psserver.protocol.rows.init import init_rows
+from psserver.protocol.rows.init import init_rows, uniform_key
 from psserver.protocol.rows.optim import initial_state, initial_value
 
 INT64_MAX = (1 << 63) - 1
@@ -103,13 +105,61 @@ class RowSpace:
 
     def touch(self, slots: torch.Tensor, tick: int, version: int) -> None:
         """Mark rows as used at ``tick`` and ``version``, for both eviction clocks (and, while noting, note them)."""
+        self._note(slots)
+        self.last_tick.index_fill_(0, slots, tick)
+        self.last_version.index_fill_(0, slots, version)
+
+    def _note(self, slots: torch.Tensor) -> None:
         if self._noted is not None:
             self._noted.append(slots)
             self._noted_count += len(slots)
             if self._noted_count > len(self.ids):  # as many as the table: a scan of its clocks costs no more
                 self._noted = None
-        self.last_tick.index_fill_(0, slots, tick)
-        self.last_version.index_fill_(0, slots, version)
+
+    # -- the fused calls: the same work in one C loop each, where the C kernel was built (psserver.protocol.rows.kernel)
+
+    def fused_lookup(self, ids: torch.Tensor, tick: int, version: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """RowStore.lookup's resolve, create, touch and gather of unique ``ids`` in one C call: (their slots, their
+        rows, rows created), the same bit for bit.  None -- nothing changed, the general path's turn -- without the
+        C kernel, for another initialiser than uniform, or unless every id could be new without reusing a freed
+        slot, growing, evicting or rebuilding the index (``room_for``)."""
+        native, spec, n = kernel.native, self.spec, len(ids)
+        if native is None or spec.initializer.kind != "uniform" or len(self.free) or not self.room_for(n):
+            return None
+        arrays = self.index.fused_arrays(n)
+        if arrays is None:
+            return None
+        keys, index_slots, states, claim, mask = arrays
+        raw = ids.contiguous().numpy()
+        slots, rows, losers = torch.empty(n, dtype=torch.int64), torch.empty(n, spec.dim), np.empty(n, dtype=np.int64)
+        created, lost = native.lookup_rows(
+            keys, index_slots, states, claim, mask, raw, self.ids.numpy(), self.rows.numpy(), self.state.numpy(),
+            self.last_tick.numpy(), self.last_version.numpy(), self.used, spec.dim, self.width,
+            uniform_key(spec.seed), float(spec.initializer.scale), float(initial_value(spec.optimizer)), tick,
+            version, slots.numpy(), rows.numpy(), losers)
+        self.used += created
+        if created:
+            moved = losers[:lost]
+            self.index.fused_inserted(created - lost, raw[moved], slots.numpy()[moved])
+        self._note(slots)
+        return slots, rows, created
+
+    def fused_gather(self, slots: torch.Tensor, grads: torch.Tensor, tick: int, version: int, out) -> bool:
+        """A push's touch of ``slots`` and UpdateScratch.gather into ``out`` (its padded rows, state and gradient
+        buffers) in one C call; False -- nothing changed -- without the C kernel or where a slot holds no row."""
+        native = kernel.native
+        if native is None or not native.gather_rows(
+                self.rows.numpy(), self.state.numpy(), slots.numpy(), grads.contiguous().numpy(),
+                self.last_tick.numpy(), self.last_version.numpy(), tick, version, self.spec.dim, self.width,
+                out[0].numpy(), out[1].numpy(), out[2].numpy(), len(out[0])):
+            return False
+        self._note(slots)
+        return True
+
+    def fused_scatter(self, slots: torch.Tensor, rows: torch.Tensor, state: torch.Tensor) -> None:
+        """The rows and state updated in a ``fused_gather``'s buffers back at their ``slots`` (index_copy_)."""
+        kernel.native.scatter_rows(self.rows.numpy(), self.state.numpy(), slots.numpy(), rows.numpy(),
+                                   state.numpy(), self.spec.dim, self.width)
 
     def create(self, ids: torch.Tensor, room=None) -> torch.Tensor:
         """Store new rows for ``ids`` (unique, absent) from the initialiser; their slots.  ``room``: where the

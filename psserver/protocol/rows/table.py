@@ -112,12 +112,17 @@ class UpdateScratch:
         """Bytes kept between pushes: at most KEEP_BYTES."""
         return 4 * (self._rows.numel() + self._state.numel() + self._grads.numel())
 
+    def padded(self, n: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The three buffers for an update of ``n`` rows of a store of ``capacity`` slots, padded to a multiple of
+        LANE_ROWS; what is in them is undefined (``gather`` fills them; RowSpace.fused_gather as it does)."""
+        return self._buffers(n + (-n % LANE_ROWS), capacity)
+
     def gather(self, rows: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
                grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows and state at ``slots`` and ``grads``, each padded with zero rows to a multiple of LANE_ROWS
         (why: LANE_ROWS); views of the scratch, valid until the next call."""
         n = len(slots)
-        out = self._buffers(n + (-n % LANE_ROWS), len(rows))
+        out = self.padded(n, len(rows))
         torch.index_select(rows, 0, slots, out=out[0][:n])
         out[2][:n].copy_(grads)
         if self.width:
@@ -393,6 +398,12 @@ class RowStore:
             self.check_fits(len(uniq))
         self.check_room(uniq)
         self.tick += 1
+        fused = self.space.fused_lookup(uniq, self.tick, self.version) if self._all_get_rows(len(uniq)) else None
+        if fused is not None:  # the same work in one C call (RowSpace.fused_lookup)
+            slots, out, created = fused
+            self.counts.rows_created += created
+            self._last = (uniq.clone(), slots, self.space.evictions)
+            return out if inverse is None else out[inverse]
         slots = self._resolve(uniq, sighting=True)
         if self.sketch is None:  # without admission every id has a row now
             out = self.space.rows.index_select(0, slots)
@@ -426,6 +437,9 @@ class RowStore:
         self.check_fits(len(ids))
         self.version += 1
         self.tick += 1
+        fused = self._fused_apply(ids, grad_rows)
+        if fused is not None:
+            return fused
         slots = every = self._resolve(ids, sighting=False)
         keep = slots >= 0  # all of them unless admission or the row limit left some out
         if not bool(keep.all()):
@@ -441,6 +455,29 @@ class RowStore:
         if self.evict_stale():  # a slot evicted now holds no row
             every = space.index.find(ids)
         return every
+
+    def _all_get_rows(self, n: int) -> bool:
+        """Whether every one of ``n`` absent ids would get a row now: no admission sketch, no row limit in reach."""
+        return self.sketch is None and (self.row_limit is None or len(self) + n <= self.row_limit)
+
+    def _fused_apply(self, ids: torch.Tensor, grad_rows: torch.Tensor) -> torch.Tensor | None:
+        """``apply`` after its checks and clocks for a push of exactly the last lookup's ids (see _resolve), with
+        the gather and the scatter in one C call each (RowSpace.fused_gather) and the update torch's, as there:
+        the slots, or None (nothing changed: the general path's turn)."""
+        last = self._last
+        if not (last is not None and last[2] == self.space.evictions and len(last[0]) == len(ids)
+                and torch.equal(last[0], ids)):
+            return None
+        space, slots = self.space, last[1]
+        out = self._scratch.padded(len(slots), len(space.rows))
+        if not space.fused_gather(slots, grad_rows, self.tick, self.version, out):
+            return None
+        n = len(slots)
+        update_rows(self.spec.optimizer, out[0], out[1], out[2], self.version)
+        space.fused_scatter(slots, out[0][:n], out[1][:n])
+        if self.evict_stale():  # a slot evicted now holds no row
+            return space.index.find(ids)
+        return slots.clone()
 
     # -- checkpoints and accounting ----------------------------------------------------
 
