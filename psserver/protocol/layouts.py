@@ -18,10 +18,9 @@ from dataclasses import dataclass, replace
 
 from google.protobuf.message import DecodeError
 
-from psserver.protocol.errors import (  # noqa: F401 (LAYOUT_METADATA_KEY: re-exported)
+from psserver.protocol.errors import (
     LAYOUT_AHEAD,
     LAYOUT_BIN_METADATA_KEY,
-    LAYOUT_METADATA_KEY,
     LAYOUT_MOVED,
     LayoutAhead,
     LayoutMoved,

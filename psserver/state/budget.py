@@ -19,7 +19,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from psserver.common.cli_support import parse_bytes  # noqa: F401 (--max-memory's parser, re-exported)
 from psserver.protocol.errors import OutOfMemory
 from psserver.protocol.job import JobSpec
 from psserver.protocol.layout import partition_range

@@ -17,9 +17,6 @@ from psserver.protocol.errors import InvalidRequest
 from psserver.protocol.limits import MAX_PUSH_WINDOW
 from psserver.state import modes
 
-# What a target counts, by event: the names are the target's own (they are public: GetStats, Prometheus).
-EVENTS = ("stale_dropped", "skipped")
-
 
 @dataclass(frozen=True)
 class PushInfo:
@@ -41,7 +38,8 @@ class PushTarget(abc.ABC):
 
     @abc.abstractmethod
     def count_event(self, event: str) -> None:
-        """Count ``event`` (one of EVENTS) under the target's own name."""
+        """Count ``event`` (``stale_dropped`` or ``skipped``) under the target's own name (public: GetStats,
+        Prometheus)."""
 
     @abc.abstractmethod
     def future(self, base: int) -> Exception:

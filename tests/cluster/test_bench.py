@@ -45,7 +45,7 @@ def test_ps_bench_quick_writes_json_and_markdown(tmp_path):
     assert sharded["bytes_per_step"] > sharded["row_bytes_per_step"] > 0
     assert sparse["memory"]["samples"][-1]["live_rows"] <= 20_000  # the cap held
     assert "**Sparse tables**" in md
-    rows = results["rows"]  # the shard's own time per 2,048-row pull and push (psserver.sparse.rowbench)
+    rows = results["rows"]  # the shard's own time per 2,048-row pull and push (docs/bench/engine/rowbench.py)
     assert [r["mode"] for r in rows] == ["sync", "async, max_staleness 2"]
     assert all(r["rows"] == 2048 and r["pull_cpu_ms"] > 0 < r["push_cpu_ms"] for r in rows)
     grid = results["sparse_grid"]  # --quick: click, batch 512, 1 shard x 1 trainer, each way a user runs it

@@ -38,22 +38,17 @@ from psserver.protocol.security import ClientSecurity, parse_addresses  # noqa: 
 from psserver.protocol.stubs import method
 from trainer.channels.call_retry import (  # noqa: F401 (re-exported: imported from here before the split)
     PUSH_RETRYABLE,
-    RESTART_CODES,
-    RETRYABLE,
     RetriedCalls,
     RetryPolicy,
     restarted,
 )
 from trainer.channels.compress import TopK, parse_compress
-from trainer.channels.dense_calls import DenseCalls, PushOutcome, claim_fields  # noqa: F401 (re-exported)
+from trainer.channels.dense_calls import DenseCalls, PushOutcome
 from trainer.channels.dense_push import OutgoingPush
 from trainer.channels.registering import (  # noqa: F401 (re-exported: imported from here before the split)
-    CONNECT_ATTEMPT_SECONDS,
     CONNECT_RETRY,
-    CONNECT_RETRY_PAUSE,
     JOB_OVER,
     JOIN_WAIT,
-    LOOPBACK_HOSTS,
     LOOPBACK_REFUSED_SECONDS,
     WAIT_LOG_SECONDS,
     ConnectAbandoned,

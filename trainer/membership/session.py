@@ -19,9 +19,9 @@ import grpc
 from psserver.protocol.epochs import Epoch, epoch_at
 from trainer.channels.client import ShardClient, ShardedClient
 from trainer.membership.lease import Heartbeats
-from trainer.membership.leaving import LEFT, NOT_LISTED, Leaving  # noqa: F401 -- re-exported (their old home)
+from trainer.membership.leaving import Leaving
 from trainer.membership.registration import (  # noqa: F401 -- re-exported (their old home)
-    FOLLOW_ATTEMPTS, JOIN_ATTEMPTS, Registration, StartTimeout, plain_member_from)
+    Registration, StartTimeout, plain_member_from)
 from trainer.membership.rejoins import Rejoins, joined_round  # noqa: F401 -- re-exported (its old home)
 from trainer.membership.slots import DenseSlots
 

@@ -23,12 +23,7 @@ from torch.nn import functional as F
 from psserver.common.tboard import ScalarLog
 from trainer.stepping.api import connect
 from trainer.running.config import (  # noqa: F401 -- re-exported: trainer.running.loop's names before the split
-    DEVICE_HELP,
-    REC_FLAGS,
     TrainConfig,
-    check_compress,
-    check_job_settings,
-    config_problem,
     default_threads,
     device_problem,
     effective_lr,
@@ -37,13 +32,11 @@ from trainer.running.config import (  # noqa: F401 -- re-exported: trainer.runni
     lr_schedule,
     mode_knobs,
     pick_device,
-    rec_table_specs,
-    recommender_checks,
 )
 from trainer.workloads.data import epoch_order, load_dataset, local_batch_indices, steps_per_epoch
 from trainer.workloads.models import build_model
 from trainer.workloads.rectrain import REC_L2, build_rec_model, load_rec_dataset
-from trainer.running.reporting import MetricsWriter, Progress, SteadyClock, finite_json, score_name  # noqa: F401
+from trainer.running.reporting import MetricsWriter, Progress, SteadyClock, score_name
 from trainer.stepping.stepper import Stepper
 from trainer.running.stopping import Interrupted, StopRequest
 

@@ -57,7 +57,7 @@ from trainer.stepping.overlap import Prefetcher
 from trainer.stepping.pipeline import LayerWaits
 from trainer.stepping.pipelined import PipelinedExchange
 from trainer.membership.relayout import Relayout
-from trainer.membership.session import LEFT, NOT_LISTED, Membership, Session, StartTimeout  # noqa: F401 -- re-exported
+from trainer.membership.session import Membership, Session, StartTimeout  # noqa: F401 -- re-exported
 from trainer.membership.slots import DenseSlots, FlatModel, model_layout
 from trainer.stepping.step import StepRunner
 from trainer.stepping.step_call import StepCall

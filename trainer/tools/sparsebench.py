@@ -12,6 +12,7 @@ table must stop growing once the cap is reached: the samples after that show it.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -200,8 +201,11 @@ def shard_table_memory(run_dir, max_rows: int = 1_000_000, dim: int = 32, batche
 
 # ------------------------------------------------------------------- the shard's row work, per call
 def row_work(calls: int = 200) -> list[dict]:
-    """The shard's own time per 2,048-row pull and push: psserver.sparse.rowbench, run as a process of its own
-    (the shard's table code is not the trainer's to import; see docs/architecture.md)."""
-    proc = subprocess.run([sys.executable, "-m", "psserver.sparse.rowbench", "--calls", str(calls)],
-                          capture_output=True, text=True, check=True)
+    """The shard's own time per 2,048-row pull and push: docs/bench/engine/rowbench.py (a source checkout's),
+    run as a process of its own on the checkout's psserver (the shard's table code is not the trainer's to
+    import; see docs/architecture.md)."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH"))))}
+    proc = subprocess.run([sys.executable, str(root / "docs/bench/engine/rowbench.py"), "--calls", str(calls)],
+                          capture_output=True, text=True, check=True, env=env)
     return json.loads(proc.stdout)

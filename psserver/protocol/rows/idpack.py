@@ -82,10 +82,6 @@ def _planes(top: int) -> int:
     return max(1, -(-top.bit_length() // 7))
 
 
-_SHIFTS = np.arange(0, 7 * MAX_VARINT_BYTES, 7, dtype=np.uint64)
-_PLANE = np.arange(MAX_VARINT_BYTES)
-
-
 def unpack(raw: bytes, max_ids: int) -> torch.Tensor:
     """The int64 ids of ``raw`` (PackError: a truncated or overlong varint, a gap of 0, past ``max_ids``)."""
     if not raw:

@@ -1,7 +1,7 @@
 """The shard's own time per pull and push of a few thousand rows (issue 21): ``ps-bench --sections rows`` runs
-this module as a process and reads its JSON (the trainer's tools do not import the shard's code).
+this script as a process and reads its JSON (the trainer's tools do not import the shard's code).
 
-    python -m psserver.sparse.rowbench --calls 200
+    PYTHONPATH=$PWD python docs/bench/engine/rowbench.py --calls 200
 
 One table (dim 16, Adagrad) served by ``ServedTable`` -- lookup, lazy creation, the optimizer update and the
 gather, what PullRows and PushRows run under the shard's lock, without gRPC framing -- fed unique Zipf ids
@@ -95,7 +95,7 @@ def _unique_batches(n: int, rows: int, a: float, seed: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m psserver.sparse.rowbench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python docs/bench/engine/rowbench.py", description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=200, help="measured pulls and pushes per mode")
     p.add_argument("--rows", type=int, default=2048, help="unique ids per call")
     p.add_argument("--optimizer", default="adagrad", choices=("sgd", "adagrad", "rowwise_adagrad", "adam"))
