@@ -197,3 +197,33 @@ def test_the_fused_calls_leave_what_the_general_path_leaves(numpy_kernel, monkey
     # the fused calls ran where they can, not only the general path, and nowhere else
     assert (fused["lookup"] > 5) == lookups and (fused["push"] > 5) == pushes, fused
     assert lookups or not fused["lookup"]
+
+
+def test_ids_pack_and_unpack_to_the_same_bytes_and_refusals_on_either_kernel(numpy_kernel):
+    """Packed ids (psserver.protocol.rows.idpack): the C loops write the numpy path's bytes and read back its ids;
+    bytes numpy's path refuses are refused with the same message (the C loop leaves naming them to it)."""
+    from psserver.protocol.rows import idpack
+    rng = np.random.default_rng(3)
+    cases = [_ids(0, 1)[:0], _ids(0, 2)[:1], _ids(700, 3), torch.arange(-5, 300, dtype=torch.int64),
+             torch.tensor([-(1 << 63), (1 << 63) - 1], dtype=torch.int64)]
+    cases += [torch.from_numpy(np.unique(rng.integers(0, 10 ** 9, int(rng.integers(2, 900))))) for _ in range(20)]
+    for ids in cases:
+        raw = idpack.pack(ids)
+        with numpy_kernel():
+            assert idpack.pack(ids) == raw
+            assert torch.equal(idpack.unpack(raw, 1 << 20), ids)
+        assert torch.equal(idpack.unpack(raw, 1 << 20), ids)
+    for bad_ids in (torch.tensor([3, 3]), torch.tensor([4, 2])):
+        with pytest.raises(ValueError) as c:
+            idpack.pack(bad_ids)
+        with numpy_kernel(), pytest.raises(ValueError) as ref:
+            idpack.pack(bad_ids)
+        assert str(c.value) == str(ref.value)
+    malformed = [b"\x80", b"\x05\x00", b"\x01\x02\x03", b"\xff" * 10 + b"\x01", b"\xff" * 9 + b"\x02",
+                 b"\x80\x80\x80", bytes(rng.integers(0, 256, 400, dtype=np.uint8))]
+    for raw in malformed:
+        with pytest.raises(idpack.PackError) as c:
+            idpack.unpack(raw, 2 if raw == b"\x01\x02\x03" else 1 << 20)
+        with numpy_kernel(), pytest.raises(idpack.PackError) as ref:
+            idpack.unpack(raw, 2 if raw == b"\x01\x02\x03" else 1 << 20)
+        assert str(c.value) == str(ref.value)

@@ -421,12 +421,100 @@ done:
     return result;
 }
 
+/* unpack_ids(raw, max_ids) -> a bytearray of int64 ids, or None: idpack.unpack's decoding of varint gaps in one pass.
+ * None -- where the bytes are malformed in any way idpack.unpack refuses (a truncated or overlong varint, a gap
+ * of 0, past max_ids) -- sends the caller to numpy's path, which names what is wrong. */
+static PyObject *unpack_ids(PyObject *self, PyObject *args) {
+    Py_buffer raw;
+    Py_ssize_t max_ids;
+    if (!PyArg_ParseTuple(args, "y*n", &raw, &max_ids))
+        return NULL;
+    const uint8_t *b = raw.buf;
+    Py_ssize_t len = raw.len, n = 0;
+    for (Py_ssize_t i = 0; i < len; i++)
+        n += b[i] < 0x80;
+    if (n > max_ids || (len && b[len - 1] >= 0x80)) {
+        PyBuffer_Release(&raw);
+        Py_RETURN_NONE;
+    }
+    PyObject *out = PyByteArray_FromStringAndSize(NULL, n * 8);  /* (writable: a tensor's storage as it is) */
+    if (out == NULL) {
+        PyBuffer_Release(&raw);
+        return NULL;
+    }
+    uint64_t *ids = (uint64_t *)PyByteArray_AS_STRING(out), acc = 0;
+    int bad = 0;
+    Py_ssize_t k = 0, i = 0;
+    while (i < len && !bad) {
+        uint64_t value = 0;
+        int shift = 0;
+        for (;;) {
+            uint8_t byte = b[i++];
+            if (shift == 63 && byte > 1) { bad = 1; break; }  /* past 64 bits */
+            value |= (uint64_t)(byte & 0x7F) << shift;
+            if (byte < 0x80) break;
+            shift += 7;
+            if (shift > 63) { bad = 1; break; }  /* a varint of more than 10 bytes */
+        }
+        if (bad) break;
+        if (k && value == 0) { bad = 1; break; }  /* a gap of 0: a repeat */
+        acc += value;
+        ids[k++] = acc;
+    }
+    PyBuffer_Release(&raw);
+    if (bad) {
+        Py_DECREF(out);
+        Py_RETURN_NONE;
+    }
+    return out;
+}
+
+/* pack_ids(ids) -> bytes, or None: idpack.pack's varint gaps of int64 ids in one pass; None where they are not
+ * strictly ascending (numpy's path refuses them). */
+static PyObject *pack_ids(PyObject *self, PyObject *args) {
+    PyObject *oids;
+    if (!PyArg_ParseTuple(args, "O", &oids))
+        return NULL;
+    Py_buffer ids;
+    if (take(oids, &ids, 8, 0, 0, "ids") < 0)
+        return NULL;
+    const int64_t *id = ids.buf;
+    Py_ssize_t n = ids.len / 8;
+    for (Py_ssize_t i = 1; i < n; i++)
+        if (id[i] <= id[i - 1]) {
+            PyBuffer_Release(&ids);
+            Py_RETURN_NONE;
+        }
+    uint8_t *buf = PyMem_Malloc(n ? n * 10 : 1);
+    if (buf == NULL) {
+        PyBuffer_Release(&ids);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t at = 0;
+    uint64_t prev = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t v = (uint64_t)id[i] - prev;  /* the first id as itself; then gaps, mod 2^64 */
+        prev = (uint64_t)id[i];
+        while (v >= 0x80) {
+            buf[at++] = (uint8_t)((v & 0x7F) | 0x80);
+            v >>= 7;
+        }
+        buf[at++] = (uint8_t)v;
+    }
+    PyBuffer_Release(&ids);
+    PyObject *out = PyBytes_FromStringAndSize((const char *)buf, at);
+    PyMem_Free(buf);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"probe", probe, METH_VARARGS, "probe(keys, state, mask, ids, pos_out, empty_out or None)"},
     {"place_at", place_at, METH_VARARGS, "place_at(keys, slots, state, claim, ids, new_slots, at, losers_out) -> losers"},
     {"uniform", uniform, METH_VARARGS, "uniform(key, ids, dim, scale, out)"},
     {"lookup_rows", lookup_rows, METH_VARARGS, "a lookup's resolve, create, touch and gather (see _kernel.c)"},
     {"gather_rows", gather_rows, METH_VARARGS, "a push's touch and gather into its scratch (see _kernel.c)"},
+    {"unpack_ids", unpack_ids, METH_VARARGS, "unpack_ids(raw, max_ids) -> bytearray of int64 ids, or None"},
+    {"pack_ids", pack_ids, METH_VARARGS, "pack_ids(ids) -> bytes, or None"},
     {"scatter_rows", scatter_rows, METH_VARARGS, "a push's rows and state back at their slots (see _kernel.c)"},
     {NULL, NULL, 0, NULL},
 };

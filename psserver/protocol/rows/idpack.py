@@ -7,13 +7,17 @@ as unsigned LEB128 varints (7 bits a byte, the high bit set on every byte but a 
 
 Layout: the first id as the varint of its two's complement (uint64), then each id's gap to the one before
 (mod 2^64, so the whole int64 range works).  Only strictly ascending ids pack: a gap of 0 cannot be written,
-and ``unpack`` refuses one, so packed ids are unique by construction.  Vectorised (numpy), no per-id Python.
+and ``unpack`` refuses one, so packed ids are unique by construction.  Vectorised (numpy), no per-id Python; one
+loop each in the C table kernel where it was built (psserver.protocol.rows.kernel), the same bytes and ids, with
+anything malformed left to numpy's path to name.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from psserver.protocol.rows import kernel
 
 MAX_VARINT_BYTES = 10  # 64 bits at 7 a byte
 
@@ -38,6 +42,10 @@ def pack(ids: torch.Tensor) -> bytes:
     if not len(ids):
         return b""
     a = ids.contiguous().numpy()
+    if kernel.native is not None:
+        packed = kernel.native.pack_ids(a)
+        if packed is not None:  # (None: not ascending, refused below)
+            return packed
     if len(a) > 1 and not bool((a[1:] > a[:-1]).all()):
         raise ValueError("only strictly ascending ids pack")
     u = a.view(np.uint64)
@@ -86,6 +94,10 @@ def unpack(raw: bytes, max_ids: int) -> torch.Tensor:
     """The int64 ids of ``raw`` (PackError: a truncated or overlong varint, a gap of 0, past ``max_ids``)."""
     if not raw:
         return torch.empty(0, dtype=torch.int64)
+    if kernel.native is not None:
+        ids = kernel.native.unpack_ids(raw, max_ids)
+        if ids is not None:  # (None: malformed, refused below with what is wrong)
+            return torch.frombuffer(ids, dtype=torch.int64) if ids else torch.empty(0, dtype=torch.int64)
     b = np.frombuffer(raw, dtype=np.uint8)
     if b[-1] >= 0x80:
         raise PackError(f"packed ids end inside a varint (byte {len(b) - 1} of {len(b)} has its high bit set)")

@@ -38,6 +38,8 @@ class RowSpace:
         self._noted_count = 0
         self.ids = self.rows = self.state = self.last_tick = self.last_version = None
         self.alloc(capacity)
+        # what the fused lookup hands the C kernel for every new row: the initialiser's key and the state's value
+        self._fresh = (uniform_key(spec.seed), float(spec.initializer.scale), float(initial_value(spec.optimizer)))
 
     def __len__(self) -> int:
         return len(self.index)
@@ -134,8 +136,7 @@ class RowSpace:
         slots, rows, losers = torch.empty(n, dtype=torch.int64), torch.empty(n, spec.dim), np.empty(n, dtype=np.int64)
         created, lost = native.lookup_rows(
             keys, index_slots, states, claim, mask, raw, self.ids.numpy(), self.rows.numpy(), self.state.numpy(),
-            self.last_tick.numpy(), self.last_version.numpy(), self.used, spec.dim, self.width,
-            uniform_key(spec.seed), float(spec.initializer.scale), float(initial_value(spec.optimizer)), tick,
+            self.last_tick.numpy(), self.last_version.numpy(), self.used, spec.dim, self.width, *self._fresh, tick,
             version, slots.numpy(), rows.numpy(), losers)
         self.used += created
         if created:
