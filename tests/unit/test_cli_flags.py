@@ -35,6 +35,8 @@ def trainer_config(*argv: str) -> TrainConfig:
     (["--save-every", "10"], "--save-every (10) needs --output"),
     (["--rank", "2", "--num-trainers", "2"], "--rank (2) must be between 0 and --num-trainers - 1 (1)"),
     (["--connect-timeout", "0"], "--connect-timeout (0.0) must be more than zero seconds"),
+    (["--refused-timeout", "0"], "--refused-timeout (0.0) must be more than zero seconds"),
+    (["--refused-timeout", "nan"], "--refused-timeout (nan) must be more than zero seconds"),
     (["--optimizer", "adam", "--nesterov"], "--nesterov applies to --optimizer sgd only, not adam"),
     (["--push-window", "4"], "--push-window 4 applies to --mode async (or --embedding-mode async) only, not sync"),
     (["--push-window", "4", "--mode", "stale-timeout", "--sync-timeout", "1"],

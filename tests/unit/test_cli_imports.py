@@ -48,6 +48,7 @@ def test_a_flag_error_is_refused_in_one_line_without_importing_torch(prog, argv,
 def test_the_torch_free_choices_equal_their_owners():
     from psserver.protocol import job
     from psserver.protocol.rows import optim
+    from trainer.channels import registering
     from trainer.running import choices
     from trainer.workloads import criteo
     from trainer.workloads import data
@@ -63,3 +64,4 @@ def test_the_torch_free_choices_equal_their_owners():
                                                                       recmodels.REC_MODELS)
     assert (choices.REC_DATASETS, choices.REC_BATCH) == (rectrain.REC_DATASETS, rectrain.REC_BATCH)
     assert (choices.DATASET_MODELS, choices.CRITEO_BATCH) == (rectrain.DATASET_MODELS, criteo.CRITEO_BATCH)
+    assert choices.LOOPBACK_REFUSED_SECONDS == registering.LOOPBACK_REFUSED_SECONDS

@@ -16,6 +16,7 @@ REC_MODELS = ("mf", "ncf", "dlrm")  # trainer.workloads.recmodels
 REC_DATASETS = ("movielens100k", "criteo-synth")  # trainer.workloads.rectrain
 REC_BATCH = 1024  # trainer.workloads.rectrain
 CRITEO_BATCH = 2048  # trainer.workloads.criteo
+LOOPBACK_REFUSED_SECONDS = 60.0  # --refused-timeout's default (trainer.channels.registering)
 # Each recommender dataset's models, the first its default (trainer.workloads.rectrain.DATASET_MODELS).
 DATASET_MODELS = {"movielens100k": ("mf", "ncf"), "criteo-synth": ("dlrm",)}
 

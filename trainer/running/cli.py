@@ -14,6 +14,7 @@ from psserver.protocol.security import add_client_flags, client_security
 from trainer.running.choices import (
     CRITEO_BATCH,
     DATASETS,
+    LOOPBACK_REFUSED_SECONDS,
     MODELS,
     MODES,
     OPTIMIZERS,
@@ -93,6 +94,9 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step (simulate a straggler)")
     p.add_argument("--connect-timeout", type=float, default=120.0,
                    help="seconds to wait at start for the shards to answer and the other trainers to join")
+    p.add_argument("--refused-timeout", type=float, default=LOOPBACK_REFUSED_SECONDS,
+                   help="where every --ps address is on loopback: give up once they refused connections this many "
+                        "seconds in a row (a wrong port), before --connect-timeout")
     p.add_argument("--retry-budget", type=float, default=60.0,
                    help="seconds a call to an unavailable shard is retried before the step fails")
     p.add_argument("--log-every", type=int, default=20, help="log and record metrics every N steps")
@@ -224,7 +228,7 @@ def config_from_args(args, env: dict | None = None):
         wire_dtype=args.wire_dtype, step_delay=args.step_delay, threads=args.threads, log_every=args.log_every,
         eval_every=args.eval_every,
         progress=False if args.no_progress else None, connect_timeout=args.connect_timeout,
-        security=client_security(args), backend=args.backend, overlap=args.overlap,
+        refused_timeout=args.refused_timeout, security=client_security(args), backend=args.backend, overlap=args.overlap,
         push_during_backward=args.push_during_backward, prefetch=args.prefetch, push_window=args.push_window,
         job_id=args.job_id, save_every=args.save_every,
         retry_budget=args.retry_budget, tensorboard=args.tensorboard, compress=args.compress,

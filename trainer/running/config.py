@@ -20,7 +20,7 @@ from psserver.protocol.rules import Mode
 from psserver.protocol.schedules import LrSchedule
 from psserver.protocol.security import parse_addresses
 from trainer.running.choices import knobs_of_other_modes
-from trainer.channels.client import on_loopback
+from trainer.channels.client import LOOPBACK_REFUSED_SECONDS, on_loopback
 from trainer.stepping.clipping import check_max_norm
 from trainer.channels.compress import parse_compress
 from trainer.workloads.recmodels import REC_MODELS
@@ -64,6 +64,7 @@ class TrainConfig:
     eval_every: int = 0  # also evaluate every N steps (0: at the end of each epoch only)
     progress: bool | None = None  # None: a bar on a terminal, log lines otherwise
     connect_timeout: float = 120.0
+    refused_timeout: float = LOOPBACK_REFUSED_SECONDS  # on loopback: give up on refused connections after this
     retry_budget: float = 60.0  # seconds a call to a shard is retried before the step fails
     overlap: bool = False  # async: pull the next weights while computing
     push_during_backward: bool = False  # push each shard's slice as soon as backward has produced it
@@ -153,6 +154,8 @@ def config_problem(cfg: TrainConfig) -> str:
          f"--step-delay ({cfg.step_delay}) must be zero or more seconds"),
         (math.isfinite(cfg.connect_timeout) and cfg.connect_timeout > 0,
          f"--connect-timeout ({cfg.connect_timeout}) must be more than zero seconds"),
+        (math.isfinite(cfg.refused_timeout) and cfg.refused_timeout > 0,
+         f"--refused-timeout ({cfg.refused_timeout}) must be more than zero seconds"),
         (math.isfinite(cfg.retry_budget) and cfg.retry_budget >= 0,
          f"--retry-budget ({cfg.retry_budget}) must be zero or more seconds"),
         (cfg.mode in MODES, f"--mode ({cfg.mode}) must be one of {', '.join(MODES)}"),

@@ -320,7 +320,8 @@ def make_stepper(cfg: TrainConfig, model: torch.nn.Module, total_steps: int) -> 
         for note in ignored_flags(cfg):
             log.warning("rank %d: %s", cfg.rank, note)
         return connect(cfg.ps, model, rank=cfg.rank, optimizer=optimizer, **mode_knobs(cfg),
-                       connect_timeout=cfg.connect_timeout, security=cfg.security, overlap=cfg.overlap,
+                       connect_timeout=cfg.connect_timeout, refused_timeout=cfg.refused_timeout,
+                       security=cfg.security, overlap=cfg.overlap,
                        push_during_backward=cfg.push_during_backward, retry_budget=cfg.retry_budget,
                        lr_schedule=schedule, clip_grad_norm=clip, compress=cfg.compress,
                        embedding_mode=cfg.embedding_mode, partition_bytes=cfg.partition_bytes,

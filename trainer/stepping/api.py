@@ -138,7 +138,7 @@ class ParameterServerTrainer:
                  security: ClientSecurity = ClientSecurity(), overlap: bool = False,
                  push_during_backward: bool = False, retry: RetryPolicy = RetryPolicy(),
                  clip_grad_norm: float | None = None, compress: str | None = None, pipeline: bool = False,
-                 join: bool = False, push_window: int = 1):
+                 join: bool = False, push_window: int = 1, refused_timeout: float = LOOPBACK_REFUSED_SECONDS):
         self.tables = sharded_tables(model)  # bound to the shards once joined (_bind_tables)
         check_variants(job, bool(self.tables), overlap, pipeline)
         check_window(job, push_window, overlap=overlap, pipeline=pipeline, push_during_backward=push_during_backward,
@@ -160,7 +160,7 @@ class ParameterServerTrainer:
         self.staging = self.slots.staging
         prefetch = Prefetcher(self.slots, round_timeout) if overlap else None
         self.session = Session(self.slots, rank, connect_timeout,
-                               LOOPBACK_REFUSED_SECONDS if on_loopback(addresses) else None,
+                               refused_timeout if on_loopback(addresses) else None,
                                prefetch.discard if overlap else lambda slot: None)
         self.membership = Membership(self.client, job.num_trainers, sync=job.mode == "sync")
         self._early = EarlyPusher(self.flat.params, self.flat.grad_views, self.flat.ranges, self.ranges,
@@ -429,7 +429,8 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
             clip_grad_norm: float | None = None, compress: str | None = None,
             embedding_mode: str = "", partition_bytes: int = 0, partitions: int | None = None,
             pipeline: bool = False, join: bool = False, max_trainers: int = 0,
-            lr_scaling: str = "none", push_window: int = 1) -> ParameterServerTrainer:
+            lr_scaling: str = "none", push_window: int = 1,
+            refused_timeout: float = LOOPBACK_REFUSED_SECONDS) -> ParameterServerTrainer:
     """Register ``model`` with the shards at ``ps`` and return a handle whose ``step()`` trains it.
 
     ``rank`` and ``num_trainers`` not given are read from ``RANK`` and ``WORLD_SIZE``
@@ -446,7 +447,9 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
     a job runs, shards refuse trainers of another id (FAILED_PRECONDITION naming
     both); once every trainer of a job has left, the next job starts fresh.
     ``retry_budget``: seconds one call is retried after UNAVAILABLE (a shard
-    restarting) before ``step()`` raises StepFailed.  Use it as a context
+    restarting) before ``step()`` raises StepFailed.  ``refused_timeout``: where every
+    address is on loopback, connecting gives up once they refused connections this
+    many seconds in a row (a wrong port), before ``connect_timeout``.  Use it as a context
     manager (``with connect(...) as ps:``) to leave the job on every way out.
     ``lr_schedule`` (an LrSchedule or its fields as a dict) is applied by the
     shards from their version; ``clip_grad_norm`` clips this trainer's own
@@ -475,6 +478,8 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
     """
     if retry_budget < 0:
         raise ValueError(f"retry_budget is {retry_budget} but must be zero or more seconds")
+    if not refused_timeout > 0:
+        raise ValueError(f"refused_timeout is {refused_timeout} but must be more than zero seconds")
     rank, num_trainers = rank_and_world(0 if join else rank, num_trainers)
     parse_compress(compress)  # a bad value is refused before anything starts
     addresses = parse_addresses(ps)
@@ -489,4 +494,4 @@ def connect(ps: str | Sequence[str], model: torch.nn.Module, *, mode: str = "syn
                                   connect_timeout, round_timeout, chunk_bytes, security or ClientSecurity(), overlap,
                                   push_during_backward, RetryPolicy(budget_seconds=retry_budget),
                                   clip_grad_norm=clip_grad_norm, compress=compress, pipeline=pipeline, join=join,
-                                  push_window=push_window)
+                                  push_window=push_window, refused_timeout=refused_timeout)
