@@ -267,7 +267,7 @@ static PyObject *lookup_rows(PyObject *self, PyObject *args) {
         probe_one(keys, st, m, id[i], &found, &empty);
         if (found >= 0) {
             found = islots[found];
-            if (found >= slots_cap) bad++;
+            if (found < 0 || found >= slots_cap) bad++;
             out[i] = found;
         } else {
             at[created] = empty;
