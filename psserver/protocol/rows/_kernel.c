@@ -57,9 +57,11 @@ static PyObject *probe(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOLOOO", &okeys, &ostate, &mask, &oids, &opos, &oempty))
         return NULL;
     Py_buffer keys, state, ids, pos, empty;
+    if (mask < 0 || mask >= PY_SSIZE_T_MAX / 8)
+        return PyErr_Format(PyExc_ValueError, "mask is %lld, out of range", mask);
     Py_ssize_t cap = mask + 1;
-    if (mask < 0 || take(okeys, &keys, 8, cap, 0, "keys") < 0)
-        return mask < 0 ? PyErr_Format(PyExc_ValueError, "mask is negative") : NULL;
+    if (take(okeys, &keys, 8, cap, 0, "keys") < 0)
+        return NULL;
     if (take(ostate, &state, 1, cap, 0, "state") < 0)
         goto fail_keys;
     if (take(oids, &ids, 8, 0, 0, "ids") < 0)
@@ -219,11 +221,11 @@ static PyObject *lookup_rows(PyObject *self, PyObject *args) {
     int held[22] = {0};
     PyObject *result = NULL;
     int64_t *at = NULL;
-    Py_ssize_t cap = mask + 1;
-    if (mask < 0 || dim < 1 || width < 0 || used < 0) {
+    if (mask < 0 || mask >= PY_SSIZE_T_MAX / 8 || dim < 1 || width < 0 || used < 0) {
         PyErr_SetString(PyExc_ValueError, "mask, dim, width and used must not be negative (dim at least 1)");
         return NULL;
     }
+    Py_ssize_t cap = mask + 1;
 #define TAKE(i, size, count, w, name) \
     do { if (take(o[i], &b[i], size, count, w, name) < 0) goto done; held[i] = 1; } while (0)
     TAKE(5, 8, 0, 0, "ids");

@@ -42,7 +42,7 @@ def pack(ids: torch.Tensor) -> bytes:
     if not len(ids):
         return b""
     a = ids.contiguous().numpy()
-    if kernel.native is not None:
+    if kernel.native is not None and a.dtype == np.int64:  # (the C loop reads int64; anything else is refused below)
         packed = kernel.native.pack_ids(a)
         if packed is not None:  # (None: not ascending, refused below)
             return packed

@@ -150,7 +150,7 @@ class RowSpace:
         buffers) in one C call; False -- nothing changed -- without the C kernel or where a slot holds no row."""
         native = kernel.native
         if native is None or not native.gather_rows(
-                self.rows.numpy(), self.state.numpy(), slots.numpy(), grads.contiguous().numpy(),
+                self.rows.numpy(), self.state.numpy(), slots.numpy(), grads.detach().contiguous().numpy(),
                 self.last_tick.numpy(), self.last_version.numpy(), tick, version, self.spec.dim, self.width,
                 out[0].numpy(), out[1].numpy(), out[2].numpy(), len(out[0])):
             return False
