@@ -251,3 +251,23 @@ def test_ids_pack_and_unpack_to_the_same_bytes_and_refusals_on_either_kernel(num
         with numpy_kernel(), pytest.raises(idpack.PackError) as ref:
             idpack.unpack(raw, 2 if raw == b"\x01\x02\x03" else 1 << 20)
         assert str(c.value) == str(ref.value)
+
+
+def test_the_fused_push_declines_slots_outside_the_table_and_writes_nothing():
+    """A push's gather given a slot outside the table (-1: a row not admitted) declines -- False, no clock and no
+    buffer written, the general path's turn -- and a scatter to one is refused (the C loops read the slots they
+    checked, a copy of their own)."""
+    native = kernel.native
+    rows, state = np.arange(40, dtype=np.float32).reshape(10, 4), np.zeros((10, 4), np.float32)
+    ticks, versions = np.zeros(10, np.int64), np.zeros(10, np.int64)
+    grads = np.ones((2, 4), np.float32)
+    out = [np.full((64, 4), 7, np.float32) for _ in range(3)]
+    for slots in ([1, -1], [1, 10], [-(1 << 63), 2]):
+        assert native.gather_rows(rows, state, np.array(slots, np.int64), grads, ticks, versions, 3, 4, 4, 4, *out,
+                                  64) is False
+        assert not ticks.any() and not versions.any() and all((o == 7).all() for o in out)
+        with pytest.raises(ValueError, match="is outside the 10 slots"):
+            native.scatter_rows(rows, state, np.array(slots, np.int64), grads, grads, 4, 4)
+    assert native.gather_rows(rows, state, np.array([1, 9], np.int64), grads, ticks, versions, 3, 4, 4, 4, *out, 64)
+    assert (ticks[[1, 9]] == 3).all() and ticks.sum() == 6 and (versions[[1, 9]] == 4).all()
+    assert np.array_equal(out[0][:2], rows[[1, 9]]) and not out[0][2:].any() and np.array_equal(out[2][:2], grads)

@@ -326,6 +326,22 @@ done:
     return result;
 }
 
+/* The slots a call names, copied while the GIL is held and checked on the copy: the loops that run without the GIL
+ * read only this copy, so no other thread can change a slot between its check and its use.  NULL with an error
+ * set (no memory); *bad_at: the index of the first slot outside [0, cap), or -1 where none is. */
+static int64_t *own_slots(const int64_t *slots, Py_ssize_t n, Py_ssize_t cap, Py_ssize_t *bad_at) {
+    int64_t *copy = PyMem_Malloc((n ? n : 1) * sizeof(int64_t));
+    if (copy == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    if (n) memcpy(copy, slots, n * sizeof(int64_t));
+    *bad_at = -1;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (copy[i] < 0 || copy[i] >= cap) { *bad_at = i; break; }
+    return copy;
+}
+
 /* gather_rows(rows, state, slots, grads, last_tick, last_version, tick, version, dim, width, rows_out, state_out,
  *             grads_out, padded) -> bool
  * A push's UpdateScratch.gather after its resolve's touch: the rows and state at `slots` and the gradients into the
@@ -341,6 +357,7 @@ static PyObject *gather_rows(PyObject *self, PyObject *args) {
     Py_buffer b[13];
     int held[13] = {0};
     PyObject *result = NULL;
+    int64_t *sl = NULL;
     if (dim < 1 || width < 0 || padded < 0) {
         PyErr_SetString(PyExc_ValueError, "dim must be at least 1, width and padded not negative");
         return NULL;
@@ -363,13 +380,15 @@ static PyObject *gather_rows(PyObject *self, PyObject *args) {
     TAKE(11, 4, padded * width, 1, "state_out");
     TAKE(12, 4, padded * dim, 1, "grads_out");
 #undef TAKE
-    const int64_t *sl = b[2].buf;
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (sl[i] < 0 || sl[i] >= cap) {
-            result = Py_False;
-            Py_INCREF(result);
-            goto done;
-        }
+    Py_ssize_t outside;
+    sl = own_slots(b[2].buf, n, cap, &outside);
+    if (sl == NULL)
+        goto done;
+    if (outside != -1) {
+        result = Py_False;
+        Py_INCREF(result);
+        goto done;
+    }
     const float *rows = b[0].buf, *state = b[1].buf, *grads = b[3].buf;
     float *ro = b[10].buf, *so = b[11].buf, *go = b[12].buf;
     int64_t *lt = b[4].buf, *lv = b[5].buf;
@@ -393,6 +412,7 @@ static PyObject *gather_rows(PyObject *self, PyObject *args) {
     result = Py_True;
     Py_INCREF(result);
 done:
+    PyMem_Free(sl);
     for (int i = 0; i < 13; i++)
         if (held[i]) PyBuffer_Release(&b[i]);
     return result;
@@ -408,6 +428,7 @@ static PyObject *scatter_rows(PyObject *self, PyObject *args) {
     Py_buffer b[5];
     int held[5] = {0};
     PyObject *result = NULL;
+    int64_t *sl = NULL;
     if (dim < 1 || width < 0) {
         PyErr_SetString(PyExc_ValueError, "dim must be at least 1 and width not negative");
         return NULL;
@@ -422,12 +443,14 @@ static PyObject *scatter_rows(PyObject *self, PyObject *args) {
     TAKE(3, 4, n * dim, 0, "rows_in");
     TAKE(4, 4, n * width, 0, "state_in");
 #undef TAKE
-    const int64_t *sl = b[2].buf;
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (sl[i] < 0 || sl[i] >= cap) {
-            PyErr_Format(PyExc_ValueError, "slot %lld is outside the %zd slots", (long long)sl[i], cap);
-            goto done;
-        }
+    Py_ssize_t outside;
+    sl = own_slots(b[2].buf, n, cap, &outside);
+    if (sl == NULL)
+        goto done;
+    if (outside != -1) {
+        PyErr_Format(PyExc_ValueError, "slot %lld is outside the %zd slots", (long long)sl[outside], cap);
+        goto done;
+    }
     float *rows = b[0].buf, *state = b[1].buf;
     const float *ri = b[3].buf, *si = b[4].buf;
     Py_BEGIN_ALLOW_THREADS
@@ -443,6 +466,7 @@ static PyObject *scatter_rows(PyObject *self, PyObject *args) {
     result = Py_None;
     Py_INCREF(result);
 done:
+    PyMem_Free(sl);
     for (int i = 0; i < 5; i++)
         if (held[i]) PyBuffer_Release(&b[i]);
     return result;
