@@ -32,7 +32,13 @@ def stub(channel) -> _grpc.ParameterServerStub:
 # or on a shard with a token, the job's spec -- which may be as big as the shard's own message limit
 # (ServerConfig.max_message_bytes, 16 MB by default), past gRPC's default receive limit of 4 MB.
 # The tools that read it accept a reply of any size the shard sends.
-STATS_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1)]
+# A connection of its own that reconnects within ~0.1-1 s: gRPC otherwise shares one subchannel among every channel
+# of a process to an address, and one that saw "Connection refused" (a shard restarting, or an earlier shard on a
+# port the OS handed out again) fails calls at once until its reconnect backoff -- up to 120 s -- runs out, though
+# a shard listens there by then.
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1), ("grpc.initial_reconnect_backoff_ms", 100),
+                  ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+STATS_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1), *OWN_CONNECTION]
 
 
 def fetch_stat(address: str, timeout: float = 10.0, security: ClientSecurity = ClientSecurity()) -> _pb.StatsReply:

@@ -87,7 +87,7 @@ class RowsSource:
             self.wake.clear()
             try:
                 if stub is None:
-                    self.channel = self.io.security.channel(self.io.plan.new[self.dst])
+                    self.channel = self.io.security.channel(self.io.plan.new[self.dst], options=stubs.OWN_CONNECTION)
                     stub = stubs.stub(self.channel)
                 self._send_due(stub)
             except Exception as e:  # noqa: BLE001 -- a stream that failed is sent again, counted and logged

@@ -114,7 +114,7 @@ class SourceSide:
                 if self.machine.throttled_since is not None:  # its timeout: on the state worker (it may copy)
                     self.io.on_state(self.io.event, self, h.Tick())
                 if stub is None:
-                    self.channel = self.io.security.channel(self.io.plan.new[self.move.dst])
+                    self.channel = self.io.security.channel(self.io.plan.new[self.move.dst], options=stubs.OWN_CONNECTION)
                     stub = stubs.stub(self.channel)
                 self._send_due(stub)
             except Exception as e:  # noqa: BLE001 -- a stream that failed is sent again, counted and logged

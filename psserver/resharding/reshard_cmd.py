@@ -75,7 +75,7 @@ class Coordinator:
         self.everyone = [a for a in new if a not in old] + old  # destinations only first: nothing to retry
         self.drained = [a for a in old if a not in new]
         self.timeout, self.wait_s, self.say = timeout, wait, say
-        self.channels = {a: security.channel(a) for a in self.everyone}
+        self.channels = {a: security.channel(a, options=stubs.OWN_CONNECTION) for a in self.everyone}
         given = admin_token.read_admin_token() if admin is None else admin
         self.admin = {a: admin_token.token_for(a, given) for a in self.everyone}
         self.retries = 0  # calls sent again after no answer (said as they happen; in the done line)
