@@ -158,13 +158,25 @@ def trainers_through_faults(tmp_path: Path, trainer: Callable, args: tuple, num_
             s.kill()
 
 
-def exact_sgd(by_base: dict, mode: str) -> torch.Tensor:
+def exact_sgd(by_base: dict, mode: str, version: int | None = None) -> torch.Tensor:
     """Where plain SGD with lr 1 from zeros ends, given the acknowledged gradients by the version they were pushed
     on: minus the sum of every one in async mode, of each round's mean in the sync modes (exact in fp32 for
-    integer-valued gradients)."""
+    integer-valued gradients).
+
+    ``version``: the shard's version at the end.  In the sync modes the round of that base is still open: a rank
+    whose lease lapsed while it was slow to start is left out of round 0 and pushes one round ahead of the others
+    from then on, so its last push is accepted into a round no other rank joins -- held there, not applied.  No
+    push may name a later round."""
     if mode == "async":
         return -sum(g for gs in by_base.values() for g in gs)
-    return -sum(torch.stack(gs).mean(0) for gs in by_base.values())
+    assert version is None or max(by_base, default=0) <= version, (sorted(by_base), version)
+    return -sum(torch.stack(gs).mean(0) for b, gs in by_base.items() if version is None or b < version)
+
+
+def closed_rounds(bases, version: int) -> int:
+    """How many of the sync rounds the acknowledged pushes' ``bases`` name were closed by ``version`` (see exact_sgd):
+    the shard's version counts exactly these when every round 0..version-1 got a push."""
+    return len({b for b in bases if b < version})
 
 
 def pull_params(address: str, trainer_id: str, fingerprint: str, partition: int = 0,

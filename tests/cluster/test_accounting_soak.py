@@ -16,7 +16,7 @@ from psserver.protocol.rows.init import Initializer
 from psserver.protocol.rows.optim import SparseOptimizerConfig
 from psserver.protocol.rows.placement import shard_of
 from psserver.protocol.stubs import fetch_stat as stats
-from tests.cluster.helpers import exact_sgd, pull_params, trainers_through_faults
+from tests.cluster.helpers import closed_rounds, exact_sgd, pull_params, trainers_through_faults
 from trainer import connect
 from trainer.stepping.api import make_job
 from trainer.channels.client import ShardedClient
@@ -67,10 +67,11 @@ def test_final_parameters_equal_the_sum_of_acknowledged_gradients(tmp_path, mode
                     if outcomes[shard] in ACKED:
                         by_base[bases[shard]].append(grad[start:end])
             got = pull_params(shards[shard].address, "soak-0", make_job(Flat(), len(shards)).fingerprint)
-            expected = exact_sgd(by_base, mode)
-            assert torch.equal(got, expected), (got - expected).abs().max()
             st = stats(shards[shard].address)
-            applied_rounds = len(by_base) if mode != "async" else sum(len(g) for g in by_base.values())
+            expected = exact_sgd(by_base, mode, st.version)
+            assert torch.equal(got, expected), (got - expected).abs().max()
+            applied_rounds = (closed_rounds(by_base, st.version) if mode != "async"
+                              else sum(len(g) for g in by_base.values()))
             assert st.version == applied_rounds
 
 
@@ -119,14 +120,14 @@ def run_rows_trainer(rank, addresses, mode, records, errors):
         errors.append(e)
 
 
-def expected_rows(records, shard, mode) -> torch.Tensor:
-    """Where ``shard``'s rows must end: exact SGD of its acknowledged gradient rows."""
+def expected_rows(records, shard, mode, version) -> torch.Tensor:
+    """Where ``shard``'s rows must end at table version ``version``: exact SGD of its acknowledged gradient rows."""
     by_base = defaultdict(list)
     for rank_records in records:
         for s, base, outcome, ids, grads in rank_records[:-1]:
             if s == shard and outcome in ACKED:
                 by_base[base].append(torch.zeros(ROW_IDS, DIM).index_add_(0, ids, grads))
-    return exact_sgd(by_base, mode)
+    return exact_sgd(by_base, mode, version)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -145,14 +146,16 @@ def test_row_pushes_through_faults_are_applied_exactly_once_each(tmp_path, mode)
         owner = shard_of(torch.arange(ROW_IDS), 2)
         for shard in range(2):
             mine = owner == shard
-            expected = expected_rows(records, shard, mode)
+            st = stats(shards[shard].address).counters
+            version = int(st["table.emb.version"])
+            expected = expected_rows(records, shard, mode, version)
             assert torch.equal(final[mine], expected[mine]), (final[mine] - expected[mine]).abs().max()
             answered = [o for rr in records for s, _, o, _, _ in rr[:-1] if s == shard]
-            st = stats(shards[shard].address).counters
             # every push the shard applied was acknowledged to its trainer once: directly or as DUPLICATE
             assert st["table.emb.pushes_applied"] == sum(o in ACKED for o in answered) == ROW_STEPS * TRAINERS
             assert st["table.emb.pushes_duplicate"] >= answered.count("duplicate")
-            rounds = len({b for rr in records for s, b, o, _, _ in rr[:-1] if s == shard and o in ACKED})
-            assert st["table.emb.version"] == (ROW_STEPS * TRAINERS if mode == "async" else rounds)
+            rounds = closed_rounds([b for rr in records for s, b, o, _, _ in rr[:-1] if s == shard and o in ACKED],
+                                   version)
+            assert version == (ROW_STEPS * TRAINERS if mode == "async" else rounds)
         assert sum(c.get("rows_duplicate_pushes", 0) for c in counters) == sum(
             o == "duplicate" for rr in records for _, _, o, _, _ in rr[:-1])
