@@ -213,6 +213,7 @@ partial) to its standby.
                 continue
             self.started += 1
             n, epoch = self.started, self.epoch
+            began = time.perf_counter()
             try:
                 states, marks, base = await self.runtime.offload(self._capture, n)
             except Exception as e:  # noqa: BLE001 -- a bug: the standby is dropped (nothing waits on it), and it says why
@@ -220,6 +221,7 @@ partial) to its standby.
                 self._base = None
                 await self._lose_standby(f"capturing shipment {n} failed: {e!r}")
                 continue
+            captured = time.perf_counter()
             try:
                 await self.stub.Ship(_rpb.ShipRequest(job=self.job, shard=self.shard, epoch=epoch, shipment=n,
                                                       primary=self.me, states=states, base=base),
@@ -238,6 +240,10 @@ partial) to its standby.
                 await self._lose_standby(f"{e.code().name}: {e.details()}")
                 continue
             self.acked, self._base = n, (n, marks) if marks else None
+            # where a shipment's time goes: its capture on the state worker (the step's own thread), and its
+            # round trip to the standby (sent, taken, acknowledged)
+            self.count("replica_capture_seconds", captured - began)
+            self.count("replica_ship_seconds", time.perf_counter() - captured)
             self.count("replica_shipments")
             self.count("replica_shipments_since" if base else "replica_shipments_whole")
             self.count("replica_bytes", sum(len(s) for s in states))

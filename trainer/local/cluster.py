@@ -437,6 +437,9 @@ def main(argv: list[str] | None = None) -> int:
         summary["failovers"] = replicas.summary()
         summary["replication"] = {k: int(sum(st.counters.get(f"replica_{k}", 0) for st in stats if st is not None))
                                   for k in ("shipments", "shipments_whole", "bytes", "reads_on_shipped")}
+        summary["replication"].update({k: round(sum(st.counters.get(f"replica_{k}", 0) for st in stats
+                                                    if st is not None), 3)
+                                       for k in ("capture_seconds", "ship_seconds")})
         # (since each shard's last promotion; reads_on_shipped: pulls answered on a shipment begun before them)
     if not failed and args.dataset not in REC_DATASETS:  # trainer.local.plots draws accuracy, which ratings runs lack
         try:
