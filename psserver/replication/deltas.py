@@ -68,18 +68,18 @@ def merge_states(base: dict, since: dict) -> dict:
     inside = at < len(old)
     held = torch.zeros(len(ids), dtype=torch.bool)
     held[inside] = old[at[inside]] == ids[inside]
-    added = ~held
+    held_at, added_at = held.nonzero().flatten(), (~held).nonzero().flatten()
     # a base row moves down by the added ids before it; an added one sits after the base rows below it
-    old_to = torch.arange(len(old)) + torch.searchsorted(ids[added], old)
-    added_to = at[added] + torch.arange(int(added.sum()))
-    replaced_to = old_to[at[held]]
+    old_to = torch.arange(len(old)) + torch.searchsorted(ids.index_select(0, added_at), old)
+    added_to = at.index_select(0, added_at) + torch.arange(len(added_at))
+    replaced_to = old_to.index_select(0, at.index_select(0, held_at))
     merged = {}
-    for name in ROW_FIELDS:
+    for name in ROW_FIELDS:  # (index_select and index_copy_ move whole rows: several times advanced indexing's pace)
         field, new = base[name], since[name]
         out = torch.empty((len(old) + len(added_to),) + tuple(field.shape[1:]), dtype=field.dtype)
-        out[old_to] = field
-        out[added_to] = new[added]
-        out[replaced_to] = new[held]
+        out.index_copy_(0, old_to, field)
+        out.index_copy_(0, added_to, new.index_select(0, added_at))
+        out.index_copy_(0, replaced_to, new.index_select(0, held_at))
         merged[name] = out
     return {**merged, **{k: v for k, v in since.items() if k not in ROW_FIELDS and k != "since"}}
 
@@ -118,7 +118,7 @@ def _newest(ids: list[torch.Tensor]) -> torch.Tensor | None:
         return None
     every = torch.cat(ids)
     order = torch.argsort(every, stable=True)  # (equal ids keep their shipment order: the last is the newest)
-    ordered = every[order]
+    ordered = every.index_select(0, order)
     last = torch.ones(len(ordered), dtype=torch.bool)
     last[:-1] = ordered[1:] != ordered[:-1]
     return order[last]
@@ -129,7 +129,7 @@ def _newest_rows(parts: list[dict]) -> dict:
     at = _newest([p["ids"] for p in parts])
     if at is None:
         return {name: parts[0][name] for name in ROW_FIELDS}
-    return {name: torch.cat([p[name] for p in parts])[at] for name in ROW_FIELDS}
+    return {name: torch.cat([p[name] for p in parts]).index_select(0, at) for name in ROW_FIELDS}
 
 
 def _newest_versions(parts: list) -> dict:
@@ -138,7 +138,8 @@ def _newest_versions(parts: list) -> dict:
     at = _newest([ids for ids, _ in pairs])
     if at is None:
         return {"ids": pairs[0][0], "versions": pairs[0][1]}
-    return {"ids": torch.cat([i for i, _ in pairs])[at], "versions": torch.cat([v for _, v in pairs])[at]}
+    return {"ids": torch.cat([i for i, _ in pairs]).index_select(0, at),
+            "versions": torch.cat([v for _, v in pairs]).index_select(0, at)}
 
 
 def _merge_versions(old, new) -> dict:
