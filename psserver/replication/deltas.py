@@ -5,16 +5,12 @@ rows touched after the shipment before it, and whose dense slice comes as the op
 Why: a table's rows are most of a recommendation model's state, and a round touches a few thousand of
 millions, so a whole state a round grows with the table; the dense slice changes whole every round, but its
 round's averaged gradient is a third of the slice with Adam's two moments, and replaying it is the primary's
-own step, bit for bit.  The standby does not decode what it is shipped; it makes the whole state (``whole``)
-when it is promoted, and folds shipments into its base on a thread of its own once they weigh as much as it
-(``Holdings``): its work and memory stay proportional to what was shipped.
+own step, bit for bit.  A standby applies each shipment as it comes (psserver.replication.live); ``whole`` here
+merges shipments into the state they build on in one pass a table -- the reference that standby is held to.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-import time
 from collections import Counter
 from dataclasses import replace
 
@@ -24,8 +20,6 @@ from psserver.protocol.rows.space import ROW_FIELDS
 from psserver.sparse.versions import as_pairs
 from psserver.state.checkpoint import ShardState
 from psserver.state.dense_slice import DenseSlice
-
-log = logging.getLogger(__name__)
 
 
 def merge(base: ShardState, later: ShardState) -> ShardState:
@@ -165,89 +159,3 @@ def whole(base: list, later: list[list[bytes]]) -> list:
 def decoded(state) -> ShardState:
     """A state held or shipped: decoded if it is still a shipment's bytes."""
     return state if isinstance(state, ShardState) else ShardState.from_bytes(state, shipment=True)
-
-
-def state_bytes(value) -> int:
-    """The bytes of the tensors a state (or any part of one) holds: what a fold's result weighs."""
-    if isinstance(value, torch.Tensor):
-        return value.nbytes
-    if isinstance(value, ShardState):
-        value = vars(value)
-    if isinstance(value, dict):
-        return sum(state_bytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(state_bytes(v) for v in value)
-    return 0
-
-
-class Holdings:
-    """What a standby holds: a whole state (one a partition: a whole shipment's bytes, or the states a fold made,
-    kept decoded so the next fold need not decode them again), its shipment number, and the shipments since it;
-    folded into a new whole state off the caller's thread once they weigh ``fold_share`` times it (memory traded
-    against the folds' work, each a pass over the whole state)."""
-
-    def __init__(self, fold_share: float = 1.0):
-        """``fold_share``: shipments are folded once their bytes reach this share of the whole state's."""
-        self.fold_share = fold_share
-        self._lock = threading.Lock()
-        self.base: list = []
-        self.base_bytes = 0
-        self.later: list[list[bytes]] = []
-        self.later_bytes = 0
-        self.shipment = 0  # the newest shipment held (its number)
-        self._folding = False
-        self._thread: threading.Thread | None = None
-        self.folds = 0
-
-    def take_whole(self, states: list[bytes], shipment: int) -> None:
-        with self._lock:
-            self.base, self.later, self.shipment = list(states), [], shipment
-            self.base_bytes, self.later_bytes = sum(map(len, states)), 0
-
-    def take_since(self, states: list[bytes], shipment: int, base: int) -> bool:
-        """A shipment built on shipment ``base``: taken if that is the one held now (else False: nothing
-        changed, the primary ships a whole state next)."""
-        with self._lock:
-            if base != self.shipment or not self.base:
-                return False
-            self.later.append(list(states))
-            self.later_bytes += sum(map(len, states))
-            self.shipment = shipment
-            fold = not self._folding and self.later_bytes >= self.fold_share * self.base_bytes
-            self._folding = self._folding or fold
-        if fold:
-            self._thread = threading.Thread(target=self._fold, name="standby-fold", daemon=True)
-            self._thread.start()
-        return True
-
-    def close(self) -> None:
-        """Wait for a fold under way: torch torn down at exit under one aborts the process."""
-        if self._thread is not None:
-            self._thread.join()
-
-    def _fold(self) -> None:
-        with self._lock:
-            base, later = self.base, list(self.later)
-        try:
-            started = time.monotonic()
-            merged = whole(base, later)
-            weight = state_bytes(merged)
-            log.info("standby: folded %d shipments into the state held (%d bytes) in %.3f s", len(later), weight,
-                     time.monotonic() - started)
-        except Exception:  # noqa: BLE001 -- kept as they are: promotion folds them again, and says why if it fails
-            log.exception("standby: folding %d shipments into the state held failed", len(later))
-            merged = None
-        with self._lock:
-            if merged is not None and self.base is base and all(a is b for a, b in zip(self.later, later)):
-                self.base, self.later = merged, self.later[len(later):]
-                self.base_bytes, self.later_bytes = weight, sum(map(len, (b for s in self.later for b in s)))
-                self.folds += 1
-            self._folding = False
-
-    def states(self) -> list:
-        """The whole states now, as ``whole`` gives them (folds what is held: at promotion, once a fold under
-        way has ended -- not a second one beside it, in memory and CPU)."""
-        self.close()
-        with self._lock:
-            base, later = self.base, list(self.later)
-        return whole(base, later)

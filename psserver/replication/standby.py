@@ -3,9 +3,8 @@ shipment of an epoch older than one it has seen.
 
 Why it serves nothing else: a standby listens only on its replication port; the shard's own port stays closed
 until it is promoted, so a trainer's channel (``--ps PRIMARY|STANDBY``, gRPC's pick-first over both addresses)
-can only ever connect to the replica that is primary now.  The state is kept as the shipped bytes (a checkpoint's
-payload per partition, psserver.state.checkpoint.ShardState) -- a whole state and the shipments since, whose
-tables carry only the rows they touched (psserver.replication.deltas) -- and made whole at promotion.
+can only ever connect to the replica that is primary now.  Each shipment is acknowledged once taken, and applied
+to the state held on a thread of its own (psserver.replication.live); a promotion waits for that thread.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import grpc
 from psserver.protocol import admin_token
 from psserver.protocol.proto import replica_pb2 as _rpb
 from psserver.protocol.proto import replica_pb2_grpc as _rgrpc
-from psserver.replication.deltas import Holdings
+from psserver.replication.live import Holdings
 from psserver.serving.ports import host_port
 
 log = logging.getLogger(__name__)
@@ -126,4 +125,4 @@ class StandbyServer:
 
     def stop(self) -> None:
         self.server.stop(0).wait()
-        self.service.holdings.close()  # (no shipment arrives now to start another fold)
+        self.service.holdings.close()  # (no shipment arrives now to apply)

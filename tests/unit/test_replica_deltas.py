@@ -11,10 +11,10 @@ import torch
 from psserver.protocol.job import JobSpec, OptimizerConfig
 from psserver.protocol.rows.optim import SparseOptimizerConfig
 from psserver.protocol.rows.table import ROW_FIELDS, TableSpec
-from psserver.replication.deltas import Holdings, merge, merge_all, whole
+from psserver.replication.deltas import decoded, merge, merge_all, whole
+from psserver.replication.live import Holdings
 from psserver.sparse.serving import PARTIAL_FROM, WHOLE_PAST, Membership, RowsPush, ServedTable
 from psserver.state.checkpoint import ShardState
-from tests.helpers import wait_until
 
 DIM = 4
 BOTH = Membership(frozenset({0, 1}), started=True)
@@ -157,34 +157,120 @@ def test_after_an_eviction_the_next_shipment_of_the_table_is_whole():
     assert_same_table_state(merge(shard_state(j, {}), shard_state(j, {"emb": later})).tables["emb"], t.state())
 
 
-def test_whole_reads_shipments_as_bytes_and_a_standby_folds_them_into_the_same_state():
+def test_whole_reads_shipments_as_bytes_and_a_standby_applies_them_into_the_same_state():
     j = job("async")
     t = ServedTable(j.tables[0], j)
     drive = Driver(t, seed=2)
     t.lookup(torch.arange(0, 2 * PARTIAL_FROM, 2))
     drive.step(0)
-    holdings, plain = Holdings(fold_share=0.001), []  # (a fold after a few shipments: the table is big)
-    base = [shard_state(j, {"emb": t.state()}).to_bytes()]
-    holdings.take_whole(base, 1)
-    mark = t.store.mark()
-    for n in range(2, 12):
-        drive.step(n % 2)
-        partial = t.state(mark)
-        assert "since" in partial["rows"]
-        shipment = [shard_state(j, {"emb": partial}, version=n).to_bytes()]
+    holdings, plain = Holdings(), []
+    try:
+        base = [shard_state(j, {"emb": t.state()}).to_bytes()]
+        holdings.take_whole(base, 1)
         mark = t.store.mark()
-        assert holdings.take_since(shipment, n, base=n - 1)
-        plain.append(shipment)
-    assert not holdings.take_since(shipment, 13, base=10)  # a base it does not hold now: refused, nothing changed
-    assert holdings.shipment == 11
-    wait_until(lambda: holdings.folds >= 1, "the standby to fold its shipments into a whole state")  # (on its thread)
-    for state in (holdings.states()[0], whole(base, plain)[0]):
-        assert state.version == 11
-        assert_same_table_state(state.tables["emb"], t.state())
+        for n in range(2, 12):
+            drive.step(n % 2)
+            partial = t.state(mark)
+            assert "since" in partial["rows"]
+            shipment = [shard_state(j, {"emb": partial}, version=n).to_bytes()]
+            mark = t.store.mark()
+            assert holdings.take_since(shipment, n, base=n - 1)
+            plain.append(shipment)
+        assert not holdings.take_since(shipment, 13, base=10)  # a base it does not hold now: refused, nothing changed
+        assert holdings.shipment == 11
+        for state in (holdings.states()[0], whole(base, plain)[0]):  # (states waits for the applying thread)
+            assert state.version == 11
+            assert_same_table_state(state.tables["emb"], t.state())
+        assert holdings.applied == 11
+    finally:
+        holdings.close()
 
 
 def test_a_standby_with_nothing_whole_refuses_a_shipment_that_builds_on_one():
-    assert not Holdings().take_since([b"x"], 2, base=1)
+    holdings = Holdings()
+    try:
+        assert not holdings.take_since([b"x"], 2, base=1)
+    finally:
+        holdings.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_shipments_applied_as_they_come_equal_the_reference_merge_through_an_eviction_and_dense_steps(mode):
+    """Differential: a table with a row limit (evictions: whole again) next to a dense slice shipped as its steps;
+    after every shipment the live state equals ``deltas.whole`` of the same shipments and the primary's own, bit
+    for bit -- rows, clocks, update versions, slice and optimizer state."""
+    from collections import Counter
+
+    from psserver.state.dense_slice import DenseSlice
+
+    j = replace_optimizer(job(mode, max_rows=3 * PARTIAL_FROM), "adam")
+    t = ServedTable(j.tables[0], j)
+    drive = Driver(t, seed=9)
+    t.lookup(torch.arange(0, 2 * PARTIAL_FROM, 2))
+    g = torch.Generator().manual_seed(1)
+    dense = DenseSlice(Counter())
+    dense.init(torch.randn(4, generator=g), take=False, optimizer=j.optimizer)
+    dense.step(torch.randn(4, generator=g), 0.1)
+
+    def state(version, tables, steps=None, since=0):
+        params, opt = dense.capture() if steps is None else (None, None)
+        return ShardState(0, version, j, params, opt, tables=tables,
+                          dense_steps=None if steps is None else {"since": since, "steps": steps})
+
+    holdings, plain = Holdings(), []
+    try:
+        base = [state(dense.version, {"emb": t.state()}).to_bytes(shipment=True)]
+        holdings.take_whole(base, 1)
+        mark, wholes = t.store.mark(), 0
+        dense.log_steps()
+        for n in range(2, 14):
+            drive.step(n % 2)
+            if n == 7:  # past the row limit: the oldest rows go, and the next shipment of the table is whole
+                t.lookup(torch.arange(10 * PARTIAL_FROM, 10 * PARTIAL_FROM + 2 * PARTIAL_FROM))
+            since = dense.version
+            dense.step(torch.randn(4, generator=g), 0.1)
+            table = t.state(mark)
+            wholes += "since" not in table["rows"]
+            shipment = [state(dense.version, {"emb": table}, dense.take_steps(since), since).to_bytes(shipment=True)]
+            mark = t.store.mark()
+            assert holdings.take_since(shipment, n, base=n - 1)
+            plain.append(shipment)
+            live, reference = holdings.states()[0], whole(base, plain)[0]
+            assert_same_table_state(live.tables["emb"], reference.tables["emb"])
+            assert_same_table_state(live.tables["emb"], t.state())
+            params, opt = dense.capture()
+            assert torch.equal(live.params, reference.params) and torch.equal(live.params, params)
+            for key, value in opt["state"][0].items():
+                assert torch.equal(live.optimizer["state"][0][key], value) if torch.is_tensor(value) else \
+                    live.optimizer["state"][0][key] == value, key
+        assert wholes >= 1 and len(plain) - wholes >= 5  # (both kinds of shipment were applied)
+    finally:
+        holdings.close()
+
+
+def replace_optimizer(j: JobSpec, name: str) -> JobSpec:
+    from dataclasses import replace
+    return replace(j, optimizer=OptimizerConfig(name, lr=0.1))
+
+
+def test_a_shipment_that_does_not_apply_leaves_no_state_until_a_whole_one_comes():
+    """A shipment that does not build on what is held (here: dense steps from a version the slice is not at) is
+    said, the state held is unusable (a promotion says why), the next shipment is refused so that the primary
+    ships a whole state, and that whole state is taken."""
+    j = dense_job("adam", 10)
+    good = ShardState(0, 3, j, torch.zeros(10), {"state": {}, "param_groups": [{"lr": 0.1}]})
+    bad = ShardState(0, 5, j, None, None, dense_steps={"since": 4, "steps": [(torch.ones(10), 0.1)]})
+    holdings = Holdings()
+    try:
+        holdings.take_whole([good.to_bytes(shipment=True)], 1)
+        assert holdings.take_since([bad.to_bytes(shipment=True)], 2, base=1)
+        with pytest.raises(ValueError, match="shipment 2 did not apply"):
+            holdings.states()
+        assert not holdings.take_since([bad.to_bytes(shipment=True)], 3, base=2)  # refused: a whole state is due
+        holdings.take_whole([good.to_bytes(shipment=True)], 4)
+        assert decoded(holdings.states()[0]).version == 3  # (a whole state alone is held as shipped)
+    finally:
+        holdings.close()
 
 
 def test_the_rows_noted_since_the_newest_mark_are_the_rows_a_scan_of_the_clocks_finds():
