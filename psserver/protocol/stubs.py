@@ -35,9 +35,10 @@ def stub(channel) -> _grpc.ParameterServerStub:
 # A connection of its own that reconnects within ~0.1-1 s: gRPC otherwise shares one subchannel among every channel
 # of a process to an address, and one that saw "Connection refused" (a shard restarting, or an earlier shard on a
 # port the OS handed out again) fails calls at once until its reconnect backoff -- up to 120 s -- runs out, though
-# a shard listens there by then.
+# a shard listens there by then.  (Not grpc.min_reconnect_backoff_ms: gRPC also takes it as how long one connection
+# attempt may last, and a hung shard would be reported UNAVAILABLE in that time instead of at the call's deadline.)
 OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1), ("grpc.initial_reconnect_backoff_ms", 100),
-                  ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+                  ("grpc.max_reconnect_backoff_ms", 1000)]
 STATS_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1), *OWN_CONNECTION]
 
 
