@@ -1,7 +1,7 @@
 #!/bin/bash
 # A/B of two checkouts (each with its extension built): DLRM 2x2 sync 40 steps without standbys, with --standbys 1, and
 # with --kill-primary 0@13, interleaved; one JSON line a run, appended to OUT.
-#   PY=.venv/bin/python docs/bench/standby/ab.sh BEFORE_CHECKOUT AFTER_CHECKOUT ROUNDS OUT
+#   PY=$PWD/.venv/bin/python docs/bench/standby/ab.sh BEFORE_CHECKOUT AFTER_CHECKOUT ROUNDS OUT
 OLD=$1; NEW=$2; ROUNDS=${3:-2}; OUT=$4
 for r in $(seq 1 $ROUNDS); do
   for tree in $OLD $NEW; do
