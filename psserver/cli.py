@@ -14,7 +14,7 @@ from psserver.common.tboard import Sampler, ScalarLog
 from psserver.protocol import admin_token
 from psserver.protocol.limits import MAX_CALLS_PER_RANK
 from psserver.protocol.security import ServerSecurity, read_token
-from psserver.resharding.handoff import DEFAULT_HANDOFF_TIMEOUT, handoff_timeout_error
+from psserver.resharding.handoff.machine import DEFAULT_HANDOFF_TIMEOUT, handoff_timeout_error
 from psserver.serving.ports import check_bindable
 
 log = logging.getLogger("psserver")

@@ -44,7 +44,7 @@ class Enrolment:
         self._changed = changed
         self.members = Membership(clock, lease_timeout)
         self.checks = MemberChecks(shard_id, label, self.members, lambda: self.epochs, counters, changed)
-        self.handoff_held_from: int | None = None  # a live re-shard's hold (psserver.resharding.handoff_io), beside the joins'
+        self.handoff_held_from: int | None = None  # a live re-shard's hold (psserver.resharding.handoff.shard_ops), beside the joins'
         self.reset()
 
     def reset(self) -> None:

@@ -116,8 +116,8 @@ class Shard:
         self.stats = Stats(self, lock)
         self.prepared: Prepared | None = None  # handed by the host when a job is admitted, taken by _set_job
         # (shard, round, average or None, lr or None) for each closed round: a live re-shard's forward log
-        self.round_listener: Callable[..., None] | None = None  # (psserver.resharding.handoff_io)
-        # a live re-shard's (shard, base) -> the refusal of a new push, or None (psserver.resharding.handoff_io_async)
+        self.round_listener: Callable[..., None] | None = None  # (psserver.resharding.handoff.shard_ops)
+        # a live re-shard's (shard, base) -> the refusal of a new push, or None (psserver.resharding.handoff.shard_async)
         self.push_gate: Callable[..., Exception | None] | None = None
         self.job_changes = 0  # jobs set and cleared: what a read shows belongs to another job after each
         self._clear_job()

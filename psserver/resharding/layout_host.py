@@ -19,7 +19,7 @@ A later layout's host checkpoints its pieces (``L<e>-shard<i>-v…``, with the t
 so a restarted process answers every older layout ``layout-moved``.
 
 In normal running there is one layout, epoch 0, and every lookup is the ShardHost's own (``part``'s first
-line).  A live re-shard switches a layout (psserver.resharding.handoff_io, the Reshard and Handoff RPCs); a
+line).  A live re-shard switches a layout (psserver.resharding.handoff.shard_ops, the Reshard and Handoff RPCs); a
 restore re-cuts one from checkpoints (psserver.resharding.reshard).
 """
 
@@ -50,7 +50,7 @@ class LayoutHost:
         self._hosts: dict[int, ShardHost] = {0: host}
         self._later: list[LayoutEpoch] = []  # the layouts after epoch 0, oldest first
         self._first: LayoutEpoch | None = None  # epoch 0 as a hand-off named it, for a host that never ran it
-        self.handoff_round: int | None = None  # R of a live re-shard committed, not decided (psserver.resharding.handoff_io)
+        self.handoff_round: int | None = None  # R of a live re-shard committed, not decided (psserver.resharding.handoff.shard_ops)
         self.drained_as: str | None = None  # this process's address while the newest layout has no piece of it
         self.tombstones = Tombstones()  # the layouts freed or left behind here (psserver.resharding.layout_tombstones)
         self.membership = LayoutMembership(self)  # Register and Heartbeat by layout (psserver.resharding.layout_membership)
@@ -166,7 +166,7 @@ class LayoutHost:
         base, a pull's min_version) goes to, routed by the table's own switch round (LayoutEpoch.table_rounds):
         refused ``layout-moved`` / ``layout-ahead`` exactly as a dense call.  A row push of base >= R in the old
         layout during a live re-shard waits (HandoffPending), as a dense one, until DECIDE (a sync table switches
-        at the dense R, psserver.resharding.handoff_io_rows)."""
+        at the dense R, psserver.resharding.handoff.shard_rows)."""
         if epoch == 0 and not self._later:  # the normal case: one layout, the process's tables
             head = self._hosts[0].head
         else:
@@ -182,7 +182,7 @@ class LayoutHost:
         if epoch == 0 and not self._later:
             return
         if not pull and not table and epoch == self.newest and epoch in self._hosts and self._async():
-            return  # an async push in the newest layout, whatever its base (psserver.resharding.handoff_io_async)
+            return  # an async push in the newest layout, whatever its base (psserver.resharding.handoff.shard_async)
         timeline = self.timeline()
         refused = self._elsewhere(epoch) or refusal(timeline, epoch, value, pull, table)
         if refused is None:

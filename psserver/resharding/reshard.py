@@ -133,7 +133,7 @@ def _optimizer_tensors(pieces: list[ShardState]) -> tuple[dict, dict, list]:
 
 def join_optimizer_states(states: list[dict]) -> tuple[dict, dict, list]:
     """``_optimizer_tensors`` of one-tensor optimizer state dicts laid end to end (also live re-shard's
-    assembly of a new piece from its parts, psserver.resharding.forward_log)."""
+    assembly of a new piece from its parts, psserver.resharding.handoff.forward_log)."""
     ones = [st["state"].get(0, {}) for st in states]
     keys = set(ones[0])
     if any(set(st) != keys for st in ones):

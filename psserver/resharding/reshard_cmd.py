@@ -204,13 +204,13 @@ class Coordinator:
                 R = max(self.call(a, Op.PROPOSE).proposal for a in self.old)
             committed = self.call_all(Op.COMMIT, round=R)
             # an async job's sources each stopped at their own version (no proposal): the new layout starts at
-            # the largest (psserver.resharding.handoff_io_async); a sync job's replies all name R
+            # the largest (psserver.resharding.handoff.shard_async); a sync job's replies all name R
             R = max(r.round for r in committed.values()) or R
             self.say(f"committed: the new layout takes over at round {R}")
             replies = self.wait(lambda r: set(self.phases(r)) == {"source:blocked", "dest:ready"},
                                 f"every source to reach round {R} and every new piece to replay it")
             blocked = time.monotonic()
-            # an async job's sources stopped each at its own version (psserver.resharding.handoff_io_async): the new layout
+            # an async job's sources stopped each at its own version (psserver.resharding.handoff.shard_async): the new layout
             # starts at the largest; a sync job's are all R
             self.call_all(Op.DECIDE, switch=True, round=max(r.round for r in replies.values()))
             self.say(f"switched (block {time.monotonic() - blocked:.3f} s)")

@@ -7,7 +7,7 @@ no refusal, no retry, no re-route.  On an abort it goes out as usual.  The weigh
 either way: the old piece at R is the tombstone, and R is what the new layout starts from.
 
 A held reply is a future on the event loop (like psserver.serving.runtime.VersionWaiters), not a sleeping thread: the
-plan (psserver.resharding.handoff_io) sets the hold from the state worker at COMMIT and releases it on the loop, so a reply
+plan (psserver.resharding.handoff.shard_ops) sets the hold from the state worker at COMMIT and releases it on the loop, so a reply
 checked on the loop sees the hold and its release in one order.  Each wait is bounded by the hand-off timeout
 and by the call's deadline; past either the reply goes out as usual in the old layout (counted
 ``handoff_reply_holds_expired``), and a push of base R that follows is refused ``handoff`` until DECIDE

@@ -27,8 +27,8 @@ from psserver.protocol.rows import kernel
 from psserver.protocol.security import ClientSecurity, ServerSecurity
 from psserver.protocol.stubs import SERVICE_NAME
 from psserver.resharding import layout_restore
-from psserver.resharding.handoff import DEFAULT_HANDOFF_TIMEOUT, handoff_timeout_error
-from psserver.resharding.handoff_io import HandoffIO
+from psserver.resharding.handoff.machine import DEFAULT_HANDOFF_TIMEOUT, handoff_timeout_error
+from psserver.resharding.handoff.shard_ops import HandoffIO
 from psserver.resharding.layout_host import LayoutHost
 from psserver.serving.health import CappedHealth, LoopWatch, ProbePort
 from psserver.serving.ports import check_bindable, host_port
@@ -53,7 +53,7 @@ class ServerConfig:
     max_push_bytes: int = 4 << 30  # whole Init/Push stream
     lease_timeout: float = 5.0  # seconds of silence after which a trainer leaves the live set
     join_timeout: float = 0.0  # seconds a pending join is held for its commit; 0: 3 s or the lease if shorter
-    handoff_timeout: float = DEFAULT_HANDOFF_TIMEOUT  # a live re-shard's hold (psserver.resharding.handoff)
+    handoff_timeout: float = DEFAULT_HANDOFF_TIMEOUT  # a live re-shard's hold (psserver.resharding.handoff.machine)
     checkpoint_dir: str = ""  # where checkpoints go ("" : none)
     checkpoint_every: int = 100  # versions between checkpoints
     restore: bool = False  # resume from the newest valid checkpoint in checkpoint_dir
@@ -208,7 +208,7 @@ class ShardServer:
         self.shard: ShardHost | None = None
         self.runtime: Runtime | None = None
         self.layouts: LayoutHost | None = None  # the layout epochs served (psserver.resharding.layout_host)
-        self.handoffs: HandoffIO | None = None  # a live re-shard's side here (psserver.resharding.handoff_io)
+        self.handoffs: HandoffIO | None = None  # a live re-shard's side here (psserver.resharding.handoff.shard_ops)
         self.port = 0
         self.health_port = -1
         self.probe_port: ProbePort | None = None

@@ -145,7 +145,7 @@ class ParameterServerService:
         self.requests = requests or RequestLedger(cfg.max_request_bytes_per_peer, cfg.max_request_bytes)
         self.slots = CallSlots(cfg, self.connections, self.count)  # calls per connection and rank, deadlines
         self.replication = None  # a hot standby's shipper when this replica is primary (psserver.replication)
-        self.handoffs = handoffs  # a live re-shard's Reshard and Handoff calls (psserver.resharding.handoff_io)
+        self.handoffs = handoffs  # a live re-shard's Reshard and Handoff calls (psserver.resharding.handoff.shard_ops)
         self.digests = DigestGate(runtime.offload)  # GetStats' state digests, one pass at a time per partition
         self._spec_turn = asyncio.Lock()  # one big job spec read at a time (_job_of)
         self.dense = DenseRpcs(self.layouts, runtime, cfg, self.count, self.slots, handoffs, self.shard.shard_id)
@@ -252,7 +252,7 @@ class ParameterServerService:
 
     @_refusals
     async def Reshard(self, request, context):
-        """A live re-shard's coordinator call (psserver.resharding.handoff_io); any op but STATUS changes the job's layout,
+        """A live re-shard's coordinator call (psserver.resharding.handoff.shard_ops); any op but STATUS changes the job's layout,
         so it is taken only from a caller the shard trusts (``_check_reshard_peer``)."""
         request = _decoded(request)
         if request.op != _pb.ReshardRequest.STATUS:
@@ -269,7 +269,7 @@ class ParameterServerService:
 
     @_refusals
     async def Handoff(self, request_iterator, context):
-        """A live re-shard's source streaming to this destination (psserver.resharding.handoff_io), read with the idle and
+        """A live re-shard's source streaming to this destination (psserver.resharding.handoff.shard_ops), read with the idle and
         total deadlines of every stream: a stream left open holds its bytes and a call of its connection."""
         with self.slots.peer_slot(context):
             self._check_reshard_peer(context, "Handoff")

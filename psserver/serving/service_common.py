@@ -335,7 +335,7 @@ def _check_header_fields(h: _pb.ChunkHeader) -> None:
 
 
 def require_handoffs(handoffs):
-    """A live re-shard's calls (psserver.resharding.handoff_io), or NotReady where the servicer was made without."""
+    """A live re-shard's calls (psserver.resharding.handoff.shard_ops), or NotReady where the servicer was made without."""
     if handoffs is None:
         raise NotReady("handoffs is None but a live re-shard needs a shard process (psserver.serving.server)")
     return handoffs

@@ -78,7 +78,7 @@ class DenseRpcs:
         reader = _StreamReader(request_iterator, self.cfg.stream_idle_timeout, self.slots.deadline(context))
         first, h = await reader.first_header()
         _check_header_fields(h)  # (a question for an old slot too: its ids and numbers bounded as every push's)
-        if h.moved_from:  # a question for an old slot that could not be reached (psserver.resharding.moved_books)
+        if h.moved_from:  # a question for an old slot that could not be reached (psserver.resharding.handoff.moved_books)
             return h, await self._moved_push(h, stale_as_result)
         part = self.check_push_first(h)
         length = part.slice_length()

@@ -107,7 +107,7 @@ class Membership:
     live: frozenset = frozenset()
     started: bool = True
     epochs: object = None
-    handoff_held_from: int | None = None  # a live re-shard's hold (psserver.resharding.handoff_io): a sync table's too
+    handoff_held_from: int | None = None  # a live re-shard's hold (psserver.resharding.handoff.shard_ops): a sync table's too
 
     def at(self, round_: int) -> tuple[frozenset, int, bool]:
         """(the ranks round ``round_`` waits for, the size of its epoch (0: the job's), whether a pending join
@@ -145,7 +145,7 @@ class ServedTable(PushTarget):
         self.updated_at = RowVersions(self.store)  # async with max_staleness: each row's last update
         self.counts: Counter[str] = Counter()
         self.stats: dict[str, float] = {}
-        self.round_listener = None  # (table, version) after each closed round: a live re-shard's (handoff_io_rows)
+        self.round_listener = None  # (table, version) after each closed round: a live re-shard's (psserver.resharding.handoff.shard_rows)
         self._refresh()
 
     @property

@@ -187,7 +187,7 @@ def handoff_bytes(job: JobSpec, job2: JobSpec, moves: list, old_index: int | Non
                   max_lag: int) -> dict[str, int]:
     """What a live re-shard adds on this shard beside the job it holds (docs/design/handoff-io.md), by part: each move
     out copied with its optimizer state and its forward log at its bound (``max_lag`` rounds of the range), and
-    the new pieces this shard will serve (psserver.resharding.handoff_io's PREPARE checks it against the budget)."""
+    the new pieces this shard will serve (psserver.resharding.handoff.shard_ops's PREPARE checks it against the budget)."""
     out = [m for m in moves if m.src == old_index]
     copies = 1 + optimizer_copies(job)
     return {"copies": sum(m.b - m.a for m in out) * 4 * copies,

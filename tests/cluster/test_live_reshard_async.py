@@ -1,4 +1,4 @@
-"""A live re-shard of an async job under real trainers (stage 8 of docs/design/live-reshard.md; psserver.resharding.handoff_io_async):
+"""A live re-shard of an async job under real trainers (stage 8 of docs/design/live-reshard.md; psserver.resharding.handoff.shard_async):
 two async ``ps-trainer`` processes train a dense mlp on two ``ps-server`` processes; ``ps-server reshard`` moves the
 job to three (the third started empty) while they train; they follow the switch and finish.
 

@@ -1,4 +1,4 @@
-"""A live re-shard of an async job (stage 8 of docs/design/live-reshard.md; psserver.resharding.handoff_io_async): three real shards
+"""A live re-shard of an async job (stage 8 of docs/design/live-reshard.md; psserver.resharding.handoff.shard_async): three real shards
 over gRPC on loopback, the test as the coordinator and as the trainer.  SGD at lr 1 with integer gradients and
 integer weights, so every parameter is exact in fp32: the final weights on the new layout must equal the initial
 ones minus the sum of every acknowledged push, each counted once, whichever layout acknowledged it."""

@@ -18,8 +18,8 @@ from psserver.protocol.layout import Layout
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.proto import ps_pb2_grpc as pb_grpc
 from psserver.protocol.security import ClientSecurity, ServerSecurity
-from psserver.resharding.handoff_plan import plan_of
-from psserver.resharding.handoff_wire import chunks
+from psserver.resharding.handoff.plan import plan_of
+from psserver.resharding.handoff.wire import chunks
 from psserver.serving.server import ServerConfig, ShardServer
 from psserver.serving.service import ServiceLimits
 from psserver.serving.service_common import _is_loopback
@@ -321,20 +321,20 @@ def test_a_handoff_payload_is_decoded_while_the_shard_goes_on_answering_calls_an
     """The decode is held (an event) until a GetStats (the event loop) and a push (the state worker) have been
     answered: had the payload been joined or decoded on either, they would wait behind it.  Before: joined on
     the loop (~0.2 s per 100 MiB here) and decoded there too."""
-    import psserver.resharding.handoff_inbox
+    import psserver.resharding.handoff.inbox
 
     job = Job(shard_server)
     job.reshard(1, Op.PREPARE)
     index, move = move_to(job, 1)
     entered, release = threading.Event(), threading.Event()
-    real = psserver.resharding.handoff_inbox.unpack_parts
+    real = psserver.resharding.handoff.inbox.unpack_parts
 
     def held(parts, kind):
         entered.set()
         assert release.wait(60), "the test never released the decode"
         return real(parts, kind)
 
-    monkeypatch.setattr(psserver.resharding.handoff_inbox, "unpack_parts", held)
+    monkeypatch.setattr(psserver.resharding.handoff.inbox, "unpack_parts", held)
     with ThreadPoolExecutor(1) as pool:
         stream = chunks(COPY, "p1", job.old[move.src], index, 2, copy_payload(move))
         ack = pool.submit(job.shards[1].stub.Handoff, stream, timeout=60)

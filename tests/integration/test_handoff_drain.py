@@ -17,7 +17,7 @@ from psserver.protocol.job import OptimizerConfig
 from psserver.protocol.layout import Layout, shard_range
 from psserver.protocol.layouts import LayoutEpoch, new_job, plan_moves
 from psserver.protocol.proto import ps_pb2 as pb
-from psserver.resharding.forward_log import copy_range, range_digest
+from psserver.resharding.handoff.forward_log import copy_range, range_digest
 from tests.conftest import P, make_spec
 from tests.helpers import refused, wait_until
 from tests.integration.test_handoff_io import pull

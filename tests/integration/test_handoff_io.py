@@ -16,7 +16,7 @@ from psserver.protocol.layout import Layout, shard_range
 from psserver.protocol.layouts import new_job
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.protocol.rows.table import TableSpec
-from psserver.resharding.forward_log import copy_range, range_digest
+from psserver.resharding.handoff.forward_log import copy_range, range_digest
 from tests.conftest import P, make_spec
 from tests.helpers import refused, wait_until
 
@@ -309,7 +309,7 @@ def test_a_move_that_aborts_on_its_own_ends_the_plan_on_its_shard_and_lifts_the_
     committed takes the same path) ends the plan on the shard: the held reply goes out in the old layout, a push
     of base R is taken there and a join is admitted -- before, both stayed refused ``handoff`` after the plan was
     gone, until a DECIDE that may never come."""
-    from psserver.resharding import handoff as h
+    from psserver.resharding.handoff import machine as h
 
     job = Job(shard_server, spec(max_trainers=2))
     R, held = blocked_at_r(job)

@@ -1,7 +1,7 @@
 """Issue 24: a live re-shard of a big sync table must never cost a trainer its lease.  The rows' split and hash run
 under the plan's lock for seconds on a 1M-row table; a heartbeat is answered on the event loop, so nothing of the
 copy may hold the loop: a Reshard STATUS or GetStats waits for the plan's lock on a thread, and the rows' vote runs
-on the state worker whatever the slice.  Three real shards over gRPC on loopback (psserver.resharding.handoff_io_rows);
+on the state worker whatever the slice.  Three real shards over gRPC on loopback (psserver.resharding.handoff.shard_rows);
 measured at 1M rows by docs/bench/handoff/measure_rows_lag.py (docs/design/handoff-io.md, "Heartbeats during a rows copy")."""
 
 import threading
@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from psserver.protocol.proto import ps_pb2 as pb
-from psserver.resharding import handoff_io_rows
+from psserver.resharding.handoff import shard_rows
 from tests.helpers import wait_until
 from tests.integration.test_handoff_io import Op, spec
 from tests.integration.test_handoff_rows_io import TableJob, moved, table, to_tailing
@@ -89,13 +89,13 @@ def test_get_stats_callers_waiting_for_the_plans_lock_share_one_read_off_the_loo
 
 def test_the_rows_vote_runs_on_the_state_worker_not_on_the_event_loop_of_a_small_slice(shard_server, monkeypatch):
     threads = []
-    vote = handoff_io_rows.RowsHandoff.vote
+    vote = shard_rows.RowsHandoff.vote
 
     def recorded(self, source, round_):
         threads.append(threading.current_thread().name)
         return vote(self, source, round_)
 
-    monkeypatch.setattr(handoff_io_rows.RowsHandoff, "vote", recorded)
+    monkeypatch.setattr(shard_rows.RowsHandoff, "vote", recorded)
     job = TableJob(shard_server, spec(tables=(table(),)))
     assert all(s.server.runtime.inline() for s in job.shards[:2])  # a small slice: its calls run on the loop
     moved(job)

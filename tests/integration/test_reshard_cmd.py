@@ -14,7 +14,7 @@ from psserver.protocol.errors import LAYOUT_MOVED, REASON_METADATA_KEY
 from psserver.protocol.job import TableSpec
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.resharding import reshard_cmd
-from psserver.resharding.handoff import MAX_FORWARD_LAG
+from psserver.resharding.handoff.machine import MAX_FORWARD_LAG
 from psserver.resharding.reshard_cmd import Coordinator, reshard_main
 from tests.helpers import refused
 from tests.integration.test_handoff_drain import Run, grad

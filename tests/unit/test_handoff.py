@@ -1,4 +1,4 @@
-"""The live re-shard's hand-off as pure machines (psserver.resharding.handoff*): one test per row of docs/design/live-reshard.md's
+"""The live re-shard's hand-off as pure machines (psserver.resharding.handoff.machine*): one test per row of docs/design/live-reshard.md's
 state table and failure table, with a fake clock and no network."""
 
 import copy
@@ -9,10 +9,10 @@ import pytest
 
 from psserver.protocol.epochs import JOIN_LEAD
 from psserver.protocol.errors import PsError
-from psserver.resharding import handoff as h
-from psserver.resharding.handoff_dest import DestPiece, DestState
-from psserver.resharding.handoff_source import APPLY, DUPLICATE, LAYOUT_MOVED, STALE, SourceMove, SourceState
-from psserver.resharding.handoff_termination import AGREE, Known
+from psserver.resharding.handoff import machine as h
+from psserver.resharding.handoff.dest import DestPiece, DestState
+from psserver.resharding.handoff.source import APPLY, DUPLICATE, LAYOUT_MOVED, STALE, SourceMove, SourceState
+from psserver.resharding.handoff.termination import AGREE, Known
 
 TIMEOUT = 5.0
 A, B = 1_000, 1_777  # the move's range: plain ints, no layout type

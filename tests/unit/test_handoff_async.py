@@ -1,4 +1,4 @@
-"""An async job's live re-shard (stage 8 of docs/design/live-reshard.md, psserver.resharding.handoff_io_async): the pure decisions,
+"""An async job's live re-shard (stage 8 of docs/design/live-reshard.md, psserver.resharding.handoff.shard_async): the pure decisions,
 with a fake clock and no network -- the source's stop, the destination's votes at different stops, the new piece
 at the largest stop, the gates' refusals, and the trainer's side (the newest layout whatever the base; a step split
 by the stops)."""
@@ -14,11 +14,11 @@ import torch
 from psserver.protocol.errors import HandoffPending, JobMismatch, LayoutMoved, NotReady, PsError
 from psserver.protocol.job import OptimizerConfig
 from psserver.protocol.layouts import LayoutEpoch
-from psserver.resharding import handoff as h
-from psserver.resharding import handoff_io_async as async_
-from psserver.resharding.forward_log import Forward, PartCopy, PartReplay, assemble
-from psserver.resharding.handoff_dest import DestPiece, DestState
-from psserver.resharding.handoff_source import SourceState
+from psserver.resharding.handoff import machine as h
+from psserver.resharding.handoff import shard_async as async_
+from psserver.resharding.handoff.forward_log import Forward, PartCopy, PartReplay, assemble
+from psserver.resharding.handoff.dest import DestPiece, DestState
+from psserver.resharding.handoff.source import SourceState
 from tests.conftest import make_spec
 from tests.unit.test_handoff import TIMEOUT, run, tailing
 from trainer.stepping.attempt import moved_partly

@@ -10,7 +10,7 @@ import pytest
 from psserver.protocol.layout import Layout, shard_range
 from psserver.protocol.proto import ps_pb2 as pb
 from psserver.resharding import reshard_cmd
-from psserver.resharding.handoff_plan import Plan
+from psserver.resharding.handoff.plan import Plan
 from psserver.resharding.reshard_cmd import plan_id
 from tests.conftest import P, make_spec
 

@@ -1,4 +1,4 @@
-"""The pure row copy, forward and replay of a live re-shard (psserver.resharding.handoff_rows): the forwarded rows of each
+"""The pure row copy, forward and replay of a live re-shard (psserver.resharding.handoff.rows): the forwarded rows of each
 closed round replayed onto the copy equal the source's rows at R bit for bit (SGD, Adagrad, Adam), rows created in
 a round included, evicted rows forwarded as deletions, and the destination's assembly equals restore's re-cut."""
 
@@ -8,7 +8,7 @@ import torch
 from psserver.protocol.errors import NotReady
 from psserver.protocol.rows.optim import SparseOptimizerConfig
 from psserver.protocol.rows.table import RowStore, TableSpec
-from psserver.resharding.handoff_rows import (ROW_FIELDS, RowDelta, RowImage, RowLog, TableTracker, assemble, rows_digest, split,
+from psserver.resharding.handoff.rows import (ROW_FIELDS, RowDelta, RowImage, RowLog, TableTracker, assemble, rows_digest, split,
                                    split_ids, table_rows)
 from psserver.resharding.reshard import recut_table
 from psserver.sparse.serving import Membership

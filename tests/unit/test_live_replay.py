@@ -2,7 +2,7 @@
 (parameters and optimizer state, one-tensor format) and then replays the source's gradients on it, step for step,
 holds exactly what the source holds on that range -- bit for bit, with range edges on no SIMD boundary.
 
-Pins the property of psserver.state.slice_optim that live re-shard uses, then the same for psserver.resharding.forward_log: a
+Pins the property of psserver.state.slice_optim that live re-shard uses, then the same for psserver.resharding.handoff.forward_log: a
 DenseSlice's forward log (rounds closed without a step included) replayed part by part, and a piece assembled from
 two sources' parts.
 """
@@ -14,8 +14,8 @@ import torch
 
 from psserver.protocol.errors import InvalidRequest
 from psserver.protocol.job import OptimizerConfig
-from psserver.resharding.forward_log import Forward, ForwardLog, PartReplay, assemble, copy_range, range_digest
-from psserver.resharding.handoff import MAX_FORWARD_LAG
+from psserver.resharding.handoff.forward_log import Forward, ForwardLog, PartReplay, assemble, copy_range, range_digest
+from psserver.resharding.handoff.machine import MAX_FORWARD_LAG
 from psserver.resharding.reshard import cut_optimizer, join_optimizer_states
 from psserver.state.dense_slice import DenseSlice
 from psserver.state.slice_optim import SliceOptimizer

@@ -1,4 +1,4 @@
-"""The push books that move with a range (psserver.resharding.moved_books) and the trainer's side of a slot lost after its
+"""The push books that move with a range (psserver.resharding.handoff.moved_books) and the trainer's side of a slot lost after its
 vote (trainer.stepping.lost_slots, trainer.stepping.attempt.lost_past_switch): pure decisions, no network."""
 
 from types import SimpleNamespace
@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from psserver.protocol.errors import InvalidRequest, NotReady, StaleGradient
-from psserver.resharding.moved_books import MovedBooks, book_of, check_book, moved_outcome
+from psserver.resharding.handoff.moved_books import MovedBooks, book_of, check_book, moved_outcome
 from psserver.state.push_book import PushBook, PushResult
 from trainer.stepping.attempt import lost_past_switch
 from trainer.stepping.lost_slots import new_owners

@@ -148,7 +148,7 @@ class DenseCalls:
     def ask_moved(self, old_slot: int, sequence: int, base: int, wire: int, length: int, timeout: float,
                   out: torch.Tensor) -> PushOutcome:
         """Ask this new owner whether the old layout's slot ``old_slot`` -- lost after its vote -- applied this
-        trainer's push of base ``base`` numbered ``sequence`` there (psserver.resharding.moved_books): "duplicate" (it did)
+        trainer's push of base ``base`` numbered ``sequence`` there (psserver.resharding.handoff.moved_books): "duplicate" (it did)
         or "stale" (its round closed without it), with this slot's weights to go on from in ``out``.  No gradient
         is sent and this slot's own push numbers are not touched; retried like a push (it changes nothing)."""
         header = self._header(wire, 0, base, 0, sequence)

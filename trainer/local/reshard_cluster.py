@@ -60,7 +60,7 @@ def parse(text: str, shards: int) -> list[tuple[int, int]]:
 def check(args) -> list[tuple[int, int]]:
     """--reshard's one-line refusals, before anything starts; returns the steps [(M, ROUND), ...]."""
     steps = parse(args.reshard, args.shards)
-    if args.mode == "async" and (args.optimizer or "sgd") != "sgd":  # (psserver.resharding.handoff_io_async)
+    if args.mode == "async" and (args.optimizer or "sgd") != "sgd":  # (psserver.resharding.handoff.shard_async)
         raise ValueError(f"--reshard of an async job takes --optimizer sgd, not {args.optimizer} (its shards stop at "
                          "different versions, so a step count would differ); use --optimizer sgd")
     if args.mode == "async" and args.push_window != 1:

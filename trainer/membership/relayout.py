@@ -67,7 +67,7 @@ def due(timeline: Sequence[LayoutEpoch], epoch: int, base: int, any_base: bool =
     """The layout a step of base version ``base`` must be sent in, when it is a later one than ``epoch`` (the
     layout the trainer routes by now); None: stay.  Every base has one owner (route_push), so this is it.
     ``any_base``: an async job, whose layouts switch at no common round (each old shard stopped at its own
-    version, psserver.resharding.handoff_io_async): the newest layout known, whatever the base."""
+    version, psserver.resharding.handoff.shard_async): the newest layout known, whatever the base."""
     if not timeline:
         return None
     layout = timeline[-1] if any_base else layout_at(list(timeline), base)

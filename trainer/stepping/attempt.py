@@ -95,7 +95,7 @@ def moved_everywhere(failed: dict, applied: Sequence[int]) -> int | None:
 
 def moved_partly(failed: dict, applied: Sequence[int]) -> int | None:
     """An async step some slots applied before a live re-shard's stop and the rest refused ``layout-moved`` after
-    the switch (each old shard stopped at its own version, psserver.resharding.handoff_io_async): the newest layout, when every
+    the switch (each old shard stopped at its own version, psserver.resharding.handoff.shard_async): the newest layout, when every
     failure is that refusal and some slot applied it; else None.  Those slots applied nothing, so their parts are
     dropped as a stale push's are (never acknowledged, never lost); sending them to the new layout would apply the
     applied slots' ranges twice."""
@@ -146,7 +146,7 @@ class StepPastLost(StepFailed):
 def lost_past_switch(failed: dict, applied: Sequence[int]) -> list[int] | None:
     """The slots that could not be reached (UNAVAILABLE or DEADLINE_EXCEEDED after their retries) when every
     failure of a step is one and some slot applied it; else None.  Whether they applied it is not inferred from the
-    others (a sync round closes without a trainer whose lease expired): their books answer (psserver.resharding.moved_books)."""
+    others (a sync round closes without a trainer whose lease expired): their books answer (psserver.resharding.handoff.moved_books)."""
     if not applied or not failed or any(not isinstance(e, grpc.RpcError) or e.code() not in UNREACHABLE
                                         for e in failed.values()):
         return None

@@ -4,7 +4,7 @@
 The other slots applied the step and their replies named a layout that takes over at R = base + 1; the lost slot
 could not be reached within the retry budget.  Whether it applied the push is not inferred from the others (a sync
 round closes without a trainer whose lease expired): its push book at R moved with its range to the new layout's
-owners (psserver.resharding.moved_books).  So the trainer switches to that layout, asks each new owner of the lost slot's
+owners (psserver.resharding.handoff.moved_books).  So the trainer switches to that layout, asks each new owner of the lost slot's
 range (``ShardClient.ask_moved``: a PushPull naming the old slot, no gradient) and takes its weights at R:
 
 * "duplicate": the push is in the state the new layout starts from -- the step is done (counted

@@ -23,7 +23,7 @@ job = JobSpec(mode="sync", num_trainers=1, num_shards=2, total_params=P, fingerp
               optimizer=OptimizerConfig("sgd", lr=0.01), tensors=(("w", (P,), "float32"),), tables=(table,))
 job = dataclasses.replace(job, fingerprint=Layout.from_shapes(job.tensors, 2).fingerprint())
 if __import__("os").environ.get("LAG_SAMPLE"):  # how long the plan's lock is held by the rows' steps
-    import psserver.resharding.handoff_io_rows as hir
+    import psserver.resharding.handoff.shard_rows as hir
     held = {}
     def timed(cls, name):
         fn = getattr(cls, name)

@@ -527,7 +527,7 @@ class RowStore:
 
     def touched_since(self, tick: int) -> dict:
         """The live rows a call touched after clock ``tick`` (created, updated or read), as ``state()`` lays rows
-        out (sorted by id): what a live re-shard forwards (psserver.resharding.handoff_rows)."""
+        out (sorted by id): what a live re-shard forwards (psserver.resharding.handoff.rows)."""
         return self.space.touched_after(tick)
 
     @classmethod

@@ -9,17 +9,17 @@ import asyncio
 
 from psserver.protocol.errors import NotPermitted, NotReady
 from psserver.protocol.proto import ps_pb2 as _pb
-from psserver.resharding.handoff_dest import DestState
-from psserver.resharding.handoff_io_dest import DestSide
-from psserver.resharding.handoff_io_rows import ROW_KINDS
-from psserver.resharding.handoff_io_source import COPY
-from psserver.resharding.handoff_plan import check_piece_memory, copied_job, moves_of
-from psserver.resharding.handoff_wire import check_move, read_async, unpack_parts
+from psserver.resharding.handoff.dest import DestState
+from psserver.resharding.handoff.shard_dest import DestSide
+from psserver.resharding.handoff.shard_rows import ROW_KINDS
+from psserver.resharding.handoff.shard_source import COPY
+from psserver.resharding.handoff.plan import check_piece_memory, copied_job, moves_of
+from psserver.resharding.handoff.wire import check_move, read_async, unpack_parts
 
 
 class HandoffInbox:
     """The Handoff streams a destination takes: ``io`` is the plan that owns the new pieces
-    (psserver.resharding.handoff_io.HandoffIO; not imported: it imports this room)."""
+    (psserver.resharding.handoff.shard_ops.HandoffIO; not imported: it imports this room)."""
 
     def __init__(self, io):
         self.io = io

@@ -21,7 +21,7 @@ import enum
 from dataclasses import dataclass, replace
 
 from psserver.protocol.errors import JobMismatch
-from psserver.resharding import handoff as h
+from psserver.resharding.handoff import machine as h
 
 SWITCH, ABORT, AGREE = "switch", "abort", "agree-abort"
 

@@ -9,14 +9,14 @@ import dataclasses
 
 from psserver.protocol.errors import NotReady
 from psserver.protocol.layouts import first_layout, next_layout
-from psserver.resharding import handoff as h
-from psserver.resharding import handoff_io_async as async_
-from psserver.resharding.handoff_dest import DestState
-from psserver.resharding.handoff_io_rows import with_table_rounds
+from psserver.resharding.handoff import machine as h
+from psserver.resharding.handoff import shard_async as async_
+from psserver.resharding.handoff.dest import DestState
+from psserver.resharding.handoff.shard_rows import with_table_rounds
 
 
 class HandoffDecision:
-    """DECIDE and RETIRE of the plan ``io`` holds (psserver.resharding.handoff_io.HandoffIO; not imported: it
+    """DECIDE and RETIRE of the plan ``io`` holds (psserver.resharding.handoff.shard_ops.HandoffIO; not imported: it
     imports this room), and how the plan ended: ``switched``, ``aborted`` (a new plan may start after either)."""
 
     def __init__(self, io):
@@ -111,7 +111,7 @@ class HandoffDecision:
     def _new_layout(self, async_round: int | None = None) -> tuple:
         """DECIDE switch: (the next layout from R, its host made from the new pieces, epoch 0); NotReady, changing
         nothing, unless every new piece is READY and the old layout is at R with no round open.  ``async_round``:
-        an async job's R, which every new piece starts at (psserver.resharding.handoff_io_async)."""
+        an async job's R, which every new piece starts at (psserver.resharding.handoff.shard_async)."""
         plan, dests = self.io.plan, self.io.dests
         job = next(iter(dests.values())).job if dests else None
         if job is None or len(dests) != plan.layouts(job)[2].partitions or any(

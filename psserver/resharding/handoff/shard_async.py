@@ -60,7 +60,7 @@ def check_job(job: JobSpec, cursor_claims: int = 0) -> None:
 def commit(io, sides: list) -> None:
     """COMMIT on an async job (on the state worker, so no push slips between the read and the stop): every source
     stops at its partition's version now; checked on every move first, so a refusal changes nothing."""
-    from psserver.resharding import handoff as h  # (the io room imports this one)
+    from psserver.resharding.handoff import machine as h  # (the io room imports this one)
     now = io.clock()
     for s in sides:
         s.machine.on(h.Commit(s.part.version, stop_now=True), now)

@@ -5,7 +5,7 @@
     READY: a base-R push in the new layout (a source heard DECIDE first) waits for DECIDE
     any state before SERVING ─DECIDE abort (or a vote of its own to abort)─► DROPPED
 
-The piece draws one part from each move that feeds it; each part is replayed on its own (psserver.resharding.forward_log)
+The piece draws one part from each move that feeds it; each part is replayed on its own (psserver.resharding.handoff.forward_log)
 from the version it was copied at, so parts copied at different versions need nothing special.  After the
 switch a destination that restarted empty is re-seeded from the sources' tombstones at R: RESEEDING, no replay.
 """
@@ -16,8 +16,8 @@ import enum
 from dataclasses import dataclass, field, replace
 
 from psserver.protocol.errors import InvalidRequest, NotReady, OutOfMemory
-from psserver.resharding import handoff as h
-from psserver.resharding.handoff_termination import Known, Termination, TerminationEvents
+from psserver.resharding.handoff import machine as h
+from psserver.resharding.handoff.termination import Known, Termination, TerminationEvents
 
 
 class DestState(enum.Enum):

@@ -13,7 +13,7 @@ what a source copies, forwards and votes for one destination shard, and how the 
   compares.  ``assemble`` lays every source's rows for the destination end to end into the ``recut_table``
   shape, so the new shard restores them the way restore does.
 
-No lock, no clock, no network: the io room (psserver.resharding.handoff_io_rows) calls these under the shard's lock.
+No lock, no clock, no network: the io room (psserver.resharding.handoff.shard_rows) calls these under the shard's lock.
 """
 
 from __future__ import annotations

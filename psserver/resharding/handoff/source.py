@@ -20,8 +20,8 @@ from dataclasses import dataclass, field, replace
 
 from psserver.protocol.epochs import JOIN_LEAD, MAX_JOIN_AHEAD, commit_window
 from psserver.protocol.errors import FutureVersion, InvalidRequest, JobMismatch, NotReady
-from psserver.resharding import handoff as h
-from psserver.resharding.handoff_termination import Termination, TerminationEvents
+from psserver.resharding.handoff import machine as h
+from psserver.resharding.handoff.termination import Termination, TerminationEvents
 
 
 class SourceState(enum.Enum):

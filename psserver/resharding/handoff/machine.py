@@ -4,9 +4,9 @@ shards and the coordinator send, the actions a decision asks for, and the job's 
 No lock, no clock of its own (``now`` is passed in), no network, like psserver.members.epochs: each machine maps
 (state, event, now) to (state, actions).  States are frozen dataclasses, so a refusal (a PsError raised before
 a new state is built) changes nothing by construction.  Actions are plain data that an io layer
-(psserver/resharding/handoff_io.py, stage 5) carries out on the shard's state worker: streams, snapshots, replies held.
-The machines themselves live in rooms of their own: a source's move (psserver.resharding.handoff_source), a destination's
-new piece (psserver.resharding.handoff_dest) and the cooperative termination both use (psserver.resharding.handoff_termination).
+(psserver/resharding/handoff/shard_ops.py, stage 5) carries out on the shard's state worker: streams, snapshots, replies held.
+The machines themselves live in rooms of their own: a source's move (psserver.resharding.handoff.source), a destination's
+new piece (psserver.resharding.handoff.dest) and the cooperative termination both use (psserver.resharding.handoff.termination).
 
 Nothing here names a layout epoch type: a move is plain ints (a, b, version, round), so this room depends on
 nothing of the contract's layouts (psserver/protocol/layouts.py, built beside it).

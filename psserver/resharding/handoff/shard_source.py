@@ -1,7 +1,7 @@
 """One move's source in a live re-shard (docs/design/handoff-io.md): the pure SourceMove's actions carried out on the
 shard -- PREPARE's snapshot of the range, then a thread of its own that streams the COPY, each closed round's
 FORWARD in order (the ForwardLog, fed by the partition's ``round_listener``) and the VOTE (the range's digest at R
-and the membership timeline at R).  The plan that owns it is psserver.resharding.handoff_io.HandoffIO.
+and the membership timeline at R).  The plan that owns it is psserver.resharding.handoff.shard_ops.HandoffIO.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import time
 from psserver.protocol import stubs
 from psserver.protocol.layouts import Move
 from psserver.protocol.proto import ps_pb2 as _pb
-from psserver.resharding import handoff as h
-from psserver.resharding.forward_log import ForwardLog, PartCopy, copy_range, range_digest
-from psserver.resharding.handoff_source import SourceMove, SourceState
-from psserver.resharding.handoff_wire import chunks
-from psserver.resharding.moved_books import book_of
+from psserver.resharding.handoff import machine as h
+from psserver.resharding.handoff.forward_log import ForwardLog, PartCopy, copy_range, range_digest
+from psserver.resharding.handoff.source import SourceMove, SourceState
+from psserver.resharding.handoff.wire import chunks
+from psserver.resharding.handoff.moved_books import book_of
 
 log = logging.getLogger(__name__)
 COPY, FORWARD, VOTE = _pb.HandoffChunk.COPY, _pb.HandoffChunk.FORWARD, _pb.HandoffChunk.VOTE
@@ -33,7 +33,7 @@ def timeline_text(part) -> str:
 
 class SourceSide:
     """One move's source: its machine, its forward log, the copy in flight and the thread that streams them.
-    ``io`` is the plan that owns it (psserver.resharding.handoff_io.HandoffIO; not imported: it imports this room)."""
+    ``io`` is the plan that owns it (psserver.resharding.handoff.shard_ops.HandoffIO; not imported: it imports this room)."""
 
     def __init__(self, io, index: int, move: Move, part):
         self.io, self.index, self.move, self.part = io, index, move, part
@@ -162,7 +162,7 @@ class SourceSide:
         timeline = timeline_text(self.part)
         return dict(digest=range_digest(copy.params, copy.optimizer, timeline), timeline=timeline,
                     members=self.part.members.members(), epochs=self.part.epochs.state(),
-                    book=book_of(self.part.pushes))  # final: round R-1 closed, R held (psserver.resharding.moved_books)
+                    book=book_of(self.part.pushes))  # final: round R-1 closed, R held (psserver.resharding.handoff.moved_books)
 
     def _send(self, stub, kind: int, version: int, payload: dict) -> None:
         ack = stub.Handoff(chunks(kind, self.io.plan.id, self.io.plan.you, self.index, version, payload),

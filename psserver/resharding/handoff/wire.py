@@ -2,7 +2,7 @@
 
 A payload is a ``torch.save`` of a dict of tensors and plain values (a COPY's range and optimizer state, a
 FORWARD's averaged gradient and lr, a VOTE's digest and timeline), read back with ``weights_only`` so a peer
-can send data, never code.  Kept apart from psserver.resharding.handoff_io so the io layer reads as the machines' actions.
+can send data, never code.  Kept apart from psserver.resharding.handoff.shard_ops so the io layer reads as the machines' actions.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from psserver.protocol import limits
 from psserver.protocol.errors import InvalidRequest, TooLarge
 from psserver.protocol.job import JobSpec
 from psserver.protocol.proto import ps_pb2 as _pb
-from psserver.resharding.handoff_rows import check_rows_payload
-from psserver.resharding.moved_books import check_book
+from psserver.resharding.handoff.rows import check_rows_payload
+from psserver.resharding.handoff.moved_books import check_book
 
 CHUNK_BYTES = 1 << 20  # under gRPC's default 4 MB message limit with room to spare
 MAX_PAYLOAD_BYTES = 1 << 34  # a move is at most a slice: refuse a stream that claims more before reading it all
-MAX_FORWARD_ROUNDS = 16  # rounds in one FORWARD payload (psserver.resharding.handoff.MAX_FORWARD_LAG, the sender's batch)
+MAX_FORWARD_ROUNDS = 16  # rounds in one FORWARD payload (psserver.resharding.handoff.machine.MAX_FORWARD_LAG, the sender's batch)
 MAX_TEXT_CHARS = 1 << 20  # a vote's digest and timeline text
 COPY, FORWARD, VOTE = _pb.HandoffChunk.COPY, _pb.HandoffChunk.FORWARD, _pb.HandoffChunk.VOTE
 ROW_KINDS = {_pb.HandoffChunk.ROWS_COPY: "copy", _pb.HandoffChunk.ROWS_FORWARD: "forward",
@@ -101,7 +101,7 @@ def check_payload(kind: int, p) -> None:
             and isinstance(e[2], list) and all(isinstance(r, int) for r in e[2]) for e in epochs), "epochs",
             epochs, "(number, round, ranks) triples")
         check_book(p.get("book"))
-    elif kind in ROW_KINDS:  # a sync table's rows (psserver.resharding.handoff_rows); a ROWS_COPY carries the job too
+    elif kind in ROW_KINDS:  # a sync table's rows (psserver.resharding.handoff.rows); a ROWS_COPY carries the job too
         check_rows_payload(ROW_KINDS[kind], p, MAX_FORWARD_ROUNDS)
         if kind == _pb.HandoffChunk.ROWS_COPY:
             job_proto(p)

@@ -1,7 +1,7 @@
 """A live re-shard's plan as a shard holds it (docs/design/handoff-io.md): the two address lists and this shard's place
 in each, read and bounded from a PREPARE, its moves of a job, and the checks made before anything of it is taken
 (PREPARE's refusals, ``--max-memory``, a COPY's job).  A value apart from HandoffIO: both its calls and the streams
-in (psserver.resharding.handoff_inbox) compute from a plan, which needs none of the hand-off's state."""
+in (psserver.resharding.handoff.inbox) compute from a plan, which needs none of the hand-off's state."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from psserver.protocol import limits
 from psserver.protocol.errors import InvalidRequest, JobMismatch, NotReady, OutOfMemory
 from psserver.protocol.job import JobSpec
 from psserver.protocol.layouts import LayoutEpoch, Move, first_layout, new_job, plan_moves
-from psserver.resharding import handoff_io_async as async_
-from psserver.resharding.handoff_io_rows import check_tables
-from psserver.resharding.handoff_wire import job_proto
+from psserver.resharding.handoff import shard_async as async_
+from psserver.resharding.handoff.shard_rows import check_tables
+from psserver.resharding.handoff.wire import job_proto
 from psserver.resharding.layout_host import LayoutHost
 from psserver.state.budget import dense_bytes, handoff_bytes
 
@@ -121,7 +121,7 @@ def moves_of(plan: Plan, job: JobSpec) -> list[Move]:
 
 
 def copied_job(payload: dict, plan: Plan) -> JobSpec:
-    """A COPY's job (checked by psserver.resharding.handoff_wire), which must be a job of the plan's old shards."""
+    """A COPY's job (checked by psserver.resharding.handoff.wire), which must be a job of the plan's old shards."""
     job = JobSpec.from_proto(job_proto(payload))
     if job.num_shards != len(plan.old):
         raise InvalidRequest(f"a COPY's job has num_shards {job.num_shards} but plan {plan.id!r} moves from "

@@ -1,7 +1,7 @@
 """One new partition's destination in a live re-shard (docs/design/handoff-io.md): the pure DestPiece's actions carried
 out on the shard -- each COPY becomes a PartReplay, each FORWARD one replayed step, each VOTE is compared digest to
 digest; at DECIDE switch the parts are assembled into a ShardState at R.  The plan that owns it is
-psserver.resharding.handoff_io.HandoffIO.
+psserver.resharding.handoff.shard_ops.HandoffIO.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from psserver.protocol.job import JobSpec
 from psserver.protocol.layouts import Move
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rules import Mode
-from psserver.resharding import handoff as h
-from psserver.resharding.forward_log import Forward, PartCopy, PartReplay, assemble, copy_range, range_digest
-from psserver.resharding.handoff_dest import DestPiece
+from psserver.resharding.handoff import machine as h
+from psserver.resharding.handoff.forward_log import Forward, PartCopy, PartReplay, assemble, copy_range, range_digest
+from psserver.resharding.handoff.dest import DestPiece
 from psserver.state.checkpoint import ShardState
 
 log = logging.getLogger(__name__)
@@ -23,13 +23,13 @@ COPY, FORWARD = _pb.HandoffChunk.COPY, _pb.HandoffChunk.FORWARD
 
 class DestSide:
     """One new partition of this shard: its machine and one PartReplay per move it draws from.
-    ``io`` is the plan that owns it (psserver.resharding.handoff_io.HandoffIO; not imported: it imports this room)."""
+    ``io`` is the plan that owns it (psserver.resharding.handoff.shard_ops.HandoffIO; not imported: it imports this room)."""
 
     def __init__(self, io, partition: int, moves: list[tuple[int, Move]], job: JobSpec):
         self.io, self.partition, self.job = io, partition, job
         self.moves = [i for i, _ in moves]
         self.machine = DestPiece(io.timeout, label=f"new piece {partition}",
-                                 stops_differ=job.mode == Mode.ASYNC)  # (psserver.resharding.handoff_io_async)
+                                 stops_differ=job.mode == Mode.ASYNC)  # (psserver.resharding.handoff.shard_async)
         self.replays: dict[int, PartReplay] = {}
         self.timeline: str | None = None  # the first vote's: every source's must agree with it
         self.members: dict = {}
@@ -92,7 +92,7 @@ class DestSide:
 
     def state(self, shard: int, job2: JobSpec, version: int | None = None) -> ShardState:
         """The new partition's state at R: its parts laid end to end, an empty book, the members at R.
-        ``version``: an async job's R, its parts each at their source's stop (psserver.resharding.handoff_io_async)."""
+        ``version``: an async job's R, its parts each at their source's stop (psserver.resharding.handoff.shard_async)."""
         piece = assemble([self.replays[i] for i in range(len(self.moves))], self.job.optimizer, version)
         params, optimizer = piece.capture()
         return ShardState(shard, piece.version, job2, params, optimizer, members=dict(self.members),

@@ -22,7 +22,7 @@ import torch
 
 from psserver.protocol.errors import InvalidRequest
 from psserver.protocol.job import OptimizerConfig
-from psserver.resharding.handoff import MAX_FORWARD_LAG
+from psserver.resharding.handoff.machine import MAX_FORWARD_LAG
 from psserver.resharding.reshard import cut_optimizer, join_optimizer_states
 from psserver.state.dense_slice import DenseSlice
 

@@ -1,5 +1,5 @@
 """A live re-shard carried out on a shard (stage 5 of docs/design/live-reshard.md; docs/design/handoff-io.md): the pure
-machines' actions (psserver.resharding.handoff_source, psserver.resharding.handoff_dest) done on the shard's state and over gRPC.
+machines' actions (psserver.resharding.handoff.source, psserver.resharding.handoff.dest) done on the shard's state and over gRPC.
 
 * **Source, per move** (``SourceSide``): PREPARE snapshots the move's range (forward_log.copy_range); a thread
   of its own streams the COPY, then each closed round's FORWARD in order (the ForwardLog, fed by the
@@ -12,13 +12,13 @@ machines' actions (psserver.resharding.handoff_source, psserver.resharding.hando
   installed (LayoutHost.install) from round R.
 * **The plan** (``HandoffIO``): the coordinator's Reshard calls, the refusals of PREPARE, and the records that
   GetStats and a resumed coordinator read (``StatsReply.handoffs``); the plan itself is a value
-  (psserver.resharding.handoff_plan), the streams in are its ``inbox`` (psserver.resharding.handoff_inbox), DECIDE
-  and RETIRE its ``decision`` (psserver.resharding.handoff_decision).
+  (psserver.resharding.handoff.plan), the streams in are its ``inbox`` (psserver.resharding.handoff.inbox), DECIDE
+  and RETIRE its ``decision`` (psserver.resharding.handoff.decision).
 
 Everything that touches a partition's tensors runs where the shard's calls run (``Runtime.run_state``);
 machine transitions take one lock.  A shard in ``--ps`` but not ``--to`` is drained: a source only, it installs no
 host at DECIDE (LayoutHost.drain) and RETIRE frees its tombstone, as every shard's (LayoutHost.retire).  Scope
-(docs/design/handoff-io.md): sync jobs, dense and sync tables (their rows: psserver.resharding.handoff_io_rows).
+(docs/design/handoff-io.md): sync jobs, dense and sync tables (their rows: psserver.resharding.handoff.shard_rows).
 """
 
 from __future__ import annotations
@@ -34,17 +34,17 @@ from psserver.protocol.job import JobSpec
 from psserver.protocol.layouts import Move
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.security import ClientSecurity
-from psserver.resharding import handoff as h
-from psserver.resharding import handoff_io_async as async_
-from psserver.resharding.handoff_decision import HandoffDecision
-from psserver.resharding.handoff_inbox import HandoffInbox
-from psserver.resharding.handoff_io_dest import DestSide
-from psserver.resharding.handoff_io_rows import RowsHandoff
-from psserver.resharding.handoff_io_source import RETRY_SECONDS, STREAM_TIMEOUT, SourceSide
-from psserver.resharding.handoff_plan import Plan, check_job, check_memory, plan_of
-from psserver.resharding.handoff_source import BEFORE_SWITCH, SourceState
+from psserver.resharding.handoff import machine as h
+from psserver.resharding.handoff import shard_async as async_
+from psserver.resharding.handoff.decision import HandoffDecision
+from psserver.resharding.handoff.inbox import HandoffInbox
+from psserver.resharding.handoff.shard_dest import DestSide
+from psserver.resharding.handoff.shard_rows import RowsHandoff
+from psserver.resharding.handoff.shard_source import RETRY_SECONDS, STREAM_TIMEOUT, SourceSide
+from psserver.resharding.handoff.plan import Plan, check_job, check_memory, plan_of
+from psserver.resharding.handoff.source import BEFORE_SWITCH, SourceState
 from psserver.resharding.layout_host import LayoutHost
-from psserver.resharding.moved_books import MovedBooks
+from psserver.resharding.handoff.moved_books import MovedBooks
 from psserver.state.push_book import PushResult
 
 log = logging.getLogger(__name__)
@@ -64,10 +64,10 @@ class HandoffIO:
         self.moves: list[Move] = []
         self.sources: list[SourceSide] = []
         self.dests: dict[int, DestSide] = {}
-        self.moved = MovedBooks()  # the old slots' books at R the new pieces drew from (psserver.resharding.moved_books)
-        self.rows = RowsHandoff(self)  # the sync tables' rows, beside the dense moves (psserver.resharding.handoff_io_rows)
-        self.decision = HandoffDecision(self)  # DECIDE, RETIRE and how the plan ended (psserver.resharding.handoff_decision)
-        self.inbox = HandoffInbox(self)  # the Handoff streams in (psserver.resharding.handoff_inbox)
+        self.moved = MovedBooks()  # the old slots' books at R the new pieces drew from (psserver.resharding.handoff.moved_books)
+        self.rows = RowsHandoff(self)  # the sync tables' rows, beside the dense moves (psserver.resharding.handoff.shard_rows)
+        self.decision = HandoffDecision(self)  # DECIDE, RETIRE and how the plan ended (psserver.resharding.handoff.decision)
+        self.inbox = HandoffInbox(self)  # the Handoff streams in (psserver.resharding.handoff.inbox)
         self.stopping = False
         self._records_read: asyncio.Future | None = None  # the read on a thread the callers now waiting share
 
@@ -266,7 +266,7 @@ class HandoffIO:
 
     def moved_push(self, h) -> PushResult:
         """A trainer's push of base R-1 for an old slot it could not reach, answered from that slot's book (on the
-        state worker; psserver.resharding.moved_books): DUPLICATE, or the stale refusal.  Counted and logged either way."""
+        state worker; psserver.resharding.handoff.moved_books): DUPLICATE, or the stale refusal.  Counted and logged either way."""
         part = self.layouts.part(h.layout_epoch, h.partition)
         try:
             self.moved.answer(part, h)

@@ -1,5 +1,5 @@
 """Sync tables' rows in a live re-shard, on the shards (docs/design/handoff-io.md#tables): the pure row copy, forward and
-vote of psserver.resharding.handoff_rows carried out beside the dense moves of the same plan.
+vote of psserver.resharding.handoff.rows carried out beside the dense moves of the same plan.
 
 * **Source** (``RowsSource``, one per new shard, this process included: rows that stay are streamed to itself over
   loopback, as a dense range that stays is): PREPARE snapshots the rows the new shard owns; after each closed table
@@ -15,7 +15,7 @@ vote of psserver.resharding.handoff_rows carried out beside the dense moves of t
   base >= R waits (``HandoffPending``) until DECIDE, and the new layout's ``table_rounds`` name R for each table.
   COMMIT is refused if a table is already at R or past it.
 
-The plan that owns it is psserver.resharding.handoff_io.HandoffIO (not imported: it imports this room).
+The plan that owns it is psserver.resharding.handoff.shard_ops.HandoffIO (not imported: it imports this room).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from psserver.protocol.job import JobSpec, table_mode
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rows.optim import state_width
 from psserver.protocol.rules import Mode
-from psserver.resharding.handoff_rows import (ROW_FIELDS, RowDelta, RowImage, RowLog, TableTracker, assemble, nbytes,
+from psserver.resharding.handoff.rows import (ROW_FIELDS, RowDelta, RowImage, RowLog, TableTracker, assemble, nbytes,
                                    rows_digest, split, split_ids, table_rows)
-from psserver.resharding.handoff_wire import chunks, job_proto
+from psserver.resharding.handoff.wire import chunks, job_proto
 
 log = logging.getLogger(__name__)
 _K = _pb.HandoffChunk
