@@ -38,6 +38,16 @@ def env_prefix(prog: str) -> str:
     return re.sub(r"[^A-Z0-9]+", "_", prog.upper()) + "_"  # "ps-server stats" -> PS_SERVER_STATS_
 
 
+def shown_default(action: argparse.Action) -> str:
+    """`` (default X)`` for a flag whose help does not say its default already; nothing for a switch that is off, a
+    flag without a default, or one whose default the help explains."""
+    default, text = action.default, action.help or ""
+    if (default is None or default is False or default == argparse.SUPPRESS or "default" in text
+            or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._CountAction))):
+        return ""
+    return f" (default {', '.join(map(str, default)) if isinstance(default, (list, tuple)) else default})"
+
+
 class EnvArgumentParser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
@@ -67,7 +77,7 @@ class EnvArgumentParser(argparse.ArgumentParser):
             return action
         env = env_prefix(self.prog) + action.dest.upper()
         legacy = "PS_" + action.dest.upper()
-        action.help = f"{action.help or ''} [env {env}]".strip()
+        action.help = f"{action.help or ''}{shown_default(action)} [env {env}]".strip()
         raw = os.environ.get(env)
         if raw is None and self.prog.split()[0] in LEGACY_ENV_CLIS and legacy in os.environ:
             raw = os.environ[legacy]

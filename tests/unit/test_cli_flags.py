@@ -322,3 +322,29 @@ def test_every_flag_says_what_it_does_in_its_help(module):
     bare = [a.option_strings[0] for a in parser._actions
             if a.option_strings and a.help in (None, "") and a.help != argparse.SUPPRESS]
     assert bare == []
+
+
+@pytest.mark.parametrize("module", ["psserver.cli", "trainer.running.cli", "trainer.local.cluster"])
+def test_every_flag_has_help_text_and_shows_its_default(module):
+    """What --help prints for each flag of ps-server (its subcommands too), ps-trainer and ps-cluster: a line of
+    help beyond the environment variable it reads, and the default wherever there is one (switches aside)."""
+    import argparse
+    import importlib
+
+    def flags(parser):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from flags(sub)
+            elif action.option_strings and action.dest != "help":
+                yield parser.prog, action
+
+    seen = 0
+    for prog, action in flags(importlib.import_module(module).build_parser()):
+        seen += 1
+        text = (action.help or "").split(" [env ")[0].strip()
+        assert text and not text.startswith("(default"), (prog, action.option_strings)
+        switch = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+        if not switch and action.default not in (None, False, argparse.SUPPRESS):
+            assert "default" in text, (prog, action.option_strings, action.default)
+    assert seen > 10

@@ -62,7 +62,9 @@ def build_parser() -> EnvArgumentParser:
     p = EnvArgumentParser(prog="ps-cluster", description="Run a local psgrpc cluster: shards and trainers as processes.")
     p.add_argument("--shards", type=int, default=2, help="ps-server processes, one shard each (default 2)")
     p.add_argument("--trainers", type=int, default=2, help="ps-trainer processes, ranks 0..N-1 (default 2)")
-    p.add_argument("--mode", choices=MODES, default="sync")
+    p.add_argument("--mode", choices=MODES, default="sync",
+                   help="how the shards combine the trainers' gradients: sync rounds, async, or sync with a deadline "
+                        "(docs/modes.md)")
     p.add_argument("--model", choices=MODELS + REC_MODELS, default=None,
                    help="cnn (default), mlp, widemlp, resnet18; mf (the default) or ncf for --dataset movielens100k; "
                         "dlrm for --dataset criteo-synth")
@@ -83,8 +85,10 @@ def build_parser() -> EnvArgumentParser:
     add_table_flags(p)
     p.add_argument("--sync-timeout", type=float, default=None,
                    help=f"stale-timeout: seconds a round waits (default {DEFAULT_SYNC_TIMEOUT})")
-    p.add_argument("--replicas-to-aggregate", type=int, default=0)
-    p.add_argument("--stale-policy", choices=STALE_POLICIES, default="drop")
+    p.add_argument("--replicas-to-aggregate", type=int, default=0,
+                   help="stale-timeout: close a round after this many gradients (0: all live trainers)")
+    p.add_argument("--stale-policy", choices=STALE_POLICIES, default="drop",
+                   help="stale-timeout: drop late gradients, or scale them by 1/(1+staleness)")
     p.add_argument("--max-staleness", type=int, default=None, help="async only")
     p.add_argument("--push-window", type=int, default=1, metavar="W",
                    help="async (or --embedding-mode async tables) only: each trainer keeps up to W pushes in flight (docs/push-window.md)")
@@ -115,7 +119,7 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="loopback address for the shards")
     p.add_argument("--run-dir", default="", help="folder for logs, metrics and the model (default runs/<time>-<mode>)")
     p.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (the processes' logs)")
     return p
 
 

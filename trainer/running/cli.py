@@ -37,7 +37,9 @@ def build_parser() -> EnvArgumentParser:
                    "as torchrun sets it, else 0)")
     p.add_argument("--num-trainers", type=int, default=None,
                    help="trainers in the job (default: $WORLD_SIZE as torchrun sets it, else 1)")
-    p.add_argument("--mode", choices=MODES, default="sync", help="consistency mode")
+    p.add_argument("--mode", choices=MODES, default="sync",
+                   help="how the shards combine the trainers' gradients: sync rounds, async, or sync with a deadline "
+                        "(docs/modes.md)")
     p.add_argument("--join", action="store_true", help="join a running elastic job (no --rank: the job hands one "
                    "out; docs/elastic.md)")
     p.add_argument("--max-trainers", type=int, default=0, help="let up to this many trainers be members of the job "
@@ -69,7 +71,9 @@ def build_parser() -> EnvArgumentParser:
                    help="learning rate (default 0.05; 0.05/num-trainers in async mode; 0.001 for recommender data)")
     p.add_argument("--momentum", type=float, default=0.9, help="sgd only")
     p.add_argument("--nesterov", action="store_true", help="sgd only")
-    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--weight-decay", type=float, default=0.0,
+                   help="the dense optimizer's weight decay (added to the gradient for sgd and adam, decoupled for "
+                        "adamw)")
     add_schedule_flags(p)
     add_table_flags(p)
     p.add_argument("--wire-dtype", choices=WIRE_DTYPE_NAMES, default="float32",
@@ -117,7 +121,7 @@ def build_parser() -> EnvArgumentParser:
                    help="ps: the parameter servers; ddp (gloo) / ddp-nccl / local: the baselines ps-bench compares "
                         "against (ddp reads --ps as the process group's master HOST:PORT)")
     add_client_flags(p)
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return p
 
 
