@@ -75,7 +75,7 @@ def merge_states(base: dict, since: dict) -> dict:
         out.index_copy_(0, added_to, new.index_select(0, added_at))
         out.index_copy_(0, replaced_to, new.index_select(0, held_at))
         merged[name] = out
-    return {**merged, **{k: v for k, v in since.items() if k not in ROW_FIELDS and k != "since"}}
+    return {**merged, **row_meta(since)}
 
 
 def _dense_after(base: ShardState, laters: list[ShardState]) -> tuple[torch.Tensor, dict]:
@@ -90,20 +90,42 @@ def _dense_after(base: ShardState, laters: list[ShardState]) -> tuple[torch.Tens
     replays = laters[whole_at + 1:]
     if not replays:
         return start.params, start.optimizer
-    dense = DenseSlice(Counter())
-    dense.restore(start.params, start.optimizer, start.version, start.job.optimizer)
+    dense = slice_of(start)
     for s in replays:
-        if s.dense_steps["since"] != dense.version:
-            raise ValueError(f"shipment at version {s.version} replays steps from version {s.dense_steps['since']} "
-                             f"but the slice held is at {dense.version}")
-        for grad, lr in s.dense_steps["steps"]:
-            if grad is None:
-                dense.advance()
-            else:
-                dense.step(grad, lr)
+        replay(dense, s)
     if dense.version != laters[-1].version:
         raise ValueError(f"replayed to version {dense.version}, the shipment is at {laters[-1].version}")
     return dense.capture()
+
+
+def slice_of(state: ShardState) -> DenseSlice:
+    """A slice holding ``state``'s whole parameters and optimizer state, to replay later shipments' steps on."""
+    dense = DenseSlice(Counter())
+    dense.restore(state.params, state.optimizer, state.version, state.job.optimizer)
+    return dense
+
+
+def replay(dense: DenseSlice, shipment: ShardState) -> None:
+    """``shipment``'s dense steps taken on ``dense`` -- DenseSlice.step, the primary's own, bit for bit.
+
+    Raises:
+        ValueError: its steps do not start where ``dense`` is.
+    """
+    steps = shipment.dense_steps
+    if steps["since"] != dense.version:
+        raise ValueError(f"shipment at version {shipment.version} replays steps from version {steps['since']} "
+                         f"but the slice held is at {dense.version}")
+    for grad, lr in steps["steps"]:
+        if grad is None:
+            dense.advance()
+        else:
+            dense.step(grad, lr)
+
+
+def row_meta(rows: dict) -> dict:
+    """What a table's rows state holds besides its per-row tensors (its clocks, counts, sketch), without a partial
+    state's ``since`` mark: what a made-whole state takes from the newest shipment."""
+    return {k: v for k, v in rows.items() if k not in ROW_FIELDS and k != "since"}
 
 
 def _newest(ids: list[torch.Tensor]) -> torch.Tensor | None:

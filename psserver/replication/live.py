@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter, deque
+from collections import deque
 from dataclasses import replace
 
 import torch
 
 from psserver.protocol.rows.index import IdIndex
 from psserver.protocol.rows.space import ROW_FIELDS
-from psserver.replication.deltas import decoded
+from psserver.replication.deltas import decoded, replay, row_meta, slice_of
 from psserver.sparse.versions import as_pairs
 from psserver.state.checkpoint import ShardState
-from psserver.state.dense_slice import DenseSlice
 
 log = logging.getLogger(__name__)
 
@@ -109,19 +108,10 @@ class LivePartition:
 
     def _replay(self, state: ShardState) -> None:
         if self.dense is None:
-            start, self.dense = self.dense_start, DenseSlice(Counter())
-            self.dense.restore(start.params, start.optimizer, start.version, start.job.optimizer)
-        dense, steps = self.dense, state.dense_steps
-        if steps["since"] != dense.version:
-            raise ValueError(f"shipment at version {state.version} replays steps from version {steps['since']} but "
-                             f"the slice held is at {dense.version}")
-        for grad, lr in steps["steps"]:
-            if grad is None:
-                dense.advance()
-            else:
-                dense.step(grad, lr)
-        if dense.version != state.version:
-            raise ValueError(f"replayed to version {dense.version}, the shipment is at {state.version}")
+            self.dense = slice_of(self.dense_start)
+        replay(self.dense, state)
+        if self.dense.version != state.version:
+            raise ValueError(f"replayed to version {self.dense.version}, the shipment is at {state.version}")
 
     def _take_tables(self, state: ShardState) -> None:
         for name, table in (state.tables or {}).items():
@@ -144,8 +134,7 @@ class LivePartition:
         for name, table in last.tables.items():
             if "since" in table["rows"]:
                 rows, updated = self.tables[name].export()
-                meta = {k: v for k, v in table["rows"].items() if k not in ROW_FIELDS and k != "since"}
-                table = {**table, "rows": {**rows, **meta}, "updated_at": updated}
+                table = {**table, "rows": {**rows, **row_meta(table["rows"])}, "updated_at": updated}
             tables[name] = table
         return replace(last, tables=tables)
 
@@ -161,7 +150,6 @@ class Holdings:
         self._busy = False
         self._raw: list | None = None  # a whole state as shipped, while nothing was applied to it
         self._live: list[LivePartition] | None = None
-        self._whole = False  # a whole state was taken (applied, or about to be)
         self._broken: str | None = None  # why the state held is unusable (until a whole state comes)
         self._closed = False
         self.applied = 0
@@ -172,14 +160,15 @@ class Holdings:
         with self._cv:
             self._queue.clear()  # (what was not applied yet is replaced)
             self._queue.append((shipment, True, list(states)))
-            self.shipment, self._whole, self._broken = shipment, True, None
+            self.shipment, self._broken = shipment, None
             self._cv.notify_all()
 
     def take_since(self, states: list[bytes], shipment: int, base: int) -> bool:
         """A shipment built on shipment ``base``: taken if that is the newest taken and the state held is usable
-        (else False: nothing changed, the primary ships a whole state next)."""
+        (else False: nothing changed, the primary ships a whole state next).  Shipments are numbered from 1, so
+        before any whole state (shipment 0) none builds on what is held."""
         with self._cv:
-            if base != self.shipment or self._broken is not None or not self._whole:
+            if base != self.shipment or self._broken is not None:
                 return False
             self._queue.append((shipment, False, list(states)))
             self.shipment = shipment
