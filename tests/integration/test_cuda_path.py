@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from trainer import connect
+from trainer import Initializer, ShardedEmbeddingBag, SparseOptimizerConfig, connect
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -63,9 +63,6 @@ class ClickBags(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        from psserver.protocol.rows.init import Initializer
-        from psserver.protocol.rows.optim import SparseOptimizerConfig
-        from trainer.tables.embedding import ShardedEmbeddingBag
         self.emb = ShardedEmbeddingBag("clicks", 8, mode="sum", initializer=Initializer(scale=0.0),
                                        optimizer=SparseOptimizerConfig("sgd", lr=1.0))
         self.head = torch.nn.Parameter(torch.zeros(8))

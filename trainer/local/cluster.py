@@ -33,6 +33,7 @@ from trainer.local import standby_cluster
 from trainer.running.choices import (
     CRITEO_BATCH,
     DATASETS,
+    FLAG_HELP,
     KNOB_DEFAULTS,
     MODELS,
     MODES,
@@ -62,9 +63,7 @@ def build_parser() -> EnvArgumentParser:
     p = EnvArgumentParser(prog="ps-cluster", description="Run a local psgrpc cluster: shards and trainers as processes.")
     p.add_argument("--shards", type=int, default=2, help="ps-server processes, one shard each (default 2)")
     p.add_argument("--trainers", type=int, default=2, help="ps-trainer processes, ranks 0..N-1 (default 2)")
-    p.add_argument("--mode", choices=MODES, default="sync",
-                   help="how the shards combine the trainers' gradients: sync rounds, async, or sync with a deadline "
-                        "(docs/modes.md)")
+    p.add_argument("--mode", choices=MODES, default="sync", help=FLAG_HELP["--mode"])
     p.add_argument("--model", choices=MODELS + REC_MODELS, default=None,
                    help="cnn (default), mlp, widemlp, resnet18; mf (the default) or ncf for --dataset movielens100k; "
                         "dlrm for --dataset criteo-synth")
@@ -85,10 +84,8 @@ def build_parser() -> EnvArgumentParser:
     add_table_flags(p)
     p.add_argument("--sync-timeout", type=float, default=None,
                    help=f"stale-timeout: seconds a round waits (default {DEFAULT_SYNC_TIMEOUT})")
-    p.add_argument("--replicas-to-aggregate", type=int, default=0,
-                   help="stale-timeout: close a round after this many gradients (0: all live trainers)")
-    p.add_argument("--stale-policy", choices=STALE_POLICIES, default="drop",
-                   help="stale-timeout: drop late gradients, or scale them by 1/(1+staleness)")
+    p.add_argument("--replicas-to-aggregate", type=int, default=0, help=FLAG_HELP["--replicas-to-aggregate"])
+    p.add_argument("--stale-policy", choices=STALE_POLICIES, default="drop", help=FLAG_HELP["--stale-policy"])
     p.add_argument("--max-staleness", type=int, default=None, help="async only")
     p.add_argument("--push-window", type=int, default=1, metavar="W",
                    help="async (or --embedding-mode async tables) only: each trainer keeps up to W pushes in flight (docs/push-window.md)")
@@ -439,11 +436,11 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(args, run, progress, stats, codes, wall)
     if replicas is not None:
         summary["failovers"] = replicas.summary()
-        summary["replication"] = {k: int(sum(st.counters.get(f"replica_{k}", 0) for st in stats if st is not None))
-                                  for k in ("shipments", "shipments_whole", "bytes", "reads_on_shipped")}
-        summary["replication"].update({k: round(sum(st.counters.get(f"replica_{k}", 0) for st in stats
-                                                    if st is not None), 3)
-                                       for k in ("capture_seconds", "ship_seconds")})
+        def replicated(k: str) -> float:
+            return sum(st.counters.get(f"replica_{k}", 0) for st in stats if st is not None)
+        summary["replication"] = {**{k: int(replicated(k)) for k in ("shipments", "shipments_whole", "bytes",
+                                                                     "reads_on_shipped")},
+                                  **{k: round(replicated(k), 3) for k in ("capture_seconds", "ship_seconds")}}
         # (since each shard's last promotion; reads_on_shipped: pulls answered on a shipment begun before them)
     if not failed and args.dataset not in REC_DATASETS:  # trainer.local.plots draws accuracy, which ratings runs lack
         try:

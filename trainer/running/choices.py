@@ -17,6 +17,13 @@ REC_DATASETS = ("movielens100k", "criteo-synth")  # trainer.workloads.rectrain
 REC_BATCH = 1024  # trainer.workloads.rectrain
 CRITEO_BATCH = 2048  # trainer.workloads.criteo
 LOOPBACK_REFUSED_SECONDS = 60.0  # --refused-timeout's default (trainer.channels.registering)
+# The help of the flags ps-trainer and ps-cluster both take, said once.
+FLAG_HELP = {
+    "--mode": "how the shards combine the trainers' gradients: sync rounds, async, or sync with a deadline "
+              "(docs/modes.md)",
+    "--replicas-to-aggregate": "stale-timeout: close a round after this many gradients (0: all live trainers)",
+    "--stale-policy": "stale-timeout: drop late gradients, or scale them by 1/(1+staleness)",
+}
 # Each recommender dataset's models, the first its default (trainer.workloads.rectrain.DATASET_MODELS).
 DATASET_MODELS = {"movielens100k": ("mf", "ncf"), "criteo-synth": ("dlrm",)}
 

@@ -14,6 +14,7 @@ from psserver.protocol.security import add_client_flags, client_security
 from trainer.running.choices import (
     CRITEO_BATCH,
     DATASETS,
+    FLAG_HELP,
     LOOPBACK_REFUSED_SECONDS,
     MODELS,
     MODES,
@@ -37,9 +38,7 @@ def build_parser() -> EnvArgumentParser:
                    "as torchrun sets it, else 0)")
     p.add_argument("--num-trainers", type=int, default=None,
                    help="trainers in the job (default: $WORLD_SIZE as torchrun sets it, else 1)")
-    p.add_argument("--mode", choices=MODES, default="sync",
-                   help="how the shards combine the trainers' gradients: sync rounds, async, or sync with a deadline "
-                        "(docs/modes.md)")
+    p.add_argument("--mode", choices=MODES, default="sync", help=FLAG_HELP["--mode"])
     p.add_argument("--join", action="store_true", help="join a running elastic job (no --rank: the job hands one "
                    "out; docs/elastic.md)")
     p.add_argument("--max-trainers", type=int, default=0, help="let up to this many trainers be members of the job "
@@ -51,10 +50,8 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--max-staleness", type=int, default=None, help="async: refuse gradients older than this")
     p.add_argument("--sync-timeout", type=float, default=0.0,
                    help="stale-timeout: seconds a round waits after its first gradient")
-    p.add_argument("--replicas-to-aggregate", type=int, default=0,
-                   help="stale-timeout: close a round after this many gradients (0: all live trainers)")
-    p.add_argument("--stale-policy", choices=STALE_POLICIES, default="drop",
-                   help="stale-timeout: drop late gradients, or scale them by 1/(1+staleness)")
+    p.add_argument("--replicas-to-aggregate", type=int, default=0, help=FLAG_HELP["--replicas-to-aggregate"])
+    p.add_argument("--stale-policy", choices=STALE_POLICIES, default="drop", help=FLAG_HELP["--stale-policy"])
     p.add_argument("--model", choices=MODELS + REC_MODELS, default=None,
                    help="cnn (default), mlp, widemlp, resnet18; mf (the default) or ncf for --dataset movielens100k; "
                         "dlrm for --dataset criteo-synth")
