@@ -19,6 +19,8 @@ import torch
 
 from psserver.protocol.job import OptimizerConfig
 from psserver.protocol.optim import build_optimizer
+from torch.optim.adam import adam as _adam
+from torch.optim.sgd import sgd as _sgd
 
 LANE_PAD = 64  # elements: a multiple of every float SIMD width torch's CPU kernels use (8 with AVX2, 16 AVX-512)
 
@@ -32,6 +34,7 @@ class SliceOptimizer:
         self.tail = torch.nn.Parameter(torch.zeros(LANE_PAD if self.rest else 0), requires_grad=False)
         self._tail_grad = torch.zeros_like(self.tail)
         self.inner = build_optimizer(cfg, [self.body, self.tail], fused=True)
+        self.direct = True  # steps after the first call torch's functional step itself (``_direct_step``)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -48,10 +51,47 @@ class SliceOptimizer:
         self._tail_grad[: self.rest].copy_(grad[self.split:])
         self.body.grad, self.tail.grad = grad[: self.split], self._tail_grad
         try:
-            self.inner.step()
+            if not (self.direct and self._direct_step()):
+                self.inner.step()
         finally:
             self.body.grad = self.tail.grad = None
         p[self.split:].copy_(self.tail.detach()[: self.rest])
+
+    def _direct_step(self) -> bool:
+        """The step ``inner.step()`` takes, made by calling the torch.optim functional it calls (``sgd``, ``adam``)
+        with the same arguments -- the same fused kernel on the same tensors, so bit for bit the same -- without
+        the wrapper's per-call work (profiling hooks, grad mode, the groups' lists rebuilt: ~0.1 ms, most of a
+        small slice's step).  False -- nothing done -- unless the optimizer's state is all there (after its first
+        step), for ``inner.step()`` to make it.  tests/unit/test_slice_optim.py compares the two step by step."""
+        inner = self.inner
+        if len(inner.param_groups) != 1 or getattr(inner, "grad_scale", None) is not None or \
+                getattr(inner, "found_inf", None) is not None:
+            return False
+        group, params = inner.param_groups[0], [self.body, self.tail]
+        states = [inner.state.get(q, {}) for q in params]
+        grads = [self.body.grad, self.tail.grad]
+        with torch.no_grad():
+            if isinstance(inner, torch.optim.SGD):
+                if group["momentum"] != 0 and any(s.get("momentum_buffer") is None for s in states):
+                    return False
+                _sgd(params, grads, [s.get("momentum_buffer") for s in states] if group["momentum"] != 0 else [],
+                     weight_decay=group["weight_decay"], momentum=group["momentum"], lr=group["lr"],
+                     dampening=group["dampening"], nesterov=group["nesterov"], maximize=group["maximize"],
+                     has_sparse_grad=False, foreach=group["foreach"], fused=group["fused"])
+                return True
+            if not isinstance(inner, torch.optim.Adam):  # (AdamW is an Adam)
+                return False
+            keys = ("exp_avg", "exp_avg_sq", "step") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+            if any(k not in s for s in states for k in keys):
+                return False
+            beta1, beta2 = group["betas"]
+            _adam(params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                  [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else [], [s["step"] for s in states],
+                  amsgrad=group["amsgrad"], has_complex=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+                  foreach=group["foreach"], capturable=group["capturable"], differentiable=group["differentiable"],
+                  fused=group["fused"], decoupled_weight_decay=group["decoupled_weight_decay"])
+        return True
 
     def slice_sized_states(self) -> int:
         """How many slice-sized tensors the optimizer keeps (Adam's two moments: 2; none before its first step)."""
