@@ -33,12 +33,12 @@ import torch
 
 from psserver.protocol.job import JobSpec
 from psserver.protocol.proto import ps_pb2 as _pb
+from psserver.state import raw_tree
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"PSGRPC-CHECKPOINT-1\n"
-SHIPMENT_DIGEST = b"shipment"  # in the digest's place: a standby's shipment (ShardState.to_bytes), never a file
-SHIPMENT_LENGTH_DIGITS = 20  # a shipment's length field: fixed width, written in place after the payload
+SHIPMENT_DIGEST = b"shipment:raw-tree"  # in the digest's place: a standby's shipment (ShardState.to_bytes), never a file
 # ``shard<i>-v<version>.ckpt`` in the job's first layout; ``L<e>-shard<i>-v<version>.ckpt`` in layout e > 0 (a live
 # or offline switch, docs/design/handoff-io.md#checkpoints-of-a-later-layout), so a later layout's files, where shard i
 # may hold another range, are never read as the first layout's.
@@ -85,28 +85,22 @@ class ShardState:
     dense_steps: dict | None = None
 
     def to_bytes(self, shipment: bool = False) -> bytes:
-        """The checkpoint's bytes.  ``shipment``: for a hot standby (psserver.replication), once a round -- torch's
-        plain format, no SHA-256 and the payload written after its header, not copied behind it (a quarter of
-        the checkpoint's CPU for the CNN's slice, a third for ResNet-18's: docs/bench/standby/shipment_cost.py).  The
-        replication channel's TCP (and TLS) checks those bytes, and only a standby decodes them
-        (``from_bytes(..., shipment=True)``), never as a checkpoint file."""
+        """The checkpoint's bytes.  ``shipment``: for a hot standby (psserver.replication), once a round -- the
+        fields as a raw tree (psserver.state.raw_tree: a JSON skeleton and the tensors' bytes, no pickle) with no
+        SHA-256: a tenth of torch's format's CPU each way for a click model's shipment
+        (docs/bench/standby/shipment_cost.py).  The replication channel's TCP (and TLS) checks those bytes, and
+        only a standby decodes them (``from_bytes(..., shipment=True)``), never as a checkpoint file."""
+        fields = dict(shard=self.shard, version=self.version, job=self.job.to_proto().SerializeToString(),
+                      params=self.params, optimizer=self.optimizer, counters=self.counters, members=self.members,
+                      acked=self.acked, open_round=self.open_round, tables=self.tables, partition=self.partition,
+                      epochs=self.epochs, holes=self.holes, cursor=self.cursor, layouts=self.layouts,
+                      **({"dense_steps": self.dense_steps} if self.dense_steps is not None else {}))
+        if shipment:
+            parts = raw_tree.pieces(fields)
+            length = sum(memoryview(p).nbytes for p in parts)
+            return b"".join([MAGIC + SHIPMENT_DIGEST + b"\n" + str(length).encode() + b"\n", *parts])
         buf = io.BytesIO()
-        head = MAGIC + SHIPMENT_DIGEST + b"\n"  # (a shipment's: its length, zero-padded, goes after it once known)
-        if shipment:
-            buf.write(head + b"0" * SHIPMENT_LENGTH_DIGITS + b"\n")
-        start = buf.tell()
-        torch.save(
-            dict(shard=self.shard, version=self.version, job=self.job.to_proto().SerializeToString(),
-                 params=self.params, optimizer=self.optimizer, counters=self.counters, members=self.members,
-                 acked=self.acked, open_round=self.open_round, tables=self.tables, partition=self.partition,
-                 epochs=self.epochs, holes=self.holes, cursor=self.cursor, layouts=self.layouts,
-                 **({"dense_steps": self.dense_steps} if self.dense_steps is not None else {})),
-            buf, _use_new_zipfile_serialization=not shipment,
-        )
-        if shipment:
-            buf.getbuffer()[len(head):len(head) + SHIPMENT_LENGTH_DIGITS] = \
-                b"%0*d" % (SHIPMENT_LENGTH_DIGITS, buf.tell() - start)
-            return buf.getvalue()
+        torch.save(fields, buf)
         payload = buf.getvalue()
         return MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + str(len(payload)).encode() + b"\n" + payload
 
@@ -115,19 +109,29 @@ class ShardState:
         """A state from ``to_bytes``'s bytes; ``shipment``: a standby's, which may come without a digest."""
         if not data.startswith(MAGIC):
             raise CorruptCheckpoint("not a psgrpc checkpoint (bad magic line)")
-        rest = data[len(MAGIC):]
+        view = memoryview(data)[len(MAGIC):]
         try:
-            digest, length, payload = rest.split(b"\n", 2)
-            length = int(length)
+            first = bytes(view[:200]).index(b"\n")
+            second = bytes(view[first + 1:first + 40]).index(b"\n") + first + 1
+            digest, length = bytes(view[:first]), int(bytes(view[first + 1:second]))
         except ValueError:
             raise CorruptCheckpoint("truncated header") from None
+        payload = view[second + 1:]
         if len(payload) != length:
             raise CorruptCheckpoint(f"payload is {len(payload)} bytes, the header says {length}: truncated")
         if digest == SHIPMENT_DIGEST and not shipment:
             raise CorruptCheckpoint("a standby's shipment, not a checkpoint (it has no checksum)")
-        if digest != SHIPMENT_DIGEST and hashlib.sha256(payload).hexdigest().encode() != digest:
-            raise CorruptCheckpoint("checksum mismatch: the file is damaged")
-        d = torch.load(io.BytesIO(payload), weights_only=True)
+        if digest == SHIPMENT_DIGEST:
+            try:
+                d = raw_tree.loads(payload)
+            except ValueError as e:
+                raise CorruptCheckpoint(f"a shipment that cannot be read: {e}") from None
+            if not isinstance(d, dict):
+                raise CorruptCheckpoint("a shipment that is not a state's fields")
+        else:
+            if hashlib.sha256(payload).hexdigest().encode() != digest:
+                raise CorruptCheckpoint("checksum mismatch: the file is damaged")
+            d = torch.load(io.BytesIO(payload), weights_only=True)
         job = _pb.JobSpec()
         job.ParseFromString(d["job"])
         return ShardState(d["shard"], d["version"], JobSpec.from_proto(job), d["params"], d["optimizer"],
