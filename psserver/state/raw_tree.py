@@ -50,9 +50,11 @@ def pieces(tree) -> list:
         if isinstance(x, torch.Tensor):
             if x.layout != torch.strided or x.device.type != "cpu" or str(x.dtype).removeprefix("torch.") not in DTYPES:
                 raise TypeError(f"a {x.dtype} {x.layout} tensor on {x.device} cannot be written")
-            t = x.detach().contiguous()
-            return {"t": raw(memoryview(t.reshape(-1).view(torch.uint8).numpy())) +
-                    [str(t.dtype).removeprefix("torch."), list(t.shape)]}
+            flat = x.detach().reshape(-1)
+            if flat.stride(0) != 1:  # (one element, or none, with any stride passes for contiguous)
+                flat = torch.empty(flat.numel(), dtype=flat.dtype).copy_(flat)
+            return {"t": raw(memoryview(flat.view(torch.uint8).numpy())) +
+                    [str(x.dtype).removeprefix("torch."), list(x.shape)]}
         if type(x) is dict:
             flat = []
             for k, v in x.items():  # (leaves inline: most of a state's nodes)

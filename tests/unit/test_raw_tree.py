@@ -27,6 +27,9 @@ def _tree():
         "floats": [math.inf, -math.inf, -0.0, 1e-300, 2.5], "nan": math.nan, "big": 2 ** 70, "neg": -5,
         "unicode": "rang ≠ 0", "flag": False, "empty": {}, "nested": [[(1, [2, {"x": ()}])]],
         "noncontiguous": torch.arange(12.0).reshape(3, 4).t(), "scalar": torch.tensor(3, dtype=torch.int32),
+        # one element with a stride of 5 passes for contiguous (a slice of a slice, as a table's row books make)
+        "one_strided": torch.arange(10)[::5][:1], "expanded": torch.zeros(1, 3).expand(4, 3),
+        "strided_scalar": torch.arange(10)[3], "empty_2d": torch.empty(0, 16), "strided_empty": torch.arange(10)[::5][:0],
     }
 
 
