@@ -218,6 +218,7 @@ partial) to its standby.
                 states, marks, base = await self.runtime.offload(self._capture, n)
             except Exception as e:  # noqa: BLE001 -- a bug: the standby is dropped (nothing waits on it), and it says why
                 log.exception("shard %d: capturing shipment %d failed", self.shard, n)
+                self.count("replica_capture_failures")
                 self._base = None
                 await self._lose_standby(f"capturing shipment {n} failed: {e!r}")
                 continue

@@ -46,6 +46,7 @@ def check_nothing_lost(done: list[dict], stats, steps: int) -> None:
         assert d["event"] == "done" and d["steps"] == steps
         assert d["steps_lost"] == 0 and d["reconnects"] == 0  # the standby knew them: no rejoin, no rollback
     assert stats.counters["pushes_applied"] == 2 * steps  # every push applied once, none twice
+    assert stats.counters.get("replica_capture_failures", 0) == 0  # every shipment captured (none dropped a standby)
 
 
 def restart_on_its_port(shard: Proc, index: int, log: Path, extra_args: list[str], env: dict | None = None) -> Proc:

@@ -132,6 +132,7 @@ def test_ps_cluster_standbys_survive_three_kill_9s_with_nothing_lost_and_the_kil
     assert codes["shard0-a"] == codes["shard0-b"] == codes["shard1-a"] == -9, codes  # shard 0 lost both once
     assert codes["shard0-a.2"] == 0 and codes["shard1-b"] == 0, codes
     assert "failovers" in proc.stdout and "0 versions lost" in proc.stdout
+    assert summary["replication"]["capture_failures"] == 0 and summary["replication"]["shipments"] > 0
 
 
 def _pid_of(*runs: tuple[str, ...]) -> int:

@@ -224,7 +224,8 @@ def test_shipments_applied_as_they_come_equal_the_reference_merge_through_an_evi
         mark, wholes = t.store.mark(), 0
         dense.log_steps()
         for n in range(2, 14):
-            drive.step(n % 2)
+            if n != 10:  # (at 10 no row is touched: the table ships no rows, its empty tensors as they come)
+                drive.step(n % 2)
             if n == 7:  # past the row limit: the oldest rows go, and the next shipment of the table is whole
                 t.lookup(torch.arange(10 * PARTIAL_FROM, 10 * PARTIAL_FROM + 2 * PARTIAL_FROM))
             since = dense.version

@@ -439,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
         def replicated(k: str) -> float:
             return sum(st.counters.get(f"replica_{k}", 0) for st in stats if st is not None)
         summary["replication"] = {**{k: int(replicated(k)) for k in ("shipments", "shipments_whole", "bytes",
-                                                                     "reads_on_shipped")},
+                                                                     "reads_on_shipped", "standby_lost",
+                                                                     "capture_failures")},
                                   **{k: round(replicated(k), 3) for k in ("capture_seconds", "ship_seconds")}}
         # (since each shard's last promotion; reads_on_shipped: pulls answered on a shipment begun before them)
     if not failed and args.dataset not in REC_DATASETS:  # trainer.local.plots draws accuracy, which ratings runs lack
