@@ -372,10 +372,10 @@ class Gate:
         self.client = ShardedClient(addresses, self.job, rank=self.rank, trainer_id=self.trainer_id,
                                     security=security)
         try:
-            replies = self.client.map(lambda s: s.register(self.job, 60), parts=True)
+            replies = self.client.map(lambda s: s.registrar.register(self.job, 60), parts=True)
             self.lengths = [r.end - r.start for r in replies]
             # the first pull returns once rank 0 has initialised every partition and all three ranks registered
-            self.versions = self.client.map(lambda s: s.pull(0, self.client.wire, self.lengths[s.slot], 120)[0],
+            self.versions = self.client.map(lambda s: s.dense.pull(0, self.client.wire, self.lengths[s.slot], 120)[0],
                                             parts=True)
         except BaseException:
             self.client.close()
@@ -383,8 +383,8 @@ class Gate:
 
     def step(self) -> list[str]:
         """Push zeros to every partition; returns once every round closed (the outcomes)."""
-        replies = self.client.map(lambda s: s.push_pull(torch.zeros(self.lengths[s.slot]), self.versions[s.slot], 1,
-                                                        self.client.wire, 120), parts=True)
+        replies = self.client.map(lambda s: s.dense.push_pull(torch.zeros(self.lengths[s.slot]), self.versions[s.slot],
+                                                              1, self.client.wire, 120), parts=True)
         self.versions = [outcome.version for outcome, *_ in replies]
         return [outcome.outcome for outcome, *_ in replies]
 

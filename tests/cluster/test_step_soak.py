@@ -5,7 +5,7 @@ Two trainers (threads on the Python API, ``ps.prefetching`` looking one batch ah
 ShardedEmbeddingBag -- rows from zero, SGD with lr 1, integer-valued gradients, so every update is exact in fp32 --
 through fault-injecting proxies (cut streams, lost replies, delays) to two real ps-server processes.  Each answer a
 trainer takes in is recorded where it takes it in, whichever way it came (the Step call or the two-call path it
-falls back to): the dense part at ``ShardClient._acknowledged``, a table part at ``ShardedRows.part_answered``.  At
+falls back to): the dense part at ``DenseCalls.acknowledged``, a table part at ``ShardedRows.part_answered``.  At
 the end each shard must hold exactly the SGD of what it acknowledged, and its applied counters must count each
 acknowledged push once (test_accounting_soak does the same for dense-only and table-only models without Step).
 """
@@ -90,14 +90,14 @@ def record_answers(ps, rank: int, answers: list, current: dict) -> dict:
 
     pushes.part_answered, rejoining.register_again = rows_answered, counted
     for s in ps.client.shards:
-        def dense_answered(outcome, version, staleness, base, nbytes, dense_bytes, s=s, take=s._acknowledged):
+        def dense_answered(outcome, version, staleness, base, nbytes, dense_bytes, s=s, take=s.dense.acknowledged):
             out = take(outcome, version, staleness, base, nbytes, dense_bytes)
             start, end = ps.ranges[s.slot]
             answers.append(Answer("dense", rank, s.index, base, out.outcome, current["grad"][start:end].clone(),
                                   rejoins=rejoins[s.index]))
             return out
 
-        s._acknowledged = dense_answered
+        s.dense.acknowledged = dense_answered
     return rejoins
 
 

@@ -21,7 +21,7 @@ from psserver.serving.server import ServerConfig, ShardServer
 from tests.conftest import RawShard
 from tests.helpers import WAIT_TIMEOUT, run_ranks, wait_until
 from trainer.stepping.api import connect
-from trainer.channels.client import ShardClient
+from trainer.channels.client import Registrar
 
 STEPS, B, HOLD = 6, 4, 2
 
@@ -57,15 +57,15 @@ def test_a_shard_restarted_between_a_joiners_admission_and_commit_takes_the_comm
         restarted.append(ShardServer(ServerConfig(shard=1, host="127.0.0.1", port=port, checkpoint_dir=str(ckpt),
                                                   checkpoint_every=1, restore=True)).start())
 
-    register = ShardClient.register
+    register = Registrar.register
 
     def register_with_a_restart(self, job, timeout, abandon=None, refused_limit=None, join=False, join_round=0,
                                 join_confirm=False, **named):
-        if join and join_round and not join_confirm and self.index == 1 and not restarted:
+        if join and join_round and not join_confirm and self.caller.index == 1 and not restarted:
             restart_shard_1()  # between shard 1's admission of the joiner and its commit
         return register(self, job, timeout, abandon, refused_limit, join, join_round, join_confirm, **named)
 
-    monkeypatch.setattr(ShardClient, "register", register_with_a_restart)
+    monkeypatch.setattr(Registrar, "register", register_with_a_restart)
     models = []
     for _ in range(2):  # here, not in the threads: torch's generator is one for the process
         torch.manual_seed(0)

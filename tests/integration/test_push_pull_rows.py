@@ -61,7 +61,7 @@ def test_a_lost_reply_through_a_proxy_is_retried_once_applied_once_and_its_rows_
     client = ShardedClient([proxy.address], spec, 0, "t0", retry=RetryPolicy(budget_seconds=30))
     rows = ShardedRows(client, spec)
     try:
-        client.shards[0].register(spec, connect_timeout=10)
+        client.shards[0].registrar.register(spec, connect_timeout=10)
         ids = torch.tensor([1, 2, 3])
         rows.pull("emb", ids)
         rows.prefetch("emb", torch.tensor([2, 3, 4]), ahead=1)

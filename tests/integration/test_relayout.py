@@ -91,8 +91,8 @@ def test_a_trainer_that_saw_the_new_layout_in_a_reply_switches_before_pushing_an
     def hear_of_it(ps):
         """A pull of version R in layout 0 (the tombstone serves it) names layout 1 in its reply."""
         s = ps.client.parts[1]
-        version, _, _ = s.pull(R, ps.client.wire, ps.ranges[1][1] - ps.ranges[1][0], timeout=10)
-        assert (version, s.layout_seen, s.layout_epoch) == (R, 1, 0)
+        version, _, _ = s.dense.pull(R, ps.client.wire, ps.ranges[1][1] - ps.ranges[1][0], timeout=10)
+        assert (version, s.calls.layout_seen, s.caller.layout_epoch) == (R, 1, 0)
 
     params, counters, job, _ = train(servers, switch_at=R, before_step=hear_of_it)
     assert torch.equal(params, reference)

@@ -135,7 +135,7 @@ def test_a_trainer_that_saw_the_new_layout_switches_its_tables_before_pushing_an
         """A heartbeat names layout 1 in its reply."""
         s = ps.client.parts[0]
         s.heartbeat(timeout=10)
-        assert (s.layout_seen, s.layout_epoch) == (1, 0)
+        assert (s.calls.layout_seen, s.caller.layout_epoch) == (1, 0)
 
     dense, counters, _, rows = train(servers, switch_at=R, before_step=hear_of_it)
     assert torch.equal(dense, dense_ref) and same_rows(rows, rows_ref)

@@ -214,7 +214,7 @@ def test_a_row_pull_past_the_reply_cap_is_refused_and_the_trainer_splits_its_pul
     client = ShardedClient([shard.server.address], spec, 0, "t0")
     rows = ShardedRows(client, spec)
     try:
-        client.shards[0].register(spec, connect_timeout=10)
+        client.shards[0].registrar.register(spec, connect_timeout=10)
         ids = torch.arange(1000, dtype=torch.int64) * 7919
         pulled = rows.pull("emb", ids)
         assert torch.equal(pulled, init_rows(spec.tables[0].initializer, 7, ids, DIM))

@@ -38,7 +38,7 @@ def cluster(shard_server, spec, retry=RetryPolicy()):
     for rank in range(spec.num_trainers):
         client = ShardedClient([r.server.address for r in raws], spec, rank, f"t{rank}", retry=retry)
         for s in client.shards:
-            s.register(spec, connect_timeout=10)
+            s.registrar.register(spec, connect_timeout=10)
         trainers.append((client, ShardedRows(client, spec)))
     return raws, trainers
 

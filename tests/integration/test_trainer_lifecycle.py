@@ -14,7 +14,7 @@ import torch
 from tests.helpers import wait_until
 from tests.integration.switchproxy import SwitchProxy
 from trainer.stepping.api import StartTimeout, StepFailed, connect
-from trainer.channels.client import RefusalClock, ShardClient, ShardUnreachable, on_loopback
+from trainer.channels.client import RefusalClock, Registrar, ShardUnreachable, on_loopback
 from trainer.tools.procstat import free_port
 
 LR = 0.1
@@ -155,13 +155,13 @@ def test_an_interrupt_right_after_a_shard_answered_does_not_make_the_retry_apply
     backward(ps.model)
     expected = expected_after_one_step(ps)
     shard0 = ps.client.shards[0]
-    answered = shard0._acknowledged
+    answered = shard0.dense.acknowledged
 
     def answered_then_interrupted(*args):
         answered(*args)
         raise KeyboardInterrupt  # Ctrl-C between the shard's answer and step() recording it
 
-    monkeypatch.setattr(shard0, "_acknowledged", answered_then_interrupted)
+    monkeypatch.setattr(shard0.dense, "acknowledged", answered_then_interrupted)
     with pytest.raises(KeyboardInterrupt):
         ps.step(num_samples=4)
     monkeypatch.undo()
@@ -176,13 +176,13 @@ class Interrupt(BaseException):
 
 
 def register_then_interrupt(on_shard: int, before_raising=lambda: None):
-    """A ShardClient.register that registers with shard ``on_shard`` for real, then is interrupted before the
-    answer is handed back -- as a SIGTERM that lands while the reply is on its way."""
-    real = ShardClient.register
+    """A Registrar.register (a ShardClient's registering) that registers with shard ``on_shard`` for real, then
+    is interrupted before the answer is handed back -- as a SIGTERM that lands while the reply is on its way."""
+    real = Registrar.register
 
     def register(self, *args, **kwargs):
         reply = real(self, *args, **kwargs)
-        if self.index == on_shard:
+        if self.caller.index == on_shard:
             before_raising()
             raise Interrupt
         return reply
@@ -191,7 +191,7 @@ def register_then_interrupt(on_shard: int, before_raising=lambda: None):
 
 def test_an_interrupt_while_the_registers_answer_is_on_its_way_still_leaves_that_shard(shard_server, monkeypatch):
     s = shard_server(0)
-    monkeypatch.setattr(ShardClient, "register", register_then_interrupt(0))
+    monkeypatch.setattr(Registrar, "register", register_then_interrupt(0))
     with pytest.raises(Interrupt) as e:
         connect(s.server.address, model(), num_trainers=2)
     assert list(s.stats().live_ranks) == [] and s.stats().counters["leaves"] == 1
@@ -200,7 +200,7 @@ def test_an_interrupt_while_the_registers_answer_is_on_its_way_still_leaves_that
 
 def test_an_interrupt_abandons_the_other_shards_attempts_and_names_only_the_shard_it_left(shard_server, monkeypatch):
     s = shard_server(0)
-    monkeypatch.setattr(ShardClient, "register", register_then_interrupt(0))
+    monkeypatch.setattr(Registrar, "register", register_then_interrupt(0))
     with pytest.raises(Interrupt) as e:
         connect(f"{s.server.address},127.0.0.1:{free_port()}", model(), connect_timeout=600)
     assert list(s.stats().live_ranks) == [] and s.stats().counters["leaves"] == 1
@@ -210,7 +210,7 @@ def test_an_interrupt_abandons_the_other_shards_attempts_and_names_only_the_shar
 def test_an_interrupt_whose_leave_fails_says_it_could_not_leave_and_why(shard_server, monkeypatch):
     s = shard_server(0)
     address = s.server.address
-    monkeypatch.setattr(ShardClient, "register", register_then_interrupt(0, lambda: s.server.stop(grace=0)))
+    monkeypatch.setattr(Registrar, "register", register_then_interrupt(0, lambda: s.server.stop(grace=0)))
     with pytest.raises(Interrupt) as e:
         connect(address, model(), num_trainers=2)
     assert not e.value.left

@@ -8,7 +8,8 @@
 * Arrows run one way: no import cycle among psserver's modules, nor among trainer's (type-only and deferred
   imports included); psserver's wings are floors, each importing only the ones below it (``WINGS``).
 * Collaborators are handed what they call and offer public methods: no psserver or trainer method reaches
-  through an object it holds (``self.x._y``) into that object's private members.
+  through an object it holds (``self.x._y``) into that object's private members, and no trainer library code reads
+  or calls another object's private member at all (``shard._call(...)``, ``s._count(...)``).
 """
 
 import ast
@@ -213,6 +214,34 @@ def test_no_library_method_reaches_into_a_collaborators_private_members(package)
                     and node.value.value.id == "self"):
                 offenders.append(f"{path.relative_to(root.parent)}:{node.lineno} {ast.unparse(node)}")
     assert offenders == []
+
+
+def private_reads_of_others(root: Path, skip: tuple[str, ...] = ()) -> list[str]:
+    """Every read or call of a private member (``x._y``, ``x.y._z``) whose object is not ``self`` or ``cls`` under
+    ``root``, outside the folders ``skip`` names."""
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).parts
+        if "__pycache__" in path.parts or "proto" in parts or parts[0] in skip:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and node.attr.startswith("_")
+                    and not node.attr.startswith("__")
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                offenders.append(f"{path.relative_to(root.parent)}:{node.lineno} {ast.unparse(node)}")
+    return offenders
+
+
+def test_no_trainer_library_code_reads_or_calls_another_objects_private_members():
+    """(The measuring tools, trainer/tools, instrument the library's internals on purpose and are left out.)"""
+    assert private_reads_of_others(Path(trainer.__file__).parent, skip=("tools",)) == []
+
+
+def test_the_private_read_rule_sees_a_call_of_another_objects_private_method(tmp_path):
+    """The rule above passes vacuously if the scan misses ``other._call(...)``: it must flag it, and not ``self``'s."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "m.py").write_text("def f(shard, self):\n    self._own()\n    return shard._call('x')\n")
+    assert private_reads_of_others(tmp_path / "pkg") == ["pkg/m.py:3 shard._call"]
 
 
 def _user_code() -> list[tuple[str, str]]:

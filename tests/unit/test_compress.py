@@ -151,17 +151,17 @@ def test_an_unanswered_compressed_push_is_resent_as_it_was_not_compressed_again(
                          chunk_bytes=64, compressor=TopK(0.1))
     try:
         g = torch.arange(N, dtype=torch.float32)
-        first = client._gradient_chunks(g, 0, 1, pb.FLOAT32)
+        first = client.dense.gradient_chunks(g, 0, 1, pb.FLOAT32)
         residual = client.compressor.residual.clone()
-        again = client._gradient_chunks(g, 0, 1, pb.FLOAT32)  # the step failed and is retried
+        again = client.dense.gradient_chunks(g, 0, 1, pb.FLOAT32)  # the step failed and is retried
         assert again is first and torch.equal(client.compressor.residual, residual)
         nbytes, dense_bytes, chunks = first
         assert (nbytes, dense_bytes) == (100 * 8, N * 4) and chunks[0].header.topk == 100
         assert chunks[0].header.sequence == 1
-        client._acknowledged("accepted", 1, 0, 0, nbytes, dense_bytes)
-        nxt = client._gradient_chunks(g, 1, 1, pb.FLOAT32)  # answered: the next push is a new one
+        client.dense.acknowledged("accepted", 1, 0, 0, nbytes, dense_bytes)
+        nxt = client.dense.gradient_chunks(g, 1, 1, pb.FLOAT32)  # answered: the next push is a new one
         assert nxt[2][0].header.sequence == 2 and not torch.equal(client.compressor.residual, residual)
-        assert client.counters["push_bytes_sent"] == 800 and client.counters["push_bytes_dense"] == 4000
+        assert client.calls.counters["push_bytes_sent"] == 800 and client.calls.counters["push_bytes_dense"] == 4000
     finally:
         client.close()
 
@@ -172,13 +172,13 @@ def test_after_a_restart_an_unanswered_compressed_push_goes_again_as_it_was_unde
     client = ShardClient("127.0.0.1:1", 0, 0, "t0", "f" * 16, counters=Counter(), compressor=TopK(0.1))
     try:
         g = torch.arange(N, dtype=torch.float32)
-        first = client._gradient_chunks(g, 7, 1, pb.FLOAT32)
+        first = client.dense.gradient_chunks(g, 7, 1, pb.FLOAT32)
         residual = client.compressor.residual.clone()
-        assert client.resend_after_restart()
-        again = client._gradient_chunks(g, 5, 1, pb.FLOAT32)
+        assert client.dense.resend_after_restart()
+        again = client.dense.gradient_chunks(g, 5, 1, pb.FLOAT32)
         assert again is first and torch.equal(client.compressor.residual, residual)
         assert (again[2][0].header.sequence, again[2][0].header.version) == (2, 5)
-        assert client.next_sequence() == 2
+        assert client.dense.next_sequence() == 2
     finally:
         client.close()
 
@@ -187,10 +187,10 @@ def test_after_a_restart_an_answered_compressed_push_is_abandoned_not_compressed
     client = ShardClient("127.0.0.1:1", 0, 0, "t0", "f" * 16, counters=Counter(), compressor=TopK(0.1))
     try:
         g = torch.arange(N, dtype=torch.float32)
-        nbytes, dense_bytes, _ = client._gradient_chunks(g, 0, 1, pb.FLOAT32)
-        client._acknowledged("applied", 1, 0, 0, nbytes, dense_bytes)  # its pairs are gone with the old process
-        assert not client.resend_after_restart()
-        assert client.next_sequence() == 2 and not client.unanswered
+        nbytes, dense_bytes, _ = client.dense.gradient_chunks(g, 0, 1, pb.FLOAT32)
+        client.dense.acknowledged("applied", 1, 0, 0, nbytes, dense_bytes)  # its pairs are gone with the old process
+        assert not client.dense.resend_after_restart()
+        assert client.dense.next_sequence() == 2 and not client.dense.unanswered
     finally:
         client.close()
 
@@ -200,11 +200,11 @@ def test_after_a_restart_a_dense_push_goes_again_from_the_gradient_under_a_new_n
     client = ShardClient("127.0.0.1:1", 0, 0, "t0", "f" * 16, counters=Counter())
     try:
         g = torch.arange(N, dtype=torch.float32)
-        nbytes, dense_bytes, _ = client._gradient_chunks(g, 3, 1, pb.FLOAT32)
+        nbytes, dense_bytes, _ = client.dense.gradient_chunks(g, 3, 1, pb.FLOAT32)
         if answered:
-            client._acknowledged("applied", 4, 0, 3, nbytes, dense_bytes)
-        assert client.resend_after_restart()
-        _, _, chunks = client._gradient_chunks(g, 2, 1, pb.FLOAT32)
+            client.dense.acknowledged("applied", 4, 0, 3, nbytes, dense_bytes)
+        assert client.dense.resend_after_restart()
+        _, _, chunks = client.dense.gradient_chunks(g, 2, 1, pb.FLOAT32)
         assert (chunks[0].header.sequence, chunks[0].header.version, chunks[0].header.length) == (2, 2, N)
     finally:
         client.close()
@@ -216,11 +216,11 @@ def test_warm_up_pushes_go_dense_and_a_retried_one_is_resent_dense_without_count
         g = torch.arange(N, dtype=torch.float32)
         kinds = []
         for _ in range(3):
-            nbytes, dense_bytes, chunks = client._gradient_chunks(g, 0, 1, pb.FLOAT32)
-            retried = client._gradient_chunks(g, 0, 1, pb.FLOAT32)
+            nbytes, dense_bytes, chunks = client.dense.gradient_chunks(g, 0, 1, pb.FLOAT32)
+            retried = client.dense.gradient_chunks(g, 0, 1, pb.FLOAT32)
             assert retried[2][0].header == chunks[0].header  # the same push again, same sequence
             kinds.append(chunks[0].header.topk)
-            client._acknowledged("applied", 1, 0, 0, nbytes, dense_bytes)
+            client.dense.acknowledged("applied", 1, 0, 0, nbytes, dense_bytes)
         assert kinds == [0, 0, 100]
         assert client.compressor.residual is not None and float(client.compressor.residual.sum()) > 0
     finally:

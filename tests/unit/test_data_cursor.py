@@ -151,13 +151,14 @@ class FakeCursorShard:
 
     def __init__(self, cursor_):
         self.cursor, self.sent = cursor_, []
-        self.claim_ask = self.claim_answer = None
+        self.dense = SimpleNamespace(claim_ask=None, claim_answer=None)  # (trainer.channels.dense_calls.DenseCalls)
 
     def push_pull(self):
-        """What ShardClient.push_pull does with an armed claim: the shard grants it with the push's reply."""
-        if self.claim_ask is not None:
-            grant = self.cursor.claim(0, "t0", *self.claim_ask)
-            self.claim_answer = (self.claim_ask[0], grant.batch, grant.reissued)
+        """What DenseCalls.push_pull does with an armed claim: the shard grants it with the push's reply."""
+        dense = self.dense
+        if dense.claim_ask is not None:
+            grant = self.cursor.claim(0, "t0", *dense.claim_ask)
+            dense.claim_answer = (dense.claim_ask[0], grant.batch, grant.reissued)
 
     def claim_batch(self, claim, batches_per_epoch, release, timeout):
         self.sent.append((claim, release))
@@ -198,7 +199,7 @@ def test_a_claim_armed_on_a_push_is_taken_from_its_reply_without_a_call_and_fall
     assert claims.next() == 1 and claims.with_push == 1
     claims.arm()  # this step's push does not bring the grant back (say, dropped as stale)
     assert claims.next() == 2
-    assert shard.sent == [(1, False), (3, False)] and claims.number == 3 and shard.claim_ask is None
+    assert shard.sent == [(1, False), (3, False)] and claims.number == 3 and shard.dense.claim_ask is None
 
 
 def test_a_checkpoint_taken_by_a_push_holds_that_pushs_claim_grant_and_acknowledgement():

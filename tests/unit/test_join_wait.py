@@ -1,6 +1,6 @@
 """A joiner started before the job: which failed Register attempts it waits out (trainer.channels.client.register_retry),
-and that ShardClient.register counts the waits and names rank 0 when --connect-timeout runs out -- with a fake
-stub, no network."""
+and that a ShardClient's registrar (trainer.channels.registering.Registrar.register) counts the waits and names
+rank 0 when --connect-timeout runs out -- with a fake stub, no network."""
 
 from collections import Counter
 
@@ -79,7 +79,7 @@ class FakeStub:
 
 def client(stub) -> ShardClient:
     c = ShardClient("127.0.0.1:1", 0, 0, "joiner", "fp", Counter())
-    c.stub = stub
+    c.registrar.stub = stub  # its Register calls answered by the fake
     return c
 
 
@@ -87,10 +87,11 @@ def test_register_waits_out_no_job_refusals_and_counts_each(monkeypatch):
     monkeypatch.setattr("trainer.channels.registering.CONNECT_RETRY_PAUSE", 0.0)  # the pause only paces; no timing asserted
     c = client(FakeStub(NO_JOB_YET, refusals=3))
     try:
-        assert c.register(make_spec(num_trainers=1, max_trainers=3), connect_timeout=600, join=True) == "registered"
+        spec = make_spec(num_trainers=1, max_trainers=3)
+        assert c.registrar.register(spec, connect_timeout=600, join=True) == "registered"
     finally:
         c.channel.close()
-    assert c.counters["join_waits"] == 3 and c.counters["connect_retries"] == 0
+    assert c.calls.counters["join_waits"] == 3 and c.calls.counters["connect_retries"] == 0
 
 
 def test_register_gives_up_after_the_connect_timeout_naming_rank_0():
@@ -98,7 +99,7 @@ def test_register_gives_up_after_the_connect_timeout_naming_rank_0():
     try:
         with pytest.raises(NoJobToJoin, match=r"still ran no job to join after 0 s \(--connect-timeout\): "
                                               r"start the job's rank 0"):
-            c.register(make_spec(num_trainers=1, max_trainers=3), connect_timeout=0, join=True)
+            c.registrar.register(make_spec(num_trainers=1, max_trainers=3), connect_timeout=0, join=True)
     finally:
         c.channel.close()
 
@@ -108,7 +109,7 @@ def test_a_plain_register_raises_the_no_job_refusal_at_once():
     c = client(stub)
     try:
         with pytest.raises(FakeError):
-            c.register(make_spec(), connect_timeout=600)
+            c.registrar.register(make_spec(), connect_timeout=600)
     finally:
         c.channel.close()
     assert stub.calls == 1
@@ -119,10 +120,10 @@ def test_register_stops_at_once_with_job_ended_when_the_job_is_over():
     c = client(stub)
     try:
         with pytest.raises(JobEnded, match="shard 0 at 127.0.0.1:1: shard 0's job ended"):
-            c.register(make_spec(num_trainers=1, max_trainers=3), connect_timeout=600, join=True)
+            c.registrar.register(make_spec(num_trainers=1, max_trainers=3), connect_timeout=600, join=True)
     finally:
         c.channel.close()
-    assert stub.calls == 1 and c.counters["job_ended"] == 1 and c.counters["join_waits"] == 0
+    assert stub.calls == 1 and c.calls.counters["job_ended"] == 1 and c.calls.counters["join_waits"] == 0
 
 
 def test_an_admission_held_back_by_its_hosts_strikes_is_waited_out_and_nothing_else_is():

@@ -12,7 +12,8 @@ from trainer.membership.session import Membership
 
 class _Part:
     def __init__(self, name, epoch, round_, members):
-        self.name, self.epoch_seen, self.epoch_round = name, epoch, round_
+        self.name = name
+        self.calls = SimpleNamespace(epoch_seen=epoch, epoch_round=round_)  # (trainer.channels.call_retry.RetriedCalls)
         self.asked = 0
         self._epochs = [Epoch(0, 0, frozenset({0})).to_proto(), Epoch(epoch, 5, frozenset(members)).to_proto()]
 

@@ -3,6 +3,7 @@ from the round asked for: it asks from the round it computes, splits data by eve
 again only for an epoch it has no list of."""
 
 from collections import Counter
+from types import SimpleNamespace
 
 from psserver.protocol.epochs import Epoch, timeline_to_proto
 from psserver.protocol.proto import ps_pb2 as pb
@@ -15,7 +16,8 @@ class FakePart:
     """One slot of the trainer's client: the shard answers GetStats from TIMELINE within ``budget`` bytes."""
 
     def __init__(self, budget: int):
-        self.epoch_seen, self.budget, self.asked = 0, budget, []
+        self.calls = SimpleNamespace(epoch_seen=0, epoch_round=-1)  # (trainer.channels.call_retry.RetriedCalls)
+        self.budget, self.asked = budget, []
 
     def stats(self, members_from_round: int = 0) -> pb.StatsReply:
         self.asked.append(members_from_round)
@@ -32,7 +34,7 @@ class FakeClient:
 
 def test_members_are_asked_from_the_round_computed_and_every_epochs_size_comes_with_them():
     client = FakeClient()
-    client.parts[0].epoch_seen = 1
+    client.parts[0].calls.epoch_seen = 1
     m = Membership(client, num_trainers=2)
     assert m.members_at(5) == [0, 1, 2] and client.parts[0].asked == [5]
     assert [(e.round, e.size) for e in m.timeline] == [(0, 2), (4, 3), (9, 2)]  # what round_batch splits by
@@ -42,7 +44,7 @@ def test_members_are_asked_from_the_round_computed_and_every_epochs_size_comes_w
 
 def test_an_epoch_whose_list_the_reply_left_out_is_asked_for_again_from_its_round():
     client = FakeClient(budget=1)  # room for one list a reply
-    client.parts[0].epoch_seen = 2
+    client.parts[0].calls.epoch_seen = 2
     m = Membership(client, num_trainers=2)
     assert m.members_at(5) == [0, 1, 2]
     assert not m.timeline[2].listed

@@ -134,9 +134,9 @@ def test_the_new_owners_of_an_old_slot_are_the_new_slots_overlapping_its_range()
 
 
 class _Owner:
-    """A new slot's client whose ask_moved fails ``fails`` times (its retry budget spent), then answers."""
+    """A new slot's dense calls whose ask_moved fails ``fails`` times (its retry budget spent), then answers."""
 
-    address, calls = "new:1", 0
+    calls = 0
 
     def __init__(self, answer="duplicate", fails=0):
         self.answer, self.fails = answer, fails
@@ -157,8 +157,8 @@ def _exchange(owner):
 
     counts = {}
     flat = torch.zeros(4)
-    client = SimpleNamespace(parts=[owner], wire=0, count=lambda name, n=1: counts.__setitem__(
-        name, counts.get(name, 0) + n))
+    client = SimpleNamespace(parts=[SimpleNamespace(address="new:1", dense=owner)], wire=0,
+                             count=lambda name, n=1: counts.__setitem__(name, counts.get(name, 0) + n))
     slots = SimpleNamespace(client=client, flat=SimpleNamespace(flat=flat), versions=[8], slice=lambda f, n: f,
                             staging=SimpleNamespace(weights_buffer=lambda n, t: t, weights_to_device=lambda n, t: None))
     attempt = StepAttempt(todo={2}, outcomes={0: "applied", 1: "applied"})

@@ -90,10 +90,10 @@ def test_a_refused_topk_push_gives_back_what_it_took_from_the_residual():
     client = ShardClient("127.0.0.1:1", 0, 0, "t0", "f", Counter(), compressor=TopK(0.25))
     grad = torch.tensor([1.0, -4.0, 0.5, 2.0, 0.25, -0.125, 3.0, 0.0])
     # compressed: the residual keeps what was not sent
-    client.outgoing.chunks(grad, pb.ChunkHeader(dtype=pb.FLOAT32, length=8), pb.FLOAT32)
-    assert client.unanswered and client.compressor.residual.abs().sum() > 0
+    client.dense.outgoing.chunks(grad, pb.ChunkHeader(dtype=pb.FLOAT32, length=8), pb.FLOAT32)
+    assert client.dense.unanswered and client.compressor.residual.abs().sum() > 0
     give_back_topk(client, grad)
-    assert torch.equal(client.compressor.residual, torch.zeros(8)) and not client.unanswered
+    assert torch.equal(client.compressor.residual, torch.zeros(8)) and not client.dense.unanswered
     client.close()
 
 
@@ -108,25 +108,29 @@ def test_layout_ahead_is_retried_within_the_budget_and_layout_moved_is_raised_at
             raise answer
         return answer
 
-    assert client._call("Push", call) == "ok"
-    assert (client.counters["retries"], client.counters["layout_ahead_retries"]) == (1, 1)
+    calls = client.calls
+    assert calls.call("Push", call) == "ok"
+    assert (calls.counters["retries"], calls.counters["layout_ahead_retries"]) == (1, 1)
     with pytest.raises(grpc.RpcError):
-        client._call("Push", lambda: (_ for _ in ()).throw(_Error(LayoutMoved("layout_epoch is 0", newest=3))))
-    assert client.layout_seen == 3 and client.counters["retries"] == 1
+        calls.call("Push", lambda: (_ for _ in ()).throw(_Error(LayoutMoved("layout_epoch is 0", newest=3))))
+    assert calls.layout_seen == 3 and calls.counters["retries"] == 1
     client.close()
 
 
-class _Part(SimpleNamespace):
+class _Seen(SimpleNamespace):
     def saw_layout(self, number):
         self.layout_seen = max(self.layout_seen, number)
 
+
+class _Part(SimpleNamespace):
     def stats(self):
         self.fetched += 1
         return pb.StatsReply(layouts=[e.to_proto() for e in TIMELINE])
 
 
 def _client(seen):
-    parts = [_Part(name=f"shard {i}", layout_seen=n, layout_epoch=0, fetched=0) for i, n in enumerate(seen)]
+    parts = [_Part(name=f"shard {i}", calls=_Seen(layout_seen=n), caller=SimpleNamespace(layout_epoch=0), fetched=0)
+             for i, n in enumerate(seen)]
     counters = Counter()
     return SimpleNamespace(parts=parts, counters=counters, count=lambda k, n=1: counters.update({k: n}),
                            job=SimpleNamespace(mode="sync"))  # (an async job follows the newest layout: relayout.due)
@@ -136,7 +140,7 @@ def test_the_timeline_is_fetched_once_per_layout_a_reply_named_and_never_while_n
     client = _client([0, 0])
     timeline = LayoutTimeline(client)
     assert timeline.learn() == [] and client.counters["layout_fetches"] == 0
-    client.parts[1].layout_seen = 2
+    client.parts[1].calls.layout_seen = 2
     assert timeline.learn() == TIMELINE and client.parts[1].fetched == 1
     timeline.learn()
     assert client.counters["layout_fetches"] == 1  # known now: no second fetch
@@ -175,7 +179,7 @@ def test_a_step_moved_on_some_slots_and_unreachable_on_another_is_resent_whole_o
 
     client = _client([0, 0])
     for p in client.parts:
-        p.outgoing, p.compressor, p.slot = SimpleNamespace(sent=None), None, 0
+        p.dense, p.compressor, p.slot = SimpleNamespace(outgoing=SimpleNamespace(sent=None)), None, 0
     slots = SimpleNamespace(client=client, ranges=[(0, 5), (5, 10)], slice=lambda t, i: t,
                             flat=SimpleNamespace(grad=torch.zeros(10)))
     relayout, switched = Relayout(slots, session=SimpleNamespace(rank=0)), []

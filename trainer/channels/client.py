@@ -9,12 +9,15 @@ read, and a retried Push carries the same sequence number, so the shard
 acknowledges it as a duplicate instead of applying it twice.  Every retry and
 every stale push is counted in ``counters`` and logged.
 
-``ShardClient`` holds the channel and its call objects, and the control calls (Heartbeat, ClaimBatch, Leave,
-GetStats); its other calls are mixed in from rooms of their own: the retry discipline and the reading of a
-restart (trainer.channels.call_retry), registering and the connect timeout (trainer.channels.registering), and the dense slice's
-data calls (trainer.channels.dense_calls).  The session (trainer.membership.session), the step (trainer.stepping.exchange) and what the next
-push sends -- its number and encoding (trainer.channels.dense_push over trainer.channels.push_numbers) -- are rooms of their own.
-The names that moved are imported from here as before.
+``ShardClient`` holds the channel, who its calls are from and to, and the control calls (Heartbeat, ClaimBatch,
+Leave, GetStats); its other calls are collaborators it makes and hands what they call, each owning its state (no
+mixins): ``calls``, the retry discipline with the counters and the layout and epoch the replies named
+(trainer.channels.call_retry.RetriedCalls); ``registrar``, registering against the connect timeout
+(trainer.channels.registering.Registrar); ``dense``, the dense slice's data calls with the push under way, the leave
+and the data-cursor claim its pushes carry (trainer.channels.dense_calls.DenseCalls).  The session
+(trainer.membership.session), the step (trainer.stepping.exchange) and what the next push sends -- its number and
+encoding (trainer.channels.dense_push over trainer.channels.push_numbers) -- are rooms of their own.  The names that
+moved are imported from here as before.
 """
 
 from __future__ import annotations
@@ -30,21 +33,19 @@ import grpc
 import grpc.experimental
 
 from psserver.protocol.codec import DEFAULT_CHUNK_BYTES
-from psserver.protocol.fastwire import parse_chunk, serialize_chunk
 from psserver.protocol.job import WIRE_DTYPES, JobSpec
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.proto import ps_pb2_grpc as _grpc
 from psserver.protocol.security import ClientSecurity, parse_addresses  # noqa: F401 (re-exported for trainers)
-from psserver.protocol.stubs import method
 from trainer.channels.call_retry import (  # noqa: F401 (re-exported: imported from here before the split)
     PUSH_RETRYABLE,
+    Caller,
     RetriedCalls,
     RetryPolicy,
     restarted,
 )
 from trainer.channels.compress import TopK, parse_compress
-from trainer.channels.dense_calls import DenseCalls, PushOutcome
-from trainer.channels.dense_push import OutgoingPush
+from trainer.channels.dense_calls import DenseCalls, PushOutcome  # noqa: F401 (PushOutcome re-exported)
 from trainer.channels.registering import (  # noqa: F401 (re-exported: imported from here before the split)
     CONNECT_RETRY,
     JOB_OVER,
@@ -55,7 +56,7 @@ from trainer.channels.registering import (  # noqa: F401 (re-exported: imported 
     JobEnded,
     NoJobToJoin,
     RefusalClock,
-    Registering,
+    Registrar,
     ShardUnreachable,
     on_loopback,
     register_retry,
@@ -91,42 +92,32 @@ class ShardCallsFailed(grpc.RpcError, RuntimeError):
         return self.message
 
 
-class ShardClient(Registering, DenseCalls, RetriedCalls):
+class ShardClient:
     """Calls to one partition of one shard: ``index`` is the shard's position in the --ps list, ``partition``
     the piece of its slice (JobSpec.partitions), ``slot`` the piece's position among all of the job's
-    (``index * partitions + partition``; the shard's index when unpartitioned)."""
+    (``index * partitions + partition``; the shard's index when unpartitioned).  Who the calls are from --
+    ``caller``: the rank, trainer id, fingerprint and layout its requests name -- is one object it shares with its
+    collaborators, which own what else changes: ``calls`` (retries, counters, the layout and epoch seen), ``dense``
+    (the push under way, the leave and the claim its pushes carry) and ``registrar``."""
 
     def __init__(self, address: str, index: int, rank: int, trainer_id: str, fingerprint: str,
                  counters: Counter, chunk_bytes: int = DEFAULT_CHUNK_BYTES, call_timeout: float = 60.0,
                  retry: RetryPolicy = RetryPolicy(), security: ClientSecurity = ClientSecurity(),
                  counters_lock: threading.Lock | None = None, compressor: TopK | None = None,
-                 partition: int = 0, slot: int | None = None, channel: grpc.Channel | None = None):
-        """``channel``: one to share (a layout switch reuses the old client's for the same address and partition)."""
-        self.address, self.index, self.rank, self.trainer_id = address, index, rank, trainer_id
-        self.partition, self.slot = partition, index if slot is None else slot
+                 partition: int = 0, slot: int | None = None, channel: grpc.Channel | None = None,
+                 layout_epoch: int = 0):
+        """``channel``: one to share (a layout switch reuses the old client's for the same address and partition);
+        ``layout_epoch``: the layout this client's calls name (docs/live-reshard.md)."""
+        self.address, self.index, self.partition, self.slot = address, index, partition, index if slot is None else slot
         self.name = f"shard {index}" + (f" partition {partition}" if partition else "")  # in messages
+        self.caller = Caller(address, index, partition, self.name, rank, trainer_id, fingerprint, layout_epoch)
         self.compressor = compressor  # top-k with error feedback for this shard's slice (trainer.channels.compress)
-        self.outgoing = OutgoingPush(chunk_bytes, compressor)  # the next push's number and kept pairs
-        self.fingerprint, self.counters, self.chunk_bytes = fingerprint, counters, chunk_bytes
-        self.call_timeout, self.retry = call_timeout, retry
+        self.chunk_bytes, self.call_timeout = chunk_bytes, call_timeout
         # A shard with a hot standby (``PRIMARY|STANDBY``, docs/standby.md): a failover takes about a second, so
         # its calls retry at least every quarter second, not every two (its channel's options:
         # psserver.protocol.security.REPLICA_CHANNEL).
-        replicated = "|" in address
-        if replicated:
-            self.retry = dataclasses.replace(retry, max_backoff=min(retry.max_backoff, REPLICATED_MAX_BACKOFF))
-        self.last_answer: tuple[int, PushOutcome] | None = None  # (sequence, outcome) of the last answered push
-        self.epoch_seen = 0  # the membership epoch of the newest weights received (docs/elastic.md)
-        self.epoch_round = -1  # ... and those weights' version: the round the epoch is named for
-        # the layout epoch this client's calls name, and the newest one any reply or layout-moved refusal named
-        # (docs/live-reshard.md; trainer.membership.relayout follows it)
-        self.layout_epoch = self.layout_seen = 0
-        self.leaving = False  # pushes from now on say this trainer's last gradient (ChunkHeader.leaving)
-        # shard 0 partition 0 of an async elastic job (trainer.membership.data_claims): (claim number, batches per epoch) the
-        # next push also claims, and (claim number, batch, re-issued) a PushPull reply granted
-        self.claim_ask: tuple[int, int] | None = None
-        self.claim_answer: tuple[int, int, bool] | None = None
-        self._lock = counters_lock or threading.Lock()  # the one lock of ``counters``, which shards share
+        if "|" in address:
+            retry = dataclasses.replace(retry, max_backoff=min(retry.max_backoff, REPLICATED_MAX_BACKOFF))
         self.channel = channel or security.channel(
             address,
             options=[
@@ -145,45 +136,45 @@ class ShardClient(Registering, DenseCalls, RetriedCalls):
             ],
         )
         self.stub = _grpc.ParameterServerStub(self.channel)
-        # Chunk streams bypass the generated classes (psserver.protocol.fastwire: same bytes, fewer copies).
-        self._init = self.channel.stream_unary(method("Init"), serialize_chunk, _pb.InitReply.FromString)
-        self._push = self.channel.stream_unary(method("Push"), serialize_chunk, _pb.PushReply.FromString)
-        # A one-chunk push sent as a unary call on the same method: the bytes on the wire are those of a
-        # client stream with one message, but gRPC Python starts no request-consuming thread for it.
-        self._push_one = self.channel.unary_unary(method("Push"), serialize_chunk, _pb.PushReply.FromString)
-        self._pull = self.channel.unary_stream(method("Pull"), _pb.PullRequest.SerializeToString, parse_chunk)
-        self._push_pull = self.channel.stream_stream(method("PushPull"), serialize_chunk, parse_chunk)
-        self._push_pull_one = self.channel.unary_stream(method("PushPull"), serialize_chunk, parse_chunk)
+        lock = counters_lock or threading.Lock()  # the one lock of ``counters``, which shards share
+        self.calls = RetriedCalls(self.caller, retry, counters, lock)
+        self.registrar = Registrar(self.stub, self.caller, self.calls)
+        self.dense = DenseCalls(self.channel, self.caller, self.calls, lock, chunk_bytes, call_timeout, compressor)
 
     def heartbeat(self, timeout: float) -> _pb.HeartbeatReply:
-        req = _pb.HeartbeatRequest(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.fingerprint,
-                                   partition=self.partition)
+        c = self.caller
+        req = _pb.HeartbeatRequest(rank=c.rank, trainer_id=c.trainer_id, fingerprint=c.fingerprint,
+                                   partition=c.partition)
         reply = self.stub.Heartbeat(req, timeout=timeout)
-        self.saw_layout(reply.layout_epoch)
+        self.calls.saw_layout(reply.layout_epoch)
         return reply
 
     def claim_batch(self, claim: int, batches_per_epoch: int, release: bool, timeout: float) -> _pb.ClaimReply:
         """Shard 0 partition 0's data cursor (trainer.membership.data_claims); a lost reply is retried under the same
         claim number, which the cursor answers with the same batch."""
-        req = _pb.ClaimRequest(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.fingerprint, claim=claim,
+        c = self.caller
+        req = _pb.ClaimRequest(rank=c.rank, trainer_id=c.trainer_id, fingerprint=c.fingerprint, claim=claim,
                                batches_per_epoch=batches_per_epoch, release=release)
-        return self._call("ClaimBatch", lambda: self.stub.ClaimBatch(req, timeout=timeout), retry_on=PUSH_RETRYABLE)
+        return self.calls.call("ClaimBatch", lambda: self.stub.ClaimBatch(req, timeout=timeout),
+                               retry_on=PUSH_RETRYABLE)
 
     def leave(self, quick: bool = False) -> None:
         """Leave the job; ``quick``: one try with a short deadline (closing after another failure)."""
-        req = _pb.LeaveRequest(rank=self.rank, trainer_id=self.trainer_id, fingerprint=self.fingerprint,
-                               partition=self.partition)
+        c = self.caller
+        req = _pb.LeaveRequest(rank=c.rank, trainer_id=c.trainer_id, fingerprint=c.fingerprint,
+                               partition=c.partition)
         if quick:
             self.stub.Leave(req, timeout=5.0)
             return
-        self._call("Leave", lambda: self.stub.Leave(req, timeout=self.call_timeout))
+        self.calls.call("Leave", lambda: self.stub.Leave(req, timeout=self.call_timeout))
 
     def stats(self, members_from_round: int = 0) -> _pb.StatsReply:
         """GetStats asked as this trainer (a member: the reply carries the job's spec too); the membership
         epochs' member lists from ``members_from_round`` on (every epoch's round and size regardless)."""
-        req = _pb.StatsRequest(partition=self.partition, rank=self.rank, trainer_id=self.trainer_id,
-                               fingerprint=self.fingerprint, members_from_round=members_from_round)
-        return self._call("GetStats", lambda: self.stub.GetStats(req, timeout=self.call_timeout))
+        c = self.caller
+        req = _pb.StatsRequest(partition=c.partition, rank=c.rank, trainer_id=c.trainer_id,
+                               fingerprint=c.fingerprint, members_from_round=members_from_round)
+        return self.calls.call("GetStats", lambda: self.stub.GetStats(req, timeout=self.call_timeout))
 
     def close(self) -> None:
         self.channel.close()

@@ -1,8 +1,10 @@
 """Registering with a shard: waiting for it to answer, a join's wait for a job, and when to give up.
 
-A room of ``ShardClient`` (trainer.channels.client mixes ``Registering`` in), its own because connecting is the one call
-whose failures are waited out against ``--connect-timeout`` rather than a retry budget, with its own errors
-(ShardUnreachable, NoJobToJoin, JobEnded, ConnectAbandoned) and its own pacing and log lines.
+``Registrar`` is a collaborator of ``ShardClient`` (trainer.channels.client), handed the stub it calls, the ``Caller``
+its requests and messages name and the ``RetriedCalls`` it counts and learns the layout through.  It is its own
+because connecting is the one call whose failures are waited out against ``--connect-timeout`` rather than a retry
+budget, with its own errors (ShardUnreachable, NoJobToJoin, JobEnded, ConnectAbandoned) and its own pacing and log
+lines.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import grpc
 from psserver.protocol.job import JobSpec
 from psserver.protocol.proto import ps_pb2 as _pb
 from psserver.protocol.rules import refused_job_ended, refused_join_backoff, refused_no_job
+from trainer.channels.call_retry import Caller, RetriedCalls
 
 log = logging.getLogger("trainer.channels.client")  # the client's lines, as before the split (trainer.running.cli sets its level)
 
@@ -54,7 +57,7 @@ class RefusalClock:
 
 
 class ConnectAbandoned(ConnectionError):
-    """Registering was given up because the caller was interrupted (ShardClient.register's ``abandon``)."""
+    """Registering was given up because the caller was interrupted (Registrar.register's ``abandon``)."""
 
 
 class NoJobToJoin(ConnectionError):
@@ -123,8 +126,11 @@ def _give_up_if_due(where: str, retry: str, cause: str, now: float, give_up: flo
         ) from None
 
 
-class Registering:
+class Registrar:
     """``register``: Register retried until the shard answers, a join's job exists, or the timeout passes."""
+
+    def __init__(self, stub, caller: Caller, calls: RetriedCalls):
+        self.stub, self.caller, self.calls = stub, caller, calls
 
     def register(self, job: JobSpec, connect_timeout: float, abandon: threading.Event | None = None,
                  refused_limit: float | None = None, join: bool = False, join_round: int = 0,
@@ -146,9 +152,10 @@ class Registering:
         ``named_timeout``: the --connect-timeout the messages name (default ``connect_timeout``): a caller that
         passes what is left of it (a later attempt of one connect) still names the user's setting.
         """
-        req = _pb.RegisterRequest(rank=self.rank, trainer_id=self.trainer_id, expected_shard=self.index,
-                                  job=job.to_proto(), partition=self.partition, join=join, join_round=join_round,
-                                  join_confirm=join_confirm, layout_epoch=self.layout_epoch, follows_layouts=True)
+        c = self.caller
+        req = _pb.RegisterRequest(rank=c.rank, trainer_id=c.trainer_id, expected_shard=c.index,
+                                  job=job.to_proto(), partition=c.partition, join=join, join_round=join_round,
+                                  join_confirm=join_confirm, layout_epoch=c.layout_epoch, follows_layouts=True)
         give_up = time.monotonic() + connect_timeout
         next_log = 0.0
         abandon = abandon or threading.Event()
@@ -156,24 +163,24 @@ class Registering:
                                 else None)
         while True:
             if abandon.is_set():
-                raise ConnectAbandoned(f"{self.name} at {self.address}: registering was abandoned")
+                raise ConnectAbandoned(f"{c.name} at {c.address}: registering was abandoned")
             left = give_up - time.monotonic()
             try:
                 reply = self.stub.Register(req, timeout=max(0.01, min(left, CONNECT_ATTEMPT_SECONDS)))
-                self.saw_layout(getattr(reply, "layout_epoch", 0))  # (a stand-in stub's reply may carry none)
+                self.calls.saw_layout(getattr(reply, "layout_epoch", 0))  # (a stand-in stub's reply may carry none)
                 return reply
             except grpc.RpcError as e:
                 retry = register_retry(e, join, join_round)
                 if retry == JOB_OVER:
-                    self._count(JOB_OVER)
-                    raise JobEnded(f"shard {self.index} at {self.address}: {e.details()}") from None
+                    self.calls.count(JOB_OVER)
+                    raise JobEnded(f"shard {c.index} at {c.address}: {e.details()}") from None
                 if not retry:
                     raise
                 cause = _connect_cause(e) if retry == CONNECT_RETRY else e.details()
                 now = time.monotonic()
-                _give_up_if_due(f"shard {self.index} at {self.address}", retry, cause, now, give_up,
+                _give_up_if_due(f"shard {c.index} at {c.address}", retry, cause, now, give_up,
                                 connect_timeout if named_timeout is None else named_timeout, refusals)
-                self._count(retry)
+                self.calls.count(retry)
                 if now >= next_log:
                     left = give_up - now
                     if refusals.since is not None:  # refused in a row on loopback: given up sooner than that
@@ -181,16 +188,17 @@ class Registering:
                     self._say_waiting(retry, cause, left)
                     next_log = now + WAIT_LOG_SECONDS
                 if abandon.wait(min(CONNECT_RETRY_PAUSE, max(0.0, give_up - now))):  # the pause between attempts
-                    raise ConnectAbandoned(f"{self.name} at {self.address}: registering was abandoned")
+                    raise ConnectAbandoned(f"{c.name} at {c.address}: registering was abandoned")
 
     def _say_waiting(self, retry: str, cause: str, left: float) -> None:
         """The line ``register`` logs every ``WAIT_LOG_SECONDS`` while it waits: what for, and how much longer."""
+        index, address = self.caller.index, self.caller.address
         if retry == JOIN_WAIT:
             log.warning("shard %d at %s runs no job yet: waiting for the job's rank 0 to register it; "
-                        "still trying for %.0f s", self.index, self.address, left)
+                        "still trying for %.0f s", index, address, left)
         elif retry == JOIN_BACKOFF:
-            log.warning("shard %d at %s holds this host's joins back (%s); still trying for %.0f s", self.index,
-                        self.address, cause, left)
+            log.warning("shard %d at %s holds this host's joins back (%s); still trying for %.0f s", index,
+                        address, cause, left)
         else:
             log.warning("shard %d at %s is not answering yet (%s); still trying for %.0f s",
-                        self.index, self.address, cause, left)
+                        index, address, cause, left)

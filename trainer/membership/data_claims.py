@@ -35,13 +35,13 @@ class BatchClaims:
         with the PushPull reply, no call of its own, and the batch this step trains counts as trained exactly
         when its gradient is taken.  A push that does not bring it back (another exchange variant, a stale drop)
         leaves ``next()`` to ask with ClaimBatch under the same number, which the cursor answers alike."""
-        self._cursor.claim_answer = None
-        self._cursor.claim_ask = (self.number + 1, self.batches_per_epoch)
+        self._cursor.dense.claim_answer = None
+        self._cursor.dense.claim_ask = (self.number + 1, self.batches_per_epoch)
 
     def next(self) -> int:
         """The global index of this trainer's next batch; the previous one counts as trained."""
-        s = self._cursor
-        answer, s.claim_ask, s.claim_answer = s.claim_answer, None, None
+        dense = self._cursor.dense  # the claim rides on its pushes (trainer.channels.dense_calls)
+        answer, dense.claim_ask, dense.claim_answer = dense.claim_answer, None, None
         if answer is not None and answer[0] == self.number + 1:
             self.number += 1
             batch, reissued = answer[1], answer[2]
@@ -56,7 +56,7 @@ class BatchClaims:
 
     def release(self) -> None:
         """The last batch was trained and no more is wanted (sent before the Leave)."""
-        self._cursor.claim_ask = None
+        self._cursor.dense.claim_ask = None
         if self.number:
             self._ask(release=True)
             self.batch = None

@@ -47,14 +47,14 @@ class Registration:
     """Registering one trainer, first rank ``rank``, with every slot of ``slots``.
 
     ``connect_timeout``: the user's --connect-timeout, which a give-up names; ``refused_limit``: see
-    ShardClient.register; ``heartbeats``: started once the shards answered their leases; ``leaving``: a join
+    Registrar.register; ``heartbeats``: started once the shards answered their leases; ``leaving``: a join
     refused at its commit or confirm leaves through it before it asks again."""
 
     def __init__(self, slots: DenseSlots, rank: int, connect_timeout: float, refused_limit: float | None,
                  heartbeats: Heartbeats, leaving: Leaving):
         self.slots, self.client, self.job, self.rank = slots, slots.client, slots.job, rank
         self.connect_timeout = connect_timeout
-        self._refused_limit = refused_limit  # see ShardClient.register
+        self._refused_limit = refused_limit  # see Registrar.register (trainer.channels.registering)
         self.heartbeats, self.leaving = heartbeats, leaving
         self.member_from: dict[int, int] = {}  # shard -> the round a plain Register of this rank (it had left) took
         self.registered: set[int] = set()  # slots that know this trainer: close() leaves exactly these
@@ -113,9 +113,10 @@ class Registration:
         raise AssertionError("unreachable")
 
     def _register(self, s: ShardClient, timeout: float, abandon: threading.Event | None = None, **join):
-        """``s.register`` within ``timeout`` (what is left of this connect), with the session's refused-connection
-        limit; a give-up names the user's --connect-timeout, not what was left of it."""
-        return s.register(self.job, timeout, abandon, self._refused_limit, named_timeout=self.connect_timeout, **join)
+        """``s.registrar.register`` within ``timeout`` (what is left of this connect), with the session's
+        refused-connection limit; a give-up names the user's --connect-timeout, not what was left of it."""
+        return s.registrar.register(self.job, timeout, abandon, self._refused_limit,
+                                    named_timeout=self.connect_timeout, **join)
 
     def _join_once(self, timeout: float) -> tuple[list, int]:
         """Admission at partition 0 of shard 0 (it hands out the rank), then every other slot with that rank;
@@ -173,7 +174,7 @@ class Registration:
         """The rank the job gave this trainer (a join): every call from now on carries it."""
         self.rank = rank
         for s in self.client.parts:
-            s.rank = rank
+            s.caller.rank = rank  # (shared with its collaborators: their requests carry it too)
         self.client.rank = rank
 
     def _join_following(self, give_up: float, follow: Callable | None) -> tuple[list, int]:
@@ -187,7 +188,7 @@ class Registration:
                     raise
                 head = self.client.parts[0]
                 self.registered = set()  # refused at its admission: no slot took it
-                follow(moved_at_register([e], head.layout_epoch, [f"{head.name} at {head.address}"]))
+                follow(moved_at_register([e], head.caller.layout_epoch, [f"{head.name} at {head.address}"]))
         raise AssertionError("unreachable")
 
     def _register_following(self, give_up: float, follow: Callable | None) -> list:
@@ -196,7 +197,7 @@ class Registration:
         results = self._register_everywhere(max(0.01, give_up - time.monotonic()))
         for _ in range(FOLLOW_ATTEMPTS if follow is not None else 0):
             self.registered = {i for i, r in enumerate(results) if not isinstance(r, Exception)}
-            layout = moved_at_register(results, self.client.parts[0].layout_epoch,
+            layout = moved_at_register(results, self.client.parts[0].caller.layout_epoch,
                                        [f"{s.name} at {s.address}" for s in self.client.parts])
             if layout is None:
                 break

@@ -86,11 +86,11 @@ class Rejoins:
         """
         with self._rejoin_locks[s.slot]:
             if self._in_step and s.slot in self._rejoined and s.slot in self.resume_dense:
-                again = s.resend_after_restart()
+                again = s.dense.resend_after_restart()
                 self.resume_dense_slice(s, dropped=not again)
                 return again
             before = self.slots.versions[s.slot]
-            again = s.resend_after_restart()
+            again = s.dense.resend_after_restart()
             self.register_again(s, cause)
             self.resume_dense[s.slot] = before
             self.resume_dense_slice(s, dropped=not again)
@@ -105,7 +105,7 @@ class Rejoins:
             if self._in_step and s.slot in self._rejoined and s.slot not in self.resume_dense:
                 return
             self.resume_dense.setdefault(s.slot, self.slots.versions[s.slot])  # a second restart keeps the first
-            s.abandon_push()  # the restarted shard does not know it: the next push gets a new number
+            s.dense.abandon_push()  # the restarted shard does not know it: the next push gets a new number
             self.register_again(s, cause)
 
     def resume_dense_slice(self, s: ShardClient, dropped: bool = False) -> None:
@@ -126,7 +126,7 @@ class Rejoins:
         self._rejoined.add(s.slot)
         log.warning("%s (%s) answered %s (%s): it restarted; registering again", s.name, s.address,
                     cause.code().name, cause.details())
-        reply = s.register(self.registration.job, self.registration.connect_timeout)
+        reply = s.registrar.register(self.registration.job, self.registration.connect_timeout)
         if not reply.initialized and self.registration.rank == 0:
             self.slots.initialise(s)
             log.warning("%s came back without parameters: re-initialised it from rank 0's weights", s.name)

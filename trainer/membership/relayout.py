@@ -5,9 +5,10 @@ a push belongs wholly to the layout in effect at its base (psserver.protocol.lay
 switches between steps: before the exchange of the first step whose base reaches R it builds the new layout's
 slots -- ShardClients (a channel reused per address and partition), ranges, versions, staging, the job spec and
 fingerprint (``new_job``) -- and sends that step in L+1.  It learns of L+1 from any reply's ``layout_epoch`` or
-from a ``layout-moved`` refusal's trailer (trainer.channels.client.ShardClient.saw_layout), and fetches the timeline
-(``StatsReply.layouts``) once per layout it does not know.  A step refused ``layout-moved`` changed nothing on
-any shard, so it is sent again whole in L+1 (``pushes_rerouted``), never counted failed or abandoned.
+from a ``layout-moved`` refusal's trailer (each client's ``calls.saw_layout``, trainer.channels.call_retry), and
+fetches the timeline (``StatsReply.layouts``) once per layout it does not know.  A step refused ``layout-moved``
+changed nothing on any shard, so it is sent again whole in L+1 (``pushes_rerouted``), never counted failed or
+abandoned.
 
 Sync tables follow too (stage 6): each from its own switch round T_t (``LayoutEpoch.table_rounds``), their row
 routing, lanes and row calls rebuilt for the new shard count (trainer.tables.sparse_client.ShardedRows.relaid); a table
@@ -114,9 +115,9 @@ class LayoutTimeline:
 
     def learn(self) -> list[LayoutEpoch]:
         parts = self.client.parts
-        seen = max(p.layout_seen for p in parts)
+        seen = max(p.calls.layout_seen for p in parts)
         if seen and seen not in {e.number for e in self.layouts}:
-            teacher = max(parts, key=lambda p: p.layout_seen)
+            teacher = max(parts, key=lambda p: p.calls.layout_seen)
             self.layouts = [LayoutEpoch.from_proto(e) for e in teacher.stats().layouts]
             self.client.count("layout_fetches")
             log.info("%s named layout %d: fetched the layout timeline %s", teacher.name, seen,
@@ -144,7 +145,7 @@ class Relayout:
     @property
     def epoch(self) -> int:
         """The layout the trainer's calls name now."""
-        return self.client.parts[0].layout_epoch
+        return self.client.parts[0].caller.layout_epoch
 
     def due(self, base: int) -> LayoutEpoch | None:
         """The layout a step of ``base`` goes in, if a later one (async: the newest, whatever the base)."""
@@ -181,7 +182,7 @@ class Relayout:
         applied by no old shard (held, then refused), so those go again too (counted
         ``steps_rerouted_past_unreachable``); below R one may hold it, and False is returned (nothing changed)."""
         for s in self.client.parts:
-            s.saw_layout(newest)
+            s.calls.saw_layout(newest)
         layout = self.due(base)
         if layout is None and unreachable:
             return False
@@ -272,16 +273,15 @@ class Relayout:
             if head.compressor is not None:
                 topk = TopK(head.compressor.ratio, head.compressor.warmup_left)
                 topk.residual = residual
-            s = ShardClient(address, j // k, head.rank, head.trainer_id, job.fingerprint, self.client.counters,
-                            head.chunk_bytes, head.call_timeout, head.retry, self.client.security,
-                            self.client.count_lock, topk, partition=j % k, slot=j,
-                            channel=channels.pop((address, j % k), None))
-            s.layout_epoch = s.layout_seen = layout.number
+            s = ShardClient(address, j // k, head.caller.rank, head.caller.trainer_id, job.fingerprint,
+                            self.client.counters, head.chunk_bytes, head.call_timeout, head.calls.retry,
+                            self.client.security, self.client.count_lock, topk, partition=j % k, slot=j,
+                            channel=channels.pop((address, j % k), None), layout_epoch=layout.number)
             # Numbers go on from the old slots' newest, never back: the offline switch re-cuts the books as a
             # restore does (psserver.resharding.reshard.merge_books) and a live hand-off starts them empty -- either way a
             # number above every one sent before is one no new piece acknowledged.
-            s.outgoing.numbers.sequence = max(p.outgoing.numbers.sequence for p in old)
-            s.epoch_seen, s.leaving = max(p.epoch_seen for p in old), head.leaving
+            s.dense.outgoing.numbers.sequence = max(p.dense.outgoing.numbers.sequence for p in old)
+            s.calls.epoch_seen, s.dense.leaving = max(p.calls.epoch_seen for p in old), head.dense.leaving
             parts.append(s)
         return parts
 
@@ -299,10 +299,10 @@ class Relayout:
 def give_back_topk(s: ShardClient, grad: torch.Tensor) -> None:
     """A refused top-k push applied nothing: its residual goes back to what it was before the push (plus what
     it sent, less this step's gradient, which the push in the new layout adds again)."""
-    sent = s.outgoing.sent
-    if s.compressor is None or s.compressor.residual is None or sent is None or not s.unanswered:
+    sent = s.dense.outgoing.sent
+    if s.compressor is None or s.compressor.residual is None or sent is None or not s.dense.unanswered:
         return
     indices, values = sent
     s.compressor.residual.index_add_(0, indices.long(), values.float())
     s.compressor.residual -= grad.detach().reshape(-1).to("cpu", torch.float32)
-    s.abandon_push()
+    s.dense.abandon_push()

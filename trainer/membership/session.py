@@ -169,10 +169,10 @@ class Membership:
         reply lists members only from the round asked for, within a byte bound: docs/limits.md)."""
         if self.sync:
             self.check_agreement(round_)
-        newest = max(s.epoch_seen for s in self.client.parts)
+        newest = max(s.calls.epoch_seen for s in self.client.parts)
         if (not self.timeline or newest not in {e.number for e in self.timeline}
                 or not epoch_at(self.timeline, round_).listed):
-            self.fetch_timeline(max(self.client.parts, key=lambda p: p.epoch_seen), from_round=round_)
+            self.fetch_timeline(max(self.client.parts, key=lambda p: p.calls.epoch_seen), from_round=round_)
         if not self.timeline:  # a shard from before epochs: the job's ranks
             return list(range(self.num_trainers))
         epoch = epoch_at(self.timeline, round_)
@@ -187,7 +187,8 @@ class Membership:
         split -- a joiner lost between its confirms -- and every round's batch is placed by one shard's members
         while another's rounds wait for others: counted (``membership_mismatches``) and logged as an error, once
         per difference, with both timelines."""
-        named = {s.name: s.epoch_seen for s in self.client.parts if s.epoch_round == round_ and s.epoch_seen}
+        named = {s.name: s.calls.epoch_seen for s in self.client.parts
+                 if s.calls.epoch_round == round_ and s.calls.epoch_seen}
         if len(set(named.values())) < 2:
             return True
         self.client.count("membership_mismatches")
@@ -207,7 +208,7 @@ class Membership:
             log.error("membership epochs named for round %d by shard: %s -- the shards' timelines split (a joiner "
                       "lost between its confirms?); batches are placed by %s's (docs/elastic.md)", round_,
                       ", ".join(f"{n} {e}" for n, e in named.items()),
-                      max(self.client.parts, key=lambda p: p.epoch_seen).name)
+                      max(self.client.parts, key=lambda p: p.calls.epoch_seen).name)
         return False
 
     def fetch_timeline(self, part=None, from_round: int = 0) -> list[Epoch]:
@@ -221,7 +222,7 @@ class Membership:
     def announce_leave(self) -> None:
         """Mark every partition's next push as this trainer's last."""
         for s in self.client.parts:
-            s.leaving = True
+            s.dense.leaving = True
 
 
 def _timeline_of(part, from_round: int = 0) -> list[Epoch]:

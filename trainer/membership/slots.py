@@ -92,7 +92,7 @@ class DenseSlots:
         """Pull shard ``s``'s weights straight into the model (via a copy only when they live on a GPU)."""
         target = self.slice(self.flat.flat, s.slot)
         landing = self.staging.weights_buffer(s.slot, target)  # the model itself on the CPU
-        v, _, waited = s.pull(min_version, self.client.wire, target.numel(), timeout, out=landing)
+        v, _, waited = s.dense.pull(min_version, self.client.wire, target.numel(), timeout, out=landing)
         with torch.no_grad():
             self.staging.weights_to_device(s.slot, target)
         return (v, waited) if with_wait else v
@@ -101,10 +101,10 @@ class DenseSlots:
         """Push ``slot`` its gradient slice (on CUDA: once the ``after`` events, the gradient's, have passed)."""
         s = self.client.parts[slot]
         grad = self.staging.to_host(slot, self.slice(self.flat.grad, slot), after)
-        return s.push(grad, self.versions[slot], num_samples, self.client.wire)
+        return s.dense.push(grad, self.versions[slot], num_samples, self.client.wire)
 
     def initialise(self, s: ShardClient, ready: list | None = None) -> None:
         """Rank 0: send shard ``s`` this trainer's weights for its slot (a new job, or a shard back empty), once
         the ``ready`` events passed (None: after what this thread's stream computed so far)."""
         ready = self.produced() if ready is None else ready
-        s.init(self.staging.to_host(s.slot, self.slice(self.flat.flat, s.slot), ready), self.client.wire)
+        s.dense.init(self.staging.to_host(s.slot, self.slice(self.flat.flat, s.slot), ready), self.client.wire)

@@ -67,7 +67,7 @@ class DenseExchange:
         """Drop the failed step: its slots' next pushes get new numbers.  Returns the slots it left undone."""
         todo = sorted(self.attempt.todo) if self.attempt is not None else []  # [] : only a table push failed
         for i in todo:
-            self.client.parts[i].abandon_push()
+            self.client.parts[i].dense.abandon_push()
         self.attempt = None
         return todo
 
@@ -151,8 +151,8 @@ class DenseExchange:
         if stale: nothing applied there, the step done, the next one in the new layout (counted, logged)."""
         for i in failed:
             s = self.client.parts[i]
-            s.saw_layout(newest)
-            s.abandon_push()
+            s.calls.saw_layout(newest)
+            s.dense.abandon_push()
             attempt.outcomes[i] = STALE
             attempt.todo.discard(i)
         self.client.count("pushes_dropped_at_switch", len(failed))
@@ -206,11 +206,11 @@ class DenseExchange:
     def _exchange_once(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: StepAttempt) -> str:
         i = s.slot
         t0 = time.perf_counter()
-        out = attempt.answered(i, s.last_answer)  # pushed in an earlier try of this step: only the pull is left
+        out = attempt.answered(i, s.dense.last_answer)  # pushed in an earlier try of this step: only the pull left
         started = None if out is not None else self._started_push(i, num_samples, attempt)
         move = slot_move(answered=out is not None, started=started is not None, overlap=self.prefetch is not None)
         if move in (Move.PUSH_PULL, Move.PUSH):
-            attempt.sequences.setdefault(i, s.next_sequence())
+            attempt.sequences.setdefault(i, s.dense.next_sequence())
         if move == Move.PUSH_PULL:
             return self._push_pull(s, grad, num_samples, attempt, t0)
         if move == Move.PUSH:
@@ -255,9 +255,9 @@ class DenseExchange:
         i, slots = s.slot, self.slots
         target = slots.slice(slots.flat.flat, i)
         landing = slots.staging.weights_buffer(i, target)  # the model itself on the CPU
-        out, _, pushed, waited = s.push_pull(slots.staging.to_host(i, slots.slice(grad, i), attempt.produced),
-                                             slots.versions[i], num_samples, slots.client.wire, self.round_timeout,
-                                             out=landing)
+        out, _, pushed, waited = s.dense.push_pull(
+            slots.staging.to_host(i, slots.slice(grad, i), attempt.produced), slots.versions[i], num_samples,
+            slots.client.wire, self.round_timeout, out=landing)
         with torch.no_grad():
             slots.staging.weights_to_device(i, target)
         slots.versions[i] = out.version

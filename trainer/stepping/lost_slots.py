@@ -5,7 +5,7 @@ The other slots applied the step and their replies named a layout that takes ove
 could not be reached within the retry budget.  Whether it applied the push is not inferred from the others (a sync
 round closes without a trainer whose lease expired): its push book at R moved with its range to the new layout's
 owners (psserver.resharding.handoff.moved_books).  So the trainer switches to that layout, asks each new owner of the lost slot's
-range (``ShardClient.ask_moved``: a PushPull naming the old slot, no gradient) and takes its weights at R:
+range (``DenseCalls.ask_moved``: a PushPull naming the old slot, no gradient) and takes its weights at R:
 
 * "duplicate": the push is in the state the new layout starts from -- the step is done (counted
   ``steps_answered_by_new_owners``);
@@ -94,7 +94,8 @@ def _ask(exchange, n: int, old_slot: int, sequence: int, base: int) -> str:
     s = slots.client.parts[n]
     target = slots.slice(slots.flat.flat, n)
     landing = slots.staging.weights_buffer(n, target)
-    out = s.ask_moved(old_slot, sequence, base, slots.client.wire, target.numel(), exchange.round_timeout, landing)
+    out = s.dense.ask_moved(old_slot, sequence, base, slots.client.wire, target.numel(), exchange.round_timeout,
+                            landing)
     with torch.no_grad():
         slots.staging.weights_to_device(n, target)
     slots.versions[n] = out.version

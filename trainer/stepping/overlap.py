@@ -26,8 +26,8 @@ class Prefetcher:
         self._pending[s.slot] = self._pool.submit(self._pull_staged, s, min_version)
 
     def _pull_staged(self, s: ShardClient, min_version: int) -> int:
-        v, _, _ = s.pull(min_version, self.slots.client.wire, self._staging[s.slot].numel(), self.round_timeout,
-                         out=self._staging[s.slot])
+        v, _, _ = s.dense.pull(min_version, self.slots.client.wire, self._staging[s.slot].numel(),
+                               self.round_timeout, out=self._staging[s.slot])
         return v
 
     def collect(self, i: int) -> None:

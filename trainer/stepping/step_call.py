@@ -9,7 +9,7 @@ own RPC, and the replies come back on the same stream.
 
 Nothing here decides anything new.  The numbers are the parts' own (the dense slot's sequence, each table
 lane's), taken exactly as the two-call path takes them, and each reply is taken in by the same code
-(ShardClient._acknowledged, ShardedRows.part_answered).  A lost reply is retried as a Step under the same
+(DenseCalls.acknowledged, ShardedRows.part_answered).  A lost reply is retried as a Step under the same
 numbers (the shard answers DUPLICATE to each part and still streams the weights and rows).  Whatever else fails
 on a shard -- a restart, a refusal, a stale table push -- leaves that shard's parts unanswered under their
 numbers, and step() goes on with the two-call path, which retries just those parts and handles each case as it
@@ -157,8 +157,8 @@ class StepCall:
         for a peer's next step there, while the peer's resend here waits for this trainer's push (a trainer a
         step ahead when the shard died).  What still fails stays to do, as before."""
         self.client.count("step_calls_restarted")
-        log.info("rank %d: shard %d answered the Step %s (%s): its parts go the two-call way now", s.rank, s.index,
-                 cause.code().name, cause.details())
+        log.info("rank %d: shard %d answered the Step %s (%s): its parts go the two-call way now", s.caller.rank,
+                 s.index, cause.code().name, cause.details())
         rows, outcomes = self._rows(), []
         for _, plan in plans:
             try:
@@ -177,15 +177,15 @@ class StepCall:
         if not self.once:
             return self._unary[s.index](request, timeout=timeout)
         reply = self._once[s.index](request, timeout=timeout)
-        s._count("step_calls_once")
+        s.calls.count("step_calls_once")
         return reply
 
     def _shard_call(self, s: ShardClient, grad: torch.Tensor, num_samples: int, attempt: StepAttempt,
                     plans: list) -> list:
         slots, i = self.exchange.slots, s.slot
-        attempt.sequences.setdefault(i, s.next_sequence())
+        attempt.sequences.setdefault(i, s.dense.next_sequence())
         base = slots.versions[i]
-        nbytes, dense_bytes, chunks = s._gradient_chunks(
+        nbytes, dense_bytes, chunks = s.dense.gradient_chunks(
             slots.staging.to_host(i, slots.slice(grad, i), attempt.produced), base, num_samples, slots.client.wire)
         rows = self._rows()
         parts = [rows.part_request(s, plan) for _, plan in plans]
@@ -217,10 +217,10 @@ class StepCall:
             return replies
 
         t0 = time.perf_counter()
-        replies = s._call("Step", once, retry_on=PUSH_RETRYABLE)  # raised: this shard's parts stay to do
-        s._count("step_calls")
+        replies = s.calls.call("Step", once, retry_on=PUSH_RETRYABLE)  # raised: this shard's parts stay to do
+        s.calls.count("step_calls")
         if unary:
-            s._count("step_calls_unary")
+            s.calls.count("step_calls_unary")
         try:
             self._dense_answer(s, replies[0], nbytes, dense_bytes, base, attempt, t0)
         except Exception:  # noqa: BLE001 -- left to do: the retry is answered DUPLICATE, with the weights
@@ -237,13 +237,13 @@ class StepCall:
         reader = ChunkReader(iter(chunks))
         reader.read(target.numel(), slots.client.wire, max_bytes=1 << 40, require_finite=False,
                     out=slots.staging.weights_buffer(i, target))
-        s._count("bytes_in", reader.bytes_read)
+        s.calls.count("bytes_in", reader.bytes_read)
         h = reader.header
-        s.saw_epoch(h)
-        s.saw_layout(h.layout_epoch)  # as PushPull's reply teaches it (trainer.membership.relayout)
-        s.take_grant(h)  # the claim its dense part carried: the next batch needs no ClaimBatch
-        out = s._acknowledged(_pb.PushOutcome.Name(h.outcome).lower(), h.version, h.staleness, base, nbytes,
-                              dense_bytes)
+        s.calls.saw_epoch(h)
+        s.calls.saw_layout(h.layout_epoch)  # as PushPull's reply teaches it (trainer.membership.relayout)
+        s.dense.take_grant(h)  # the claim its dense part carried: the next batch needs no ClaimBatch
+        out = s.dense.acknowledged(_pb.PushOutcome.Name(h.outcome).lower(), h.version, h.staleness, base, nbytes,
+                                   dense_bytes)
         with torch.no_grad():
             slots.staging.weights_to_device(i, target)
         slots.versions[i] = out.version

@@ -94,7 +94,7 @@ class WindowedExchange:
     def _slot_push(self, i: int, grad: torch.Tensor) -> SlotPush:
         s = self.client.parts[i]
         g = self.slots.slice(grad, i).detach().to("cpu", copy=True)
-        return SlotPush(i, s.take_sequence(), self.slots.versions[i], g, torch.empty_like(g))
+        return SlotPush(i, s.dense.take_sequence(), self.slots.versions[i], g, torch.empty_like(g))
 
     def _submit(self, push: WindowedPush) -> None:
         """Hand ``push`` to the window; a failure found on the way is recovered from (or raised) first."""
@@ -141,8 +141,8 @@ class WindowedExchange:
 
     def _send_slot(self, p: SlotPush, num_samples: int) -> PushOutcome:
         s = self.client.parts[p.slot]
-        return s.push_pull_numbered(p.grad, p.base, num_samples, self.client.wire, p.sequence, self.round_timeout,
-                                    p.landing)
+        return s.dense.push_pull_numbered(p.grad, p.base, num_samples, self.client.wire, p.sequence,
+                                          self.round_timeout, p.landing)
 
     # ------------------------------------------------------------------ acknowledgements (caller's thread)
     def _acked(self, number: int, push: WindowedPush) -> None:

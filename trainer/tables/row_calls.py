@@ -1,8 +1,9 @@
 """One row call to one shard: PullRows, PushRows and PushPullRows on the shard's channel, retried.
 
 ``ShardedRows`` (trainer.tables.sparse_client) splits a table's ids among the shards, fans the calls out and keeps
-the lanes' book (trainer.tables.row_lanes); this room makes one call to one shard with ShardClient's retry policy
-(backoff, budget, logging), its retries also counted in the rows' counters.  A push's retry resends the
+the lanes' book (trainer.tables.row_lanes); this room makes one call to one shard through the shard client's retry
+discipline (``ShardClient.calls``, trainer.channels.call_retry: backoff, budget, logging), its retries also counted
+in the rows' counters.  A push's retry resends the
 same chunks under the same number, so a shard that applied it answers DUPLICATE.
 """
 
@@ -34,7 +35,8 @@ class RowCalls:
                                                    parse_rows_chunk) for s in shards]
 
     def call(self, shard: ShardClient, what: str, fn, retry_on=(grpc.StatusCode.UNAVAILABLE,)):
-        """ShardClient's retry loop (policy, backoff, logging), with row retries also counted here."""
+        """The shard client's retry loop (``calls.call``: policy, backoff, logging), with row retries also counted
+        here."""
         attempts = 0
 
         def once():
@@ -44,14 +46,15 @@ class RowCalls:
                 self._count(retries=1)
             return fn()
 
-        return shard._call(what, once, retry_on=retry_on)
+        return shard.calls.call(what, once, retry_on=retry_on)
 
     def pull(self, s: ShardClient, table: str, min_version: int, ids) -> tuple[int, bytes, int, int]:
         """One PullRows call of ``ids`` (int64 CPU) at ``min_version`` or later, remembered by the shard (ids
         once): (the table's version, the rows' bytes, the pull's reference (0: not kept), the ids' bytes sent --
         packed when ascending, psserver.protocol.rows.idpack)."""
-        req = _pb.PullRowsRequest(rank=s.rank, trainer_id=s.trainer_id, fingerprint=s.fingerprint, table=table,
-                                  min_version=min_version, remember=True, layout_epoch=s.layout_epoch)
+        c = s.caller
+        req = _pb.PullRowsRequest(rank=c.rank, trainer_id=c.trainer_id, fingerprint=c.fingerprint, table=table,
+                                  min_version=min_version, remember=True, layout_epoch=c.layout_epoch)
         if idpack.packable(ids):
             req.packed_ids = idpack.pack(ids)
         else:
@@ -60,7 +63,7 @@ class RowCalls:
         def once():
             chunks = iter(self._pull[s.index](req, timeout=s.call_timeout))
             first = next(chunks)
-            s.saw_layout(first.header.layout_epoch)  # as a dense reply teaches it (trainer.membership.relayout)
+            s.calls.saw_layout(first.header.layout_epoch)  # as a dense reply teaches it (trainer.membership.relayout)
             raw = b"".join([first.rows, *(c.rows for c in chunks)])
             return first.header.version, raw, first.header.pull_ref, len(req.ids) + len(req.packed_ids)
 

@@ -165,9 +165,10 @@ class RowPushes:
         # the unanswered push's number again (a retried step), else a new one
         sequence, base = numbered if numbered is not None else (lane.number(), lane.base)
         pull_ids = claim.ids.get(s.index) if claim is not None else None
-        header = _pb.RowsHeader(rank=s.rank, trainer_id=s.trainer_id, fingerprint=s.fingerprint, table=table,
+        c = s.caller
+        header = _pb.RowsHeader(rank=c.rank, trainer_id=c.trainer_id, fingerprint=c.fingerprint, table=table,
                                 version=base, num_samples=num_samples, sequence=sequence,
-                                num_ids=len(ids), dim=grads.shape[1], layout_epoch=s.layout_epoch)
+                                num_ids=len(ids), dim=grads.shape[1], layout_epoch=c.layout_epoch)
         if pull_ids is not None:
             if idpack.packable(pull_ids):
                 header.packed_pull_ids = idpack.pack(pull_ids)
@@ -229,7 +230,7 @@ class RowPushes:
                       attempts: int) -> str:
         """What the shard answered to ``part`` (and the rows it pulled: (version, bytes)), taken into its lane."""
         lane, table = part.lane, part.table
-        s.saw_layout(reply.layout_epoch)  # a table-only shard teaches a switch too (trainer.membership.relayout)
+        s.calls.saw_layout(reply.layout_epoch)  # a table-only shard teaches a switch too (trainer.membership.relayout)
         with self._answer_lock if part.windowed else contextlib.nullcontext():  # (a window's answer on its thread)
             outcome = self.book.answered(lane, table, _pb.PushOutcome.Name(reply.outcome).lower(),
                                          part.header.version, reply.version, attempts, windowed=part.windowed)
