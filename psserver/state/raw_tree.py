@@ -23,6 +23,7 @@ import torch
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint8, torch.bool)}
+_NAMES = {d: name for name, d in DTYPES.items()}
 _LENGTH = struct.Struct("<Q")  # the skeleton's bytes, first
 _PLAIN = frozenset({type(None), bool, int, float, str})  # JSON's own (exactly: a subclass would come back as its base)
 
@@ -48,13 +49,13 @@ def pieces(tree) -> list:
         if type(x) in _PLAIN:
             return x
         if isinstance(x, torch.Tensor):
-            if x.layout != torch.strided or x.device.type != "cpu" or str(x.dtype).removeprefix("torch.") not in DTYPES:
+            name = _NAMES.get(x.dtype)
+            if name is None or x.layout is not torch.strided or not x.is_cpu:
                 raise TypeError(f"a {x.dtype} {x.layout} tensor on {x.device} cannot be written")
             flat = x.detach().reshape(-1)
             if flat.stride(0) != 1:  # (one element, or none, with any stride passes for contiguous)
                 flat = torch.empty(flat.numel(), dtype=flat.dtype).copy_(flat)
-            return {"t": raw(memoryview(flat.view(torch.uint8).numpy())) +
-                    [str(x.dtype).removeprefix("torch."), list(x.shape)]}
+            return {"t": raw(memoryview(flat.view(torch.uint8).numpy())) + [name, list(x.shape)]}
         if type(x) is dict:
             flat = []
             for k, v in x.items():  # (leaves inline: most of a state's nodes)
