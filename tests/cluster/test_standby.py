@@ -350,3 +350,21 @@ def test_replicas_of_a_shard_with_tls_ship_to_each_other_over_mutual_tls(tmp_pat
     finally:
         for p in procs:
             p.kill()
+
+
+def test_ps_cluster_click_model_with_standbys_ships_its_26_tables_and_loses_no_step_through_a_kill(tmp_path):
+    """DLRM on criteo-synth (26 tables, rounds that touch some tables and not others) with a standby a shard, as a
+    user runs it: every shipment captured (none dropped a standby), the tables shipped as the rows a round
+    touched, and shard 0's primary killed mid-run taken over with no step lost."""
+    from tests.cluster.test_cluster_elastic import run_cluster
+
+    run, steps = tmp_path / "run", 24
+    proc = run_cluster(["--shards", "2", "--trainers", "2", "--standbys", "1", "--kill-primary", "0@10",
+                        "--steps", str(steps), "--model", "dlrm", "--dataset", "criteo-synth", "--device", "cpu",
+                        "--run-dir", str(run)], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert [(f["shard"], f["steps_lost"]) for f in summary["failovers"]] == [(0, 0)], summary["failovers"]
+    assert summary["steps"] == [steps, steps] and summary["steps_lost"] == 0
+    shipped = summary["replication"]
+    assert shipped["capture_failures"] == 0 and shipped["shipments"] > shipped["shipments_whole"] > 0, shipped
