@@ -457,6 +457,11 @@ class ServedTable(PushTarget):
         for t in (st["ids"], st["rows"], st["optimizer_state"], self.round.ids, self.round.sum):
             hash_tensor(h, t)
 
+    def set_row_limit(self, rows: int) -> None:
+        """Bound a table made without ``max_rows`` (a restored job's plan: Tables.set_row_limits)."""
+        self.store.row_limit = rows
+        self._refresh()
+
     def _refresh(self) -> None:
         """Copy the numbers GetStats and metrics read (lock-free readers see a whole dict, never a torn one)."""
         c = self.store.counts
@@ -532,8 +537,7 @@ class Tables:
         """Bound tables made without a plan (a restored job): name -> rows, for tables without max_rows."""
         for name, t in self.by_name.items():
             if t.spec.max_rows is None and name in row_limits:
-                t.store.row_limit = row_limits[name]
-                t._refresh()
+                t.set_row_limit(row_limits[name])
 
     def memory_bytes(self) -> int:
         """Bytes every table holds now (their own accounting, RowStore.memory)."""

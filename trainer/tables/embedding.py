@@ -115,6 +115,11 @@ class _ShardedTable(nn.Module):
     def embedding_dim(self) -> int:
         return self.spec.dim
 
+    def record_ids(self, into: list | None) -> None:
+        """From now on a forward appends the unique ids it asks for to ``into`` and pulls no rows (zeros stand in:
+        trainer.tables.lookahead); None: pull again."""
+        self._probe = into
+
     def bind(self, backend: RowBackend) -> None:
         self.backend = backend
         if self.cache_rows and hasattr(backend, "use_cache"):  # the shards' client; LocalRows needs none

@@ -37,12 +37,12 @@ def recording_ids(model: nn.Module):
     tables = sharded_tables(model)
     seen: dict[str, list[torch.Tensor]] = {t.name: [] for t in tables}
     for t in tables:
-        t._probe = seen[t.name]
+        t.record_ids(seen[t.name])
     try:
         yield seen
     finally:
         for t in tables:
-            t._probe = None
+            t.record_ids(None)
 
 
 def probe_ids(model: nn.Module, batch, forward: Callable = default_forward) -> dict[str, torch.Tensor]:
